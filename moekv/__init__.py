@@ -1,0 +1,8 @@
+"""moekv: an inference engine for Mixture-of-Experts language models."""
+from moekv.config import EngineConfig
+from moekv.llm import LLM
+from moekv.outputs import CompletionOutput, RequestOutput
+from moekv.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
+__version__ = "0.1.0"

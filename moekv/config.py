@@ -1,0 +1,99 @@
+"""Engine configuration: one flat, validated dataclass.
+
+Every field is checked at construction, before any weight is read, and a bad value raises
+`ValueError` naming the field, the value and what would be accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+DEVICES = ("cpu", "cuda")
+
+
+def default_model_path() -> Path:
+    """The small model the repository ships (models/tiny-moe), used when no --model is given."""
+    return Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def parse_dtype(name: str | torch.dtype, field_name: str = "dtype") -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        _check(name in DTYPES.values(), f"{field_name}={name} is not supported; accepted: {sorted(set(DTYPES))}")
+        return name
+    _check(name in DTYPES, f"{field_name}={name!r} is not supported; accepted: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class EngineConfig:
+    """What the engine needs to know before it loads anything.
+
+    model: a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json).
+    max_model_len: prompt + generated tokens of one sequence; None = the model's
+        max_position_embeddings.
+    block_size: tokens per KV page.
+    max_num_seqs: sequences in one batch (running at once).
+    max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+    num_kv_blocks: pages in the KV pool; None = sized from kv_cache_memory_gb (CPU) or from
+        gpu_memory_utilization (CUDA).
+    """
+
+    model: str | Path = field(default_factory=default_model_path)
+    dtype: str = "auto"
+    device: str = "cpu"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        _check(self.dtype == "auto" or self.dtype in DTYPES,
+               f"dtype={self.dtype!r} is not supported; accepted: 'auto' or one of {sorted(DTYPES)}")
+        device_type = str(self.device).split(":")[0]
+        _check(device_type in DEVICES,
+               f"device={self.device!r} is not supported; accepted: {list(DEVICES)} (optionally 'cuda:N')")
+        if device_type == "cuda":
+            _check(torch.cuda.is_available(),
+                   f"device={self.device!r} was asked for but torch sees no CUDA device; use device='cpu'")
+        from moekv.kvcache.formats import KV_FORMAT_NAMES  # late import: formats import config helpers
+
+        _check(self.kv_cache_dtype in KV_FORMAT_NAMES,
+               f"kv_cache_dtype={self.kv_cache_dtype!r} is unknown; accepted: {list(KV_FORMAT_NAMES)}")
+        _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+               f"max_model_len={self.max_model_len!r} must be an integer >= 2 (or None for the model's limit)")
+        _check(isinstance(self.block_size, int) and self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
+               f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
+        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+               f"max_num_seqs={self.max_num_seqs!r} must be an integer >= 1")
+        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
+        _check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
+               f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 1 (or None to size from memory)")
+        _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0,
+               f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

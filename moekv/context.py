@@ -1,0 +1,28 @@
+"""Context: the per-step metadata that travels from the model runner down to the attention ops.
+
+Built once per step by the model runner (engine/model_runner.py); layers read it, never a Sequence.
+Shapes: T = tokens in the step (all sequences back to back), B = sequences in the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    positions: torch.Tensor        # [T] int64: position of each token in its sequence
+    slot_mapping: torch.Tensor     # [T] int64: page * block_size + offset where the token's K/V go
+    block_tables: torch.Tensor     # [B, max_pages] int32: each sequence's pages (padded with 0)
+    context_lens: torch.Tensor     # [B] int32: tokens cached for each sequence once this step is written
+    query_start_loc: torch.Tensor  # [B+1] int32: sequence b owns tokens query_start_loc[b]:query_start_loc[b+1]
+    logits_indices: torch.Tensor   # [S] int64: rows of the step whose logits are needed (S <= T)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])

@@ -1,0 +1,251 @@
+"""LLMEngine: requests in, outputs out, one `step()` at a time.
+
+add_request validates everything up front (prompt length, sampling values); step() asks the
+scheduler what to run, lets the model runner run it, then appends tokens, detokenizes, and
+checks stop conditions. Every accepted request ends finished, aborted or failed, and its pages
+go back to the pool in each case.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from moekv.config import EngineConfig
+from moekv.engine.block_manager import BlockManager
+from moekv.engine.model_runner import ModelRunner
+from moekv.engine.scheduler import Scheduler
+from moekv.engine.sequence import Sequence
+from moekv.models.loader import load_model_config, read_json
+from moekv.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from moekv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from moekv.sampling_params import SamplingParams
+
+log = logging.getLogger("moekv")
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        self.model_config = load_model_config(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        gen_path = model_dir / "generation_config.json"
+        self.generation_config = read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}; accepted: 2..{limit}")
+        self.max_model_len = config.max_model_len or limit
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        gen_eos = self.generation_config.get("eos_token_id")
+        self.eos_token_ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._seqs: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._counter = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    # -- requests ----------------------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams seeded from the checkpoint's generation_config.json, as vLLM does."""
+        g = self.generation_config
+        kwargs: dict[str, Any] = {}
+        if g.get("do_sample") is False:
+            kwargs["temperature"] = 0.0
+        for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                         ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens")):
+            if g.get(src) is not None and dst not in kwargs:
+                kwargs[dst] = g[src]
+        return SamplingParams(**kwargs)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt_token_ids' (list of ints) or 'prompt' (string)")
+        else:
+            ids = prompt
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return None, list(ids)
+
+    def make_sequence(self, prompt: PromptType, params: SamplingParams | None,
+                      request_id: str | None = None) -> Sequence:
+        """Validate one request and build its Sequence, without queueing it."""
+        params = params or self.default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens but max_model_len={self.max_model_len} leaves no room to "
+                f"generate; accepted: at most {self.max_model_len - 1} prompt tokens")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request_id = str(next(self._counter)) if request_id is None else request_id
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        seq = Sequence(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                       max_tokens=max_tokens, prompt=text)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # position 0 has nothing before it
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self._seqs[seq.request_id] = seq
+        self._detokenizers[seq.request_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += seq.num_prompt_tokens
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self._finish(seq, "abort")
+        return self._output(seq, "", [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty():
+            return []
+        blocked = {item.seq.request_id: self._blocked_ids(item.seq) for item in out.scheduled}
+        try:
+            results = self.runner.execute(out, blocked)
+        except Exception as e:  # a fault fails the step's requests; nothing is left holding pages
+            log.exception("model step failed")
+            outputs = []
+            for item in out.scheduled:
+                self._finish(item.seq, "error")
+                outputs.append(self._output(item.seq, "", [], error=f"{type(e).__name__}: {e}"))
+            return outputs
+        self.scheduler.on_step_done(out)
+        now = time.monotonic()
+        outputs = []
+        for result in results:
+            seq = result.seq
+            seq.prompt_logprobs.extend(result.prompt_logprobs)
+            if result.sample is None:
+                continue
+            delta_text = self._append_token(seq, result.sample, now)
+            outputs.append(self._output(seq, delta_text, [result.sample.token_id]))
+        return outputs
+
+    def _blocked_ids(self, seq: Sequence) -> list[int]:
+        p = seq.sampling_params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+
+    def _append_token(self, seq: Sequence, sampled, now: float) -> str:
+        p = seq.sampling_params
+        token = sampled.token_id
+        seq.output_token_ids.append(token)
+        seq.cumulative_logprob += sampled.logprob
+        if p.logprobs is not None:
+            seq.output_logprobs.append(sampled.top_logprobs)
+        seq.first_token_time = seq.first_token_time or now
+        seq.last_token_time = now
+        self.stats["generation_tokens"] += 1
+
+        if token in p.stop_token_ids:
+            self._finish(seq, "stop", stop_reason=token)
+            return ""
+        if token in self.eos_token_ids and not p.ignore_eos:
+            self._finish(seq, "stop")
+            return ""
+        delta = self._detokenizers[seq.request_id].add(token)
+        old_len = len(seq.output_text)
+        seq.output_text += delta
+        if p.stop_strings and delta:
+            hit = self._find_stop_string(seq, old_len)
+            if hit is not None:
+                cut, stop = hit
+                seq.output_text = seq.output_text[:cut]
+                self._finish(seq, "stop", stop_reason=stop)
+                return seq.output_text[old_len:] if cut > old_len else ""
+        if len(seq.output_token_ids) >= seq.max_tokens:
+            self._finish(seq, "length")
+        return delta
+
+    @staticmethod
+    def _find_stop_string(seq: Sequence, old_len: int) -> tuple[int, str] | None:
+        """Earliest stop string that ends in the new text -> (where the text is cut, which string)."""
+        p = seq.sampling_params
+        best = None
+        for stop in p.stop_strings:
+            start = max(0, old_len - len(stop) + 1)
+            idx = seq.output_text.find(stop, start)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        return (idx + len(stop) if p.include_stop_str_in_output else idx), stop
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.stop_reason = stop_reason
+        seq.finished_time = time.monotonic()
+        self.runner.release(seq)
+        self._seqs.pop(seq.request_id, None)
+        self._detokenizers.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int], error: str | None = None) -> RequestOutput:
+        p = seq.sampling_params
+        completion = CompletionOutput(
+            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if p.logprobs is not None else None,
+            logprobs=list(seq.output_logprobs) if p.logprobs is not None else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        metrics = RequestMetrics(arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
+                                 first_token_time=seq.first_token_time, last_token_time=seq.last_token_time,
+                                 finished_time=seq.finished_time)
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion], finished=seq.is_finished,
+            prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
+            metrics=metrics, num_preemptions=seq.num_preemptions, delta_text=delta_text,
+            delta_token_ids=delta_ids, error=error)

@@ -1,0 +1,172 @@
+"""ModelRunner: the only part of the engine that touches tensors.
+
+Loads the model, allocates each layer's KV page pool in the chosen format, turns a
+SchedulerOutput into one Context + input tensors, runs the model, and samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moekv.config import EngineConfig, parse_dtype
+from moekv.context import Context
+from moekv.engine.scheduler import SchedulerOutput
+from moekv.engine.sequence import Sequence
+from moekv.kvcache.formats import get_kv_format
+from moekv.layers.sampler import SampleResult, SamplingRow, sample, top_logprobs_of
+from moekv.models.loader import load_model
+from moekv.models.model_config import ModelConfig
+
+
+@dataclass
+class SeqStepResult:
+    seq: Sequence
+    sample: SampleResult | None = None  # set when the step reached the end of seq's tokens
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # new prompt positions
+
+
+def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
+    """'auto' = the checkpoint's dtype on CUDA; float32 on CPU, where half precision is slow."""
+    if config.dtype != "auto":
+        return parse_dtype(config.dtype)
+    return model_cfg.torch_dtype if config.torch_device.type == "cuda" else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
+        self.config = config
+        self.model_cfg = model_cfg
+        self.device = config.torch_device
+        self.dtype = resolve_dtype(config, model_cfg)
+        self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype)
+        self.kv_format.check_layout(model_cfg.num_kv_heads, config.block_size, model_cfg.head_dim)
+        self.model = load_model(config.model, self.dtype, self.device, model_cfg)
+        self.block_size = config.block_size
+        self.num_blocks = self._plan_num_blocks(max_model_len)
+        self.kv_caches = []
+        for attn in self.model.attention_layers:
+            attn.kv_format = self.kv_format
+            attn.kv_cache = self.kv_format.allocate(self.num_blocks, model_cfg.num_kv_heads, self.block_size,
+                                                    model_cfg.head_dim, self.device)
+            self.kv_caches.append(attn.kv_cache)
+        self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # -- KV pool sizing ----------------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.model_cfg
+        return c.num_layers * self.kv_format.page_bytes(c.num_kv_heads, self.block_size, c.head_dim)
+
+    def _plan_num_blocks(self, max_model_len: int) -> int:
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+            source = f"num_kv_blocks={num_blocks}"
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # keep (1 - utilization) of the card free for activations and the allocator's slack
+            budget = free - (1 - self.config.gpu_memory_utilization) * torch.cuda.get_device_properties(self.device).total_memory
+            num_blocks = int(max(budget, 0) // self.kv_bytes_per_block)
+            source = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+        else:
+            num_blocks = int(self.config.kv_cache_memory_gb * 2**30 // self.kv_bytes_per_block)
+            # no point holding more than every sequence at full length
+            num_blocks = min(num_blocks, blocks_per_seq * self.config.max_num_seqs)
+            source = f"kv_cache_memory_gb={self.config.kv_cache_memory_gb}"
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV pool ({source}) holds {num_blocks} pages of {self.block_size} tokens, but one sequence "
+                f"of max_model_len={max_model_len} needs {blocks_per_seq}: lower max_model_len or give the cache "
+                f"more room")
+        return num_blocks
+
+    # -- one step ----------------------------------------------------------------------------
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        seed = seq.sampling_params.seed
+        if seed is None:
+            return self.default_generator
+        gen = self._generators.get(seq.request_id)
+        if gen is None:
+            gen = self._generators[seq.request_id] = torch.Generator(self.device).manual_seed(seed)
+        return gen
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-request state (its generator) once the request is finished."""
+        self._generators.pop(seq.request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, blocked_ids: dict[str, list[int]]) -> list[SeqStepResult]:
+        """Run the model over the scheduled tokens; sample for sequences whose tokens are all computed.
+
+        blocked_ids: request_id -> token ids that may not be sampled this step (min_tokens).
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        query_start = [0]
+        logits_rows: list[int] = []
+        plans: list[tuple[SeqStepResult, list[int], int | None]] = []  # result, prompt-logprob rows, sample row
+        bs = self.block_size
+        for item in out.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            base = len(input_ids)
+            input_ids += seq.token_ids(start, end)
+            positions += range(start, end)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            context_lens.append(end)
+            query_start.append(len(input_ids))
+            prompt_rows = []
+            if seq.sampling_params.prompt_logprobs is not None:
+                # row p predicts prompt token p + 1; skip targets already scored before a preemption
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                for p in range(first, min(end, seq.num_prompt_tokens - 1)):
+                    prompt_rows.append(len(logits_rows))
+                    logits_rows.append(base + p - start)
+            sample_row = None
+            if end == seq.num_tokens:
+                sample_row = len(logits_rows)
+                logits_rows.append(base + item.num_tokens - 1)
+            plans.append((SeqStepResult(seq), prompt_rows, sample_row))
+
+        max_pages = max(len(item.seq.block_table) for item in out.scheduled)
+        tables = [item.seq.block_table + [0] * (max_pages - len(item.seq.block_table)) for item in out.scheduled]
+        dev = self.device
+        ctx = Context(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx)
+        results = [plan[0] for plan in plans]
+        if not logits_rows:
+            return results
+        logits = self.model.compute_logits(hidden[ctx.logits_indices])  # [S, V] fp32
+
+        rows, sample_rows, sample_targets = [], [], []
+        for result, prompt_rows, sample_row in plans:
+            seq = result.seq
+            if prompt_rows:
+                logprobs = torch.log_softmax(logits[prompt_rows], dim=-1)
+                first_target = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1) + 1
+                for j in range(len(prompt_rows)):
+                    target = seq.prompt_token_ids[first_target + j]
+                    result.prompt_logprobs.append(
+                        top_logprobs_of(logprobs[j], seq.sampling_params.prompt_logprobs, target))
+            if sample_row is not None:
+                sample_rows.append(sample_row)
+                sample_targets.append(result)
+                vocab = logits.shape[-1]
+                rows.append(SamplingRow(seq.sampling_params, self.generator_for(seq), seq.prompt_token_ids,
+                                        seq.output_token_ids,
+                                        [t for t in blocked_ids.get(seq.request_id, ()) if t < vocab]))
+        if sample_rows:
+            for result, sampled in zip(sample_targets, sample(logits[sample_rows], rows)):
+                result.sample = sampled
+        return results

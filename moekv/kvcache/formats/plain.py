@@ -1,0 +1,45 @@
+"""Uncompressed pages in bf16 / fp16 / fp32: the baseline format and the quality reference."""
+from __future__ import annotations
+
+import torch
+
+from moekv.kvcache.formats.base import PAGE_ALIGN_BYTES, KVFormat, LayerKVCache
+from moekv.ops.reference import paged_attention_ref, write_kv_pages_ref
+
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+class PlainKVFormat(KVFormat):
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.name = _NAMES[dtype]
+
+    def _head_page_bytes(self, block_size: int, head_dim: int) -> int:
+        return block_size * head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
+        return 2 * num_kv_heads * self._head_page_bytes(block_size, head_dim)
+
+    def check_layout(self, num_kv_heads: int, block_size: int, head_dim: int) -> None:
+        # Pages are laid out [page, kv_head, token, head_dim]: each (page, kv_head) slab is contiguous.
+        slab = self._head_page_bytes(block_size, head_dim)
+        if slab % PAGE_ALIGN_BYTES:
+            need = -(-PAGE_ALIGN_BYTES // (head_dim * torch.empty((), dtype=self.dtype).element_size()))
+            raise ValueError(
+                f"block_size={block_size} gives {slab}-byte pages per KV head for head_dim={head_dim} in "
+                f"{self.name}; pages must be a multiple of {PAGE_ALIGN_BYTES} bytes: use a block_size that is a "
+                f"multiple of {need}")
+
+    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device) -> LayerKVCache:
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)  # [N, Hkv, P, D]
+        return LayerKVCache({
+            "k_pages": torch.zeros(shape, dtype=self.dtype, device=device),
+            "v_pages": torch.zeros(shape, dtype=self.dtype, device=device),
+        })
+
+    def write(self, cache, k, v, slot_mapping) -> None:
+        write_kv_pages_ref(cache["k_pages"], cache["v_pages"], k, v, slot_mapping)
+
+    def attend(self, q, cache, block_tables, context_lens, query_start_loc, scale, sliding_window):
+        return paged_attention_ref(q, cache["k_pages"], cache["v_pages"], block_tables, context_lens,
+                                   query_start_loc, scale, sliding_window)

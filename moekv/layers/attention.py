@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekv.context import Context
+from moekv.kvcache.formats import KVFormat, LayerKVCache
+from moekv.layers.norms import RMSNorm
+from moekv.layers.rotary import RotaryEmbedding
+from moekv.models.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    """GQA self-attention whose K/V live in a paged cache of some KV format.
+
+    The model runner binds `kv_format` and `kv_cache` after allocating the pools; each step the
+    new tokens' K/V are written to their pages first, then every query attends over its
+    sequence's pages (so prefill and decode read the cache the same way).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, cfg.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if cfg.qkv_bias else None
+        self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size))
+        self.o_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_bias else None
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "per_head":
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps), RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(self.q_size, cfg.rms_norm_eps), RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        self.clip_qkv = cfg.clip_qkv
+        self.sliding_window = cfg.sliding_window
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
+        self.kv_format: KVFormat | None = None
+        self.kv_cache: LayerKVCache | None = None
+
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":  # OLMoE normalises the whole projection, before clipping
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "per_head":  # Qwen3 normalises each head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(ctx.positions, q, k)
+        self.kv_format.write(self.kv_cache, k, v, ctx.slot_mapping)
+        o = self.kv_format.attend(q, self.kv_cache, ctx.block_tables, ctx.context_lens, ctx.query_start_loc,
+                                  self.scale, self.sliding_window)
+        return F.linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekv.ops.reference import apply_rotary_ref, rotary_cos_sin_ref
+
+
+class RotaryEmbedding(nn.Module):
+    """Plain RoPE (rotate-half layout) applied to q [T, Hq, D] and k [T, Hkv, D] at their positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = rotary_cos_sin_ref(positions, self.head_dim, self.theta, q.dtype)
+        return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)

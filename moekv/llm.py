@@ -1,0 +1,84 @@
+"""LLM: the offline Python API, shaped like vLLM's `LLM`."""
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from moekv.config import EngineConfig
+from moekv.engine.llm_engine import LLMEngine, PromptType
+from moekv.outputs import RequestOutput
+from moekv.sampling_params import SamplingParams
+
+
+class EngineStepError(RuntimeError):
+    """The model failed during a step; the affected requests were failed and their pages freed."""
+
+
+class LLM:
+    """llm = LLM(model=PATH, dtype=..., device=..., kv_cache_dtype=..., max_model_len=..., ...)
+
+    Keyword arguments are the fields of EngineConfig.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        self.engine = LLMEngine(EngineConfig(**kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of either.
+        All prompts are validated before any of them starts.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                                 "give one, or one per prompt")
+        engine = self.engine
+        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]
+        for seq in seqs:
+            engine.add_sequence(seq)
+        order = {seq.request_id: i for i, seq in enumerate(seqs)}
+        results: list[RequestOutput | None] = [None] * len(seqs)
+        bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.error is not None:
+                        raise EngineStepError(f"request {out.request_id} failed: {out.error}")
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for seq in seqs:  # nothing may keep pages after generate() returns or raises
+                engine.abort_request(seq.request_id)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(self.tokenizer.apply_chat_template(c),
+                                                              add_special_tokens=False)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

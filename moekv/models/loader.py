@@ -1,0 +1,189 @@
+"""Hugging Face checkpoint folder -> MoEDecoder, without importing transformers.
+
+Reads config.json, picks the architecture module, builds the engine's own modules and streams the
+safetensors tensors (single file, or shards listed in model.safetensors.index.json) straight into
+them: q/k/v into one qkv matrix, per-expert gate/up/down into stacked [E, ...] tensors.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moekv.models import mixtral, olmoe, qwen_moe
+from moekv.models.decoder import MoEDecoder
+from moekv.models.model_config import ModelConfig, UnsupportedModelError
+
+ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe) for name in mod.ARCHITECTURES}
+SUPPORTED_ARCHITECTURES = tuple(ARCH_MODULES)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable or does not match its config (names which and why)."""
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path} (a Hugging Face checkpoint folder needs it)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def check_model_dir(model_dir: Path) -> None:
+    if not model_dir.exists():
+        raise FileNotFoundError(f"model folder not found: {model_dir}")
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model={model_dir} must be a folder holding config.json, *.safetensors, tokenizer.json")
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    check_model_dir(model_dir)
+    hf = read_json(model_dir / "config.json", "config.json")
+    archs = hf.get("architectures") or []
+    if not archs or archs[0] not in ARCH_MODULES:
+        raise UnsupportedModelError(
+            f"architecture {archs[0] if archs else '(none given in config.json)'!r} is not supported; "
+            f"accepted: {list(SUPPORTED_ARCHITECTURES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={hf['hidden_act']!r} is not supported; accepted: 'silu'")
+    try:
+        return ARCH_MODULES[archs[0]].config_from_hf(hf)
+    except (TypeError, KeyError) as e:
+        raise CheckpointError(f"{model_dir / 'config.json'} is malformed for {archs[0]}: {e!r}") from e
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index, "model.safetensors.index.json").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no 'weight_map' object")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index.name} are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (other weight formats are not read)")
+    return files
+
+
+# Canonical tensor name (Qwen/OLMoE style, after the architecture's renaming) -> our parameter and
+# the slice of it the tensor fills. Each rule: regex, target template, slicer(cfg, match) -> index.
+_Index = tuple  # a tuple of ints / slices into the target parameter
+_RULES: list[tuple[re.Pattern, str, Any]] = []
+
+
+def _rule(pattern: str, target: str, index=lambda cfg, m: ()):
+    _RULES.append((re.compile(pattern + "$"), target, index))
+
+
+_L = r"model\.layers\.(?P<l>\d+)"
+_rule(r"model\.embed_tokens\.weight", "embed_tokens")
+_rule(r"model\.norm\.weight", "norm.weight")
+_rule(r"lm_head\.weight", "lm_head")
+_rule(_L + r"\.input_layernorm\.weight", "layers.{l}.input_layernorm.weight")
+_rule(_L + r"\.post_attention_layernorm\.weight", "layers.{l}.post_attention_layernorm.weight")
+_rule(_L + r"\.self_attn\.q_proj\.weight", "layers.{l}.self_attn.qkv_proj", lambda c, m: (slice(0, c.q_size),))
+_rule(_L + r"\.self_attn\.k_proj\.weight", "layers.{l}.self_attn.qkv_proj",
+      lambda c, m: (slice(c.q_size, c.q_size + c.kv_size),))
+_rule(_L + r"\.self_attn\.v_proj\.weight", "layers.{l}.self_attn.qkv_proj",
+      lambda c, m: (slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size),))
+_rule(_L + r"\.self_attn\.q_proj\.bias", "layers.{l}.self_attn.qkv_bias", lambda c, m: (slice(0, c.q_size),))
+_rule(_L + r"\.self_attn\.k_proj\.bias", "layers.{l}.self_attn.qkv_bias",
+      lambda c, m: (slice(c.q_size, c.q_size + c.kv_size),))
+_rule(_L + r"\.self_attn\.v_proj\.bias", "layers.{l}.self_attn.qkv_bias",
+      lambda c, m: (slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size),))
+_rule(_L + r"\.self_attn\.o_proj\.weight", "layers.{l}.self_attn.o_proj")
+_rule(_L + r"\.self_attn\.o_proj\.bias", "layers.{l}.self_attn.o_bias")
+_rule(_L + r"\.self_attn\.q_norm\.weight", "layers.{l}.self_attn.q_norm.weight")
+_rule(_L + r"\.self_attn\.k_norm\.weight", "layers.{l}.self_attn.k_norm.weight")
+_rule(_L + r"\.mlp\.gate\.weight", "layers.{l}.mlp.gate")
+_rule(_L + r"\.mlp\.experts\.(?P<e>\d+)\.gate_proj\.weight", "layers.{l}.mlp.w13",
+      lambda c, m: (int(m["e"]), slice(0, c.moe_intermediate_size)))
+_rule(_L + r"\.mlp\.experts\.(?P<e>\d+)\.up_proj\.weight", "layers.{l}.mlp.w13",
+      lambda c, m: (int(m["e"]), slice(c.moe_intermediate_size, 2 * c.moe_intermediate_size)))
+_rule(_L + r"\.mlp\.experts\.(?P<e>\d+)\.down_proj\.weight", "layers.{l}.mlp.w2", lambda c, m: (int(m["e"]),))
+# transformers >= 5 may also store experts already stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+_rule(_L + r"\.mlp\.experts\.gate_up_proj", "layers.{l}.mlp.w13")
+_rule(_L + r"\.mlp\.experts\.down_proj", "layers.{l}.mlp.w2")
+_rule(_L + r"\.mlp\.shared_expert\.gate_proj\.weight", "layers.{l}.mlp.shared_expert.gate_up_proj",
+      lambda c, m: (slice(0, c.shared_expert_intermediate_size),))
+_rule(_L + r"\.mlp\.shared_expert\.up_proj\.weight", "layers.{l}.mlp.shared_expert.gate_up_proj",
+      lambda c, m: (slice(c.shared_expert_intermediate_size, 2 * c.shared_expert_intermediate_size),))
+_rule(_L + r"\.mlp\.shared_expert\.down_proj\.weight", "layers.{l}.mlp.shared_expert.down_proj")
+_rule(_L + r"\.mlp\.shared_expert_gate\.weight", "layers.{l}.mlp.shared_expert_gate")
+# Dense MLP layers (Qwen2-MoE's mlp_only_layers)
+_rule(_L + r"\.mlp\.gate_proj\.weight", "layers.{l}.mlp.gate_up_proj",
+      lambda c, m: (slice(0, c.dense_intermediate_size),))
+_rule(_L + r"\.mlp\.up_proj\.weight", "layers.{l}.mlp.gate_up_proj",
+      lambda c, m: (slice(c.dense_intermediate_size, 2 * c.dense_intermediate_size),))
+_rule(_L + r"\.mlp\.down_proj\.weight", "layers.{l}.mlp.down_proj")
+
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _resolve(name: str, cfg: ModelConfig) -> tuple[str, _Index] | None:
+    for pattern, target, index in _RULES:
+        m = pattern.match(name)
+        if m:
+            return target.format(**m.groupdict()), index(cfg, m)
+    return None
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               cfg: ModelConfig | None = None) -> MoEDecoder:
+    model_dir = Path(model_dir)
+    cfg = cfg or load_model_config(model_dir)
+    arch = ARCH_MODULES[cfg.architecture]
+    files = safetensors_files(model_dir)
+    with torch.device(device):
+        model = MoEDecoder(cfg).to(dtype)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise CheckpointError(f"cannot read {path}: {e}") from e
+        with handle as f:
+            for raw_name in f.keys():
+                if _IGNORED.match(raw_name):
+                    continue
+                name = arch.canonical_name(raw_name)
+                resolved = _resolve(name, cfg)
+                if resolved is None or resolved[0] not in params:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # some tied checkpoints still store the head
+                    raise CheckpointError(f"{path.name}: tensor {raw_name!r} does not belong to a "
+                                          f"{cfg.architecture} with this config.json")
+                target, index = resolved
+                _copy_into(params[target], index, f.get_tensor(raw_name), raw_name, path)
+                filled[target] += 1
+    missing = [name for name, count in filled.items() if count == 0]
+    if missing:
+        raise CheckpointError(f"{model_dir}: no weights found for {len(missing)} parameters, e.g. {missing[:5]}")
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def _copy_into(param: torch.Tensor, index: _Index, tensor: torch.Tensor, name: str, path: Path) -> None:
+    dest = param[index] if index else param
+    if dest.shape != tensor.shape and dest.dim() == 3 and dest.shape == tensor.shape[:1] + tensor.shape[1:][::-1]:
+        tensor = tensor.transpose(1, 2)  # stacked experts saved as [E, in, out]
+    if dest.shape != tensor.shape:
+        raise CheckpointError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                              f"config.json implies {tuple(dest.shape)}")
+    dest.copy_(tensor.to(dest.dtype))

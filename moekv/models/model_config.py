@@ -1,0 +1,128 @@
+"""ModelConfig: the numbers of a decoder, read from a Hugging Face config.json.
+
+Each supported architecture maps its config keys onto these fields in its own module
+(mixtral.py, qwen_moe.py, olmoe.py); everything after loading sees only ModelConfig.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint asks for something moekv does not implement (names what and what is accepted)."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    # "per_head": RMSNorm over head_dim of each head (Qwen3); "full": over all heads' dims (OLMoE)
+    qk_norm: str | None = None
+    clip_qkv: float | None = None
+    shared_expert_intermediate_size: int = 0
+    dense_intermediate_size: int = 0  # for layers that use a dense MLP instead of experts
+    moe_layers: list[bool] = field(default_factory=list)  # per layer: experts (True) or dense MLP
+    sliding_window: int | None = None
+    torch_dtype: torch.dtype = torch.float32
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.moe_layers:
+            self.moe_layers = [True] * self.num_layers
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise UnsupportedModelError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(total parameters, parameters touched per token): experts count top_k / num_experts."""
+        h = self.hidden_size
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            attn += h
+        if self.qk_norm == "per_head":
+            attn += 2 * self.head_dim
+        elif self.qk_norm == "full":
+            attn += self.q_size + self.kv_size
+        total = active = embed + h
+        for is_moe in self.moe_layers:
+            total += attn
+            active += attn
+            if not is_moe:
+                dense = 3 * h * self.dense_intermediate_size
+                total += dense
+                active += dense
+                continue
+            expert = 3 * h * self.moe_intermediate_size
+            router = self.num_experts * h
+            shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+            total += self.num_experts * expert + router + shared
+            active += self.top_k * expert + router + shared
+        return total, active
+
+
+def rope_theta_from(hf: dict[str, Any], default: float) -> float:
+    """Read RoPE settings from either the transformers-4 keys or the transformers-5 `rope_parameters`."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported yet; accepted: 'default' (plain RoPE)")
+    return float(params.get("rope_theta", hf.get("rope_theta", default)))
+
+
+def dtype_from(hf: dict[str, Any]) -> torch.dtype:
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def eos_ids_from(*values: Any) -> list[int]:
+    ids: list[int] = []
+    for value in values:
+        if value is None:
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return ids
+
+
+def require(hf: dict[str, Any], *keys: str) -> Any:
+    """The first of keys present in config.json, or a clear error naming them."""
+    for key in keys:
+        if key in hf and hf[key] is not None:
+            return hf[key]
+    raise UnsupportedModelError(f"config.json has no {' / '.join(keys)}; a {hf.get('architectures')} config needs it")

@@ -1,0 +1,124 @@
+"""Plain-PyTorch references for every op: the spec, the test oracle, and the CPU path.
+
+Shape legend: T = tokens in the step, B = sequences, H = hidden size, Hq / Hkv = query / KV heads,
+D = head_dim, E = experts, k = experts per token, I = expert intermediate size,
+N = pages in the pool, P = tokens per page (block_size).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 and cast back (as Llama-family models do)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotary_cos_sin_ref(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin [T, D] for the non-interleaved ("rotate half") RoPE layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def topk_softmax_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Flat router: softmax over experts in fp32, keep the top k, optionally renormalise.
+
+    router_logits [T, E] -> (weights [T, k] fp32, expert_ids [T, k] int64).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Experts step: sum_k weight_k * down(silu(gate(x)) * up(x)) for each token's k experts.
+
+    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
+    topk_weights [T, k]; topk_ids [T, k]. Loops over the experts that received tokens.
+    """
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.reshape(-1)
+    for expert in torch.unique(flat_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == expert)
+        h = silu_and_mul_ref(F.linear(x[token_idx], w13[expert]))
+        y = F.linear(h, w2[expert]) * topk_weights[token_idx, slot, None].to(x.dtype)
+        out.index_add_(0, token_idx, y)
+    return out
+
+
+def write_kv_pages_ref(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Store the step's K/V into their pages.
+
+    k_pages, v_pages [N, Hkv, P, D]; k, v [T, Hkv, D]; slot_mapping [T] = page * P + offset.
+    """
+    page_size = k_pages.shape[2]
+    pages = slot_mapping // page_size
+    offsets = slot_mapping % page_size
+    k_pages[pages, :, offsets, :] = k.to(k_pages.dtype)
+    v_pages[pages, :, offsets, :] = v.to(v_pages.dtype)
+
+
+def gather_kv_ref(pages: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence from its pages: pages [N, Hkv, P, D] -> [length, Hkv, D]."""
+    page_size = pages.shape[2]
+    positions = torch.arange(length, device=pages.device)
+    return pages[block_table[positions // page_size], :, positions % page_size, :]
+
+
+def paged_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole context, read from pages.
+
+    q [T, Hq, D] (the step's queries, sequences back to back); block_tables [B, max_pages];
+    context_lens [B] = tokens in the cache for each sequence after this step's write;
+    query_start_loc [B+1]: sequence b owns q[query_start_loc[b]:query_start_loc[b+1]], which are
+    its last positions. Serves prefill, chunked prefill and decode alike. Returns [T, Hq, D].
+    """
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_pages.shape[1]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    lengths = context_lens.tolist()
+    for b, length in enumerate(lengths):
+        q_b = q[starts[b]:starts[b + 1]]  # [Tq, Hq, D]
+        num_q = q_b.shape[0]
+        if num_q == 0:
+            continue
+        k = gather_kv_ref(k_pages, block_tables[b], length).to(q.dtype)
+        v = gather_kv_ref(v_pages, block_tables[b], length).to(q.dtype)
+        k = k.repeat_interleave(group, dim=1)  # GQA: each KV head serves `group` query heads
+        v = v.repeat_interleave(group, dim=1)
+        q_pos = torch.arange(length - num_q, length, device=q.device)[:, None]
+        k_pos = torch.arange(length, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # [Tq, L]
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(
+            q_b.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
+    return out

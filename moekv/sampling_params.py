@@ -1,0 +1,96 @@
+"""SamplingParams: how one request picks its tokens and when it stops (shaped like vLLM's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping rules.
+
+    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 disables nucleus sampling.
+    seed makes one request's samples reproducible whatever else is in the batch.
+    max_tokens None means "until max_model_len".
+    logprobs: also return the log-probabilities of the top-N tokens at each generated position
+        (and the sampled token's). prompt_logprobs: the same for every prompt position after the first.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif self.stop is None:
+            self.stop_strings = []
+        else:
+            self.stop_strings = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, accepted: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is out of range; accepted: {accepted}")
+
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1, or None")
+        if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
+            raise bad("temperature", "a number >= 0 (0 = greedy)")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "a number in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise bad("top_k", "-1 or 0 (disabled) or an integer >= 1")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "a number in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "an integer or None")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative integers")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"at most max_tokens={self.max_tokens}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a number > 0 (1.0 = off)")
+        if not _is_number(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "a number in [-2, 2]")
+        if not _is_number(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "a number in [-2, 2]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= 20):
+                raise bad(name, "None or an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence as Seq
 
+import torch
 from tqdm.auto import tqdm
 
 from moekv.config import EngineConfig
@@ -51,8 +52,12 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
                                  "give one, or one per prompt")
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]
+        return self._run(seqs, use_tqdm)
+
+    def _run(self, seqs: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Queue validated sequences and step until all are done; aborts all of them on any failure."""
         engine = self.engine
-        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]
         for seq in seqs:
             engine.add_sequence(seq)
         order = {seq.request_id: i for i, seq in enumerate(seqs)}
@@ -73,6 +78,16 @@ class LLM:
         finally:
             bar.close()
         return results  # type: ignore[return-value]
+
+    def score(self, prompts: Seq[PromptType]) -> list[torch.Tensor]:
+        """The model's logits [len(prompt), V] (fp32, CPU) at every prompt position, computed through
+        the engine's paged KV cache exactly as generation would (prefill chunks write and read pages)."""
+        engine = self.engine
+        seqs = [engine.make_sequence(p, SamplingParams(max_tokens=1, temperature=0.0)) for p in prompts]
+        for seq in seqs:
+            seq.prompt_logits = []
+        self._run(seqs, use_tqdm=False)
+        return [torch.cat(seq.prompt_logits) for seq in seqs]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:

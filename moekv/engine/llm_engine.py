@@ -167,6 +167,8 @@ class LLMEngine:
         for result in results:
             seq = result.seq
             seq.prompt_logprobs.extend(result.prompt_logprobs)
+            if result.prompt_logits is not None:
+                seq.prompt_logits.append(result.prompt_logits)
             if result.sample is None:
                 continue
             delta_text = self._append_token(seq, result.sample, now)

@@ -24,6 +24,7 @@ class SeqStepResult:
     seq: Sequence
     sample: SampleResult | None = None  # set when the step reached the end of seq's tokens
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # new prompt positions
+    prompt_logits: torch.Tensor | None = None  # [n, V] fp32 on the CPU, when the sequence asks for them
 
 
 def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
@@ -108,7 +109,8 @@ class ModelRunner:
         context_lens: list[int] = []
         query_start = [0]
         logits_rows: list[int] = []
-        plans: list[tuple[SeqStepResult, list[int], int | None]] = []  # result, prompt-logprob rows, sample row
+        plans: list[tuple[SeqStepResult, list[int], int | None, list[int]]] = []
+        # per sequence: result, prompt-logprob rows, sample row, prompt-logit rows
         bs = self.block_size
         for item in out.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -126,11 +128,16 @@ class ModelRunner:
                 for p in range(first, min(end, seq.num_prompt_tokens - 1)):
                     prompt_rows.append(len(logits_rows))
                     logits_rows.append(base + p - start)
+            logit_rows = []
+            if seq.prompt_logits is not None:
+                for p in range(start, min(end, seq.num_prompt_tokens)):
+                    logit_rows.append(len(logits_rows))
+                    logits_rows.append(base + p - start)
             sample_row = None
             if end == seq.num_tokens:
                 sample_row = len(logits_rows)
                 logits_rows.append(base + item.num_tokens - 1)
-            plans.append((SeqStepResult(seq), prompt_rows, sample_row))
+            plans.append((SeqStepResult(seq), prompt_rows, sample_row, logit_rows))
 
         max_pages = max(len(item.seq.block_table) for item in out.scheduled)
         tables = [item.seq.block_table + [0] * (max_pages - len(item.seq.block_table)) for item in out.scheduled]
@@ -150,8 +157,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[ctx.logits_indices])  # [S, V] fp32
 
         rows, sample_rows, sample_targets = [], [], []
-        for result, prompt_rows, sample_row in plans:
+        for result, prompt_rows, sample_row, logit_rows in plans:
             seq = result.seq
+            if logit_rows:
+                result.prompt_logits = logits[logit_rows].cpu()
             if prompt_rows:
                 logprobs = torch.log_softmax(logits[prompt_rows], dim=-1)
                 first_target = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1) + 1

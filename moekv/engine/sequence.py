@@ -40,6 +40,8 @@ class Sequence:
     output_text: str = ""
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
+    # When a list: the model's logits [n, V] for each prompt chunk computed (LLM.score fills it).
+    prompt_logits: list | None = None
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -1,0 +1,135 @@
+"""`moekv` command line: generate | info."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from moekv.config import EngineConfig, default_model_path
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(default_model_path()),
+                   help="Hugging Face checkpoint folder (default: the bundled models/tiny-moe)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV format: auto | bf16 | fp16 | fp32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+                        max_model_len=args.max_model_len, block_size=args.block_size,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        num_kv_blocks=args.num_kv_blocks)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moekv.engine.llm_engine import LLMEngine
+    from moekv.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+                            repetition_penalty=args.repetition_penalty)
+    prompt = args.prompt
+    if args.chat:
+        prompt = {"prompt_token_ids": engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special_tokens=False)}
+    engine.add_request("cli", prompt, params)
+    if not args.chat and not args.quiet:
+        print(args.prompt, end="", flush=True)
+    start = time.perf_counter()
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.error:
+                print(f"\nerror: {out.error}", file=sys.stderr)
+                return 1
+            print(out.delta_text, end="", flush=True)
+            final = out
+    elapsed = time.perf_counter() - start
+    print()
+    if final is not None and not args.quiet:
+        n = len(final.outputs[0].token_ids)
+        print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, finish_reason={final.outputs[0].finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format
+    from moekv.models.loader import load_model_config
+
+    cfg = load_model_config(Path(args.model))
+    total, active = cfg.parameter_counts()
+    moe_layers = sum(cfg.moe_layers)
+    rows = [
+        ("architecture", cfg.architecture),
+        ("layers", f"{cfg.num_layers} ({moe_layers} with experts)"),
+        ("hidden size", cfg.hidden_size),
+        ("attention heads", f"{cfg.num_heads} query / {cfg.num_kv_heads} KV, head_dim {cfg.head_dim}"),
+        ("experts", f"{cfg.num_experts}, top-{cfg.top_k}, intermediate {cfg.moe_intermediate_size}"
+                    + (f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else "")),
+        ("vocabulary", cfg.vocab_size),
+        ("max positions", cfg.max_position_embeddings),
+        ("parameters", f"{total:,} total, {active:,} active per token ({100 * active / total:.1f}%)"),
+        ("checkpoint dtype", str(cfg.torch_dtype).replace("torch.", "")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print(f"\nKV cache per token (all {cfg.num_layers} layers, K and V, block_size {args.block_size}):")
+    for name in KV_FORMAT_NAMES:
+        if name == "auto":
+            continue
+        fmt = get_kv_format(name, cfg.torch_dtype)
+        page = fmt.page_bytes(cfg.num_kv_heads, args.block_size, cfg.head_dim)
+        per_token = cfg.num_layers * page / args.block_size
+        bits = fmt.bits_per_element(cfg.num_kv_heads, args.block_size, cfg.head_dim)
+        print(f"  {name:<10} {per_token:>10,.0f} bytes/token  {bits:5.2f} bits/element")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moekv", description="Inference engine for Mixture-of-Experts models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming tokens to the terminal")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--quiet", action="store_true", help="print only the generated text")
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="architecture, parameter counts and KV bytes per token of a checkpoint")
+    info.add_argument("--model", default=str(default_model_path()))
+    info.add_argument("--block-size", type=int, default=16)
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+        print(f"moekv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The `moekv` command line, run as a user would run it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "moekv.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_streams_text(mixtral_ckpt):
+    r = run_cli("generate", "--model", str(mixtral_ckpt), "--prompt", "It was the best", "--max-tokens", "8",
+                "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("It was the best")
+    assert "8 tokens in" in r.stderr and "finish_reason=length" in r.stderr
+
+
+def test_info_prints_counts_and_kv_bytes(mixtral_ckpt):
+    r = run_cli("info", "--model", str(mixtral_ckpt))
+    assert r.returncode == 0, r.stderr
+    assert "MixtralForCausalLM" in r.stdout
+    # 2 layers x (K+V) x 2 KV heads x 16 dims x 2 bytes = 256 bytes per token in bf16
+    assert "bf16" in r.stdout and " 256 bytes/token" in r.stdout
+    assert "active per token" in r.stdout
+
+
+def test_bad_input_is_one_clear_line(mixtral_ckpt, tmp_path):
+    r = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
+    assert r.returncode == 2 and "model folder not found" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("generate", "--model", str(mixtral_ckpt), "--prompt", "x", "--kv-cache-dtype", "int3")
+    assert r.returncode == 2 and "kv_cache_dtype='int3' is unknown" in r.stderr

@@ -1,0 +1,181 @@
+"""Engine behaviour on a tiny Mixtral: batching, preemption, stopping, sampling, logprobs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekv import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 17, 33, 90, 4, 8, 100, 200, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13, 14, 15, 16],
+           [9, 8, 7], [250, 3, 3, 3, 3, 31, 64], [40] * 17, [1, 2]]
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm(mixtral_ckpt):
+    return LLM(mixtral_ckpt, dtype="float32", max_model_len=64)
+
+
+def assert_pool_empty(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_batch_equals_each_prompt_alone(llm):
+    """Prompts of different lengths batched together give the tokens each gives alone, in input order."""
+    batched = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    alone = [token_ids(llm.generate([{"prompt_token_ids": p}], GREEDY))[0] for p in PROMPTS]
+    assert batched == alone
+    assert_pool_empty(llm)
+
+
+def test_preemption_gives_the_same_tokens(mixtral_ckpt, llm):
+    """With pages for barely more than one full-length sequence, the scheduler must preempt and
+    recompute, and the tokens must not change."""
+    reference = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    tight = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, block_size=16, num_kv_blocks=5)
+    outs = tight.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert sum(o.num_preemptions for o in outs) == tight.engine.scheduler.num_preemptions
+    assert token_ids(outs) == reference
+    assert_pool_empty(tight)
+
+
+def test_seeded_sampling_is_independent_of_batch_and_preemption(mixtral_ckpt, llm):
+    sp = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = token_ids(llm.generate([{"prompt_token_ids": PROMPTS[0]}], sp))[0]
+    others = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    batch = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[1], PROMPTS[0], PROMPTS[2])], [others, sp, others])
+    assert token_ids(batch)[1] == alone
+    assert token_ids(llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 3, sp)) == [alone] * 3
+    tight = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, num_kv_blocks=5)
+    outs = tight.generate([{"prompt_token_ids": p} for p in [PROMPTS[3], PROMPTS[0], PROMPTS[2]]], sp)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert token_ids(outs)[1] == alone
+
+
+def test_chunked_prefill_equals_whole_prefill(mixtral_ckpt, llm):
+    whole = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    chunked = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_batched_tokens=5)
+    assert token_ids(chunked.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)) == whole
+
+
+def test_max_num_seqs_one_serialises_but_finishes_all(mixtral_ckpt, llm):
+    serial = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_seqs=1)
+    assert token_ids(serial.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)) == \
+        token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+
+
+def test_generation_stops_at_max_model_len(llm):
+    out = llm.generate([{"prompt_token_ids": [7] * 60}], SamplingParams(max_tokens=None, temperature=0.0,
+                                                                        ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids_and_eos(llm):
+    free = token_ids(llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY))[0]
+    stop_at = free[5]
+    first = free.index(stop_at)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                       SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == free[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+    # the same token as EOS stops too, unless ignore_eos; min_tokens holds it back
+    llm.engine.eos_token_ids.add(stop_at)
+    try:
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=24, temperature=0.0))[0]
+        assert out.outputs[0].token_ids == free[:first + 1] and out.outputs[0].finish_reason == "stop"
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                           SamplingParams(max_tokens=24, temperature=0.0, min_tokens=first + 3))[0]
+        assert stop_at not in out.outputs[0].token_ids[:first + 3]
+    finally:
+        llm.engine.eos_token_ids.discard(stop_at)
+
+
+def test_stop_strings_cut_the_text(llm):
+    free = llm.generate("It was the best", GREEDY)[0].outputs[0]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    out = llm.generate("It was the best", SamplingParams(max_tokens=24, temperature=0.0, stop=[stop],
+                                                         ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[:free.text.index(stop)]
+    kept = llm.generate("It was the best", SamplingParams(max_tokens=24, temperature=0.0, stop=stop, ignore_eos=True,
+                                                          include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == free.text[:free.text.index(stop) + len(stop)]
+
+
+def test_logprobs_and_prompt_logprobs(llm):
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                       SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, prompt_logprobs=2,
+                                      ignore_eos=True))[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 6
+    for tok, lp in zip(comp.token_ids, comp.logprobs):
+        assert tok in lp and len(lp) == 3  # greedy token is the top one
+        assert lp[tok] == max(lp.values())
+    assert comp.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(comp.token_ids, comp.logprobs)))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPTS[0])
+    logits = llm.score([{"prompt_token_ids": PROMPTS[0]}])[0]
+    ref = torch.log_softmax(logits, -1)
+    for pos in range(1, len(PROMPTS[0])):
+        target = PROMPTS[0][pos]
+        assert out.prompt_logprobs[pos][target] == pytest.approx(ref[pos - 1, target].item(), abs=1e-5)
+
+
+def test_streaming_deltas_add_up(llm):
+    engine = llm.engine
+    engine.add_request("s", "It was the best", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    text, ids, final = "", [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.delta_text
+            ids += out.delta_token_ids
+            final = out
+    assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
+
+
+def test_abort_returns_pages(llm):
+    engine = llm.engine
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
+    engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    aborted = engine.abort_request("a")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert engine.abort_request("a") is None  # already gone
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_empty(llm)
+
+
+def test_model_fault_fails_requests_and_frees_pages(llm, monkeypatch):
+    """A crash inside the model fails the step's requests with a clear error; no page stays allocated."""
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", boom)
+    with pytest.raises(RuntimeError, match="simulated device fault"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    monkeypatch.undo()
+    assert_pool_empty(llm)
+
+
+def test_chat_template(llm):
+    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("user: hello\nassistant:", add_special_tokens=False)
+
+
+def test_default_sampling_params_follow_generation_config(llm):
+    llm.engine.generation_config = {"temperature": 0.7, "top_p": 0.8, "max_new_tokens": 9}
+    try:
+        sp = llm.get_default_sampling_params()
+        assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.7, 0.8, 9)
+    finally:
+        llm.engine.generation_config = {}

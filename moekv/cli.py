@@ -96,6 +96,35 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    import json
+
+    from moekv.eval.perplexity import perplexity, perplexity_transformers, read_text_tokens
+    from moekv.llm import LLM
+
+    llm = LLM(**vars(engine_config_from(args)))
+    result = perplexity(llm, args.text, window=args.window, stride=args.stride, max_tokens=args.max_tokens,
+                        progress=not args.json)
+    record = result.to_dict()
+    if args.reference_transformers:
+        ids = read_text_tokens(llm.tokenizer, args.text, args.max_tokens)
+        ref_ppl, ref_tokens = perplexity_transformers(args.model, ids, result.window, result.stride,
+                                                      dtype=llm.engine.runner.dtype, device=args.device,
+                                                      progress=not args.json)
+        assert ref_tokens == result.tokens
+        record["transformers_ppl"] = ref_ppl
+        record["relative_diff_vs_transformers"] = result.ppl / ref_ppl - 1
+    if not args.json:
+        print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens of {args.text} "
+              f"(window {result.window}, stride {result.stride}, KV {result.kv_cache_dtype} at "
+              f"{result.bits_per_element:.2f} bits/element, {result.seconds:.1f} s)")
+        if args.reference_transformers:
+            print(f"transformers: {record['transformers_ppl']:.4f} "
+                  f"({100 * record['relative_diff_vs_transformers']:+.4f}%)")
+    print(json.dumps(record) if args.json else "")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moekv", description="Inference engine for Mixture-of-Experts models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--quiet", action="store_true", help="print only the generated text")
     gen.set_defaults(func=cmd_generate)
+
+    ev = sub.add_parser("eval", help="quality measurements")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    ppl = ev_sub.add_parser("ppl", help="perplexity of a text file through the engine's KV cache")
+    add_engine_args(ppl)
+    ppl.add_argument("--text", required=True, help="UTF-8 text file")
+    ppl.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
+    ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
+    ppl.add_argument("--stride", type=int, default=None, help="window advance (default: window / 2)")
+    ppl.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    ppl.add_argument("--reference-transformers", action="store_true",
+                     help="also score the same windows with transformers (needs it installed)")
+    ppl.set_defaults(func=cmd_eval_ppl)
 
     info = sub.add_parser("info", help="architecture, parameter counts and KV bytes per token of a checkpoint")
     info.add_argument("--model", default=str(default_model_path()))

@@ -83,7 +83,7 @@ class LLM:
         """The model's logits [len(prompt), V] (fp32, CPU) at every prompt position, computed through
         the engine's paged KV cache exactly as generation would (prefill chunks write and read pages)."""
         engine = self.engine
-        seqs = [engine.make_sequence(p, SamplingParams(max_tokens=1, temperature=0.0)) for p in prompts]
+        seqs = [engine.make_sequence(p, SamplingParams(max_tokens=1, temperature=0.0), scoring=True) for p in prompts]
         for seq in seqs:
             seq.prompt_logits = []
         self._run(seqs, use_tqdm=False)

@@ -35,22 +35,31 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (also after a caller changed one) and normalise stop / stop_token_ids."""
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         elif self.stop is None:
             self.stop_strings = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop_strings = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.validate()
+        else:
+            raise ValueError(f"SamplingParams.stop={self.stop!r} is out of range; accepted: a string or a list of strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r} is out of range; "
+                             "accepted: a list of non-negative integers")
+        self.stop_token_ids = list(self.stop_token_ids)
 
-    def validate(self) -> None:
         def bad(name: str, accepted: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is out of range; accepted: {accepted}")
 
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1, or None")
-        if not _is_number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
+        if not _is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
             raise bad("temperature", "a number >= 0 (0 = greedy)")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "a number in (0, 1]")
@@ -68,7 +77,7 @@ class SamplingParams:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"at most max_tokens={self.max_tokens}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
             raise bad("repetition_penalty", "a number > 0 (1.0 = off)")
         if not _is_number(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "a number in [-2, 2]")

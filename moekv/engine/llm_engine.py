@@ -92,8 +92,11 @@ class LLMEngine:
         return None, list(ids)
 
     def make_sequence(self, prompt: PromptType, params: SamplingParams | None,
-                      request_id: str | None = None) -> Sequence:
-        """Validate one request and build its Sequence, without queueing it."""
+                      request_id: str | None = None, scoring: bool = False) -> Sequence:
+        """Validate one request and build its Sequence, without queueing it.
+
+        scoring: the request only wants its prompt's logits, so the prompt may fill max_model_len.
+        """
         params = params or self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -101,11 +104,14 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token")
-        if len(ids) >= self.max_model_len:
+        if scoring and len(ids) > self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; accepted: at most "
+                                     f"max_model_len={self.max_model_len}")
+        if not scoring and len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens but max_model_len={self.max_model_len} leaves no room to "
                 f"generate; accepted: at most {self.max_model_len - 1} prompt tokens")
-        room = self.max_model_len - len(ids)
+        room = max(1, self.max_model_len - len(ids))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request_id = str(next(self._counter)) if request_id is None else request_id
         if request_id in self._seqs:

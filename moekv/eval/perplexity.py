@@ -1,0 +1,126 @@
+"""Perplexity of a text through the engine's own KV cache.
+
+The text is tokenized once and scored in windows of `window` tokens that advance by `stride`:
+each window is prefilled through the engine (its K/V written to pages in the chosen KV format and
+read back from them by attention), and only the tokens not scored by an earlier window count, so
+every token after the first window is predicted from at least window - stride tokens of context.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass
+class PerplexityResult:
+    ppl: float
+    nll: float  # mean negative log-likelihood per scored token (nats)
+    tokens: int  # tokens scored
+    window: int
+    stride: int
+    kv_cache_dtype: str
+    bits_per_element: float
+    seconds: float
+    text: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first_scored) for each window: tokens [begin, end) go in, and positions
+    first_scored..end-1 are predicted (position 0 of the text is never predicted)."""
+    if window < 2 or not 1 <= stride <= window:
+        raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
+    out = []
+    scored_until = 1  # the first token has no context to be predicted from
+    begin = 0
+    while scored_until < num_tokens:
+        end = min(begin + window, num_tokens)
+        out.append((begin, end, scored_until))
+        scored_until = end
+        if end == num_tokens:
+            break
+        begin += stride
+    return out
+
+
+def read_text_tokens(tokenizer, path: str | Path, max_tokens: int | None) -> list[int]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file not found: {path}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise ValueError(f"{path} holds {len(ids)} token(s); perplexity needs at least 2")
+    return ids
+
+
+def nll_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed negative log-likelihood of targets [n] under logits [n, V] (fp64 accumulation)."""
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    return -logprobs.gather(1, targets[:, None]).sum()
+
+
+def score_windows(logits_fn, ids: list[int], window: int, stride: int, progress: bool = True,
+                  batch_windows: int = 8) -> tuple[float, int]:
+    """Sum of NLL and count of scored tokens; logits_fn(list of token lists) -> list of [len, V]."""
+    plan = windows(len(ids), window, stride)
+    total, count = 0.0, 0
+    bar = tqdm(total=len(ids) - 1, desc="perplexity", unit="tok", disable=not progress)
+    for i in range(0, len(plan), batch_windows):
+        group = plan[i:i + batch_windows]
+        all_logits = logits_fn([ids[b:e] for b, e, _ in group])
+        for (begin, end, first), logits in zip(group, all_logits):
+            # logits row r predicts token begin + r + 1
+            rows = slice(first - 1 - begin, end - 1 - begin)
+            targets = torch.tensor(ids[first:end])
+            total += float(nll_from_logits(logits[rows], targets))
+            count += end - first
+            bar.update(end - first)
+    bar.close()
+    return total, count
+
+
+def perplexity(llm, text_path: str | Path, window: int | None = None, stride: int | None = None,
+               max_tokens: int | None = None, progress: bool = True) -> PerplexityResult:
+    """Perplexity of the file through `llm` (a moekv.LLM) and its configured KV format."""
+    engine = llm.engine
+    window = window or engine.max_model_len
+    stride = stride or max(1, window // 2)
+    if window > engine.max_model_len:
+        raise ValueError(f"window={window} exceeds the engine's max_model_len={engine.max_model_len}")
+    ids = read_text_tokens(engine.tokenizer, text_path, max_tokens)
+    start = time.perf_counter()
+    total, count = score_windows(lambda chunks: llm.score([{"prompt_token_ids": c} for c in chunks]),
+                                 ids, window, stride, progress)
+    seconds = time.perf_counter() - start
+    fmt = engine.runner.kv_format
+    cfg = engine.model_config
+    return PerplexityResult(
+        ppl=math.exp(total / count), nll=total / count, tokens=count, window=window, stride=stride,
+        kv_cache_dtype=fmt.name, seconds=seconds, text=str(text_path),
+        bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size, cfg.head_dim))
+
+
+def perplexity_transformers(model_dir: str | Path, ids: list[int], window: int, stride: int,
+                            dtype: torch.dtype = torch.float32, device: str = "cpu",
+                            progress: bool = True) -> tuple[float, int]:
+    """The same windows scored by transformers itself (an independent oracle; dev dependency)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+    @torch.no_grad()
+    def logits_fn(chunks):
+        return [model(torch.tensor([c], device=device)).logits[0].float().cpu() for c in chunks]
+
+    total, count = score_windows(logits_fn, ids, window, stride, progress)
+    return math.exp(total / count), count

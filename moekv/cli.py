@@ -14,7 +14,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face checkpoint folder (default: the bundled models/tiny-moe)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
-    p.add_argument("--kv-cache-dtype", default="auto", help="KV format: auto | bf16 | fp16 | fp32")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV format: auto | bf16 | fp16 | fp32 | fp8_e4m3 | int4 | nuq2 | vq | kivi2 | tiered")
+    p.add_argument("--kv-group-size", type=int, default=32, help="int4: channels per scale group (32 or 64)")
+    p.add_argument("--kv-outlier-sigma", type=float, default=3.5, help="nuq2: outlier threshold in std devs")
+    p.add_argument("--kv-calibration", default=None, help="folder written by `moekv calibrate`")
+    p.add_argument("--kv-rerank-interval", type=int, default=32, help="tiered: decode steps between re-rankings")
+    p.add_argument("--kv-tier1-fraction", type=float, default=0.15, help="tiered: share of pages kept in FP8")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -26,7 +32,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
                         max_model_len=args.max_model_len, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        num_kv_blocks=args.num_kv_blocks)
+                        num_kv_blocks=args.num_kv_blocks, kv_group_size=args.kv_group_size,
+                        kv_outlier_sigma=args.kv_outlier_sigma, kv_calibration=args.kv_calibration,
+                        kv_rerank_interval=args.kv_rerank_interval, kv_tier1_fraction=args.kv_tier1_fraction)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -88,7 +96,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     for name in KV_FORMAT_NAMES:
         if name == "auto":
             continue
-        fmt = get_kv_format(name, cfg.torch_dtype)
+        try:
+            fmt = get_kv_format(name, cfg.torch_dtype, group_size=args.kv_group_size,
+                                calibration=args.kv_calibration)
+            fmt.check_layout(cfg.num_kv_heads, args.block_size, cfg.head_dim)
+        except ValueError as e:  # e.g. needs calibration, or cannot lay out this block size
+            print(f"  {name:<10} n/a: {e}")
+            continue
         page = fmt.page_bytes(cfg.num_kv_heads, args.block_size, cfg.head_dim)
         per_token = cfg.num_layers * page / args.block_size
         bits = fmt.bits_per_element(cfg.num_kv_heads, args.block_size, cfg.head_dim)
@@ -160,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, parameter counts and KV bytes per token of a checkpoint")
     info.add_argument("--model", default=str(default_model_path()))
     info.add_argument("--block-size", type=int, default=16)
+    info.add_argument("--kv-group-size", type=int, default=32)
+    info.add_argument("--kv-calibration", default=None)
     info.set_defaults(func=cmd_info)
     return parser
 

@@ -65,6 +65,12 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    # KV format options (each format reads the ones it uses)
+    kv_group_size: int = 32
+    kv_outlier_sigma: float = 3.5
+    kv_calibration: str | Path | None = None
+    kv_rerank_interval: int = 32
+    kv_tier1_fraction: float = 0.15
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -90,9 +96,19 @@ class EngineConfig:
                f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
         _check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
                f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 1 (or None to size from memory)")
+        _check(self.kv_group_size in (32, 64), f"kv_group_size={self.kv_group_size!r} is not supported; accepted: 32, 64")
+        _check(self.kv_outlier_sigma > 0, f"kv_outlier_sigma={self.kv_outlier_sigma!r} must be > 0")
+        _check(isinstance(self.kv_rerank_interval, int) and self.kv_rerank_interval >= 1,
+               f"kv_rerank_interval={self.kv_rerank_interval!r} must be an integer >= 1")
+        _check(0.0 <= self.kv_tier1_fraction <= 1.0, f"kv_tier1_fraction={self.kv_tier1_fraction!r} must be in [0, 1]")
         _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+
+    def kv_format_options(self) -> dict:
+        return {"group_size": self.kv_group_size, "outlier_sigma": self.kv_outlier_sigma,
+                "calibration": self.kv_calibration, "rerank_interval": self.kv_rerank_interval,
+                "tier1_fraction": self.kv_tier1_fraction}
 
     @property
     def torch_device(self) -> torch.device:

@@ -18,6 +18,7 @@ class Context:
     context_lens: torch.Tensor     # [B] int32: tokens cached for each sequence once this step is written
     query_start_loc: torch.Tensor  # [B+1] int32: sequence b owns tokens query_start_loc[b]:query_start_loc[b+1]
     logits_indices: torch.Tensor   # [S] int64: rows of the step whose logits are needed (S <= T)
+    seq_slots: torch.Tensor        # [B] int64: each sequence's staging slot (its partly filled newest page)
 
     @property
     def num_tokens(self) -> int:

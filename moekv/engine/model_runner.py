@@ -40,7 +40,7 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.device = config.torch_device
         self.dtype = resolve_dtype(config, model_cfg)
-        self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype)
+        self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype, **config.kv_format_options())
         self.kv_format.check_layout(model_cfg.num_kv_heads, config.block_size, model_cfg.head_dim)
         self.model = load_model(config.model, self.dtype, self.device, model_cfg)
         self.block_size = config.block_size
@@ -49,10 +49,15 @@ class ModelRunner:
         for attn in self.model.attention_layers:
             attn.kv_format = self.kv_format
             attn.kv_cache = self.kv_format.allocate(self.num_blocks, model_cfg.num_kv_heads, self.block_size,
-                                                    model_cfg.head_dim, self.device)
+                                                    model_cfg.head_dim, self.device, config.max_num_seqs,
+                                                    self.dtype)
+            attn.kv_cache.layer = attn.layer_idx
             self.kv_caches.append(attn.kv_cache)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        # staging slot (partly filled newest page) of each running sequence
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._slots: dict[str, int] = {}
 
     # -- KV pool sizing ----------------------------------------------------------------------
     @property
@@ -94,8 +99,20 @@ class ModelRunner:
         return gen
 
     def release(self, seq: Sequence) -> None:
-        """Forget per-request state (its generator) once the request is finished."""
+        """Forget per-request state (its generator, its staging slot) once the request is finished."""
         self._generators.pop(seq.request_id, None)
+        self._release_slot(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        slot = self._slots.pop(seq.request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _slot_for(self, seq: Sequence) -> int:
+        slot = self._slots.get(seq.request_id)
+        if slot is None:
+            slot = self._slots[seq.request_id] = self._free_slots.pop()
+        return slot
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, blocked_ids: dict[str, list[int]]) -> list[SeqStepResult]:
@@ -112,6 +129,9 @@ class ModelRunner:
         plans: list[tuple[SeqStepResult, list[int], int | None, list[int]]] = []
         # per sequence: result, prompt-logprob rows, sample row, prompt-logit rows
         bs = self.block_size
+        for seq in out.preempted:  # recomputed from scratch later, in whatever slot is free then
+            self._release_slot(seq)
+        seq_slots = [self._slot_for(item.seq) for item in out.scheduled]
         for item in out.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
@@ -149,6 +169,7 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            seq_slots=torch.tensor(seq_slots, dtype=torch.long, device=dev),
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx)
         results = [plan[0] for plan in plans]

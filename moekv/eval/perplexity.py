@@ -46,7 +46,7 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
         scored_until = end
         if end == num_tokens:
             break
-        begin += stride
+        begin = min(begin + stride, end - 1)  # keep >= 1 token of context for the next window
     return out
 
 

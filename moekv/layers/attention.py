@@ -39,6 +39,9 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
         self.kv_format: KVFormat | None = None
         self.kv_cache: LayerKVCache | None = None
+        # Optional callback(layer_idx, k, v) seeing each step's post-RoPE K/V [T, Hkv, D]
+        # before they are stored (calibration collects statistics through it).
+        self.kv_observer = None
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         T = x.shape[0]
@@ -54,7 +57,8 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":  # Qwen3 normalises each head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(ctx.positions, q, k)
-        self.kv_format.write(self.kv_cache, k, v, ctx.slot_mapping)
-        o = self.kv_format.attend(q, self.kv_cache, ctx.block_tables, ctx.context_lens, ctx.query_start_loc,
-                                  self.scale, self.sliding_window)
+        if self.kv_observer is not None:
+            self.kv_observer(self.layer_idx, k, v)
+        self.kv_format.write(self.kv_cache, k, v, ctx)
+        o = self.kv_format.attend(q, self.kv_cache, ctx, self.scale, self.sliding_window)
         return F.linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)

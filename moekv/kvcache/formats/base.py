@@ -1,4 +1,12 @@
-"""The interface every KV format implements."""
+"""The interface every KV format implements, and the machinery the compressed ones share.
+
+A format stores each layer's K and V in page pools. Compressed formats ("paged" formats) lay a
+page out as one byte slab per (page, kv_head) — codes, scales, centroids, outliers at fixed
+offsets, the slab padded to whole 128-byte lines — so a GPU kernel can find every field of a
+page from its id alone. A page is quantized when it is full; until then its tokens wait in a bf16
+(model dtype) *staging page* owned by the sequence (one per running sequence), which attention
+reads directly. Bits per element count every byte of the slab, padding included.
+"""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -6,14 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
+from moekv.context import Context
+from moekv.ops.reference import paged_attention_ref
+
 PAGE_ALIGN_BYTES = 128  # pages start on 128-byte lines so kernels can issue full-line loads
+FIELD_ALIGN_BYTES = 16  # fields inside a slab start on 16-byte boundaries (vector loads)
 
 
 @dataclass
 class LayerKVCache:
-    """One layer's page pool: the tensors a format allocates, by name (e.g. k_pages, v_pages)."""
+    """One layer's storage: the tensors a format allocates, by name (e.g. k_pages, v_pages)."""
 
     tensors: dict[str, torch.Tensor]
+    layer: int = 0  # which decoder layer (formats with per-layer calibration look theirs up)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -24,27 +37,206 @@ class LayerKVCache:
 
 class KVFormat(ABC):
     name: str
+    needs_calibration: bool = False
 
     @abstractmethod
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
-        """Bytes one page (K and V, one layer) occupies, every side table included."""
+        """Bytes one full page (K and V, one layer) occupies, every side table and padding included."""
 
     def bits_per_element(self, num_kv_heads: int, block_size: int, head_dim: int) -> float:
         """Every stored bit of a full page over its (tokens x kv_heads x head_dim x {K, V}) elements."""
         return 8 * self.page_bytes(num_kv_heads, block_size, head_dim) / (2 * block_size * num_kv_heads * head_dim)
 
+    def staging_bytes_per_seq(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
+        """Bytes per running sequence (one layer) for its partly filled newest page; 0 if none."""
+        return 0
+
     def check_layout(self, num_kv_heads: int, block_size: int, head_dim: int) -> None:
-        """Raise ValueError if a page would not be a whole number of 128-byte lines."""
+        """Raise ValueError if this format cannot lay out pages of this shape."""
 
     @abstractmethod
     def allocate(self, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 device: torch.device) -> LayerKVCache: ...
+                 device: torch.device, max_num_seqs: int, dtype: torch.dtype) -> LayerKVCache: ...
 
     @abstractmethod
-    def write(self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store k, v [T, Hkv, D] at slot_mapping [T] (page * block_size + offset)."""
+    def write(self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> None:
+        """Store the step's k, v [T, Hkv, D] (token t of sequence b at position ctx.positions[t])."""
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, cache: LayerKVCache, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               query_start_loc: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over each sequence's cached context -> [T, Hq, D]."""
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per (page, kv_head)
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class PageLayout:
+    """Fields of one (page, kv_head) slab at 16-byte-aligned offsets; slab padded to 128 bytes."""
+
+    def __init__(self, fields: list[Field]) -> None:
+        self.fields = fields
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for f in fields:
+            offset = -(-offset // FIELD_ALIGN_BYTES) * FIELD_ALIGN_BYTES
+            self.offsets[f.name] = offset
+            offset += f.nbytes
+        self.used_bytes = offset
+        self.slab_bytes = -(-offset // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES
+
+    def pack(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """{field: [n, Hkv, *shape]} -> uint8 slabs [n, Hkv, slab_bytes]."""
+        first = values[self.fields[0].name]
+        n, heads = first.shape[:2]
+        slab = torch.zeros(n, heads, self.slab_bytes, dtype=torch.uint8, device=first.device)
+        for f in self.fields:
+            t = values[f.name].to(f.dtype).contiguous().reshape(n, heads, -1)
+            off = self.offsets[f.name]
+            slab[:, :, off:off + f.nbytes] = t.view(torch.uint8).reshape(n, heads, f.nbytes)
+        return slab
+
+    def unpack(self, slab: torch.Tensor) -> dict[str, torch.Tensor]:
+        """uint8 slabs [n, Hkv, slab_bytes] -> {field: [n, Hkv, *shape]}."""
+        n, heads = slab.shape[:2]
+        out = {}
+        for f in self.fields:
+            off = self.offsets[f.name]
+            raw = slab[:, :, off:off + f.nbytes].contiguous()
+            out[f.name] = raw.view(f.dtype).reshape(n, heads, *f.shape)
+        return out
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    """Policy for NaN/Inf in K/V: refuse loudly; a silent code would poison every later token."""
+    if not torch.isfinite(x).all():
+        raise ValueError(f"non-finite values (NaN or Inf) in the {what} being written to the KV cache; "
+                         "compressed KV formats refuse them (check the model's dtype and inputs)")
+
+
+class PagedQuantFormat(KVFormat):
+    """A compressed format that quantizes whole pages: subclasses give the layouts and the
+    page-level quantize/dequantize; this class handles staging, packing and reading back."""
+
+    def layout(self, kind: str, block_size: int, head_dim: int) -> PageLayout:
+        """The slab layout for kind 'key' or 'value'."""
+        raise NotImplementedError
+
+    def quantize(self, x: torch.Tensor, kind: str, layer: int | None = None) -> dict[str, torch.Tensor]:
+        """x [n, Hkv, P, D] (full pages, fp32) -> fields {name: [n, Hkv, *shape]}."""
+        raise NotImplementedError
+
+    def dequantize(self, fields: dict[str, torch.Tensor], kind: str, layer: int | None = None) -> torch.Tensor:
+        """fields -> x_hat [n, Hkv, P, D] fp32."""
+        raise NotImplementedError
+
+    # -- accounting ----------------------------------------------------------------------------
+    def page_bytes(self, num_kv_heads, block_size, head_dim) -> int:
+        return num_kv_heads * (self.layout("key", block_size, head_dim).slab_bytes
+                               + self.layout("value", block_size, head_dim).slab_bytes)
+
+    def staging_bytes_per_seq(self, num_kv_heads, block_size, head_dim) -> int:
+        return 2 * num_kv_heads * block_size * head_dim * 2  # K and V of one page in 16-bit
+
+    def check_layout(self, num_kv_heads, block_size, head_dim) -> None:
+        self.layout("key", block_size, head_dim)  # subclasses raise for shapes they cannot hold
+        self.layout("value", block_size, head_dim)
+
+    # -- pools -----------------------------------------------------------------------------------
+    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype) -> LayerKVCache:
+        k_slab = self.layout("key", block_size, head_dim).slab_bytes
+        v_slab = self.layout("value", block_size, head_dim).slab_bytes
+        staging_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        return LayerKVCache({
+            "k_pages": torch.zeros(num_blocks, num_kv_heads, k_slab, dtype=torch.uint8, device=device),
+            "v_pages": torch.zeros(num_blocks, num_kv_heads, v_slab, dtype=torch.uint8, device=device),
+            # [max_num_seqs, Hkv, P, D]: the newest, partly filled page of each running sequence
+            "k_staging": torch.zeros(max_num_seqs, num_kv_heads, block_size, head_dim, dtype=staging_dtype, device=device),
+            "v_staging": torch.zeros(max_num_seqs, num_kv_heads, block_size, head_dim, dtype=staging_dtype, device=device),
+        })
+
+    def write(self, cache, k, v, ctx) -> None:
+        block_size = cache["k_staging"].shape[2]
+        starts = ctx.query_start_loc.tolist()
+        ends = ctx.context_lens.tolist()
+        slots = ctx.seq_slots.tolist()
+        for b, end in enumerate(ends):
+            lo, hi = starts[b], starts[b + 1]
+            if hi == lo:
+                continue
+            first_pos = end - (hi - lo)
+            for name, x in (("k", k[lo:hi]), ("v", v[lo:hi])):
+                staging = cache[f"{name}_staging"][slots[b]]  # [Hkv, P, D]
+                pos = first_pos
+                full_pages = []
+                while pos < end:
+                    page_idx, offset = divmod(pos, block_size)
+                    take = min(block_size - offset, end - pos)
+                    staging[:, offset:offset + take] = x[pos - first_pos:pos - first_pos + take].transpose(0, 1).to(staging.dtype)
+                    pos += take
+                    if offset + take == block_size:  # page complete: quantize it out of staging
+                        full_pages.append((page_idx, staging.float().clone()))
+                if full_pages:
+                    table = ctx.block_tables[b]
+                    page_ids = torch.stack([table[i] for i, _ in full_pages]).long()
+                    x_full = torch.stack([p for _, p in full_pages])  # [n, Hkv, P, D]
+                    kind = "key" if name == "k" else "value"
+                    check_finite(x_full, kind + "s")
+                    slab = self.layout(kind, block_size, x_full.shape[-1]).pack(self.quantize(x_full, kind, cache.layer))
+                    cache[f"{name}_pages"][page_ids] = slab
+
+    def gather(self, cache, ctx: Context, b: int, length: int, kind: str) -> torch.Tensor:
+        """Sequence b's first `length` tokens of K or V, dequantized: [length, Hkv, D] fp32."""
+        name = "k" if kind == "key" else "v"
+        staging = cache[f"{name}_staging"]
+        block_size, head_dim = staging.shape[2], staging.shape[3]
+        num_full = length // block_size
+        parts = []
+        if num_full:
+            page_ids = ctx.block_tables[b, :num_full].long()
+            fields = self.layout(kind, block_size, head_dim).unpack(cache[f"{name}_pages"][page_ids])
+            x = self.dequantize(fields, kind, cache.layer)  # [n, Hkv, P, D]
+            parts.append(x.permute(0, 2, 1, 3).reshape(num_full * block_size, -1, head_dim))
+        tail = length - num_full * block_size
+        if tail:
+            parts.append(staging[int(ctx.seq_slots[b]), :, :tail].transpose(0, 1).float())
+        return torch.cat(parts)
+
+    def attend(self, q, cache, ctx, scale, sliding_window):
+        return dense_attention(q, ctx, lambda b, n: (self.gather(cache, ctx, b, n, "key"),
+                                                     self.gather(cache, ctx, b, n, "value")),
+                               scale, sliding_window)
+
+
+def dense_attention(q: torch.Tensor, ctx: Context, gather, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Attention over K/V that `gather(b, length) -> (k, v) [length, Hkv, D]` reconstructs per sequence.
+
+    Builds a one-page-per-sequence dense view and reuses the paged reference, so masking and GQA
+    follow exactly the same code as the uncompressed path.
+    """
+    out = torch.empty_like(q)
+    starts = ctx.query_start_loc.tolist()
+    for b, length in enumerate(ctx.context_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        k, v = gather(b, length)
+        # [1 page, Hkv, length, D] and a one-entry block table
+        k_pages = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        v_pages = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        one = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
+        out[lo:hi] = paged_attention_ref(
+            q[lo:hi], k_pages, v_pages, one, torch.tensor([length], device=q.device),
+            torch.tensor([0, hi - lo], device=q.device), scale, sliding_window)
+    return out

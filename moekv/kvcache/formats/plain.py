@@ -30,16 +30,16 @@ class PlainKVFormat(KVFormat):
                 f"{self.name}; pages must be a multiple of {PAGE_ALIGN_BYTES} bytes: use a block_size that is a "
                 f"multiple of {need}")
 
-    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device) -> LayerKVCache:
+    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype) -> LayerKVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)  # [N, Hkv, P, D]
         return LayerKVCache({
             "k_pages": torch.zeros(shape, dtype=self.dtype, device=device),
             "v_pages": torch.zeros(shape, dtype=self.dtype, device=device),
         })
 
-    def write(self, cache, k, v, slot_mapping) -> None:
-        write_kv_pages_ref(cache["k_pages"], cache["v_pages"], k, v, slot_mapping)
+    def write(self, cache, k, v, ctx) -> None:
+        write_kv_pages_ref(cache["k_pages"], cache["v_pages"], k, v, ctx.slot_mapping)
 
-    def attend(self, q, cache, block_tables, context_lens, query_start_loc, scale, sliding_window):
-        return paged_attention_ref(q, cache["k_pages"], cache["v_pages"], block_tables, context_lens,
-                                   query_start_loc, scale, sliding_window)
+    def attend(self, q, cache, ctx, scale, sliding_window):
+        return paged_attention_ref(q, cache["k_pages"], cache["v_pages"], ctx.block_tables, ctx.context_lens,
+                                   ctx.query_start_loc, scale, sliding_window)

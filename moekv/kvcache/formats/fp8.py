@@ -1,0 +1,25 @@
+"""fp8_e4m3: FP8 E4M3 codes with one fp16 scale per (token, KV head)."""
+from __future__ import annotations
+
+import torch
+
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout
+
+FP8_MAX = 448.0  # largest finite E4M3 value
+
+
+class FP8Format(PagedQuantFormat):
+    name = "fp8_e4m3"
+
+    def layout(self, kind, block_size, head_dim) -> PageLayout:
+        return PageLayout([Field("codes", torch.float8_e4m3fn, (block_size, head_dim)),
+                           Field("scale", torch.float16, (block_size,))])
+
+    def quantize(self, x, kind, layer=None):
+        amax = x.abs().amax(dim=-1)  # [n, Hkv, P]
+        scale = (amax / FP8_MAX).clamp(min=1e-8).to(torch.float16).float()  # fp16-representable, never 0
+        codes = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return {"codes": codes, "scale": scale}
+
+    def dequantize(self, fields, kind, layer=None):
+        return fields["codes"].float() * fields["scale"].float()[..., None]

@@ -118,7 +118,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
     llm = LLM(**vars(engine_config_from(args)))
     result = perplexity(llm, args.text, window=args.window, stride=args.stride, max_tokens=args.max_tokens,
-                        progress=not args.json)
+                        progress=not args.json, mode=args.mode)
     record = result.to_dict()
     if args.reference_transformers:
         ids = read_text_tokens(llm.tokenizer, args.text, args.max_tokens)
@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
     ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
     ppl.add_argument("--stride", type=int, default=None, help="window advance (default: window / 2)")
+    ppl.add_argument("--mode", default="decode", choices=["decode", "prefill"],
+                     help="decode: scored tokens are fed one per step, reading the cache as generation does")
     ppl.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ppl.add_argument("--reference-transformers", action="store_true",
                      help="also score the same windows with transformers (needs it installed)")

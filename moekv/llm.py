@@ -79,13 +79,19 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
-    def score(self, prompts: Seq[PromptType]) -> list[torch.Tensor]:
+    def score(self, prompts: Seq[PromptType], decode_from: Seq[int] | None = None) -> list[torch.Tensor]:
         """The model's logits [len(prompt), V] (fp32, CPU) at every prompt position, computed through
-        the engine's paged KV cache exactly as generation would (prefill chunks write and read pages)."""
+        the engine's paged KV cache (prefill chunks write and read pages).
+
+        decode_from[i]: prompt i's tokens from this position on are fed one per step, as decode
+        feeds generated tokens (teacher forcing), so their logits see the cache as generation does.
+        """
         engine = self.engine
         seqs = [engine.make_sequence(p, SamplingParams(max_tokens=1, temperature=0.0), scoring=True) for p in prompts]
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             seq.prompt_logits = []
+            if decode_from is not None:
+                seq.decode_from = decode_from[i]
         self._run(seqs, use_tqdm=False)
         return [torch.cat(seq.prompt_logits) for seq in seqs]
 

@@ -78,9 +78,11 @@ class ModelRunner:
             source = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
         else:
             num_blocks = int(self.config.kv_cache_memory_gb * 2**30 // self.kv_bytes_per_block)
-            # no point holding more than every sequence at full length
-            num_blocks = min(num_blocks, blocks_per_seq * self.config.max_num_seqs)
             source = f"kv_cache_memory_gb={self.config.kv_cache_memory_gb}"
+        if self.config.num_kv_blocks is None:
+            # no point holding more than every sequence at full length (and a second engine in the
+            # same process still finds room on the card)
+            num_blocks = min(num_blocks, blocks_per_seq * self.config.max_num_seqs)
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"the KV pool ({source}) holds {num_blocks} pages of {self.block_size} tokens, but one sequence "

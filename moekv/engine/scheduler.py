@@ -73,7 +73,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(seq.num_schedulable_tokens, budget)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
                 victim = self.running.pop()  # newest running sequence loses its pages
                 self._preempt(victim)
@@ -89,7 +89,7 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                num_tokens = min(seq.num_uncomputed_tokens, budget)
+                num_tokens = min(seq.num_schedulable_tokens, budget)
                 if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
                     break
                 self.waiting.popleft()

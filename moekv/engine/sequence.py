@@ -42,6 +42,9 @@ class Sequence:
     prompt_logprobs: list = field(default_factory=list)
     # When a list: the model's logits [n, V] for each prompt chunk computed (LLM.score fills it).
     prompt_logits: list | None = None
+    # Scoring in decode mode: prompt tokens from this position on are fed one per step, as decode
+    # would (teacher forcing), so each one is predicted from the cache exactly as generation reads it.
+    decode_from: int | None = None
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -59,6 +62,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens the next step may compute for this sequence (before the token budget)."""
+        n = self.num_uncomputed_tokens
+        if self.decode_from is not None:
+            n = 1 if self.num_computed_tokens >= self.decode_from else min(n, self.decode_from - self.num_computed_tokens)
+        return n
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """token_ids[start:stop] across prompt and output, without building the whole list."""

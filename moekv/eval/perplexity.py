@@ -25,6 +25,7 @@ class PerplexityResult:
     stride: int
     kv_cache_dtype: str
     bits_per_element: float
+    mode: str
     seconds: float
     text: str = ""
 
@@ -71,13 +72,17 @@ def nll_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 def score_windows(logits_fn, ids: list[int], window: int, stride: int, progress: bool = True,
                   batch_windows: int = 8) -> tuple[float, int]:
-    """Sum of NLL and count of scored tokens; logits_fn(list of token lists) -> list of [len, V]."""
+    """Sum of NLL and count of scored tokens.
+
+    logits_fn(chunks, first_rows) -> list of [len, V]: chunks are token lists, first_rows[i] the
+    first row of chunk i whose logits are scored (rows before it are context only).
+    """
     plan = windows(len(ids), window, stride)
     total, count = 0.0, 0
     bar = tqdm(total=len(ids) - 1, desc="perplexity", unit="tok", disable=not progress)
     for i in range(0, len(plan), batch_windows):
         group = plan[i:i + batch_windows]
-        all_logits = logits_fn([ids[b:e] for b, e, _ in group])
+        all_logits = logits_fn([ids[b:e] for b, e, _ in group], [first - 1 - b for b, _, first in group])
         for (begin, end, first), logits in zip(group, all_logits):
             # logits row r predicts token begin + r + 1
             rows = slice(first - 1 - begin, end - 1 - begin)
@@ -90,8 +95,17 @@ def score_windows(logits_fn, ids: list[int], window: int, stride: int, progress:
 
 
 def perplexity(llm, text_path: str | Path, window: int | None = None, stride: int | None = None,
-               max_tokens: int | None = None, progress: bool = True) -> PerplexityResult:
-    """Perplexity of the file through `llm` (a moekv.LLM) and its configured KV format."""
+               max_tokens: int | None = None, progress: bool = True, mode: str = "decode") -> PerplexityResult:
+    """Perplexity of the file through `llm` (a moekv.LLM) and its configured KV format.
+
+    mode "decode": each window's context is prefilled, then its scored tokens are fed one per step
+    as generation feeds them, so every prediction reads the cache exactly as decoding would (the
+    newest partial page in staging, older pages compressed). mode "prefill": the whole window is
+    one prefill (faster; for compressed formats slightly pessimistic, since even the page holding
+    the query is read compressed).
+    """
+    if mode not in ("decode", "prefill"):
+        raise ValueError(f"mode={mode!r} is not accepted; use 'decode' or 'prefill'")
     engine = llm.engine
     window = window or engine.max_model_len
     stride = stride or max(1, window // 2)
@@ -99,13 +113,18 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
         raise ValueError(f"window={window} exceeds the engine's max_model_len={engine.max_model_len}")
     ids = read_text_tokens(engine.tokenizer, text_path, max_tokens)
     start = time.perf_counter()
-    total, count = score_windows(lambda chunks: llm.score([{"prompt_token_ids": c} for c in chunks]),
-                                 ids, window, stride, progress)
+    def logits_fn(chunks, first_rows):
+        prompts = [{"prompt_token_ids": c} for c in chunks]
+        # decode mode: every scored row comes from a one-token step, as in generation
+        return llm.score(prompts, decode_from=first_rows if mode == "decode" else None)
+
+    batch = min(engine.config.max_num_seqs, 32) if mode == "decode" else 8
+    total, count = score_windows(logits_fn, ids, window, stride, progress, batch_windows=batch)
     seconds = time.perf_counter() - start
     fmt = engine.runner.kv_format
     cfg = engine.model_config
     return PerplexityResult(
-        ppl=math.exp(total / count), nll=total / count, tokens=count, window=window, stride=stride,
+        ppl=math.exp(total / count), nll=total / count, tokens=count, window=window, stride=stride, mode=mode,
         kv_cache_dtype=fmt.name, seconds=seconds, text=str(text_path),
         bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size, cfg.head_dim))
 
@@ -119,7 +138,7 @@ def perplexity_transformers(model_dir: str | Path, ids: list[int], window: int, 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
     @torch.no_grad()
-    def logits_fn(chunks):
+    def logits_fn(chunks, first_rows):
         return [model(torch.tensor([c], device=device)).logits[0].float().cpu() for c in chunks]
 
     total, count = score_windows(logits_fn, ids, window, stride, progress)

@@ -3,8 +3,9 @@
 Per (token, group of `group_size` channels) an fp16 scale and an fp16 minimum; codes are packed
 two per byte, the even channel in the low nibble, so a kernel unpacks a byte with one shift and
 one mask. The top ~1% of channels of each (page, kv_head) by magnitude (at least one) are kept in
-bf16 beside the codes, their uint8 indices in the slab: they are chosen per page from the data,
-so no calibration is needed. Outlier channels are left out of their group's min/max (one large
+bf16 beside the codes (they are the page's largest values: bf16 cannot overflow where fp16 could,
+and its relative step 2^-9 is far below the 4-bit one), their uint8 indices in the slab. They are
+chosen per page from the data, so no calibration is needed. Outlier channels are left out of their group's min/max (one large
 channel would otherwise stretch the step of the whole group) and are overwritten on dequantize.
 
 Slab of one (page, kv_head), P = block_size, D = head_dim, G = group_size, O = outlier channels:
@@ -12,7 +13,9 @@ Slab of one (page, kv_head), P = block_size, D = head_dim, G = group_size, O = o
     scale        float16  [P, D/G]
     zero         float16  [P, D/G]   (the group's minimum)
     outlier_val  bfloat16 [P, O]
-    outlier_idx  uint8    [O]        (last: one or two bytes should not push a 16-byte gap forward)
+    outlier_idx  uint8    [O]        (last, so its few bytes open no 16-byte alignment gap)
+Bits per element count every slab byte, padding included: 6.0 at (P, D) = (16, 32), 5.5 at
+(16, 128) with G = 32, 5.0 at (16, 128) with G = 64.
 """
 from __future__ import annotations
 

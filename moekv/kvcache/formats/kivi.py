@@ -1,0 +1,154 @@
+"""kivi2: KIVI's asymmetric 2-bit KV cache (Liu et al. 2024), written from the paper's description.
+
+- Keys are quantized per *channel*: each channel gets a min and a scale over a group of 32
+  tokens, because key outliers live in fixed channels (a per-token step would be set by them).
+- Values are quantized per *token* in groups of 32 channels: value error mixes across channels
+  through the attention weights, so per-token grouping is what bounds the output error.
+- The most recent R tokens (default 128) are read in 16-bit: KIVI keeps a residual window
+  unquantized, which protects the tokens attention leans on most while decoding.
+
+Pages are quantized as soon as they are full, as in every paged format; the residual window lives
+beside them in a per-sequence 16-bit ring of R tokens (`k_residual`, `v_residual`), and `gather`
+substitutes the ring's tokens for the dequantized ones. The ring's bytes are counted in
+`staging_bytes_per_seq`. R must be a multiple of the 32-token group, so the ring is whole
+token-groups (a kernel reads it in the same 32-row tiles as a key group and never splits a tile
+at the wrap point).
+
+Slab of one (page, kv_head), P = block_size (a multiple of 32), D = head_dim (a multiple of 32):
+    key:   codes uint8 [P, D/4], scale fp16 [P/32, D], zero fp16 [P/32, D]
+    value: codes uint8 [P, D/4], scale fp16 [P, D/32], zero fp16 [P, D/32]
+Codes are packed four per byte along head_dim, channel 4j+i in bits 2i..2i+1 of byte j, so a
+kernel unpacks with uniform shifts by 0, 2, 4, 6.
+"""
+from __future__ import annotations
+
+import torch
+
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout
+
+GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
+LEVELS = 3  # 2-bit codes 0..3
+FP16_MAX = 65504.0
+
+
+class KIVI2Format(PagedQuantFormat):
+    name = "kivi2"
+    default_residual = 128  # KIVI's R; the engine has no option for it yet (see the module docstring)
+
+    def __init__(self, residual: int | None = None, kivi_residual: int | None = None, **_: object) -> None:
+        if residual is not None and kivi_residual is not None and residual != kivi_residual:
+            raise ValueError(f"kivi2: residual={residual!r} and kivi_residual={kivi_residual!r} disagree; give one")
+        r = residual if residual is not None else kivi_residual
+        r = self.default_residual if r is None else r
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0 or r % GROUP:
+            raise ValueError(f"kivi2: residual={r!r} must be an integer >= 0 and a multiple of {GROUP} "
+                             f"(the residual window is kept in whole {GROUP}-token groups)")
+        self.residual = r
+
+    # -- layout ----------------------------------------------------------------------------------
+    def layout(self, kind, block_size, head_dim) -> PageLayout:
+        if block_size % GROUP:
+            raise ValueError(f"kivi2: block_size={block_size} must be a multiple of {GROUP} "
+                             f"(keys are quantized per channel over groups of {GROUP} tokens)")
+        if head_dim % GROUP:
+            raise ValueError(f"kivi2: head_dim={head_dim} must be a multiple of {GROUP} "
+                             f"(values are quantized per token over groups of {GROUP} channels)")
+        codes = Field("codes", torch.uint8, (block_size, head_dim // 4))
+        if kind == "key":
+            side = (block_size // GROUP, head_dim)  # per (token group, channel)
+        else:
+            side = (block_size, head_dim // GROUP)  # per (token, channel group)
+        return PageLayout([codes, Field("scale", torch.float16, side), Field("zero", torch.float16, side)])
+
+    def residual_bytes_per_seq(self, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one sequence's residual ring (one layer, K and V, 16-bit)."""
+        return 2 * num_kv_heads * self.residual * head_dim * 2
+
+    def staging_bytes_per_seq(self, num_kv_heads, block_size, head_dim) -> int:
+        return (super().staging_bytes_per_seq(num_kv_heads, block_size, head_dim)
+                + self.residual_bytes_per_seq(num_kv_heads, head_dim))
+
+    def bits_per_element_at(self, context_len: int, num_kv_heads: int, block_size: int, head_dim: int) -> float:
+        """Bits per element of one sequence of context_len tokens (one layer, K and V): its full pages,
+        its staging page and its residual ring, over the elements it caches."""
+        if context_len < 1:
+            raise ValueError(f"context_len={context_len} must be >= 1")
+        nbytes = ((context_len // block_size) * self.page_bytes(num_kv_heads, block_size, head_dim)
+                  + self.staging_bytes_per_seq(num_kv_heads, block_size, head_dim))
+        return 8 * nbytes / (2 * context_len * num_kv_heads * head_dim)
+
+    # -- quantize / dequantize -------------------------------------------------------------------
+    def quantize(self, x, kind, layer=None):
+        # x [n, Hkv, P, D] fp32
+        n, heads, P, D = x.shape
+        if kind == "key":
+            groups = x.reshape(n, heads, P // GROUP, GROUP, D)  # reduce over the group's tokens (dim 3)
+            codes, scale, zero = _asym_quantize(groups, dim=3)  # scale, zero [n, Hkv, P/32, D]
+        else:
+            groups = x.reshape(n, heads, P, D // GROUP, GROUP)  # reduce over the group's channels
+            codes, scale, zero = _asym_quantize(groups, dim=4)  # scale, zero [n, Hkv, P, D/32]
+        return {"codes": _pack_crumbs(codes.reshape(n, heads, P, D)), "scale": scale, "zero": zero}
+
+    def dequantize(self, fields, kind, layer=None):
+        codes = _unpack_crumbs(fields["codes"]).float()  # [n, Hkv, P, D]
+        scale, zero = fields["scale"].float(), fields["zero"].float()
+        dim = 2 if kind == "key" else 3  # keys: one row per token group; values: one column per channel group
+        return codes * scale.repeat_interleave(GROUP, dim=dim) + zero.repeat_interleave(GROUP, dim=dim)
+
+    # -- residual ring ---------------------------------------------------------------------------
+    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype):
+        cache = super().allocate(num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype)
+        ring_dtype = cache["k_staging"].dtype
+        for name in ("k", "v"):
+            # [max_num_seqs, Hkv, R, D]: position p of a sequence sits at row p % R
+            cache.tensors[f"{name}_residual"] = torch.zeros(max_num_seqs, num_kv_heads, self.residual, head_dim,
+                                                            dtype=ring_dtype, device=device)
+        return cache
+
+    def write(self, cache, k, v, ctx) -> None:
+        super().write(cache, k, v, ctx)  # full pages quantized, partial page staged
+        if self.residual == 0:
+            return
+        starts = ctx.query_start_loc.tolist()
+        for b, (end, slot) in enumerate(zip(ctx.context_lens.tolist(), ctx.seq_slots.tolist())):
+            lo, hi = starts[b], starts[b + 1]
+            keep = min(hi - lo, self.residual)  # older tokens of this step would be overwritten anyway
+            if keep == 0:
+                continue
+            rows = torch.arange(end - keep, end, device=k.device) % self.residual  # [keep]
+            for name, x in (("k", k[hi - keep:hi]), ("v", v[hi - keep:hi])):  # x [keep, Hkv, D]
+                ring = cache[f"{name}_residual"]
+                ring[slot, :, rows] = x.transpose(0, 1).to(ring.dtype)
+
+    def gather(self, cache, ctx, b, length, kind):
+        x = super().gather(cache, ctx, b, length, kind)  # [length, Hkv, D] fp32
+        window = min(length, self.residual)
+        if window:
+            ring = cache[("k" if kind == "key" else "v") + "_residual"][int(ctx.seq_slots[b])]  # [Hkv, R, D]
+            rows = torch.arange(length - window, length, device=x.device) % self.residual
+            x[length - window:] = ring[:, rows].transpose(0, 1).float()
+        return x
+
+
+def _asym_quantize(groups: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """2-bit asymmetric codes of `groups` with one (scale, min) per slice reduced over `dim`.
+    Returns codes (uint8, groups' shape) and fp16 scale, zero (dim removed)."""
+    lo = groups.amin(dim)
+    hi = groups.amax(dim)
+    # codes are computed against the fp16 values the kernel will see
+    zero = lo.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+    scale = ((hi - zero.float()) / LEVELS).clamp(0, FP16_MAX).to(torch.float16)
+    s, z = scale.float().unsqueeze(dim), zero.float().unsqueeze(dim)
+    # scale 0 (constant slice): every code 0, so it decodes to exactly the stored minimum
+    codes = torch.where(s > 0, ((groups - z) / torch.where(s > 0, s, 1.0)).round().clamp(0, LEVELS), 0.0)
+    return codes.to(torch.uint8), scale, zero
+
+
+def _pack_crumbs(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., D] uint8 in 0..3 -> [..., D/4]: channel 4j+i in bits 2i..2i+1 of byte j."""
+    return codes[..., 0::4] | (codes[..., 1::4] << 2) | (codes[..., 2::4] << 4) | (codes[..., 3::4] << 6)
+
+
+def _unpack_crumbs(packed: torch.Tensor) -> torch.Tensor:
+    """[..., D/4] uint8 -> codes [..., D]."""
+    return torch.stack([(packed >> s) & 0x3 for s in (0, 2, 4, 6)], dim=-1).flatten(-2)

@@ -31,3 +31,20 @@ def test_bad_input_is_one_clear_line(mixtral_ckpt, tmp_path):
     assert r.returncode == 2 and "model folder not found" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("generate", "--model", str(mixtral_ckpt), "--prompt", "x", "--kv-cache-dtype", "int3")
     assert r.returncode == 2 and "kv_cache_dtype='int3' is unknown" in r.stderr
+
+
+def test_engine_runs_without_importing_transformers(mixtral_ckpt):
+    """Loading and generating must not pull in transformers (a dev dependency only)."""
+    code = ("import sys; from moekv import LLM, SamplingParams; "
+            f"LLM({str(mixtral_ckpt)!r}, max_model_len=32).generate('hi', SamplingParams(max_tokens=2)); "
+            "assert 'transformers' not in sys.modules, 'transformers was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_default_model_generates_english(tmp_path):
+    """No --model: the bundled tiny model answers with words."""
+    r = run_cli("generate", "--prompt", "It was a dark and stormy night", "--max-tokens", "24", "--quiet")
+    assert r.returncode == 0, r.stderr
+    words = r.stdout.split()
+    assert len(words) >= 8 and sum(w.strip(".,!?;:'\"").isalpha() for w in words) >= len(words) // 2

@@ -23,6 +23,9 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        # pages that went back to the free list since the model runner last drained this list
+        # (formats with state per page, such as tiers, forget it then)
+        self.freed_since_drain: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,7 +66,12 @@ class BlockManager:
                 raise RuntimeError(f"page {block} freed twice")
             if self._ref_counts[block] == 0:
                 self._free.append(block)
+                self.freed_since_drain.append(block)
         seq.block_table.clear()
+
+    def drain_freed(self) -> list[int]:
+        freed, self.freed_since_drain = self.freed_since_drain, []
+        return freed
 
     def check_invariants(self, live: Iterable[HasBlockTable]) -> None:
         """Every page is either free or owned, never both, never twice; raises AssertionError."""

@@ -157,6 +157,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty():
             return []
+        self.runner.release_pages(self.block_manager.drain_freed())
         blocked = {item.seq.request_id: self._blocked_ids(item.seq) for item in out.scheduled}
         try:
             results = self.runner.execute(out, blocked)

@@ -105,6 +105,12 @@ class ModelRunner:
         self._generators.pop(seq.request_id, None)
         self._release_slot(seq)
 
+    def release_pages(self, pages: list[int]) -> None:
+        """Tell each layer's format that these pages are free again (before they are reused)."""
+        if pages:
+            for cache in self.kv_caches:
+                self.kv_format.release_pages(cache, pages)
+
     def _release_slot(self, seq: Sequence) -> None:
         slot = self._slots.pop(seq.request_id, None)
         if slot is not None:

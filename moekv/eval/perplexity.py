@@ -28,6 +28,8 @@ class PerplexityResult:
     mode: str
     seconds: float
     text: str = ""
+    # bits per element that attention actually read (formats whose mix changes at run time)
+    bits_per_element_read: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,6 +114,9 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
     if window > engine.max_model_len:
         raise ValueError(f"window={window} exceeds the engine's max_model_len={engine.max_model_len}")
     ids = read_text_tokens(engine.tokenizer, text_path, max_tokens)
+    fmt = engine.runner.kv_format
+    if hasattr(fmt, "bits_read"):  # formats whose bits depend on the run (tiered) measure them
+        fmt.bits_read, fmt.elements_read = 0.0, 0
     start = time.perf_counter()
     def logits_fn(chunks, first_rows):
         prompts = [{"prompt_token_ids": c} for c in chunks]
@@ -121,12 +126,12 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
     batch = min(engine.config.max_num_seqs, 32) if mode == "decode" else 8
     total, count = score_windows(logits_fn, ids, window, stride, progress, batch_windows=batch)
     seconds = time.perf_counter() - start
-    fmt = engine.runner.kv_format
     cfg = engine.model_config
     return PerplexityResult(
         ppl=math.exp(total / count), nll=total / count, tokens=count, window=window, stride=stride, mode=mode,
         kv_cache_dtype=fmt.name, seconds=seconds, text=str(text_path),
-        bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size, cfg.head_dim))
+        bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size, cfg.head_dim),
+        bits_per_element_read=getattr(fmt, "measured_bits_per_element", None))
 
 
 def perplexity_transformers(model_dir: str | Path, ids: list[int], window: int, stride: int,

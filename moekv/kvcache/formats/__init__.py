@@ -21,6 +21,7 @@ _FACTORIES: dict[str, Callable[..., KVFormat]] = {
     "nuq2": lambda model_dtype, **o: _lazy("nuq2", "NUQ2Format")(**o),
     "vq": lambda model_dtype, **o: _lazy("vq", "VQFormat")(**o),
     "kivi2": lambda model_dtype, **o: _lazy("kivi", "KIVI2Format")(**o),
+    "tiered": lambda model_dtype, **o: _lazy("tiered", "TieredFormat")(**o),
 }
 KV_FORMAT_NAMES = tuple(_FACTORIES)
 

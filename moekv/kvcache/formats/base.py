@@ -54,6 +54,9 @@ class KVFormat(ABC):
     def check_layout(self, num_kv_heads: int, block_size: int, head_dim: int) -> None:
         """Raise ValueError if this format cannot lay out pages of this shape."""
 
+    def release_pages(self, cache: LayerKVCache, pages: list[int]) -> None:
+        """Pages went back to the block manager's free list: drop any state kept for them."""
+
     @abstractmethod
     def allocate(self, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  device: torch.device, max_num_seqs: int, dtype: torch.dtype) -> LayerKVCache: ...
@@ -125,6 +128,15 @@ def check_finite(x: torch.Tensor, what: str) -> None:
                          "compressed KV formats refuse them (check the model's dtype and inputs)")
 
 
+def staging_tensors(max_num_seqs: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """[max_num_seqs, Hkv, P, D] for K and V: the newest, partly filled page of each running sequence."""
+    dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    shape = (max_num_seqs, num_kv_heads, block_size, head_dim)
+    return {"k_staging": torch.zeros(shape, dtype=dtype, device=device),
+            "v_staging": torch.zeros(shape, dtype=dtype, device=device)}
+
+
 class PagedQuantFormat(KVFormat):
     """A compressed format that quantizes whole pages: subclasses give the layouts and the
     page-level quantize/dequantize; this class handles staging, packing and reading back."""
@@ -157,13 +169,10 @@ class PagedQuantFormat(KVFormat):
     def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype) -> LayerKVCache:
         k_slab = self.layout("key", block_size, head_dim).slab_bytes
         v_slab = self.layout("value", block_size, head_dim).slab_bytes
-        staging_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         return LayerKVCache({
             "k_pages": torch.zeros(num_blocks, num_kv_heads, k_slab, dtype=torch.uint8, device=device),
             "v_pages": torch.zeros(num_blocks, num_kv_heads, v_slab, dtype=torch.uint8, device=device),
-            # [max_num_seqs, Hkv, P, D]: the newest, partly filled page of each running sequence
-            "k_staging": torch.zeros(max_num_seqs, num_kv_heads, block_size, head_dim, dtype=staging_dtype, device=device),
-            "v_staging": torch.zeros(max_num_seqs, num_kv_heads, block_size, head_dim, dtype=staging_dtype, device=device),
+            **staging_tensors(max_num_seqs, num_kv_heads, block_size, head_dim, dtype, device),
         })
 
     def write(self, cache, k, v, ctx) -> None:

@@ -1,0 +1,235 @@
+"""tiered: pages with the most attention mass stay in FP8, the rest drop to nuq2.
+
+Each layer keeps two physical pools, an FP8 pool (fp8_e4m3 slabs) and a low pool (nuq2 slabs),
+and maps every logical page (the block manager's page id) to a slot in one of them. A page that
+fills is quantized to FP8. Attention, which this format computes with explicit probabilities,
+adds each page's share of the attention mass to a per-page score. Every `rerank_interval` steps
+the layer ranks each sequence's full pages: the top `tier1_fraction`, the first page (attention
+sinks) and the newest full page stay in FP8; the rest are re-encoded into nuq2 and their FP8 slots
+return to the FP8 pool's free list. Demotion only: a page in nuq2 has already lost the precision
+FP8 would keep, so promoting it back would cost bytes and buy nothing.
+
+The FP8 pool holds `fp8_pool_fraction` of the pages (headroom above tier1_fraction for pages
+written between re-rankings); when it runs out, the coldest unprotected FP8 page is demoted at
+once. Bits per element: page_bytes() (what sizes the pool) counts a nuq2 slab per page plus the FP8
+pool's share; `bits_read` tracks what attention actually read, for reports.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moekv.context import Context
+from moekv.kvcache.formats.base import LayerKVCache, PagedQuantFormat, check_finite, staging_tensors
+from moekv.kvcache.formats.fp8 import FP8Format
+from moekv.kvcache.formats.nuq2 import NUQ2Format
+
+TIER_NONE, TIER_FP8, TIER_LOW = 0, 1, 2
+
+
+class TieredFormat(PagedQuantFormat):
+    name = "tiered"
+
+    def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
+                 calibration=None, fp8_pool_fraction: float | None = None, **_) -> None:
+        self.hi = FP8Format()
+        self.lo = NUQ2Format(outlier_sigma=outlier_sigma, calibration=calibration)
+        self.rerank_interval = rerank_interval
+        self.tier1_fraction = tier1_fraction
+        self.fp8_pool_fraction = fp8_pool_fraction if fp8_pool_fraction is not None else min(1.0, tier1_fraction + 0.1)
+        # attention's view of what it read: bits and elements (for reports)
+        self.bits_read = 0.0
+        self.elements_read = 0
+
+    # -- accounting ------------------------------------------------------------------------------
+    def _slabs(self, kind: str, block_size: int, head_dim: int) -> tuple[int, int]:
+        return (self.hi.layout(kind, block_size, head_dim).slab_bytes,
+                self.lo.layout(kind, block_size, head_dim).slab_bytes)
+
+    def page_bytes(self, num_kv_heads, block_size, head_dim) -> int:
+        total = 0.0
+        for kind in ("key", "value"):
+            hi, lo = self._slabs(kind, block_size, head_dim)
+            total += lo + self.fp8_pool_fraction * hi
+        return math.ceil(num_kv_heads * total)
+
+    def check_layout(self, num_kv_heads, block_size, head_dim) -> None:
+        self.hi.check_layout(num_kv_heads, block_size, head_dim)
+        self.lo.check_layout(num_kv_heads, block_size, head_dim)
+
+    @property
+    def measured_bits_per_element(self) -> float | None:
+        return self.bits_read / self.elements_read if self.elements_read else None
+
+    # -- pools -----------------------------------------------------------------------------------
+    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype) -> LayerKVCache:
+        num_fp8 = max(min(num_blocks, 3 * max_num_seqs), math.ceil(self.fp8_pool_fraction * num_blocks))
+        t = staging_tensors(max_num_seqs, num_kv_heads, block_size, head_dim, dtype, device)
+        for kind, name in (("key", "k"), ("value", "v")):
+            hi, lo = self._slabs(kind, block_size, head_dim)
+            t[f"{name}_fp8"] = torch.zeros(num_fp8, num_kv_heads, hi, dtype=torch.uint8, device=device)
+            t[f"{name}_low"] = torch.zeros(num_blocks, num_kv_heads, lo, dtype=torch.uint8, device=device)
+        cache = LayerKVCache(t)
+        # Plain-Python page state (the CPU path; a GPU version keeps these as device tensors).
+        cache.state = {
+            "tier": [TIER_NONE] * num_blocks,
+            "fp8_slot": [-1] * num_blocks,
+            "mass": [0.0] * num_blocks,
+            "free_fp8": list(range(num_fp8 - 1, -1, -1)),
+            "steps": 0,
+        }
+        return cache
+
+    def release_pages(self, cache, pages) -> None:
+        st = cache.state
+        for page in pages:
+            if st["tier"][page] == TIER_FP8:
+                st["free_fp8"].append(st["fp8_slot"][page])
+            st["tier"][page], st["fp8_slot"][page], st["mass"][page] = TIER_NONE, -1, 0.0
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write(self, cache, k, v, ctx) -> None:
+        st = cache.state
+        block_size = cache["k_staging"].shape[2]
+        starts = ctx.query_start_loc.tolist()
+        slots = ctx.seq_slots.tolist()
+        for b, end in enumerate(ctx.context_lens.tolist()):
+            lo, hi = starts[b], starts[b + 1]
+            first_pos = end - (hi - lo)
+            completed: dict[int, dict[str, torch.Tensor]] = {}
+            for name, x in (("k", k[lo:hi]), ("v", v[lo:hi])):
+                staging = cache[f"{name}_staging"][slots[b]]
+                pos = first_pos
+                while pos < end:
+                    page_idx, offset = divmod(pos, block_size)
+                    take = min(block_size - offset, end - pos)
+                    staging[:, offset:offset + take] = x[pos - first_pos:pos - first_pos + take].transpose(0, 1).to(staging.dtype)
+                    pos += take
+                    if offset + take == block_size:
+                        completed.setdefault(page_idx, {})[name] = staging.float().clone()
+            for page_idx, kv in completed.items():
+                page = int(ctx.block_tables[b, page_idx])
+                self._store_fp8(cache, page, kv, protect=ctx.block_tables[b, :page_idx + 1].tolist())
+        st["steps"] += 1
+        if st["steps"] % self.rerank_interval == 0:
+            self._rerank(cache, ctx)
+
+    def _store_fp8(self, cache, page: int, kv: dict[str, torch.Tensor], protect: list[int]) -> None:
+        st = cache.state
+        self.release_pages(cache, [page])  # a recomputed page (after preemption) starts over
+        if not st["free_fp8"]:
+            self._demote_coldest(cache, exclude=set(protect[:1] + protect[-1:]))
+        for name, kind in (("k", "key"), ("v", "value")):
+            check_finite(kv[name], kind + "s")
+        if st["free_fp8"]:
+            slot = st["free_fp8"].pop()
+            for name, kind in (("k", "key"), ("v", "value")):
+                x = kv[name][None]  # [1, Hkv, P, D]
+                layout = self.hi.layout(kind, x.shape[2], x.shape[3])
+                cache[f"{name}_fp8"][slot] = layout.pack(self.hi.quantize(x, kind, cache.layer))[0]
+            st["tier"][page], st["fp8_slot"][page] = TIER_FP8, slot
+        else:  # every FP8 page is protected: this one goes straight to the low tier
+            for name, kind in (("k", "key"), ("v", "value")):
+                x = kv[name][None]
+                layout = self.lo.layout(kind, x.shape[2], x.shape[3])
+                cache[f"{name}_low"][page] = layout.pack(self.lo.quantize(x, kind, cache.layer))[0]
+            st["tier"][page] = TIER_LOW
+
+    def _demote(self, cache, page: int) -> None:
+        """Re-encode one FP8 page into nuq2 (in its low-pool slot) and free its FP8 slot."""
+        st = cache.state
+        slot = st["fp8_slot"][page]
+        for name, kind in (("k", "key"), ("v", "value")):
+            slab = cache[f"{name}_fp8"][slot][None]
+            P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
+            x = self.hi.dequantize(self.hi.layout(kind, P, D).unpack(slab), kind, cache.layer)
+            cache[f"{name}_low"][page] = self.lo.layout(kind, P, D).pack(self.lo.quantize(x, kind, cache.layer))[0]
+        st["free_fp8"].append(slot)
+        st["tier"][page], st["fp8_slot"][page] = TIER_LOW, -1
+
+    def _demote_coldest(self, cache, exclude: set[int]) -> None:
+        st = cache.state
+        candidates = [p for p, t in enumerate(st["tier"]) if t == TIER_FP8 and p not in exclude]
+        if candidates:
+            self._demote(cache, min(candidates, key=lambda p: st["mass"][p]))
+
+    def _rerank(self, cache, ctx: Context) -> None:
+        """Per sequence in this step: keep the top pages by mass, the first and the newest full page
+        in FP8; demote the rest. Masses then halve, so that the ranking follows recent attention."""
+        st = cache.state
+        block_size = cache["k_staging"].shape[2]
+        for b, length in enumerate(ctx.context_lens.tolist()):
+            full = ctx.block_tables[b, :length // block_size].tolist()
+            if len(full) <= 2:
+                continue
+            keep = set(sorted(full, key=lambda p: -st["mass"][p])[:math.ceil(self.tier1_fraction * len(full))])
+            keep |= {full[0], full[-1]}
+            for page in full:
+                if page not in keep and st["tier"][page] == TIER_FP8:
+                    self._demote(cache, page)
+        st["mass"] = [m * 0.5 for m in st["mass"]]
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _gather_pages(self, cache, pages: list[int], kind: str) -> torch.Tensor:
+        """Dequantize logical pages from whichever tier holds them -> [n, Hkv, P, D] fp32."""
+        st = cache.state
+        name = "k" if kind == "key" else "v"
+        P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
+        out = torch.empty(len(pages), cache["k_staging"].shape[1], P, D, device=cache["k_staging"].device)
+        for tier, fmt, pool in ((TIER_FP8, self.hi, "fp8"), (TIER_LOW, self.lo, "low")):
+            idx = [i for i, p in enumerate(pages) if st["tier"][p] == tier]
+            if not idx:
+                continue
+            rows = [st["fp8_slot"][pages[i]] if tier == TIER_FP8 else pages[i] for i in idx]
+            slabs = cache[f"{name}_{pool}"][torch.tensor(rows, device=out.device)]
+            layout = fmt.layout(kind, P, D)
+            out[torch.tensor(idx, device=out.device)] = fmt.dequantize(layout.unpack(slabs), kind, cache.layer)
+            self.bits_read += 8 * slabs.numel()
+            self.elements_read += len(idx) * out.shape[1] * P * D
+        return out
+
+    def gather(self, cache, ctx, b, length, kind):
+        P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
+        num_full = length // P
+        parts = []
+        if num_full:
+            pages = ctx.block_tables[b, :num_full].tolist()
+            x = self._gather_pages(cache, pages, kind)
+            parts.append(x.permute(0, 2, 1, 3).reshape(num_full * P, -1, D))
+        tail = length - num_full * P
+        if tail:
+            name = "k" if kind == "key" else "v"
+            parts.append(cache[f"{name}_staging"][int(ctx.seq_slots[b]), :, :tail].transpose(0, 1).float())
+            self.bits_read += 16 * tail * cache["k_staging"].shape[1] * D
+            self.elements_read += tail * cache["k_staging"].shape[1] * D
+        return torch.cat(parts)
+
+    def attend(self, q, cache, ctx, scale, sliding_window):
+        """Attention with explicit probabilities, so each page's mass is known (no second pass)."""
+        st = cache.state
+        P = cache["k_staging"].shape[2]
+        out = torch.empty_like(q)
+        starts = ctx.query_start_loc.tolist()
+        group = q.shape[1] // cache["k_staging"].shape[1]
+        for b, length in enumerate(ctx.context_lens.tolist()):
+            lo, hi = starts[b], starts[b + 1]
+            if hi == lo:
+                continue
+            k = self.gather(cache, ctx, b, length, "key").repeat_interleave(group, dim=1)  # [L, Hq, D]
+            v = self.gather(cache, ctx, b, length, "value").repeat_interleave(group, dim=1)
+            qb = q[lo:hi].float()  # [Tq, Hq, D]
+            scores = torch.einsum("thd,lhd->htl", qb, k) * scale  # [Hq, Tq, L]
+            q_pos = torch.arange(length - (hi - lo), length, device=q.device)[:, None]
+            k_pos = torch.arange(length, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            out[lo:hi] = torch.einsum("htl,lhd->thd", probs, v).to(q.dtype)
+            num_full = length // P
+            if num_full:
+                per_page = probs[..., :num_full * P].sum(dim=(0, 1)).reshape(num_full, P).sum(-1).tolist()
+                for page, m in zip(ctx.block_tables[b, :num_full].tolist(), per_page):
+                    st["mass"][page] += m
+        return out

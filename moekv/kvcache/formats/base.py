@@ -137,6 +137,33 @@ def staging_tensors(max_num_seqs: int, num_kv_heads: int, block_size: int, head_
             "v_staging": torch.zeros(shape, dtype=dtype, device=device)}
 
 
+def stage_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Context):
+    """Copy the step's K/V into each sequence's staging page; yield (b, "k" | "v", completed) where
+    completed lists (page index in the block table, page [Hkv, P, D] fp32) for every page the step
+    filled, in order (a prefill chunk can fill several)."""
+    block_size = cache["k_staging"].shape[2]
+    starts = ctx.query_start_loc.tolist()
+    slots = ctx.seq_slots.tolist()
+    for b, end in enumerate(ctx.context_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        first_pos = end - (hi - lo)
+        for name, x in (("k", k[lo:hi]), ("v", v[lo:hi])):
+            staging = cache[f"{name}_staging"][slots[b]]  # [Hkv, P, D]
+            completed = []
+            pos = first_pos
+            while pos < end:
+                page_idx, offset = divmod(pos, block_size)
+                take = min(block_size - offset, end - pos)
+                chunk = x[pos - first_pos:pos - first_pos + take]  # [take, Hkv, D]
+                staging[:, offset:offset + take] = chunk.transpose(0, 1).to(staging.dtype)
+                pos += take
+                if offset + take == block_size:
+                    completed.append((page_idx, staging.float().clone()))
+            yield b, name, completed
+
+
 class PagedQuantFormat(KVFormat):
     """A compressed format that quantizes whole pages: subclasses give the layouts and the
     page-level quantize/dequantize; this class handles staging, packing and reading back."""
@@ -177,33 +204,15 @@ class PagedQuantFormat(KVFormat):
 
     def write(self, cache, k, v, ctx) -> None:
         block_size = cache["k_staging"].shape[2]
-        starts = ctx.query_start_loc.tolist()
-        ends = ctx.context_lens.tolist()
-        slots = ctx.seq_slots.tolist()
-        for b, end in enumerate(ends):
-            lo, hi = starts[b], starts[b + 1]
-            if hi == lo:
+        for b, name, full_pages in stage_tokens(cache, k, v, ctx):
+            if not full_pages:
                 continue
-            first_pos = end - (hi - lo)
-            for name, x in (("k", k[lo:hi]), ("v", v[lo:hi])):
-                staging = cache[f"{name}_staging"][slots[b]]  # [Hkv, P, D]
-                pos = first_pos
-                full_pages = []
-                while pos < end:
-                    page_idx, offset = divmod(pos, block_size)
-                    take = min(block_size - offset, end - pos)
-                    staging[:, offset:offset + take] = x[pos - first_pos:pos - first_pos + take].transpose(0, 1).to(staging.dtype)
-                    pos += take
-                    if offset + take == block_size:  # page complete: quantize it out of staging
-                        full_pages.append((page_idx, staging.float().clone()))
-                if full_pages:
-                    table = ctx.block_tables[b]
-                    page_ids = torch.stack([table[i] for i, _ in full_pages]).long()
-                    x_full = torch.stack([p for _, p in full_pages])  # [n, Hkv, P, D]
-                    kind = "key" if name == "k" else "value"
-                    check_finite(x_full, kind + "s")
-                    slab = self.layout(kind, block_size, x_full.shape[-1]).pack(self.quantize(x_full, kind, cache.layer))
-                    cache[f"{name}_pages"][page_ids] = slab
+            page_ids = ctx.block_tables[b, [i for i, _ in full_pages]].long()
+            x_full = torch.stack([p for _, p in full_pages])  # [n, Hkv, P, D]
+            kind = "key" if name == "k" else "value"
+            check_finite(x_full, kind + "s")
+            slab = self.layout(kind, block_size, x_full.shape[-1]).pack(self.quantize(x_full, kind, cache.layer))
+            cache[f"{name}_pages"][page_ids] = slab
 
     def gather(self, cache, ctx: Context, b: int, length: int, kind: str) -> torch.Tensor:
         """Sequence b's first `length` tokens of K or V, dequantized: [length, Hkv, D] fp32."""

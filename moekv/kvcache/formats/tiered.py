@@ -21,7 +21,7 @@ import math
 import torch
 
 from moekv.context import Context
-from moekv.kvcache.formats.base import LayerKVCache, PagedQuantFormat, check_finite, staging_tensors
+from moekv.kvcache.formats.base import LayerKVCache, PagedQuantFormat, check_finite, stage_tokens, staging_tensors
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
 
@@ -91,26 +91,13 @@ class TieredFormat(PagedQuantFormat):
     # -- writing ---------------------------------------------------------------------------------
     def write(self, cache, k, v, ctx) -> None:
         st = cache.state
-        block_size = cache["k_staging"].shape[2]
-        starts = ctx.query_start_loc.tolist()
-        slots = ctx.seq_slots.tolist()
-        for b, end in enumerate(ctx.context_lens.tolist()):
-            lo, hi = starts[b], starts[b + 1]
-            first_pos = end - (hi - lo)
-            completed: dict[int, dict[str, torch.Tensor]] = {}
-            for name, x in (("k", k[lo:hi]), ("v", v[lo:hi])):
-                staging = cache[f"{name}_staging"][slots[b]]
-                pos = first_pos
-                while pos < end:
-                    page_idx, offset = divmod(pos, block_size)
-                    take = min(block_size - offset, end - pos)
-                    staging[:, offset:offset + take] = x[pos - first_pos:pos - first_pos + take].transpose(0, 1).to(staging.dtype)
-                    pos += take
-                    if offset + take == block_size:
-                        completed.setdefault(page_idx, {})[name] = staging.float().clone()
-            for page_idx, kv in completed.items():
-                page = int(ctx.block_tables[b, page_idx])
-                self._store_fp8(cache, page, kv, protect=ctx.block_tables[b, :page_idx + 1].tolist())
+        completed: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (b, page index) -> {"k", "v"}
+        for b, name, pages in stage_tokens(cache, k, v, ctx):
+            for page_idx, page in pages:
+                completed.setdefault((b, page_idx), {})[name] = page
+        for (b, page_idx), kv in completed.items():
+            page = int(ctx.block_tables[b, page_idx])
+            self._store_fp8(cache, page, kv, protect=ctx.block_tables[b, :page_idx + 1].tolist())
         st["steps"] += 1
         if st["steps"] % self.rerank_interval == 0:
             self._rerank(cache, ctx)

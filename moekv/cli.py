@@ -21,6 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-calibration", default=None, help="folder written by `moekv calibrate`")
     p.add_argument("--kv-rerank-interval", type=int, default=32, help="tiered: decode steps between re-rankings")
     p.add_argument("--kv-tier1-fraction", type=float, default=0.15, help="tiered: share of pages kept in FP8")
+    p.add_argument("--kv-residual", type=int, default=128, help="kivi2: newest tokens kept in 16-bit")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -34,7 +35,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_blocks=args.num_kv_blocks, kv_group_size=args.kv_group_size,
                         kv_outlier_sigma=args.kv_outlier_sigma, kv_calibration=args.kv_calibration,
-                        kv_rerank_interval=args.kv_rerank_interval, kv_tier1_fraction=args.kv_tier1_fraction)
+                        kv_rerank_interval=args.kv_rerank_interval, kv_tier1_fraction=args.kv_tier1_fraction,
+                        kv_residual=args.kv_residual)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

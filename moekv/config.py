@@ -71,6 +71,7 @@ class EngineConfig:
     kv_calibration: str | Path | None = None
     kv_rerank_interval: int = 32
     kv_tier1_fraction: float = 0.15
+    kv_residual: int = 128  # kivi2: newest tokens kept in 16-bit (a multiple of 32)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -101,6 +102,8 @@ class EngineConfig:
         _check(isinstance(self.kv_rerank_interval, int) and self.kv_rerank_interval >= 1,
                f"kv_rerank_interval={self.kv_rerank_interval!r} must be an integer >= 1")
         _check(0.0 <= self.kv_tier1_fraction <= 1.0, f"kv_tier1_fraction={self.kv_tier1_fraction!r} must be in [0, 1]")
+        _check(isinstance(self.kv_residual, int) and self.kv_residual >= 0 and self.kv_residual % 32 == 0,
+               f"kv_residual={self.kv_residual!r} must be a multiple of 32 (0 = no full-precision window)")
         _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
@@ -108,7 +111,7 @@ class EngineConfig:
     def kv_format_options(self) -> dict:
         return {"group_size": self.kv_group_size, "outlier_sigma": self.kv_outlier_sigma,
                 "calibration": self.kv_calibration, "rerank_interval": self.kv_rerank_interval,
-                "tier1_fraction": self.kv_tier1_fraction}
+                "tier1_fraction": self.kv_tier1_fraction, "residual": self.kv_residual}
 
     @property
     def torch_device(self) -> torch.device:

@@ -30,6 +30,8 @@ class PerplexityResult:
     text: str = ""
     # bits per element that attention actually read (formats whose mix changes at run time)
     bits_per_element_read: float | None = None
+    # one sequence of `window` tokens: its full pages plus staging / full-precision window bytes
+    bits_per_element_at_window: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,7 +133,9 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
         ppl=math.exp(total / count), nll=total / count, tokens=count, window=window, stride=stride, mode=mode,
         kv_cache_dtype=fmt.name, seconds=seconds, text=str(text_path),
         bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size, cfg.head_dim),
-        bits_per_element_read=getattr(fmt, "measured_bits_per_element", None))
+        bits_per_element_read=getattr(fmt, "measured_bits_per_element", None),
+        bits_per_element_at_window=fmt.bits_per_element_at(window, cfg.num_kv_heads, engine.config.block_size,
+                                                           cfg.head_dim))
 
 
 def perplexity_transformers(model_dir: str | Path, ids: list[int], window: int, stride: int,

@@ -48,8 +48,18 @@ class KVFormat(ABC):
         return 8 * self.page_bytes(num_kv_heads, block_size, head_dim) / (2 * block_size * num_kv_heads * head_dim)
 
     def staging_bytes_per_seq(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
-        """Bytes per running sequence (one layer) for its partly filled newest page; 0 if none."""
+        """Bytes per running sequence (one layer) for its partly filled newest page (and any
+        full-precision window); 0 if none."""
         return 0
+
+    def bits_per_element_at(self, context_len: int, num_kv_heads: int, block_size: int, head_dim: int) -> float:
+        """Bits per element of one running sequence of context_len tokens (one layer, K and V): its
+        full pages plus its staging bytes, over the elements it caches."""
+        if context_len < 1:
+            raise ValueError(f"context_len={context_len} must be >= 1")
+        nbytes = ((context_len // block_size) * self.page_bytes(num_kv_heads, block_size, head_dim)
+                  + self.staging_bytes_per_seq(num_kv_heads, block_size, head_dim))
+        return 8 * nbytes / (2 * context_len * num_kv_heads * head_dim)
 
     def check_layout(self, num_kv_heads: int, block_size: int, head_dim: int) -> None:
         """Raise ValueError if this format cannot lay out pages of this shape."""

@@ -58,11 +58,6 @@ class Int4Format(PagedQuantFormat):
                            Field("outlier_val", torch.bfloat16, (block_size, outliers)),
                            Field("outlier_idx", torch.uint8, (outliers,))])
 
-    def bits_per_element_at(self, context_len: int, num_kv_heads: int, block_size: int, head_dim: int) -> float:
-        """Bits per element of one sequence of context_len tokens (one layer, K and V): its full pages
-        plus the 16-bit staging page it holds while running, over the elements it caches."""
-        return _bits_at(self, context_len, num_kv_heads, block_size, head_dim)
-
     # -- quantize / dequantize -------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):
         # x [n, Hkv, P, D] fp32
@@ -90,9 +85,8 @@ class Int4Format(PagedQuantFormat):
     def dequantize(self, fields, kind, layer=None):
         codes = _unpack_nibbles(fields["codes"]).float()  # [n, Hkv, P, D]
         n, heads, P, D = codes.shape
-        scale = fields["scale"].float().repeat_interleave(self.group_size, dim=-1)  # [n, Hkv, P, D]
-        zero = fields["zero"].float().repeat_interleave(self.group_size, dim=-1)
-        x = codes * scale + zero
+        scale, zero = fields["scale"].float()[..., None], fields["zero"].float()[..., None]  # [n, Hkv, P, Ng, 1]
+        x = (codes.view(n, heads, P, D // self.group_size, self.group_size) * scale + zero).reshape(n, heads, P, D)
         idx = fields["outlier_idx"].long()[:, :, None, :].expand(n, heads, P, -1)  # [n, Hkv, P, O]
         return x.scatter_(-1, idx, fields["outlier_val"].float())
 
@@ -111,13 +105,5 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """[..., D/2] uint8 -> codes [..., D]."""
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
-
-
-def _bits_at(fmt: PagedQuantFormat, context_len: int, num_kv_heads: int, block_size: int, head_dim: int) -> float:
-    if context_len < 1:
-        raise ValueError(f"context_len={context_len} must be >= 1")
-    full_pages = context_len // block_size
-    nbytes = (full_pages * fmt.page_bytes(num_kv_heads, block_size, head_dim)
-              + fmt.staging_bytes_per_seq(num_kv_heads, block_size, head_dim))
-    return 8 * nbytes / (2 * context_len * num_kv_heads * head_dim)
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & 0x0F).flatten(-2)

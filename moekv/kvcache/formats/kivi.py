@@ -10,7 +10,8 @@
 Pages are quantized as soon as they are full, as in every paged format; the residual window lives
 beside them in a per-sequence 16-bit ring of R tokens (`k_residual`, `v_residual`), and `gather`
 substitutes the ring's tokens for the dequantized ones. The ring's bytes are counted in
-`staging_bytes_per_seq`. R must be a multiple of the 32-token group, so the ring is whole
+`staging_bytes_per_seq`. The group is KIVI's fixed 32 (the engine's kv_group_size is int4's
+option and is ignored here). R must be a multiple of the 32-token group, so the ring is whole
 token-groups (a kernel reads it in the same 32-row tiles as a key group and never splits a tile
 at the wrap point).
 
@@ -33,7 +34,7 @@ FP16_MAX = 65504.0
 
 class KIVI2Format(PagedQuantFormat):
     name = "kivi2"
-    default_residual = 128  # KIVI's R; the engine has no option for it yet (see the module docstring)
+    default_residual = 128  # KIVI's R (EngineConfig.kv_residual passes it through the registry)
 
     def __init__(self, residual: int | None = None, kivi_residual: int | None = None, **_: object) -> None:
         if residual is not None and kivi_residual is not None and residual != kivi_residual:
@@ -68,15 +69,6 @@ class KIVI2Format(PagedQuantFormat):
         return (super().staging_bytes_per_seq(num_kv_heads, block_size, head_dim)
                 + self.residual_bytes_per_seq(num_kv_heads, head_dim))
 
-    def bits_per_element_at(self, context_len: int, num_kv_heads: int, block_size: int, head_dim: int) -> float:
-        """Bits per element of one sequence of context_len tokens (one layer, K and V): its full pages,
-        its staging page and its residual ring, over the elements it caches."""
-        if context_len < 1:
-            raise ValueError(f"context_len={context_len} must be >= 1")
-        nbytes = ((context_len // block_size) * self.page_bytes(num_kv_heads, block_size, head_dim)
-                  + self.staging_bytes_per_seq(num_kv_heads, block_size, head_dim))
-        return 8 * nbytes / (2 * context_len * num_kv_heads * head_dim)
-
     # -- quantize / dequantize -------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):
         # x [n, Hkv, P, D] fp32
@@ -91,9 +83,13 @@ class KIVI2Format(PagedQuantFormat):
 
     def dequantize(self, fields, kind, layer=None):
         codes = _unpack_crumbs(fields["codes"]).float()  # [n, Hkv, P, D]
+        n, heads, P, D = codes.shape
         scale, zero = fields["scale"].float(), fields["zero"].float()
-        dim = 2 if kind == "key" else 3  # keys: one row per token group; values: one column per channel group
-        return codes * scale.repeat_interleave(GROUP, dim=dim) + zero.repeat_interleave(GROUP, dim=dim)
+        if kind == "key":  # scale, zero [n, Hkv, P/32, D] broadcast over each group's 32 tokens
+            groups = codes.view(n, heads, P // GROUP, GROUP, D) * scale[:, :, :, None] + zero[:, :, :, None]
+        else:  # scale, zero [n, Hkv, P, D/32] broadcast over each group's 32 channels
+            groups = codes.view(n, heads, P, D // GROUP, GROUP) * scale[..., None] + zero[..., None]
+        return groups.reshape(n, heads, P, D)
 
     # -- residual ring ---------------------------------------------------------------------------
     def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype):
@@ -121,13 +117,19 @@ class KIVI2Format(PagedQuantFormat):
                 ring[slot, :, rows] = x.transpose(0, 1).to(ring.dtype)
 
     def gather(self, cache, ctx, b, length, kind):
-        x = super().gather(cache, ctx, b, length, kind)  # [length, Hkv, D] fp32
         window = min(length, self.residual)
-        if window:
-            ring = cache[("k" if kind == "key" else "v") + "_residual"][int(ctx.seq_slots[b])]  # [Hkv, R, D]
-            rows = torch.arange(length - window, length, device=x.device) % self.residual
-            x[length - window:] = ring[:, rows].transpose(0, 1).float()
-        return x
+        if window == 0:
+            return super().gather(cache, ctx, b, length, kind)
+        # dequantize only what holds tokens older than the window: whole pages, or up to `length`
+        # when the oldest window token sits in the staged partial page (base gather reads it there)
+        block_size = cache["k_staging"].shape[2]
+        older = length - window
+        covered = min(length, -(-older // block_size) * block_size)
+        parts = [super().gather(cache, ctx, b, covered, kind)[:older]] if older else []
+        ring = cache[("k" if kind == "key" else "v") + "_residual"][int(ctx.seq_slots[b])]  # [Hkv, R, D]
+        rows = torch.arange(older, length, device=ring.device) % self.residual  # [window]
+        parts.append(ring[:, rows].transpose(0, 1).float())
+        return torch.cat(parts)  # [length, Hkv, D] fp32
 
 
 def _asym_quantize(groups: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,4 +153,5 @@ def _pack_crumbs(codes: torch.Tensor) -> torch.Tensor:
 
 def _unpack_crumbs(packed: torch.Tensor) -> torch.Tensor:
     """[..., D/4] uint8 -> codes [..., D]."""
-    return torch.stack([(packed >> s) & 0x3 for s in (0, 2, 4, 6)], dim=-1).flatten(-2)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & 0x3).flatten(-2)

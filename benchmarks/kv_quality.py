@@ -35,7 +35,9 @@ FORMATS = [
     ("fp8_e4m3", dict(kv_cache_dtype="fp8_e4m3")),
     ("int4 g32", dict(kv_cache_dtype="int4", kv_group_size=32)),
     ("nuq2", dict(kv_cache_dtype="nuq2")),
-    ("kivi2 (R=128)", dict(kv_cache_dtype="kivi2")),
+    ("kivi2 (R=128)", dict(kv_cache_dtype="kivi2", kv_residual=128)),
+    ("kivi2 (R=0)", dict(kv_cache_dtype="kivi2", kv_residual=0)),
+    ("tiered", dict(kv_cache_dtype="tiered")),
     ("vq", dict(kv_cache_dtype="vq", needs_calibration=True)),
 ]
 
@@ -72,7 +74,8 @@ def main() -> None:
         for text_name, path in texts.items():
             r = perplexity(llm, path, max_tokens=args.max_tokens, progress=True, mode="decode")
             rows.append({"format": label, "text": text_name, **r.to_dict()})
-            print(f"{label:>16} {text_name:>15}: ppl {r.ppl:9.4f}  bits {r.bits_per_element:6.3f}  ({r.seconds:.0f} s)",
+            print(f"{label:>16} {text_name:>15}: ppl {r.ppl:9.4f}  bits {r.bits_per_element:6.3f} "
+                  f"(at window {r.bits_per_element_at_window:6.3f}, read {r.bits_per_element_read})  ({r.seconds:.0f} s)",
                   flush=True)
     base = {row["text"]: row["ppl"] for row in rows if row["format"] == "bf16"}
     for row in rows:
@@ -92,20 +95,22 @@ def main() -> None:
 
 def print_table(rows: list[dict]) -> None:
     texts = sorted({r["text"] for r in rows})
-    print("\n| format | bits/elem | " + " | ".join(f"ppl {t} (change)" for t in texts) + " |")
-    print("|---|---|" + "---|" * len(texts))
+    print("\n| format | bits/elem (full pages) | bits/elem (one 512-token sequence, staging included) | "
+          + " | ".join(f"ppl {t} (change)" for t in texts) + " |")
+    print("|---|---|---|" + "---|" * len(texts))
     for label in dict.fromkeys(r["format"] for r in rows):
         cells = []
-        bits = None
+        bits = at_window = None
         for t in texts:
             r = next((r for r in rows if r["format"] == label and r["text"] == t), None)
             if r is None:
                 cells.append("-")
                 continue
-            bits = r["bits_per_element"]
+            bits = r["bits_per_element_read"] or r["bits_per_element"]  # tiered: what attention read
+            at_window = r["bits_per_element_at_window"]
             change = r["ppl_change_vs_bf16"]
             cells.append(f"{r['ppl']:.3f} ({100 * change:+.2f}%)" if change is not None else f"{r['ppl']:.3f}")
-        print(f"| {label} | {bits:.2f} | " + " | ".join(cells) + " |")
+        print(f"| {label} | {bits:.2f} | {at_window:.2f} | " + " | ".join(cells) + " |")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -117,10 +122,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for text, marker in (("wikitext2_test", "o"), ("heldout_books", "s")):
         pts = [r for r in rows if r["text"] == text and r["ppl_change_vs_bf16"] is not None]
-        ax.scatter([r["bits_per_element"] for r in pts], [100 * r["ppl_change_vs_bf16"] for r in pts],
-                   marker=marker, label=text)
-        for r in pts:
-            ax.annotate(r["format"], (r["bits_per_element"], 100 * r["ppl_change_vs_bf16"]), fontsize=8,
+        xs = [r["bits_per_element_read"] or r["bits_per_element"] for r in pts]
+        ax.scatter(xs, [100 * r["ppl_change_vs_bf16"] for r in pts], marker=marker, label=text)
+        for x, r in zip(xs, pts):
+            ax.annotate(r["format"], (x, 100 * r["ppl_change_vs_bf16"]), fontsize=8,
                         xytext=(4, 4), textcoords="offset points")
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_xlabel("bits per KV element (every byte of a full page)")

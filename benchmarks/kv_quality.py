@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--calibration", default=None, help="folder from `moekv calibrate` (for vq)")
     p.add_argument("--formats", nargs="*", default=None, help="labels to run (default: all)")
+    p.add_argument("--merge", nargs="*", default=[], help="earlier kv_quality JSON files whose rows join these")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cpu")
     args = p.parse_args()
 
@@ -73,10 +74,12 @@ def main() -> None:
         llm = LLM(args.model, dtype="float32", block_size=args.block_size, max_num_seqs=32, **kwargs)
         for text_name, path in texts.items():
             r = perplexity(llm, path, max_tokens=args.max_tokens, progress=True, mode="decode")
-            rows.append({"format": label, "text": text_name, **r.to_dict()})
+            rows.append({"format": label, **r.to_dict(), "text": text_name, "text_path": str(path)})
             print(f"{label:>16} {text_name:>15}: ppl {r.ppl:9.4f}  bits {r.bits_per_element:6.3f} "
                   f"(at window {r.bits_per_element_at_window:6.3f}, read {r.bits_per_element_read})  ({r.seconds:.0f} s)",
                   flush=True)
+    for earlier in args.merge:
+        rows = json.loads(Path(earlier).read_text())["rows"] + rows
     base = {row["text"]: row["ppl"] for row in rows if row["format"] == "bf16"}
     for row in rows:
         row["ppl_change_vs_bf16"] = row["ppl"] / base[row["text"]] - 1 if row["text"] in base else None

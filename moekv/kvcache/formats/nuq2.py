@@ -61,7 +61,7 @@ def lloyd_1d(z: torch.Tensor, weight: torch.Tensor, iters: int) -> torch.Tensor:
 def assign(z: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Nearest of the sorted centroids c [B, 4] for each z [B, N] -> codes [B, N] int64."""
     mids = (c[:, 1:] + c[:, :-1]) / 2  # [B, 3]
-    return (z[:, :, None] > mids[:, None, :]).sum(-1)
+    return (z > mids[:, 0:1]).long() + (z > mids[:, 1:2]).long() + (z > mids[:, 2:3]).long()
 
 
 class NUQ2Format(PagedQuantFormat):
@@ -84,6 +84,9 @@ class NUQ2Format(PagedQuantFormat):
             from safetensors.torch import load_file
             self.calib = load_file(str(Path(calibration) / "kv_calibration.safetensors"))
 
+    def _page_cb(self, kind):
+        return self.codebook == "page" or (self.codebook == "calib_value" and kind == "key")
+
     # -- layout ----------------------------------------------------------------------------------
     def _fields(self, kind, P, D, slots):
         f = [Field("codes", torch.uint8, (P, D // CODES_PER_BYTE))]
@@ -93,7 +96,7 @@ class NUQ2Format(PagedQuantFormat):
             f.append(Field("chan_scale", self.key_stats, (D,)))
         elif self.value_norm == "token":
             f.append(Field("tok_scale", torch.float16, (P,)))
-        if self.codebook == "page":
+        if self._page_cb(kind):
             f.append(Field("centroids", torch.float16, (NUM_CENTROIDS,)))
         if slots:
             f += [Field("out_val", torch.float8_e4m3fn, (slots,)), Field("out_idx", torch.uint16, (slots,))]
@@ -160,7 +163,7 @@ class NUQ2Format(PagedQuantFormat):
             val = torch.where(chosen, val, torch.zeros_like(val))
             fields["out_val"] = val.to(torch.float8_e4m3fn).reshape(n, H, slots)
             fields["out_idx"] = idx.to(torch.int32).to(torch.uint16).reshape(n, H, slots)
-        if self.codebook == "page":
+        if self._page_cb(kind):
             c = lloyd_1d(flat, keep, self.kmeans_iters).to(torch.float16).float()  # [B, 4]
             fields["centroids"] = c.reshape(n, H, NUM_CENTROIDS)
         else:
@@ -176,7 +179,7 @@ class NUQ2Format(PagedQuantFormat):
     def dequantize(self, fields, kind, layer=None):
         codes = unpack_codes(fields["codes"])  # [n, H, P, D]
         n, H, P, D = codes.shape
-        if self.codebook == "page":
+        if self._page_cb(kind):
             c = fields["centroids"].float().reshape(n * H, NUM_CENTROIDS)
         else:
             c = self._calib_centroids(kind, layer, n)

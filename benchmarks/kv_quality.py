@@ -38,7 +38,6 @@ FORMATS = [
     ("kivi2 (R=128)", dict(kv_cache_dtype="kivi2", kv_residual=128)),
     ("kivi2 (R=0)", dict(kv_cache_dtype="kivi2", kv_residual=0)),
     ("tiered", dict(kv_cache_dtype="tiered")),
-    ("vq", dict(kv_cache_dtype="vq", needs_calibration=True)),
 ]
 
 

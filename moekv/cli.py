@@ -15,10 +15,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV format: auto | bf16 | fp16 | fp32 | fp8_e4m3 | int4 | nuq2 | vq | kivi2 | tiered")
+                   help="KV format: auto | bf16 | fp16 | fp32 | fp8_e4m3 | int4 | nuq2 | kivi2 | tiered")
     p.add_argument("--kv-group-size", type=int, default=32, help="int4: channels per scale group (32 or 64)")
     p.add_argument("--kv-outlier-sigma", type=float, default=3.5, help="nuq2: outlier threshold in std devs")
-    p.add_argument("--kv-calibration", default=None, help="folder written by `moekv calibrate`")
+    p.add_argument("--kv-calibration", default=None, help="calibration folder (for formats that need one)")
     p.add_argument("--kv-rerank-interval", type=int, default=32, help="tiered: decode steps between re-rankings")
     p.add_argument("--kv-tier1-fraction", type=float, default=0.15, help="tiered: share of pages kept in FP8")
     p.add_argument("--kv-residual", type=int, default=128, help="kivi2: newest tokens kept in 16-bit")

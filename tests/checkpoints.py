@@ -53,12 +53,14 @@ def make_config(arch: str):
     raise ValueError(arch)
 
 
-def build_checkpoint(arch: str, out: Path, seed: int = 0) -> Path:
+def build_checkpoint(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     cfg = make_config(arch)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     model.save_pretrained(out)
     write_tokenizer(out)

@@ -15,3 +15,10 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mixtral_ckpt(checkpoints):
     return checkpoints["mixtral"]
+
+
+@pytest.fixture(scope="session")
+def hd32_ckpt(tmp_path_factory):
+    """A tiny random Mixtral with head_dim 32: `mixtral_ckpt` has head_dim 16, which no 32-channel
+    group (int4, kivi2) divides."""
+    return build_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral_hd32") / "mixtral", seed=0, head_dim=32)

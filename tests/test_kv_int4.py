@@ -156,23 +156,6 @@ def test_bits_at_context_length_count_pages_and_staging():
 
 
 # -- engine ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def hd32_ckpt(tmp_path_factory):
-    """A tiny random Mixtral with head_dim 32: the shared `mixtral_ckpt` has head_dim 16, which no
-    int4 group (32 or 64 channels) divides, so the engine refuses it (see the last test)."""
-    import transformers as tf
-
-    from tests.checkpoints import COMMON, write_tokenizer
-
-    out = tmp_path_factory.mktemp("mixtral_hd32")
-    torch.manual_seed(0)
-    cfg = tf.MixtralConfig(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, head_dim=32,
-                           rope_theta=10000.0, **COMMON)
-    tf.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(out)
-    write_tokenizer(out)
-    return out
-
-
 def token_ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 

@@ -17,7 +17,8 @@ class FP8Format(PagedQuantFormat):
 
     def quantize(self, x, kind, layer=None):
         amax = x.abs().amax(dim=-1)  # [n, Hkv, P]
-        scale = (amax / FP8_MAX).clamp(min=1e-8).to(torch.float16).float()  # fp16-representable, never 0
+        scale = (amax / FP8_MAX).to(torch.float16).float()  # what the slab stores
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero (or tiny) rows: 0/0 would be NaN
         codes = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return {"codes": codes, "scale": scale}
 

@@ -71,3 +71,17 @@ def load_hf(path: Path):
     import transformers as tf
 
     return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def check_batch_matches_alone(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """Generate prompts as one batch and each alone: same tokens, and every page back in the pool.
+    Returns the batch's token ids."""
+    def ids(outs):
+        return [o.outputs[0].token_ids for o in outs]
+
+    batched = ids(llm.generate([{"prompt_token_ids": p} for p in prompts], params))
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    alone = [ids(llm.generate([{"prompt_token_ids": p}], params))[0] for p in prompts]
+    assert batched == alone
+    return batched

@@ -8,6 +8,7 @@ from moekv import LLM, SamplingParams
 from moekv.kvcache import roundtrip
 from moekv.kvcache.formats import get_kv_format
 from moekv.kvcache.formats.base import FIELD_ALIGN_BYTES, PAGE_ALIGN_BYTES
+from tests.checkpoints import check_batch_matches_alone
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 90, 4, 8, 100, 200, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13, 14, 15, 16], [9, 8, 7],
@@ -164,12 +165,8 @@ def test_engine_generates_with_int4_cache(hd32_ckpt):
     """Pages fill during prefill (21, 17 tokens) and during decode (3 + 13); the batch gives the tokens
     each prompt gives alone, and every page comes back."""
     llm = LLM(hd32_ckpt, kv_cache_dtype="int4", max_model_len=64, dtype="float32")
-    batched = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    batched = check_batch_matches_alone(llm, PROMPTS, GREEDY)
     assert all(len(t) == 24 for t in batched)
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    alone = [token_ids(llm.generate([{"prompt_token_ids": p}], GREEDY))[0] for p in PROMPTS]
-    assert batched == alone
 
 
 def test_engine_logits_track_the_bf16_cache(hd32_ckpt):

@@ -10,6 +10,7 @@ from moekv.context import Context
 from moekv.kvcache import roundtrip
 from moekv.kvcache.formats import get_kv_format
 from moekv.kvcache.formats.kivi import KIVI2Format
+from tests.checkpoints import check_batch_matches_alone
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 90, 4, 8, 100, 200, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13, 14, 15, 16, 20, 21, 22, 23,
@@ -184,12 +185,8 @@ def test_engine_generates_with_quantized_pages(hd32_ckpt):
     # a 32-token window under max_model_len=64, so attention reads quantized pages
     llm = LLM(hd32_ckpt, kv_cache_dtype="kivi2", block_size=32, max_model_len=64, dtype="float32", kv_residual=32)
     assert llm.engine.runner.kv_format.residual == 32
-    batched = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    batched = check_batch_matches_alone(llm, PROMPTS, GREEDY)
     assert all(len(t) == 24 for t in batched)
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    alone = [token_ids(llm.generate([{"prompt_token_ids": p}], GREEDY))[0] for p in PROMPTS]
-    assert batched == alone
 
 
 def test_engine_window_covering_the_context_reads_what_bf16_reads(hd32_ckpt):

@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--kv-group-size", type=int, default=32)
     info.add_argument("--kv-calibration", default=None)
     info.set_defaults(func=cmd_info)
+
+    from moekv.cli_calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub)
     return parser
 
 

@@ -19,6 +19,7 @@ _FACTORIES: dict[str, Callable[..., KVFormat]] = {
     "fp8_e4m3": lambda model_dtype, **_: FP8Format(),
     "int4": lambda model_dtype, **o: _lazy("int4", "Int4Format")(**o),
     "nuq2": lambda model_dtype, **o: _lazy("nuq2", "NUQ2Format")(**o),
+    "vq": lambda model_dtype, **o: _lazy("vq", "VQFormat")(**o),
     "kivi2": lambda model_dtype, **o: _lazy("kivi", "KIVI2Format")(**o),
     "tiered": lambda model_dtype, **o: _lazy("tiered", "TieredFormat")(**o),
 }

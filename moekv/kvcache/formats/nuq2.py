@@ -1,26 +1,49 @@
-"""nuq2: 2-bit codes into a 4-centroid non-uniform codebook, dense-and-sparse outliers in FP8.
+"""nuq2: 2-bit codes into a 4-centroid non-uniform codebook, plus dense-and-sparse outliers in FP8.
 
-Draft with knobs for measurement.
+Per (page, kv head) slab, P = block_size tokens, D = head_dim channels, N = P*D elements:
+
+  codes       uint8  [P, D/4]  4 codes per byte, planar in each row (see pack_codes)
+  chan_mean   fp8    [D]       keys only: the page's channel means   } keys have outlier channels
+  chan_scale  fp8    [D]       keys only: the page's channel stds    } (offsets of several sigma)
+  centroids   fp16   [4]       per-page k-means; absent when the codebook is calibrated
+  out_val     fp8    [S]       outliers, in units of the codebook's largest |centroid|
+  out_idx     uint16 [S]       their position t*D + c; 0xFFFF marks an unused slot
+
+Keys are centred and scaled per channel over the page's tokens (robust moments, stored in FP8:
+the same error as fp16 at half the bytes); values are coded as they are (a per-token value scale
+cost 128 B per page-head and moved the value error by 0.3%). An element is an outlier when its
+normalised value lies more than tau (outlier_sigma) robust standard deviations from its
+page-head's mean; the S slots keep the largest such deviations, which leave the k-means fit (the
+code under a slotted element is whatever it is: the slot overrides it). S is at least 0.5% of N
+for keys and grows to fill the 128-byte padding the slab pays for anyway; values get only the
+padding's slots.
+
+Codebooks: per page by 1-D k-means (Lloyd from the inliers' quantiles), or, when the calibration
+folder holds nuq2 codebooks, per (layer, K/V, head) from `moekv calibrate`. Calibrated, the value
+slab is codes only: at (64, 32) K 640 B + V 512 B = 2.25 bits/element instead of 2.5.
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout
 
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # largest finite E4M3 value
 NUM_CENTROIDS = 4
 CODES_PER_BYTE = 4
-NO_OUTLIER = 0xFFFF  # position of an unused outlier slot (a page-head holds at most 65535 elements)
+NO_OUTLIER = 0xFFFF  # out_idx of an unused slot; page-heads hold fewer than 65535 elements
+KEY_MIN_OUTLIER_FRACTION = 0.005  # keys' tails cost the most (measured); values take padding only
+KMEANS_ITERS = 8  # 1-D Lloyd from quantiles converges in a few; 20 moved the error by 0.2%
 
 
-# -- codes: 4 per byte, planar inside each token row -------------------------------------------
+# -- codes: 4 per byte ----------------------------------------------------------------------------
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """codes [..., P, D] in 0..3 -> bytes [..., P, D/4]; channel s*D/4 + j sits in bits 2s..2s+1 of
-    byte j, so one wide load of a row and four uniform shifts give four contiguous channel runs."""
+    """codes [..., P, D] in 0..3 -> bytes [..., P, D/4]. Channel s*D/4 + j sits in bits 2s..2s+1 of
+    byte j: one wide load of a row and four uniform shifts yield four contiguous channel runs."""
     quarters = codes.to(torch.uint8).chunk(CODES_PER_BYTE, dim=-1)  # 4 x [..., P, D/4]
     out = quarters[0].clone()
     for s in range(1, CODES_PER_BYTE):
@@ -33,170 +56,214 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([(packed >> (2 * s)) & 3 for s in range(CODES_PER_BYTE)], dim=-1).long()
 
 
-# -- 1-D k-means ---------------------------------------------------------------------------------
-def lloyd_1d(z: torch.Tensor, weight: torch.Tensor, iters: int) -> torch.Tensor:
-    """4 centroids per row of z [B, N] (elements with weight 0 ignored) -> [B, 4] sorted.
+# -- 1-D k-means with 4 centroids ---------------------------------------------------------------------
+def assign(z: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Nearest of the sorted centroids c [B, 4] for each z [B, N] -> codes [B, N] (int64)."""
+    mids = (c[:, 1:] + c[:, :-1]) / 2  # [B, 3]: in 1-D the nearest centroid is a threshold test
+    return (z > mids[:, 0:1]).long() + (z > mids[:, 1:2]).long() + (z > mids[:, 2:3]).long()
 
-    Deterministic init at the inliers' 1/8, 3/8, 5/8, 7/8 quantiles; 1-D Lloyd keeps the order, so
-    assignment is a comparison against the 3 midpoints. An empty cluster keeps its old centroid.
+
+def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS) -> torch.Tensor:
+    """Sorted centroids [B, 4] of the kept elements of each row of z [B, N] (keep [B, N] bool).
+
+    Deterministic start at the kept elements' 1/8, 3/8, 5/8, 7/8 quantiles; 1-D Lloyd preserves
+    the order; an empty cluster keeps its centroid. A row with nothing kept gets zeros.
     """
     B, N = z.shape
-    keep = weight > 0
-    # quantiles of the inliers: sort with outliers pushed to +inf, index by rank among inliers
-    ranked = torch.where(keep, z, torch.full_like(z, float("inf"))).sort(dim=-1).values
-    count = keep.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    ranked = torch.where(keep, z, torch.full_like(z, math.inf)).sort(dim=-1).values  # kept first
+    count = keep.sum(-1, keepdim=True)  # [B, 1]
     q = torch.tensor([0.125, 0.375, 0.625, 0.875], device=z.device)
-    idx = (q * count).long().clamp(max=N - 1)  # [B, 4]
-    c = ranked.gather(1, idx)
-    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
-    w = weight.to(z.dtype)
+    c = ranked.gather(1, (q * count).long().clamp(max=N - 1))  # [B, 4]
+    c = torch.where(count > 0, c, torch.zeros_like(c))
+    w = keep.to(z.dtype)
     for _ in range(iters):
         code = assign(z, c)
         sums = torch.zeros_like(c).scatter_add_(1, code, z * w)
         cnts = torch.zeros_like(c).scatter_add_(1, code, w)
-        c = torch.where(cnts > 0, sums / cnts.clamp(min=1e-12), c)
+        c = torch.where(cnts > 0, sums / cnts.clamp(min=1), c)
     return c.sort(dim=-1).values
 
 
-def assign(z: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Nearest of the sorted centroids c [B, 4] for each z [B, N] -> codes [B, N] int64."""
-    mids = (c[:, 1:] + c[:, :-1]) / 2  # [B, 3]
-    return (z > mids[:, 0:1]).long() + (z > mids[:, 1:2]).long() + (z > mids[:, 2:3]).long()
+# -- sparse outliers (shared with vq) ---------------------------------------------------------------
+def outlier_fields(slots: int) -> list[Field]:
+    if not slots:
+        return []
+    return [Field("out_val", torch.float8_e4m3fn, (slots,)), Field("out_idx", torch.uint16, (slots,))]
+
+
+def fit_slots_to_padding(fields_for: Callable[[int], list[Field]], min_slots: int, max_slots: int) -> int:
+    """The most outlier slots whose slab is no larger than the one `min_slots` needs: the 128-byte
+    padding of a slab holds outliers at no cost in bits."""
+    slab = PageLayout(fields_for(min_slots)).slab_bytes
+    slots = min_slots
+    while slots < max_slots and PageLayout(fields_for(slots + 1)).slab_bytes == slab:
+        slots += 1
+    return slots
+
+
+def pick_largest(score: torch.Tensor, eligible: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `slots` largest scores among the eligible ones of each row of [B, N] ->
+    (positions [B, S], chosen [B, S] bool: False where fewer were eligible)."""
+    top = torch.where(eligible, score, torch.full_like(score, -1.0)).topk(slots, dim=-1)
+    return top.indices, top.values >= 0
+
+
+def store_outliers(flat: torch.Tensor, idx: torch.Tensor, chosen: torch.Tensor, unit: torch.Tensor,
+                   n: int, H: int) -> dict:
+    """The slot fields for values flat [B=n*H, N] at positions idx [B, S] (chosen ones only), in
+    units of unit [B, 1] (which the reader knows too), so FP8 sees magnitudes near 1 whatever the
+    scale of the data (raw values of 1e-3 would fall into FP8's coarse subnormals)."""
+    val = torch.where(chosen, flat.gather(1, idx) / unit, torch.zeros_like(idx, dtype=flat.dtype))
+    pos = torch.where(chosen, idx, torch.full_like(idx, NO_OUTLIER))
+    return {"out_val": val.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(n, H, -1),
+            "out_idx": pos.to(torch.int32).to(torch.uint16).reshape(n, H, -1)}
+
+
+def apply_outliers(z: torch.Tensor, fields: dict, unit: torch.Tensor) -> torch.Tensor:
+    """Overwrite the slotted elements of z [n, H, P, D] with their FP8 values times unit [n*H, 1]."""
+    n, H, P, D = z.shape
+    N = P * D
+    idx = fields["out_idx"].long().reshape(n * H, -1).clamp(max=N)  # unused slots -> spare column N
+    val = fields["out_val"].float().reshape(n * H, -1) * unit
+    hit = torch.zeros(n * H, N + 1, dtype=torch.bool, device=z.device).scatter_(1, idx, True)[:, :N]
+    dense = torch.zeros(n * H, N + 1, device=z.device).scatter_(1, idx, val)[:, :N]
+    return torch.where(hit, dense, z.reshape(n * H, N)).reshape(n, H, P, D)
+
+
+# -- normalisation ------------------------------------------------------------------------------------
+def robust_moments(x: torch.Tensor, dim, k: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std over `dim`, re-estimated without the elements beyond k std of a first pass: one
+    huge element must not inflate the scale that its smaller neighbours are judged and coded by."""
+    mean = x.mean(dim=dim, keepdim=True)
+    std = x.std(dim=dim, unbiased=False, keepdim=True)
+    w = ((x - mean).abs() <= k * std).to(x.dtype)
+    count = w.sum(dim=dim, keepdim=True).clamp(min=1)
+    mean = (x * w).sum(dim=dim, keepdim=True) / count
+    std = ((x - mean).pow(2) * w).sum(dim=dim, keepdim=True).div(count).sqrt()
+    return mean, std
+
+
+def normalize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, dict]:
+    """x [n, H, P, D] -> (z the codebook sees, side fields). Keys: per channel over the page's tokens,
+    mean and std stored in FP8; z uses the stored values, so their rounding costs no consistency."""
+    if kind != "key":
+        return x, {}
+    mean, std = robust_moments(x, dim=2)  # [n, H, 1, D]
+    mean = mean.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    # a constant channel has std 0: floor it relative to the page-head's magnitude
+    floor = 1e-3 * x.abs().amax(dim=(2, 3), keepdim=True) + 1e-12
+    scale = torch.maximum(std, floor).clamp(max=FP8_MAX)
+    scale = scale.to(torch.float8_e4m3fn).float().clamp(min=2.0 ** -9)  # smallest E4M3 subnormal
+    return (x - mean) / scale, {"chan_mean": mean[:, :, 0], "chan_scale": scale[:, :, 0]}
+
+
+def denormalize(z: torch.Tensor, fields: dict, kind: str) -> torch.Tensor:
+    if kind != "key":
+        return z
+    return z * fields["chan_scale"].float()[:, :, None] + fields["chan_mean"].float()[:, :, None]
+
+
+def centroid_unit(c: torch.Tensor) -> torch.Tensor:
+    """The outliers' unit: the codebook's largest |centroid|, c [B, 4] -> [B, 1] (never 0)."""
+    return c.abs().amax(-1, keepdim=True).clamp(min=1e-6)
+
+
+def outlier_mask(flat: torch.Tensor, tau: float) -> torch.Tensor:
+    """Elements of flat [B, N] more than tau (robust) standard deviations from their row's mean."""
+    mean, std = robust_moments(flat, dim=-1)
+    return (flat - mean).abs() > tau * std
+
+
+def fit_centroids(pages: torch.Tensor, kind: str, tau: float = 3.5) -> torch.Tensor:
+    """Calibration: one codebook per head [H, 4] (fp16) from pages [n, H, P, D], fitted on the
+    normalised inliers exactly as the format normalises them."""
+    z, _ = normalize(pages, kind)
+    flat = z.transpose(0, 1).reshape(z.shape[1], -1)  # [H, n*P*D]
+    return lloyd_1d(flat, ~outlier_mask(flat, tau), iters=30).to(torch.float16)
 
 
 class NUQ2Format(PagedQuantFormat):
     name = "nuq2"
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
-                 outlier_fraction: float = 0.005, kmeans_iters: int = 8,
-                 key_stats: str = "fp16", key_mean: bool = True, value_norm: str = "none",
-                 codebook: str = "page", value_outliers: bool = True, **_) -> None:
+                 codebook: str = "auto", **_) -> None:
+        """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
+        (calibrated when the calibration folder has nuq2 codebooks, else per page)."""
+        if not outlier_sigma > 0:
+            raise ValueError(f"outlier_sigma={outlier_sigma!r} must be > 0")
         self.tau = float(outlier_sigma)
-        self.outlier_fraction = outlier_fraction
-        self.kmeans_iters = kmeans_iters
-        self.key_stats = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn}[key_stats]
-        self.key_mean = key_mean
-        self.value_norm = value_norm
-        self.codebook = codebook
-        self.value_outliers = value_outliers
-        self.calib = None
+        self.tables: dict[str, torch.Tensor] = {}
         if calibration is not None:
-            from safetensors.torch import load_file
-            self.calib = load_file(str(Path(calibration) / "kv_calibration.safetensors"))
+            from moekv.kvcache.calibrate import load_calibration
 
-    def _page_cb(self, kind):
-        return self.codebook == "page" or (self.codebook == "calib_value" and kind == "key")
+            self.tables = {k: v for k, v in load_calibration(calibration, "kv_cache_dtype='nuq2'").items()
+                           if k.startswith("nuq2.")}
+        if codebook == "auto":
+            codebook = "calibrated" if self.tables else "page"
+        if codebook not in ("page", "calibrated") or (codebook == "calibrated" and not self.tables):
+            raise ValueError(f"codebook={codebook!r}: accepted 'page', 'auto', or 'calibrated' with a "
+                             "kv_calibration folder written by `moekv calibrate`")
+        self.calibrated = codebook == "calibrated"
 
-    # -- layout ----------------------------------------------------------------------------------
-    def _fields(self, kind, P, D, slots):
-        f = [Field("codes", torch.uint8, (P, D // CODES_PER_BYTE))]
+    # -- layout --------------------------------------------------------------------------------------
+    def _fields(self, kind: str, P: int, D: int, slots: int) -> list[Field]:
+        fields = [Field("codes", torch.uint8, (P, D // CODES_PER_BYTE))]
         if kind == "key":
-            if self.key_mean:
-                f.append(Field("chan_mean", self.key_stats, (D,)))
-            f.append(Field("chan_scale", self.key_stats, (D,)))
-        elif self.value_norm == "token":
-            f.append(Field("tok_scale", torch.float16, (P,)))
-        if self._page_cb(kind):
-            f.append(Field("centroids", torch.float16, (NUM_CENTROIDS,)))
-        if slots:
-            f += [Field("out_val", torch.float8_e4m3fn, (slots,)), Field("out_idx", torch.uint16, (slots,))]
-        return f
+            fields += [Field("chan_mean", torch.float8_e4m3fn, (D,)), Field("chan_scale", torch.float8_e4m3fn, (D,))]
+        if not self.calibrated:
+            fields.append(Field("centroids", torch.float16, (NUM_CENTROIDS,)))
+        return fields + outlier_fields(slots)
 
-    def outlier_slots(self, kind, P, D) -> int:
-        if kind == "value" and not self.value_outliers:
-            return 0
-        slots = max(1, math.ceil(self.outlier_fraction * P * D))
-        slab = PageLayout(self._fields(kind, P, D, slots)).slab_bytes
-        while slots < P * D and PageLayout(self._fields(kind, P, D, slots + 1)).slab_bytes == slab:
-            slots += 1  # padding the slab needs anyway holds more outliers for free
-        return slots
+    def outlier_slots(self, kind: str, block_size: int, head_dim: int) -> int:
+        N = block_size * head_dim
+        least = math.ceil(KEY_MIN_OUTLIER_FRACTION * N) if kind == "key" else 0
+        return fit_slots_to_padding(lambda s: self._fields(kind, block_size, head_dim, s), least, N)
 
     def layout(self, kind, block_size, head_dim) -> PageLayout:
         if head_dim % CODES_PER_BYTE:
-            raise ValueError(f"nuq2 needs head_dim divisible by 4, got {head_dim}")
-        if block_size * head_dim > NO_OUTLIER:
-            raise ValueError(f"nuq2 indexes outliers with uint16: block_size*head_dim must be < 65535")
+            raise ValueError(f"kv_cache_dtype='nuq2' needs head_dim divisible by 4, got {head_dim}")
+        if block_size * head_dim >= NO_OUTLIER:
+            raise ValueError(f"kv_cache_dtype='nuq2' indexes a page-head's elements with uint16: block_size * "
+                             f"head_dim must be < {NO_OUTLIER}, got {block_size}*{head_dim}")
         return PageLayout(self._fields(kind, block_size, head_dim, self.outlier_slots(kind, block_size, head_dim)))
 
-    # -- quantize ----------------------------------------------------------------------------------
-    def _normalize(self, x, kind, layer):
-        """-> z [n, H, P, D], side fields, (mul, add) so that x = z * mul + add."""
-        fields = {}
-        if kind == "key":
-            mean = x.mean(dim=2) if self.key_mean else torch.zeros_like(x[:, :, 0])  # [n, H, D]
-            std = x.std(dim=2, unbiased=False)
-            floor = 1e-3 * x.abs().amax(dim=(2, 3), keepdim=False)[..., None] + 1e-8
-            scale = torch.maximum(std, floor)
-            if self.key_stats == torch.float8_e4m3fn:
-                scale = scale.clamp(max=FP8_MAX)
-                mean = mean.clamp(-FP8_MAX, FP8_MAX)
-            scale = scale.to(self.key_stats).float().clamp(min=1e-8)
-            mean = mean.to(self.key_stats).float()
-            if self.key_mean:
-                fields["chan_mean"] = mean
-            fields["chan_scale"] = scale
-            return (x - mean[:, :, None]) / scale[:, :, None], fields, scale[:, :, None], mean[:, :, None]
-        if self.value_norm == "token":
-            s = x.abs().amax(dim=-1).clamp(min=1e-8).to(torch.float16).float()  # [n, H, P]
-            fields["tok_scale"] = s
-            return x / s[..., None], fields, s[..., None], torch.zeros_like(s)[..., None]
-        return x, fields, torch.ones_like(x[:, :, :1, :1]), torch.zeros_like(x[:, :, :1, :1])
+    def codebook(self, kind: str, layer: int | None, rows: int) -> torch.Tensor:
+        """Calibrated centroids of this layer and kind, one row per page-head: [rows, 4]."""
+        name = f"nuq2.layer{layer}.{kind}.centroids"
+        if name not in self.tables:
+            raise ValueError(f"kv_cache_dtype='nuq2': the calibration has no {name!r} (made for another model?)")
+        cb = self.tables[name].float()  # [H, 4]
+        return cb.repeat(rows // cb.shape[0], 1)
 
+    # -- quantize / dequantize -----------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):
-        n, H, P, D = x.shape
-        z, fields, _, _ = self._normalize(x, kind, layer)
-        flat = z.reshape(n * H, P * D)  # [B, N]
+        n, H, P, D = x.shape  # [n, Hkv, P, D]
+        z, fields = normalize(x, kind)
+        flat = z.reshape(n * H, P * D)  # [B, N]: one row per page-head
         slots = self.outlier_slots(kind, P, D)
         keep = torch.ones_like(flat, dtype=torch.bool)
         if slots:
-            mu = flat.mean(-1, keepdim=True)
-            sd = flat.std(-1, unbiased=False, keepdim=True)
-            dev = (flat - mu).abs()
-            over = dev > self.tau * sd + 1e-12
-            # the `slots` largest deviations among those over tau
-            top = torch.where(over, dev, torch.full_like(dev, -1.0)).topk(slots, dim=-1)
-            chosen = top.values >= 0  # [B, S]
-            idx = torch.where(chosen, top.indices, torch.full_like(top.indices, NO_OUTLIER))
-            keep.scatter_(1, top.indices, ~chosen)
-            # restore keep for unchosen (scatter above wrote True there, which it already was)
-            val = flat.gather(1, top.indices).clamp(-FP8_MAX, FP8_MAX)
-            val = torch.where(chosen, val, torch.zeros_like(val))
-            fields["out_val"] = val.to(torch.float8_e4m3fn).reshape(n, H, slots)
-            fields["out_idx"] = idx.to(torch.int32).to(torch.uint16).reshape(n, H, slots)
-        if self._page_cb(kind):
-            c = lloyd_1d(flat, keep, self.kmeans_iters).to(torch.float16).float()  # [B, 4]
-            fields["centroids"] = c.reshape(n, H, NUM_CENTROIDS)
+            deviation = (flat - robust_moments(flat, dim=-1)[0]).abs()
+            idx, chosen = pick_largest(deviation, outlier_mask(flat, self.tau), slots)
+            keep.scatter_(1, idx, ~chosen)  # slotted outliers leave the k-means fit
+        if self.calibrated:
+            c = self.codebook(kind, layer, n * H)
         else:
-            c = self._calib_centroids(kind, layer, n)  # [B, 4]
-        codes = assign(flat, c).reshape(n, H, P, D)
-        fields["codes"] = pack_codes(codes)
+            c = lloyd_1d(flat, keep).to(torch.float16).float()  # [B, 4], as stored
+            fields["centroids"] = c.reshape(n, H, NUM_CENTROIDS)
+        if slots:
+            fields.update(store_outliers(flat, idx, chosen, centroid_unit(c), n, H))
+        fields["codes"] = pack_codes(assign(flat, c).reshape(n, H, P, D))
         return fields
-
-    def _calib_centroids(self, kind, layer, n):
-        cb = self.calib[f"nuq2.layer{layer}.{kind}.centroids"].float()  # [H, 4]
-        return cb.repeat(n, 1)
 
     def dequantize(self, fields, kind, layer=None):
         codes = unpack_codes(fields["codes"])  # [n, H, P, D]
         n, H, P, D = codes.shape
-        if self._page_cb(kind):
-            c = fields["centroids"].float().reshape(n * H, NUM_CENTROIDS)
+        if self.calibrated:
+            c = self.codebook(kind, layer, n * H)
         else:
-            c = self._calib_centroids(kind, layer, n)
-        z = c.gather(1, codes.reshape(n * H, P * D))  # [B, N]
+            c = fields["centroids"].float().reshape(n * H, NUM_CENTROIDS)
+        z = c.gather(1, codes.reshape(n * H, P * D)).reshape(n, H, P, D)
         if "out_idx" in fields:
-            idx = fields["out_idx"].long().reshape(n * H, -1)
-            val = fields["out_val"].float().reshape(n * H, -1)
-            # unused slots (NO_OUTLIER) land in a spare column that is dropped
-            idx = idx.clamp(max=P * D)
-            mask = torch.zeros(n * H, P * D + 1, dtype=torch.bool, device=z.device).scatter_(1, idx, True)[:, :-1]
-            dense = torch.zeros(n * H, P * D + 1, device=z.device).scatter_(1, idx, val)[:, :-1]
-            z = torch.where(mask, dense, z)
-        z = z.reshape(n, H, P, D)
-        if kind == "key":
-            mean = fields["chan_mean"].float() if "chan_mean" in fields else 0.0
-            scale = fields["chan_scale"].float()
-            return z * scale[:, :, None] + (mean[:, :, None] if torch.is_tensor(mean) else 0.0)
-        if "tok_scale" in fields:
-            return z * fields["tok_scale"].float()[..., None]
-        return z
+            z = apply_outliers(z, fields, centroid_unit(c))
+        return denormalize(z, fields, kind)

@@ -1,0 +1,203 @@
+"""vq: vector quantization of K/V below 2 bits per element, with codebooks learned on calibration text.
+
+Each token's head vector is cut into subvectors of d = 8 consecutive channels; each subvector is
+one uint8 code into a 256-entry codebook of its (layer, K/V, kv head, channel group), learned
+offline by `moekv calibrate` (the codebooks are shared by all pages, so they are not page bytes:
+8/d = 1 bit per element for the codes). Before the lookup a vector is brought to unit RMS by a
+per-(token, head) fp16 scale; keys are first centred by the page's per-channel means and divided
+by calibrated per-channel scales, because a few key channels carry large, position-dependent
+(post-RoPE) offsets that would otherwise spend the whole codebook. Bytes that the 128-byte padding
+of a slab leaves free hold the elements with the largest VQ error in FP8, with uint16 positions.
+
+Slab of one (page, kv head), block_size P, head_dim D (P=64, D=32: K 512 B, V 384 B, 1.75 bits):
+  codes      uint8  [P, D/d]
+  tok_scale  fp16   [P]     RMS of the (normalised) token vector
+  chan_mean  fp8    [D]     keys only: the page's channel means
+  out_val    fp8    [S]     S = the slots that fit in the padding (may be 0), unit-RMS units
+  out_idx    uint16 [S]     position t*D + c inside the page-head; 0xFFFF = unused
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout
+from moekv.kvcache.formats.nuq2 import (FP8_MAX, NO_OUTLIER, apply_outliers, fit_slots_to_padding, outlier_fields,
+                                        pick_largest, store_outliers)
+
+CODEBOOK_SIZE = 256  # uint8 codes
+SUB_DIM = 8  # channels per code: 1 bit/element for the codes (d = 4 would be 2 bits before any scale)
+NEEDS_CALIBRATION = ("kv_cache_dtype='vq' needs a calibration: run `moekv calibrate --model PATH --text FILE "
+                     "--out DIR` and pass kv_calibration=DIR")
+
+
+# -- k-means in d dimensions ---------------------------------------------------------------------
+def nearest(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """x [G, N, d], codebook [G, C, d] -> index of the nearest codeword [G, N] (int64).
+    Works on chunks of N so the [G, chunk, C] distance table stays small."""
+    norms = (codebook * codebook).sum(-1)[:, None, :]  # [G, 1, C]
+    return torch.cat([(norms - 2 * torch.einsum("gnd,gcd->gnc", part, codebook)).argmin(-1)
+                      for part in x.split(chunk, dim=1)], dim=1)
+
+
+def kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> torch.Tensor:
+    """Codebooks [G, k, d] for the point sets x [G, N, d] (N >= 1): Lloyd from k random points;
+    an emptied codeword restarts at a random point, so none is wasted."""
+    G, N, d = x.shape
+    pick = torch.stack([torch.randperm(max(N, k), generator=generator)[:k] % N for _ in range(G)])  # [G, k]
+    c = x.gather(1, pick[..., None].expand(G, k, d)).clone()
+    for _ in range(iters):
+        code = nearest(x, c)  # [G, N]
+        sums = torch.zeros_like(c).scatter_add_(1, code[..., None].expand(G, N, d), x)
+        cnts = torch.zeros(G, k, dtype=x.dtype).scatter_add_(1, code, torch.ones_like(code, dtype=x.dtype))
+        fresh = x.gather(1, torch.randint(0, N, (G, k, 1), generator=generator).expand(G, k, d))
+        c = torch.where(cnts[..., None] > 0, sums / cnts.clamp(min=1)[..., None], fresh)
+    return c
+
+
+# -- normalisation (shared by the format and by calibration) -------------------------------------
+def page_channel_mean(x: torch.Tensor) -> torch.Tensor:
+    """x [n, H, P, D] -> the page's channel means [n, H, D], as stored (fp8)."""
+    return x.mean(dim=2).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+
+
+def unit_rms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, H, P, D] -> (x / scale, scale [n, H, P] as stored in fp16); a zero token keeps scale ~0."""
+    scale = x.pow(2).mean(-1).sqrt().clamp(min=1e-6).to(torch.float16).float()
+    return x / scale[..., None], scale
+
+
+def normalize(x: torch.Tensor, kind: str, chan_scale: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    """x [n, H, P, D] -> (u [n, H, P, D] with unit-RMS tokens, side fields to store)."""
+    fields = {}
+    if kind == "key":
+        mean = page_channel_mean(x)
+        fields["chan_mean"] = mean
+        x = (x - mean[:, :, None]) / chan_scale[None, :, None]  # chan_scale [H, D]
+    u, fields["tok_scale"] = unit_rms(x)
+    return u, fields
+
+
+def to_groups(u: torch.Tensor, d: int) -> torch.Tensor:
+    """u [n, H, P, D] -> subvectors [H, D/d, n*P, d] (one set per head and channel group)."""
+    n, H, P, D = u.shape
+    return u.reshape(n, H, P, D // d, d).permute(1, 3, 0, 2, 4).reshape(H, D // d, n * P, d)
+
+
+def fit_key_channel_scale(pages: torch.Tensor) -> torch.Tensor:
+    """Calibration: per-(head, channel) RMS of keys around their page means; pages [n, H, P, D] -> [H, D]."""
+    centred = pages - page_channel_mean(pages)[:, :, None]
+    return centred.pow(2).mean(dim=(0, 2)).sqrt().clamp(min=1e-6)
+
+
+def reserved_codewords(d: int) -> torch.Tensor:
+    """Codewords every codebook holds, so degenerate tokens come back exactly: the zero vector (a
+    zero token) and +-(1, ..., 1) (a token constant across its channels, at unit RMS)."""
+    return torch.stack([torch.zeros(d), torch.ones(d), -torch.ones(d)])
+
+
+def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None, d: int, iters: int,
+                 max_vectors: int, generator: torch.Generator) -> torch.Tensor:
+    """Calibration: fp16 codebooks [H, D/d, 256, d] from pages [n, H, P, D], fitted on what the
+    format will quantize (normalised exactly as quantize() does)."""
+    u, _ = normalize(pages, kind, chan_scale)
+    groups = to_groups(u, d)  # [H, S, N, d]
+    H, S, N, _ = groups.shape
+    keep = torch.randperm(N, generator=generator)[:max_vectors]
+    fixed = reserved_codewords(d)  # [3, d]
+    books = [torch.cat([fixed, kmeans(g[keep][None], CODEBOOK_SIZE - len(fixed), iters, generator)[0]])
+             for g in groups.reshape(H * S, N, d)]  # one group at a time: bounded memory
+    return torch.stack(books).reshape(H, S, CODEBOOK_SIZE, d).to(torch.float16)
+
+
+class VQFormat(PagedQuantFormat):
+    name = "vq"
+    needs_calibration = True
+
+    def __init__(self, calibration: str | Path | None = None, **_) -> None:
+        if calibration is None:
+            raise ValueError(NEEDS_CALIBRATION)
+        from moekv.kvcache.calibrate import load_calibration
+
+        self.tables = load_calibration(calibration, "kv_cache_dtype='vq'")
+        self.calibration = Path(calibration)
+        self.sub_dim = self.codebook("key", 0).shape[-1]  # as calibrated (SUB_DIM by default)
+
+    # -- calibration tables ------------------------------------------------------------------------
+    def _table(self, name: str) -> torch.Tensor:
+        if name not in self.tables:
+            raise ValueError(f"kv_cache_dtype='vq': the calibration in {str(self.calibration)!r} has no {name!r} "
+                             "(made for another model?); run `moekv calibrate` for this model")
+        return self.tables[name].float()
+
+    def codebook(self, kind: str, layer: int | None) -> torch.Tensor:
+        return self._table(f"vq.layer{layer}.{kind}.codebook")  # [H, D/d, C, d]
+
+    def chan_scale(self, layer: int | None) -> torch.Tensor:
+        return self._table(f"vq.layer{layer}.key.chan_scale")  # [H, D]
+
+    def codebook_bytes(self) -> int:
+        """Bytes of every codebook and channel scale (shared by all pages, outside the page bits)."""
+        return sum(t.numel() * t.element_size() for name, t in self.tables.items() if name.startswith("vq."))
+
+    def check_layout(self, num_kv_heads, block_size, head_dim) -> None:
+        super().check_layout(num_kv_heads, block_size, head_dim)
+        if block_size * head_dim >= NO_OUTLIER:
+            raise ValueError(f"kv_cache_dtype='vq' indexes a page-head's elements with uint16: block_size * "
+                             f"head_dim must be < {NO_OUTLIER}, got {block_size}*{head_dim}")
+        shape = tuple(self.codebook("key", 0).shape)
+        expected = (num_kv_heads, head_dim // self.sub_dim, CODEBOOK_SIZE, self.sub_dim)
+        if shape != expected:
+            raise ValueError(f"kv_cache_dtype='vq': the calibration in {str(self.calibration)!r} holds codebooks "
+                             f"of shape {shape}, this model needs {expected}; calibrate for this model")
+
+    # -- layout --------------------------------------------------------------------------------------
+    def _fields(self, kind: str, P: int, D: int, slots: int) -> list[Field]:
+        fields = [Field("codes", torch.uint8, (P, D // self.sub_dim)), Field("tok_scale", torch.float16, (P,))]
+        if kind == "key":
+            fields.append(Field("chan_mean", torch.float8_e4m3fn, (D,)))
+        return fields + outlier_fields(slots)
+
+    def outlier_slots(self, kind: str, block_size: int, head_dim: int) -> int:
+        return fit_slots_to_padding(lambda s: self._fields(kind, block_size, head_dim, s), 0, block_size * head_dim)
+
+    def layout(self, kind, block_size, head_dim) -> PageLayout:
+        if head_dim % self.sub_dim:
+            raise ValueError(f"kv_cache_dtype='vq' needs head_dim divisible by {self.sub_dim}, got {head_dim}")
+        return PageLayout(self._fields(kind, block_size, head_dim, self.outlier_slots(kind, block_size, head_dim)))
+
+    # -- quantize / dequantize -----------------------------------------------------------------------
+    def quantize(self, x, kind, layer=None):
+        n, H, P, D = x.shape  # [n, Hkv, P, D]
+        u, fields = normalize(x, kind, self.chan_scale(layer) if kind == "key" else None)
+        cb = self.codebook(kind, layer)  # [H, S, C, d]
+        groups = to_groups(u, self.sub_dim)  # [H, S, n*P, d]
+        code = nearest(groups.reshape(-1, n * P, self.sub_dim), cb.reshape(-1, CODEBOOK_SIZE, self.sub_dim))
+        fields["codes"] = code.reshape(H, D // self.sub_dim, n, P).permute(2, 0, 3, 1).to(torch.uint8)
+        slots = self.outlier_slots(kind, P, D)
+        if slots:  # the padding's slots take the elements the codebook reconstructs worst
+            # rank by error in the data's units: a token's scale (and a key channel's) multiplies it
+            weight = fields["tok_scale"][..., None] * (self.chan_scale(layer)[None, :, None] if kind == "key" else 1.0)
+            err = ((u - self._decode(fields["codes"], cb)).abs() * weight).reshape(n * H, P * D)
+            idx, chosen = pick_largest(err, err > 0, slots)
+            unit = torch.ones(n * H, 1, device=x.device)  # u is already unit-RMS per token
+            fields.update(store_outliers(u.reshape(n * H, P * D), idx, chosen, unit, n, H))
+        return fields
+
+    def _decode(self, codes: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+        """codes [n, H, P, D/d] -> unit-RMS vectors u [n, H, P, D] (before outliers and scales)."""
+        n, H, P, S = codes.shape
+        d = cb.shape[-1]
+        flat = codes.long().permute(1, 3, 0, 2).reshape(H * S, n * P, 1).expand(-1, -1, d)
+        u = cb.reshape(H * S, CODEBOOK_SIZE, d).gather(1, flat)  # [H*S, n*P, d]
+        return u.reshape(H, S, n, P, d).permute(2, 0, 3, 1, 4).reshape(n, H, P, S * d)
+
+    def dequantize(self, fields, kind, layer=None):
+        u = self._decode(fields["codes"], self.codebook(kind, layer))  # [n, H, P, D]
+        if "out_idx" in fields:
+            u = apply_outliers(u, fields, torch.ones(u.shape[0] * u.shape[1], 1, device=u.device))
+        x = u * fields["tok_scale"].float()[..., None]
+        if kind == "key":
+            x = x * self.chan_scale(layer)[None, :, None] + fields["chan_mean"].float()[:, :, None]
+        return x

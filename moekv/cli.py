@@ -22,6 +22,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-rerank-interval", type=int, default=32, help="tiered: decode steps between re-rankings")
     p.add_argument("--kv-tier1-fraction", type=float, default=0.15, help="tiered: share of pages kept in FP8")
     p.add_argument("--kv-residual", type=int, default=128, help="kivi2: newest tokens kept in 16-bit")
+    p.add_argument("--routing", default="auto", help="auto | flat | group_limited | hierarchical (auto: group_limited "
+                   "when the checkpoint has n_group/topk_group, else flat)")
+    p.add_argument("--cluster-map", default=None, help="hierarchical: cluster map file from `moekv cluster`")
+    p.add_argument("--clusters-per-token", type=int, default=None, help="hierarchical: most clusters per token (default: the map's)")
+    p.add_argument("--cluster-admit-margin", type=float, default=None,
+                   help="hierarchical: admit a further cluster while its coarse score is within this of the best (default: the map's)")
+    p.add_argument("--n-group", type=int, default=None, help="group_limited: expert groups (default: the checkpoint's)")
+    p.add_argument("--topk-group", type=int, default=None, help="group_limited: groups kept per token")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -36,7 +44,9 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, kv_group_size=args.kv_group_size,
                         kv_outlier_sigma=args.kv_outlier_sigma, kv_calibration=args.kv_calibration,
                         kv_rerank_interval=args.kv_rerank_interval, kv_tier1_fraction=args.kv_tier1_fraction,
-                        kv_residual=args.kv_residual)
+                        kv_residual=args.kv_residual, routing=args.routing, cluster_map=args.cluster_map,
+                        clusters_per_token=args.clusters_per_token, cluster_admit_margin=args.cluster_admit_margin,
+                        n_group=args.n_group, topk_group=args.topk_group)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

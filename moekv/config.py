@@ -72,6 +72,14 @@ class EngineConfig:
     kv_rerank_interval: int = 32
     kv_tier1_fraction: float = 0.15
     kv_residual: int = 128  # kivi2: newest tokens kept in 16-bit (a multiple of 32)
+    # routing (moekv/routing): auto = group_limited when the checkpoint has n_group/topk_group, else flat
+    routing: str = "auto"
+    cluster_map: str | Path | None = None  # file from `moekv cluster`: hierarchical routing, placement
+    clusters_per_token: int | None = None  # hierarchical: most clusters a token may use (None: the map's)
+    cluster_admit_margin: float | None = None  # hierarchical: admit a further cluster while its coarse
+    # score is within this margin of the best (log routing mass; None: the map's calibrated value)
+    n_group: int | None = None  # group_limited: groups and groups kept (None: the checkpoint's)
+    topk_group: int | None = None
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -104,9 +112,36 @@ class EngineConfig:
         _check(0.0 <= self.kv_tier1_fraction <= 1.0, f"kv_tier1_fraction={self.kv_tier1_fraction!r} must be in [0, 1]")
         _check(isinstance(self.kv_residual, int) and self.kv_residual >= 0 and self.kv_residual % 32 == 0,
                f"kv_residual={self.kv_residual!r} must be a multiple of 32 (0 = no full-precision window)")
+        self._check_routing()
         _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+
+    def _check_routing(self) -> None:
+        from moekv.routing import ROUTING_MODES
+
+        _check(self.routing in ROUTING_MODES, f"routing={self.routing!r} is unknown; accepted: {list(ROUTING_MODES)}")
+        if self.cluster_map is not None:
+            self.cluster_map = Path(self.cluster_map)
+            _check(self.cluster_map.is_file(), f"cluster_map={str(self.cluster_map)!r}: no such file "
+                                               "(make one with `moekv cluster`)")
+        _check(self.routing != "hierarchical" or self.cluster_map is not None,
+               "routing='hierarchical' needs cluster_map (a file written by `moekv cluster`)")
+        _check(self.clusters_per_token is None or (isinstance(self.clusters_per_token, int) and self.clusters_per_token >= 1),
+               f"clusters_per_token={self.clusters_per_token!r} must be an integer >= 1 (or None for the map's value)")
+        _check(self.cluster_admit_margin is None or self.cluster_admit_margin >= 0,
+               f"cluster_admit_margin={self.cluster_admit_margin!r} must be >= 0 (inf: always admit up to "
+               "clusters_per_token; None: the map's value)")
+        for name in ("n_group", "topk_group"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and value >= 1),
+                   f"{name}={value!r} must be an integer >= 1 (or None for the checkpoint's value)")
+        _check(self.n_group is None or self.topk_group is None or self.topk_group <= self.n_group,
+               f"topk_group={self.topk_group} must be <= n_group={self.n_group}")
+
+    def routing_options(self) -> dict:
+        return {"routing": self.routing, "cluster_map": self.cluster_map, "clusters_per_token": self.clusters_per_token,
+                "admit_margin": self.cluster_admit_margin, "n_group": self.n_group, "topk_group": self.topk_group}
 
     def kv_format_options(self) -> dict:
         return {"group_size": self.kv_group_size, "outlier_sigma": self.kv_outlier_sigma,

@@ -17,6 +17,7 @@ from moekv.kvcache.formats import get_kv_format
 from moekv.layers.sampler import SampleResult, SamplingRow, sample, top_logprobs_of
 from moekv.models.loader import load_model
 from moekv.models.model_config import ModelConfig
+from moekv.routing import install_routers
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ModelRunner:
         self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype, **config.kv_format_options())
         self.kv_format.check_layout(model_cfg.num_kv_heads, config.block_size, model_cfg.head_dim)
         self.model = load_model(config.model, self.dtype, self.device, model_cfg)
+        self.routing = install_routers(self.model, model_cfg, **config.routing_options())
         self.block_size = config.block_size
         self.num_blocks = self._plan_num_blocks(max_model_len)
         self.kv_caches = []

@@ -7,7 +7,7 @@ from torch import nn
 from moekv.layers.mlp import GatedMLP
 from moekv.models.model_config import ModelConfig
 from moekv.ops.reference import fused_moe_ref
-from moekv.routing import FlatTopKRouter
+from moekv.routing import RouterLogits, default_router
 
 
 class SparseMoE(nn.Module):
@@ -19,12 +19,20 @@ class SparseMoE(nn.Module):
         self.gate = nn.Parameter(torch.empty(E, H))  # router weights: logits = x @ gate.T
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))  # per expert: gate rows, then up rows
         self.w2 = nn.Parameter(torch.empty(E, H, I))
-        self.router = FlatTopKRouter(cfg.top_k, cfg.norm_topk_prob)
+        # DeepSeek-V3's selection bias (added to the scores for the choice only)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
+        self.router = default_router(cfg)  # the engine may install another (routing.install_routers)
         self.shared_expert = GatedMLP(H, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
         self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = F.linear(x, self.gate)  # [T, E]
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """x [T, H]: the normalised state, or, with `norm` given, the residual stream before the
+        norm (a router with a coarse gate computes both from one read of x)."""
+        cluster_scores = None
+        if norm is not None:
+            x, cluster_scores = self.router.norm_and_coarse(x, norm)  # [T, H], [T, C] or None
+        # logits [T, E] are computed only if the router reads them (hierarchical does not)
+        router_logits = RouterLogits(x, self.gate, self.e_score_correction_bias, cluster_scores)
         weights, expert_ids = self.router(x, router_logits)  # [T, k], [T, k]
         out = fused_moe_ref(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:

@@ -26,6 +26,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
+        if isinstance(self.mlp, SparseMoE):  # its router may fuse a coarse gate into the norm
+            return x + self.mlp(x, norm=self.post_attention_layernorm)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from moekv.models import mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
-from moekv.models.model_config import ModelConfig, UnsupportedModelError
+from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
 
 ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe) for name in mod.ARCHITECTURES}
 SUPPORTED_ARCHITECTURES = tuple(ARCH_MODULES)
@@ -57,7 +57,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act={hf['hidden_act']!r} is not supported; accepted: 'silu'")
     try:
-        return ARCH_MODULES[archs[0]].config_from_hf(hf)
+        return apply_routing_fields(ARCH_MODULES[archs[0]].config_from_hf(hf), hf)
     except (TypeError, KeyError) as e:
         raise CheckpointError(f"{model_dir / 'config.json'} is malformed for {archs[0]}: {e!r}") from e
 
@@ -110,6 +110,7 @@ _rule(_L + r"\.self_attn\.o_proj\.bias", "layers.{l}.self_attn.o_bias")
 _rule(_L + r"\.self_attn\.q_norm\.weight", "layers.{l}.self_attn.q_norm.weight")
 _rule(_L + r"\.self_attn\.k_norm\.weight", "layers.{l}.self_attn.k_norm.weight")
 _rule(_L + r"\.mlp\.gate\.weight", "layers.{l}.mlp.gate")
+_rule(_L + r"\.mlp\.gate\.e_score_correction_bias", "layers.{l}.mlp.e_score_correction_bias")
 _rule(_L + r"\.mlp\.experts\.(?P<e>\d+)\.gate_proj\.weight", "layers.{l}.mlp.w13",
       lambda c, m: (int(m["e"]), slice(0, c.moe_intermediate_size)))
 _rule(_L + r"\.mlp\.experts\.(?P<e>\d+)\.up_proj\.weight", "layers.{l}.mlp.w13",

@@ -44,6 +44,12 @@ class ModelConfig:
     torch_dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # routing beyond plain softmax top-k (DeepSeek-V3 style; set by apply_routing_fields)
+    n_group: int | None = None
+    topk_group: int | None = None
+    scoring_func: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False  # the checkpoint has mlp.gate.e_score_correction_bias
 
     def __post_init__(self) -> None:
         if not self.moe_layers:
@@ -118,6 +124,19 @@ def eos_ids_from(*values: Any) -> list[int]:
             if isinstance(v, int) and v not in ids:
                 ids.append(v)
     return ids
+
+
+def apply_routing_fields(cfg: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
+    """Group-limited routing keys any architecture's config.json may carry (n_group, topk_group,
+    scoring_func, routed_scaling_factor, topk_method='noaux_tc' for the selection bias)."""
+    cfg.n_group = hf.get("n_group") or None
+    cfg.topk_group = hf.get("topk_group") or None
+    cfg.scoring_func = hf.get("scoring_func") or "softmax"
+    if cfg.scoring_func not in ("softmax", "sigmoid"):
+        raise UnsupportedModelError(f"scoring_func={cfg.scoring_func!r} is not supported; accepted: 'softmax', 'sigmoid'")
+    cfg.routed_scaling_factor = float(hf.get("routed_scaling_factor") or 1.0)
+    cfg.router_bias = hf.get("topk_method") == "noaux_tc"
+    return cfg
 
 
 def require(hf: dict[str, Any], *keys: str) -> Any:

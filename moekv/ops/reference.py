@@ -122,3 +122,102 @@ def paged_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
             q_b.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
         out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
     return out
+
+
+# -- routing (moekv/routing; kernels in ops/fused_routing.py and ops/rms_norm_coarse_gate.py) ------
+# C = clusters of a layer, M = experts per cluster, Kc = clusters a token may keep.
+
+def stable_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim, best first; equal values go to the lower index (the kernels' rule)."""
+    values, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], idx[..., :k]
+
+
+def _scores_ref(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    if scoring == "softmax":
+        return torch.softmax(logits.float(), dim=-1)
+    if scoring == "sigmoid":
+        return torch.sigmoid(logits.float())
+    raise ValueError(f"scoring={scoring!r} is not supported; accepted: 'softmax', 'sigmoid'")
+
+
+def fused_routing_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
+                      bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                      scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat and group-limited routing (DeepSeek-V3's `noaux_tc` when n_group > 1) as one op.
+
+    router_logits [T, E] -> scores (softmax or sigmoid, fp32); bias [E] (e_score_correction_bias) is
+    added for the choice only. Experts form n_group contiguous groups; a group's score is the sum of
+    its top-2 biased scores; the topk_group best groups stay and the top_k best experts inside them
+    are chosen (others are -inf, never 0: a negative biased score must not lose to a dropped group).
+    Weights are the un-biased scores, renormalised (+1e-20) if asked, times scaling_factor.
+    Ties go to the lower index. -> (weights [T, k] fp32, expert_ids [T, k] int64), best first.
+    """
+    scores = _scores_ref(router_logits, scoring)  # [T, E]
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        num_tokens, num_experts = choice.shape
+        per_group = num_experts // n_group
+        grouped = choice.view(num_tokens, n_group, per_group)
+        group_scores = stable_topk_ref(grouped, min(2, per_group))[0].sum(-1)  # [T, G]
+        kept = stable_topk_ref(group_scores, topk_group)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = stable_topk_ref(choice, top_k)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
+def select_clusters_ref(cluster_scores: torch.Tensor, max_clusters: int, admit_margin: float) -> torch.Tensor:
+    """Each token's best cluster, then the next best while their coarse score is within admit_margin
+    of the best (at most max_clusters). cluster_scores [T, C] -> kept [T, Kc] int64, -1 = not kept."""
+    values, idx = stable_topk_ref(cluster_scores.float(), max_clusters)
+    keep = (values >= values[:, :1] - admit_margin) & (values > float("-inf"))
+    keep[:, 0] = True
+    return torch.where(keep, idx, torch.full_like(idx, -1))
+
+
+def cluster_routing_ref(hidden: torch.Tensor, cluster_scores: torch.Tensor, gate_by_cluster: torch.Tensor,
+                        cluster_experts: torch.Tensor, top_k: int, renormalize: bool, max_clusters: int,
+                        admit_margin: float, scoring: str = "softmax", bias: torch.Tensor | None = None,
+                        scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hierarchical routing: clusters kept by select_clusters_ref, then only their experts scored.
+
+    hidden [T, H] (the normalised state the router reads); cluster_scores [T, C] (coarse gate: an
+    estimate of each cluster's log routing mass); gate_by_cluster [C, M, H] the router rows of each
+    cluster's experts; cluster_experts [C, M] their expert ids; bias [E] or None (choice only).
+    Softmax scoring normalises over the kept experts and scales by the coarse estimate of the kept
+    clusters' share of the mass (which cancels when renormalised). Candidates are ordered (kept rank,
+    position in cluster); ties go to the earlier one. -> (weights [T, k] fp32, expert_ids [T, k] int64)
+    """
+    kept = select_clusters_ref(cluster_scores, max_clusters, admit_margin)  # [T, Kc]
+    safe = kept.clamp(min=0)
+    rows = gate_by_cluster[safe].float()  # [T, Kc, M, H]
+    logits = torch.einsum("th,tcmh->tcm", hidden.float(), rows)
+    logits = logits.masked_fill((kept < 0)[:, :, None], float("-inf")).flatten(1)  # [T, Kc*M]
+    ids = cluster_experts[safe].flatten(1)  # [T, Kc*M]
+    if scoring == "softmax":
+        coarse = torch.softmax(cluster_scores.float(), dim=-1).gather(1, safe)
+        kept_share = (coarse * (kept >= 0)).sum(-1, keepdim=True)  # [T, 1]
+        scores = torch.softmax(logits, dim=-1) * kept_share
+    else:
+        scores = _scores_ref(logits, scoring)
+    choice = scores if bias is None else scores + bias.float()[ids]
+    choice = choice.masked_fill(logits == float("-inf"), float("-inf"))
+    pos = stable_topk_ref(choice, top_k)[1]
+    weights = scores.gather(1, pos)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids.gather(1, pos)
+
+
+def rms_norm_coarse_gate_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, coarse_weight: torch.Tensor,
+                             coarse_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RMSNorm before a hierarchical MoE layer and its coarse gate, read from one pass over x.
+
+    x [T, H]; coarse_weight [C, H]; coarse_bias [C] -> (normalised x [T, H] in x.dtype, cluster
+    scores [T, C] fp32)."""
+    normed = rms_norm_ref(x, norm_weight, eps)
+    return normed, F.linear(normed.float(), coarse_weight.float(), None if coarse_bias is None else coarse_bias.float())

@@ -19,6 +19,7 @@ class Context:
     query_start_loc: torch.Tensor  # [B+1] int32: sequence b owns tokens query_start_loc[b]:query_start_loc[b+1]
     logits_indices: torch.Tensor   # [S] int64: rows of the step whose logits are needed (S <= T)
     seq_slots: torch.Tensor        # [B] int64: each sequence's staging slot (its partly filled newest page)
+    max_query_len: int | None = None  # host-side max of the query lengths (1: a decode-only step); None: unknown
 
     @property
     def num_tokens(self) -> int:

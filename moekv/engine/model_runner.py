@@ -180,6 +180,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             seq_slots=torch.tensor(seq_slots, dtype=torch.long, device=dev),
+            max_query_len=max(item.num_tokens for item in out.scheduled),
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx)
         results = [plan[0] for plan in plans]

@@ -221,3 +221,25 @@ def rms_norm_coarse_gate_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
     scores [T, C] fp32)."""
     normed = rms_norm_ref(x, norm_weight, eps)
     return normed, F.linear(normed.float(), coarse_weight.float(), None if coarse_bias is None else coarse_bias.float())
+
+
+def decode_attention_ref(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
+                         sliding_window: int | None = None) -> torch.Tensor:
+    """The reference of the paged decode kernel (moekv/ops/decode_attention.py): each sequence's one
+    query (its last position) over its whole context, computed in q's dtype (float64 in tests).
+
+    q [B, Hq, D]; keys[b], values[b] [L_b, Hkv, D]: sequence b's context as its format dequantizes
+    it (`PagedQuantFormat.gather`: pages, then the staged newest tokens; `gather_kv_ref` for plain
+    pages). The same math as `paged_attention_ref` with one query per sequence. Returns [B, Hq, D].
+    """
+    out = torch.empty_like(q)
+    for b, (k, v) in enumerate(zip(keys, values)):
+        length = k.shape[0]
+        group = q.shape[1] // k.shape[1]
+        k = k.to(q.dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.to(q.dtype).repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b], k) * scale  # [Hq, L]
+        if sliding_window is not None:
+            scores[:, :max(0, length - sliding_window)] = float("-inf")
+        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
+    return out

@@ -75,10 +75,34 @@ class KVFormat(ABC):
     def write(self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> None:
         """Store the step's k, v [T, Hkv, D] (token t of sequence b at position ctx.positions[t])."""
 
-    @abstractmethod
     def attend(self, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
                sliding_window: int | None) -> torch.Tensor:
-        """Causal attention of q [T, Hq, D] over each sequence's cached context -> [T, Hq, D]."""
+        """Causal attention of q [T, Hq, D] over each sequence's cached context -> [T, Hq, D].
+
+        Decode-only steps on CUDA go to the fused paged decode kernel when the format describes
+        its pages to it (`decode_spec`); everything else (CPU, prefill) takes `attend_reference`.
+        """
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _is_decode_only(q, ctx):
+            staging = cache.tensors.get("k_staging")
+            pages = cache["k_pages"] if "k_pages" in cache.tensors else None
+            block_size = staging.shape[2] if staging is not None else (pages.shape[2] if pages is not None else 0)
+            spec = self.decode_spec(block_size, q.shape[-1]) if block_size else None
+            if spec is not None:
+                from moekv.ops.decode_attention import paged_decode_attention
+
+                return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
+                                              scale, sliding_window, spec)
+        return self.attend_reference(q, cache, ctx, scale, sliding_window)
+
+    def attend_reference(self, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
+                         sliding_window: int | None) -> torch.Tensor:
+        """The plain-PyTorch path of `attend` (CPU, prefill, and the oracle of the fused kernels)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither attend nor attend_reference")
+
+    def decode_spec(self, block_size: int, head_dim: int):
+        """How the paged decode kernel reads this format's pages (a moekv.ops.decode_attention.DecodeSpec),
+        or None to keep the reference path on CUDA too. Formats plug their tile readers in here."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -241,10 +265,19 @@ class PagedQuantFormat(KVFormat):
             parts.append(staging[int(ctx.seq_slots[b]), :, :tail].transpose(0, 1).float())
         return torch.cat(parts)
 
-    def attend(self, q, cache, ctx, scale, sliding_window):
+    def attend_reference(self, q, cache, ctx, scale, sliding_window):
         return dense_attention(q, ctx, lambda b, n: (self.gather(cache, ctx, b, n, "key"),
                                                      self.gather(cache, ctx, b, n, "value")),
                                scale, sliding_window)
+
+
+def _is_decode_only(q: torch.Tensor, ctx: Context) -> bool:
+    """One query token per sequence (every query_lens == 1)."""
+    if q.shape[0] != ctx.num_seqs:
+        return False
+    if ctx.max_query_len is not None:
+        return ctx.max_query_len == 1
+    return bool((ctx.query_start_loc[1:] - ctx.query_start_loc[:-1] == 1).all())
 
 
 def dense_attention(q: torch.Tensor, ctx: Context, gather, scale: float, sliding_window: int | None) -> torch.Tensor:

@@ -24,3 +24,8 @@ class FP8Format(PagedQuantFormat):
 
     def dequantize(self, fields, kind, layer=None):
         return fields["codes"].float() * fields["scale"].float()[..., None]
+
+    def decode_spec(self, block_size, head_dim):
+        from moekv.ops.decode_tiles import fp8_spec
+
+        return fp8_spec(self, block_size, head_dim)

@@ -90,6 +90,11 @@ class Int4Format(PagedQuantFormat):
         idx = fields["outlier_idx"].long()[:, :, None, :].expand(n, heads, P, -1)  # [n, Hkv, P, O]
         return x.scatter_(-1, idx, fields["outlier_val"].float())
 
+    def decode_spec(self, block_size, head_dim):
+        from moekv.ops.decode_tiles import int4_spec
+
+        return int4_spec(self, block_size, head_dim)
+
 
 def _outlier_channels(x: torch.Tensor, count: int) -> torch.Tensor:
     """x [n, Hkv, P, D] -> the `count` channels of largest |x| over the page's tokens [n, Hkv, O],

@@ -91,6 +91,11 @@ class KIVI2Format(PagedQuantFormat):
             groups = codes.view(n, heads, P, D // GROUP, GROUP) * scale[..., None] + zero[..., None]
         return groups.reshape(n, heads, P, D)
 
+    def decode_spec(self, block_size, head_dim):
+        from moekv.ops.decode_tiles import kivi_spec
+
+        return kivi_spec(self, block_size, head_dim)
+
     # -- residual ring ---------------------------------------------------------------------------
     def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype):
         cache = super().allocate(num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype)

@@ -40,6 +40,11 @@ class PlainKVFormat(KVFormat):
     def write(self, cache, k, v, ctx) -> None:
         write_kv_pages_ref(cache["k_pages"], cache["v_pages"], k, v, ctx.slot_mapping)
 
-    def attend(self, q, cache, ctx, scale, sliding_window):
+    def decode_spec(self, block_size, head_dim):
+        from moekv.ops.decode_tiles import plain_spec
+
+        return plain_spec(self.dtype)
+
+    def attend_reference(self, q, cache, ctx, scale, sliding_window):
         return paged_attention_ref(q, cache["k_pages"], cache["v_pages"], ctx.block_tables, ctx.context_lens,
                                    ctx.query_start_loc, scale, sliding_window)

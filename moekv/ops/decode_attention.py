@@ -1,0 +1,300 @@
+"""Paged flash-decoding: one query token per sequence against its paged (possibly compressed) KV.
+
+One kernel serves every KV format. A format describes how to read its pages with a `DecodeSpec`:
+a *tile reader* for keys and one for values (Triton functions, moekv/ops/decode_tiles.py) that
+load the bytes of BLOCK_N tokens from their pages and dequantize them in registers, plus where
+the newest unquantized tokens live. The kernel does the rest:
+
+- grid (B * Hkv, NUM_SPLITS [+ 1]): program (b, h, s) owns KV head h of sequence b and the s-th
+  contiguous share of its quantized pages (flash-decoding split-K); with a staged format one more
+  program per (b, h) reads the 16-bit tail (the partly filled newest page in the staging tensor,
+  and kivi2's residual ring) so that it costs no extra launch;
+- all G = Hq / Hkv query heads of the GQA group are the rows of one `tl.dot` against each tile
+  (padded to 16 rows, the smallest MMA), so a page is read once per group;
+- online softmax in base 2; each program writes its normalised partial output and log-sum-exp;
+  `_reduce_kernel` merges the partials of each (b, query head).
+
+Reference: `moekv.ops.reference.decode_attention_ref` (dense attention of each query over its
+sequence's dequantized K/V, i.e. what `KVFormat.attend_reference` computes); for plain pages that
+is `paged_attention_ref`, for compressed ones `dense_attention` over `PagedQuantFormat.gather`.
+
+Shape legend: B = sequences (= tokens: one query each), Hq / Hkv = query / KV heads, G = Hq/Hkv,
+D = head_dim, P = block_size, S = staging slots, R = residual ring rows, NS = splits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # a window longer than any context
+NUM_PARAMS = 6  # constexpr slots a tile reader gets for its layout (field offsets, group sizes)
+
+
+@dataclass(frozen=True)
+class TileReader:
+    """How to read one of K or V: `fn(pool, base, tok, valid, D, BLOCK_N, P0..P5) -> (x [BLOCK_N, D],
+    row_scale [BLOCK_N] fp32)`, with `base` the element offset of each token's (page, head) slab in
+    `pool`, `tok` its row in the page. A row-scaled reader leaves a per-token factor out of x (the
+    kernel folds it into the scores for keys and into the probabilities for values)."""
+
+    fn: object  # a @triton.jit function
+    params: tuple[int, ...] = ()
+    row_scaled: bool = False
+
+    def constexprs(self) -> tuple[int, ...]:
+        return tuple(self.params) + (0,) * (NUM_PARAMS - len(self.params))
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """What the decode kernel needs to know about a format (built by `KVFormat.decode_spec`)."""
+
+    key: TileReader
+    value: TileReader
+    k_pool: str = "k_pages"  # cache tensors holding the pages ([N, Hkv, ...], a slab per (page, head))
+    v_pool: str = "v_pages"
+    dot_dtype: torch.dtype = torch.float16  # what the tile readers produce (MMA operand type)
+    staged: bool = False  # the partly filled newest page is in k_staging / v_staging ([S, Hkv, P, D])
+    residual: int = 0  # kivi2: the newest R tokens are read from k_residual / v_residual ([S, Hkv, R, D])
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _attend_tile(q, k, v, k_scale, v_scale, valid, m, l, acc, qk_scale,
+                 K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, DOT: tl.constexpr):
+    """One online-softmax step over a tile: q [G_PAD, D] (DOT), k, v [BLOCK_N, D], valid [BLOCK_N];
+    m, l [G_PAD], acc [G_PAD, D] fp32 (base-2 running max, sum, unnormalised output)."""
+    s = tl.dot(q, tl.trans(k.to(DOT)))  # [G_PAD, BLOCK_N] fp32
+    if K_SCALED:
+        s = s * k_scale[None, :]
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if V_SCALED:
+        # per-token value scales go into the probabilities; normalised by the tile's largest so
+        # that p * scale stays far from fp16's subnormal range, and restored on the product
+        v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+        pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
+    else:
+        pv = tl.dot(p.to(DOT), v.to(DOT))
+    acc = acc * alpha[:, None] + pv
+    return m_new, l, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, stride_qb, stride_qh,  # q [B, Hq, D]
+    k_pool, v_pool, stride_kp, stride_kh, stride_vp, stride_vh,  # [N, Hkv, slab] (elements of their dtype)
+    block_tables, stride_bt, context_lens, seq_slots,  # [B, max_pages] int32, [B] int32, [B] int64
+    k_stage, v_stage, stride_ss, stride_sh, stride_st,  # [S, Hkv, P, D] (STAGED)
+    k_ring, v_ring, stride_rs, stride_rh, stride_rt,  # [S, Hkv, R, D] (RESIDUAL > 0)
+    part_o, part_lse,  # [B, Hq, NS_TOTAL, D] fp32, [B, Hq, NS_TOTAL] fp32
+    qk_scale, window,  # softmax scale * log2(e); sliding window (NO_WINDOW = none)
+    K_TILE: tl.constexpr, V_TILE: tl.constexpr,
+    K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, K4: tl.constexpr, K5: tl.constexpr,
+    V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr, V4: tl.constexpr, V5: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NS_TOTAL: tl.constexpr, STAGED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    DOT: tl.constexpr, TAIL_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // NUM_KV_HEADS
+    h = pid % NUM_KV_HEADS
+    rows = tl.arange(0, G_PAD)  # query heads h*G + rows of the group (rows >= G are padding)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + (h * G + rows)[:, None] * stride_qh + d[None, :],
+                mask=(rows < G)[:, None], other=0.0).to(tl.float32)
+
+    length = tl.load(context_lens + b)
+    quantized = length  # tokens [0, quantized) live in pages
+    if STAGED:
+        quantized = (length // P) * P
+    if RESIDUAL > 0:
+        quantized = tl.minimum(quantized, tl.maximum(length - RESIDUAL, 0))
+    first = tl.maximum(length - window, 0)  # the sliding window's oldest token
+
+    m = tl.full([G_PAD], -1e30, tl.float32)  # finite start: a fully masked tile cannot give inf - inf
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    if split < NUM_SPLITS:
+        q_main = q.to(DOT)
+        first_tile = first // BLOCK_N
+        num_tiles = tl.maximum(tl.cdiv(quantized, BLOCK_N) - first_tile, 0)
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        t0 = first_tile + split * per_split
+        t1 = tl.minimum(t0 + per_split, first_tile + num_tiles)
+        bt_row = block_tables + b.to(tl.int64) * stride_bt
+        for t in range(t0, t1):
+            pos = t * BLOCK_N + n_off  # [BLOCK_N] token positions
+            valid = (pos < quantized) & (pos >= first)
+            page = tl.load(bt_row + pos // P, mask=valid, other=0).to(tl.int64)
+            tok = pos % P
+            k, k_scale = K_TILE(k_pool, page * stride_kp + h * stride_kh, tok, valid, D, BLOCK_N,
+                                K0, K1, K2, K3, K4, K5)
+            v, v_scale = V_TILE(v_pool, page * stride_vp + h * stride_vh, tok, valid, D, BLOCK_N,
+                                V0, V1, V2, V3, V4, V5)
+            m, l, acc = _attend_tile(q_main, k, v, k_scale, v_scale, valid, m, l, acc, qk_scale,
+                                     K_SCALED, V_SCALED, DOT)
+    else:
+        # the 16-bit tail [quantized, length): the staging page, then (kivi2) the residual ring;
+        # names differ from the branch above, whose tiles have another dtype
+        q_tail = q.to(TAIL_DOT)
+        slot = tl.load(seq_slots + b)
+        stage_base = slot * stride_ss + h * stride_sh
+        ring_base = slot * stride_rs + h * stride_rh
+        for start in range(tl.maximum(quantized, first), length, BLOCK_N):
+            t_pos = start + n_off
+            t_valid = t_pos < length
+            if RESIDUAL > 0:
+                in_ring = t_pos >= length - RESIDUAL
+                at_stage = t_valid & (~in_ring)
+                at_ring = t_valid & in_ring
+                ring_off = ring_base + (t_pos % RESIDUAL)[:, None] * stride_rt + d[None, :]
+                t_k = tl.load(k_ring + ring_off, mask=at_ring[:, None], other=0.0).to(TAIL_DOT)
+                t_v = tl.load(v_ring + ring_off, mask=at_ring[:, None], other=0.0).to(TAIL_DOT)
+            else:
+                at_stage = t_valid
+                t_k = tl.zeros([BLOCK_N, D], TAIL_DOT)
+                t_v = tl.zeros([BLOCK_N, D], TAIL_DOT)
+            stage_off = stage_base + (t_pos % P)[:, None] * stride_st + d[None, :]
+            t_k += tl.load(k_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
+            t_v += tl.load(v_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
+            m, l, acc = _attend_tile(q_tail, t_k, t_v, t_valid, t_valid, t_valid, m, l, acc, qk_scale,
+                                     False, False, TAIL_DOT)
+
+    # normalised partial output and its log2-sum-exp; an empty share writes (0, -inf)
+    nonempty = l > 0
+    o = acc / tl.where(nonempty, l, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
+    tl.store(part_o + (head * NS_TOTAL + split)[:, None] * D + d[None, :], o, mask=(rows < G)[:, None])
+    tl.store(part_lse + head * NS_TOTAL + split, lse, mask=rows < G)
+
+
+@triton.jit
+def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh,
+                   NUM_HEADS: tl.constexpr, NS_TOTAL: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr):
+    """out[b, hq] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    head = (b * NUM_HEADS + hq).to(tl.int64)
+    s = tl.arange(0, NS_PAD)
+    d = tl.arange(0, D)
+    lse = tl.load(part_lse + head * NS_TOTAL + s, mask=s < NS_TOTAL, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # [NS_PAD]; empty shares weigh 0
+    o = tl.load(part_o + (head * NS_TOTAL + s)[:, None] * D + d[None, :], mask=(s < NS_TOTAL)[:, None], other=0.0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out + b * stride_ob + hq * stride_oh + d, res.to(out.dtype.element_ty))
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
+    """Enough programs to fill the GPU about twice, each with at least 4 tiles of work."""
+    want = math.ceil(2 * num_sms / max(1, batch * num_kv_heads))
+    return max(1, min(want, math.ceil(max_context / (4 * block_n)), 128))
+
+
+_SM_COUNT: dict[int, int] = {}
+_INTERPRETER_PATCHED = False
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter keeps scalars as 1-element arrays and turns them into loop bounds
+    with int(array), which numpy >= 2.3 refuses: a `range` bounded by a loaded value fails. Read
+    the element instead (only under TRITON_INTERPRET=1; compiled kernels are untouched)."""
+    global _INTERPRETER_PATCHED
+    if _INTERPRETER_PATCHED:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    _INTERPRETER_PATCHED = True
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           seq_slots: torch.Tensor | None, scale: float, sliding_window: int | None,
+                           spec: DecodeSpec, num_splits: int | None = None, block_n: int | None = None,
+                           num_warps: int = 4, num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention: q [B, Hq, D] (one query per sequence, its last position) over each
+    sequence's context_lens[b] tokens, read through `spec` from `tensors` (a LayerKVCache or a
+    dict of its tensors). Returns [B, Hq, D] in q's dtype.
+
+    On CPU tensors the kernels run under TRITON_INTERPRET=1 and every dot is done in fp32 (the
+    interpreter's bf16 dot is wrong, see DESIGN.md section 6).
+    """
+    B, Hq, D = q.shape
+    k_pool, v_pool = tensors[spec.k_pool], tensors[spec.v_pool]
+    Hkv = k_pool.shape[1]
+    G = Hq // Hkv
+    if G * Hkv != Hq or D & (D - 1) or D < 16:
+        raise ValueError(f"decode kernel: needs Hq % Hkv == 0 and a power-of-two head_dim >= 16 (Hq={Hq}, Hkv={Hkv}, D={D})")
+    P = tensors["k_staging"].shape[2] if spec.staged else k_pool.shape[2]
+    interpret = q.device.type == "cpu"
+    if interpret:
+        _patch_interpreter_index()
+    block_n = block_n or (16 if interpret else 64)
+    if num_splits is None:
+        num_splits = num_splits_for(B, Hkv, block_tables.shape[1] * P, block_n, _sm_count(q.device))
+    ns_total = num_splits + (1 if spec.staged else 0)
+    part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
+    if spec.staged:
+        k_stage, v_stage = tensors["k_staging"], tensors["v_staging"]
+    else:  # unused: any tensor of the right kind stands in
+        k_stage = v_stage = q
+    if spec.residual:
+        k_ring, v_ring = tensors["k_residual"], tensors["v_residual"]
+    else:
+        k_ring = v_ring = k_stage
+    if seq_slots is None:
+        seq_slots = context_lens
+    dot = tl.float32 if interpret else _TL_DTYPES[spec.dot_dtype]
+    tail_dot = tl.float32 if interpret else _TL_DTYPES[k_stage.dtype if spec.staged else q.dtype]
+    st = k_stage.stride() if spec.staged else (0, 0, 0, 0)
+    rt = k_ring.stride() if spec.residual else (0, 0, 0, 0)
+    G_PAD = max(16, triton.next_power_of_2(G))
+    _paged_decode_kernel[(B * Hkv, ns_total)](
+        q, q.stride(0), q.stride(1),
+        k_pool, v_pool, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        block_tables, block_tables.stride(0), context_lens, seq_slots,
+        k_stage, v_stage, st[0], st[1], st[2],
+        k_ring, v_ring, rt[0], rt[1], rt[2],
+        part_o, part_lse,
+        scale * LOG2E, NO_WINDOW if sliding_window is None else int(sliding_window),
+        spec.key.fn, spec.value.fn, *spec.key.constexprs(), *spec.value.constexprs(),
+        spec.key.row_scaled, spec.value.row_scaled,
+        Hkv, G, G_PAD, D, P, block_n, num_splits, ns_total, spec.staged, spec.residual, dot, tail_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if out is None:
+        out = torch.empty_like(q)
+    _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1),
+                            Hq, ns_total, triton.next_power_of_2(ns_total), D, num_warps=4)
+    return out

@@ -1,0 +1,242 @@
+"""The paged decode kernel (moekv/ops/decode_attention.py) against its float64 reference.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on CPU tensors at small shapes (every dot in
+fp32); with CUDA the same grid runs compiled, and the `gpu` tests add realistic shapes in bf16.
+Caches are filled through each format's own `write` (pages quantized by its `quantize`, the newest
+partial page staged), so the kernel reads exactly what the engine stores.
+
+    OMP_NUM_THREADS=1 python -m pytest -q tests/test_decode_attention.py
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+triton = pytest.importorskip("triton")
+
+from moekv.context import Context  # noqa: E402
+from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.kvcache.formats.base import _is_decode_only  # noqa: E402
+from moekv.ops import decode_attention as da  # noqa: E402
+from moekv.ops import decode_tiles  # noqa: E402
+from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(da._paged_decode_kernel, InterpretedFunction):  # imported earlier, compiled
+        da = importlib.reload(da)
+        decode_tiles = importlib.reload(decode_tiles)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# label -> (kv_cache_dtype, options)
+FORMATS = {
+    "bf16": ("bf16", {}),
+    "fp16": ("fp16", {}),
+    "fp8_e4m3": ("fp8_e4m3", {}),
+    "int4_g32": ("int4", {"group_size": 32}),
+    "int4_g64": ("int4", {"group_size": 64}),
+    "kivi2_r32": ("kivi2", {"residual": 32}),
+    "kivi2_r0": ("kivi2", {"residual": 0}),
+}
+
+
+def build_cache(fmt, lens, num_kv_heads, head_dim, block_size, dtype, device=DEVICE, seed=0, kv=None):
+    """Allocate a pool, give each sequence shuffled pages and a staging slot, and write its whole
+    context through fmt.write (one prefill). kv(T) -> (k, v) [T, Hkv, D] overrides random data.
+    Returns (cache, decode Context)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    pages = [-(-n // block_size) for n in lens]
+    num_blocks = sum(pages) + 2
+    cache = fmt.allocate(num_blocks, num_kv_heads, block_size, head_dim, device, B + 2, dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(pages)
+    tables = [[free.pop() for _ in range(n)] + [0] * (width - n) for n in pages]
+    T = sum(lens)
+    if kv is None:
+        k = torch.randn(T, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(T, num_kv_heads, head_dim, generator=g)
+    else:
+        k, v = kv(T, g)
+    positions, slots, starts = [], [], [0]
+    for b, n in enumerate(lens):
+        positions += range(n)
+        slots += [tables[b][p // block_size] * block_size + p % block_size for p in range(n)]
+        starts.append(starts[-1] + n)
+    seq_slots = torch.arange(B + 1, 1, -1)  # not the identity: the kernel must follow seq_slots
+    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    prefill = Context(t(positions, torch.long), t(slots, torch.long), t(tables, torch.int32), t(lens, torch.int32),
+                      t(starts, torch.int32), t([], torch.long), seq_slots.to(device))
+    fmt.write(cache, k.to(device, dtype), v.to(device, dtype), prefill)
+    decode = Context(t([n - 1 for n in lens], torch.long), t([0] * B, torch.long), prefill.block_tables,
+                     prefill.context_lens, torch.arange(B + 1, dtype=torch.int32, device=device),
+                     t([], torch.long), prefill.seq_slots, max_query_len=1)
+    return cache, decode
+
+
+def reference(fmt, cache, ctx, q, scale, window):
+    """float64 decode attention over each sequence's context as the format dequantizes it."""
+    keys, values = [], []
+    for b, n in enumerate(ctx.context_lens.tolist()):
+        if hasattr(fmt, "gather"):
+            k, v = fmt.gather(cache, ctx, b, n, "key"), fmt.gather(cache, ctx, b, n, "value")
+        else:
+            k = gather_kv_ref(cache["k_pages"], ctx.block_tables[b], n)
+            v = gather_kv_ref(cache["v_pages"], ctx.block_tables[b], n)
+        keys.append(k.double())
+        values.append(v.double())
+    return decode_attention_ref(q.double(), keys, values, scale, window)
+
+
+def run_case(label, lens, num_kv_heads, group, head_dim, block_size, num_splits, window=None, kv=None,
+             q_dtype=torch.float32, seed=0, block_n=None):
+    name, options = FORMATS[label]
+    kv_dtype = torch.float16 if label == "fp16" else torch.bfloat16
+    fmt = get_kv_format(name, kv_dtype, **options)
+    cache, ctx = build_cache(fmt, lens, num_kv_heads, head_dim, block_size, kv_dtype, seed=seed, kv=kv)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(DEVICE, q_dtype)
+    scale = head_dim ** -0.5
+    spec = fmt.decode_spec(block_size, head_dim)
+    out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, window,
+                                    spec, num_splits=num_splits, block_n=block_n)
+    return out, reference(fmt, cache, ctx, q, scale, window), cache, ctx
+
+
+def tolerance(label, ref, q_dtype=torch.float32):
+    """Error budget: fp16 rounding of dequantized int4/kivi2 tiles (the reference dequantizes in
+    fp32); on CUDA the fp16/bf16 MMA operands and a 16-bit output add theirs."""
+    scale = ref.abs().max().item() + 1e-6
+    rel = 2e-3 if label.startswith(("int4", "kivi2")) else 1e-5
+    if DEVICE.type == "cuda":
+        rel = max(rel, 2e-2)
+    if q_dtype != torch.float32:
+        rel = max(rel, 1e-2)
+    return rel * scale
+
+
+def check(label, out, ref, q_dtype=torch.float32):
+    assert out.dtype == q_dtype
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tolerance(label, ref, q_dtype), f"{label}: max error {err:.3g}"
+
+
+# (lens, Hkv, G, D, P, splits): batch 1 and 3, contexts on and off page boundaries, shorter than
+# a page, GQA 1/4/8, head_dim 32/64/128, one split or several (more splits than tiles too)
+GRID = [
+    ([64], 2, 4, 64, 32, 1),
+    ([96, 40, 1], 2, 4, 32, 32, 3),
+    ([37], 1, 8, 32, 32, 5),
+    ([150, 64, 7], 2, 1, 64, 32, 2),
+    ([75], 1, 4, 128, 32, 2),
+]
+
+
+@pytest.mark.parametrize("label", list(FORMATS))
+@pytest.mark.parametrize("case", range(len(GRID)))
+def test_kernel_matches_reference(label, case):
+    lens, hkv, group, head_dim, block_size, splits = GRID[case]
+    if label.startswith("int4_g64") and head_dim % 64:
+        pytest.skip("int4 g64 needs head_dim divisible by 64")
+    out, ref, _, _ = run_case(label, lens, hkv, group, head_dim, block_size, splits)
+    check(label, out, ref)
+
+
+@pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32"])
+def test_pages_of_16_and_sliding_window(label):
+    block_size = 32 if label.startswith("kivi2") else 16
+    for window, splits in ((None, 4), (19, 2), (1, 1)):
+        out, ref, _, _ = run_case(label, [83, 16, 30], 2, 4, 32, block_size, splits, window=window, seed=3)
+        check(label, out, ref)
+
+
+def _outlier_kv(T, g, num_kv_heads=2, head_dim=64):
+    """Keys with two large outlier channels and heavy tails; values with a constant run and zeros."""
+    k = torch.randn(T, num_kv_heads, head_dim, generator=g)
+    k[..., 5] *= 40
+    k[..., 50] += 25
+    k[T // 3] *= 8  # one heavy token
+    v = torch.randn(T, num_kv_heads, head_dim, generator=g)
+    v[: T // 4] = 0.0  # an all-zero stretch (fp8 scale 0 -> 1, int4/kivi2 constant groups)
+    v[T // 4: T // 2] = 0.75  # constant rows
+    return k, v
+
+
+def _zero_kv(T, g, num_kv_heads=2, head_dim=64):
+    return torch.zeros(T, num_kv_heads, head_dim), torch.zeros(T, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("label", list(FORMATS))
+def test_structured_inputs(label):
+    out, ref, _, _ = run_case(label, [130, 64], 2, 4, 64, 32, 3, kv=_outlier_kv, seed=5)
+    check(label, out, ref)
+    out, ref, _, _ = run_case(label, [40], 2, 4, 64, 32, 2, kv=_zero_kv, seed=6)
+    check(label, out, ref)
+    assert ref.abs().max() == 0 and out.abs().max() == 0
+
+
+@pytest.mark.parametrize("label", ["bf16", "fp16", "fp8_e4m3", "int4_g32", "kivi2_r32"])
+def test_16bit_queries(label):
+    q_dtype = torch.float16 if label == "fp16" else torch.bfloat16
+    out, ref, _, _ = run_case(label, [70, 33], 2, 4, 64, 32, 2, q_dtype=q_dtype, seed=7)
+    check(label, out, ref, q_dtype)
+
+
+def test_dispatch():
+    """CPU and prefill keep the reference path; CUDA decode steps go to the kernel where a format
+    has a DecodeSpec; fp32 pages and unkernelised formats have none."""
+    assert get_kv_format("fp32").decode_spec(16, 64) is None
+    assert get_kv_format("tiered").decode_spec(16, 64) is None
+    for label in FORMATS:
+        name, options = FORMATS[label]
+        block_size = 32 if name == "kivi2" else 16
+        assert get_kv_format(name, **options).decode_spec(block_size, 64) is not None
+    fmt = get_kv_format("fp8_e4m3")
+    cache, ctx = build_cache(fmt, [40, 9], 2, 64, 16, torch.bfloat16, device=torch.device("cpu"))
+    q = torch.randn(2, 8, 64)
+    assert torch.equal(fmt.attend(q, cache, ctx, 0.125, None), fmt.attend_reference(q, cache, ctx, 0.125, None))
+    assert _is_decode_only(q, ctx)
+    ctx.max_query_len = None
+    assert _is_decode_only(q, ctx)  # found from query_start_loc
+    ctx.query_start_loc = torch.tensor([0, 0, 2], dtype=torch.int32)
+    assert not _is_decode_only(q, ctx)
+    assert not _is_decode_only(q[:1], ctx)
+
+
+# -- compiled kernels on the GPU, realistic shapes, bf16 ------------------------------------------------
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("label", list(FORMATS))
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+def test_gpu_realistic_shapes(label, block_size, block_n):
+    """32 query / 8 KV heads, head_dim 128, mixed long contexts off page boundaries, bf16 queries,
+    every tile width the benchmark tries; both the launcher and format.attend (the engine path)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if label.startswith("kivi2") and block_size < 32:
+        pytest.skip("kivi2 pages hold whole 32-token groups")
+    lens = [4096 + 7, 1000, 16384, 129]
+    out, ref, cache, ctx = run_case(label, lens, 8, 4, 128, block_size, None, q_dtype=torch.bfloat16, seed=11,
+                                    block_n=block_n)
+    check(label, out, ref, torch.bfloat16)
+    if block_n == 64:  # the default: the engine's path through attend gives the same
+        name, options = FORMATS[label]
+        fmt = get_kv_format(name, torch.float16 if label == "fp16" else torch.bfloat16, **options)
+        q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
+        got = fmt.attend(q, cache, ctx, 128 ** -0.5, None)
+        want = fmt.attend_reference(q, cache, ctx, 128 ** -0.5, None)
+        assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+
+
+for _mark in gpu:
+    test_gpu_realistic_shapes = _mark(test_gpu_realistic_shapes)

@@ -35,9 +35,12 @@ FORMATS = [
     ("fp8_e4m3", dict(kv_cache_dtype="fp8_e4m3")),
     ("int4 g32", dict(kv_cache_dtype="int4", kv_group_size=32)),
     ("nuq2", dict(kv_cache_dtype="nuq2")),
+    ("nuq2 (calibrated)", dict(kv_cache_dtype="nuq2", needs_calibration=True)),
+    ("vq", dict(kv_cache_dtype="vq", needs_calibration=True)),
     ("kivi2 (R=128)", dict(kv_cache_dtype="kivi2", kv_residual=128)),
     ("kivi2 (R=0)", dict(kv_cache_dtype="kivi2", kv_residual=0)),
     ("tiered", dict(kv_cache_dtype="tiered")),
+    ("tiered (calibrated nuq2)", dict(kv_cache_dtype="tiered", needs_calibration=True)),
 ]
 
 
@@ -53,6 +56,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=30000, help="tokens of each text to score")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--calibration", default=None, help="folder from `moekv calibrate` (for vq)")
+    p.add_argument("--texts", nargs="*", default=None, help="wikitext2_test and/or heldout_books (default: both)")
     p.add_argument("--formats", nargs="*", default=None, help="labels to run (default: all)")
     p.add_argument("--merge", nargs="*", default=[], help="earlier kv_quality JSON files whose rows join these")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cpu")
@@ -72,6 +76,8 @@ def main() -> None:
             kwargs["kv_calibration"] = args.calibration
         llm = LLM(args.model, dtype="float32", block_size=args.block_size, max_num_seqs=32, **kwargs)
         for text_name, path in texts.items():
+            if args.texts and text_name not in args.texts:
+                continue
             r = perplexity(llm, path, max_tokens=args.max_tokens, progress=True, mode="decode")
             rows.append({"format": label, **r.to_dict(), "text": text_name, "text_path": str(path)})
             print(f"{label:>16} {text_name:>15}: ppl {r.ppl:9.4f}  bits {r.bits_per_element:6.3f} "

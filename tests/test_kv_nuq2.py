@@ -99,12 +99,24 @@ def test_bits_at_the_reported_shapes(nuq2_calibration):
 
 
 # -- round trips -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["key", "value"])
-def test_gaussian_error_near_the_2bit_optimum(kind):
+def test_gaussian_values_error_near_the_2bit_optimum():
     x = gaussian()
-    x_hat, _ = roundtrip("nuq2", x, kind, block_size=64)
+    x_hat, _ = roundtrip("nuq2", x, "value", block_size=64)
     # Lloyd-Max with 4 levels leaves 0.1175 of a Gaussian's variance; the outlier slots take some off
     assert rel_mse(x_hat, x) < 0.118
+
+
+def test_gaussian_keys_keep_their_extremes():
+    """Keys are fitted with weights 1 + |z|^3: more MSE than Lloyd-Max, but the large elements
+    (which make the large attention logits) are not pulled toward the mean."""
+    x = gaussian()
+    k_hat, _ = roundtrip("nuq2", x, "key", block_size=64)
+    v_hat, _ = roundtrip("nuq2", x, "value", block_size=64)  # plain k-means, for contrast
+    assert rel_mse(k_hat, x) < 0.18
+    big = (x.abs() > 1.8) & (x.abs() < 3.0)  # the tail below the outlier slots' threshold
+    keep_k = float((k_hat[big] * x[big].sign()).mean() / x[big].abs().mean())
+    keep_v = float((v_hat[big] * x[big].sign()).mean() / x[big].abs().mean())
+    assert keep_k > 0.9 and keep_v < 0.8, (keep_k, keep_v)
 
 
 def test_key_outlier_channels_are_normalised_away():
@@ -196,7 +208,7 @@ def test_calibrated_round_trip(nuq2_calibration):
     x = gaussian(128, 1, 32, seed=9)
     for kind in ("key", "value"):
         x_hat, bits = roundtrip("nuq2", x, kind, block_size=64, calibration=nuq2_calibration(32))
-        assert rel_mse(x_hat, x) < 0.13
+        assert rel_mse(x_hat, x) < (0.18 if kind == "key" else 0.13)  # keys: tail-weighted fit
         assert bits == (2.5 if kind == "key" else 2.0)
 
 

@@ -63,8 +63,10 @@ def assign(z: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (z > mids[:, 0:1]).long() + (z > mids[:, 1:2]).long() + (z > mids[:, 2:3]).long()
 
 
-def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS) -> torch.Tensor:
-    """Sorted centroids [B, 4] of the kept elements of each row of z [B, N] (keep [B, N] bool).
+def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS,
+             weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Sorted centroids [B, 4] of the kept elements of each row of z [B, N] (keep [B, N] bool),
+    minimising the squared error weighted by `weight` [B, N] (default 1).
 
     Deterministic start at the kept elements' 1/8, 3/8, 5/8, 7/8 quantiles; 1-D Lloyd preserves
     the order; an empty cluster keeps its centroid. A row with nothing kept gets zeros.
@@ -75,13 +77,23 @@ def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS) -> 
     q = torch.tensor([0.125, 0.375, 0.625, 0.875], device=z.device)
     c = ranked.gather(1, (q * count).long().clamp(max=N - 1))  # [B, 4]
     c = torch.where(count > 0, c, torch.zeros_like(c))
-    w = keep.to(z.dtype)
+    w = keep.to(z.dtype) if weight is None else keep.to(z.dtype) * weight
     for _ in range(iters):
         code = assign(z, c)
         sums = torch.zeros_like(c).scatter_add_(1, code, z * w)
         cnts = torch.zeros_like(c).scatter_add_(1, code, w)
-        c = torch.where(cnts > 0, sums / cnts.clamp(min=1), c)
+        c = torch.where(cnts > 0, sums / cnts.clamp(min=1e-12), c)
     return c.sort(dim=-1).values
+
+
+def fit_weight(z: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """Keys: weight each normalised element by 1 + |z|^3 in the k-means. Plain k-means shrinks
+    the extremes toward the mean (each centroid is its cluster's mean), and the extremes of keys
+    make the largest attention logits: on tiny-moe (held-out books, 4k tokens, keys nuq2, values
+    FP8) plain k-means flattened attention (entropy +0.2 nats) and cost +6.8% perplexity at a
+    lower MSE than KIVI's keys (+1.0%); weights z^2: +2.3%, 1+z^2: +2.8%, 1+|z|^3: +1.3%,
+    1+z^4: +1.4%, 1+z^6: +9%. Values: plain k-means (+0.25%; weighting them hurt)."""
+    return 1.0 + z.abs().pow(3) if kind == "key" else None
 
 
 # -- sparse outliers (shared with vq) ---------------------------------------------------------------
@@ -179,7 +191,7 @@ def fit_centroids(pages: torch.Tensor, kind: str, tau: float = 3.5) -> torch.Ten
     normalised inliers exactly as the format normalises them."""
     z, _ = normalize(pages, kind)
     flat = z.transpose(0, 1).reshape(z.shape[1], -1)  # [H, n*P*D]
-    return lloyd_1d(flat, ~outlier_mask(flat, tau), iters=30).to(torch.float16)
+    return lloyd_1d(flat, ~outlier_mask(flat, tau), iters=30, weight=fit_weight(flat, kind)).to(torch.float16)
 
 
 class NUQ2Format(PagedQuantFormat):
@@ -249,7 +261,7 @@ class NUQ2Format(PagedQuantFormat):
         if self.calibrated:
             c = self.codebook(kind, layer, n * H)
         else:
-            c = lloyd_1d(flat, keep).to(torch.float16).float()  # [B, 4], as stored
+            c = lloyd_1d(flat, keep, weight=fit_weight(flat, kind)).to(torch.float16).float()  # [B, 4], as stored
             fields["centroids"] = c.reshape(n, H, NUM_CENTROIDS)
         if slots:
             fields.update(store_outliers(flat, idx, chosen, centroid_unit(c), n, H))

@@ -195,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     from moekv.cli_calibrate import add_calibrate_parser
 
     add_calibrate_parser(sub)
+
+    from moekv.cli_serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

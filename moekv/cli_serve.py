@@ -1,0 +1,43 @@
+"""`moekv serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine."""
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from moekv.cli import engine_config_from
+    from moekv.engine.llm_engine import LLMEngine
+    from moekv.server.app import build_app
+
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue={args.max_queue} must be >= 1")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port={args.port} is out of range; accepted: 0..65535")
+    engine = LLMEngine(engine_config_from(args))
+    app = build_app(engine, model_name=args.served_model_name, max_queue=args.max_queue)
+    name = app.state.moekv.model_name
+    print(f"moekv serve: {name!r} (max_model_len {engine.max_model_len}, KV {args.kv_cache_dtype}, "
+          f"{engine.block_manager.num_blocks} pages of {args.block_size} tokens) on http://{args.host}:{args.port}",
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `serve` on the `moekv` sub-command parsers."""
+    from moekv.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                            "/metrics)")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="requests that may wait for a place in the batch; beyond it the server answers 503")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model path)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+    return p

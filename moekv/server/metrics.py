@@ -1,0 +1,144 @@
+"""Prometheus metrics of one server, named like vLLM's (`vllm:` -> `moekv:`), plus moekv's own:
+the KV format and its bits per element, and the tier occupancy of the tiered format.
+
+Each server gets its own CollectorRegistry (not prometheus_client's global one), so several
+servers can live in one process (tests start more than one). Request timings are observed in
+the engine thread as outputs come out of a step; gauges are set after every step.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from moekv.outputs import RequestOutput
+
+# vLLM's buckets, so dashboards built for it read ours the same way
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, {"model_name": model_name}
+
+        def hist(name, doc, buckets):
+            return Histogram(f"moekv:{name}", doc, ["model_name"], registry=r, buckets=buckets).labels(**m)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                        TOKEN_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Per request: (last token - first token) / (output tokens - 1).", TOKEN_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token of finished requests.",
+                        REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
+
+        def gauge(name, doc, labels=()):
+            g = Gauge(f"moekv:{name}", doc, ["model_name", *labels], registry=r)
+            return g.labels(**m) if not labels else g
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV pages allocated (1 = full).")
+        self.kv_pages_used = gauge("kv_cache_pages_used", "KV pages allocated to requests.")
+        self.kv_bits = gauge("kv_cache_bits_per_element",
+                             "Stored bits per cached K/V element of a full page, side tables included.")
+        self.kv_info = gauge("kv_cache_config_info", "KV cache configuration (value 1; see labels).",
+                             ("kv_cache_dtype", "block_size", "num_blocks", "bits_per_element"))
+        if engine.runner.kv_format.name == "tiered":  # series that only this format has
+            self.tier_share = gauge("kv_cache_tier_fraction",
+                                    "tiered format: share of encoded (full) pages in each tier, mean over layers.",
+                                    ("tier",))
+            self.bits_read = gauge("kv_cache_bits_per_element_read",
+                                   "tiered format: bits per element attention has read so far.")
+
+        def counter(name, doc, labels=()):
+            c = Counter(f"moekv:{name}", doc, ["model_name", *labels], registry=r)
+            return c.labels(**m) if not labels else c
+
+        self.preemptions = counter("num_preemptions", "Preemptions (a request lost its pages to recompute).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.success = counter("request_success", "Requests ended, by finish reason.", ("finished_reason",))
+        self._model_name = model_name
+        self._last = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._last_token_time: dict[str, float] = {}  # request id -> time of its latest token
+
+        runner, cfg = engine.runner, engine.model_config
+        fmt = runner.kv_format
+        self.kv_format = fmt
+        bits = fmt.bits_per_element(cfg.num_kv_heads, runner.block_size, cfg.head_dim)
+        self.kv_bits.set(bits)
+        self.kv_info.labels(model_name=model_name, kv_cache_dtype=engine.config.kv_cache_dtype,
+                            block_size=str(runner.block_size), num_blocks=str(runner.num_blocks),
+                            bits_per_element=f"{bits:.2f}").set(1)
+
+    # -- engine thread -----------------------------------------------------------------------
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            t = out.metrics
+            if t is not None and t.last_token_time is not None and out.delta_token_ids:
+                prev = self._last_token_time.get(out.request_id)
+                if prev is None:
+                    self.ttft.observe(t.first_token_time - t.arrival_time)
+                    if t.first_scheduled_time is not None:
+                        self.queue_time.observe(t.first_scheduled_time - t.arrival_time)
+                else:
+                    self.itl.observe(t.last_token_time - prev)
+                self._last_token_time[out.request_id] = t.last_token_time
+            if out.finished:
+                self.on_finished(out)
+
+    def on_finished(self, out: RequestOutput) -> None:
+        self._last_token_time.pop(out.request_id, None)
+        reason = out.outputs[0].finish_reason or "abort"
+        self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
+        t = out.metrics
+        if reason not in ("stop", "length") or t is None or t.finished_time is None:
+            return  # aborted and failed requests would skew the latency histograms
+        self.e2e.observe(t.finished_time - t.arrival_time)
+        n = len(out.outputs[0].token_ids)
+        if n > 1 and t.first_token_time is not None:
+            self.tpot.observe((t.last_token_time - t.first_token_time) / (n - 1))
+
+    def on_step(self, engine) -> None:
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        bm = engine.block_manager
+        self.kv_usage.set(bm.usage)
+        self.kv_pages_used.set(bm.num_used_blocks)
+        now = {"preemptions": engine.scheduler.num_preemptions, **engine.stats}
+        for key, metric in (("preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
+                            ("generation_tokens", self.generation_tokens)):
+            if now[key] > self._last[key]:
+                metric.inc(now[key] - self._last[key])
+                self._last[key] = now[key]
+
+    # -- scrape (event loop) -------------------------------------------------------------------
+    def render(self, engine) -> bytes:
+        if self.kv_format.name == "tiered":
+            self._refresh_tiers(engine)
+        return generate_latest(self.registry)
+
+    def _refresh_tiers(self, engine) -> None:
+        # The tiered format keeps its page tiers as plain lists (cache.state); reading them from
+        # this thread while the engine steps may be one step stale, which a gauge tolerates.
+        from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW, TIER_NONE
+
+        shares = {"fp8": 0.0, "nuq2": 0.0}
+        caches = engine.runner.kv_caches
+        for cache in caches:
+            tiers = list(cache.state["tier"])
+            used = len(tiers) - tiers.count(TIER_NONE) or 1
+            shares["fp8"] += tiers.count(TIER_FP8) / used / len(caches)
+            shares["nuq2"] += tiers.count(TIER_LOW) / used / len(caches)
+        for tier, share in shares.items():
+            self.tier_share.labels(model_name=self._model_name, tier=tier).set(share)
+        measured = self.kv_format.measured_bits_per_element
+        if measured is not None:
+            self.bits_read.set(measured)

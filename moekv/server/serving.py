@@ -1,0 +1,205 @@
+"""What completions and chat share: request -> validated engine sequences, queueing, waiting for
+the results (aborting when the client leaves), streaming deltas, and the usage block.
+
+`n` choices are n engine requests with derived seeds (seed + i), merged back into one response;
+a request with several prompts (completions) gives prompts x n choices, index = prompt * n + i.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from moekv.engine.llm_engine import LLMEngine, PromptTooLongError
+from moekv.engine.sequence import Sequence
+from moekv.outputs import RequestOutput
+from moekv.sampling_params import SamplingParams
+from moekv.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestHandle
+from moekv.server.metrics import ServerMetrics
+from moekv.server.protocol import APIError
+
+# request fields that default to the checkpoint's generation_config.json (as vLLM does)
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty")
+
+
+@dataclass
+class ServerState:
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r} "
+                                "(see /v1/models)", param="model", code="model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(engine: LLMEngine, req: Any, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None, names: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams of one request; a bad value is a 400 naming the API parameter (names maps the
+    SamplingParams field to it where they differ) and the accepted range."""
+    base = engine.default_sampling_params()
+    kwargs = {f: getattr(req, f) if getattr(req, f) is not None else getattr(base, f) for f in _DEFAULTED}
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens, **kwargs)
+    except ValueError as e:
+        m = re.match(r"SamplingParams\.(\w+)=", str(e))
+        field = m.group(1) if m else None
+        param = (names or {}).get(field, field)
+        message = str(e).replace(f"SamplingParams.{field}=", f"{param}=") if field else str(e)
+        raise APIError(400, message, param=param, code="invalid_value") from None
+
+
+def make_sequences(state: ServerState, request_id: str, prompts: list, params: SamplingParams, n: int,
+                   max_tokens_param: str | None, prompt_param: str) -> list[Sequence]:
+    """prompts x n validated Sequences (nothing queued yet). max_tokens_param: the API field that
+    set params.max_tokens, checked against the room the prompt leaves (None: not given)."""
+    engine = state.engine
+    limit = state.async_engine.max_queue
+    if limit is not None and len(prompts) * n > limit:
+        raise APIError(400, f"this request needs {len(prompts) * n} sequences ({len(prompts)} prompts x n={n}) "
+                            f"but the server queues at most max_queue={limit}", param="n", code="invalid_value")
+    seqs = []
+    for p, prompt in enumerate(prompts):
+        for i in range(n):
+            sp = params
+            if n > 1 and params.seed is not None:  # distinct but reproducible choices
+                sp = dataclasses.replace(params, seed=params.seed + i)
+            try:
+                seq = engine.make_sequence(prompt, sp, request_id=f"{request_id}-{p * n + i}")
+            except PromptTooLongError as e:
+                raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
+            except ValueError as e:
+                raise APIError(400, str(e), param=prompt_param, code="invalid_value") from None
+            if max_tokens_param and seq.num_prompt_tokens + params.max_tokens > engine.max_model_len:
+                room = engine.max_model_len - seq.num_prompt_tokens
+                raise APIError(400, f"{max_tokens_param}={params.max_tokens} plus the prompt ({seq.num_prompt_tokens} "
+                                    f"tokens) exceeds max_model_len={engine.max_model_len}; accepted: at most {room}",
+                               param=max_tokens_param, code="context_length_exceeded")
+            seqs.append(seq)
+    return seqs
+
+
+def submit(state: ServerState, seqs: list[Sequence]) -> RequestHandle:
+    try:
+        return state.async_engine.submit(seqs)
+    except QueueFullError as e:
+        raise APIError(503, str(e), code="queue_full") from None
+    except EngineDeadError as e:
+        raise APIError(500, str(e), code="engine_dead") from None
+
+
+async def wait_for_disconnect(request) -> None:
+    """Returns when the client has gone (the body is already read, so the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(state: ServerState, request, handle: RequestHandle) -> dict[str, RequestOutput] | None:
+    """Final output of every request id, or None if the client left first (then all are aborted)."""
+    async def gather() -> dict[str, RequestOutput]:
+        return {out.request_id: out async for out in handle.outputs() if out.finished}
+
+    task = asyncio.ensure_future(gather())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            return None
+        finals = task.result()
+    except EngineDeadError as e:
+        raise APIError(500, str(e), code="engine_dead") from None
+    finally:
+        task.cancel()
+        watcher.cancel()
+        abort_unfinished(state, handle)
+    for out in finals.values():
+        if out.error is not None:
+            raise APIError(500, f"the engine failed on this request: {out.error}", code="engine_error")
+    return finals
+
+
+def abort_unfinished(state: ServerState, handle: RequestHandle) -> None:
+    if handle.unfinished:
+        state.async_engine.abort(sorted(handle.unfinished))
+
+
+class DeltaText:
+    """Streams a choice's text, holding back the last len(longest stop string) - 1 characters until
+    more arrives: the engine cuts a stop string only once it is complete, after its first
+    characters may already have come out."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.hold = max((len(s) for s in params.stop_strings), default=1) - 1
+        self.sent = 0
+
+    def next(self, text: str, finished: bool) -> str:
+        end = len(text) if finished else max(self.sent, len(text) - self.hold)
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_error(message: str, status: int = 500, code: str = "engine_error") -> str:
+    return sse(APIError(status, message, code=code).body())
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def token_text(engine: LLMEngine, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def stream_events(state: ServerState, handle: RequestHandle, seqs: list[Sequence], render, final_usage):
+    """Server-sent events of one streaming request: render(out, delta_text) -> chunk dict or None
+    for each engine output, then final_usage() -> chunk or None, then [DONE]. Leaving early (client
+    gone, error) aborts whatever is unfinished, so its pages return to the pool."""
+    texts = {seq.request_id: DeltaText(seq.sampling_params) for seq in seqs}
+    try:
+        async for out in handle.outputs():
+            if out.error is not None:
+                yield sse_error(f"the engine failed on this request: {out.error}")
+                break
+            chunk = render(out, texts[out.request_id].next(out.outputs[0].text, out.finished))
+            if chunk is not None:
+                yield sse(chunk)
+        else:
+            last = final_usage()
+            if last is not None:
+                yield sse(last)
+        yield sse("[DONE]")
+    except EngineDeadError as e:
+        yield sse_error(str(e), code="engine_dead")
+        yield sse("[DONE]")
+    finally:
+        abort_unfinished(state, handle)
+
+
+def prompt_tokens(seqs: list[Sequence], n: int) -> int:
+    """Prompt tokens of a request, each prompt counted once however many choices it has."""
+    return sum(seq.num_prompt_tokens for seq in seqs[::n])

@@ -1,0 +1,60 @@
+"""Run `moekv serve`'s app on a loopback port in a background thread (uvicorn), for tests."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from moekv import EngineConfig
+from moekv.engine.llm_engine import LLMEngine
+from moekv.server.app import build_app
+
+
+class ServerThread:
+    """with ServerThread(engine_kwargs, max_queue=...) as srv: srv.url, srv.engine, srv.state"""
+
+    def __init__(self, model, max_queue: int | None = 1024, model_name: str = "tiny", **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype="float32", **engine_kwargs))
+        self.app = build_app(self.engine, model_name=model_name, max_queue=max_queue)
+        self.state = self.app.state.moekv
+        self.model_name = model_name
+
+    def __enter__(self) -> "ServerThread":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Wait until the engine holds no request (aborts travel through the engine thread)."""
+        engine, deadline = self.engine, time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not engine.has_unfinished_requests() and self.state.async_engine.num_queued() == 0:
+                return
+            time.sleep(0.02)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics -> {'name{label=value,...}': value}, the model_name label left out."""
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return values

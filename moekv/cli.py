@@ -196,9 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_calibrate_parser(sub)
 
+    from moekv.cli_bench import add_bench_parser
     from moekv.cli_serve import add_serve_parser
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

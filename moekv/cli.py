@@ -15,10 +15,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV format: auto | bf16 | fp16 | fp32 | fp8_e4m3 | int4 | nuq2 | kivi2 | tiered")
+                   help="KV format: auto | bf16 | fp16 | fp32 | fp8_e4m3 | int4 | nuq2 | vq | kivi2 | tiered")
     p.add_argument("--kv-group-size", type=int, default=32, help="int4: channels per scale group (32 or 64)")
     p.add_argument("--kv-outlier-sigma", type=float, default=3.5, help="nuq2: outlier threshold in std devs")
-    p.add_argument("--kv-calibration", default=None, help="calibration folder (for formats that need one)")
+    p.add_argument("--kv-calibration", default=None,
+                   help="folder from `moekv calibrate` (default: the checkpoint's kv_calibration/ if it has one)")
     p.add_argument("--kv-rerank-interval", type=int, default=32, help="tiered: decode steps between re-rankings")
     p.add_argument("--kv-tier1-fraction", type=float, default=0.15, help="tiered: share of pages kept in FP8")
     p.add_argument("--kv-residual", type=int, default=128, help="kivi2: newest tokens kept in 16-bit")
@@ -31,7 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-group", type=int, default=None, help="group_limited: expert groups (default: the checkpoint's)")
     p.add_argument("--topk-group", type=int, default=None, help="group_limited: groups kept per token")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV page (default: 16 for bf16/fp16/fp32, 64 for compressed formats)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -83,6 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from moekv.config import shipped_kv_calibration
     from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format
     from moekv.models.loader import load_model_config
 
@@ -110,7 +113,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             continue
         try:
             fmt = get_kv_format(name, cfg.torch_dtype, group_size=args.kv_group_size,
-                                calibration=args.kv_calibration)
+                                calibration=args.kv_calibration or shipped_kv_calibration(args.model))
             fmt.check_layout(cfg.num_kv_heads, args.block_size, cfg.head_dim)
         except ValueError as e:  # e.g. needs calibration, or cannot lay out this block size
             print(f"  {name:<10} n/a: {e}")
@@ -187,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="architecture, parameter counts and KV bytes per token of a checkpoint")
     info.add_argument("--model", default=str(default_model_path()))
-    info.add_argument("--block-size", type=int, default=16)
+    info.add_argument("--block-size", type=int, default=64)
     info.add_argument("--kv-group-size", type=int, default=32)
     info.add_argument("--kv-calibration", default=None)
     info.set_defaults(func=cmd_info)

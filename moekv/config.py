@@ -26,6 +26,15 @@ def default_model_path() -> Path:
     return Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
 
 
+PLAIN_KV_FORMATS = ("auto", "bf16", "fp16", "fp32")
+
+
+def shipped_kv_calibration(model: str | Path) -> Path | None:
+    """The checkpoint's own `kv_calibration/` folder (written by `moekv calibrate`), if it has one."""
+    folder = Path(model) / "kv_calibration"
+    return folder if (folder / "kv_calibration.safetensors").is_file() else None
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -46,7 +55,10 @@ class EngineConfig:
     model: a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json).
     max_model_len: prompt + generated tokens of one sequence; None = the model's
         max_position_embeddings.
-    block_size: tokens per KV page.
+    block_size: tokens per KV page; None = 16 for the 16/32-bit formats and 64 for the compressed
+        ones (their per-page scales, codebooks and 128-byte slab padding cost less on longer pages).
+    kv_calibration: folder from `moekv calibrate`; None = the checkpoint's own `kv_calibration/`
+        folder if it ships one.
     max_num_seqs: sequences in one batch (running at once).
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     num_kv_blocks: pages in the KV pool; None = sized from kv_cache_memory_gb (CPU) or from
@@ -58,7 +70,7 @@ class EngineConfig:
     device: str = "cpu"
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     num_kv_blocks: int | None = None
@@ -97,6 +109,10 @@ class EngineConfig:
                f"kv_cache_dtype={self.kv_cache_dtype!r} is unknown; accepted: {list(KV_FORMAT_NAMES)}")
         _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
                f"max_model_len={self.max_model_len!r} must be an integer >= 2 (or None for the model's limit)")
+        if self.block_size is None:
+            self.block_size = 16 if self.kv_cache_dtype in PLAIN_KV_FORMATS else 64
+        if self.kv_calibration is None:
+            self.kv_calibration = shipped_kv_calibration(self.model)
         _check(isinstance(self.block_size, int) and self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
                f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
         _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,

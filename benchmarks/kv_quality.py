@@ -34,13 +34,13 @@ FORMATS = [
     ("bf16", dict(kv_cache_dtype="bf16")),
     ("fp8_e4m3", dict(kv_cache_dtype="fp8_e4m3")),
     ("int4 g32", dict(kv_cache_dtype="int4", kv_group_size=32)),
-    ("nuq2", dict(kv_cache_dtype="nuq2")),
-    ("nuq2 (calibrated)", dict(kv_cache_dtype="nuq2", needs_calibration=True)),
+    ("nuq2", dict(kv_cache_dtype="nuq2", kv_codebook="page")),
+    ("nuq2 (calibrated)", dict(kv_cache_dtype="nuq2", kv_codebook="calibrated", needs_calibration=True)),
     ("vq", dict(kv_cache_dtype="vq", needs_calibration=True)),
     ("kivi2 (R=128)", dict(kv_cache_dtype="kivi2", kv_residual=128)),
     ("kivi2 (R=0)", dict(kv_cache_dtype="kivi2", kv_residual=0)),
-    ("tiered", dict(kv_cache_dtype="tiered")),
-    ("tiered (calibrated nuq2)", dict(kv_cache_dtype="tiered", needs_calibration=True)),
+    ("tiered", dict(kv_cache_dtype="tiered", kv_codebook="page")),
+    ("tiered (calibrated nuq2)", dict(kv_cache_dtype="tiered", kv_codebook="calibrated", needs_calibration=True)),
 ]
 
 

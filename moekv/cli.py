@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-outlier-sigma", type=float, default=3.5, help="nuq2: outlier threshold in std devs")
     p.add_argument("--kv-calibration", default=None,
                    help="folder from `moekv calibrate` (default: the checkpoint's kv_calibration/ if it has one)")
+    p.add_argument("--kv-codebook", default="auto", choices=["auto", "page", "calibrated"],
+                   help="nuq2/tiered: per-page k-means, calibrated codebooks, or auto (calibrated when available)")
     p.add_argument("--kv-rerank-interval", type=int, default=32, help="tiered: decode steps between re-rankings")
     p.add_argument("--kv-tier1-fraction", type=float, default=0.15, help="tiered: share of pages kept in FP8")
     p.add_argument("--kv-residual", type=int, default=128, help="kivi2: newest tokens kept in 16-bit")
@@ -45,6 +47,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_blocks=args.num_kv_blocks, kv_group_size=args.kv_group_size,
                         kv_outlier_sigma=args.kv_outlier_sigma, kv_calibration=args.kv_calibration,
+                        kv_codebook=args.kv_codebook,
                         kv_rerank_interval=args.kv_rerank_interval, kv_tier1_fraction=args.kv_tier1_fraction,
                         kv_residual=args.kv_residual, routing=args.routing, cluster_map=args.cluster_map,
                         clusters_per_token=args.clusters_per_token, cluster_admit_margin=args.cluster_admit_margin,

@@ -81,6 +81,7 @@ class EngineConfig:
     kv_group_size: int = 32
     kv_outlier_sigma: float = 3.5
     kv_calibration: str | Path | None = None
+    kv_codebook: str = "auto"  # nuq2/tiered: 'page' k-means, 'calibrated', or 'auto' (calibrated if available)
     kv_rerank_interval: int = 32
     kv_tier1_fraction: float = 0.15
     kv_residual: int = 128  # kivi2: newest tokens kept in 16-bit (a multiple of 32)
@@ -122,6 +123,8 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
                f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 1 (or None to size from memory)")
         _check(self.kv_group_size in (32, 64), f"kv_group_size={self.kv_group_size!r} is not supported; accepted: 32, 64")
+        _check(self.kv_codebook in ("auto", "page", "calibrated"),
+               f"kv_codebook={self.kv_codebook!r} is not supported; accepted: 'auto', 'page', 'calibrated'")
         _check(self.kv_outlier_sigma > 0, f"kv_outlier_sigma={self.kv_outlier_sigma!r} must be > 0")
         _check(isinstance(self.kv_rerank_interval, int) and self.kv_rerank_interval >= 1,
                f"kv_rerank_interval={self.kv_rerank_interval!r} must be an integer >= 1")
@@ -161,7 +164,7 @@ class EngineConfig:
 
     def kv_format_options(self) -> dict:
         return {"group_size": self.kv_group_size, "outlier_sigma": self.kv_outlier_sigma,
-                "calibration": self.kv_calibration, "rerank_interval": self.kv_rerank_interval,
+                "calibration": self.kv_calibration, "codebook": self.kv_codebook, "rerank_interval": self.kv_rerank_interval,
                 "tier1_fraction": self.kv_tier1_fraction, "residual": self.kv_residual}
 
     @property

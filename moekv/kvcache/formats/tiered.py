@@ -32,9 +32,9 @@ class TieredFormat(PagedQuantFormat):
     name = "tiered"
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
-                 calibration=None, fp8_pool_fraction: float | None = None, **_) -> None:
+                 calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None, **_) -> None:
         self.hi = FP8Format()
-        self.lo = NUQ2Format(outlier_sigma=outlier_sigma, calibration=calibration)
+        self.lo = NUQ2Format(outlier_sigma=outlier_sigma, calibration=calibration, codebook=codebook)
         self.rerank_interval = rerank_interval
         self.tier1_fraction = tier1_fraction
         self.fp8_pool_fraction = fp8_pool_fraction if fp8_pool_fraction is not None else min(1.0, tier1_fraction + 0.1)

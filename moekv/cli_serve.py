@@ -19,7 +19,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, model_name=args.served_model_name, max_queue=args.max_queue)
     name = app.state.moekv.model_name
     print(f"moekv serve: {name!r} (max_model_len {engine.max_model_len}, KV {args.kv_cache_dtype}, "
-          f"{engine.block_manager.num_blocks} pages of {args.block_size} tokens) on http://{args.host}:{args.port}",
+          f"{engine.block_manager.num_blocks} pages of {engine.config.block_size} tokens) on "
+          f"http://{args.host}:{args.port}",
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

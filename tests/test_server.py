@@ -215,7 +215,8 @@ def test_100_concurrent_streams_with_a_third_cancelled(server):
 def test_client_leaving_a_non_streaming_request_aborts_it(server):
     before = scrape(server.url)["moekv:request_success_total{finished_reason=abort}"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 250, **NO_EOS}, timeout=0.2)
+        httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 250, **NO_EOS},
+                   timeout=httpx.Timeout(10.0, read=0.1))
     assert_pool_empty(server)
     assert scrape(server.url)["moekv:request_success_total{finished_reason=abort}"] == before + 1
 
@@ -240,8 +241,9 @@ def test_full_queue_is_a_503_and_the_server_keeps_serving(small_server):
 
 def test_metrics_move_as_requests_run(server, small_server, client):
     before = scrape(server.url)
-    assert before["moekv:kv_cache_config_info{bits_per_element=32.00,block_size=16,kv_cache_dtype=auto,"
-                  f"num_blocks={server.engine.block_manager.num_blocks}}}"] == 1
+    runner = server.engine.runner  # fp32 K/V: 32 bits per element
+    assert before["moekv:kv_cache_config_info{bits_per_element=32.00,block_size="
+                  f"{runner.block_size},kv_cache_dtype=auto,num_blocks={runner.num_blocks}}}"] == 1
     stream = client.completions.create(model="tiny", prompt="A long story", max_tokens=200, stream=True,
                                        extra_body=NO_EOS)
     next(iter(stream))
@@ -268,15 +270,16 @@ def test_metrics_move_as_requests_run(server, small_server, client):
 
 
 def test_tiered_format_reports_its_tiers():
-    with ServerThread(TINY, max_model_len=256, kv_cache_dtype="tiered", kv_rerank_interval=4) as srv:
+    with ServerThread(TINY, max_model_len=256, kv_cache_dtype="tiered", block_size=32, kv_rerank_interval=4) as srv:
         with httpx.stream("POST", f"{srv.url}/v1/completions", json={"prompt": "word " * 100, "max_tokens": 60,
                                                                      "stream": True, **NO_EOS}) as r:
             lines = r.iter_lines()
-            for _ in range(100):  # 50 tokens in (a data line and a blank line each): 9 full pages
+            for _ in range(100):  # 50 tokens in (a data line and a blank line each): 150 tokens, full pages
                 next(lines)
             m = scrape(srv.url)
-    fmt, cfg = srv.engine.runner.kv_format, srv.engine.model_config
-    assert m["moekv:kv_cache_bits_per_element"] == pytest.approx(fmt.bits_per_element(cfg.num_kv_heads, 16, cfg.head_dim))
+    runner, cfg = srv.engine.runner, srv.engine.model_config
+    bits = runner.kv_format.bits_per_element(cfg.num_kv_heads, runner.block_size, cfg.head_dim)
+    assert m["moekv:kv_cache_bits_per_element"] == pytest.approx(bits)
     assert m["moekv:kv_cache_tier_fraction{tier=fp8}"] + m["moekv:kv_cache_tier_fraction{tier=nuq2}"] == pytest.approx(1)
     assert m["moekv:kv_cache_bits_per_element_read"] > 0
 

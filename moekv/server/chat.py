@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from moekv.engine.llm_engine import LLMEngine
 from moekv.outputs import RequestOutput
 from moekv.server.protocol import APIError, ChatCompletionRequest, ChatMessage, parse_body
 from moekv.server.serving import (ServerState, collect, make_sequences, new_id, now, prompt_tokens,
-                                  sampling_params, stream_events, submit, token_text, usage)
+                                  sampling_params, stream_response, submit, token_text, usage)
 
 
 def render_messages(engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -103,5 +103,4 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             return None
         return {**head, "choices": [], "usage": usage(prompt_tokens(seqs, req.n), sum(done_tokens.values()))}
 
-    return StreamingResponse(stream_events(state, handle, seqs, render, final_usage),
-                             media_type="text/event-stream")
+    return stream_response(state, handle, seqs, render, final_usage)

@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi.responses import StreamingResponse
+
 from moekv.engine.llm_engine import LLMEngine, PromptTooLongError
 from moekv.engine.sequence import Sequence
 from moekv.outputs import RequestOutput
@@ -137,6 +139,7 @@ async def collect(state: ServerState, request, handle: RequestHandle) -> dict[st
 def abort_unfinished(state: ServerState, handle: RequestHandle) -> None:
     if handle.unfinished:
         state.async_engine.abort(sorted(handle.unfinished))
+        handle.unfinished.clear()  # no outputs come for aborted requests; abort once
 
 
 class DeltaText:
@@ -175,10 +178,30 @@ def token_text(engine: LLMEngine, token_id: int) -> str:
     return engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-async def stream_events(state: ServerState, handle: RequestHandle, seqs: list[Sequence], render, final_usage):
+class _AbortOnClose(StreamingResponse):
+    """A stream cancelled before its generator first ran never reaches the generator's `finally`;
+    this one aborts what is unfinished however the response ends."""
+
+    def __init__(self, content, on_close) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def stream_response(state: ServerState, handle: RequestHandle, seqs: list[Sequence], render,
+                    final_usage) -> StreamingResponse:
     """Server-sent events of one streaming request: render(out, delta_text) -> chunk dict or None
     for each engine output, then final_usage() -> chunk or None, then [DONE]. Leaving early (client
     gone, error) aborts whatever is unfinished, so its pages return to the pool."""
+    return _AbortOnClose(_events(state, handle, seqs, render, final_usage), lambda: abort_unfinished(state, handle))
+
+
+async def _events(state: ServerState, handle: RequestHandle, seqs: list[Sequence], render, final_usage):
     texts = {seq.request_id: DeltaText(seq.sampling_params) for seq in seqs}
     try:
         async for out in handle.outputs():

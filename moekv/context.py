@@ -20,6 +20,9 @@ class Context:
     logits_indices: torch.Tensor   # [S] int64: rows of the step whose logits are needed (S <= T)
     seq_slots: torch.Tensor        # [B] int64: each sequence's staging slot (its partly filled newest page)
     max_query_len: int | None = None  # host-side max of the query lengths (1: a decode-only step); None: unknown
+    # host-side: True when no sequence's page becomes full in this step, so staged formats may
+    # append with one vectorized copy (no host sync: the step can be captured in a CUDA graph)
+    fills_no_page: bool = False
 
     @property
     def num_tokens(self) -> int:

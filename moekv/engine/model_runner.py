@@ -181,6 +181,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             seq_slots=torch.tensor(seq_slots, dtype=torch.long, device=dev),
             max_query_len=max(item.num_tokens for item in out.scheduled),
+            fills_no_page=all(n % bs for n in context_lens),
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx)
         results = [plan[0] for plan in plans]

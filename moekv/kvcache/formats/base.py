@@ -198,6 +198,20 @@ def stage_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Con
             yield b, name, completed
 
 
+def stage_decode_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> None:
+    """Decode steps that fill no page: each sequence's one new token goes to its staging slot at
+    offset position % P, in one indexed copy per K and V (no host sync)."""
+    block_size = cache["k_staging"].shape[2]
+    offsets = ctx.positions % block_size  # [B]
+    for name, x in (("k", k), ("v", v)):  # x [B, Hkv, D]
+        staging = cache[f"{name}_staging"]  # [S, Hkv, P, D]
+        staging[ctx.seq_slots, :, offsets] = x.to(staging.dtype)
+
+
+def can_stage_vectorized(q_or_k: torch.Tensor, ctx: Context) -> bool:
+    return ctx.fills_no_page and ctx.max_query_len == 1 and q_or_k.shape[0] == ctx.num_seqs
+
+
 class PagedQuantFormat(KVFormat):
     """A compressed format that quantizes whole pages: subclasses give the layouts and the
     page-level quantize/dequantize; this class handles staging, packing and reading back."""
@@ -237,6 +251,9 @@ class PagedQuantFormat(KVFormat):
         })
 
     def write(self, cache, k, v, ctx) -> None:
+        if can_stage_vectorized(k, ctx):
+            stage_decode_tokens(cache, k, v, ctx)
+            return
         block_size = cache["k_staging"].shape[2]
         for b, name, full_pages in stage_tokens(cache, k, v, ctx):
             if not full_pages:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, can_stage_vectorized
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
@@ -109,6 +109,12 @@ class KIVI2Format(PagedQuantFormat):
     def write(self, cache, k, v, ctx) -> None:
         super().write(cache, k, v, ctx)  # full pages quantized, partial page staged
         if self.residual == 0:
+            return
+        if can_stage_vectorized(k, ctx):  # one token per sequence: one indexed copy, no host sync
+            rows = ctx.positions % self.residual  # [B]
+            for name, x in (("k", k), ("v", v)):
+                ring = cache[f"{name}_residual"]
+                ring[ctx.seq_slots, :, rows] = x.to(ring.dtype)
             return
         starts = ctx.query_start_loc.tolist()
         for b, (end, slot) in enumerate(zip(ctx.context_lens.tolist(), ctx.seq_slots.tolist())):

@@ -36,7 +36,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=1024,
-                   help="requests that may wait for a place in the batch; beyond it the server answers 503")
+                   help="sequences that may wait for a place in the batch (a request with n choices counts n); "
+                        "beyond it the server answers 503")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model path)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

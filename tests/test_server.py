@@ -221,6 +221,21 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server):
     assert scrape(server.url)["moekv:request_success_total{finished_reason=abort}"] == before + 1
 
 
+def test_engine_fault_is_a_500_and_frees_the_pages(server, client, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel fault")
+
+    monkeypatch.setattr(server.engine.runner, "execute", broken)
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 4})
+    assert r.status_code == 500 and "simulated kernel fault" in r.json()["error"]["message"]
+    with pytest.raises(openai.APIError, match="simulated kernel fault"):  # in-stream error event
+        list(client.completions.create(model="tiny", prompt="x", max_tokens=4, stream=True))
+    assert_pool_empty(server)
+    monkeypatch.undo()
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=4).choices[0].finish_reason
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_full_queue_is_a_503_and_the_server_keeps_serving(small_server):
     async def main():
         async with httpx.AsyncClient(base_url=small_server.url, timeout=60) as c:

@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""End-to-end decode time per output token (TPOT) of a Mixtral-8x7B-shaped model on one GPU.
+
+The model is built with random bf16 weights (no checkpoint: `--random-weights --shape
+mixtral-8x7b`), its KV pools are filled with valid pages of each format as if `context` tokens
+were already cached, and one decode step (embedding -> 32 layers -> logits, the KV write
+included) is timed, captured in a CUDA graph (`graph`) and run eagerly (`eager`). Each figure sits
+beside its floor: the bytes the step must read (every attention weight, the distinct experts the
+batch routes to, the LM head, the KV pages of every sequence) over the HBM bandwidth measured in
+the same run. `transformers` runs the same shape at batch 1 as the naive baseline.
+
+    PYTHONPATH=. python benchmarks/bench_decode.py --random-weights --shape mixtral-8x7b \\
+        --out benchmarks/results/h200/decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from moekv.context import Context  # noqa: E402
+from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.models import mixtral  # noqa: E402
+from moekv.models.decoder import MoEDecoder  # noqa: E402
+from moekv.models.model_config import apply_routing_fields  # noqa: E402
+from moekv.routing import install_routers  # noqa: E402
+
+SHAPES = {
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=14336, num_local_experts=8,
+                         num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
+    # a quick check of the whole path (seconds, any GPU)
+    "small": dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=128, intermediate_size=2048, num_local_experts=8,
+                  num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
+}
+POINTS = [(1, 4096), (16, 4096), (64, 4096), (32, 32768)]
+FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "tiered"]
+ACTIVATION_RESERVE = 6 << 30  # bytes kept free for activations, graphs and the allocator
+
+
+def hf_config(shape: str) -> dict:
+    return {"architectures": ["MixtralForCausalLM"], "torch_dtype": "bfloat16", **SHAPES[shape]}
+
+
+def build_random_model(shape: str, device: torch.device):
+    """MoEDecoder of the shape with N(0, 0.02) weights (norms at 1), built on the GPU directly."""
+    hf = hf_config(shape)
+    cfg = apply_routing_fields(mixtral.config_from_hf(hf), hf)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = MoEDecoder(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    install_routers(model, cfg, routing="flat")
+    return model.eval(), cfg
+
+
+def weight_bytes_per_step(cfg, batch: int) -> tuple[int, float]:
+    """(bytes of all weights, bytes one decode step reads): attention + norms + router + LM head
+    for every step, experts only for the expected distinct experts a batch of random tokens
+    touches per layer, E * (1 - (1 - k/E)^B)."""
+    H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size
+    attn = (cfg.q_size + 2 * cfg.kv_size) * H + H * cfg.q_size
+    expert = 3 * H * I
+    per_layer_dense = attn + E * H + 2 * H
+    total = 2 * (cfg.num_layers * (per_layer_dense + E * expert) + 2 * cfg.vocab_size * H + H)
+    distinct = E * (1 - (1 - k / E) ** batch)
+    read = 2 * (cfg.num_layers * (per_layer_dense + distinct * expert) + cfg.vocab_size * H + H) + 2 * batch * H
+    return total, read
+
+
+def kv_bytes_per_token(fmt, cfg, block_size: int) -> float:
+    return cfg.num_layers * fmt.page_bytes(cfg.num_kv_heads, block_size, cfg.head_dim) / block_size
+
+
+def fill_pages(fmt, cache, cfg, block_size: int, device) -> None:
+    """Every page of the pool holds the same valid page: one random page quantized by the format."""
+    gen = torch.Generator(device).manual_seed(1)
+    H, D = cfg.num_kv_heads, cfg.head_dim
+    if "k_pages" in cache.tensors and cache["k_pages"].dtype != torch.uint8:  # plain 16-bit pages
+        cache["k_pages"].normal_(generator=gen)
+        cache["v_pages"].normal_(generator=gen)
+        return
+    for name, kind in (("k", "key"), ("v", "value")):
+        x = torch.randn(1, H, block_size, D, generator=gen, device=device)
+        slab = fmt.layout(kind, block_size, D).pack(fmt.quantize(x, kind, cache.layer))  # [1, H, bytes]
+        cache[f"{name}_pages"].copy_(slab.expand_as(cache[f"{name}_pages"]))
+
+
+def decode_context(batch: int, context: int, block_size: int, device) -> Context:
+    """One decode step per sequence: `context` tokens cached, the new one at position `context`
+    (offset 0 of a fresh page when context % block_size == 0, so no page completes)."""
+    pages = context // block_size + 1
+    tables = torch.arange(batch * pages, dtype=torch.int32, device=device).reshape(batch, pages)
+    positions = torch.full((batch,), context, dtype=torch.long, device=device)
+    return Context(
+        positions=positions,
+        slot_mapping=tables[:, -1].long() * block_size + context % block_size,
+        block_tables=tables,
+        context_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        logits_indices=torch.arange(batch, device=device),
+        seq_slots=torch.arange(batch, device=device),
+        max_query_len=1,
+        fills_no_page=(context + 1) % block_size != 0,
+    )
+
+
+def time_ms(fn, iters: int) -> float:
+    """Median of `iters` CUDA-event timings after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def measure_bandwidth(device) -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (read + write counted)."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 31) / (ms / 1e3)
+
+
+def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandwidth: float,
+              free_bytes: int, iters: int) -> dict:
+    fmt = get_kv_format(fmt_name, torch.bfloat16)
+    block_size = 16 if fmt_name == "bf16" else 64
+    row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size}
+    per_token = kv_bytes_per_token(fmt, cfg, block_size)
+    row["kv_bytes_per_token"] = per_token
+    row["max_tokens_in_memory"] = int(free_bytes // per_token)
+    pages = batch * (context // block_size + 1)
+    need = pages * block_size * per_token
+    if need > free_bytes:
+        row["skipped"] = f"KV of {need / 2**30:.1f} GiB does not fit beside the weights ({free_bytes / 2**30:.1f} GiB free)"
+        return row
+    if fmt.decode_spec(block_size, cfg.head_dim) is None:
+        row["skipped"] = "no fused decode kernel for this format yet (its reference path is not a benchmark)"
+        return row
+    for attn in model.attention_layers:
+        attn.kv_format = fmt
+        attn.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch, torch.bfloat16)
+        attn.kv_cache.layer = attn.layer_idx
+        fill_pages(fmt, attn.kv_cache, cfg, block_size, device)
+    ctx = decode_context(batch, context, block_size, device)
+    ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
+
+    def step():
+        return model.compute_logits(model(ids, ctx))
+
+    with torch.no_grad():
+        row["tpot_eager_ms"] = time_ms(step, max(3, iters // 4))
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()  # warm-up on the capture stream (Triton compiles, allocator settles)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            row["tpot_ms"] = time_ms(graph.replay, iters)
+            row["graph"] = True
+            del graph
+        except Exception as e:  # a host sync in the step: report eager only, with the reason
+            row["graph"] = False
+            row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            row["tpot_ms"] = row["tpot_eager_ms"]
+    _, weights_read = weight_bytes_per_step(cfg, batch)
+    kv_read = batch * (context + 1) * per_token
+    row.update(weights_read_bytes=weights_read, kv_read_bytes=kv_read,
+               floor_ms=1e3 * (weights_read + kv_read) / bandwidth)
+    row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
+    for attn in model.attention_layers:
+        attn.kv_cache = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def transformers_baseline(shape: str, context: int, device, bandwidth: float, iters: int) -> dict:
+    """The same shape through transformers' MixtralForCausalLM (random weights, its own cache):
+    prefill `context` tokens, then time single-token forwards."""
+    row = {"impl": "transformers", "kv_cache_dtype": "bf16", "batch": 1, "context": context}
+    try:
+        import transformers
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        row["transformers"] = transformers.__version__
+        hf = {k: v for k, v in hf_config(shape).items() if k not in ("architectures", "torch_dtype")}
+        config = MixtralConfig(**hf)
+        with torch.device(device):
+            model = MixtralForCausalLM._from_config(config, torch_dtype=torch.bfloat16).eval()
+        ids = torch.randint(0, config.vocab_size, (1, context), device=device)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            past = out.past_key_values
+            nxt = torch.randint(0, config.vocab_size, (1, 1), device=device)
+            position = torch.tensor([[context]], device=device)
+
+            def step():
+                # the cache grows by one token per call; a few dozen tokens do not move the time
+                model(nxt, past_key_values=past, position_ids=position, use_cache=True)
+
+            row["tpot_ms"] = time_ms(step, iters)
+        cfg = apply_routing_fields(mixtral.config_from_hf(hf_config(shape)), hf_config(shape))
+        _, weights_read = weight_bytes_per_step(cfg, 1)
+        kv_read = context * cfg.num_layers * 2 * cfg.kv_size * 2
+        row["floor_ms"] = 1e3 * (weights_read + kv_read) / bandwidth
+        del model, out, past
+    except Exception as e:  # report why, keep the rest of the results
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--random-weights", action="store_true", required=True,
+                   help="build the model with random weights (the only mode: no checkpoint is read)")
+    p.add_argument("--shape", default="mixtral-8x7b", choices=sorted(SHAPES))
+    p.add_argument("--formats", nargs="*", default=FORMATS)
+    p.add_argument("--points", nargs="*", default=None, help="batch:context pairs (default: the issue's four)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode needs a CUDA device")
+    device = torch.device("cuda")
+    points = [tuple(int(x) for x in s.split(":")) for s in args.points] if args.points else POINTS
+    import triton
+
+    started = time.time()
+    bandwidth = measure_bandwidth(device)
+    print(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    model, cfg = build_random_model(args.shape, device)
+    total_weights, _ = weight_bytes_per_step(cfg, 1)
+    free_bytes = torch.cuda.mem_get_info(device)[0] - ACTIVATION_RESERVE
+    print(f"weights {total_weights / 2**30:.1f} GiB; {free_bytes / 2**30:.1f} GiB left for the KV cache", flush=True)
+    rows = []
+    for fmt_name in args.formats:
+        for batch, context in points:
+            row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters)
+            rows.append(row)
+            if "skipped" in row:
+                print(f"{fmt_name:>9} B={batch:<3} ctx={context:<6} skipped: {row['skipped']}", flush=True)
+            else:
+                print(f"{fmt_name:>9} B={batch:<3} ctx={context:<6} TPOT {row['tpot_ms']:7.2f} ms "
+                      f"(eager {row['tpot_eager_ms']:7.2f}, graph={row['graph']})  floor {row['floor_ms']:6.2f} ms "
+                      f"({row['tpot_over_floor']:.2f}x)" + (f"  [{row.get('graph_error')}]" if not row["graph"] else ""),
+                      flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.no_transformers:
+        row = transformers_baseline(args.shape, 4096, device, bandwidth, max(5, args.iters // 2))
+        rows.append(row)
+        print(f"transformers B=1 ctx=4096: {row.get('tpot_ms', row.get('error'))}", flush=True)
+    record = {
+        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
+        "shape": args.shape, "hbm_copy_bandwidth_bytes_per_s": bandwidth, "weights_bytes": total_weights,
+        "kv_free_bytes": free_bytes, "seconds": round(time.time() - started, 1), "rows": rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

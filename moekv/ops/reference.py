@@ -68,6 +68,29 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Row layout of the grouped GEMM: pairs p = t * k + slot grouped by expert (experts in order,
+    pairs ascending), each expert's run padded to a multiple of block_m with the sentinel M = T*k.
+
+    topk_ids [T, k] -> sorted_ids [P] int32, block_expert_ids [P / block_m] int32 (-1 past the
+    padded end), num_tokens_post_padded [1] int32; P = M + min(E, M) * (block_m - 1) rounded up to
+    block_m (a bound known from shapes alone)."""
+    flat = topk_ids.reshape(-1).tolist()
+    M = len(flat)
+    P = -(-(M + min(num_experts, M) * (block_m - 1)) // block_m) * block_m
+    sorted_ids, block_expert_ids = [], []
+    for expert in range(num_experts):
+        pairs = [p for p, e in enumerate(flat) if e == expert]
+        padded = pairs + [M] * (-len(pairs) % block_m)
+        sorted_ids += padded
+        block_expert_ids += [expert] * (len(padded) // block_m)
+    used = len(sorted_ids)
+    sorted_ids += [M] * (P - used)
+    block_expert_ids += [-1] * (P // block_m - len(block_expert_ids))
+    as_int32 = lambda v: torch.tensor(v, dtype=torch.int32, device=topk_ids.device)  # noqa: E731
+    return as_int32(sorted_ids), as_int32(block_expert_ids), as_int32([used])
+
+
 def write_kv_pages_ref(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
     """Store the step's K/V into their pages.

@@ -1,0 +1,360 @@
+"""Fused MoE experts step: tokens sorted by expert, one grouped GEMM per projection.
+
+Semantics are those of `moekv.ops.reference.fused_moe_ref`: for each token, sum over its k experts
+of weight * down(silu(gate(x)) * up(x)), with w13 [E, 2I, H] stacking gate rows then up rows.
+
+Two paths, both free of host syncs (capturable in a CUDA graph: every grid is sized from shapes):
+- grouped GEMM (`tl.dot`) for T*k > GEMV_MAX_PAIRS: `moe_align_block_size` sorts the (token, slot)
+  pairs by expert and pads each expert's run to BLOCK_M rows; program (m-block, n-block) reads the
+  expert of its block once per tile. `_gate_up_gemm_kernel` fuses SiLU-and-multiply in its epilogue
+  (it holds a gate and an up accumulator for the same columns); `_down_gemm_kernel` scales by the
+  routing weight in its epilogue and writes one fp32 row per pair, summed over the k slots after.
+- GEMV for decode (T*k <= GEMV_MAX_PAIRS): no sort; program (pair, n-block[, k-split]) streams a
+  [BLOCK_N, H] slab of its pair's expert. The pair index varies fastest in the grid, so pairs that
+  share an expert read the same tile at about the same time (L2 hits, not HBM reads). Products
+  accumulate element-wise in a [BLOCK_N, BLOCK_K] fp32 tile reduced once at the end. The down
+  projection (N = H is the short side) splits K across programs to keep every SM streaming.
+
+Shape legend: T = tokens, k = experts per token, M = T*k pairs (pair p = token p // k, slot p % k),
+E = experts, H = hidden, I = expert intermediate size, S = k-splits.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_PAIRS = 16  # decode fast path up to this many (token, slot) pairs
+
+
+# -- alignment: pairs sorted by expert, padded per expert to BLOCK_M ------------------------------------
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the padded length: at most min(E, M) experts are non-empty, each padded by
+    fewer than block_m rows."""
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """topk_ids [T, k] -> (sorted_ids [P], block_expert_ids [P / block_m], num_tokens_post_padded [1]).
+
+    sorted_ids lists pair indices (t * k + slot) grouped by expert in increasing expert order, each
+    expert's run padded to a multiple of block_m with the sentinel M = T*k; within an expert, pairs
+    keep their order. block_expert_ids[b] is the expert of block b, -1 past the padded length.
+    P = max_padded_pairs(...) rounded up to block_m: a bound fixed by shapes, so no host sync."""
+    flat = topk_ids.reshape(-1)
+    M = flat.numel()
+    device = flat.device
+    num_blocks = triton.cdiv(max_padded_pairs(M, num_experts, block_m), block_m)
+    flat = flat.to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without a sync  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = padded.cumsum(0)  # [E]
+    padded_start = padded_end - padded
+    count_start = counts.cumsum(0) - counts
+    sorted_experts, order = torch.sort(flat, stable=True)  # [M]
+    rank = torch.arange(M, device=device) - count_start[sorted_experts]
+    dest = padded_start[sorted_experts] + rank
+    sorted_ids = torch.full((num_blocks * block_m,), M, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert_ids = torch.where(block_expert_ids < num_experts, block_expert_ids, -1).to(torch.int32)
+    return sorted_ids, block_expert_ids, padded_end[-1:].to(torch.int32)
+
+
+# -- grouped GEMM kernels -------------------------------------------------------------------------
+@triton.jit
+def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M consecutive m-blocks sweep the n-blocks together (weight tiles
+    of one expert are reused from L2 across its m-blocks)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    if UPCAST:  # the interpreter's bf16 dot is wrong (DESIGN.md section 6)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:  # fp32 activations: no TF32 rounding
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gate_up_gemm_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
+                         num_pairs, num_m_blocks, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+                         stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, N + n]) for the pairs of one block.
+    N = I, K = H."""
+    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]
+    row_ok = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = _dot(a, g, acc_g, UPCAST, IEEE)
+        acc_u = _dot(a, u, acc_u, UPCAST, IEEE)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_gemm_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
+                      num_pairs, num_m_blocks, N: tl.constexpr, K: tl.constexpr,
+                      stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """y[pair, n] = weight[pair] * (h[pair] . w2[e, n]) in fp32. N = H, K = I."""
+    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pair < num_pairs
+    pair = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + pair[:, None] * stride_hm + offs_k[None, :] * stride_hk
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = _dot(a, b, acc, UPCAST, IEEE)
+        a_ptrs += BLOCK_K * stride_hk
+        b_ptrs += BLOCK_K * stride_wk
+    w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    y_ptrs = y_ptr + pair[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc * w[:, None], mask=row_ok[:, None] & n_ok[None, :])
+
+
+# -- GEMV kernels (decode) ----------------------------------------------------------------------
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+                         stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program (pair, n-block): h[pair, n-block] from one [2 x BLOCK_N, H] slab of its expert."""
+    pid = tl.program_id(0)
+    pair = pid % num_pairs
+    pid_n = pid // num_pairs
+    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token * stride_xt + offs_k * stride_xk  # [BLOCK_K]
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_ptrs).to(tl.float32)
+            g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_g += g.to(tl.float32) * xv[None, :]
+        acc_u += u.to(tl.float32) * xv[None, :]
+        x_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(h_ptr + pair * stride_hm + offs_n * stride_hn, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pairs, N: tl.constexpr, K: tl.constexpr,
+                      K_PER_SPLIT: tl.constexpr,
+                      stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program (pair, n-block, split): y[split, pair, n-block] = weight * partial dot over its
+    K_PER_SPLIT (a multiple of BLOCK_K) columns of I."""
+    pid = tl.program_id(0)
+    pair = pid % num_pairs
+    rest = pid // num_pairs
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_n = rest % num_n
+    split = rest // num_n
+    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_start = split * K_PER_SPLIT
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + pair * stride_hm + offs_k * stride_hk
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):  # the last split may run past K: masked (not EVEN_K)
+        if EVEN_K:
+            a = tl.load(a_ptrs).to(tl.float32)
+            b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += b.to(tl.float32) * a[None, :]
+        a_ptrs += BLOCK_K * stride_hk
+        b_ptrs += BLOCK_K * stride_wk
+    w = tl.load(weights_ptr + pair).to(tl.float32)
+    y = tl.sum(acc, axis=1) * w
+    tl.store(y_ptr + split * stride_ys + pair * stride_ym + offs_n * stride_yn, y, mask=n_ok)
+
+
+# -- launch configuration -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 32
+    block_k: int = 256
+    num_splits: int | None = None  # of the down projection's K (= I); None: enough programs to fill the GPU
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
+    """Untuned first guesses by rows per expert (see benchmarks/bench_moe.py for the sweep)."""
+    rows = num_pairs / num_experts
+    if rows <= 16:
+        return GemmConfig(16, 64, 128, 1, 4, 4)
+    if rows <= 64:
+        return GemmConfig(32, 128, 64, 8, 4, 4)
+    return GemmConfig(64, 128, 64, 8, 8, 3)
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _default_splits(programs: int, k_blocks: int, num_sms: int) -> int:
+    """Splits of the down GEMV's K so that about 4 programs per SM stream weights; a divisor of
+    the K blocks where one is near, so that no split runs past I (unmasked loads)."""
+    target = max(1, min(8, triton.cdiv(4 * num_sms, programs)))
+    divisors = [s for s in range(target, min(8, k_blocks) + 1) if k_blocks % s == 0]
+    return divisors[0] if divisors else target
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# -- public launcher ------------------------------------------------------------------------------
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, path: str | None = None,
+              config: GemmConfig | GemvConfig | None = None) -> torch.Tensor:
+    """Same contract as fused_moe_ref: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k];
+    topk_ids [T, k] -> [T, H] in x.dtype. path: "gemv" | "gemm" | None (gemv when T*k <= GEMV_MAX_PAIRS);
+    config: launch shape for that path (None: a default)."""
+    T, H = x.shape
+    E, two_i, H_w = w13.shape
+    I = two_i // 2
+    k = topk_ids.shape[1]
+    if H_w != H or two_i != 2 * I or tuple(w2.shape) != (E, H, I) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"fused_moe: shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"fused_moe: x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    M = T * k
+    if M == 0:
+        return torch.zeros_like(x)
+    if path is None:
+        path = "gemv" if M <= GEMV_MAX_PAIRS else "gemm"
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1)
+    h = torch.empty(M, I, dtype=x.dtype, device=x.device)  # [M, I]
+    if path == "gemv":
+        cfg = config or GemvConfig()
+        launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _gate_up_gemv_kernel[(M * triton.cdiv(I, cfg.block_n),)](
+            x, w13, h, ids, M, I, H, k, *x.stride(), *w13.stride(), *h.stride(),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0, **launch)
+        num_n = triton.cdiv(H, cfg.block_n)
+        k_blocks = triton.cdiv(I, cfg.block_k)
+        splits = min(cfg.num_splits or _default_splits(M * num_n, k_blocks, _num_sms(x.device)), k_blocks)
+        k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
+        splits = triton.cdiv(I, k_per_split)
+        y = torch.empty(splits, M, H, dtype=torch.float32, device=x.device)  # [S, M, H]
+        _down_gemv_kernel[(M * num_n * splits,)](
+            h, w2, y, weights, ids, M, H, I, k_per_split, *h.stride(), *w2.stride(), *y.stride(),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % k_per_split == 0, **launch)
+        return y.view(splits, T, k, H).sum((0, 2)).to(x.dtype)
+    if path != "gemm":
+        raise ValueError(f"fused_moe: path must be 'gemv', 'gemm' or None, got {path!r}")
+    cfg = config or default_gemm_config(M, E)
+    sorted_ids, block_expert_ids, _ = moe_align_block_size(topk_ids, E, cfg.block_m)
+    num_m_blocks = block_expert_ids.numel()
+    upcast = _interpreting() and x.dtype == torch.bfloat16
+    ieee = x.dtype == torch.float32
+    launch = dict(GROUP_M=cfg.group_m, UPCAST=upcast, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gate_up_gemm_kernel[(num_m_blocks * triton.cdiv(I, cfg.block_n),)](
+        x, w13, h, sorted_ids, block_expert_ids, M, num_m_blocks, I, H, k,
+        *x.stride(), *w13.stride(), *h.stride(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0, **launch)
+    y = torch.empty(M, H, dtype=torch.float32, device=x.device)  # [M, H], one row per pair
+    _down_gemm_kernel[(num_m_blocks * triton.cdiv(H, cfg.block_n),)](
+        h, w2, y, weights, sorted_ids, block_expert_ids, M, num_m_blocks, H, I,
+        *h.stride(), *w2.stride(), *y.stride(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0, **launch)
+    return y.view(T, k, H).sum(1).to(x.dtype)

@@ -34,7 +34,11 @@ class SparseMoE(nn.Module):
         # logits [T, E] are computed only if the router reads them (hierarchical does not)
         router_logits = RouterLogits(x, self.gate, self.e_score_correction_bias, cluster_scores)
         weights, expert_ids = self.router(x, router_logits)  # [T, k], [T, k]
-        out = fused_moe_ref(x, self.w13, self.w2, weights, expert_ids)
+        if x.is_cuda:  # Triton grouped GEMM / decode GEMV, capturable in CUDA graphs; CPU keeps the reference
+            from moekv.ops.fused_moe import fused_moe
+            out = fused_moe(x, self.w13, self.w2, weights, expert_ids)
+        else:
+            out = fused_moe_ref(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out

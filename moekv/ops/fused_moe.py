@@ -17,6 +17,9 @@ Two paths, both free of host syncs (capturable in a CUDA graph: every grid is si
 
 Shape legend: T = tokens, k = experts per token, M = T*k pairs (pair p = token p // k, slot p % k),
 E = experts, H = hidden, I = expert intermediate size, S = k-splits.
+
+The weight shapes (N, K) and k are constexprs: one compile per model, loops with known trip counts
+(and the interpreter, under NumPy 2.4, cannot loop to a bound passed as a runtime scalar).
 """
 from __future__ import annotations
 
@@ -176,7 +179,8 @@ def _down_gemm_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_e
 
 # -- GEMV kernels (decode) ----------------------------------------------------------------------
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
+                         N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                          stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (pair, n-block): h[pair, n-block] from one [2 x BLOCK_N, H] slab of its expert."""
@@ -215,8 +219,8 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs, N: tl
 
 
 @triton.jit
-def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pairs, N: tl.constexpr, K: tl.constexpr,
-                      K_PER_SPLIT: tl.constexpr,
+def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pairs,
+                      N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                       stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (pair, n-block, split): y[split, pair, n-block] = weight * partial dot over its

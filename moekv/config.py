@@ -90,7 +90,7 @@ class EngineConfig:
     cluster_map: str | Path | None = None  # file from `moekv cluster`: hierarchical routing, placement
     clusters_per_token: int | None = None  # hierarchical: most clusters a token may use (None: the map's)
     cluster_admit_margin: float | None = None  # hierarchical: admit a further cluster while its coarse
-    # score is within this margin of the best (log routing mass; None: the map's calibrated value)
+    # score is within this margin of the best (log routing mass; None: the map's calibrated per-layer values)
     n_group: int | None = None  # group_limited: groups and groups kept (None: the checkpoint's)
     topk_group: int | None = None
 
@@ -148,9 +148,10 @@ class EngineConfig:
                "routing='hierarchical' needs cluster_map (a file written by `moekv cluster`)")
         _check(self.clusters_per_token is None or (isinstance(self.clusters_per_token, int) and self.clusters_per_token >= 1),
                f"clusters_per_token={self.clusters_per_token!r} must be an integer >= 1 (or None for the map's value)")
-        _check(self.cluster_admit_margin is None or self.cluster_admit_margin >= 0,
-               f"cluster_admit_margin={self.cluster_admit_margin!r} must be >= 0 (inf: always admit up to "
-               "clusters_per_token; None: the map's value)")
+        _check(self.cluster_admit_margin is None or (isinstance(self.cluster_admit_margin, (int, float))
+                                                     and self.cluster_admit_margin == self.cluster_admit_margin),
+               f"cluster_admit_margin={self.cluster_admit_margin!r} must be a number (inf: admit up to "
+               "clusters_per_token, -inf: one cluster per token; None: the map's per-layer values)")
         for name in ("n_group", "topk_group"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and value >= 1),

@@ -193,37 +193,45 @@ def fused_routing_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return weights * scaling_factor, ids
 
 
-def select_clusters_ref(cluster_scores: torch.Tensor, max_clusters: int, admit_margin: float) -> torch.Tensor:
-    """Each token's best cluster, then the next best while their coarse score is within admit_margin
-    of the best (at most max_clusters). cluster_scores [T, C] -> kept [T, Kc] int64, -1 = not kept."""
-    values, idx = stable_topk_ref(cluster_scores.float(), max_clusters)
-    keep = (values >= values[:, :1] - admit_margin) & (values > float("-inf"))
-    keep[:, 0] = True
-    return torch.where(keep, idx, torch.full_like(idx, -1))
-
-
 def cluster_routing_ref(hidden: torch.Tensor, cluster_scores: torch.Tensor, gate_by_cluster: torch.Tensor,
                         cluster_experts: torch.Tensor, top_k: int, renormalize: bool, max_clusters: int,
                         admit_margin: float, scoring: str = "softmax", bias: torch.Tensor | None = None,
-                        scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hierarchical routing: clusters kept by select_clusters_ref, then only their experts scored.
+                        scaling_factor: float = 1.0, return_kept: bool = False):
+    """Hierarchical routing: a few clusters per token, then only their experts scored.
 
     hidden [T, H] (the normalised state the router reads); cluster_scores [T, C] (coarse gate: an
     estimate of each cluster's log routing mass); gate_by_cluster [C, M, H] the router rows of each
     cluster's experts; cluster_experts [C, M] their expert ids; bias [E] or None (choice only).
-    Softmax scoring normalises over the kept experts and scales by the coarse estimate of the kept
-    clusters' share of the mass (which cancels when renormalised). Candidates are ordered (kept rank,
-    position in cluster); ties go to the earlier one. -> (weights [T, k] fp32, expert_ids [T, k] int64)
+
+    Clusters: the best by coarse score is always kept and its M logits computed exactly; the next
+    ones (up to max_clusters, in coarse order) are kept while score >= best - admit_margin - slack,
+    where slack = logsumexp - max of the best cluster's logits: when that cluster's mass is spread
+    over several experts its coarse score overstates its top expert, and a rival cluster is closer
+    than the scores say. Softmax scoring normalises over the kept experts and scales by the coarse
+    estimate of the kept clusters' share of the mass (which cancels when renormalised). Candidates
+    are ordered (kept rank, position in cluster); ties go to the earlier one.
+    -> (weights [T, k] fp32, expert_ids [T, k] int64[, kept clusters [T, Kc] int64, -1 = not kept])
     """
-    kept = select_clusters_ref(cluster_scores, max_clusters, admit_margin)  # [T, Kc]
-    safe = kept.clamp(min=0)
-    rows = gate_by_cluster[safe].float()  # [T, Kc, M, H]
-    logits = torch.einsum("th,tcmh->tcm", hidden.float(), rows)
-    logits = logits.masked_fill((kept < 0)[:, :, None], float("-inf")).flatten(1)  # [T, Kc*M]
-    ids = cluster_experts[safe].flatten(1)  # [T, Kc*M]
+    order_scores, order = stable_topk_ref(cluster_scores.float(), max_clusters)  # [T, Kc]
+    num_tokens, num_kept = order.shape
+    logits = hidden.new_full((num_tokens, num_kept, gate_by_cluster.shape[1]), float("-inf"), dtype=torch.float32)
+
+    def score_rank(j: int, rows: torch.Tensor) -> None:  # logits of each token's j-th cluster, token by cluster
+        for c in order[rows, j].unique().tolist():
+            tokens = torch.nonzero(rows & (order[:, j] == c)).flatten()
+            logits[tokens, j] = hidden[tokens].float() @ gate_by_cluster[c].float().T
+
+    score_rank(0, torch.ones_like(order[:, 0], dtype=torch.bool))
+    slack = torch.logsumexp(logits[:, 0], -1) - logits[:, 0].max(-1).values  # [T]
+    keep = (order_scores >= (order_scores[:, :1] - admit_margin - slack[:, None])) & (order_scores > float("-inf"))
+    keep[:, 0] = True
+    for j in range(1, num_kept):
+        score_rank(j, keep[:, j])
+    logits = logits.flatten(1)  # [T, Kc*M], -inf where a cluster was not kept
+    ids = cluster_experts[order].flatten(1)  # [T, Kc*M]
     if scoring == "softmax":
-        coarse = torch.softmax(cluster_scores.float(), dim=-1).gather(1, safe)
-        kept_share = (coarse * (kept >= 0)).sum(-1, keepdim=True)  # [T, 1]
+        coarse = torch.softmax(cluster_scores.float(), dim=-1).gather(1, order)
+        kept_share = (coarse * keep).sum(-1, keepdim=True)  # [T, 1]
         scores = torch.softmax(logits, dim=-1) * kept_share
     else:
         scores = _scores_ref(logits, scoring)
@@ -233,7 +241,8 @@ def cluster_routing_ref(hidden: torch.Tensor, cluster_scores: torch.Tensor, gate
     weights = scores.gather(1, pos)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling_factor, ids.gather(1, pos)
+    out = (weights * scaling_factor, ids.gather(1, pos))
+    return out + (torch.where(keep, order, torch.full_like(order, -1)),) if return_kept else out
 
 
 def rms_norm_coarse_gate_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, coarse_weight: torch.Tensor,

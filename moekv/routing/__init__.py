@@ -65,12 +65,11 @@ def install_routers(model, model_cfg, routing: str = "auto", cluster_map=None, c
         source = "" if isinstance(cluster_map, ClusterMap) else str(cluster_map)
         cmap = cluster_map if isinstance(cluster_map, ClusterMap) else ClusterMap.load(cluster_map)
         cmap.check_model(model_cfg, {i: moe.gate for i, moe in layers.items()}, source=source)
-        per_token = clusters_per_token or cmap.clusters_per_token
-        margin = cmap.admit_margin if admit_margin is None else admit_margin
+        per_token = min(clusters_per_token or cmap.clusters_per_token or cmap.num_clusters, cmap.num_clusters)
         for i, moe in layers.items():
+            margin = cmap.layers[i].admit_margin if admit_margin is None else admit_margin
             moe.router = HierarchicalRouter(cmap.layers[i], moe.gate, model_cfg.top_k, model_cfg.norm_topk_prob,
-                                            min(per_token, cmap.num_clusters), margin, model_cfg.scoring_func,
-                                            model_cfg.routed_scaling_factor)
+                                            per_token, margin, model_cfg.scoring_func, model_cfg.routed_scaling_factor)
         return mode
     for moe in layers.values():
         moe.router = _group_limited(model_cfg, n_group, topk_group) if mode == "group_limited" else _flat(model_cfg)

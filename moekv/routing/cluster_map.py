@@ -2,10 +2,11 @@
 coarse gate (C rows, one bias each) that scores the clusters from the router's input.
 
 Stored as safetensors: tensors `layers.<l>.experts` [C, M] int64, `layers.<l>.coarse_weight` [C, H],
-`layers.<l>.coarse_bias` [C], `layers.<l>.router_probe` [E, 16] (the first router columns, to tell
-this checkpoint from another of the same shape); metadata (strings) names the model it was made
-for (architecture, num_layers, num_experts, hidden_size, top_k), the defaults of the hierarchical
-router (clusters_per_token, admit_margin) and a JSON summary of the calibration.
+`layers.<l>.coarse_bias` [C], `layers.<l>.admit_margin` [1] (the layer's calibrated margin for
+admitting a further cluster; inf = all clusters, -inf = one), `layers.<l>.router_probe` [E, 16] (the first
+router columns, to tell this checkpoint from another of the same shape); metadata (strings) names
+the model it was made for (architecture, num_layers, num_experts, hidden_size, top_k), the most
+clusters a token may use, and a JSON summary of the calibration.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class LayerClusters:
     coarse_weight: torch.Tensor  # [C, H] fp32
     coarse_bias: torch.Tensor  # [C] fp32
     router_probe: torch.Tensor | None = None  # [E, PROBE_COLUMNS] fp32
+    admit_margin: float = float("inf")  # see cluster_routing_ref (inf: all clusters, -inf: one)
 
     @property
     def num_clusters(self) -> int:
@@ -50,8 +52,7 @@ class ClusterMap:
     hidden_size: int
     top_k: int
     layers: dict[int, LayerClusters]  # MoE layer index -> its clusters
-    clusters_per_token: int = 2
-    admit_margin: float = 1.0
+    clusters_per_token: int = 0  # most clusters a token may use; 0 = all C
     summary: dict = field(default_factory=dict)
 
     @property
@@ -75,6 +76,8 @@ class ClusterMap:
             if tuple(layer.coarse_weight.shape) != (C, self.hidden_size) or tuple(layer.coarse_bias.shape) != (C,):
                 raise ClusterMapError(f"layer {idx}: coarse gate has shape {tuple(layer.coarse_weight.shape)} / "
                                       f"{tuple(layer.coarse_bias.shape)}; expected ({C}, {self.hidden_size}) / ({C},)")
+            if layer.admit_margin != layer.admit_margin:
+                raise ClusterMapError(f"layer {idx}: admit_margin is NaN")
             if C != self.num_clusters:
                 raise ClusterMapError(f"layer {idx} has {C} clusters, other layers {self.num_clusters}")
 
@@ -116,12 +119,13 @@ class ClusterMap:
             tensors[f"layers.{idx}.experts"] = layer.experts.to(torch.int64).contiguous()
             tensors[f"layers.{idx}.coarse_weight"] = layer.coarse_weight.float().contiguous()
             tensors[f"layers.{idx}.coarse_bias"] = layer.coarse_bias.float().contiguous()
+            tensors[f"layers.{idx}.admit_margin"] = torch.tensor([float(layer.admit_margin)])
             if layer.router_probe is not None:
                 tensors[f"layers.{idx}.router_probe"] = layer.router_probe.float().contiguous()
         meta = {"format": FORMAT, "version": VERSION, "architecture": self.architecture,
                 "num_layers": str(self.num_layers), "num_experts": str(self.num_experts),
                 "hidden_size": str(self.hidden_size), "top_k": str(self.top_k),
-                "clusters_per_token": str(self.clusters_per_token), "admit_margin": repr(float(self.admit_margin)),
+                "clusters_per_token": str(self.clusters_per_token),
                 "summary": json.dumps(self.summary)}
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,12 +153,13 @@ class ClusterMap:
         layer_ids = sorted({int(name.split(".")[1]) for name in tensors})
         try:
             layers = {i: LayerClusters(tensors[f"layers.{i}.experts"], tensors[f"layers.{i}.coarse_weight"],
-                                       tensors[f"layers.{i}.coarse_bias"], tensors.get(f"layers.{i}.router_probe"))
+                                       tensors[f"layers.{i}.coarse_bias"], tensors.get(f"layers.{i}.router_probe"),
+                                       float(tensors[f"layers.{i}.admit_margin"][0]))
                       for i in layer_ids}
             cmap = cls(architecture=meta["architecture"], num_layers=int(meta["num_layers"]),
                        num_experts=int(meta["num_experts"]), hidden_size=int(meta["hidden_size"]),
                        top_k=int(meta["top_k"]), layers=layers, clusters_per_token=int(meta["clusters_per_token"]),
-                       admit_margin=float(meta["admit_margin"]), summary=json.loads(meta.get("summary") or "{}"))
+                       summary=json.loads(meta.get("summary") or "{}"))
         except (KeyError, ValueError) as e:
             raise ClusterMapError(f"{path}: cluster map is incomplete or malformed ({e!r})") from e
         cmap.validate()

@@ -1,12 +1,12 @@
 """Hierarchical routing: a coarse gate picks clusters, the fine router scores only their experts.
 
 Per token: the coarse gate scores the C clusters of the layer (C x H multiply-adds, fused into the
-RMSNorm before the layer on the GPU); the best cluster is kept, and the next ones (up to
-clusters_per_token) only while their coarse score is within admit_margin of the best — a token
+RMSNorm before the layer on the GPU); the best cluster is kept and its experts' logits computed
+(M x H, M = E / C); the next clusters (up to clusters_per_token) are admitted only while their
+coarse score is within admit_margin (plus the best cluster's own spread) of the best — a token
 whose routing mass clearly sits in one cluster stays on one device, a token torn between two gets
-both. The fine router then computes the logits of the kept clusters' experts only (M x H each,
-M = E / C) and takes the model's top-k among them, with the model's own scoring and
-renormalisation (see cluster_routing_ref for the weights when the model does not renormalise).
+both (the exact rule is cluster_routing_ref's). The fine router takes the model's top-k among the
+kept experts, with the model's own scoring and renormalisation.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ class HierarchicalRouter:
         C = clusters.num_clusters
         if not 1 <= clusters_per_token <= C:
             raise ValueError(f"clusters_per_token={clusters_per_token} must be in [1, number of clusters={C}]")
-        if admit_margin < 0:
-            raise ValueError(f"cluster_admit_margin={admit_margin} must be >= 0")
+        if admit_margin != admit_margin:
+            raise ValueError("cluster_admit_margin=nan is not a number; accepted: any real, -inf (one cluster) or inf")
         device, dtype = gate.device, gate.dtype
         self.cluster_experts = clusters.experts.to(device)  # [C, M]
         self.gate_by_cluster = gate.detach()[self.cluster_experts].contiguous()  # [C, M, H]

@@ -1,0 +1,78 @@
+"""Placement: which device (EP rank) holds each expert, and what a routing decision costs under it.
+
+One cluster per device by default (cluster c -> device c mod D), so a token routed inside one
+cluster touches one device. For a batch of decisions expert_ids [T, k] (best first):
+- locality: share of the token's k assignments that live on the device of its top-1 expert;
+- fan-out: mean number of distinct devices a token's experts occupy;
+- cross-device bytes per token: a token is processed on its top-1 expert's device and its hidden
+  state goes to, and its expert output comes back from, every other device it uses:
+  2 x H x bytes per element per remote device, summed over the MoE layers.
+A random placement (equal expert counts per device, drawn independently per layer) is the baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Placement:
+    device_of_expert: dict[int, torch.Tensor]  # MoE layer -> [E] int64 device of each expert
+    num_devices: int
+    name: str
+
+    @classmethod
+    def from_clusters(cls, cluster_map, num_devices: int | None = None) -> "Placement":
+        """Cluster c of every layer on device c mod num_devices (default: one cluster per device)."""
+        num_devices = num_devices or cluster_map.num_clusters
+        if cluster_map.num_clusters % num_devices:
+            raise ValueError(f"num_devices={num_devices} must divide the number of clusters ({cluster_map.num_clusters})")
+        return cls({i: layer.cluster_of_expert() % num_devices for i, layer in cluster_map.layers.items()},
+                   num_devices, "clustered")
+
+    @classmethod
+    def random(cls, layers: list[int], num_experts: int, num_devices: int, seed: int = 0) -> "Placement":
+        if num_experts % num_devices:
+            raise ValueError(f"num_devices={num_devices} must divide num_experts={num_experts}")
+        gen = torch.Generator().manual_seed(seed)
+        devices = {}
+        for i in layers:
+            d = torch.empty(num_experts, dtype=torch.long)
+            d[torch.randperm(num_experts, generator=gen)] = torch.arange(num_experts) % num_devices
+            devices[i] = d
+        return cls(devices, num_devices, f"random(seed={seed})")
+
+
+class PlacementStats:
+    """Accumulates locality, fan-out and remote devices per token over batches of decisions."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        self.local = self.assignments = self.devices = self.tokens = 0
+        self.per_layer: dict[int, list[float]] = {}  # layer -> [local, assignments, devices, tokens]
+
+    def add(self, layer_idx: int, expert_ids: torch.Tensor) -> None:
+        dev = self.placement.device_of_expert[layer_idx].to(expert_ids.device)[expert_ids]  # [T, k]
+        local = int((dev == dev[:, :1]).sum())
+        used = torch.zeros(dev.shape[0], self.placement.num_devices, dtype=torch.bool, device=dev.device)
+        used.scatter_(1, dev, True)
+        devices = int(used.sum())
+        row = self.per_layer.setdefault(layer_idx, [0, 0, 0, 0])
+        for j, v in enumerate((local, dev.numel(), devices, dev.shape[0])):
+            row[j] += v
+
+    @staticmethod
+    def _summary(local, assignments, devices, tokens) -> dict:
+        return {"locality": local / max(assignments, 1), "fan_out": devices / max(tokens, 1)}
+
+    def summary(self, hidden_size: int, bytes_per_element: int = 2) -> dict:
+        """locality and fan_out over all MoE layers; cross-device bytes per token summed over layers."""
+        totals = [sum(row[j] for row in self.per_layer.values()) for j in range(4)]
+        out = self._summary(*totals)
+        remote_per_token = sum((row[2] - row[3]) / max(row[3], 1) for row in self.per_layer.values())
+        out["cross_device_bytes_per_token"] = 2 * hidden_size * bytes_per_element * remote_per_token
+        out["per_layer"] = {i: self._summary(*row) for i, row in sorted(self.per_layer.items())}
+        out["placement"] = self.placement.name
+        out["num_devices"] = self.placement.num_devices
+        return out

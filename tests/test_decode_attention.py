@@ -129,32 +129,34 @@ def check(label, out, ref, q_dtype=torch.float32):
     assert err <= tolerance(label, ref, q_dtype), f"{label}: max error {err:.3g}"
 
 
-# (lens, Hkv, G, D, P, splits): batch 1 and 3, contexts on and off page boundaries, shorter than
-# a page, GQA 1/4/8, head_dim 32/64/128, one split or several (more splits than tiles too)
+# (lens, Hkv, G, D, P, splits, BLOCK_N): batch 1 and 3, contexts on and off page boundaries,
+# shorter than a page, GQA 1/4/8, head_dim 32/64/128, one split or several (more splits than
+# tiles too), tiles inside a page (from its start or not) and tiles spanning 2 pages
 GRID = [
-    ([64], 2, 4, 64, 32, 1),
-    ([96, 40, 1], 2, 4, 32, 32, 3),
-    ([37], 1, 8, 32, 32, 5),
-    ([150, 64, 7], 2, 1, 64, 32, 2),
-    ([75], 1, 4, 128, 32, 2),
+    ([64], 2, 4, 64, 32, 1, 16),
+    ([96, 40, 1], 2, 4, 32, 32, 3, 64),
+    ([37], 1, 8, 32, 32, 5, 32),
+    ([150, 64, 7], 2, 1, 64, 32, 2, 16),
+    ([75], 1, 4, 128, 32, 2, 64),
 ]
 
 
 @pytest.mark.parametrize("label", list(FORMATS))
 @pytest.mark.parametrize("case", range(len(GRID)))
 def test_kernel_matches_reference(label, case):
-    lens, hkv, group, head_dim, block_size, splits = GRID[case]
+    lens, hkv, group, head_dim, block_size, splits, block_n = GRID[case]
     if label.startswith("int4_g64") and head_dim % 64:
         pytest.skip("int4 g64 needs head_dim divisible by 64")
-    out, ref, _, _ = run_case(label, lens, hkv, group, head_dim, block_size, splits)
+    out, ref, _, _ = run_case(label, lens, hkv, group, head_dim, block_size, splits, block_n=block_n)
     check(label, out, ref)
 
 
 @pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32"])
 def test_pages_of_16_and_sliding_window(label):
     block_size = 32 if label.startswith("kivi2") else 16
-    for window, splits in ((None, 4), (19, 2), (1, 1)):
-        out, ref, _, _ = run_case(label, [83, 16, 30], 2, 4, 32, block_size, splits, window=window, seed=3)
+    for window, splits, block_n in ((None, 4, 64), (19, 2, 32), (1, 1, 16)):  # tiles over 4, 2, 1 pages
+        out, ref, _, _ = run_case(label, [83, 16, 30], 2, 4, 32, block_size, splits, window=window, seed=3,
+                                  block_n=block_n)
         check(label, out, ref)
 
 

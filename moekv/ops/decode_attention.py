@@ -37,14 +37,21 @@ NUM_PARAMS = 6  # constexpr slots a tile reader gets for its layout (field offse
 
 @dataclass(frozen=True)
 class TileReader:
-    """How to read one of K or V: `fn(pool, base, tok, valid, D, BLOCK_N, P0..P5) -> (x [BLOCK_N, D],
-    row_scale [BLOCK_N] fp32)`, with `base` the element offset of each token's (page, head) slab in
-    `pool`, `tok` its row in the page. A row-scaled reader leaves a per-token factor out of x (the
-    kernel folds it into the scores for keys and into the probabilities for values)."""
+    """How to read one of K or V (the signatures are in moekv/ops/decode_tiles.py).
+
+    fn -> (x [BLOCK_N, D], row_scale [BLOCK_N]): the tile, dequantized in registers. A row-scaled
+    reader leaves a per-token factor out of x (the kernel folds it into the scores for keys and
+    into the probabilities for values). outlier_fn -> (channel per page [NPG], channel per token
+    [BLOCK_N], delta [BLOCK_N]) for each of `outliers` slots: the exact value minus what x holds at
+    that channel, added by the kernel to the scores (keys) or the output (values) instead of
+    patching every element of x.
+    """
 
     fn: object  # a @triton.jit function
     params: tuple[int, ...] = ()
     row_scaled: bool = False
+    outlier_fn: object = None  # a @triton.jit function, or None
+    outliers: int = 0
 
     def constexprs(self) -> tuple[int, ...]:
         return tuple(self.params) + (0,) * (NUM_PARAMS - len(self.params))
@@ -67,27 +74,16 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
-def _attend_tile(q, k, v, k_scale, v_scale, valid, m, l, acc, qk_scale,
-                 K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, DOT: tl.constexpr):
-    """One online-softmax step over a tile: q [G_PAD, D] (DOT), k, v [BLOCK_N, D], valid [BLOCK_N];
-    m, l [G_PAD], acc [G_PAD, D] fp32 (base-2 running max, sum, unnormalised output)."""
-    s = tl.dot(q, tl.trans(k.to(DOT)))  # [G_PAD, BLOCK_N] fp32
-    if K_SCALED:
-        s = s * k_scale[None, :]
+def _softmax_step(s, valid, m, l, qk_scale):
+    """Online softmax over one tile's raw scores s [G_PAD, BLOCK_N] (fp32, before the scale):
+    returns the new running max m and sum l [G_PAD], the tile's probabilities p and the factor
+    alpha that rescales what was accumulated before (all base 2)."""
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    if V_SCALED:
-        # per-token value scales go into the probabilities; normalised by the tile's largest so
-        # that p * scale stays far from fp16's subnormal range, and restored on the product
-        v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
-        pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
-    else:
-        pv = tl.dot(p.to(DOT), v.to(DOT))
-    acc = acc * alpha[:, None] + pv
-    return m_new, l, acc
+    return m_new, l, p, alpha
 
 
 @triton.jit
@@ -97,16 +93,16 @@ def _paged_decode_kernel(
     block_tables, stride_bt, context_lens, seq_slots,  # [B, max_pages] int32, [B] int32, [B] int64
     k_stage, v_stage, stride_ss, stride_sh, stride_st,  # [S, Hkv, P, D] (STAGED)
     k_ring, v_ring, stride_rs, stride_rh, stride_rt,  # [S, Hkv, R, D] (RESIDUAL > 0)
-    part_o, part_lse,  # [B, Hq, NS_TOTAL, D] fp32, [B, Hq, NS_TOTAL] fp32
+    part_o, part_lse,  # [B, Hq, ns_total, D] fp32, [B, Hq, ns_total] fp32
     qk_scale, window,  # softmax scale * log2(e); sliding window (NO_WINDOW = none)
-    K_TILE: tl.constexpr, V_TILE: tl.constexpr,
+    num_splits, ns_total,  # shares of the pages; + 1 program for the tail when STAGED
+    K_TILE: tl.constexpr, V_TILE: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
     K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, K4: tl.constexpr, K5: tl.constexpr,
     V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr, V4: tl.constexpr, V5: tl.constexpr,
-    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, K_NO: tl.constexpr, V_NO: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NS_TOTAL: tl.constexpr, STAGED: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    DOT: tl.constexpr, TAIL_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGED: tl.constexpr, RESIDUAL: tl.constexpr,
+    DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -114,8 +110,8 @@ def _paged_decode_kernel(
     h = pid % NUM_KV_HEADS
     rows = tl.arange(0, G_PAD)  # query heads h*G + rows of the group (rows >= G are padding)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * stride_qb + (h * G + rows)[:, None] * stride_qh + d[None, :],
-                mask=(rows < G)[:, None], other=0.0).to(tl.float32)
+    q_rows = q_ptr + b * stride_qb + (h * G + rows)[:, None] * stride_qh  # [G_PAD, 1]
+    q = tl.load(q_rows + d[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
 
     length = tl.load(context_lens + b)
     quantized = length  # tokens [0, quantized) live in pages
@@ -129,25 +125,66 @@ def _paged_decode_kernel(
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     n_off = tl.arange(0, BLOCK_N)
-    if split < NUM_SPLITS:
+    PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N  # tokens of one page in a tile
+    NPG: tl.constexpr = BLOCK_N // PP  # pages a tile spans
+    if split < num_splits:
         q_main = q.to(DOT)
         first_tile = first // BLOCK_N
         num_tiles = tl.maximum(tl.cdiv(quantized, BLOCK_N) - first_tile, 0)
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        per_split = tl.cdiv(num_tiles, num_splits)
         t0 = first_tile + split * per_split
         t1 = tl.minimum(t0 + per_split, first_tile + num_tiles)
         bt_row = block_tables + b.to(tl.int64) * stride_bt
         for t in range(t0, t1):
-            pos = t * BLOCK_N + n_off  # [BLOCK_N] token positions
+            start = t * BLOCK_N
+            pos = start + n_off  # [BLOCK_N] token positions
             valid = (pos < quantized) & (pos >= first)
-            page = tl.load(bt_row + pos // P, mask=valid, other=0).to(tl.int64)
             tok = pos % P
-            k, k_scale = K_TILE(k_pool, page * stride_kp + h * stride_kh, tok, valid, D, BLOCK_N,
-                                K0, K1, K2, K3, K4, K5)
-            v, v_scale = V_TILE(v_pool, page * stride_vp + h * stride_vh, tok, valid, D, BLOCK_N,
-                                V0, V1, V2, V3, V4, V5)
-            m, l, acc = _attend_tile(q_main, k, v, k_scale, v_scale, valid, m, l, acc, qk_scale,
-                                     K_SCALED, V_SCALED, DOT)
+            tok0 = start % P  # first row of the tile in its page (0 when pages are shorter than tiles)
+            if NPG == 1:
+                # the tile lies in one page: scalar page ids tell the compiler the addresses are uniform
+                page = tl.load(bt_row + start // P).to(tl.int64)
+                page_pg = page
+            else:  # each token's page, and each page's id
+                page = tl.load(bt_row + pos // P, mask=valid, other=0).to(tl.int64)  # [BLOCK_N]
+                pg = start // P + tl.arange(0, NPG)
+                page_pg = tl.load(bt_row + pg, mask=pg * P < quantized, other=0).to(tl.int64)  # [NPG]
+            kb = page * stride_kp + h * stride_kh
+            kpb = page_pg * stride_kp + h * stride_kh
+            k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4, K5)
+            s = tl.dot(q_main, tl.trans(k.to(DOT)))  # [G_PAD, BLOCK_N] fp32
+            if K_SCALED:
+                s = s * k_scale[None, :]
+            for o in tl.static_range(K_NO):  # outlier channels: s += q[:, channel] * (exact - tile value)
+                ch_pg, ch_tok, delta = K_OUT(k_pool, kb, tok, kpb, tok0, valid, o, D, BLOCK_N, P,
+                                             K0, K1, K2, K3, K4, K5)
+                if NPG == 1:
+                    q_col = tl.load(q_rows + ch_pg, mask=(rows < G)[:, None], other=0.0).to(tl.float32)  # [G_PAD, 1]
+                else:
+                    q_col = tl.load(q_rows + ch_tok[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
+                s += q_col * delta[None, :]
+            m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
+
+            vb = page * stride_vp + h * stride_vh
+            vpb = page_pg * stride_vp + h * stride_vh
+            v, v_scale = V_TILE(v_pool, vb, tok, vpb, tok0, valid, D, BLOCK_N, P, ASM, V0, V1, V2, V3, V4, V5)
+            if V_SCALED:
+                # per-token value scales go into the probabilities, normalised by the tile's largest
+                # so that p * scale stays far from fp16's subnormals, and restored on the product
+                v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+                pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
+            else:
+                pv = tl.dot(p.to(DOT), v.to(DOT))
+            for o in tl.static_range(V_NO):  # outlier channels: out[:, channel] += sum_n p * delta
+                ch_pg, ch_tok, delta = V_OUT(v_pool, vb, tok, vpb, tok0, valid, o, D, BLOCK_N, P,
+                                             V0, V1, V2, V3, V4, V5)
+                if NPG == 1:
+                    pv += tl.where(d[None, :] == ch_pg, tl.sum(p * delta[None, :], axis=1)[:, None], 0.0)
+                else:
+                    per_page = tl.sum(tl.reshape(p * delta[None, :], (G_PAD, NPG, PP)), axis=2)  # [G_PAD, NPG]
+                    hit = d[None, None, :] == ch_pg[None, :, None]  # [1, NPG, D]
+                    pv += tl.sum(tl.where(hit, per_page[:, :, None], 0.0), axis=1)
+            acc = acc * alpha[:, None] + pv
     else:
         # the 16-bit tail [quantized, length): the staging page, then (kivi2) the residual ring;
         # names differ from the branch above, whose tiles have another dtype
@@ -172,30 +209,31 @@ def _paged_decode_kernel(
             stage_off = stage_base + (t_pos % P)[:, None] * stride_st + d[None, :]
             t_k += tl.load(k_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
             t_v += tl.load(v_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
-            m, l, acc = _attend_tile(q_tail, t_k, t_v, t_valid, t_valid, t_valid, m, l, acc, qk_scale,
-                                     False, False, TAIL_DOT)
+            t_s = tl.dot(q_tail, tl.trans(t_k))
+            m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
+            acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
 
     # normalised partial output and its log2-sum-exp; an empty share writes (0, -inf)
     nonempty = l > 0
     o = acc / tl.where(nonempty, l, 1.0)[:, None]
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
     head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
-    tl.store(part_o + (head * NS_TOTAL + split)[:, None] * D + d[None, :], o, mask=(rows < G)[:, None])
-    tl.store(part_lse + head * NS_TOTAL + split, lse, mask=rows < G)
+    tl.store(part_o + (head * ns_total + split)[:, None] * D + d[None, :], o, mask=(rows < G)[:, None])
+    tl.store(part_lse + head * ns_total + split, lse, mask=rows < G)
 
 
 @triton.jit
-def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh,
-                   NUM_HEADS: tl.constexpr, NS_TOTAL: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr):
+def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total,
+                   NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr):
     """out[b, hq] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     head = (b * NUM_HEADS + hq).to(tl.int64)
     s = tl.arange(0, NS_PAD)
     d = tl.arange(0, D)
-    lse = tl.load(part_lse + head * NS_TOTAL + s, mask=s < NS_TOTAL, other=float("-inf"))
+    lse = tl.load(part_lse + head * ns_total + s, mask=s < ns_total, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))  # [NS_PAD]; empty shares weigh 0
-    o = tl.load(part_o + (head * NS_TOTAL + s)[:, None] * D + d[None, :], mask=(s < NS_TOTAL)[:, None], other=0.0)
+    o = tl.load(part_o + (head * ns_total + s)[:, None] * D + d[None, :], mask=(s < ns_total)[:, None], other=0.0)
     res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
     tl.store(out + b * stride_ob + hq * stride_oh + d, res.to(out.dtype.element_ty))
 
@@ -241,13 +279,16 @@ def _sm_count(device: torch.device) -> int:
 def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor, context_lens: torch.Tensor,
                            seq_slots: torch.Tensor | None, scale: float, sliding_window: int | None,
                            spec: DecodeSpec, num_splits: int | None = None, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its last position) over each
     sequence's context_lens[b] tokens, read through `spec` from `tensors` (a LayerKVCache or a
     dict of its tensors). Returns [B, Hq, D] in q's dtype.
 
-    On CPU tensors the kernels run under TRITON_INTERPRET=1 and every dot is done in fp32 (the
-    interpreter's bf16 dot is wrong, see DESIGN.md section 6).
+    Under TRITON_INTERPRET=1 (CPU tensors) every dot is done in fp32 (the
+    interpreter's bf16 dot is wrong, see DESIGN.md section 6). num_splits, block_n, num_warps,
+    num_stages: launch shape (None: chosen here); use_asm: let tile readers use inline PTX
+    (default: on CUDA, where every thread holds whole 4-byte groups of codes).
     """
     B, Hq, D = q.shape
     k_pool, v_pool = tensors[spec.k_pool], tensors[spec.v_pool]
@@ -256,10 +297,15 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     if G * Hkv != Hq or D & (D - 1) or D < 16:
         raise ValueError(f"decode kernel: needs Hq % Hkv == 0 and a power-of-two head_dim >= 16 (Hq={Hq}, Hkv={Hkv}, D={D})")
     P = tensors["k_staging"].shape[2] if spec.staged else k_pool.shape[2]
-    interpret = q.device.type == "cpu"
+    interpret = not isinstance(_paged_decode_kernel, triton.runtime.jit.JITFunction)  # TRITON_INTERPRET=1
     if interpret:
         _patch_interpreter_index()
     block_n = block_n or (16 if interpret else 64)
+    if use_asm is None:
+        use_asm = not interpret
+    use_asm = bool(use_asm) and not interpret and block_n * D // 4 >= 4 * 32 * num_warps
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     if num_splits is None:
         num_splits = num_splits_for(B, Hkv, block_tables.shape[1] * P, block_n, _sm_count(q.device))
     ns_total = num_splits + (1 if spec.staged else 0)
@@ -287,14 +333,15 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
         k_stage, v_stage, st[0], st[1], st[2],
         k_ring, v_ring, rt[0], rt[1], rt[2],
         part_o, part_lse,
-        scale * LOG2E, NO_WINDOW if sliding_window is None else int(sliding_window),
-        spec.key.fn, spec.value.fn, *spec.key.constexprs(), *spec.value.constexprs(),
-        spec.key.row_scaled, spec.value.row_scaled,
-        Hkv, G, G_PAD, D, P, block_n, num_splits, ns_total, spec.staged, spec.residual, dot, tail_dot,
+        scale * LOG2E, NO_WINDOW if sliding_window is None else int(sliding_window), num_splits, ns_total,
+        spec.key.fn, spec.value.fn, spec.key.outlier_fn or spec.key.fn, spec.value.outlier_fn or spec.value.fn,
+        *spec.key.constexprs(), *spec.value.constexprs(),
+        spec.key.row_scaled, spec.value.row_scaled, spec.key.outliers, spec.value.outliers,
+        Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm,
         num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:
         out = torch.empty_like(q)
-    _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1),
-                            Hq, ns_total, triton.next_power_of_2(ns_total), D, num_warps=4)
+    _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total,
+                            Hq, max(2, triton.next_power_of_2(ns_total)), D, num_warps=4)
     return out

@@ -1,4 +1,12 @@
-"""fp8_e4m3: FP8 E4M3 codes with one fp16 scale per (token, KV head)."""
+"""fp8_e4m3: FP8 E4M3 codes with one fp16 scale per (token, KV head).
+
+Slab of one (page, kv_head), P = block_size, D = head_dim:
+    key:   codes e4m3 [P, D], scale fp16 [P]
+    value: codes e4m3 [D, P] (token-major), scale fp16 [P]
+Values are stored transposed because the decode kernel multiplies probabilities by them, which
+reduces over tokens: 8-bit MMA operands must be contiguous along the reduced dimension, and a
+[P, D] value tile was read back from shared memory one byte at a time (SASS of the sm_90 build).
+"""
 from __future__ import annotations
 
 import torch
@@ -12,18 +20,24 @@ class FP8Format(PagedQuantFormat):
     name = "fp8_e4m3"
 
     def layout(self, kind, block_size, head_dim) -> PageLayout:
-        return PageLayout([Field("codes", torch.float8_e4m3fn, (block_size, head_dim)),
+        codes = (block_size, head_dim) if kind == "key" else (head_dim, block_size)
+        return PageLayout([Field("codes", torch.float8_e4m3fn, codes),
                            Field("scale", torch.float16, (block_size,))])
 
     def quantize(self, x, kind, layer=None):
         amax = x.abs().amax(dim=-1)  # [n, Hkv, P]
         scale = (amax / FP8_MAX).to(torch.float16).float()  # what the slab stores
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero (or tiny) rows: 0/0 would be NaN
-        codes = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        codes = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [n, Hkv, P, D]
+        if kind != "key":
+            codes = codes.transpose(-1, -2)  # values token-major: [n, Hkv, D, P]
         return {"codes": codes, "scale": scale}
 
     def dequantize(self, fields, kind, layer=None):
-        return fields["codes"].float() * fields["scale"].float()[..., None]
+        codes = fields["codes"].float()
+        if kind != "key":
+            codes = codes.transpose(-1, -2)
+        return codes * fields["scale"].float()[..., None]
 
     def decode_spec(self, block_size, head_dim):
         from moekv.ops.decode_tiles import fp8_spec

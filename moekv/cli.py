@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--reference-transformers", action="store_true",
                      help="also score the same windows with transformers (needs it installed)")
     ppl.set_defaults(func=cmd_eval_ppl)
+    from moekv.cli_routing import add_cluster_parser, add_eval_routing_parser
+
+    add_eval_routing_parser(ev_sub, add_engine_args)
+    add_cluster_parser(sub)
 
     info = sub.add_parser("info", help="architecture, parameter counts and KV bytes per token of a checkpoint")
     info.add_argument("--model", default=str(default_model_path()))

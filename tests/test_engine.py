@@ -141,6 +141,24 @@ def test_streaming_deltas_add_up(llm):
     assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
 
 
+def test_streamed_deltas_never_show_a_stop_string_in_part(llm):
+    """Characters that might begin a stop string are held back until the string is ruled out, so
+    the deltas add up to the final (cut) text even when the stop string spans tokens."""
+    free = llm.generate("It was the best", GREEDY)[0].outputs[0]
+    for cut in range(2, min(10, len(free.text) - 3)):
+        stop = free.text[cut:cut + 3]
+        engine = llm.engine
+        engine.add_request("s", "It was the best", SamplingParams(max_tokens=24, temperature=0.0, stop=[stop],
+                                                                 ignore_eos=True))
+        text, final = "", None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text += out.delta_text
+                final = out
+        assert final.outputs[0].finish_reason == "stop"
+        assert text == final.outputs[0].text == free.text[:free.text.index(stop)], stop
+
+
 def test_abort_returns_pages(llm):
     engine = llm.engine
     engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY)

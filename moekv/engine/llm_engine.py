@@ -201,10 +201,10 @@ class LLMEngine:
 
         if token in p.stop_token_ids:
             self._finish(seq, "stop", stop_reason=token)
-            return ""
+            return self._emit(seq)
         if token in self.eos_token_ids and not p.ignore_eos:
             self._finish(seq, "stop")
-            return ""
+            return self._emit(seq)
         delta = self._detokenizers[seq.request_id].add(token)
         old_len = len(seq.output_text)
         seq.output_text += delta
@@ -214,9 +214,25 @@ class LLMEngine:
                 cut, stop = hit
                 seq.output_text = seq.output_text[:cut]
                 self._finish(seq, "stop", stop_reason=stop)
-                return seq.output_text[old_len:] if cut > old_len else ""
+                return self._emit(seq)
         if len(seq.output_token_ids) >= seq.max_tokens:
             self._finish(seq, "length")
+        return self._emit(seq)
+
+    @staticmethod
+    def _emit(seq: Sequence) -> str:
+        """The text to stream now: everything new, except (while the sequence runs) a tail that
+        could still grow into a stop string, so a stop string never reaches a stream in part."""
+        end = len(seq.output_text)
+        if not seq.is_finished:
+            for stop in seq.sampling_params.stop_strings:
+                for n in range(min(len(stop) - 1, end), 0, -1):
+                    if seq.output_text.endswith(stop[:n]):
+                        end = min(end, len(seq.output_text) - n)
+                        break
+        end = max(end, seq.streamed_text_len)
+        delta = seq.output_text[seq.streamed_text_len:end]
+        seq.streamed_text_len = end
         return delta
 
     @staticmethod

@@ -38,6 +38,7 @@ class Sequence:
     num_preemptions: int = 0
     # Filled by the engine (not by the scheduler): text, logprobs, timings.
     output_text: str = ""
+    streamed_text_len: int = 0  # characters of output_text already handed out as delta_text
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     # When a list: the model's logits [n, V] for each prompt chunk computed (LLM.score fills it).

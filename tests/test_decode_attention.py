@@ -214,31 +214,38 @@ def test_dispatch():
 
 
 # -- compiled kernels on the GPU, realistic shapes, bf16 ------------------------------------------------
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+# (block_n, num_warps, num_stages, use_asm): the launch shapes the benchmark tries
+GPU_LAUNCHES = [(64, 4, 2, True), (128, 8, 3, True), (32, 4, 2, True), (64, 4, 2, False)]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("label", list(FORMATS))
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("block_n", [32, 64, 128])
-def test_gpu_realistic_shapes(label, block_size, block_n):
-    """32 query / 8 KV heads, head_dim 128, mixed long contexts off page boundaries, bf16 queries,
-    every tile width the benchmark tries; both the launcher and format.attend (the engine path)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+def test_gpu_realistic_shapes(label, block_size, monkeypatch):
+    """32 query / 8 KV heads, head_dim 128, mixed long contexts off page boundaries, bf16 queries:
+    every launch shape the benchmark tries (pages of 64), the default one (pages of 16), and the
+    engine's path through format.attend."""
     if label.startswith("kivi2") and block_size < 32:
         pytest.skip("kivi2 pages hold whole 32-token groups")
+    name, options = FORMATS[label]
+    kv_dtype = torch.float16 if label == "fp16" else torch.bfloat16
+    fmt = get_kv_format(name, kv_dtype, **options)
     lens = [4096 + 7, 1000, 16384, 129]
-    out, ref, cache, ctx = run_case(label, lens, 8, 4, 128, block_size, None, q_dtype=torch.bfloat16, seed=11,
-                                    block_n=block_n)
-    check(label, out, ref, torch.bfloat16)
-    if block_n == 64:  # the default: the engine's path through attend gives the same
-        name, options = FORMATS[label]
-        fmt = get_kv_format(name, torch.float16 if label == "fp16" else torch.bfloat16, **options)
-        q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
-        got = fmt.attend(q, cache, ctx, 128 ** -0.5, None)
-        want = fmt.attend_reference(q, cache, ctx, 128 ** -0.5, None)
-        assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
-
-
-for _mark in gpu:
-    test_gpu_realistic_shapes = _mark(test_gpu_realistic_shapes)
+    cache, ctx = build_cache(fmt, lens, 8, 128, block_size, kv_dtype, seed=11)
+    q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
+    scale = 128 ** -0.5
+    ref = reference(fmt, cache, ctx, q, scale, None)
+    spec = fmt.decode_spec(block_size, 128)
+    for block_n, warps, stages, use_asm in (GPU_LAUNCHES if block_size == 64 else GPU_LAUNCHES[:1]):
+        out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
+                                        spec, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm)
+        check(label, out, ref, torch.bfloat16)
+    # the engine's path: attend on CUDA with a decode-only Context takes the kernel, and a window too
+    calls = []
+    launcher = da.paged_decode_attention
+    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: calls.append(1) or launcher(*a, **k))
+    check(label, fmt.attend(q, cache, ctx, scale, None), ref, torch.bfloat16)
+    assert calls, "format.attend did not take the decode kernel"
+    windowed = reference(fmt, cache, ctx, q, scale, 700)
+    check(label, fmt.attend(q, cache, ctx, scale, 700), windowed, torch.bfloat16)

@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Paged decode attention of every KV format vs torch SDPA (flash backend) on bf16, on one GPU.
+
+32 query / 8 KV heads, head_dim 128, one query per sequence, (batch, context) in (1, 4096),
+(1, 32768), (1, 131072), (16, 32768), (64, 32768), (128, 4096). One layer's pages are built
+directly (no model): random keys (with a few outlier channels) and values, quantized by each
+format's own `quantize` on the GPU, packed into its page layout, scattered over the pool by a
+random block table. Everything is measured in the same run: HBM bandwidth (a large
+device-to-device copy), the SDPA baseline, each format's kernel at a few launch shapes (the best
+is reported; the default's time is kept beside it), and each kernel's error against the
+reference on the first sequence.
+
+    python benchmarks/bench_decode_attention.py                # writes benchmarks/results/h200/decode_attention.json
+    python benchmarks/bench_decode_attention.py --quick        # smoke run: two small shapes, default launch only
+
+Rows: format, batch, context, ms (kernel, CUDA-graph replay, median), baseline_ms (SDPA, same
+timer), speedup, bytes (what the format must read: its page slabs, the staged 16-bit tail, the
+residual ring, q and out), gbps, floor_ms (bytes / measured bandwidth), plus eager_ms (plain
+do_bench, Python launch included), launch shape, bits per element and the largest error of any
+launch shape against the reference on sequence 0 (status "wrong" if above 5%). Formats without
+a fused kernel yet (nuq2, vq, tiered) appear with status "reference" (their plain-PyTorch path,
+timed at the smallest shape only) or "skipped" and the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from moekv.context import Context  # noqa: E402
+from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+SHAPES = [(1, 4096), (1, 32768), (1, 131072), (16, 32768), (64, 32768), (128, 4096)]
+QUICK_SHAPES = [(1, 4096), (16, 4096)]
+# label -> (kv_cache_dtype, options)
+FORMATS = {
+    "bf16": ("bf16", {}),
+    "fp8_e4m3": ("fp8_e4m3", {}),
+    "int4": ("int4", {"group_size": 32}),
+    "kivi2": ("kivi2", {"residual": 128}),
+    "nuq2": ("nuq2", {}),
+    "vq": ("vq", {}),
+    "tiered": ("tiered", {}),
+}
+# launch shapes tried per (format, shape): (block_n, num_warps, num_stages, splits factor, inline PTX)
+CONFIGS = [(64, 4, 2, 1, True), (128, 4, 2, 1, True), (64, 8, 2, 1, True), (128, 8, 3, 1, True), (64, 4, 2, 2, True),
+           (64, 4, 2, 1, False)]
+DEFAULT_CONFIG = CONFIGS[0]
+UNIQUE_PAGES = 512  # distinct random pages, repeated over the pool (contents do not change the speed)
+
+
+def timer(fn, cudagraph: bool) -> float:
+    import triton.testing
+
+    if cudagraph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def measure_bandwidth(device) -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (read + write)."""
+    n = 4 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src), cudagraph=False)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3)
+
+
+def random_kv(n: int, block_size: int, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, Hkv, P, D] fp32 keys (two outlier channels per head) and values."""
+    shape = (n, NUM_KV_HEADS, block_size, HEAD_DIM)
+    k = torch.randn(shape, device=device, generator=gen)
+    k[..., 7] *= 8
+    k[..., HEAD_DIM // 2 + 27] += 6
+    v = torch.randn(shape, device=device, generator=gen)
+    return k, v
+
+
+def build_cache(fmt, batch: int, context: int, block_size: int, device, gen):
+    """One layer's pool for `batch` sequences of `context` tokens; returns (cache, ctx)."""
+    pages_per_seq = -(-context // block_size)
+    num_blocks = batch * pages_per_seq + 1
+    cache = fmt.allocate(num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM, device, batch, torch.bfloat16)
+    unique = min(UNIQUE_PAGES, num_blocks)
+    k, v = random_kv(unique, block_size, device, gen)
+    repeat = torch.arange(num_blocks, device=device) % unique
+    if "k_staging" not in cache.tensors:  # plain pages [N, Hkv, P, D]
+        cache["k_pages"].copy_(k.to(cache["k_pages"].dtype)[repeat])
+        cache["v_pages"].copy_(v.to(cache["v_pages"].dtype)[repeat])
+    else:
+        for name, kind, x in (("k", "key", k), ("v", "value", v)):
+            slab = fmt.layout(kind, block_size, HEAD_DIM).pack(fmt.quantize(x, kind, cache.layer))
+            cache[f"{name}_pages"].copy_(slab[repeat])
+        tail = context % block_size  # the newest, partly filled page (staged in bf16)
+        for name in ("k_staging", "v_staging"):
+            cache[name].normal_(generator=gen)
+            if tail:
+                cache[name][:, :, tail:] = 0
+        for name in ("k_residual", "v_residual"):  # kivi2's 16-bit ring of the newest tokens
+            if name in cache.tensors:
+                cache[name].normal_(generator=gen)
+    del k, v
+    perm = torch.randperm(num_blocks - 1, device=device, generator=gen)[:batch * pages_per_seq]
+    tables = perm.view(batch, pages_per_seq).to(torch.int32)
+    ctx = Context(positions=torch.full((batch,), context - 1, device=device),
+                  slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
+                  block_tables=tables,
+                  context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+                  query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+                  logits_indices=torch.arange(batch, device=device),
+                  seq_slots=torch.arange(batch, device=device), max_query_len=1)
+    return cache, ctx
+
+
+def bytes_read(fmt, spec, batch: int, context: int, block_size: int) -> int:
+    """What one decode step must read: page slabs of the quantized tokens, 16-bit tail and ring,
+    q and the output (written)."""
+    qo = 2 * batch * NUM_HEADS * HEAD_DIM * 2
+    if spec is None or not spec.staged:  # plain pages: every token in its dtype
+        return batch * NUM_KV_HEADS * context * HEAD_DIM * 2 * 2 + qo
+    quantized = (context // block_size) * block_size
+    if spec.residual:
+        quantized = min(quantized, max(context - spec.residual, 0))
+    slabs = (fmt.layout("key", block_size, HEAD_DIM).slab_bytes + fmt.layout("value", block_size, HEAD_DIM).slab_bytes)
+    pages = -(-quantized // block_size)
+    sixteen_bit = (context - quantized) * HEAD_DIM * 2 * 2
+    return batch * NUM_KV_HEADS * (pages * slabs + sixteen_bit) + qo
+
+
+def fmt_spec_staged():
+    """Stand-in spec for byte counting of a paged format without a kernel: pages + staged tail."""
+    from moekv.ops.decode_attention import DecodeSpec, TileReader
+
+    return DecodeSpec(key=TileReader(None), value=TileReader(None), staged=True)
+
+
+def reference_output(fmt, cache, ctx, q, context: int) -> torch.Tensor:
+    """The reference decode attention of sequence 0 (fp32): [1, Hq, D]."""
+    if hasattr(fmt, "gather"):
+        k, v = fmt.gather(cache, ctx, 0, context, "key"), fmt.gather(cache, ctx, 0, context, "value")
+    else:
+        k = gather_kv_ref(cache["k_pages"], ctx.block_tables[0], context)
+        v = gather_kv_ref(cache["v_pages"], ctx.block_tables[0], context)
+    return decode_attention_ref(q[:1].float(), [k.float()], [v.float()], HEAD_DIM ** -0.5)
+
+
+def sdpa_baseline(batch: int, context: int, device, gen, cudagraph: bool) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(batch, NUM_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    note = "flash, enable_gqa"
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    try:
+        run()
+    except RuntimeError as e:  # a flash build without GQA: give it the 32 heads it wants
+        note = f"flash, K/V repeated to {NUM_HEADS} heads ({str(e).splitlines()[0][:80]})"
+        k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+        v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v)
+    ms = timer(run, cudagraph)
+    eager = timer(run, cudagraph=False)
+    nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+    del q, k, v
+    torch.cuda.empty_cache()
+    return {"ms": ms, "eager_ms": eager, "bytes": nbytes, "note": note}
+
+
+def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> dict:
+    from moekv.ops.decode_attention import num_splits_for, paged_decode_attention
+
+    name, options = FORMATS[label]
+    row = {"format": label, "batch": batch, "context": context, "baseline_ms": base["ms"]}
+    try:
+        fmt = get_kv_format(name, torch.bfloat16, **options)
+    except Exception as e:  # noqa: BLE001
+        return {**row, "status": "skipped", "reason": f"cannot build the format: {e}"}
+    if getattr(fmt, "needs_calibration", False):
+        return {**row, "status": "skipped", "reason": "needs a calibration folder (moekv calibrate); not benchmarked"}
+    try:
+        fmt.check_layout(NUM_KV_HEADS, args.block_size, HEAD_DIM)
+    except ValueError as e:
+        return {**row, "status": "skipped", "reason": str(e)}
+    spec = fmt.decode_spec(args.block_size, HEAD_DIM)
+    row["bits_per_element"] = round(fmt.bits_per_element(NUM_KV_HEADS, args.block_size, HEAD_DIM), 4)
+    scale = HEAD_DIM ** -0.5
+    if spec is None:
+        if label == "tiered":
+            return {**row, "status": "skipped", "reason": "no fused kernel yet (pages in two pools with per-page tier "
+                                                          "state; issue 6: one launch over both tiers that also "
+                                                          "emits page mass)"}
+        if (batch, context) != min(args.shapes):
+            return {**row, "status": "skipped", "reason": "no fused decode kernel yet; its reference path is timed "
+                                                          "at the smallest shape only"}
+        # the reference path (Python per sequence): a sanity figure, not a speed one
+        try:
+            cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
+            q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+            nbytes = bytes_read(fmt, fmt_spec_staged(), batch, context, args.block_size)
+            ms = timer(lambda: fmt.attend(q, cache, ctx, scale, None), cudagraph=False)
+            return {**row, "status": "reference", "ms": ms, "eager_ms": ms, "speedup": base["ms"] / ms,
+                    "bytes": nbytes, "gbps": nbytes / ms * 1e-6, "floor_ms": nbytes / bandwidth * 1e3,
+                    "reason": "no fused decode kernel yet: plain-PyTorch path, Python per sequence"}
+        except Exception as e:  # noqa: BLE001 - a format still in progress must not stop the run
+            return {**row, "status": "skipped", "reason": f"reference path failed: {type(e).__name__}: {e}"}
+    cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    nbytes = bytes_read(fmt, spec, batch, context, args.block_size)
+    row.update(bytes=nbytes, floor_ms=nbytes / bandwidth * 1e3)
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    ref = reference_output(fmt, cache, ctx, q, context)
+    row["ref_max_abs"] = ref.abs().max().item()
+    results = []
+    for block_n, warps, stages, split_factor, use_asm in args.configs:
+        splits = num_splits_for(batch, NUM_KV_HEADS, ctx.block_tables.shape[1] * args.block_size, block_n, sms)
+        splits = max(1, splits * split_factor)
+
+        def run(block_n=block_n, warps=warps, stages=stages, splits=splits, use_asm=use_asm):
+            return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
+                                          spec, num_splits=splits, block_n=block_n, num_warps=warps,
+                                          num_stages=stages, use_asm=use_asm)
+        try:
+            out = run()
+            torch.cuda.synchronize()
+            ms = timer(run, args.cudagraph)
+            entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
+                     "use_asm": use_asm, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
+            if (block_n, warps, stages, split_factor, use_asm) == DEFAULT_CONFIG:
+                entry["eager_ms"] = timer(run, cudagraph=False)
+        except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is reported, not fatal
+            entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
+                     "use_asm": use_asm, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            traceback.print_exc(file=sys.stderr)
+        results.append(entry)
+    ok = [r for r in results if "ms" in r]
+    row["configs"] = results
+    if not ok:
+        return {**row, "status": "error", "reason": results[0].get("error")}
+    best = min(ok, key=lambda r: r["ms"])
+    default = next((r for r in ok if "eager_ms" in r), best)
+    no_asm = next((r for r in ok if not r["use_asm"]), None)
+    row.update(status="kernel", ms=best["ms"], speedup=base["ms"] / best["ms"], gbps=nbytes / best["ms"] * 1e-6,
+               default_ms=default["ms"], eager_ms=default.get("eager_ms"), block_n=best["block_n"],
+               num_warps=best["num_warps"], num_stages=best["num_stages"], num_splits=best["num_splits"],
+               use_asm=best["use_asm"], no_asm_ms=no_asm["ms"] if no_asm else None,
+               max_abs_err=max(r["max_abs_err"] for r in ok))
+    if row["max_abs_err"] > 0.05 * row["ref_max_abs"] + 1e-3:
+        row["status"] = "wrong"  # a launch shape disagrees with the reference: see configs
+    del cache, ctx, q
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "h200" / "decode_attention.json")
+    p.add_argument("--quick", action="store_true", help="smoke run: two small shapes, the default launch shape only")
+    p.add_argument("--formats", nargs="*", default=list(FORMATS), help=f"labels among {list(FORMATS)}")
+    p.add_argument("--shapes", nargs="*", default=None, help="batchxcontext, e.g. 1x4096 16x32768")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per page (64: kivi2 needs a multiple of 32)")
+    p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
+                   help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode_attention: needs a CUDA device")
+    args.shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes
+                   else QUICK_SHAPES if args.quick else SHAPES)
+    args.configs = [DEFAULT_CONFIG] if args.quick else CONFIGS
+    import triton
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    started = time.time()
+    bandwidth = measure_bandwidth(device)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for batch, context in args.shapes:
+        base = sdpa_baseline(batch, context, device, gen, args.cudagraph)
+        rows.append({"format": "sdpa_bf16", "batch": batch, "context": context, "status": "baseline",
+                     "ms": base["ms"], "baseline_ms": base["ms"], "speedup": 1.0, "bytes": base["bytes"],
+                     "gbps": base["bytes"] / base["ms"] * 1e-6, "floor_ms": base["bytes"] / bandwidth * 1e3,
+                     "eager_ms": base["eager_ms"], "note": base["note"]})
+        print(f"\n({batch}, {context}) sdpa {base['ms'] * 1e3:.1f} us  [{base['note']}]", flush=True)
+        for label in args.formats:
+            row = bench_format(label, batch, context, args, device, gen, bandwidth, base)
+            rows.append(row)
+            if "ms" in row:
+                print(f"  {label:>9} {row['status']:>9}: {row['ms'] * 1e3:9.1f} us  x{row['speedup']:.2f} vs sdpa  "
+                      f"{row['gbps']:6.0f} GB/s  floor {row['floor_ms'] * 1e3:8.1f} us  err {row.get('max_abs_err')}",
+                      flush=True)
+            else:
+                print(f"  {label:>9} {row['status']}: {row.get('reason')}", flush=True)
+    record = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
+        "bandwidth_gbps": bandwidth / 1e9, "timer": "do_bench_cudagraph median" if args.cudagraph else "do_bench median",
+        "heads": {"query": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM}, "block_size": args.block_size,
+        "seconds": round(time.time() - started, 1), "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"\nwrote {args.out} ({record['seconds']} s)")
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| format | batch | context | ms | SDPA ms | speedup | GB/s | floor ms | % of floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "ms" not in r:
+            print(f"| {r['format']} | {r['batch']} | {r['context']} | {r['status']}: {r.get('reason', '')} | | | | | |")
+            continue
+        print(f"| {r['format']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['baseline_ms']:.4f} | "
+              f"{r['speedup']:.2f} | {r['gbps']:.0f} | {r['floor_ms']:.4f} | {100 * r['floor_ms'] / r['ms']:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

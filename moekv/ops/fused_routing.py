@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BIG = 1 << 30
+_BIG = tl.constexpr(1 << 30)  # "no index" in the min-index reductions
 
 
 @triton.jit

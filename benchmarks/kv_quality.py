@@ -39,6 +39,7 @@ FORMATS = [
     ("vq", dict(kv_cache_dtype="vq", needs_calibration=True)),
     ("kivi2 (R=128)", dict(kv_cache_dtype="kivi2", kv_residual=128)),
     ("kivi2 (R=0)", dict(kv_cache_dtype="kivi2", kv_residual=0)),
+    ("kivi2 G=64 (R=0)", dict(kv_cache_dtype="kivi2", kv_residual=0, kv_group_size=64)),
     ("tiered", dict(kv_cache_dtype="tiered", kv_codebook="page")),
     ("tiered (calibrated nuq2)", dict(kv_cache_dtype="tiered", kv_codebook="calibrated", needs_calibration=True)),
 ]

@@ -16,7 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV format: auto | bf16 | fp16 | fp32 | fp8_e4m3 | int4 | nuq2 | vq | kivi2 | tiered")
-    p.add_argument("--kv-group-size", type=int, default=32, help="int4: channels per scale group (32 or 64)")
+    p.add_argument("--kv-group-size", type=int, default=32, help="int4: channels per scale group; kivi2: tokens (keys) and channels (values) per group (32 or 64)")
     p.add_argument("--kv-outlier-sigma", type=float, default=3.5, help="nuq2: outlier threshold in std devs")
     p.add_argument("--kv-calibration", default=None,
                    help="folder from `moekv calibrate` (default: the checkpoint's kv_calibration/ if it has one)")

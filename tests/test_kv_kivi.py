@@ -115,6 +115,23 @@ def test_layout_bytes(P, D):
     assert fmt.bits_per_element(2, P, D) == 3.0
 
 
+@pytest.mark.parametrize("D, bits", [(128, 2.5), (64, 2.5), (32, 2.75)])
+def test_group_64_halves_the_side_data(D, bits):
+    """G = 64: keys per channel over 64 tokens, values per token over 64 channels (the whole head
+    when it is narrower), so a 128-wide head pays 2.5 bits instead of 3."""
+    fmt = KIVI2Format(group_size=64)
+    assert fmt.bits_per_element(2, 64, D) == bits
+    x = gaussian(128, 2, D)
+    for kind in ("key", "value"):
+        x_hat, _ = roundtrip("kivi2", x, kind, block_size=64, group_size=64, residual=0)
+        err = float((x_hat - x).pow(2).sum() / x.pow(2).sum())
+        assert 0.05 < err < 0.25  # coarser than G = 32 (~0.15 on Gaussians), still a 2-bit code
+    with pytest.raises(ValueError, match="block_size=32 must be a multiple of 64"):
+        fmt.layout("key", 32, D)
+    with pytest.raises(ValueError, match="group_size=16"):
+        KIVI2Format(group_size=16)
+
+
 @pytest.mark.parametrize("T", [64, 64 + 9])
 def test_roundtrip_bits_count_every_slab_byte(T):
     H, P, D = 2, 32, 64

@@ -10,10 +10,10 @@
 Pages are quantized as soon as they are full, as in every paged format; the residual window lives
 beside them in a per-sequence 16-bit ring of R tokens (`k_residual`, `v_residual`), and `gather`
 substitutes the ring's tokens for the dequantized ones. The ring's bytes are counted in
-`staging_bytes_per_seq`. The group is KIVI's fixed 32 (the engine's kv_group_size is int4's
-option and is ignored here). R must be a multiple of the 32-token group, so the ring is whole
-token-groups (a kernel reads it in the same 32-row tiles as a key group and never splits a tile
-at the wrap point).
+`staging_bytes_per_seq`. The group G is KIVI's 32 by default; the engine's kv_group_size sets
+it (32 or 64: G = 64 halves the scales and zeros, 2.5 bits/element instead of 3, which puts
+kivi2 at nuq2's bits for a like-for-like comparison). R must be a multiple of G, so the ring is
+whole token-groups (a kernel reads it in tiles of a key group and never splits one at the wrap).
 
 Slab of one (page, kv_head), P = block_size (a multiple of 32), D = head_dim (a multiple of 32):
     key:   codes uint8 [P, D/4], scale fp16 [P/32, D], zero fp16 [P/32, D]
@@ -36,29 +36,37 @@ class KIVI2Format(PagedQuantFormat):
     name = "kivi2"
     default_residual = 128  # KIVI's R (EngineConfig.kv_residual passes it through the registry)
 
-    def __init__(self, residual: int | None = None, kivi_residual: int | None = None, **_: object) -> None:
+    def __init__(self, residual: int | None = None, kivi_residual: int | None = None, group_size: int = GROUP,
+                 **_: object) -> None:
+        if group_size not in (32, 64):
+            raise ValueError(f"kivi2: group_size={group_size!r} is not supported; accepted: 32 (KIVI's default), 64")
+        self.group = group_size
         if residual is not None and kivi_residual is not None and residual != kivi_residual:
             raise ValueError(f"kivi2: residual={residual!r} and kivi_residual={kivi_residual!r} disagree; give one")
         r = residual if residual is not None else kivi_residual
         r = self.default_residual if r is None else r
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0 or r % GROUP:
-            raise ValueError(f"kivi2: residual={r!r} must be an integer >= 0 and a multiple of {GROUP} "
-                             f"(the residual window is kept in whole {GROUP}-token groups)")
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0 or r % self.group:
+            raise ValueError(f"kivi2: residual={r!r} must be an integer >= 0 and a multiple of {self.group} "
+                             f"(the residual window is kept in whole {self.group}-token groups)")
         self.residual = r
+
+    def value_group(self, head_dim: int) -> int:
+        """Channels per value group: G, or the whole head when it is narrower than G."""
+        return min(self.group, head_dim)
 
     # -- layout ----------------------------------------------------------------------------------
     def layout(self, kind, block_size, head_dim) -> PageLayout:
-        if block_size % GROUP:
-            raise ValueError(f"kivi2: block_size={block_size} must be a multiple of {GROUP} "
-                             f"(keys are quantized per channel over groups of {GROUP} tokens)")
-        if head_dim % GROUP:
-            raise ValueError(f"kivi2: head_dim={head_dim} must be a multiple of {GROUP} "
-                             f"(values are quantized per token over groups of {GROUP} channels)")
+        if block_size % self.group:
+            raise ValueError(f"kivi2: block_size={block_size} must be a multiple of {self.group} "
+                             f"(keys are quantized per channel over groups of {self.group} tokens)")
+        if head_dim % self.value_group(head_dim):
+            raise ValueError(f"kivi2: head_dim={head_dim} must be a multiple of {self.value_group(head_dim)} "
+                             f"(values are quantized per token over groups of channels)")
         codes = Field("codes", torch.uint8, (block_size, head_dim // 4))
         if kind == "key":
-            side = (block_size // GROUP, head_dim)  # per (token group, channel)
+            side = (block_size // self.group, head_dim)  # per (token group, channel)
         else:
-            side = (block_size, head_dim // GROUP)  # per (token, channel group)
+            side = (block_size, head_dim // self.value_group(head_dim))  # per (token, channel group)
         return PageLayout([codes, Field("scale", torch.float16, side), Field("zero", torch.float16, side)])
 
     def residual_bytes_per_seq(self, num_kv_heads: int, head_dim: int) -> int:
@@ -74,10 +82,11 @@ class KIVI2Format(PagedQuantFormat):
         # x [n, Hkv, P, D] fp32
         n, heads, P, D = x.shape
         if kind == "key":
-            groups = x.reshape(n, heads, P // GROUP, GROUP, D)  # reduce over the group's tokens (dim 3)
+            groups = x.reshape(n, heads, P // self.group, self.group, D)  # reduce over the group's tokens (dim 3)
             codes, scale, zero = _asym_quantize(groups, dim=3)  # scale, zero [n, Hkv, P/32, D]
         else:
-            groups = x.reshape(n, heads, P, D // GROUP, GROUP)  # reduce over the group's channels
+            gv = self.value_group(D)
+            groups = x.reshape(n, heads, P, D // gv, gv)  # reduce over the group's channels
             codes, scale, zero = _asym_quantize(groups, dim=4)  # scale, zero [n, Hkv, P, D/32]
         return {"codes": _pack_crumbs(codes.reshape(n, heads, P, D)), "scale": scale, "zero": zero}
 
@@ -86,12 +95,15 @@ class KIVI2Format(PagedQuantFormat):
         n, heads, P, D = codes.shape
         scale, zero = fields["scale"].float(), fields["zero"].float()
         if kind == "key":  # scale, zero [n, Hkv, P/32, D] broadcast over each group's 32 tokens
-            groups = codes.view(n, heads, P // GROUP, GROUP, D) * scale[:, :, :, None] + zero[:, :, :, None]
+            groups = codes.view(n, heads, P // self.group, self.group, D) * scale[:, :, :, None] + zero[:, :, :, None]
         else:  # scale, zero [n, Hkv, P, D/32] broadcast over each group's 32 channels
-            groups = codes.view(n, heads, P, D // GROUP, GROUP) * scale[..., None] + zero[..., None]
+            gv = self.value_group(D)
+            groups = codes.view(n, heads, P, D // gv, gv) * scale[..., None] + zero[..., None]
         return groups.reshape(n, heads, P, D)
 
     def decode_spec(self, block_size, head_dim):
+        if self.group != GROUP or self.value_group(head_dim) != GROUP:
+            return None  # the kernel's kivi2 tile readers are built for KIVI's G = 32
         from moekv.ops.decode_tiles import kivi_spec
 
         return kivi_spec(self, block_size, head_dim)

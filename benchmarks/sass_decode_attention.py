@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Compile the paged decode kernel for sm_90 without a GPU and count the SASS of its main loop.
+
+Triton's wheel ships ptxas and cuobjdump, so a CPU-only machine can build the exact cubin the H200
+would run: this catches compile errors (inline PTX included) before device time is spent, and the
+instruction mix of the loop over tiles (per thread, per BLOCK_N-token tile of K and V) shows where
+a format's dequantization costs. A static count, not a measurement: it says what the loop issues,
+not how fast the GPU retires it.
+
+    python benchmarks/sass_decode_attention.py                       # every kernelised format, the benchmark's default launch
+    python benchmarks/sass_decode_attention.py --formats int4 --block-size 16 --block-n 64 --no-asm
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.ops import decode_attention as da  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", {"group_size": 32}),
+           "kivi2": ("kivi2", {"residual": 128})}
+
+
+def compile_launch(fn: JITFunction, args, kwargs):
+    """What fn[grid](*args, **kwargs) would compile, built for TARGET instead of launched."""
+    backend = CUDABackend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+
+
+def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, num_warps: int, num_stages: int,
+          use_asm: bool):
+    """The compiled decode kernel for one format and launch shape (CPU tensors stand in for the GPU's)."""
+    name, options = FORMATS[label]
+    fmt = get_kv_format(name, torch.bfloat16, **options)
+    num_kv_heads = 8
+    cache = fmt.allocate(8, num_kv_heads, block_size, head_dim, torch.device("cpu"), 2, torch.bfloat16)
+    q = torch.zeros(2, num_kv_heads * group, head_dim, dtype=torch.bfloat16)
+    compiled = {}
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        compiled[self.fn.__name__] = compile_launch(self, args, kwargs)
+
+    JITFunction.run = run
+    try:
+        da.paged_decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
+                                  torch.arange(2), 0.1, None, fmt.decode_spec(block_size, head_dim), block_n=block_n,
+                                  num_warps=num_warps, num_stages=num_stages, use_asm=use_asm)
+    finally:
+        JITFunction.run = original
+    return compiled["_paged_decode_kernel"]
+
+
+def sass_loops(kernel) -> tuple[dict, list[tuple[int, collections.Counter]]]:
+    """Resource usage and, for each backward branch (a loop), the opcode counts of its body."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+        res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    usage = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED):(\d+)", res)}
+    lines = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines()
+             if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line))]
+    loops = []
+    for addr, op, line in lines:
+        target = re.search(r"BRA\s+(0x[0-9a-f]+)", line)
+        if op == "BRA" and target and int(target.group(1), 16) < addr:
+            start = int(target.group(1), 16)
+            loops.append((start, collections.Counter(o for a, o, _ in lines if start <= a <= addr)))
+    return usage, loops
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", nargs="*", default=list(FORMATS))
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-n", type=int, default=64)
+    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-stages", type=int, default=2)
+    p.add_argument("--no-asm", dest="asm", action="store_false", help="plain-Triton unpacking, no inline PTX")
+    args = p.parse_args()
+    elements = 2 * args.block_n * args.head_dim  # K and V elements of one tile
+    threads = 32 * args.num_warps
+    for label in args.formats:
+        kernel = build(label, args.head_dim, args.group, args.block_size, args.block_n, args.num_warps,
+                       args.num_stages, args.asm)
+        usage, loops = sass_loops(kernel)
+        print(f"{label}: {usage.get('REG')} registers, {kernel.metadata.shared} B shared memory")
+        for i, (start, ops) in enumerate(loops):
+            n = sum(ops.values())
+            role = "pages" if i == 0 else "16-bit tail"  # the kernel's two loops, in source order
+            print(f"  {role} loop @{start:#x}: {n} instructions per thread per tile "
+                  f"({n * threads / elements:.2f} per K/V element): {dict(ops.most_common(12))}")
+
+
+if __name__ == "__main__":
+    main()

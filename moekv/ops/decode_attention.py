@@ -301,6 +301,8 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     if interpret:
         _patch_interpreter_index()
     block_n = block_n or (16 if interpret else 64)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"decode kernel: block_n={block_n} must be a power of two >= 16 (the MMA's smallest tile)")
     if use_asm is None:
         use_asm = not interpret
     use_asm = bool(use_asm) and not interpret and block_n * D // 4 >= 4 * 32 * num_warps

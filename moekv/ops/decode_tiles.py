@@ -22,8 +22,8 @@ An outlier reader (`TileReader.outlier_fn`, called for o in range(outliers)) giv
 exact value differs from what x holds there, one channel per page and slot:
 
     outlier_fn(pool, base, tok, page_base, tok0, valid, o, D, BLOCK_N, P, P0..P5)
-        -> (channel per page [NPG] (scalar if NPG == 1) int32, channel per token [BLOCK_N] int32,
-            delta [BLOCK_N] fp32)
+        -> (channel per page [NPG] int32, channel per token [BLOCK_N] int32, delta [BLOCK_N] fp32)
+           (both channels scalars when NPG == 1)
 
 The math of each reader is its format's `dequantize` (the reference) restricted to a tile. To
 plug in a format: write its readers (here or in its own module) and return a DecodeSpec from the
@@ -209,8 +209,12 @@ def int4_outliers(pool, base, tok, page_base, tok0, valid, o, D: tl.constexpr, B
     """Outlier slot o of each page: its channel, and per token the bf16 value minus the zero that
     int4_tile left at that channel."""
     NG: tl.constexpr = D // GS
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
     ch_page = tl.load(pool + page_base + OIDX_OFF + o).to(tl.int32)  # [NPG] or scalar
-    ch_tok = tl.load(pool + (base + OIDX_OFF + o + tok * 0), mask=valid, other=0).to(tl.int32)  # [BLOCK_N]
+    if NPG == 1:
+        ch_tok = ch_page  # one page: the same channel for every token
+    else:
+        ch_tok = tl.load(pool + (base + OIDX_OFF + o), mask=valid, other=0).to(tl.int32)  # [BLOCK_N]
     bf = pool.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
     val = tl.load(bf + (((base + OVAL_OFF) >> 1) + tok * NO + o), mask=valid, other=0.0).to(tl.float32)

@@ -12,7 +12,8 @@ the newest unquantized tokens live. The kernel does the rest:
 - all G = Hq / Hkv query heads of the GQA group are the rows of one `tl.dot` against each tile
   (padded to 16 rows, the smallest MMA), so a page is read once per group;
 - online softmax in base 2; each program writes its normalised partial output and log-sum-exp;
-  `_reduce_kernel` merges the partials of each (b, query head).
+  `_reduce_kernel` merges the partials of each (b, query head);
+- a sliding window skips the tiles before it and masks inside the first one.
 
 Reference: `moekv.ops.reference.decode_attention_ref` (dense attention of each query over its
 sequence's dequantized K/V, i.e. what `KVFormat.attend_reference` computes); for plain pages that

@@ -44,6 +44,7 @@ FORMATS = {
     "int4_g64": ("int4", {"group_size": 64}),
     "kivi2_r32": ("kivi2", {"residual": 32}),
     "kivi2_r0": ("kivi2", {"residual": 0}),
+    "kivi2_g64": ("kivi2", {"residual": 64, "group_size": 64}),
 }
 
 
@@ -95,8 +96,14 @@ def reference(fmt, cache, ctx, q, scale, window):
     return decode_attention_ref(q.double(), keys, values, scale, window)
 
 
+def page_size(label, block_size):
+    """kivi2 pages hold whole token groups of G: 64 tokens at least for G = 64."""
+    return max(block_size, 64) if label == "kivi2_g64" else block_size
+
+
 def run_case(label, lens, num_kv_heads, group, head_dim, block_size, num_splits, window=None, kv=None,
              q_dtype=torch.float32, seed=0, block_n=None):
+    block_size = page_size(label, block_size)
     name, options = FORMATS[label]
     kv_dtype = torch.float16 if label == "fp16" else torch.bfloat16
     fmt = get_kv_format(name, kv_dtype, **options)
@@ -151,7 +158,7 @@ def test_kernel_matches_reference(label, case):
     check(label, out, ref)
 
 
-@pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32"])
+@pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32", "kivi2_g64"])
 def test_pages_of_16_and_sliding_window(label):
     block_size = 32 if label.startswith("kivi2") else 16
     for window, splits, block_n in ((None, 4, 64), (19, 2, 32), (1, 1, 16)):  # tiles over 4, 2, 1 pages
@@ -199,7 +206,7 @@ def test_dispatch():
     assert get_kv_format("tiered").decode_spec(16, 64) is None
     for label in FORMATS:
         name, options = FORMATS[label]
-        block_size = 32 if name == "kivi2" else 16
+        block_size = page_size(label, 32 if name == "kivi2" else 16)
         assert get_kv_format(name, **options).decode_spec(block_size, 64) is not None
     fmt = get_kv_format("fp8_e4m3")
     cache, ctx = build_cache(fmt, [40, 9], 2, 64, 16, torch.bfloat16, device=torch.device("cpu"))

@@ -227,7 +227,7 @@ def kivi_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOC
                   P: tl.constexpr, ASM: tl.constexpr, SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
                   GROUP: tl.constexpr, P3: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
     """kivi2 key slab: codes [P, D/4] at 0; scale, zero fp16 [P/GROUP, D] (per channel over
-    GROUP tokens)."""
+    GROUP tokens, KIVI's G)."""
     j = tl.arange(0, D // 4)
     packed = tl.load(pool + (base + tok * (D // 4))[:, None] + j[None, :], mask=valid[:, None], other=0)
     codes = _unpack_crumbs(packed, ASM)
@@ -244,7 +244,7 @@ def kivi_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BL
                     P: tl.constexpr, ASM: tl.constexpr, SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
                     GROUP: tl.constexpr, P3: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
     """kivi2 value slab: codes [P, D/4] at 0; scale, zero fp16 [P, D/GROUP] (per token over
-    GROUP channels)."""
+    GROUP channels: G, or the whole head when it is narrower)."""
     j = tl.arange(0, D // 4)
     packed = tl.load(pool + (base + tok * (D // 4))[:, None] + j[None, :], mask=valid[:, None], other=0)
     codes = _unpack_crumbs(packed, ASM)
@@ -277,10 +277,8 @@ def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
 
 
 def kivi_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
-    from moekv.kvcache.formats.kivi import GROUP
-
     koff = fmt.layout("key", block_size, head_dim).offsets
     voff = fmt.layout("value", block_size, head_dim).offsets
-    return DecodeSpec(key=TileReader(kivi_key_tile, (koff["scale"], koff["zero"], GROUP)),
-                      value=TileReader(kivi_value_tile, (voff["scale"], voff["zero"], GROUP)),
+    return DecodeSpec(key=TileReader(kivi_key_tile, (koff["scale"], koff["zero"], fmt.group)),
+                      value=TileReader(kivi_value_tile, (voff["scale"], voff["zero"], fmt.value_group(head_dim))),
                       staged=True, residual=fmt.residual)

@@ -51,6 +51,7 @@ FORMATS = {
     "fp8_e4m3": ("fp8_e4m3", {}),
     "int4": ("int4", {"group_size": 32}),
     "kivi2": ("kivi2", {"residual": 128}),
+    "kivi2_g64": ("kivi2", {"residual": 128, "group_size": 64}),  # 2.5 bits: KIVI at nuq2's bits
     "nuq2": ("nuq2", {}),
     "vq": ("vq", {}),
     "tiered": ("tiered", {}),

@@ -206,3 +206,13 @@ def test_cli_cluster_and_eval_routing(mixtral_ckpt, text_file, tmp_path):
     assert "identical sets" in r.stdout and "random" in r.stdout
     r = run_cli("cluster", "--model", str(mixtral_ckpt), "--text", str(text_file), "--clusters", "3")
     assert r.returncode == 2 and "--clusters 3 must divide num_experts=8" in r.stderr
+
+
+def test_eval_routing_group_limited_under_its_group_placement(mixtral_ckpt, text_file):
+    from moekv.eval.routing import evaluate_routing
+
+    llm = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, routing="group_limited", n_group=4, topk_group=1)
+    record = evaluate_routing(llm, text_file, max_tokens=200, progress=False, random_seeds=1)
+    assert record["placement"] == "grouped" and record["locality"] == 1.0 and record["fan_out"] == 1.0
+    assert record["flat_placements"]["grouped"]["locality"] < 1.0  # flat routing crosses groups
+    assert 0.0 < record["topk_agreement"]["set"] < 1.0

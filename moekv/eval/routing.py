@@ -58,13 +58,19 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     placements = {}
     if cluster_map is not None:
         placements["clustered"] = Placement.from_clusters(cluster_map, num_devices)
+    first = next(iter(layers.values())).router
+    n_group = getattr(first, "n_group", 1)
+    if n_group > 1:  # group-limited routing: group g on device g mod D (groups are contiguous experts)
+        per_group = cfg.num_experts // n_group
+        placements["grouped"] = Placement({i: torch.arange(cfg.num_experts) // per_group % num_devices for i in layers},
+                                          num_devices, "grouped")
     for seed in range(random_seeds):
         placements[f"random{seed}"] = Placement.random(list(layers), cfg.num_experts, num_devices, seed)
     stats_under = {name: PlacementStats(p) for name, p in placements.items()}
     flat_under = {name: PlacementStats(p) for name, p in placements.items()}
     per_layer = {i: _LayerStats() for i in layers}
     flat_routers = {i: _flat(cfg) for i in layers}
-    router_name = next(iter(layers.values())).router.__class__.__name__
+    router_name = first.__class__.__name__
 
     @torch.no_grad()
     def compare(layer_idx, hidden, router_logits, weights, ids):
@@ -100,8 +106,9 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     def placement_summary(stats: dict[str, PlacementStats]) -> dict:
         out = {}
         bpe = torch.finfo(engine.runner.dtype).bits // 8
-        if "clustered" in stats:
-            out["clustered"] = stats["clustered"].summary(cfg.hidden_size, bpe)
+        for name in ("grouped", "clustered"):
+            if name in stats:
+                out[name] = stats[name].summary(cfg.hidden_size, bpe)
         randoms = [s.summary(cfg.hidden_size, bpe) for name, s in stats.items() if name.startswith("random")]
         if randoms:
             out["random"] = {key: sum(r[key] for r in randoms) / len(randoms)
@@ -112,7 +119,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     layer_summaries = {i: s.summary() for i, s in per_layer.items()}
     total = sum(s.tokens for s in per_layer.values())
     ours, flat = placement_summary(stats_under), placement_summary(flat_under)
-    main = ours.get("clustered", ours.get("random"))
+    main = ours.get("grouped", ours.get("clustered", ours.get("random")))
     record = {
         "routing": engine.runner.routing,
         "router": router_name,

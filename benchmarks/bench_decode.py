@@ -271,7 +271,14 @@ def main() -> None:
     rows = []
     for fmt_name in args.formats:
         for batch, context in points:
-            row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters)
+            try:
+                row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters)
+            except Exception as e:  # one failing point must not lose the others
+                row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
+                       "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}
+                for attn in model.attention_layers:
+                    attn.kv_cache = None
+                torch.cuda.empty_cache()
             rows.append(row)
             if "skipped" in row:
                 print(f"{fmt_name:>9} B={batch:<3} ctx={context:<6} skipped: {row['skipped']}", flush=True)

@@ -53,6 +53,16 @@ class TileReader:
     row_scaled: bool = False
     outlier_fn: object = None  # a @triton.jit function, or None
     outliers: int = 0
+    # planes > 1: column planes*j + i of the tile holds channel i*(D/planes) + j (codes stored in
+    # planes, unpacked without a shuffle); the kernel reads q and writes the output in that order
+    planes: int = 1
+    # keys only: fold a per-channel affine of the page into q, for tiles inside one page (NPG == 1):
+    # fold_fn -> (q' [G_PAD, D], bias [G_PAD]) with scores = q' @ x^T + bias; fn must then leave
+    # the affine out of x (it keeps it in tiles spanning pages)
+    fold_fn: object = None
+    # a per-tile correction after the product (sparse outliers at arbitrary positions): keys
+    # fix_fn(..., s) -> s [G_PAD, BLOCK_N]; values fix_fn(..., p, pv) -> pv [G_PAD, D] (tile order)
+    fix_fn: object = None
 
     def constexprs(self) -> tuple[int, ...]:
         return tuple(self.params) + (0,) * (NUM_PARAMS - len(self.params))
@@ -101,6 +111,8 @@ def _paged_decode_kernel(
     K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, K4: tl.constexpr, K5: tl.constexpr,
     V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr, V4: tl.constexpr, V5: tl.constexpr,
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, K_NO: tl.constexpr, V_NO: tl.constexpr,
+    K_FOLD: tl.constexpr, K_FIX: tl.constexpr, V_FIX: tl.constexpr,  # None or @triton.jit hooks
+    K_PL: tl.constexpr, V_PL: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, STAGED: tl.constexpr, RESIDUAL: tl.constexpr,
     DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr,
@@ -128,7 +140,13 @@ def _paged_decode_kernel(
     n_off = tl.arange(0, BLOCK_N)
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N  # tokens of one page in a tile
     NPG: tl.constexpr = BLOCK_N // PP  # pages a tile spans
+    out_col = d  # the partial's column of each accumulator column
     if split < num_splits:
+        if K_PL > 1:  # q's channels in the key tile's column order
+            kcol = (d % K_PL) * (D // K_PL) + d // K_PL
+            q = tl.load(q_rows + kcol[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
+        if V_PL > 1:
+            out_col = (d % V_PL) * (D // V_PL) + d // V_PL
         q_main = q.to(DOT)
         first_tile = first // BLOCK_N
         num_tiles = tl.maximum(tl.cdiv(quantized, BLOCK_N) - first_tile, 0)
@@ -153,7 +171,11 @@ def _paged_decode_kernel(
             kb = page * stride_kp + h * stride_kh
             kpb = page_pg * stride_kp + h * stride_kh
             k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4, K5)
-            s = tl.dot(q_main, tl.trans(k.to(DOT)))  # [G_PAD, BLOCK_N] fp32
+            if K_FOLD is not None and NPG == 1:  # the page's channel affine, applied to q instead
+                q_page, bias = K_FOLD(k_pool, kpb, q, D, P, K0, K1, K2, K3, K4, K5)
+                s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT))) + bias[:, None]
+            else:
+                s = tl.dot(q_main, tl.trans(k.to(DOT)))  # [G_PAD, BLOCK_N] fp32
             if K_SCALED:
                 s = s * k_scale[None, :]
             for o in tl.static_range(K_NO):  # outlier channels: s += q[:, channel] * (exact - tile value)
@@ -164,6 +186,8 @@ def _paged_decode_kernel(
                 else:
                     q_col = tl.load(q_rows + ch_tok[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
                 s += q_col * delta[None, :]
+            if K_FIX is not None:
+                s = K_FIX(k_pool, kpb, tok0, q_rows, rows < G, s, D, BLOCK_N, P, DOT, K0, K1, K2, K3, K4, K5)
             m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
 
             vb = page * stride_vp + h * stride_vh
@@ -185,6 +209,8 @@ def _paged_decode_kernel(
                     per_page = tl.sum(tl.reshape(p * delta[None, :], (G_PAD, NPG, PP)), axis=2)  # [G_PAD, NPG]
                     hit = d[None, None, :] == ch_pg[None, :, None]  # [1, NPG, D]
                     pv += tl.sum(tl.where(hit, per_page[:, :, None], 0.0), axis=1)
+            if V_FIX is not None:
+                pv = V_FIX(v_pool, vpb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, V4, V5)
             acc = acc * alpha[:, None] + pv
     else:
         # the 16-bit tail [quantized, length): the staging page, then (kivi2) the residual ring;
@@ -219,7 +245,7 @@ def _paged_decode_kernel(
     o = acc / tl.where(nonempty, l, 1.0)[:, None]
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
     head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
-    tl.store(part_o + (head * ns_total + split)[:, None] * D + d[None, :], o, mask=(rows < G)[:, None])
+    tl.store(part_o + (head * ns_total + split)[:, None] * D + out_col[None, :], o, mask=(rows < G)[:, None])
     tl.store(part_lse + head * ns_total + split, lse, mask=rows < G)
 
 
@@ -340,6 +366,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
         spec.key.fn, spec.value.fn, spec.key.outlier_fn or spec.key.fn, spec.value.outlier_fn or spec.value.fn,
         *spec.key.constexprs(), *spec.value.constexprs(),
         spec.key.row_scaled, spec.value.row_scaled, spec.key.outliers, spec.value.outliers,
+        spec.key.fold_fn, spec.key.fix_fn, spec.value.fix_fn, spec.key.planes, spec.value.planes,
         Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -45,6 +45,7 @@ FORMATS = {
     "kivi2_r32": ("kivi2", {"residual": 32}),
     "kivi2_r0": ("kivi2", {"residual": 0}),
     "kivi2_g64": ("kivi2", {"residual": 64, "group_size": 64}),
+    "nuq2": ("nuq2", {"codebook": "page"}),
 }
 
 
@@ -121,7 +122,7 @@ def tolerance(label, ref, q_dtype=torch.float32):
     """Error budget: fp16 rounding of dequantized int4/kivi2 tiles (the reference dequantizes in
     fp32); on CUDA the fp16/bf16 MMA operands and a 16-bit output add theirs."""
     scale = ref.abs().max().item() + 1e-6
-    rel = 2e-3 if label.startswith(("int4", "kivi2")) else 1e-5
+    rel = 2e-3 if label.startswith(("int4", "kivi2", "nuq2")) else 1e-5
     if DEVICE.type == "cuda":
         rel = max(rel, 2e-2)
     if q_dtype != torch.float32:
@@ -158,7 +159,7 @@ def test_kernel_matches_reference(label, case):
     check(label, out, ref)
 
 
-@pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32", "kivi2_g64"])
+@pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32", "kivi2_g64", "nuq2"])
 def test_pages_of_16_and_sliding_window(label):
     block_size = 32 if label.startswith("kivi2") else 16
     for window, splits, block_n in ((None, 4, 64), (19, 2, 32), (1, 1, 16)):  # tiles over 4, 2, 1 pages
@@ -192,7 +193,7 @@ def test_structured_inputs(label):
     assert ref.abs().max() == 0 and out.abs().max() == 0
 
 
-@pytest.mark.parametrize("label", ["bf16", "fp16", "fp8_e4m3", "int4_g32", "kivi2_r32"])
+@pytest.mark.parametrize("label", ["bf16", "fp16", "fp8_e4m3", "int4_g32", "kivi2_r32", "nuq2"])
 def test_16bit_queries(label):
     q_dtype = torch.float16 if label == "fp16" else torch.bfloat16
     out, ref, _, _ = run_case(label, [70, 33], 2, 4, 64, 32, 2, q_dtype=q_dtype, seed=7)
@@ -204,6 +205,9 @@ def test_dispatch():
     has a DecodeSpec; fp32 pages and unkernelised formats have none."""
     assert get_kv_format("fp32").decode_spec(16, 64) is None
     assert get_kv_format("tiered").decode_spec(16, 64) is None
+    calibrated = get_kv_format("nuq2")
+    calibrated.calibrated = True  # codebooks outside the slab: no tile reader for them yet
+    assert calibrated.decode_spec(16, 64) is None
     for label in FORMATS:
         name, options = FORMATS[label]
         block_size = page_size(label, 32 if name == "kivi2" else 16)
@@ -218,6 +222,54 @@ def test_dispatch():
     ctx.query_start_loc = torch.tensor([0, 0, 2], dtype=torch.int32)
     assert not _is_decode_only(q, ctx)
     assert not _is_decode_only(q[:1], ctx)
+
+
+# -- nuq2: outlier slots in use ---------------------------------------------------------------------------
+def _heavy_kv(T, g, num_kv_heads=2, head_dim=64):
+    """Heavy-tailed keys (Student t, 2 dof) with an offset and a scaled channel, and heavy-tailed
+    values: both fill nuq2's outlier slots (keys several 16-slot chunks)."""
+    normal = torch.randn(T, num_kv_heads, head_dim, generator=g)
+    chi = torch.randn(2, T, num_kv_heads, head_dim, generator=g).pow(2).mean(0).sqrt()
+    k = (normal / (chi + 1e-3)).clamp(-60, 60)  # Student t with 2 degrees of freedom
+    k[..., 3] += 20
+    k[..., 9] *= 15
+    v = torch.randn(T, num_kv_heads, head_dim, generator=g)
+    spikes = torch.rand(T, num_kv_heads, head_dim, generator=g) < 0.01
+    v = torch.where(spikes, 12 * torch.randn(T, num_kv_heads, head_dim, generator=g), v)
+    v[: min(T, 32)] = 0.0  # the first page (of 16 or 32) all zero: centroids 0, no slots
+    return k, v
+
+
+def _used_slots(fmt, cache, kind, block_size, head_dim):
+    layout = fmt.layout(kind, block_size, head_dim)
+    pool = cache["k_pages" if kind == "key" else "v_pages"]
+    idx = layout.unpack(pool)["out_idx"].to(torch.int32)
+    return (idx != 0xFFFF).sum(-1).max().item()  # most slots used by one page-head
+
+
+# (lens, Hkv, G, P, splits, BLOCK_N): batch 1 and 3, on and off page boundaries, GQA 1/4/8, tiles
+# inside a page (from its start or not) and over 2 or 4 pages
+NUQ2_GRID = [
+    ([64], 2, 4, 32, 2, 16),
+    ([96, 41, 5], 2, 1, 32, 3, 64),
+    ([77], 1, 8, 16, 2, 64),
+    ([128, 32, 33], 2, 4, 32, 2, 32),
+]
+
+
+@pytest.mark.parametrize("case", range(len(NUQ2_GRID)))
+def test_nuq2_outlier_slots(case):
+    """Keys and values whose outlier slots are in use (keys over several chunks of 16), an all-zero
+    page, page codebooks: the kernel against the format's own dequantization."""
+    lens, hkv, group, block_size, splits, block_n = NUQ2_GRID[case]
+    kv = lambda T, g: _heavy_kv(T, g, hkv, 64)  # noqa: E731
+    out, ref, cache, _ = run_case("nuq2", lens, hkv, group, 64, block_size, splits, kv=kv, seed=case,
+                                  block_n=block_n)
+    check("nuq2", out, ref)
+    fmt = get_kv_format("nuq2", codebook="page")
+    slots = fmt.outlier_slots("key", block_size, 64)
+    assert slots > 16 and _used_slots(fmt, cache, "key", block_size, 64) == slots  # every chunk in use
+    assert _used_slots(fmt, cache, "value", block_size, 64) > 0
 
 
 # -- compiled kernels on the GPU, realistic shapes, bf16 ------------------------------------------------

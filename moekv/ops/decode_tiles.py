@@ -282,3 +282,245 @@ def kivi_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     return DecodeSpec(key=TileReader(kivi_key_tile, (koff["scale"], koff["zero"], fmt.group)),
                       value=TileReader(kivi_value_tile, (voff["scale"], voff["zero"], fmt.value_group(head_dim))),
                       staged=True, residual=fmt.residual)
+
+
+# -- nuq2: 2-bit codes into a 4-centroid codebook, planar codes, sparse FP8 outliers -------------------
+# Codes are planar (channel s*D/4 + j in bits 2s..2s+1 of byte j of a row): the readers unpack the
+# four planes with uniform shifts and interleave them, so tile column 4j + s holds channel
+# s*D/4 + j (TileReader.planes = 4: the kernel reads q and writes the output in that order).
+# Centroid lookup with inline PTX: a byte permute (prmt) of the page's packed fp16 centroids
+# (T0 = c0 | c1 << 16, T1 = c2 | c3 << 16), its selector built from the codes by one integer
+# multiply-add: a code k in byte b, times 0x22, gives the nibbles (2k, 2k) of byte b, + 0x10 makes
+# them (2k, 2k + 1): the two bytes of centroid k. mad.lo serves bytes 0, 1 of a register,
+# mad.hi (x * 0x220000 >> 32 = x * 0x22 >> 16) bytes 2, 3. ~23 operations per 16 elements.
+_NUQ2_LOOKUP_PTX = tl.constexpr("""
+{
+.reg .b32 x, y, r;
+and.b32 x, $8, 0x03030303;
+mad.lo.u32 r, x, 0x22, 0x1010;
+prmt.b32 $0, $9, $13, r;
+mad.hi.u32 r, x, 0x220000, 0x1010;
+prmt.b32 $1, $9, $13, r;
+shr.b32 y, $8, 2;
+and.b32 x, y, 0x03030303;
+mad.lo.u32 r, x, 0x22, 0x1010;
+prmt.b32 $2, $9, $13, r;
+mad.hi.u32 r, x, 0x220000, 0x1010;
+prmt.b32 $3, $9, $13, r;
+shr.b32 y, $8, 4;
+and.b32 x, y, 0x03030303;
+mad.lo.u32 r, x, 0x22, 0x1010;
+prmt.b32 $4, $9, $13, r;
+mad.hi.u32 r, x, 0x220000, 0x1010;
+prmt.b32 $5, $9, $13, r;
+shr.b32 y, $8, 6;
+and.b32 x, y, 0x03030303;
+mad.lo.u32 r, x, 0x22, 0x1010;
+prmt.b32 $6, $9, $13, r;
+mad.hi.u32 r, x, 0x220000, 0x1010;
+prmt.b32 $7, $9, $13, r;
+}
+""")  # $0..$7: planes 0..3, two registers each (bytes 0, 1 then 2, 3); $9..$12 T0, $13..$16 T1
+
+
+@triton.jit
+def _nuq2_centroids(pool, base, tok, valid, CENT_OFF: tl.constexpr, NPG: tl.constexpr):
+    """The page's 4 fp16 centroids as fp32 scalars (NPG == 1) or per token [BLOCK_N]."""
+    half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
+    cp = half + ((base + CENT_OFF) >> 1)
+    if NPG == 1:
+        c0 = tl.load(cp).to(tl.float32)
+        c1 = tl.load(cp + 1).to(tl.float32)
+        c2 = tl.load(cp + 2).to(tl.float32)
+        c3 = tl.load(cp + 3).to(tl.float32)
+    else:
+        c0 = tl.load(cp, mask=valid, other=0.0).to(tl.float32)
+        c1 = tl.load(cp + 1, mask=valid, other=0.0).to(tl.float32)
+        c2 = tl.load(cp + 2, mask=valid, other=0.0).to(tl.float32)
+        c3 = tl.load(cp + 3, mask=valid, other=0.0).to(tl.float32)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _nuq2_lookup_tile(pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, NPG: tl.constexpr,
+                      ASM: tl.constexpr, CENT_OFF: tl.constexpr):
+    """[BLOCK_N, D] centroids of the tile's codes (fp16, column 4j + s = channel s*D/4 + j)."""
+    QD: tl.constexpr = D // 4
+    j = tl.arange(0, QD)
+    if NPG == 1:
+        packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :])
+    else:
+        packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :], mask=valid[:, None], other=0)
+    if ASM:
+        words = pool.to(tl.pointer_type(tl.int32), bitcast=True)
+        if NPG == 1:
+            t0 = tl.load(words + ((base + CENT_OFF) >> 2))
+            t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1)
+        else:
+            t0 = tl.load(words + ((base + CENT_OFF) >> 2), mask=valid, other=0)[:, None]
+            t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1, mask=valid, other=0)[:, None]
+        t0 = tl.broadcast_to(t0, (BLOCK_N, QD))
+        t1 = tl.broadcast_to(t1, (BLOCK_N, QD))
+        x0, x1, x2, x3 = tl.inline_asm_elementwise(
+            _NUQ2_LOOKUP_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [packed, t0, t1],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        c0, c1, c2, c3 = _nuq2_centroids(pool, base, tok, valid, CENT_OFF, NPG)
+        if NPG > 1:
+            c0 = c0[:, None]
+            c1 = c1[:, None]
+            c2 = c2[:, None]
+            c3 = c3[:, None]
+        codes = packed.to(tl.int32)
+        k = codes & 3
+        x0 = tl.where(k == 0, c0, tl.where(k == 1, c1, tl.where(k == 2, c2, c3))).to(tl.float16)
+        k = (codes >> 2) & 3
+        x1 = tl.where(k == 0, c0, tl.where(k == 1, c1, tl.where(k == 2, c2, c3))).to(tl.float16)
+        k = (codes >> 4) & 3
+        x2 = tl.where(k == 0, c0, tl.where(k == 1, c1, tl.where(k == 2, c2, c3))).to(tl.float16)
+        k = (codes >> 6) & 3
+        x3 = tl.where(k == 0, c0, tl.where(k == 1, c1, tl.where(k == 2, c2, c3))).to(tl.float16)
+    return tl.interleave(tl.interleave(x0, x2), tl.interleave(x1, x3))
+
+
+@triton.jit
+def nuq2_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  P: tl.constexpr, ASM: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                  OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """nuq2 key slab: codes [P, D/4] (planar) at 0, chan_mean and chan_scale fp8 [D], centroids
+    fp16 [4], out_val fp8 [S], out_idx uint16 [S]. A tile inside one page is the centroids alone
+    (nuq2_key_fold moves the channel affine into q); a tile over several pages gets z * scale + mean."""
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    x = _nuq2_lookup_tile(pool, base, tok, valid, D, BLOCK_N, NPG, ASM, CENT_OFF)
+    if NPG > 1:
+        d = tl.arange(0, D)
+        col = (d % 4) * (D // 4) + d // 4  # the channel of each tile column
+        f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+        scale = tl.load(f8 + (base + SCALE_OFF)[:, None] + col[None, :], mask=valid[:, None], other=0.0)
+        mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + col[None, :], mask=valid[:, None], other=0.0)
+        x = x.to(tl.float32) * scale.to(tl.float32) + mean.to(tl.float32)
+    return x, valid
+
+
+@triton.jit
+def nuq2_key_fold(pool, page_base, q, D: tl.constexpr, P: tl.constexpr, CENT_OFF: tl.constexpr,
+                  OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr,
+                  SCALE_OFF: tl.constexpr):
+    """q (s * z + m) = (q * s) z + q m: q [G_PAD, D] fp32 in tile column order -> (q * s, q . m)."""
+    d = tl.arange(0, D)
+    col = (d % 4) * (D // 4) + d // 4
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    scale = tl.load(f8 + (page_base + SCALE_OFF) + col).to(tl.float32)
+    mean = tl.load(f8 + (page_base + MEAN_OFF) + col).to(tl.float32)
+    return q * scale[None, :], tl.sum(q * mean[None, :], axis=1)
+
+
+@triton.jit
+def nuq2_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    P: tl.constexpr, ASM: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                    OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
+    """nuq2 value slab: codes [P, D/4] (planar) at 0, centroids fp16 [4], out_val fp8 [S], out_idx
+    uint16 [S]: the tile is the centroids."""
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    return _nuq2_lookup_tile(pool, base, tok, valid, D, BLOCK_N, NPG, ASM, CENT_OFF), valid
+
+
+NUQ2_SLOT_CHUNK = 16  # outlier slots handled per one-hot product (the MMA's smallest K)
+
+
+@triton.jit
+def _nuq2_slots(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr):
+    """Outlier slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to
+    [NPG * 16]: (used, tile column of the token, channel, delta in codebook units = the slot's
+    value minus the centroid of the code under it; 0 where unused)."""
+    SC: tl.constexpr = 16
+    PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
+    NPG: tl.constexpr = BLOCK_N // PP
+    QD: tl.constexpr = D // 4
+    i = chunk * SC + tl.arange(0, SC)
+    u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
+    half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    if NPG == 1:
+        pb = page_base + tl.zeros([SC], tl.int64)
+        first = tl.zeros([SC], tl.int32) - tok0  # the tile's column of a page row t is t - tok0
+    else:
+        pb = tl.reshape(tl.broadcast_to(page_base[:, None], (NPG, SC)), (NPG * SC,))
+        first = tl.reshape(tl.broadcast_to((tl.arange(0, NPG) * P)[:, None], (NPG, SC)), (NPG * SC,))
+        i = tl.reshape(tl.broadcast_to(i[None, :], (NPG, SC)), (NPG * SC,))
+    idx = tl.load(u16 + ((pb + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
+    used = idx != 0xFFFF
+    idx = tl.where(used, idx, 0)
+    t = idx // D
+    c = idx % D
+    code = (tl.load(pool + pb + t * QD + c % QD).to(tl.int32) >> (2 * (c // QD))) & 3
+    cent = tl.load(half + ((pb + CENT_OFF) >> 1) + code).to(tl.float32)
+    c0 = tl.load(half + ((pb + CENT_OFF) >> 1)).to(tl.float32)
+    c1 = tl.load(half + ((pb + CENT_OFF) >> 1) + 1).to(tl.float32)
+    c2 = tl.load(half + ((pb + CENT_OFF) >> 1) + 2).to(tl.float32)
+    c3 = tl.load(half + ((pb + CENT_OFF) >> 1) + 3).to(tl.float32)
+    unit = tl.maximum(tl.maximum(tl.abs(c0), tl.abs(c1)), tl.maximum(tl.abs(c2), tl.abs(c3)))
+    unit = tl.maximum(unit, 1e-6)  # centroid_unit
+    val = tl.load(f8 + pb + OVAL_OFF + i, mask=used, other=0.0).to(tl.float32)
+    delta = tl.where(used, val * unit - cent, 0.0)
+    return used, first + t, c, delta, pb
+
+
+@triton.jit
+def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                 OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """Scores of the outlier slots: s[g, t] += q[g, c] * scale[c] * delta for each used slot (t, c),
+    16 slots at a time: corr [G_PAD, 16] @ one-hot of the slots' tile columns [16, BLOCK_N].
+    A chunk whose slots are all unused is skipped (quantize fills the slots in order)."""
+    SC: tl.constexpr = 16
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    n = tl.arange(0, BLOCK_N)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        used, colm, c, delta, pb = _nuq2_slots(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF, OVAL_OFF,
+                                              OIDX_OFF, S)
+        if tl.max(used.to(tl.int32), axis=0) > 0:
+            scale = tl.load(f8 + pb + SCALE_OFF + c).to(tl.float32)
+            q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
+            corr = q_c * (scale * delta)[None, :]  # [G_PAD, NPG * 16]
+            hit = (colm[:, None] == n[None, :]) & used[:, None]  # [NPG * 16, BLOCK_N]
+            s += tl.dot(corr.to(DOT), tl.where(hit, 1.0, 0.0).to(DOT))
+    return s
+
+
+@triton.jit
+def nuq2_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                   OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
+    """Output of the outlier slots: pv[g, col(c)] += p[g, t] * delta for each used slot (t, c):
+    p @ one-hot [BLOCK_N, 16] gathers p at the slots' tokens, times delta, @ one-hot [16, D]
+    scatters to their channels' tile columns."""
+    SC: tl.constexpr = 16
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        used, colm, c, delta, pb = _nuq2_slots(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF, OVAL_OFF,
+                                              OIDX_OFF, S)
+        if tl.max(used.to(tl.int32), axis=0) > 0:
+            at_tok = (n[:, None] == colm[None, :]) & used[None, :]  # [BLOCK_N, NPG * 16]
+            p_at = tl.dot(p.to(DOT), tl.where(at_tok, 1.0, 0.0).to(DOT))  # [G_PAD, NPG * 16]
+            tcol = 4 * (c % (D // 4)) + c // (D // 4)
+            at_col = (tcol[:, None] == d[None, :]) & used[:, None]  # [NPG * 16, D]
+            pv += tl.dot((p_at * delta[None, :]).to(DOT), tl.where(at_col, 1.0, 0.0).to(DOT))
+    return pv
+
+
+def nuq2_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
+    readers = []
+    for kind in ("key", "value"):
+        off = fmt.layout(kind, block_size, head_dim).offsets
+        slots = fmt.outlier_slots(kind, block_size, head_dim)
+        params = (off["centroids"], off.get("out_val", 0), off.get("out_idx", 0), slots)
+        if kind == "key":
+            readers.append(TileReader(nuq2_key_tile, params + (off["chan_mean"], off["chan_scale"]), planes=4,
+                                      fold_fn=nuq2_key_fold, fix_fn=nuq2_key_fix if slots else None))
+        else:
+            readers.append(TileReader(nuq2_value_tile, params, planes=4,
+                                      fix_fn=nuq2_value_fix if slots else None))
+    return DecodeSpec(key=readers[0], value=readers[1], staged=True)

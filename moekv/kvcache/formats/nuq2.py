@@ -247,6 +247,17 @@ class NUQ2Format(PagedQuantFormat):
         cb = self.tables[name].float()  # [H, 4]
         return cb.repeat(rows // cb.shape[0], 1)
 
+    def decode_spec(self, block_size, head_dim):
+        """Page codebooks: the fused decode kernel (centroid lookup, the keys' channel affine folded
+        into q, outlier slots as per-tile corrections; moekv/ops/decode_tiles.py). Calibrated
+        codebooks live outside the slab (per layer and head), which the tile readers cannot see
+        yet: those keep the reference path."""
+        if self.calibrated:
+            return None
+        from moekv.ops.decode_tiles import nuq2_spec
+
+        return nuq2_spec(self, block_size, head_dim)
+
     # -- quantize / dequantize -----------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):
         n, H, P, D = x.shape  # [n, Hkv, P, D]

@@ -19,7 +19,7 @@ residual ring, q and out), gbps, floor_ms (bytes / measured bandwidth), plus eag
 do_bench, Python launch included), launch shape, bits per element and the largest error of any
 correct launch shape against the reference on sequence 0 (a launch shape more than 5% off is
 listed in wrong_launches and does not compete; status "wrong" if none is right). Formats without
-a fused kernel yet (nuq2, vq, tiered) appear with status "reference" (their plain-PyTorch path,
+a fused kernel yet (vq, tiered) appear with status "reference" (their plain-PyTorch path,
 timed at the smallest shape only) or "skipped" and the reason.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ FORMATS = {
     "int4": ("int4", {"group_size": 32}),
     "kivi2": ("kivi2", {"residual": 128}),
     "kivi2_g64": ("kivi2", {"residual": 128, "group_size": 64}),  # 2.5 bits: KIVI at nuq2's bits
-    "nuq2": ("nuq2", {}),
+    "nuq2": ("nuq2", {"codebook": "page"}),  # per-page k-means codebooks (calibrated ones keep the reference path)
     "vq": ("vq", {}),
     "tiered": ("tiered", {}),
 }

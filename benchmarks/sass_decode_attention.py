@@ -39,7 +39,7 @@ from moekv.ops import decode_attention as da  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", {"group_size": 32}),
-           "kivi2": ("kivi2", {"residual": 128})}
+           "kivi2": ("kivi2", {"residual": 128}), "nuq2": ("nuq2", {"codebook": "page"})}
 
 
 def compile_launch(fn: JITFunction, args, kwargs):

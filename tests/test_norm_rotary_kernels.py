@@ -1,0 +1,78 @@
+"""The one-launch RMSNorm and RoPE kernels against their references (ops/reference.py) and a
+float64 oracle. Without CUDA they run under TRITON_INTERPRET=1 on CPU tensors (fp32/fp16)."""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+pytest.importorskip("triton")
+
+from moekv.ops import rms_norm as rn  # noqa: E402
+from moekv.ops import rotary as ro  # noqa: E402
+from moekv.ops.reference import apply_rotary_ref, rms_norm_ref, rotary_cos_sin_ref  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(rn._rms_norm_kernel, InterpretedFunction):  # imported earlier, compiled
+        rn, ro = importlib.reload(rn), importlib.reload(ro)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T, H", [(1, 64), (5, 96), (3, 256)])  # 96: not a power of two
+def test_rms_norm_matches_reference(T, H, dtype):
+    g = torch.Generator().manual_seed(T * H)
+    x = (torch.randn(T, H, generator=g) * 3).to(dtype).to(DEVICE)
+    x[0, :7] = 0.0  # zeros and one large row
+    if T > 1:
+        x[1] *= 100
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype).to(DEVICE)
+    out = rn.rms_norm(x, w, 1e-5)
+    ref = rms_norm_ref(x, w, 1e-5)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w.double()
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(out.double(), ref.double(), rtol=tol, atol=tol)
+    assert ((out.double() - exact).norm() / exact.norm()) < tol
+
+
+def test_rms_norm_strided_rows_and_bad_weight():
+    x = torch.randn(4, 2, 64, device=DEVICE)[:, 0]  # rows 128 apart
+    w = torch.ones(64, device=DEVICE)
+    assert torch.allclose(rn.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=1e-6)
+    with pytest.raises(ValueError, match="dtype"):
+        rn.rms_norm(x, w.half(), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D", [16, 32, 128])
+def test_rotary_matches_reference(D, dtype):
+    g = torch.Generator().manual_seed(D)
+    T, Hq, Hkv = 5, 4, 2
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEVICE)
+    q = qkv[:, :Hq * D].reshape(T, Hq, D)  # strided views, as the attention layer passes them
+    k = qkv[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D)
+    positions = torch.tensor([0, 1, 7, 511, 100000], device=DEVICE)
+    q_out, k_out = ro.apply_rotary(positions, q, k, 1e6)
+    cos, sin = rotary_cos_sin_ref(positions, D, 1e6, torch.float64)
+    for x, out in ((q, q_out), (k, k_out)):
+        exact = apply_rotary_ref(x.double(), cos, sin)
+        ref = apply_rotary_ref(x, *rotary_cos_sin_ref(positions, D, 1e6, dtype))
+        tol = 1e-5 if dtype == torch.float32 else 3e-3
+        # fp32 angles: at position 1e5 the reference's own fp32 angle is off by ~1e-3 rad too
+        assert ((out.double() - exact).norm() / exact.norm()) < (2e-3 if dtype == torch.float32 else 5e-3)
+        assert ((out.double() - ref.double())[:4].norm() / ref.double()[:4].norm()) < tol
+    assert torch.equal(q_out[0], q[0]) and torch.equal(k_out[0], k[0])  # position 0 is the identity
+
+
+def test_rotary_refuses_odd_head_dim():
+    x = torch.randn(2, 1, 15, device=DEVICE)
+    with pytest.raises(ValueError, match="even"):
+        ro.apply_rotary(torch.arange(2, device=DEVICE), x, x, 1e4)

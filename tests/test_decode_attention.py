@@ -296,9 +296,16 @@ def test_gpu_realistic_shapes(label, block_size, monkeypatch):
     scale = 128 ** -0.5
     ref = reference(fmt, cache, ctx, q, scale, None)
     spec = fmt.decode_spec(block_size, 128)
-    for block_n, warps, stages, use_asm in (GPU_LAUNCHES if block_size == 64 else GPU_LAUNCHES[:1]):
-        out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
-                                        spec, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm)
+    for i, (block_n, warps, stages, use_asm) in enumerate(GPU_LAUNCHES if block_size == 64 else GPU_LAUNCHES[:1]):
+        try:
+            out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale,
+                                            None, spec, block_n=block_n, num_warps=warps, num_stages=stages,
+                                            use_asm=use_asm)
+        except triton.runtime.errors.OutOfResources:
+            # a non-default shape may need more shared memory than the GPU has (kivi2 at
+            # (128, 8, 3): 264 KiB > 227 KiB on an H200); the benchmark skips it the same way
+            assert i > 0, "the default launch shape must fit"
+            continue
         check(label, out, ref, torch.bfloat16)
     # the engine's path: attend on CUDA with a decode-only Context takes the kernel, and a window too
     calls = []

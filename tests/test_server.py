@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from pathlib import Path
 import torch
 
 from moekv import LLM, SamplingParams
@@ -323,3 +324,21 @@ def test_serve_command_starts_and_answers():
     r = subprocess.run([sys.executable, "-m", "moekv.cli", "serve", "--max-queue", "0"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--max-queue=0 must be >= 1" in r.stderr
+
+
+CLUSTER_MAP = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu" / "tiny-moe.clusters4.safetensors"
+
+
+@pytest.mark.parametrize("routing, clusters_per_token", [("hierarchical", 1), ("flat", None)])
+def test_routing_locality_is_exported(routing, clusters_per_token):
+    """With a cluster map the server counts every routing decision under the clustered placement:
+    one cluster per token is local by construction; the model's own routing is not."""
+    with ServerThread(TINY, max_model_len=128, routing=routing, cluster_map=str(CLUSTER_MAP),
+                      clusters_per_token=clusters_per_token) as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "The sea was", "max_tokens": 8, **NO_EOS})
+        assert r.status_code == 200
+        m = scrape(srv.url)
+    if routing == "hierarchical":
+        assert m["moekv:routing_locality"] == 1.0 and m["moekv:routing_fan_out"] == 1.0
+    else:
+        assert 0.2 < m["moekv:routing_locality"] < 1.0 and 1.0 < m["moekv:routing_fan_out"] <= 2.0

@@ -76,3 +76,29 @@ class PlacementStats:
         out["placement"] = self.placement.name
         out["num_devices"] = self.placement.num_devices
         return out
+
+
+class LocalityCounter:
+    """Running locality and fan-out of the decisions a model makes while it serves, kept in device
+    tensors (adding a batch costs no host sync and can be captured in a CUDA graph); `snapshot()`
+    reads them back. Used as a RouterTap callback by the server's metrics."""
+
+    def __init__(self, placement: Placement, device: torch.device) -> None:
+        self.device_of_expert = {i: d.to(device) for i, d in placement.device_of_expert.items()}
+        self.num_devices = placement.num_devices
+        self.placement_name = placement.name
+        # local assignments, assignments, (token, device) pairs used, tokens
+        self.totals = torch.zeros(4, dtype=torch.float64, device=device)
+
+    def __call__(self, layer_idx, hidden, router_logits, weights, expert_ids) -> None:
+        dev = self.device_of_expert[layer_idx][expert_ids]  # [T, k]
+        used = torch.zeros(dev.shape[0], self.num_devices, dtype=torch.bool, device=dev.device)
+        used.scatter_(1, dev, True)
+        batch = torch.stack([(dev == dev[:, :1]).sum(), torch.tensor(dev.numel(), device=dev.device),
+                             used.sum(), torch.tensor(dev.shape[0], device=dev.device)])
+        self.totals += batch.to(torch.float64)
+
+    def snapshot(self) -> dict:
+        local, assignments, devices, tokens = self.totals.tolist()
+        return {"locality": local / assignments if assignments else float("nan"),
+                "fan_out": devices / tokens if tokens else float("nan")}

@@ -1,5 +1,6 @@
 """Prometheus metrics of one server, named like vLLM's (`vllm:` -> `moekv:`), plus moekv's own:
-the KV format and its bits per element, and the tier occupancy of the tiered format.
+the KV format and its bits per element, the tier occupancy of the tiered format, and routing
+locality and fan-out when the engine has a cluster map.
 
 Each server gets its own CollectorRegistry (not prometheus_client's global one), so several
 servers can live in one process (tests start more than one). Request timings are observed in
@@ -69,6 +70,7 @@ class ServerMetrics:
         self._last = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self._last_token_time: dict[str, float] = {}  # request id -> time of its latest token
 
+        self.locality = self._install_locality_counter(engine, gauge)
         runner, cfg = engine.runner, engine.model_config
         fmt = runner.kv_format
         self.kv_format = fmt
@@ -77,6 +79,26 @@ class ServerMetrics:
         self.kv_info.labels(model_name=model_name, kv_cache_dtype=engine.config.kv_cache_dtype,
                             block_size=str(runner.block_size), num_blocks=str(runner.num_blocks),
                             bits_per_element=f"{bits:.2f}").set(1)
+
+    @staticmethod
+    def _install_locality_counter(engine, gauge):
+        """With a cluster map (hierarchical routing, or flat routing given one): every MoE layer's
+        decisions are counted under the clustered placement (one cluster per device)."""
+        path = engine.config.cluster_map
+        if path is None:
+            return None
+        from moekv.routing.cluster_map import ClusterMap
+        from moekv.routing.placement import LocalityCounter, Placement
+        from moekv.routing.tap import RouterTap, moe_layers
+
+        counter = LocalityCounter(Placement.from_clusters(ClusterMap.load(path)), engine.runner.device)
+        for i, moe in moe_layers(engine.runner.model).items():
+            moe.router = RouterTap(moe.router, counter, i)
+        counter.locality_gauge = gauge(
+            "routing_locality", "Share of (token, expert) assignments on the device of the token's top-1 expert "
+            "(clustered placement, one cluster per device), since start.")
+        counter.fan_out_gauge = gauge("routing_fan_out", "Mean distinct devices a token's experts occupy, since start.")
+        return counter
 
     # -- engine thread -----------------------------------------------------------------------
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -121,6 +143,10 @@ class ServerMetrics:
 
     # -- scrape (event loop) -------------------------------------------------------------------
     def render(self, engine) -> bytes:
+        if self.locality is not None:  # read the device counters at scrape time only
+            snap = self.locality.snapshot()
+            self.locality.locality_gauge.set(snap["locality"])
+            self.locality.fan_out_gauge.set(snap["fan_out"])
         if self.kv_format.name == "tiered":
             self._refresh_tiers(engine)
         return generate_latest(self.registry)

@@ -39,6 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never replay decode steps from CUDA graphs (default: graphs on CUDA where the KV format allows)")
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
@@ -51,7 +53,8 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
                         kv_rerank_interval=args.kv_rerank_interval, kv_tier1_fraction=args.kv_tier1_fraction,
                         kv_residual=args.kv_residual, routing=args.routing, cluster_map=args.cluster_map,
                         clusters_per_token=args.clusters_per_token, cluster_admit_margin=args.cluster_admit_margin,
-                        n_group=args.n_group, topk_group=args.topk_group)
+                        n_group=args.n_group, topk_group=args.topk_group,
+                        enforce_eager=getattr(args, "enforce_eager", False))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -62,7 +62,13 @@ class EngineConfig:
     max_num_seqs: sequences in one batch (running at once).
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     num_kv_blocks: pages in the KV pool; None = sized from kv_cache_memory_gb (CPU) or from
-        gpu_memory_utilization (CUDA).
+        gpu_memory_utilization (CUDA). Each pool holds one page more (and one staging slot more
+        than max_num_seqs): the scratch page that padded rows of a CUDA-graph replay use.
+    enforce_eager: never replay decode steps from CUDA graphs (as vLLM's flag). By default, on CUDA,
+        with a graph-safe KV format (bf16/fp16, fp8_e4m3, int4, kivi2, nuq2 with page codebooks)
+        and an fp16/bf16 model, a decode-only step that fills no page is padded to the next batch
+        bucket (1, 2, 4, ... max_num_seqs) and replayed from a graph captured for that bucket on
+        its first use; prefill, mixed and page-filling steps, tiered/vq and the CPU run eagerly.
     """
 
     model: str | Path = field(default_factory=default_model_path)
@@ -77,6 +83,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    enforce_eager: bool = False
     # KV format options (each format reads the ones it uses)
     kv_group_size: int = 32
     kv_outlier_sigma: float = 3.5
@@ -132,6 +139,7 @@ class EngineConfig:
         _check(isinstance(self.kv_residual, int) and self.kv_residual >= 0 and self.kv_residual % 32 == 0,
                f"kv_residual={self.kv_residual!r} must be a multiple of 32 (0 = no full-precision window)")
         self._check_routing()
+        _check(isinstance(self.enforce_eager, bool), f"enforce_eager={self.enforce_eager!r} must be True or False")
         _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")

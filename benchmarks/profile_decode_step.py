@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Where one decode step's time goes: the kernels of a bench_decode step (random-weight model of a
+shape, one KV format, one (batch, context) point) under torch.profiler, eager and replayed from a
+CUDA graph, as a table of kernel name, launches per step and GPU time per step.
+
+    PYTHONPATH=. python benchmarks/profile_decode_step.py --shape mixtral-8x7b --format bf16 --batch 1 --context 4096
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_decode as bd  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="mixtral-8x7b", choices=sorted(bd.SHAPES))
+    p.add_argument("--format", default="bf16")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    model, cfg = bd.build_random_model(args.shape, device)
+    fmt = bd.get_kv_format(args.format, torch.bfloat16)
+    block_size = 16 if args.format == "bf16" else 64
+    pages = args.batch * (args.context // block_size + 1)
+    for attn in model.attention_layers:
+        attn.kv_format = fmt
+        attn.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, args.batch,
+                                     torch.bfloat16)
+        attn.kv_cache.layer = attn.layer_idx
+        bd.fill_pages(fmt, attn.kv_cache, cfg, block_size, device)
+    ctx = bd.decode_context(args.batch, args.context, block_size, device)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch,), device=device)
+
+    def step():
+        return model.compute_logits(model(ids, ctx))
+
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for label, fn in (("eager", step), ("graph", graph.replay)):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.steps):
+                    fn()
+                torch.cuda.synchronize()
+            per_kernel = defaultdict(lambda: [0, 0.0])
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    name = ev.name[:90]
+                    per_kernel[name][0] += 1
+                    per_kernel[name][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            total_us = sum(v[1] for v in per_kernel.values()) / args.steps
+            launches = sum(v[0] for v in per_kernel.values()) / args.steps
+            print(f"\n== {label}: {launches:.0f} kernels per step, {total_us / 1e3:.3f} ms of kernel time per step "
+                  f"({args.format}, batch {args.batch}, context {args.context})")
+            print(f"{'per step':>9} {'us/step':>10} {'us/launch':>10}  kernel")
+            for name, (n, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:args.top]:
+                print(f"{n / args.steps:9.0f} {us / args.steps:10.1f} {us / n:10.2f}  {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,15 +2,22 @@
 
 Loads the model, allocates each layer's KV page pool in the chosen format, turns a
 SchedulerOutput into one Context + input tensors, runs the model, and samples.
+
+Every pool holds one page more than the block manager hands out (the scratch page, id
+num_blocks) and one staging slot more than max_num_seqs (the scratch slot): padded rows of a
+CUDA-graph replay write and read only there (engine/cuda_graphs.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import logging
+
 import torch
 
 from moekv.config import EngineConfig, parse_dtype
 from moekv.context import Context
+from moekv.engine.cuda_graphs import DecodeGraphs, graphs_unsupported_reason, step_fits_graph
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
@@ -19,6 +26,7 @@ from moekv.models.loader import load_model
 from moekv.models.model_config import ModelConfig
 from moekv.routing import install_routers
 
+log = logging.getLogger("moekv")
 
 @dataclass
 class SeqStepResult:
@@ -46,12 +54,14 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, self.device, model_cfg)
         self.routing = install_routers(self.model, model_cfg, **config.routing_options())
         self.block_size = config.block_size
-        self.num_blocks = self._plan_num_blocks(max_model_len)
+        self.num_blocks = self._plan_num_blocks(max_model_len)  # pages the block manager hands out
+        self.scratch_page = self.num_blocks  # + 1 page per pool, never handed out (padded graph rows)
+        self.scratch_slot = config.max_num_seqs  # + 1 staging slot, likewise
         self.kv_caches = []
         for attn in self.model.attention_layers:
             attn.kv_format = self.kv_format
-            attn.kv_cache = self.kv_format.allocate(self.num_blocks, model_cfg.num_kv_heads, self.block_size,
-                                                    model_cfg.head_dim, self.device, config.max_num_seqs,
+            attn.kv_cache = self.kv_format.allocate(self.num_blocks + 1, model_cfg.num_kv_heads, self.block_size,
+                                                    model_cfg.head_dim, self.device, config.max_num_seqs + 1,
                                                     self.dtype)
             attn.kv_cache.layer = attn.layer_idx
             self.kv_caches.append(attn.kv_cache)
@@ -60,6 +70,16 @@ class ModelRunner:
         # staging slot (partly filled newest page) of each running sequence
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._slots: dict[str, int] = {}
+        # CUDA graphs of the decode step (None: every step runs eagerly, for the reason logged)
+        self.max_pages_per_seq = -(-max_model_len // self.block_size)
+        self.graphs: DecodeGraphs | None = None
+        reason = graphs_unsupported_reason(self.device, config.enforce_eager, self.kv_format, self.dtype,
+                                           self.block_size, model_cfg.head_dim)
+        if reason is None:
+            self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
+                                       self.block_size, self.scratch_page, self.scratch_slot)
+        elif self.device.type == "cuda":
+            log.info("decode steps run eagerly: %s", reason)
 
     # -- KV pool sizing ----------------------------------------------------------------------
     @property
@@ -68,6 +88,8 @@ class ModelRunner:
         return c.num_layers * self.kv_format.page_bytes(c.num_kv_heads, self.block_size, c.head_dim)
 
     def _plan_num_blocks(self, max_model_len: int) -> int:
+        """Pages the block manager may hand out; the scratch page comes on top of an explicit
+        num_kv_blocks, and out of a memory budget."""
         blocks_per_seq = -(-max_model_len // self.block_size)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
@@ -76,10 +98,10 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             # keep (1 - utilization) of the card free for activations and the allocator's slack
             budget = free - (1 - self.config.gpu_memory_utilization) * torch.cuda.get_device_properties(self.device).total_memory
-            num_blocks = int(max(budget, 0) // self.kv_bytes_per_block)
+            num_blocks = max(int(max(budget, 0) // self.kv_bytes_per_block) - 1, 0)
             source = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
         else:
-            num_blocks = int(self.config.kv_cache_memory_gb * 2**30 // self.kv_bytes_per_block)
+            num_blocks = max(int(self.config.kv_cache_memory_gb * 2**30 // self.kv_bytes_per_block) - 1, 0)
             source = f"kv_cache_memory_gb={self.config.kv_cache_memory_gb}"
         if self.config.num_kv_blocks is None:
             # no point holding more than every sequence at full length (and a second engine in the
@@ -123,6 +145,25 @@ class ModelRunner:
         if slot is None:
             slot = self._slots[seq.request_id] = self._free_slots.pop()
         return slot
+
+    def step_uses_graph(self, out: SchedulerOutput, context_lens: list[int], logits_rows: list[int]) -> bool:
+        """Whether this step is replayed from a CUDA graph (the engine allows graphs, the step is a
+        decode step that fits one, and nothing observes the model's internals from Python)."""
+        if self.graphs is None:
+            return False
+        if not step_fits_graph([item.num_tokens for item in out.scheduled], context_lens, logits_rows,
+                               self.block_size, self.graphs.max_batch):
+            return False
+        return not self._model_is_observed()
+
+    def _model_is_observed(self) -> bool:
+        """A K/V observer (calibration) or a router tap runs Python inside the step: a replay would skip it."""
+        from moekv.routing.tap import RouterTap
+
+        if any(attn.kv_observer is not None for attn in self.model.attention_layers):
+            return True
+        return any(isinstance(getattr(getattr(layer, "mlp", None), "router", None), RouterTap)
+                   for layer in getattr(self.model, "layers", ()))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, blocked_ids: dict[str, list[int]]) -> list[SeqStepResult]:
@@ -169,25 +210,34 @@ class ModelRunner:
                 logits_rows.append(base + item.num_tokens - 1)
             plans.append((SeqStepResult(seq), prompt_rows, sample_row, logit_rows))
 
-        max_pages = max(len(item.seq.block_table) for item in out.scheduled)
-        tables = [item.seq.block_table + [0] * (max_pages - len(item.seq.block_table)) for item in out.scheduled]
-        dev = self.device
-        ctx = Context(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            seq_slots=torch.tensor(seq_slots, dtype=torch.long, device=dev),
-            max_query_len=max(item.num_tokens for item in out.scheduled),
-            fills_no_page=all(n % bs for n in context_lens),
-        )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx)
         results = [plan[0] for plan in plans]
-        if not logits_rows:
-            return results
-        logits = self.model.compute_logits(hidden[ctx.logits_indices])  # [S, V] fp32
+        logits = None
+        if self.graphs is not None and self.step_uses_graph(out, context_lens, logits_rows):
+            try:
+                logits = self.graphs.run(input_ids, positions, slots, [item.seq.block_table for item in out.scheduled],
+                                         context_lens, seq_slots)  # [B, V] fp32
+            except Exception:  # a host sync or an unsupported op in the step: stay eager from now on
+                log.exception("replaying the decode step from a CUDA graph failed; decode steps run eagerly from now on")
+                self.graphs = None
+        if logits is None:
+            max_pages = max(len(item.seq.block_table) for item in out.scheduled)
+            tables = [item.seq.block_table + [0] * (max_pages - len(item.seq.block_table)) for item in out.scheduled]
+            dev = self.device
+            ctx = Context(
+                positions=torch.tensor(positions, dtype=torch.long, device=dev),
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+                context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+                query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+                logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+                seq_slots=torch.tensor(seq_slots, dtype=torch.long, device=dev),
+                max_query_len=max(item.num_tokens for item in out.scheduled),
+                fills_no_page=all(n % bs for n in context_lens),
+            )
+            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx)
+            if not logits_rows:
+                return results
+            logits = self.model.compute_logits(hidden[ctx.logits_indices])  # [S, V] fp32
 
         rows, sample_rows, sample_targets = [], [], []
         for result, prompt_rows, sample_row, logit_rows in plans:

@@ -38,6 +38,10 @@ class LayerKVCache:
 class KVFormat(ABC):
     name: str
     needs_calibration: bool = False
+    # True when a decode step that fills no page writes and attends without host syncs or host-side
+    # page state (write's vectorized path + the fused decode kernel), so it can be replayed from a
+    # CUDA graph; the runner also needs decode_spec() to be non-None (engine/cuda_graphs.py)
+    graph_safe: bool = False
 
     @abstractmethod
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
@@ -215,6 +219,8 @@ def can_stage_vectorized(q_or_k: torch.Tensor, ctx: Context) -> bool:
 class PagedQuantFormat(KVFormat):
     """A compressed format that quantizes whole pages: subclasses give the layouts and the
     page-level quantize/dequantize; this class handles staging, packing and reading back."""
+
+    graph_safe = True  # decode steps that fill no page stage with one indexed copy (stage_decode_tokens)
 
     def layout(self, kind: str, block_size: int, head_dim: int) -> PageLayout:
         """The slab layout for kind 'key' or 'value'."""

@@ -10,6 +10,8 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 class PlainKVFormat(KVFormat):
+    graph_safe = True  # one scatter through slot_mapping; fp32 pages have no decode_spec (reference path)
+
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.name = _NAMES[dtype]

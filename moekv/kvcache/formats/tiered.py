@@ -30,6 +30,7 @@ TIER_NONE, TIER_FP8, TIER_LOW = 0, 1, 2
 
 class TieredFormat(PagedQuantFormat):
     name = "tiered"
+    graph_safe = False  # page tiers, masses and re-ranking live in host-side Python state
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None, **_) -> None:

@@ -114,6 +114,7 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
 class VQFormat(PagedQuantFormat):
     name = "vq"
     needs_calibration = True
+    graph_safe = False  # no fused decode kernel yet: attention takes the reference path (host syncs)
 
     def __init__(self, calibration: str | Path | None = None, **_) -> None:
         if calibration is None:

@@ -1,0 +1,253 @@
+"""CUDA graphs of the decode step (moekv/engine/cuda_graphs.py).
+
+CPU: the host-side logic — buckets, padding rows on the scratch page and slot, which steps and
+formats may take the graph path, the pool's scratch page — and the padded static-buffer step run
+eagerly (use_graphs=False), which must give the tokens of the ordinary eager path.
+GPU (`gpu` marker): real capture and replay against enforce_eager=True, for every graph-safe format.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moekv import LLM, SamplingParams
+from moekv.engine.block_manager import BlockManager
+from moekv.engine.cuda_graphs import (DecodeGraphs, bucket_for, graph_buckets, graphs_unsupported_reason,
+                                      pad_decode_inputs, step_fits_graph)
+from moekv.kvcache.formats import get_kv_format
+
+CUDA = torch.device("cuda")  # only its .type is read by graphs_unsupported_reason
+GRAPH_FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2"]
+PROMPTS = [[5, 17, 33, 90, 4], [9, 8, 7, 250, 3, 3, 31, 64, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54],
+           [100 + i for i in range(41)]]
+
+
+# -- host-side logic (CPU) ---------------------------------------------------------------------------
+def test_buckets():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(6) == [1, 2, 4, 6]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    buckets = graph_buckets(6)
+    assert [bucket_for(b, buckets) for b in range(1, 8)] == [1, 2, 4, 4, 6, 6, None]
+    with pytest.raises(ValueError):
+        graph_buckets(0)
+
+
+def test_padding_rows_sit_on_the_scratch_page_and_slot():
+    block_size, scratch_page, scratch_slot = 16, 99, 8
+    x = pad_decode_inputs([11, 12, 13], [20, 5, 40], [3 * 16 + 4, 7 * 16 + 5, 2 * 16 + 8], [[1, 3], [7], [0, 6, 2]],
+                          [21, 6, 41], [0, 5, 2], bucket=4, width=16, scratch_page=scratch_page,
+                          scratch_slot=scratch_slot, block_size=block_size)
+    assert x.batch == 4
+    assert x.input_ids.tolist() == [11, 12, 13, 0]
+    assert x.positions.tolist() == [20, 5, 40, 0]
+    assert x.slot_mapping.tolist() == [52, 117, 40, scratch_page * block_size]  # offset 0 of the scratch page
+    assert x.context_lens.tolist() == [21, 6, 41, 1]
+    assert x.seq_slots.tolist() == [0, 5, 2, scratch_slot]
+    assert x.block_tables.shape == (4, 16) and x.block_tables.dtype.name == "int32"
+    assert x.block_tables[0].tolist() == [1, 3] + [scratch_page] * 14  # unused entries: the scratch page
+    assert x.block_tables[3].tolist() == [scratch_page] * 16
+    for arr, kind in ((x.input_ids, "int64"), (x.positions, "int64"), (x.slot_mapping, "int64"),
+                      (x.seq_slots, "int64"), (x.context_lens, "int32")):
+        assert arr.dtype.name == kind
+    empty = pad_decode_inputs([], [], [], [], [], [], bucket=2, width=4, scratch_page=7, scratch_slot=3, block_size=4)
+    assert empty.context_lens.tolist() == [1, 1] and empty.slot_mapping.tolist() == [28, 28]
+    with pytest.raises(ValueError):
+        pad_decode_inputs([1, 2], [0, 0], [0, 0], [[0], [1]], [1, 1], [0, 1], bucket=1, width=4, scratch_page=7,
+                          scratch_slot=3, block_size=4)
+    with pytest.raises(ValueError):  # a table wider than max_pages_per_seq
+        pad_decode_inputs([1], [0], [0], [[0, 1, 2]], [1], [0], bucket=1, width=2, scratch_page=7,
+                          scratch_slot=3, block_size=4)
+
+
+def test_which_steps_fit_a_graph():
+    bs = 16
+    assert step_fits_graph([1, 1, 1], [5, 17, 40], [0, 1, 2], bs, max_batch=4)
+    assert not step_fits_graph([1, 3], [5, 17], [0, 3], bs, max_batch=4)  # prefill chunk in the step
+    assert not step_fits_graph([7], [7], [6], bs, max_batch=4)  # a prompt
+    assert not step_fits_graph([1, 1], [5, 32], [0, 1], bs, max_batch=4)  # the second fills its page
+    assert not step_fits_graph([1, 1], [5, 6], [0, 0, 1], bs, max_batch=4)  # prompt logits wanted too
+    assert not step_fits_graph([1, 1], [5, 6], [0], bs, max_batch=4)  # a sequence that does not sample
+    assert not step_fits_graph([1] * 5, [3] * 5, list(range(5)), bs, max_batch=4)  # larger than every bucket
+    assert not step_fits_graph([], [], [], bs, max_batch=4)
+
+
+@pytest.mark.parametrize("name", GRAPH_FORMATS)
+def test_graph_safe_formats(name):
+    fmt = get_kv_format(name, torch.bfloat16, codebook="page")
+    block_size = 16 if name == "bf16" else 64
+    assert fmt.graph_safe
+    assert graphs_unsupported_reason(CUDA, False, fmt, torch.bfloat16, block_size, 32) is None
+    assert "enforce_eager" in graphs_unsupported_reason(CUDA, True, fmt, torch.bfloat16, block_size, 32)
+    assert "CUDA" in graphs_unsupported_reason(torch.device("cpu"), False, fmt, torch.bfloat16, block_size, 32)
+    assert "dtype" in graphs_unsupported_reason(CUDA, False, fmt, torch.float32, block_size, 32)
+
+
+def test_formats_that_stay_eager():
+    tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
+    assert not tiered.graph_safe
+    assert "graph-safe" in graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16, 64, 32)
+    from moekv.kvcache.formats.vq import VQFormat
+
+    assert not VQFormat.graph_safe
+    fp32 = get_kv_format("fp32")  # graph-safe writes, but no fused kernel for fp32 pages
+    assert "fused decode kernel" in graphs_unsupported_reason(CUDA, False, fp32, torch.float16, 16, 32)
+
+
+def test_block_manager_never_hands_out_the_scratch_page():
+    """The scratch page is id num_blocks: outside the block manager's range, so no table holds it."""
+    num_blocks = 6
+    bm = BlockManager(num_blocks, 4)
+
+    class Seq:
+        def __init__(self):
+            self.block_table = []
+
+    seqs = [Seq() for _ in range(4)]
+    for round_ in range(3):
+        for i, s in enumerate(seqs):
+            bm.allocate(s, 4 * (round_ + i + 1))
+        assert all(num_blocks not in s.block_table for s in seqs)
+        bm.check_invariants(seqs)
+        for s in seqs[::2]:
+            bm.free(s)
+    assert bm.num_blocks == num_blocks
+
+
+def test_cpu_engine_reserves_a_scratch_page_and_slot_and_stays_eager(mixtral_ckpt):
+    llm = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_seqs=4)
+    runner, bm = llm.engine.runner, llm.engine.block_manager
+    assert runner.graphs is None  # CPU
+    assert bm.num_blocks == runner.num_blocks == runner.scratch_page
+    assert runner.scratch_slot == 4
+    for cache in runner.kv_caches:
+        assert cache["k_pages"].shape[0] == runner.num_blocks + 1
+    # a memory budget of exactly N pages gives N - 1 pages to hand out: the scratch page is paid from it
+    pages = 10  # under the cap of max_num_seqs full-length sequences (16 pages)
+    sized = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_seqs=4,
+                kv_cache_memory_gb=pages * runner.kv_bytes_per_block / 2**30)
+    assert sized.engine.runner.num_blocks == pages - 1
+    assert sized.engine.runner.kv_caches[0]["k_pages"].shape[0] == pages
+    kivi = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_seqs=3, kv_cache_dtype="fp8_e4m3")
+    assert kivi.engine.runner.kv_caches[0]["k_staging"].shape[0] == 4
+
+
+def _with_emulated_graphs(llm):
+    """Route the runner's graph path through the padded static buffers, run eagerly (the CPU has no
+    graphs); record each such step's context lengths."""
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.device, llm.engine.config.max_num_seqs, runner.max_pages_per_seq,
+                          runner.block_size, runner.scratch_page, runner.scratch_slot, use_graphs=False)
+    calls = []
+    run = graphs.run
+
+    def recording_run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots):
+        calls.append(list(context_lens))
+        return run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots)
+
+    graphs.run = recording_run
+    runner.graphs = graphs
+    return graphs, calls
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3", "int4", "kivi2", "nuq2"])
+def test_padded_static_step_matches_eager_on_cpu(hd32_ckpt, fmt):
+    """The graph path's padded rows must not disturb the real ones: the static-buffer step (run
+    eagerly on the CPU) gives the eager path's tokens, takes only decode steps that fill no page,
+    and leaves every page free."""
+    block_size = 16 if fmt == "fp32" else 32
+    kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype=fmt, block_size=block_size)
+    if fmt == "kivi2":
+        kwargs["kv_residual"] = 32
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 9, 6)]
+    prompts = [{"prompt_token_ids": p[:n]} for p, n in zip(PROMPTS, (5, 23, 30))]
+    eager = LLM(hd32_ckpt, **kwargs)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    llm = LLM(hd32_ckpt, **kwargs)
+    graphs, calls = _with_emulated_graphs(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert graphs.num_replays == len(calls) > 0
+    assert all(n % block_size for lens in calls for n in lens)
+    assert {len(lens) for lens in calls} >= {1, 2, 3}  # batches 3, 2, 1 padded to buckets 4, 2, 1
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_graph_path_skips_steps_that_need_prompt_logits_or_observers(mixtral_ckpt):
+    llm = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_seqs=4)
+    graphs, calls = _with_emulated_graphs(llm)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    llm.generate([{"prompt_token_ids": [3, 4, 5]}], sp)
+    assert calls, "decode steps after the prompt still replay (prompt logprobs are done by then)"
+    calls.clear()
+    attn = llm.engine.runner.model.attention_layers[0]
+    attn.kv_observer = lambda *a: None
+    try:
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=6, temperature=0.0))
+    finally:
+        attn.kv_observer = None
+    assert not calls  # a Python observer inside the step: eager
+
+
+# -- GPU: capture and replay -------------------------------------------------------------------------
+def _first_divergence_is_a_tie(a_ids, a_lps, b_ids, b_lps, tol=0.05):
+    """Same tokens, or they part where the eager run's two best tokens were within `tol` nats (a
+    near tie that padding-dependent GEMM rounding may flip); logprobs agree until then."""
+    for i, (x, y) in enumerate(zip(a_ids, b_ids)):
+        if x != y:
+            top = sorted(a_lps[i].values(), reverse=True)
+            return len(top) > 1 and top[0] - top[1] < tol, f"position {i}: {x} vs {y}, eager top2 {top[:2]}"
+        if abs(a_lps[i][x] - b_lps[i][y]) > tol:
+            return False, f"position {i}: logprob {a_lps[i][x]} vs {b_lps[i][y]}"
+    return len(a_ids) == len(b_ids), "lengths"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", GRAPH_FORMATS)
+def test_cuda_graphs_match_eager(hd32_ckpt, fmt):
+    kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_dtype=fmt,
+                  kv_codebook="page")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (40, 30, 20)]
+    eager = LLM(hd32_ckpt, enforce_eager=True, **kwargs)
+    assert eager.engine.runner.graphs is None
+    ref = eager.generate(prompts, params)
+    llm = LLM(hd32_ckpt, **kwargs)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.use_graphs
+    out = llm.generate(prompts, params)
+    assert llm.engine.runner.graphs is graphs, "the graph path failed and fell back to eager (see the log)"
+    assert graphs.num_replays > 20
+    assert set(graphs.graphs) == {4, 2, 1}  # batches 3, 2, 1
+    for a, b in zip(ref, out):
+        ok, where = _first_divergence_is_a_tie(a.outputs[0].token_ids, a.outputs[0].logprobs,
+                                               b.outputs[0].token_ids, b.outputs[0].logprobs)
+        assert ok, f"{fmt}: {where}"
+    exact = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, out))
+    print(f"\n{fmt}: {exact}/3 sequences identical, {graphs.num_replays} replays, buckets {sorted(graphs.graphs)}")
+    for e in (eager, llm):
+        bm = e.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_batch1_speed(hd32_ckpt):
+    """Not an assertion on speed: prints tok/s at batch 1, eager vs graphs."""
+    prompt = [{"prompt_token_ids": PROMPTS[0]}]
+    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    rates = {}
+    for eager in (True, False):
+        llm = LLM(hd32_ckpt, dtype="bfloat16", device="cuda", max_model_len=256, kv_cache_dtype="bf16",
+                  enforce_eager=eager)
+        llm.generate(prompt, sp)  # warm-up: compiles, captures
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        n = len(llm.generate(prompt, sp)[0].outputs[0].token_ids)
+        rates["eager" if eager else "graphs"] = n / (time.perf_counter() - start)
+    print(f"\nbatch 1, tiny model, bf16 KV: eager {rates['eager']:.0f} tok/s, graphs {rates['graphs']:.0f} tok/s "
+          f"({rates['graphs'] / rates['eager']:.2f}x)")

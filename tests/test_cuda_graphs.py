@@ -193,7 +193,7 @@ def test_graph_path_skips_steps_that_need_prompt_logits_or_observers(mixtral_ckp
 
 
 # -- GPU: capture and replay -------------------------------------------------------------------------
-def _first_divergence_is_a_tie(a_ids, a_lps, b_ids, b_lps, tol=0.05):
+def _first_divergence_is_a_tie(a_ids, a_lps, b_ids, b_lps, tol=0.1):
     """Same tokens, or they part where the eager run's two best tokens were within `tol` nats (a
     near tie that padding-dependent GEMM rounding may flip); logprobs agree until then."""
     for i, (x, y) in enumerate(zip(a_ids, b_ids)):

@@ -69,9 +69,11 @@ def graphs_unsupported_reason(device: torch.device, enforce_eager: bool, kv_form
 
 def step_fits_graph(num_tokens: list[int], context_lens: list[int], logits_rows: list[int], block_size: int,
                     max_batch: int) -> bool:
-    """A step can be replayed when every sequence decodes one token, no page becomes full (the
-    staged formats then append with one indexed copy: no host sync), each sequence wants exactly
-    its sample row of logits (no prompt logits or logprobs), and a bucket holds the batch."""
+    """A step can be replayed when every sequence runs one token, no page becomes full (the
+    staged formats then append with one indexed copy: no host sync), the logits rows wanted are
+    exactly one per sequence in order (the graph computes every row's logits: a sequence that
+    does not sample, or that also wants prompt logits, needs the eager path), and a bucket holds
+    the batch."""
     batch = len(num_tokens)
     return (0 < batch <= max_batch
             and all(n == 1 for n in num_tokens)
@@ -188,17 +190,19 @@ class DecodeGraphs:
         if bucket in self.graphs:
             return
         self.load(self.pad([], [], [], [], [], [], bucket))
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(bucket)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._step(bucket)
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step(bucket)
+            torch.cuda.current_stream().wait_stream(stream)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a server's other threads may touch CUDA (metrics) while this one captures
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits = self._step(bucket)
         self.graphs[bucket] = (graph, logits)
         self.num_captures += 1
         log.info("captured the decode step for batch bucket %d", bucket)
@@ -221,7 +225,8 @@ class DecodeGraphs:
         self.load(self.pad(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, bucket))
         if self.use_graphs:
             graph, logits = self.graphs[bucket]
-            graph.replay()
+            with torch.cuda.device(self.device):
+                graph.replay()
         else:
             logits = self._step(bucket)
         self.num_replays += 1

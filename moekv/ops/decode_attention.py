@@ -171,11 +171,17 @@ def _paged_decode_kernel(
             kb = page * stride_kp + h * stride_kh
             kpb = page_pg * stride_kp + h * stride_kh
             k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4, K5)
+            s = tl.zeros([G_PAD, BLOCK_N], tl.float32)
+            if K_FIX is not None:
+                # the sparse corrections first, as the product's accumulator: their branches then
+                # carry one tensor in the MMA's layout (fixed after the product, each branch carried
+                # s in every layout the softmax and P @ V want: 255 registers and spills for nuq2)
+                s = K_FIX(k_pool, kpb, tok0, q_rows, rows < G, s, D, BLOCK_N, P, DOT, K0, K1, K2, K3, K4, K5)
             if K_FOLD is not None and NPG == 1:  # the page's channel affine, applied to q instead
                 q_page, bias = K_FOLD(k_pool, kpb, q, D, P, K0, K1, K2, K3, K4, K5)
-                s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT))) + bias[:, None]
+                s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT)), s) + bias[:, None]
             else:
-                s = tl.dot(q_main, tl.trans(k.to(DOT)))  # [G_PAD, BLOCK_N] fp32
+                s = tl.dot(q_main, tl.trans(k.to(DOT)), s)  # [G_PAD, BLOCK_N] fp32
             if K_SCALED:
                 s = s * k_scale[None, :]
             for o in tl.static_range(K_NO):  # outlier channels: s += q[:, channel] * (exact - tile value)
@@ -186,8 +192,6 @@ def _paged_decode_kernel(
                 else:
                     q_col = tl.load(q_rows + ch_tok[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
                 s += q_col * delta[None, :]
-            if K_FIX is not None:
-                s = K_FIX(k_pool, kpb, tok0, q_rows, rows < G, s, D, BLOCK_N, P, DOT, K0, K1, K2, K3, K4, K5)
             m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
 
             vb = page * stride_vp + h * stride_vh

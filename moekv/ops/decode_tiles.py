@@ -429,6 +429,122 @@ NUQ2_SLOT_CHUNK = 16  # outlier slots handled per one-hot product (the MMA's sma
 
 
 @triton.jit
+def _nuq2_used_chunks(pool, page_base, OIDX_OFF: tl.constexpr, S: tl.constexpr, NPG: tl.constexpr):
+    """How many 16-slot chunks the tile's pages use (the most of any page): quantize fills the slots
+    in order, so chunk k is in use iff its first slot is. One small load of each chunk's first
+    position; a uniform scalar, so that unused chunks cost a compare and a branch."""
+    SC: tl.constexpr = 16
+    # a power of two above the chunk count (constexpr bit twiddling: no Python helpers in jit code)
+    X0: tl.constexpr = (S + SC - 1) // SC
+    X1: tl.constexpr = X0 | (X0 >> 1)
+    X2: tl.constexpr = X1 | (X1 >> 2)
+    X3: tl.constexpr = X2 | (X2 >> 4)
+    NCP: tl.constexpr = X3 + 1
+    u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
+    i = tl.arange(0, NCP) * SC
+    if NPG == 1:
+        first = tl.load(u16 + ((page_base + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
+        n = tl.sum((first != 0xFFFF).to(tl.int32), axis=0)
+    else:
+        first = tl.load(u16 + ((page_base + OIDX_OFF) >> 1)[:, None] + i[None, :], mask=(i < S)[None, :],
+                        other=0xFFFF).to(tl.int32)  # [NPG, NCP]
+        n = tl.max(tl.sum((first != 0xFFFF).to(tl.int32), axis=1), axis=0)
+    return n
+
+
+@triton.jit
+def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                     CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr):
+    """Outlier slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to
+    [NPG * 16]: (used, tile column of the token, channel, delta in codebook units = the slot's
+    value minus the centroid of the code under it; 0 where unused). The centroid is selected from
+    the page's four (no gather load behind the code's)."""
+    SC: tl.constexpr = 16
+    PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
+    NPG: tl.constexpr = BLOCK_N // PP
+    QD: tl.constexpr = D // 4
+    i = chunk * SC + tl.arange(0, SC)
+    u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
+    half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    if NPG == 1:
+        pb = page_base
+        first = tl.zeros([SC], tl.int32) - tok0  # the tile's column of a page row t is t - tok0
+    else:
+        pb = tl.reshape(tl.broadcast_to(page_base[:, None], (NPG, SC)), (NPG * SC,))
+        first = tl.reshape(tl.broadcast_to((tl.arange(0, NPG) * P)[:, None], (NPG, SC)), (NPG * SC,))
+        i = tl.reshape(tl.broadcast_to(i[None, :], (NPG, SC)), (NPG * SC,))
+    idx = tl.load(u16 + ((pb + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
+    val = tl.load(f8 + pb + OVAL_OFF + i, mask=i < S, other=0.0).to(tl.float32)
+    cp = half + ((pb + CENT_OFF) >> 1)
+    c0 = tl.load(cp).to(tl.float32)  # scalars when NPG == 1
+    c1 = tl.load(cp + 1).to(tl.float32)
+    c2 = tl.load(cp + 2).to(tl.float32)
+    c3 = tl.load(cp + 3).to(tl.float32)
+    used = idx != 0xFFFF
+    idx = tl.where(used, idx, 0)
+    t = idx // D
+    c = idx % D
+    code = (tl.load(pool + pb + t * QD + c % QD).to(tl.int32) >> (2 * (c // QD))) & 3
+    cent = tl.where(code == 0, c0, tl.where(code == 1, c1, tl.where(code == 2, c2, c3)))
+    unit = tl.maximum(tl.maximum(tl.abs(c0), tl.abs(c1)), tl.maximum(tl.abs(c2), tl.abs(c3)))
+    unit = tl.maximum(unit, 1e-6)  # centroid_unit
+    delta = tl.where(used, val * unit - cent, 0.0)
+    return used, first + t, c, delta, pb
+
+
+@triton.jit
+def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                 OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """Scores of the outlier slots: s[g, t] += q[g, c] * scale[c] * delta for each used slot (t, c),
+    16 slots at a time: corr [G_PAD, 16] @ one-hot of the slots' tile columns [16, BLOCK_N].
+    Only the chunks in use are touched: their loads, layout changes and product sit behind one
+    uniform branch each (quantize fills the slots in order)."""
+    SC: tl.constexpr = 16
+    PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
+    NPG: tl.constexpr = BLOCK_N // PP
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    n = tl.arange(0, BLOCK_N)
+    chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        if chunk < chunks:
+            used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
+                                                        OVAL_OFF, OIDX_OFF, S)
+            scale = tl.load(f8 + pb + SCALE_OFF + c).to(tl.float32)
+            q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
+            corr = q_c * (scale * delta)[None, :]  # [G_PAD, NPG * 16]
+            hit = (colm[:, None] == n[None, :]) & used[:, None]  # [NPG * 16, BLOCK_N]
+            s += tl.dot(corr.to(DOT), tl.where(hit, 1.0, 0.0).to(DOT))
+    return s
+
+
+@triton.jit
+def nuq2_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                   OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
+    """Output of the outlier slots: pv[g, col(c)] += p[g, t] * delta for each used slot (t, c):
+    p @ one-hot [BLOCK_N, 16] gathers p at the slots' tokens, times delta, @ one-hot [16, D]
+    scatters to their channels' tile columns. Only the chunks in use are touched."""
+    SC: tl.constexpr = 16
+    PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
+    NPG: tl.constexpr = BLOCK_N // PP
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        if chunk < chunks:
+            used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
+                                                        OVAL_OFF, OIDX_OFF, S)
+            at_tok = (n[:, None] == colm[None, :]) & used[None, :]  # [BLOCK_N, NPG * 16]
+            p_at = tl.dot(p.to(DOT), tl.where(at_tok, 1.0, 0.0).to(DOT))  # [G_PAD, NPG * 16]
+            tcol = 4 * (c % (D // 4)) + c // (D // 4)
+            at_col = (tcol[:, None] == d[None, :]) & used[:, None]  # [NPG * 16, D]
+            pv += tl.dot((p_at * delta[None, :]).to(DOT), tl.where(at_col, 1.0, 0.0).to(DOT))
+    return pv
+
+
+@triton.jit
 def _nuq2_slots(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                 CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr):
     """Outlier slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to
@@ -468,10 +584,11 @@ def _nuq2_slots(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
+def nuq2_key_fix_eager(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
                  P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
                  OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr):
-    """Scores of the outlier slots: s[g, t] += q[g, c] * scale[c] * delta for each used slot (t, c),
+    """(The first version, kept for timing beside nuq2_key_fix: every chunk's slot loads, layout
+    conversions and a cross-warp `any` ran on every tile, used or not.) Scores of the outlier slots: s[g, t] += q[g, c] * scale[c] * delta for each used slot (t, c),
     16 slots at a time: corr [G_PAD, 16] @ one-hot of the slots' tile columns [16, BLOCK_N].
     A chunk whose slots are all unused is skipped (quantize fills the slots in order)."""
     SC: tl.constexpr = 16
@@ -490,10 +607,10 @@ def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOC
 
 
 @triton.jit
-def nuq2_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr,
+def nuq2_value_fix_eager(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
                    OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
-    """Output of the outlier slots: pv[g, col(c)] += p[g, t] * delta for each used slot (t, c):
+    """(The first version, kept for timing beside nuq2_value_fix.) Output of the outlier slots: pv[g, col(c)] += p[g, t] * delta for each used slot (t, c):
     p @ one-hot [BLOCK_N, 16] gathers p at the slots' tokens, times delta, @ one-hot [16, D]
     scatters to their channels' tile columns."""
     SC: tl.constexpr = 16
@@ -511,16 +628,27 @@ def nuq2_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.co
     return pv
 
 
-def nuq2_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
+NUQ2_SLOT_MODES = ("lazy", "eager", "off")
+
+
+def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> DecodeSpec:
+    """slots: how the kernel applies the outlier slots. 'lazy' (the default): only the chunks of 16
+    slots in use, each behind one uniform branch; 'eager': the first version (every chunk's loads
+    on every tile), kept to time beside it; 'off': not at all, a bound on what the slots cost
+    (wrong wherever a slot is used: for benchmarks only)."""
+    if slots not in NUQ2_SLOT_MODES:
+        raise ValueError(f"nuq2_spec: slots={slots!r}, accepted {NUQ2_SLOT_MODES}")
+    key_fix = {"lazy": nuq2_key_fix, "eager": nuq2_key_fix_eager, "off": None}[slots]
+    value_fix = {"lazy": nuq2_value_fix, "eager": nuq2_value_fix_eager, "off": None}[slots]
     readers = []
     for kind in ("key", "value"):
         off = fmt.layout(kind, block_size, head_dim).offsets
-        slots = fmt.outlier_slots(kind, block_size, head_dim)
-        params = (off["centroids"], off.get("out_val", 0), off.get("out_idx", 0), slots)
+        n_slots = fmt.outlier_slots(kind, block_size, head_dim)
+        params = (off["centroids"], off.get("out_val", 0), off.get("out_idx", 0), n_slots)
         if kind == "key":
             readers.append(TileReader(nuq2_key_tile, params + (off["chan_mean"], off["chan_scale"]), planes=4,
-                                      fold_fn=nuq2_key_fold, fix_fn=nuq2_key_fix if slots else None))
+                                      fold_fn=nuq2_key_fold, fix_fn=key_fix if n_slots else None))
         else:
             readers.append(TileReader(nuq2_value_tile, params, planes=4,
-                                      fix_fn=nuq2_value_fix if slots else None))
+                                      fix_fn=value_fix if n_slots else None))
     return DecodeSpec(key=readers[0], value=readers[1], staged=True)

@@ -9,6 +9,12 @@ not how fast the GPU retires it.
 
     python benchmarks/sass_decode_attention.py                       # every kernelised format, the benchmark's default launch
     python benchmarks/sass_decode_attention.py --formats int4 --block-size 16 --block-n 64 --no-asm
+    python benchmarks/sass_decode_attention.py --formats nuq2 nuq2_eager nuq2_noslots --num-warps 8
+
+Besides the opcode mix it reports what ptxas says about spills (bytes of local memory stored and
+loaded: LDL/STL in the loop are spills) and splits the loop's instructions into those every tile
+executes and those behind a forward branch (skipped at run time when, e.g., a chunk of nuq2's
+outlier slots is unused): barriers and global loads on the always path are what cost latency.
 """
 from __future__ import annotations
 
@@ -40,6 +46,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", {"group_size": 32}),
            "kivi2": ("kivi2", {"residual": 128}), "nuq2": ("nuq2", {"codebook": "page"})}
+# nuq2 kernel variants (decode_tiles.nuq2_spec's slots mode): label -> mode
+NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_noslots": "off"}
+KEYS = ["BAR", "LDG", "LDL", "STL", "LDS", "STS", "LDSM", "HMMA"]
 
 
 def compile_launch(fn: JITFunction, args, kwargs):
@@ -54,8 +63,14 @@ def compile_launch(fn: JITFunction, args, kwargs):
 def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, num_warps: int, num_stages: int,
           use_asm: bool):
     """The compiled decode kernel for one format and launch shape (CPU tensors stand in for the GPU's)."""
-    name, options = FORMATS[label]
+    name, options = FORMATS["nuq2" if label in NUQ2_VARIANTS else label]
     fmt = get_kv_format(name, torch.bfloat16, **options)
+    if label in NUQ2_VARIANTS:
+        from moekv.ops.decode_tiles import nuq2_spec
+
+        spec = nuq2_spec(fmt, block_size, head_dim, slots=NUQ2_VARIANTS[label])
+    else:
+        spec = fmt.decode_spec(block_size, head_dim)
     num_kv_heads = 8
     cache = fmt.allocate(8, num_kv_heads, block_size, head_dim, torch.device("cpu"), 2, torch.bfloat16)
     q = torch.zeros(2, num_kv_heads * group, head_dim, dtype=torch.bfloat16)
@@ -68,35 +83,63 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
     JITFunction.run = run
     try:
         da.paged_decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
-                                  torch.arange(2), 0.1, None, fmt.decode_spec(block_size, head_dim), block_n=block_n,
+                                  torch.arange(2), 0.1, None, spec, block_n=block_n,
                                   num_warps=num_warps, num_stages=num_stages, use_asm=use_asm)
     finally:
         JITFunction.run = original
     return compiled["_paged_decode_kernel"]
 
 
+def spills(kernel) -> dict:
+    """ptxas -v on the kernel's PTX: registers, stack frame and spill bytes (stores, loads)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        arch = re.search(r"\.target\s+(sm_\w+)", kernel.asm["ptx"]).group(1)
+        err = subprocess.run([str(BIN / "ptxas"), "-v", f"-arch={arch}", str(ptx), "-o", str(Path(tmp) / "v.cubin")],
+                             capture_output=True, text=True).stderr
+    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
+    return dict(zip(("stack", "spill_stores", "spill_loads"), map(int, found.groups()))) if found else {}
+
+
+def split_loop(lines, start: int, end: int) -> tuple[collections.Counter, collections.Counter]:
+    """Opcodes of the loop body [start, end] on the always-executed path, and behind forward branches."""
+    body = [(a, pred, op, line) for a, pred, op, line in lines if start <= a <= end]
+    regions = []
+    for a, pred, op, line in body:
+        target = re.search(r"BRA\s+(0x[0-9a-f]+)", line)
+        if op == "BRA" and pred and target and a < int(target.group(1), 16) <= end:
+            regions.append((a, int(target.group(1), 16)))
+    skipped = lambda a: any(s < a < e for s, e in regions)  # noqa: E731
+    always = collections.Counter(op for a, _, op, _ in body if not skipped(a))
+    behind = collections.Counter(op for a, _, op, _ in body if skipped(a))
+    return always, behind
+
+
 def sass_loops(kernel) -> tuple[dict, list[tuple[int, collections.Counter]]]:
-    """Resource usage and, for each backward branch (a loop), the opcode counts of its body."""
+    """Resource usage and, for each backward branch (a loop), the opcode counts of its body (and
+    its always / behind-a-branch split)."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
         res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
     usage = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED):(\d+)", res)}
-    lines = [(int(m.group(1), 16), m.group(3), line) for line in sass.splitlines()
+    lines = [(int(m.group(1), 16), m.group(2), m.group(3), line) for line in sass.splitlines()
              if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line))]
     loops = []
-    for addr, op, line in lines:
+    for addr, _, op, line in lines:
         target = re.search(r"BRA\s+(0x[0-9a-f]+)", line)
         if op == "BRA" and target and int(target.group(1), 16) < addr:
             start = int(target.group(1), 16)
-            loops.append((start, collections.Counter(o for a, o, _ in lines if start <= a <= addr)))
+            loops.append((start, collections.Counter(o for a, _, o, _ in lines if start <= a <= addr),
+                          split_loop(lines, start, addr)))
     return usage, loops
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--formats", nargs="*", default=list(FORMATS))
+    p.add_argument("--formats", nargs="*", default=list(FORMATS), help=f"among {list(FORMATS) + list(NUQ2_VARIANTS)}")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--block-size", type=int, default=64)
@@ -111,12 +154,18 @@ def main() -> None:
         kernel = build(label, args.head_dim, args.group, args.block_size, args.block_n, args.num_warps,
                        args.num_stages, args.asm)
         usage, loops = sass_loops(kernel)
-        print(f"{label}: {usage.get('REG')} registers, {kernel.metadata.shared} B shared memory")
-        for i, (start, ops) in enumerate(loops):
+        spill = spills(kernel)
+        print(f"{label}: {usage.get('REG')} registers, {kernel.metadata.shared} B shared memory, "
+              f"spills {spill.get('spill_stores')} B stored / {spill.get('spill_loads')} B loaded "
+              f"(stack {spill.get('stack')} B)")
+        for i, (start, ops, (always, behind)) in enumerate(loops):
             n = sum(ops.values())
-            role = "pages" if i == 0 else "16-bit tail"  # the kernel's two loops, in source order
+            role = "pages" if i == 0 else "inner/tail"  # the pages loop comes first in the SASS
             print(f"  {role} loop @{start:#x}: {n} instructions per thread per tile "
                   f"({n * threads / elements:.2f} per K/V element): {dict(ops.most_common(12))}")
+            if i == 0:
+                for name, ops_ in (("always", always), ("behind branches", behind)):
+                    print(f"    {name}: {sum(ops_.values())} {dict((k, ops_[k]) for k in KEYS)}")
 
 
 if __name__ == "__main__":

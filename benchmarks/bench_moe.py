@@ -156,6 +156,11 @@ def main() -> None:
             other = "gemm" if auto == "gemv" else "gemv"
             bench(f"fused_{other}", T, lambda: fm.fused_moe(x, w13, w2, weights, ids, path=other), ref, touched,
                   cudagraph=True, path=other)
+        if T * k <= fm.GEMV_MAX_PAIRS:  # the down GEMV with the k slots folded in (no partials, no sum launch)
+            for bn in (8, 16, 32):
+                cfg = fm.GemvConfig(block_n=bn, block_k=256, fold_slots=True)
+                bench("fused_gemv_fold", T, lambda: fm.fused_moe(x, w13, w2, weights, ids, path="gemv", config=cfg),
+                      ref, touched, cudagraph=True, path="gemv", cfg_block_n=bn)
         bench("loop", T, lambda: per_expert_loop(x, w13, w2, weights, ids), ref, touched)
         if grouped_reason is None:
             bench("grouped_mm", T, lambda: grouped_mm_moe(x, w13, w2, weights, ids), ref, touched)

@@ -109,7 +109,19 @@ def test_matches_reference(T, E, k, dtype):
         check(T, E, k, H, I, dtype, seed=T * 10 + E + k, path="gemm", config=SMALL_GEMM)
 
 
-@pytest.mark.parametrize("path,cfg", [("gemm", SMALL_GEMM), ("gemv", SMALL_GEMV), ("gemv", fm.GemvConfig(16, 16, 3))])
+FOLD_GEMV = fm.GemvConfig(block_n=16, block_k=16, fold_slots=True)
+
+
+@pytest.mark.parametrize("T,k", [(1, 1), (1, 2), (3, 2), (5, 3)])
+@pytest.mark.parametrize("H,I", [(40, 24), (32, 64)])  # off and on the block sizes
+def test_gemv_with_slots_folded_into_the_down_projection(T, k, H, I):
+    """fold_slots: one program per (token, n-block) sums the k slots and writes the output dtype."""
+    check(T, 8, k, H, I, torch.float32, seed=T + 7 * k + H, path="gemv", config=FOLD_GEMV)
+    check(T, 8, k, H, I, torch.float16, seed=T + 7 * k + H, path="gemv", config=FOLD_GEMV)
+
+
+@pytest.mark.parametrize("path,cfg", [("gemm", SMALL_GEMM), ("gemv", SMALL_GEMV), ("gemv", fm.GemvConfig(16, 16, 3)),
+                                      ("gemv", FOLD_GEMV)])
 def test_all_tokens_to_one_expert(path, cfg):
     check(9, 8, 2, 32, 48, torch.float32, pattern="one", seed=3, path=path, config=cfg)
 

@@ -255,6 +255,42 @@ def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pai
     tl.store(y_ptr + split * stride_ys + pair * stride_ym + offs_n * stride_yn, y, mask=n_ok)
 
 
+@triton.jit
+def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, num_tokens,
+                           N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+                           stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ot, stride_on,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program (token, n-block): out[token, n-block] = sum over the token's k slots of weight * the
+    slot expert's rows . h[pair], written once in the output dtype: no fp32 partials, no sum and
+    no cast launch after it (two fewer launches per MoE layer at decode)."""
+    pid = tl.program_id(0)
+    token = pid % num_tokens
+    pid_n = pid // num_tokens
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + pair * stride_hm + offs_k * stride_hk
+        b_ptrs = w2_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs).to(tl.float32)
+                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += b.to(tl.float32) * a[None, :]
+            a_ptrs += BLOCK_K * stride_hk
+            b_ptrs += BLOCK_K * stride_wk
+        y += tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs_n * stride_on, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 # -- launch configuration -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GemmConfig:
@@ -271,6 +307,10 @@ class GemvConfig:
     block_n: int = 32
     block_k: int = 256
     num_splits: int | None = None  # of the down projection's K (= I); None: enough programs to fill the GPU
+    # down projection: one program per (token, n-block) sums the token's k slots and writes the
+    # output dtype (no split of K, no fp32 partials and no sum/cast launches); block_n then
+    # sets the parallelism (H / block_n programs per token)
+    fold_slots: bool = False
     num_warps: int = 4
     num_stages: int = 3
 
@@ -334,6 +374,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _gate_up_gemv_kernel[(M * triton.cdiv(I, cfg.block_n),)](
             x, w13, h, ids, M, I, H, k, *x.stride(), *w13.stride(), *h.stride(),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0, **launch)
+        if cfg.fold_slots:
+            out = torch.empty_like(x)
+            _down_gemv_fold_kernel[(T * triton.cdiv(H, cfg.block_n),)](
+                h, w2, out, weights, ids, T, H, I, k, *h.stride(), *w2.stride(), *out.stride(),
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0, **launch)
+            return out
         num_n = triton.cdiv(H, cfg.block_n)
         k_blocks = triton.cdiv(I, cfg.block_k)
         splits = min(cfg.num_splits or _default_splits(M * num_n, k_blocks, _num_sms(x.device)), k_blocks)

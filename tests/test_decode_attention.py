@@ -272,6 +272,39 @@ def test_nuq2_outlier_slots(case):
     assert _used_slots(fmt, cache, "value", block_size, 64) > 0
 
 
+@pytest.mark.parametrize("case", range(len(NUQ2_GRID)))
+def test_nuq2_slot_modes(case):
+    """The kernel variants the benchmark times: 'eager' (the first slot code) is exact too; 'off'
+    applies no slot, so it equals the reference of the same pages with every slot cleared, and so
+    does 'lazy' (the default) on those cleared pages (no chunk in use: every branch skipped)."""
+    lens, hkv, group, block_size, splits, block_n = NUQ2_GRID[case]
+    kv = lambda T, g: _heavy_kv(T, g, hkv, 64)  # noqa: E731
+    fmt = get_kv_format("nuq2", codebook="page")
+    cache, ctx = build_cache(fmt, lens, hkv, 64, block_size, torch.bfloat16, seed=case, kv=kv)
+    q = torch.randn(len(lens), hkv * group, 64, generator=torch.Generator().manual_seed(case + 1)).to(DEVICE)
+    scale = 64 ** -0.5
+
+    def attend(slots):
+        spec = decode_tiles.nuq2_spec(fmt, block_size, 64, slots=slots)
+        return da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
+                                         spec, num_splits=splits, block_n=block_n)
+
+    full = reference(fmt, cache, ctx, q, scale, None)
+    check("nuq2", attend("eager"), full)
+    off = attend("off")
+    assert (off.double() - full).abs().max() > tolerance("nuq2", full)  # the slots matter here
+    for kind, pool in (("key", "k_pages"), ("value", "v_pages")):  # clear every slot: out_idx = 0xFFFF
+        layout = fmt.layout(kind, block_size, 64)
+        start = layout.offsets["out_idx"]
+        cache[pool][..., start:start + 2 * fmt.outlier_slots(kind, block_size, 64)] = 0xFF
+    assert _used_slots(fmt, cache, "key", block_size, 64) == 0
+    cleared = reference(fmt, cache, ctx, q, scale, None)
+    check("nuq2", off, cleared)
+    check("nuq2", attend("lazy"), cleared)
+    with pytest.raises(ValueError):
+        decode_tiles.nuq2_spec(fmt, block_size, 64, slots="sometimes")
+
+
 # -- compiled kernels on the GPU, realistic shapes, bf16 ------------------------------------------------
 # (block_n, num_warps, num_stages, use_asm): the launch shapes the benchmark tries
 GPU_LAUNCHES = [(64, 4, 2, True), (128, 8, 3, True), (32, 4, 2, True), (64, 4, 2, False)]

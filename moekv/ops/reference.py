@@ -104,6 +104,26 @@ def write_kv_pages_ref(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Te
     v_pages[pages, :, offsets, :] = v.to(v_pages.dtype)
 
 
+def rope_kv_write_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, staged: bool = False,
+                      k_ring: torch.Tensor | None = None, v_ring: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE on q, k [T, heads, D], then the rotated k and v stored in the cache; returns the rotated q.
+
+    staged=False: k_cache, v_cache are pages [N, Hkv, P, D], index = slot_mapping [T].
+    staged=True: staging pages [S, Hkv, P, D], index = seq_slots [T] (one token per sequence) at
+    offset position % P; k_ring, v_ring [S, Hkv, R, D] (optional) also get it at position % R.
+    """
+    cos, sin = rotary_cos_sin_ref(positions, q.shape[-1], theta, q.dtype)
+    q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+    if not staged:
+        write_kv_pages_ref(k_cache, v_cache, k, v, index)
+        return q
+    for cache, x in ((k_cache, k), (v_cache, v), (k_ring, k), (v_ring, v)):
+        if cache is not None:
+            cache[index, :, positions % cache.shape[2]] = x.to(cache.dtype)
+    return q
+
+
 def gather_kv_ref(pages: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of one sequence from its pages: pages [N, Hkv, P, D] -> [length, Hkv, D]."""
     page_size = pages.shape[2]

@@ -1,0 +1,127 @@
+"""RoPE on q and k and the store of the rotated k and the v into the KV cache, in one launch.
+
+Unfused, a layer runs the RoPE kernel twice (q, k), then two index_puts for K and V plus the
+slot_mapping // P and % P kernels: about seven launches that each touch a few KiB at batch 1.
+Here one program per (token, head) does it all: heads [0, Hq) rotate a query head into a new
+q tensor; heads [Hq, Hq + Hkv) rotate a key head and store it, and copy the value head, straight
+into the cache. Two destinations:
+
+- pages [N, Hkv, P, D] at slot_mapping[t] = page * P + offset (plain formats, any step);
+- staging pages [S, Hkv, P, D] at (seq_slots[t], position[t] % P) (staged compressed formats on
+  a decode step that fills no page: one token per sequence, what `stage_decode_tokens` does),
+  optionally also a residual ring [S, Hkv, R, D] at (seq_slots[t], position[t] % R) (kivi2).
+
+The rotation is the one of ops/rotary.py, same fp32 expression: the rotated k is rounded to the
+model dtype first, then to the cache's dtype, as the unfused path does, so both paths store the
+same values. Negative slots are skipped (never produced by the engine: padded graph rows use a
+scratch page). Shape legend: T = tokens, Hq / Hkv = query / KV heads, D = head_dim (even).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr, vr_ptr, pos_ptr, index_ptr,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_ot, stride_oh,
+                          stride_cn, stride_ch, stride_cp, stride_rn, stride_rh, stride_rp,
+                          Hq, P, R, log2_theta,
+                          D: tl.constexpr, D2: tl.constexpr, BLOCK: tl.constexpr,
+                          STAGED: tl.constexpr, HAS_RING: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    mask = i < D2
+    pos_i = tl.load(pos_ptr + t).to(tl.int64)
+    pos = pos_i.to(tl.float32)
+    inv_freq = tl.exp2(-(2.0 * i.to(tl.float32) / D) * log2_theta)  # theta^(-2i/D), as ops/rotary.py
+    angle = pos * inv_freq
+    c, s = tl.cos(angle), tl.sin(angle)
+    if h < Hq:
+        base = q_ptr + t * stride_qt + h * stride_qh
+        x1 = tl.load(base + i, mask=mask, other=0.0)
+        x2 = tl.load(base + D2 + i, mask=mask, other=0.0)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        obase = q_out_ptr + t * stride_ot + h * stride_oh
+        tl.store(obase + i, (a * c - b * s).to(x1.dtype), mask=mask)
+        tl.store(obase + D2 + i, (b * c + a * s).to(x1.dtype), mask=mask)
+    else:
+        j = h - Hq  # kv head
+        idx = tl.load(index_ptr + t).to(tl.int64)
+        if STAGED:
+            row, off = idx, pos_i % P  # staging slot of the sequence, its newest page's offset
+        else:
+            row, off = idx // P, idx % P  # page, offset
+        if idx >= 0:
+            base = k_ptr + t * stride_kt + j * stride_kh
+            x1 = tl.load(base + i, mask=mask, other=0.0)
+            x2 = tl.load(base + D2 + i, mask=mask, other=0.0)
+            a, b = x1.to(tl.float32), x2.to(tl.float32)
+            k1 = (a * c - b * s).to(x1.dtype)  # model dtype first: the unfused path's rounding
+            k2 = (b * c + a * s).to(x1.dtype)
+            vbase = v_ptr + t * stride_vt + j * stride_vh
+            v1 = tl.load(vbase + i, mask=mask, other=0.0)
+            v2 = tl.load(vbase + D2 + i, mask=mask, other=0.0)
+            dst = row * stride_cn + j * stride_ch + off * stride_cp
+            tl.store(kc_ptr + dst + i, k1.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc_ptr + dst + D2 + i, k2.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc_ptr + dst + i, v1.to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc_ptr + dst + D2 + i, v2.to(vc_ptr.dtype.element_ty), mask=mask)
+            if HAS_RING:
+                rdst = idx * stride_rn + j * stride_rh + (pos_i % R) * stride_rp
+                tl.store(kr_ptr + rdst + i, k1.to(kr_ptr.dtype.element_ty), mask=mask)
+                tl.store(kr_ptr + rdst + D2 + i, k2.to(kr_ptr.dtype.element_ty), mask=mask)
+                tl.store(vr_ptr + rdst + i, v1.to(vr_ptr.dtype.element_ty), mask=mask)
+                tl.store(vr_ptr + rdst + D2 + i, v2.to(vr_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, staged: bool = False,
+                  k_ring: torch.Tensor | None = None, v_ring: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate q and k at their positions, store the rotated k and v in the cache; return the rotated q.
+
+    positions [T]; q [T, Hq, D], k, v [T, Hkv, D] (any row and head strides); k_cache, v_cache
+    [N, Hkv, P, D] with index = slot_mapping [T] (staged=False), or [S, Hkv, P, D] with index =
+    seq_slots [T] (staged=True: one token per sequence, offset position % P); k_ring, v_ring
+    [S, Hkv, R, D] (staged only): also store at (seq_slots[t], position % R).
+    Returns q rotated [T, Hq, D], contiguous, q's dtype. No host sync (CUDA-graph capturable).
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if D % 2 or k.shape[-1] != D or v.shape[-1] != D:
+        raise ValueError(f"rope_kv_write: head_dim must be even and equal for q, k, v, got {D}, {k.shape[-1]}, "
+                         f"{v.shape[-1]}")
+    if k_cache.shape[1] != Hkv or k_cache.shape[3] != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"rope_kv_write: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold "
+                         f"{Hkv} KV heads of head_dim {D}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("rope_kv_write: k and v caches must share one layout with contiguous rows")
+    has_ring = k_ring is not None
+    if has_ring:
+        if not staged or v_ring is None or k_ring.shape != v_ring.shape or k_ring.stride() != v_ring.stride() \
+                or k_ring.shape[1] != Hkv or k_ring.shape[3] != D or k_ring.stride(-1) != 1:
+            raise ValueError("rope_kv_write: residual rings need staged=True and k_ring, v_ring [S, Hkv, R, D] "
+                             "of one layout")
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out
+    ring_k, ring_v = (k_ring, v_ring) if has_ring else (k_cache, v_cache)  # unused when not has_ring
+    R = k_ring.shape[2] if has_ring else 1
+    _rope_kv_write_kernel[(T, Hq + Hkv)](
+        q, k, v, q_out, k_cache, v_cache, ring_k, ring_v, positions, index,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
+        Hq, k_cache.shape[2], R, math.log2(theta),
+        D, D // 2, triton.next_power_of_2(D // 2), bool(staged), has_ring, num_warps=1)
+    return q_out

@@ -42,6 +42,9 @@ class Attention(nn.Module):
         # Optional callback(layer_idx, k, v) seeing each step's post-RoPE K/V [T, Hkv, D]
         # before they are stored (calibration collects statistics through it).
         self.kv_observer = None
+        # RoPE + K/V store in one kernel (ops/rope_kv_write.py) where the format allows it:
+        # None = on CUDA only (CPU keeps the references); True / False force it (tests)
+        self.fuse_rope_write: bool | None = None
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         T = x.shape[0]
@@ -56,9 +59,19 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "per_head":  # Qwen3 normalises each head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(ctx.positions, q, k)
-        if self.kv_observer is not None:
-            self.kv_observer(self.layer_idx, k, v)
-        self.kv_format.write(self.kv_cache, k, v, ctx)
+        target = None
+        fuse = x.is_cuda if self.fuse_rope_write is None else self.fuse_rope_write
+        if fuse and self.kv_observer is None:  # an observer needs the rotated k: the unfused path
+            target = self.kv_format.fused_rope_write_target(self.kv_cache, k, ctx)
+        if target is not None:
+            from moekv.ops.rope_kv_write import rope_kv_write
+
+            q = rope_kv_write(ctx.positions, q, k, v, self.rotary.theta, target.k_dest, target.v_dest, target.index,
+                              target.staged, target.k_ring, target.v_ring)
+        else:
+            q, k = self.rotary(ctx.positions, q, k)
+            if self.kv_observer is not None:
+                self.kv_observer(self.layer_idx, k, v)
+            self.kv_format.write(self.kv_cache, k, v, ctx)
         o = self.kv_format.attend(q, self.kv_cache, ctx, self.scale, self.sliding_window)
         return F.linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)

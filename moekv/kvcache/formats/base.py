@@ -35,6 +35,23 @@ class LayerKVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+@dataclass(frozen=True)
+class RopeWriteTarget:
+    """Where the fused RoPE + K/V store (ops/rope_kv_write.py) puts a step's rotated k and its v.
+
+    staged=False: k_dest, v_dest are pages [N, Hkv, P, D] and index is ctx.slot_mapping [T];
+    staged=True: staging pages [S, Hkv, P, D] at (index = ctx.seq_slots [B], position % P), and
+    the optional rings [S, Hkv, R, D] at (seq_slots, position % R).
+    """
+
+    k_dest: torch.Tensor
+    v_dest: torch.Tensor
+    index: torch.Tensor
+    staged: bool = False
+    k_ring: torch.Tensor | None = None
+    v_ring: torch.Tensor | None = None
+
+
 class KVFormat(ABC):
     name: str
     needs_calibration: bool = False
@@ -78,6 +95,11 @@ class KVFormat(ABC):
     @abstractmethod
     def write(self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> None:
         """Store the step's k, v [T, Hkv, D] (token t of sequence b at position ctx.positions[t])."""
+
+    def fused_rope_write_target(self, cache: LayerKVCache, k: torch.Tensor, ctx: Context) -> RopeWriteTarget | None:
+        """Where a fused RoPE + store kernel may put this step's k (pre-RoPE, [T, Hkv, D]) and v so
+        that the cache ends as `write` would leave it, or None: RoPE, then `write` (the default)."""
+        return None
 
     def attend(self, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
                sliding_window: int | None) -> torch.Tensor:
@@ -270,6 +292,12 @@ class PagedQuantFormat(KVFormat):
             check_finite(x_full, kind + "s")
             slab = self.layout(kind, block_size, x_full.shape[-1]).pack(self.quantize(x_full, kind, cache.layer))
             cache[f"{name}_pages"][page_ids] = slab
+
+    def fused_rope_write_target(self, cache, k, ctx):
+        # only the vectorized staging path; a subclass whose write does more says so itself
+        if type(self).write is not PagedQuantFormat.write or not can_stage_vectorized(k, ctx):
+            return None
+        return RopeWriteTarget(cache["k_staging"], cache["v_staging"], ctx.seq_slots, staged=True)
 
     def gather(self, cache, ctx: Context, b: int, length: int, kind: str) -> torch.Tensor:
         """Sequence b's first `length` tokens of K or V, dequantized: [length, Hkv, D] fp32."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, can_stage_vectorized
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, RopeWriteTarget, can_stage_vectorized
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
@@ -136,6 +136,12 @@ class KIVI2Format(PagedQuantFormat):
             for name, x in (("k", k[hi - keep:hi]), ("v", v[hi - keep:hi])):  # x [keep, Hkv, D]
                 ring = cache[f"{name}_residual"]
                 ring[slot, :, rows] = x.transpose(0, 1).to(ring.dtype)
+
+    def fused_rope_write_target(self, cache, k, ctx):
+        if not can_stage_vectorized(k, ctx):
+            return None
+        rings = (cache["k_residual"], cache["v_residual"]) if self.residual else (None, None)
+        return RopeWriteTarget(cache["k_staging"], cache["v_staging"], ctx.seq_slots, True, *rings)
 
     def gather(self, cache, ctx, b, length, kind):
         window = min(length, self.residual)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import PAGE_ALIGN_BYTES, KVFormat, LayerKVCache
+from moekv.kvcache.formats.base import PAGE_ALIGN_BYTES, KVFormat, LayerKVCache, RopeWriteTarget
 from moekv.ops.reference import paged_attention_ref, write_kv_pages_ref
 
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -41,6 +41,9 @@ class PlainKVFormat(KVFormat):
 
     def write(self, cache, k, v, ctx) -> None:
         write_kv_pages_ref(cache["k_pages"], cache["v_pages"], k, v, ctx.slot_mapping)
+
+    def fused_rope_write_target(self, cache, k, ctx):
+        return RopeWriteTarget(cache["k_pages"], cache["v_pages"], ctx.slot_mapping)
 
     def decode_spec(self, block_size, head_dim):
         from moekv.ops.decode_tiles import plain_spec

@@ -114,7 +114,7 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
 class VQFormat(PagedQuantFormat):
     name = "vq"
     needs_calibration = True
-    graph_safe = False  # no fused decode kernel yet: attention takes the reference path (host syncs)
+    graph_safe = False  # attention takes the reference path (host syncs); set True once decode_spec() returns a kernel
 
     def __init__(self, calibration: str | Path | None = None, **_) -> None:
         if calibration is None:

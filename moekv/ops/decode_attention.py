@@ -34,6 +34,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # a window longer than any context
 NUM_PARAMS = 6  # constexpr slots a tile reader gets for its layout (field offsets, group sizes)
+NUM_TABLES = 4  # DecodeSpec.tables: per-layer tensors outside the pages (codebooks, channel scales)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class DecodeSpec:
     dot_dtype: torch.dtype = torch.float16  # what the tile readers produce (MMA operand type)
     staged: bool = False  # the partly filled newest page is in k_staging / v_staging ([S, Hkv, P, D])
     residual: int = 0  # kivi2: the newest R tokens are read from k_residual / v_residual ([S, Hkv, R, D])
+    # per-layer tables outside the pages (e.g. vq's codebooks): up to NUM_TABLES tensors [Hkv, ...],
+    # each contiguous per head, or a function of the cache (a LayerKVCache: its .layer) returning
+    # them. When there are any, every hook (fn, fold_fn, fix_fn; not outlier_fn) takes their
+    # pointers at its program's KV head as NUM_TABLES trailing arguments (T0..T3, unused ones stand-ins)
+    tables: object = ()
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -107,6 +113,7 @@ def _paged_decode_kernel(
     part_o, part_lse,  # [B, Hq, ns_total, D] fp32, [B, Hq, ns_total] fp32
     qk_scale, window,  # softmax scale * log2(e); sliding window (NO_WINDOW = none)
     num_splits, ns_total,  # shares of the pages; + 1 program for the tail when STAGED
+    tab0, tab1, tab2, tab3, stride_t0, stride_t1, stride_t2, stride_t3,  # DecodeSpec.tables [Hkv, ...] (TABLES)
     K_TILE: tl.constexpr, V_TILE: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
     K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, K4: tl.constexpr, K5: tl.constexpr,
     V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr, V4: tl.constexpr, V5: tl.constexpr,
@@ -115,7 +122,7 @@ def _paged_decode_kernel(
     K_PL: tl.constexpr, V_PL: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, STAGED: tl.constexpr, RESIDUAL: tl.constexpr,
-    DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr,
+    DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr, TABLES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -141,6 +148,11 @@ def _paged_decode_kernel(
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N  # tokens of one page in a tile
     NPG: tl.constexpr = BLOCK_N // PP  # pages a tile spans
     out_col = d  # the partial's column of each accumulator column
+    if TABLES:  # the tables of this program's KV head
+        tab0 += h * stride_t0
+        tab1 += h * stride_t1
+        tab2 += h * stride_t2
+        tab3 += h * stride_t3
     if split < num_splits:
         if K_PL > 1:  # q's channels in the key tile's column order
             kcol = (d % K_PL) * (D // K_PL) + d // K_PL
@@ -170,15 +182,26 @@ def _paged_decode_kernel(
                 page_pg = tl.load(bt_row + pg, mask=pg * P < quantized, other=0).to(tl.int64)  # [NPG]
             kb = page * stride_kp + h * stride_kh
             kpb = page_pg * stride_kp + h * stride_kh
-            k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4, K5)
+            if TABLES:
+                k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4, K5,
+                                    tab0, tab1, tab2, tab3)
+            else:
+                k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4, K5)
             s = tl.zeros([G_PAD, BLOCK_N], tl.float32)
             if K_FIX is not None:
                 # the sparse corrections first, as the product's accumulator: their branches then
                 # carry one tensor in the MMA's layout (fixed after the product, each branch carried
                 # s in every layout the softmax and P @ V want: 255 registers and spills for nuq2)
-                s = K_FIX(k_pool, kpb, tok0, q_rows, rows < G, s, D, BLOCK_N, P, DOT, K0, K1, K2, K3, K4, K5)
+                if TABLES:
+                    s = K_FIX(k_pool, kpb, tok0, q_rows, rows < G, s, D, BLOCK_N, P, DOT, K0, K1, K2, K3, K4, K5,
+                              tab0, tab1, tab2, tab3)
+                else:
+                    s = K_FIX(k_pool, kpb, tok0, q_rows, rows < G, s, D, BLOCK_N, P, DOT, K0, K1, K2, K3, K4, K5)
             if K_FOLD is not None and NPG == 1:  # the page's channel affine, applied to q instead
-                q_page, bias = K_FOLD(k_pool, kpb, q, D, P, K0, K1, K2, K3, K4, K5)
+                if TABLES:
+                    q_page, bias = K_FOLD(k_pool, kpb, q, D, P, K0, K1, K2, K3, K4, K5, tab0, tab1, tab2, tab3)
+                else:
+                    q_page, bias = K_FOLD(k_pool, kpb, q, D, P, K0, K1, K2, K3, K4, K5)
                 s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT)), s) + bias[:, None]
             else:
                 s = tl.dot(q_main, tl.trans(k.to(DOT)), s)  # [G_PAD, BLOCK_N] fp32
@@ -196,7 +219,11 @@ def _paged_decode_kernel(
 
             vb = page * stride_vp + h * stride_vh
             vpb = page_pg * stride_vp + h * stride_vh
-            v, v_scale = V_TILE(v_pool, vb, tok, vpb, tok0, valid, D, BLOCK_N, P, ASM, V0, V1, V2, V3, V4, V5)
+            if TABLES:
+                v, v_scale = V_TILE(v_pool, vb, tok, vpb, tok0, valid, D, BLOCK_N, P, ASM, V0, V1, V2, V3, V4, V5,
+                                    tab0, tab1, tab2, tab3)
+            else:
+                v, v_scale = V_TILE(v_pool, vb, tok, vpb, tok0, valid, D, BLOCK_N, P, ASM, V0, V1, V2, V3, V4, V5)
             if V_SCALED:
                 # per-token value scales go into the probabilities, normalised by the tile's largest
                 # so that p * scale stays far from fp16's subnormals, and restored on the product
@@ -214,7 +241,11 @@ def _paged_decode_kernel(
                     hit = d[None, None, :] == ch_pg[None, :, None]  # [1, NPG, D]
                     pv += tl.sum(tl.where(hit, per_page[:, :, None], 0.0), axis=1)
             if V_FIX is not None:
-                pv = V_FIX(v_pool, vpb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, V4, V5)
+                if TABLES:
+                    pv = V_FIX(v_pool, vpb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, V4, V5,
+                               tab0, tab1, tab2, tab3)
+                else:
+                    pv = V_FIX(v_pool, vpb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, V4, V5)
             acc = acc * alpha[:, None] + pv
     else:
         # the 16-bit tail [quantized, length): the staging page, then (kivi2) the residual ring;
@@ -359,6 +390,13 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     st = k_stage.stride() if spec.staged else (0, 0, 0, 0)
     rt = k_ring.stride() if spec.residual else (0, 0, 0, 0)
     G_PAD = max(16, triton.next_power_of_2(G))
+    tables = tuple(spec.tables(tensors) if callable(spec.tables) else spec.tables)
+    if len(tables) > NUM_TABLES or any(t.shape[0] != Hkv for t in tables):
+        raise ValueError(f"decode kernel: up to {NUM_TABLES} tables of [Hkv={Hkv}, ...], got "
+                         f"{[tuple(t.shape) for t in tables]}")
+    has_tables = len(tables) > 0
+    tab_strides = [t.stride(0) for t in tables] + [0] * (NUM_TABLES - len(tables))
+    tables = tables + (q,) * (NUM_TABLES - len(tables))  # unused: any tensor stands in
     _paged_decode_kernel[(B * Hkv, ns_total)](
         q, q.stride(0), q.stride(1),
         k_pool, v_pool, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
@@ -367,11 +405,12 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
         k_ring, v_ring, rt[0], rt[1], rt[2],
         part_o, part_lse,
         scale * LOG2E, NO_WINDOW if sliding_window is None else int(sliding_window), num_splits, ns_total,
+        *tables, *tab_strides,
         spec.key.fn, spec.value.fn, spec.key.outlier_fn or spec.key.fn, spec.value.outlier_fn or spec.value.fn,
         *spec.key.constexprs(), *spec.value.constexprs(),
         spec.key.row_scaled, spec.value.row_scaled, spec.key.outliers, spec.value.outliers,
         spec.key.fold_fn, spec.key.fix_fn, spec.value.fix_fn, spec.key.planes, spec.value.planes,
-        Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm,
+        Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm, has_tables,
         num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:

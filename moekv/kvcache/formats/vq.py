@@ -114,7 +114,9 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
 class VQFormat(PagedQuantFormat):
     name = "vq"
     needs_calibration = True
-    graph_safe = False  # attention takes the reference path (host syncs); set True once decode_spec() returns a kernel
+    # decode_spec() returns the fused kernel; its tables are copied to the device on the first call,
+    # which the CUDA-graph runner's warm-up (before capture) makes
+    graph_safe = True
 
     def __init__(self, calibration: str | Path | None = None, **_) -> None:
         if calibration is None:
@@ -124,19 +126,46 @@ class VQFormat(PagedQuantFormat):
         self.tables = load_calibration(calibration, "kv_cache_dtype='vq'")
         self.calibration = Path(calibration)
         self.sub_dim = self.codebook("key", 0).shape[-1]  # as calibrated (SUB_DIM by default)
+        self._on_device: dict = {}  # (name, device) -> fp32 copy; ("decode", layer, device) -> decode tables
 
     # -- calibration tables ------------------------------------------------------------------------
-    def _table(self, name: str) -> torch.Tensor:
+    def _table(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         if name not in self.tables:
             raise ValueError(f"kv_cache_dtype='vq': the calibration in {str(self.calibration)!r} has no {name!r} "
                              "(made for another model?); run `moekv calibrate` for this model")
-        return self.tables[name].float()
+        table = self.tables[name]
+        if device is None or torch.device(device) == table.device:
+            return table.float()
+        key = (name, torch.device(device))
+        if key not in self._on_device:  # one copy per device, not one per call
+            self._on_device[key] = table.float().to(device)
+        return self._on_device[key]
 
-    def codebook(self, kind: str, layer: int | None) -> torch.Tensor:
-        return self._table(f"vq.layer{layer}.{kind}.codebook")  # [H, D/d, C, d]
+    def codebook(self, kind: str, layer: int | None, device: torch.device | None = None) -> torch.Tensor:
+        return self._table(f"vq.layer{layer}.{kind}.codebook", device)  # [H, D/d, C, d]
 
-    def chan_scale(self, layer: int | None) -> torch.Tensor:
-        return self._table(f"vq.layer{layer}.key.chan_scale")  # [H, D]
+    def chan_scale(self, layer: int | None, device: torch.device | None = None) -> torch.Tensor:
+        return self._table(f"vq.layer{layer}.key.chan_scale", device)  # [H, D]
+
+    def decode_tables(self, layer: int | None, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """What the fused decode kernel reads beside the pages (DecodeSpec.tables), per layer, kept on
+        `device` after the first call: key codebooks [H, D/d, 256, d] fp16, key channel scales
+        [H, D] fp32, value codebooks fp16 (calibrate stores fp16 codebooks: exact)."""
+        key = ("decode", layer, torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = (
+                self.codebook("key", layer).to(device, torch.float16).contiguous(),
+                self.chan_scale(layer).to(device, torch.float32).contiguous(),
+                self.codebook("value", layer).to(device, torch.float16).contiguous())
+        return self._on_device[key]
+
+    def decode_spec(self, block_size, head_dim):
+        """The fused decode kernel: codebook gathers, the keys' channel affine folded into q, outlier
+        slots as per-tile corrections (moekv/ops/decode_tiles_vq.py); the codebooks and channel
+        scales come from decode_tables for the cache's layer."""
+        from moekv.ops.decode_tiles_vq import vq_spec
+
+        return vq_spec(self, block_size, head_dim)
 
     def codebook_bytes(self) -> int:
         """Bytes of every codebook and channel scale (shared by all pages, outside the page bits)."""
@@ -171,15 +200,16 @@ class VQFormat(PagedQuantFormat):
     # -- quantize / dequantize -----------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):
         n, H, P, D = x.shape  # [n, Hkv, P, D]
-        u, fields = normalize(x, kind, self.chan_scale(layer) if kind == "key" else None)
-        cb = self.codebook(kind, layer)  # [H, S, C, d]
+        u, fields = normalize(x, kind, self.chan_scale(layer, x.device) if kind == "key" else None)
+        cb = self.codebook(kind, layer, x.device)  # [H, S, C, d]
         groups = to_groups(u, self.sub_dim)  # [H, S, n*P, d]
         code = nearest(groups.reshape(-1, n * P, self.sub_dim), cb.reshape(-1, CODEBOOK_SIZE, self.sub_dim))
         fields["codes"] = code.reshape(H, D // self.sub_dim, n, P).permute(2, 0, 3, 1).to(torch.uint8)
         slots = self.outlier_slots(kind, P, D)
         if slots:  # the padding's slots take the elements the codebook reconstructs worst
             # rank by error in the data's units: a token's scale (and a key channel's) multiplies it
-            weight = fields["tok_scale"][..., None] * (self.chan_scale(layer)[None, :, None] if kind == "key" else 1.0)
+            weight = fields["tok_scale"][..., None] * (self.chan_scale(layer, x.device)[None, :, None]
+                                                       if kind == "key" else 1.0)
             err = ((u - self._decode(fields["codes"], cb)).abs() * weight).reshape(n * H, P * D)
             idx, chosen = pick_largest(err, err > 0, slots)
             unit = torch.ones(n * H, 1, device=x.device)  # u is already unit-RMS per token
@@ -195,10 +225,39 @@ class VQFormat(PagedQuantFormat):
         return u.reshape(H, S, n, P, d).permute(2, 0, 3, 1, 4).reshape(n, H, P, S * d)
 
     def dequantize(self, fields, kind, layer=None):
-        u = self._decode(fields["codes"], self.codebook(kind, layer))  # [n, H, P, D]
+        device = fields["codes"].device
+        u = self._decode(fields["codes"], self.codebook(kind, layer, device))  # [n, H, P, D]
         if "out_idx" in fields:
             u = apply_outliers(u, fields, torch.ones(u.shape[0] * u.shape[1], 1, device=u.device))
         x = u * fields["tok_scale"].float()[..., None]
         if kind == "key":
-            x = x * self.chan_scale(layer)[None, :, None] + fields["chan_mean"].float()[:, :, None]
+            x = x * self.chan_scale(layer, device)[None, :, None] + fields["chan_mean"].float()[:, :, None]
         return x
+
+
+def random_calibration(folder: str | Path, num_kv_heads: int, head_dim: int, num_layers: int = 1, iters: int = 2,
+                       max_vectors: int = 2048, seed: int = 0) -> Path:
+    """A calibration folder for benchmarks and kernel tests (no model): codebooks and key channel
+    scales fitted on Gaussian pages (keys with two offset channels per head, as post-RoPE keys have),
+    the same for every layer. Returns the folder."""
+    from safetensors.torch import save_file
+
+    from moekv.kvcache.calibrate import CALIBRATION_FILE
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    pages = torch.randn(16, num_kv_heads, 64, head_dim, generator=g)
+    keys = pages.clone()
+    keys[..., 7 % head_dim] *= 8
+    keys[..., (head_dim // 2 + 27) % head_dim] += 6
+    scale = fit_key_channel_scale(keys)
+    k_book = fit_codebook(keys, "key", scale, SUB_DIM, iters, max_vectors, g)
+    v_book = fit_codebook(pages, "value", None, SUB_DIM, iters, max_vectors, g)
+    tables = {}
+    for layer in range(num_layers):
+        tables[f"vq.layer{layer}.key.chan_scale"] = scale
+        tables[f"vq.layer{layer}.key.codebook"] = k_book
+        tables[f"vq.layer{layer}.value.codebook"] = v_book
+    save_file(tables, str(folder / CALIBRATION_FILE))
+    return folder

@@ -1,0 +1,222 @@
+"""Tile readers of the vq format (moekv/kvcache/formats/vq.py) for the paged decode kernel.
+
+vq slab of one (page, kv head), block_size P, head_dim D, SUB channels per code (8):
+  codes      uint8  [P, D/SUB]  one code per SUB-channel subvector (a row of a 256-entry codebook)
+  tok_scale  fp16   [P]         per-token RMS
+  chan_mean  fp8    [D]         keys only: the page's channel means
+  out_val    fp8    [S]         outlier slots (unit-RMS units), out_idx uint16 [S] (t * D + c, 0xFFFF unused)
+
+The codebooks ([Hkv, D/SUB, 256, SUB] fp16 per layer and K/V) and the keys' channel scales
+([Hkv, D] fp32) are calibration tables outside the pages: the spec hands them to the kernel as
+`DecodeSpec.tables` (k codebook, key chan_scale, v codebook), and every hook gets their pointers at
+its program's KV head as the trailing arguments T0, T1, T2, T3.
+
+What the kernel computes is `VQFormat.dequantize` restricted to a tile:
+  u = codebook rows of the codes (outlier slots overwrite single elements of u)
+  values: x = u * tok_scale                   (row-scaled reader: tok_scale goes into the probabilities)
+  keys:   x = u * tok_scale * chan_scale + chan_mean
+For a key tile inside one page, the reader returns u * tok_scale (fp16) and `vq_key_fold` moves
+the channel affine into q: q . x = (q * chan_scale) . (u * tok_scale) + q . chan_mean. The outlier
+slots are per-tile corrections (`fix_fn`): for a slot (t, c) the exact element minus what the tile
+holds, tok_scale[t] * (val - u[t, c]) (times chan_scale[c] for keys), enters the scores as
+q[:, c] * delta (keys) or the output as p[:, t] * delta at column c (values), 16 slots per one-hot
+product, only for the chunks of 16 slots in use (quantize fills the slots in order).
+
+The lookup is a gather from the codebook (L1/L2 resident: 32 KB per head for D = 128): one
+16-byte load per SUB = 8 elements.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moekv.ops.decode_attention import DecodeSpec, TileReader
+
+CODEBOOK_SIZE = 256
+SLOT_CHUNK = 16  # outlier slots per one-hot product (the MMA's smallest K)
+
+
+@triton.jit
+def _vq_lookup(pool, base, tok, valid, CB, D: tl.constexpr, BLOCK_N: tl.constexpr, NPG: tl.constexpr,
+               SUB: tl.constexpr):
+    """[BLOCK_N, D] fp16 codebook rows of the tile's codes (CB: the head's codebooks [D/SUB, 256, SUB])."""
+    NS: tl.constexpr = D // SUB
+    j = tl.arange(0, NS)
+    if NPG == 1:  # rows of one full page: every code is a code, no mask
+        codes = tl.load(pool + (base + tok * NS)[:, None] + j[None, :])
+    else:
+        codes = tl.load(pool + (base + tok * NS)[:, None] + j[None, :], mask=valid[:, None], other=0)
+    e = tl.arange(0, SUB)
+    row = (j[None, :] * CODEBOOK_SIZE + codes.to(tl.int32)) * SUB  # [BLOCK_N, NS]
+    u = tl.load(CB + row[:, :, None] + e[None, None, :])  # [BLOCK_N, NS, SUB]: one vector load per code
+    return tl.reshape(u, (BLOCK_N, D))
+
+
+@triton.jit
+def _vq_tok_scale(pool, base, tok, valid, TOK_OFF: tl.constexpr):
+    half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
+    return tl.load(half + (((base + TOK_OFF) >> 1) + tok), mask=valid, other=0.0)
+
+
+@triton.jit
+def vq_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                ASM: tl.constexpr, TOK_OFF: tl.constexpr, MEAN_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                OIDX_OFF: tl.constexpr, S: tl.constexpr, SUB: tl.constexpr, T0, T1, T2, T3):
+    """Keys: u * tok_scale (fp16) for a tile inside one page (vq_key_fold applies the channel
+    affine to q); u * tok_scale * chan_scale + chan_mean (fp32) for a tile over several pages."""
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    u = _vq_lookup(pool, base, tok, valid, T0, D, BLOCK_N, NPG, SUB)
+    ts = _vq_tok_scale(pool, base, tok, valid, TOK_OFF)
+    if NPG == 1:
+        x = u * ts[:, None]
+    else:
+        d = tl.arange(0, D)
+        cs = tl.load(T1 + d).to(tl.float32)
+        f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+        mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        x = u.to(tl.float32) * ts.to(tl.float32)[:, None] * cs[None, :] + mean.to(tl.float32)
+    return x, valid
+
+
+@triton.jit
+def vq_key_fold(pool, page_base, q, D: tl.constexpr, P: tl.constexpr, TOK_OFF: tl.constexpr,
+                MEAN_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr,
+                SUB: tl.constexpr, T0, T1, T2, T3):
+    """q . (y * chan_scale + chan_mean) = (q * chan_scale) . y + q . chan_mean -> (q * chan_scale, q . chan_mean)."""
+    d = tl.arange(0, D)
+    cs = tl.load(T1 + d).to(tl.float32)
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    mean = tl.load(f8 + (page_base + MEAN_OFF) + d).to(tl.float32)
+    return q * cs[None, :], tl.sum(q * mean[None, :], axis=1)
+
+
+@triton.jit
+def vq_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                  ASM: tl.constexpr, TOK_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr,
+                  S: tl.constexpr, SUB: tl.constexpr, P5: tl.constexpr, T0, T1, T2, T3):
+    """Values: u, with tok_scale as the row scale (folded into the probabilities by the kernel)."""
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    u = _vq_lookup(pool, base, tok, valid, T2, D, BLOCK_N, NPG, SUB)
+    return u, _vq_tok_scale(pool, base, tok, valid, TOK_OFF).to(tl.float32)
+
+
+@triton.jit
+def _vq_used_chunks(pool, page_base, OIDX_OFF: tl.constexpr, S: tl.constexpr, NPG: tl.constexpr):
+    """How many 16-slot chunks the tile's pages use (the most of any page; slots fill in order)."""
+    SC: tl.constexpr = 16
+    X0: tl.constexpr = (S + SC - 1) // SC
+    X1: tl.constexpr = X0 | (X0 >> 1)
+    X2: tl.constexpr = X1 | (X1 >> 2)
+    X3: tl.constexpr = X2 | (X2 >> 4)
+    NCP: tl.constexpr = X3 + 1  # a power of two above the chunk count
+    u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
+    i = tl.arange(0, NCP) * SC
+    if NPG == 1:
+        first = tl.load(u16 + ((page_base + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
+        n = tl.sum((first != 0xFFFF).to(tl.int32), axis=0)
+    else:
+        first = tl.load(u16 + ((page_base + OIDX_OFF) >> 1)[:, None] + i[None, :], mask=(i < S)[None, :],
+                        other=0xFFFF).to(tl.int32)  # [NPG, NCP]
+        n = tl.max(tl.sum((first != 0xFFFF).to(tl.int32), axis=1), axis=0)
+    return n
+
+
+@triton.jit
+def _vq_slot_chunk(pool, page_base, tok0, chunk, CB, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                   TOK_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr,
+                   SUB: tl.constexpr):
+    """Slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to [NPG * 16]:
+    (used, tile column of the slot's token, channel, tok_scale * (slot value - codebook element
+    under it); 0 where unused)."""
+    SC: tl.constexpr = 16
+    PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
+    NPG: tl.constexpr = BLOCK_N // PP
+    NS: tl.constexpr = D // SUB
+    i = chunk * SC + tl.arange(0, SC)
+    u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
+    half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    if NPG == 1:
+        pb = page_base
+        first = tl.zeros([SC], tl.int32) - tok0  # the tile's column of page row t is t - tok0
+    else:
+        pb = tl.reshape(tl.broadcast_to(page_base[:, None], (NPG, SC)), (NPG * SC,))
+        first = tl.reshape(tl.broadcast_to((tl.arange(0, NPG) * P)[:, None], (NPG, SC)), (NPG * SC,))
+        i = tl.reshape(tl.broadcast_to(i[None, :], (NPG, SC)), (NPG * SC,))
+    idx = tl.load(u16 + ((pb + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
+    val = tl.load(f8 + pb + OVAL_OFF + i, mask=i < S, other=0.0).to(tl.float32)
+    used = idx != 0xFFFF
+    idx = tl.where(used, idx, 0)
+    t = idx // D
+    c = idx % D
+    g = c // SUB
+    code = tl.load(pool + pb + t * NS + g).to(tl.int32)
+    u = tl.load(CB + (g * CODEBOOK_SIZE + code) * SUB + c % SUB).to(tl.float32)
+    ts = tl.load(half + ((pb + TOK_OFF) >> 1) + t).to(tl.float32)
+    delta = tl.where(used, ts * (val - u), 0.0)
+    return used, first + t, c, delta
+
+
+@triton.jit
+def vq_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+               DOT: tl.constexpr, TOK_OFF: tl.constexpr, MEAN_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+               OIDX_OFF: tl.constexpr, S: tl.constexpr, SUB: tl.constexpr, T0, T1, T2, T3):
+    """Scores of the outlier slots: s[g, col(t)] += q[g, c] * chan_scale[c] * delta per used slot."""
+    SC: tl.constexpr = 16
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    n = tl.arange(0, BLOCK_N)
+    chunks = _vq_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        if chunk < chunks:
+            used, colm, c, delta = _vq_slot_chunk(pool, page_base, tok0, chunk, T0, D, BLOCK_N, P, TOK_OFF,
+                                                  OVAL_OFF, OIDX_OFF, S, SUB)
+            cs = tl.load(T1 + c).to(tl.float32)
+            q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
+            corr = q_c * (cs * delta)[None, :]  # [G_PAD, NPG * 16]
+            hit = (colm[:, None] == n[None, :]) & used[:, None]  # [NPG * 16, BLOCK_N]
+            s += tl.dot(corr.to(DOT), tl.where(hit, 1.0, 0.0).to(DOT))
+    return s
+
+
+@triton.jit
+def vq_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                 DOT: tl.constexpr, TOK_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr,
+                 S: tl.constexpr, SUB: tl.constexpr, P5: tl.constexpr, T0, T1, T2, T3):
+    """Output of the outlier slots: pv[g, c] += p[g, col(t)] * delta per used slot (p @ one-hot of
+    the slots' tokens, times delta, @ one-hot of their channels)."""
+    SC: tl.constexpr = 16
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    chunks = _vq_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        if chunk < chunks:
+            used, colm, c, delta = _vq_slot_chunk(pool, page_base, tok0, chunk, T2, D, BLOCK_N, P, TOK_OFF,
+                                                  OVAL_OFF, OIDX_OFF, S, SUB)
+            at_tok = (n[:, None] == colm[None, :]) & used[None, :]  # [BLOCK_N, NPG * 16]
+            p_at = tl.dot(p.to(DOT), tl.where(at_tok, 1.0, 0.0).to(DOT))  # [G_PAD, NPG * 16]
+            at_col = (c[:, None] == d[None, :]) & used[:, None]  # [NPG * 16, D]
+            pv += tl.dot((p_at * delta[None, :]).to(DOT), tl.where(at_col, 1.0, 0.0).to(DOT))
+    return pv
+
+
+def vq_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
+    """The fused decode path of a VQFormat: readers above, the layer's tables from
+    `fmt.decode_tables(layer, device)` (the cache's layer; device copies made on first use)."""
+    sub = fmt.sub_dim
+    if sub & (sub - 1) or head_dim % sub:
+        raise ValueError(f"vq decode kernel: sub_dim={sub} must be a power of two dividing head_dim={head_dim}")
+    koff = fmt.layout("key", block_size, head_dim).offsets
+    voff = fmt.layout("value", block_size, head_dim).offsets
+    kslots = fmt.outlier_slots("key", block_size, head_dim)
+    vslots = fmt.outlier_slots("value", block_size, head_dim)
+    key = TileReader(vq_key_tile, (koff["tok_scale"], koff["chan_mean"], koff.get("out_val", 0),
+                                   koff.get("out_idx", 0), kslots, sub),
+                     fold_fn=vq_key_fold, fix_fn=vq_key_fix if kslots else None)
+    value = TileReader(vq_value_tile, (voff["tok_scale"], voff.get("out_val", 0), voff.get("out_idx", 0), vslots, sub),
+                       row_scaled=True, fix_fn=vq_value_fix if vslots else None)
+
+    def tables(cache):
+        return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
+
+    return DecodeSpec(key=key, value=value, staged=True, tables=tables)

@@ -24,8 +24,11 @@ listed in wrong_launches and does not compete; status "wrong" if none is right).
 (NUQ2_VARIANTS, not in the default list) time another way of reading the same pages: nuq2_eager
 the first outlier-slot code, nuq2_noslots no slot corrections at all (status "bound": a lower
 bound on the slots' cost, its error is reported but does not disqualify it). Formats without
-a fused kernel yet (vq, tiered) appear with status "reference" (their plain-PyTorch path,
-timed at the smallest shape only) or "skipped" and the reason.
+a fused kernel yet (tiered) appear with status "reference" (their plain-PyTorch path,
+timed at the smallest shape only) or "skipped" and the reason. vq runs on a random calibration
+(codebooks fitted in a few seconds on Gaussian pages shaped like the benchmark's keys and values,
+`moekv.kvcache.formats.vq.random_calibration`; --vq-calibration DIR takes a real one instead); its
+bytes include the layer's codebooks and channel scales (the kernel's DecodeSpec.tables).
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ FORMATS = {
     "kivi2": ("kivi2", {"residual": 128}),
     "kivi2_g64": ("kivi2", {"residual": 128, "group_size": 64}),  # 2.5 bits: KIVI at nuq2's bits
     "nuq2": ("nuq2", {"codebook": "page"}),  # per-page k-means codebooks (calibrated ones keep the reference path)
-    "vq": ("vq", {}),
+    "vq": ("vq", {}),  # calibration: a random one made at start (or --vq-calibration)
     "tiered": ("tiered", {}),
     "nuq2_eager": ("nuq2", {"codebook": "page"}),
     "nuq2_noslots": ("nuq2", {"codebook": "page"}),
@@ -205,11 +208,13 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
 
     name, options = FORMATS[label]
     row = {"format": label, "batch": batch, "context": context, "baseline_ms": base["ms"]}
+    if name == "vq" and args.vq_calibration:
+        options = {**options, "calibration": args.vq_calibration}
     try:
         fmt = get_kv_format(name, torch.bfloat16, **options)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "skipped", "reason": f"cannot build the format: {e}"}
-    if getattr(fmt, "needs_calibration", False):
+    if getattr(fmt, "needs_calibration", False) and "calibration" not in options:
         return {**row, "status": "skipped", "reason": "needs a calibration folder (moekv calibrate); not benchmarked"}
     try:
         fmt.check_layout(NUM_KV_HEADS, args.block_size, HEAD_DIM)
@@ -245,6 +250,10 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     nbytes = bytes_read(fmt, spec, batch, context, args.block_size)
+    tables = spec.tables(cache) if callable(spec.tables) else spec.tables
+    if tables:  # per-layer tables outside the pages (vq's codebooks): read at least once per step
+        row["table_bytes"] = sum(t.numel() * t.element_size() for t in tables)
+        nbytes += row["table_bytes"]
     row.update(bytes=nbytes, floor_ms=nbytes / bandwidth * 1e3)
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -306,9 +315,19 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=64, help="tokens per page (64: kivi2 needs a multiple of 32)")
     p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
+    p.add_argument("--vq-calibration", type=Path, default=None,
+                   help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention: needs a CUDA device")
+    if args.vq_calibration is None and any(FORMATS[f][0] == "vq" for f in args.formats if f in FORMATS):
+        import tempfile
+
+        from moekv.kvcache.formats.vq import random_calibration
+
+        t0 = time.time()
+        args.vq_calibration = random_calibration(Path(tempfile.mkdtemp(prefix="vqcal")), NUM_KV_HEADS, HEAD_DIM)
+        print(f"vq: random calibration fitted in {time.time() - t0:.1f} s ({args.vq_calibration})", flush=True)
     args.shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes
                    else QUICK_SHAPES if args.quick else SHAPES)
     args.configs = [DEFAULT_CONFIG] if args.quick else CONFIGS
@@ -341,7 +360,10 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
         "bandwidth_gbps": bandwidth / 1e9, "timer": "do_bench_cudagraph median" if args.cudagraph else "do_bench median",
         "heads": {"query": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM}, "block_size": args.block_size,
-        "seconds": round(time.time() - started, 1), "rows": rows,
+        "seconds": round(time.time() - started, 1),
+        "vq_calibration": "random (moekv.kvcache.formats.vq.random_calibration)" if args.vq_calibration
+        and args.vq_calibration.name.startswith("vqcal") else (str(args.vq_calibration) if args.vq_calibration else None),
+        "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))

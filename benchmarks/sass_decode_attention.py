@@ -45,7 +45,8 @@ from moekv.ops import decode_attention as da  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", {"group_size": 32}),
-           "kivi2": ("kivi2", {"residual": 128}), "nuq2": ("nuq2", {"codebook": "page"})}
+           "kivi2": ("kivi2", {"residual": 128}), "nuq2": ("nuq2", {"codebook": "page"}),
+           "vq": ("vq", {})}  # vq: a random calibration (vq.random_calibration) made on first use
 # nuq2 kernel variants (decode_tiles.nuq2_spec's slots mode): label -> mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_noslots": "off"}
 KEYS = ["BAR", "LDG", "LDL", "STL", "LDS", "STS", "LDSM", "HMMA"]
@@ -64,6 +65,8 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
           use_asm: bool):
     """The compiled decode kernel for one format and launch shape (CPU tensors stand in for the GPU's)."""
     name, options = FORMATS["nuq2" if label in NUQ2_VARIANTS else label]
+    if name == "vq":
+        options = {**options, "calibration": _vq_calibration(head_dim)}
     fmt = get_kv_format(name, torch.bfloat16, **options)
     if label in NUQ2_VARIANTS:
         from moekv.ops.decode_tiles import nuq2_spec
@@ -88,6 +91,19 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
     finally:
         JITFunction.run = original
     return compiled["_paged_decode_kernel"]
+
+
+_VQ_CALIBRATIONS: dict[int, Path] = {}
+
+
+def _vq_calibration(head_dim: int) -> Path:
+    """A random vq calibration for 8 KV heads (the codebooks' values do not change the code)."""
+    if head_dim not in _VQ_CALIBRATIONS:
+        from moekv.kvcache.formats.vq import random_calibration
+
+        _VQ_CALIBRATIONS[head_dim] = random_calibration(Path(tempfile.mkdtemp(prefix="vqcal")), 8, head_dim,
+                                                        iters=1, max_vectors=512)
+    return _VQ_CALIBRATIONS[head_dim]
 
 
 def spills(kernel) -> dict:

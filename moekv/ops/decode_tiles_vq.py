@@ -32,7 +32,7 @@ import triton.language as tl
 
 from moekv.ops.decode_attention import DecodeSpec, TileReader
 
-CODEBOOK_SIZE = 256
+CODEBOOK_SIZE = tl.constexpr(256)
 SLOT_CHUNK = 16  # outlier slots per one-hot product (the MMA's smallest K)
 
 

@@ -156,6 +156,11 @@ def paged_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         v = gather_kv_ref(v_pages, block_tables[b], length).to(q.dtype)
         k = k.repeat_interleave(group, dim=1)  # GQA: each KV head serves `group` query heads
         v = v.repeat_interleave(group, dim=1)
+        if num_q == length and sliding_window is None:  # a whole prompt: plain causal (flash SDPA on CUDA)
+            o = F.scaled_dot_product_attention(
+                q_b.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale)
+            out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
+            continue
         q_pos = torch.arange(length - num_q, length, device=q.device)[:, None]
         k_pos = torch.arange(length, device=q.device)[None, :]
         mask = k_pos <= q_pos  # [Tq, L]

@@ -293,6 +293,12 @@ def kivi_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
 # multiply-add: a code k in byte b, times 0x22, gives the nibbles (2k, 2k) of byte b, + 0x10 makes
 # them (2k, 2k + 1): the two bytes of centroid k. mad.lo serves bytes 0, 1 of a register,
 # mad.hi (x * 0x220000 >> 32 = x * 0x22 >> 16) bytes 2, 3. ~23 operations per 16 elements.
+# Calibrated codebooks (NUQ2Format(codebook='calibrated')) are not in the slab: the spec passes the
+# layer's centroids as DecodeSpec.tables (T0 keys, T1 values: [Hkv, 4] fp16, each hook gets its
+# KV head's row) and CENT_OFF = NUQ2_TABLE_CENTROIDS (a constexpr) makes the readers load the four
+# from there, the same for every token of the head. With page codebooks the T arguments are not
+# passed (their defaults are None) and the code is what it was.
+NUQ2_TABLE_CENTROIDS = -1  # CENT_OFF: the centroids are the hook's table (T0 keys, T1 values), not a slab field
 _NUQ2_LOOKUP_PTX = tl.constexpr("""
 {
 .reg .b32 x, y, r;
@@ -324,11 +330,17 @@ prmt.b32 $7, $9, $13, r;
 
 
 @triton.jit
-def _nuq2_centroids(pool, base, tok, valid, CENT_OFF: tl.constexpr, NPG: tl.constexpr):
-    """The page's 4 fp16 centroids as fp32 scalars (NPG == 1) or per token [BLOCK_N]."""
+def _nuq2_centroids(pool, base, tok, valid, CENT_OFF: tl.constexpr, NPG: tl.constexpr, CB):
+    """The page's 4 fp16 centroids as fp32 scalars (NPG == 1) or per token [BLOCK_N]; calibrated
+    (CENT_OFF < 0): the head's, CB [4] fp16, as scalars whatever NPG."""
     half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
     cp = half + ((base + CENT_OFF) >> 1)
-    if NPG == 1:
+    if CENT_OFF < 0:
+        c0 = tl.load(CB).to(tl.float32)
+        c1 = tl.load(CB + 1).to(tl.float32)
+        c2 = tl.load(CB + 2).to(tl.float32)
+        c3 = tl.load(CB + 3).to(tl.float32)
+    elif NPG == 1:
         c0 = tl.load(cp).to(tl.float32)
         c1 = tl.load(cp + 1).to(tl.float32)
         c2 = tl.load(cp + 2).to(tl.float32)
@@ -343,8 +355,9 @@ def _nuq2_centroids(pool, base, tok, valid, CENT_OFF: tl.constexpr, NPG: tl.cons
 
 @triton.jit
 def _nuq2_lookup_tile(pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, NPG: tl.constexpr,
-                      ASM: tl.constexpr, CENT_OFF: tl.constexpr):
-    """[BLOCK_N, D] centroids of the tile's codes (fp16, column 4j + s = channel s*D/4 + j)."""
+                      ASM: tl.constexpr, CENT_OFF: tl.constexpr, CB):
+    """[BLOCK_N, D] centroids of the tile's codes (fp16, column 4j + s = channel s*D/4 + j): the
+    page's (at CENT_OFF in its slab), or the head's calibrated ones CB [4] fp16 (CENT_OFF < 0)."""
     QD: tl.constexpr = D // 4
     j = tl.arange(0, QD)
     if NPG == 1:
@@ -353,7 +366,11 @@ def _nuq2_lookup_tile(pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.const
         packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :], mask=valid[:, None], other=0)
     if ASM:
         words = pool.to(tl.pointer_type(tl.int32), bitcast=True)
-        if NPG == 1:
+        if CENT_OFF < 0:  # the head's codebook: one pair of words for every token
+            cb_words = CB.to(tl.pointer_type(tl.int32), bitcast=True)
+            t0 = tl.load(cb_words)
+            t1 = tl.load(cb_words + 1)
+        elif NPG == 1:
             t0 = tl.load(words + ((base + CENT_OFF) >> 2))
             t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1)
         else:
@@ -365,8 +382,8 @@ def _nuq2_lookup_tile(pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.const
             _NUQ2_LOOKUP_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [packed, t0, t1],
             dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
     else:
-        c0, c1, c2, c3 = _nuq2_centroids(pool, base, tok, valid, CENT_OFF, NPG)
-        if NPG > 1:
+        c0, c1, c2, c3 = _nuq2_centroids(pool, base, tok, valid, CENT_OFF, NPG, CB)
+        if NPG > 1 and CENT_OFF >= 0:  # per token (the page's)
             c0 = c0[:, None]
             c1 = c1[:, None]
             c2 = c2[:, None]
@@ -386,12 +403,14 @@ def _nuq2_lookup_tile(pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.const
 @triton.jit
 def nuq2_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   P: tl.constexpr, ASM: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
-                  OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr):
+                  OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+                  T0=None, T1=None, T2=None, T3=None):
     """nuq2 key slab: codes [P, D/4] (planar) at 0, chan_mean and chan_scale fp8 [D], centroids
-    fp16 [4], out_val fp8 [S], out_idx uint16 [S]. A tile inside one page is the centroids alone
-    (nuq2_key_fold moves the channel affine into q); a tile over several pages gets z * scale + mean."""
+    fp16 [4] (calibrated, CENT_OFF < 0: none, the head's are T0 [4]), out_val fp8 [S], out_idx
+    uint16 [S]. A tile inside one page is the centroids alone (nuq2_key_fold moves the channel
+    affine into q); a tile over several pages gets z * scale + mean."""
     NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
-    x = _nuq2_lookup_tile(pool, base, tok, valid, D, BLOCK_N, NPG, ASM, CENT_OFF)
+    x = _nuq2_lookup_tile(pool, base, tok, valid, D, BLOCK_N, NPG, ASM, CENT_OFF, T0)
     if NPG > 1:
         d = tl.arange(0, D)
         col = (d % 4) * (D // 4) + d // 4  # the channel of each tile column
@@ -405,7 +424,7 @@ def nuq2_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOC
 @triton.jit
 def nuq2_key_fold(pool, page_base, q, D: tl.constexpr, P: tl.constexpr, CENT_OFF: tl.constexpr,
                   OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr,
-                  SCALE_OFF: tl.constexpr):
+                  SCALE_OFF: tl.constexpr, T0=None, T1=None, T2=None, T3=None):
     """q (s * z + m) = (q * s) z + q m: q [G_PAD, D] fp32 in tile column order -> (q * s, q . m)."""
     d = tl.arange(0, D)
     col = (d % 4) * (D // 4) + d // 4
@@ -418,11 +437,12 @@ def nuq2_key_fold(pool, page_base, q, D: tl.constexpr, P: tl.constexpr, CENT_OFF
 @triton.jit
 def nuq2_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
                     P: tl.constexpr, ASM: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
-                    OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
-    """nuq2 value slab: codes [P, D/4] (planar) at 0, centroids fp16 [4], out_val fp8 [S], out_idx
-    uint16 [S]: the tile is the centroids."""
+                    OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr,
+                    T0=None, T1=None, T2=None, T3=None):
+    """nuq2 value slab: codes [P, D/4] (planar) at 0, centroids fp16 [4] (calibrated, CENT_OFF < 0:
+    none, the head's are T1 [4]), out_val fp8 [S], out_idx uint16 [S]: the tile is the centroids."""
     NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
-    return _nuq2_lookup_tile(pool, base, tok, valid, D, BLOCK_N, NPG, ASM, CENT_OFF), valid
+    return _nuq2_lookup_tile(pool, base, tok, valid, D, BLOCK_N, NPG, ASM, CENT_OFF, T1), valid
 
 
 NUQ2_SLOT_CHUNK = 16  # outlier slots handled per one-hot product (the MMA's smallest K)
@@ -454,11 +474,11 @@ def _nuq2_used_chunks(pool, page_base, OIDX_OFF: tl.constexpr, S: tl.constexpr, 
 
 @triton.jit
 def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                     CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr):
+                     CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, CB):
     """Outlier slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to
     [NPG * 16]: (used, tile column of the token, channel, delta in codebook units = the slot's
     value minus the centroid of the code under it; 0 where unused). The centroid is selected from
-    the page's four (no gather load behind the code's)."""
+    the page's four (no gather load behind the code's), or from the head's calibrated CB [4] (CENT_OFF < 0)."""
     SC: tl.constexpr = 16
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
     NPG: tl.constexpr = BLOCK_N // PP
@@ -476,7 +496,10 @@ def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.
         i = tl.reshape(tl.broadcast_to(i[None, :], (NPG, SC)), (NPG * SC,))
     idx = tl.load(u16 + ((pb + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
     val = tl.load(f8 + pb + OVAL_OFF + i, mask=i < S, other=0.0).to(tl.float32)
-    cp = half + ((pb + CENT_OFF) >> 1)
+    if CENT_OFF < 0:
+        cp = CB  # the head's: scalars
+    else:
+        cp = half + ((pb + CENT_OFF) >> 1)
     c0 = tl.load(cp).to(tl.float32)  # scalars when NPG == 1
     c1 = tl.load(cp + 1).to(tl.float32)
     c2 = tl.load(cp + 2).to(tl.float32)
@@ -496,7 +519,8 @@ def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.
 @triton.jit
 def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
                  P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
-                 OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr):
+                 OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+                 T0=None, T1=None, T2=None, T3=None):
     """Scores of the outlier slots: s[g, t] += q[g, c] * scale[c] * delta for each used slot (t, c),
     16 slots at a time: corr [G_PAD, 16] @ one-hot of the slots' tile columns [16, BLOCK_N].
     Only the chunks in use are touched: their loads, layout changes and product sit behind one
@@ -510,7 +534,7 @@ def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOC
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
             used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
-                                                        OVAL_OFF, OIDX_OFF, S)
+                                                        OVAL_OFF, OIDX_OFF, S, T0)
             scale = tl.load(f8 + pb + SCALE_OFF + c).to(tl.float32)
             q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
             corr = q_c * (scale * delta)[None, :]  # [G_PAD, NPG * 16]
@@ -522,7 +546,8 @@ def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOC
 @triton.jit
 def nuq2_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
-                   OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
+                   OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr,
+                   T0=None, T1=None, T2=None, T3=None):
     """Output of the outlier slots: pv[g, col(c)] += p[g, t] * delta for each used slot (t, c):
     p @ one-hot [BLOCK_N, 16] gathers p at the slots' tokens, times delta, @ one-hot [16, D]
     scatters to their channels' tile columns. Only the chunks in use are touched."""
@@ -535,7 +560,7 @@ def nuq2_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.co
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
             used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
-                                                        OVAL_OFF, OIDX_OFF, S)
+                                                        OVAL_OFF, OIDX_OFF, S, T1)
             at_tok = (n[:, None] == colm[None, :]) & used[None, :]  # [BLOCK_N, NPG * 16]
             p_at = tl.dot(p.to(DOT), tl.where(at_tok, 1.0, 0.0).to(DOT))  # [G_PAD, NPG * 16]
             tcol = 4 * (c % (D // 4)) + c // (D // 4)
@@ -546,7 +571,7 @@ def nuq2_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.co
 
 @triton.jit
 def _nuq2_slots(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr):
+                CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, CB):
     """Outlier slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to
     [NPG * 16]: (used, tile column of the token, channel, delta in codebook units = the slot's
     value minus the centroid of the code under it; 0 where unused)."""
@@ -571,11 +596,18 @@ def _nuq2_slots(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.const
     t = idx // D
     c = idx % D
     code = (tl.load(pool + pb + t * QD + c % QD).to(tl.int32) >> (2 * (c // QD))) & 3
-    cent = tl.load(half + ((pb + CENT_OFF) >> 1) + code).to(tl.float32)
-    c0 = tl.load(half + ((pb + CENT_OFF) >> 1)).to(tl.float32)
-    c1 = tl.load(half + ((pb + CENT_OFF) >> 1) + 1).to(tl.float32)
-    c2 = tl.load(half + ((pb + CENT_OFF) >> 1) + 2).to(tl.float32)
-    c3 = tl.load(half + ((pb + CENT_OFF) >> 1) + 3).to(tl.float32)
+    if CENT_OFF < 0:  # calibrated: the head's CB [4]
+        cent = tl.load(CB + code).to(tl.float32)
+        c0 = tl.load(CB).to(tl.float32)
+        c1 = tl.load(CB + 1).to(tl.float32)
+        c2 = tl.load(CB + 2).to(tl.float32)
+        c3 = tl.load(CB + 3).to(tl.float32)
+    else:
+        cent = tl.load(half + ((pb + CENT_OFF) >> 1) + code).to(tl.float32)
+        c0 = tl.load(half + ((pb + CENT_OFF) >> 1)).to(tl.float32)
+        c1 = tl.load(half + ((pb + CENT_OFF) >> 1) + 1).to(tl.float32)
+        c2 = tl.load(half + ((pb + CENT_OFF) >> 1) + 2).to(tl.float32)
+        c3 = tl.load(half + ((pb + CENT_OFF) >> 1) + 3).to(tl.float32)
     unit = tl.maximum(tl.maximum(tl.abs(c0), tl.abs(c1)), tl.maximum(tl.abs(c2), tl.abs(c3)))
     unit = tl.maximum(unit, 1e-6)  # centroid_unit
     val = tl.load(f8 + pb + OVAL_OFF + i, mask=used, other=0.0).to(tl.float32)
@@ -586,7 +618,8 @@ def _nuq2_slots(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.const
 @triton.jit
 def nuq2_key_fix_eager(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
                  P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
-                 OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr):
+                 OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+                 T0=None, T1=None, T2=None, T3=None):
     """(The first version, kept for timing beside nuq2_key_fix: every chunk's slot loads, layout
     conversions and a cross-warp `any` ran on every tile, used or not.) Scores of the outlier slots: s[g, t] += q[g, c] * scale[c] * delta for each used slot (t, c),
     16 slots at a time: corr [G_PAD, 16] @ one-hot of the slots' tile columns [16, BLOCK_N].
@@ -596,7 +629,7 @@ def nuq2_key_fix_eager(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr
     n = tl.arange(0, BLOCK_N)
     for chunk in tl.static_range((S + SC - 1) // SC):
         used, colm, c, delta, pb = _nuq2_slots(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF, OVAL_OFF,
-                                              OIDX_OFF, S)
+                                              OIDX_OFF, S, T0)
         if tl.max(used.to(tl.int32), axis=0) > 0:
             scale = tl.load(f8 + pb + SCALE_OFF + c).to(tl.float32)
             q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
@@ -609,7 +642,8 @@ def nuq2_key_fix_eager(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr
 @triton.jit
 def nuq2_value_fix_eager(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
-                   OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
+                   OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr,
+                   T0=None, T1=None, T2=None, T3=None):
     """(The first version, kept for timing beside nuq2_value_fix.) Output of the outlier slots: pv[g, col(c)] += p[g, t] * delta for each used slot (t, c):
     p @ one-hot [BLOCK_N, 16] gathers p at the slots' tokens, times delta, @ one-hot [16, D]
     scatters to their channels' tile columns."""
@@ -618,7 +652,7 @@ def nuq2_value_fix_eager(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N:
     d = tl.arange(0, D)
     for chunk in tl.static_range((S + SC - 1) // SC):
         used, colm, c, delta, pb = _nuq2_slots(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF, OVAL_OFF,
-                                              OIDX_OFF, S)
+                                              OIDX_OFF, S, T1)
         if tl.max(used.to(tl.int32), axis=0) > 0:
             at_tok = (n[:, None] == colm[None, :]) & used[None, :]  # [BLOCK_N, NPG * 16]
             p_at = tl.dot(p.to(DOT), tl.where(at_tok, 1.0, 0.0).to(DOT))  # [G_PAD, NPG * 16]
@@ -635,7 +669,11 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
     """slots: how the kernel applies the outlier slots. 'lazy' (the default): only the chunks of 16
     slots in use, each behind one uniform branch; 'eager': the first version (every chunk's loads
     on every tile), kept to time beside it; 'off': not at all, a bound on what the slots cost
-    (wrong wherever a slot is used: for benchmarks only)."""
+    (wrong wherever a slot is used: for benchmarks only).
+
+    Calibrated codebooks (fmt.calibrated): no centroids field; CENT_OFF = NUQ2_TABLE_CENTROIDS and
+    the layer's [Hkv, 4] fp16 centroids (key, value) come from `fmt.decode_tables(layer, device)` for
+    the cache's layer as DecodeSpec.tables (device copies made on first use)."""
     if slots not in NUQ2_SLOT_MODES:
         raise ValueError(f"nuq2_spec: slots={slots!r}, accepted {NUQ2_SLOT_MODES}")
     key_fix = {"lazy": nuq2_key_fix, "eager": nuq2_key_fix_eager, "off": None}[slots]
@@ -644,11 +682,18 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
     for kind in ("key", "value"):
         off = fmt.layout(kind, block_size, head_dim).offsets
         n_slots = fmt.outlier_slots(kind, block_size, head_dim)
-        params = (off["centroids"], off.get("out_val", 0), off.get("out_idx", 0), n_slots)
+        cent = NUQ2_TABLE_CENTROIDS if fmt.calibrated else off["centroids"]
+        params = (cent, off.get("out_val", 0), off.get("out_idx", 0), n_slots)
         if kind == "key":
             readers.append(TileReader(nuq2_key_tile, params + (off["chan_mean"], off["chan_scale"]), planes=4,
                                       fold_fn=nuq2_key_fold, fix_fn=key_fix if n_slots else None))
         else:
             readers.append(TileReader(nuq2_value_tile, params, planes=4,
                                       fix_fn=value_fix if n_slots else None))
-    return DecodeSpec(key=readers[0], value=readers[1], staged=True)
+    if not fmt.calibrated:
+        return DecodeSpec(key=readers[0], value=readers[1], staged=True)
+
+    def tables(cache):
+        return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
+
+    return DecodeSpec(key=readers[0], value=readers[1], staged=True, tables=tables)

@@ -216,6 +216,7 @@ class NUQ2Format(PagedQuantFormat):
             raise ValueError(f"codebook={codebook!r}: accepted 'page', 'auto', or 'calibrated' with a "
                              "kv_calibration folder written by `moekv calibrate`")
         self.calibrated = codebook == "calibrated"
+        self._decode_tables: dict = {}  # (layer, device) -> decode_tables()
 
     # -- layout --------------------------------------------------------------------------------------
     def _fields(self, kind: str, P: int, D: int, slots: int) -> list[Field]:
@@ -241,18 +242,34 @@ class NUQ2Format(PagedQuantFormat):
 
     def codebook(self, kind: str, layer: int | None, rows: int) -> torch.Tensor:
         """Calibrated centroids of this layer and kind, one row per page-head: [rows, 4]."""
+        cb = self._centroids(kind, layer).float()  # [H, 4]
+        return cb.repeat(rows // cb.shape[0], 1)
+
+    def _centroids(self, kind: str, layer: int | None) -> torch.Tensor:
+        """The calibrated centroids [H, 4] of this layer and kind, as stored."""
         name = f"nuq2.layer{layer}.{kind}.centroids"
         if name not in self.tables:
             raise ValueError(f"kv_cache_dtype='nuq2': the calibration has no {name!r} (made for another model?)")
-        cb = self.tables[name].float()  # [H, 4]
-        return cb.repeat(rows // cb.shape[0], 1)
+        return self.tables[name]
+
+    def decode_tables(self, layer: int | None, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Calibrated codebooks: what the fused decode kernel reads beside the pages (DecodeSpec.tables)
+        for one layer, kept on `device` after the first call: the key and value centroids [Hkv, 4]
+        fp16 (as calibrated: exact; decode_spec checks they are fp16)."""
+        key = (layer, torch.device(device))
+        if key not in self._decode_tables:
+            self._decode_tables[key] = tuple(self._centroids(kind, layer).to(device, torch.float16).contiguous()
+                                             for kind in ("key", "value"))
+        return self._decode_tables[key]
 
     def decode_spec(self, block_size, head_dim):
-        """Page codebooks: the fused decode kernel (centroid lookup, the keys' channel affine folded
-        into q, outlier slots as per-tile corrections; moekv/ops/decode_tiles.py). Calibrated
-        codebooks live outside the slab (per layer and head), which the tile readers cannot see
-        yet: those keep the reference path."""
-        if self.calibrated:
+        """The fused decode kernel (centroid lookup, the keys' channel affine folded into q, outlier
+        slots as per-tile corrections; moekv/ops/decode_tiles.py). Calibrated codebooks live outside
+        the slab: the readers take each layer's from `decode_tables` (DecodeSpec.tables); codebooks
+        not stored in fp16 (what `moekv calibrate` writes) keep the reference path, since the
+        kernel's lookup is fp16."""
+        if self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
+                                   if name.endswith(".centroids")):
             return None
         from moekv.ops.decode_tiles import nuq2_spec
 

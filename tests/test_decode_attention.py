@@ -9,11 +9,13 @@ partial page staged), so the kernel reads exactly what the engine stores.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
@@ -22,6 +24,7 @@ triton = pytest.importorskip("triton")
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import _is_decode_only  # noqa: E402
+from moekv.kvcache.formats.nuq2 import fit_centroids  # noqa: E402
 from moekv.ops import decode_attention as da  # noqa: E402
 from moekv.ops import decode_tiles  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
@@ -49,15 +52,16 @@ FORMATS = {
 }
 
 
-def build_cache(fmt, lens, num_kv_heads, head_dim, block_size, dtype, device=DEVICE, seed=0, kv=None):
-    """Allocate a pool, give each sequence shuffled pages and a staging slot, and write its whole
-    context through fmt.write (one prefill). kv(T) -> (k, v) [T, Hkv, D] overrides random data.
-    Returns (cache, decode Context)."""
+def build_cache(fmt, lens, num_kv_heads, head_dim, block_size, dtype, device=DEVICE, seed=0, kv=None, layer=0):
+    """Allocate a pool (of decoder layer `layer`), give each sequence shuffled pages and a staging
+    slot, and write its whole context through fmt.write (one prefill). kv(T) -> (k, v) [T, Hkv, D]
+    overrides random data. Returns (cache, decode Context)."""
     g = torch.Generator().manual_seed(seed)
     B = len(lens)
     pages = [-(-n // block_size) for n in lens]
     num_blocks = sum(pages) + 2
     cache = fmt.allocate(num_blocks, num_kv_heads, block_size, head_dim, device, B + 2, dtype)
+    cache.layer = layer
     free = torch.randperm(num_blocks, generator=g).tolist()
     width = max(pages)
     tables = [[free.pop() for _ in range(n)] + [0] * (width - n) for n in pages]
@@ -200,14 +204,32 @@ def test_16bit_queries(label):
     check(label, out, ref, q_dtype)
 
 
-def test_dispatch():
+def test_dispatch(nuq2_calibration, monkeypatch):
     """CPU and prefill keep the reference path; CUDA decode steps go to the kernel where a format
-    has a DecodeSpec; fp32 pages and unkernelised formats have none."""
+    has a DecodeSpec; fp32 pages and unkernelised formats have none. nuq2 with calibrated codebooks
+    has one (its centroids as DecodeSpec.tables) and still takes the reference path on CPU."""
     assert get_kv_format("fp32").decode_spec(16, 64) is None
     assert get_kv_format("tiered").decode_spec(16, 64) is None
-    calibrated = get_kv_format("nuq2")
-    calibrated.calibrated = True  # codebooks outside the slab: no tile reader for them yet
-    assert calibrated.decode_spec(16, 64) is None
+    calibrated = get_kv_format("nuq2", calibration=nuq2_calibration(2, 64))
+    assert calibrated.calibrated
+    spec = calibrated.decode_spec(16, 64)
+    assert spec is not None and callable(spec.tables)
+    assert spec.key.params[0] == spec.value.params[0] == decode_tiles.NUQ2_TABLE_CENTROIDS
+    assert get_kv_format("nuq2", codebook="page").decode_spec(16, 64).tables == ()  # page codebooks: unchanged
+    cache, ctx = build_cache(calibrated, [40, 9], 2, 64, 16, torch.bfloat16, device=torch.device("cpu"), layer=1)
+    k_tab, v_tab = spec.tables(cache)  # layer 1's, [Hkv, 4] fp16, one copy per (layer, device)
+    assert k_tab.dtype == torch.float16 and k_tab.shape == (2, 4) and k_tab.is_contiguous()
+    assert torch.equal(k_tab, calibrated.tables["nuq2.layer1.key.centroids"])
+    assert torch.equal(v_tab, calibrated.tables["nuq2.layer1.value.centroids"])
+    assert spec.tables(cache)[0] is k_tab
+    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: pytest.fail("kernel on CPU"))
+    q = torch.randn(2, 8, 64)
+    assert torch.equal(calibrated.attend(q, cache, ctx, 0.125, None),
+                       calibrated.attend_reference(q, cache, ctx, 0.125, None))
+    monkeypatch.undo()
+    fp32_books = get_kv_format("nuq2", calibration=nuq2_calibration(2, 64))
+    fp32_books.tables = {k: v.float() for k, v in fp32_books.tables.items()}
+    assert fp32_books.decode_spec(16, 64) is None  # the kernel's lookup is fp16: not exact for these
     for label in FORMATS:
         name, options = FORMATS[label]
         block_size = page_size(label, 32 if name == "kivi2" else 16)
@@ -305,6 +327,105 @@ def test_nuq2_slot_modes(case):
         decode_tiles.nuq2_spec(fmt, block_size, 64, slots="sometimes")
 
 
+# -- nuq2 with calibrated codebooks: per (layer, K/V, head) centroids through DecodeSpec.tables ---------
+@pytest.fixture(scope="module")
+def nuq2_calibration(tmp_path_factory):
+    """(Hkv, head_dim) -> a calibration folder with nuq2 codebooks for two layers, fitted as
+    `moekv calibrate` does (fit_centroids, one codebook per head) on different random pages: layer 0
+    on Gaussian keys and values, layer 1 on heavy-tailed keys and values 3x larger, so each layer's
+    (and each head's) centroids differ."""
+    root = tmp_path_factory.mktemp("nuq2cal")
+
+    def make(hkv: int, head_dim: int) -> str:
+        folder = root / f"h{hkv}_d{head_dim}"
+        if not folder.exists():
+            folder.mkdir()
+            g = torch.Generator().manual_seed(100 + hkv)
+            tables = {}
+            for layer in range(2):
+                T = 8 * 64
+                if layer == 0:
+                    k, v = torch.randn(T, hkv, head_dim, generator=g), torch.randn(T, hkv, head_dim, generator=g)
+                else:
+                    k, v = _heavy_kv(T, g, hkv, head_dim)
+                    v = 3 * v
+                for kind, x in (("key", k), ("value", v)):
+                    x = x * torch.linspace(0.5, 2.0, hkv)[:, None]  # heads of different scales
+                    pages = x.reshape(8, 64, hkv, head_dim).transpose(1, 2)  # [n, Hkv, P, D]
+                    tables[f"nuq2.layer{layer}.{kind}.centroids"] = fit_centroids(pages, kind)
+            save_file(tables, str(folder / "kv_calibration.safetensors"))
+        return str(folder)
+    return make
+
+
+def run_calibrated(calibration, lens, hkv, group, head_dim, block_size, splits, block_n, q_dtype=torch.float32,
+                   seed=0, layer=1, kv_dtype=torch.bfloat16, **launch):
+    """Calibrated nuq2 pages of `layer` (heavy-tailed: the keys' outlier slots in use), the kernel
+    and the float64 reference. Returns (out, ref, fmt, cache, ctx, q, spec)."""
+    fmt = get_kv_format("nuq2", kv_dtype, calibration=calibration, codebook="calibrated")
+    kv = lambda T, g: _heavy_kv(T, g, hkv, head_dim)  # noqa: E731
+    cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed, kv=kv, layer=layer)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    q = q.to(DEVICE, q_dtype)
+    scale = head_dim ** -0.5
+    spec = fmt.decode_spec(block_size, head_dim)
+    out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
+                                    spec, num_splits=splits, block_n=block_n, **launch)
+    return out, reference(fmt, cache, ctx, q, scale, None), fmt, cache, ctx, q, spec
+
+
+# (lens, Hkv, G, D, P, splits, BLOCK_N): batch 1 and 3, on and off page boundaries, GQA 1/4, tiles
+# inside a page (from its start or not) and over 2 or 4 pages; D = 16 at P = 16 leaves the value
+# slab padding, so values have outlier slots too (codes only otherwise)
+NUQ2_CAL_GRID = [
+    ([64], 2, 4, 64, 32, 2, 16),
+    ([96, 41, 5], 2, 1, 64, 32, 3, 64),
+    ([77], 1, 4, 64, 16, 2, 64),
+    ([128, 32, 33], 2, 4, 64, 32, 2, 32),
+    ([50, 16, 23], 2, 4, 16, 16, 2, 32),
+]
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", range(len(NUQ2_CAL_GRID)))
+def test_nuq2_calibrated_codebooks(case, q_dtype, nuq2_calibration):
+    """Calibrated codebooks (no centroids in the slab): the readers take layer 1's per-head centroids
+    from DecodeSpec.tables, with the keys' outlier slots in use; the kernel against the format's
+    own dequantization. The same pages read with layer 0's tables give another answer."""
+    lens, hkv, group, head_dim, block_size, splits, block_n = NUQ2_CAL_GRID[case]
+    calibration = nuq2_calibration(hkv, head_dim)
+    out, ref, fmt, cache, ctx, q, spec = run_calibrated(calibration, lens, hkv, group, head_dim, block_size, splits,
+                                                        block_n, q_dtype=q_dtype, seed=case)
+    check("nuq2", out, ref, q_dtype)
+    assert "centroids" not in fmt.layout("key", block_size, head_dim).offsets
+    slots = fmt.outlier_slots("key", block_size, head_dim)
+    assert slots > 0 and _used_slots(fmt, cache, "key", block_size, head_dim) > 0
+    if head_dim == 16:
+        assert _used_slots(fmt, cache, "value", block_size, head_dim) > 0
+    if head_dim == 64 and block_size == 32:
+        assert _used_slots(fmt, cache, "key", block_size, head_dim) > 16  # more than one chunk of slots
+    # layer 1's tables are the ones read: layer 0's give a different output on the same pages
+    assert not torch.equal(fmt.decode_tables(0, DEVICE)[0], fmt.decode_tables(1, DEVICE)[0])
+    wrong = dataclasses.replace(spec, tables=fmt.decode_tables(0, DEVICE))
+    other = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
+                                      head_dim ** -0.5, None, wrong, num_splits=splits, block_n=block_n)
+    assert (other.double() - ref).abs().max() > 10 * tolerance("nuq2", ref, q_dtype)
+
+
+def test_nuq2_calibrated_slot_modes(nuq2_calibration):
+    """'eager' slot code with calibrated codebooks is exact too; 'off' is not (the slots matter)."""
+    lens, hkv, group, head_dim, block_size, splits, block_n = NUQ2_CAL_GRID[3]
+    out, ref, fmt, cache, ctx, q, _ = run_calibrated(nuq2_calibration(hkv, head_dim), lens, hkv, group, head_dim,
+                                                     block_size, splits, block_n, seed=9)
+    check("nuq2", out, ref)
+    for slots, exact in (("eager", True), ("off", False)):
+        spec = decode_tiles.nuq2_spec(fmt, block_size, head_dim, slots=slots)
+        res = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
+                                        head_dim ** -0.5, None, spec, num_splits=splits, block_n=block_n)
+        err = (res.double() - ref).abs().max().item()
+        assert (err <= tolerance("nuq2", ref)) == exact, (slots, err)
+
+
 # -- compiled kernels on the GPU, realistic shapes, bf16 ------------------------------------------------
 # (block_n, num_warps, num_stages, use_asm): the launch shapes the benchmark tries
 GPU_LAUNCHES = [(64, 4, 2, True), (128, 8, 3, True), (32, 4, 2, True), (64, 4, 2, False)]
@@ -348,3 +469,42 @@ def test_gpu_realistic_shapes(label, block_size, monkeypatch):
     assert calls, "format.attend did not take the decode kernel"
     windowed = reference(fmt, cache, ctx, q, scale, 700)
     check(label, fmt.attend(q, cache, ctx, scale, 700), windowed, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_nuq2_calibrated(block_size, nuq2_calibration, monkeypatch):
+    """Calibrated nuq2 at 32 query / 8 KV heads, head_dim 128, long contexts off page boundaries,
+    bf16 queries, layer 1's codebooks: every launch shape the benchmark tries (pages of 64; inline
+    PTX lookup from the table and plain Triton), the default one (pages of 16), and the engine's
+    path through format.attend (a window too)."""
+    calibration = nuq2_calibration(8, 128)
+    fmt = get_kv_format("nuq2", torch.bfloat16, calibration=calibration, codebook="calibrated")
+    lens = [4096 + 7, 1000, 16384, 129]
+    kv = lambda T, g: _heavy_kv(T, g, 8, 128)  # noqa: E731
+    cache, ctx = build_cache(fmt, lens, 8, 128, block_size, torch.bfloat16, seed=11, kv=kv, layer=1)
+    assert _used_slots(fmt, cache, "key", block_size, 128) > 0
+    q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
+    scale = 128 ** -0.5
+    ref = reference(fmt, cache, ctx, q, scale, None)
+    spec = fmt.decode_spec(block_size, 128)
+    for i, (block_n, warps, stages, use_asm) in enumerate(GPU_LAUNCHES if block_size == 64 else GPU_LAUNCHES[:1]):
+        try:
+            out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale,
+                                            None, spec, block_n=block_n, num_warps=warps, num_stages=stages,
+                                            use_asm=use_asm)
+        except triton.runtime.errors.OutOfResources:
+            assert i > 0, "the default launch shape must fit"
+            continue
+        check("nuq2", out, ref, torch.bfloat16)
+    wrong = dataclasses.replace(spec, tables=fmt.decode_tables(0, DEVICE))  # layer 0's codebooks
+    other = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, wrong)
+    assert (other.double() - ref).abs().max() > 2 * tolerance("nuq2", ref, torch.bfloat16)
+    calls = []
+    launcher = da.paged_decode_attention
+    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: calls.append(1) or launcher(*a, **k))
+    check("nuq2", fmt.attend(q, cache, ctx, scale, None), ref, torch.bfloat16)
+    assert calls, "format.attend did not take the decode kernel"
+    windowed = reference(fmt, cache, ctx, q, scale, 700)
+    check("nuq2", fmt.attend(q, cache, ctx, scale, 700), windowed, torch.bfloat16)

@@ -85,13 +85,29 @@ def test_graph_safe_formats(name):
     assert "dtype" in graphs_unsupported_reason(CUDA, False, fmt, torch.float32, block_size, 32)
 
 
+def test_calibrated_tables_are_graph_safe(tmp_path):
+    """Formats whose codebooks live outside the pages (nuq2 calibrated, vq) take the fused kernel
+    with them as DecodeSpec.tables (device copies made on the warm-up call, before capture): graphs too."""
+    from safetensors.torch import save_file
+
+    from moekv.kvcache.formats.nuq2 import fit_centroids
+    from moekv.kvcache.formats.vq import VQFormat
+
+    pages = torch.randn(4, 2, 64, 32, generator=torch.Generator().manual_seed(0))
+    save_file({f"nuq2.layer0.{kind}.centroids": fit_centroids(pages, kind) for kind in ("key", "value")},
+              str(tmp_path / "kv_calibration.safetensors"))
+    nuq2 = get_kv_format("nuq2", torch.bfloat16, calibration=str(tmp_path), codebook="calibrated")
+    assert nuq2.calibrated and nuq2.graph_safe
+    assert nuq2.decode_spec(64, 32) is not None
+    assert graphs_unsupported_reason(CUDA, False, nuq2, torch.bfloat16, 64, 32) is None
+    assert "CUDA" in graphs_unsupported_reason(torch.device("cpu"), False, nuq2, torch.bfloat16, 64, 32)
+    assert VQFormat.graph_safe
+
+
 def test_formats_that_stay_eager():
     tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
     assert not tiered.graph_safe
     assert "graph-safe" in graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16, 64, 32)
-    from moekv.kvcache.formats.vq import VQFormat
-
-    assert not VQFormat.graph_safe
     fp32 = get_kv_format("fp32")  # graph-safe writes, but no fused kernel for fp32 pages
     assert "fused decode kernel" in graphs_unsupported_reason(CUDA, False, fp32, torch.float16, 16, 32)
 

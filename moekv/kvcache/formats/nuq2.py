@@ -240,9 +240,10 @@ class NUQ2Format(PagedQuantFormat):
                              f"head_dim must be < {NO_OUTLIER}, got {block_size}*{head_dim}")
         return PageLayout(self._fields(kind, block_size, head_dim, self.outlier_slots(kind, block_size, head_dim)))
 
-    def codebook(self, kind: str, layer: int | None, rows: int) -> torch.Tensor:
-        """Calibrated centroids of this layer and kind, one row per page-head: [rows, 4]."""
-        cb = self._centroids(kind, layer).float()  # [H, 4]
+    def codebook(self, kind: str, layer: int | None, rows: int, device: torch.device | None = None) -> torch.Tensor:
+        """Calibrated centroids of this layer and kind, one row per page-head: [rows, 4], on `device`
+        (the calibration is loaded on the CPU; pages may live on the GPU)."""
+        cb = self._centroids(kind, layer).float().to(device)  # [H, 4]
         return cb.repeat(rows // cb.shape[0], 1)
 
     def _centroids(self, kind: str, layer: int | None) -> torch.Tensor:
@@ -287,7 +288,7 @@ class NUQ2Format(PagedQuantFormat):
             idx, chosen = pick_largest(deviation, outlier_mask(flat, self.tau), slots)
             keep.scatter_(1, idx, ~chosen)  # slotted outliers leave the k-means fit
         if self.calibrated:
-            c = self.codebook(kind, layer, n * H)
+            c = self.codebook(kind, layer, n * H, x.device)
         else:
             c = lloyd_1d(flat, keep, weight=fit_weight(flat, kind)).to(torch.float16).float()  # [B, 4], as stored
             fields["centroids"] = c.reshape(n, H, NUM_CENTROIDS)
@@ -300,7 +301,7 @@ class NUQ2Format(PagedQuantFormat):
         codes = unpack_codes(fields["codes"])  # [n, H, P, D]
         n, H, P, D = codes.shape
         if self.calibrated:
-            c = self.codebook(kind, layer, n * H)
+            c = self.codebook(kind, layer, n * H, codes.device)
         else:
             c = fields["centroids"].float().reshape(n * H, NUM_CENTROIDS)
         z = c.gather(1, codes.reshape(n * H, P * D)).reshape(n, H, P, D)

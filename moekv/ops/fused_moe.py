@@ -219,27 +219,18 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
 
 
 @triton.jit
-def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pairs,
-                      N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-                      stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Program (pair, n-block, split): y[split, pair, n-block] = weight * partial dot over its
-    K_PER_SPLIT (a multiple of BLOCK_K) columns of I."""
-    pid = tl.program_id(0)
-    pair = pid % num_pairs
-    rest = pid // num_pairs
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_n = rest % num_n
-    split = rest // num_n
+def _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, pair, offs_n, n_ok, k_start,
+                       K: tl.constexpr, K_LEN: tl.constexpr, stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """weight[pair] * (rows offs_n of the pair's expert in w2) . h[pair] over columns
+    k_start .. k_start + K_LEN of I (masked past K unless EVEN_K) -> [BLOCK_N] fp32. Products
+    accumulate element-wise in a [BLOCK_N, BLOCK_K] tile reduced once at the end."""
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    k_start = split * K_PER_SPLIT
     offs_k = k_start + tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + pair * stride_hm + offs_k * stride_hk
     b_ptrs = w2_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K_PER_SPLIT, BLOCK_K):  # the last split may run past K: masked (not EVEN_K)
+    for k0 in range(0, K_LEN, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs).to(tl.float32)
             b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
@@ -250,8 +241,27 @@ def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pai
         acc += b.to(tl.float32) * a[None, :]
         a_ptrs += BLOCK_K * stride_hk
         b_ptrs += BLOCK_K * stride_wk
-    w = tl.load(weights_ptr + pair).to(tl.float32)
-    y = tl.sum(acc, axis=1) * w
+    return tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+
+
+@triton.jit
+def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pairs,
+                      N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                      stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program (pair, n-block, split): y[split, pair, n-block] = weight * partial dot over its
+    K_PER_SPLIT (a multiple of BLOCK_K) columns of I (the last split may run past K: masked)."""
+    pid = tl.program_id(0)
+    pair = pid % num_pairs
+    rest = pid // num_pairs
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_n = rest % num_n
+    split = rest // num_n
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    y = _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, pair, offs_n, n_ok, split * K_PER_SPLIT,
+                           K, K_PER_SPLIT, stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
+                           BLOCK_N, BLOCK_K, EVEN_K)
     tl.store(y_ptr + split * stride_ys + pair * stride_ym + offs_n * stride_yn, y, mask=n_ok)
 
 
@@ -262,7 +272,8 @@ def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, 
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (token, n-block): out[token, n-block] = sum over the token's k slots of weight * the
     slot expert's rows . h[pair], written once in the output dtype: no fp32 partials, no sum and
-    no cast launch after it (two fewer launches per MoE layer at decode)."""
+    no cast launch after it. Measured slower than the split version on the H200 at T=1 (fewer
+    loads in flight; benchmarks/NOTES.md): kept as an option (GemvConfig.fold_slots), off."""
     pid = tl.program_id(0)
     token = pid % num_tokens
     pid_n = pid // num_tokens
@@ -270,24 +281,8 @@ def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, 
     n_ok = offs_n < N
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = h_ptr + pair * stride_hm + offs_k * stride_hk
-        b_ptrs = w2_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs).to(tl.float32)
-                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += b.to(tl.float32) * a[None, :]
-            a_ptrs += BLOCK_K * stride_hk
-            b_ptrs += BLOCK_K * stride_wk
-        y += tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+        y += _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, token * TOP_K + slot, offs_n, n_ok, 0,
+                                K, K, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, BLOCK_N, BLOCK_K, EVEN_K)
     tl.store(out_ptr + token * stride_ot + offs_n * stride_on, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 

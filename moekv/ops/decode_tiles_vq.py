@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.decode_attention import DecodeSpec, TileReader
+from moekv.ops.decode_tiles import _nuq2_used_chunks  # the slots fill in order in both formats
 
 CODEBOOK_SIZE = tl.constexpr(256)
 SLOT_CHUNK = 16  # outlier slots per one-hot product (the MMA's smallest K)
@@ -101,27 +102,6 @@ def vq_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOC
 
 
 @triton.jit
-def _vq_used_chunks(pool, page_base, OIDX_OFF: tl.constexpr, S: tl.constexpr, NPG: tl.constexpr):
-    """How many 16-slot chunks the tile's pages use (the most of any page; slots fill in order)."""
-    SC: tl.constexpr = 16
-    X0: tl.constexpr = (S + SC - 1) // SC
-    X1: tl.constexpr = X0 | (X0 >> 1)
-    X2: tl.constexpr = X1 | (X1 >> 2)
-    X3: tl.constexpr = X2 | (X2 >> 4)
-    NCP: tl.constexpr = X3 + 1  # a power of two above the chunk count
-    u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
-    i = tl.arange(0, NCP) * SC
-    if NPG == 1:
-        first = tl.load(u16 + ((page_base + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
-        n = tl.sum((first != 0xFFFF).to(tl.int32), axis=0)
-    else:
-        first = tl.load(u16 + ((page_base + OIDX_OFF) >> 1)[:, None] + i[None, :], mask=(i < S)[None, :],
-                        other=0xFFFF).to(tl.int32)  # [NPG, NCP]
-        n = tl.max(tl.sum((first != 0xFFFF).to(tl.int32), axis=1), axis=0)
-    return n
-
-
-@triton.jit
 def _vq_slot_chunk(pool, page_base, tok0, chunk, CB, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                    TOK_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr,
                    SUB: tl.constexpr):
@@ -165,7 +145,7 @@ def vq_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_
     SC: tl.constexpr = 16
     NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
     n = tl.arange(0, BLOCK_N)
-    chunks = _vq_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
             used, colm, c, delta = _vq_slot_chunk(pool, page_base, tok0, chunk, T0, D, BLOCK_N, P, TOK_OFF,
@@ -188,7 +168,7 @@ def vq_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.cons
     NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
-    chunks = _vq_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
             used, colm, c, delta = _vq_slot_chunk(pool, page_base, tok0, chunk, T2, D, BLOCK_N, P, TOK_OFF,

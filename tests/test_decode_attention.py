@@ -10,31 +10,20 @@ partial page staged), so the kernel reads exactly what the engine stores.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-triton = pytest.importorskip("triton")
+from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import _is_decode_only  # noqa: E402
 from moekv.kvcache.formats.nuq2 import fit_centroids  # noqa: E402
-from moekv.ops import decode_attention as da  # noqa: E402
-from moekv.ops import decode_tiles  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(da._paged_decode_kernel, InterpretedFunction):  # imported earlier, compiled
-        da = importlib.reload(da)
-        decode_tiles = importlib.reload(decode_tiles)
+da, decode_tiles = kernel_modules("moekv.ops.decode_attention", "moekv.ops.decode_tiles")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -10,32 +10,20 @@ benchmark's shape (32/8 heads, head_dim 128, pages of 64) in bf16.
 """
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-triton = pytest.importorskip("triton")
+from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 from safetensors.torch import save_file  # noqa: E402
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.calibrate import CALIBRATION_FILE  # noqa: E402
 from moekv.kvcache.formats.vq import VQFormat, fit_codebook, fit_key_channel_scale  # noqa: E402
-from moekv.ops import decode_attention as da  # noqa: E402
-from moekv.ops import decode_tiles_vq  # noqa: E402
 from moekv.ops.reference import decode_attention_ref  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(da._paged_decode_kernel, InterpretedFunction):  # imported earlier, compiled
-        da = importlib.reload(da)
-    if not isinstance(decode_tiles_vq.vq_key_tile, InterpretedFunction):
-        decode_tiles_vq = importlib.reload(decode_tiles_vq)
+da, _, decode_tiles_vq = kernel_modules("moekv.ops.decode_attention", "moekv.ops.decode_tiles", "moekv.ops.decode_tiles_vq")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -9,24 +9,15 @@ bf16 dots are cast up there, DESIGN.md section 6); with CUDA the same grid runs 
 """
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-triton = pytest.importorskip("triton")
+from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
-from moekv.ops import fused_moe as fm  # noqa: E402
 from moekv.ops.reference import fused_moe_ref, moe_align_block_size_ref  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(fm._gate_up_gemm_kernel, InterpretedFunction):  # imported earlier, compiled
-        fm = importlib.reload(fm)
+(fm,) = kernel_modules("moekv.ops.fused_moe")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL_GEMM = fm.GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)

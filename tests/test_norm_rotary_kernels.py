@@ -2,25 +2,15 @@
 float64 oracle. Without CUDA they run under TRITON_INTERPRET=1 on CPU tensors (fp32/fp16)."""
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-pytest.importorskip("triton")
+from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
-from moekv.ops import rms_norm as rn  # noqa: E402
-from moekv.ops import rotary as ro  # noqa: E402
 from moekv.ops.reference import apply_rotary_ref, rms_norm_ref, rotary_cos_sin_ref  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(rn._rms_norm_kernel, InterpretedFunction):  # imported earlier, compiled
-        rn, ro = importlib.reload(rn), importlib.reload(ro)
+rn, ro = kernel_modules("moekv.ops.rms_norm", "moekv.ops.rotary")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

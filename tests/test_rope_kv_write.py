@@ -4,33 +4,21 @@
 both ways. Without CUDA the kernels run under TRITON_INTERPRET=1 on CPU tensors (fp32/fp16)."""
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-pytest.importorskip("triton")
+from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import LayerKVCache, stage_decode_tokens  # noqa: E402
 from moekv.layers.attention import Attention  # noqa: E402
 from moekv.models.model_config import ModelConfig  # noqa: E402
-from moekv.ops import rope_kv_write as rkw  # noqa: E402
-from moekv.ops import rotary as ro  # noqa: E402
 from moekv.ops.reference import (apply_rotary_ref, rope_kv_write_ref, rotary_cos_sin_ref,  # noqa: E402
                                  write_kv_pages_ref)
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(rkw._rope_kv_write_kernel, InterpretedFunction):  # imported earlier, compiled
-        rkw = importlib.reload(rkw)
-    if not isinstance(ro._rotary_kernel, InterpretedFunction):
-        ro = importlib.reload(ro)
+rkw, ro = kernel_modules("moekv.ops.rope_kv_write", "moekv.ops.rotary")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 THETA = 1e4

@@ -2,24 +2,15 @@
 Without CUDA it runs under TRITON_INTERPRET=1 on CPU tensors (fp32/fp16)."""
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-pytest.importorskip("triton")
+from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
-from moekv.ops import router_gemv as rg  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(rg._router_gemv_kernel, InterpretedFunction):  # imported earlier, compiled
-        rg = importlib.reload(rg)
+(rg,) = kernel_modules("moekv.ops.router_gemv")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

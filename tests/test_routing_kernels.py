@@ -8,27 +8,16 @@ kernel path against its CPU path.
 """
 from __future__ import annotations
 
-import importlib
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-triton = pytest.importorskip("triton")
+from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
-from moekv.ops import fused_routing as fr  # noqa: E402
-from moekv.ops import rms_norm_coarse_gate as rc  # noqa: E402
 from moekv.ops.reference import cluster_routing_ref, fused_routing_ref, rms_norm_coarse_gate_ref  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(fr._fused_topk_kernel, InterpretedFunction):  # imported earlier, compiled
-        fr = importlib.reload(fr)
-        rc = importlib.reload(rc)
+fr, rc = kernel_modules("moekv.ops.fused_routing", "moekv.ops.rms_norm_coarse_gate")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INF = float("inf")

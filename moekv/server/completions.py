@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from moekv.engine.llm_engine import LLMEngine
 from moekv.outputs import RequestOutput
 from moekv.server.protocol import APIError, CompletionRequest, parse_body
-from moekv.server.serving import (ServerState, collect, make_sequences, new_id, now, prompt_tokens,
+from moekv.server.serving import (ServerState, StreamUsage, collect, make_sequences, new_id, now, prompt_tokens,
                                   sampling_params, stream_response, submit, token_text, usage)
 
 
@@ -82,8 +82,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
 
     started: set[str] = set()
     offsets = {rid: 0 for rid in index}
-    done_tokens: dict[str, int] = {}
-    options = req.stream_options
+    counts = StreamUsage(head, seqs, req.n, req.stream_options)
 
     def render(out: RequestOutput, delta: str) -> dict | None:
         comp, rid = out.outputs[0], out.request_id
@@ -100,16 +99,6 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         choice = {"index": index[rid], "text": delta, "logprobs": lp,
                   "finish_reason": comp.finish_reason if out.finished else None,
                   "stop_reason": comp.stop_reason if out.finished else None}
-        chunk = {**head, "choices": [choice]}
-        if out.finished:
-            done_tokens[rid] = len(comp.token_ids)
-        if options and options.include_usage and options.continuous_usage_stats:
-            chunk["usage"] = usage(len(out.prompt_token_ids), len(comp.token_ids))
-        return chunk
+        return counts.add({**head, "choices": [choice]}, out)
 
-    def final_usage() -> dict | None:
-        if not (options and options.include_usage):
-            return None
-        return {**head, "choices": [], "usage": usage(prompt_tokens(seqs, req.n), sum(done_tokens.values()))}
-
-    return stream_response(state, handle, seqs, render, final_usage)
+    return stream_response(state, handle, seqs, render, counts.final)

@@ -223,6 +223,29 @@ async def _events(state: ServerState, handle: RequestHandle, seqs: list[Sequence
         abort_unfinished(state, handle)
 
 
+class StreamUsage:
+    """Token counts of one streaming request: usage on every chunk when the client asked for
+    `continuous_usage_stats`, and the closing usage chunk when it asked for `include_usage`."""
+
+    def __init__(self, head: dict, seqs: list[Sequence], n: int, options) -> None:
+        self.head, self.seqs, self.n, self.options = head, seqs, n, options
+        self.done_tokens: dict[str, int] = {}
+
+    def add(self, chunk: dict, out: RequestOutput) -> dict:
+        comp = out.outputs[0]
+        if out.finished:
+            self.done_tokens[out.request_id] = len(comp.token_ids)
+        if self.options and self.options.include_usage and self.options.continuous_usage_stats:
+            chunk["usage"] = usage(len(out.prompt_token_ids), len(comp.token_ids))
+        return chunk
+
+    def final(self) -> dict | None:
+        if not (self.options and self.options.include_usage):
+            return None
+        return {**self.head, "choices": [],
+                "usage": usage(prompt_tokens(self.seqs, self.n), sum(self.done_tokens.values()))}
+
+
 def prompt_tokens(seqs: list[Sequence], n: int) -> int:
     """Prompt tokens of a request, each prompt counted once however many choices it has."""
     return sum(seq.num_prompt_tokens for seq in seqs[::n])

@@ -21,7 +21,8 @@ import math
 import torch
 
 from moekv.context import Context
-from moekv.kvcache.formats.base import LayerKVCache, PagedQuantFormat, check_finite, stage_tokens, staging_tensors
+from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, _is_decode_only, check_finite, stage_tokens,
+                                       staging_tensors)
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
 
@@ -72,22 +73,53 @@ class TieredFormat(PagedQuantFormat):
             t[f"{name}_fp8"] = torch.zeros(num_fp8, num_kv_heads, hi, dtype=torch.uint8, device=device)
             t[f"{name}_low"] = torch.zeros(num_blocks, num_kv_heads, lo, dtype=torch.uint8, device=device)
         cache = LayerKVCache(t)
-        # Plain-Python page state (the CPU path; a GPU version keeps these as device tensors).
+        # Page state in plain Python: the source of truth (writes, demotions, re-ranking). The fused
+        # decode kernel (moekv/ops/decode_tiered.py) reads device mirrors of the tier map, kept in
+        # sync wherever a page changes tier (_sync_pages), and adds its attention mass to a device
+        # accumulator that is folded into "mass" before the host reads it (_fold_mass).
         cache.state = {
             "tier": [TIER_NONE] * num_blocks,
             "fp8_slot": [-1] * num_blocks,
             "mass": [0.0] * num_blocks,
             "free_fp8": list(range(num_fp8 - 1, -1, -1)),
             "steps": 0,
+            "tier_dev": torch.zeros(num_blocks, dtype=torch.int32, device=device),
+            "slot_dev": torch.full((num_blocks,), -1, dtype=torch.int32, device=device),
+            "mass_dev": torch.zeros(num_blocks, dtype=torch.float32, device=device),
+            "mass_pending": False,  # mass_dev holds mass not yet in "mass"
         }
         return cache
 
+    def _sync_pages(self, cache, pages: list[int], zero_mass: bool = False) -> None:
+        """Copy the pages' tier and FP8 slot to the device mirrors (and clear their pending mass)."""
+        if not pages:
+            return
+        st = cache.state
+        dev = st["tier_dev"].device
+        idx = torch.tensor(pages, dtype=torch.long, device=dev)
+        st["tier_dev"][idx] = torch.tensor([st["tier"][p] for p in pages], dtype=torch.int32, device=dev)
+        st["slot_dev"][idx] = torch.tensor([st["fp8_slot"][p] for p in pages], dtype=torch.int32, device=dev)
+        if zero_mass and st["mass_pending"]:
+            st["mass_dev"][idx] = 0.0
+
+    def _fold_mass(self, cache) -> None:
+        """Add the kernel's accumulated mass to the host scores (one device-to-host copy)."""
+        st = cache.state
+        if st["mass_pending"]:
+            pages = st["mass_dev"].nonzero().flatten()
+            for page, m in zip(pages.tolist(), st["mass_dev"][pages].tolist()):
+                st["mass"][page] += m
+            st["mass_dev"].zero_()
+            st["mass_pending"] = False
+
     def release_pages(self, cache, pages) -> None:
         st = cache.state
+        pages = list(pages)
         for page in pages:
             if st["tier"][page] == TIER_FP8:
                 st["free_fp8"].append(st["fp8_slot"][page])
             st["tier"][page], st["fp8_slot"][page], st["mass"][page] = TIER_NONE, -1, 0.0
+        self._sync_pages(cache, pages, zero_mass=True)
 
     # -- writing ---------------------------------------------------------------------------------
     def write(self, cache, k, v, ctx) -> None:
@@ -117,12 +149,14 @@ class TieredFormat(PagedQuantFormat):
                 layout = self.hi.layout(kind, x.shape[2], x.shape[3])
                 cache[f"{name}_fp8"][slot] = layout.pack(self.hi.quantize(x, kind, cache.layer))[0]
             st["tier"][page], st["fp8_slot"][page] = TIER_FP8, slot
+            self._sync_pages(cache, [page])
         else:  # every FP8 page is protected: this one goes straight to the low tier
             for name, kind in (("k", "key"), ("v", "value")):
                 x = kv[name][None]
                 layout = self.lo.layout(kind, x.shape[2], x.shape[3])
                 cache[f"{name}_low"][page] = layout.pack(self.lo.quantize(x, kind, cache.layer))[0]
             st["tier"][page] = TIER_LOW
+            self._sync_pages(cache, [page])
 
     def _demote(self, cache, page: int) -> None:
         """Re-encode one FP8 page into nuq2 (in its low-pool slot) and free its FP8 slot."""
@@ -135,9 +169,11 @@ class TieredFormat(PagedQuantFormat):
             cache[f"{name}_low"][page] = self.lo.layout(kind, P, D).pack(self.lo.quantize(x, kind, cache.layer))[0]
         st["free_fp8"].append(slot)
         st["tier"][page], st["fp8_slot"][page] = TIER_LOW, -1
+        self._sync_pages(cache, [page])
 
     def _demote_coldest(self, cache, exclude: set[int]) -> None:
         st = cache.state
+        self._fold_mass(cache)
         candidates = [p for p, t in enumerate(st["tier"]) if t == TIER_FP8 and p not in exclude]
         if candidates:
             self._demote(cache, min(candidates, key=lambda p: st["mass"][p]))
@@ -146,6 +182,7 @@ class TieredFormat(PagedQuantFormat):
         """Per sequence in this step: keep the top pages by mass, the first and the newest full page
         in FP8; demote the rest. Masses then halve, so that the ranking follows recent attention."""
         st = cache.state
+        self._fold_mass(cache)
         block_size = cache["k_staging"].shape[2]
         for b, length in enumerate(ctx.context_lens.tolist()):
             full = ctx.block_tables[b, :length // block_size].tolist()
@@ -193,7 +230,33 @@ class TieredFormat(PagedQuantFormat):
             self.elements_read += tail * cache["k_staging"].shape[1] * D
         return torch.cat(parts)
 
+    def use_kernel(self, q, ctx) -> bool:
+        """Decode-only steps on CUDA in fp16/bf16 with page codebooks take the fused kernel."""
+        return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not self.lo.calibrated
+                and _is_decode_only(q, ctx))
+
     def attend(self, q, cache, ctx, scale, sliding_window):
+        """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel); otherwise
+        (CPU, prefill) attend_reference."""
+        if self.use_kernel(q, ctx):
+            return self.attend_kernel(q, cache, ctx, scale, sliding_window)
+        return self.attend_reference(q, cache, ctx, scale, sliding_window)
+
+    def attend_kernel(self, q, cache, ctx, scale, sliding_window, **launch):
+        """One query per sequence through moekv/ops/decode_tiered.py: both tiers in one launch; the
+        per-page attention mass it emits (summed over query heads, full pages only: the reference's
+        definition) goes to the device accumulator, without a sync. launch: num_splits, block_n, ..."""
+        from moekv.ops.decode_tiered import tiered_decode_attention
+
+        st = cache.state
+        out, mass = tiered_decode_attention(q, cache, st["tier_dev"], st["slot_dev"], ctx.block_tables,
+                                            ctx.context_lens, ctx.seq_slots, scale, sliding_window,
+                                            self.hi, self.lo, **launch)
+        st["mass_dev"].index_add_(0, ctx.block_tables.reshape(-1).long(), mass.reshape(-1))
+        st["mass_pending"] = True
+        return out
+
+    def attend_reference(self, q, cache, ctx, scale, sliding_window):
         """Attention with explicit probabilities, so each page's mass is known (no second pass)."""
         st = cache.state
         P = cache["k_staging"].shape[2]

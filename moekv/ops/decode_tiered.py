@@ -1,0 +1,244 @@
+"""Paged flash-decoding for `tiered` (moekv/kvcache/formats/tiered.py): one launch over pages of both tiers.
+
+A tiered layer keeps two physical pools, FP8 slabs (fp8_e4m3) and low slabs (nuq2), and maps each
+logical page (the block manager's id, what block_tables hold) to a tier and, for FP8, a slot in the
+FP8 pool. The format mirrors that map into two int32 device tensors, `page_tier` [N] (1 FP8, 2 low,
+0 none) and `page_slot` [N] (the FP8 slot, -1 otherwise), which this kernel reads per tile.
+
+The kernel is `_paged_decode_kernel`'s (moekv/ops/decode_attention.py) split-K loop specialised to
+two readers: tiles never span pages (BLOCK_N <= P), so each tile is one page of one tier and a
+uniform branch on the page's tier picks the FP8 readers (row-scaled codes) or the nuq2 ones
+(centroid lookup, the keys' channel affine folded into q, outlier-slot corrections). Both branches
+accumulate in nuq2's planar column order (tile column 4j + s = channel s*D/4 + j): the FP8 value
+tile is loaded with its channels (rows of its token-major slab) in that order, which keeps its loads
+contiguous along the tokens, and the FP8 keys use q in natural order (a score is order-free).
+
+Attention mass: with EMIT_MASS, each tile writes, per query head, the sum of its probabilities
+relative to the split's running max at that tile, sum_n 2^(s_n - m), and that m; with the final
+log2-sum-exp L of the head, the tile's share of the head's attention is sum * 2^(m - L).
+`tiered_decode_attention` returns the per-(sequence, page) sum over all query heads, what the
+format's reference path (`TieredFormat.attend_reference`) adds to its per-page scores.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, _TL_DTYPES, _patch_interpreter_index, _reduce_kernel,
+                                        _sm_count, _softmax_step, num_splits_for)
+from moekv.ops.decode_tiles import fp8_key_tile, nuq2_key_fix, nuq2_key_fold, nuq2_key_tile, nuq2_value_fix, \
+    nuq2_value_tile
+
+TIER_FP8 = tl.constexpr(1)  # = moekv.kvcache.formats.tiered.TIER_FP8
+
+
+@triton.jit
+def _fp8_value_tile_planar(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                           P: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """fp8_e4m3 value slab (codes e4m3 [D, P] token-major at 0, scale fp16 [P] at SCALE_OFF), a tile
+    inside one page, with tile column 4j + s holding channel s*D/4 + j (nuq2's planar order): the
+    slab's rows are read in that order, each still contiguous along the tokens. Unmasked code loads
+    (as fp8_value_tile): tokens past the context weigh 0 through their scale."""
+    d = tl.arange(0, D)
+    ch = (d % 4) * (D // 4) + d // 4
+    r = tl.arange(0, BLOCK_N)
+    codes = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    row0 = tl.multiple_of(page_base + tok0, 16)
+    x_t = tl.load(codes + (row0 + (ch * P)[:, None] + r[None, :]))  # [D, BLOCK_N]
+    scale_ptr = pool.to(tl.pointer_type(tl.float16), bitcast=True)
+    scale = tl.load(scale_ptr + (((base + SCALE_OFF) >> 1) + tok), mask=valid, other=0.0).to(tl.float32)
+    return tl.trans(x_t.to(tl.float16)), scale
+
+
+@triton.jit
+def _tiered_decode_kernel(
+    q_ptr, stride_qb, stride_qh,  # q [B, Hq, D]
+    kf_pool, vf_pool, stride_kfp, stride_kfh, stride_vfp, stride_vfh,  # FP8 pools [F, Hkv, slab] uint8
+    kl_pool, vl_pool, stride_klp, stride_klh, stride_vlp, stride_vlh,  # low (nuq2) pools [N, Hkv, slab] uint8
+    block_tables, stride_bt, context_lens, seq_slots,  # [B, max_pages] int32, [B] int32, [B] int64
+    page_tier, page_slot,  # [N] int32: tier of each logical page, its FP8 slot
+    k_stage, v_stage, stride_ss, stride_sh, stride_st,  # [S, Hkv, P, D]
+    part_o, part_lse,  # [B, Hq, ns_total, D] fp32, [B, Hq, ns_total] fp32
+    tile_sum, tile_max, max_tiles,  # [B, Hq, max_tiles] fp32 (EMIT_MASS)
+    qk_scale, window, num_splits, ns_total,
+    F_KS: tl.constexpr, F_VS: tl.constexpr,  # FP8 key / value scale offsets
+    K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, K4: tl.constexpr, K5: tl.constexpr,
+    V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr,
+    K_FIX: tl.constexpr, V_FIX: tl.constexpr,  # nuq2 outlier-slot hooks, or None
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr,
+    EMIT_MASS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // NUM_KV_HEADS
+    h = pid % NUM_KV_HEADS
+    rows = tl.arange(0, G_PAD)
+    row_ok = rows < G
+    d = tl.arange(0, D)
+    q_rows = q_ptr + b * stride_qb + (h * G + rows)[:, None] * stride_qh  # [G_PAD, 1]
+    q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+
+    length = tl.load(context_lens + b)
+    quantized = (length // P) * P  # full pages; the partly filled newest one is staged
+    first = tl.maximum(length - window, 0)
+
+    m = tl.full([G_PAD], -1e30, tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    out_col = d
+    head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
+    if split < num_splits:
+        planar = (d % 4) * (D // 4) + d // 4  # the channel of each planar tile column
+        out_col = planar
+        q_pl = tl.load(q_rows + planar[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q_fp8 = q.to(DOT)
+        first_tile = first // BLOCK_N
+        num_tiles = tl.maximum(tl.cdiv(quantized, BLOCK_N) - first_tile, 0)
+        per_split = tl.cdiv(num_tiles, num_splits)
+        t0 = first_tile + split * per_split
+        t1 = tl.minimum(t0 + per_split, first_tile + num_tiles)
+        bt_row = block_tables + b.to(tl.int64) * stride_bt
+        for t in range(t0, t1):
+            start = t * BLOCK_N
+            pos = start + n_off
+            valid = (pos < quantized) & (pos >= first)
+            tok = pos % P
+            tok0 = start % P
+            page = tl.load(bt_row + start // P).to(tl.int64)
+            tier = tl.load(page_tier + page)
+            if tier == TIER_FP8:
+                slot = tl.load(page_slot + page).to(tl.int64)
+                kb = slot * stride_kfp + h * stride_kfh
+                k, k_scale = fp8_key_tile(kf_pool, kb, tok, kb, tok0, valid, D, BLOCK_N, P, ASM, F_KS, 0, 0, 0, 0, 0)
+                s = tl.dot(q_fp8, tl.trans(k.to(DOT))) * k_scale[None, :]
+                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
+                vb = slot * stride_vfp + h * stride_vfh
+                v, v_scale = _fp8_value_tile_planar(vf_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, F_VS)
+                v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+                pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
+            else:
+                kb = page * stride_klp + h * stride_klh
+                k, k_unused = nuq2_key_tile(kl_pool, kb, tok, kb, tok0, valid, D, BLOCK_N, P, ASM,
+                                            K0, K1, K2, K3, K4, K5)
+                s = tl.zeros([G_PAD, BLOCK_N], tl.float32)
+                if K_FIX is not None:
+                    s = K_FIX(kl_pool, kb, tok0, q_rows, row_ok, s, D, BLOCK_N, P, DOT, K0, K1, K2, K3, K4, K5)
+                q_page, bias = nuq2_key_fold(kl_pool, kb, q_pl, D, P, K0, K1, K2, K3, K4, K5)
+                s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT)), s) + bias[:, None]
+                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
+                vb = page * stride_vlp + h * stride_vlh
+                v, v_unused = nuq2_value_tile(vl_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, ASM,
+                                              V0, V1, V2, V3, 0, 0)
+                pv = tl.dot(p.to(DOT), v.to(DOT))
+                if V_FIX is not None:
+                    pv = V_FIX(vl_pool, vb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, 0, 0)
+            acc = acc * alpha[:, None] + pv
+            if EMIT_MASS:  # this tile's probabilities relative to m (the running max after it)
+                tl.store(tile_sum + head * max_tiles + t, tl.sum(p, axis=1), mask=row_ok)
+                tl.store(tile_max + head * max_tiles + t, m, mask=row_ok)
+    else:  # the staged tail [quantized, length): 16-bit, no mass (the reference counts full pages only)
+        q_tail = q.to(TAIL_DOT)
+        slot = tl.load(seq_slots + b)
+        stage_base = slot * stride_ss + h * stride_sh
+        for start in range(tl.maximum(quantized, first), length, BLOCK_N):
+            t_pos = start + n_off
+            t_valid = t_pos < length
+            stage_off = stage_base + (t_pos % P)[:, None] * stride_st + d[None, :]
+            t_k = tl.load(k_stage + stage_off, mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
+            t_v = tl.load(v_stage + stage_off, mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
+            t_s = tl.dot(q_tail, tl.trans(t_k))
+            m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
+            acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
+
+    nonempty = l > 0
+    o = acc / tl.where(nonempty, l, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    tl.store(part_o + (head * ns_total + split)[:, None] * D + out_col[None, :], o, mask=row_ok[:, None])
+    tl.store(part_lse + head * ns_total + split, lse, mask=row_ok)
+
+
+def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, page_slot: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, seq_slots: torch.Tensor,
+                            scale: float, sliding_window: int | None, fp8_fmt, nuq2_fmt, emit_mass: bool = True,
+                            num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
+                            num_stages: int = 2, use_asm: bool | None = None, out: torch.Tensor | None = None):
+    """Decode attention of q [B, Hq, D] over a tiered layer (tensors: its LayerKVCache or a dict with
+    k_fp8, v_fp8, k_low, v_low, k_staging, v_staging). Returns (out [B, Hq, D] in q's dtype,
+    mass [B, max_pages] fp32 or None): mass[b, i] = the attention probability summed over all query
+    heads on the i-th full page of sequence b (0 for the partly filled page and pages past the context).
+
+    fp8_fmt / nuq2_fmt: the tiers' formats (TieredFormat.hi / .lo; nuq2 with page codebooks)."""
+    B, Hq, D = q.shape
+    kf, vf, kl, vl = tensors["k_fp8"], tensors["v_fp8"], tensors["k_low"], tensors["v_low"]
+    k_stage, v_stage = tensors["k_staging"], tensors["v_staging"]
+    Hkv, P = kl.shape[1], k_stage.shape[2]
+    G = Hq // Hkv
+    if G * Hkv != Hq or D & (D - 1) or D < 16:
+        raise ValueError(f"tiered decode: needs Hq % Hkv == 0 and a power-of-two head_dim >= 16 (Hq={Hq}, Hkv={Hkv}, D={D})")
+    if nuq2_fmt.calibrated:
+        raise ValueError("tiered decode: the low tier's nuq2 must use page codebooks")
+    interpret = not isinstance(_tiered_decode_kernel, triton.runtime.jit.JITFunction)
+    if interpret:
+        _patch_interpreter_index()
+    block_n = min(block_n or (16 if interpret else 64), P)
+    if block_n < 16 or block_n & (block_n - 1) or P % block_n:
+        raise ValueError(f"tiered decode: block_n={block_n} must be a power of two >= 16 dividing block_size={P}")
+    if use_asm is None:
+        use_asm = not interpret
+    use_asm = bool(use_asm) and not interpret and block_n * D // 4 >= 4 * 32 * num_warps
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    max_pages = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = num_splits_for(B, Hkv, max_pages * P, block_n, _sm_count(q.device))
+    ns_total = num_splits + 1
+    part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
+    max_tiles = max_pages * (P // block_n)
+    if emit_mass:
+        tile_sum = torch.zeros(B, Hq, max_tiles, dtype=torch.float32, device=q.device)
+        tile_max = torch.full((B, Hq, max_tiles), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        tile_sum = tile_max = part_lse
+    koff = fp8_fmt.layout("key", P, D).offsets
+    voff = fp8_fmt.layout("value", P, D).offsets
+    lk = nuq2_fmt.layout("key", P, D).offsets
+    lv = nuq2_fmt.layout("value", P, D).offsets
+    k_slots = nuq2_fmt.outlier_slots("key", P, D)
+    v_slots = nuq2_fmt.outlier_slots("value", P, D)
+    kparams = (lk["centroids"], lk.get("out_val", 0), lk.get("out_idx", 0), k_slots, lk["chan_mean"], lk["chan_scale"])
+    vparams = (lv["centroids"], lv.get("out_val", 0), lv.get("out_idx", 0), v_slots)
+    dot = tl.float32 if interpret else tl.float16
+    tail_dot = tl.float32 if interpret else _TL_DTYPES[k_stage.dtype]
+    G_PAD = max(16, triton.next_power_of_2(G))
+    st = k_stage.stride()
+    _tiered_decode_kernel[(B * Hkv, ns_total)](
+        q, q.stride(0), q.stride(1),
+        kf, vf, kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+        kl, vl, kl.stride(0), kl.stride(1), vl.stride(0), vl.stride(1),
+        block_tables, block_tables.stride(0), context_lens, seq_slots,
+        page_tier, page_slot,
+        k_stage, v_stage, st[0], st[1], st[2],
+        part_o, part_lse, tile_sum, tile_max, max_tiles,
+        scale * LOG2E, NO_WINDOW if sliding_window is None else int(sliding_window), num_splits, ns_total,
+        koff["scale"], voff["scale"], *kparams, *vparams,
+        nuq2_key_fix if k_slots else None, nuq2_value_fix if v_slots else None,
+        Hkv, G, G_PAD, D, P, block_n, dot, tail_dot, use_asm, emit_mass,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if out is None:
+        out = torch.empty_like(q)
+    _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total,
+                            Hq, max(2, triton.next_power_of_2(ns_total)), D, num_warps=4)
+    if not emit_mass:
+        return out, None
+    # each head's final log2-sum-exp, then each tile's probability mass, summed over heads and per page
+    lse = torch.logsumexp(part_lse * math.log(2.0), dim=-1) / math.log(2.0)  # [B, Hq]
+    mass = tile_sum * torch.exp2(tile_max - lse[..., None])  # [B, Hq, max_tiles]
+    mass = mass.sum(dim=1).reshape(B, max_pages, P // block_n).sum(dim=-1)  # [B, max_pages]
+    return out, mass

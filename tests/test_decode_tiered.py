@@ -1,0 +1,163 @@
+"""The tiered decode kernel (moekv/ops/decode_tiered.py): both tiers in one launch, against the float64
+reference over the format's own gather, and its per-page attention mass against what the format's
+reference path (TieredFormat.attend_reference) accumulates.
+
+    OMP_NUM_THREADS=1 python -m pytest -q tests/test_decode_tiered.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_kernels import kernel_modules, triton  # noqa: F401 (before any kernel import)
+
+from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW  # noqa: E402
+
+da, decode_tiles, dt = kernel_modules("moekv.ops.decode_attention", "moekv.ops.decode_tiles",
+                                      "moekv.ops.decode_tiered")
+from tests.test_decode_attention import DEVICE, build_cache, reference  # noqa: E402
+
+
+def tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=0, demote_every=2, **options):
+    """A tiered cache written through fmt.write, then every `demote_every`-th full page (not the
+    first of its sequence) demoted to nuq2 (none for 0), so that both tiers hold pages of each sequence."""
+    fmt = get_kv_format("tiered", kv_dtype, codebook="page", **options)
+    cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed)
+    st = cache.state
+    for b, n in enumerate(lens):
+        for i, page in enumerate(ctx.block_tables[b, :n // block_size].tolist()):
+            if demote_every and i % demote_every == 1 and st["tier"][page] == TIER_FP8:
+                fmt._demote(cache, page)
+    return fmt, cache, ctx
+
+
+def mirrors_match(cache):
+    st = cache.state
+    assert st["tier_dev"].tolist() == st["tier"]
+    assert st["slot_dev"].tolist() == st["fp8_slot"]
+
+
+def run_and_compare(fmt, cache, ctx, group, q_dtype=torch.float32, window=None, seed=1, rel=2e-3, mass_rel=1e-4,
+                    **launch):
+    hkv, head_dim = cache["k_staging"].shape[1], cache["k_staging"].shape[3]
+    g = torch.Generator().manual_seed(seed)
+    B = ctx.block_tables.shape[0]
+    q = torch.randn(B, hkv * group, head_dim, generator=g).to(DEVICE, q_dtype)
+    scale = head_dim ** -0.5
+    ref = reference(fmt, cache, ctx, q, scale, window)
+    st = cache.state
+    # the reference path's mass, from zero
+    st["mass"] = [0.0] * len(st["mass"])
+    fmt.attend_reference(q, cache, ctx, scale, window)
+    ref_mass = torch.tensor(st["mass"], dtype=torch.float64)
+    st["mass"] = [0.0] * len(st["mass"])
+    out = fmt.attend_kernel(q, cache, ctx, scale, window, **launch)
+    fmt._fold_mass(cache)
+    mass = torch.tensor(st["mass"], dtype=torch.float64)
+    assert out.dtype == q_dtype and torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= rel * (ref.abs().max().item() + 1e-6), f"max error {err:.3g}"
+    assert (mass - ref_mass).abs().max().item() <= mass_rel * max(1.0, ref_mass.abs().max().item()), (mass, ref_mass)
+    assert not st["mass_pending"] and st["mass_dev"].abs().max().item() == 0
+    return out, ref, mass, ref_mass
+
+
+# (lens, Hkv, G, D, P, splits, BLOCK_N, kv dtype): batch 1 and 3, contexts on and off page
+# boundaries, GQA 1 and 4, several tiles per page, more splits than tiles, fp32 and fp16 caches
+GRID = [
+    ([80], 2, 4, 32, 16, 2, 16, torch.float32),
+    ([64, 37, 96], 2, 1, 32, 32, 3, 16, torch.float16),
+    ([100, 48, 5], 1, 4, 64, 32, 7, 32, torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", range(len(GRID)))
+def test_tiered_kernel_matches_reference(case):
+    lens, hkv, group, head_dim, block_size, splits, block_n, kv_dtype = GRID[case]
+    fmt, cache, ctx = tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=case)
+    tiers = [cache.state["tier"][p] for b, n in enumerate(lens) for p in ctx.block_tables[b, :n // block_size].tolist()]
+    assert TIER_FP8 in tiers and TIER_LOW in tiers
+    mirrors_match(cache)
+    _, _, mass, _ = run_and_compare(fmt, cache, ctx, group, num_splits=splits, block_n=block_n)
+    assert mass.sum() > 0
+
+
+def test_tiered_window_16bit_queries_and_pool_pressure():
+    """A sliding window; fp16 queries; an FP8 pool too small for the pages, so that writing demotes
+    the coldest page and sends pages straight to nuq2; releasing pages resets their mirrors."""
+    fmt, cache, ctx = tiered_cache([120, 70], 2, 32, 16, torch.float16, seed=4, demote_every=3,
+                                   fp8_pool_fraction=0.2)
+    mirrors_match(cache)
+    run_and_compare(fmt, cache, ctx, 4, window=37, num_splits=2, block_n=16)
+    run_and_compare(fmt, cache, ctx, 4, q_dtype=torch.float16, rel=1e-2, mass_rel=1e-3, num_splits=3, block_n=16)
+    # pending kernel mass of a released page is dropped with it
+    out = fmt.attend_kernel(torch.randn(2, 8, 32).to(DEVICE), cache, ctx, 32 ** -0.5, None, block_n=16)
+    assert out.shape == (2, 8, 32)
+    pages = ctx.block_tables[1, :70 // 16].tolist()
+    fmt.release_pages(cache, pages)
+    mirrors_match(cache)
+    assert all(cache.state["mass_dev"][p].item() == 0 for p in pages)
+    fmt._fold_mass(cache)
+    assert all(cache.state["mass"][p] == 0 for p in pages)
+
+
+def test_rerank_folds_kernel_mass():
+    """Re-ranking reads the kernel's mass: the hottest page keeps FP8, cold ones drop."""
+    fmt, cache, ctx = tiered_cache([160], 1, 32, 16, torch.float32, seed=9, demote_every=0,
+                                   tier1_fraction=0.1, fp8_pool_fraction=1.0)
+    st = cache.state
+    pages = ctx.block_tables[0, :10].tolist()
+    assert all(st["tier"][p] == TIER_FP8 for p in pages)
+    st["mass_dev"][pages[4]] = 5.0  # as if the kernel had put all attention on page 4
+    st["mass_pending"] = True
+    fmt._rerank(cache, ctx)
+    assert st["tier"][pages[4]] == TIER_FP8 and st["tier"][pages[0]] == TIER_FP8 and st["tier"][pages[-1]] == TIER_FP8
+    assert sum(st["tier"][p] == TIER_LOW for p in pages) == 7
+    assert st["mass"][pages[4]] == 2.5
+    mirrors_match(cache)
+
+
+def test_dispatch_cpu_keeps_reference(monkeypatch):
+    fmt, cache, ctx = tiered_cache([40], 1, 32, 16, torch.float32)
+    q = torch.randn(1, 2, 32)
+    assert not fmt.use_kernel(q, ctx)
+    monkeypatch.setattr(fmt, "attend_kernel", lambda *a, **k: pytest.fail("kernel on CPU"))
+    fmt.attend(q, cache, ctx, 32 ** -0.5, None)
+
+
+def tiered_mix(lens, hkv, head_dim, block_size, kv_dtype, seed=0, fp8_every=7):
+    """~1/fp8_every of each sequence's full pages (and its first) in FP8, the rest in nuq2."""
+    fmt = get_kv_format("tiered", kv_dtype, codebook="page", fp8_pool_fraction=1.0)
+    cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed)
+    for b, n in enumerate(lens):
+        for i, page in enumerate(ctx.block_tables[b, :n // block_size].tolist()):
+            if i and i % fp8_every != 3 and cache.state["tier"][page] == TIER_FP8:
+                fmt._demote(cache, page)
+    return fmt, cache, ctx
+
+
+def test_tiered_mix_small():
+    """The GPU test's cache recipe, at interpreter size."""
+    fmt, cache, ctx = tiered_mix([150, 90], 2, 32, 16, torch.float32, seed=2, fp8_every=3)
+    run_and_compare(fmt, cache, ctx, 4, num_splits=2, block_n=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("block_n", [64, 32])
+def test_gpu_tiered_realistic(block_n):
+    """32 query / 8 KV heads, head_dim 128, pages of 64, long contexts off page boundaries, bf16 queries,
+    ~15% of pages in FP8; the engine's path (fmt.attend) takes the kernel."""
+    lens = [4096 + 7, 1000, 16384, 129]
+    fmt, cache, ctx = tiered_mix(lens, 8, 128, 64, torch.bfloat16, seed=11)
+    mirrors_match(cache)
+    run_and_compare(fmt, cache, ctx, 4, q_dtype=torch.bfloat16, rel=2e-2, mass_rel=2e-2, block_n=block_n)
+    q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
+    ref = reference(fmt, cache, ctx, q, 128 ** -0.5, None)
+    assert fmt.use_kernel(q, ctx)
+    out = fmt.attend(q, cache, ctx, 128 ** -0.5, None)
+    assert (out.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    windowed = reference(fmt, cache, ctx, q, 128 ** -0.5, 700)
+    out = fmt.attend(q, cache, ctx, 128 ** -0.5, 700)
+    assert (out.double() - windowed).abs().max().item() <= 2e-2 * windowed.abs().max().item()

@@ -121,7 +121,7 @@ def test_rerank_folds_kernel_mass():
 def test_dispatch_cpu_keeps_reference(monkeypatch):
     fmt, cache, ctx = tiered_cache([40], 1, 32, 16, torch.float32)
     q = torch.randn(1, 2, 32)
-    assert not fmt.use_kernel(q, ctx)
+    assert not fmt.use_kernel(q, ctx, cache)
     monkeypatch.setattr(fmt, "attend_kernel", lambda *a, **k: pytest.fail("kernel on CPU"))
     fmt.attend(q, cache, ctx, 32 ** -0.5, None)
 
@@ -155,7 +155,7 @@ def test_gpu_tiered_realistic(block_n):
     run_and_compare(fmt, cache, ctx, 4, q_dtype=torch.bfloat16, rel=2e-2, mass_rel=2e-2, block_n=block_n)
     q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
     ref = reference(fmt, cache, ctx, q, 128 ** -0.5, None)
-    assert fmt.use_kernel(q, ctx)
+    assert fmt.use_kernel(q, ctx, cache)
     out = fmt.attend(q, cache, ctx, 128 ** -0.5, None)
     assert (out.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
     windowed = reference(fmt, cache, ctx, q, 128 ** -0.5, 700)

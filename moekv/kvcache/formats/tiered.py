@@ -230,15 +230,18 @@ class TieredFormat(PagedQuantFormat):
             self.elements_read += tail * cache["k_staging"].shape[1] * D
         return torch.cat(parts)
 
-    def use_kernel(self, q, ctx) -> bool:
-        """Decode-only steps on CUDA in fp16/bf16 with page codebooks take the fused kernel."""
+    def use_kernel(self, q, ctx, cache=None) -> bool:
+        """Decode-only steps on CUDA in fp16/bf16 with page codebooks take the fused kernel (pages
+        of a multiple of 16 tokens, a power-of-two head_dim >= 16: what its tiles need)."""
+        D = q.shape[-1]
+        P = cache["k_staging"].shape[2] if cache is not None else 16
         return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not self.lo.calibrated
-                and _is_decode_only(q, ctx))
+                and P % 16 == 0 and D >= 16 and D & (D - 1) == 0 and _is_decode_only(q, ctx))
 
     def attend(self, q, cache, ctx, scale, sliding_window):
         """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel); otherwise
         (CPU, prefill) attend_reference."""
-        if self.use_kernel(q, ctx):
+        if self.use_kernel(q, ctx, cache):
             return self.attend_kernel(q, cache, ctx, scale, sliding_window)
         return self.attend_reference(q, cache, ctx, scale, sliding_window)
 

@@ -24,8 +24,10 @@ listed in wrong_launches and does not compete; status "wrong" if none is right).
 (NUQ2_VARIANTS, not in the default list) time another way of reading the same pages: nuq2_eager
 the first outlier-slot code, nuq2_noslots no slot corrections at all (status "bound": a lower
 bound on the slots' cost, its error is reported but does not disqualify it). Formats without
-a fused kernel yet (tiered) appear with status "reference" (their plain-PyTorch path,
-timed at the smallest shape only) or "skipped" and the reason. vq runs on a random calibration
+a fused kernel yet appear with status "reference" (their plain-PyTorch path, timed at the smallest
+shape only) or "skipped" and the reason. tiered runs its own kernel (moekv/ops/decode_tiered.py) on a
+cache with ~15% of pages in FP8 and the rest in nuq2 (bench_tiered: ms includes the per-page mass
+output, nomass_ms is the kernel alone). vq runs on a random calibration
 (codebooks fitted in a few seconds on Gaussian pages shaped like the benchmark's keys and values,
 `moekv.kvcache.formats.vq.random_calibration`; --vq-calibration DIR takes a real one instead); its
 bytes include the layer's codebooks and channel scales (the kernel's DecodeSpec.tables).
@@ -228,11 +230,9 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
         spec = fmt.decode_spec(args.block_size, HEAD_DIM)
     row["bits_per_element"] = round(fmt.bits_per_element(NUM_KV_HEADS, args.block_size, HEAD_DIM), 4)
     scale = HEAD_DIM ** -0.5
+    if label == "tiered":
+        return bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base)
     if spec is None:
-        if label == "tiered":
-            return {**row, "status": "skipped", "reason": "no fused kernel yet (pages in two pools with per-page tier "
-                                                          "state; issue 6: one launch over both tiers that also "
-                                                          "emits page mass)"}
         if (batch, context) != min(args.shapes):
             return {**row, "status": "skipped", "reason": "no fused decode kernel yet; its reference path is timed "
                                                           "at the smallest shape only"}
@@ -299,6 +299,127 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                num_warps=best["num_warps"], num_stages=best["num_stages"], num_splits=best["num_splits"],
                use_asm=best["use_asm"], no_asm_ms=no_asm["ms"] if no_asm else None,
                max_abs_err=max(r["max_abs_err"] for r in ok),
+               wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > tolerance] or None)
+    del cache, ctx, q
+    torch.cuda.empty_cache()
+    return row
+
+
+TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
+
+
+def build_tiered_cache(fmt, batch: int, context: int, block_size: int, device, gen):
+    """A tiered layer with ~15% of each sequence's full pages in FP8 (every page whose index is 3, 10,
+    16, ... of 20: spread over the context) and the rest in nuq2, both pools filled from the same
+    random pages; host state and the kernel's device mirrors as the format keeps them."""
+    from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW
+
+    pages_per_seq = -(-context // block_size)
+    num_blocks = batch * pages_per_seq + 1
+    fmt.fp8_pool_fraction = TIERED_FP8_SHARE + 0.05
+    cache = fmt.allocate(num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM, device, batch, torch.bfloat16)
+    unique = min(UNIQUE_PAGES, num_blocks)
+    k, v = random_kv(unique, block_size, device, gen)
+    num_fp8 = cache["k_fp8"].shape[0]
+    for name, kind, x in (("k", "key", k), ("v", "value", v)):
+        for sub, pool in ((fmt.hi, "fp8"), (fmt.lo, "low")):
+            slab = sub.layout(kind, block_size, HEAD_DIM).pack(sub.quantize(x, kind, cache.layer))
+            n = cache[f"{name}_{pool}"].shape[0]
+            cache[f"{name}_{pool}"].copy_(slab[torch.arange(n, device=device) % unique])
+    for name in ("k_staging", "v_staging"):
+        cache[name].normal_(generator=gen)
+        if context % block_size:
+            cache[name][:, :, context % block_size:] = 0
+    del k, v
+    perm = torch.randperm(num_blocks - 1, device=device, generator=gen)[:batch * pages_per_seq]
+    tables = perm.view(batch, pages_per_seq).to(torch.int32)
+    st = cache.state
+    full = context // block_size
+    for row in tables[:, :full].tolist():
+        for i, page in enumerate(row):
+            fp8 = (i % 20) in (3, 10, 16)
+            if fp8 and st["free_fp8"]:
+                st["tier"][page], st["fp8_slot"][page] = TIER_FP8, st["free_fp8"].pop()
+            else:
+                st["tier"][page] = TIER_LOW
+    fmt._sync_pages(cache, [p for p in range(num_blocks) if st["tier"][p]])
+    ctx = Context(positions=torch.full((batch,), context - 1, device=device),
+                  slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
+                  block_tables=tables,
+                  context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+                  query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+                  logits_indices=torch.arange(batch, device=device),
+                  seq_slots=torch.arange(batch, device=device), max_query_len=1)
+    assert num_fp8 >= 1
+    return cache, ctx
+
+
+def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -> dict:
+    """tiered through its own kernel (moekv/ops/decode_tiered.py): ~15% of pages FP8, the rest nuq2;
+    ms is the engine's path (kernel + per-page mass into the device accumulator), nomass_ms the
+    kernel alone without the mass output."""
+    from moekv.kvcache.formats.tiered import TIER_FP8
+    from moekv.ops.decode_attention import num_splits_for
+    from moekv.ops.decode_tiered import tiered_decode_attention
+
+    P = args.block_size
+    cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
+    st = cache.state
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    scale = HEAD_DIM ** -0.5
+    full = context // P
+    n_fp8 = sum(st["tier"][p] == TIER_FP8 for p in ctx.block_tables[:, :full].flatten().tolist())
+    slab = {t: sum(f.layout(kind, P, HEAD_DIM).slab_bytes for kind in ("key", "value")) for t, f in
+            (("fp8", fmt.hi), ("low", fmt.lo))}
+    tiles = batch * NUM_HEADS * ctx.block_tables.shape[1] * (P // min(64, P))
+    nbytes = (NUM_KV_HEADS * (n_fp8 * slab["fp8"] + (batch * full - n_fp8) * slab["low"])
+              + batch * NUM_KV_HEADS * (context - full * P) * HEAD_DIM * 2 * 2 + 2 * batch * NUM_HEADS * HEAD_DIM * 2)
+    row.update(bytes=nbytes, floor_ms=nbytes / bandwidth * 1e3, fp8_page_share=n_fp8 / max(1, batch * full),
+               mass_bytes=tiles * 8)
+    ref = reference_output(fmt, cache, ctx, q, context)
+    row["ref_max_abs"] = ref.abs().max().item()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    results = []
+    for block_n, warps, stages, split_factor, use_asm in args.configs:
+        if block_n > P:
+            continue
+        splits = max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, ctx.block_tables.shape[1] * P, block_n, sms))
+        launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm)
+
+        def run(launch=launch):
+            return fmt.attend_kernel(q, cache, ctx, scale, None, **launch)
+
+        def run_nomass(launch=launch):
+            return tiered_decode_attention(q, cache, st["tier_dev"], st["slot_dev"], ctx.block_tables,
+                                           ctx.context_lens, ctx.seq_slots, scale, None, fmt.hi, fmt.lo,
+                                           emit_mass=False, **launch)[0]
+        entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm}
+        try:
+            out = run()
+            torch.cuda.synchronize()
+            entry.update(ms=timer(run, args.cudagraph), nomass_ms=timer(run_nomass, args.cudagraph),
+                         max_abs_err=(out[:1].float() - ref).abs().max().item())
+            if (block_n, warps, stages, split_factor, use_asm) == DEFAULT_CONFIG:
+                entry["eager_ms"] = timer(run, cudagraph=False)
+        except Exception as e:  # noqa: BLE001
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            traceback.print_exc(file=sys.stderr)
+        results.append(entry)
+    st["mass_dev"].zero_()
+    st["mass_pending"] = False
+    row["configs"] = results
+    tolerance = 0.05 * row["ref_max_abs"] + 1e-3
+    ok = [r for r in results if "ms" in r and r["max_abs_err"] <= tolerance]
+    if not ok:
+        bad = [r for r in results if "ms" in r]
+        return {**row, "status": "wrong" if bad else "error",
+                "reason": "every launch shape disagrees with the reference" if bad else results[0].get("error")}
+    best = min(ok, key=lambda r: r["ms"])
+    default = next((r for r in ok if "eager_ms" in r), best)
+    row.update(status="kernel", ms=best["ms"], nomass_ms=best["nomass_ms"], speedup=base["ms"] / best["ms"],
+               gbps=nbytes / best["ms"] * 1e-6, default_ms=default["ms"], eager_ms=default.get("eager_ms"),
+               block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
+               num_splits=best["num_splits"], use_asm=best["use_asm"], max_abs_err=max(r["max_abs_err"] for r in ok),
                wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > tolerance] or None)
     del cache, ctx, q
     torch.cuda.empty_cache()

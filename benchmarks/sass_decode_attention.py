@@ -46,7 +46,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", {"group_size": 32}),
            "kivi2": ("kivi2", {"residual": 128}), "nuq2": ("nuq2", {"codebook": "page"}),
-           "vq": ("vq", {})}  # vq: a random calibration (vq.random_calibration) made on first use
+           "vq": ("vq", {}),  # vq: a random calibration (vq.random_calibration) made on first use
+           "tiered": ("tiered", {"codebook": "page"})}  # its own kernel (moekv/ops/decode_tiered.py), mass output on
 # nuq2 kernel variants (decode_tiles.nuq2_spec's slots mode): label -> mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_noslots": "off"}
 KEYS = ["BAR", "LDG", "LDL", "STL", "LDS", "STS", "LDSM", "HMMA"]
@@ -73,7 +74,7 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
 
         spec = nuq2_spec(fmt, block_size, head_dim, slots=NUQ2_VARIANTS[label])
     else:
-        spec = fmt.decode_spec(block_size, head_dim)
+        spec = fmt.decode_spec(block_size, head_dim) if name != "tiered" else None
     num_kv_heads = 8
     cache = fmt.allocate(8, num_kv_heads, block_size, head_dim, torch.device("cpu"), 2, torch.bfloat16)
     q = torch.zeros(2, num_kv_heads * group, head_dim, dtype=torch.bfloat16)
@@ -85,6 +86,14 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
 
     JITFunction.run = run
     try:
+        if name == "tiered":
+            from moekv.ops.decode_tiered import tiered_decode_attention
+
+            tiered_decode_attention(q, cache, cache.state["tier_dev"], cache.state["slot_dev"],
+                                    torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
+                                    torch.arange(2), 0.1, None, fmt.hi, fmt.lo, block_n=block_n,
+                                    num_warps=num_warps, num_stages=num_stages, use_asm=use_asm)
+            return compiled["_tiered_decode_kernel"]
         da.paged_decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
                                   torch.arange(2), 0.1, None, spec, block_n=block_n,
                                   num_warps=num_warps, num_stages=num_stages, use_asm=use_asm)

@@ -22,7 +22,7 @@ from tests.test_decode_attention import DEVICE, build_cache, reference  # noqa: 
 def tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=0, demote_every=2, **options):
     """A tiered cache written through fmt.write, then every `demote_every`-th full page (not the
     first of its sequence) demoted to nuq2 (none for 0), so that both tiers hold pages of each sequence."""
-    fmt = get_kv_format("tiered", kv_dtype, codebook="page", **options)
+    fmt = get_kv_format("tiered", kv_dtype, codebook="page", fused_decode=True, **options)
     cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed)
     st = cache.state
     for b, n in enumerate(lens):
@@ -119,6 +119,7 @@ def test_rerank_folds_kernel_mass():
 
 
 def test_dispatch_cpu_keeps_reference(monkeypatch):
+    assert get_kv_format("tiered").fused_decode is False  # opt-in until its first GPU run
     fmt, cache, ctx = tiered_cache([40], 1, 32, 16, torch.float32)
     q = torch.randn(1, 2, 32)
     assert not fmt.use_kernel(q, ctx, cache)
@@ -128,7 +129,7 @@ def test_dispatch_cpu_keeps_reference(monkeypatch):
 
 def tiered_mix(lens, hkv, head_dim, block_size, kv_dtype, seed=0, fp8_every=7):
     """~1/fp8_every of each sequence's full pages (and its first) in FP8, the rest in nuq2."""
-    fmt = get_kv_format("tiered", kv_dtype, codebook="page", fp8_pool_fraction=1.0)
+    fmt = get_kv_format("tiered", kv_dtype, codebook="page", fused_decode=True, fp8_pool_fraction=1.0)
     cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed)
     for b, n in enumerate(lens):
         for i, page in enumerate(ctx.block_tables[b, :n // block_size].tolist()):

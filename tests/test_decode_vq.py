@@ -18,10 +18,9 @@ from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (befo
 
 from safetensors.torch import save_file  # noqa: E402
 
-from moekv.context import Context  # noqa: E402
 from moekv.kvcache.calibrate import CALIBRATION_FILE  # noqa: E402
 from moekv.kvcache.formats.vq import VQFormat, fit_codebook, fit_key_channel_scale  # noqa: E402
-from moekv.ops.reference import decode_attention_ref  # noqa: E402
+from tests.test_decode_attention import build_cache, reference  # noqa: E402 (shared cache recipe, oracle)
 
 da, _, decode_tiles_vq = kernel_modules("moekv.ops.decode_attention", "moekv.ops.decode_tiles", "moekv.ops.decode_tiles_vq")
 
@@ -61,51 +60,18 @@ def calibration(tmp_path_factory):
     return make
 
 
-def build_cache(fmt, lens, hkv, D, P, dtype, layer=0, seed=0, kv=None, device=DEVICE):
-    """A pool with shuffled pages per sequence, filled by fmt.write (one prefill); returns (cache, decode ctx)."""
-    g = torch.Generator().manual_seed(seed)
-    B = len(lens)
-    pages = [-(-n // P) for n in lens]
-    num_blocks = sum(pages) + 2
-    cache = fmt.allocate(num_blocks, hkv, P, D, device, B + 2, dtype)
-    cache.layer = layer
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(pages)
-    tables = [[free.pop() for _ in range(n)] + [0] * (width - n) for n in pages]
-    T = sum(lens)
-    if kv is None:
-        k = _keys(torch.randn(T, hkv, D, generator=g))
-        v = torch.randn(T, hkv, D, generator=g)
-    else:
-        k, v = kv(T, hkv, D, g)
-    positions, slots, starts = [], [], [0]
-    for b, n in enumerate(lens):
-        positions += range(n)
-        slots += [tables[b][p // P] * P + p % P for p in range(n)]
-        starts.append(starts[-1] + n)
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    seq_slots = torch.arange(B + 1, 1, -1).to(device)  # not the identity
-    prefill = Context(t(positions, torch.long), t(slots, torch.long), t(tables, torch.int32), t(lens, torch.int32),
-                      t(starts, torch.int32), t([], torch.long), seq_slots)
-    fmt.write(cache, k.to(device, dtype), v.to(device, dtype), prefill)
-    decode = Context(t([n - 1 for n in lens], torch.long), t([0] * B, torch.long), prefill.block_tables,
-                     prefill.context_lens, torch.arange(B + 1, dtype=torch.int32, device=device),
-                     t([], torch.long), seq_slots, max_query_len=1)
-    return cache, decode
-
-
-def reference(fmt, cache, ctx, q, scale, window):
-    keys, values = [], []
-    for b, n in enumerate(ctx.context_lens.tolist()):
-        keys.append(fmt.gather(cache, ctx, b, n, "key").double())
-        values.append(fmt.gather(cache, ctx, b, n, "value").double())
-    return decode_attention_ref(q.double(), keys, values, scale, window)
+def vq_kv(kv=None, hkv=None, D=None):
+    """The shared build_cache's kv(T, g): keys with the outlier channels of `_keys` unless kv(T, hkv, D, g)
+    gives the data."""
+    if kv is not None:
+        return lambda T, g: kv(T, hkv, D, g)
+    return lambda T, g: (_keys(torch.randn(T, hkv, D, generator=g)), torch.randn(T, hkv, D, generator=g))
 
 
 def run_case(calibration, lens, hkv, group, D, P, splits, block_n, window=None, layer=0, seed=0, kv=None,
              q_dtype=torch.float32, kv_dtype=torch.bfloat16):
     fmt = VQFormat(calibration=calibration(hkv, D))
-    cache, ctx = build_cache(fmt, lens, hkv, D, P, kv_dtype, layer=layer, seed=seed, kv=kv)
+    cache, ctx = build_cache(fmt, lens, hkv, D, P, kv_dtype, layer=layer, seed=seed, kv=vq_kv(kv, hkv, D))
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), hkv * group, D, generator=g).to(DEVICE, q_dtype)
     scale = D ** -0.5
@@ -159,7 +125,7 @@ def test_layer_tables_and_sliding_window(calibration):
     # the same cache read with layer 0's tables is not the reference: the tables do reach the kernel
     tables0 = fmt.decode_tables(0, DEVICE)
     fmt2 = VQFormat(calibration=calibration(2, 32))
-    cache, ctx = build_cache(fmt2, [83, 16], 2, 32, 32, torch.bfloat16, layer=1, seed=3)
+    cache, ctx = build_cache(fmt2, [83, 16], 2, 32, 32, torch.bfloat16, layer=1, seed=3, kv=vq_kv(None, 2, 32))
     q = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     spec = fmt2.decode_spec(32, 32)
     wrong = da.DecodeSpec(key=spec.key, value=spec.value, staged=True, tables=tables0)

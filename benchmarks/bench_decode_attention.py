@@ -107,6 +107,18 @@ def random_kv(n: int, block_size: int, device, gen) -> tuple[torch.Tensor, torch
     return k, v
 
 
+def decode_context(tables: torch.Tensor, context: int, device) -> Context:
+    """One decode query per sequence of `tables` [batch, pages], each with `context` tokens cached."""
+    batch = tables.shape[0]
+    return Context(positions=torch.full((batch,), context - 1, device=device),
+                   slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
+                   block_tables=tables,
+                   context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+                   query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+                   logits_indices=torch.arange(batch, device=device),
+                   seq_slots=torch.arange(batch, device=device), max_query_len=1)
+
+
 def build_cache(fmt, batch: int, context: int, block_size: int, device, gen):
     """One layer's pool for `batch` sequences of `context` tokens; returns (cache, ctx)."""
     pages_per_seq = -(-context // block_size)
@@ -133,13 +145,7 @@ def build_cache(fmt, batch: int, context: int, block_size: int, device, gen):
     del k, v
     perm = torch.randperm(num_blocks - 1, device=device, generator=gen)[:batch * pages_per_seq]
     tables = perm.view(batch, pages_per_seq).to(torch.int32)
-    ctx = Context(positions=torch.full((batch,), context - 1, device=device),
-                  slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
-                  block_tables=tables,
-                  context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-                  query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-                  logits_indices=torch.arange(batch, device=device),
-                  seq_slots=torch.arange(batch, device=device), max_query_len=1)
+    ctx = decode_context(tables, context, device)
     return cache, ctx
 
 
@@ -343,13 +349,7 @@ def build_tiered_cache(fmt, batch: int, context: int, block_size: int, device, g
             else:
                 st["tier"][page] = TIER_LOW
     fmt._sync_pages(cache, [p for p in range(num_blocks) if st["tier"][p]])
-    ctx = Context(positions=torch.full((batch,), context - 1, device=device),
-                  slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
-                  block_tables=tables,
-                  context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-                  query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-                  logits_indices=torch.arange(batch, device=device),
-                  seq_slots=torch.arange(batch, device=device), max_query_len=1)
+    ctx = decode_context(tables, context, device)
     assert num_fp8 >= 1
     return cache, ctx
 

@@ -126,6 +126,36 @@ def decode_context(batch: int, context: int, block_size: int, device) -> Context
     )
 
 
+def page_size(fmt_name: str) -> int:
+    return 16 if fmt_name == "bf16" else 64
+
+
+def install_filled_caches(model, cfg, fmt, batch: int, context: int, block_size: int, device) -> Context:
+    """Give every attention layer a pool of `fmt` pages holding `context` tokens per sequence (and
+    room for the next); returns the decode Context of the step that follows."""
+    pages = batch * (context // block_size + 1)
+    for attn in model.attention_layers:
+        attn.kv_format = fmt
+        attn.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch, torch.bfloat16)
+        attn.kv_cache.layer = attn.layer_idx
+        fill_pages(fmt, attn.kv_cache, cfg, block_size, device)
+    return decode_context(batch, context, block_size, device)
+
+
+def capture_graph(step) -> torch.cuda.CUDAGraph:
+    """`step` captured in a CUDA graph, after a warm-up on the capture stream (Triton compiles,
+    the allocator settles)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def time_ms(fn, iters: int) -> float:
     """Median of `iters` CUDA-event timings after two warm-up calls."""
     for _ in range(2):
@@ -154,7 +184,7 @@ def measure_bandwidth(device) -> float:
 def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandwidth: float,
               free_bytes: int, iters: int) -> dict:
     fmt = get_kv_format(fmt_name, torch.bfloat16)
-    block_size = 16 if fmt_name == "bf16" else 64
+    block_size = page_size(fmt_name)
     row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size}
     per_token = kv_bytes_per_token(fmt, cfg, block_size)
     row["kv_bytes_per_token"] = per_token
@@ -167,12 +197,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
     if fmt.decode_spec(block_size, cfg.head_dim) is None:
         row["skipped"] = "no fused decode kernel for this format yet (its reference path is not a benchmark)"
         return row
-    for attn in model.attention_layers:
-        attn.kv_format = fmt
-        attn.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch, torch.bfloat16)
-        attn.kv_cache.layer = attn.layer_idx
-        fill_pages(fmt, attn.kv_cache, cfg, block_size, device)
-    ctx = decode_context(batch, context, block_size, device)
+    ctx = install_filled_caches(model, cfg, fmt, batch, context, block_size, device)
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
 
     def step():
@@ -181,14 +206,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
     with torch.no_grad():
         row["tpot_eager_ms"] = time_ms(step, max(3, iters // 4))
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()  # warm-up on the capture stream (Triton compiles, allocator settles)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            graph = capture_graph(step)
             row["tpot_ms"] = time_ms(graph.replay, iters)
             row["graph"] = True
             del graph

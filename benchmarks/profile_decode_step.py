@@ -30,29 +30,15 @@ def main() -> None:
     device = torch.device("cuda")
     model, cfg = bd.build_random_model(args.shape, device)
     fmt = bd.get_kv_format(args.format, torch.bfloat16)
-    block_size = 16 if args.format == "bf16" else 64
-    pages = args.batch * (args.context // block_size + 1)
-    for attn in model.attention_layers:
-        attn.kv_format = fmt
-        attn.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, args.batch,
-                                     torch.bfloat16)
-        attn.kv_cache.layer = attn.layer_idx
-        bd.fill_pages(fmt, attn.kv_cache, cfg, block_size, device)
-    ctx = bd.decode_context(args.batch, args.context, block_size, device)
+    block_size = bd.page_size(args.format)
+    ctx = bd.install_filled_caches(model, cfg, fmt, args.batch, args.context, block_size, device)
     ids = torch.randint(0, cfg.vocab_size, (args.batch,), device=device)
 
     def step():
         return model.compute_logits(model(ids, ctx))
 
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = bd.capture_graph(step)
         for label, fn in (("eager", step), ("graph", graph.replay)):
             for _ in range(3):
                 fn()

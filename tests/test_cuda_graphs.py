@@ -267,3 +267,56 @@ def test_cuda_graphs_batch1_speed(hd32_ckpt):
         rates["eager" if eager else "graphs"] = n / (time.perf_counter() - start)
     print(f"\nbatch 1, tiny model, bf16 KV: eager {rates['eager']:.0f} tok/s, graphs {rates['graphs']:.0f} tok/s "
           f"({rates['graphs'] / rates['eager']:.2f}x)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rerank_interval", [10**6, 8])
+def test_tiered_fused_decode_matches_reference_in_the_engine(hd32_ckpt, monkeypatch, rerank_interval):
+    """tiered is not graph-safe (host-side tiers and re-ranking) but its decode steps take the fused
+    two-tier kernel by default. Without re-ranking (every page stays FP8) the engine's tokens and
+    logprobs follow the reference path by the graph test's near-tie rule. With re-ranking every 8
+    steps the two paths rank pages by masses computed differently (the kernel's exp2 of a bf16 MMA,
+    the reference's fp32 softmax), so a page near the cut may sit in the other tier (FP8 vs 2 bits)
+    and single logprobs part by up to ~0.3 nats (first H200 runs: 0.11, 0.22, 0.29): there the check
+    is the mean difference while the tokens agree (mixed tiers are checked exactly, kernel against
+    reference on one cache, in test_decode_tiered.py). Every page is freed."""
+    from moekv.kvcache.formats.tiered import TieredFormat
+
+    kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_dtype="tiered",
+                  kv_codebook="page", block_size=16)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (90, 60, 40)]
+    calls = []
+    kernel = TieredFormat.attend_kernel
+
+    def counting(self, *args, **kw):
+        calls.append(1)
+        return kernel(self, *args, **kw)
+
+    monkeypatch.setattr(TieredFormat, "attend_kernel", counting)
+    fused = LLM(hd32_ckpt, **kwargs)
+    fused.engine.runner.model.attention_layers[0].kv_format.rerank_interval = rerank_interval
+    out = fused.generate(prompts, params)
+    assert calls, "the fused kernel was not used"
+    monkeypatch.setattr(TieredFormat, "use_kernel", lambda *a, **k: False)
+    ref_llm = LLM(hd32_ckpt, **kwargs)
+    ref_llm.engine.runner.model.attention_layers[0].kv_format.rerank_interval = rerank_interval
+    ref = ref_llm.generate(prompts, params)
+    diffs = []
+    for a, b in zip(ref, out):
+        ra, rb = a.outputs[0], b.outputs[0]
+        if rerank_interval > 1000:
+            ok, where = _first_divergence_is_a_tie(ra.token_ids, ra.logprobs, rb.token_ids, rb.logprobs)
+            assert ok, f"tiered without re-ranking: {where}"
+        for i, (x, y) in enumerate(zip(ra.token_ids, rb.token_ids)):
+            if x != y:
+                break
+            diffs.append(abs(ra.logprobs[i][x] - rb.logprobs[i][y]))
+    assert sum(diffs) / len(diffs) < 0.1, f"mean |logprob difference| {sum(diffs) / len(diffs):.3f} over {len(diffs)}"
+    exact = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, out))
+    print(f"\ntiered fused vs reference (re-rank every {rerank_interval}): {exact}/3 sequences identical, {len(calls)} fused attention calls, "
+          f"mean |logprob difference| {sum(diffs) / len(diffs):.4f}, max {max(diffs):.3f} over {len(diffs)} tokens")
+    for e in (fused, ref_llm):
+        bm = e.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks

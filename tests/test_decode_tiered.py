@@ -119,7 +119,7 @@ def test_rerank_folds_kernel_mass():
 
 
 def test_dispatch_cpu_keeps_reference(monkeypatch):
-    assert get_kv_format("tiered").fused_decode is False  # opt-in until its first GPU run
+    assert get_kv_format("tiered").fused_decode is True  # the default since its H200 run
     fmt, cache, ctx = tiered_cache([40], 1, 32, 16, torch.float32)
     q = torch.randn(1, 2, 32)
     assert not fmt.use_kernel(q, ctx, cache)

@@ -17,7 +17,7 @@ from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (befo
 
 from moekv.ops.reference import fused_moe_ref, moe_align_block_size_ref  # noqa: E402
 
-(fm,) = kernel_modules("moekv.ops.fused_moe")
+_, fm = kernel_modules("moekv.ops.dense_gemv", "moekv.ops.fused_moe")  # fused_moe uses dense_gemv.row_dots
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL_GEMM = fm.GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)

@@ -8,7 +8,7 @@ import torch
 
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
-from moekv.ops.reference import apply_rotary_ref, rms_norm_ref, rotary_cos_sin_ref  # noqa: E402
+from moekv.ops.reference import add_rms_norm_ref, apply_rotary_ref, rms_norm_ref, rotary_cos_sin_ref  # noqa: E402
 
 rn, ro = kernel_modules("moekv.ops.rms_norm", "moekv.ops.rotary")
 
@@ -39,6 +39,25 @@ def test_rms_norm_strided_rows_and_bad_weight():
     assert torch.allclose(rn.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=1e-6)
     with pytest.raises(ValueError, match="dtype"):
         rn.rms_norm(x, w.half(), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T, H", [(1, 64), (4, 96)])
+def test_add_rms_norm_matches_reference(T, H, dtype):
+    g = torch.Generator().manual_seed(7 * T + H)
+    x = (torch.randn(T, H, generator=g) * 3).to(dtype).to(DEVICE)
+    delta = (torch.randn(T, 2, H, generator=g) * 50).to(dtype).to(DEVICE)[:, 1]  # strided rows, large values
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype).to(DEVICE)
+    total, out = rn.add_rms_norm(x, delta, w, 1e-5)
+    ref_total, ref_out = add_rms_norm_ref(x, delta, w, 1e-5)
+    assert torch.equal(total, ref_total)  # the residual stream is rounded exactly as torch's add
+    s = x.double() + delta.double()
+    exact = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(out.double(), ref_out.double(), rtol=tol, atol=tol)
+    assert ((out.double() - exact).norm() / exact.norm()) < 2 * tol
+    with pytest.raises(ValueError, match="dtypes must match"):
+        rn.add_rms_norm(x, delta.float() if dtype != torch.float32 else delta.half(), w, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

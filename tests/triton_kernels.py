@@ -20,15 +20,18 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
 
 
+SHARED = ("moekv.ops.pdl",)  # Triton helpers most kernel modules import: always reloaded first
+
+
 def kernel_modules(*names: str):
     """The named modules, in the order given (dependencies first: a module that imports kernels from
     another is reloaded after it), each reloaded when it still holds GPU-decorated kernels."""
     from triton.runtime.jit import JITFunction
 
     modules = []
-    for name in names:
+    for name in SHARED + names:
         module = importlib.import_module(name)
         if INTERPRET and any(isinstance(v, JITFunction) for v in vars(module).values()):
             module = importlib.reload(module)
         modules.append(module)
-    return modules
+    return modules[len(SHARED):]

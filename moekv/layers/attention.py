@@ -11,6 +11,15 @@ from moekv.layers.rotary import RotaryEmbedding
 from moekv.models.model_config import ModelConfig
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear; a few tokens on the GPU go through the one-launch GEMV (ops/dense_gemv.py)."""
+    if x.is_cuda:
+        from moekv.ops.dense_gemv import linear
+
+        return linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Attention(nn.Module):
     """GQA self-attention whose K/V live in a paged cache of some KV format.
 
@@ -48,7 +57,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         T = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
+        qkv = _project(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":  # OLMoE normalises the whole projection, before clipping
             q, k = self.q_norm(q), self.k_norm(k)
@@ -74,4 +83,4 @@ class Attention(nn.Module):
                 self.kv_observer(self.layer_idx, k, v)
             self.kv_format.write(self.kv_cache, k, v, ctx)
         o = self.kv_format.attend(q, self.kv_cache, ctx, self.scale, self.sliding_window)
-        return F.linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
+        return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)

@@ -25,6 +25,11 @@ class SparseMoE(nn.Module):
         self.shared_expert = GatedMLP(H, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
         self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
 
+    @property
+    def router_fuses_norm(self) -> bool:
+        """Whether the router computes the RMSNorm before the layer itself (with a coarse gate)."""
+        return getattr(self.router, "fuses_norm", False)
+
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """x [T, H]: the normalised state, or, with `norm` given, the residual stream before the
         norm (a router with a coarse gate computes both from one read of x)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekv.ops.reference import rms_norm_ref
+from moekv.ops.reference import add_rms_norm_ref, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -18,3 +18,13 @@ class RMSNorm(nn.Module):
 
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual step: (x + delta, norm(x + delta)); delta None: (x, norm(x))."""
+        if delta is None:
+            return x, self(x)
+        if x.is_cuda and x.dtype == self.weight.dtype == delta.dtype:  # one launch instead of two
+            from moekv.ops.rms_norm import add_rms_norm
+
+            return add_rms_norm(x, delta, self.weight, self.eps)
+        return add_rms_norm_ref(x, delta, self.weight, self.eps)

@@ -24,11 +24,17 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
 
-    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        if isinstance(self.mlp, SparseMoE):  # its router may fuse a coarse gate into the norm
-            return x + self.mlp(x, norm=self.post_attention_layernorm)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; delta: the previous layer's output, still to be added to it (None
+        before the first layer). Returns (x, this layer's output): each residual add is done by the
+        next norm, in the same launch."""
+        x, h = self.input_layernorm.add_and_norm(x, delta)
+        attn = self.self_attn(h, ctx)
+        if isinstance(self.mlp, SparseMoE) and self.mlp.router_fuses_norm:  # the norm shares a pass with a coarse gate
+            x = x + attn
+            return x, self.mlp(x, norm=self.post_attention_layernorm)
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
+        return x, self.mlp(h)
 
 
 class MoEDecoder(nn.Module):
@@ -46,10 +52,10 @@ class MoEDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: Context) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, H] (normalised)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x, delta = F.embedding(input_ids, self.embed_tokens), None
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+            x, delta = layer(x, delta, ctx)
+        return self.norm.add_and_norm(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> logits [S, V] in fp32."""

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.pdl import let_dependents_launch, pdl_enabled
+
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # a window longer than any context
 NUM_PARAMS = 6  # constexpr slots a tile reader gets for its layout (field offsets, group sizes)
@@ -286,8 +288,9 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total,
-                   NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr):
+                   NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     """out[b, hq] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    let_dependents_launch(PDL)  # the o projection may start its weight prefetch (ops/pdl.py)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     head = (b * NUM_HEADS + hq).to(tl.int64)
@@ -301,9 +304,11 @@ def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total,
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
-    """Enough programs to fill the GPU about twice, each with at least 4 tiles of work."""
+    """Enough programs to fill the GPU about twice, each with at least 2 tiles of work (at batch 1,
+    4k on the H200, 32 splits of 2 tiles ran in 8.7 us where 16 of 4 took 9.9:
+    results/h200/decode_step_kernels.json)."""
     want = math.ceil(2 * num_sms / max(1, batch * num_kv_heads))
-    return max(1, min(want, math.ceil(max_context / (4 * block_n)), 128))
+    return max(1, min(want, math.ceil(max_context / (2 * block_n)), 128))
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -416,5 +421,5 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     if out is None:
         out = torch.empty_like(q)
     _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total,
-                            Hq, max(2, triton.next_power_of_2(ns_total)), D, num_warps=4)
+                            Hq, max(2, triton.next_power_of_2(ns_total)), D, pdl_enabled(q.device), num_warps=4)
     return out

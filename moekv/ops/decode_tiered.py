@@ -234,7 +234,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     if out is None:
         out = torch.empty_like(q)
     _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total,
-                            Hq, max(2, triton.next_power_of_2(ns_total)), D, num_warps=4)
+                            Hq, max(2, triton.next_power_of_2(ns_total)), D, False, num_warps=4)
     if not emit_mass:
         return out, None
     # each head's final log2-sum-exp, then each tile's probability mass, summed over heads and per page

@@ -31,6 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.dense_gemv import row_dots
+from moekv.ops.pdl import (launch_options, let_dependents_launch, pdl_enabled, prefetch_cols, prefetch_lines,
+                           prefetch_rows_l2, wait_for_inputs)
+
 GEMV_MAX_PAIRS = 16  # decode fast path up to this many (token, slot) pairs
 
 
@@ -182,8 +186,11 @@ def _down_gemm_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_e
 def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
                          N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                          stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Program (pair, n-block): h[pair, n-block] from one [2 x BLOCK_N, H] slab of its expert."""
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (pair, n-block): h[pair, n-block] from one [2 x BLOCK_N, H] slab of its expert.
+    With PDL its expert id comes from the kernel before: wait first, then let the down GEMV start."""
+    wait_for_inputs(PDL)
+    let_dependents_launch(PDL)
     pid = tl.program_id(0)
     pair = pid % num_pairs
     pid_n = pid // num_pairs
@@ -223,34 +230,26 @@ def _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, pair, offs_n,
                        K: tl.constexpr, K_LEN: tl.constexpr, stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """weight[pair] * (rows offs_n of the pair's expert in w2) . h[pair] over columns
-    k_start .. k_start + K_LEN of I (masked past K unless EVEN_K) -> [BLOCK_N] fp32. Products
-    accumulate element-wise in a [BLOCK_N, BLOCK_K] tile reduced once at the end."""
+    k_start .. k_start + K_LEN of I (masked past K unless EVEN_K) -> [BLOCK_N] fp32 (row_dots)."""
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
     offs_k = k_start + tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + pair * stride_hm + offs_k * stride_hk
     b_ptrs = w2_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K_LEN, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs).to(tl.float32)
-            b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += b.to(tl.float32) * a[None, :]
-        a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
-    return tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+    y = row_dots(a_ptrs, b_ptrs, offs_k, n_ok, K, K_LEN, BLOCK_K * stride_hk, BLOCK_K * stride_wk, BLOCK_N, BLOCK_K,
+                 EVEN_K)
+    return y * tl.load(weights_ptr + pair).to(tl.float32)
 
 
 @triton.jit
 def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pairs,
                       N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                       stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      PDL: tl.constexpr, PREFETCH_COLS: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     """Program (pair, n-block, split): y[split, pair, n-block] = weight * partial dot over its
-    K_PER_SPLIT (a multiple of BLOCK_K) columns of I (the last split may run past K: masked)."""
+    K_PER_SPLIT (a multiple of BLOCK_K) columns of I (the last split may run past K: masked).
+    With PDL the expert ids are read before waiting (written two launches back, ops/pdl.py), to
+    prefetch the slab while the gate/up GEMV finishes."""
     pid = tl.program_id(0)
     pair = pid % num_pairs
     rest = pid // num_pairs
@@ -259,6 +258,11 @@ def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pai
     split = rest // num_n
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    if PDL and PREFETCH_LINES > 0:
+        expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+        rows = w2_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn + split * K_PER_SPLIT * stride_wk
+        prefetch_rows_l2(rows, n_ok, tl.minimum(PREFETCH_COLS, K - split * K_PER_SPLIT), PREFETCH_LINES)
+    wait_for_inputs(PDL)
     y = _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, pair, offs_n, n_ok, split * K_PER_SPLIT,
                            K, K_PER_SPLIT, stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
                            BLOCK_N, BLOCK_K, EVEN_K)
@@ -286,6 +290,32 @@ def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, 
     tl.store(out_ptr + token * stride_ot + offs_n * stride_on, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _sum_partials_kernel(y_ptr, out_ptr, stride_ys, stride_yt, stride_yk, stride_ot, H: tl.constexpr,
+                         SPLITS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, h-block] = sum of token t's fp32 partial rows y[s, t, slot] over k-splits and slots,
+    cast to the output dtype: one launch for what was a reduce and a cast."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + s * stride_ys + t * stride_yt + j * stride_yk + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _sum_partials(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [S, T, k, H] fp32 (H contiguous) -> sum over S and k, [T, H] in dtype."""
+    S, T, k, H = y.shape
+    out = torch.empty(T, H, dtype=dtype, device=y.device)
+    if T:
+        block_h = min(256, triton.next_power_of_2(H))
+        _sum_partials_kernel[(T, triton.cdiv(H, block_h))](y, out, y.stride(0), y.stride(1), y.stride(2), out.stride(0),
+                                                           H, S, k, block_h, num_warps=2)
+    return out
+
+
 # -- launch configuration -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GemmConfig:
@@ -299,15 +329,19 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_n: int = 32
-    block_k: int = 256
+    # defaults: the best of benchmarks/sweep_decode_b1.py on the H200 (whole decode step, batch 1)
+    block_n: int = 16
+    block_k: int = 512
     num_splits: int | None = None  # of the down projection's K (= I); None: enough programs to fill the GPU
     # down projection: one program per (token, n-block) sums the token's k slots and writes the
     # output dtype (no split of K, no fp32 partials and no sum/cast launches); block_n then
     # sets the parallelism (H / block_n programs per token)
     fold_slots: bool = False
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
+
+
+DEFAULT_GEMV = GemvConfig()
 
 
 def default_gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
@@ -364,11 +398,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights = topk_weights.reshape(-1)
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)  # [M, I]
     if path == "gemv":
-        cfg = config or GemvConfig()
+        cfg = config or DEFAULT_GEMV
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        pdl = pdl_enabled(x.device) and not cfg.fold_slots
         _gate_up_gemv_kernel[(M * triton.cdiv(I, cfg.block_n),)](
             x, w13, h, ids, M, I, H, k, *x.stride(), *w13.stride(), *h.stride(),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0, **launch)
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0, PDL=pdl, **launch,
+            **launch_options(pdl))
         if cfg.fold_slots:
             out = torch.empty_like(x)
             _down_gemv_fold_kernel[(T * triton.cdiv(H, cfg.block_n),)](
@@ -381,10 +417,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
         splits = triton.cdiv(I, k_per_split)
         y = torch.empty(splits, M, H, dtype=torch.float32, device=x.device)  # [S, M, H]
+        cols = prefetch_cols(k_per_split, cfg.block_k)
         _down_gemv_kernel[(M * num_n * splits,)](
             h, w2, y, weights, ids, M, H, I, k_per_split, *h.stride(), *w2.stride(), *y.stride(),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % k_per_split == 0, **launch)
-        return y.view(splits, T, k, H).sum((0, 2)).to(x.dtype)
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % k_per_split == 0, PDL=pdl,
+            PREFETCH_COLS=cols, PREFETCH_LINES=prefetch_lines(cols), **launch, **launch_options(pdl))
+        return _sum_partials(y.view(splits, T, k, H), x.dtype)
     if path != "gemm":
         raise ValueError(f"fused_moe: path must be 'gemv', 'gemm' or None, got {path!r}")
     cfg = config or default_gemm_config(M, E)
@@ -402,4 +440,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         h, w2, y, weights, sorted_ids, block_expert_ids, M, num_m_blocks, H, I,
         *h.stride(), *w2.stride(), *y.stride(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0, **launch)
-    return y.view(T, k, H).sum(1).to(x.dtype)
+    return _sum_partials(y.view(1, T, k, H), x.dtype)

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.pdl import let_dependents_launch, pdl_enabled
+
 _BIG = tl.constexpr(1 << 30)  # "no index" in the min-index reductions
 
 
@@ -28,7 +30,8 @@ _BIG = tl.constexpr(1 << 30)  # "no index" in the min-index reductions
 def _fused_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling_factor,
                        N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                        TOP_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+                       SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    let_dependents_launch(PDL)  # the MoE GEMV after the routing may get resident (ops/pdl.py)
     t = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
     offs_s = tl.arange(0, BLOCK_S)
@@ -98,7 +101,7 @@ def fused_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool, sc
         N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, TOP_K=top_k,
         BLOCK_G=triton.next_power_of_2(n_group), BLOCK_S=triton.next_power_of_2(group_size),
         BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=scoring == "softmax", HAS_BIAS=bias is not None,
-        RENORMALIZE=renormalize, num_warps=1 if num_experts <= 64 else 4)
+        RENORMALIZE=renormalize, PDL=pdl_enabled(logits.device), num_warps=1 if num_experts <= 64 else 4)
     return weights, ids
 
 

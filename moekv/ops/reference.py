@@ -18,6 +18,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * x32.to(dtype)
 
 
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual step between sublayers: (x + delta, rms_norm_ref(x + delta)), the sum rounded to
+    x's dtype first (as `x = x + f(x)` then a norm computes it)."""
+    s = x + delta
+    return s, rms_norm_ref(s, weight, eps)
+
+
 def rotary_cos_sin_ref(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [T, D] for the non-interleaved ("rotate half") RoPE layout."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))

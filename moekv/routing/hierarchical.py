@@ -20,6 +20,7 @@ from moekv.routing.logits import RouterLogits
 
 class HierarchicalRouter:
     name = "hierarchical"
+    fuses_norm = True  # norm_and_coarse computes the norm and the coarse gate from one read of x
 
     def __init__(self, clusters: LayerClusters, gate: torch.Tensor, top_k: int, renormalize: bool,
                  clusters_per_token: int, admit_margin: float, scoring: str = "softmax",

@@ -12,6 +12,10 @@ class RouterTap:
         self.layer_idx = layer_idx
         self.name = getattr(router, "name", type(router).__name__)
 
+    @property
+    def fuses_norm(self) -> bool:
+        return getattr(self.inner, "fuses_norm", False)
+
     def norm_and_coarse(self, x: torch.Tensor, norm):
         return self.inner.norm_and_coarse(x, norm)
 

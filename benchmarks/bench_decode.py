@@ -182,9 +182,9 @@ def measure_bandwidth(device) -> float:
 
 
 def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandwidth: float,
-              free_bytes: int, iters: int) -> dict:
+              free_bytes: int, iters: int, block_size: int | None = None) -> dict:
     fmt = get_kv_format(fmt_name, torch.bfloat16)
-    block_size = page_size(fmt_name)
+    block_size = block_size or page_size(fmt_name)
     row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size}
     per_token = kv_bytes_per_token(fmt, cfg, block_size)
     row["kv_bytes_per_token"] = per_token
@@ -193,6 +193,10 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
     need = pages * block_size * per_token
     if need > free_bytes:
         row["skipped"] = f"KV of {need / 2**30:.1f} GiB does not fit beside the weights ({free_bytes / 2**30:.1f} GiB free)"
+        return row
+    if not getattr(fmt, "graph_safe", True):  # tiered: host-side tiers and re-ranking between steps
+        row["skipped"] = ("not graph-safe: the engine runs this format's decode steps eagerly (its fused kernel is "
+                          "timed by bench_decode_attention.py); a graph-captured step would not be the engine's")
         return row
     if fmt.decode_spec(block_size, cfg.head_dim) is None:
         row["skipped"] = "no fused decode kernel for this format yet (its reference path is not a benchmark)"
@@ -270,6 +274,8 @@ def main() -> None:
     p.add_argument("--formats", nargs="*", default=FORMATS)
     p.add_argument("--points", nargs="*", default=None, help="batch:context pairs (default: the issue's four)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per page for every format (default: the engine's, 16 for bf16 and 64 for the rest)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -290,7 +296,8 @@ def main() -> None:
     for fmt_name in args.formats:
         for batch, context in points:
             try:
-                row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters)
+                row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters,
+                                args.block_size)
             except Exception as e:  # one failing point must not lose the others
                 row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
                        "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}

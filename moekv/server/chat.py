@@ -92,4 +92,4 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                   "finish_reason": comp.finish_reason if out.finished else None}
         return counts.add({**head, "choices": [choice]}, out)
 
-    return stream_response(state, handle, seqs, render, counts.final)
+    return stream_response(state, handle, render, counts.final)

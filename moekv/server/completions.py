@@ -101,4 +101,4 @@ async def create_completion(state: ServerState, request: Request) -> Response:
                   "stop_reason": comp.stop_reason if out.finished else None}
         return counts.add({**head, "choices": [choice]}, out)
 
-    return stream_response(state, handle, seqs, render, counts.final)
+    return stream_response(state, handle, render, counts.final)

@@ -142,21 +142,6 @@ def abort_unfinished(state: ServerState, handle: RequestHandle) -> None:
         handle.unfinished.clear()  # no outputs come for aborted requests; abort once
 
 
-class DeltaText:
-    """Streams a choice's text, holding back the last len(longest stop string) - 1 characters until
-    more arrives: the engine cuts a stop string only once it is complete, after its first
-    characters may already have come out."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.hold = max((len(s) for s in params.stop_strings), default=1) - 1
-        self.sent = 0
-
-    def next(self, text: str, finished: bool) -> str:
-        end = len(text) if finished else max(self.sent, len(text) - self.hold)
-        delta, self.sent = text[self.sent:end], end
-        return delta
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -193,22 +178,21 @@ class _AbortOnClose(StreamingResponse):
             self.on_close()
 
 
-def stream_response(state: ServerState, handle: RequestHandle, seqs: list[Sequence], render,
-                    final_usage) -> StreamingResponse:
+def stream_response(state: ServerState, handle: RequestHandle, render, final_usage) -> StreamingResponse:
     """Server-sent events of one streaming request: render(out, delta_text) -> chunk dict or None
     for each engine output, then final_usage() -> chunk or None, then [DONE]. Leaving early (client
     gone, error) aborts whatever is unfinished, so its pages return to the pool."""
-    return _AbortOnClose(_events(state, handle, seqs, render, final_usage), lambda: abort_unfinished(state, handle))
+    return _AbortOnClose(_events(state, handle, render, final_usage), lambda: abort_unfinished(state, handle))
 
 
-async def _events(state: ServerState, handle: RequestHandle, seqs: list[Sequence], render, final_usage):
-    texts = {seq.request_id: DeltaText(seq.sampling_params) for seq in seqs}
+async def _events(state: ServerState, handle: RequestHandle, render, final_usage):
     try:
         async for out in handle.outputs():
             if out.error is not None:
                 yield sse_error(f"the engine failed on this request: {out.error}")
                 break
-            chunk = render(out, texts[out.request_id].next(out.outputs[0].text, out.finished))
+            # the engine's delta holds back a tail that may begin a stop string, and flushes it at the end
+            chunk = render(out, out.delta_text)
             if chunk is not None:
                 yield sse(chunk)
         else:

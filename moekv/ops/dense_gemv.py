@@ -40,12 +40,17 @@ DEFAULT_SHAPE = GemvShape()
 
 @triton.jit
 def row_dots(a_ptrs, b_ptrs, offs_k, n_ok, k_limit, K_LEN: tl.constexpr, a_step, b_step,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROW_SUMS: tl.constexpr = False):
     """The rows of b . a over K_LEN columns, BLOCK_K at a time: a_ptrs [BLOCK_K] and b_ptrs
     [BLOCK_N, BLOCK_K] advance by a_step / b_step; columns at offs_k >= k_limit - k0 read as 0 unless
-    EVEN_K; rows with n_ok False too. Products accumulate element-wise in a [BLOCK_N, BLOCK_K] fp32
-    tile reduced once at the end -> [BLOCK_N] fp32. (Shared with the MoE down GEMV.)"""
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    EVEN_K; rows with n_ok False too -> [BLOCK_N] fp32. Products accumulate element-wise in a
+    [BLOCK_N, BLOCK_K] fp32 tile reduced once at the end (fewest instructions), or with ROW_SUMS
+    are reduced to [BLOCK_N] every step (a fraction of the registers: more programs per SM, so more
+    loads in flight). (Shared with the MoE down GEMV.)"""
+    if ROW_SUMS:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K_LEN, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs).to(tl.float32)
@@ -54,10 +59,16 @@ def row_dots(a_ptrs, b_ptrs, offs_k, n_ok, k_limit, K_LEN: tl.constexpr, a_step,
             k_ok = offs_k < k_limit - k0
             a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += b.to(tl.float32) * a[None, :]
+        if ROW_SUMS:
+            acc += tl.sum(b.to(tl.float32) * a[None, :], axis=1)
+        else:
+            acc += b.to(tl.float32) * a[None, :]
         a_ptrs += a_step
         b_ptrs += b_step
-    return tl.sum(acc, axis=1)
+    if ROW_SUMS:
+        return acc
+    else:
+        return tl.sum(acc, axis=1)
 
 
 @triton.jit

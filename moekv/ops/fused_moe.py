@@ -186,9 +186,11 @@ def _down_gemm_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_e
 def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
                          N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                          stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                         ROW_SUMS: tl.constexpr):
     """Program (pair, n-block): h[pair, n-block] from one [2 x BLOCK_N, H] slab of its expert.
-    With PDL its expert id comes from the kernel before: wait first, then let the down GEMV start."""
+    With PDL its expert id comes from the kernel before: wait first, then let the down GEMV start.
+    ROW_SUMS: reduce the products every step (see dense_gemv.row_dots)."""
     wait_for_inputs(PDL)
     let_dependents_launch(PDL)
     pid = tl.program_id(0)
@@ -202,8 +204,12 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
     x_ptrs = x_ptr + token * stride_xt + offs_k * stride_xk  # [BLOCK_K]
     g_ptrs = w13_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
     u_ptrs = g_ptrs + N * stride_wn
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if ROW_SUMS:
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             xv = tl.load(x_ptrs).to(tl.float32)
@@ -214,13 +220,21 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_g += g.to(tl.float32) * xv[None, :]
-        acc_u += u.to(tl.float32) * xv[None, :]
+        if ROW_SUMS:
+            acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
+            acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+        else:
+            acc_g += g.to(tl.float32) * xv[None, :]
+            acc_u += u.to(tl.float32) * xv[None, :]
         x_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
+    if ROW_SUMS:
+        gate = acc_g
+        up = acc_u
+    else:
+        gate = tl.sum(acc_g, axis=1)
+        up = tl.sum(acc_u, axis=1)
     h = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(h_ptr + pair * stride_hm + offs_n * stride_hn, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
@@ -228,7 +242,7 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
 @triton.jit
 def _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, pair, offs_n, n_ok, k_start,
                        K: tl.constexpr, K_LEN: tl.constexpr, stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROW_SUMS: tl.constexpr):
     """weight[pair] * (rows offs_n of the pair's expert in w2) . h[pair] over columns
     k_start .. k_start + K_LEN of I (masked past K unless EVEN_K) -> [BLOCK_N] fp32 (row_dots)."""
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
@@ -236,7 +250,7 @@ def _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, pair, offs_n,
     a_ptrs = h_ptr + pair * stride_hm + offs_k * stride_hk
     b_ptrs = w2_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     y = row_dots(a_ptrs, b_ptrs, offs_k, n_ok, K, K_LEN, BLOCK_K * stride_hk, BLOCK_K * stride_wk, BLOCK_N, BLOCK_K,
-                 EVEN_K)
+                 EVEN_K, ROW_SUMS)
     return y * tl.load(weights_ptr + pair).to(tl.float32)
 
 
@@ -245,7 +259,8 @@ def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pai
                       N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                       stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      PDL: tl.constexpr, PREFETCH_COLS: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                      PDL: tl.constexpr, PREFETCH_COLS: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                      ROW_SUMS: tl.constexpr):
     """Program (pair, n-block, split): y[split, pair, n-block] = weight * partial dot over its
     K_PER_SPLIT (a multiple of BLOCK_K) columns of I (the last split may run past K: masked).
     With PDL the expert ids are read before waiting (written two launches back, ops/pdl.py), to
@@ -265,7 +280,7 @@ def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pai
     wait_for_inputs(PDL)
     y = _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, pair, offs_n, n_ok, split * K_PER_SPLIT,
                            K, K_PER_SPLIT, stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
-                           BLOCK_N, BLOCK_K, EVEN_K)
+                           BLOCK_N, BLOCK_K, EVEN_K, ROW_SUMS)
     tl.store(y_ptr + split * stride_ys + pair * stride_ym + offs_n * stride_yn, y, mask=n_ok)
 
 
@@ -286,7 +301,8 @@ def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, 
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
         y += _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, token * TOP_K + slot, offs_n, n_ok, 0,
-                                K, K, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, BLOCK_N, BLOCK_K, EVEN_K)
+                                K, K, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, BLOCK_N, BLOCK_K, EVEN_K,
+                                False)
     tl.store(out_ptr + token * stride_ot + offs_n * stride_on, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -339,6 +355,10 @@ class GemvConfig:
     fold_slots: bool = False
     num_warps: int = 4
     num_stages: int = 4
+    # reduce products to row sums every K step instead of one fp32 [block_n, block_k] tile reduced
+    # at the end: 16 x 512 tiles hold 247 registers a thread (2 programs per SM, ~64 KB of loads in
+    # flight per SM, about what HBM latency needs); row sums free most of them. Not yet timed: off.
+    row_sums: bool = False
 
 
 DEFAULT_GEMV = GemvConfig()
@@ -403,8 +423,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         pdl = pdl_enabled(x.device) and not cfg.fold_slots
         _gate_up_gemv_kernel[(M * triton.cdiv(I, cfg.block_n),)](
             x, w13, h, ids, M, I, H, k, *x.stride(), *w13.stride(), *h.stride(),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0, PDL=pdl, **launch,
-            **launch_options(pdl))
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0, PDL=pdl, ROW_SUMS=cfg.row_sums,
+            **launch, **launch_options(pdl))
         if cfg.fold_slots:
             out = torch.empty_like(x)
             _down_gemv_fold_kernel[(T * triton.cdiv(H, cfg.block_n),)](
@@ -421,7 +441,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _down_gemv_kernel[(M * num_n * splits,)](
             h, w2, y, weights, ids, M, H, I, k_per_split, *h.stride(), *w2.stride(), *y.stride(),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % k_per_split == 0, PDL=pdl,
-            PREFETCH_COLS=cols, PREFETCH_LINES=prefetch_lines(cols), **launch, **launch_options(pdl))
+            PREFETCH_COLS=cols, PREFETCH_LINES=prefetch_lines(cols), ROW_SUMS=cfg.row_sums, **launch,
+            **launch_options(pdl))
         return _sum_partials(y.view(splits, T, k, H), x.dtype)
     if path != "gemm":
         raise ValueError(f"fused_moe: path must be 'gemv', 'gemm' or None, got {path!r}")

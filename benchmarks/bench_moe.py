@@ -66,15 +66,15 @@ def grouped_mm_moe(x, w13, w2, weights, ids):
 
 
 def gemv_sweep():
-    """Launch shapes for the decode GEMV: tiles that keep the two fp32 accumulators near 64 registers
-    per thread, with 2-4 pipeline stages, then down-projection splits, then row sums."""
+    """Launch shapes for the decode GEMV (row sums per K step, the default): 2-4 pipeline stages,
+    then down-projection splits, then the fp32-tile accumulator of the earlier default."""
     out = []
     for bn, bk, warps, stages in itertools.product((8, 16, 32, 64), (128, 256, 512, 1024), (4, 8), (2, 3, 4)):
         if bn * bk <= 64 * 32 * warps and bn * bk >= 16 * 32 * warps:
             out.append(fm.GemvConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
-    out += [fm.GemvConfig(block_n=32, block_k=256, num_splits=s) for s in (1, 2, 4, 8)]
-    # products reduced to row sums every K step: fewer registers, more programs per SM
-    out += [fm.GemvConfig(block_n=bn, block_k=bk, row_sums=True) for bn, bk in ((8, 1024), (16, 512), (16, 1024), (32, 512))]
+    out += [fm.GemvConfig(block_n=8, block_k=1024, num_splits=s) for s in (1, 2, 4, 8)]
+    # products in an fp32 tile reduced once at the end (the default before row sums)
+    out += [fm.GemvConfig(block_n=bn, block_k=bk, num_stages=st, row_sums=False) for bn, bk, st in ((16, 512, 4), (32, 256, 3))]
     return out
 
 

@@ -27,12 +27,9 @@ import bench_decode as bd  # noqa: E402
 
 from moekv.ops import dense_gemv as dg, fused_moe as fm, pdl  # noqa: E402
 
-MOE_SHAPES = [fm.GemvConfig(block_n=32, block_k=256, num_stages=3),  # the first default
-              # row sums every K step (GemvConfig.row_sums): 128-153 registers instead of 247 (ptxas,
-              # offline), so twice the programs per SM; not yet timed. (Tiles of 16 x 512 with 8 warps,
-              # 4 x 2048 and 2 x 4096 were slower: results/h200/sweep_decode_b1.json.)
-              fm.GemvConfig(row_sums=True), fm.GemvConfig(block_n=16, block_k=1024, row_sums=True),
-              fm.GemvConfig(block_n=32, block_k=512, row_sums=True)]
+MOE_SHAPES = [fm.GemvConfig(block_n=32, block_k=256, num_stages=3, row_sums=False),  # the first default
+              fm.GemvConfig(block_n=16, block_k=512, row_sums=False),  # the second (session 4)
+              fm.GemvConfig(block_n=16, block_k=1024), fm.GemvConfig(block_n=8, block_k=512)]  # row sums
 DENSE_SHAPES = [dg.GemvShape(16, 512, 4), dg.GemvShape(8, 2048, 8), dg.GemvShape(2, 4096, 4)]
 
 def main() -> None:

@@ -21,7 +21,7 @@ _, fm = kernel_modules("moekv.ops.dense_gemv", "moekv.ops.fused_moe")  # fused_m
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL_GEMM = fm.GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
-SMALL_GEMV = fm.GemvConfig(block_n=16, block_k=16, num_splits=2)
+SMALL_GEMV = fm.GemvConfig(block_n=16, block_k=16, num_splits=2)  # row sums, the default
 
 
 def route(T: int, E: int, k: int, pattern: str, seed: int):
@@ -111,19 +111,19 @@ def test_gemv_with_slots_folded_into_the_down_projection(T, k, H, I):
     check(T, 8, k, H, I, torch.float16, seed=T + 7 * k + H, path="gemv", config=FOLD_GEMV)
 
 
-ROW_SUMS_GEMV = fm.GemvConfig(block_n=16, block_k=16, num_splits=2, row_sums=True)
+TILE_GEMV = fm.GemvConfig(block_n=16, block_k=16, num_splits=2, row_sums=False)
 
 
 @pytest.mark.parametrize("T,k", [(1, 2), (3, 2)])
 @pytest.mark.parametrize("H,I", [(40, 24), (32, 64)])  # off and on the block sizes
-def test_gemv_with_row_sums(T, k, H, I):
-    """row_sums: products reduced to row sums every K step (both GEMVs)."""
-    check(T, 8, k, H, I, torch.float32, seed=T + 5 * k + H, path="gemv", config=ROW_SUMS_GEMV)
-    check(T, 8, k, H, I, torch.float16, seed=T + 5 * k + H, path="gemv", config=ROW_SUMS_GEMV)
+def test_gemv_with_a_tile_accumulator(T, k, H, I):
+    """row_sums=False: products accumulate in an fp32 tile reduced once at the end (both GEMVs)."""
+    check(T, 8, k, H, I, torch.float32, seed=T + 5 * k + H, path="gemv", config=TILE_GEMV)
+    check(T, 8, k, H, I, torch.float16, seed=T + 5 * k + H, path="gemv", config=TILE_GEMV)
 
 
 @pytest.mark.parametrize("path,cfg", [("gemm", SMALL_GEMM), ("gemv", SMALL_GEMV), ("gemv", fm.GemvConfig(16, 16, 3)),
-                                      ("gemv", FOLD_GEMV), ("gemv", ROW_SUMS_GEMV)])
+                                      ("gemv", FOLD_GEMV), ("gemv", TILE_GEMV)])
 def test_all_tokens_to_one_expert(path, cfg):
     check(9, 8, 2, 32, 48, torch.float32, pattern="one", seed=3, path=path, config=cfg)
 

@@ -141,6 +141,27 @@ def test_streaming_deltas_add_up(llm):
     assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
 
 
+def test_unstreamed_requests_report_only_their_end(llm):
+    """stream_outputs=False (what LLM.generate sets): step() returns nothing for the request until it
+    finishes, then its whole output, equal to a streamed run's."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    seq = engine.make_sequence("It was the best", params, "quiet")
+    seq.stream_outputs = False
+    engine.add_sequence(seq)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += engine.step()
+    assert len(seen) == 1 and seen[0].finished and len(seen[0].outputs[0].token_ids) == 9
+    engine.add_request("loud", "It was the best", params)
+    streamed = []
+    while engine.has_unfinished_requests():
+        streamed += engine.step()
+    assert len(streamed) == 9 and streamed[-1].finished
+    assert seen[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids
+    assert seen[0].outputs[0].text == streamed[-1].outputs[0].text
+
+
 def test_streamed_deltas_never_show_a_stop_string_in_part(llm):
     """Characters that might begin a stop string are held back until the string is ruled out, so
     the deltas add up to the final (cut) text even when the stop string spans tokens."""

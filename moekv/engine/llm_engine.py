@@ -179,7 +179,8 @@ class LLMEngine:
             if result.sample is None:
                 continue
             delta_text = self._append_token(seq, result.sample, now)
-            outputs.append(self._output(seq, delta_text, [result.sample.token_id]))
+            if seq.stream_outputs or seq.is_finished:
+                outputs.append(self._output(seq, delta_text, [result.sample.token_id]))
         return outputs
 
     def _blocked_ids(self, seq: Sequence) -> list[int]:

@@ -47,6 +47,9 @@ class Sequence:
     # would (teacher forcing), so each one is predicted from the cache exactly as generation reads it.
     decode_from: int | None = None
     cumulative_logprob: float = 0.0
+    # False: step() returns this request's output only when it finishes (LLM.generate reads no
+    # partial outputs; building one copies the token list, every step: quadratic in the length)
+    stream_outputs: bool = True
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

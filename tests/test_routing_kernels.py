@@ -17,7 +17,7 @@ from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (befo
 
 from moekv.ops.reference import cluster_routing_ref, fused_routing_ref, rms_norm_coarse_gate_ref  # noqa: E402
 
-fr, rc = kernel_modules("moekv.ops.fused_routing", "moekv.ops.rms_norm_coarse_gate")
+_, fr, rc = kernel_modules("moekv.ops.rms_norm", "moekv.ops.fused_routing", "moekv.ops.rms_norm_coarse_gate")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INF = float("inf")

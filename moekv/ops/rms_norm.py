@@ -17,18 +17,25 @@ from moekv.ops.pdl import let_dependents_launch, pdl_enabled
 
 
 @triton.jit
+def normalize_row(x, w_ptr, offs, mask, H: tl.constexpr, eps):
+    """rms_norm_ref on one row held whole: x [BLOCK_H] in the model dtype -> weight * normalised x,
+    normalised in fp32 and rounded to the dtype before the weight, as the reference does."""
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / H + eps)
+    normed = (x32 * rstd).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    return (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
                      PDL: tl.constexpr):
-    let_dependents_launch(PDL)  # the projection after a norm may start its weight prefetch (ops/pdl.py)
+    let_dependents_launch(PDL)  # the projection after a norm may become resident (ops/pdl.py)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
     x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
-    x32 = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / H + eps)
-    normed = (x32 * rstd).to(x.dtype)  # rounded as the reference rounds before the weight
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + t * stride_out + offs, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+    tl.store(out_ptr + t * stride_out + offs, normalize_row(x, w_ptr, offs, mask, H, eps), mask=mask)
 
 
 @triton.jit
@@ -42,11 +49,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride
     d = tl.load(d_ptr + t * stride_d + offs, mask=mask, other=0.0)
     s = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)  # the residual stream, rounded as torch's add
     tl.store(sum_ptr + t * stride_sum + offs, s, mask=mask)
-    s32 = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(s32 * s32, 0) / H + eps)
-    normed = (s32 * rstd).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + t * stride_out + offs, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+    tl.store(out_ptr + t * stride_out + offs, normalize_row(s, w_ptr, offs, mask, H, eps), mask=mask)
 
 
 def _rows(x: torch.Tensor, H: int) -> torch.Tensor:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.rms_norm import normalize_row
+
 
 @triton.jit
 def _rms_norm_coarse_gate_kernel(x_ptr, norm_w_ptr, coarse_w_ptr, coarse_b_ptr, out_ptr, scores_ptr,
@@ -23,12 +25,7 @@ def _rms_norm_coarse_gate_kernel(x_ptr, norm_w_ptr, coarse_w_ptr, coarse_b_ptr, 
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     x = tl.load(x_ptr + t * stride_x + offs_h, mask=mask_h, other=0.0)
-    x32 = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / H + eps)
-    # as rms_norm_ref: normalise in fp32, round to the model dtype, multiply by the weight in it
-    normed = (x32 * rstd).to(x.dtype)
-    w = tl.load(norm_w_ptr + offs_h, mask=mask_h, other=0.0)
-    normed = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+    normed = normalize_row(x, norm_w_ptr, offs_h, mask_h, H, eps)  # as rms_norm_ref
     tl.store(out_ptr + t * stride_out + offs_h, normed, mask=mask_h)
     n32 = normed.to(tl.float32)
     offs_c = tl.arange(0, BLOCK_C)

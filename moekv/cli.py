@@ -69,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = {"prompt_token_ids": engine.tokenizer.encode(
             engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special_tokens=False)}
-    engine.add_request("cli", prompt, params)
+    engine.add_request("cli", prompt, params, output_kind="delta")  # printed as it comes; the final output has all
     if not args.chat and not args.quiet:
         print(args.prompt, end="", flush=True)
     start = time.perf_counter()

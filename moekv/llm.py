@@ -59,7 +59,7 @@ class LLM:
         """Queue validated sequences and step until all are done; aborts all of them on any failure."""
         engine = self.engine
         for seq in seqs:
-            seq.stream_outputs = False  # only final outputs are read here
+            seq.output_kind = "final"  # only final outputs are read here
             engine.add_sequence(seq)
         order = {seq.request_id: i for i, seq in enumerate(seqs)}
         results: list[RequestOutput | None] = [None] * len(seqs)

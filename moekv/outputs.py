@@ -40,7 +40,9 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_preemptions: int = 0
-    # Text and token ids added since the last output of this request (for streaming).
+    # Text and token ids added since the last output of this request (for streaming). With the
+    # sequence's output_kind "delta" (the server's), a running request's outputs[0] holds only these
+    # too (and this step's logprobs); its final output holds everything.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None

@@ -142,13 +142,11 @@ def test_streaming_deltas_add_up(llm):
 
 
 def test_unstreamed_requests_report_only_their_end(llm):
-    """stream_outputs=False (what LLM.generate sets): step() returns nothing for the request until it
+    """output_kind "final" (what LLM.generate sets): step() returns nothing for the request until it
     finishes, then its whole output, equal to a streamed run's."""
     engine = llm.engine
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
-    seq = engine.make_sequence("It was the best", params, "quiet")
-    seq.stream_outputs = False
-    engine.add_sequence(seq)
+    engine.add_request("quiet", "It was the best", params, output_kind="final")
     seen = []
     while engine.has_unfinished_requests():
         seen += engine.step()
@@ -160,6 +158,36 @@ def test_unstreamed_requests_report_only_their_end(llm):
     assert len(streamed) == 9 and streamed[-1].finished
     assert seen[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids
     assert seen[0].outputs[0].text == streamed[-1].outputs[0].text
+
+
+def test_delta_outputs_carry_only_the_step_and_add_up(llm):
+    """output_kind "delta" (the server's): a running request's outputs hold the step's token, text and
+    logprobs only; they add up to the final output, which holds everything, as a cumulative run's."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    engine.add_request("d", "It was the best", params, output_kind="delta")
+    running, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+            else:
+                running.append(out)
+    assert len(running) == 9 and all(len(o.outputs[0].token_ids) == 1 == len(o.outputs[0].logprobs) for o in running)
+    assert all(o.outputs[0].token_ids == o.delta_token_ids and o.outputs[0].text == o.delta_text for o in running)
+    ids = [t for o in running for t in o.delta_token_ids] + final.delta_token_ids
+    text = "".join(o.delta_text for o in running) + final.delta_text
+    assert ids == final.outputs[0].token_ids and text == final.outputs[0].text
+    assert [o.outputs[0].logprobs[0] for o in running] == final.outputs[0].logprobs[:9]
+    engine.add_request("c", "It was the best", params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            cumulative = out
+    assert cumulative.outputs[0].token_ids == final.outputs[0].token_ids
+    assert cumulative.outputs[0].logprobs == final.outputs[0].logprobs
+    with pytest.raises(ValueError, match="output_kind"):
+        engine.add_request("x", "It was", params, output_kind="deltas")
+    assert not engine.has_unfinished_requests()
 
 
 def test_streamed_deltas_never_show_a_stop_string_in_part(llm):

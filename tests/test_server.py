@@ -115,6 +115,23 @@ def test_chat_streaming_equals_non_streaming(client):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_streamed_logprobs_and_continuous_usage_add_up(client):
+    """Streaming outputs carry deltas (output_kind "delta"): per choice, the chunks' text, logprob
+    tokens and running usage add up to the non-streamed result."""
+    kw = dict(model="tiny", prompt="It was the best", max_tokens=8, temperature=0.0, logprobs=2, extra_body=NO_EOS)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, n=2, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    for index in (0, 1):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.choices[0].text for c in mine) == full.choices[0].text
+        tokens = [t for c in mine if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert tokens == full.choices[0].logprobs.tokens
+        counts = [c.usage.completion_tokens for c in mine]
+        assert counts == sorted(counts) and counts[-1] == 8  # each choice's own running count
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
 def test_streamed_text_never_leaks_a_stop_string(client):
     text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0.0,
                                      extra_body=NO_EOS).choices[0].text

@@ -17,7 +17,7 @@ from moekv.config import EngineConfig
 from moekv.engine.block_manager import BlockManager
 from moekv.engine.model_runner import ModelRunner
 from moekv.engine.scheduler import Scheduler
-from moekv.engine.sequence import Sequence
+from moekv.engine.sequence import OUTPUT_KINDS, Sequence
 from moekv.models.loader import load_model_config, read_json
 from moekv.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from moekv.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -123,14 +123,19 @@ class LLMEngine:
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:
+        if seq.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"Sequence.output_kind={seq.output_kind!r} is not one of {OUTPUT_KINDS}")
         self._seqs[seq.request_id] = seq
         self._detokenizers[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += seq.num_prompt_tokens
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    output_kind: str = "cumulative") -> str:
+        """Queue a request; output_kind: what its outputs carry while it runs (sequence.OUTPUT_KINDS)."""
         seq = self.make_sequence(prompt, params, request_id)
+        seq.output_kind = output_kind
         self.add_sequence(seq)
         return seq.request_id
 
@@ -179,7 +184,7 @@ class LLMEngine:
             if result.sample is None:
                 continue
             delta_text = self._append_token(seq, result.sample, now)
-            if seq.stream_outputs or seq.is_finished:
+            if seq.output_kind != "final" or seq.is_finished:
                 outputs.append(self._output(seq, delta_text, [result.sample.token_id]))
         return outputs
 
@@ -261,11 +266,16 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int], error: str | None = None) -> RequestOutput:
         p = seq.sampling_params
+        if seq.output_kind == "delta" and not seq.is_finished:  # this step's part only: O(1), not O(length)
+            text, token_ids = delta_text, list(delta_ids)
+            logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(delta_ids):] if p.logprobs is not None else None
+        else:
+            text, token_ids = seq.output_text, list(seq.output_token_ids)
+            logprobs = list(seq.output_logprobs) if p.logprobs is not None else None
         completion = CompletionOutput(
-            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            index=0, text=text, token_ids=token_ids,
             cumulative_logprob=seq.cumulative_logprob if p.logprobs is not None else None,
-            logprobs=list(seq.output_logprobs) if p.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+            logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         metrics = RequestMetrics(arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
                                  first_token_time=seq.first_token_time, last_token_time=seq.last_token_time,
                                  finished_time=seq.finished_time)

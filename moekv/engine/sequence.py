@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from moekv.sampling_params import SamplingParams
 
 
+# "cumulative": every step's output holds everything so far (the engine API's default);
+# "delta": a running request's outputs hold only the step's new tokens, text and logprobs, its
+#   final output everything (the server streams deltas and reads finals);
+# "final": nothing until the request ends (LLM.generate).
+OUTPUT_KINDS = ("cumulative", "delta", "final")
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
     RUNNING = "running"
@@ -47,9 +54,9 @@ class Sequence:
     # would (teacher forcing), so each one is predicted from the cache exactly as generation reads it.
     decode_from: int | None = None
     cumulative_logprob: float = 0.0
-    # False: step() returns this request's output only when it finishes (LLM.generate reads no
-    # partial outputs; building one copies the token list, every step: quadratic in the length)
-    stream_outputs: bool = True
+    # What step() returns for this request while it runs (see OUTPUT_KINDS): a full copy of its
+    # tokens, text and logprobs so far costs O(length) per step, quadratic over a long output.
+    output_kind: str = "cumulative"
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

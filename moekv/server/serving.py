@@ -93,6 +93,7 @@ def make_sequences(state: ServerState, request_id: str, prompts: list, params: S
                 raise APIError(400, f"{max_tokens_param}={params.max_tokens} plus the prompt ({seq.num_prompt_tokens} "
                                     f"tokens) exceeds max_model_len={engine.max_model_len}; accepted: at most {room}",
                                param=max_tokens_param, code="context_length_exceeded")
+            seq.output_kind = "delta"  # running outputs carry the step's part, not a copy of everything
             seqs.append(seq)
     return seqs
 
@@ -213,14 +214,16 @@ class StreamUsage:
 
     def __init__(self, head: dict, seqs: list[Sequence], n: int, options) -> None:
         self.head, self.seqs, self.n, self.options = head, seqs, n, options
+        self.tokens: dict[str, int] = {}  # generated so far, per choice (outputs carry deltas)
         self.done_tokens: dict[str, int] = {}
 
     def add(self, chunk: dict, out: RequestOutput) -> dict:
-        comp = out.outputs[0]
+        rid = out.request_id
+        self.tokens[rid] = self.tokens.get(rid, 0) + len(out.delta_token_ids)
         if out.finished:
-            self.done_tokens[out.request_id] = len(comp.token_ids)
+            self.done_tokens[rid] = len(out.outputs[0].token_ids)  # a final output holds all of them
         if self.options and self.options.include_usage and self.options.continuous_usage_stats:
-            chunk["usage"] = usage(len(out.prompt_token_ids), len(comp.token_ids))
+            chunk["usage"] = usage(len(out.prompt_token_ids), self.tokens[rid])
         return chunk
 
     def final(self) -> dict | None:

@@ -420,6 +420,32 @@ def test_nuq2_calibrated_slot_modes(nuq2_calibration):
 GPU_LAUNCHES = [(64, 4, 2, True), (128, 8, 3, True), (32, 4, 2, True), (64, 4, 2, False)]
 
 
+def check_gpu_launches(label, spec, cache, ctx, q, scale, ref, block_size):
+    """Every launch shape the benchmark tries (pages of 64) or the default one (other pages)."""
+    for i, (block_n, warps, stages, use_asm) in enumerate(GPU_LAUNCHES if block_size == 64 else GPU_LAUNCHES[:1]):
+        try:
+            out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale,
+                                            None, spec, block_n=block_n, num_warps=warps, num_stages=stages,
+                                            use_asm=use_asm)
+        except triton.runtime.errors.OutOfResources:
+            # a non-default shape may need more shared memory than the GPU has (kivi2 at
+            # (128, 8, 3): 264 KiB > 227 KiB on an H200); the benchmark skips it the same way
+            assert i > 0, "the default launch shape must fit"
+            continue
+        check(label, out, ref, torch.bfloat16)
+
+
+def check_engine_path(label, fmt, cache, ctx, q, scale, ref, monkeypatch):
+    """The engine's path: attend on CUDA with a decode-only Context takes the kernel, and a window too."""
+    calls = []
+    launcher = da.paged_decode_attention
+    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: calls.append(1) or launcher(*a, **k))
+    check(label, fmt.attend(q, cache, ctx, scale, None), ref, torch.bfloat16)
+    assert calls, "format.attend did not take the decode kernel"
+    windowed = reference(fmt, cache, ctx, q, scale, 700)
+    check(label, fmt.attend(q, cache, ctx, scale, 700), windowed, torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("label", list(FORMATS))
@@ -439,25 +465,8 @@ def test_gpu_realistic_shapes(label, block_size, monkeypatch):
     scale = 128 ** -0.5
     ref = reference(fmt, cache, ctx, q, scale, None)
     spec = fmt.decode_spec(block_size, 128)
-    for i, (block_n, warps, stages, use_asm) in enumerate(GPU_LAUNCHES if block_size == 64 else GPU_LAUNCHES[:1]):
-        try:
-            out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale,
-                                            None, spec, block_n=block_n, num_warps=warps, num_stages=stages,
-                                            use_asm=use_asm)
-        except triton.runtime.errors.OutOfResources:
-            # a non-default shape may need more shared memory than the GPU has (kivi2 at
-            # (128, 8, 3): 264 KiB > 227 KiB on an H200); the benchmark skips it the same way
-            assert i > 0, "the default launch shape must fit"
-            continue
-        check(label, out, ref, torch.bfloat16)
-    # the engine's path: attend on CUDA with a decode-only Context takes the kernel, and a window too
-    calls = []
-    launcher = da.paged_decode_attention
-    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: calls.append(1) or launcher(*a, **k))
-    check(label, fmt.attend(q, cache, ctx, scale, None), ref, torch.bfloat16)
-    assert calls, "format.attend did not take the decode kernel"
-    windowed = reference(fmt, cache, ctx, q, scale, 700)
-    check(label, fmt.attend(q, cache, ctx, scale, 700), windowed, torch.bfloat16)
+    check_gpu_launches(label, spec, cache, ctx, q, scale, ref, block_size)
+    check_engine_path(label, fmt, cache, ctx, q, scale, ref, monkeypatch)
 
 
 @pytest.mark.gpu
@@ -478,22 +487,8 @@ def test_gpu_nuq2_calibrated(block_size, nuq2_calibration, monkeypatch):
     scale = 128 ** -0.5
     ref = reference(fmt, cache, ctx, q, scale, None)
     spec = fmt.decode_spec(block_size, 128)
-    for i, (block_n, warps, stages, use_asm) in enumerate(GPU_LAUNCHES if block_size == 64 else GPU_LAUNCHES[:1]):
-        try:
-            out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale,
-                                            None, spec, block_n=block_n, num_warps=warps, num_stages=stages,
-                                            use_asm=use_asm)
-        except triton.runtime.errors.OutOfResources:
-            assert i > 0, "the default launch shape must fit"
-            continue
-        check("nuq2", out, ref, torch.bfloat16)
+    check_gpu_launches("nuq2", spec, cache, ctx, q, scale, ref, block_size)
     wrong = dataclasses.replace(spec, tables=fmt.decode_tables(0, DEVICE))  # layer 0's codebooks
     other = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, wrong)
     assert (other.double() - ref).abs().max() > 2 * tolerance("nuq2", ref, torch.bfloat16)
-    calls = []
-    launcher = da.paged_decode_attention
-    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: calls.append(1) or launcher(*a, **k))
-    check("nuq2", fmt.attend(q, cache, ctx, scale, None), ref, torch.bfloat16)
-    assert calls, "format.attend did not take the decode kernel"
-    windowed = reference(fmt, cache, ctx, q, scale, 700)
-    check("nuq2", fmt.attend(q, cache, ctx, scale, 700), windowed, torch.bfloat16)
+    check_engine_path("nuq2", fmt, cache, ctx, q, scale, ref, monkeypatch)

@@ -290,7 +290,7 @@ def _paged_decode_kernel(
 def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total,
                    NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     """out[b, hq] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
-    let_dependents_launch(PDL)  # the o projection may start its weight prefetch (ops/pdl.py)
+    let_dependents_launch(PDL)  # the o projection may become resident (ops/pdl.py)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     head = (b * NUM_HEADS + hq).to(tl.int64)

@@ -79,8 +79,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     head = {**head, "object": "chat.completion.chunk"}
     counts = StreamUsage(head, seqs, req.n, req.stream_options)
 
-    def render(out: RequestOutput, delta: str) -> dict | None:
-        comp, rid = out.outputs[0], out.request_id
+    def render(out: RequestOutput) -> dict | None:
+        comp, rid, delta = out.outputs[0], out.request_id, out.delta_text
         first = rid not in started
         started.add(rid)
         if not (delta or out.delta_token_ids or out.finished or first):

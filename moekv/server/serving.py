@@ -180,9 +180,10 @@ class _AbortOnClose(StreamingResponse):
 
 
 def stream_response(state: ServerState, handle: RequestHandle, render, final_usage) -> StreamingResponse:
-    """Server-sent events of one streaming request: render(out, delta_text) -> chunk dict or None
-    for each engine output, then final_usage() -> chunk or None, then [DONE]. Leaving early (client
-    gone, error) aborts whatever is unfinished, so its pages return to the pool."""
+    """Server-sent events of one streaming request: render(out) -> chunk dict or None for each
+    engine output (whose delta_text holds back a tail that may begin a stop string, flushed at the
+    end), then final_usage() -> chunk or None, then [DONE]. Leaving early (client gone, error)
+    aborts whatever is unfinished, so its pages return to the pool."""
     return _AbortOnClose(_events(state, handle, render, final_usage), lambda: abort_unfinished(state, handle))
 
 
@@ -192,8 +193,7 @@ async def _events(state: ServerState, handle: RequestHandle, render, final_usage
             if out.error is not None:
                 yield sse_error(f"the engine failed on this request: {out.error}")
                 break
-            # the engine's delta holds back a tail that may begin a stop string, and flushes it at the end
-            chunk = render(out, out.delta_text)
+            chunk = render(out)
             if chunk is not None:
                 yield sse(chunk)
         else:

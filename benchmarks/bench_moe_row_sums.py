@@ -15,9 +15,12 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe import measure_hbm_gbps  # noqa: E402
+
 from moekv.ops import fused_moe as fm  # noqa: E402
 
 # the first: the fp32-tile accumulator at the tiles that were the default when row sums were tried
@@ -30,10 +33,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     E, H, I, k = 8, 4096, 14336, 2
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    bw = 2 * (1 << 30) / (do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
-    del src, dst
+    bw = measure_hbm_gbps() * 1e9  # bytes/s of a 1 GiB copy, as bench_moe.py measures it
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * H ** -0.5
     w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=g) * I ** -0.5

@@ -71,9 +71,11 @@ FORMATS = {
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_noslots": "off"}
 INEXACT = {"nuq2_noslots"}  # bounds, not formats: wrong wherever a slot is used
-# launch shapes tried per (format, shape): (block_n, num_warps, num_stages, splits factor, inline PTX)
-CONFIGS = [(64, 4, 2, 1, True), (128, 4, 2, 1, True), (64, 8, 2, 1, True), (128, 8, 3, 1, True), (64, 4, 2, 2, True),
-           (64, 4, 2, 1, False)]
+# launch shapes tried per (format, shape): (block_n, num_warps, num_stages, splits factor, inline PTX,
+# L2 prefetch distance in tiles, None: the format's default, DecodeSpec.prefetch). 8 warps dropped: 1.4-2x slower than 4 at every point of the
+# 2026-11-29 runs (results/h200/decode_attention.json)
+CONFIGS = [(64, 4, 2, 1, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True, 1), (64, 4, 2, 1, True, 2), (64, 4, 3, 1, True, 2),
+           (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0)]
 DEFAULT_CONFIG = CONFIGS[0]
 UNIQUE_PAGES = 512  # distinct random pages, repeated over the pool (contents do not change the speed)
 
@@ -266,25 +268,25 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     ref = reference_output(fmt, cache, ctx, q, context)
     row["ref_max_abs"] = ref.abs().max().item()
     results = []
-    for block_n, warps, stages, split_factor, use_asm in args.configs:
+    for block_n, warps, stages, split_factor, use_asm, prefetch in args.configs:
         splits = num_splits_for(batch, NUM_KV_HEADS, ctx.block_tables.shape[1] * args.block_size, block_n, sms)
         splits = max(1, splits * split_factor)
 
-        def run(block_n=block_n, warps=warps, stages=stages, splits=splits, use_asm=use_asm):
+        def run(block_n=block_n, warps=warps, stages=stages, splits=splits, use_asm=use_asm, prefetch=prefetch):
             return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
                                           spec, num_splits=splits, block_n=block_n, num_warps=warps,
-                                          num_stages=stages, use_asm=use_asm)
+                                          num_stages=stages, use_asm=use_asm, prefetch=prefetch)
+        launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
+                  "use_asm": use_asm, "prefetch": spec.prefetch if prefetch is None else prefetch}
         try:
             out = run()
             torch.cuda.synchronize()
             ms = timer(run, args.cudagraph)
-            entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
-                     "use_asm": use_asm, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
-            if (block_n, warps, stages, split_factor, use_asm) == DEFAULT_CONFIG:
+            entry = {**launch, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
+            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG:
                 entry["eager_ms"] = timer(run, cudagraph=False)
         except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is reported, not fatal
-            entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
-                     "use_asm": use_asm, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            entry = {**launch, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
             traceback.print_exc(file=sys.stderr)
         results.append(entry)
     row["configs"] = results
@@ -303,7 +305,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                gbps=nbytes / best["ms"] * 1e-6,
                default_ms=default["ms"], eager_ms=default.get("eager_ms"), block_n=best["block_n"],
                num_warps=best["num_warps"], num_stages=best["num_stages"], num_splits=best["num_splits"],
-               use_asm=best["use_asm"], no_asm_ms=no_asm["ms"] if no_asm else None,
+               use_asm=best["use_asm"], prefetch=best["prefetch"], no_asm_ms=no_asm["ms"] if no_asm else None,
                max_abs_err=max(r["max_abs_err"] for r in ok),
                wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > tolerance] or None)
     del cache, ctx, q
@@ -380,8 +382,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     row["ref_max_abs"] = ref.abs().max().item()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     results = []
-    for block_n, warps, stages, split_factor, use_asm in args.configs:
-        if block_n > P:
+    for block_n, warps, stages, split_factor, use_asm, prefetch in args.configs:
+        if block_n > P or prefetch:  # the tiered kernel has no prefetch option
             continue
         splits = max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, ctx.block_tables.shape[1] * P, block_n, sms))
         launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm)

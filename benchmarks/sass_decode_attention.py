@@ -50,7 +50,7 @@ FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", 
            "tiered": ("tiered", {"codebook": "page"})}  # its own kernel (moekv/ops/decode_tiered.py), mass output on
 # nuq2 kernel variants (decode_tiles.nuq2_spec's slots mode): label -> mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_noslots": "off"}
-KEYS = ["BAR", "LDG", "LDL", "STL", "LDS", "STS", "LDSM", "HMMA"]
+KEYS = ["BAR", "LDG", "LDGSTS", "LDL", "STL", "LDS", "STS", "LDSM", "HMMA"]
 
 
 def compile_launch(fn: JITFunction, args, kwargs):
@@ -63,7 +63,7 @@ def compile_launch(fn: JITFunction, args, kwargs):
 
 
 def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, num_warps: int, num_stages: int,
-          use_asm: bool):
+          use_asm: bool, prefetch: int | None = None):
     """The compiled decode kernel for one format and launch shape (CPU tensors stand in for the GPU's)."""
     name, options = FORMATS["nuq2" if label in NUQ2_VARIANTS else label]
     if name == "vq":
@@ -96,7 +96,7 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
             return compiled["_tiered_decode_kernel"]
         da.paged_decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
                                   torch.arange(2), 0.1, None, spec, block_n=block_n,
-                                  num_warps=num_warps, num_stages=num_stages, use_asm=use_asm)
+                                  num_warps=num_warps, num_stages=num_stages, use_asm=use_asm, prefetch=prefetch)
     finally:
         JITFunction.run = original
     return compiled["_paged_decode_kernel"]
@@ -172,12 +172,13 @@ def main() -> None:
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=2)
     p.add_argument("--no-asm", dest="asm", action="store_false", help="plain-Triton unpacking, no inline PTX")
+    p.add_argument("--prefetch", type=int, default=None, help="L2 prefetch distance in tiles (default: the spec's)")
     args = p.parse_args()
     elements = 2 * args.block_n * args.head_dim  # K and V elements of one tile
     threads = 32 * args.num_warps
     for label in args.formats:
         kernel = build(label, args.head_dim, args.group, args.block_size, args.block_n, args.num_warps,
-                       args.num_stages, args.asm)
+                       args.num_stages, args.asm, args.prefetch)
         usage, loops = sass_loops(kernel)
         spill = spills(kernel)
         print(f"{label}: {usage.get('REG')} registers, {kernel.metadata.shared} B shared memory, "

@@ -416,17 +416,20 @@ def test_nuq2_calibrated_slot_modes(nuq2_calibration):
 
 
 # -- compiled kernels on the GPU, realistic shapes, bf16 ------------------------------------------------
-# (block_n, num_warps, num_stages, use_asm): the launch shapes the benchmark tries
-GPU_LAUNCHES = [(64, 4, 2, True), (128, 8, 3, True), (32, 4, 2, True), (64, 4, 2, False)]
+# (block_n, num_warps, num_stages, use_asm, prefetch): launch shapes the benchmark tries, and more
+# (prefetch None: the spec's default)
+GPU_LAUNCHES = [(64, 4, 2, True, None), (128, 8, 3, True, 0), (32, 4, 2, True, 2), (64, 4, 2, False, 0),
+                (64, 4, 3, True, 2)]
 
 
 def check_gpu_launches(label, spec, cache, ctx, q, scale, ref, block_size):
     """Every launch shape the benchmark tries (pages of 64) or the default one (other pages)."""
-    for i, (block_n, warps, stages, use_asm) in enumerate(GPU_LAUNCHES if block_size == 64 else GPU_LAUNCHES[:1]):
+    for i, (block_n, warps, stages, use_asm, prefetch) in enumerate(GPU_LAUNCHES if block_size == 64
+                                                                   else GPU_LAUNCHES[:1]):
         try:
             out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale,
                                             None, spec, block_n=block_n, num_warps=warps, num_stages=stages,
-                                            use_asm=use_asm)
+                                            use_asm=use_asm, prefetch=prefetch)
         except triton.runtime.errors.OutOfResources:
             # a non-default shape may need more shared memory than the GPU has (kivi2 at
             # (128, 8, 3): 264 KiB > 227 KiB on an H200); the benchmark skips it the same way

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.pdl import let_dependents_launch, pdl_enabled
+from moekv.ops.pdl import let_dependents_launch, pdl_enabled, prefetch_l2
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # a window longer than any context
@@ -87,6 +87,8 @@ class DecodeSpec:
     # them. When there are any, every hook (fn, fold_fn, fix_fn; not outlier_fn) takes their
     # pointers at its program's KV head as NUM_TABLES trailing arguments (T0..T3, unused ones stand-ins)
     tables: object = ()
+    # ask L2 for the slabs of the tile this many tiles ahead (0: off): see paged_decode_attention
+    prefetch: int = 0
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -103,6 +105,22 @@ def _softmax_step(s, valid, m, l, qk_scale):
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     return m_new, l, p, alpha
+
+
+@triton.jit
+def _prefetch_slab(pool, offset, SLAB: tl.constexpr):
+    """Ask L2 for the SLAB bytes at element `offset` of `pool` (a (page, head) slab), one prefetch
+    per 128-byte line."""
+    LINES: tl.constexpr = (SLAB + 127) // 128
+    X0: tl.constexpr = LINES - 1  # LINES rounded up to a power of two (no Python helpers in jit code)
+    X1: tl.constexpr = X0 | (X0 >> 1)
+    X2: tl.constexpr = X1 | (X1 >> 2)
+    X3: tl.constexpr = X2 | (X2 >> 4)
+    X4: tl.constexpr = X3 | (X3 >> 8)
+    LP: tl.constexpr = X4 + 1
+    line = tl.arange(0, LP)
+    start = (pool + offset).to(tl.pointer_type(tl.uint8), bitcast=True)
+    prefetch_l2(tl.where(line < LINES, (start + line * 128).to(tl.int64, bitcast=True), 0))
 
 
 @triton.jit
@@ -125,6 +143,7 @@ def _paged_decode_kernel(
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, STAGED: tl.constexpr, RESIDUAL: tl.constexpr,
     DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr, TABLES: tl.constexpr,
+    PREFETCH: tl.constexpr, K_SLAB: tl.constexpr, V_SLAB: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -182,6 +201,13 @@ def _paged_decode_kernel(
                 page = tl.load(bt_row + pos // P, mask=valid, other=0).to(tl.int64)  # [BLOCK_N]
                 pg = start // P + tl.arange(0, NPG)
                 page_pg = tl.load(bt_row + pg, mask=pg * P < quantized, other=0).to(tl.int64)  # [NPG]
+            if PREFETCH > 0 and NPG == 1:
+                # the slabs of the tile PREFETCH ahead into L2 (the last tile's page when past the
+                # share): the readers' small loads that Triton does not pipeline (scales, outlier
+                # slots) then wait for L2, not HBM
+                ahead = tl.load(bt_row + tl.minimum(t + PREFETCH, t1 - 1) * BLOCK_N // P).to(tl.int64)
+                _prefetch_slab(k_pool, ahead * stride_kp + h * stride_kh, K_SLAB)
+                _prefetch_slab(v_pool, ahead * stride_vp + h * stride_vh, V_SLAB)
             kb = page * stride_kp + h * stride_kh
             kpb = page_pg * stride_kp + h * stride_kh
             if TABLES:
@@ -304,10 +330,16 @@ def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total,
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
-    """Enough programs to fill the GPU about twice, each with at least 2 tiles of work (at batch 1,
-    4k on the H200, 32 splits of 2 tiles ran in 8.7 us where 16 of 4 took 9.9:
-    results/h200/decode_step_kernels.json)."""
+    """Enough programs to fill the GPU about twice, each with at least 2 tiles of work, and twice
+    that with 64 or more (sequence, KV head) pairs. At batch 1, 4k on the H200, 32 splits of 2 tiles
+    ran in 8.7 us where 16 of 4 took 9.9 (results/h200/decode_step_kernels.json). At batch >= 16,
+    doubling gave 0-25% (nuq2, 2 programs per SM: 1.95 -> 1.47 ms at 16 x 32k; bf16 2.45 -> 2.07 at
+    64 x 32k: it evens out the last wave of programs) and cost at batch 1
+    (results/h200/decode_attention.json); filling 4x instead (5 splits at 16 x 32k, 1.6 waves of 3
+    programs per SM) was 5-10% slower than either."""
     want = math.ceil(2 * num_sms / max(1, batch * num_kv_heads))
+    if batch * num_kv_heads >= 64:
+        want *= 2
     return max(1, min(want, math.ceil(max_context / (2 * block_n)), 128))
 
 
@@ -347,7 +379,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
                            seq_slots: torch.Tensor | None, scale: float, sliding_window: int | None,
                            spec: DecodeSpec, num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           prefetch: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its last position) over each
     sequence's context_lens[b] tokens, read through `spec` from `tensors` (a LayerKVCache or a
     dict of its tensors). Returns [B, Hq, D] in q's dtype.
@@ -355,7 +387,9 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     Under TRITON_INTERPRET=1 (CPU tensors) every dot is done in fp32 (the
     interpreter's bf16 dot is wrong, see DESIGN.md section 6). num_splits, block_n, num_warps,
     num_stages: launch shape (None: chosen here); use_asm: let tile readers use inline PTX
-    (default: on CUDA, where every thread holds whole 4-byte groups of codes).
+    (default: on CUDA, where every thread holds whole 4-byte groups of codes); prefetch: ask L2
+    for the slabs of the tile this many tiles ahead (0: off; None: spec.prefetch; compiled
+    kernels with tiles inside one page only).
     """
     B, Hq, D = q.shape
     k_pool, v_pool = tensors[spec.k_pool], tensors[spec.v_pool]
@@ -400,6 +434,11 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
         raise ValueError(f"decode kernel: up to {NUM_TABLES} tables of [Hkv={Hkv}, ...], got "
                          f"{[tuple(t.shape) for t in tables]}")
     has_tables = len(tables) > 0
+    if prefetch is None:
+        prefetch = spec.prefetch
+    if interpret or P < block_n:  # inline PTX; one page per tile
+        prefetch = 0
+    k_slab, v_slab = k_pool.stride(1) * k_pool.element_size(), v_pool.stride(1) * v_pool.element_size()
     tab_strides = [t.stride(0) for t in tables] + [0] * (NUM_TABLES - len(tables))
     tables = tables + (q,) * (NUM_TABLES - len(tables))  # unused: any tensor stands in
     _paged_decode_kernel[(B * Hkv, ns_total)](
@@ -416,6 +455,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
         spec.key.row_scaled, spec.value.row_scaled, spec.key.outliers, spec.value.outliers,
         spec.key.fold_fn, spec.key.fix_fn, spec.value.fix_fn, spec.key.planes, spec.value.planes,
         Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm, has_tables,
+        int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:

@@ -50,8 +50,12 @@ def plain_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N
 
 @triton.jit
 def _fp8_row_scale(pool, base, tok, valid, SCALE_OFF: tl.constexpr):
+    """The tokens' fp16 scales, 0 where not valid. Loaded without a mask (a per-token mask splits
+    the load into 2-byte pieces, which Triton's pipeliner leaves in the loop, one memory latency a
+    tile): every token's row lies in a page that exists (see fp8_value_tile)."""
     scale_ptr = pool.to(tl.pointer_type(tl.float16), bitcast=True)
-    return tl.load(scale_ptr + (((base + SCALE_OFF) >> 1) + tok), mask=valid, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + (((base + SCALE_OFF) >> 1) + tok)).to(tl.float32)
+    return tl.where(valid, scale, 0.0)
 
 
 @triton.jit
@@ -217,9 +221,24 @@ def int4_outliers(pool, base, tok, page_base, tok0, valid, o, D: tl.constexpr, B
         ch_tok = tl.load(pool + (base + OIDX_OFF + o), mask=valid, other=0).to(tl.int32)  # [BLOCK_N]
     bf = pool.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
-    val = tl.load(bf + (((base + OVAL_OFF) >> 1) + tok * NO + o), mask=valid, other=0.0).to(tl.float32)
-    zero = tl.load(half + (((base + ZERO_OFF) >> 1) + tok * NG + ch_tok // GS), mask=valid, other=0.0)
-    return ch_page, ch_tok, val - zero.to(tl.float32)
+    # whole rows (every slot's value, every group's zero), selected in registers: contiguous loads
+    # without a per-token mask, which Triton pipelines, and none waits for the channel load (rows
+    # of tokens past the context lie in pages that exist, as in fp8_value_tile; they weigh 0)
+    X0: tl.constexpr = NO - 1  # NO rounded up to a power of two (no Python helpers in jit code)
+    X1: tl.constexpr = X0 | (X0 >> 1)
+    X2: tl.constexpr = X1 | (X1 >> 2)
+    NO_PAD: tl.constexpr = (X2 | (X2 >> 4)) + 1
+    slot = tl.arange(0, NO_PAD)
+    g = tl.arange(0, NG)
+    vals = tl.load(bf + (((base + OVAL_OFF) >> 1) + tok * NO)[:, None] + slot[None, :], mask=(slot < NO)[None, :],
+                   other=0.0).to(tl.float32)
+    zeros = tl.load(half + (((base + ZERO_OFF) >> 1) + tok * NG)[:, None] + g[None, :]).to(tl.float32)
+    val = tl.sum(tl.where(slot[None, :] == o, vals, 0.0), axis=1)
+    if NPG == 1:
+        zero = tl.sum(tl.where(g[None, :] == ch_tok // GS, zeros, 0.0), axis=1)
+    else:
+        zero = tl.sum(tl.where(g[None, :] == (ch_tok // GS)[:, None], zeros, 0.0), axis=1)
+    return ch_page, ch_tok, tl.where(valid, val - zero, 0.0)
 
 
 @triton.jit
@@ -252,6 +271,10 @@ def kivi_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BL
 
 
 # -- specs: what each format's decode_spec returns ------------------------------------------------
+# L2 prefetch distance (tiles ahead) of each format's spec, the best of 1 and 2 over the benchmark's
+# six points on the H200 (results/h200/decode_attention.json: 5-15% at batch >= 16 and 1 x 128k);
+# plain pages take none (their loads are all pipelined already, and prefetching slowed batch 64 by 6-20%)
+PREFETCH = {"fp8_e4m3": 2, "int4": 2, "kivi2": 1, "nuq2": 2}
 def plain_spec(dtype: torch.dtype) -> DecodeSpec | None:
     if dtype not in (torch.bfloat16, torch.float16):
         return None  # fp32 pages keep the reference path
@@ -263,7 +286,8 @@ def fp8_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     koff = fmt.layout("key", block_size, head_dim).offsets
     voff = fmt.layout("value", block_size, head_dim).offsets
     return DecodeSpec(key=TileReader(fp8_key_tile, (koff["scale"],), row_scaled=True),
-                      value=TileReader(fp8_value_tile, (voff["scale"],), row_scaled=True), staged=True)
+                      value=TileReader(fp8_value_tile, (voff["scale"],), row_scaled=True), staged=True,
+                      prefetch=PREFETCH["fp8_e4m3"])
 
 
 def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
@@ -273,7 +297,7 @@ def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
         outliers = fmt.num_outliers(head_dim)
         params = (off["scale"], off["zero"], off["outlier_val"], off["outlier_idx"], fmt.group_size, outliers)
         readers.append(TileReader(int4_tile, params, outlier_fn=int4_outliers, outliers=outliers))
-    return DecodeSpec(key=readers[0], value=readers[1], staged=True)
+    return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["int4"])
 
 
 def kivi_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
@@ -281,7 +305,7 @@ def kivi_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     voff = fmt.layout("value", block_size, head_dim).offsets
     return DecodeSpec(key=TileReader(kivi_key_tile, (koff["scale"], koff["zero"], fmt.group)),
                       value=TileReader(kivi_value_tile, (voff["scale"], voff["zero"], fmt.value_group(head_dim))),
-                      staged=True, residual=fmt.residual)
+                      staged=True, residual=fmt.residual, prefetch=PREFETCH["kivi2"])
 
 
 # -- nuq2: 2-bit codes into a 4-centroid codebook, planar codes, sparse FP8 outliers -------------------
@@ -426,11 +450,12 @@ def nuq2_key_fold(pool, page_base, q, D: tl.constexpr, P: tl.constexpr, CENT_OFF
                   OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr,
                   SCALE_OFF: tl.constexpr, T0=None, T1=None, T2=None, T3=None):
     """q (s * z + m) = (q * s) z + q m: q [G_PAD, D] fp32 in tile column order -> (q * s, q . m)."""
-    d = tl.arange(0, D)
-    col = (d % 4) * (D // 4) + d // 4
+    # read in channel order, [4, D/4] (one contiguous run: vector loads, where a gather in tile
+    # column order gave D byte loads every tile), then transposed: tile column 4j + s is channel s*D/4 + j
+    plane_col = tl.arange(0, 4)[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]
     f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-    scale = tl.load(f8 + (page_base + SCALE_OFF) + col).to(tl.float32)
-    mean = tl.load(f8 + (page_base + MEAN_OFF) + col).to(tl.float32)
+    scale = tl.reshape(tl.trans(tl.load(f8 + (page_base + SCALE_OFF) + plane_col).to(tl.float32)), (D,))
+    mean = tl.reshape(tl.trans(tl.load(f8 + (page_base + MEAN_OFF) + plane_col).to(tl.float32)), (D,))
     return q * scale[None, :], tl.sum(q * mean[None, :], axis=1)
 
 
@@ -691,9 +716,9 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
             readers.append(TileReader(nuq2_value_tile, params, planes=4,
                                       fix_fn=value_fix if n_slots else None))
     if not fmt.calibrated:
-        return DecodeSpec(key=readers[0], value=readers[1], staged=True)
+        return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["nuq2"])
 
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
-    return DecodeSpec(key=readers[0], value=readers[1], staged=True, tables=tables)
+    return DecodeSpec(key=readers[0], value=readers[1], staged=True, tables=tables, prefetch=PREFETCH["nuq2"])

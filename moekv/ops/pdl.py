@@ -70,7 +70,13 @@ def prefetch_rows_l2(row_ptrs, n_ok, num_cols, LINES: tl.constexpr):
     power of two; nothing is read into registers."""
     line = tl.arange(0, LINES)
     ok = n_ok[:, None] & (line[None, :] * LINE_ELEMENTS_16BIT < num_cols)
-    addr = tl.where(ok, (row_ptrs[:, None] + line[None, :] * LINE_ELEMENTS_16BIT).to(tl.int64, bitcast=True), 0)
+    prefetch_l2(tl.where(ok, (row_ptrs[:, None] + line[None, :] * LINE_ELEMENTS_16BIT).to(tl.int64, bitcast=True), 0))
+
+
+@triton.jit
+def prefetch_l2(addr):
+    """Ask L2 for the 128-byte line at each address of `addr` (int64; 0: none); no register is
+    written, so nothing waits for it. Compiled kernels only (inline PTX)."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s64 p, $1, 0; @p prefetch.global.L2 [$1]; } // $0", "=r,l",
                               [addr], dtype=tl.int32, is_pure=False, pack=1)
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Launch one format's paged decode kernel a few times, for a profiler to attach to (Nsight Compute).
+
+The cache is built as bench_decode_attention.py builds it (same random pages, same default launch
+shape), then the kernel runs `--repeats` times with a sync after each, so that a profiler can skip
+the first launches (compilation, warm caches) and record one:
+
+    ncu --clock-control none --kernel-name regex:_paged_decode_kernel --launch-skip 2 --launch-count 1 \
+        --section WarpStateStats --section SchedulerStats --section Occupancy \
+        python benchmarks/ncu_decode_attention.py --format int4 --batch 16 --context 32768
+
+Not a benchmark (no timing here): bench_decode_attention.py times the same launches.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench_decode_attention import FORMATS, HEAD_DIM, NUM_HEADS, build_cache  # noqa: E402
+
+from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.ops.decode_attention import paged_decode_attention  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--format", required=True, choices=[f for f in FORMATS if f not in ("tiered", "vq")])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-n", type=int, default=None)
+    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-stages", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=4)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    name, options = FORMATS[args.format]
+    fmt = get_kv_format(name, torch.bfloat16, **options)
+    spec = fmt.decode_spec(args.block_size, HEAD_DIM)
+    cache, ctx = build_cache(fmt, args.batch, args.context, args.block_size, device, gen)
+    q = torch.randn(args.batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    for _ in range(args.repeats):
+        paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, HEAD_DIM ** -0.5, None,
+                               spec, block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages)
+        torch.cuda.synchronize()
+    print(f"{args.format}: {args.repeats} launches at batch {args.batch}, context {args.context}")
+
+
+if __name__ == "__main__":
+    main()

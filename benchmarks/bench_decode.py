@@ -93,6 +93,47 @@ def kv_bytes_per_token(fmt, cfg, block_size: int) -> float:
     return cfg.num_layers * fmt.page_bytes(cfg.num_kv_heads, block_size, cfg.head_dim) / block_size
 
 
+def kv_read_bytes_per_token(fmt, cfg, block_size: int, cache) -> float:
+    """KV bytes attention reads per cached token (all layers): the page bytes, but a tiered page is
+    read from one tier only (its FP8 or its nuq2 slabs, as the filled tier map says)."""
+    if fmt.name != "tiered":
+        return kv_bytes_per_token(fmt, cfg, block_size)
+    from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW
+
+    n_fp8, n_low = cache.state["tier"].count(TIER_FP8), cache.state["tier"].count(TIER_LOW)
+    hi, lo = (sum(fmt._slabs(kind, block_size, cfg.head_dim)[i] for kind in ("key", "value")) for i in (0, 1))
+    per_page = cfg.num_kv_heads * (n_fp8 * hi + n_low * lo) / max(1, n_fp8 + n_low)
+    return cfg.num_layers * per_page / block_size
+
+
+def fill_tiered(fmt, cache, cfg, block_size: int, batch: int, pages_per_seq: int, device) -> None:
+    """Both tiers' pools hold one random page, and the tier map is what re-ranking leaves: per
+    sequence, its first and newest full pages and every round(1 / tier1_fraction)-th one in FP8, the
+    other full pages in nuq2 (the partly filled newest page is staged)."""
+    from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW
+
+    gen = torch.Generator(device).manual_seed(1)
+    H, D = cfg.num_kv_heads, cfg.head_dim
+    for name, kind in (("k", "key"), ("v", "value")):
+        x = torch.randn(1, H, block_size, D, generator=gen, device=device)
+        for tier_fmt, pool in ((fmt.hi, "fp8"), (fmt.lo, "low")):
+            slab = tier_fmt.layout(kind, block_size, D).pack(tier_fmt.quantize(x, kind, cache.layer))
+            cache[f"{name}_{pool}"].copy_(slab.expand_as(cache[f"{name}_{pool}"]))
+    st = cache.state
+    stride = max(1, round(1 / fmt.tier1_fraction)) if fmt.tier1_fraction > 0 else pages_per_seq
+    full = pages_per_seq - 1  # pages of sequence b: b * pages_per_seq + [0, pages_per_seq), the last staged
+    stored = []
+    for b in range(batch):
+        for i in range(full):
+            page = b * pages_per_seq + i
+            if (i % stride == 0 or i == full - 1) and st["free_fp8"]:
+                st["tier"][page], st["fp8_slot"][page] = TIER_FP8, st["free_fp8"].pop()
+            else:
+                st["tier"][page] = TIER_LOW
+            stored.append(page)
+    fmt._sync_pages(cache, stored)
+
+
 def fill_pages(fmt, cache, cfg, block_size: int, device) -> None:
     """Every page of the pool holds the same valid page: one random page quantized by the format."""
     gen = torch.Generator(device).manual_seed(1)
@@ -123,6 +164,7 @@ def decode_context(batch: int, context: int, block_size: int, device) -> Context
         seq_slots=torch.arange(batch, device=device),
         max_query_len=1,
         fills_no_page=(context + 1) % block_size != 0,
+        graph_step=True,  # the engine's replayed step: tiered's host-side step count is not in it
     )
 
 
@@ -138,7 +180,10 @@ def install_filled_caches(model, cfg, fmt, batch: int, context: int, block_size:
         attn.kv_format = fmt
         attn.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch, torch.bfloat16)
         attn.kv_cache.layer = attn.layer_idx
-        fill_pages(fmt, attn.kv_cache, cfg, block_size, device)
+        if fmt.name == "tiered":
+            fill_tiered(fmt, attn.kv_cache, cfg, block_size, batch, context // block_size + 1, device)
+        else:
+            fill_pages(fmt, attn.kv_cache, cfg, block_size, device)
     return decode_context(batch, context, block_size, device)
 
 
@@ -194,14 +239,17 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
     if need > free_bytes:
         row["skipped"] = f"KV of {need / 2**30:.1f} GiB does not fit beside the weights ({free_bytes / 2**30:.1f} GiB free)"
         return row
-    if not getattr(fmt, "graph_safe", True):  # tiered: host-side tiers and re-ranking between steps
-        row["skipped"] = ("not graph-safe: the engine runs this format's decode steps eagerly (its fused kernel is "
-                          "timed by bench_decode_attention.py); a graph-captured step would not be the engine's")
+    if not getattr(fmt, "graph_safe", True):
+        row["skipped"] = ("not graph-safe: the engine runs this format's decode steps eagerly; a graph-captured "
+                          "step would not be the engine's")
         return row
-    if fmt.decode_spec(block_size, cfg.head_dim) is None:
-        row["skipped"] = "no fused decode kernel for this format yet (its reference path is not a benchmark)"
+    reason = fmt.fused_decode_unavailable(block_size, cfg.head_dim)
+    if reason is not None:
+        row["skipped"] = f"{fmt_name} {reason}; a reference path is not a benchmark"
         return row
     ctx = install_filled_caches(model, cfg, fmt, batch, context, block_size, device)
+    per_token_read = kv_read_bytes_per_token(fmt, cfg, block_size, model.attention_layers[0].kv_cache)
+    row["kv_read_bytes_per_token"] = per_token_read
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
 
     def step():
@@ -219,7 +267,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
             row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             row["tpot_ms"] = row["tpot_eager_ms"]
     _, weights_read = weight_bytes_per_step(cfg, batch)
-    kv_read = batch * (context + 1) * per_token
+    kv_read = batch * (context + 1) * per_token_read
     row.update(weights_read_bytes=weights_read, kv_read_bytes=kv_read,
                floor_ms=1e3 * (weights_read + kv_read) / bandwidth)
     row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]

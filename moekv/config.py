@@ -65,10 +65,11 @@ class EngineConfig:
         gpu_memory_utilization (CUDA). Each pool holds one page more (and one staging slot more
         than max_num_seqs): the scratch page that padded rows of a CUDA-graph replay use.
     enforce_eager: never replay decode steps from CUDA graphs (as vLLM's flag). By default, on CUDA,
-        with a graph-safe KV format (bf16/fp16, fp8_e4m3, int4, kivi2, nuq2 with page codebooks)
-        and an fp16/bf16 model, a decode-only step that fills no page is padded to the next batch
-        bucket (1, 2, 4, ... max_num_seqs) and replayed from a graph captured for that bucket on
-        its first use; prefill, mixed and page-filling steps, tiered/vq and the CPU run eagerly.
+        with a KV format whose decode steps take a fused kernel (bf16/fp16, fp8_e4m3, int4, kivi2,
+        nuq2, vq, tiered with page codebooks) and an fp16/bf16 model, a decode-only step that fills
+        no page is padded to the next batch bucket (1, 2, 4, ... max_num_seqs) and replayed from a
+        graph captured for that bucket on its first use; prefill, mixed and page-filling steps,
+        tiered's re-ranking steps and the CPU run eagerly.
     """
 
     model: str | Path = field(default_factory=default_model_path)

@@ -23,6 +23,10 @@ class Context:
     # host-side: True when no sequence's page becomes full in this step, so staged formats may
     # append with one vectorized copy (no host sync: the step can be captured in a CUDA graph)
     fills_no_page: bool = False
+    # host-side: True when the step runs from the CUDA-graph runner's static buffers (warm-up,
+    # capture, replay, or its eager stand-in): formats do device work only, and the runner applies
+    # their host-side bookkeeping after each replay (KVFormat.after_graph_replay)
+    graph_step: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,8 @@
 CPU: the host-side logic — buckets, padding rows on the scratch page and slot, which steps and
 formats may take the graph path, the pool's scratch page — and the padded static-buffer step run
 eagerly (use_graphs=False), which must give the tokens of the ordinary eager path.
-GPU (`gpu` marker): real capture and replay against enforce_eager=True, for every graph-safe format.
+GPU (`gpu` marker): real capture and replay against enforce_eager=True, for every graph-safe format
+(tiered: with and without re-ranking, whose steps stay eager).
 """
 from __future__ import annotations
 
@@ -105,11 +106,34 @@ def test_calibrated_tables_are_graph_safe(tmp_path):
 
 
 def test_formats_that_stay_eager():
-    tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
-    assert not tiered.graph_safe
-    assert "graph-safe" in graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16, 64, 32)
     fp32 = get_kv_format("fp32")  # graph-safe writes, but no fused kernel for fp32 pages
     assert "fused decode kernel" in graphs_unsupported_reason(CUDA, False, fp32, torch.float16, 16, 32)
+
+
+def test_tiered_is_graph_safe_where_its_fused_kernel_runs(tmp_path):
+    """tiered replays its decode steps where they take its fused kernel (page codebooks, pages of a
+    multiple of 16 tokens, a power-of-two head_dim >= 16, fused_decode on); elsewhere its reference
+    path syncs with the host, and the runner says why it stays eager."""
+    from safetensors.torch import save_file
+
+    from moekv.kvcache.formats.nuq2 import fit_centroids
+
+    tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
+    assert tiered.graph_safe and tiered.decode_spec(64, 32) is None  # its own kernel, not decode_attention's
+    for block_size, head_dim in ((16, 32), (64, 128), (32, 16)):
+        assert graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16, block_size, head_dim) is None
+    assert "dtype" in graphs_unsupported_reason(CUDA, False, tiered, torch.float32, 64, 32)
+    for block_size, head_dim in ((8, 32), (64, 48), (64, 8)):
+        assert "no fused decode kernel" in graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16,
+                                                                     block_size, head_dim)
+    reference = get_kv_format("tiered", torch.bfloat16, codebook="page", fused_decode=False)
+    assert "fused_decode=False" in graphs_unsupported_reason(CUDA, False, reference, torch.bfloat16, 64, 32)
+    pages = torch.randn(4, 2, 64, 32, generator=torch.Generator().manual_seed(0))
+    save_file({f"nuq2.layer0.{kind}.centroids": fit_centroids(pages, kind) for kind in ("key", "value")},
+              str(tmp_path / "kv_calibration.safetensors"))
+    calibrated = get_kv_format("tiered", torch.bfloat16, calibration=str(tmp_path), codebook="calibrated")
+    assert calibrated.lo.calibrated
+    assert "calibrated" in graphs_unsupported_reason(CUDA, False, calibrated, torch.bfloat16, 64, 32)
 
 
 def test_block_manager_never_hands_out_the_scratch_page():
@@ -192,6 +216,78 @@ def test_padded_static_step_matches_eager_on_cpu(hd32_ckpt, fmt):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def _record_tiered(llm):
+    """Record each re-ranking of layer 0 (its step count and the tier map it leaves) and the step
+    count after each replay; a re-ranking must run in an eager step."""
+    runner = llm.engine.runner
+    fmt, first = runner.kv_format, runner.kv_caches[0]
+    reranks, replayed_at = [], []
+    rerank, after = fmt._rerank, fmt.after_graph_replay
+
+    def recording_rerank(cache, ctx):
+        assert not ctx.graph_step
+        rerank(cache, ctx)
+        if cache is first:
+            reranks.append((cache.state["steps"], list(cache.state["tier"])))
+
+    def recording_after(caches):
+        after(caches)
+        replayed_at.append(first.state["steps"])
+
+    fmt._rerank, fmt.after_graph_replay = recording_rerank, recording_after
+    return reranks, replayed_at
+
+
+def _check_tiered_pool_drained(llm):
+    """Every page back in the block manager, in no tier, FP8 slot freed, no mass left on it."""
+    from moekv.kvcache.formats.tiered import TIER_NONE
+
+    engine = llm.engine
+    engine.runner.release_pages(engine.block_manager.drain_freed())
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    for cache in engine.runner.kv_caches:
+        st = cache.state
+        assert set(st["tier"]) == {TIER_NONE}
+        assert sorted(st["free_fp8"]) == list(range(cache["k_fp8"].shape[0]))
+        # pending mass of a released page is dropped with it (if unflagged, it would stay here)
+        assert st["mass_dev"].abs().max().item() == 0
+        engine.runner.kv_format._fold_mass(cache)
+        assert not any(st["mass"])
+
+
+@pytest.mark.parametrize("rerank_interval", [4, 10**6])
+def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interval):
+    """tiered through the graph path (the static-buffer step run eagerly): the eager path's tokens,
+    the same re-rankings at the same steps with the same tier maps (every one in an eager step: no
+    replay lands on a re-ranking step), the same step counts, and every page and FP8 slot freed."""
+    kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype="tiered", block_size=16,
+                  kv_codebook="page", kv_rerank_interval=rerank_interval)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 30, 20)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    eager = LLM(hd32_ckpt, **kwargs)
+    eager_reranks, _ = _record_tiered(eager)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    llm = LLM(hd32_ckpt, **kwargs)
+    graphs, calls = _with_emulated_graphs(llm)
+    reranks, replayed_at = _record_tiered(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert graphs.num_replays == len(calls) == len(replayed_at) > 20
+    assert all(s % rerank_interval for s in replayed_at)
+    steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
+    assert len(steps) == 1
+    assert [s for s, _ in reranks] == [s for s, _ in eager_reranks] == list(range(rerank_interval, steps.pop() + 1,
+                                                                                  rerank_interval))
+    assert reranks == eager_reranks
+    if rerank_interval == 4:
+        from moekv.kvcache.formats.tiered import TIER_LOW
+
+        assert any(TIER_LOW in tiers for _, tiers in reranks), "no page was demoted: a weak test"
+    for e in (eager, llm):
+        _check_tiered_pool_drained(e)
+
+
 def test_graph_path_skips_steps_that_need_prompt_logits_or_observers(mixtral_ckpt):
     llm = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_seqs=4)
     graphs, calls = _with_emulated_graphs(llm)
@@ -209,6 +305,23 @@ def test_graph_path_skips_steps_that_need_prompt_logits_or_observers(mixtral_ckp
 
 
 # -- GPU: capture and replay -------------------------------------------------------------------------
+def _tiered_logprob_diffs(ref, out, rerank_interval: int) -> list[float]:
+    """|logprob difference| of each greedy token up to the first divergence of each sequence pair;
+    without re-ranking a divergence must be a near-tie, and the mean difference must stay < 0.1."""
+    diffs = []
+    for a, b in zip(ref, out):
+        ra, rb = a.outputs[0], b.outputs[0]
+        if rerank_interval > 1000:
+            ok, where = _first_divergence_is_a_tie(ra.token_ids, ra.logprobs, rb.token_ids, rb.logprobs)
+            assert ok, f"tiered without re-ranking: {where}"
+        for i, (x, y) in enumerate(zip(ra.token_ids, rb.token_ids)):
+            if x != y:
+                break
+            diffs.append(abs(ra.logprobs[i][x] - rb.logprobs[i][y]))
+    assert sum(diffs) / len(diffs) < 0.1, f"mean |logprob difference| {sum(diffs) / len(diffs):.3f} over {len(diffs)}"
+    return diffs
+
+
 def _first_divergence_is_a_tie(a_ids, a_lps, b_ids, b_lps, tol=0.1):
     """Same tokens, or they part where the eager run's two best tokens were within `tol` nats (a
     near tie that padding-dependent GEMM rounding may flip); logprobs agree until then."""
@@ -252,6 +365,54 @@ def test_cuda_graphs_match_eager(hd32_ckpt, fmt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rerank_interval", [10**6, 8])
+def test_tiered_cuda_graphs_match_eager(hd32_ckpt, rerank_interval):
+    """tiered replays its decode steps, all but those that re-rank (eager), with pages of 16 so that
+    pages fill and (every 8 steps) move to nuq2. Against enforce_eager=True: the same re-ranking
+    steps, step counts and final page state, and tokens and logprobs by the near-tie rule without
+    re-ranking. With it, the two runs rank masses computed on differently padded batches, so a page
+    near the cut may land in the other tier (FP8 vs 2 bits; test_tiered_fused_decode_matches_reference_in_the_engine
+    saw single logprobs part by up to ~0.3 nats for that reason): there the check is the mean
+    difference while the tokens agree. Every page, FP8 slot and pending mass is freed."""
+    kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_dtype="tiered",
+                  kv_codebook="page", block_size=16, kv_rerank_interval=rerank_interval)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (90, 60, 40)]
+    eager = LLM(hd32_ckpt, enforce_eager=True, **kwargs)
+    assert eager.engine.runner.graphs is None
+    eager_reranks, _ = _record_tiered(eager)
+    ref = eager.generate(prompts, params)
+    llm = LLM(hd32_ckpt, **kwargs)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.use_graphs
+    reranks, replayed_at = _record_tiered(llm)
+    out = llm.generate(prompts, params)
+    assert llm.engine.runner.graphs is graphs, "the graph path failed and fell back to eager (see the log)"
+    assert graphs.num_replays == len(replayed_at) > 50  # 77 of 89 decode steps; 69 re-ranking every 8
+    assert set(graphs.graphs) == {4, 2, 1}  # batches 3, 2, 1
+    assert all(s % rerank_interval for s in replayed_at)
+    steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
+    assert len(steps) == 1
+    assert [s for s, _ in reranks] == [s for s, _ in eager_reranks] == list(range(rerank_interval, steps.pop() + 1,
+                                                                                  rerank_interval))
+    diffs = _tiered_logprob_diffs(ref, out, rerank_interval)
+    if rerank_interval == 8:
+        from moekv.kvcache.formats.tiered import TIER_LOW
+
+        assert any(TIER_LOW in tiers for _, tiers in eager_reranks), "no page was demoted: a weak test"
+        same_tiers = sum(x == y for x, y in zip(reranks, eager_reranks))
+    else:
+        same_tiers = len(reranks)
+    exact = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, out))
+    print(f"\ntiered graphs vs eager (re-rank every {rerank_interval}): {exact}/3 sequences identical, "
+          f"{graphs.num_replays} replays, {len(reranks)} re-rankings ({same_tiers} with the eager tier map), "
+          f"mean |logprob difference| {sum(diffs) / len(diffs):.4f}, max {max(diffs):.3f} over {len(diffs)} tokens")
+    for e in (eager, llm):
+        _check_tiered_pool_drained(e)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_batch1_speed(hd32_ckpt):
     """Not an assertion on speed: prints tok/s at batch 1, eager vs graphs."""
     prompt = [{"prompt_token_ids": PROMPTS[0]}]
@@ -273,18 +434,19 @@ def test_cuda_graphs_batch1_speed(hd32_ckpt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("rerank_interval", [10**6, 8])
 def test_tiered_fused_decode_matches_reference_in_the_engine(hd32_ckpt, monkeypatch, rerank_interval):
-    """tiered is not graph-safe (host-side tiers and re-ranking) but its decode steps take the fused
-    two-tier kernel by default. Without re-ranking (every page stays FP8) the engine's tokens and
-    logprobs follow the reference path by the graph test's near-tie rule. With re-ranking every 8
-    steps the two paths rank pages by masses computed differently (the kernel's exp2 of a bf16 MMA,
-    the reference's fp32 softmax), so a page near the cut may sit in the other tier (FP8 vs 2 bits)
-    and single logprobs part by up to ~0.3 nats (first H200 runs: 0.11, 0.22, 0.29): there the check
-    is the mean difference while the tokens agree (mixed tiers are checked exactly, kernel against
-    reference on one cache, in test_decode_tiered.py). Every page is freed."""
+    """tiered's decode steps take the fused two-tier kernel by default; both engines here run eagerly
+    (test_tiered_cuda_graphs_match_eager checks the graph path against the eager one), so this
+    compares the kernel with the reference path. Without re-ranking (every page stays FP8) the
+    engine's tokens and logprobs follow the reference path by the graph test's near-tie rule. With
+    re-ranking every 8 steps the two paths rank pages by masses computed differently (the kernel's
+    exp2 of a bf16 MMA, the reference's fp32 softmax), so a page near the cut may sit in the other
+    tier (FP8 vs 2 bits) and single logprobs part by up to ~0.3 nats (first H200 runs: 0.11, 0.22,
+    0.29): there the check is the mean difference while the tokens agree (mixed tiers are checked
+    exactly, kernel against reference on one cache, in test_decode_tiered.py). Every page is freed."""
     from moekv.kvcache.formats.tiered import TieredFormat
 
     kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_dtype="tiered",
-                  kv_codebook="page", block_size=16)
+                  kv_codebook="page", block_size=16, enforce_eager=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (90, 60, 40)]
     calls = []
@@ -303,17 +465,7 @@ def test_tiered_fused_decode_matches_reference_in_the_engine(hd32_ckpt, monkeypa
     ref_llm = LLM(hd32_ckpt, **kwargs)
     ref_llm.engine.runner.model.attention_layers[0].kv_format.rerank_interval = rerank_interval
     ref = ref_llm.generate(prompts, params)
-    diffs = []
-    for a, b in zip(ref, out):
-        ra, rb = a.outputs[0], b.outputs[0]
-        if rerank_interval > 1000:
-            ok, where = _first_divergence_is_a_tie(ra.token_ids, ra.logprobs, rb.token_ids, rb.logprobs)
-            assert ok, f"tiered without re-ranking: {where}"
-        for i, (x, y) in enumerate(zip(ra.token_ids, rb.token_ids)):
-            if x != y:
-                break
-            diffs.append(abs(ra.logprobs[i][x] - rb.logprobs[i][y]))
-    assert sum(diffs) / len(diffs) < 0.1, f"mean |logprob difference| {sum(diffs) / len(diffs):.3f} over {len(diffs)}"
+    diffs = _tiered_logprob_diffs(ref, out, rerank_interval)
     exact = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, out))
     print(f"\ntiered fused vs reference (re-rank every {rerank_interval}): {exact}/3 sequences identical, {len(calls)} fused attention calls, "
           f"mean |logprob difference| {sum(diffs) / len(diffs):.4f}, max {max(diffs):.3f} over {len(diffs)} tokens")

@@ -11,6 +11,7 @@ import torch
 
 from tests.triton_kernels import kernel_modules, triton  # noqa: F401 (before any kernel import)
 
+from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW  # noqa: E402
 
@@ -125,6 +126,55 @@ def test_dispatch_cpu_keeps_reference(monkeypatch):
     assert not fmt.use_kernel(q, ctx, cache)
     monkeypatch.setattr(fmt, "attend_kernel", lambda *a, **k: pytest.fail("kernel on CPU"))
     fmt.attend(q, cache, ctx, 32 ** -0.5, None)
+
+
+def test_replayed_step_mass_matches_eager():
+    """A CUDA-graph replay runs attend_kernel's device work (the kernel, the index_add_ into mass_dev)
+    but not its Python (mass_pending = True): after_graph_replay must flag the mass so that the next
+    fold credits it as after the eager step. The replay's batch is padded as the graph runner pads it
+    (a padding row on a scratch page and slot, unused table entries on the scratch page): the real
+    pages get the eager step's mass, and nothing reaches the scratch page's score."""
+    fmt, cache, ctx = tiered_cache([80, 37], 2, 32, 16, torch.float32, seed=3)
+    st = cache.state
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 8, 32, generator=g).to(DEVICE)
+    scale = 32 ** -0.5
+    num_blocks = len(st["tier"])
+    used = set(ctx.block_tables.flatten().tolist())
+    scratch = max(set(range(num_blocks)) - used)  # build_cache leaves two pages unused
+    scratch_slot = 0  # build_cache's sequences use staging slots 2 and 3
+
+    out = fmt.attend_kernel(q, cache, ctx, scale, None, num_splits=2, block_n=16)
+    fmt._fold_mass(cache)
+    eager_mass = list(st["mass"])
+    assert sum(eager_mass) > 0
+    st["mass"] = [0.0] * num_blocks
+
+    width = ctx.block_tables.shape[1] + 2
+    tables = torch.full((3, width), scratch, dtype=torch.int32)
+    for b, n in enumerate((80, 37)):
+        tables[b, :-(-n // 16)] = ctx.block_tables[b, :-(-n // 16)]
+    t = lambda x, dt: torch.tensor(x, dtype=dt, device=DEVICE)  # noqa: E731
+    padded = Context(positions=t([79, 36, 0], torch.long), slot_mapping=t([0, 0, scratch * 16], torch.long),
+                     block_tables=tables.to(DEVICE), context_lens=t([80, 37, 1], torch.int32),
+                     query_start_loc=t([0, 1, 2, 3], torch.int32), logits_indices=t([0, 1, 2], torch.long),
+                     seq_slots=torch.cat([ctx.seq_slots.cpu(), torch.tensor([scratch_slot])]).to(DEVICE),
+                     max_query_len=1, fills_no_page=True, graph_step=True)
+    q_pad = torch.cat([q, torch.randn(1, 8, 32, generator=g).to(DEVICE)])
+    replayed = fmt.attend_kernel(q_pad, cache, padded, scale, None, num_splits=2, block_n=16)
+    st["mass_pending"] = False  # what a replay leaves: it does not run this line of attend_kernel
+    assert st["mass_dev"][scratch].item() == 0  # the padding row and unused entries carry no mass
+    st["mass_dev"][scratch] += 1.0  # and if they did, it must not reach a score
+    fmt._fold_mass(cache)
+    assert sum(st["mass"]) == 0, "the fold credited mass nobody flagged"
+    steps = st["steps"]
+    fmt.after_graph_replay([cache])
+    assert st["mass_pending"] and st["steps"] == steps + 1
+    fmt._fold_mass(cache)
+    assert torch.allclose(replayed[:2], out, rtol=1e-5, atol=1e-6)
+    assert st["mass"][scratch] == 0
+    assert torch.allclose(torch.tensor(st["mass"]), torch.tensor(eager_mass), rtol=1e-5, atol=1e-7)
+    assert not st["mass_pending"] and st["mass_dev"].abs().max().item() == 0
 
 
 def tiered_mix(lens, hkv, head_dim, block_size, kv_dtype, seed=0, fp8_every=7):

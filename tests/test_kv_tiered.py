@@ -54,3 +54,101 @@ def test_bits_between_the_two_tiers(llm):
     fmt = llm.engine.runner.kv_format
     bits = fmt.bits_per_element(2, 32, 16)
     assert fmt.lo.bits_per_element(2, 32, 16) < bits < fmt.hi.bits_per_element(2, 32, 16)
+
+
+# -- CUDA-graph hooks (the host-side bookkeeping a replay skips) ------------------------------------
+def _decode_ctx(context_len: int, graph_step: bool = False, block_size: int = 16):
+    """One sequence's decode step (pages 0-4, staging slot 0), filling no page."""
+    import torch
+
+    from moekv.context import Context
+
+    assert context_len % block_size
+    return Context(positions=torch.tensor([context_len - 1]), slot_mapping=torch.tensor([0]),
+                   block_tables=torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32),
+                   context_lens=torch.tensor([context_len], dtype=torch.int32),
+                   query_start_loc=torch.tensor([0, 1], dtype=torch.int32), logits_indices=torch.tensor([0]),
+                   seq_slots=torch.tensor([0]), max_query_len=1, fills_no_page=True, graph_step=graph_step)
+
+
+def _tiered_layers(rerank_interval: int, num_layers: int = 2):
+    import torch
+
+    from moekv.kvcache.formats import get_kv_format
+
+    fmt = get_kv_format("tiered", torch.float32, codebook="page", rerank_interval=rerank_interval)
+    caches = [fmt.allocate(8, 1, 16, 16, torch.device("cpu"), 2, torch.float32) for _ in range(num_layers)]
+    for layer, cache in enumerate(caches):
+        cache.layer = layer
+    reranks = []
+    rerank = fmt._rerank
+
+    def recording(cache, ctx):
+        assert not ctx.graph_step
+        reranks.append((cache.layer, cache.state["steps"]))
+        rerank(cache, ctx)
+
+    fmt._rerank = recording
+    return fmt, caches, reranks
+
+
+@pytest.mark.parametrize("rerank_interval", [1, 4, 5])
+def test_graph_replays_keep_the_eager_rerank_schedule(rerank_interval):
+    """The runner replays a step only when graph_step_ok says so (never the one that re-ranks) and
+    then calls after_graph_replay; the layers must count steps and re-rank exactly as all-eager steps do."""
+    import torch
+
+    k = torch.zeros(1, 1, 16)
+    eager_fmt, eager_caches, eager_reranks = _tiered_layers(rerank_interval)
+    fmt, caches, reranks = _tiered_layers(rerank_interval)
+    replays = 0
+    for step in range(23):
+        ctx_len = 17 + step % 10  # decode steps of one sequence, never filling page 1
+        for cache in eager_caches:
+            eager_fmt.write(cache, k, k, _decode_ctx(ctx_len))
+        ok = fmt.graph_step_ok(caches)
+        assert ok == ((step + 1) % rerank_interval != 0), step  # false exactly at re-rank steps
+        if ok:  # a replay: the graph step's device work (write counts nothing), then the hook
+            for cache in caches:
+                fmt.write(cache, k, k, _decode_ctx(ctx_len, graph_step=True))
+            fmt.after_graph_replay(caches)
+            replays += 1
+        else:
+            for cache in caches:
+                fmt.write(cache, k, k, _decode_ctx(ctx_len))
+        assert [c.state["steps"] for c in caches] == [c.state["steps"] for c in eager_caches] == [step + 1] * 2
+    assert reranks == eager_reranks
+    assert [s for layer, s in eager_reranks if layer == 0] == list(range(rerank_interval, 24, rerank_interval))
+    assert replays == (0 if rerank_interval == 1 else 23 - 23 // rerank_interval)
+
+
+def test_after_graph_replay_flags_the_mass_of_every_layer():
+    fmt, caches, _ = _tiered_layers(32, num_layers=3)
+    caches[1].state["steps"] = 7
+    fmt.after_graph_replay(caches)
+    assert [c.state["steps"] for c in caches] == [1, 8, 1]
+    assert all(c.state["mass_pending"] for c in caches)
+
+
+def test_graph_steps_leave_the_host_state_alone():
+    """Warm-up and capture run the step with ctx.graph_step (here at a step that would re-rank):
+    the staging gets the token, and nothing else changes: no step counted, no re-ranking, no tier,
+    slot or mass touched."""
+    import copy
+
+    import torch
+
+    fmt, caches, reranks = _tiered_layers(4, num_layers=1)
+    cache = caches[0]
+    cache.state["steps"] = 3
+    cache.state["mass"] = [float(i) for i in range(8)]
+    before = {key: copy.deepcopy(v) for key, v in cache.state.items() if not isinstance(v, torch.Tensor)}
+    k = torch.randn(1, 1, 16)
+    fmt.write(cache, k, 2 * k, _decode_ctx(21, graph_step=True))
+    assert {key: v for key, v in cache.state.items() if not isinstance(v, torch.Tensor)} == before
+    assert not reranks
+    staged = lambda x: x[0].to(cache["k_staging"].dtype)  # noqa: E731
+    assert torch.equal(cache["k_staging"][0, :, 20 % 16], staged(k))
+    assert torch.equal(cache["v_staging"][0, :, 20 % 16], staged(2 * k))
+    fmt.write(cache, k, k, _decode_ctx(21))  # the same step eagerly: counted, and it re-ranks
+    assert cache.state["steps"] == 4 and reranks == [(0, 4)]

@@ -198,8 +198,14 @@ def test_which_formats_fuse():
     assert t.staged and t.k_ring is cache["k_residual"] and t.v_ring is cache["v_residual"]
     kivi0 = get_kv_format("kivi2", torch.float16, residual=0)
     assert kivi0.fused_rope_write_target(kivi0.allocate(4, 2, P, 32, dev, 2, torch.float16), k, dec).k_ring is None
-    tiered = get_kv_format("tiered", torch.float16)  # its own write (host-side tiers): never fused
-    assert tiered.fused_rope_write_target(tiered.allocate(4, 2, P, 32, dev, 2, torch.float16), k, dec) is None
+    tiered = get_kv_format("tiered", torch.float16)  # an eager step needs its write (counts steps, re-ranks)
+    cache = tiered.allocate(4, 2, P, 32, dev, 2, torch.float16)
+    assert tiered.fused_rope_write_target(cache, k, dec) is None
+    dec.graph_step = True  # a CUDA-graph step: its write would only stage
+    t = tiered.fused_rope_write_target(cache, k, dec)
+    assert t.staged and t.k_dest is cache["k_staging"] and t.index is dec.seq_slots and t.k_ring is None
+    dec.fills_no_page = False
+    assert tiered.fused_rope_write_target(cache, k, dec) is None
 
 
 def make_attention(dtype, head_dim=32, num_heads=4, num_kv_heads=2, seed=0):

@@ -14,8 +14,12 @@ between them cost more than the kernels (bench_decode: a Mixtral-8x7B-shaped ste
 - the graph ends with the logits of every row ([bucket, V] fp32); sampling stays outside.
 
 Only steps that `step_fits_graph` accepts take this path (decode-only, no page filled, every
-sequence samples and needs no other logits rows); the model runner keeps the eager path for the
-rest, and for formats or devices that `graphs_unsupported_reason` turns down.
+sequence samples and needs no other logits rows) and that the KV format's `graph_step_ok` allows
+(tiered: not a step that re-ranks); the model runner keeps the eager path for the rest, and for
+formats or devices that `graphs_unsupported_reason` turns down. The captured Context says
+`graph_step=True`, so formats keep to device work there; after each replay the runner calls the
+format's `after_graph_replay` for the host-side bookkeeping the replay skipped (tiered: its step
+count and the flag that the mass accumulator holds new mass).
 """
 from __future__ import annotations
 
@@ -62,8 +66,9 @@ def graphs_unsupported_reason(device: torch.device, enforce_eager: bool, kv_form
         return f"model dtype {dtype} (the fused decode kernel takes fp16/bf16 queries)"
     if not getattr(kv_format, "graph_safe", False):
         return f"kv_cache_dtype={kv_format.name!r} keeps host-side state (not graph-safe)"
-    if kv_format.decode_spec(block_size, head_dim) is None:
-        return f"kv_cache_dtype={kv_format.name!r} has no fused decode kernel at this shape (reference path)"
+    reason = kv_format.fused_decode_unavailable(block_size, head_dim)
+    if reason is not None:
+        return f"kv_cache_dtype={kv_format.name!r} {reason}"
     return None
 
 
@@ -164,7 +169,7 @@ class DecodeGraphs:
             positions=self.positions[:bucket], slot_mapping=self.slot_mapping[:bucket],
             block_tables=self.block_tables[:bucket], context_lens=self.context_lens[:bucket],
             query_start_loc=self.query_start_loc[:bucket + 1], logits_indices=self.logits_indices[:bucket],
-            seq_slots=self.seq_slots[:bucket], max_query_len=1, fills_no_page=True)
+            seq_slots=self.seq_slots[:bucket], max_query_len=1, fills_no_page=True, graph_step=True)
 
     def pad(self, input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots,
             bucket: int) -> DecodeInputs:

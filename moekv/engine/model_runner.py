@@ -148,11 +148,14 @@ class ModelRunner:
 
     def step_uses_graph(self, out: SchedulerOutput, context_lens: list[int], logits_rows: list[int]) -> bool:
         """Whether this step is replayed from a CUDA graph (the engine allows graphs, the step is a
-        decode step that fits one, and nothing observes the model's internals from Python)."""
+        decode step that fits one, the KV format has no host-side work in it, and nothing observes
+        the model's internals from Python)."""
         if self.graphs is None:
             return False
         if not step_fits_graph([item.num_tokens for item in out.scheduled], context_lens, logits_rows,
                                self.block_size, self.graphs.max_batch):
+            return False
+        if not self.kv_format.graph_step_ok(self.kv_caches):
             return False
         return not self._model_is_observed()
 
@@ -219,6 +222,8 @@ class ModelRunner:
             except Exception:  # a host sync or an unsupported op in the step: stay eager from now on
                 log.exception("replaying the decode step from a CUDA graph failed; decode steps run eagerly from now on")
                 self.graphs = None
+            if logits is not None:  # replayed: the format's host-side bookkeeping for the step
+                self.kv_format.after_graph_replay(self.kv_caches)
         if logits is None:
             max_pages = max(len(item.seq.block_table) for item in out.scheduled)
             tables = [item.seq.block_table + [0] * (max_pages - len(item.seq.block_table)) for item in out.scheduled]

@@ -55,9 +55,10 @@ class RopeWriteTarget:
 class KVFormat(ABC):
     name: str
     needs_calibration: bool = False
-    # True when a decode step that fills no page writes and attends without host syncs or host-side
-    # page state (write's vectorized path + the fused decode kernel), so it can be replayed from a
-    # CUDA graph; the runner also needs decode_spec() to be non-None (engine/cuda_graphs.py)
+    # True when a decode step that fills no page writes and attends without host syncs (write's
+    # vectorized path + a fused decode kernel), so it can be replayed from a CUDA graph; host-side
+    # state such a step would change is kept up to date by graph_step_ok / after_graph_replay. The
+    # runner also needs fused_decode_unavailable() to be None (engine/cuda_graphs.py)
     graph_safe: bool = False
 
     @abstractmethod
@@ -129,6 +130,23 @@ class KVFormat(ABC):
         """How the paged decode kernel reads this format's pages (a moekv.ops.decode_attention.DecodeSpec),
         or None to keep the reference path on CUDA too. Formats plug their tile readers in here."""
         return None
+
+    def fused_decode_unavailable(self, block_size: int, head_dim: int) -> str | None:
+        """Why decode-only steps at this shape take the reference path on CUDA (which reads the
+        context on the host, so it cannot be captured), or None when they take a fused kernel."""
+        if self.decode_spec(block_size, head_dim) is None:
+            return "has no fused decode kernel at this shape (reference path)"
+        return None
+
+    # -- CUDA graphs (engine/model_runner.py): a replay repeats the captured device work only ------
+    def graph_step_ok(self, caches: list[LayerKVCache]) -> bool:
+        """May the next decode step (one that fills no page) be replayed? False when that step has
+        host-side work of its own, so that it runs eagerly."""
+        return True
+
+    def after_graph_replay(self, caches: list[LayerKVCache]) -> None:
+        """A decode step was replayed: apply the host-side effects its eager `write` / `attend`
+        would have had (every layer's cache in `caches`)."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,12 @@ The FP8 pool holds `fp8_pool_fraction` of the pages (headroom above tier1_fracti
 written between re-rankings); when it runs out, the coldest unprotected FP8 page is demoted at
 once. Bits per element: page_bytes() (what sizes the pool) counts a nuq2 slab per page plus the FP8
 pool's share; `bits_read` tracks what attention actually read, for reports.
+
+CUDA graphs: a decode step that fills no page is device work only (staging with one indexed copy,
+the fused kernel, its mass added to a device accumulator), so the engine replays it, except the
+step that re-ranks (graph_step_ok). In a graph step (ctx.graph_step) `write` does not count the
+step; after each replay the runner calls after_graph_replay, which counts it and flags the
+accumulator, as the eager `write` / `attend_kernel` would have.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ import math
 import torch
 
 from moekv.context import Context
-from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, _is_decode_only, check_finite, stage_tokens,
+from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only,
+                                       can_stage_vectorized, check_finite, stage_decode_tokens, stage_tokens,
                                        staging_tensors)
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
@@ -31,7 +38,9 @@ TIER_NONE, TIER_FP8, TIER_LOW = 0, 1, 2
 
 class TieredFormat(PagedQuantFormat):
     name = "tiered"
-    graph_safe = False  # page tiers, masses and re-ranking live in host-side Python state
+    # decode steps that fill no page are device-only; the host-side step count and mass flag are
+    # kept by graph_step_ok / after_graph_replay (re-ranking steps run eagerly)
+    graph_safe = True
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,
@@ -112,7 +121,10 @@ class TieredFormat(PagedQuantFormat):
         if st["mass_pending"]:
             pages = st["mass_dev"].nonzero().flatten()
             for page, m in zip(pages.tolist(), st["mass_dev"][pages].tolist()):
-                st["mass"][page] += m
+                # only stored pages are ranked: mass on a page in no tier (free, being filled, or the
+                # graph runner's scratch page that padded rows point at) is dropped
+                if st["tier"][page] != TIER_NONE:
+                    st["mass"][page] += m
             st["mass_dev"].zero_()
             st["mass_pending"] = False
 
@@ -128,16 +140,37 @@ class TieredFormat(PagedQuantFormat):
     # -- writing ---------------------------------------------------------------------------------
     def write(self, cache, k, v, ctx) -> None:
         st = cache.state
-        completed: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (b, page index) -> {"k", "v"}
-        for b, name, pages in stage_tokens(cache, k, v, ctx):
-            for page_idx, page in pages:
-                completed.setdefault((b, page_idx), {})[name] = page
-        for (b, page_idx), kv in completed.items():
-            page = int(ctx.block_tables[b, page_idx])
-            self._store_fp8(cache, page, kv, protect=ctx.block_tables[b, :page_idx + 1].tolist())
+        if can_stage_vectorized(k, ctx):  # no page fills: one indexed copy, no host sync
+            stage_decode_tokens(cache, k, v, ctx)
+        else:
+            completed: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (b, page index) -> {"k", "v"}
+            for b, name, pages in stage_tokens(cache, k, v, ctx):
+                for page_idx, page in pages:
+                    completed.setdefault((b, page_idx), {})[name] = page
+            for (b, page_idx), kv in completed.items():
+                page = int(ctx.block_tables[b, page_idx])
+                self._store_fp8(cache, page, kv, protect=ctx.block_tables[b, :page_idx + 1].tolist())
+        if ctx.graph_step:  # warm-up, capture or replay: after_graph_replay counts replayed steps
+            return
         st["steps"] += 1
         if st["steps"] % self.rerank_interval == 0:
             self._rerank(cache, ctx)
+
+    def fused_rope_write_target(self, cache, k, ctx):
+        # graph steps only: an eager step needs `write` itself (it counts the step, may re-rank)
+        if not ctx.graph_step or not can_stage_vectorized(k, ctx):
+            return None
+        return RopeWriteTarget(cache["k_staging"], cache["v_staging"], ctx.seq_slots, staged=True)
+
+    # -- CUDA graphs -------------------------------------------------------------------------------
+    def graph_step_ok(self, caches) -> bool:
+        # the step whose write re-ranks reads masses and re-encodes pages on the host: eager
+        return all((c.state["steps"] + 1) % self.rerank_interval for c in caches)
+
+    def after_graph_replay(self, caches) -> None:
+        for c in caches:
+            c.state["steps"] += 1  # write's count, which graph steps skip
+            c.state["mass_pending"] = True  # attend_kernel's flag: the replay added to mass_dev
 
     def _store_fp8(self, cache, page: int, kv: dict[str, torch.Tensor], protect: list[int]) -> None:
         st = cache.state
@@ -234,14 +267,24 @@ class TieredFormat(PagedQuantFormat):
             self.elements_read += tail * cache["k_staging"].shape[1] * D
         return torch.cat(parts)
 
+    def fused_decode_unavailable(self, block_size, head_dim):
+        """use_kernel's conditions that a step's shape and options fix (the rest: CUDA, fp16/bf16
+        queries, decode-only, are the graph runner's too)."""
+        if not self.fused_decode:
+            return "has fused_decode=False (reference path)"
+        if self.lo.calibrated:
+            return "uses calibrated nuq2 codebooks, which its fused decode kernel does not read (reference path)"
+        if not _kernel_shape_ok(block_size, head_dim):
+            return (f"has no fused decode kernel at block_size={block_size}, head_dim={head_dim} (it needs a "
+                    "multiple of 16 and a power of two >= 16; reference path)")
+        return None
+
     def use_kernel(self, q, ctx, cache=None) -> bool:
         """With fused_decode, decode-only steps on CUDA in fp16/bf16 with page codebooks take the fused
         kernel (pages of a multiple of 16 tokens, a power-of-two head_dim >= 16: what its tiles need)."""
-        D = q.shape[-1]
         P = cache["k_staging"].shape[2] if cache is not None else 16
         return (self.fused_decode and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-                and not self.lo.calibrated
-                and P % 16 == 0 and D >= 16 and D & (D - 1) == 0 and _is_decode_only(q, ctx))
+                and not self.lo.calibrated and _kernel_shape_ok(P, q.shape[-1]) and _is_decode_only(q, ctx))
 
     def attend(self, q, cache, ctx, scale, sliding_window):
         """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel); otherwise
@@ -261,7 +304,7 @@ class TieredFormat(PagedQuantFormat):
                                             ctx.context_lens, ctx.seq_slots, scale, sliding_window,
                                             self.hi, self.lo, **launch)
         st["mass_dev"].index_add_(0, ctx.block_tables.reshape(-1).long(), mass.reshape(-1))
-        st["mass_pending"] = True
+        st["mass_pending"] = True  # host-side: a replay skips it (after_graph_replay sets it)
         return out
 
     def attend_reference(self, q, cache, ctx, scale, sliding_window):
@@ -292,3 +335,8 @@ class TieredFormat(PagedQuantFormat):
                 for page, m in zip(ctx.block_tables[b, :num_full].tolist(), per_page):
                     st["mass"][page] += m
         return out
+
+
+def _kernel_shape_ok(block_size: int, head_dim: int) -> bool:
+    """What the fused kernel's tiles need: pages of a multiple of 16 tokens, a power-of-two head_dim >= 16."""
+    return block_size % 16 == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0

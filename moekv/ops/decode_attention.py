@@ -107,18 +107,18 @@ def _softmax_step(s, valid, m, l, qk_scale):
     return m_new, l, p, alpha
 
 
+@triton.constexpr_function
+def pow2_at_least(n):
+    """The smallest power of two >= n (>= 1), for tl.arange lengths in jit code."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 @triton.jit
 def _prefetch_slab(pool, offset, SLAB: tl.constexpr):
     """Ask L2 for the SLAB bytes at element `offset` of `pool` (a (page, head) slab), one prefetch
     per 128-byte line."""
     LINES: tl.constexpr = (SLAB + 127) // 128
-    X0: tl.constexpr = LINES - 1  # LINES rounded up to a power of two (no Python helpers in jit code)
-    X1: tl.constexpr = X0 | (X0 >> 1)
-    X2: tl.constexpr = X1 | (X1 >> 2)
-    X3: tl.constexpr = X2 | (X2 >> 4)
-    X4: tl.constexpr = X3 | (X3 >> 8)
-    LP: tl.constexpr = X4 + 1
-    line = tl.arange(0, LP)
+    line = tl.arange(0, pow2_at_least(LINES))
     start = (pool + offset).to(tl.pointer_type(tl.uint8), bitcast=True)
     prefetch_l2(tl.where(line < LINES, (start + line * 128).to(tl.int64, bitcast=True), 0))
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.decode_attention import DecodeSpec, TileReader
+from moekv.ops.decode_attention import DecodeSpec, TileReader, pow2_at_least
 
 
 @triton.jit
@@ -224,11 +224,7 @@ def int4_outliers(pool, base, tok, page_base, tok0, valid, o, D: tl.constexpr, B
     # whole rows (every slot's value, every group's zero), selected in registers: contiguous loads
     # without a per-token mask, which Triton pipelines, and none waits for the channel load (rows
     # of tokens past the context lie in pages that exist, as in fp8_value_tile; they weigh 0)
-    X0: tl.constexpr = NO - 1  # NO rounded up to a power of two (no Python helpers in jit code)
-    X1: tl.constexpr = X0 | (X0 >> 1)
-    X2: tl.constexpr = X1 | (X1 >> 2)
-    NO_PAD: tl.constexpr = (X2 | (X2 >> 4)) + 1
-    slot = tl.arange(0, NO_PAD)
+    slot = tl.arange(0, pow2_at_least(NO))
     g = tl.arange(0, NG)
     vals = tl.load(bf + (((base + OVAL_OFF) >> 1) + tok * NO)[:, None] + slot[None, :], mask=(slot < NO)[None, :],
                    other=0.0).to(tl.float32)
@@ -479,12 +475,7 @@ def _nuq2_used_chunks(pool, page_base, OIDX_OFF: tl.constexpr, S: tl.constexpr, 
     in order, so chunk k is in use iff its first slot is. One small load of each chunk's first
     position; a uniform scalar, so that unused chunks cost a compare and a branch."""
     SC: tl.constexpr = 16
-    # a power of two above the chunk count (constexpr bit twiddling: no Python helpers in jit code)
-    X0: tl.constexpr = (S + SC - 1) // SC
-    X1: tl.constexpr = X0 | (X0 >> 1)
-    X2: tl.constexpr = X1 | (X1 >> 2)
-    X3: tl.constexpr = X2 | (X2 >> 4)
-    NCP: tl.constexpr = X3 + 1
+    NCP: tl.constexpr = pow2_at_least((S + SC - 1) // SC + 1)  # a power of two above the chunk count
     u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
     i = tl.arange(0, NCP) * SC
     if NPG == 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_kernels import kernel_modules, triton  # noqa: F401 (before any kernel import)
+from tests.triton_kernels import kernel_modules, skip_if_compiled_refuses, triton  # noqa: F401 (before kernels)
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
@@ -41,6 +41,7 @@ def mirrors_match(cache):
 
 def run_and_compare(fmt, cache, ctx, group, q_dtype=torch.float32, window=None, seed=1, rel=2e-3, mass_rel=1e-4,
                     **launch):
+    skip_if_compiled_refuses(launch.get("block_n", min(64, cache["k_staging"].shape[2])))
     hkv, head_dim = cache["k_staging"].shape[1], cache["k_staging"].shape[3]
     g = torch.Generator().manual_seed(seed)
     B = ctx.block_tables.shape[0]
@@ -121,7 +122,8 @@ def test_rerank_folds_kernel_mass():
 
 def test_dispatch_cpu_keeps_reference(monkeypatch):
     assert get_kv_format("tiered").fused_decode is True  # the default since its H200 run
-    fmt, cache, ctx = tiered_cache([40], 1, 32, 16, torch.float32)
+    fmt = get_kv_format("tiered", torch.float32, codebook="page")
+    cache, ctx = build_cache(fmt, [40], 1, 32, 16, torch.float32, device=torch.device("cpu"))  # CPU on any machine
     q = torch.randn(1, 2, 32)
     assert not fmt.use_kernel(q, ctx, cache)
     monkeypatch.setattr(fmt, "attend_kernel", lambda *a, **k: pytest.fail("kernel on CPU"))
@@ -134,6 +136,7 @@ def test_replayed_step_mass_matches_eager():
     fold credits it as after the eager step. The replay's batch is padded as the graph runner pads it
     (a padding row on a scratch page and slot, unused table entries on the scratch page): the real
     pages get the eager step's mass, and nothing reaches the scratch page's score."""
+    skip_if_compiled_refuses(16)
     fmt, cache, ctx = tiered_cache([80, 37], 2, 32, 16, torch.float32, seed=3)
     st = cache.state
     g = torch.Generator().manual_seed(5)
@@ -212,3 +215,32 @@ def test_gpu_tiered_realistic(block_n):
     windowed = reference(fmt, cache, ctx, q, 128 ** -0.5, 700)
     out = fmt.attend(q, cache, ctx, 128 ** -0.5, 700)
     assert (out.double() - windowed).abs().max().item() <= 2e-2 * windowed.abs().max().item()
+
+
+@pytest.mark.parametrize("max_pages, tpp, block", [(70, 2, 16), (5, 1, 64)])
+def test_page_mass_kernel_matches_the_formula(max_pages, tpp, block):
+    """_page_mass_kernel against the per-page sums written in PyTorch (float64): heads' final
+    log2-sum-exp over the splits, tile masses, summed over heads and the tiles of each full page;
+    0 for the partly filled page and past the context; more pages than one program's block."""
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, ns = 3, 4, 5
+    P = tpp * block
+    context = torch.tensor([max_pages * P, 3 * P + 1, 1], dtype=torch.int32)
+    part_lse = torch.randn(B, Hq, ns, generator=gen) * 3
+    part_lse[2, :, 1:] = float("-inf")  # empty shares
+    tile_sum = torch.rand(B, Hq, max_pages * tpp, generator=gen)
+    tile_max = torch.randn(B, Hq, max_pages * tpp, generator=gen)
+    tile_max[1, :, 1] = float("-inf")  # a tile nothing visited (before a window)
+    tile_sum[1, :, 1] = 0.0
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    mass = torch.empty(B, max_pages, device=DEVICE)
+    dt._page_mass_kernel[(B, triton.cdiv(max_pages, dt.MASS_BLOCK_PAGES))](
+        dev(part_lse), dev(tile_sum), dev(tile_max), mass, dev(context), ns, max_pages * tpp, max_pages,
+        Hq, 8, tpp, P, dt.MASS_BLOCK_PAGES)
+    lse = torch.logsumexp(part_lse.double() * 0.6931471805599453, dim=-1) / 0.6931471805599453
+    want = (tile_sum.double() * torch.exp2(tile_max.double() - lse[..., None])).sum(1).reshape(B, max_pages, tpp).sum(-1)
+    full = (context // P).tolist()
+    for b in range(B):
+        want[b, full[b]:] = 0.0
+    assert torch.allclose(mass.cpu().double(), want, rtol=1e-5, atol=1e-6), (mass, want)
+    assert mass[1, 3:].abs().max().item() == 0 and mass[2].abs().max().item() == 0

@@ -119,6 +119,17 @@ def pow2_at_least(n):
 
 
 @triton.jit
+def split_share(first, quantized, split, num_splits, BLOCK_N: tl.constexpr):
+    """Tiles [t0, t1) of a split: the tiles of tokens [first, quantized) cut into num_splits
+    contiguous shares (flash-decoding split-K; the window's first tile is where the share starts)."""
+    first_tile = first // BLOCK_N
+    num_tiles = tl.maximum(tl.cdiv(quantized, BLOCK_N) - first_tile, 0)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    t0 = first_tile + split * per_split
+    return t0, tl.minimum(t0 + per_split, first_tile + num_tiles)
+
+
+@triton.jit
 def _prefetch_slab(pool, offset, SLAB: tl.constexpr):
     """Ask L2 for the SLAB bytes at element `offset` of `pool` (a (page, head) slab), one prefetch
     per 128-byte line."""
@@ -186,11 +197,7 @@ def _paged_decode_kernel(
         if V_PL > 1:
             out_col = (d % V_PL) * (D // V_PL) + d // V_PL
         q_main = q.to(DOT)
-        first_tile = first // BLOCK_N
-        num_tiles = tl.maximum(tl.cdiv(quantized, BLOCK_N) - first_tile, 0)
-        per_split = tl.cdiv(num_tiles, num_splits)
-        t0 = first_tile + split * per_split
-        t1 = tl.minimum(t0 + per_split, first_tile + num_tiles)
+        t0, t1 = split_share(first, quantized, split, num_splits, BLOCK_N)
         bt_row = block_tables + b.to(tl.int64) * stride_bt
         for t in range(t0, t1):
             start = t * BLOCK_N

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.decode_attention import (LOG2E, MIN_COMPILED_BLOCK_N, NO_WINDOW, _TL_DTYPES, _patch_interpreter_index, _reduce_kernel,
-                                        _sm_count, _softmax_step, num_splits_for)
+                                        _sm_count, _softmax_step, num_splits_for, split_share)
 from moekv.ops.decode_tiles import fp8_key_tile, nuq2_key_fix, nuq2_key_fold, nuq2_key_tile, nuq2_value_fix, \
     nuq2_value_tile
 
@@ -95,11 +95,7 @@ def _tiered_decode_kernel(
         out_col = planar
         q_pl = tl.load(q_rows + planar[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         q_fp8 = q.to(DOT)
-        first_tile = first // BLOCK_N
-        num_tiles = tl.maximum(tl.cdiv(quantized, BLOCK_N) - first_tile, 0)
-        per_split = tl.cdiv(num_tiles, num_splits)
-        t0 = first_tile + split * per_split
-        t1 = tl.minimum(t0 + per_split, first_tile + num_tiles)
+        t0, t1 = split_share(first, quantized, split, num_splits, BLOCK_N)
         bt_row = block_tables + b.to(tl.int64) * stride_bt
         for t in range(t0, t1):
             start = t * BLOCK_N

@@ -315,13 +315,19 @@ def _paged_decode_kernel(
             m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
             acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
 
-    # normalised partial output and its log2-sum-exp; an empty share writes (0, -inf)
+    head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
+    store_partial(part_o, part_lse, head, split, ns_total, out_col, rows < G, m, l, acc, D)
+
+
+@triton.jit
+def store_partial(part_o, part_lse, head, split, ns_total, out_col, row_ok, m, l, acc, D: tl.constexpr):
+    """A split's normalised partial output (columns out_col of each head's row) and its
+    log2-sum-exp; an empty share writes (0, -inf). head [G_PAD] int64, row_ok masks padding rows."""
     nonempty = l > 0
     o = acc / tl.where(nonempty, l, 1.0)[:, None]
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
-    head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
-    tl.store(part_o + (head * ns_total + split)[:, None] * D + out_col[None, :], o, mask=(rows < G)[:, None])
-    tl.store(part_lse + head * ns_total + split, lse, mask=rows < G)
+    tl.store(part_o + (head * ns_total + split)[:, None] * D + out_col[None, :], o, mask=row_ok[:, None])
+    tl.store(part_lse + head * ns_total + split, lse, mask=row_ok)
 
 
 @triton.jit
@@ -339,6 +345,16 @@ def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total,
     o = tl.load(part_o + (head * ns_total + s)[:, None] * D + d[None, :], mask=(s < ns_total)[:, None], other=0.0)
     res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
     tl.store(out + b * stride_ob + hq * stride_oh + d, res.to(out.dtype.element_ty))
+
+
+def check_block_n(kernel: str, block_n: int, interpret: bool) -> None:
+    """Tiles are a power of two >= 16 tokens (the MMA's smallest), and >= MIN_COMPILED_BLOCK_N when
+    compiled; `kernel` names the launcher in the error."""
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{kernel}: block_n={block_n} must be a power of two >= 16 (the MMA's smallest tile)")
+    if not interpret and block_n < MIN_COMPILED_BLOCK_N:
+        raise ValueError(f"{kernel}: block_n={block_n}: compiled launches take tiles of >= {MIN_COMPILED_BLOCK_N} "
+                         "tokens (tiles of 16 gave wrong outputs on the H200; see MIN_COMPILED_BLOCK_N)")
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
@@ -414,11 +430,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     if interpret:
         _patch_interpreter_index()
     block_n = block_n or (16 if interpret else 64)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"decode kernel: block_n={block_n} must be a power of two >= 16 (the MMA's smallest tile)")
-    if not interpret and block_n < MIN_COMPILED_BLOCK_N:
-        raise ValueError(f"decode kernel: block_n={block_n}: compiled launches take tiles of >= {MIN_COMPILED_BLOCK_N} "
-                         "tokens (tiles of 16 gave wrong outputs on the H200; see MIN_COMPILED_BLOCK_N)")
+    check_block_n("decode kernel", block_n, interpret)
     if use_asm is None:
         use_asm = not interpret
     use_asm = bool(use_asm) and not interpret and block_n * D // 4 >= 4 * 32 * num_warps

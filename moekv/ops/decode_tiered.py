@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.decode_attention import (LOG2E, MIN_COMPILED_BLOCK_N, NO_WINDOW, _TL_DTYPES, _patch_interpreter_index, _reduce_kernel,
-                                        _sm_count, _softmax_step, num_splits_for, split_share)
+from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, _TL_DTYPES, _patch_interpreter_index, _reduce_kernel,
+                                        _sm_count, _softmax_step, check_block_n, num_splits_for, split_share,
+                                        store_partial)
 from moekv.ops.decode_tiles import fp8_key_tile, nuq2_key_fix, nuq2_key_fold, nuq2_key_tile, nuq2_value_fix, \
     nuq2_value_tile
 
@@ -148,12 +149,7 @@ def _tiered_decode_kernel(
             t_s = tl.dot(q_tail, tl.trans(t_k))
             m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
             acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
-
-    nonempty = l > 0
-    o = acc / tl.where(nonempty, l, 1.0)[:, None]
-    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
-    tl.store(part_o + (head * ns_total + split)[:, None] * D + out_col[None, :], o, mask=row_ok[:, None])
-    tl.store(part_lse + head * ns_total + split, lse, mask=row_ok)
+    store_partial(part_o, part_lse, head, split, ns_total, out_col, row_ok, m, l, acc, D)
 
 
 def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, page_slot: torch.Tensor,
@@ -180,11 +176,9 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     if interpret:
         _patch_interpreter_index()
     block_n = min(block_n or (16 if interpret else 64), P)
-    if block_n < 16 or block_n & (block_n - 1) or P % block_n:
-        raise ValueError(f"tiered decode: block_n={block_n} must be a power of two >= 16 dividing block_size={P}")
-    if not interpret and block_n < MIN_COMPILED_BLOCK_N:
-        raise ValueError(f"tiered decode: block_n={block_n} (block_size={P}): compiled launches take tiles of >= "
-                         f"{MIN_COMPILED_BLOCK_N} tokens inside a page (tiles of 16 gave wrong outputs on the H200)")
+    check_block_n("tiered decode", block_n, interpret)
+    if P % block_n:
+        raise ValueError(f"tiered decode: block_n={block_n} must divide block_size={P} (its tiles lie in one page)")
     if use_asm is None:
         use_asm = not interpret
     use_asm = bool(use_asm) and not interpret and block_n * D // 4 >= 4 * 32 * num_warps

@@ -271,6 +271,8 @@ def kivi_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BL
 # six points on the H200 (results/h200/decode_attention.json: 5-15% at batch >= 16 and 1 x 128k);
 # plain pages take none (their loads are all pipelined already, and prefetching slowed batch 64 by 6-20%)
 PREFETCH = {"fp8_e4m3": 2, "int4": 2, "kivi2": 1, "nuq2": 2}
+
+
 def plain_spec(dtype: torch.dtype) -> DecodeSpec | None:
     if dtype not in (torch.bfloat16, torch.float16):
         return None  # fp32 pages keep the reference path

@@ -112,7 +112,7 @@ def test_formats_that_stay_eager():
 
 def test_tiered_is_graph_safe_where_its_fused_kernel_runs(tmp_path):
     """tiered replays its decode steps where they take its fused kernel (page codebooks, pages of a
-    multiple of 32 tokens, a power-of-two head_dim >= 16, fused_decode on); elsewhere its reference
+    multiple of 16 tokens, a power-of-two head_dim >= 16, fused_decode on); elsewhere its reference
     path syncs with the host, and the runner says why it stays eager."""
     from safetensors.torch import save_file
 
@@ -120,11 +120,10 @@ def test_tiered_is_graph_safe_where_its_fused_kernel_runs(tmp_path):
 
     tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
     assert tiered.graph_safe and tiered.decode_spec(64, 32) is None  # its own kernel, not decode_attention's
-    for block_size, head_dim in ((32, 32), (64, 128), (32, 16)):
+    for block_size, head_dim in ((16, 32), (32, 32), (64, 128), (32, 16)):
         assert graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16, block_size, head_dim) is None
     assert "dtype" in graphs_unsupported_reason(CUDA, False, tiered, torch.float32, 64, 32)
-    # pages of 16 would need tiles of 16, which compiled launches refuse (MIN_COMPILED_BLOCK_N)
-    for block_size, head_dim in ((8, 32), (16, 32), (64, 48), (64, 8)):
+    for block_size, head_dim in ((8, 32), (64, 48), (64, 8)):
         assert "no fused decode kernel" in graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16,
                                                                      block_size, head_dim)
     reference = get_kv_format("tiered", torch.bfloat16, codebook="page", fused_decode=False)
@@ -376,7 +375,7 @@ def test_tiered_cuda_graphs_match_eager(hd32_ckpt, rerank_interval):
     saw single logprobs part by up to ~0.3 nats for that reason): there the check is the mean
     difference while the tokens agree. Every page, FP8 slot and pending mass is freed."""
     kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_dtype="tiered",
-                  kv_codebook="page", block_size=32, kv_rerank_interval=rerank_interval)
+                  kv_codebook="page", block_size=16, kv_rerank_interval=rerank_interval)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (90, 60, 40)]
     eager = LLM(hd32_ckpt, enforce_eager=True, **kwargs)
@@ -447,7 +446,7 @@ def test_tiered_fused_decode_matches_reference_in_the_engine(hd32_ckpt, monkeypa
     from moekv.kvcache.formats.tiered import TieredFormat
 
     kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_dtype="tiered",
-                  kv_codebook="page", block_size=32, enforce_eager=True)
+                  kv_codebook="page", block_size=16, enforce_eager=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (90, 60, 40)]
     calls = []

@@ -35,19 +35,3 @@ def kernel_modules(*names: str):
             module = importlib.reload(module)
         modules.append(module)
     return modules[len(SHARED):]
-
-
-def compiled_refuses(block_n: int | None) -> bool:
-    """Whether a decode-kernel launch with tiles of `block_n` tokens is refused here: compiled
-    launches take tiles of >= 32 (moekv.ops.decode_attention.MIN_COMPILED_BLOCK_N: tiles of 16 gave
-    wrong outputs on the H200); the interpreter takes 16."""
-    from moekv.ops.decode_attention import MIN_COMPILED_BLOCK_N
-
-    return not INTERPRET and block_n is not None and block_n < MIN_COMPILED_BLOCK_N
-
-
-def skip_if_compiled_refuses(block_n: int | None) -> None:
-    """Skip an interpreter-sized case with tiles of 16 on a CUDA machine, saying why."""
-    if compiled_refuses(block_n):
-        pytest.skip(f"tiles of {block_n} tokens: compiled launches refuse them (MIN_COMPILED_BLOCK_N; "
-                    "wrong outputs on the H200); the interpreter runs this case")

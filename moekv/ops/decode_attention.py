@@ -34,11 +34,6 @@ import triton.language as tl
 from moekv.ops.pdl import let_dependents_launch, pdl_enabled, prefetch_l2
 
 LOG2E = 1.4426950408889634
-# Compiled launches take tiles of at least 32 tokens: on the H200, tiles of 16 (inside one page) gave
-# outputs 0.9-2.2x the output's scale off for int4, nuq2 and tiered (fp8 was right), at head_dim
-# 32-128, while tiles of 32 and 64 match the reference (benchmarks/probe_small_head_dim.py, session
-# 5; cause not found). The interpreter, whose tests use tiles of 16, is unaffected.
-MIN_COMPILED_BLOCK_N = 32
 NO_WINDOW = 1 << 30  # a window longer than any context
 NUM_PARAMS = 6  # constexpr slots a tile reader gets for its layout (field offsets, group sizes)
 NUM_TABLES = 4  # DecodeSpec.tables: per-layer tensors outside the pages (codebooks, channel scales)
@@ -347,14 +342,10 @@ def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total,
     tl.store(out + b * stride_ob + hq * stride_oh + d, res.to(out.dtype.element_ty))
 
 
-def check_block_n(kernel: str, block_n: int, interpret: bool) -> None:
-    """Tiles are a power of two >= 16 tokens (the MMA's smallest), and >= MIN_COMPILED_BLOCK_N when
-    compiled; `kernel` names the launcher in the error."""
+def check_block_n(kernel: str, block_n: int) -> None:
+    """Tiles are a power of two >= 16 tokens (the MMA's smallest); `kernel` names the launcher in the error."""
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{kernel}: block_n={block_n} must be a power of two >= 16 (the MMA's smallest tile)")
-    if not interpret and block_n < MIN_COMPILED_BLOCK_N:
-        raise ValueError(f"{kernel}: block_n={block_n}: compiled launches take tiles of >= {MIN_COMPILED_BLOCK_N} "
-                         "tokens (tiles of 16 gave wrong outputs on the H200; see MIN_COMPILED_BLOCK_N)")
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
@@ -430,7 +421,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     if interpret:
         _patch_interpreter_index()
     block_n = block_n or (16 if interpret else 64)
-    check_block_n("decode kernel", block_n, interpret)
+    check_block_n("decode kernel", block_n)
     if use_asm is None:
         use_asm = not interpret
     use_asm = bool(use_asm) and not interpret and block_n * D // 4 >= 4 * 32 * num_warps

@@ -176,7 +176,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     if interpret:
         _patch_interpreter_index()
     block_n = min(block_n or (16 if interpret else 64), P)
-    check_block_n("tiered decode", block_n, interpret)
+    check_block_n("tiered decode", block_n)
     if P % block_n:
         raise ValueError(f"tiered decode: block_n={block_n} must divide block_size={P} (its tiles lie in one page)")
     if use_asm is None:

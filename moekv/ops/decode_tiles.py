@@ -180,6 +180,42 @@ def _unpack_crumbs(packed, ASM: tl.constexpr):
     return tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
 
 
+# Tiles with a side of 16 (16 tokens, or a head_dim of 16) unpack without tl.interleave: on the H200
+# (Triton 3.6) a join feeding the MMA of a 16-token tile gave wrong products in the decode loop (int4,
+# nuq2 and tiered, every head_dim, warps, stages and page size tried), while the same readers stored
+# to memory, a lone join + dot, and tiles of 32 or more were right (results/h200/probe_tile16*.txt,
+# NOTES session 6); calibrated nuq2 at head_dim 16 failed the same way. Each column then loads its
+# own byte (every byte two or four times, from L1): slower, but only tiles of 16 tokens (pages of 16)
+# or 16 channels use it.
+JOIN_FREE_BELOW = tl.constexpr(32)
+
+
+@triton.jit
+def _codes_per_column(pool, base, tok, valid, D: tl.constexpr, BITS: tl.constexpr):
+    """[BLOCK_N, D] int32 codes of each token's packed row, column c from bits (c % K) * BITS of
+    byte c // K (K = 8 / BITS codes a byte): the order _unpack_nibbles / _unpack_crumbs give."""
+    K: tl.constexpr = 8 // BITS
+    c = tl.arange(0, D)
+    byte = tl.load(pool + (base + tok * (D // K))[:, None] + (c // K)[None, :], mask=valid[:, None], other=0)
+    return (byte.to(tl.int32) >> ((c % K) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _packed_codes(pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
+                  ASM: tl.constexpr):
+    """[BLOCK_N, D] fp16 codes of each token's packed row at base + tok * D * BITS / 8 (BITS 4 or 2)."""
+    if BLOCK_N < JOIN_FREE_BELOW or D < JOIN_FREE_BELOW:
+        codes = _codes_per_column(pool, base, tok, valid, D, BITS).to(tl.float16)
+    else:
+        j = tl.arange(0, D * BITS // 8)
+        packed = tl.load(pool + (base + tok * (D * BITS // 8))[:, None] + j[None, :], mask=valid[:, None], other=0)
+        if BITS == 4:
+            codes = _unpack_nibbles(packed, ASM)
+        else:
+            codes = _unpack_crumbs(packed, ASM)
+    return codes
+
+
 @triton.jit
 def _per_token_groups(codes, pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, GS: tl.constexpr,
                       SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr):
@@ -200,9 +236,7 @@ def int4_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N:
     """int4 slab: codes uint8 [P, D/2] (even channel in the low nibble) at 0, scale and zero fp16
     [P, D/GS], outlier values bf16 [P, NO], outlier channels uint8 [NO]. The outlier channels'
     codes are 0, so x holds their group's zero there; int4_outliers gives the rest."""
-    j = tl.arange(0, D // 2)
-    packed = tl.load(pool + (base + tok * (D // 2))[:, None] + j[None, :], mask=valid[:, None], other=0)
-    codes = _unpack_nibbles(packed, ASM)
+    codes = _packed_codes(pool, base, tok, valid, D, BLOCK_N, 4, ASM)
     return _per_token_groups(codes, pool, base, tok, valid, D, BLOCK_N, GS, SCALE_OFF, ZERO_OFF), valid
 
 
@@ -243,9 +277,7 @@ def kivi_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOC
                   GROUP: tl.constexpr, P3: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
     """kivi2 key slab: codes [P, D/4] at 0; scale, zero fp16 [P/GROUP, D] (per channel over
     GROUP tokens, KIVI's G)."""
-    j = tl.arange(0, D // 4)
-    packed = tl.load(pool + (base + tok * (D // 4))[:, None] + j[None, :], mask=valid[:, None], other=0)
-    codes = _unpack_crumbs(packed, ASM)
+    codes = _packed_codes(pool, base, tok, valid, D, BLOCK_N, 2, ASM)
     half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
     d = tl.arange(0, D)
     row = (tok // GROUP) * D  # the token's group row of the [P/GROUP, D] side tables
@@ -260,9 +292,7 @@ def kivi_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BL
                     GROUP: tl.constexpr, P3: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
     """kivi2 value slab: codes [P, D/4] at 0; scale, zero fp16 [P, D/GROUP] (per token over
     GROUP channels: G, or the whole head when it is narrower)."""
-    j = tl.arange(0, D // 4)
-    packed = tl.load(pool + (base + tok * (D // 4))[:, None] + j[None, :], mask=valid[:, None], other=0)
-    codes = _unpack_crumbs(packed, ASM)
+    codes = _packed_codes(pool, base, tok, valid, D, BLOCK_N, 2, ASM)
     return _per_token_groups(codes, pool, base, tok, valid, D, BLOCK_N, GROUP, SCALE_OFF, ZERO_OFF), valid
 
 
@@ -376,50 +406,57 @@ def _nuq2_centroids(pool, base, tok, valid, CENT_OFF: tl.constexpr, NPG: tl.cons
 
 
 @triton.jit
+def _nuq2_select(k, c0, c1, c2, c3, NPG: tl.constexpr, CENT_OFF: tl.constexpr):
+    """fp16 centroid c_k of each 2-bit code k [BLOCK_N, n]; the centroids are scalars, or per token
+    [BLOCK_N] when the tile spans pages with their own codebooks."""
+    if NPG > 1 and CENT_OFF >= 0:
+        x = tl.where(k == 0, c0[:, None], tl.where(k == 1, c1[:, None], tl.where(k == 2, c2[:, None], c3[:, None])))
+    else:
+        x = tl.where(k == 0, c0, tl.where(k == 1, c1, tl.where(k == 2, c2, c3)))
+    return x.to(tl.float16)
+
+
+@triton.jit
 def _nuq2_lookup_tile(pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, NPG: tl.constexpr,
                       ASM: tl.constexpr, CENT_OFF: tl.constexpr, CB):
     """[BLOCK_N, D] centroids of the tile's codes (fp16, column 4j + s = channel s*D/4 + j): the
     page's (at CENT_OFF in its slab), or the head's calibrated ones CB [4] fp16 (CENT_OFF < 0)."""
     QD: tl.constexpr = D // 4
-    j = tl.arange(0, QD)
-    if NPG == 1:
-        packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :])
-    else:
-        packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :], mask=valid[:, None], other=0)
-    if ASM:
-        words = pool.to(tl.pointer_type(tl.int32), bitcast=True)
-        if CENT_OFF < 0:  # the head's codebook: one pair of words for every token
-            cb_words = CB.to(tl.pointer_type(tl.int32), bitcast=True)
-            t0 = tl.load(cb_words)
-            t1 = tl.load(cb_words + 1)
-        elif NPG == 1:
-            t0 = tl.load(words + ((base + CENT_OFF) >> 2))
-            t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1)
-        else:
-            t0 = tl.load(words + ((base + CENT_OFF) >> 2), mask=valid, other=0)[:, None]
-            t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1, mask=valid, other=0)[:, None]
-        t0 = tl.broadcast_to(t0, (BLOCK_N, QD))
-        t1 = tl.broadcast_to(t1, (BLOCK_N, QD))
-        x0, x1, x2, x3 = tl.inline_asm_elementwise(
-            _NUQ2_LOOKUP_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [packed, t0, t1],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
-    else:
+    if BLOCK_N < JOIN_FREE_BELOW or D < JOIN_FREE_BELOW:  # no tl.interleave (see JOIN_FREE_BELOW)
         c0, c1, c2, c3 = _nuq2_centroids(pool, base, tok, valid, CENT_OFF, NPG, CB)
-        if NPG > 1 and CENT_OFF >= 0:  # per token (the page's)
-            c0 = c0[:, None]
-            c1 = c1[:, None]
-            c2 = c2[:, None]
-            c3 = c3[:, None]
-        codes = packed.to(tl.int32)
-        k = codes & 3
-        x0 = tl.where(k == 0, c0, tl.where(k == 1, c1, tl.where(k == 2, c2, c3))).to(tl.float16)
-        k = (codes >> 2) & 3
-        x1 = tl.where(k == 0, c0, tl.where(k == 1, c1, tl.where(k == 2, c2, c3))).to(tl.float16)
-        k = (codes >> 4) & 3
-        x2 = tl.where(k == 0, c0, tl.where(k == 1, c1, tl.where(k == 2, c2, c3))).to(tl.float16)
-        k = (codes >> 6) & 3
-        x3 = tl.where(k == 0, c0, tl.where(k == 1, c1, tl.where(k == 2, c2, c3))).to(tl.float16)
-    return tl.interleave(tl.interleave(x0, x2), tl.interleave(x1, x3))
+        x = _nuq2_select(_codes_per_column(pool, base, tok, valid, D, 2), c0, c1, c2, c3, NPG, CENT_OFF)
+    else:
+        j = tl.arange(0, QD)
+        if NPG == 1:
+            packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :])
+        else:
+            packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :], mask=valid[:, None], other=0)
+        if ASM:
+            words = pool.to(tl.pointer_type(tl.int32), bitcast=True)
+            if CENT_OFF < 0:  # the head's codebook: one pair of words for every token
+                cb_words = CB.to(tl.pointer_type(tl.int32), bitcast=True)
+                t0 = tl.load(cb_words)
+                t1 = tl.load(cb_words + 1)
+            elif NPG == 1:
+                t0 = tl.load(words + ((base + CENT_OFF) >> 2))
+                t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1)
+            else:
+                t0 = tl.load(words + ((base + CENT_OFF) >> 2), mask=valid, other=0)[:, None]
+                t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1, mask=valid, other=0)[:, None]
+            t0 = tl.broadcast_to(t0, (BLOCK_N, QD))
+            t1 = tl.broadcast_to(t1, (BLOCK_N, QD))
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(
+                _NUQ2_LOOKUP_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [packed, t0, t1],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            c0, c1, c2, c3 = _nuq2_centroids(pool, base, tok, valid, CENT_OFF, NPG, CB)
+            codes = packed.to(tl.int32)
+            x0 = _nuq2_select(codes & 3, c0, c1, c2, c3, NPG, CENT_OFF)
+            x1 = _nuq2_select((codes >> 2) & 3, c0, c1, c2, c3, NPG, CENT_OFF)
+            x2 = _nuq2_select((codes >> 4) & 3, c0, c1, c2, c3, NPG, CENT_OFF)
+            x3 = _nuq2_select((codes >> 6) & 3, c0, c1, c2, c3, NPG, CENT_OFF)
+        x = tl.interleave(tl.interleave(x0, x2), tl.interleave(x1, x3))
+    return x
 
 
 @triton.jit

@@ -32,7 +32,6 @@ from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWrit
                                        staging_tensors)
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
-from moekv.ops.decode_attention import MIN_COMPILED_BLOCK_N
 
 TIER_NONE, TIER_FP8, TIER_LOW = 0, 1, 2
 
@@ -277,12 +276,12 @@ class TieredFormat(PagedQuantFormat):
             return "uses calibrated nuq2 codebooks, which its fused decode kernel does not read (reference path)"
         if not _kernel_shape_ok(block_size, head_dim):
             return (f"has no fused decode kernel at block_size={block_size}, head_dim={head_dim} (it needs a "
-                    "multiple of 32 and a power of two >= 16; reference path)")
+                    "multiple of 16 and a power of two >= 16; reference path)")
         return None
 
     def use_kernel(self, q, ctx, cache=None) -> bool:
         """With fused_decode, decode-only steps on CUDA in fp16/bf16 with page codebooks take the fused
-        kernel (pages of a multiple of 32 tokens, a power-of-two head_dim >= 16: what its tiles need)."""
+        kernel (pages of a multiple of 16 tokens, a power-of-two head_dim >= 16: what its tiles need)."""
         P = cache["k_staging"].shape[2] if cache is not None else 16
         return (self.fused_decode and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
                 and not self.lo.calibrated and _kernel_shape_ok(P, q.shape[-1]) and _is_decode_only(q, ctx))
@@ -339,7 +338,6 @@ class TieredFormat(PagedQuantFormat):
 
 
 def _kernel_shape_ok(block_size: int, head_dim: int) -> bool:
-    """What the compiled fused kernel's tiles need: pages of a multiple of 32 tokens (its tiles lie in
-    one page, and tiles of 16 gave wrong outputs on the H200: moekv.ops.decode_attention.MIN_COMPILED_BLOCK_N),
-    a power-of-two head_dim >= 16."""
-    return block_size % MIN_COMPILED_BLOCK_N == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    """What the compiled fused kernel's tiles need: pages of a multiple of 16 tokens (its tiles lie in
+    one page and are at least 16 tokens, the MMA's smallest), a power-of-two head_dim >= 16."""
+    return block_size % 16 == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0

@@ -362,7 +362,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     kernel alone without the mass output."""
     from moekv.kvcache.formats.tiered import TIER_FP8
     from moekv.ops.decode_attention import num_splits_for
-    from moekv.ops.decode_tiered import tiered_decode_attention
+    from moekv.ops.decode_tiered import TIERED_PREFETCH, tiered_decode_attention
 
     P = args.block_size
     cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
@@ -383,10 +383,11 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     results = []
     for block_n, warps, stages, split_factor, use_asm, prefetch in args.configs:
-        if block_n > P or prefetch:  # the tiered kernel has no prefetch option
+        if block_n > P:  # its tiles lie in one page
             continue
         splits = max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, ctx.block_tables.shape[1] * P, block_n, sms))
-        launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm)
+        launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm,
+                      prefetch=prefetch)
 
         def run(launch=launch):
             return fmt.attend_kernel(q, cache, ctx, scale, None, **launch)
@@ -395,13 +396,14 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
             return tiered_decode_attention(q, cache, st["tier_dev"], st["slot_dev"], ctx.block_tables,
                                            ctx.context_lens, ctx.seq_slots, scale, None, fmt.hi, fmt.lo,
                                            emit_mass=False, **launch)[0]
-        entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm}
+        entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm,
+                 "prefetch": TIERED_PREFETCH if prefetch is None else prefetch}
         try:
             out = run()
             torch.cuda.synchronize()
             entry.update(ms=timer(run, args.cudagraph), nomass_ms=timer(run_nomass, args.cudagraph),
                          max_abs_err=(out[:1].float() - ref).abs().max().item())
-            if (block_n, warps, stages, split_factor, use_asm) == DEFAULT_CONFIG:
+            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG:
                 entry["eager_ms"] = timer(run, cudagraph=False)
         except Exception as e:  # noqa: BLE001
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -421,7 +423,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     row.update(status="kernel", ms=best["ms"], nomass_ms=best["nomass_ms"], speedup=base["ms"] / best["ms"],
                gbps=nbytes / best["ms"] * 1e-6, default_ms=default["ms"], eager_ms=default.get("eager_ms"),
                block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
-               num_splits=best["num_splits"], use_asm=best["use_asm"], max_abs_err=max(r["max_abs_err"] for r in ok),
+               num_splits=best["num_splits"], use_asm=best["use_asm"], prefetch=best["prefetch"],
+               max_abs_err=max(r["max_abs_err"] for r in ok),
                wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > tolerance] or None)
     del cache, ctx, q
     torch.cuda.empty_cache()
@@ -435,6 +438,8 @@ def main() -> None:
     p.add_argument("--formats", nargs="*", default=[f for f in FORMATS if f not in NUQ2_VARIANTS],
                    help=f"labels among {list(FORMATS)} (kernel variants {list(NUQ2_VARIANTS)} only when named)")
     p.add_argument("--shapes", nargs="*", default=None, help="batchxcontext, e.g. 1x4096 16x32768")
+    p.add_argument("--configs", nargs="*", type=int, default=None,
+                   help=f"indices into CONFIGS (default: all; 0 is the default launch): {CONFIGS}")
     p.add_argument("--block-size", type=int, default=64, help="tokens per page (64: kivi2 needs a multiple of 32)")
     p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
@@ -453,7 +458,8 @@ def main() -> None:
         print(f"vq: random calibration fitted in {time.time() - t0:.1f} s ({args.vq_calibration})", flush=True)
     args.shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes
                    else QUICK_SHAPES if args.quick else SHAPES)
-    args.configs = [DEFAULT_CONFIG] if args.quick else CONFIGS
+    args.configs = ([DEFAULT_CONFIG] if args.quick else CONFIGS if args.configs is None
+                    else [CONFIGS[i] for i in args.configs])
     import triton
 
     device = torch.device("cuda")

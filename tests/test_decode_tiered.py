@@ -130,7 +130,7 @@ def test_dispatch_cpu_keeps_reference(monkeypatch):
 
 
 def test_replayed_step_mass_matches_eager():
-    """A CUDA-graph replay runs attend_kernel's device work (the kernel, the index_add_ into mass_dev)
+    """A CUDA-graph replay runs attend_kernel's device work (the kernels, the mass added into mass_dev)
     but not its Python (mass_pending = True): after_graph_replay must flag the mass so that the next
     fold credits it as after the eager step. The replay's batch is padded as the graph runner pads it
     (a padding row on a scratch page and slot, unused table entries on the scratch page): the real
@@ -215,30 +215,45 @@ def test_gpu_tiered_realistic(block_n):
     assert (out.double() - windowed).abs().max().item() <= 2e-2 * windowed.abs().max().item()
 
 
+@pytest.mark.parametrize("accumulate", [False, True], ids=["returned", "accumulated"])
 @pytest.mark.parametrize("max_pages, tpp, block", [(70, 2, 16), (5, 1, 64)])
-def test_page_mass_kernel_matches_the_formula(max_pages, tpp, block):
+def test_page_mass_kernel_matches_the_formula(max_pages, tpp, block, accumulate):
     """_page_mass_kernel against the per-page sums written in PyTorch (float64): heads' final
     log2-sum-exp over the splits, tile masses, summed over heads and the tiles of each full page;
-    0 for the partly filled page and past the context; more pages than one program's block."""
+    0 for the partly filled page and past the context; more pages than one program's block. Tiles
+    the decode kernel does not write (before the window's first tile, past the full pages) hold NaN
+    and must not be read. accumulated: the sums are added into a per-page accumulator at the pages'
+    ids (the format's mass_dev), which already holds mass from earlier steps."""
     gen = torch.Generator().manual_seed(3)
-    B, Hq, ns = 3, 4, 5
+    B, Hq, ns = 3, 6, 5  # 6 heads: padded to 8 in the kernel
     P = tpp * block
     context = torch.tensor([max_pages * P, 3 * P + 1, 1], dtype=torch.int32)
+    window = max_pages * P - 2 * block  # sequence 0 starts at its third tile; the others see everything
     part_lse = torch.randn(B, Hq, ns, generator=gen) * 3
     part_lse[2, :, 1:] = float("-inf")  # empty shares
     tile_sum = torch.rand(B, Hq, max_pages * tpp, generator=gen)
     tile_max = torch.randn(B, Hq, max_pages * tpp, generator=gen)
-    tile_max[1, :, 1] = float("-inf")  # a tile nothing visited (before a window)
+    tile_max[1, :, 1] = float("-inf")  # a tile whose tokens were all masked
     tile_sum[1, :, 1] = 0.0
+    unwritten = torch.zeros(B, max_pages * tpp, dtype=torch.bool)
+    unwritten[0, :2] = True
+    for b, n in enumerate((context // P).tolist()):
+        unwritten[b, n * tpp:] = True
+    tile_sum[unwritten[:, None, :].expand_as(tile_sum)] = float("nan")
+    tile_max[unwritten[:, None, :].expand_as(tile_max)] = float("nan")
+    ids = torch.randperm(B * max_pages, generator=gen).reshape(B, max_pages).to(torch.int32)  # page ids
+    earlier = torch.rand(B * max_pages, generator=gen)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
-    mass = torch.empty(B, max_pages, device=DEVICE)
-    dt._page_mass_kernel[(B, triton.cdiv(max_pages, dt.MASS_BLOCK_PAGES))](
-        dev(part_lse), dev(tile_sum), dev(tile_max), mass, dev(context), ns, max_pages * tpp, max_pages,
-        Hq, 8, tpp, P, dt.MASS_BLOCK_PAGES)
+    mass = dev(earlier.clone()) if accumulate else torch.empty(B, max_pages, device=DEVICE)
+    block_pages = min(32, dt.mass_block_pages(Hq, tpp))  # more pages than one program's block
+    dt._page_mass_kernel[(B, triton.cdiv(max_pages, block_pages))](
+        dev(part_lse), dev(tile_sum), dev(tile_max), mass, dev(context), dev(ids), ids.stride(0), window,
+        ns, max_pages * tpp, max_pages, Hq, 8, tpp, P, block, block_pages, accumulate)
     lse = torch.logsumexp(part_lse.double() * 0.6931471805599453, dim=-1) / 0.6931471805599453
-    want = (tile_sum.double() * torch.exp2(tile_max.double() - lse[..., None])).sum(1).reshape(B, max_pages, tpp).sum(-1)
-    full = (context // P).tolist()
-    for b in range(B):
-        want[b, full[b]:] = 0.0
+    terms = tile_sum.double() * torch.exp2(tile_max.double() - lse[..., None])
+    want = terms.masked_fill(unwritten[:, None, :], 0.0).sum(1).reshape(B, max_pages, tpp).sum(-1)
+    assert want[0, 0] == 0 and want[1, 3:].abs().max().item() == 0 and want[2].abs().max().item() == 0
+    if accumulate:
+        want = earlier.double().index_add(0, ids.reshape(-1).long(), want.reshape(-1))
+    assert torch.isfinite(mass).all()
     assert torch.allclose(mass.cpu().double(), want, rtol=1e-5, atol=1e-6), (mass, want)
-    assert mass[1, 3:].abs().max().item() == 0 and mass[2].abs().max().item() == 0

@@ -125,13 +125,13 @@ def split_share(first, quantized, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_slab(pool, offset, SLAB: tl.constexpr):
+def _prefetch_slab(pool, offset, SLAB: tl.constexpr, enabled=True):
     """Ask L2 for the SLAB bytes at element `offset` of `pool` (a (page, head) slab), one prefetch
-    per 128-byte line."""
+    per 128-byte line; none where `enabled` (a scalar condition) is false."""
     LINES: tl.constexpr = (SLAB + 127) // 128
     line = tl.arange(0, pow2_at_least(LINES))
     start = (pool + offset).to(tl.pointer_type(tl.uint8), bitcast=True)
-    prefetch_l2(tl.where(line < LINES, (start + line * 128).to(tl.int64, bitcast=True), 0))
+    prefetch_l2(tl.where((line < LINES) & enabled, (start + line * 128).to(tl.int64, bitcast=True), 0))
 
 
 @triton.jit

@@ -25,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, _TL_DTYPES, _patch_interpreter_index, _reduce_kernel,
-                                        _sm_count, _softmax_step, check_block_n, num_splits_for, split_share,
-                                        store_partial)
-from moekv.ops.decode_tiles import fp8_key_tile, nuq2_key_fix, nuq2_key_fold, nuq2_key_tile, nuq2_value_fix, \
-    nuq2_value_tile
+from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, _TL_DTYPES, _patch_interpreter_index, _prefetch_slab,
+                                        _reduce_kernel, _sm_count, _softmax_step, check_block_n, num_splits_for,
+                                        pow2_at_least, split_share, store_partial)
+from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
+    nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
 
 TIER_FP8 = tl.constexpr(1)  # = moekv.kvcache.formats.tiered.TIER_FP8
 
@@ -39,17 +39,15 @@ def _fp8_value_tile_planar(pool, base, tok, page_base, tok0, valid, D: tl.conste
                            P: tl.constexpr, SCALE_OFF: tl.constexpr):
     """fp8_e4m3 value slab (codes e4m3 [D, P] token-major at 0, scale fp16 [P] at SCALE_OFF), a tile
     inside one page, with tile column 4j + s holding channel s*D/4 + j (nuq2's planar order): the
-    slab's rows are read in that order, each still contiguous along the tokens. Unmasked code loads
-    (as fp8_value_tile): tokens past the context weigh 0 through their scale."""
+    slab's rows are read in that order, each still contiguous along the tokens. Unmasked loads (as
+    fp8_value_tile): tokens past the context weigh 0 through their scale, 0 where not valid."""
     d = tl.arange(0, D)
     ch = (d % 4) * (D // 4) + d // 4
     r = tl.arange(0, BLOCK_N)
     codes = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     row0 = tl.multiple_of(page_base + tok0, 16)
     x_t = tl.load(codes + (row0 + (ch * P)[:, None] + r[None, :]))  # [D, BLOCK_N]
-    scale_ptr = pool.to(tl.pointer_type(tl.float16), bitcast=True)
-    scale = tl.load(scale_ptr + (((base + SCALE_OFF) >> 1) + tok), mask=valid, other=0.0).to(tl.float32)
-    return tl.trans(x_t.to(tl.float16)), scale
+    return tl.trans(x_t.to(tl.float16)), _fp8_row_scale(pool, base, tok, valid, SCALE_OFF)
 
 
 @triton.jit
@@ -69,7 +67,8 @@ def _tiered_decode_kernel(
     K_FIX: tl.constexpr, V_FIX: tl.constexpr,  # nuq2 outlier-slot hooks, or None
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr,
-    EMIT_MASS: tl.constexpr,
+    EMIT_MASS: tl.constexpr, PREFETCH: tl.constexpr,  # L2 prefetch distance in tiles (0: off)
+    KF_SLAB: tl.constexpr, VF_SLAB: tl.constexpr, KL_SLAB: tl.constexpr, VL_SLAB: tl.constexpr,  # bytes
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -105,6 +104,17 @@ def _tiered_decode_kernel(
             tok = pos % P
             tok0 = start % P
             page = tl.load(bt_row + start // P).to(tl.int64)
+            if PREFETCH > 0:
+                # the slabs of the tile PREFETCH ahead into L2, of its tier (a slot >= 0: FP8): the
+                # loads behind the tier branch below are not pipelined, so each waits a memory
+                # latency; from L2 that wait is shorter
+                ahead = tl.load(bt_row + tl.minimum(t + PREFETCH, t1 - 1) * BLOCK_N // P).to(tl.int64)
+                a_slot = tl.load(page_slot + ahead).to(tl.int64)
+                in_fp8 = a_slot >= 0
+                _prefetch_slab(kf_pool, a_slot * stride_kfp + h * stride_kfh, KF_SLAB, in_fp8)
+                _prefetch_slab(vf_pool, a_slot * stride_vfp + h * stride_vfh, VF_SLAB, in_fp8)
+                _prefetch_slab(kl_pool, ahead * stride_klp + h * stride_klh, KL_SLAB, a_slot < 0)
+                _prefetch_slab(vl_pool, ahead * stride_vlp + h * stride_vlh, VL_SLAB, a_slot < 0)
             tier = tl.load(page_tier + page)
             if tier == TIER_FP8:
                 slot = tl.load(page_slot + page).to(tl.int64)
@@ -156,13 +166,17 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
                             block_tables: torch.Tensor, context_lens: torch.Tensor, seq_slots: torch.Tensor,
                             scale: float, sliding_window: int | None, fp8_fmt, nuq2_fmt, emit_mass: bool = True,
                             num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                            num_stages: int = 2, use_asm: bool | None = None, out: torch.Tensor | None = None):
+                            num_stages: int = 2, use_asm: bool | None = None, prefetch: int | None = None,
+                            out: torch.Tensor | None = None, mass_into: torch.Tensor | None = None):
     """Decode attention of q [B, Hq, D] over a tiered layer (tensors: its LayerKVCache or a dict with
     k_fp8, v_fp8, k_low, v_low, k_staging, v_staging). Returns (out [B, Hq, D] in q's dtype,
     mass [B, max_pages] fp32 or None): mass[b, i] = the attention probability summed over all query
     heads on the i-th full page of sequence b (0 for the partly filled page and pages past the context).
 
-    fp8_fmt / nuq2_fmt: the tiers' formats (TieredFormat.hi / .lo; nuq2 with page codebooks)."""
+    fp8_fmt / nuq2_fmt: the tiers' formats (TieredFormat.hi / .lo; nuq2 with page codebooks).
+    prefetch: L2 prefetch distance in tiles (None: TIERED_PREFETCH; 0: off; compiled kernels only).
+    mass_into: a [num_pages] fp32 accumulator (the format's mass_dev): the mass is added there at
+    each page's id instead of returned (then None), in the same launch that computes it."""
     B, Hq, D = q.shape
     kf, vf, kl, vl = tensors["k_fp8"], tensors["v_fp8"], tensors["k_low"], tensors["v_low"]
     k_stage, v_stage = tensors["k_staging"], tensors["v_staging"]
@@ -191,9 +205,9 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
     max_tiles = max_pages * (P // block_n)
-    if emit_mass:
-        tile_sum = torch.zeros(B, Hq, max_tiles, dtype=torch.float32, device=q.device)
-        tile_max = torch.full((B, Hq, max_tiles), float("-inf"), dtype=torch.float32, device=q.device)
+    if emit_mass:  # the kernel writes every tile of the window's full pages; the mass kernel reads only those
+        tile_sum = torch.empty(B, Hq, max_tiles, dtype=torch.float32, device=q.device)
+        tile_max = torch.empty(B, Hq, max_tiles, dtype=torch.float32, device=q.device)
     else:
         tile_sum = tile_max = part_lse
     koff = fp8_fmt.layout("key", P, D).offsets
@@ -208,6 +222,12 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     tail_dot = tl.float32 if interpret else _TL_DTYPES[k_stage.dtype]
     G_PAD = max(16, triton.next_power_of_2(G))
     st = k_stage.stride()
+    if prefetch is None:
+        prefetch = TIERED_PREFETCH
+    if interpret:  # inline PTX
+        prefetch = 0
+    slabs = [t.stride(1) * t.element_size() if prefetch else 0 for t in (kf, vf, kl, vl)]
+    window = NO_WINDOW if sliding_window is None else int(sliding_window)
     _tiered_decode_kernel[(B * Hkv, ns_total)](
         q, q.stride(0), q.stride(1),
         kf, vf, kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
@@ -216,10 +236,10 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
         page_tier, page_slot,
         k_stage, v_stage, st[0], st[1], st[2],
         part_o, part_lse, tile_sum, tile_max, max_tiles,
-        scale * LOG2E, NO_WINDOW if sliding_window is None else int(sliding_window), num_splits, ns_total,
+        scale * LOG2E, window, num_splits, ns_total,
         koff["scale"], voff["scale"], *kparams, *vparams,
         nuq2_key_fix if k_slots else None, nuq2_value_fix if v_slots else None,
-        Hkv, G, G_PAD, D, P, block_n, dot, tail_dot, use_asm, emit_mass,
+        Hkv, G, G_PAD, D, P, block_n, dot, tail_dot, use_asm, emit_mass, int(prefetch), *slabs,
         num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:
@@ -228,37 +248,60 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
                             Hq, max(2, triton.next_power_of_2(ns_total)), D, False, num_warps=4)
     if not emit_mass:
         return out, None
-    mass = torch.empty(B, max_pages, dtype=torch.float32, device=q.device)
-    _page_mass_kernel[(B, triton.cdiv(max_pages, MASS_BLOCK_PAGES))](
-        part_lse, tile_sum, tile_max, mass, context_lens, ns_total, max_tiles, max_pages,
-        Hq, max(2, triton.next_power_of_2(ns_total)), P // block_n, P, MASS_BLOCK_PAGES, num_warps=4)
-    return out, mass
+    mass = mass_into if mass_into is not None else torch.empty(B, max_pages, dtype=torch.float32, device=q.device)
+    block_pages = mass_block_pages(Hq, P // block_n)
+    _page_mass_kernel[(B, triton.cdiv(max_pages, block_pages))](
+        part_lse, tile_sum, tile_max, mass, context_lens, block_tables, block_tables.stride(0), window,
+        ns_total, max_tiles, max_pages, Hq, max(2, triton.next_power_of_2(ns_total)), P // block_n, P, block_n,
+        block_pages, mass_into is not None, num_warps=4)
+    return out, (None if mass_into is not None else mass)
 
 
-MASS_BLOCK_PAGES = 64  # pages per program of _page_mass_kernel
+def mass_block_pages(num_heads: int, tiles_per_page: int) -> int:
+    """Pages per program of _page_mass_kernel: about 2048 (head, tile) pairs each (16 a thread)."""
+    return max(1, 2048 // (triton.next_power_of_2(num_heads) * tiles_per_page))
+
+
+# L2 prefetch distance (tiles) of the tiered kernel: nuq2's (most pages are nuq2), not yet swept for tiered
+TIERED_PREFETCH = PREFETCH["nuq2"]
 
 
 @triton.jit
-def _page_mass_kernel(part_lse, tile_sum, tile_max, mass, context_lens, ns_total, max_tiles, max_pages,
+def _page_mass_kernel(part_lse, tile_sum, tile_max, mass, context_lens, block_tables, stride_bt, window,
+                      ns_total, max_tiles, max_pages,
                       NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, TPP: tl.constexpr, P: tl.constexpr,
-                      BLOCK_PAGES: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_PAGES: tl.constexpr, ACCUMULATE: tl.constexpr):
     """mass[b, i] = sum over query heads h and the tiles t of page i of tile_sum[b, h, t] *
     2^(tile_max[b, h, t] - lse[b, h]), lse the head's final log2-sum-exp over its splits; 0 for the
-    partly filled page and pages past the context. One launch where the same sums in PyTorch took
-    ~8 (at batch 1, ~35 us a layer: tiered's step was 1.2 ms slower than nuq2's)."""
+    partly filled page and pages past the context. Only the tiles the decode kernel wrote are read
+    (full pages from the window's first tile on: tile_sum and tile_max are not initialised).
+    ACCUMULATE: add it to mass[block_tables[b, i]] instead (the format's per-page accumulator, [N]).
+    All heads at once: a loop over them waited a memory latency per head (32 at Mixtral's shape,
+    ~23 us a launch at batch 1, more than the decode kernel itself)."""
     b = tl.program_id(0)
     pages = tl.program_id(1) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
-    full = tl.load(context_lens + b) // P
+    length = tl.load(context_lens + b)
+    full = length // P
+    first_tile = tl.maximum(length - window, 0) // BLOCK_N  # split_share's first tile
     tiles = pages[:, None] * TPP + tl.arange(0, TPP)[None, :]  # [BLOCK_PAGES, TPP]
-    ok = (pages < full)[:, None] & (tiles < max_tiles)
+    ok = (pages < full)[:, None] & (tiles < max_tiles) & (tiles >= first_tile)
+    heads = tl.arange(0, pow2_at_least(NUM_HEADS))
+    rows = (b * NUM_HEADS + heads).to(tl.int64)  # [H]
     s = tl.arange(0, NS_PAD)
-    acc = tl.zeros([BLOCK_PAGES], tl.float32)
-    for h in range(NUM_HEADS):
-        row = (b * NUM_HEADS + h).to(tl.int64)
-        part = tl.load(part_lse + row * ns_total + s, mask=s < ns_total, other=float("-inf"))
-        top = tl.max(part, axis=0)
-        lse = tl.where(top > float("-inf"), top + tl.log2(tl.sum(tl.exp2(part - top), axis=0)), 0.0)
-        t_sum = tl.load(tile_sum + row * max_tiles + tiles, mask=ok, other=0.0)
-        t_max = tl.load(tile_max + row * max_tiles + tiles, mask=ok, other=float("-inf"))
-        acc += tl.sum(t_sum * tl.exp2(t_max - lse), axis=1)
-    tl.store(mass + b * max_pages + pages, acc, mask=pages < max_pages)
+    part = tl.load(part_lse + rows[:, None] * ns_total + s[None, :],
+                   mask=(heads < NUM_HEADS)[:, None] & (s < ns_total)[None, :], other=float("-inf"))
+    top = tl.max(part, axis=1)
+    some = top > float("-inf")  # not a padding head, nor a head with no token
+    top = tl.where(some, top, 0.0)  # (no inf - inf)
+    lse = tl.where(some, top + tl.log2(tl.where(some, tl.sum(tl.exp2(part - top[:, None]), axis=1), 1.0)), 0.0)
+    ok3 = ok[None, :, :] & (heads < NUM_HEADS)[:, None, None]  # [H, BLOCK_PAGES, TPP]
+    at = rows[:, None, None] * max_tiles + tiles[None, :, :]
+    t_sum = tl.load(tile_sum + at, mask=ok3, other=0.0)
+    t_max = tl.load(tile_max + at, mask=ok3, other=float("-inf"))
+    per_head = tl.sum(tl.where(ok3, t_sum * tl.exp2(t_max - lse[:, None, None]), 0.0), axis=2)  # [H, BLOCK_PAGES]
+    acc = tl.sum(per_head, axis=0)
+    if ACCUMULATE:
+        page_id = tl.load(block_tables + b.to(tl.int64) * stride_bt + pages, mask=pages < full, other=0)
+        tl.atomic_add(mass + page_id, acc, mask=pages < full)
+    else:
+        tl.store(mass + b * max_pages + pages, acc, mask=pages < max_pages)

@@ -300,10 +300,9 @@ class TieredFormat(PagedQuantFormat):
         from moekv.ops.decode_tiered import tiered_decode_attention
 
         st = cache.state
-        out, mass = tiered_decode_attention(q, cache, st["tier_dev"], st["slot_dev"], ctx.block_tables,
-                                            ctx.context_lens, ctx.seq_slots, scale, sliding_window,
-                                            self.hi, self.lo, **launch)
-        st["mass_dev"].index_add_(0, ctx.block_tables.reshape(-1).long(), mass.reshape(-1))
+        out, _ = tiered_decode_attention(q, cache, st["tier_dev"], st["slot_dev"], ctx.block_tables,
+                                         ctx.context_lens, ctx.seq_slots, scale, sliding_window,
+                                         self.hi, self.lo, mass_into=st["mass_dev"], **launch)
         st["mass_pending"] = True  # host-side: a replay skips it (after_graph_replay sets it)
         return out
 

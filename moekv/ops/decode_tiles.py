@@ -528,20 +528,13 @@ def _nuq2_used_chunks(pool, page_base, OIDX_OFF: tl.constexpr, S: tl.constexpr, 
 
 
 @triton.jit
-def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                     CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, CB):
-    """Outlier slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to
-    [NPG * 16]: (used, tile column of the token, channel, delta in codebook units = the slot's
-    value minus the centroid of the code under it; 0 where unused). The centroid is selected from
-    the page's four (no gather load behind the code's), or from the head's calibrated CB [4] (CENT_OFF < 0)."""
+def _slot_chunk_index(page_base, tok0, chunk, BLOCK_N: tl.constexpr, P: tl.constexpr):
+    """Outlier slots [chunk * 16, chunk * 16 + 16) of each page of the tile (nuq2, vq), flattened to
+    [NPG * 16]: (i, the slot's index in its page's slot arrays; pb, its page's slab offset, a scalar
+    when the tile lies in one page; first, the tile column of its page's row 0)."""
     SC: tl.constexpr = 16
-    PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
-    NPG: tl.constexpr = BLOCK_N // PP
-    QD: tl.constexpr = D // 4
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
     i = chunk * SC + tl.arange(0, SC)
-    u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
-    half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
-    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     if NPG == 1:
         pb = page_base
         first = tl.zeros([SC], tl.int32) - tok0  # the tile's column of a page row t is t - tok0
@@ -549,6 +542,21 @@ def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.
         pb = tl.reshape(tl.broadcast_to(page_base[:, None], (NPG, SC)), (NPG * SC,))
         first = tl.reshape(tl.broadcast_to((tl.arange(0, NPG) * P)[:, None], (NPG, SC)), (NPG * SC,))
         i = tl.reshape(tl.broadcast_to(i[None, :], (NPG, SC)), (NPG * SC,))
+    return i, pb, first
+
+
+@triton.jit
+def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                     CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, CB):
+    """Outlier slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to
+    [NPG * 16]: (used, tile column of the token, channel, delta in codebook units = the slot's
+    value minus the centroid of the code under it; 0 where unused). The centroid is selected from
+    the page's four (no gather load behind the code's), or from the head's calibrated CB [4] (CENT_OFF < 0)."""
+    QD: tl.constexpr = D // 4
+    i, pb, first = _slot_chunk_index(page_base, tok0, chunk, BLOCK_N, P)
+    u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
+    half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     idx = tl.load(u16 + ((pb + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
     val = tl.load(f8 + pb + OVAL_OFF + i, mask=i < S, other=0.0).to(tl.float32)
     if CENT_OFF < 0:
@@ -572,6 +580,27 @@ def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def _add_slot_scores(s, corr, colm, used, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    """s [G_PAD, BLOCK_N] plus each used slot's score correction corr [G_PAD, n] at its token's tile
+    column colm [n]: corr @ the one-hot of those columns [n, BLOCK_N] (outlier slots of nuq2 and vq)."""
+    hit = (colm[:, None] == tl.arange(0, BLOCK_N)[None, :]) & used[:, None]  # [n, BLOCK_N]
+    s += tl.dot(corr.to(DOT), tl.where(hit, 1.0, 0.0).to(DOT))
+    return s
+
+
+@triton.jit
+def _add_slot_values(pv, p, colm, col, delta, used, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    """pv [G_PAD, D] plus p [G_PAD, BLOCK_N] at each used slot's token (tile column colm [n]) times its
+    delta [n], at its channel's tile column col [n]: p @ one-hot [BLOCK_N, n], times delta, @ one-hot
+    [n, D] (outlier slots of nuq2 and vq)."""
+    at_tok = (tl.arange(0, BLOCK_N)[:, None] == colm[None, :]) & used[None, :]  # [BLOCK_N, n]
+    p_at = tl.dot(p.to(DOT), tl.where(at_tok, 1.0, 0.0).to(DOT))  # [G_PAD, n]
+    at_col = (col[:, None] == tl.arange(0, D)[None, :]) & used[:, None]  # [n, D]
+    pv += tl.dot((p_at * delta[None, :]).to(DOT), tl.where(at_col, 1.0, 0.0).to(DOT))
+    return pv
+
+
+@triton.jit
 def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
                  P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
                  OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
@@ -584,7 +613,6 @@ def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOC
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
     NPG: tl.constexpr = BLOCK_N // PP
     f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-    n = tl.arange(0, BLOCK_N)
     chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
@@ -593,8 +621,7 @@ def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOC
             scale = tl.load(f8 + pb + SCALE_OFF + c).to(tl.float32)
             q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
             corr = q_c * (scale * delta)[None, :]  # [G_PAD, NPG * 16]
-            hit = (colm[:, None] == n[None, :]) & used[:, None]  # [NPG * 16, BLOCK_N]
-            s += tl.dot(corr.to(DOT), tl.where(hit, 1.0, 0.0).to(DOT))
+            s = _add_slot_scores(s, corr, colm, used, BLOCK_N, DOT)
     return s
 
 
@@ -609,18 +636,12 @@ def nuq2_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.co
     SC: tl.constexpr = 16
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
     NPG: tl.constexpr = BLOCK_N // PP
-    n = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
     chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
             used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
                                                         OVAL_OFF, OIDX_OFF, S, T1)
-            at_tok = (n[:, None] == colm[None, :]) & used[None, :]  # [BLOCK_N, NPG * 16]
-            p_at = tl.dot(p.to(DOT), tl.where(at_tok, 1.0, 0.0).to(DOT))  # [G_PAD, NPG * 16]
-            tcol = 4 * (c % (D // 4)) + c // (D // 4)
-            at_col = (tcol[:, None] == d[None, :]) & used[:, None]  # [NPG * 16, D]
-            pv += tl.dot((p_at * delta[None, :]).to(DOT), tl.where(at_col, 1.0, 0.0).to(DOT))
+            pv = _add_slot_values(pv, p, colm, 4 * (c % (D // 4)) + c // (D // 4), delta, used, D, BLOCK_N, DOT)
     return pv
 
 
@@ -681,7 +702,6 @@ def nuq2_key_fix_eager(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr
     A chunk whose slots are all unused is skipped (quantize fills the slots in order)."""
     SC: tl.constexpr = 16
     f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-    n = tl.arange(0, BLOCK_N)
     for chunk in tl.static_range((S + SC - 1) // SC):
         used, colm, c, delta, pb = _nuq2_slots(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF, OVAL_OFF,
                                               OIDX_OFF, S, T0)
@@ -689,8 +709,7 @@ def nuq2_key_fix_eager(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr
             scale = tl.load(f8 + pb + SCALE_OFF + c).to(tl.float32)
             q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
             corr = q_c * (scale * delta)[None, :]  # [G_PAD, NPG * 16]
-            hit = (colm[:, None] == n[None, :]) & used[:, None]  # [NPG * 16, BLOCK_N]
-            s += tl.dot(corr.to(DOT), tl.where(hit, 1.0, 0.0).to(DOT))
+            s = _add_slot_scores(s, corr, colm, used, BLOCK_N, DOT)
     return s
 
 
@@ -703,17 +722,11 @@ def nuq2_value_fix_eager(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N:
     p @ one-hot [BLOCK_N, 16] gathers p at the slots' tokens, times delta, @ one-hot [16, D]
     scatters to their channels' tile columns."""
     SC: tl.constexpr = 16
-    n = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
     for chunk in tl.static_range((S + SC - 1) // SC):
         used, colm, c, delta, pb = _nuq2_slots(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF, OVAL_OFF,
                                               OIDX_OFF, S, T1)
         if tl.max(used.to(tl.int32), axis=0) > 0:
-            at_tok = (n[:, None] == colm[None, :]) & used[None, :]  # [BLOCK_N, NPG * 16]
-            p_at = tl.dot(p.to(DOT), tl.where(at_tok, 1.0, 0.0).to(DOT))  # [G_PAD, NPG * 16]
-            tcol = 4 * (c % (D // 4)) + c // (D // 4)
-            at_col = (tcol[:, None] == d[None, :]) & used[:, None]  # [NPG * 16, D]
-            pv += tl.dot((p_at * delta[None, :]).to(DOT), tl.where(at_col, 1.0, 0.0).to(DOT))
+            pv = _add_slot_values(pv, p, colm, 4 * (c % (D // 4)) + c // (D // 4), delta, used, D, BLOCK_N, DOT)
     return pv
 
 

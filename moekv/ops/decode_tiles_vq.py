@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from moekv.ops.decode_attention import DecodeSpec, TileReader
-from moekv.ops.decode_tiles import _nuq2_used_chunks  # the slots fill in order in both formats
+from moekv.ops.decode_tiles import (_add_slot_scores, _add_slot_values, _nuq2_used_chunks,  # slots as nuq2's
+                                    _slot_chunk_index)
 
 CODEBOOK_SIZE = tl.constexpr(256)
 SLOT_CHUNK = 16  # outlier slots per one-hot product (the MMA's smallest K)
@@ -108,21 +109,11 @@ def _vq_slot_chunk(pool, page_base, tok0, chunk, CB, D: tl.constexpr, BLOCK_N: t
     """Slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to [NPG * 16]:
     (used, tile column of the slot's token, channel, tok_scale * (slot value - codebook element
     under it); 0 where unused)."""
-    SC: tl.constexpr = 16
-    PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
-    NPG: tl.constexpr = BLOCK_N // PP
     NS: tl.constexpr = D // SUB
-    i = chunk * SC + tl.arange(0, SC)
+    i, pb, first = _slot_chunk_index(page_base, tok0, chunk, BLOCK_N, P)
     u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
     half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
     f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-    if NPG == 1:
-        pb = page_base
-        first = tl.zeros([SC], tl.int32) - tok0  # the tile's column of page row t is t - tok0
-    else:
-        pb = tl.reshape(tl.broadcast_to(page_base[:, None], (NPG, SC)), (NPG * SC,))
-        first = tl.reshape(tl.broadcast_to((tl.arange(0, NPG) * P)[:, None], (NPG, SC)), (NPG * SC,))
-        i = tl.reshape(tl.broadcast_to(i[None, :], (NPG, SC)), (NPG * SC,))
     idx = tl.load(u16 + ((pb + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
     val = tl.load(f8 + pb + OVAL_OFF + i, mask=i < S, other=0.0).to(tl.float32)
     used = idx != 0xFFFF
@@ -144,7 +135,6 @@ def vq_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_
     """Scores of the outlier slots: s[g, col(t)] += q[g, c] * chan_scale[c] * delta per used slot."""
     SC: tl.constexpr = 16
     NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
-    n = tl.arange(0, BLOCK_N)
     chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
@@ -153,8 +143,7 @@ def vq_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_
             cs = tl.load(T1 + c).to(tl.float32)
             q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
             corr = q_c * (cs * delta)[None, :]  # [G_PAD, NPG * 16]
-            hit = (colm[:, None] == n[None, :]) & used[:, None]  # [NPG * 16, BLOCK_N]
-            s += tl.dot(corr.to(DOT), tl.where(hit, 1.0, 0.0).to(DOT))
+            s = _add_slot_scores(s, corr, colm, used, BLOCK_N, DOT)
     return s
 
 
@@ -166,17 +155,12 @@ def vq_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.cons
     the slots' tokens, times delta, @ one-hot of their channels)."""
     SC: tl.constexpr = 16
     NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
-    n = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
     chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
             used, colm, c, delta = _vq_slot_chunk(pool, page_base, tok0, chunk, T2, D, BLOCK_N, P, TOK_OFF,
                                                   OVAL_OFF, OIDX_OFF, S, SUB)
-            at_tok = (n[:, None] == colm[None, :]) & used[None, :]  # [BLOCK_N, NPG * 16]
-            p_at = tl.dot(p.to(DOT), tl.where(at_tok, 1.0, 0.0).to(DOT))  # [G_PAD, NPG * 16]
-            at_col = (c[:, None] == d[None, :]) & used[:, None]  # [NPG * 16, D]
-            pv += tl.dot((p_at * delta[None, :]).to(DOT), tl.where(at_col, 1.0, 0.0).to(DOT))
+            pv = _add_slot_values(pv, p, colm, c, delta, used, D, BLOCK_N, DOT)
     return pv
 
 

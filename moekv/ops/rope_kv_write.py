@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.rotary import rope_cos_sin, rope_rotate
+
 
 @triton.jit
 def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr, vr_ptr, pos_ptr, index_ptr,
@@ -38,18 +40,12 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr
     i = tl.arange(0, BLOCK)
     mask = i < D2
     pos_i = tl.load(pos_ptr + t).to(tl.int64)
-    pos = pos_i.to(tl.float32)
-    inv_freq = tl.exp2(-(2.0 * i.to(tl.float32) / D) * log2_theta)  # theta^(-2i/D), as ops/rotary.py
-    angle = pos * inv_freq
-    c, s = tl.cos(angle), tl.sin(angle)
+    c, s = rope_cos_sin(pos_i.to(tl.float32), i, D, log2_theta)
     if h < Hq:
-        base = q_ptr + t * stride_qt + h * stride_qh
-        x1 = tl.load(base + i, mask=mask, other=0.0)
-        x2 = tl.load(base + D2 + i, mask=mask, other=0.0)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        q1, q2 = rope_rotate(q_ptr + t * stride_qt + h * stride_qh, i, mask, c, s, D2)
         obase = q_out_ptr + t * stride_ot + h * stride_oh
-        tl.store(obase + i, (a * c - b * s).to(x1.dtype), mask=mask)
-        tl.store(obase + D2 + i, (b * c + a * s).to(x1.dtype), mask=mask)
+        tl.store(obase + i, q1, mask=mask)
+        tl.store(obase + D2 + i, q2, mask=mask)
     else:
         j = h - Hq  # kv head
         idx = tl.load(index_ptr + t).to(tl.int64)
@@ -58,12 +54,8 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr
         else:
             row, off = idx // P, idx % P  # page, offset
         if idx >= 0:
-            base = k_ptr + t * stride_kt + j * stride_kh
-            x1 = tl.load(base + i, mask=mask, other=0.0)
-            x2 = tl.load(base + D2 + i, mask=mask, other=0.0)
-            a, b = x1.to(tl.float32), x2.to(tl.float32)
-            k1 = (a * c - b * s).to(x1.dtype)  # model dtype first: the unfused path's rounding
-            k2 = (b * c + a * s).to(x1.dtype)
+            # rounded to the model dtype first: the unfused path's rounding
+            k1, k2 = rope_rotate(k_ptr + t * stride_kt + j * stride_kh, i, mask, c, s, D2)
             vbase = v_ptr + t * stride_vt + j * stride_vh
             v1 = tl.load(vbase + i, mask=mask, other=0.0)
             v2 = tl.load(vbase + D2 + i, mask=mask, other=0.0)

@@ -14,23 +14,34 @@ import triton.language as tl
 
 
 @triton.jit
+def rope_cos_sin(pos, i, D: tl.constexpr, log2_theta):
+    """cos and sin of the angles pos * theta^(-2i/D) of frequencies i (fp32; pos a fp32 scalar)."""
+    angle = pos * tl.exp2(-(2.0 * i.to(tl.float32) / D) * log2_theta)
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def rope_rotate(base, i, mask, c, s, D2: tl.constexpr):
+    """The head at `base` (rotate-half layout) rotated: (x1 c - x2 s, x2 c + x1 s) for its halves x1,
+    x2 at elements i (where mask), computed in fp32 and rounded to the head's dtype."""
+    x1 = tl.load(base + i, mask=mask, other=0.0)
+    x2 = tl.load(base + D2 + i, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    return (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, out_ptr, pos_ptr, stride_xt, stride_xh, stride_ot, stride_oh, log2_theta,
                    D: tl.constexpr, D2: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
     mask = i < D2
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    inv_freq = tl.exp2(-(2.0 * i.to(tl.float32) / D) * log2_theta)  # theta^(-2i/D)
-    angle = pos * inv_freq
-    c, s = tl.cos(angle), tl.sin(angle)
-    base = x_ptr + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + i, mask=mask, other=0.0)
-    x2 = tl.load(base + D2 + i, mask=mask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    c, s = rope_cos_sin(tl.load(pos_ptr + t).to(tl.float32), i, D, log2_theta)
+    r1, r2 = rope_rotate(x_ptr + t * stride_xt + h * stride_xh, i, mask, c, s, D2)
     obase = out_ptr + t * stride_ot + h * stride_oh
-    tl.store(obase + i, (a * c - b * s).to(x1.dtype), mask=mask)
-    tl.store(obase + D2 + i, (b * c + a * s).to(x1.dtype), mask=mask)
+    tl.store(obase + i, r1, mask=mask)
+    tl.store(obase + D2 + i, r2, mask=mask)
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

@@ -4,6 +4,7 @@ shape, one KV format, one (batch, context) point) under torch.profiler, eager an
 CUDA graph, as a table of kernel name, launches per step and GPU time per step.
 
     PYTHONPATH=. python benchmarks/profile_decode_step.py --shape mixtral-8x7b --format bf16 --batch 1 --context 4096
+    PYTHONPATH=. python benchmarks/profile_decode_step.py --format nuq2 tiered    # several formats, one model build
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import bench_decode as bd  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="mixtral-8x7b", choices=sorted(bd.SHAPES))
-    p.add_argument("--format", default="bf16")
+    p.add_argument("--format", nargs="+", default=["bf16"], help="one or more KV formats (one model build)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=None, help="tokens per page (default: the engine's for the format)")
@@ -30,8 +31,14 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda")
     model, cfg = bd.build_random_model(args.shape, device)
-    fmt = bd.get_kv_format(args.format, torch.bfloat16)
-    block_size = args.block_size or bd.page_size(args.format)
+    for name in args.format:
+        profile_format(model, cfg, name, args, device)
+
+
+def profile_format(model, cfg, name: str, args, device) -> None:
+    """One format's caches installed in the model, its step profiled eagerly and from a CUDA graph."""
+    fmt = bd.get_kv_format(name, torch.bfloat16)
+    block_size = args.block_size or bd.page_size(name)
     ctx = bd.install_filled_caches(model, cfg, fmt, args.batch, args.context, block_size, device)
     ids = torch.randint(0, cfg.vocab_size, (args.batch,), device=device)
 
@@ -51,16 +58,16 @@ def main() -> None:
             per_kernel = defaultdict(lambda: [0, 0.0])
             for ev in prof.events():
                 if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    name = ev.name[:90]
-                    per_kernel[name][0] += 1
-                    per_kernel[name][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+                    kernel = ev.name[:90]
+                    per_kernel[kernel][0] += 1
+                    per_kernel[kernel][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             total_us = sum(v[1] for v in per_kernel.values()) / args.steps
             launches = sum(v[0] for v in per_kernel.values()) / args.steps
             print(f"\n== {label}: {launches:.0f} kernels per step, {total_us / 1e3:.3f} ms of kernel time per step "
-                  f"({args.format}, batch {args.batch}, context {args.context})")
+                  f"({name}, batch {args.batch}, context {args.context})")
             print(f"{'per step':>9} {'us/step':>10} {'us/launch':>10}  kernel")
-            for name, (n, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:args.top]:
-                print(f"{n / args.steps:9.0f} {us / args.steps:10.1f} {us / n:10.2f}  {name}")
+            for kernel, (n, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:args.top]:
+                print(f"{n / args.steps:9.0f} {us / args.steps:10.1f} {us / n:10.2f}  {kernel}")
 
 
 if __name__ == "__main__":

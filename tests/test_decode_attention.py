@@ -161,6 +161,17 @@ def test_pages_of_16_and_sliding_window(label):
         check(label, out, ref)
 
 
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_nuq2_head_dim_16(block_n):
+    """head_dim 16 takes the join-free unpack (decode_tiles.JOIN_FREE_BELOW: a join into a 16-wide
+    product was wrong on the H200), also with each token's own page codebook when a tile spans
+    pages (tiles of 32 and 64 over pages of 16), and with the outlier slots in use."""
+    kv = lambda T, g: _heavy_kv(T, g, 2, 16)  # noqa: E731
+    out, ref, cache, _ = run_case("nuq2", [83, 16, 30], 2, 4, 16, 16, 2, kv=kv, seed=5, block_n=block_n)
+    check("nuq2", out, ref)
+    assert _used_slots(get_kv_format("nuq2", codebook="page"), cache, "key", 16, 16) > 0
+
+
 def _outlier_kv(T, g, num_kv_heads=2, head_dim=64):
     """Keys with two large outlier channels and heavy tails; values with a constant run and zeros."""
     k = torch.randn(T, num_kv_heads, head_dim, generator=g)

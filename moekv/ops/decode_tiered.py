@@ -17,7 +17,8 @@ Attention mass: with EMIT_MASS, each tile writes, per query head, the sum of its
 relative to the split's running max at that tile, sum_n 2^(s_n - m), and that m; with the final
 log2-sum-exp L of the head, the tile's share of the head's attention is sum * 2^(m - L).
 `tiered_decode_attention` returns the per-(sequence, page) sum over all query heads, what the
-format's reference path (`TieredFormat.attend_reference`) adds to its per-page scores.
+format's reference path (`TieredFormat.attend_reference`) adds to its per-page scores, or (the
+engine's path, `mass_into`) adds it at each page's id into the format's device accumulator.
 """
 from __future__ import annotations
 

@@ -217,20 +217,23 @@ def test_gpu_tiered_realistic(block_n):
 
 @pytest.mark.parametrize("accumulate", [False, True], ids=["returned", "accumulated"])
 @pytest.mark.parametrize("max_pages, tpp, block", [(70, 2, 16), (5, 1, 64)])
-def test_page_mass_kernel_matches_the_formula(max_pages, tpp, block, accumulate):
-    """_page_mass_kernel against the per-page sums written in PyTorch (float64): heads' final
-    log2-sum-exp over the splits, tile masses, summed over heads and the tiles of each full page;
-    0 for the partly filled page and past the context; more pages than one program's block. Tiles
-    the decode kernel does not write (before the window's first tile, past the full pages) hold NaN
-    and must not be read. accumulated: the sums are added into a per-page accumulator at the pages'
-    ids (the format's mass_dev), which already holds mass from earlier steps."""
+def test_reduce_and_mass_kernel_matches_the_formulas(max_pages, tpp, block, accumulate):
+    """_reduce_and_mass_kernel against both sums written in PyTorch (float64). Outputs: each head's
+    splits merged by their log2-sum-exp. Mass: heads' final log2-sum-exp over the splits, tile
+    masses, summed over heads and the tiles of each full page; 0 for the partly filled page and past
+    the context; more pages than one program's block. Tiles the decode kernel does not write (before
+    the window's first tile, past the full pages) hold NaN and must not be read. accumulated: the
+    sums are added into a per-page accumulator at the pages' ids (the format's mass_dev), which
+    already holds mass from earlier steps."""
     gen = torch.Generator().manual_seed(3)
-    B, Hq, ns = 3, 6, 5  # 6 heads: padded to 8 in the kernel
+    B, Hq, ns, D = 3, 6, 5, 16  # 6 heads: padded to 8 in the mass programs
     P = tpp * block
     context = torch.tensor([max_pages * P, 3 * P + 1, 1], dtype=torch.int32)
     window = max_pages * P - 2 * block  # sequence 0 starts at its third tile; the others see everything
     part_lse = torch.randn(B, Hq, ns, generator=gen) * 3
     part_lse[2, :, 1:] = float("-inf")  # empty shares
+    part_o = torch.randn(B, Hq, ns, D, generator=gen)
+    part_o[2, :, 1:] = 0.0  # what store_partial writes for an empty share
     tile_sum = torch.rand(B, Hq, max_pages * tpp, generator=gen)
     tile_max = torch.randn(B, Hq, max_pages * tpp, generator=gen)
     tile_max[1, :, 1] = float("-inf")  # a tile whose tokens were all masked
@@ -245,10 +248,15 @@ def test_page_mass_kernel_matches_the_formula(max_pages, tpp, block, accumulate)
     earlier = torch.rand(B * max_pages, generator=gen)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     mass = dev(earlier.clone()) if accumulate else torch.empty(B, max_pages, device=DEVICE)
+    out = torch.empty(B, Hq, D, device=DEVICE)
     block_pages = min(32, dt.mass_block_pages(Hq, tpp))  # more pages than one program's block
-    dt._page_mass_kernel[(B, triton.cdiv(max_pages, block_pages))](
-        dev(part_lse), dev(tile_sum), dev(tile_max), mass, dev(context), dev(ids), ids.stride(0), window,
-        ns, max_pages * tpp, max_pages, Hq, 8, tpp, P, block, block_pages, accumulate)
+    dt._reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
+        dev(part_o), dev(part_lse), out, out.stride(0), out.stride(1),
+        dev(tile_sum), dev(tile_max), mass, dev(context), dev(ids), ids.stride(0), window,
+        ns, max_pages * tpp, max_pages, Hq, 8, D, tpp, P, block, block_pages, accumulate)
+    weights = torch.softmax(part_lse.double() * 0.6931471805599453, dim=-1)  # 2^lse_s / sum
+    want_out = (weights[..., None] * part_o.double()).sum(2)
+    assert torch.allclose(out.cpu().double(), want_out, rtol=1e-5, atol=1e-6)
     lse = torch.logsumexp(part_lse.double() * 0.6931471805599453, dim=-1) / 0.6931471805599453
     terms = tile_sum.double() * torch.exp2(tile_max.double() - lse[..., None])
     want = terms.masked_fill(unwritten[:, None, :], 0.0).sum(1).reshape(B, max_pages, tpp).sum(-1)

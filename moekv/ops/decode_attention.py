@@ -328,10 +328,16 @@ def store_partial(part_o, part_lse, head, split, ns_total, out_col, row_ok, m, l
 @triton.jit
 def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total,
                    NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
-    """out[b, hq] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    """One program per (b, query head): reduce_head."""
     let_dependents_launch(PDL)  # the o projection may become resident (ops/pdl.py)
-    b = tl.program_id(0)
-    hq = tl.program_id(1)
+    reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, tl.program_id(0), tl.program_id(1),
+                NUM_HEADS, NS_PAD, D)
+
+
+@triton.jit
+def reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, b, hq,
+                NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr):
+    """out[b, hq] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
     head = (b * NUM_HEADS + hq).to(tl.int64)
     s = tl.arange(0, NS_PAD)
     d = tl.arange(0, D)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, _TL_DTYPES, _patch_interpreter_index, _prefetch_slab,
                                         _reduce_kernel, _sm_count, _softmax_step, check_block_n, num_splits_for,
-                                        pow2_at_least, split_share, store_partial)
+                                        pow2_at_least, reduce_head, split_share, store_partial)
 from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
     nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
 
@@ -206,7 +206,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
     max_tiles = max_pages * (P // block_n)
-    if emit_mass:  # the kernel writes every tile of the window's full pages; the mass kernel reads only those
+    if emit_mass:  # the kernel writes every tile of the window's full pages; the mass programs read only those
         tile_sum = torch.empty(B, Hq, max_tiles, dtype=torch.float32, device=q.device)
         tile_max = torch.empty(B, Hq, max_tiles, dtype=torch.float32, device=q.device)
     else:
@@ -245,21 +245,24 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     )
     if out is None:
         out = torch.empty_like(q)
-    _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total,
-                            Hq, max(2, triton.next_power_of_2(ns_total)), D, False, num_warps=4)
+    ns_pad = max(2, triton.next_power_of_2(ns_total))
     if not emit_mass:
+        _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total, Hq, ns_pad, D, False,
+                                num_warps=4)
         return out, None
     mass = mass_into if mass_into is not None else torch.empty(B, max_pages, dtype=torch.float32, device=q.device)
     block_pages = mass_block_pages(Hq, P // block_n)
-    _page_mass_kernel[(B, triton.cdiv(max_pages, block_pages))](
-        part_lse, tile_sum, tile_max, mass, context_lens, block_tables, block_tables.stride(0), window,
-        ns_total, max_tiles, max_pages, Hq, max(2, triton.next_power_of_2(ns_total)), P // block_n, P, block_n,
+    # one launch: programs [0, Hq) of each sequence merge a head's splits, the rest sum the page mass
+    _reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
+        part_o, part_lse, out, out.stride(0), out.stride(1),
+        tile_sum, tile_max, mass, context_lens, block_tables, block_tables.stride(0), window,
+        ns_total, max_tiles, max_pages, Hq, ns_pad, D, P // block_n, P, block_n,
         block_pages, mass_into is not None, num_warps=4)
     return out, (None if mass_into is not None else mass)
 
 
 def mass_block_pages(num_heads: int, tiles_per_page: int) -> int:
-    """Pages per program of _page_mass_kernel: about 2048 (head, tile) pairs each (16 a thread)."""
+    """Pages per mass program of _reduce_and_mass_kernel: about 2048 (head, tile) pairs each (16 a thread)."""
     return max(1, 2048 // (triton.next_power_of_2(num_heads) * tiles_per_page))
 
 
@@ -268,19 +271,39 @@ TIERED_PREFETCH = PREFETCH["nuq2"]
 
 
 @triton.jit
-def _page_mass_kernel(part_lse, tile_sum, tile_max, mass, context_lens, block_tables, stride_bt, window,
-                      ns_total, max_tiles, max_pages,
-                      NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, TPP: tl.constexpr, P: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_PAGES: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """mass[b, i] = sum over query heads h and the tiles t of page i of tile_sum[b, h, t] *
-    2^(tile_max[b, h, t] - lse[b, h]), lse the head's final log2-sum-exp over its splits; 0 for the
-    partly filled page and pages past the context. Only the tiles the decode kernel wrote are read
-    (full pages from the window's first tile on: tile_sum and tile_max are not initialised).
-    ACCUMULATE: add it to mass[block_tables[b, i]] instead (the format's per-page accumulator, [N]).
-    All heads at once: a loop over them waited a memory latency per head (32 at Mixtral's shape,
-    ~23 us a launch at batch 1, more than the decode kernel itself)."""
+def _reduce_and_mass_kernel(part_o, part_lse, out, stride_ob, stride_oh,
+                            tile_sum, tile_max, mass, context_lens, block_tables, stride_bt, window,
+                            ns_total, max_tiles, max_pages,
+                            NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, TPP: tl.constexpr,
+                            P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_PAGES: tl.constexpr,
+                            ACCUMULATE: tl.constexpr):
+    """Grid (B, NUM_HEADS + mass programs). Program (b, j < NUM_HEADS) merges head j's splits
+    (reduce_head); program (b, NUM_HEADS + k) writes the mass of pages [k*BLOCK_PAGES, ...) of
+    sequence b (page_mass_block). One launch instead of two: at batch 1 the second launch was a
+    step of each layer's dependency chain (~4 us, 32 layers)."""
     b = tl.program_id(0)
-    pages = tl.program_id(1) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
+    j = tl.program_id(1)
+    if j < NUM_HEADS:
+        reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, b, j, NUM_HEADS, NS_PAD, D)
+    else:
+        page_mass_block(part_lse, tile_sum, tile_max, mass, context_lens, block_tables, stride_bt, window,
+                        ns_total, max_tiles, max_pages, b, j - NUM_HEADS,
+                        NUM_HEADS, NS_PAD, TPP, P, BLOCK_N, BLOCK_PAGES, ACCUMULATE)
+
+
+@triton.jit
+def page_mass_block(part_lse, tile_sum, tile_max, mass, context_lens, block_tables, stride_bt, window,
+                    ns_total, max_tiles, max_pages, b, block,
+                    NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, TPP: tl.constexpr, P: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_PAGES: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """mass[b, i] for the pages i of `block` = sum over query heads h and the tiles t of page i of
+    tile_sum[b, h, t] * 2^(tile_max[b, h, t] - lse[b, h]), lse the head's final log2-sum-exp over
+    its splits; 0 for the partly filled page and pages past the context. Only the tiles the decode
+    kernel wrote are read (full pages from the window's first tile on: tile_sum and tile_max are not
+    initialised). ACCUMULATE: add it to mass[block_tables[b, i]] instead (the format's per-page
+    accumulator, [N]). All heads at once: a loop over them waited a memory latency per head (32 at
+    Mixtral's shape, ~23 us a launch at batch 1, more than the decode kernel itself)."""
+    pages = block * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
     length = tl.load(context_lens + b)
     full = length // P
     first_tile = tl.maximum(length - window, 0) // BLOCK_N  # split_share's first tile
@@ -299,7 +322,7 @@ def _page_mass_kernel(part_lse, tile_sum, tile_max, mass, context_lens, block_ta
     at = rows[:, None, None] * max_tiles + tiles[None, :, :]
     t_sum = tl.load(tile_sum + at, mask=ok3, other=0.0)
     t_max = tl.load(tile_max + at, mask=ok3, other=float("-inf"))
-    per_head = tl.sum(tl.where(ok3, t_sum * tl.exp2(t_max - lse[:, None, None]), 0.0), axis=2)  # [H, BLOCK_PAGES]
+    per_head = tl.sum(t_sum * tl.exp2(t_max - lse[:, None, None]), axis=2)  # [H, BLOCK_PAGES]; masked: 0 * 0
     acc = tl.sum(per_head, axis=0)
     if ACCUMULATE:
         page_id = tl.load(block_tables + b.to(tl.int64) * stride_bt + pages, mask=pages < full, other=0)

@@ -14,6 +14,7 @@ reference on the first sequence.
     python benchmarks/bench_decode_attention.py --quick        # smoke run: two small shapes, default launch only
     python benchmarks/bench_decode_attention.py --formats bf16 nuq2 nuq2_eager nuq2_noslots --shapes 16x32768 \
         --out benchmarks/results/h200/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side
+    python benchmarks/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer   # FlashInfer beside them
 
 Rows: format, batch, context, ms (kernel, CUDA-graph replay, median), baseline_ms (SDPA, same
 timer), speedup, bytes (what the format must read: its page slabs, the staged 16-bit tail, the
@@ -31,6 +32,14 @@ output, nomass_ms is the kernel alone). vq runs on a random calibration
 (codebooks fitted in a few seconds on Gaussian pages shaped like the benchmark's keys and values,
 `moekv.kvcache.formats.vq.random_calibration`; --vq-calibration DIR takes a real one instead); its
 bytes include the layer's codebooks and channel scales (the kernel's DecodeSpec.tables).
+
+--peers flashinfer adds FlashInfer's paged decode attention (BatchDecodeWithPagedKVCacheWrapper,
+benchmarks/flashinfer_peer.py) as a second peer after each shape's SDPA row: rows flashinfer_bf16 and
+flashinfer_fp8_e4m3 (status "peer"; FP8 with per-tensor K and V scales), its CUDA-core and
+tensor-core kernels tried (configs), timed and checked as the formats are, jit_s the wall seconds of
+the first plan + run (its JIT build with nvcc). flashinfer-python 0.5.0 and the dependencies the device
+image lacks are carried to the device as wheels (benchmarks/NOTES.md); without them the rows say
+"skipped" and why.
 """
 from __future__ import annotations
 
@@ -78,6 +87,12 @@ CONFIGS = [(64, 4, 2, 1, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True
            (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0)]
 DEFAULT_CONFIG = CONFIGS[0]
 UNIQUE_PAGES = 512  # distinct random pages, repeated over the pool (contents do not change the speed)
+PEERS = ["flashinfer"]  # other libraries' paged decode attention, beside the SDPA baseline
+
+
+def tolerance(ref_max_abs: float) -> float:
+    """Largest error a correct launch may have against the reference of sequence 0."""
+    return 0.05 * ref_max_abs + 1e-3
 
 
 def timer(fn, cudagraph: bool) -> float:
@@ -290,9 +305,9 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
             traceback.print_exc(file=sys.stderr)
         results.append(entry)
     row["configs"] = results
-    tolerance = 0.05 * row["ref_max_abs"] + 1e-3
+    limit = tolerance(row["ref_max_abs"])
     # only correct launches compete (a bound competes on time alone)
-    ok = [r for r in results if "ms" in r and (r["max_abs_err"] <= tolerance or label in INEXACT)]
+    ok = [r for r in results if "ms" in r and (r["max_abs_err"] <= limit or label in INEXACT)]
     if not ok:
         bad = [r for r in results if "ms" in r]
         reason = (f"every launch shape disagrees with the reference (max error {min(r['max_abs_err'] for r in bad):.3g})"
@@ -307,7 +322,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                num_warps=best["num_warps"], num_stages=best["num_stages"], num_splits=best["num_splits"],
                use_asm=best["use_asm"], prefetch=best["prefetch"], no_asm_ms=no_asm["ms"] if no_asm else None,
                max_abs_err=max(r["max_abs_err"] for r in ok),
-               wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > tolerance] or None)
+               wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > limit] or None)
     del cache, ctx, q
     torch.cuda.empty_cache()
     return row
@@ -412,8 +427,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     st["mass_dev"].zero_()
     st["mass_pending"] = False
     row["configs"] = results
-    tolerance = 0.05 * row["ref_max_abs"] + 1e-3
-    ok = [r for r in results if "ms" in r and r["max_abs_err"] <= tolerance]
+    limit = tolerance(row["ref_max_abs"])
+    ok = [r for r in results if "ms" in r and r["max_abs_err"] <= limit]
     if not ok:
         bad = [r for r in results if "ms" in r]
         return {**row, "status": "wrong" if bad else "error",
@@ -425,7 +440,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
                block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
                num_splits=best["num_splits"], use_asm=best["use_asm"], prefetch=best["prefetch"],
                max_abs_err=max(r["max_abs_err"] for r in ok),
-               wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > tolerance] or None)
+               wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > limit] or None)
     del cache, ctx, q
     torch.cuda.empty_cache()
     return row
@@ -445,6 +460,8 @@ def main() -> None:
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
+    p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
+                   help="other libraries timed after each shape's SDPA row (flashinfer: benchmarks/flashinfer_peer.py)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention: needs a CUDA device")
@@ -467,6 +484,12 @@ def main() -> None:
     started = time.time()
     bandwidth = measure_bandwidth(device)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    peers = {}
+    if "flashinfer" in args.peers:  # imported only when asked: the peer needs flashinfer-python
+        from flashinfer_peer import flashinfer_rows, flashinfer_version
+
+        peers["flashinfer"], reason = flashinfer_version()
+        print(f"flashinfer {peers['flashinfer'] or reason}", flush=True)
     rows = []
     for batch, context in args.shapes:
         base = sdpa_baseline(batch, context, device, gen, args.cudagraph)
@@ -475,15 +498,15 @@ def main() -> None:
                      "gbps": base["bytes"] / base["ms"] * 1e-6, "floor_ms": base["bytes"] / bandwidth * 1e3,
                      "eager_ms": base["eager_ms"], "note": base["note"]})
         print(f"\n({batch}, {context}) sdpa {base['ms'] * 1e3:.1f} us  [{base['note']}]", flush=True)
+        if "flashinfer" in peers:
+            for row in flashinfer_rows(batch, context, args.block_size, device, gen, bandwidth, base, args.cudagraph,
+                                       sys.modules[__name__]):
+                rows.append(row)
+                print_row(row)
         for label in args.formats:
             row = bench_format(label, batch, context, args, device, gen, bandwidth, base)
             rows.append(row)
-            if "ms" in row:
-                print(f"  {label:>9} {row['status']:>9}: {row['ms'] * 1e3:9.1f} us  x{row['speedup']:.2f} vs sdpa  "
-                      f"{row['gbps']:6.0f} GB/s  floor {row['floor_ms'] * 1e3:8.1f} us  err {row.get('max_abs_err')}",
-                      flush=True)
-            else:
-                print(f"  {label:>9} {row['status']}: {row.get('reason')}", flush=True)
+            print_row(row)
     record = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
@@ -492,12 +515,23 @@ def main() -> None:
         "seconds": round(time.time() - started, 1),
         "vq_calibration": "random (moekv.kvcache.formats.vq.random_calibration)" if args.vq_calibration
         and args.vq_calibration.name.startswith("vqcal") else (str(args.vq_calibration) if args.vq_calibration else None),
+        "peers": peers,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"\nwrote {args.out} ({record['seconds']} s)")
     print_table(rows)
+
+
+def print_row(row: dict) -> None:
+    """One progress line per format or peer row."""
+    if "ms" in row:
+        print(f"  {row['format']:>9} {row['status']:>9}: {row['ms'] * 1e3:9.1f} us  x{row['speedup']:.2f} vs sdpa  "
+              f"{row['gbps']:6.0f} GB/s  floor {row['floor_ms'] * 1e3:8.1f} us  err {row.get('max_abs_err')}",
+              flush=True)
+    else:
+        print(f"  {row['format']:>9} {row['status']}: {row.get('reason')}", flush=True)
 
 
 def print_table(rows: list[dict]) -> None:

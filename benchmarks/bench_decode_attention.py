@@ -80,9 +80,10 @@ FORMATS = {
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_noslots": "off"}
 INEXACT = {"nuq2_noslots"}  # bounds, not formats: wrong wherever a slot is used
-# launch shapes tried per (format, shape): (block_n, num_warps, num_stages, splits factor, inline PTX,
-# L2 prefetch distance in tiles, None: the format's default, DecodeSpec.prefetch). 8 warps dropped: 1.4-2x slower than 4 at every point of the
-# 2026-11-29 runs (results/h200/decode_attention.json)
+# launch shapes tried per (format, shape): (block_n, num_warps, num_stages, splits factor over
+# num_splits_for, inline PTX, L2 prefetch distance in tiles). The first is the launcher's default:
+# the spec's prefetch and split_factor (DecodeSpec). 8 warps dropped: 1.4-2x slower than 4 at every
+# point of the 2026-11-29 runs (results/h200/decode_attention.json)
 CONFIGS = [(64, 4, 2, 1, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True, 1), (64, 4, 2, 1, True, 2), (64, 4, 3, 1, True, 2),
            (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0)]
 DEFAULT_CONFIG = CONFIGS[0]
@@ -229,7 +230,7 @@ def sdpa_baseline(batch: int, context: int, device, gen, cudagraph: bool) -> dic
 
 
 def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> dict:
-    from moekv.ops.decode_attention import num_splits_for, paged_decode_attention
+    from moekv.ops.decode_attention import default_num_splits, num_splits_for, paged_decode_attention
 
     name, options = FORMATS[label]
     row = {"format": label, "batch": batch, "context": context, "baseline_ms": base["ms"]}
@@ -284,8 +285,11 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     row["ref_max_abs"] = ref.abs().max().item()
     results = []
     for block_n, warps, stages, split_factor, use_asm, prefetch in args.configs:
-        splits = num_splits_for(batch, NUM_KV_HEADS, ctx.block_tables.shape[1] * args.block_size, block_n, sms)
-        splits = max(1, splits * split_factor)
+        max_context = ctx.block_tables.shape[1] * args.block_size
+        if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG:  # the launcher's own choice
+            splits = default_num_splits(spec, batch, NUM_KV_HEADS, max_context, block_n, sms)
+        else:
+            splits = max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, max_context, block_n, sms))
 
         def run(block_n=block_n, warps=warps, stages=stages, splits=splits, use_asm=use_asm, prefetch=prefetch):
             return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
@@ -477,8 +481,6 @@ def main() -> None:
                    else QUICK_SHAPES if args.quick else SHAPES)
     args.configs = ([DEFAULT_CONFIG] if args.quick else CONFIGS if args.configs is None
                     else [CONFIGS[i] for i in args.configs])
-    import triton
-
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     started = time.time()
@@ -507,6 +509,16 @@ def main() -> None:
             row = bench_format(label, batch, context, args, device, gen, bandwidth, base)
             rows.append(row)
             print_row(row)
+            write_record(args, bandwidth, started, peers, rows)  # after each row: a cut-off run keeps what it measured
+    write_record(args, bandwidth, started, peers, rows)
+    print(f"\nwrote {args.out} ({time.time() - started:.1f} s)")
+    print_table(rows)
+
+
+def write_record(args, bandwidth: float, started: float, peers: dict, rows: list[dict]) -> None:
+    """The result file: run metadata and every row so far."""
+    import triton
+
     record = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
@@ -520,8 +532,6 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"\nwrote {args.out} ({record['seconds']} s)")
-    print_table(rows)
 
 
 def print_row(row: dict) -> None:

@@ -204,6 +204,21 @@ def test_16bit_queries(label):
     check(label, out, ref, q_dtype)
 
 
+def test_default_splits_follow_the_spec():
+    """The launcher's splits are num_splits_for's times the format's split_factor (fp8: 2, the rest 1),
+    never more than one tile each."""
+    (da,) = kernel_modules("moekv.ops.decode_attention")
+    bf16 = get_kv_format("bf16").decode_spec(64, 128)
+    fp8 = get_kv_format("fp8_e4m3").decode_spec(64, 128)
+    assert bf16.split_factor == 1 and fp8.split_factor == 2
+    for batch, context in [(1, 4096), (16, 32768), (64, 32768)]:
+        base = da.num_splits_for(batch, 8, context, 64, 132)
+        assert da.default_num_splits(bf16, batch, 8, context, 64, 132) == base
+        assert da.default_num_splits(fp8, batch, 8, context, 64, 132) == 2 * base
+    assert da.default_num_splits(fp8, 1, 8, 128, 64, 132) == 2  # 2 tiles: one split each
+    assert da.default_num_splits(fp8, 1, 8, 64, 64, 132) == 1
+
+
 def test_dispatch(nuq2_calibration, monkeypatch):
     """CPU and prefill keep the reference path; CUDA decode steps go to the kernel where a format
     has a DecodeSpec; fp32 pages and unkernelised formats have none. nuq2 with calibrated codebooks

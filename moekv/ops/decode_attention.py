@@ -89,6 +89,8 @@ class DecodeSpec:
     tables: object = ()
     # ask L2 for the slabs of the tile this many tiles ahead (0: off): see paged_decode_attention
     prefetch: int = 0
+    # splits per (sequence, KV head) = num_splits_for's x this (default_num_splits)
+    split_factor: int = 1
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -368,6 +370,13 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int
     return max(1, min(want, math.ceil(max_context / (2 * block_n)), 128))
 
 
+def default_num_splits(spec: DecodeSpec, batch: int, num_kv_heads: int, max_context: int, block_n: int,
+                       num_sms: int) -> int:
+    """The launcher's splits: num_splits_for's x spec.split_factor, at most one tile each."""
+    splits = num_splits_for(batch, num_kv_heads, max_context, block_n, num_sms) * spec.split_factor
+    return max(1, min(splits, math.ceil(max_context / block_n)))
+
+
 _SM_COUNT: dict[int, int] = {}
 _INTERPRETER_PATCHED = False
 
@@ -434,7 +443,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     if q.stride(-1) != 1:
         q = q.contiguous()
     if num_splits is None:
-        num_splits = num_splits_for(B, Hkv, block_tables.shape[1] * P, block_n, _sm_count(q.device))
+        num_splits = default_num_splits(spec, B, Hkv, block_tables.shape[1] * P, block_n, _sm_count(q.device))
     ns_total = num_splits + (1 if spec.staged else 0)
     part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)

@@ -299,8 +299,13 @@ def kivi_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BL
 # -- specs: what each format's decode_spec returns ------------------------------------------------
 # L2 prefetch distance (tiles ahead) of each format's spec, the best of 1 and 2 over the benchmark's
 # six points on the H200 (results/h200/decode_attention.json: 5-15% at batch >= 16 and 1 x 128k);
-# plain pages take none (their loads are all pipelined already, and prefetching slowed batch 64 by 6-20%)
-PREFETCH = {"fp8_e4m3": 2, "int4": 2, "kivi2": 1, "nuq2": 2}
+# plain pages take none (their loads are all pipelined already, and prefetching slowed batch 64 by 6-20%),
+# nor does fp8 with its doubled splits (below: its best launches all had prefetch off)
+PREFETCH = {"fp8_e4m3": 0, "int4": 2, "kivi2": 1, "nuq2": 2}
+# fp8 runs twice num_splits_for's splits: its best launch at every one of the six points (11-32%
+# faster than the single count with prefetch 2, session 7's results/h200/decode_attention.json);
+# it reads half bf16's bytes a tile, so more, shorter programs keep more loads in flight
+FP8_SPLIT_FACTOR = 2
 
 
 def plain_spec(dtype: torch.dtype) -> DecodeSpec | None:
@@ -315,7 +320,7 @@ def fp8_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     voff = fmt.layout("value", block_size, head_dim).offsets
     return DecodeSpec(key=TileReader(fp8_key_tile, (koff["scale"],), row_scaled=True),
                       value=TileReader(fp8_value_tile, (voff["scale"],), row_scaled=True), staged=True,
-                      prefetch=PREFETCH["fp8_e4m3"])
+                      prefetch=PREFETCH["fp8_e4m3"], split_factor=FP8_SPLIT_FACTOR)
 
 
 def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:

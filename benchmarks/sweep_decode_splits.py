@@ -1,0 +1,21 @@
+#!/usr/bin/env python3
+"""bench_decode_attention with its launch shapes replaced by a sweep of split counts x L2 prefetch.
+
+The launcher's default (first), then tiles of 64, 4 warps, 2 stages, inline PTX, with
+num_splits_for's count times 1, 2, 3 and 4, each with prefetch off and 2 tiles ahead. Every other
+option is bench_decode_attention's; session 7 chose fp8's split_factor with it:
+
+    python benchmarks/sweep_decode_splits.py --formats fp8_e4m3 --out benchmarks/results/h200/decode_attention_fp8_splits.json
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_decode_attention as bench  # noqa: E402
+
+SPLIT_FACTORS = (1, 2, 3, 4)
+PREFETCH = (0, 2)
+
+if __name__ == "__main__":
+    bench.CONFIGS = [bench.DEFAULT_CONFIG] + [(64, 4, 2, f, True, pf) for f in SPLIT_FACTORS for pf in PREFETCH]
+    bench.main()

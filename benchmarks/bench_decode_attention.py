@@ -182,6 +182,15 @@ def bytes_read(fmt, spec, batch: int, context: int, block_size: int) -> int:
     return batch * NUM_KV_HEADS * (pages * slabs + sixteen_bit) + qo
 
 
+LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "prefetch")
+
+
+def already_timed(launch: dict, results: list[dict]) -> bool:
+    """A config that resolves to a launch already in `results` (the default is also one of the
+    explicit shapes for every format: e.g. int4's prefetch 2) is not timed twice."""
+    return any(all(r.get(k) == launch[k] for k in LAUNCH_KEYS) for r in results)
+
+
 def fmt_spec_staged():
     """Stand-in spec for byte counting of a paged format without a kernel: pages + staged tail."""
     from moekv.ops.decode_attention import DecodeSpec, TileReader
@@ -297,6 +306,8 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                                           num_stages=stages, use_asm=use_asm, prefetch=prefetch)
         launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
                   "use_asm": use_asm, "prefetch": spec.prefetch if prefetch is None else prefetch}
+        if already_timed(launch, results):
+            continue
         try:
             out = run()
             torch.cuda.synchronize()
@@ -417,6 +428,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
                                            emit_mass=False, **launch)[0]
         entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm,
                  "prefetch": TIERED_PREFETCH if prefetch is None else prefetch}
+        if already_timed(entry, results):
+            continue
         try:
             out = run()
             torch.cuda.synchronize()

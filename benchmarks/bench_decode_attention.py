@@ -23,7 +23,8 @@ do_bench, Python launch included), launch shape, bits per element and the larges
 correct launch shape against the reference on sequence 0 (a launch shape more than 5% off is
 listed in wrong_launches and does not compete; status "wrong" if none is right). Kernel variants
 (NUQ2_VARIANTS, not in the default list) time another way of reading the same pages: nuq2_eager
-the first outlier-slot code, nuq2_noslots no slot corrections at all (status "bound": a lower
+the first outlier-slot code, nuq2_first the first chunk of 16 slots on every tile without a branch
+(session 7's candidate, not yet timed), nuq2_noslots no slot corrections at all (status "bound": a lower
 bound on the slots' cost, its error is reported but does not disqualify it). Formats without
 a fused kernel yet appear with status "reference" (their plain-PyTorch path, timed at the smallest
 shape only) or "skipped" and the reason. tiered runs its own kernel (moekv/ops/decode_tiered.py) on a
@@ -75,10 +76,11 @@ FORMATS = {
     "vq": ("vq", {}),  # calibration: a random one made at start (or --vq-calibration)
     "tiered": ("tiered", {}),
     "nuq2_eager": ("nuq2", {"codebook": "page"}),
+    "nuq2_first": ("nuq2", {"codebook": "page"}),
     "nuq2_noslots": ("nuq2", {"codebook": "page"}),
 }
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
-NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_noslots": "off"}
+NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}
 INEXACT = {"nuq2_noslots"}  # bounds, not formats: wrong wherever a slot is used
 # launch shapes tried per (format, shape): (block_n, num_warps, num_stages, splits factor over
 # num_splits_for, inline PTX, L2 prefetch distance in tiles). The first is the launcher's default:

@@ -9,7 +9,7 @@ not how fast the GPU retires it.
 
     python benchmarks/sass_decode_attention.py                       # every kernelised format, the benchmark's default launch
     python benchmarks/sass_decode_attention.py --formats int4 --block-size 16 --block-n 64 --no-asm
-    python benchmarks/sass_decode_attention.py --formats nuq2 nuq2_eager nuq2_noslots --num-warps 8
+    python benchmarks/sass_decode_attention.py --formats nuq2 nuq2_eager nuq2_first nuq2_noslots --num-warps 8
 
 Besides the opcode mix it reports what ptxas says about spills (bytes of local memory stored and
 loaded: LDL/STL in the loop are spills) and splits the loop's instructions into those every tile
@@ -49,7 +49,7 @@ FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", 
            "vq": ("vq", {}),  # vq: a random calibration (vq.random_calibration) made on first use
            "tiered": ("tiered", {"codebook": "page"})}  # its own kernel (moekv/ops/decode_tiered.py), mass output on
 # nuq2 kernel variants (decode_tiles.nuq2_spec's slots mode): label -> mode
-NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_noslots": "off"}
+NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}
 KEYS = ["BAR", "LDG", "LDGSTS", "LDL", "STL", "LDS", "STS", "LDSM", "HMMA"]
 
 

@@ -311,9 +311,10 @@ def test_nuq2_outlier_slots(case):
 
 @pytest.mark.parametrize("case", range(len(NUQ2_GRID)))
 def test_nuq2_slot_modes(case):
-    """The kernel variants the benchmark times: 'eager' (the first slot code) is exact too; 'off'
-    applies no slot, so it equals the reference of the same pages with every slot cleared, and so
-    does 'lazy' (the default) on those cleared pages (no chunk in use: every branch skipped)."""
+    """The kernel variants the benchmark times: 'eager' (the first slot code) and 'first' (chunk 0
+    without a branch) are exact too; 'off' applies no slot, so it equals the reference of the same
+    pages with every slot cleared, and so do 'lazy' (the default) on those cleared pages (no chunk in
+    use: every branch skipped) and 'first' (its unconditional chunk 0 holds no used slot)."""
     lens, hkv, group, block_size, splits, block_n = NUQ2_GRID[case]
     kv = lambda T, g: _heavy_kv(T, g, hkv, 64)  # noqa: E731
     fmt = get_kv_format("nuq2", codebook="page")
@@ -328,6 +329,7 @@ def test_nuq2_slot_modes(case):
 
     full = reference(fmt, cache, ctx, q, scale, None)
     check("nuq2", attend("eager"), full)
+    check("nuq2", attend("first"), full)
     off = attend("off")
     assert (off.double() - full).abs().max() > tolerance("nuq2", full)  # the slots matter here
     for kind, pool in (("key", "k_pages"), ("value", "v_pages")):  # clear every slot: out_idx = 0xFFFF
@@ -338,6 +340,7 @@ def test_nuq2_slot_modes(case):
     cleared = reference(fmt, cache, ctx, q, scale, None)
     check("nuq2", off, cleared)
     check("nuq2", attend("lazy"), cleared)
+    check("nuq2", attend("first"), cleared)
     with pytest.raises(ValueError):
         decode_tiles.nuq2_spec(fmt, block_size, 64, slots="sometimes")
 
@@ -428,12 +431,12 @@ def test_nuq2_calibrated_codebooks(case, q_dtype, nuq2_calibration):
 
 
 def test_nuq2_calibrated_slot_modes(nuq2_calibration):
-    """'eager' slot code with calibrated codebooks is exact too; 'off' is not (the slots matter)."""
+    """'eager' and 'first' slot code with calibrated codebooks are exact too; 'off' is not (the slots matter)."""
     lens, hkv, group, head_dim, block_size, splits, block_n = NUQ2_CAL_GRID[3]
     out, ref, fmt, cache, ctx, q, _ = run_calibrated(nuq2_calibration(hkv, head_dim), lens, hkv, group, head_dim,
                                                      block_size, splits, block_n, seed=9)
     check("nuq2", out, ref)
-    for slots, exact in (("eager", True), ("off", False)):
+    for slots, exact in (("eager", True), ("first", True), ("off", False)):
         spec = decode_tiles.nuq2_spec(fmt, block_size, head_dim, slots=slots)
         res = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
                                         head_dim ** -0.5, None, spec, num_splits=splits, block_n=block_n)

@@ -614,20 +614,50 @@ def nuq2_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOC
     16 slots at a time: corr [G_PAD, 16] @ one-hot of the slots' tile columns [16, BLOCK_N].
     Only the chunks in use are touched: their loads, layout changes and product sit behind one
     uniform branch each (quantize fills the slots in order)."""
+    return _nuq2_key_slots(pool, page_base, tok0, q_rows, row_ok, s, D, BLOCK_N, P, DOT, CENT_OFF, OVAL_OFF,
+                           OIDX_OFF, S, SCALE_OFF, 0, T0)
+
+
+@triton.jit
+def nuq2_key_fix_first(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                       OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+                       T0=None, T1=None, T2=None, T3=None):
+    """nuq2_key_fix with the first chunk outside any branch (slots mode 'first', nuq2_spec)."""
+    return _nuq2_key_slots(pool, page_base, tok0, q_rows, row_ok, s, D, BLOCK_N, P, DOT, CENT_OFF, OVAL_OFF,
+                           OIDX_OFF, S, SCALE_OFF, 1, T0)
+
+
+@triton.jit
+def _nuq2_key_slots(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                    OIDX_OFF: tl.constexpr, S: tl.constexpr, SCALE_OFF: tl.constexpr, ALWAYS: tl.constexpr, CB):
+    """The key slots' score corrections; chunks [0, ALWAYS) unconditionally, the rest when in use."""
     SC: tl.constexpr = 16
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
     NPG: tl.constexpr = BLOCK_N // PP
     f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
-        if chunk < chunks:
-            used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
-                                                        OVAL_OFF, OIDX_OFF, S, T0)
-            scale = tl.load(f8 + pb + SCALE_OFF + c).to(tl.float32)
-            q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
-            corr = q_c * (scale * delta)[None, :]  # [G_PAD, NPG * 16]
-            s = _add_slot_scores(s, corr, colm, used, BLOCK_N, DOT)
+        if chunk < ALWAYS:  # compile time: no branch, and the chunk's loads need not wait for `chunks`
+            s = _nuq2_key_chunk(pool, f8, page_base, tok0, chunk, q_rows, row_ok, s, D, BLOCK_N, P, DOT,
+                                CENT_OFF, OVAL_OFF, OIDX_OFF, S, SCALE_OFF, CB)
+        elif chunk < chunks:
+            s = _nuq2_key_chunk(pool, f8, page_base, tok0, chunk, q_rows, row_ok, s, D, BLOCK_N, P, DOT,
+                                CENT_OFF, OVAL_OFF, OIDX_OFF, S, SCALE_OFF, CB)
     return s
+
+
+@triton.jit
+def _nuq2_key_chunk(pool, f8, page_base, tok0, chunk, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                    OIDX_OFF: tl.constexpr, S: tl.constexpr, SCALE_OFF: tl.constexpr, CB):
+    used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
+                                                OVAL_OFF, OIDX_OFF, S, CB)
+    scale = tl.load(f8 + pb + SCALE_OFF + c).to(tl.float32)
+    q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
+    corr = q_c * (scale * delta)[None, :]  # [G_PAD, NPG * 16]
+    return _add_slot_scores(s, corr, colm, used, BLOCK_N, DOT)
 
 
 @triton.jit
@@ -638,16 +668,46 @@ def nuq2_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.co
     """Output of the outlier slots: pv[g, col(c)] += p[g, t] * delta for each used slot (t, c):
     p @ one-hot [BLOCK_N, 16] gathers p at the slots' tokens, times delta, @ one-hot [16, D]
     scatters to their channels' tile columns. Only the chunks in use are touched."""
+    return _nuq2_value_slots(pool, page_base, tok0, p, pv, D, BLOCK_N, P, DOT, CENT_OFF, OVAL_OFF, OIDX_OFF, S,
+                             0, T1)
+
+
+@triton.jit
+def nuq2_value_fix_first(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                         OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr,
+                         T0=None, T1=None, T2=None, T3=None):
+    """nuq2_value_fix with the first chunk outside any branch (slots mode 'first', nuq2_spec)."""
+    return _nuq2_value_slots(pool, page_base, tok0, p, pv, D, BLOCK_N, P, DOT, CENT_OFF, OVAL_OFF, OIDX_OFF, S,
+                             1, T1)
+
+
+@triton.jit
+def _nuq2_value_slots(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                      DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr,
+                      S: tl.constexpr, ALWAYS: tl.constexpr, CB):
+    """The value slots' output corrections; chunks [0, ALWAYS) unconditionally, the rest when in use."""
     SC: tl.constexpr = 16
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
     NPG: tl.constexpr = BLOCK_N // PP
     chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
-        if chunk < chunks:
-            used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
-                                                        OVAL_OFF, OIDX_OFF, S, T1)
-            pv = _add_slot_values(pv, p, colm, 4 * (c % (D // 4)) + c // (D // 4), delta, used, D, BLOCK_N, DOT)
+        if chunk < ALWAYS:  # compile time: no branch, and the chunk's loads need not wait for `chunks`
+            pv = _nuq2_value_chunk(pool, page_base, tok0, chunk, p, pv, D, BLOCK_N, P, DOT, CENT_OFF, OVAL_OFF,
+                                   OIDX_OFF, S, CB)
+        elif chunk < chunks:
+            pv = _nuq2_value_chunk(pool, page_base, tok0, chunk, p, pv, D, BLOCK_N, P, DOT, CENT_OFF, OVAL_OFF,
+                                   OIDX_OFF, S, CB)
     return pv
+
+
+@triton.jit
+def _nuq2_value_chunk(pool, page_base, tok0, chunk, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                      DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr,
+                      S: tl.constexpr, CB):
+    used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
+                                                OVAL_OFF, OIDX_OFF, S, CB)
+    return _add_slot_values(pv, p, colm, 4 * (c % (D // 4)) + c // (D // 4), delta, used, D, BLOCK_N, DOT)
 
 
 @triton.jit
@@ -735,12 +795,14 @@ def nuq2_value_fix_eager(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N:
     return pv
 
 
-NUQ2_SLOT_MODES = ("lazy", "eager", "off")
+NUQ2_SLOT_MODES = ("lazy", "first", "eager", "off")
 
 
 def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> DecodeSpec:
     """slots: how the kernel applies the outlier slots. 'lazy' (the default): only the chunks of 16
-    slots in use, each behind one uniform branch; 'eager': the first version (every chunk's loads
+    slots in use, each behind one uniform branch; 'first': the first chunk on every tile without a
+    branch (with 3.5-sigma outliers nearly every page uses it; its loads then need not wait for the
+    used-chunk count), the others as 'lazy' (a candidate, not yet timed); 'eager': the first version (every chunk's loads
     on every tile), kept to time beside it; 'off': not at all, a bound on what the slots cost
     (wrong wherever a slot is used: for benchmarks only).
 
@@ -749,8 +811,9 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
     the cache's layer as DecodeSpec.tables (device copies made on first use)."""
     if slots not in NUQ2_SLOT_MODES:
         raise ValueError(f"nuq2_spec: slots={slots!r}, accepted {NUQ2_SLOT_MODES}")
-    key_fix = {"lazy": nuq2_key_fix, "eager": nuq2_key_fix_eager, "off": None}[slots]
-    value_fix = {"lazy": nuq2_value_fix, "eager": nuq2_value_fix_eager, "off": None}[slots]
+    key_fix = {"lazy": nuq2_key_fix, "first": nuq2_key_fix_first, "eager": nuq2_key_fix_eager, "off": None}[slots]
+    value_fix = {"lazy": nuq2_value_fix, "first": nuq2_value_fix_first, "eager": nuq2_value_fix_eager,
+                 "off": None}[slots]
     readers = []
     for kind in ("key", "value"):
         off = fmt.layout(kind, block_size, head_dim).offsets

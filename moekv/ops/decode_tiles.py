@@ -552,11 +552,13 @@ def _slot_chunk_index(page_base, tok0, chunk, BLOCK_N: tl.constexpr, P: tl.const
 
 @triton.jit
 def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                     CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, CB):
+                     CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, CB,
+                     c0=None, c1=None, c2=None, c3=None):
     """Outlier slots [chunk * 16, chunk * 16 + 16) of each page of the tile, flattened to
     [NPG * 16]: (used, tile column of the token, channel, delta in codebook units = the slot's
     value minus the centroid of the code under it; 0 where unused). The centroid is selected from
-    the page's four (no gather load behind the code's), or from the head's calibrated CB [4] (CENT_OFF < 0)."""
+    the page's four (no gather load behind the code's), or from the head's calibrated CB [4]
+    (CENT_OFF < 0); c0..c3: those four already loaded (_tile_slot_centroids), else loaded here."""
     QD: tl.constexpr = D // 4
     i, pb, first = _slot_chunk_index(page_base, tok0, chunk, BLOCK_N, P)
     u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
@@ -564,14 +566,15 @@ def _nuq2_slot_chunk(pool, page_base, tok0, chunk, D: tl.constexpr, BLOCK_N: tl.
     f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     idx = tl.load(u16 + ((pb + OIDX_OFF) >> 1) + i, mask=i < S, other=0xFFFF).to(tl.int32)
     val = tl.load(f8 + pb + OVAL_OFF + i, mask=i < S, other=0.0).to(tl.float32)
-    if CENT_OFF < 0:
-        cp = CB  # the head's: scalars
-    else:
-        cp = half + ((pb + CENT_OFF) >> 1)
-    c0 = tl.load(cp).to(tl.float32)  # scalars when NPG == 1
-    c1 = tl.load(cp + 1).to(tl.float32)
-    c2 = tl.load(cp + 2).to(tl.float32)
-    c3 = tl.load(cp + 3).to(tl.float32)
+    if c0 is None:
+        if CENT_OFF < 0:
+            cp = CB  # the head's: scalars
+        else:
+            cp = half + ((pb + CENT_OFF) >> 1)
+        c0 = tl.load(cp).to(tl.float32)  # scalars when NPG == 1
+        c1 = tl.load(cp + 1).to(tl.float32)
+        c2 = tl.load(cp + 2).to(tl.float32)
+        c3 = tl.load(cp + 3).to(tl.float32)
     used = idx != 0xFFFF
     idx = tl.where(used, idx, 0)
     t = idx // D
@@ -638,22 +641,42 @@ def _nuq2_key_slots(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, B
     NPG: tl.constexpr = BLOCK_N // PP
     f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    c0, c1, c2, c3 = None, None, None, None  # 'lazy': each chunk loads them behind its own branch
+    if ALWAYS > 0:
+        c0, c1, c2, c3 = _tile_slot_centroids(pool, page_base, tok0, BLOCK_N, P, CENT_OFF, CB)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < ALWAYS:  # compile time: no branch, and the chunk's loads need not wait for `chunks`
             s = _nuq2_key_chunk(pool, f8, page_base, tok0, chunk, q_rows, row_ok, s, D, BLOCK_N, P, DOT,
-                                CENT_OFF, OVAL_OFF, OIDX_OFF, S, SCALE_OFF, CB)
+                                CENT_OFF, OVAL_OFF, OIDX_OFF, S, SCALE_OFF, CB, c0, c1, c2, c3)
         elif chunk < chunks:
             s = _nuq2_key_chunk(pool, f8, page_base, tok0, chunk, q_rows, row_ok, s, D, BLOCK_N, P, DOT,
-                                CENT_OFF, OVAL_OFF, OIDX_OFF, S, SCALE_OFF, CB)
+                                CENT_OFF, OVAL_OFF, OIDX_OFF, S, SCALE_OFF, CB, c0, c1, c2, c3)
     return s
+
+
+@triton.jit
+def _tile_slot_centroids(pool, page_base, tok0, BLOCK_N: tl.constexpr, P: tl.constexpr, CENT_OFF: tl.constexpr, CB):
+    """The centroids every slot chunk of the tile uses ('first' slots mode: loaded once a tile, then
+    given to each _nuq2_slot_chunk). The same loads as that function's own; not shared through a
+    call, which reorders the default ('lazy') kernel's SASS."""
+    i, pb, first = _slot_chunk_index(page_base, tok0, 0, BLOCK_N, P)
+    if CENT_OFF < 0:
+        cp = CB  # the head's: scalars
+    else:
+        cp = pool.to(tl.pointer_type(tl.float16), bitcast=True) + ((pb + CENT_OFF) >> 1)
+    c0 = tl.load(cp).to(tl.float32)
+    c1 = tl.load(cp + 1).to(tl.float32)
+    c2 = tl.load(cp + 2).to(tl.float32)
+    c3 = tl.load(cp + 3).to(tl.float32)
+    return c0, c1, c2, c3
 
 
 @triton.jit
 def _nuq2_key_chunk(pool, f8, page_base, tok0, chunk, q_rows, row_ok, s, D: tl.constexpr, BLOCK_N: tl.constexpr,
                     P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
-                    OIDX_OFF: tl.constexpr, S: tl.constexpr, SCALE_OFF: tl.constexpr, CB):
+                    OIDX_OFF: tl.constexpr, S: tl.constexpr, SCALE_OFF: tl.constexpr, CB, c0, c1, c2, c3):
     used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
-                                                OVAL_OFF, OIDX_OFF, S, CB)
+                                                OVAL_OFF, OIDX_OFF, S, CB, c0, c1, c2, c3)
     scale = tl.load(f8 + pb + SCALE_OFF + c).to(tl.float32)
     q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
     corr = q_c * (scale * delta)[None, :]  # [G_PAD, NPG * 16]
@@ -691,22 +714,25 @@ def _nuq2_value_slots(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N
     NPG: tl.constexpr = BLOCK_N // PP
     chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    c0, c1, c2, c3 = None, None, None, None  # 'lazy': each chunk loads them behind its own branch
+    if ALWAYS > 0:
+        c0, c1, c2, c3 = _tile_slot_centroids(pool, page_base, tok0, BLOCK_N, P, CENT_OFF, CB)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < ALWAYS:  # compile time: no branch, and the chunk's loads need not wait for `chunks`
             pv = _nuq2_value_chunk(pool, page_base, tok0, chunk, p, pv, D, BLOCK_N, P, DOT, CENT_OFF, OVAL_OFF,
-                                   OIDX_OFF, S, CB)
+                                   OIDX_OFF, S, CB, c0, c1, c2, c3)
         elif chunk < chunks:
             pv = _nuq2_value_chunk(pool, page_base, tok0, chunk, p, pv, D, BLOCK_N, P, DOT, CENT_OFF, OVAL_OFF,
-                                   OIDX_OFF, S, CB)
+                                   OIDX_OFF, S, CB, c0, c1, c2, c3)
     return pv
 
 
 @triton.jit
 def _nuq2_value_chunk(pool, page_base, tok0, chunk, p, pv, D: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                       DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr,
-                      S: tl.constexpr, CB):
+                      S: tl.constexpr, CB, c0, c1, c2, c3):
     used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
-                                                OVAL_OFF, OIDX_OFF, S, CB)
+                                                OVAL_OFF, OIDX_OFF, S, CB, c0, c1, c2, c3)
     return _add_slot_values(pv, p, colm, 4 * (c % (D // 4)) + c // (D // 4), delta, used, D, BLOCK_N, DOT)
 
 

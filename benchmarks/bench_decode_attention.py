@@ -295,8 +295,8 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     ref = reference_output(fmt, cache, ctx, q, context)
     row["ref_max_abs"] = ref.abs().max().item()
     results = []
+    max_context = ctx.block_tables.shape[1] * args.block_size
     for block_n, warps, stages, split_factor, use_asm, prefetch in args.configs:
-        max_context = ctx.block_tables.shape[1] * args.block_size
         if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG:  # the launcher's own choice
             splits = default_num_splits(spec, batch, NUM_KV_HEADS, max_context, block_n, sms)
         else:

@@ -42,14 +42,15 @@ sys.path.insert(0, str(REPO))
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.ops import decode_attention as da  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_decode_attention import NUQ2_VARIANTS  # noqa: E402  (nuq2 kernel variants: label -> slots mode)
+
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", {"group_size": 32}),
            "kivi2": ("kivi2", {"residual": 128}), "nuq2": ("nuq2", {"codebook": "page"}),
            "vq": ("vq", {}),  # vq: a random calibration (vq.random_calibration) made on first use
            "tiered": ("tiered", {"codebook": "page"})}  # its own kernel (moekv/ops/decode_tiered.py), mass output on
-# nuq2 kernel variants (decode_tiles.nuq2_spec's slots mode): label -> mode
-NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}
 KEYS = ["BAR", "LDG", "LDGSTS", "LDL", "STL", "LDS", "STS", "LDSM", "HMMA"]
 
 

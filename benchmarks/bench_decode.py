@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.models import mixtral  # noqa: E402
-from moekv.models.decoder import MoEDecoder  # noqa: E402
+from moekv.models.loader import empty_model, init_dummy_weights  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
 from moekv.routing import install_routers  # noqa: E402
 
@@ -53,26 +53,12 @@ def hf_config(shape: str) -> dict:
 
 
 def build_random_model(shape: str, device: torch.device):
-    """MoEDecoder of the shape with N(0, 0.02) weights (norms at 1), built on the GPU directly."""
+    """MoEDecoder of the shape with the loader's dummy weights (N(0, 0.02), norms at 1), built on the GPU directly."""
     hf = hf_config(shape)
     cfg = apply_routing_fields(mixtral.config_from_hf(hf), hf)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = MoEDecoder(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    model = model.to_empty(device=device)
-    gen = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+    model = init_dummy_weights(empty_model(cfg, torch.bfloat16, device))
     install_routers(model, cfg, routing="flat")
-    return model.eval(), cfg
+    return model, cfg
 
 
 def weight_bytes_per_step(cfg, batch: int) -> tuple[int, float]:

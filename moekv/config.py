@@ -53,6 +53,9 @@ class EngineConfig:
     """What the engine needs to know before it loads anything.
 
     model: a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json).
+    load_format: 'auto' / 'safetensors' read the checkpoint's weights; 'dummy' draws random ones of
+        config.json's shape on the device instead (as vLLM's flag: benchmarks of a model whose
+        weights are not on the machine; config.json and tokenizer.json are still read).
     max_model_len: prompt + generated tokens of one sequence; None = the model's
         max_position_embeddings.
     block_size: tokens per KV page; None = 16 for the 16/32-bit formats and 64 for the compressed
@@ -66,10 +69,11 @@ class EngineConfig:
         than max_num_seqs): the scratch page that padded rows of a CUDA-graph replay use.
     enforce_eager: never replay decode steps from CUDA graphs (as vLLM's flag). By default, on CUDA,
         with a KV format whose decode steps take a fused kernel (bf16/fp16, fp8_e4m3, int4, kivi2,
-        nuq2, vq, tiered with page codebooks) and an fp16/bf16 model, a decode-only step that fills
-        no page is padded to the next batch bucket (1, 2, 4, ... max_num_seqs) and replayed from a
-        graph captured for that bucket on its first use; prefill, mixed and page-filling steps,
-        tiered's re-ranking steps and the CPU run eagerly.
+        nuq2, vq, tiered with page codebooks) and an fp16/bf16 model, a decode-only step is padded
+        to the next batch bucket (1, 2, 4, ... max_num_seqs) and replayed from a graph captured for
+        that bucket (and, for the compressed formats, for its number of page fills) on its first
+        use; prefill and mixed steps, tiered's page-filling and re-ranking steps and the CPU run
+        eagerly.
     """
 
     model: str | Path = field(default_factory=default_model_path)
@@ -85,6 +89,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False
+    load_format: str = "auto"
     # KV format options (each format reads the ones it uses)
     kv_group_size: int = 32
     kv_outlier_sigma: float = 3.5
@@ -141,6 +146,10 @@ class EngineConfig:
                f"kv_residual={self.kv_residual!r} must be a multiple of 32 (0 = no full-precision window)")
         self._check_routing()
         _check(isinstance(self.enforce_eager, bool), f"enforce_eager={self.enforce_eager!r} must be True or False")
+        from moekv.models.loader import LOAD_FORMATS
+
+        _check(self.load_format in LOAD_FORMATS,
+               f"load_format={self.load_format!r} is not supported; accepted: {list(LOAD_FORMATS)}")
         _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")

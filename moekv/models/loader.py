@@ -143,14 +143,51 @@ def _resolve(name: str, cfg: ModelConfig) -> tuple[str, _Index] | None:
     return None
 
 
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DUMMY_STD = 0.02  # the usual initializer range of these architectures' configs
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> MoEDecoder:
+    """The modules with uninitialised parameters allocated once, in `dtype`, on `device`: built on
+    the meta device first, so a model in bf16 never exists in fp32 (Mixtral-8x7B would need 187 GB)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = MoEDecoder(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.to_empty(device=device)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: MoEDecoder, seed: int = 0) -> MoEDecoder:
+    """Random weights (vLLM's load_format='dummy'): N(0, 0.02) for matrices, 1 for norms, 0 for
+    biases; drawn on the model's device, so an 87 GiB model takes seconds, not a checkpoint."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, DUMMY_STD, generator=gen)
+    return model.eval()
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               cfg: ModelConfig | None = None) -> MoEDecoder:
+               cfg: ModelConfig | None = None, load_format: str = "auto") -> MoEDecoder:
+    """The checkpoint's weights (load_format 'auto' / 'safetensors'), or random ones of its
+    config.json's shape ('dummy': for benchmarks of a model whose weights are not on the machine)."""
     model_dir = Path(model_dir)
     cfg = cfg or load_model_config(model_dir)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not supported; accepted: {list(LOAD_FORMATS)}")
+    if load_format == "dummy":
+        return init_dummy_weights(empty_model(cfg, dtype, device))
     arch = ARCH_MODULES[cfg.architecture]
     files = safetensors_files(model_dir)
-    with torch.device(device):
-        model = MoEDecoder(cfg).to(dtype)
+    model = empty_model(cfg, dtype, device)  # every parameter is filled below, or the load fails
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     for path in files:

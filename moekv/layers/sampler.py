@@ -71,22 +71,59 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """logits [S, V] fp32, one row per sampling sequence."""
+    """logits [S, V] fp32, one row per sampling sequence.
+
+    Every chosen token stays on the device until one transfer at the end (with its logprob and,
+    for the rows that ask, their top logprobs): one host sync per step, not two per row, which at
+    batch 64 cost milliseconds a step. Plain greedy rows (no penalty, nothing blocked) take one
+    batched argmax; the others are shaped row by row, still without a sync.
+    """
+    S = logits.shape[0]
     raw_logprobs = torch.log_softmax(logits, dim=-1)
+    plain = [i for i, row in enumerate(rows) if row.params.greedy and not row.params.has_penalties and not row.blocked_ids]
+    if len(plain) == S:
+        tokens = torch.argmax(logits, dim=-1)  # [S]
+    else:
+        tokens = torch.empty(S, dtype=torch.long, device=logits.device)
+        if plain:
+            idx = torch.tensor(plain, dtype=torch.long, device=logits.device)
+            tokens[idx] = torch.argmax(logits[idx], dim=-1)
+        plain_set = set(plain)
+        for i, row in enumerate(rows):
+            if i in plain_set:
+                continue
+            p = row.params
+            x = logits[i].clone()
+            if p.has_penalties:
+                x = _apply_penalties(x, row)
+            if row.blocked_ids:
+                x[torch.tensor(row.blocked_ids, device=x.device)] = float("-inf")
+            if p.greedy:
+                tokens[i] = torch.argmax(x)
+            else:
+                x = _filter(x / p.temperature, p)
+                tokens[i] = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=row.generator)[0]
+    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]  # [S]
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
+    top_k = max((rows[i].params.logprobs for i in wanted), default=0)
+    parts = [tokens.double(), chosen.double()]  # token ids are exact in float64
+    if top_k:
+        top_vals, top_ids = torch.topk(raw_logprobs[wanted], top_k, dim=-1)  # [W, k]
+        parts += [top_ids.double().flatten(), top_vals.double().flatten()]
+    host = torch.cat(parts).tolist()  # the step's one device-to-host transfer
+    token_ids, logprobs = [int(t) for t in host[:S]], host[S:2 * S]
+    tops: dict[int, dict[int, float]] = {}
+    if top_k:
+        n = len(wanted) * top_k
+        ids, vals = host[2 * S:2 * S + n], host[2 * S + n:]
+        for j, i in enumerate(wanted):
+            num = rows[i].params.logprobs
+            tops[i] = {int(t): v for t, v in zip(ids[j * top_k:j * top_k + num], vals[j * top_k:j * top_k + num])}
     results = []
     for i, row in enumerate(rows):
-        p = row.params
-        x = logits[i].clone()
-        if p.has_penalties:
-            x = _apply_penalties(x, row)
-        if row.blocked_ids:
-            x[torch.tensor(row.blocked_ids, device=x.device)] = float("-inf")
-        if p.greedy:
-            token = int(torch.argmax(x))
-        else:
-            x = _filter(x / p.temperature, p)
-            probs = torch.softmax(x, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=row.generator))
-        top = top_logprobs_of(raw_logprobs[i], p.logprobs, token) if p.logprobs is not None else None
-        results.append(SampleResult(token, float(raw_logprobs[i, token]), top))
+        top = None
+        if row.params.logprobs is not None:
+            top = tops.get(i, {})
+            top.setdefault(token_ids[i], logprobs[i])  # the chosen token is always reported
+        results.append(SampleResult(token_ids[i], logprobs[i], top))
     return results

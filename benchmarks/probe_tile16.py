@@ -134,7 +134,7 @@ def tiered() -> None:
         for b, n in enumerate(lens):  # half the full pages to nuq2
             for i, page in enumerate(ctx.block_tables[b, :n // P].tolist()):
                 if i % 2 and cache.state["tier"][page] == TIER_FP8:
-                    fmt._demote(cache, page)
+                    fmt._demote(cache, [page])
         q = torch.randn(len(lens), 8, D, device=DEVICE, dtype=torch.bfloat16)
         ref = reference(fmt, cache, ctx, q, D ** -0.5, None)
         out = fmt.attend_kernel(q, cache, ctx, D ** -0.5, None, block_n=block_n)

@@ -23,10 +23,18 @@ class Context:
     # host-side: True when no sequence's page becomes full in this step, so staged formats may
     # append with one vectorized copy (no host sync: the step can be captured in a CUDA graph)
     fills_no_page: bool = False
+    # decode-only steps whose token completes some sequences' pages: the staging slot of each and
+    # the page it is quantized into ([F] int64 each; a CUDA-graph replay pads them with the scratch
+    # slot and page). None: the step lists no fills (fills_no_page says whether it has any)
+    fill_slots: torch.Tensor | None = None
+    fill_pages: torch.Tensor | None = None
     # host-side: True when the step runs from the CUDA-graph runner's static buffers (warm-up,
     # capture, replay, or its eager stand-in): formats do device work only, and the runner applies
     # their host-side bookkeeping after each replay (KVFormat.after_graph_replay)
     graph_step: bool = False
+    # a step that runs one-token queries (decodes) beside longer ones (prefill chunks), on CUDA:
+    # each part as its own Context, so that the decodes take the fused decode kernel (MixedSplit)
+    mixed: "MixedSplit | None" = None
 
     @property
     def num_tokens(self) -> int:
@@ -35,3 +43,16 @@ class Context:
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
+
+
+@dataclass
+class MixedSplit:
+    """A mixed step cut in two: `decode` holds the sequences whose query is one token, `prefill` the
+    others, each with only its own sequences' rows (their tokens' rows of the step: decode_rows,
+    prefill_rows [T_part] int64). Attention runs each part on its own (KVFormat.attend); writing
+    the K/V still uses the whole step's Context."""
+
+    decode: Context
+    decode_rows: torch.Tensor
+    prefill: Context
+    prefill_rows: torch.Tensor

@@ -15,8 +15,8 @@ import torch
 
 from moekv import LLM, SamplingParams
 from moekv.engine.block_manager import BlockManager
-from moekv.engine.cuda_graphs import (DecodeGraphs, bucket_for, graph_buckets, graphs_unsupported_reason,
-                                      pad_decode_inputs, step_fits_graph)
+from moekv.engine.cuda_graphs import (DecodeGraphs, bucket_for, decode_fills, fill_buckets, graph_buckets,
+                                      graphs_unsupported_reason, pad_decode_inputs, step_fits_graph)
 from moekv.kvcache.formats import get_kv_format
 
 CUDA = torch.device("cuda")  # only its .type is read by graphs_unsupported_reason
@@ -34,6 +34,30 @@ def test_buckets():
     assert [bucket_for(b, buckets) for b in range(1, 8)] == [1, 2, 4, 4, 6, 6, None]
     with pytest.raises(ValueError):
         graph_buckets(0)
+
+
+def test_fill_buckets_and_decode_fills():
+    assert fill_buckets(1) == [0, 1]
+    assert fill_buckets(6) == [0, 1, 2, 4, 6]
+    assert [bucket_for(f, fill_buckets(8)) for f in range(10)] == [0, 1, 2, 4, 4, 8, 8, 8, 8, None]
+    # pages of 4: the sequences at 8 and 4 tokens complete their pages 1 and 0 (ids 9 and 5)
+    slots, pages = decode_fills([8, 5, 4, 3], [2, 0, 1, 3], [[7, 9], [3, 6], [5], [4]], block_size=4)
+    assert (slots, pages) == ([2, 1], [9, 5])
+    assert decode_fills([1, 2], [0, 1], [[1], [2]], block_size=4) == ([], [])
+
+
+def test_fill_lists_are_padded_with_the_scratch_slot_and_page():
+    graphs = DecodeGraphs(None, torch.device("cpu"), 8, 4, 16, scratch_page=50, scratch_slot=8,
+                          use_graphs=False, fill_variants=True)
+    assert graphs.fill_bucket(0, 8) == 0 and graphs.fill_bucket(3, 8) == 4 and graphs.fill_bucket(8, 8) == 8
+    graphs.load_fills([3, 1, 6], [11, 12, 13], 4)
+    ctx = graphs.context(8, 4)
+    assert ctx.fill_slots.tolist() == [3, 1, 6, 8] and ctx.fill_pages.tolist() == [11, 12, 13, 50]
+    assert not ctx.fills_no_page and ctx.graph_step
+    plain = graphs.context(8)
+    assert plain.fill_slots is None and plain.fills_no_page
+    no_lists = DecodeGraphs(None, torch.device("cpu"), 8, 4, 16, 50, 8, use_graphs=False)
+    assert no_lists.fill_bucket(5, 8) == 0  # plain pages: fills need no list, one graph per batch bucket
 
 
 def test_padding_rows_sit_on_the_scratch_page_and_slot():
@@ -69,6 +93,8 @@ def test_which_steps_fit_a_graph():
     assert not step_fits_graph([1, 3], [5, 17], [0, 3], bs, max_batch=4)  # prefill chunk in the step
     assert not step_fits_graph([7], [7], [6], bs, max_batch=4)  # a prompt
     assert not step_fits_graph([1, 1], [5, 32], [0, 1], bs, max_batch=4)  # the second fills its page
+    assert step_fits_graph([1, 1], [5, 32], [0, 1], bs, max_batch=4, fills_ok=True)  # ... which the format can do
+    assert not step_fits_graph([1, 3], [5, 32], [0, 3], bs, max_batch=4, fills_ok=True)
     assert not step_fits_graph([1, 1], [5, 6], [0, 0, 1], bs, max_batch=4)  # prompt logits wanted too
     assert not step_fits_graph([1, 1], [5, 6], [0], bs, max_batch=4)  # a sequence that does not sample
     assert not step_fits_graph([1] * 5, [3] * 5, list(range(5)), bs, max_batch=4)  # larger than every bucket
@@ -179,13 +205,15 @@ def _with_emulated_graphs(llm):
     graphs); record each such step's context lengths."""
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.model, runner.device, llm.engine.config.max_num_seqs, runner.max_pages_per_seq,
-                          runner.block_size, runner.scratch_page, runner.scratch_slot, use_graphs=False)
+                          runner.block_size, runner.scratch_page, runner.scratch_slot, use_graphs=False,
+                          fill_variants=runner.kv_format.quantizes_filled_pages,
+                          after_forward=runner.quantize_filled_pages)
     calls = []
     run = graphs.run
 
-    def recording_run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots):
+    def recording_run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, *fills):
         calls.append(list(context_lens))
-        return run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots)
+        return run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, *fills)
 
     graphs.run = recording_run
     runner.graphs = graphs
@@ -194,9 +222,9 @@ def _with_emulated_graphs(llm):
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3", "int4", "kivi2", "nuq2"])
 def test_padded_static_step_matches_eager_on_cpu(hd32_ckpt, fmt):
-    """The graph path's padded rows must not disturb the real ones: the static-buffer step (run
-    eagerly on the CPU) gives the eager path's tokens, takes only decode steps that fill no page,
-    and leaves every page free."""
+    """The graph path's padded rows (and padded page fills) must not disturb the real ones: the
+    static-buffer step (run eagerly on the CPU) gives the eager path's tokens, takes decode steps
+    that fill pages too (quantized from the static fill lists), and leaves every page free."""
     block_size = 16 if fmt == "fp32" else 32
     kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype=fmt, block_size=block_size)
     if fmt == "kivi2":
@@ -210,7 +238,7 @@ def test_padded_static_step_matches_eager_on_cpu(hd32_ckpt, fmt):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert graphs.num_replays == len(calls) > 0
-    assert all(n % block_size for lens in calls for n in lens)
+    assert any(n % block_size == 0 for lens in calls for n in lens), "no replayed step filled a page: a weak test"
     assert {len(lens) for lens in calls} >= {1, 2, 3}  # batches 3, 2, 1 padded to buckets 4, 2, 1
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
@@ -338,8 +366,10 @@ def _first_divergence_is_a_tie(a_ids, a_lps, b_ids, b_lps, tol=0.1):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", GRAPH_FORMATS)
 def test_cuda_graphs_match_eager(hd32_ckpt, fmt):
+    """Replayed decode steps against enforce_eager=True, with pages of 32 so that replayed steps
+    fill pages too (quantized inside the graph for the compressed formats)."""
     kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_dtype=fmt,
-                  kv_codebook="page")
+                  kv_codebook="page", block_size=32)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (40, 30, 20)]
     eager = LLM(hd32_ckpt, enforce_eager=True, **kwargs)
@@ -351,7 +381,9 @@ def test_cuda_graphs_match_eager(hd32_ckpt, fmt):
     out = llm.generate(prompts, params)
     assert llm.engine.runner.graphs is graphs, "the graph path failed and fell back to eager (see the log)"
     assert graphs.num_replays > 20
-    assert set(graphs.graphs) == {4, 2, 1}  # batches 3, 2, 1
+    assert {bucket for bucket, _ in graphs.graphs} == {4, 2, 1}  # batches 3, 2, 1
+    if llm.engine.runner.kv_format.quantizes_filled_pages:
+        assert any(fills for _, fills in graphs.graphs), "no replayed step filled a page: a weak test"
     for a, b in zip(ref, out):
         ok, where = _first_divergence_is_a_tie(a.outputs[0].token_ids, a.outputs[0].logprobs,
                                                b.outputs[0].token_ids, b.outputs[0].logprobs)
@@ -389,7 +421,7 @@ def test_tiered_cuda_graphs_match_eager(hd32_ckpt, rerank_interval):
     out = llm.generate(prompts, params)
     assert llm.engine.runner.graphs is graphs, "the graph path failed and fell back to eager (see the log)"
     assert graphs.num_replays == len(replayed_at) > 50  # 77 of 89 decode steps; 69 re-ranking every 8
-    assert set(graphs.graphs) == {4, 2, 1}  # batches 3, 2, 1
+    assert set(graphs.graphs) == {(4, 0), (2, 0), (1, 0)}  # batches 3, 2, 1; page-filling steps are eager
     assert all(s % rerank_interval for s in replayed_at)
     steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
     assert len(steps) == 1

@@ -29,7 +29,7 @@ def tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=0, demote_every
     for b, n in enumerate(lens):
         for i, page in enumerate(ctx.block_tables[b, :n // block_size].tolist()):
             if demote_every and i % demote_every == 1 and st["tier"][page] == TIER_FP8:
-                fmt._demote(cache, page)
+                fmt._demote(cache, [page])
     return fmt, cache, ctx
 
 
@@ -185,7 +185,7 @@ def tiered_mix(lens, hkv, head_dim, block_size, kv_dtype, seed=0, fp8_every=7):
     for b, n in enumerate(lens):
         for i, page in enumerate(ctx.block_tables[b, :n // block_size].tolist()):
             if i and i % fp8_every != 3 and cache.state["tier"][page] == TIER_FP8:
-                fmt._demote(cache, page)
+                fmt._demote(cache, [page])
     return fmt, cache, ctx
 
 

@@ -246,3 +246,52 @@ def test_default_sampling_params_follow_generation_config(llm):
         assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.7, 0.8, 9)
     finally:
         llm.engine.generation_config = {}
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "nuq2", "tiered"])
+def test_mixed_steps_split_in_two_give_the_same_tokens(hd32_ckpt, fmt):
+    """On CUDA a step with decodes beside prefill chunks attends in two parts (ctx.mixed: the decodes
+    through the fused kernel). Forced on the CPU, where both parts take the reference, the split must
+    change nothing: same tokens as the unsplit run, with some steps really split."""
+    from moekv.context import Context
+
+    kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype=fmt,
+                  block_size=16 if fmt == "fp32" else 32, max_num_batched_tokens=24, kv_codebook="page")
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 200 + 1 for j in range(n)]} for i, n in enumerate((5, 40, 70))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(hd32_ckpt, **kwargs).generate(prompts, params)]
+    llm = LLM(hd32_ckpt, **kwargs)
+    llm.engine.runner.split_mixed_steps = True
+    fmt_obj = llm.engine.runner.kv_format
+    split_steps = []
+    attend = type(fmt_obj).attend
+
+    def recording(self, q, cache, ctx: Context, *args):
+        if ctx.mixed is not None and cache is llm.engine.runner.kv_caches[0]:
+            split_steps.append((len(ctx.mixed.decode_rows), len(ctx.mixed.prefill_rows)))
+        return attend(self, q, cache, ctx, *args)
+
+    fmt_obj.attend = recording.__get__(fmt_obj)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert split_steps and all(d >= 1 and p >= 2 for d, p in split_steps)
+
+
+def test_dummy_load_format_needs_no_weights(mixtral_ckpt, tmp_path):
+    """load_format='dummy': a folder with config.json and tokenizer.json only; random finite weights
+    (norms 1), generation runs; 'auto' on that folder names the missing weights; a bad value is refused."""
+    import shutil
+
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(mixtral_ckpt / name, tmp_path / name)
+    llm = LLM(tmp_path, load_format="dummy", dtype="float32", max_model_len=64)
+    model = llm.engine.runner.model
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+    assert 0.01 < float(model.embed_tokens.detach().std()) < 0.03  # N(0, 0.02)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(tmp_path, dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match="load_format='npz'.*accepted"):
+        LLM(tmp_path, load_format="npz")

@@ -1,12 +1,15 @@
-"""The vectorized decode write (a step that fills no page: one indexed copy, no host sync, so it
-can be captured in a CUDA graph) stores exactly what the general staging loop stores."""
+"""The vectorized decode write (one indexed copy, no host sync, so it can be captured in a CUDA
+graph; the pages the step fills quantized in one batch from the context's fill lists) stores
+exactly what the general staging loop stores."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from moekv.context import Context
+from moekv.engine.cuda_graphs import decode_fills
 from moekv.kvcache.formats import get_kv_format
+from moekv.kvcache.formats.base import raise_if_nonfinite
 
 
 def decode_ctx(context_lens, slots, block_size, fills_no_page):
@@ -40,3 +43,67 @@ def test_vectorized_decode_write_matches_the_loop(name):
     for key in caches[0].tensors:
         assert torch.equal(caches[0][key], caches[1][key]), key
     assert caches[1]["k_staging"].abs().sum() > 0  # something was written
+
+
+def fill_ctx(context_lens, slots, block_size, graph_step=False):
+    """decode_ctx with the fill lists the model runner gives a decode step (no fill: fills_no_page)."""
+    ctx = decode_ctx(context_lens, slots, block_size, fills_no_page=all(n % block_size for n in context_lens))
+    fill_slots, fill_pages = decode_fills(context_lens, slots, ctx.block_tables.tolist(), block_size)
+    if fill_slots:
+        ctx.fill_slots, ctx.fill_pages = torch.tensor(fill_slots), torch.tensor(fill_pages)
+    ctx.graph_step = graph_step
+    return ctx
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int4", "nuq2", "kivi2"])
+def test_decode_steps_that_fill_pages_match_the_loop(name):
+    """Steps where one, two or no sequences complete a page, in two layers: the loop (no fill lists)
+    quantizes each filled page inside write, the vectorized path stages only and quantizes every
+    layer's filled pages in one batch after the step (quantize_filled_pages); the pages, staging and
+    rings must be identical, and the filled pages must hold something."""
+    fmt = get_kv_format(name, torch.float32, residual=32)
+    H, P, D = 2, 32, 32
+    loop_caches = [fmt.allocate(16, H, P, D, torch.device("cpu"), 4, torch.float32) for _ in range(2)]
+    vec_caches = [fmt.allocate(16, H, P, D, torch.device("cpu"), 4, torch.float32) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    context_lens, slots = [30, 62, 29], [2, 0, 3]  # step 2 fills two pages, step 3 one
+    filled = 0
+    for _ in range(5):
+        vec = fill_ctx(context_lens, slots, P)
+        for loop_cache, vec_cache in zip(loop_caches, vec_caches):  # the layers of one step
+            k, v = torch.randn(3, H, D, generator=g), torch.randn(3, H, D, generator=g)
+            fmt.write(loop_cache, k, v, decode_ctx(context_lens, slots, P, fills_no_page=all(n % P for n in context_lens)))
+            fmt.write(vec_cache, k, v, vec)
+        fmt.quantize_filled_pages(vec_caches, vec)
+        filled += 0 if vec.fill_slots is None else len(vec.fill_slots)
+        context_lens = [n + 1 for n in context_lens]
+    assert filled == 3
+    for loop_cache, vec_cache in zip(loop_caches, vec_caches):
+        for key in loop_cache.tensors:
+            assert torch.equal(loop_cache[key], vec_cache[key]), key
+        assert vec_cache["k_pages"].abs().sum() > 0 and vec_cache["v_pages"].abs().sum() > 0
+
+
+def test_a_graph_step_flags_nonfinite_fills_instead_of_syncing():
+    """In a graph step the NaN check cannot raise on the spot: the flag it sets makes
+    raise_if_nonfinite raise after the step (and clears it); an eager step raises at once."""
+    fmt = get_kv_format("int4", torch.float32)
+    H, P, D = 2, 16, 32
+    cache = fmt.allocate(8, H, P, D, torch.device("cpu"), 2, torch.float32)
+    k, v = torch.randn(1, H, D), torch.randn(1, H, D)
+
+    def step(n, graph_step):
+        ctx = fill_ctx([n], [0], P, graph_step=graph_step)
+        fmt.write(cache, k, v, ctx)
+        fmt.quantize_filled_pages([cache], ctx)
+
+    step(16, graph_step=True)
+    raise_if_nonfinite([cache])  # finite: nothing
+    k[0, 1, 3] = float("nan")
+    step(32, graph_step=True)
+    assert bool(cache.nonfinite)
+    with pytest.raises(ValueError, match="non-finite"):
+        raise_if_nonfinite([cache])
+    assert not bool(cache.nonfinite)
+    with pytest.raises(ValueError, match="non-finite"):
+        step(48, graph_step=False)

@@ -152,3 +152,30 @@ def test_graph_steps_leave_the_host_state_alone():
     assert torch.equal(cache["v_staging"][0, :, 20 % 16], staged(2 * k))
     fmt.write(cache, k, k, _decode_ctx(21))  # the same step eagerly: counted, and it re-ranks
     assert cache.state["steps"] == 4 and reranks == [(0, 4)]
+
+
+def test_demoting_pages_in_one_batch_matches_one_at_a_time():
+    """A re-ranking demotes its pages in one batch; each page's nuq2 slab, tier and freed FP8 slot
+    must be what demoting it alone gives."""
+    import torch
+
+    from moekv.kvcache.formats import get_kv_format
+
+    fmt = get_kv_format("tiered", torch.float32, codebook="page")
+    H, P, D = 2, 16, 32
+    caches = [fmt.allocate(8, H, P, D, torch.device("cpu"), 2, torch.float32) for _ in range(2)]
+    g = torch.Generator().manual_seed(3)
+    pages = [{"k": torch.randn(H, P, D, generator=g), "v": torch.randn(H, P, D, generator=g)} for _ in range(5)]
+    for cache in caches:
+        for page, kv in enumerate(pages):
+            fmt._store_fp8(cache, page, kv, protect=[])
+    fmt._demote(caches[0], [3, 0, 4])
+    for page in (3, 0, 4):
+        fmt._demote(caches[1], [page])
+    for name in ("k_low", "v_low", "k_fp8", "v_fp8"):
+        assert torch.equal(caches[0][name], caches[1][name]), name
+    for key in ("tier", "fp8_slot"):
+        assert caches[0].state[key] == caches[1].state[key]
+    assert sorted(caches[0].state["free_fp8"]) == sorted(caches[1].state["free_fp8"])
+    assert [caches[0].state["tier"][p] for p in range(5)] == [TIER_LOW, TIER_FP8, TIER_FP8, TIER_LOW, TIER_LOW]
+    assert caches[0]["k_low"][[0, 3, 4]].abs().sum() > 0

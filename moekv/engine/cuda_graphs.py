@@ -13,10 +13,17 @@ between them cost more than the kernels (bench_decode: a Mixtral-8x7B-shaped ste
   is the same at capture and at every replay;
 - the graph ends with the logits of every row ([bucket, V] fp32); sampling stays outside.
 
-Only steps that `step_fits_graph` accepts take this path (decode-only, no page filled, every
-sequence samples and needs no other logits rows) and that the KV format's `graph_step_ok` allows
-(tiered: not a step that re-ranks); the model runner keeps the eager path for the rest, and for
-formats or devices that `graphs_unsupported_reason` turns down. The captured Context says
+Only steps that `step_fits_graph` accepts take this path (decode-only, every sequence samples and
+needs no other logits rows, and no page fills unless the format's `graph_fills_pages` allows it)
+and that the KV format's `graph_step_ok` allows (tiered: not a step that re-ranks); the model
+runner keeps the eager path for the rest, and for formats or devices that
+`graphs_unsupported_reason` turns down.
+
+Page-filling steps: plain pages take the token through slot_mapping as in any step. Formats that
+quantize filled pages (`quantizes_filled_pages`) get the step's fills as (staging slot, page)
+lists in the Context; each batch bucket then keeps one graph per fill bucket (0, 1, 2, 4, ... up to
+the batch bucket), the fill lists padded with (scratch slot, scratch page). At batch 64 with
+64-token pages, about 63% of decode steps fill a page somewhere: without this they all ran eagerly. The captured Context says
 `graph_step=True`, so formats keep to device work there; after each replay the runner calls the
 format's `after_graph_replay` for the host-side bookkeeping the replay skipped (tiered: its step
 count and the flag that the mass accumulator holds new mass).
@@ -72,18 +79,36 @@ def graphs_unsupported_reason(device: torch.device, enforce_eager: bool, kv_form
     return None
 
 
+def fill_buckets(bucket: int) -> list[int]:
+    """Numbers of filled pages that get a graph in a batch bucket: 0, then powers of two below the
+    bucket, then the bucket itself (every sequence fills a page)."""
+    return [0] + graph_buckets(bucket)
+
+
 def step_fits_graph(num_tokens: list[int], context_lens: list[int], logits_rows: list[int], block_size: int,
-                    max_batch: int) -> bool:
-    """A step can be replayed when every sequence runs one token, no page becomes full (the
-    staged formats then append with one indexed copy: no host sync), the logits rows wanted are
-    exactly one per sequence in order (the graph computes every row's logits: a sequence that
+                    max_batch: int, fills_ok: bool = False) -> bool:
+    """A step can be replayed when every sequence runs one token, no page becomes full unless the
+    format can fill pages in a graph (fills_ok: its `graph_fills_pages`), the logits rows wanted
+    are exactly one per sequence in order (the graph computes every row's logits: a sequence that
     does not sample, or that also wants prompt logits, needs the eager path), and a bucket holds
     the batch."""
     batch = len(num_tokens)
     return (0 < batch <= max_batch
             and all(n == 1 for n in num_tokens)
-            and all(n % block_size for n in context_lens)
+            and (fills_ok or all(n % block_size for n in context_lens))
             and logits_rows == list(range(batch)))
+
+
+def decode_fills(context_lens: list[int], seq_slots: list[int], block_tables: list[list[int]],
+                 block_size: int) -> tuple[list[int], list[int]]:
+    """The (staging slot, page) of every sequence whose newest token completes its page in a
+    decode step: the token at position context_len - 1 sits in page (context_len - 1) // P."""
+    slots, pages = [], []
+    for n, slot, table in zip(context_lens, seq_slots, block_tables):
+        if n % block_size == 0:
+            slots.append(slot)
+            pages.append(table[(n - 1) // block_size])
+    return slots, pages
 
 
 @dataclass
@@ -137,9 +162,14 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, device: torch.device, max_num_seqs: int, max_pages_per_seq: int, block_size: int,
-                 scratch_page: int, scratch_slot: int, use_graphs: bool = True) -> None:
+                 scratch_page: int, scratch_slot: int, use_graphs: bool = True, fill_variants: bool = False,
+                 after_forward=None) -> None:
         self.model = model
+        self.after_forward = after_forward  # after_forward(ctx): the step's work after its last layer
         self.use_graphs = use_graphs
+        # the format quantizes filled pages from the Context's fill lists: a graph per fill bucket.
+        # Otherwise (plain pages) fill lists are not passed and every step is fill bucket 0
+        self.fill_variants = fill_variants
         self.device = device
         self.buckets = graph_buckets(max_num_seqs)
         self.max_batch = self.buckets[-1]
@@ -159,17 +189,34 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)  # one token per row, always
         self.logits_indices = torch.arange(n, **i64)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, logits)
+        self.fill_slots = torch.full((n,), scratch_slot, **i64)
+        self.fill_pages = torch.full((n,), scratch_page, **i64)
+        # (bucket, fill bucket) -> (graph, logits)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.num_captures = 0
         self.num_replays = 0
 
-    def context(self, bucket: int) -> Context:
+    def context(self, bucket: int, fills: int = 0) -> Context:
+        """The static buffers as a Context; fills > 0: the first `fills` entries of the fill lists
+        (fills_no_page=True with no lists: no page fills, or the format needs none listed)."""
         return Context(
             positions=self.positions[:bucket], slot_mapping=self.slot_mapping[:bucket],
             block_tables=self.block_tables[:bucket], context_lens=self.context_lens[:bucket],
             query_start_loc=self.query_start_loc[:bucket + 1], logits_indices=self.logits_indices[:bucket],
-            seq_slots=self.seq_slots[:bucket], max_query_len=1, fills_no_page=True, graph_step=True)
+            seq_slots=self.seq_slots[:bucket], max_query_len=1, fills_no_page=fills == 0,
+            fill_slots=self.fill_slots[:fills] if fills else None, fill_pages=self.fill_pages[:fills] if fills else None,
+            graph_step=True)
+
+    def fill_bucket(self, num_fills: int, bucket: int) -> int:
+        return bucket_for(num_fills, fill_buckets(bucket)) if self.fill_variants else 0
+
+    def load_fills(self, fill_slots: list[int], fill_pages: list[int], fills: int) -> None:
+        """The step's fills, then (scratch slot, scratch page) up to the fill bucket."""
+        pad = fills - len(fill_slots)
+        for dst, src, filler in ((self.fill_slots, fill_slots, self.scratch_slot),
+                                 (self.fill_pages, fill_pages, self.scratch_page)):
+            dst[:fills].copy_(torch.from_numpy(np.array(list(src) + [filler] * pad, dtype=np.int64)), non_blocking=True)
 
     def pad(self, input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots,
             bucket: int) -> DecodeInputs:
@@ -185,54 +232,68 @@ class DecodeGraphs:
                          (self.block_tables, inputs.block_tables), (self.context_lens, inputs.context_lens)):
             dst[:b].copy_(torch.from_numpy(src), non_blocking=True)
 
-    def _step(self, bucket: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bucket], self.context(bucket))
+    def _step(self, bucket: int, fills: int = 0) -> torch.Tensor:
+        ctx = self.context(bucket, fills)
+        hidden = self.model(self.input_ids[:bucket], ctx)
+        if self.after_forward is not None:
+            self.after_forward(ctx)
         return self.model.compute_logits(hidden)  # [bucket, V] fp32
 
-    def capture(self, bucket: int) -> None:
+    def capture(self, bucket: int, fills: int = 0) -> None:
         """Warm up on a side stream (Triton compiles, the allocator settles), then capture. Every
-        row is a padding row meanwhile, so warm-up and capture touch only the scratch page/slot."""
-        if bucket in self.graphs:
+        row is a padding row meanwhile (and every fill the scratch slot into the scratch page), so
+        warm-up and capture touch only the scratch page/slot."""
+        if (bucket, fills) in self.graphs:
             return
         self.load(self.pad([], [], [], [], [], [], bucket))
+        self.load_fills([], [], fills)
         with torch.cuda.device(self.device):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._step(bucket)
+                    self._step(bucket, fills)
             torch.cuda.current_stream().wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a server's other threads may touch CUDA (metrics) while this one captures
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self._step(bucket)
-        self.graphs[bucket] = (graph, logits)
+                logits = self._step(bucket, fills)
+            # a graph's first launch also uploads it to the device: do that here, on the padding
+            # rows still in the buffers, not inside the first step that needs the graph
+            graph.replay()
+        self.graphs[(bucket, fills)] = (graph, logits)
         self.num_captures += 1
-        log.info("captured the decode step for batch bucket %d", bucket)
+        log.info("captured the decode step for batch bucket %d, %d page fills", bucket, fills)
 
     def capture_all(self) -> None:
-        """Capture every bucket now, largest first (start-up instead of first use)."""
+        """Capture every bucket without fills now, largest first (start-up instead of first use);
+        fill variants are captured when a step first needs them."""
         for bucket in reversed(self.buckets):
             self.capture(bucket)
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            block_tables: list[list[int]], context_lens: list[int], seq_slots: list[int]) -> torch.Tensor:
+            block_tables: list[list[int]], context_lens: list[int], seq_slots: list[int],
+            fill_slots: list[int] = (), fill_pages: list[int] = ()) -> torch.Tensor:
         """Replay the step for these sequences -> their logits [B, V] fp32 (a view of the graph's
-        output: consume it before the next replay)."""
+        output: consume it before the next replay). fill_slots / fill_pages: the pages the step
+        fills (decode_fills), for a format that quantizes them (fill_variants)."""
         batch = len(input_ids)
         bucket = bucket_for(batch, self.buckets)
         if bucket is None:
             raise ValueError(f"batch {batch} is larger than the largest bucket {self.max_batch}")
+        fills = self.fill_bucket(len(fill_slots), bucket)
         if self.use_graphs:
-            self.capture(bucket)
+            self.capture(bucket, fills)
         self.load(self.pad(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, bucket))
+        if fills:
+            self.load_fills(fill_slots, fill_pages, fills)
         if self.use_graphs:
-            graph, logits = self.graphs[bucket]
+            graph, logits = self.graphs[(bucket, fills)]
             with torch.cuda.device(self.device):
                 graph.replay()
         else:
-            logits = self._step(bucket)
+            logits = self._step(bucket, fills)
         self.num_replays += 1
         return logits[:batch]

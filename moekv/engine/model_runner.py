@@ -16,11 +16,12 @@ import logging
 import torch
 
 from moekv.config import EngineConfig, parse_dtype
-from moekv.context import Context
-from moekv.engine.cuda_graphs import DecodeGraphs, graphs_unsupported_reason, step_fits_graph
+from moekv.context import Context, MixedSplit
+from moekv.engine.cuda_graphs import DecodeGraphs, decode_fills, graphs_unsupported_reason, step_fits_graph
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
+from moekv.kvcache.formats.base import raise_if_nonfinite
 from moekv.layers.sampler import SampleResult, SamplingRow, sample, top_logprobs_of
 from moekv.models.loader import load_model
 from moekv.models.model_config import ModelConfig
@@ -34,6 +35,32 @@ class SeqStepResult:
     sample: SampleResult | None = None  # set when the step reached the end of seq's tokens
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # new prompt positions
     prompt_logits: torch.Tensor | None = None  # [n, V] fp32 on the CPU, when the sequence asks for them
+
+
+def mixed_split(num_tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+                context_lens: list[int], seq_slots: list[int], device: torch.device) -> MixedSplit:
+    """A step's sequences of one query token and the others, each as a Context of its own (host
+    lists of the whole step in; tables padded to one width)."""
+    starts = [0]
+    for n in num_tokens:
+        starts.append(starts[-1] + n)
+    parts = []
+    for want_decode in (True, False):
+        seqs = [b for b, n in enumerate(num_tokens) if (n == 1) == want_decode]
+        rows = [t for b in seqs for t in range(starts[b], starts[b + 1])]
+        query_start = [0]
+        for b in seqs:
+            query_start.append(query_start[-1] + num_tokens[b])
+        t = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        ctx = Context(positions=t([positions[r] for r in rows], torch.long),
+                      slot_mapping=t([slots[r] for r in rows], torch.long),
+                      block_tables=t([tables[b] for b in seqs], torch.int32),
+                      context_lens=t([context_lens[b] for b in seqs], torch.int32),
+                      query_start_loc=t(query_start, torch.int32),
+                      logits_indices=t([], torch.long), seq_slots=t([seq_slots[b] for b in seqs], torch.long),
+                      max_query_len=max(num_tokens[b] for b in seqs))
+        parts += [ctx, t(rows, torch.long)]
+    return MixedSplit(*parts)
 
 
 def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
@@ -51,9 +78,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_cfg)
         self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype, **config.kv_format_options())
         self.kv_format.check_layout(model_cfg.num_kv_heads, config.block_size, model_cfg.head_dim)
-        self.model = load_model(config.model, self.dtype, self.device, model_cfg)
+        self.model = load_model(config.model, self.dtype, self.device, model_cfg, config.load_format)
         self.routing = install_routers(self.model, model_cfg, **config.routing_options())
         self.block_size = config.block_size
+        # mixed steps' decodes take the fused decode kernel (on CUDA; the CPU's path is the same reference)
+        self.split_mixed_steps = self.device.type == "cuda"
         self.num_blocks = self._plan_num_blocks(max_model_len)  # pages the block manager hands out
         self.scratch_page = self.num_blocks  # + 1 page per pool, never handed out (padded graph rows)
         self.scratch_slot = config.max_num_seqs  # + 1 staging slot, likewise
@@ -77,7 +106,9 @@ class ModelRunner:
                                            self.block_size, model_cfg.head_dim)
         if reason is None:
             self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
-                                       self.block_size, self.scratch_page, self.scratch_slot)
+                                       self.block_size, self.scratch_page, self.scratch_slot,
+                                       fill_variants=self.kv_format.quantizes_filled_pages,
+                                       after_forward=self.quantize_filled_pages)
         elif self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", reason)
 
@@ -124,6 +155,11 @@ class ModelRunner:
             gen = self._generators[seq.request_id] = torch.Generator(self.device).manual_seed(seed)
         return gen
 
+    def quantize_filled_pages(self, ctx: Context) -> None:
+        """After the last layer of a decode step: the format quantizes the pages it filled, in every
+        layer at once (they were read from staging until now)."""
+        self.kv_format.quantize_filled_pages(self.kv_caches, ctx)
+
     def release(self, seq: Sequence) -> None:
         """Forget per-request state (its generator, its staging slot) once the request is finished."""
         self._generators.pop(seq.request_id, None)
@@ -153,7 +189,7 @@ class ModelRunner:
         if self.graphs is None:
             return False
         if not step_fits_graph([item.num_tokens for item in out.scheduled], context_lens, logits_rows,
-                               self.block_size, self.graphs.max_batch):
+                               self.block_size, self.graphs.max_batch, self.kv_format.graph_fills_pages):
             return False
         if not self.kv_format.graph_step_ok(self.kv_caches):
             return False
@@ -214,15 +250,22 @@ class ModelRunner:
             plans.append((SeqStepResult(seq), prompt_rows, sample_row, logit_rows))
 
         results = [plan[0] for plan in plans]
+        decode_only = all(item.num_tokens == 1 for item in out.scheduled)
+        fill_slots, fill_pages = [], []  # decode steps: the pages this step's tokens complete
+        if decode_only and self.kv_format.quantizes_filled_pages:
+            fill_slots, fill_pages = decode_fills(context_lens, seq_slots, [item.seq.block_table for item in out.scheduled],
+                                                  bs)
         logits = None
         if self.graphs is not None and self.step_uses_graph(out, context_lens, logits_rows):
             try:
                 logits = self.graphs.run(input_ids, positions, slots, [item.seq.block_table for item in out.scheduled],
-                                         context_lens, seq_slots)  # [B, V] fp32
+                                         context_lens, seq_slots, fill_slots, fill_pages)  # [B, V] fp32
             except Exception:  # a host sync or an unsupported op in the step: stay eager from now on
                 log.exception("replaying the decode step from a CUDA graph failed; decode steps run eagerly from now on")
                 self.graphs = None
             if logits is not None:  # replayed: the format's host-side bookkeeping for the step
+                if fill_slots:
+                    raise_if_nonfinite(self.kv_caches)  # what check_finite would have raised in an eager step
                 self.kv_format.after_graph_replay(self.kv_caches)
         if logits is None:
             max_pages = max(len(item.seq.block_table) for item in out.scheduled)
@@ -238,8 +281,14 @@ class ModelRunner:
                 seq_slots=torch.tensor(seq_slots, dtype=torch.long, device=dev),
                 max_query_len=max(item.num_tokens for item in out.scheduled),
                 fills_no_page=all(n % bs for n in context_lens),
+                fill_slots=torch.tensor(fill_slots, dtype=torch.long, device=dev) if fill_slots else None,
+                fill_pages=torch.tensor(fill_pages, dtype=torch.long, device=dev) if fill_slots else None,
             )
+            num_tokens = [item.num_tokens for item in out.scheduled]
+            if self.split_mixed_steps and not decode_only and 1 in num_tokens:
+                ctx.mixed = mixed_split(num_tokens, positions, slots, tables, context_lens, seq_slots, dev)
             hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx)
+            self.quantize_filled_pages(ctx)
             if not logits_rows:
                 return results
             logits = self.model.compute_logits(hidden[ctx.logits_indices])  # [S, V] fp32
@@ -264,6 +313,7 @@ class ModelRunner:
                                         seq.output_token_ids,
                                         [t for t in blocked_ids.get(seq.request_id, ()) if t < vocab]))
         if sample_rows:
-            for result, sampled in zip(sample_targets, sample(logits[sample_rows], rows)):
+            every_row = sample_rows == list(range(logits.shape[0]))  # a decode step: no gather copy
+            for result, sampled in zip(sample_targets, sample(logits if every_row else logits[sample_rows], rows)):
                 result.sample = sampled
         return results

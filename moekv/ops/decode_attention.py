@@ -7,7 +7,7 @@ the newest unquantized tokens live. The kernel does the rest:
 
 - grid (B * Hkv, NUM_SPLITS [+ 1]): program (b, h, s) owns KV head h of sequence b and the s-th
   contiguous share of its quantized pages (flash-decoding split-K); with a staged format one more
-  program per (b, h) reads the 16-bit tail (the partly filled newest page in the staging tensor,
+  program per (b, h) reads the 16-bit tail (the newest page, partly filled or just full, in the staging tensor,
   and kivi2's residual ring) so that it costs no extra launch;
 - all G = Hq / Hkv query heads of the GQA group are the rows of one `tl.dot` against each tile
   (padded to 16 rows, the smallest MMA), so a page is read once per group;
@@ -80,7 +80,9 @@ class DecodeSpec:
     k_pool: str = "k_pages"  # cache tensors holding the pages ([N, Hkv, ...], a slab per (page, head))
     v_pool: str = "v_pages"
     dot_dtype: torch.dtype = torch.float16  # what the tile readers produce (MMA operand type)
-    staged: bool = False  # the partly filled newest page is in k_staging / v_staging ([S, Hkv, P, D])
+    # the newest page (partly filled, or full: a decode step quantizes the pages it fills after all
+    # layers have attended) is read from k_staging / v_staging ([S, Hkv, P, D])
+    staged: bool = False
     residual: int = 0  # kivi2: the newest R tokens are read from k_residual / v_residual ([S, Hkv, R, D])
     # per-layer tables outside the pages (e.g. vq's codebooks): up to NUM_TABLES tensors [Hkv, ...],
     # each contiguous per head, or a function of the cache (a LayerKVCache: its .layer) returning
@@ -170,7 +172,7 @@ def _paged_decode_kernel(
     length = tl.load(context_lens + b)
     quantized = length  # tokens [0, quantized) live in pages
     if STAGED:
-        quantized = (length // P) * P
+        quantized = ((length - 1) // P) * P  # the newest page, even when full, is in staging
     if RESIDUAL > 0:
         quantized = tl.minimum(quantized, tl.maximum(length - RESIDUAL, 0))
     first = tl.maximum(length - window, 0)  # the sliding window's oldest token

@@ -27,6 +27,9 @@ class LayerKVCache:
 
     tensors: dict[str, torch.Tensor]
     layer: int = 0  # which decoder layer (formats with per-layer calibration look theirs up)
+    # [] bool on the cache's device: a graph step quantized non-finite K/V (flag_nonfinite); None
+    # until a graph step first quantizes pages
+    nonfinite: torch.Tensor | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -60,6 +63,14 @@ class KVFormat(ABC):
     # state such a step would change is kept up to date by graph_step_ok / after_graph_replay. The
     # runner also needs fused_decode_unavailable() to be None (engine/cuda_graphs.py)
     graph_safe: bool = False
+    # True when a graph-safe decode step may also fill pages: plain pages take the token through
+    # slot_mapping like any other; paged formats quantize the filled pages from ctx.fill_slots /
+    # fill_pages after the step's last layer (quantize_filled_pages). False: such steps run eagerly
+    graph_fills_pages: bool = False
+    # True when a decode step's filled pages must be listed in ctx.fill_slots / fill_pages (the
+    # format quantizes them from its staging pages); the graph runner then keeps one graph per
+    # number of fills (rounded up to a power of two) in each batch bucket
+    quantizes_filled_pages: bool = False
 
     @abstractmethod
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
@@ -102,6 +113,10 @@ class KVFormat(ABC):
         that the cache ends as `write` would leave it, or None: RoPE, then `write` (the default)."""
         return None
 
+    def quantize_filled_pages(self, caches: list[LayerKVCache], ctx: Context) -> None:
+        """After a decode step's last layer (ctx.fill_slots / fill_pages: the pages it filled): what
+        the format does with them, in every layer's cache (`caches`). Nothing by default."""
+
     def attend(self, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
                sliding_window: int | None) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over each sequence's cached context -> [T, Hq, D].
@@ -109,6 +124,8 @@ class KVFormat(ABC):
         Decode-only steps on CUDA go to the fused paged decode kernel when the format describes
         its pages to it (`decode_spec`); everything else (CPU, prefill) takes `attend_reference`.
         """
+        if ctx.mixed is not None:  # decodes beside prefill chunks: the decodes through the kernel too
+            return attend_mixed(self.attend, q, cache, ctx, scale, sliding_window)
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _is_decode_only(q, ctx):
             staging = cache.tensors.get("k_staging")
             pages = cache["k_pages"] if "k_pages" in cache.tensors else None
@@ -199,11 +216,32 @@ class PageLayout:
         return out
 
 
+NONFINITE_MESSAGE = ("non-finite values (NaN or Inf) in the {what} being written to the KV cache; "
+                     "compressed KV formats refuse them (check the model's dtype and inputs)")
+
+
 def check_finite(x: torch.Tensor, what: str) -> None:
     """Policy for NaN/Inf in K/V: refuse loudly; a silent code would poison every later token."""
     if not torch.isfinite(x).all():
-        raise ValueError(f"non-finite values (NaN or Inf) in the {what} being written to the KV cache; "
-                         "compressed KV formats refuse them (check the model's dtype and inputs)")
+        raise ValueError(NONFINITE_MESSAGE.format(what=what))
+
+
+def flag_nonfinite(cache: LayerKVCache, x: torch.Tensor) -> None:
+    """check_finite without a host sync (inside a CUDA graph): OR the verdict into the cache's
+    device flag, which raise_if_nonfinite reads after the step."""
+    if cache.nonfinite is None:
+        cache.nonfinite = torch.zeros((), dtype=torch.bool, device=x.device)
+    cache.nonfinite |= ~torch.isfinite(x).all()
+
+
+def raise_if_nonfinite(caches: list[LayerKVCache]) -> None:
+    """After a replayed step that quantized pages: check_finite's verdict (one host sync), the
+    flags cleared for the next step."""
+    flags = [c.nonfinite for c in caches if c.nonfinite is not None]
+    if flags and bool(torch.stack(flags).any()):
+        for flag in flags:
+            flag.zero_()
+        raise ValueError(NONFINITE_MESSAGE.format(what="keys or values"))
 
 
 def staging_tensors(max_num_seqs: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
@@ -253,14 +291,26 @@ def stage_decode_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, c
 
 
 def can_stage_vectorized(q_or_k: torch.Tensor, ctx: Context) -> bool:
+    """A decode step that fills no page: staging is one indexed copy."""
     return ctx.fills_no_page and ctx.max_query_len == 1 and q_or_k.shape[0] == ctx.num_seqs
+
+
+def can_stage_with_fills(q_or_k: torch.Tensor, ctx: Context) -> bool:
+    """A decode step that fills no page, or whose filled pages the context lists (fill_slots /
+    fill_pages): staging is one indexed copy, then the listed pages are quantized in one batch."""
+    return ((ctx.fills_no_page or ctx.fill_slots is not None)
+            and ctx.max_query_len == 1 and q_or_k.shape[0] == ctx.num_seqs)
 
 
 class PagedQuantFormat(KVFormat):
     """A compressed format that quantizes whole pages: subclasses give the layouts and the
     page-level quantize/dequantize; this class handles staging, packing and reading back."""
 
-    graph_safe = True  # decode steps that fill no page stage with one indexed copy (stage_decode_tokens)
+    graph_safe = True  # decode steps stage with one indexed copy (stage_decode_tokens)
+    graph_fills_pages = True  # ... and quantize the pages they fill in one batch (quantize_filled_pages)
+    quantizes_filled_pages = True
+    # quantize() does not read per-layer tables, so pages of all layers can go in one batch
+    layer_independent_quantize = True
 
     def layout(self, kind: str, block_size: int, head_dim: int) -> PageLayout:
         """The slab layout for kind 'key' or 'value'."""
@@ -294,10 +344,10 @@ class PagedQuantFormat(KVFormat):
             "k_pages": torch.zeros(num_blocks, num_kv_heads, k_slab, dtype=torch.uint8, device=device),
             "v_pages": torch.zeros(num_blocks, num_kv_heads, v_slab, dtype=torch.uint8, device=device),
             **staging_tensors(max_num_seqs, num_kv_heads, block_size, head_dim, dtype, device),
-        })
+        }, nonfinite=torch.zeros((), dtype=torch.bool, device=device))
 
     def write(self, cache, k, v, ctx) -> None:
-        if can_stage_vectorized(k, ctx):
+        if can_stage_with_fills(k, ctx):  # filled pages wait for quantize_filled_pages
             stage_decode_tokens(cache, k, v, ctx)
             return
         block_size = cache["k_staging"].shape[2]
@@ -313,16 +363,45 @@ class PagedQuantFormat(KVFormat):
 
     def fused_rope_write_target(self, cache, k, ctx):
         # only the vectorized staging path; a subclass whose write does more says so itself
-        if type(self).write is not PagedQuantFormat.write or not can_stage_vectorized(k, ctx):
+        if type(self).write is not PagedQuantFormat.write or not can_stage_with_fills(k, ctx):
             return None
         return RopeWriteTarget(cache["k_staging"], cache["v_staging"], ctx.seq_slots, staged=True)
 
+    def quantize_filled_pages(self, caches, ctx) -> None:
+        """After a decode step's last layer: quantize the staging pages the step filled (ctx.fill_slots)
+        into their pages (ctx.fill_pages), in every layer at once (one batch of pages for all layers
+        instead of a quantization in each: ~60 small kernels each for nuq2), without a host sync, so
+        the step stays capturable. Until then attention read those pages from staging, as the
+        newest page of a sequence always is. Non-finite K/V raise here in an eager step; in a graph
+        step they set the first cache's `nonfinite` flag (raise_if_nonfinite after the replay)."""
+        if ctx.fill_slots is None or ctx.fill_slots.numel() == 0:
+            return
+        F = ctx.fill_slots.numel()
+        block_size, head_dim = caches[0]["k_staging"].shape[2], caches[0]["k_staging"].shape[3]
+        for name, kind in (("k", "key"), ("v", "value")):
+            x = torch.cat([c[f"{name}_staging"][ctx.fill_slots] for c in caches]).float()  # [L*F, Hkv, P, D]
+            if ctx.graph_step:
+                flag_nonfinite(caches[0], x)
+            else:
+                check_finite(x, kind + "s")
+            layout = self.layout(kind, block_size, head_dim)
+            if self.layer_independent_quantize:
+                slabs = layout.pack(self.quantize(x, kind)).split(F)
+            else:  # per-layer tables (calibrated codebooks): one quantization per layer
+                slabs = [layout.pack(self.quantize(x[i * F:(i + 1) * F], kind, c.layer)) for i, c in enumerate(caches)]
+            for c, slab in zip(caches, slabs):
+                c[f"{name}_pages"][ctx.fill_pages] = slab
+
     def gather(self, cache, ctx: Context, b: int, length: int, kind: str) -> torch.Tensor:
-        """Sequence b's first `length` tokens of K or V, dequantized: [length, Hkv, D] fp32."""
+        """Sequence b's first `length` tokens of K or V, dequantized (its newest page, in staging,
+        as it is): [length, Hkv, D] fp32."""
         name = "k" if kind == "key" else "v"
         staging = cache[f"{name}_staging"]
         block_size, head_dim = staging.shape[2], staging.shape[3]
-        num_full = length // block_size
+        # the sequence's newest page is read from staging even when full (a decode step quantizes
+        # the pages it fills after every layer has attended: quantize_filled_pages)
+        newest = (int(ctx.context_lens[b]) - 1) // block_size
+        num_full = min(length // block_size, newest)
         parts = []
         if num_full:
             page_ids = ctx.block_tables[b, :num_full].long()
@@ -338,6 +417,17 @@ class PagedQuantFormat(KVFormat):
         return dense_attention(q, ctx, lambda b, n: (self.gather(cache, ctx, b, n, "key"),
                                                      self.gather(cache, ctx, b, n, "value")),
                                scale, sliding_window)
+
+
+def attend_mixed(attend, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+    """Attention of a mixed step (ctx.mixed): the one-token queries and the longer ones each
+    through `attend` with their own Context (which has no split), then back in the step's order."""
+    split = ctx.mixed
+    out = torch.empty_like(q)
+    out[split.decode_rows] = attend(q[split.decode_rows], cache, split.decode, scale, sliding_window)
+    out[split.prefill_rows] = attend(q[split.prefill_rows], cache, split.prefill, scale, sliding_window)
+    return out
 
 
 def _is_decode_only(q: torch.Tensor, ctx: Context) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, RopeWriteTarget, can_stage_vectorized
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, RopeWriteTarget, can_stage_with_fills
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
@@ -120,7 +120,7 @@ class KIVI2Format(PagedQuantFormat):
         super().write(cache, k, v, ctx)  # full pages quantized, partial page staged
         if self.residual == 0:
             return
-        if can_stage_vectorized(k, ctx):  # one token per sequence: one indexed copy, no host sync
+        if can_stage_with_fills(k, ctx):  # one token per sequence: one indexed copy, no host sync
             rows = ctx.positions % self.residual  # [B]
             for name, x in (("k", k), ("v", v)):
                 ring = cache[f"{name}_residual"]
@@ -138,7 +138,7 @@ class KIVI2Format(PagedQuantFormat):
                 ring[slot, :, rows] = x.transpose(0, 1).to(ring.dtype)
 
     def fused_rope_write_target(self, cache, k, ctx):
-        if not can_stage_vectorized(k, ctx):
+        if not can_stage_with_fills(k, ctx):
             return None
         rings = (cache["k_residual"], cache["v_residual"]) if self.residual else (None, None)
         return RopeWriteTarget(cache["k_staging"], cache["v_staging"], ctx.seq_slots, True, *rings)

@@ -74,7 +74,7 @@ def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS,
     B, N = z.shape
     ranked = torch.where(keep, z, torch.full_like(z, math.inf)).sort(dim=-1).values  # kept first
     count = keep.sum(-1, keepdim=True)  # [B, 1]
-    q = torch.tensor([0.125, 0.375, 0.625, 0.875], device=z.device)
+    q = (2 * torch.arange(NUM_CENTROIDS, device=z.device) + 1) / (2 * NUM_CENTROIDS)  # no host copy: capturable
     c = ranked.gather(1, (q * count).long().clamp(max=N - 1))  # [B, 4]
     c = torch.where(count > 0, c, torch.zeros_like(c))
     w = keep.to(z.dtype) if weight is None else keep.to(z.dtype) * weight
@@ -217,6 +217,11 @@ class NUQ2Format(PagedQuantFormat):
                              "kv_calibration folder written by `moekv calibrate`")
         self.calibrated = codebook == "calibrated"
         self._decode_tables: dict = {}  # (layer, device) -> decode_tables()
+        self._codebooks: dict = {}  # (kind, layer, device) -> codebook()'s fp32 centroids there
+
+    @property
+    def layer_independent_quantize(self) -> bool:
+        return not self.calibrated  # calibrated codebooks are per layer
 
     # -- layout --------------------------------------------------------------------------------------
     def _fields(self, kind: str, P: int, D: int, slots: int) -> list[Field]:
@@ -243,7 +248,10 @@ class NUQ2Format(PagedQuantFormat):
     def codebook(self, kind: str, layer: int | None, rows: int, device: torch.device | None = None) -> torch.Tensor:
         """Calibrated centroids of this layer and kind, one row per page-head: [rows, 4], on `device`
         (the calibration is loaded on the CPU; pages may live on the GPU)."""
-        cb = self._centroids(kind, layer).float().to(device)  # [H, 4]
+        key = (kind, layer, torch.device(device) if device is not None else None)
+        if key not in self._codebooks:  # one copy per device, made before any CUDA-graph capture (warm-up)
+            self._codebooks[key] = self._centroids(kind, layer).float().to(device)  # [H, 4]
+        cb = self._codebooks[key]
         return cb.repeat(rows // cb.shape[0], 1)
 
     def _centroids(self, kind: str, layer: int | None) -> torch.Tensor:

@@ -11,6 +11,7 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 class PlainKVFormat(KVFormat):
     graph_safe = True  # one scatter through slot_mapping; fp32 pages have no decode_spec (reference path)
+    graph_fills_pages = True  # a token that fills its page is stored like any other
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

@@ -117,6 +117,7 @@ class VQFormat(PagedQuantFormat):
     # decode_spec() returns the fused kernel; its tables are copied to the device on the first call,
     # which the CUDA-graph runner's warm-up (before capture) makes
     graph_safe = True
+    layer_independent_quantize = False  # codebooks per layer
 
     def __init__(self, calibration: str | Path | None = None, **_) -> None:
         if calibration is None:

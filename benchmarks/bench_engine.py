@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Time per output token through the whole engine (LLMEngine.step), next to the model's step alone.
+
+bench_decode.py times one decode step of the model, replayed from a CUDA graph. A user of
+`LLM.generate` or `moekv serve` gets more: the scheduler, the inputs of every step, the steps that
+a graph cannot take (page-filling steps, tiered's re-ranking), sampling and detokenization. This
+script runs the engine itself on a Mixtral-8x7B-shaped model with random weights
+(`load_format="dummy"`: a folder with config.json and a word-level tokenizer.json of the shape's
+vocabulary, written here), prefills `batch` prompts of about `context` tokens, and once every
+sequence decodes, times `--steps` calls of `engine.step()` (one token per sequence each; each call
+ends with the sampled tokens on the host, so wall time is the step's time). Prompt lengths are
+spread over one page (context - i * P / batch), as requests arriving at different times are, so
+that page fills fall on different steps. In the same run it replays the engine's own graph of
+the step (no page fill) with CUDA events: `model_step_ms`, what bench_decode measures.
+
+    PYTHONPATH=. python benchmarks/bench_engine.py --out benchmarks/results/h200/engine.json
+
+Rows: kv_cache_dtype, batch, context, tpot_ms (mean engine step), tpot_p50_ms, model_step_ms,
+overhead_ms (tpot_ms - model_step_ms), graph_share (steps replayed), fill_step_share (steps in
+which some sequence completed a page), floor_ms (bench_decode's: weights and KV read over the
+measured copy bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_decode import (SHAPES, hf_config, kv_bytes_per_token, measure_bandwidth,  # noqa: E402
+                          weight_bytes_per_step)
+
+from moekv import LLM, SamplingParams  # noqa: E402
+
+FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "tiered"]
+POINTS = [(1, 4096), (16, 4096), (64, 4096)]
+
+
+def write_checkpoint_folder(folder: Path, shape: str) -> Path:
+    """config.json of the shape and a word-level tokenizer.json of its vocabulary ('t0', 't1', ...):
+    what the engine reads besides the weights, which load_format='dummy' draws at random."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = hf_config(shape)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**hf, "eos_token_id": 2, "bos_token_id": 1}))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(hf["vocab_size"])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def prompt_lengths(batch: int, context: int, block_size: int) -> list[int]:
+    """context - i * P / batch: the sequences' page boundaries spread evenly over one page."""
+    return [context - (i * block_size) // batch for i in range(batch)]
+
+
+def capture_every_variant(graphs, bucket: int) -> None:
+    """Capture the bucket's graphs (with every fill count, where the engine has them) before timing,
+    so no capture falls inside the timed steps."""
+    if graphs is None:
+        return
+    if "fills" in inspect.signature(graphs.capture).parameters:
+        from moekv.engine.cuda_graphs import fill_buckets
+
+        for fills in fill_buckets(bucket) if graphs.fill_variants else [0]:
+            graphs.capture(bucket, fills)
+    else:  # an engine without page fills in graphs (the baseline tree)
+        graphs.capture(bucket)
+
+
+def replay_ms(graphs, bucket: int, iters: int = 30) -> float | None:
+    """Median time of one replay of the engine's graph for the bucket (no page fill), CUDA events."""
+    if graphs is None:
+        return None
+    key = (bucket, 0) if (bucket, 0) in graphs.graphs else bucket
+    if key not in graphs.graphs:
+        return None
+    graph = graphs.graphs[key][0]
+    times = []
+    for i in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, bandwidth: float, seed: int) -> dict:
+    engine = llm.engine
+    runner = engine.runner
+    block_size = runner.block_size
+    row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size, "steps": steps}
+    gen = torch.Generator().manual_seed(seed)
+    lengths = prompt_lengths(batch, context, block_size)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    ids = []
+    for n in lengths:
+        prompt = torch.randint(3, cfg["vocab_size"], (n,), generator=gen).tolist()
+        ids.append(engine.add_request(None, {"prompt_token_ids": prompt}, params, output_kind="delta"))
+    start = time.perf_counter()
+    while engine.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    row["prefill_s"] = time.perf_counter() - start
+    graphs = runner.graphs
+    bucket = batch if graphs is None else next(b for b in graphs.buckets if b >= batch)
+    capture_every_variant(graphs, bucket)
+    engine.step()  # first decode step after the captures
+    replays0 = graphs.num_replays if graphs is not None else 0
+    times, fill_steps = [], 0
+    for _ in range(steps):
+        lens = [s.num_tokens for s in engine.scheduler.running]  # context once this step's token is in
+        fill_steps += any(n % block_size == 0 for n in lens)
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(1e3 * (time.perf_counter() - t0))
+    replays = (graphs.num_replays if graphs is not None else 0) - replays0
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.runner.release_pages(engine.block_manager.drain_freed())
+    row.update(tpot_ms=statistics.fmean(times), tpot_p50_ms=statistics.median(times), tpot_max_ms=max(times),
+               graph_share=replays / steps, fill_step_share=fill_steps / steps)
+    row["model_step_ms"] = replay_ms(graphs, bucket)
+    if row["model_step_ms"] is not None:
+        row["overhead_ms"] = row["tpot_ms"] - row["model_step_ms"]
+    from moekv.kvcache.formats import get_kv_format
+    from moekv.models import mixtral
+    from moekv.models.model_config import apply_routing_fields
+
+    mcfg = apply_routing_fields(mixtral.config_from_hf(cfg), cfg)
+    _, weights_read = weight_bytes_per_step(mcfg, batch)
+    fmt = get_kv_format(fmt_name, torch.bfloat16)
+    kv_read = batch * (context + steps / 2) * kv_bytes_per_token(fmt, mcfg, block_size)
+    row["floor_ms"] = 1e3 * (weights_read + kv_read) / bandwidth
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="mixtral-8x7b", choices=sorted(SHAPES))
+    p.add_argument("--formats", nargs="*", default=FORMATS)
+    p.add_argument("--points", nargs="*", default=None, help="batch:context pairs (default: 1, 16, 64 at 4k)")
+    p.add_argument("--steps", type=int, default=96, help="decode steps timed per point")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--label", default="", help="written into every row (e.g. which tree ran)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_engine needs a CUDA device")
+    points = [tuple(int(x) for x in s.split(":")) for s in args.points] if args.points else POINTS
+    import triton
+
+    bandwidth = measure_bandwidth(torch.device("cuda"))
+    print(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    folder = write_checkpoint_folder(Path(tempfile.mkdtemp(prefix="moekv-dummy-")), args.shape)
+    cfg = hf_config(args.shape)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
+              "bandwidth_bytes_per_s": bandwidth, "rows": []}
+    for fmt_name in args.formats:
+        max_batch = max(b for b, _ in points)
+        max_len = max(c for _, c in points) + args.steps + 16
+        try:
+            llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda", kv_cache_dtype=fmt_name,
+                      max_model_len=max_len, max_num_seqs=max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                      kv_codebook="page")
+        except Exception as e:  # report and go on with the next format
+            result["rows"].append({"kv_cache_dtype": fmt_name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        for batch, context in points:
+            try:
+                row = run_point(llm, cfg, fmt_name, batch, context, args.steps, bandwidth, seed=batch)
+            except Exception as e:
+                row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
+                       "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row["label"] = args.label
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:  # after every row: a cut-off run keeps what it measured
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(result, indent=1) + "\n")
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\n{'format':10} {'B':>3} {'ctx':>6} {'engine ms':>10} {'p50':>7} {'model ms':>9} {'overhead':>9} "
+          f"{'graphs':>7} {'fills':>6} {'floor':>6}")
+    for r in result["rows"]:
+        if "error" in r:
+            print(f"{r['kv_cache_dtype']:10} {r.get('batch', '')!s:>3} {r.get('context', '')!s:>6} error: {r['error'][:80]}")
+            continue
+        model = f"{r['model_step_ms']:.2f}" if r.get("model_step_ms") is not None else "-"
+        over = f"{r['overhead_ms']:.2f}" if r.get("overhead_ms") is not None else "-"
+        print(f"{r['kv_cache_dtype']:10} {r['batch']:>3} {r['context']:>6} {r['tpot_ms']:>10.2f} {r['tpot_p50_ms']:>7.2f} "
+              f"{model:>9} {over:>9} {r['graph_share']:>7.2f} {r['fill_step_share']:>6.2f} {r['floor_ms']:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -33,7 +33,8 @@ class Context:
     # their host-side bookkeeping after each replay (KVFormat.after_graph_replay)
     graph_step: bool = False
     # a step that runs one-token queries (decodes) beside longer ones (prefill chunks), on CUDA:
-    # each part as its own Context, so that the decodes take the fused decode kernel (MixedSplit)
+    # each part as its own Context, so that the decodes take the fused decode kernel (MixedSplit;
+    # the attention layer splits, formats see only the parts)
     mixed: "MixedSplit | None" = None
 
     @property

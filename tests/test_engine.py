@@ -249,11 +249,13 @@ def test_default_sampling_params_follow_generation_config(llm):
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "nuq2", "tiered"])
-def test_mixed_steps_split_in_two_give_the_same_tokens(hd32_ckpt, fmt):
+def test_mixed_steps_split_in_two_give_the_same_tokens(hd32_ckpt, fmt, monkeypatch):
     """On CUDA a step with decodes beside prefill chunks attends in two parts (ctx.mixed: the decodes
     through the fused kernel). Forced on the CPU, where both parts take the reference, the split must
     change nothing: same tokens as the unsplit run, with some steps really split."""
     from moekv.context import Context
+    from moekv.layers import attention as attention_module
+    from moekv.layers.attention import attend_mixed
 
     kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype=fmt,
                   block_size=16 if fmt == "fp32" else 32, max_num_batched_tokens=24, kv_codebook="page")
@@ -262,16 +264,14 @@ def test_mixed_steps_split_in_two_give_the_same_tokens(hd32_ckpt, fmt):
     want = [o.outputs[0].token_ids for o in LLM(hd32_ckpt, **kwargs).generate(prompts, params)]
     llm = LLM(hd32_ckpt, **kwargs)
     llm.engine.runner.split_mixed_steps = True
-    fmt_obj = llm.engine.runner.kv_format
     split_steps = []
-    attend = type(fmt_obj).attend
 
-    def recording(self, q, cache, ctx: Context, *args):
-        if ctx.mixed is not None and cache is llm.engine.runner.kv_caches[0]:
+    def recording(attend, q, cache, ctx: Context, *args):
+        if cache is llm.engine.runner.kv_caches[0]:
             split_steps.append((len(ctx.mixed.decode_rows), len(ctx.mixed.prefill_rows)))
-        return attend(self, q, cache, ctx, *args)
+        return attend_mixed(attend, q, cache, ctx, *args)
 
-    fmt_obj.attend = recording.__get__(fmt_obj)
+    monkeypatch.setattr(attention_module, "attend_mixed", recording)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert split_steps and all(d >= 1 and p >= 2 for d, p in split_steps)

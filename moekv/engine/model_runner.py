@@ -182,13 +182,13 @@ class ModelRunner:
             slot = self._slots[seq.request_id] = self._free_slots.pop()
         return slot
 
-    def step_uses_graph(self, out: SchedulerOutput, context_lens: list[int], logits_rows: list[int]) -> bool:
+    def step_uses_graph(self, num_tokens: list[int], context_lens: list[int], logits_rows: list[int]) -> bool:
         """Whether this step is replayed from a CUDA graph (the engine allows graphs, the step is a
         decode step that fits one, the KV format has no host-side work in it, and nothing observes
         the model's internals from Python)."""
         if self.graphs is None:
             return False
-        if not step_fits_graph([item.num_tokens for item in out.scheduled], context_lens, logits_rows,
+        if not step_fits_graph(num_tokens, context_lens, logits_rows,
                                self.block_size, self.graphs.max_batch, self.kv_format.graph_fills_pages):
             return False
         if not self.kv_format.graph_step_ok(self.kv_caches):
@@ -250,15 +250,16 @@ class ModelRunner:
             plans.append((SeqStepResult(seq), prompt_rows, sample_row, logit_rows))
 
         results = [plan[0] for plan in plans]
-        decode_only = all(item.num_tokens == 1 for item in out.scheduled)
+        num_tokens = [item.num_tokens for item in out.scheduled]
+        block_tables = [item.seq.block_table for item in out.scheduled]
+        decode_only = all(n == 1 for n in num_tokens)
         fill_slots, fill_pages = [], []  # decode steps: the pages this step's tokens complete
         if decode_only and self.kv_format.quantizes_filled_pages:
-            fill_slots, fill_pages = decode_fills(context_lens, seq_slots, [item.seq.block_table for item in out.scheduled],
-                                                  bs)
+            fill_slots, fill_pages = decode_fills(context_lens, seq_slots, block_tables, bs)
         logits = None
-        if self.graphs is not None and self.step_uses_graph(out, context_lens, logits_rows):
+        if self.graphs is not None and self.step_uses_graph(num_tokens, context_lens, logits_rows):
             try:
-                logits = self.graphs.run(input_ids, positions, slots, [item.seq.block_table for item in out.scheduled],
+                logits = self.graphs.run(input_ids, positions, slots, block_tables,
                                          context_lens, seq_slots, fill_slots, fill_pages)  # [B, V] fp32
             except Exception:  # a host sync or an unsupported op in the step: stay eager from now on
                 log.exception("replaying the decode step from a CUDA graph failed; decode steps run eagerly from now on")
@@ -268,8 +269,8 @@ class ModelRunner:
                     raise_if_nonfinite(self.kv_caches)  # what check_finite would have raised in an eager step
                 self.kv_format.after_graph_replay(self.kv_caches)
         if logits is None:
-            max_pages = max(len(item.seq.block_table) for item in out.scheduled)
-            tables = [item.seq.block_table + [0] * (max_pages - len(item.seq.block_table)) for item in out.scheduled]
+            max_pages = max(len(table) for table in block_tables)
+            tables = [table + [0] * (max_pages - len(table)) for table in block_tables]
             dev = self.device
             ctx = Context(
                 positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -279,12 +280,11 @@ class ModelRunner:
                 query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
                 logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
                 seq_slots=torch.tensor(seq_slots, dtype=torch.long, device=dev),
-                max_query_len=max(item.num_tokens for item in out.scheduled),
+                max_query_len=max(num_tokens),
                 fills_no_page=all(n % bs for n in context_lens),
                 fill_slots=torch.tensor(fill_slots, dtype=torch.long, device=dev) if fill_slots else None,
                 fill_pages=torch.tensor(fill_pages, dtype=torch.long, device=dev) if fill_slots else None,
             )
-            num_tokens = [item.num_tokens for item in out.scheduled]
             if self.split_mixed_steps and not decode_only and 1 in num_tokens:
                 ctx.mixed = mixed_split(num_tokens, positions, slots, tables, context_lens, seq_slots, dev)
             hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx)

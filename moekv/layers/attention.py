@@ -20,6 +20,17 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return F.linear(x, weight, bias)
 
 
+def attend_mixed(attend, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+    """Attention of a mixed step (ctx.mixed): the one-token queries and the longer ones each
+    through `attend` (a format's) with their own Context, then back in the step's order."""
+    split = ctx.mixed
+    out = torch.empty_like(q)
+    out[split.decode_rows] = attend(q[split.decode_rows], cache, split.decode, scale, sliding_window)
+    out[split.prefill_rows] = attend(q[split.prefill_rows], cache, split.prefill, scale, sliding_window)
+    return out
+
+
 class Attention(nn.Module):
     """GQA self-attention whose K/V live in a paged cache of some KV format.
 
@@ -82,5 +93,8 @@ class Attention(nn.Module):
             if self.kv_observer is not None:
                 self.kv_observer(self.layer_idx, k, v)
             self.kv_format.write(self.kv_cache, k, v, ctx)
-        o = self.kv_format.attend(q, self.kv_cache, ctx, self.scale, self.sliding_window)
+        if ctx.mixed is not None:  # decodes beside prefill chunks: each part on its own (the decodes' kernel)
+            o = attend_mixed(self.kv_format.attend, q, self.kv_cache, ctx, self.scale, self.sliding_window)
+        else:
+            o = self.kv_format.attend(q, self.kv_cache, ctx, self.scale, self.sliding_window)
         return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)

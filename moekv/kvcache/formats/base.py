@@ -27,8 +27,8 @@ class LayerKVCache:
 
     tensors: dict[str, torch.Tensor]
     layer: int = 0  # which decoder layer (formats with per-layer calibration look theirs up)
-    # [] bool on the cache's device: a graph step quantized non-finite K/V (flag_nonfinite); None
-    # until a graph step first quantizes pages
+    # [] bool on the cache's device: a graph step quantized non-finite K/V (flag_nonfinite);
+    # allocated by the formats that quantize pages in graph steps, None for the others
     nonfinite: torch.Tensor | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -124,8 +124,6 @@ class KVFormat(ABC):
         Decode-only steps on CUDA go to the fused paged decode kernel when the format describes
         its pages to it (`decode_spec`); everything else (CPU, prefill) takes `attend_reference`.
         """
-        if ctx.mixed is not None:  # decodes beside prefill chunks: the decodes through the kernel too
-            return attend_mixed(self.attend, q, cache, ctx, scale, sliding_window)
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _is_decode_only(q, ctx):
             staging = cache.tensors.get("k_staging")
             pages = cache["k_pages"] if "k_pages" in cache.tensors else None
@@ -229,8 +227,6 @@ def check_finite(x: torch.Tensor, what: str) -> None:
 def flag_nonfinite(cache: LayerKVCache, x: torch.Tensor) -> None:
     """check_finite without a host sync (inside a CUDA graph): OR the verdict into the cache's
     device flag, which raise_if_nonfinite reads after the step."""
-    if cache.nonfinite is None:
-        cache.nonfinite = torch.zeros((), dtype=torch.bool, device=x.device)
     cache.nonfinite |= ~torch.isfinite(x).all()
 
 
@@ -417,17 +413,6 @@ class PagedQuantFormat(KVFormat):
         return dense_attention(q, ctx, lambda b, n: (self.gather(cache, ctx, b, n, "key"),
                                                      self.gather(cache, ctx, b, n, "value")),
                                scale, sliding_window)
-
-
-def attend_mixed(attend, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
-    """Attention of a mixed step (ctx.mixed): the one-token queries and the longer ones each
-    through `attend` with their own Context (which has no split), then back in the step's order."""
-    split = ctx.mixed
-    out = torch.empty_like(q)
-    out[split.decode_rows] = attend(q[split.decode_rows], cache, split.decode, scale, sliding_window)
-    out[split.prefill_rows] = attend(q[split.prefill_rows], cache, split.prefill, scale, sliding_window)
-    return out
 
 
 def _is_decode_only(q: torch.Tensor, ctx: Context) -> bool:

@@ -27,7 +27,7 @@ import math
 import torch
 
 from moekv.context import Context
-from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only, attend_mixed,
+from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only,
                                        can_stage_vectorized, check_finite, stage_decode_tokens, stage_tokens,
                                        staging_tensors)
 from moekv.kvcache.formats.fp8 import FP8Format
@@ -303,9 +303,7 @@ class TieredFormat(PagedQuantFormat):
 
     def attend(self, q, cache, ctx, scale, sliding_window):
         """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel); otherwise
-        (CPU, prefill) attend_reference; a mixed step's decodes take the kernel too."""
-        if ctx.mixed is not None:
-            return attend_mixed(self.attend, q, cache, ctx, scale, sliding_window)
+        (CPU, prefill) attend_reference."""
         if self.use_kernel(q, ctx, cache):
             return self.attend_kernel(q, cache, ctx, scale, sliding_window)
         return self.attend_reference(q, cache, ctx, scale, sliding_window)

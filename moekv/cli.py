@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay decode steps from CUDA graphs (default: graphs on CUDA where the KV format allows)")
+    p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                   help="queue each decode step before the host has read the one before it (default: on CUDA)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights of config.json's shape instead of the checkpoint's (benchmarks)")
 
@@ -57,6 +59,7 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
                         clusters_per_token=args.clusters_per_token, cluster_admit_margin=args.cluster_admit_margin,
                         n_group=args.n_group, topk_group=args.topk_group,
                         enforce_eager=getattr(args, "enforce_eager", False),
+                        async_scheduling=getattr(args, "async_scheduling", None),
                         load_format=getattr(args, "load_format", "auto"))
 
 

@@ -16,6 +16,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is out of range; accepted: 0..65535")
     engine = LLMEngine(engine_config_from(args))
+    if engine.runner.graphs is not None:  # captured now, so that no request waits for a capture
+        import time
+
+        start = time.perf_counter()
+        n = engine.runner.graphs.capture_all()
+        print(f"moekv serve: captured {n} decode-step CUDA graphs in {time.perf_counter() - start:.1f} s", flush=True)
     app = build_app(engine, model_name=args.served_model_name, max_queue=args.max_queue)
     name = app.state.moekv.model_name
     print(f"moekv serve: {name!r} (max_model_len {engine.max_model_len}, KV {args.kv_cache_dtype}, "

@@ -74,6 +74,11 @@ class EngineConfig:
         that bucket (and, for the compressed formats, for its number of page fills) on its first
         use; prefill and mixed steps, tiered's page-filling and re-ranking steps and the CPU run
         eagerly.
+    async_scheduling: queue each decode step on the device before the host has read the step
+        before it (its input tokens are read on the device), so that the host's work per step
+        overlaps the device's (as vLLM's --async-scheduling). A sequence that stops on a token the
+        host had not yet seen costs one token of wasted compute. None = on for CUDA, off on the CPU
+        (where the host does the model's work itself and nothing would overlap).
     """
 
     model: str | Path = field(default_factory=default_model_path)
@@ -89,6 +94,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
     load_format: str = "auto"
     # KV format options (each format reads the ones it uses)
     kv_group_size: int = 32
@@ -146,6 +152,8 @@ class EngineConfig:
                f"kv_residual={self.kv_residual!r} must be a multiple of 32 (0 = no full-precision window)")
         self._check_routing()
         _check(isinstance(self.enforce_eager, bool), f"enforce_eager={self.enforce_eager!r} must be True or False")
+        _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+               f"async_scheduling={self.async_scheduling!r} must be True, False or None (on CUDA only)")
         from moekv.models.loader import LOAD_FORMATS
 
         _check(self.load_format in LOAD_FORMATS,
@@ -185,6 +193,10 @@ class EngineConfig:
         return {"group_size": self.kv_group_size, "outlier_sigma": self.kv_outlier_sigma,
                 "calibration": self.kv_calibration, "codebook": self.kv_codebook, "rerank_interval": self.kv_rerank_interval,
                 "tier1_fraction": self.kv_tier1_fraction, "residual": self.kv_residual}
+
+    @property
+    def async_scheduling_enabled(self) -> bool:
+        return self.torch_device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
 
     @property
     def torch_device(self) -> torch.device:

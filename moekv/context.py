@@ -10,6 +10,14 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, queued without waiting for the device: a plain
+    torch.tensor(values, device="cuda") copies synchronously, which waits for all queued work and
+    would stall the host behind a step queued ahead (async scheduling)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 @dataclass
 class Context:
     positions: torch.Tensor        # [T] int64: position of each token in its sequence

@@ -58,6 +58,11 @@ def test_fill_lists_are_padded_with_the_scratch_slot_and_page():
     assert plain.fill_slots is None and plain.fills_no_page
     no_lists = DecodeGraphs(None, torch.device("cpu"), 8, 4, 16, 50, 8, use_graphs=False)
     assert no_lists.fill_bucket(5, 8) == 0  # plain pages: fills need no list, one graph per batch bucket
+    # what a server captures at start-up: every (batch bucket, fill bucket) a step can ask for
+    assert no_lists.variants() == [(8, 0), (4, 0), (2, 0), (1, 0)]
+    assert graphs.variants() == [(8, f) for f in (0, 1, 2, 4, 8)] + [(4, f) for f in (0, 1, 2, 4)] + [
+        (2, 0), (2, 1), (2, 2), (1, 0), (1, 1)]
+    assert {graphs.fill_bucket(f, b) for b in graphs.buckets for f in range(b + 1)} <= {f for _, f in graphs.variants()}
 
 
 def test_padding_rows_sit_on_the_scratch_page_and_slot():
@@ -211,9 +216,9 @@ def _with_emulated_graphs(llm):
     calls = []
     run = graphs.run
 
-    def recording_run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, *fills):
+    def recording_run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, *fills, **kwargs):
         calls.append(list(context_lens))
-        return run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, *fills)
+        return run(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, *fills, **kwargs)
 
     graphs.run = recording_run
     runner.graphs = graphs
@@ -441,6 +446,26 @@ def test_tiered_cuda_graphs_match_eager(hd32_ckpt, rerank_interval):
           f"mean |logprob difference| {sum(diffs) / len(diffs):.4f}, max {max(diffs):.3f} over {len(diffs)} tokens")
     for e in (eager, llm):
         _check_tiered_pool_drained(e)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphs_captured_at_start_up_serve_every_step(hd32_ckpt):
+    """capture_all (what `moekv serve` runs at start-up) leaves no capture for a request to wait for:
+    batches 3, 2, 1 with page fills replay without capturing, and give the lazily captured tokens."""
+    kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=4, kv_cache_dtype="nuq2",
+                  kv_codebook="page", block_size=32)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 30, 20)]
+    lazy = LLM(hd32_ckpt, **kwargs)
+    want = [o.outputs[0].token_ids for o in lazy.generate(prompts, params)]
+    llm = LLM(hd32_ckpt, **kwargs)
+    graphs = llm.engine.runner.graphs
+    assert graphs.capture_all(progress=False) == len(graphs.variants()) == 4 + 3 + 2  # buckets 4, 2, 1
+    captures = graphs.num_captures
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert graphs.num_captures == captures and graphs.num_replays > 20
+    assert got == want
 
 
 @pytest.mark.gpu

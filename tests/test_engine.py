@@ -1,4 +1,7 @@
-"""Engine behaviour on a tiny Mixtral: batching, preemption, stopping, sampling, logprobs."""
+"""Engine behaviour on a tiny Mixtral: batching, preemption, stopping, sampling, logprobs.
+
+Each test runs twice: with the engine synchronous, and with async scheduling (a decode step queued
+before the host has read the step before it), which must not change any output."""
 from __future__ import annotations
 
 import pytest
@@ -15,9 +18,14 @@ def token_ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def llm(mixtral_ckpt):
-    return LLM(mixtral_ckpt, dtype="float32", max_model_len=64)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(mixtral_ckpt, request):
+    return LLM(mixtral_ckpt, dtype="float32", max_model_len=64, async_scheduling=request.param)
+
+
+def same_mode(llm) -> dict:
+    """Keyword arguments that give another LLM the scheduling mode of `llm`."""
+    return {"async_scheduling": llm.engine.async_scheduling}
 
 
 def assert_pool_empty(llm):
@@ -38,7 +46,7 @@ def test_preemption_gives_the_same_tokens(mixtral_ckpt, llm):
     """With pages for barely more than one full-length sequence, the scheduler must preempt and
     recompute, and the tokens must not change."""
     reference = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
-    tight = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, block_size=16, num_kv_blocks=5)
+    tight = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, block_size=16, num_kv_blocks=5, **same_mode(llm))
     outs = tight.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert tight.engine.scheduler.num_preemptions > 0
     assert sum(o.num_preemptions for o in outs) == tight.engine.scheduler.num_preemptions
@@ -53,7 +61,7 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption(mixtral_ckpt, ll
     batch = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[1], PROMPTS[0], PROMPTS[2])], [others, sp, others])
     assert token_ids(batch)[1] == alone
     assert token_ids(llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 3, sp)) == [alone] * 3
-    tight = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, num_kv_blocks=5)
+    tight = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, num_kv_blocks=5, **same_mode(llm))
     outs = tight.generate([{"prompt_token_ids": p} for p in [PROMPTS[3], PROMPTS[0], PROMPTS[2]]], sp)
     assert tight.engine.scheduler.num_preemptions > 0
     assert token_ids(outs)[1] == alone
@@ -61,12 +69,12 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption(mixtral_ckpt, ll
 
 def test_chunked_prefill_equals_whole_prefill(mixtral_ckpt, llm):
     whole = token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
-    chunked = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_batched_tokens=5)
+    chunked = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_batched_tokens=5, **same_mode(llm))
     assert token_ids(chunked.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)) == whole
 
 
 def test_max_num_seqs_one_serialises_but_finishes_all(mixtral_ckpt, llm):
-    serial = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_seqs=1)
+    serial = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_seqs=1, **same_mode(llm))
     assert token_ids(serial.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)) == \
         token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
 
@@ -227,7 +235,7 @@ def test_model_fault_fails_requests_and_frees_pages(llm, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("simulated device fault")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", boom)
+    monkeypatch.setattr(llm.engine.runner, "launch", boom)
     with pytest.raises(RuntimeError, match="simulated device fault"):
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     monkeypatch.undo()

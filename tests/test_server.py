@@ -243,7 +243,7 @@ def test_engine_fault_is_a_500_and_frees_the_pages(server, client, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated kernel fault")
 
-    monkeypatch.setattr(server.engine.runner, "execute", broken)
+    monkeypatch.setattr(server.engine.runner, "launch", broken)
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 4})
     assert r.status_code == 500 and "simulated kernel fault" in r.json()["error"]["message"]
     with pytest.raises(openai.APIError, match="simulated kernel fault"):  # in-stream error event

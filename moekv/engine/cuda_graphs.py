@@ -267,18 +267,30 @@ class DecodeGraphs:
         self.num_captures += 1
         log.info("captured the decode step for batch bucket %d, %d page fills", bucket, fills)
 
-    def capture_all(self) -> None:
-        """Capture every bucket without fills now, largest first (start-up instead of first use);
-        fill variants are captured when a step first needs them."""
-        for bucket in reversed(self.buckets):
-            self.capture(bucket)
+    def variants(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, fill bucket) a step may need, largest batch first."""
+        return [(bucket, fills) for bucket in reversed(self.buckets)
+                for fills in (fill_buckets(bucket) if self.fill_variants else [0])]
+
+    def capture_all(self, progress: bool = True) -> int:
+        """Capture every variant now (start-up instead of first use, so no request waits for a
+        capture); -> how many were new."""
+        from tqdm import tqdm
+
+        before = len(self.graphs)
+        for bucket, fills in tqdm(self.variants(), desc="capturing decode graphs", disable=not progress):
+            self.capture(bucket, fills)
+        return len(self.graphs) - before
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
             block_tables: list[list[int]], context_lens: list[int], seq_slots: list[int],
-            fill_slots: list[int] = (), fill_pages: list[int] = ()) -> torch.Tensor:
+            fill_slots: list[int] = (), fill_pages: list[int] = (),
+            input_ids_device: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the step for these sequences -> their logits [B, V] fp32 (a view of the graph's
-        output: consume it before the next replay). fill_slots / fill_pages: the pages the step
-        fills (decode_fills), for a format that quantizes them (fill_variants)."""
+        output: queue what reads it before the next replay). fill_slots / fill_pages: the pages the
+        step fills (decode_fills), for a format that quantizes them (fill_variants).
+        input_ids_device: the tokens [B] int64 as a device tensor (a follow-on step: sampled by the
+        step before, not yet on the host), in place of input_ids."""
         batch = len(input_ids)
         bucket = bucket_for(batch, self.buckets)
         if bucket is None:
@@ -289,6 +301,8 @@ class DecodeGraphs:
         self.load(self.pad(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, bucket))
         if fills:
             self.load_fills(fill_slots, fill_pages, fills)
+        if input_ids_device is not None:  # device to device, queued after the step that samples them
+            self.input_ids[:batch].copy_(input_ids_device)
         if self.use_graphs:
             graph, logits = self.graphs[(bucket, fills)]
             with torch.cuda.device(self.device):

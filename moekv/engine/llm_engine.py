@@ -56,6 +56,11 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._counter = itertools.count()
+        # async scheduling: the step queued ahead, whose outputs the next step() call returns
+        self.async_scheduling = config.async_scheduling_enabled
+        self._inflight = None
+        self.num_follow_on_steps = 0  # steps queued ahead of the host (async scheduling)
+        self.num_dropped_steps = 0  # ... of which every sequence had stopped before it was read
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
 
     # -- requests ----------------------------------------------------------------------------
@@ -150,6 +155,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     @property
+    def num_steps_in_flight(self) -> int:
+        """Steps queued on the device whose outputs the next step() call returns (async scheduling: 0 or 1)."""
+        return int(self._inflight is not None)
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -159,25 +169,39 @@ class LLMEngine:
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if out.is_empty():
-            return []
-        self.runner.release_pages(self.block_manager.drain_freed())
-        blocked = {item.seq.request_id: self._blocked_ids(item.seq) for item in out.scheduled}
+        """Run one step and return its outputs.
+
+        With async scheduling a decode step is queued on the device before the host has read the
+        step before it (`_follow_on`): each call returns the outputs of the step it waited for
+        and leaves the next one running, so the host's work (outputs, detokenizing, stop checks,
+        the next step's inputs) overlaps the device's. A sequence that stops on a token the host
+        had not yet seen has had one token too many computed; that token is dropped.
+        """
+        pending = self._take_inflight()
+        if pending is None:
+            out = self.scheduler.schedule()
+            if out.is_empty():
+                return []
+            self.runner.release_pages(self.block_manager.drain_freed())
+            blocked = {item.seq.request_id: self._blocked_ids(item.seq) for item in out.scheduled}
+            try:
+                pending = self.runner.launch(out, blocked)
+            except Exception as e:  # a fault fails the step's requests; nothing is left holding pages
+                return self._fail_step([item.seq for item in out.scheduled], e)
+            self.scheduler.on_step_done(out)
+        follow_on = self._follow_on(pending) if self.async_scheduling else None
         try:
-            results = self.runner.execute(out, blocked)
-        except Exception as e:  # a fault fails the step's requests; nothing is left holding pages
-            log.exception("model step failed")
-            outputs = []
-            for item in out.scheduled:
-                self._finish(item.seq, "error")
-                outputs.append(self._output(item.seq, "", [], error=f"{type(e).__name__}: {e}"))
-            return outputs
-        self.scheduler.on_step_done(out)
+            results = pending.wait()
+        except Exception as e:
+            self._inflight = follow_on  # its sequences fail here too: it is dropped unread
+            return self._fail_step([r.seq for r in pending.results], e)
+        self._inflight = follow_on
         now = time.monotonic()
         outputs = []
         for result in results:
             seq = result.seq
+            if seq.is_finished:  # a follow-on step's row for a sequence that stopped (or was aborted) meanwhile
+                continue
             seq.prompt_logprobs.extend(result.prompt_logprobs)
             if result.prompt_logits is not None:
                 seq.prompt_logits.append(result.prompt_logits)
@@ -188,9 +212,61 @@ class LLMEngine:
                 outputs.append(self._output(seq, delta_text, [result.sample.token_id]))
         return outputs
 
-    def _blocked_ids(self, seq: Sequence) -> list[int]:
+    def _take_inflight(self):
+        """The step left running by the last call, unless none of its sequences is still live
+        (stopped or aborted meanwhile: then its work is dropped unread)."""
+        pending, self._inflight = self._inflight, None
+        if pending is not None and all(r.seq.is_finished for r in pending.results):
+            self.num_dropped_steps += 1
+            return None
+        return pending
+
+    def _follow_on(self, prev) -> object | None:
+        """Queue the next decode step while `prev` still runs, when it is the step the scheduler
+        would choose anyway: prev's live sequences are all that run, each sampled in prev, no
+        request waits to be admitted, and their next tokens fit the pool without preemption.
+        Sequences that reach max_tokens with prev's token are left out; penalties (which read the
+        tokens so far on the host) keep the engine synchronous."""
+        if not prev.followable or self.scheduler.waiting:
+            return None
+        live = [r.seq for r in prev.results if not r.seq.is_finished]
+        running = self.scheduler.running
+        if len(live) != len(running) or any(a is not b for a, b in zip(live, running)):
+            return None
+        seqs = [seq for seq in live if len(seq.output_token_ids) + 1 < seq.max_tokens]
+        if not seqs or len(seqs) > self.scheduler.max_num_batched_tokens:
+            return None
+        if any(seq.sampling_params.has_penalties or seq.decode_from is not None or seq.prompt_logits is not None
+               for seq in seqs):
+            return None
+        self.runner.release_pages(self.block_manager.drain_freed())  # before a freed page is reused
+        for seq in seqs:  # prev's token is at position num_tokens: room for num_tokens + 1
+            if not self.block_manager.allocate(seq, seq.num_tokens + 1):
+                return None
+        blocked = {seq.request_id: self._blocked_ids(seq, pending=1) for seq in seqs}
+        try:
+            follow_on = self.runner.launch_follow_on(prev, seqs, blocked)
+        except Exception:  # the next step runs the ordinary way (and reports its own failure)
+            log.exception("queueing the next decode step ahead failed; this step runs synchronously")
+            return None
+        for seq in seqs:  # (its num_tokens catches up when prev's token is appended)
+            seq.num_computed_tokens += 1
+        self.num_follow_on_steps += 1
+        return follow_on
+
+    def _fail_step(self, seqs: list[Sequence], e: Exception) -> list[RequestOutput]:
+        log.error("model step failed", exc_info=e)
+        outputs = []
+        for seq in seqs:
+            if not seq.is_finished:
+                self._finish(seq, "error")
+                outputs.append(self._output(seq, "", [], error=f"{type(e).__name__}: {e}"))
+        return outputs
+
+    def _blocked_ids(self, seq: Sequence, pending: int = 0) -> list[int]:
+        """Tokens seq may not sample next (min_tokens); pending: its tokens sampled but not yet appended."""
         p = seq.sampling_params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        if len(seq.output_token_ids) + pending >= p.min_tokens:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
 

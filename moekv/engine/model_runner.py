@@ -16,13 +16,13 @@ import logging
 import torch
 
 from moekv.config import EngineConfig, parse_dtype
-from moekv.context import Context, MixedSplit
+from moekv.context import Context, MixedSplit, to_device
 from moekv.engine.cuda_graphs import DecodeGraphs, decode_fills, graphs_unsupported_reason, step_fits_graph
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
-from moekv.kvcache.formats.base import raise_if_nonfinite
-from moekv.layers.sampler import SampleResult, SamplingRow, sample, top_logprobs_of
+from moekv.kvcache.formats.base import nonfinite_verdict, raise_nonfinite
+from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.loader import load_model
 from moekv.models.model_config import ModelConfig
 from moekv.routing import install_routers
@@ -35,6 +35,74 @@ class SeqStepResult:
     sample: SampleResult | None = None  # set when the step reached the end of seq's tokens
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # new prompt positions
     prompt_logits: torch.Tensor | None = None  # [n, V] fp32 on the CPU, when the sequence asks for them
+
+
+@dataclass
+class StepPlan:
+    """One step's host-side inputs: per token (input_ids, positions, slots; T entries) and per
+    sequence (the rest; B entries), and per sequence (result, prompt-logprob rows, sample row,
+    prompt-logit rows) in `rows`, rows counted in logits_rows (the step's rows whose logits are
+    needed)."""
+
+    seqs: list[Sequence]
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    context_lens: list[int]
+    query_start: list[int]  # [B + 1]
+    num_tokens: list[int]
+    seq_slots: list[int]
+    logits_rows: list[int]
+    rows: list[tuple[SeqStepResult, list[int], int | None, list[int]]]
+    # a follow-on step: its input tokens [B] int64 on the device, sampled by the step still
+    # running before it (input_ids then holds placeholders)
+    input_ids_device: torch.Tensor | None = None
+
+
+def every_row_samples(plan: StepPlan) -> bool:
+    """Each sequence samples (its sample row = its place in the step) and wants no prompt
+    logprobs or logits: a step the engine may follow on before the host has seen its tokens."""
+    return all(sample_row == i and not prompt_rows and not logit_rows
+               for i, (_, prompt_rows, sample_row, logit_rows) in enumerate(plan.rows))
+
+
+class PendingStep:
+    """A launched step: its model work, its sampling and the host copy of both are queued on the
+    device. `tokens` ([S] int64, on the device) may feed a follow-on step at once; wait() blocks
+    until the host copy has landed and gives the results."""
+
+    def __init__(self, results: list[SeqStepResult], device: torch.device, caches: list,
+                 sample_targets: list[SeqStepResult] = (),
+                 sampled: PendingSample | None = None, nonfinite: torch.Tensor | None = None,
+                 followable: bool = False) -> None:
+        self.results = results
+        self._caches = caches
+        self._targets = list(sample_targets)
+        self._sampled = sampled
+        self._nonfinite = nonfinite  # host copy of the step's non-finite verdict (graph fill steps)
+        self.followable = followable and sampled is not None
+        self.sample_row_of = {r.seq.request_id: i for i, r in enumerate(self._targets)}
+        self._event = None
+        if device.type == "cuda":  # after everything the step queued, its host copies included
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
+        self._done = False
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._sampled.tokens
+
+    def wait(self) -> list[SeqStepResult]:
+        if not self._done:
+            self._done = True
+            if self._event is not None:
+                self._event.synchronize()
+            if self._nonfinite is not None and bool(self._nonfinite):
+                raise_nonfinite(self._caches)
+            if self._sampled is not None:
+                for result, sampled in zip(self._targets, self._sampled.results()):
+                    result.sample = sampled
+        return self.results
 
 
 def mixed_split(num_tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -51,7 +119,7 @@ def mixed_split(num_tokens: list[int], positions: list[int], slots: list[int], t
         query_start = [0]
         for b in seqs:
             query_start.append(query_start[-1] + num_tokens[b])
-        t = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        t = lambda values, dtype: to_device(values, dtype, device)  # noqa: E731
         ctx = Context(positions=t([positions[r] for r in rows], torch.long),
                       slot_mapping=t([slots[r] for r in rows], torch.long),
                       block_tables=t([tables[b] for b in seqs], torch.int32),
@@ -204,33 +272,59 @@ class ModelRunner:
         return any(isinstance(getattr(getattr(layer, "mlp", None), "router", None), RouterTap)
                    for layer in getattr(self.model, "layers", ()))
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, blocked_ids: dict[str, list[int]]) -> list[SeqStepResult]:
-        """Run the model over the scheduled tokens; sample for sequences whose tokens are all computed.
+        """launch, then wait: the step's results with their samples."""
+        return self.launch(out, blocked_ids).wait()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, blocked_ids: dict[str, list[int]]) -> PendingStep:
+        """Queue the model over the scheduled tokens, and the sampling of sequences whose tokens are
+        then all computed; PendingStep.wait() gives the results.
 
         blocked_ids: request_id -> token ids that may not be sampled this step (min_tokens).
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        query_start = [0]
-        logits_rows: list[int] = []
-        plans: list[tuple[SeqStepResult, list[int], int | None, list[int]]] = []
-        # per sequence: result, prompt-logprob rows, sample row, prompt-logit rows
-        bs = self.block_size
         for seq in out.preempted:  # recomputed from scratch later, in whatever slot is free then
             self._release_slot(seq)
-        seq_slots = [self._slot_for(item.seq) for item in out.scheduled]
+        return self._launch(self._plan(out), blocked_ids)
+
+    @torch.inference_mode()
+    def launch_follow_on(self, prev: PendingStep, seqs: list[Sequence],
+                         blocked_ids: dict[str, list[int]]) -> PendingStep:
+        """Queue the decode step after `prev` (still running) for `seqs`, some or all of prev's
+        sequences: each one's input token is the one prev samples for it, read on the device. The
+        host has not seen those tokens, so a sequence's num_tokens is one short here: the token
+        at position num_tokens goes in, the context is num_tokens + 1 long (pages allocated).
+        blocked_ids as in launch, counting prev's token as generated."""
+        bs = self.block_size
+        rows = [prev.sample_row_of[seq.request_id] for seq in seqs]
+        tokens = prev.tokens if rows == list(range(prev.tokens.shape[0])) else prev.tokens[
+            to_device(rows, torch.long, self.device)]
+        positions = [seq.num_tokens for seq in seqs]
+        plan = StepPlan(
+            seqs=seqs, input_ids=[0] * len(seqs), positions=positions,
+            slots=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)],
+            context_lens=[p + 1 for p in positions], query_start=list(range(len(seqs) + 1)),
+            num_tokens=[1] * len(seqs), seq_slots=[self._slots[seq.request_id] for seq in seqs],
+            logits_rows=list(range(len(seqs))),
+            rows=[(SeqStepResult(seq), [], i, []) for i, seq in enumerate(seqs)], input_ids_device=tokens)
+        return self._launch(plan, blocked_ids)
+
+    def _plan(self, out: SchedulerOutput) -> StepPlan:
+        """The host-side inputs of a scheduled step."""
+        plan = StepPlan(seqs=[item.seq for item in out.scheduled], input_ids=[], positions=[], slots=[],
+                        context_lens=[], query_start=[0], num_tokens=[item.num_tokens for item in out.scheduled],
+                        seq_slots=[self._slot_for(item.seq) for item in out.scheduled], logits_rows=[], rows=[])
+        bs = self.block_size
+        logits_rows = plan.logits_rows
         for item in out.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_tokens
-            base = len(input_ids)
-            input_ids += seq.token_ids(start, end)
-            positions += range(start, end)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
-            context_lens.append(end)
-            query_start.append(len(input_ids))
+            base = len(plan.input_ids)
+            plan.input_ids += seq.token_ids(start, end)
+            plan.positions += range(start, end)
+            plan.slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            plan.context_lens.append(end)
+            plan.query_start.append(len(plan.input_ids))
             prompt_rows = []
             if seq.sampling_params.prompt_logprobs is not None:
                 # row p predicts prompt token p + 1; skip targets already scored before a preemption
@@ -247,54 +341,62 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_row = len(logits_rows)
                 logits_rows.append(base + item.num_tokens - 1)
-            plans.append((SeqStepResult(seq), prompt_rows, sample_row, logit_rows))
+            plan.rows.append((SeqStepResult(seq), prompt_rows, sample_row, logit_rows))
+        return plan
 
-        results = [plan[0] for plan in plans]
-        num_tokens = [item.num_tokens for item in out.scheduled]
-        block_tables = [item.seq.block_table for item in out.scheduled]
+    def _launch(self, plan: StepPlan, blocked_ids: dict[str, list[int]]) -> PendingStep:
+        num_tokens, context_lens, seq_slots = plan.num_tokens, plan.context_lens, plan.seq_slots
+        logits_rows = plan.logits_rows
+        results = [row[0] for row in plan.rows]
+        block_tables = [seq.block_table for seq in plan.seqs]
+        bs = self.block_size
         decode_only = all(n == 1 for n in num_tokens)
         fill_slots, fill_pages = [], []  # decode steps: the pages this step's tokens complete
         if decode_only and self.kv_format.quantizes_filled_pages:
             fill_slots, fill_pages = decode_fills(context_lens, seq_slots, block_tables, bs)
-        logits = None
+        logits, nonfinite = None, None
         if self.graphs is not None and self.step_uses_graph(num_tokens, context_lens, logits_rows):
             try:
-                logits = self.graphs.run(input_ids, positions, slots, block_tables,
-                                         context_lens, seq_slots, fill_slots, fill_pages)  # [B, V] fp32
+                logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, block_tables, context_lens,
+                                         seq_slots, fill_slots, fill_pages,
+                                         input_ids_device=plan.input_ids_device)  # [B, V] fp32
             except Exception:  # a host sync or an unsupported op in the step: stay eager from now on
                 log.exception("replaying the decode step from a CUDA graph failed; decode steps run eagerly from now on")
                 self.graphs = None
             if logits is not None:  # replayed: the format's host-side bookkeeping for the step
-                if fill_slots:
-                    raise_if_nonfinite(self.kv_caches)  # what check_finite would have raised in an eager step
+                if fill_slots:  # what check_finite would have raised in an eager step, read in wait()
+                    nonfinite = nonfinite_verdict(self.kv_caches)
                 self.kv_format.after_graph_replay(self.kv_caches)
         if logits is None:
             max_pages = max(len(table) for table in block_tables)
             tables = [table + [0] * (max_pages - len(table)) for table in block_tables]
             dev = self.device
             ctx = Context(
-                positions=torch.tensor(positions, dtype=torch.long, device=dev),
-                slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-                context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-                query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-                logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-                seq_slots=torch.tensor(seq_slots, dtype=torch.long, device=dev),
+                positions=to_device(plan.positions, torch.long, dev),
+                slot_mapping=to_device(plan.slots, torch.long, dev),
+                block_tables=to_device(tables, torch.int32, dev),
+                context_lens=to_device(context_lens, torch.int32, dev),
+                query_start_loc=to_device(plan.query_start, torch.int32, dev),
+                logits_indices=to_device(logits_rows, torch.long, dev),
+                seq_slots=to_device(seq_slots, torch.long, dev),
                 max_query_len=max(num_tokens),
                 fills_no_page=all(n % bs for n in context_lens),
-                fill_slots=torch.tensor(fill_slots, dtype=torch.long, device=dev) if fill_slots else None,
-                fill_pages=torch.tensor(fill_pages, dtype=torch.long, device=dev) if fill_slots else None,
+                fill_slots=to_device(fill_slots, torch.long, dev) if fill_slots else None,
+                fill_pages=to_device(fill_pages, torch.long, dev) if fill_slots else None,
             )
             if self.split_mixed_steps and not decode_only and 1 in num_tokens:
-                ctx.mixed = mixed_split(num_tokens, positions, slots, tables, context_lens, seq_slots, dev)
-            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx)
+                ctx.mixed = mixed_split(num_tokens, plan.positions, plan.slots, tables, context_lens, seq_slots, dev)
+            input_ids = plan.input_ids_device
+            if input_ids is None:
+                input_ids = to_device(plan.input_ids, torch.long, dev)
+            hidden = self.model(input_ids, ctx)
             self.quantize_filled_pages(ctx)
             if not logits_rows:
-                return results
+                return PendingStep(results, self.device, self.kv_caches)
             logits = self.model.compute_logits(hidden[ctx.logits_indices])  # [S, V] fp32
 
         rows, sample_rows, sample_targets = [], [], []
-        for result, prompt_rows, sample_row, logit_rows in plans:
+        for result, prompt_rows, sample_row, logit_rows in plan.rows:
             seq = result.seq
             if logit_rows:
                 result.prompt_logits = logits[logit_rows].cpu()
@@ -312,8 +414,10 @@ class ModelRunner:
                 rows.append(SamplingRow(seq.sampling_params, self.generator_for(seq), seq.prompt_token_ids,
                                         seq.output_token_ids,
                                         [t for t in blocked_ids.get(seq.request_id, ()) if t < vocab]))
+        sampled = None
         if sample_rows:
             every_row = sample_rows == list(range(logits.shape[0]))  # a decode step: no gather copy
-            for result, sampled in zip(sample_targets, sample(logits if every_row else logits[sample_rows], rows)):
-                result.sample = sampled
-        return results
+            sampled = sample_async(logits if every_row else logits[sample_rows], rows)
+        return PendingStep(results, self.device, self.kv_caches, sample_targets, sampled,
+                           to_host_async(nonfinite) if nonfinite is not None else None,
+                           followable=every_row_samples(plan))

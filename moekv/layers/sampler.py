@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekv.context import to_device
 from moekv.sampling_params import SamplingParams
 
 
@@ -70,13 +71,60 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """logits [S, V] fp32, one row per sampling sequence.
+def to_host_async(x: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of x that is valid once the work queued so far has run (a CUDA tensor goes to
+    pinned memory without a host sync: wait on an event recorded after this call)."""
+    return x.to("cpu", non_blocking=True) if x.is_cuda else x
 
-    Every chosen token stays on the device until one transfer at the end (with its logprob and,
-    for the rows that ask, their top logprobs): one host sync per step, not two per row, which at
-    batch 64 cost milliseconds a step. Plain greedy rows (no penalty, nothing blocked) take one
-    batched argmax; the others are shaped row by row, still without a sync.
+
+class PendingSample:
+    """A step's sampled tokens, still on the device: `tokens` [S] int64 may feed the next step
+    before the host has seen them (the engine's one-step lookahead); `results()` reads the one
+    transfer once the caller has waited for the step (PendingStep.wait)."""
+
+    def __init__(self, tokens: torch.Tensor, host: torch.Tensor, rows: list[SamplingRow], wanted: list[int],
+                 top_k: int) -> None:
+        self.tokens = tokens
+        self._host = host  # token ids, their logprobs, then the top logprobs of the rows in `wanted`
+        self._rows, self._wanted, self._top_k = rows, wanted, top_k
+
+    def results(self) -> list[SampleResult]:
+        rows, wanted, top_k = self._rows, self._wanted, self._top_k
+        S = len(rows)
+        host = self._host.tolist()
+        token_ids, logprobs = [int(t) for t in host[:S]], host[S:2 * S]
+        tops: dict[int, dict[int, float]] = {}
+        if top_k:
+            n = len(wanted) * top_k
+            ids, vals = host[2 * S:2 * S + n], host[2 * S + n:]
+            for j, i in enumerate(wanted):
+                num = rows[i].params.logprobs
+                tops[i] = {int(t): v for t, v in zip(ids[j * top_k:j * top_k + num], vals[j * top_k:j * top_k + num])}
+        results = []
+        for i, row in enumerate(rows):
+            top = None
+            if row.params.logprobs is not None:
+                top = tops.get(i, {})
+                top.setdefault(token_ids[i], logprobs[i])  # the chosen token is always reported
+            results.append(SampleResult(token_ids[i], logprobs[i], top))
+        return results
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+    """sample_async, then wait for it: logits [S, V] fp32, one row per sampling sequence."""
+    pending = sample_async(logits, rows)
+    if logits.is_cuda:
+        torch.cuda.current_stream(logits.device).synchronize()
+    return pending.results()
+
+
+def sample_async(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+    """Queue the sampling of logits [S, V] fp32 (one row per sampling sequence) without a host sync.
+
+    Every chosen token stays on the device; its logprob and, for the rows that ask, their top
+    logprobs go to the host in one transfer, queued here: one host sync per step, not two per
+    row, which at batch 64 cost milliseconds a step. Plain greedy rows (no penalty, nothing
+    blocked) take one batched argmax; the others are shaped row by row, still without a sync.
     """
     S = logits.shape[0]
     raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -86,7 +134,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     else:
         tokens = torch.empty(S, dtype=torch.long, device=logits.device)
         if plain:
-            idx = torch.tensor(plain, dtype=torch.long, device=logits.device)
+            idx = to_device(plain, torch.long, logits.device)
             tokens[idx] = torch.argmax(logits[idx], dim=-1)
         plain_set = set(plain)
         for i, row in enumerate(rows):
@@ -97,7 +145,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
             if p.has_penalties:
                 x = _apply_penalties(x, row)
             if row.blocked_ids:
-                x[torch.tensor(row.blocked_ids, device=x.device)] = float("-inf")
+                x[to_device(row.blocked_ids, torch.long, x.device)] = float("-inf")
             if p.greedy:
                 tokens[i] = torch.argmax(x)
             else:
@@ -110,20 +158,4 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     if top_k:
         top_vals, top_ids = torch.topk(raw_logprobs[wanted], top_k, dim=-1)  # [W, k]
         parts += [top_ids.double().flatten(), top_vals.double().flatten()]
-    host = torch.cat(parts).tolist()  # the step's one device-to-host transfer
-    token_ids, logprobs = [int(t) for t in host[:S]], host[S:2 * S]
-    tops: dict[int, dict[int, float]] = {}
-    if top_k:
-        n = len(wanted) * top_k
-        ids, vals = host[2 * S:2 * S + n], host[2 * S + n:]
-        for j, i in enumerate(wanted):
-            num = rows[i].params.logprobs
-            tops[i] = {int(t): v for t, v in zip(ids[j * top_k:j * top_k + num], vals[j * top_k:j * top_k + num])}
-    results = []
-    for i, row in enumerate(rows):
-        top = None
-        if row.params.logprobs is not None:
-            top = tops.get(i, {})
-            top.setdefault(token_ids[i], logprobs[i])  # the chosen token is always reported
-        results.append(SampleResult(token_ids[i], logprobs[i], top))
-    return results
+    return PendingSample(tokens, to_host_async(torch.cat(parts)), rows, wanted, top_k)

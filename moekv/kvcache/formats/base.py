@@ -230,14 +230,27 @@ def flag_nonfinite(cache: LayerKVCache, x: torch.Tensor) -> None:
     cache.nonfinite |= ~torch.isfinite(x).all()
 
 
+def nonfinite_verdict(caches: list[LayerKVCache]) -> torch.Tensor | None:
+    """Whether a graph step set any cache's `nonfinite` flag, as a [] bool still on the device (so a
+    pipelined step can queue its transfer without a sync); None when no cache keeps a flag."""
+    flags = [c.nonfinite for c in caches if c.nonfinite is not None]
+    return torch.stack(flags).any() if flags else None
+
+
+def raise_nonfinite(caches: list[LayerKVCache]) -> None:
+    """A step's verdict said non-finite K/V were quantized: clear the flags for the next step, raise."""
+    for c in caches:
+        if c.nonfinite is not None:
+            c.nonfinite.zero_()
+    raise ValueError(NONFINITE_MESSAGE.format(what="keys or values"))
+
+
 def raise_if_nonfinite(caches: list[LayerKVCache]) -> None:
     """After a replayed step that quantized pages: check_finite's verdict (one host sync), the
     flags cleared for the next step."""
-    flags = [c.nonfinite for c in caches if c.nonfinite is not None]
-    if flags and bool(torch.stack(flags).any()):
-        for flag in flags:
-            flag.zero_()
-        raise ValueError(NONFINITE_MESSAGE.format(what="keys or values"))
+    verdict = nonfinite_verdict(caches)
+    if verdict is not None and bool(verdict):
+        raise_nonfinite(caches)
 
 
 def staging_tensors(max_num_seqs: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,

@@ -163,19 +163,20 @@ def paged_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         v = gather_kv_ref(v_pages, block_tables[b], length).to(q.dtype)
         k = k.repeat_interleave(group, dim=1)  # GQA: each KV head serves `group` query heads
         v = v.repeat_interleave(group, dim=1)
+        # [1, H, L, D]: SDPA's fused CUDA kernels take 4-D inputs only; 3-D ones fall back to the
+        # math path, which materialises the [H, Tq, L] scores in fp32 (on the H200 that was most of
+        # a bf16 prefill step: benchmarks/NOTES.md, session 9)
+        q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q_b, k, v))
         if num_q == length and sliding_window is None:  # a whole prompt: plain causal (flash SDPA on CUDA)
-            o = F.scaled_dot_product_attention(
-                q_b.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale)
-            out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
-            continue
-        q_pos = torch.arange(length - num_q, length, device=q.device)[:, None]
-        k_pos = torch.arange(length, device=q.device)[None, :]
-        mask = k_pos <= q_pos  # [Tq, L]
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(
-            q_b.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
-        out[starts[b]:starts[b + 1]] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+        else:
+            q_pos = torch.arange(length - num_q, length, device=q.device)[:, None]
+            k_pos = torch.arange(length, device=q.device)[None, :]
+            mask = k_pos <= q_pos  # [Tq, L]
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+        out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1)
     return out
 
 

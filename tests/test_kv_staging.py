@@ -107,3 +107,61 @@ def test_a_graph_step_flags_nonfinite_fills_instead_of_syncing():
     assert not bool(cache.nonfinite)
     with pytest.raises(ValueError, match="non-finite"):
         step(48, graph_step=False)
+
+
+
+def chunk_ctx(chunks, starts, slots, tables):
+    """A step where sequence b writes chunks[b] tokens from position starts[b] (prefill chunks),
+    its pages tables[b]."""
+    query_start = [0]
+    for n in chunks:
+        query_start.append(query_start[-1] + n)
+    return Context(
+        positions=torch.cat([torch.arange(s, s + n) for s, n in zip(starts, chunks)]),
+        slot_mapping=torch.zeros(sum(chunks), dtype=torch.long),  # unused by staged formats
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        context_lens=torch.tensor([s + n for s, n in zip(starts, chunks)], dtype=torch.int32),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+        logits_indices=torch.zeros(0, dtype=torch.long),
+        seq_slots=torch.tensor(slots),
+        max_query_len=max(chunks),
+    )
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int4", "nuq2"])
+def test_prefill_chunks_store_what_one_token_at_a_time_stores(name):
+    """Prefill chunks that start mid-page, span several whole pages, end on a page boundary or not
+    (two sequences per step, their pages quantized in one batch) leave the pages and the newest
+    page in staging exactly as writing the same tokens one at a time does."""
+    fmt = get_kv_format(name, torch.float32)
+    H, P, D = 2, 32, 32
+    plan = [[5, 64], [59, 33], [96, 1], [1, 30]]  # per step: tokens of sequence 0 and 1 (64: two whole pages)
+    total = [sum(step[b] for step in plan) for b in range(2)]
+    width = -(-max(total) // P)
+    tables = [list(range(b * width, (b + 1) * width)) for b in range(2)]
+    g = torch.Generator().manual_seed(1)
+    k = [torch.randn(n, H, D, generator=g) for n in total]
+    v = [torch.randn(n, H, D, generator=g) for n in total]
+    chunked, single = (fmt.allocate(2 * width, H, P, D, torch.device("cpu"), 2, torch.float32) for _ in range(2))
+    slots, done = [1, 0], [0, 0]
+    for step in plan:
+        rows = [slice(done[b], done[b] + step[b]) for b in range(2)]
+        fmt.write(chunked, torch.cat([k[b][rows[b]] for b in range(2)]), torch.cat([v[b][rows[b]] for b in range(2)]),
+                  chunk_ctx(step, done, slots, tables))
+        done = [d + n for d, n in zip(done, step)]
+        for b in range(2):  # after every step: staging holds the newest page, full or not
+            first = (done[b] - 1) // P * P
+            for name_, x in (("k_staging", k[b]), ("v_staging", v[b])):
+                staged = chunked[name_][slots[b], :, :done[b] - first]
+                assert torch.equal(staged, x[first:done[b]].transpose(0, 1).to(staged.dtype)), (b, name_)
+    for b in range(2):
+        for t in range(total[b]):
+            fmt.write(single, k[b][t:t + 1], v[b][t:t + 1], chunk_ctx([1], [t], [slots[b]], [tables[b]]))
+    assert {n % P == 0 for n in total} == {True, False}  # the newest page: full in one sequence, not in the other
+    for name_ in ("k_pages", "v_pages"):
+        assert torch.equal(chunked[name_], single[name_]), name_
+        assert chunked[name_].count_nonzero() > 0
+    for b in range(2):
+        newest = (total[b] - 1) % P + 1  # tokens of the newest page, which attention reads from staging
+        for name_ in ("k_staging", "v_staging"):
+            assert torch.equal(chunked[name_][slots[b], :, :newest], single[name_][slots[b], :, :newest]), (b, name_)

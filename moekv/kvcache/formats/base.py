@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekv.context import Context
+from moekv.context import Context, to_device
 from moekv.ops.reference import paged_attention_ref
 
 PAGE_ALIGN_BYTES = 128  # pages start on 128-byte lines so kernels can issue full-line loads
@@ -263,9 +263,12 @@ def staging_tensors(max_num_seqs: int, num_kv_heads: int, block_size: int, head_
 
 
 def stage_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Context):
-    """Copy the step's K/V into each sequence's staging page; yield (b, "k" | "v", completed) where
-    completed lists (page index in the block table, page [Hkv, P, D] fp32) for every page the step
-    filled, in order (a prefill chunk can fill several)."""
+    """Write the step's K/V of each sequence into its staging page; yield (b, "k" | "v", page
+    indices, pages) for every page the step filled, in order (a prefill chunk can fill many):
+    page indices in the block table, pages [n, Hkv, P, D] fp32 (None when n = 0), rounded
+    through the staging dtype exactly as staged tokens are. Whole pages of a chunk are cut from it
+    in one view, not copied through staging one by one; staging ends holding the sequence's
+    newest page (full or not), which attention reads from there."""
     block_size = cache["k_staging"].shape[2]
     starts = ctx.query_start_loc.tolist()
     slots = ctx.seq_slots.tolist()
@@ -274,19 +277,29 @@ def stage_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Con
         if hi == lo:
             continue
         first_pos = end - (hi - lo)
-        for name, x in (("k", k[lo:hi]), ("v", v[lo:hi])):
+        for name, x in (("k", k[lo:hi]), ("v", v[lo:hi])):  # x [T_b, Hkv, D]
             staging = cache[f"{name}_staging"][slots[b]]  # [Hkv, P, D]
-            completed = []
-            pos = first_pos
-            while pos < end:
-                page_idx, offset = divmod(pos, block_size)
+            indices, pages = [], []
+            pos, offset = first_pos, first_pos % block_size
+            if offset:  # the partly filled page first: complete it in staging
                 take = min(block_size - offset, end - pos)
-                chunk = x[pos - first_pos:pos - first_pos + take]  # [take, Hkv, D]
-                staging[:, offset:offset + take] = chunk.transpose(0, 1).to(staging.dtype)
+                staging[:, offset:offset + take] = x[:take].transpose(0, 1).to(staging.dtype)
                 pos += take
                 if offset + take == block_size:
-                    completed.append((page_idx, staging.float().clone()))
-            yield b, name, completed
+                    indices.append(pos // block_size - 1)
+                    pages.append(staging.float()[None])
+            num_whole = (end - pos) // block_size
+            if num_whole:
+                chunk = x[pos - first_pos:pos - first_pos + num_whole * block_size]
+                whole = chunk.reshape(num_whole, block_size, *chunk.shape[1:]).transpose(1, 2).to(staging.dtype)
+                indices += range(pos // block_size, pos // block_size + num_whole)
+                pages.append(whole.float())
+                pos += num_whole * block_size
+                if pos == end:  # the newest page is full: staging holds it too
+                    staging.copy_(whole[-1])
+            if pos < end:  # the new partly filled page
+                staging[:, :end - pos] = x[pos - first_pos:].transpose(0, 1).to(staging.dtype)
+            yield b, name, indices, torch.cat(pages) if len(pages) > 1 else (pages[0] if pages else None)
 
 
 def stage_decode_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> None:
@@ -359,15 +372,24 @@ class PagedQuantFormat(KVFormat):
         if can_stage_with_fills(k, ctx):  # filled pages wait for quantize_filled_pages
             stage_decode_tokens(cache, k, v, ctx)
             return
-        block_size = cache["k_staging"].shape[2]
-        for b, name, full_pages in stage_tokens(cache, k, v, ctx):
-            if not full_pages:
+        block_size, head_dim = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
+        filled: dict[str, tuple[list, list, list]] = {"k": ([], [], []), "v": ([], [], [])}  # rows, cols, pages
+        for b, name, indices, pages in stage_tokens(cache, k, v, ctx):
+            if indices:
+                rows, cols, xs = filled[name]
+                rows += [b] * len(indices)
+                cols += indices
+                xs.append(pages)
+        for name, kind in (("k", "key"), ("v", "value")):
+            rows, cols, xs = filled[name]
+            if not rows:
                 continue
-            page_ids = ctx.block_tables[b, [i for i, _ in full_pages]].long()
-            x_full = torch.stack([p for _, p in full_pages])  # [n, Hkv, P, D]
-            kind = "key" if name == "k" else "value"
+            # every sequence's filled pages in one quantization
+            x_full = torch.cat(xs)  # [n, Hkv, P, D]
             check_finite(x_full, kind + "s")
-            slab = self.layout(kind, block_size, x_full.shape[-1]).pack(self.quantize(x_full, kind, cache.layer))
+            page_ids = ctx.block_tables[to_device(rows, torch.long, x_full.device),
+                                        to_device(cols, torch.long, x_full.device)].long()
+            slab = self.layout(kind, block_size, head_dim).pack(self.quantize(x_full, kind, cache.layer))
             cache[f"{name}_pages"][page_ids] = slab
 
     def fused_rope_write_target(self, cache, k, ctx):

@@ -148,8 +148,8 @@ class TieredFormat(PagedQuantFormat):
             stage_decode_tokens(cache, k, v, ctx)
         else:
             completed: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (b, page index) -> {"k", "v"}
-            for b, name, pages in stage_tokens(cache, k, v, ctx):
-                for page_idx, page in pages:
+            for b, name, indices, pages in stage_tokens(cache, k, v, ctx):
+                for page_idx, page in zip(indices, pages if indices else ()):
                     completed.setdefault((b, page_idx), {})[name] = page
             for (b, page_idx), kv in completed.items():
                 page = int(ctx.block_tables[b, page_idx])

@@ -15,10 +15,15 @@ the step (no page fill) with CUDA events: `model_step_ms`, what bench_decode mea
 
     PYTHONPATH=. python benchmarks/bench_engine.py --out benchmarks/results/h200/engine.json
 
-Rows: kv_cache_dtype, batch, context, tpot_ms (mean engine step), tpot_p50_ms, model_step_ms,
+Every point runs in both scheduling modes (--modes): synchronous, and async (each decode step
+queued before the host has read the step before it), on the same engine.
+
+Rows: kv_cache_dtype, batch, context, async_scheduling, tpot_ms (mean engine step), tpot_p50_ms, model_step_ms,
 overhead_ms (tpot_ms - model_step_ms), graph_share (steps replayed), fill_step_share (steps in
-which some sequence completed a page), floor_ms (bench_decode's: weights and KV read over the
-measured copy bandwidth).
+which some sequence completed a page), slow_steps (steps over twice the median, each with the graph
+captures and garbage-collector time inside it), batch_range (sequences in the timed steps; every
+sequence is given room to decode through all modes), prefill_s, floor_ms (bench_decode's: weights
+and KV read over the measured copy bandwidth).
 """
 from __future__ import annotations
 
@@ -101,45 +106,89 @@ def replay_ms(graphs, bucket: int, iters: int = 30) -> float | None:
     return statistics.median(times)
 
 
-def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, bandwidth: float, seed: int) -> dict:
+class GcClock:
+    """Wall time spent in Python's cyclic garbage collector (gc.callbacks), to tell a GC pause
+    from a device stall in a slow step."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, None
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+    def close(self) -> None:
+        gc.callbacks.remove(self)
+
+
+def time_steps(engine, graphs, steps: int, block_size: int, warmup: int = 4) -> dict:
+    """Time `steps` calls of engine.step() (every sequence decoding), after `warmup` untimed ones in
+    this mode. Steps slower than twice the median are listed with what else happened in them
+    (graph captures, time in the garbage collector)."""
+    for _ in range(warmup):
+        engine.step()
+    replays0 = graphs.num_replays if graphs is not None else 0
+    times, fill_steps, events, batches = [], 0, [], []
+    clock = GcClock()
+    for i in range(steps):
+        lens = [s.num_tokens for s in engine.scheduler.running]  # context once this step's token is in
+        fill_steps += any(n % block_size == 0 for n in lens)
+        batches.append(len(lens))
+        captures, gc_s = (graphs.num_captures if graphs is not None else 0), clock.seconds
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(1e3 * (time.perf_counter() - t0))
+        events.append({"step": i, "ms": round(times[-1], 2), "fills": any(n % block_size == 0 for n in lens),
+                       "captures": (graphs.num_captures if graphs is not None else 0) - captures,
+                       "gc_ms": round(1e3 * (clock.seconds - gc_s), 2)})
+    clock.close()
+    replays = (graphs.num_replays if graphs is not None else 0) - replays0
+    median = statistics.median(times)
+    return dict(tpot_ms=statistics.fmean(times), tpot_p50_ms=median, tpot_max_ms=max(times),
+                slow_steps=[e for e in events if e["ms"] > 2 * median], batch_range=[min(batches), max(batches)],
+                graph_share=replays / steps, fill_step_share=fill_steps / steps)
+
+
+def decode_budget(steps: int, num_modes: int, batch: int, context: int, token_budget: int, warmup: int = 4) -> int:
+    """Tokens each sequence may generate: every mode's warm-up and timed steps, and one per prefill
+    step (the first prompts decode while the others prefill)."""
+    prefill_steps = -(-batch * context // token_budget) + batch
+    return (steps + warmup + 2) * num_modes + prefill_steps + 16
+
+
+def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, bandwidth: float, seed: int,
+              modes: list[str | None]) -> list[dict]:
+    """Prefill once, then time `steps` decode steps in each scheduling mode, one after the other on
+    the same sequences (None: the engine has one mode, the baseline tree's)."""
     engine = llm.engine
     runner = engine.runner
     block_size = runner.block_size
-    row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size, "steps": steps}
+    base = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size, "steps": steps}
     gen = torch.Generator().manual_seed(seed)
     lengths = prompt_lengths(batch, context, block_size)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    # no sequence may finish inside the timed steps (the batch would shrink into smaller buckets, whose
+    # graphs would be captured there): room for every mode's warm-up and timed steps, and for the
+    # tokens the first sequences decode while the others still prefill (at most one per prefill step)
+    params = SamplingParams(max_tokens=decode_budget(steps, len(modes), batch, context, engine.scheduler.max_num_batched_tokens), temperature=0.0, ignore_eos=True)
     ids = []
     for n in lengths:
         prompt = torch.randint(3, cfg["vocab_size"], (n,), generator=gen).tolist()
         ids.append(engine.add_request(None, {"prompt_token_ids": prompt}, params, output_kind="delta"))
+    if modes[0] is not None:
+        engine.async_scheduling = modes[0] == "async"
     start = time.perf_counter()
     while engine.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    row["prefill_s"] = time.perf_counter() - start
+    base["prefill_s"] = time.perf_counter() - start
     graphs = runner.graphs
     bucket = batch if graphs is None else next(b for b in graphs.buckets if b >= batch)
     capture_every_variant(graphs, bucket)
-    engine.step()  # first decode step after the captures
-    replays0 = graphs.num_replays if graphs is not None else 0
-    times, fill_steps = [], 0
-    for _ in range(steps):
-        lens = [s.num_tokens for s in engine.scheduler.running]  # context once this step's token is in
-        fill_steps += any(n % block_size == 0 for n in lens)
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(1e3 * (time.perf_counter() - t0))
-    replays = (graphs.num_replays if graphs is not None else 0) - replays0
-    for rid in ids:
-        engine.abort_request(rid)
-    engine.runner.release_pages(engine.block_manager.drain_freed())
-    row.update(tpot_ms=statistics.fmean(times), tpot_p50_ms=statistics.median(times), tpot_max_ms=max(times),
-               graph_share=replays / steps, fill_step_share=fill_steps / steps)
-    row["model_step_ms"] = replay_ms(graphs, bucket)
-    if row["model_step_ms"] is not None:
-        row["overhead_ms"] = row["tpot_ms"] - row["model_step_ms"]
     from moekv.kvcache.formats import get_kv_format
     from moekv.models import mixtral
     from moekv.models.model_config import apply_routing_fields
@@ -147,9 +196,25 @@ def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, ban
     mcfg = apply_routing_fields(mixtral.config_from_hf(cfg), cfg)
     _, weights_read = weight_bytes_per_step(mcfg, batch)
     fmt = get_kv_format(fmt_name, torch.bfloat16)
-    kv_read = batch * (context + steps / 2) * kv_bytes_per_token(fmt, mcfg, block_size)
-    row["floor_ms"] = 1e3 * (weights_read + kv_read) / bandwidth
-    return row
+    rows = []
+    for i, mode in enumerate(modes):
+        if mode is not None:
+            engine.async_scheduling = mode == "async"
+        row = {**base, "async_scheduling": getattr(engine, "async_scheduling", False),
+               **time_steps(engine, graphs, steps, block_size)}
+        mean_context = context + (i + 0.5) * (steps + 1)
+        row["floor_ms"] = 1e3 * (weights_read + batch * mean_context * kv_bytes_per_token(fmt, mcfg, block_size)) / bandwidth
+        rows.append(row)
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()  # drops a step still queued ahead for the aborted requests
+    engine.runner.release_pages(engine.block_manager.drain_freed())
+    model_ms = replay_ms(graphs, bucket)
+    for row in rows:
+        row["model_step_ms"] = model_ms
+        if model_ms is not None:
+            row["overhead_ms"] = row["tpot_ms"] - model_ms
+    return rows
 
 
 def main() -> None:
@@ -159,6 +224,8 @@ def main() -> None:
     p.add_argument("--points", nargs="*", default=None, help="batch:context pairs (default: 1, 16, 64 at 4k)")
     p.add_argument("--steps", type=int, default=96, help="decode steps timed per point")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--modes", nargs="*", default=["sync", "async"], choices=["sync", "async"],
+                   help="scheduling modes timed at every point, in the same run (async: steps queued ahead)")
     p.add_argument("--label", default="", help="written into every row (e.g. which tree ran)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -176,7 +243,8 @@ def main() -> None:
               "bandwidth_bytes_per_s": bandwidth, "rows": []}
     for fmt_name in args.formats:
         max_batch = max(b for b, _ in points)
-        max_len = max(c for _, c in points) + args.steps + 16
+        max_len = max(c + decode_budget(args.steps, len(args.modes), b, c, args.max_num_batched_tokens)
+                      for b, c in points) + 16
         try:
             llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda", kv_cache_dtype=fmt_name,
                       max_model_len=max_len, max_num_seqs=max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -184,22 +252,24 @@ def main() -> None:
         except Exception as e:  # report and go on with the next format
             result["rows"].append({"kv_cache_dtype": fmt_name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
+        modes = args.modes if hasattr(llm.engine, "async_scheduling") else [None]  # (the baseline tree: one mode)
         for batch, context in points:
             try:
-                row = run_point(llm, cfg, fmt_name, batch, context, args.steps, bandwidth, seed=batch)
+                rows = run_point(llm, cfg, fmt_name, batch, context, args.steps, bandwidth, seed=batch, modes=modes)
             except Exception as e:
-                row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
-                       "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            row["label"] = args.label
-            result["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            if args.out:  # after every row: a cut-off run keeps what it measured
+                rows = [{"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
+                         "error": f"{type(e).__name__}: {str(e)[:300]}"}]
+            for row in rows:
+                row["label"] = args.label
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            if args.out:  # after every point: a cut-off run keeps what it measured
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(result, indent=1) + "\n")
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"\n{'format':10} {'B':>3} {'ctx':>6} {'engine ms':>10} {'p50':>7} {'model ms':>9} {'overhead':>9} "
+    print(f"\n{'format':10} {'B':>3} {'ctx':>6} {'async':>5} {'engine ms':>10} {'p50':>7} {'model ms':>9} {'overhead':>9} "
           f"{'graphs':>7} {'fills':>6} {'floor':>6}")
     for r in result["rows"]:
         if "error" in r:
@@ -207,7 +277,7 @@ def main() -> None:
             continue
         model = f"{r['model_step_ms']:.2f}" if r.get("model_step_ms") is not None else "-"
         over = f"{r['overhead_ms']:.2f}" if r.get("overhead_ms") is not None else "-"
-        print(f"{r['kv_cache_dtype']:10} {r['batch']:>3} {r['context']:>6} {r['tpot_ms']:>10.2f} {r['tpot_p50_ms']:>7.2f} "
+        print(f"{r['kv_cache_dtype']:10} {r['batch']:>3} {r['context']:>6} {str(r['async_scheduling']):>5} {r['tpot_ms']:>10.2f} {r['tpot_p50_ms']:>7.2f} "
               f"{model:>9} {over:>9} {r['graph_share']:>7.2f} {r['fill_step_share']:>6.2f} {r['floor_ms']:>6.2f}")
 
 

@@ -30,6 +30,7 @@ def edit_config(path, **changes):
     ("block_size", 12, r"block_size=12 must be a power of two"),
     ("max_num_seqs", 0, r"max_num_seqs=0"),
     ("max_model_len", 1, r"max_model_len=1"),
+    ("async_scheduling", "yes", r"async_scheduling='yes' must be True, False or None"),
 ])
 def test_engine_config_rejects(field, value, match, mixtral_ckpt):
     with pytest.raises(ValueError, match=match):

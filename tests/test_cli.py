@@ -48,3 +48,20 @@ def test_default_model_generates_english(tmp_path):
     assert r.returncode == 0, r.stderr
     words = r.stdout.split()
     assert len(words) >= 8 and sum(w.strip(".,!?;:'\"").isalpha() for w in words) >= len(words) // 2
+
+
+def test_async_scheduling_flag_reaches_the_engine_config(mixtral_ckpt):
+    """--async-scheduling / --no-async-scheduling set EngineConfig.async_scheduling; without either it
+    is None, which means on for CUDA (the GPU tests of test_cuda_graphs run with that default) and off on
+    the CPU."""
+    from moekv.cli import build_parser, engine_config_from
+    from moekv.config import EngineConfig
+
+    parser = build_parser()
+    seen = {}
+    for flags, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        args = parser.parse_args(["generate", "--model", str(mixtral_ckpt), "--prompt", "x", *flags])
+        seen[tuple(flags)] = engine_config_from(args).async_scheduling
+        assert seen[tuple(flags)] is want, flags
+    assert not EngineConfig(model=mixtral_ckpt).async_scheduling_enabled  # the CPU's default
+    assert EngineConfig(model=mixtral_ckpt, async_scheduling=True).async_scheduling_enabled

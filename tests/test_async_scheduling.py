@@ -105,8 +105,24 @@ def test_abort_while_a_step_runs_ahead(sync_llm, async_llm):
     assert rest and all(o.request_id == "b" for o in rest)
     assert rest[-1].finished and rest[-1].outputs[0].token_ids == want_b
     assert_pool_empty(async_llm)
-    # the step left running for b's last token is dropped unread by the next call
+    # b stopped at max_tokens, known in advance: no step was queued past its last token
+    assert engine.num_steps_in_flight == 0 and engine.step() == []
+
+
+def test_a_step_queued_past_an_unseen_stop_is_dropped_unread(sync_llm, async_llm):
+    """A lone request that stops on a token the host had not seen leaves a step queued for it; the
+    next call drops it without output, and its pages are already back in the pool."""
+    free = sync_llm.generate([{"prompt_token_ids": PROMPTS[2]}], GREEDY)[0].outputs[0].token_ids
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[free[5]], ignore_eos=True)
+    want = sync_llm.generate([{"prompt_token_ids": PROMPTS[2]}], params)
+    engine = async_llm.engine
+    got = async_llm.generate([{"prompt_token_ids": PROMPTS[2]}], params)
+    assert summary(got) == summary(want) and got[0].outputs[0].finish_reason == "stop"
+    assert engine.num_steps_in_flight == 1
+    assert_pool_empty(async_llm)
+    dropped = engine.num_dropped_steps
     assert engine.step() == [] and engine.num_steps_in_flight == 0
+    assert engine.num_dropped_steps == dropped + 1
 
 
 def test_a_fault_in_a_step_run_ahead_fails_its_requests(async_llm, sync_llm, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from moekv.context import Context
 from moekv.engine.cuda_graphs import decode_fills
 from moekv.kvcache.formats import get_kv_format
-from moekv.kvcache.formats.base import raise_if_nonfinite
+from moekv.kvcache.formats.base import nonfinite_verdict, raise_nonfinite
 
 
 def decode_ctx(context_lens, slots, block_size, fills_no_page):
@@ -85,8 +85,9 @@ def test_decode_steps_that_fill_pages_match_the_loop(name):
 
 
 def test_a_graph_step_flags_nonfinite_fills_instead_of_syncing():
-    """In a graph step the NaN check cannot raise on the spot: the flag it sets makes
-    raise_if_nonfinite raise after the step (and clears it); an eager step raises at once."""
+    """In a graph step the NaN check cannot raise on the spot: the flag it sets is the step's
+    verdict, read after it (PendingStep.wait), and raise_nonfinite clears it; an eager step raises
+    at once."""
     fmt = get_kv_format("int4", torch.float32)
     H, P, D = 2, 16, 32
     cache = fmt.allocate(8, H, P, D, torch.device("cpu"), 2, torch.float32)
@@ -98,12 +99,12 @@ def test_a_graph_step_flags_nonfinite_fills_instead_of_syncing():
         fmt.quantize_filled_pages([cache], ctx)
 
     step(16, graph_step=True)
-    raise_if_nonfinite([cache])  # finite: nothing
+    assert not bool(nonfinite_verdict([cache]))  # finite: nothing
     k[0, 1, 3] = float("nan")
     step(32, graph_step=True)
-    assert bool(cache.nonfinite)
+    assert bool(cache.nonfinite) and bool(nonfinite_verdict([cache]))
     with pytest.raises(ValueError, match="non-finite"):
-        raise_if_nonfinite([cache])
+        raise_nonfinite([cache])
     assert not bool(cache.nonfinite)
     with pytest.raises(ValueError, match="non-finite"):
         step(48, graph_step=False)

@@ -15,7 +15,7 @@ from typing import Any
 
 from moekv.config import EngineConfig
 from moekv.engine.block_manager import BlockManager
-from moekv.engine.model_runner import ModelRunner
+from moekv.engine.model_runner import ModelRunner, PendingStep
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import OUTPUT_KINDS, Sequence
 from moekv.models.loader import load_model_config, read_json
@@ -212,7 +212,7 @@ class LLMEngine:
                 outputs.append(self._output(seq, delta_text, [result.sample.token_id]))
         return outputs
 
-    def _take_inflight(self):
+    def _take_inflight(self) -> PendingStep | None:
         """The step left running by the last call, unless none of its sequences is still live
         (stopped or aborted meanwhile: then its work is dropped unread)."""
         pending, self._inflight = self._inflight, None
@@ -221,7 +221,7 @@ class LLMEngine:
             return None
         return pending
 
-    def _follow_on(self, prev) -> object | None:
+    def _follow_on(self, prev: PendingStep) -> PendingStep | None:
         """Queue the next decode step while `prev` still runs, when it is the step the scheduler
         would choose anyway: prev's live sequences are all that run, each sampled in prev, no
         request waits to be admitted, and their next tokens fit the pool without preemption.

@@ -81,7 +81,6 @@ class PendingStep:
         self._sampled = sampled
         self._nonfinite = nonfinite  # host copy of the step's non-finite verdict (graph fill steps)
         self.followable = followable and sampled is not None
-        self.sample_row_of = {r.seq.request_id: i for i, r in enumerate(self._targets)}
         self._event = None
         if device.type == "cuda":  # after everything the step queued, its host copies included
             self._event = torch.cuda.Event()
@@ -296,7 +295,8 @@ class ModelRunner:
         at position num_tokens goes in, the context is num_tokens + 1 long (pages allocated).
         blocked_ids as in launch, counting prev's token as generated."""
         bs = self.block_size
-        rows = [prev.sample_row_of[seq.request_id] for seq in seqs]
+        row_of = {r.seq.request_id: i for i, r in enumerate(prev.results)}  # followable: sample row i = result i
+        rows = [row_of[seq.request_id] for seq in seqs]
         tokens = prev.tokens if rows == list(range(prev.tokens.shape[0])) else prev.tokens[
             to_device(rows, torch.long, self.device)]
         positions = [seq.num_tokens for seq in seqs]

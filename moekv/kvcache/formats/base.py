@@ -226,7 +226,7 @@ def check_finite(x: torch.Tensor, what: str) -> None:
 
 def flag_nonfinite(cache: LayerKVCache, x: torch.Tensor) -> None:
     """check_finite without a host sync (inside a CUDA graph): OR the verdict into the cache's
-    device flag, which raise_if_nonfinite reads after the step."""
+    device flag, whose verdict (nonfinite_verdict) travels to the host with the step's samples."""
     cache.nonfinite |= ~torch.isfinite(x).all()
 
 
@@ -243,14 +243,6 @@ def raise_nonfinite(caches: list[LayerKVCache]) -> None:
         if c.nonfinite is not None:
             c.nonfinite.zero_()
     raise ValueError(NONFINITE_MESSAGE.format(what="keys or values"))
-
-
-def raise_if_nonfinite(caches: list[LayerKVCache]) -> None:
-    """After a replayed step that quantized pages: check_finite's verdict (one host sync), the
-    flags cleared for the next step."""
-    verdict = nonfinite_verdict(caches)
-    if verdict is not None and bool(verdict):
-        raise_nonfinite(caches)
 
 
 def staging_tensors(max_num_seqs: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
@@ -404,7 +396,7 @@ class PagedQuantFormat(KVFormat):
         instead of a quantization in each: ~60 small kernels each for nuq2), without a host sync, so
         the step stays capturable. Until then attention read those pages from staging, as the
         newest page of a sequence always is. Non-finite K/V raise here in an eager step; in a graph
-        step they set the first cache's `nonfinite` flag (raise_if_nonfinite after the replay)."""
+        step they set the first cache's `nonfinite` flag (read after the replay: PendingStep.wait)."""
         if ctx.fill_slots is None or ctx.fill_slots.numel() == 0:
             return
         F = ctx.fill_slots.numel()

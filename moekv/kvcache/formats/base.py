@@ -338,6 +338,11 @@ class PagedQuantFormat(KVFormat):
         """fields -> x_hat [n, Hkv, P, D] fp32."""
         raise NotImplementedError
 
+    def quantize_packed(self, x: torch.Tensor, kind: str, layer: int | None = None) -> torch.Tensor:
+        """Full pages x [n, Hkv, P, D] (any float dtype) -> their slabs [n, Hkv, slab_bytes] uint8:
+        `quantize`, then `PageLayout.pack`. A format with a fused quantize kernel overrides it."""
+        return self.layout(kind, x.shape[2], x.shape[3]).pack(self.quantize(x.float(), kind, layer))
+
     # -- accounting ----------------------------------------------------------------------------
     def page_bytes(self, num_kv_heads, block_size, head_dim) -> int:
         return num_kv_heads * (self.layout("key", block_size, head_dim).slab_bytes
@@ -381,8 +386,7 @@ class PagedQuantFormat(KVFormat):
             check_finite(x_full, kind + "s")
             page_ids = ctx.block_tables[to_device(rows, torch.long, x_full.device),
                                         to_device(cols, torch.long, x_full.device)].long()
-            slab = self.layout(kind, block_size, head_dim).pack(self.quantize(x_full, kind, cache.layer))
-            cache[f"{name}_pages"][page_ids] = slab
+            cache[f"{name}_pages"][page_ids] = self.quantize_packed(x_full, kind, cache.layer)
 
     def fused_rope_write_target(self, cache, k, ctx):
         # only the vectorized staging path; a subclass whose write does more says so itself
@@ -402,16 +406,15 @@ class PagedQuantFormat(KVFormat):
         F = ctx.fill_slots.numel()
         block_size, head_dim = caches[0]["k_staging"].shape[2], caches[0]["k_staging"].shape[3]
         for name, kind in (("k", "key"), ("v", "value")):
-            x = torch.cat([c[f"{name}_staging"][ctx.fill_slots] for c in caches]).float()  # [L*F, Hkv, P, D]
+            x = torch.cat([c[f"{name}_staging"][ctx.fill_slots] for c in caches])  # [L*F, Hkv, P, D]
             if ctx.graph_step:
                 flag_nonfinite(caches[0], x)
             else:
                 check_finite(x, kind + "s")
-            layout = self.layout(kind, block_size, head_dim)
             if self.layer_independent_quantize:
-                slabs = layout.pack(self.quantize(x, kind)).split(F)
+                slabs = self.quantize_packed(x, kind).split(F)
             else:  # per-layer tables (calibrated codebooks): one quantization per layer
-                slabs = [layout.pack(self.quantize(x[i * F:(i + 1) * F], kind, c.layer)) for i, c in enumerate(caches)]
+                slabs = [self.quantize_packed(x[i * F:(i + 1) * F], kind, c.layer) for i, c in enumerate(caches)]
             for c, slab in zip(caches, slabs):
                 c[f"{name}_pages"][ctx.fill_pages] = slab
 

@@ -25,6 +25,7 @@ slab is codes only: at (64, 32) K 640 B + V 512 B = 2.25 bits/element instead of
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -202,9 +203,15 @@ class NUQ2Format(PagedQuantFormat):
     name = "nuq2"
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
-                 codebook: str = "auto", **_) -> None:
+                 codebook: str = "auto", quantize_kernel: bool | None = None, **_) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
-        (calibrated when the calibration folder has nuq2 codebooks, else per page)."""
+        (calibrated when the calibration folder has nuq2 codebooks, else per page).
+        quantize_kernel: quantize pages on CUDA with the fused kernel (moekv/ops/nuq2_quantize.py);
+        None reads MOEKV_NUQ2_QUANTIZE_KERNEL (default on; 0 keeps the torch reference, for
+        benchmarks that compare the two)."""
+        if quantize_kernel is None:
+            quantize_kernel = os.environ.get("MOEKV_NUQ2_QUANTIZE_KERNEL", "1") != "0"
+        self.quantize_kernel = bool(quantize_kernel)
         if not outlier_sigma > 0:
             raise ValueError(f"outlier_sigma={outlier_sigma!r} must be > 0")
         self.tau = float(outlier_sigma)
@@ -252,11 +259,16 @@ class NUQ2Format(PagedQuantFormat):
     def codebook(self, kind: str, layer: int | None, rows: int, device: torch.device | None = None) -> torch.Tensor:
         """Calibrated centroids of this layer and kind, one row per page-head: [rows, 4], on `device`
         (the calibration is loaded on the CPU; pages may live on the GPU)."""
-        key = (kind, layer, torch.device(device) if device is not None else None)
-        if key not in self._codebooks:  # one copy per device, made before any CUDA-graph capture (warm-up)
-            self._codebooks[key] = self._centroids(kind, layer).float().to(device)  # [H, 4]
-        cb = self._codebooks[key]
+        cb = self._codebook_table(kind, layer, device)
         return cb.repeat(rows // cb.shape[0], 1)
+
+    def _codebook_table(self, kind: str, layer: int | None, device: torch.device | None) -> torch.Tensor:
+        """The calibrated centroids [H, 4] fp32 on `device`, one copy per device, made before any
+        CUDA-graph capture (warm-up)."""
+        key = (kind, layer, torch.device(device) if device is not None else None)
+        if key not in self._codebooks:
+            self._codebooks[key] = self._centroids(kind, layer).float().to(device)
+        return self._codebooks[key]
 
     def _centroids(self, kind: str, layer: int | None) -> torch.Tensor:
         """The calibrated centroids [H, 4] of this layer and kind, as stored."""
@@ -308,6 +320,18 @@ class NUQ2Format(PagedQuantFormat):
             fields.update(store_outliers(flat, idx, chosen, centroid_unit(c), n, H))
         fields["codes"] = pack_codes(assign(flat, c).reshape(n, H, P, D))
         return fields
+
+    def quantize_packed(self, x, kind, layer=None):
+        """On CUDA, one launch of the fused kernel (same fields as quantize + pack, up to the last
+        bit of a centroid; tests/test_nuq2_quantize_kernel.py); elsewhere the reference."""
+        from moekv.ops.nuq2_quantize import can_quantize, nuq2_quantize_packed
+
+        P, D = x.shape[2], x.shape[3]
+        if not (x.is_cuda and self.quantize_kernel and can_quantize(P, D)):
+            return super().quantize_packed(x, kind, layer)
+        table = self._codebook_table(kind, layer, x.device) if self.calibrated else None
+        return nuq2_quantize_packed(x, kind, self.layout(kind, P, D), self.outlier_slots(kind, P, D), self.tau,
+                                    KMEANS_ITERS, centroids=table)
 
     def dequantize(self, fields, kind, layer=None):
         codes = unpack_codes(fields["codes"])  # [n, H, P, D]

@@ -189,16 +189,12 @@ class TieredFormat(PagedQuantFormat):
         if st["free_fp8"]:
             slot = st["free_fp8"].pop()
             for name, kind in (("k", "key"), ("v", "value")):
-                x = kv[name][None]  # [1, Hkv, P, D]
-                layout = self.hi.layout(kind, x.shape[2], x.shape[3])
-                cache[f"{name}_fp8"][slot] = layout.pack(self.hi.quantize(x, kind, cache.layer))[0]
+                cache[f"{name}_fp8"][slot] = self.hi.quantize_packed(kv[name][None], kind, cache.layer)[0]
             st["tier"][page], st["fp8_slot"][page] = TIER_FP8, slot
             self._sync_pages(cache, [page])
         else:  # every FP8 page is protected: this one goes straight to the low tier
             for name, kind in (("k", "key"), ("v", "value")):
-                x = kv[name][None]
-                layout = self.lo.layout(kind, x.shape[2], x.shape[3])
-                cache[f"{name}_low"][page] = layout.pack(self.lo.quantize(x, kind, cache.layer))[0]
+                cache[f"{name}_low"][page] = self.lo.quantize_packed(kv[name][None], kind, cache.layer)[0]
             st["tier"][page] = TIER_LOW
             self._sync_pages(cache, [page])
 
@@ -217,7 +213,7 @@ class TieredFormat(PagedQuantFormat):
         for name, kind in (("k", "key"), ("v", "value")):
             slabs = cache[f"{name}_fp8"][slot_idx]  # [n, Hkv, bytes]
             x = self.hi.dequantize(self.hi.layout(kind, P, D).unpack(slabs), kind, cache.layer)
-            cache[f"{name}_low"][page_idx] = self.lo.layout(kind, P, D).pack(self.lo.quantize(x, kind, cache.layer))
+            cache[f"{name}_low"][page_idx] = self.lo.quantize_packed(x, kind, cache.layer)
         for page, slot in zip(pages, slots):
             st["free_fp8"].append(slot)
             st["tier"][page], st["fp8_slot"][page] = TIER_LOW, -1

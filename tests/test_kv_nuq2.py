@@ -230,3 +230,14 @@ def test_engine_generates_and_frees_pages(mixtral_ckpt, block_size):
     assert [len(o.outputs[0].token_ids) for o in outs] == [24, 24, 24]
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_layouts_are_built_once_per_shape_and_instance(nuq2_calibration):
+    """Layouts are memoized per format instance (eager steps asked for them in every layer): the
+    same object for the same shape, and a calibrated instance keeps its own (no centroids field)."""
+    page, calibrated = NUQ2Format(), NUQ2Format(calibration=nuq2_calibration(32))
+    assert page.layout("key", 64, 32) is page.layout("key", 64, 32)
+    assert page.layout("key", 64, 32) is not page.layout("value", 64, 32)
+    assert "centroids" in page.layout("key", 64, 32).offsets
+    assert "centroids" not in calibrated.layout("key", 64, 32).offsets
+    assert page.outlier_slots("key", 64, 32) == NUQ2Format().outlier_slots("key", 64, 32)

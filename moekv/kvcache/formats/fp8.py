@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 
@@ -19,6 +19,7 @@ FP8_MAX = 448.0  # largest finite E4M3 value
 class FP8Format(PagedQuantFormat):
     name = "fp8_e4m3"
 
+    @per_shape
     def layout(self, kind, block_size, head_dim) -> PageLayout:
         codes = (block_size, head_dim) if kind == "key" else (head_dim, block_size)
         return PageLayout([Field("codes", torch.float8_e4m3fn, codes),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
 
 LEVELS = 15  # 4-bit codes 0..15
 FP16_MAX = 65504.0
@@ -45,6 +45,7 @@ class Int4Format(PagedQuantFormat):
         """Outlier channels per (page, kv_head): ~1% of head_dim, at least one."""
         return max(1, round(self.outlier_fraction * head_dim))
 
+    @per_shape
     def layout(self, kind, block_size, head_dim) -> PageLayout:
         if head_dim % self.group_size:
             raise ValueError(f"int4: head_dim={head_dim} is not divisible by group_size={self.group_size}; "

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, RopeWriteTarget, can_stage_with_fills
+from moekv.kvcache.formats.base import (Field, PagedQuantFormat, PageLayout, RopeWriteTarget, can_stage_with_fills,
+                                       per_shape)
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
@@ -55,6 +56,7 @@ class KIVI2Format(PagedQuantFormat):
         return min(self.group, head_dim)
 
     # -- layout ----------------------------------------------------------------------------------
+    @per_shape
     def layout(self, kind, block_size, head_dim) -> PageLayout:
         if block_size % self.group:
             raise ValueError(f"kivi2: block_size={block_size} must be a multiple of {self.group} "

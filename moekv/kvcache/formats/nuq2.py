@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 NUM_CENTROIDS = 4
@@ -243,11 +243,13 @@ class NUQ2Format(PagedQuantFormat):
             fields.append(Field("centroids", torch.float16, (NUM_CENTROIDS,)))
         return fields + outlier_fields(slots)
 
+    @per_shape
     def outlier_slots(self, kind: str, block_size: int, head_dim: int) -> int:
         N = block_size * head_dim
         least = math.ceil(KEY_MIN_OUTLIER_FRACTION * N) if kind == "key" else 0
         return fit_slots_to_padding(lambda s: self._fields(kind, block_size, head_dim, s), least, N)
 
+    @per_shape
     def layout(self, kind, block_size, head_dim) -> PageLayout:
         if head_dim % CODES_PER_BYTE:
             raise ValueError(f"kv_cache_dtype='nuq2' needs head_dim divisible by 4, got {head_dim}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout
+from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
 from moekv.kvcache.formats.nuq2 import (FP8_MAX, NO_OUTLIER, apply_outliers, fit_slots_to_padding, outlier_fields,
                                         pick_largest, store_outliers)
 
@@ -190,9 +190,11 @@ class VQFormat(PagedQuantFormat):
             fields.append(Field("chan_mean", torch.float8_e4m3fn, (D,)))
         return fields + outlier_fields(slots)
 
+    @per_shape
     def outlier_slots(self, kind: str, block_size: int, head_dim: int) -> int:
         return fit_slots_to_padding(lambda s: self._fields(kind, block_size, head_dim, s), 0, block_size * head_dim)
 
+    @per_shape
     def layout(self, kind, block_size, head_dim) -> PageLayout:
         if head_dim % self.sub_dim:
             raise ValueError(f"kv_cache_dtype='vq' needs head_dim divisible by {self.sub_dim}, got {head_dim}")

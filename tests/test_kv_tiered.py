@@ -167,8 +167,7 @@ def test_demoting_pages_in_one_batch_matches_one_at_a_time():
     g = torch.Generator().manual_seed(3)
     pages = [{"k": torch.randn(H, P, D, generator=g), "v": torch.randn(H, P, D, generator=g)} for _ in range(5)]
     for cache in caches:
-        for page, kv in enumerate(pages):
-            fmt._store_fp8(cache, page, kv, protect=[])
+        fmt._store_pages(cache, [(page, kv, []) for page, kv in enumerate(pages)])
     fmt._demote(caches[0], [3, 0, 4])
     for page in (3, 0, 4):
         fmt._demote(caches[1], [page])
@@ -179,3 +178,32 @@ def test_demoting_pages_in_one_batch_matches_one_at_a_time():
     assert sorted(caches[0].state["free_fp8"]) == sorted(caches[1].state["free_fp8"])
     assert [caches[0].state["tier"][p] for p in range(5)] == [TIER_LOW, TIER_FP8, TIER_FP8, TIER_LOW, TIER_LOW]
     assert caches[0]["k_low"][[0, 3, 4]].abs().sum() > 0
+
+
+def test_storing_pages_in_one_batch_matches_one_at_a_time():
+    """A prefill fills many pages in one write; they are stored in one batch per tier. With an FP8
+    pool too small for them (3 slots, 6 pages of one sequence, then 2 of another), slots, demotions
+    and the pages sent straight to nuq2 must be what storing them one at a time gives."""
+    import torch
+
+    from moekv.kvcache.formats import get_kv_format
+
+    fmt = get_kv_format("tiered", torch.float32, codebook="page")
+    H, P, D = 2, 16, 32
+    caches = [fmt.allocate(8, H, P, D, torch.device("cpu"), 1, torch.float32) for _ in range(2)]
+    assert len(caches[0].state["free_fp8"]) == 3
+    g = torch.Generator().manual_seed(5)
+    kv = lambda: {"k": torch.randn(H, P, D, generator=g), "v": torch.randn(H, P, D, generator=g)}  # noqa: E731
+    seq_a = [(page, kv(), list(range(page + 1))) for page in range(6)]
+    seq_b = [(6 + i, kv(), [6, 6 + i][:i + 1]) for i in range(2)]
+    for batch in (seq_a, seq_b):
+        fmt._store_pages(caches[0], batch)
+        for item in batch:
+            fmt._store_pages(caches[1], [item])
+    for name in ("k_low", "v_low", "k_fp8", "v_fp8"):
+        assert torch.equal(caches[0][name], caches[1][name]), name
+    for key in ("tier", "fp8_slot"):
+        assert caches[0].state[key] == caches[1].state[key], key
+    assert caches[0].state["free_fp8"] == caches[1].state["free_fp8"]
+    tiers = caches[0].state["tier"]
+    assert TIER_LOW in tiers and tiers.count(TIER_FP8) == 3  # the pool filled, pages were demoted

@@ -151,9 +151,10 @@ class TieredFormat(PagedQuantFormat):
             for b, name, indices, pages in stage_tokens(cache, k, v, ctx):
                 for page_idx, page in zip(indices, pages if indices else ()):
                     completed.setdefault((b, page_idx), {})[name] = page
-            for (b, page_idx), kv in completed.items():
-                page = int(ctx.block_tables[b, page_idx])
-                self._store_fp8(cache, page, kv, protect=ctx.block_tables[b, :page_idx + 1].tolist())
+            if completed:
+                tables = ctx.block_tables.tolist()
+                self._store_pages(cache, [(tables[b][page_idx], kv, tables[b][:page_idx + 1])
+                                          for (b, page_idx), kv in completed.items()])
         if ctx.graph_step:  # warm-up, capture or replay: after_graph_replay counts replayed steps
             return
         st["steps"] += 1
@@ -179,24 +180,44 @@ class TieredFormat(PagedQuantFormat):
             c.state["steps"] += 1  # write's count, which graph steps skip
             c.state["mass_pending"] = True  # attend_kernel's flag: the replay added to mass_dev
 
-    def _store_fp8(self, cache, page: int, kv: dict[str, torch.Tensor], protect: list[int]) -> None:
+    def _store_pages(self, cache, pages: list[tuple[int, dict[str, torch.Tensor], list[int]]]) -> None:
+        """Store filled pages, each (page, {"k", "v"}: [Hkv, P, D], the sequence's pages up to it), in
+        FP8 slots: a page takes a free slot; with none free, the coldest FP8 page outside the
+        sequence's first and this one is demoted to make room, and if every FP8 page is protected
+        the page goes straight to nuq2. The slots are chosen page by page, as one at a time would;
+        the pages are quantized in one batch per tier and kind (a 4k-token prefill fills 64 pages
+        a layer: one at a time, ~40 small kernels and several syncs each, ~3 s over 32 layers)."""
         st = cache.state
-        self.release_pages(cache, [page])  # a recomputed page (after preemption) starts over
-        if not st["free_fp8"]:
-            self._demote_coldest(cache, exclude=set(protect[:1] + protect[-1:]))
+        self.release_pages(cache, [page for page, _, _ in pages])  # a recomputed page starts over
         for name, kind in (("k", "key"), ("v", "value")):
-            check_finite(kv[name], kind + "s")
-        if st["free_fp8"]:
-            slot = st["free_fp8"].pop()
+            check_finite(torch.stack([kv[name] for _, kv, _ in pages]), kind + "s")
+        batch: dict[str, list] = {"fp8": [], "low": []}  # (page, kv, FP8 slot or None) to store
+        for page, kv, protect in pages:
+            if not st["free_fp8"]:
+                self._write_tiers(cache, batch)  # a demotion must read FP8 slabs already written
+                self._demote_coldest(cache, exclude=set(protect[:1] + protect[-1:]))
+            if st["free_fp8"]:
+                slot = st["free_fp8"].pop()
+                st["tier"][page], st["fp8_slot"][page] = TIER_FP8, slot
+                batch["fp8"].append((page, kv, slot))
+            else:  # every FP8 page is protected: this one goes straight to the low tier
+                st["tier"][page] = TIER_LOW
+                batch["low"].append((page, kv, None))
+        self._write_tiers(cache, batch)
+
+    def _write_tiers(self, cache, batch: dict[str, list]) -> None:
+        """Quantize the pages of `batch` (_store_pages) into their tiers, then empty it."""
+        for tier, fmt in (("fp8", self.hi), ("low", self.lo)):
+            if not batch[tier]:
+                continue
+            device = cache["k_staging"].device
+            rows = [slot if tier == "fp8" else page for page, _, slot in batch[tier]]
+            index = torch.tensor(rows, dtype=torch.long, device=device)
             for name, kind in (("k", "key"), ("v", "value")):
-                cache[f"{name}_fp8"][slot] = self.hi.quantize_packed(kv[name][None], kind, cache.layer)[0]
-            st["tier"][page], st["fp8_slot"][page] = TIER_FP8, slot
-            self._sync_pages(cache, [page])
-        else:  # every FP8 page is protected: this one goes straight to the low tier
-            for name, kind in (("k", "key"), ("v", "value")):
-                cache[f"{name}_low"][page] = self.lo.quantize_packed(kv[name][None], kind, cache.layer)[0]
-            st["tier"][page] = TIER_LOW
-            self._sync_pages(cache, [page])
+                x = torch.stack([kv[name] for _, kv, _ in batch[tier]])  # [n, Hkv, P, D]
+                cache[f"{name}_{tier}"][index] = fmt.quantize_packed(x, kind, cache.layer)
+            self._sync_pages(cache, [page for page, _, _ in batch[tier]])
+            batch[tier] = []
 
     def _demote(self, cache, pages: list[int]) -> None:
         """Re-encode FP8 pages into nuq2 (in their low-pool slots) and free their FP8 slots, all of

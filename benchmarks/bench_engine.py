@@ -22,8 +22,9 @@ Rows: kv_cache_dtype, batch, context, async_scheduling, tpot_ms (mean engine ste
 overhead_ms (tpot_ms - model_step_ms), graph_share (steps replayed), fill_step_share (steps in
 which some sequence completed a page), slow_steps (steps over twice the median, each with the graph
 captures and garbage-collector time inside it), batch_range (sequences in the timed steps; every
-sequence is given room to decode through all modes), prefill_s, floor_ms (bench_decode's: weights
-and KV read over the measured copy bandwidth).
+sequence is given room to decode through all modes), prefill_s (after a short request has compiled
+the kernels), floor_ms (bench_decode's: weights and KV read over the measured copy bandwidth),
+nuq2_quantize (nuq2 and tiered: kernel or torch).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import datetime
 import gc
 import inspect
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -160,6 +162,16 @@ def decode_budget(steps: int, num_modes: int, batch: int, context: int, token_bu
     return (steps + warmup + 2) * num_modes + prefill_steps + 16
 
 
+def compile_kernels(llm, cfg, block_size: int) -> None:
+    """One short request (a prefill over two pages and a few decode steps, one of them filling a
+    page) before any point is timed: the Triton kernels compile here, not inside the first point's
+    prefill_s (which otherwise favoured whichever run came second)."""
+    prompt = torch.randint(3, cfg["vocab_size"], (2 * block_size + block_size - 2,),
+                           generator=torch.Generator().manual_seed(99)).tolist()
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    torch.cuda.synchronize()
+
+
 def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, bandwidth: float, seed: int,
               modes: list[str | None]) -> list[dict]:
     """Prefill once, then time `steps` decode steps in each scheduling mode, one after the other on
@@ -226,6 +238,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--modes", nargs="*", default=["sync", "async"], choices=["sync", "async"],
                    help="scheduling modes timed at every point, in the same run (async: steps queued ahead)")
+    p.add_argument("--nuq2-quantize", nargs="*", default=["kernel"], choices=["kernel", "torch"],
+                   help="how nuq2 pages are quantized (nuq2, tiered): the fused kernel and/or the torch "
+                        "reference (MOEKV_NUQ2_QUANTIZE_KERNEL), each a run of its own")
     p.add_argument("--label", default="", help="written into every row (e.g. which tree ran)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -241,7 +256,10 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
               "bandwidth_bytes_per_s": bandwidth, "rows": []}
-    for fmt_name in args.formats:
+    runs = [(f, q) for f in args.formats for q in (args.nuq2_quantize if f in ("nuq2", "tiered") else [None])]
+    for fmt_name, quantize_impl in runs:
+        if quantize_impl is not None:  # read when the format is built
+            os.environ["MOEKV_NUQ2_QUANTIZE_KERNEL"] = "1" if quantize_impl == "kernel" else "0"
         max_batch = max(b for b, _ in points)
         max_len = max(c + decode_budget(args.steps, len(args.modes), b, c, args.max_num_batched_tokens)
                       for b, c in points) + 16
@@ -250,9 +268,11 @@ def main() -> None:
                       max_model_len=max_len, max_num_seqs=max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                       kv_codebook="page")
         except Exception as e:  # report and go on with the next format
-            result["rows"].append({"kv_cache_dtype": fmt_name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            result["rows"].append({"kv_cache_dtype": fmt_name, "nuq2_quantize": quantize_impl,
+                                   "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
         modes = args.modes if hasattr(llm.engine, "async_scheduling") else [None]  # (the baseline tree: one mode)
+        compile_kernels(llm, cfg, llm.engine.runner.block_size)
         for batch, context in points:
             try:
                 rows = run_point(llm, cfg, fmt_name, batch, context, args.steps, bandwidth, seed=batch, modes=modes)
@@ -261,6 +281,7 @@ def main() -> None:
                          "error": f"{type(e).__name__}: {str(e)[:300]}"}]
             for row in rows:
                 row["label"] = args.label
+                row["nuq2_quantize"] = quantize_impl
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             if args.out:  # after every point: a cut-off run keeps what it measured

@@ -18,6 +18,18 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+@dataclass(frozen=True)
+class HostLists:
+    """Host copies of a step's small tables, as the runner built them (block_tables padded to one
+    width): eager format code reads these instead of the device tensors, each `.tolist()` of
+    which is a sync that stalls the host behind the queued layers."""
+
+    context_lens: list[int]
+    query_start: list[int]
+    seq_slots: list[int]
+    block_tables: list[list[int]]
+
+
 @dataclass
 class Context:
     positions: torch.Tensor        # [T] int64: position of each token in its sequence
@@ -44,6 +56,16 @@ class Context:
     # each part as its own Context, so that the decodes take the fused decode kernel (MixedSplit;
     # the attention layer splits, formats see only the parts)
     mixed: "MixedSplit | None" = None
+    # host copies of context_lens, query_start_loc, seq_slots and block_tables (eager steps the
+    # runner builds; None in graph steps and hand-made contexts: host_lists() reads them back)
+    host: HostLists | None = None
+
+    def host_lists(self) -> HostLists:
+        """The step's tables on the host: `host`, or read back from the device (a sync)."""
+        if self.host is not None:
+            return self.host
+        return HostLists(self.context_lens.tolist(), self.query_start_loc.tolist(), self.seq_slots.tolist(),
+                         self.block_tables.tolist())
 
     @property
     def num_tokens(self) -> int:

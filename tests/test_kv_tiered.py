@@ -207,3 +207,42 @@ def test_storing_pages_in_one_batch_matches_one_at_a_time():
     assert caches[0].state["free_fp8"] == caches[1].state["free_fp8"]
     tiers = caches[0].state["tier"]
     assert TIER_LOW in tiers and tiers.count(TIER_FP8) == 3  # the pool filled, pages were demoted
+
+
+def test_a_decode_step_that_fills_pages_stores_what_the_general_path_stores():
+    """Decode steps whose tokens complete pages stage with one indexed copy and store the full
+    staging pages; the general (prefill) path, which stages sequence by sequence, must leave the
+    same staging, slabs and page state. Run as a step with host lists and as one without (the
+    tables read back from the device)."""
+    import torch
+
+    from moekv.context import Context, HostLists
+    from moekv.kvcache.formats import get_kv_format
+
+    fmt = get_kv_format("tiered", torch.float32, codebook="page", rerank_interval=10 ** 6)
+    H, P, D, B = 2, 16, 32, 4
+    lens = [2 * P, P + 3, 3 * P, P]  # sequences 0, 2 and 3 complete a page with this step's token
+    tables = [[4 * b + i for i in range(4)] for b in range(B)]
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(B, H, D, generator=g), torch.randn(B, H, D, generator=g)
+    results = []
+    for max_query_len, host in ((1, True), (1, False), (None, True)):  # (None: the general path)
+        cache = fmt.allocate(16, H, P, D, torch.device("cpu"), B, torch.float32)
+        torch.manual_seed(0)
+        cache["k_staging"].copy_(torch.randn(cache["k_staging"].shape))  # earlier tokens of each page
+        cache["v_staging"].copy_(torch.randn(cache["v_staging"].shape))
+        ctx = Context(positions=torch.tensor([n - 1 for n in lens]), slot_mapping=torch.zeros(B, dtype=torch.long),
+                      block_tables=torch.tensor(tables, dtype=torch.int32),
+                      context_lens=torch.tensor(lens, dtype=torch.int32),
+                      query_start_loc=torch.arange(B + 1, dtype=torch.int32), logits_indices=torch.arange(B),
+                      seq_slots=torch.arange(B), max_query_len=max_query_len, fills_no_page=False,
+                      host=HostLists(lens, list(range(B + 1)), list(range(B)), tables) if host else None)
+        fmt.write(cache, k, v, ctx)
+        results.append(cache)
+    want = results[-1]
+    assert [want.state["tier"][t[n // P - 1]] for t, n in zip(tables, lens) if n % P == 0] == [TIER_FP8] * 3
+    for got in results[:-1]:
+        for name in ("k_staging", "v_staging", "k_fp8", "v_fp8", "k_low", "v_low"):
+            assert torch.equal(got[name], want[name]), name
+        for key in ("tier", "fp8_slot", "free_fp8"):
+            assert got.state[key] == want.state[key], key

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from moekv.config import EngineConfig, parse_dtype
-from moekv.context import Context, MixedSplit, to_device
+from moekv.context import Context, HostLists, MixedSplit, to_device
 from moekv.engine.cuda_graphs import DecodeGraphs, decode_fills, graphs_unsupported_reason, step_fits_graph
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
@@ -125,7 +125,9 @@ def mixed_split(num_tokens: list[int], positions: list[int], slots: list[int], t
                       context_lens=t([context_lens[b] for b in seqs], torch.int32),
                       query_start_loc=t(query_start, torch.int32),
                       logits_indices=t([], torch.long), seq_slots=t([seq_slots[b] for b in seqs], torch.long),
-                      max_query_len=max(num_tokens[b] for b in seqs))
+                      max_query_len=max(num_tokens[b] for b in seqs),
+                      host=HostLists([context_lens[b] for b in seqs], query_start, [seq_slots[b] for b in seqs],
+                                     [tables[b] for b in seqs]))
         parts += [ctx, t(rows, torch.long)]
     return MixedSplit(*parts)
 
@@ -383,6 +385,7 @@ class ModelRunner:
                 fills_no_page=all(n % bs for n in context_lens),
                 fill_slots=to_device(fill_slots, torch.long, dev) if fill_slots else None,
                 fill_pages=to_device(fill_pages, torch.long, dev) if fill_slots else None,
+                host=HostLists(context_lens, plan.query_start, seq_slots, tables),
             )
             if self.split_mixed_steps and not decode_only and 1 in num_tokens:
                 ctx.mixed = mixed_split(num_tokens, plan.positions, plan.slots, tables, context_lens, seq_slots, dev)

@@ -278,9 +278,9 @@ def stage_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Con
     in one view, not copied through staging one by one; staging ends holding the sequence's
     newest page (full or not), which attention reads from there."""
     block_size = cache["k_staging"].shape[2]
-    starts = ctx.query_start_loc.tolist()
-    slots = ctx.seq_slots.tolist()
-    for b, end in enumerate(ctx.context_lens.tolist()):
+    host = ctx.host_lists()
+    starts, slots = host.query_start, host.seq_slots
+    for b, end in enumerate(host.context_lens):
         lo, hi = starts[b], starts[b + 1]
         if hi == lo:
             continue
@@ -442,7 +442,7 @@ class PagedQuantFormat(KVFormat):
         block_size, head_dim = staging.shape[2], staging.shape[3]
         # the sequence's newest page is read from staging even when full (a decode step quantizes
         # the pages it fills after every layer has attended: quantize_filled_pages)
-        newest = (int(ctx.context_lens[b]) - 1) // block_size
+        newest = (ctx.host_lists().context_lens[b] - 1) // block_size
         num_full = min(length // block_size, newest)
         parts = []
         if num_full:
@@ -452,7 +452,7 @@ class PagedQuantFormat(KVFormat):
             parts.append(x.permute(0, 2, 1, 3).reshape(num_full * block_size, -1, head_dim))
         tail = length - num_full * block_size
         if tail:
-            parts.append(staging[int(ctx.seq_slots[b]), :, :tail].transpose(0, 1).float())
+            parts.append(staging[ctx.host_lists().seq_slots[b], :, :tail].transpose(0, 1).float())
         return torch.cat(parts)
 
     def attend_reference(self, q, cache, ctx, scale, sliding_window):
@@ -477,8 +477,9 @@ def dense_attention(q: torch.Tensor, ctx: Context, gather, scale: float, sliding
     follow exactly the same code as the uncompressed path.
     """
     out = torch.empty_like(q)
-    starts = ctx.query_start_loc.tolist()
-    for b, length in enumerate(ctx.context_lens.tolist()):
+    host = ctx.host_lists()
+    starts = host.query_start
+    for b, length in enumerate(host.context_lens):
         lo, hi = starts[b], starts[b + 1]
         if hi == lo:
             continue

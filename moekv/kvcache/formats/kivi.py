@@ -128,8 +128,9 @@ class KIVI2Format(PagedQuantFormat):
                 ring = cache[f"{name}_residual"]
                 ring[ctx.seq_slots, :, rows] = x.to(ring.dtype)
             return
-        starts = ctx.query_start_loc.tolist()
-        for b, (end, slot) in enumerate(zip(ctx.context_lens.tolist(), ctx.seq_slots.tolist())):
+        host = ctx.host_lists()
+        starts = host.query_start
+        for b, (end, slot) in enumerate(zip(host.context_lens, host.seq_slots)):
             lo, hi = starts[b], starts[b + 1]
             keep = min(hi - lo, self.residual)  # older tokens of this step would be overwritten anyway
             if keep == 0:
@@ -155,7 +156,7 @@ class KIVI2Format(PagedQuantFormat):
         older = length - window
         covered = min(length, -(-older // block_size) * block_size)
         parts = [super().gather(cache, ctx, b, covered, kind)[:older]] if older else []
-        ring = cache[("k" if kind == "key" else "v") + "_residual"][int(ctx.seq_slots[b])]  # [Hkv, R, D]
+        ring = cache[("k" if kind == "key" else "v") + "_residual"][ctx.host_lists().seq_slots[b]]  # [Hkv, R, D]
         rows = torch.arange(older, length, device=ring.device) % self.residual  # [window]
         parts.append(ring[:, rows].transpose(0, 1).float())
         return torch.cat(parts)  # [length, Hkv, D] fp32

@@ -146,13 +146,18 @@ class TieredFormat(PagedQuantFormat):
         st = cache.state
         if can_stage_vectorized(k, ctx):  # no page fills: one indexed copy, no host sync
             stage_decode_tokens(cache, k, v, ctx)
+        elif ctx.max_query_len == 1 and k.shape[0] == ctx.num_seqs:
+            # a decode step that fills pages: one indexed copy, then the full staging pages are stored
+            # (stage_tokens would loop over every sequence of the batch in each layer)
+            stage_decode_tokens(cache, k, v, ctx)
+            self._store_filled_staging(cache, ctx)
         else:
             completed: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (b, page index) -> {"k", "v"}
             for b, name, indices, pages in stage_tokens(cache, k, v, ctx):
                 for page_idx, page in zip(indices, pages if indices else ()):
                     completed.setdefault((b, page_idx), {})[name] = page
             if completed:
-                tables = ctx.block_tables.tolist()
+                tables = ctx.host_lists().block_tables
                 self._store_pages(cache, [(tables[b][page_idx], kv, tables[b][:page_idx + 1])
                                           for (b, page_idx), kv in completed.items()])
         if ctx.graph_step:  # warm-up, capture or replay: after_graph_replay counts replayed steps
@@ -179,6 +184,20 @@ class TieredFormat(PagedQuantFormat):
         for c in caches:
             c.state["steps"] += 1  # write's count, which graph steps skip
             c.state["mass_pending"] = True  # attend_kernel's flag: the replay added to mass_dev
+
+    def _store_filled_staging(self, cache, ctx: Context) -> None:
+        """After a decode step's tokens are staged: store the staging pages they completed (a
+        sequence of n tokens completes its page n // P - 1 when n % P == 0)."""
+        host = ctx.host_lists()
+        P = cache["k_staging"].shape[2]
+        filled = [b for b, n in enumerate(host.context_lens) if n % P == 0]
+        if not filled:
+            return
+        slots = torch.tensor([host.seq_slots[b] for b in filled], device=cache["k_staging"].device)
+        k_pages, v_pages = cache["k_staging"][slots].float(), cache["v_staging"][slots].float()
+        tables = [host.block_tables[b][:host.context_lens[b] // P] for b in filled]
+        self._store_pages(cache, [(table[-1], {"k": k_pages[i], "v": v_pages[i]}, table)
+                                  for i, table in enumerate(tables)])
 
     def _store_pages(self, cache, pages: list[tuple[int, dict[str, torch.Tensor], list[int]]]) -> None:
         """Store filled pages, each (page, {"k", "v"}: [Hkv, P, D], the sequence's pages up to it), in
@@ -254,8 +273,9 @@ class TieredFormat(PagedQuantFormat):
         self._fold_mass(cache)
         block_size = cache["k_staging"].shape[2]
         demote = []
-        for b, length in enumerate(ctx.context_lens.tolist()):
-            full = ctx.block_tables[b, :length // block_size].tolist()
+        host = ctx.host_lists()
+        for b, length in enumerate(host.context_lens):
+            full = host.block_tables[b][:length // block_size]
             if len(full) <= 2:
                 continue
             keep = set(sorted(full, key=lambda p: -st["mass"][p])[:math.ceil(self.tier1_fraction * len(full))])
@@ -288,13 +308,13 @@ class TieredFormat(PagedQuantFormat):
         num_full = length // P
         parts = []
         if num_full:
-            pages = ctx.block_tables[b, :num_full].tolist()
+            pages = ctx.host_lists().block_tables[b][:num_full]
             x = self._gather_pages(cache, pages, kind)
             parts.append(x.permute(0, 2, 1, 3).reshape(num_full * P, -1, D))
         tail = length - num_full * P
         if tail:
             name = "k" if kind == "key" else "v"
-            parts.append(cache[f"{name}_staging"][int(ctx.seq_slots[b]), :, :tail].transpose(0, 1).float())
+            parts.append(cache[f"{name}_staging"][ctx.host_lists().seq_slots[b], :, :tail].transpose(0, 1).float())
             self.bits_read += 16 * tail * cache["k_staging"].shape[1] * D
             self.elements_read += tail * cache["k_staging"].shape[1] * D
         return torch.cat(parts)
@@ -343,9 +363,10 @@ class TieredFormat(PagedQuantFormat):
         st = cache.state
         P = cache["k_staging"].shape[2]
         out = torch.empty_like(q)
-        starts = ctx.query_start_loc.tolist()
+        host = ctx.host_lists()
+        starts = host.query_start
         group = q.shape[1] // cache["k_staging"].shape[1]
-        for b, length in enumerate(ctx.context_lens.tolist()):
+        for b, length in enumerate(host.context_lens):
             lo, hi = starts[b], starts[b + 1]
             if hi == lo:
                 continue
@@ -363,7 +384,7 @@ class TieredFormat(PagedQuantFormat):
             num_full = length // P
             if num_full:
                 per_page = probs[..., :num_full * P].sum(dim=(0, 1)).reshape(num_full, P).sum(-1).tolist()
-                for page, m in zip(ctx.block_tables[b, :num_full].tolist(), per_page):
+                for page, m in zip(host.block_tables[b][:num_full], per_page):
                     st["mass"][page] += m
         return out
 

@@ -25,18 +25,13 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe import measure_hbm_gbps  # noqa: E402  (a 1 GiB copy, the floor's bandwidth)
+
 from moekv.kvcache.formats.nuq2 import KMEANS_ITERS, NUQ2Format, unpack_codes  # noqa: E402
 from moekv.ops.nuq2_quantize import nuq2_quantize_packed  # noqa: E402
 
 DEVICE = "cuda"
-
-
-def measure_hbm_gbps() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    del src, dst
-    return 2 * (1 << 30) / ms / 1e6
 
 
 def key_like(n, H, P, D, gen):

@@ -180,10 +180,13 @@ def test_demoting_pages_in_one_batch_matches_one_at_a_time():
     assert caches[0]["k_low"][[0, 3, 4]].abs().sum() > 0
 
 
-def test_storing_pages_in_one_batch_matches_one_at_a_time():
-    """A prefill fills many pages in one write; they are stored in one batch per tier. With an FP8
-    pool too small for them (3 slots, 6 pages of one sequence, then 2 of another), slots, demotions
-    and the pages sent straight to nuq2 must be what storing them one at a time gives."""
+def test_storing_pages_in_one_batch_chooses_what_one_at_a_time_chooses():
+    """A prefill fills many pages in one write; their tiers are chosen page by page as storing them
+    one at a time would, and quantized in bulk. With an FP8 pool too small for them (3 slots, 6 pages
+    of one sequence, then 2 of another): the same tiers, slots and free list; FP8 slabs alike; pages
+    demoted by a later page of their own batch go to nuq2 from their own values (one at a time they
+    went through FP8 first), and pages of an earlier batch demoted now are re-encoded from FP8,
+    read before this batch's pages take over their slots."""
     import torch
 
     from moekv.kvcache.formats import get_kv_format
@@ -200,13 +203,27 @@ def test_storing_pages_in_one_batch_matches_one_at_a_time():
         fmt._store_pages(caches[0], batch)
         for item in batch:
             fmt._store_pages(caches[1], [item])
-    for name in ("k_low", "v_low", "k_fp8", "v_fp8"):
-        assert torch.equal(caches[0][name], caches[1][name]), name
-    for key in ("tier", "fp8_slot"):
-        assert caches[0].state[key] == caches[1].state[key], key
-    assert caches[0].state["free_fp8"] == caches[1].state["free_fp8"]
-    tiers = caches[0].state["tier"]
-    assert TIER_LOW in tiers and tiers.count(TIER_FP8) == 3  # the pool filled, pages were demoted
+        for cache in caches:  # attention's mass on the first batch's pages: the second demotes by it
+            cache.state["mass"][0], cache.state["mass"][4], cache.state["mass"][5] = 5.0, 1.0, 0.5
+    batched, single = caches
+    for key in ("tier", "fp8_slot", "free_fp8"):
+        assert batched.state[key] == single.state[key], key
+    tiers = batched.state["tier"]
+    # one at a time: pages 1, 2, 3 made room for 3, 4, 5; then the coldest, 5 and 4, for 6 and 7
+    assert [p for p, t in enumerate(tiers) if t == TIER_FP8] == [0, 6, 7]
+    for name in ("k_fp8", "v_fp8"):
+        assert torch.equal(batched[name], single[name]), name
+    data = {page: kv for page, kv, _ in seq_a + seq_b}
+    for name, kind in (("k_low", "key"), ("v_low", "value")):
+        layout = fmt.hi.layout(kind, P, D)
+        for page in (4, 5):  # stored by the first batch, demoted by the second: re-encoded from FP8
+            fp8 = fmt.hi.dequantize(layout.unpack(fmt.hi.quantize_packed(data[page][name[0]][None], kind)), kind)
+            assert torch.equal(batched[name][page], fmt.lo.quantize_packed(fp8, kind)[0]), (name, page)
+            assert torch.equal(batched[name][page], single[name][page]), (name, page)
+        for page in (1, 2, 3):  # demoted inside their own batch: straight from their values
+            direct = fmt.lo.quantize_packed(data[page][name[0]][None], kind)[0]
+            assert torch.equal(batched[name][page], direct), (name, page)
+            assert not torch.equal(single[name][page], direct)  # (one at a time: FP8, then nuq2)
 
 
 def test_a_decode_step_that_fills_pages_stores_what_the_general_path_stores():

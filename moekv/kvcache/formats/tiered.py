@@ -22,6 +22,7 @@ accumulator, as the eager `write` / `attend_kernel` would have.
 """
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -202,41 +203,73 @@ class TieredFormat(PagedQuantFormat):
     def _store_pages(self, cache, pages: list[tuple[int, dict[str, torch.Tensor], list[int]]]) -> None:
         """Store filled pages, each (page, {"k", "v"}: [Hkv, P, D], the sequence's pages up to it), in
         FP8 slots: a page takes a free slot; with none free, the coldest FP8 page outside the
-        sequence's first and this one is demoted to make room, and if every FP8 page is protected
-        the page goes straight to nuq2. The slots are chosen page by page, as one at a time would;
-        the pages are quantized in one batch per tier and kind (a 4k-token prefill fills 64 pages
-        a layer: one at a time, ~40 small kernels and several syncs each, ~3 s over 32 layers)."""
+        sequence's first and this one gives up its slot (is demoted), and if every FP8 page is
+        protected the page goes straight to nuq2.
+
+        The tiers are chosen page by page on the host, as storing the pages one at a time would
+        choose them; the device work follows in bulk. A page of the batch that a later page of it
+        demotes is quantized to nuq2 from its own values, never written to FP8 (one at a time, it
+        went through FP8 first). With the FP8 pool full, as it is from the first quarter of a long
+        prompt on, each page of a prefill demotes one: per page, that was a flush, a fold of the
+        masses (a sync), a scan of every FP8 page and a one-page re-encode (16 x 4k: ~25 s)."""
         st = cache.state
         self.release_pages(cache, [page for page, _, _ in pages])  # a recomputed page starts over
         for name, kind in (("k", "key"), ("v", "value")):
             check_finite(torch.stack([kv[name] for _, kv, _ in pages]), kind + "s")
-        batch: dict[str, list] = {"fp8": [], "low": []}  # (page, kv, FP8 slot or None) to store
+        to_fp8: dict[int, tuple[dict, int]] = {}  # page -> (kv, FP8 slot), in order
+        to_low: dict[int, dict] = {}  # page -> kv: straight to nuq2
+        demoted: list[tuple[int, int]] = []  # (page, slot) of FP8 pages stored before this batch
+        coldest: list[tuple[float, int]] | None = None  # heap of (mass, page) over the FP8 pages
         for page, kv, protect in pages:
             if not st["free_fp8"]:
-                self._write_tiers(cache, batch)  # a demotion must read FP8 slabs already written
-                self._demote_coldest(cache, exclude=set(protect[:1] + protect[-1:]))
+                if coldest is None:
+                    self._fold_mass(cache)
+                    coldest = [(st["mass"][p], p) for p, t in enumerate(st["tier"]) if t == TIER_FP8]
+                    heapq.heapify(coldest)
+                victim = _pop_coldest(coldest, exclude=set(protect[:1] + protect[-1:]))
+                if victim is not None:
+                    slot = st["fp8_slot"][victim]
+                    if victim in to_fp8:  # a page of this batch: never written to FP8
+                        to_low[victim] = to_fp8.pop(victim)[0]
+                    else:
+                        demoted.append((victim, slot))
+                    st["tier"][victim], st["fp8_slot"][victim] = TIER_LOW, -1
+                    st["free_fp8"].append(slot)
             if st["free_fp8"]:
                 slot = st["free_fp8"].pop()
                 st["tier"][page], st["fp8_slot"][page] = TIER_FP8, slot
-                batch["fp8"].append((page, kv, slot))
+                to_fp8[page] = (kv, slot)
+                if coldest is not None:
+                    heapq.heappush(coldest, (0.0, page))  # released: no mass yet
             else:  # every FP8 page is protected: this one goes straight to the low tier
                 st["tier"][page] = TIER_LOW
-                batch["low"].append((page, kv, None))
-        self._write_tiers(cache, batch)
-
-    def _write_tiers(self, cache, batch: dict[str, list]) -> None:
-        """Quantize the pages of `batch` (_store_pages) into their tiers, then empty it."""
-        for tier, fmt in (("fp8", self.hi), ("low", self.lo)):
-            if not batch[tier]:
+                to_low[page] = kv
+        # the demoted pages' FP8 slabs are read before this batch's pages take over their slots
+        self._reencode_low(cache, [p for p, _ in demoted], [slot for _, slot in demoted])
+        device = cache["k_staging"].device
+        for tier, fmt, rows, kvs in (("fp8", self.hi, [slot for _, slot in to_fp8.values()],
+                                      [kv for kv, _ in to_fp8.values()]),
+                                     ("low", self.lo, list(to_low), list(to_low.values()))):
+            if not rows:
                 continue
-            device = cache["k_staging"].device
-            rows = [slot if tier == "fp8" else page for page, _, slot in batch[tier]]
             index = torch.tensor(rows, dtype=torch.long, device=device)
             for name, kind in (("k", "key"), ("v", "value")):
-                x = torch.stack([kv[name] for _, kv, _ in batch[tier]])  # [n, Hkv, P, D]
+                x = torch.stack([kv[name] for kv in kvs])  # [n, Hkv, P, D]
                 cache[f"{name}_{tier}"][index] = fmt.quantize_packed(x, kind, cache.layer)
-            self._sync_pages(cache, [page for page, _, _ in batch[tier]])
-            batch[tier] = []
+        self._sync_pages(cache, [p for p, _ in demoted] + list(to_fp8) + list(to_low))
+
+    def _reencode_low(self, cache, pages: list[int], slots: list[int]) -> None:
+        """Device work of a demotion: the FP8 slabs in `slots` re-encoded into nuq2 as `pages`."""
+        if not pages:
+            return
+        device = cache["k_staging"].device
+        slot_idx = torch.tensor(slots, dtype=torch.long, device=device)
+        page_idx = torch.tensor(pages, dtype=torch.long, device=device)
+        P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
+        for name, kind in (("k", "key"), ("v", "value")):
+            slabs = cache[f"{name}_fp8"][slot_idx]  # [n, Hkv, bytes]
+            x = self.hi.dequantize(self.hi.layout(kind, P, D).unpack(slabs), kind, cache.layer)
+            cache[f"{name}_low"][page_idx] = self.lo.quantize_packed(x, kind, cache.layer)
 
     def _demote(self, cache, pages: list[int]) -> None:
         """Re-encode FP8 pages into nuq2 (in their low-pool slots) and free their FP8 slots, all of
@@ -246,25 +279,11 @@ class TieredFormat(PagedQuantFormat):
             return
         st = cache.state
         slots = [st["fp8_slot"][page] for page in pages]
-        device = cache["k_staging"].device
-        slot_idx = torch.tensor(slots, dtype=torch.long, device=device)
-        page_idx = torch.tensor(pages, dtype=torch.long, device=device)
-        P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
-        for name, kind in (("k", "key"), ("v", "value")):
-            slabs = cache[f"{name}_fp8"][slot_idx]  # [n, Hkv, bytes]
-            x = self.hi.dequantize(self.hi.layout(kind, P, D).unpack(slabs), kind, cache.layer)
-            cache[f"{name}_low"][page_idx] = self.lo.quantize_packed(x, kind, cache.layer)
+        self._reencode_low(cache, pages, slots)
         for page, slot in zip(pages, slots):
             st["free_fp8"].append(slot)
             st["tier"][page], st["fp8_slot"][page] = TIER_LOW, -1
         self._sync_pages(cache, pages)
-
-    def _demote_coldest(self, cache, exclude: set[int]) -> None:
-        st = cache.state
-        self._fold_mass(cache)
-        candidates = [p for p, t in enumerate(st["tier"]) if t == TIER_FP8 and p not in exclude]
-        if candidates:
-            self._demote(cache, [min(candidates, key=lambda p: st["mass"][p])])
 
     def _rerank(self, cache, ctx: Context) -> None:
         """Per sequence in this step: keep the top pages by mass, the first and the newest full page
@@ -387,6 +406,22 @@ class TieredFormat(PagedQuantFormat):
                 for page, m in zip(host.block_tables[b][:num_full], per_page):
                     st["mass"][page] += m
         return out
+
+
+def _pop_coldest(heap: list[tuple[float, int]], exclude: set[int]) -> int | None:
+    """The page of least mass on the heap outside `exclude` (the lowest page among equal masses, as
+    min over the pages in order picks), removed from it; the excluded ones stay. None if none."""
+    skipped, found = [], None
+    while heap:
+        entry = heapq.heappop(heap)
+        if entry[1] in exclude:
+            skipped.append(entry)
+        else:
+            found = entry[1]
+            break
+    for entry in skipped:
+        heapq.heappush(heap, entry)
+    return found
 
 
 def _kernel_shape_ok(block_size: int, head_dim: int) -> bool:

@@ -18,6 +18,7 @@ from moekv.engine.block_manager import BlockManager
 from moekv.engine.cuda_graphs import (DecodeGraphs, bucket_for, decode_fills, fill_buckets, graph_buckets,
                                       graphs_unsupported_reason, pad_decode_inputs, step_fits_graph)
 from moekv.kvcache.formats import get_kv_format
+from moekv.kvcache.formats.tiered import TIER_LOW
 
 CUDA = torch.device("cuda")  # only its .type is read by graphs_unsupported_reason
 GRAPH_FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2"]
@@ -282,21 +283,26 @@ def _check_tiered_pool_drained(llm):
     for cache in engine.runner.kv_caches:
         st = cache.state
         assert set(st["tier"]) == {TIER_NONE}
-        assert sorted(st["free_fp8"]) == list(range(cache["k_fp8"].shape[0]))
+        assert sorted(st["free_fp8"]) == list(range(st["scratch_fp8"]))  # every slot but the scratch one
         # pending mass of a released page is dropped with it (if unflagged, it would stay here)
         assert st["mass_dev"].abs().max().item() == 0
         engine.runner.kv_format._fold_mass(cache)
         assert not any(st["mass"])
 
 
-@pytest.mark.parametrize("rerank_interval", [4, 10**6])
-def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interval):
+@pytest.mark.parametrize("rerank_interval, tier1_fraction", [(4, 0.15), (10**6, 0.15), (10**6, 0.05)])
+def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interval, tier1_fraction):
     """tiered through the graph path (the static-buffer step run eagerly): the eager path's tokens,
     the same re-rankings at the same steps with the same tier maps (every one in an eager step: no
-    replay lands on a re-ranking step), the same step counts, and every page and FP8 slot freed."""
+    replay lands on a re-ranking step), the same step counts, and every page and FP8 slot freed.
+    Replayed steps fill pages too (their FP8 slots chosen before the step); with the smaller FP8
+    pool (tier1_fraction 0.05: 12 slots), choosing them demotes pages."""
     kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype="tiered", block_size=16,
-                  kv_codebook="page", kv_rerank_interval=rerank_interval)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 30, 20)]
+                  kv_codebook="page", kv_rerank_interval=rerank_interval, kv_tier1_fraction=tier1_fraction)
+    lengths = (40, 30, 20) if tier1_fraction > 0.1 else (110, 100, 90)  # (more pages than FP8 slots)
+    if tier1_fraction < 0.1:
+        kwargs["max_model_len"] = 256
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     eager = LLM(hd32_ckpt, **kwargs)
     eager_reranks, _ = _record_tiered(eager)
@@ -304,9 +310,23 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
     llm = LLM(hd32_ckpt, **kwargs)
     graphs, calls = _with_emulated_graphs(llm)
     reranks, replayed_at = _record_tiered(llm)
+    fmt, prepared = llm.engine.runner.kv_format, []
+    prepare = fmt.prepare_graph_fills
+
+    def recording_prepare(caches, fill_pages, first_pages):
+        low = sum(t == TIER_LOW for t in caches[0].state["tier"])
+        ok = prepare(caches, fill_pages, first_pages)
+        prepared.append((ok, sum(t == TIER_LOW for t in caches[0].state["tier"]) - low))
+        return ok
+
+    fmt.prepare_graph_fills = recording_prepare
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert graphs.num_replays == len(calls) == len(replayed_at) > 20
+    assert any(n % 16 == 0 for lens in calls for n in lens), "no replayed step filled a page: a weak test"
+    assert prepared and all(ok for ok, _ in prepared)
+    if tier1_fraction == 0.05:
+        assert any(demoted for _, demoted in prepared), "no replayed fill demoted a page: a weak test"
     assert all(s % rerank_interval for s in replayed_at)
     steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
     assert len(steps) == 1
@@ -314,8 +334,6 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
                                                                                   rerank_interval))
     assert reranks == eager_reranks
     if rerank_interval == 4:
-        from moekv.kvcache.formats.tiered import TIER_LOW
-
         assert any(TIER_LOW in tiers for _, tiers in reranks), "no page was demoted: a weak test"
     for e in (eager, llm):
         _check_tiered_pool_drained(e)

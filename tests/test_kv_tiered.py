@@ -28,7 +28,7 @@ def test_pages_move_down_and_all_return(llm):
             # every FP8 page owns exactly one FP8 slot, and slots are never shared or also free
             slots = [st["fp8_slot"][p] for p in fp8_used]
             assert len(set(slots)) == len(slots) and not set(slots) & set(st["free_fp8"])
-            assert len(slots) + len(st["free_fp8"]) == cache["k_fp8"].shape[0]
+            assert len(slots) + len(st["free_fp8"]) == st["scratch_fp8"]  # the pool (its last slot is scratch)
             seen_low |= TIER_LOW in st["tier"]
             for seq in engine.scheduler.running:  # sink and newest full page stay in FP8
                 full = seq.block_table[:seq.num_computed_tokens // 32]
@@ -38,7 +38,7 @@ def test_pages_move_down_and_all_return(llm):
     engine.runner.release_pages(engine.block_manager.drain_freed())
     for cache in engine.runner.kv_caches:
         assert set(cache.state["tier"]) == {TIER_NONE}
-        assert len(cache.state["free_fp8"]) == cache["k_fp8"].shape[0]
+        assert len(cache.state["free_fp8"]) == cache.state["scratch_fp8"]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -263,3 +263,36 @@ def test_a_decode_step_that_fills_pages_stores_what_the_general_path_stores():
             assert torch.equal(got[name], want[name]), name
         for key in ("tier", "fp8_slot", "free_fp8"):
             assert got.state[key] == want.state[key], key
+
+
+def test_prepare_graph_fills_chooses_slots_or_leaves_the_state_as_it_was():
+    """Before a replayed step that fills pages, the FP8 slots are chosen on the host (demoting the
+    coldest pages, re-encoded at once) and put where the captured write reads them. When a later
+    fill would demote an earlier fill of the same step (a page for nuq2, which the captured step
+    cannot write), nothing changes and the step must run eagerly."""
+    import torch
+
+    from moekv.kvcache.formats import get_kv_format
+
+    fmt = get_kv_format("tiered", torch.float32, codebook="page")
+    H, P, D = 2, 16, 32
+    g = torch.Generator().manual_seed(9)
+    kv = lambda: {"k": torch.randn(H, P, D, generator=g), "v": torch.randn(H, P, D, generator=g)}  # noqa: E731
+    for hot, want in ((5.0, False), (0.0, True)):
+        cache = fmt.allocate(32, H, P, D, torch.device("cpu"), 2, torch.float32)  # (2 sequences)
+        st = cache.state
+        fmt._store_pages(cache, [(p, kv(), [p]) for p in range(st["scratch_fp8"])])  # the pool full
+        for p in range(st["scratch_fp8"]):
+            st["mass"][p] = hot
+        before = (list(st["tier"]), list(st["fp8_slot"]), list(st["free_fp8"]), cache["k_low"].clone())
+        # fills of pages 20 and 21 (two sequences whose first pages are 30 and 31)
+        assert fmt.prepare_graph_fills([cache], [20, 21], [30, 31]) is want
+        if not want:  # page 20 (no mass yet) would be the coldest when 21 needs a slot
+            assert (st["tier"], st["fp8_slot"], st["free_fp8"]) == before[:3]
+            assert torch.equal(cache["k_low"], before[3])
+            continue
+        assert st["tier"][20] == st["tier"][21] == TIER_FP8 and st["tier"][0] == st["tier"][1] == TIER_LOW
+        assert st["fill_fp8_dev"][:2].tolist() == [before[1][0], before[1][1]]  # the demoted pages' slots
+        assert (st["fill_fp8_dev"][2:] == st["scratch_fp8"]).all()
+        assert cache["k_low"][0].abs().sum() > 0 and torch.equal(cache["k_low"][2], before[3][2])
+        assert st["tier_dev"][20].item() == TIER_FP8 and st["slot_dev"][21].item() == before[1][1]

@@ -17,7 +17,8 @@ import torch
 
 from moekv.config import EngineConfig, parse_dtype
 from moekv.context import Context, HostLists, MixedSplit, to_device
-from moekv.engine.cuda_graphs import DecodeGraphs, decode_fills, graphs_unsupported_reason, step_fits_graph
+from moekv.engine.cuda_graphs import (DecodeGraphs, bucket_for, decode_fills, graphs_unsupported_reason,
+                                      step_fits_graph)
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
@@ -264,6 +265,18 @@ class ModelRunner:
             return False
         return not self._model_is_observed()
 
+    def _prepare_graph_fills(self, fill_pages: list[int], context_lens: list[int],
+                             block_tables: list[list[int]]) -> bool:
+        """The format's host-side work before a replayed step that fills pages (prepare_graph_fills),
+        after the step's graph is captured (a capture's warm-up must not see it); False: run eagerly."""
+        if not fill_pages:
+            return True
+        if self.graphs.use_graphs:
+            bucket = bucket_for(len(context_lens), self.graphs.buckets)
+            self.graphs.capture(bucket, self.graphs.fill_bucket(len(fill_pages), bucket))
+        first_pages = [table[0] for n, table in zip(context_lens, block_tables) if n % self.block_size == 0]
+        return self.kv_format.prepare_graph_fills(self.kv_caches, fill_pages, first_pages)
+
     def _model_is_observed(self) -> bool:
         """A K/V observer (calibration) or a router tap runs Python inside the step: a replay would skip it."""
         from moekv.routing.tap import RouterTap
@@ -357,7 +370,8 @@ class ModelRunner:
         if decode_only and self.kv_format.quantizes_filled_pages:
             fill_slots, fill_pages = decode_fills(context_lens, seq_slots, block_tables, bs)
         logits, nonfinite = None, None
-        if self.graphs is not None and self.step_uses_graph(num_tokens, context_lens, logits_rows):
+        if (self.graphs is not None and self.step_uses_graph(num_tokens, context_lens, logits_rows)
+                and self._prepare_graph_fills(fill_pages, context_lens, block_tables)):
             try:
                 logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, block_tables, context_lens,
                                          seq_slots, fill_slots, fill_pages,

@@ -160,6 +160,12 @@ class KVFormat(ABC):
         host-side work of its own, so that it runs eagerly."""
         return True
 
+    def prepare_graph_fills(self, caches: list[LayerKVCache], fill_pages: list[int], first_pages: list[int]) -> bool:
+        """Before a replayed decode step that fills `fill_pages` (first_pages: the first page of each
+        one's sequence): host-side work the captured step relies on (tiered: choosing FP8 slots).
+        False: the step must run eagerly instead."""
+        return True
+
     def after_graph_replay(self, caches: list[LayerKVCache]) -> None:
         """A decode step was replayed: apply the host-side effects its eager `write` / `attend`
         would have had (every layer's cache in `caches`)."""

@@ -14,11 +14,14 @@ written between re-rankings); when it runs out, the coldest unprotected FP8 page
 once. Bits per element: page_bytes() (what sizes the pool) counts a nuq2 slab per page plus the FP8
 pool's share; `bits_read` tracks what attention actually read, for reports.
 
-CUDA graphs: a decode step that fills no page is device work only (staging with one indexed copy,
-the fused kernel, its mass added to a device accumulator), so the engine replays it, except the
-step that re-ranks (graph_step_ok). In a graph step (ctx.graph_step) `write` does not count the
-step; after each replay the runner calls after_graph_replay, which counts it and flags the
-accumulator, as the eager `write` / `attend_kernel` would have.
+CUDA graphs: a decode step is device work only (staging with one indexed copy, the fused kernel,
+its mass added to a device accumulator), so the engine replays it, except the step that re-ranks
+(graph_step_ok). A step that fills pages needs FP8 slots, which only the host's free list can give:
+the runner calls prepare_graph_fills before replaying it, which chooses them (demoting, eagerly,
+what must make room) and puts them in a device buffer that the captured `write` reads. In a graph
+step (ctx.graph_step) `write` does not count the step; after each replay the runner calls
+after_graph_replay, which counts it and flags the accumulator, as the eager `write` /
+`attend_kernel` would have.
 """
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ import math
 
 import torch
 
-from moekv.context import Context
+from moekv.context import Context, to_device
 from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only,
-                                       can_stage_vectorized, check_finite, stage_decode_tokens, stage_tokens,
+                                       can_stage_vectorized, check_finite, flag_nonfinite, stage_decode_tokens,
+                                       stage_tokens,
                                        staging_tensors)
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
@@ -39,13 +43,14 @@ TIER_NONE, TIER_FP8, TIER_LOW = 0, 1, 2
 
 class TieredFormat(PagedQuantFormat):
     name = "tiered"
-    # decode steps that fill no page are device-only; the host-side step count and mass flag are
-    # kept by graph_step_ok / after_graph_replay (re-ranking steps run eagerly)
+    # decode steps are device-only; the host-side step count and mass flag are kept by
+    # graph_step_ok / after_graph_replay (re-ranking steps run eagerly)
     graph_safe = True
     # a page that fills takes an FP8 slot from a host-side free list (and may demote another page):
-    # page-filling steps run eagerly
-    graph_fills_pages = False
-    quantizes_filled_pages = False  # (its write finds them itself, from the staged tokens)
+    # in a replayed step the slots are chosen before it (prepare_graph_fills) and read from a
+    # device buffer by the captured write
+    graph_fills_pages = True
+    quantizes_filled_pages = True  # (the runner lists the fills; write stores them, before attention)
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,
@@ -88,9 +93,10 @@ class TieredFormat(PagedQuantFormat):
         t = staging_tensors(max_num_seqs, num_kv_heads, block_size, head_dim, dtype, device)
         for kind, name in (("key", "k"), ("value", "v")):
             hi, lo = self._slabs(kind, block_size, head_dim)
-            t[f"{name}_fp8"] = torch.zeros(num_fp8, num_kv_heads, hi, dtype=torch.uint8, device=device)
+            # one slot more: the scratch slot the padded fills of a replayed step write to
+            t[f"{name}_fp8"] = torch.zeros(num_fp8 + 1, num_kv_heads, hi, dtype=torch.uint8, device=device)
             t[f"{name}_low"] = torch.zeros(num_blocks, num_kv_heads, lo, dtype=torch.uint8, device=device)
-        cache = LayerKVCache(t)
+        cache = LayerKVCache(t, nonfinite=torch.zeros((), dtype=torch.bool, device=device))
         # Page state in plain Python: the source of truth (writes, demotions, re-ranking). The fused
         # decode kernel (moekv/ops/decode_tiered.py) reads device mirrors of the tier map, kept in
         # sync wherever a page changes tier (_sync_pages), and adds its attention mass to a device
@@ -105,6 +111,10 @@ class TieredFormat(PagedQuantFormat):
             "slot_dev": torch.full((num_blocks,), -1, dtype=torch.int32, device=device),
             "mass_dev": torch.zeros(num_blocks, dtype=torch.float32, device=device),
             "mass_pending": False,  # mass_dev holds mass not yet in "mass"
+            # a replayed step's fills: the FP8 slot of each (prepare_graph_fills), the scratch slot
+            # beyond them and between steps (a capture's warm-up writes its padded fills there)
+            "scratch_fp8": num_fp8,
+            "fill_fp8_dev": torch.full((max_num_seqs,), num_fp8, dtype=torch.long, device=device),
         }
         return cache
 
@@ -147,6 +157,9 @@ class TieredFormat(PagedQuantFormat):
         st = cache.state
         if can_stage_vectorized(k, ctx):  # no page fills: one indexed copy, no host sync
             stage_decode_tokens(cache, k, v, ctx)
+        elif ctx.graph_step:  # a replayed step that fills pages: their slots were chosen before it
+            stage_decode_tokens(cache, k, v, ctx)
+            self._store_fills_in_graph(cache, ctx)
         elif ctx.max_query_len == 1 and k.shape[0] == ctx.num_seqs:
             # a decode step that fills pages: one indexed copy, then the full staging pages are stored
             # (stage_tokens would loop over every sequence of the batch in each layer)
@@ -174,7 +187,7 @@ class TieredFormat(PagedQuantFormat):
         return RopeWriteTarget(cache["k_staging"], cache["v_staging"], ctx.seq_slots, staged=True)
 
     def quantize_filled_pages(self, caches, ctx) -> None:
-        """Nothing: `write` stores the pages it fills itself (a host-side FP8 slot each)."""
+        """Nothing: `write` stores the pages it fills itself, before the layer attends."""
 
     # -- CUDA graphs -------------------------------------------------------------------------------
     def graph_step_ok(self, caches) -> bool:
@@ -185,6 +198,44 @@ class TieredFormat(PagedQuantFormat):
         for c in caches:
             c.state["steps"] += 1  # write's count, which graph steps skip
             c.state["mass_pending"] = True  # attend_kernel's flag: the replay added to mass_dev
+            c.state["fill_fp8_dev"].fill_(c.state["scratch_fp8"])  # (queued after the replay)
+
+    def prepare_graph_fills(self, caches, fill_pages: list[int], first_pages: list[int]) -> bool:
+        """Before a replayed step that fills `fill_pages` (first_pages: each one's sequence's first
+        page): choose each layer's FP8 slots on the host as `write` would (demoting the coldest
+        pages, re-encoded now, before the step), mirror the tiers to the device and put the slots
+        where the captured write reads them. False, with the page state as it was, when some
+        layer would send a fill straight to nuq2 (no slot to give, or a later fill demoting an
+        earlier one of the same step), which the captured step cannot do: it then runs eagerly."""
+        pages = [(page, [first, page]) for page, first in zip(fill_pages, first_pages)]
+        chosen = []
+        for c in caches:
+            self.release_pages(c, fill_pages)  # a recomputed page starts over
+            st = c.state
+            before = (list(st["tier"]), list(st["fp8_slot"]), list(st["free_fp8"]))
+            chosen.append((c, before, self._choose_tiers(c, pages)))
+        if any(to_low for _, _, (_, to_low, _) in chosen):
+            for c, (tier, fp8_slot, free_fp8), _ in chosen:
+                c.state["tier"], c.state["fp8_slot"], c.state["free_fp8"] = tier, fp8_slot, free_fp8
+            return False
+        for c, _, (to_fp8, _, demoted) in chosen:
+            st = c.state
+            self._reencode_low(c, [p for p, _ in demoted], [slot for _, slot in demoted])
+            slots = [to_fp8[page] for page in fill_pages]
+            pad = st["fill_fp8_dev"].numel() - len(slots)
+            st["fill_fp8_dev"].copy_(to_device(slots + [st["scratch_fp8"]] * pad, torch.long, st["fill_fp8_dev"].device))
+            self._sync_pages(c, [p for p, _ in demoted] + fill_pages)
+        return True
+
+    def _store_fills_in_graph(self, cache, ctx: Context) -> None:
+        """Inside a replayed step: the staging pages it completed (ctx.fill_slots, padded with the
+        scratch slot) quantized to FP8 into the slots prepare_graph_fills chose (fill_fp8_dev)."""
+        F = ctx.fill_slots.numel()
+        dest = cache.state["fill_fp8_dev"][:F]
+        for name, kind in (("k", "key"), ("v", "value")):
+            x = cache[f"{name}_staging"][ctx.fill_slots]  # [F, Hkv, P, D]
+            flag_nonfinite(cache, x)
+            cache[f"{name}_fp8"][dest] = self.hi.quantize_packed(x, kind, cache.layer)
 
     def _store_filled_staging(self, cache, ctx: Context) -> None:
         """After a decode step's tokens are staged: store the staging pages they completed (a
@@ -204,46 +255,19 @@ class TieredFormat(PagedQuantFormat):
         """Store filled pages, each (page, {"k", "v"}: [Hkv, P, D], the sequence's pages up to it), in
         FP8 slots: a page takes a free slot; with none free, the coldest FP8 page outside the
         sequence's first and this one gives up its slot (is demoted), and if every FP8 page is
-        protected the page goes straight to nuq2.
+        protected the page goes straight to nuq2 (_choose_tiers).
 
-        The tiers are chosen page by page on the host, as storing the pages one at a time would
-        choose them; the device work follows in bulk. A page of the batch that a later page of it
-        demotes is quantized to nuq2 from its own values, never written to FP8 (one at a time, it
-        went through FP8 first). With the FP8 pool full, as it is from the first quarter of a long
-        prompt on, each page of a prefill demotes one: per page, that was a flush, a fold of the
-        masses (a sync), a scan of every FP8 page and a one-page re-encode (16 x 4k: ~25 s)."""
-        st = cache.state
+        The tiers are chosen page by page on the host; the device work follows in bulk. With the
+        FP8 pool full, as it is from the first quarter of a long prompt on, each page of a prefill
+        demotes one: per page, that was a flush, a fold of the masses (a sync), a scan of every FP8
+        page and a one-page re-encode (16 x 4k on the H200: ~25 s)."""
         self.release_pages(cache, [page for page, _, _ in pages])  # a recomputed page starts over
         for name, kind in (("k", "key"), ("v", "value")):
             check_finite(torch.stack([kv[name] for _, kv, _ in pages]), kind + "s")
-        to_fp8: dict[int, tuple[dict, int]] = {}  # page -> (kv, FP8 slot), in order
-        to_low: dict[int, dict] = {}  # page -> kv: straight to nuq2
-        demoted: list[tuple[int, int]] = []  # (page, slot) of FP8 pages stored before this batch
-        coldest: list[tuple[float, int]] | None = None  # heap of (mass, page) over the FP8 pages
-        for page, kv, protect in pages:
-            if not st["free_fp8"]:
-                if coldest is None:
-                    self._fold_mass(cache)
-                    coldest = [(st["mass"][p], p) for p, t in enumerate(st["tier"]) if t == TIER_FP8]
-                    heapq.heapify(coldest)
-                victim = _pop_coldest(coldest, exclude=set(protect[:1] + protect[-1:]))
-                if victim is not None:
-                    slot = st["fp8_slot"][victim]
-                    if victim in to_fp8:  # a page of this batch: never written to FP8
-                        to_low[victim] = to_fp8.pop(victim)[0]
-                    else:
-                        demoted.append((victim, slot))
-                    st["tier"][victim], st["fp8_slot"][victim] = TIER_LOW, -1
-                    st["free_fp8"].append(slot)
-            if st["free_fp8"]:
-                slot = st["free_fp8"].pop()
-                st["tier"][page], st["fp8_slot"][page] = TIER_FP8, slot
-                to_fp8[page] = (kv, slot)
-                if coldest is not None:
-                    heapq.heappush(coldest, (0.0, page))  # released: no mass yet
-            else:  # every FP8 page is protected: this one goes straight to the low tier
-                st["tier"][page] = TIER_LOW
-                to_low[page] = kv
+        data = {page: kv for page, kv, _ in pages}
+        slots, to_low, demoted = self._choose_tiers(cache, [(page, protect) for page, _, protect in pages])
+        to_fp8 = {page: (data[page], slot) for page, slot in slots.items()}
+        to_low = {page: data[page] for page in to_low}
         # the demoted pages' FP8 slabs are read before this batch's pages take over their slots
         self._reencode_low(cache, [p for p, _ in demoted], [slot for _, slot in demoted])
         device = cache["k_staging"].device
@@ -257,6 +281,45 @@ class TieredFormat(PagedQuantFormat):
                 x = torch.stack([kv[name] for kv in kvs])  # [n, Hkv, P, D]
                 cache[f"{name}_{tier}"][index] = fmt.quantize_packed(x, kind, cache.layer)
         self._sync_pages(cache, [p for p, _ in demoted] + list(to_fp8) + list(to_low))
+
+    def _choose_tiers(self, cache, pages: list[tuple[int, list[int]]]):
+        """The host side of storing pages (page, its sequence's pages up to it), in order, as one at
+        a time would: a free FP8 slot each; with none free, the coldest FP8 page outside the
+        sequence's first and this one gives up its slot. Updates the page state; -> (page -> FP8
+        slot, pages for the low tier, (page, slot) of the FP8 pages stored before that were demoted:
+        their slabs must be re-encoded before the slots are written). A page of the batch that a
+        later page demotes goes to the low tier directly."""
+        st = cache.state
+        to_fp8: dict[int, int] = {}
+        to_low: list[int] = []
+        demoted: list[tuple[int, int]] = []
+        coldest: list[tuple[float, int]] | None = None  # heap of (mass, page) over the FP8 pages
+        for page, protect in pages:
+            if not st["free_fp8"]:
+                if coldest is None:
+                    self._fold_mass(cache)
+                    coldest = [(st["mass"][p], p) for p, t in enumerate(st["tier"]) if t == TIER_FP8]
+                    heapq.heapify(coldest)
+                victim = _pop_coldest(coldest, exclude=set(protect[:1] + protect[-1:]))
+                if victim is not None:
+                    slot = st["fp8_slot"][victim]
+                    if victim in to_fp8:  # a page of this batch: never written to FP8
+                        del to_fp8[victim]
+                        to_low.append(victim)
+                    else:
+                        demoted.append((victim, slot))
+                    st["tier"][victim], st["fp8_slot"][victim] = TIER_LOW, -1
+                    st["free_fp8"].append(slot)
+            if st["free_fp8"]:
+                slot = st["free_fp8"].pop()
+                st["tier"][page], st["fp8_slot"][page] = TIER_FP8, slot
+                to_fp8[page] = slot
+                if coldest is not None:
+                    heapq.heappush(coldest, (0.0, page))  # released: no mass yet
+            else:  # every FP8 page is protected: this one goes straight to the low tier
+                st["tier"][page] = TIER_LOW
+                to_low.append(page)
+        return to_fp8, to_low, demoted
 
     def _reencode_low(self, cache, pages: list[int], slots: list[int]) -> None:
         """Device work of a demotion: the FP8 slabs in `slots` re-encoded into nuq2 as `pages`."""

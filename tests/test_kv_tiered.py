@@ -296,3 +296,19 @@ def test_prepare_graph_fills_chooses_slots_or_leaves_the_state_as_it_was():
         assert (st["fill_fp8_dev"][2:] == st["scratch_fp8"]).all()
         assert cache["k_low"][0].abs().sum() > 0 and torch.equal(cache["k_low"][2], before[3][2])
         assert st["tier_dev"][20].item() == TIER_FP8 and st["slot_dev"][21].item() == before[1][1]
+
+
+def test_the_fill_slots_return_to_scratch_after_the_replay_that_used_them():
+    """A capture's warm-up runs the step on whatever the fill-slot buffer holds: after the replay
+    that used real slots, it holds the scratch slot again (and replays without fills touch it not)."""
+    import torch
+
+    from moekv.kvcache.formats import get_kv_format
+
+    fmt = get_kv_format("tiered", torch.float32, codebook="page")
+    cache = fmt.allocate(32, 2, 16, 32, torch.device("cpu"), 2, torch.float32)
+    st = cache.state
+    assert fmt.prepare_graph_fills([cache], [20], [30])
+    assert st["fill_fp8_dev"][0].item() != st["scratch_fp8"]
+    fmt.after_graph_replay([cache])
+    assert (st["fill_fp8_dev"] == st["scratch_fp8"]).all() and not st["fill_slots_loaded"]

@@ -115,6 +115,7 @@ class TieredFormat(PagedQuantFormat):
             # beyond them and between steps (a capture's warm-up writes its padded fills there)
             "scratch_fp8": num_fp8,
             "fill_fp8_dev": torch.full((max_num_seqs,), num_fp8, dtype=torch.long, device=device),
+            "fill_slots_loaded": False,  # fill_fp8_dev holds real slots until the replay is done
         }
         return cache
 
@@ -198,7 +199,9 @@ class TieredFormat(PagedQuantFormat):
         for c in caches:
             c.state["steps"] += 1  # write's count, which graph steps skip
             c.state["mass_pending"] = True  # attend_kernel's flag: the replay added to mass_dev
-            c.state["fill_fp8_dev"].fill_(c.state["scratch_fp8"])  # (queued after the replay)
+            if c.state["fill_slots_loaded"]:  # back to the scratch slot (queued after the replay)
+                c.state["fill_fp8_dev"].fill_(c.state["scratch_fp8"])
+                c.state["fill_slots_loaded"] = False
 
     def prepare_graph_fills(self, caches, fill_pages: list[int], first_pages: list[int]) -> bool:
         """Before a replayed step that fills `fill_pages` (first_pages: each one's sequence's first
@@ -225,6 +228,7 @@ class TieredFormat(PagedQuantFormat):
             pad = st["fill_fp8_dev"].numel() - len(slots)
             st["fill_fp8_dev"].copy_(to_device(slots + [st["scratch_fp8"]] * pad, torch.long, st["fill_fp8_dev"].device))
             self._sync_pages(c, [p for p, _ in demoted] + fill_pages)
+            st["fill_slots_loaded"] = True
         return True
 
     def _store_fills_in_graph(self, cache, ctx: Context) -> None:

@@ -339,6 +339,34 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
         _check_tiered_pool_drained(e)
 
 
+@pytest.mark.parametrize("fails_in", ["capture", "replay"])
+def test_a_failing_graph_falls_back_to_eager_steps(hd32_ckpt, fails_in):
+    """A capture or replay that raises (a host sync inside the step, say) leaves the engine on eager
+    steps, with the eager tokens: a capture before a page-filling step (tiered chooses FP8 slots
+    after it) as much as one inside the replay."""
+    kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype="tiered", block_size=16,
+                  kv_codebook="page")
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 15)]
+    # prompts of 15 and 31 tokens: the first decode step fills a page in both
+    prompts = [{"prompt_token_ids": PROMPTS[2][:n]} for n in (15, 31)]
+    want = [o.outputs[0].token_ids for o in LLM(hd32_ckpt, **kwargs).generate(prompts, params)]
+    llm = LLM(hd32_ckpt, **kwargs)
+    graphs, _ = _with_emulated_graphs(llm)
+    graphs.use_graphs = True  # so that the runner captures before a page-filling step
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    if fails_in == "capture":
+        graphs.capture = broken
+    else:
+        graphs.capture = lambda *args: None
+        graphs.run = broken
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert llm.engine.runner.graphs is None
+
+
 def test_graph_path_skips_steps_that_need_prompt_logits_or_observers(mixtral_ckpt):
     llm = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, max_num_seqs=4)
     graphs, calls = _with_emulated_graphs(llm)

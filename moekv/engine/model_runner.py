@@ -273,7 +273,12 @@ class ModelRunner:
             return True
         if self.graphs.use_graphs:
             bucket = bucket_for(len(context_lens), self.graphs.buckets)
-            self.graphs.capture(bucket, self.graphs.fill_bucket(len(fill_pages), bucket))
+            try:
+                self.graphs.capture(bucket, self.graphs.fill_bucket(len(fill_pages), bucket))
+            except Exception:  # as a failed replay: stay eager from now on
+                log.exception("capturing the decode step failed; decode steps run eagerly from now on")
+                self.graphs = None
+                return False
         first_pages = [table[0] for n, table in zip(context_lens, block_tables) if n % self.block_size == 0]
         return self.kv_format.prepare_graph_fills(self.kv_caches, fill_pages, first_pages)
 

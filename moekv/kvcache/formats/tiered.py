@@ -213,8 +213,9 @@ class TieredFormat(PagedQuantFormat):
         pages = [(page, [first, page]) for page, first in zip(fill_pages, first_pages)]
         chosen = []
         for c in caches:
-            self.release_pages(c, fill_pages)  # a recomputed page starts over
             st = c.state
+            # a recomputed page starts over (the others are in no tier: nothing to release)
+            self.release_pages(c, [p for p in fill_pages if st["tier"][p] != TIER_NONE])
             before = (list(st["tier"]), list(st["fp8_slot"]), list(st["free_fp8"]))
             chosen.append((c, before, self._choose_tiers(c, pages)))
         if any(to_low for _, _, (_, to_low, _) in chosen):

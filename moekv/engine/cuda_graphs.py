@@ -282,6 +282,17 @@ class DecodeGraphs:
             self.capture(bucket, fills)
         return len(self.graphs) - before
 
+    def capture_for(self, batch: int, num_fills: int) -> tuple[int, int]:
+        """The (batch bucket, fill bucket) of a step of `batch` sequences filling `num_fills` pages,
+        its graph captured if it is not yet (with use_graphs)."""
+        bucket = bucket_for(batch, self.buckets)
+        if bucket is None:
+            raise ValueError(f"batch {batch} is larger than the largest bucket {self.max_batch}")
+        fills = self.fill_bucket(num_fills, bucket)
+        if self.use_graphs:
+            self.capture(bucket, fills)
+        return bucket, fills
+
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
             block_tables: list[list[int]], context_lens: list[int], seq_slots: list[int],
             fill_slots: list[int] = (), fill_pages: list[int] = (),
@@ -292,12 +303,7 @@ class DecodeGraphs:
         input_ids_device: the tokens [B] int64 as a device tensor (a follow-on step: sampled by the
         step before, not yet on the host), in place of input_ids."""
         batch = len(input_ids)
-        bucket = bucket_for(batch, self.buckets)
-        if bucket is None:
-            raise ValueError(f"batch {batch} is larger than the largest bucket {self.max_batch}")
-        fills = self.fill_bucket(len(fill_slots), bucket)
-        if self.use_graphs:
-            self.capture(bucket, fills)
+        bucket, fills = self.capture_for(batch, len(fill_slots))
         self.load(self.pad(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, bucket))
         if fills:
             self.load_fills(fill_slots, fill_pages, fills)

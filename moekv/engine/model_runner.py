@@ -17,8 +17,7 @@ import torch
 
 from moekv.config import EngineConfig, parse_dtype
 from moekv.context import Context, HostLists, MixedSplit, to_device
-from moekv.engine.cuda_graphs import (DecodeGraphs, bucket_for, decode_fills, graphs_unsupported_reason,
-                                      step_fits_graph)
+from moekv.engine.cuda_graphs import DecodeGraphs, decode_fills, graphs_unsupported_reason, step_fits_graph
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
@@ -271,14 +270,12 @@ class ModelRunner:
         after the step's graph is captured (a capture's warm-up must not see it); False: run eagerly."""
         if not fill_pages:
             return True
-        if self.graphs.use_graphs:
-            bucket = bucket_for(len(context_lens), self.graphs.buckets)
-            try:
-                self.graphs.capture(bucket, self.graphs.fill_bucket(len(fill_pages), bucket))
-            except Exception:  # as a failed replay: stay eager from now on
-                log.exception("capturing the decode step failed; decode steps run eagerly from now on")
-                self.graphs = None
-                return False
+        try:
+            self.graphs.capture_for(len(context_lens), len(fill_pages))
+        except Exception:  # as a failed replay: stay eager from now on
+            log.exception("capturing the decode step failed; decode steps run eagerly from now on")
+            self.graphs = None
+            return False
         first_pages = [table[0] for n, table in zip(context_lens, block_tables) if n % self.block_size == 0]
         return self.kv_format.prepare_graph_fills(self.kv_caches, fill_pages, first_pages)
 

@@ -28,9 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-MIN_NORMAL_E4M3 = 2.0 ** -6
-
-
 @triton.jit
 def _total(x):
     return tl.sum(tl.sum(x, axis=1), axis=0)
@@ -50,7 +47,7 @@ def _round_e4m3(x):
     normal_byte = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
     sub_byte = (r * 512.0).to(tl.int32)  # 0..7 units of 2^-9 (exact)
     sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
-    byte = tl.where(r >= 0.015625, normal_byte, sub_byte) | (sign << 7)
+    byte = tl.where(r >= 0.015625, normal_byte, sub_byte) | (sign << 7)  # 2^-6: the smallest normal
     return tl.where(x < 0, -r, r), byte
 
 
@@ -143,6 +140,13 @@ def _quartile_starts(z, keep, count):
 
 
 @triton.jit
+def _nearest(z, c0, c1, c2, c3):
+    """The code of the nearest of the sorted centroids for each element (nuq2.assign): in 1-D a
+    threshold test against the midpoints."""
+    return (z > (c0 + c1) * 0.5).to(tl.int32) + (z > (c1 + c2) * 0.5).to(tl.int32) + (z > (c2 + c3) * 0.5).to(tl.int32)
+
+
+@triton.jit
 def _fit_weight(z, keep, KEY: tl.constexpr):
     """The k-means weight of each element: 0 if not kept; keys 1 + |z|^3 (nuq2.fit_weight), values 1.
     Recomputed where used rather than held in registers through the searches."""
@@ -220,10 +224,7 @@ def _nuq2_quantize_kernel(x_ptr, slab_ptr, cb_ptr, stride_x, stride_slab, tau, H
         count = _total(keep.to(tl.int32))
         c0, c1, c2, c3 = _quartile_starts(z, keep, count)
         for _ in range(ITERS):
-            m0 = (c0 + c1) * 0.5
-            m1 = (c1 + c2) * 0.5
-            m2 = (c2 + c3) * 0.5
-            code = (z > m0).to(tl.int32) + (z > m1).to(tl.int32) + (z > m2).to(tl.int32)
+            code = _nearest(z, c0, c1, c2, c3)
             w = _fit_weight(z, keep, KEY)
             zw = z * w
             s0 = _total(tl.where(code == 0, zw, 0.0))
@@ -274,7 +275,7 @@ def _nuq2_quantize_kernel(x_ptr, slab_ptr, cb_ptr, stride_x, stride_slab, tau, H
         tl.store(idx_ptr + i, tl.full([S_PAD], 0xFFFF, tl.int32).to(tl.uint16), mask=(i >= used) & (i < S))
 
     # -- codes: nearest centroid, 4 per byte (channel s*D/4 + j in bits 2s..2s+1 of byte j) ----------
-    code = (z > (c0 + c1) * 0.5).to(tl.int32) + (z > (c1 + c2) * 0.5).to(tl.int32) + (z > (c2 + c3) * 0.5).to(tl.int32)
+    code = _nearest(z, c0, c1, c2, c3)
     quarters = tl.reshape(code, (P, 4, D // 4))
     shift = (2 * tl.arange(0, 4))[None, :, None]
     packed = tl.sum(quarters << shift, axis=1)  # [P, D/4]: the four 2-bit fields do not overlap

@@ -391,7 +391,6 @@ class PagedQuantFormat(KVFormat):
         if can_stage_with_fills(k, ctx):  # filled pages wait for quantize_filled_pages
             stage_decode_tokens(cache, k, v, ctx)
             return
-        block_size, head_dim = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
         filled: dict[str, tuple[list, list, list]] = {"k": ([], [], []), "v": ([], [], [])}  # rows, cols, pages
         for b, name, indices, pages in stage_tokens(cache, k, v, ctx):
             if indices:
@@ -426,7 +425,6 @@ class PagedQuantFormat(KVFormat):
         if ctx.fill_slots is None or ctx.fill_slots.numel() == 0:
             return
         F = ctx.fill_slots.numel()
-        block_size, head_dim = caches[0]["k_staging"].shape[2], caches[0]["k_staging"].shape[3]
         for name, kind in (("k", "key"), ("v", "value")):
             x = torch.cat([c[f"{name}_staging"][ctx.fill_slots] for c in caches])  # [L*F, Hkv, P, D]
             if ctx.graph_step:
@@ -448,7 +446,8 @@ class PagedQuantFormat(KVFormat):
         block_size, head_dim = staging.shape[2], staging.shape[3]
         # the sequence's newest page is read from staging even when full (a decode step quantizes
         # the pages it fills after every layer has attended: quantize_filled_pages)
-        newest = (ctx.host_lists().context_lens[b] - 1) // block_size
+        host = ctx.host_lists()
+        newest = (host.context_lens[b] - 1) // block_size
         num_full = min(length // block_size, newest)
         parts = []
         if num_full:
@@ -458,7 +457,7 @@ class PagedQuantFormat(KVFormat):
             parts.append(x.permute(0, 2, 1, 3).reshape(num_full * block_size, -1, head_dim))
         tail = length - num_full * block_size
         if tail:
-            parts.append(staging[ctx.host_lists().seq_slots[b], :, :tail].transpose(0, 1).float())
+            parts.append(staging[host.seq_slots[b], :, :tail].transpose(0, 1).float())
         return torch.cat(parts)
 
     def attend_reference(self, q, cache, ctx, scale, sliding_window):

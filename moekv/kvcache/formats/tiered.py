@@ -33,8 +33,7 @@ import torch
 from moekv.context import Context, to_device
 from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only,
                                        can_stage_vectorized, check_finite, flag_nonfinite, stage_decode_tokens,
-                                       stage_tokens,
-                                       staging_tensors)
+                                       stage_tokens, staging_tensors)
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
 
@@ -394,14 +393,15 @@ class TieredFormat(PagedQuantFormat):
         P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
         num_full = length // P
         parts = []
+        host = ctx.host_lists()
         if num_full:
-            pages = ctx.host_lists().block_tables[b][:num_full]
+            pages = host.block_tables[b][:num_full]
             x = self._gather_pages(cache, pages, kind)
             parts.append(x.permute(0, 2, 1, 3).reshape(num_full * P, -1, D))
         tail = length - num_full * P
         if tail:
             name = "k" if kind == "key" else "v"
-            parts.append(cache[f"{name}_staging"][ctx.host_lists().seq_slots[b], :, :tail].transpose(0, 1).float())
+            parts.append(cache[f"{name}_staging"][host.seq_slots[b], :, :tail].transpose(0, 1).float())
             self.bits_read += 16 * tail * cache["k_staging"].shape[1] * D
             self.elements_read += tail * cache["k_staging"].shape[1] * D
         return torch.cat(parts)

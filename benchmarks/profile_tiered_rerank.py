@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where tiered's slow steps go, for one sequence of `--context` tokens (Mixtral-8x7B shape, dummy
 weights): its prefill (under cProfile, after a short request has compiled the kernels) and the
-decode step that re-ranks pages (every `--rerank-interval` steps, eager). The first re-ranking
+decode step that re-ranks pages (every `--rerank-interval` steps; eager before session 11, replayed since). The first re-ranking
 after the prefill is timed plainly; the next one runs under torch.profiler (device and host
 operators) and cProfile (the Python functions), beside an ordinary replayed step.
 
@@ -38,9 +38,9 @@ def timed_step(engine) -> float:
 
 
 def steps_until_rerank(engine) -> None:
-    """Step until the next step's `write` re-ranks (graph_step_ok is False for it)."""
+    """Step until the next step re-ranks (every layer counts the same steps)."""
     runner = engine.runner
-    while runner.kv_format.graph_step_ok(runner.kv_caches):
+    while (runner.kv_caches[0].state["steps"] + 1) % runner.kv_format.rerank_interval:
         engine.step()
 
 

@@ -252,15 +252,14 @@ def test_padded_static_step_matches_eager_on_cpu(hd32_ckpt, fmt):
 
 def _record_tiered(llm):
     """Record each re-ranking of layer 0 (its step count and the tier map it leaves) and the step
-    count after each replay; a re-ranking must run in an eager step."""
+    count after each replay."""
     runner = llm.engine.runner
     fmt, first = runner.kv_format, runner.kv_caches[0]
     reranks, replayed_at = [], []
     rerank, after = fmt._rerank, fmt.after_graph_replay
 
-    def recording_rerank(cache, ctx):
-        assert not ctx.graph_step
-        rerank(cache, ctx)
+    def recording_rerank(cache, host):
+        rerank(cache, host)
         if cache is first:
             reranks.append((cache.state["steps"], list(cache.state["tier"])))
 
@@ -293,8 +292,8 @@ def _check_tiered_pool_drained(llm):
 @pytest.mark.parametrize("rerank_interval, tier1_fraction", [(4, 0.15), (10**6, 0.15), (10**6, 0.05)])
 def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interval, tier1_fraction):
     """tiered through the graph path (the static-buffer step run eagerly): the eager path's tokens,
-    the same re-rankings at the same steps with the same tier maps (every one in an eager step: no
-    replay lands on a re-ranking step), the same step counts, and every page and FP8 slot freed.
+    the same re-rankings at the same steps with the same tier maps (re-ranking steps replayed too:
+    prepare_graph_step re-ranks before them), the same step counts, and every page and FP8 slot freed.
     Replayed steps fill pages too (their FP8 slots chosen before the step); with the smaller FP8
     pool (tier1_fraction 0.05: 12 slots), choosing them demotes pages."""
     kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype="tiered", block_size=16,
@@ -311,7 +310,7 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
     graphs, calls = _with_emulated_graphs(llm)
     reranks, replayed_at = _record_tiered(llm)
     fmt, prepared = llm.engine.runner.kv_format, []
-    prepare = fmt.prepare_graph_fills
+    prepare = fmt._prepare_fills
 
     def recording_prepare(caches, fill_pages, first_pages):
         low = sum(t == TIER_LOW for t in caches[0].state["tier"])
@@ -319,7 +318,7 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
         prepared.append((ok, sum(t == TIER_LOW for t in caches[0].state["tier"]) - low))
         return ok
 
-    fmt.prepare_graph_fills = recording_prepare
+    fmt._prepare_fills = recording_prepare
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert graphs.num_replays == len(calls) == len(replayed_at) > 20
@@ -327,7 +326,8 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
     assert prepared and all(ok for ok, _ in prepared)
     if tier1_fraction == 0.05:
         assert any(demoted for _, demoted in prepared), "no replayed fill demoted a page: a weak test"
-    assert all(s % rerank_interval for s in replayed_at)
+    if rerank_interval == 4:
+        assert any(s % rerank_interval == 0 for s in replayed_at), "no re-ranking step was replayed: a weak test"
     steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
     assert len(steps) == 1
     assert [s for s, _ in reranks] == [s for s, _ in eager_reranks] == list(range(rerank_interval, steps.pop() + 1,
@@ -450,8 +450,8 @@ def test_cuda_graphs_match_eager(hd32_ckpt, fmt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("rerank_interval", [10**6, 8])
 def test_tiered_cuda_graphs_match_eager(hd32_ckpt, rerank_interval):
-    """tiered replays its decode steps, all but those that re-rank (eager), with pages of 16 so that
-    pages fill and (every 8 steps) move to nuq2. Against enforce_eager=True: the same re-ranking
+    """tiered replays its decode steps, those that fill pages and re-rank too, with pages of 16 so
+    that pages fill and (every 8 steps) move to nuq2. Against enforce_eager=True: the same re-ranking
     steps, step counts and final page state, and tokens and logprobs by the near-tie rule without
     re-ranking. With it, the two runs rank masses computed on differently padded batches, so a page
     near the cut may land in the other tier (FP8 vs 2 bits; test_tiered_fused_decode_matches_reference_in_the_engine
@@ -471,9 +471,12 @@ def test_tiered_cuda_graphs_match_eager(hd32_ckpt, rerank_interval):
     reranks, replayed_at = _record_tiered(llm)
     out = llm.generate(prompts, params)
     assert llm.engine.runner.graphs is graphs, "the graph path failed and fell back to eager (see the log)"
-    assert graphs.num_replays == len(replayed_at) > 50  # 77 of 89 decode steps; 69 re-ranking every 8
-    assert set(graphs.graphs) == {(4, 0), (2, 0), (1, 0)}  # batches 3, 2, 1; page-filling steps are eager
-    assert all(s % rerank_interval for s in replayed_at)
+    assert graphs.num_replays == len(replayed_at) > 50
+    assert {bucket for bucket, _ in graphs.graphs} == {4, 2, 1}  # batches 3, 2, 1
+    # page-filling steps replay too (prepare_graph_fills chooses their FP8 slots before the replay)
+    assert any(fills for _, fills in graphs.graphs), "no replayed step filled a page: a weak test"
+    if rerank_interval == 8:
+        assert any(s % rerank_interval == 0 for s in replayed_at), "no re-ranking step was replayed: a weak test"
     steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
     assert len(steps) == 1
     assert [s for s, _ in reranks] == [s for s, _ in eager_reranks] == list(range(rerank_interval, steps.pop() + 1,

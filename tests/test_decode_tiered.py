@@ -112,7 +112,7 @@ def test_rerank_folds_kernel_mass():
     assert all(st["tier"][p] == TIER_FP8 for p in pages)
     st["mass_dev"][pages[4]] = 5.0  # as if the kernel had put all attention on page 4
     st["mass_pending"] = True
-    fmt._rerank(cache, ctx)
+    fmt._rerank(cache, ctx.host_lists())
     assert st["tier"][pages[4]] == TIER_FP8 and st["tier"][pages[0]] == TIER_FP8 and st["tier"][pages[-1]] == TIER_FP8
     assert sum(st["tier"][p] == TIER_LOW for p in pages) == 7
     assert st["mass"][pages[4]] == 2.5
@@ -168,9 +168,8 @@ def test_replayed_step_mass_matches_eager():
     st["mass_dev"][scratch] += 1.0  # and if they did, it must not reach a score
     fmt._fold_mass(cache)
     assert sum(st["mass"]) == 0, "the fold credited mass nobody flagged"
-    steps = st["steps"]
     fmt.after_graph_replay([cache])
-    assert st["mass_pending"] and st["steps"] == steps + 1
+    assert st["mass_pending"]
     fmt._fold_mass(cache)
     assert torch.allclose(replayed[:2], out, rtol=1e-5, atol=1e-6)
     assert st["mass"][scratch] == 0

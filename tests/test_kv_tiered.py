@@ -83,10 +83,9 @@ def _tiered_layers(rerank_interval: int, num_layers: int = 2):
     reranks = []
     rerank = fmt._rerank
 
-    def recording(cache, ctx):
-        assert not ctx.graph_step
+    def recording(cache, host):
         reranks.append((cache.layer, cache.state["steps"]))
-        rerank(cache, ctx)
+        rerank(cache, host)
 
     fmt._rerank = recording
     return fmt, caches, reranks
@@ -94,40 +93,42 @@ def _tiered_layers(rerank_interval: int, num_layers: int = 2):
 
 @pytest.mark.parametrize("rerank_interval", [1, 4, 5])
 def test_graph_replays_keep_the_eager_rerank_schedule(rerank_interval):
-    """The runner replays a step only when graph_step_ok says so (never the one that re-ranks) and
-    then calls after_graph_replay; the layers must count steps and re-rank exactly as all-eager steps do."""
+    """The runner calls prepare_graph_step before every replay (re-ranking steps too) and
+    after_graph_replay after it; the layers must count steps and re-rank exactly as all-eager steps
+    do. A replay that fails after its step was prepared runs eagerly: that step is not counted or
+    re-ranked twice."""
     import torch
 
     k = torch.zeros(1, 1, 16)
     eager_fmt, eager_caches, eager_reranks = _tiered_layers(rerank_interval)
     fmt, caches, reranks = _tiered_layers(rerank_interval)
-    replays = 0
+    failed_at = {3, 7}  # the replays of these steps fail (steps 4 and 8: re-ranking steps at 4)
     for step in range(23):
         ctx_len = 17 + step % 10  # decode steps of one sequence, never filling page 1
         for cache in eager_caches:
             eager_fmt.write(cache, k, k, _decode_ctx(ctx_len))
-        ok = fmt.graph_step_ok(caches)
-        assert ok == ((step + 1) % rerank_interval != 0), step  # false exactly at re-rank steps
-        if ok:  # a replay: the graph step's device work (write counts nothing), then the hook
+        assert fmt.prepare_graph_step(caches, _decode_ctx(ctx_len).host_lists(), [], [])
+        if step in failed_at:  # the runner's fallback: the same step, eagerly
+            for cache in caches:
+                fmt.write(cache, k, k, _decode_ctx(ctx_len))
+        else:  # a replay: the graph step's device work (write counts nothing), then the hook
             for cache in caches:
                 fmt.write(cache, k, k, _decode_ctx(ctx_len, graph_step=True))
             fmt.after_graph_replay(caches)
-            replays += 1
-        else:
-            for cache in caches:
-                fmt.write(cache, k, k, _decode_ctx(ctx_len))
         assert [c.state["steps"] for c in caches] == [c.state["steps"] for c in eager_caches] == [step + 1] * 2
+        assert not any(c.state["counted_ahead"] for c in caches)
     assert reranks == eager_reranks
     assert [s for layer, s in eager_reranks if layer == 0] == list(range(rerank_interval, 24, rerank_interval))
-    assert replays == (0 if rerank_interval == 1 else 23 - 23 // rerank_interval)
 
 
 def test_after_graph_replay_flags_the_mass_of_every_layer():
     fmt, caches, _ = _tiered_layers(32, num_layers=3)
     caches[1].state["steps"] = 7
+    for c in caches:
+        c.state["counted_ahead"] = True
     fmt.after_graph_replay(caches)
-    assert [c.state["steps"] for c in caches] == [1, 8, 1]
-    assert all(c.state["mass_pending"] for c in caches)
+    assert [c.state["steps"] for c in caches] == [0, 7, 0]  # counted before the replay, not here
+    assert all(c.state["mass_pending"] and not c.state["counted_ahead"] for c in caches)
 
 
 def test_graph_steps_leave_the_host_state_alone():
@@ -265,13 +266,14 @@ def test_a_decode_step_that_fills_pages_stores_what_the_general_path_stores():
             assert got.state[key] == want.state[key], key
 
 
-def test_prepare_graph_fills_chooses_slots_or_leaves_the_state_as_it_was():
+def test_prepare_graph_step_chooses_fill_slots_or_leaves_the_state_as_it_was():
     """Before a replayed step that fills pages, the FP8 slots are chosen on the host (demoting the
     coldest pages, re-encoded at once) and put where the captured write reads them. When a later
     fill would demote an earlier fill of the same step (a page for nuq2, which the captured step
     cannot write), nothing changes and the step must run eagerly."""
     import torch
 
+    from moekv.context import HostLists
     from moekv.kvcache.formats import get_kv_format
 
     fmt = get_kv_format("tiered", torch.float32, codebook="page")
@@ -286,9 +288,11 @@ def test_prepare_graph_fills_chooses_slots_or_leaves_the_state_as_it_was():
             st["mass"][p] = hot
         before = (list(st["tier"]), list(st["fp8_slot"]), list(st["free_fp8"]), cache["k_low"].clone())
         # fills of pages 20 and 21 (two sequences whose first pages are 30 and 31)
-        assert fmt.prepare_graph_fills([cache], [20, 21], [30, 31]) is want
+        host = HostLists([32, 32], [0, 1, 2], [0, 1], [[30, 20], [31, 21]])  # (P = 16)
+        assert fmt.prepare_graph_step([cache], host, [20, 21], [30, 31]) is want
         if not want:  # page 20 (no mass yet) would be the coldest when 21 needs a slot
             assert (st["tier"], st["fp8_slot"], st["free_fp8"]) == before[:3]
+            assert st["steps"] == 0 and not st["counted_ahead"]
             assert torch.equal(cache["k_low"], before[3])
             continue
         assert st["tier"][20] == st["tier"][21] == TIER_FP8 and st["tier"][0] == st["tier"][1] == TIER_LOW
@@ -303,12 +307,13 @@ def test_the_fill_slots_return_to_scratch_after_the_replay_that_used_them():
     that used real slots, it holds the scratch slot again (and replays without fills touch it not)."""
     import torch
 
+    from moekv.context import HostLists
     from moekv.kvcache.formats import get_kv_format
 
     fmt = get_kv_format("tiered", torch.float32, codebook="page")
     cache = fmt.allocate(32, 2, 16, 32, torch.device("cpu"), 2, torch.float32)
     st = cache.state
-    assert fmt.prepare_graph_fills([cache], [20], [30])
+    assert fmt.prepare_graph_step([cache], HostLists([32], [0, 1], [0], [[30, 20]]), [20], [30])
     assert st["fill_fp8_dev"][0].item() != st["scratch_fp8"]
     fmt.after_graph_replay([cache])
     assert (st["fill_fp8_dev"] == st["scratch_fp8"]).all() and not st["fill_slots_loaded"]

@@ -15,18 +15,18 @@ between them cost more than the kernels (bench_decode: a Mixtral-8x7B-shaped ste
 
 Only steps that `step_fits_graph` accepts take this path (decode-only, every sequence samples and
 needs no other logits rows, and no page fills unless the format's `graph_fills_pages` allows it)
-and that the KV format's `graph_step_ok` allows (tiered: not a step that re-ranks); the model
-runner keeps the eager path for the rest, and for formats or devices that
-`graphs_unsupported_reason` turns down.
+and whose host-side work the KV format's `prepare_graph_step` can do before the replay (tiered:
+the fills' FP8 slots, its step count and re-ranking); the model runner keeps the eager path for
+the rest, and for formats or devices that `graphs_unsupported_reason` turns down.
 
 Page-filling steps: plain pages take the token through slot_mapping as in any step. Formats that
 quantize filled pages (`quantizes_filled_pages`) get the step's fills as (staging slot, page)
 lists in the Context; each batch bucket then keeps one graph per fill bucket (0, 1, 2, 4, ... up to
 the batch bucket), the fill lists padded with (scratch slot, scratch page). At batch 64 with
 64-token pages, about 63% of decode steps fill a page somewhere: without this they all ran eagerly. The captured Context says
-`graph_step=True`, so formats keep to device work there; after each replay the runner calls the
-format's `after_graph_replay` for the host-side bookkeeping the replay skipped (tiered: its step
-count and the flag that the mass accumulator holds new mass).
+`graph_step=True`, so formats keep to device work there; before each replay the runner calls the
+format's `prepare_graph_step` and after it `after_graph_replay`, for the host-side bookkeeping the
+replay skips (tiered: the flag that the mass accumulator holds new mass).
 """
 from __future__ import annotations
 

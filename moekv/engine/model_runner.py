@@ -252,32 +252,31 @@ class ModelRunner:
         return slot
 
     def step_uses_graph(self, num_tokens: list[int], context_lens: list[int], logits_rows: list[int]) -> bool:
-        """Whether this step is replayed from a CUDA graph (the engine allows graphs, the step is a
-        decode step that fits one, the KV format has no host-side work in it, and nothing observes
-        the model's internals from Python)."""
+        """Whether this step may be replayed from a CUDA graph (the engine allows graphs, the step
+        is a decode step that fits one, and nothing observes the model's internals from Python);
+        the format's prepare_graph_step has the last word (_prepare_graph_step)."""
         if self.graphs is None:
             return False
         if not step_fits_graph(num_tokens, context_lens, logits_rows,
                                self.block_size, self.graphs.max_batch, self.kv_format.graph_fills_pages):
             return False
-        if not self.kv_format.graph_step_ok(self.kv_caches):
-            return False
         return not self._model_is_observed()
 
-    def _prepare_graph_fills(self, fill_pages: list[int], context_lens: list[int],
-                             block_tables: list[list[int]]) -> bool:
-        """The format's host-side work before a replayed step that fills pages (prepare_graph_fills),
-        after the step's graph is captured (a capture's warm-up must not see it); False: run eagerly."""
-        if not fill_pages:
-            return True
-        try:
-            self.graphs.capture_for(len(context_lens), len(fill_pages))
-        except Exception:  # as a failed replay: stay eager from now on
-            log.exception("capturing the decode step failed; decode steps run eagerly from now on")
-            self.graphs = None
-            return False
+    def _prepare_graph_step(self, plan: StepPlan, fill_pages: list[int], block_tables: list[list[int]]) -> bool:
+        """The format's host-side work before a replayed step (prepare_graph_step), after the step's
+        graph is captured when it fills pages (a capture's warm-up must not see their slots);
+        False: run eagerly."""
+        context_lens = plan.context_lens
+        if fill_pages:
+            try:
+                self.graphs.capture_for(len(context_lens), len(fill_pages))
+            except Exception:  # as a failed replay: stay eager from now on
+                log.exception("capturing the decode step failed; decode steps run eagerly from now on")
+                self.graphs = None
+                return False
         first_pages = [table[0] for n, table in zip(context_lens, block_tables) if n % self.block_size == 0]
-        return self.kv_format.prepare_graph_fills(self.kv_caches, fill_pages, first_pages)
+        host = HostLists(context_lens, plan.query_start, plan.seq_slots, block_tables)
+        return self.kv_format.prepare_graph_step(self.kv_caches, host, fill_pages, first_pages)
 
     def _model_is_observed(self) -> bool:
         """A K/V observer (calibration) or a router tap runs Python inside the step: a replay would skip it."""
@@ -373,7 +372,7 @@ class ModelRunner:
             fill_slots, fill_pages = decode_fills(context_lens, seq_slots, block_tables, bs)
         logits, nonfinite = None, None
         if (self.graphs is not None and self.step_uses_graph(num_tokens, context_lens, logits_rows)
-                and self._prepare_graph_fills(fill_pages, context_lens, block_tables)):
+                and self._prepare_graph_step(plan, fill_pages, block_tables)):
             try:
                 logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, block_tables, context_lens,
                                          seq_slots, fill_slots, fill_pages,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekv.context import Context, to_device
+from moekv.context import Context, HostLists, to_device
 from moekv.ops.reference import paged_attention_ref
 
 PAGE_ALIGN_BYTES = 128  # pages start on 128-byte lines so kernels can issue full-line loads
@@ -61,7 +61,7 @@ class KVFormat(ABC):
     needs_calibration: bool = False
     # True when a decode step that fills no page writes and attends without host syncs (write's
     # vectorized path + a fused decode kernel), so it can be replayed from a CUDA graph; host-side
-    # state such a step would change is kept up to date by graph_step_ok / after_graph_replay. The
+    # state such a step would change is kept up to date by prepare_graph_step / after_graph_replay. The
     # runner also needs fused_decode_unavailable() to be None (engine/cuda_graphs.py)
     graph_safe: bool = False
     # True when a graph-safe decode step may also fill pages: plain pages take the token through
@@ -155,15 +155,12 @@ class KVFormat(ABC):
         return None
 
     # -- CUDA graphs (engine/model_runner.py): a replay repeats the captured device work only ------
-    def graph_step_ok(self, caches: list[LayerKVCache]) -> bool:
-        """May the next decode step (one that fills no page) be replayed? False when that step has
-        host-side work of its own, so that it runs eagerly."""
-        return True
-
-    def prepare_graph_fills(self, caches: list[LayerKVCache], fill_pages: list[int], first_pages: list[int]) -> bool:
-        """Before a replayed decode step that fills `fill_pages` (first_pages: the first page of each
-        one's sequence): host-side work the captured step relies on (tiered: choosing FP8 slots).
-        False: the step must run eagerly instead."""
+    def prepare_graph_step(self, caches: list[LayerKVCache], host: HostLists, fill_pages: list[int],
+                           first_pages: list[int]) -> bool:
+        """Before every replayed decode step (host: its tables; fill_pages: the pages it fills,
+        first_pages: the first page of each one's sequence): host-side work the captured step relies
+        on or that an eager step would do (tiered: choosing the fills' FP8 slots, counting the step,
+        re-ranking). False, with nothing changed: the step must run eagerly instead."""
         return True
 
     def after_graph_replay(self, caches: list[LayerKVCache]) -> None:

@@ -15,13 +15,14 @@ once. Bits per element: page_bytes() (what sizes the pool) counts a nuq2 slab pe
 pool's share; `bits_read` tracks what attention actually read, for reports.
 
 CUDA graphs: a decode step is device work only (staging with one indexed copy, the fused kernel,
-its mass added to a device accumulator), so the engine replays it, except the step that re-ranks
-(graph_step_ok). A step that fills pages needs FP8 slots, which only the host's free list can give:
-the runner calls prepare_graph_fills before replaying it, which chooses them (demoting, eagerly,
-what must make room) and puts them in a device buffer that the captured `write` reads. In a graph
-step (ctx.graph_step) `write` does not count the step; after each replay the runner calls
-after_graph_replay, which counts it and flags the accumulator, as the eager `write` /
-`attend_kernel` would have.
+its mass added to a device accumulator), so the engine replays every one. Its host-side work runs
+in prepare_graph_step, before the replay: a step that fills pages needs FP8 slots, which only the
+host's free list can give, so they are chosen there (demoting, eagerly, what must make room) and
+put in a device buffer that the captured `write` reads; then the step is counted and, every
+`rerank_interval` steps, the layers re-rank, as the eager `write` would (its re-ranking uses the
+masses of the steps before, not this one's: the same in both). In a graph step (ctx.graph_step)
+`write` does neither; after each replay the runner calls after_graph_replay, which flags the
+accumulator, as the eager `attend_kernel` would have.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import math
 
 import torch
 
-from moekv.context import Context, to_device
+from moekv.context import Context, HostLists, to_device
 from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only,
                                        can_stage_vectorized, check_finite, flag_nonfinite, stage_decode_tokens,
                                        stage_tokens, staging_tensors)
@@ -42,11 +43,11 @@ TIER_NONE, TIER_FP8, TIER_LOW = 0, 1, 2
 
 class TieredFormat(PagedQuantFormat):
     name = "tiered"
-    # decode steps are device-only; the host-side step count and mass flag are kept by
-    # graph_step_ok / after_graph_replay (re-ranking steps run eagerly)
+    # decode steps are device-only; the host-side step count, re-ranking and mass flag are kept by
+    # prepare_graph_step / after_graph_replay
     graph_safe = True
     # a page that fills takes an FP8 slot from a host-side free list (and may demote another page):
-    # in a replayed step the slots are chosen before it (prepare_graph_fills) and read from a
+    # in a replayed step the slots are chosen before it (prepare_graph_step) and read from a
     # device buffer by the captured write
     graph_fills_pages = True
     quantizes_filled_pages = True  # (the runner lists the fills; write stores them, before attention)
@@ -106,11 +107,14 @@ class TieredFormat(PagedQuantFormat):
             "mass": [0.0] * num_blocks,
             "free_fp8": list(range(num_fp8 - 1, -1, -1)),
             "steps": 0,
+            # prepare_graph_step counted (and maybe re-ranked) the coming step: set until its
+            # replay is done; an eager step that finds it set (the replay failed) counts nothing
+            "counted_ahead": False,
             "tier_dev": torch.zeros(num_blocks, dtype=torch.int32, device=device),
             "slot_dev": torch.full((num_blocks,), -1, dtype=torch.int32, device=device),
             "mass_dev": torch.zeros(num_blocks, dtype=torch.float32, device=device),
             "mass_pending": False,  # mass_dev holds mass not yet in "mass"
-            # a replayed step's fills: the FP8 slot of each (prepare_graph_fills), the scratch slot
+            # a replayed step's fills: the FP8 slot of each (prepare_graph_step), the scratch slot
             # beyond them and between steps (a capture's warm-up writes its padded fills there)
             "scratch_fp8": num_fp8,
             "fill_fp8_dev": torch.full((max_num_seqs,), num_fp8, dtype=torch.long, device=device),
@@ -174,11 +178,12 @@ class TieredFormat(PagedQuantFormat):
                 tables = ctx.host_lists().block_tables
                 self._store_pages(cache, [(tables[b][page_idx], kv, tables[b][:page_idx + 1])
                                           for (b, page_idx), kv in completed.items()])
-        if ctx.graph_step:  # warm-up, capture or replay: after_graph_replay counts replayed steps
+        if ctx.graph_step:  # warm-up, capture or replay: prepare_graph_step counts replayed steps
             return
-        st["steps"] += 1
-        if st["steps"] % self.rerank_interval == 0:
-            self._rerank(cache, ctx)
+        if st["counted_ahead"]:  # prepared for a replay that failed: counted (and re-ranked) already
+            st["counted_ahead"] = False
+            return
+        self._count_step(cache, ctx.host_lists())
 
     def fused_rope_write_target(self, cache, k, ctx):
         # graph steps only: an eager step needs `write` itself (it counts the step, may re-rank)
@@ -189,21 +194,35 @@ class TieredFormat(PagedQuantFormat):
     def quantize_filled_pages(self, caches, ctx) -> None:
         """Nothing: `write` stores the pages it fills itself, before the layer attends."""
 
-    # -- CUDA graphs -------------------------------------------------------------------------------
-    def graph_step_ok(self, caches) -> bool:
-        # the step whose write re-ranks reads masses and re-encodes pages on the host: eager
-        return all((c.state["steps"] + 1) % self.rerank_interval for c in caches)
+    def _count_step(self, cache, host: HostLists) -> None:
+        """The host side of a step, after its pages are stored: count it, and re-rank every
+        `rerank_interval` steps."""
+        cache.state["steps"] += 1
+        if cache.state["steps"] % self.rerank_interval == 0:
+            self._rerank(cache, host)
 
+    # -- CUDA graphs -------------------------------------------------------------------------------
     def after_graph_replay(self, caches) -> None:
         for c in caches:
-            c.state["steps"] += 1  # write's count, which graph steps skip
+            c.state["counted_ahead"] = False  # prepare_graph_step's count stands: the replay ran
             c.state["mass_pending"] = True  # attend_kernel's flag: the replay added to mass_dev
             if c.state["fill_slots_loaded"]:  # back to the scratch slot (queued after the replay)
                 c.state["fill_fp8_dev"].fill_(c.state["scratch_fp8"])
                 c.state["fill_slots_loaded"] = False
 
-    def prepare_graph_fills(self, caches, fill_pages: list[int], first_pages: list[int]) -> bool:
-        """Before a replayed step that fills `fill_pages` (first_pages: each one's sequence's first
+    def prepare_graph_step(self, caches, host: HostLists, fill_pages: list[int], first_pages: list[int]) -> bool:
+        """Before a replayed step, what its eager `write` would do on the host, in the same order:
+        store its fills (_prepare_fills), then count the step and maybe re-rank (_count_step).
+        False (fills the captured step cannot take) leaves everything as it was."""
+        if fill_pages and not self._prepare_fills(caches, fill_pages, first_pages):
+            return False
+        for c in caches:
+            self._count_step(c, host)
+            c.state["counted_ahead"] = True  # if the replay fails, the eager step must not count again
+        return True
+
+    def _prepare_fills(self, caches, fill_pages: list[int], first_pages: list[int]) -> bool:
+        """For a replayed step that fills `fill_pages` (first_pages: each one's sequence's first
         page): choose each layer's FP8 slots on the host as `write` would (demoting the coldest
         pages, re-encoded now, before the step), mirror the tiers to the device and put the slots
         where the captured write reads them. False, with the page state as it was, when some
@@ -233,7 +252,7 @@ class TieredFormat(PagedQuantFormat):
 
     def _store_fills_in_graph(self, cache, ctx: Context) -> None:
         """Inside a replayed step: the staging pages it completed (ctx.fill_slots, padded with the
-        scratch slot) quantized to FP8 into the slots prepare_graph_fills chose (fill_fp8_dev)."""
+        scratch slot) quantized to FP8 into the slots _prepare_fills chose (fill_fp8_dev)."""
         F = ctx.fill_slots.numel()
         dest = cache.state["fill_fp8_dev"][:F]
         for name, kind in (("k", "key"), ("v", "value")):
@@ -352,14 +371,14 @@ class TieredFormat(PagedQuantFormat):
             st["tier"][page], st["fp8_slot"][page] = TIER_LOW, -1
         self._sync_pages(cache, pages)
 
-    def _rerank(self, cache, ctx: Context) -> None:
-        """Per sequence in this step: keep the top pages by mass, the first and the newest full page
-        in FP8; demote the rest. Masses then halve, so that the ranking follows recent attention."""
+    def _rerank(self, cache, host: HostLists) -> None:
+        """Per sequence in this step (host: its tables): keep the top pages by mass, the first and
+        the newest full page in FP8; demote the rest. Masses then halve, so that the ranking follows
+        recent attention."""
         st = cache.state
         self._fold_mass(cache)
         block_size = cache["k_staging"].shape[2]
         demote = []
-        host = ctx.host_lists()
         for b, length in enumerate(host.context_lens):
             full = host.block_tables[b][:length // block_size]
             if len(full) <= 2:

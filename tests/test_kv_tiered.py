@@ -317,3 +317,37 @@ def test_the_fill_slots_return_to_scratch_after_the_replay_that_used_them():
     assert st["fill_fp8_dev"][0].item() != st["scratch_fp8"]
     fmt.after_graph_replay([cache])
     assert (st["fill_fp8_dev"] == st["scratch_fp8"]).all() and not st["fill_slots_loaded"]
+
+
+def test_rerank_halves_masses_through_the_weight_of_later_mass():
+    """Re-ranking halves every page's mass by doubling the weight of the mass added after it (no
+    pass over the pool). Against masses halved one by one: the same decayed masses, before and
+    after the weight is folded back into the masses (at 2^64), and the same pages kept in FP8."""
+    import torch
+
+    from moekv.context import HostLists
+
+    fmt, caches, _ = _tiered_layers(10**6, num_layers=1)
+    fmt._rerank = type(fmt)._rerank.__get__(fmt)  # the format's own, not the recording one
+    cache = caches[0]
+    st = cache.state
+    P, pages = 16, list(range(8))
+    g = torch.Generator().manual_seed(4)
+    kv = lambda: {"k": torch.randn(1, P, 16, generator=g), "v": torch.randn(1, P, 16, generator=g)}  # noqa: E731
+    fmt._store_pages(cache, [(p, kv(), pages[:p + 1]) for p in pages])
+    host = HostLists([8 * P], [0, 1], [0], [pages])
+    want = [0.0] * len(st["mass"])
+    st["mass_weight"] = 2.0 ** 62  # two re-rankings from the fold back
+    for r in range(4):
+        added = torch.rand(len(pages), generator=g, dtype=torch.float64).tolist()
+        st["mass_dev"][pages] = torch.tensor(added, dtype=torch.float32)
+        st["mass_pending"] = True
+        for p, m in zip(pages, st["mass_dev"][pages].tolist()):
+            want[p] += m
+        fmt._rerank(cache, host)
+        want = [m * 0.5 for m in want]
+        got = [fmt.page_mass(cache, p) for p in pages]
+        assert got == [want[p] for p in pages], r  # powers of two: exact
+        assert st["mass_weight"] == (2.0 ** (63 + r) if r < 1 else 2.0 ** (r - 1)), r
+        hot = sorted(pages[1:-1], key=lambda p: -want[p])[:2]  # 15% of 8 pages, beside the first and newest
+        assert {p for p in pages if st["tier"][p] == TIER_FP8} <= {pages[0], pages[-1], *hot}

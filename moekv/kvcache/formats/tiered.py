@@ -104,7 +104,10 @@ class TieredFormat(PagedQuantFormat):
         cache.state = {
             "tier": [TIER_NONE] * num_blocks,
             "fp8_slot": [-1] * num_blocks,
+            # each page's attention mass, in units of mass_weight: re-ranking halves every mass by
+            # doubling the weight of what is added after it (the ranking only compares masses)
             "mass": [0.0] * num_blocks,
+            "mass_weight": 1.0,
             "free_fp8": list(range(num_fp8 - 1, -1, -1)),
             "steps": 0,
             # prepare_graph_step counted (and maybe re-ranked) the coming step: set until its
@@ -128,9 +131,10 @@ class TieredFormat(PagedQuantFormat):
             return
         st = cache.state
         dev = st["tier_dev"].device
-        idx = torch.tensor(pages, dtype=torch.long, device=dev)
-        st["tier_dev"][idx] = torch.tensor([st["tier"][p] for p in pages], dtype=torch.int32, device=dev)
-        st["slot_dev"][idx] = torch.tensor([st["fp8_slot"][p] for p in pages], dtype=torch.int32, device=dev)
+        # to_device: a plain torch.tensor(..., device=cuda) waits for the queued step (async scheduling)
+        idx = to_device(pages, torch.long, dev)
+        st["tier_dev"][idx] = to_device([st["tier"][p] for p in pages], torch.int32, dev)
+        st["slot_dev"][idx] = to_device([st["fp8_slot"][p] for p in pages], torch.int32, dev)
         if zero_mass and st["mass_pending"]:
             st["mass_dev"][idx] = 0.0
 
@@ -139,11 +143,12 @@ class TieredFormat(PagedQuantFormat):
         st = cache.state
         if st["mass_pending"]:
             pages = st["mass_dev"].nonzero().flatten()
+            weight = st["mass_weight"]
             for page, m in zip(pages.tolist(), st["mass_dev"][pages].tolist()):
                 # only stored pages are ranked: mass on a page in no tier (free, being filled, or the
                 # graph runner's scratch page that padded rows point at) is dropped
                 if st["tier"][page] != TIER_NONE:
-                    st["mass"][page] += m
+                    st["mass"][page] += m * weight
             st["mass_dev"].zero_()
             st["mass_pending"] = False
 
@@ -268,7 +273,7 @@ class TieredFormat(PagedQuantFormat):
         filled = [b for b, n in enumerate(host.context_lens) if n % P == 0]
         if not filled:
             return
-        slots = torch.tensor([host.seq_slots[b] for b in filled], device=cache["k_staging"].device)
+        slots = to_device([host.seq_slots[b] for b in filled], torch.long, cache["k_staging"].device)
         k_pages, v_pages = cache["k_staging"][slots].float(), cache["v_staging"][slots].float()
         tables = [host.block_tables[b][:host.context_lens[b] // P] for b in filled]
         self._store_pages(cache, [(table[-1], {"k": k_pages[i], "v": v_pages[i]}, table)
@@ -299,7 +304,7 @@ class TieredFormat(PagedQuantFormat):
                                      ("low", self.lo, list(to_low), list(to_low.values()))):
             if not rows:
                 continue
-            index = torch.tensor(rows, dtype=torch.long, device=device)
+            index = to_device(rows, torch.long, device)
             for name, kind in (("k", "key"), ("v", "value")):
                 x = torch.stack([kv[name] for kv in kvs])  # [n, Hkv, P, D]
                 cache[f"{name}_{tier}"][index] = fmt.quantize_packed(x, kind, cache.layer)
@@ -349,8 +354,8 @@ class TieredFormat(PagedQuantFormat):
         if not pages:
             return
         device = cache["k_staging"].device
-        slot_idx = torch.tensor(slots, dtype=torch.long, device=device)
-        page_idx = torch.tensor(pages, dtype=torch.long, device=device)
+        slot_idx = to_device(slots, torch.long, device)
+        page_idx = to_device(pages, torch.long, device)
         P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
         for name, kind in (("k", "key"), ("v", "value")):
             slabs = cache[f"{name}_fp8"][slot_idx]  # [n, Hkv, bytes]
@@ -387,7 +392,17 @@ class TieredFormat(PagedQuantFormat):
             keep |= {full[0], full[-1]}
             demote += [page for page in full if page not in keep and st["tier"][page] == TIER_FP8]
         self._demote(cache, demote)
-        st["mass"] = [m * 0.5 for m in st["mass"]]
+        # every page's mass halves: the weight of the mass added from now on doubles (a pass over
+        # every page of the pool, ~2 ms a layer at 21k pages, only when the weight grows large)
+        st["mass_weight"] *= 2.0
+        if st["mass_weight"] >= 2.0 ** 64:
+            st["mass"] = [m / st["mass_weight"] for m in st["mass"]]
+            st["mass_weight"] = 1.0
+
+    @staticmethod
+    def page_mass(cache, page: int) -> float:
+        """A page's decayed attention mass (what the ranking compares)."""
+        return cache.state["mass"][page] / cache.state["mass_weight"]
 
     # -- reading ---------------------------------------------------------------------------------
     def _gather_pages(self, cache, pages: list[int], kind: str) -> torch.Tensor:
@@ -401,9 +416,9 @@ class TieredFormat(PagedQuantFormat):
             if not idx:
                 continue
             rows = [st["fp8_slot"][pages[i]] if tier == TIER_FP8 else pages[i] for i in idx]
-            slabs = cache[f"{name}_{pool}"][torch.tensor(rows, device=out.device)]
+            slabs = cache[f"{name}_{pool}"][to_device(rows, torch.long, out.device)]
             layout = fmt.layout(kind, P, D)
-            out[torch.tensor(idx, device=out.device)] = fmt.dequantize(layout.unpack(slabs), kind, cache.layer)
+            out[to_device(idx, torch.long, out.device)] = fmt.dequantize(layout.unpack(slabs), kind, cache.layer)
             self.bits_read += 8 * slabs.numel()
             self.elements_read += len(idx) * out.shape[1] * P * D
         return out
@@ -491,7 +506,7 @@ class TieredFormat(PagedQuantFormat):
             if num_full:
                 per_page = probs[..., :num_full * P].sum(dim=(0, 1)).reshape(num_full, P).sum(-1).tolist()
                 for page, m in zip(host.block_tables[b][:num_full], per_page):
-                    st["mass"][page] += m
+                    st["mass"][page] += m * st["mass_weight"]
         return out
 
 

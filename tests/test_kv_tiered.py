@@ -351,3 +351,32 @@ def test_rerank_halves_masses_through_the_weight_of_later_mass():
         assert st["mass_weight"] == (2.0 ** (63 + r) if r < 1 else 2.0 ** (r - 1)), r
         hot = sorted(pages[1:-1], key=lambda p: -want[p])[:2]  # 15% of 8 pages, beside the first and newest
         assert {p for p in pages if st["tier"][p] == TIER_FP8} <= {pages[0], pages[-1], *hot}
+
+
+@pytest.mark.parametrize("num_q, length, window, max_elements", [(40, 40, None, 1 << 26), (7, 50, None, 600),
+                                                                  (30, 64, 9, 900), (1, 33, None, 1)])
+def test_key_mass_matches_explicit_probabilities(num_q, length, window, max_elements):
+    """key_mass (the prefill's page ranking signal, chunked over queries) against the whole
+    [Hq, Tq, L] softmax in float64: the last num_q positions of the context attend causally (and in
+    a sliding window), GQA 4 query heads per KV head; chunks of one query up to all of them."""
+    import torch
+
+    from moekv.kvcache.formats.tiered import key_mass
+
+    g = torch.Generator().manual_seed(length)
+    Hq, Hkv, D = 8, 2, 16
+    q = torch.randn(num_q, Hq, D, generator=g)
+    k = torch.randn(length, Hkv, D, generator=g) * 2
+    scale = D ** -0.5
+    scores = torch.einsum("thd,lhd->htl", q.double(), k.double().repeat_interleave(Hq // Hkv, dim=1)) * scale
+    q_pos = torch.arange(length - num_q, length)[:, None]
+    k_pos = torch.arange(length)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).sum(dim=(0, 1))
+    num_keys = length // 16 * 16
+    got = key_mass(q, k, scale, window, num_keys, max_elements=max_elements)
+    assert got.dtype == torch.float32 and got.shape == (num_keys,)
+    torch.testing.assert_close(got.double(), want[:num_keys], rtol=1e-5, atol=1e-6)
+    assert abs(want.sum().item() - Hq * num_q) < 1e-9  # every query's probabilities sum to 1

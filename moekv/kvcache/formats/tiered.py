@@ -2,8 +2,8 @@
 
 Each layer keeps two physical pools, an FP8 pool (fp8_e4m3 slabs) and a low pool (nuq2 slabs),
 and maps every logical page (the block manager's page id) to a slot in one of them. A page that
-fills is quantized to FP8. Attention, which this format computes with explicit probabilities,
-adds each page's share of the attention mass to a per-page score. Every `rerank_interval` steps
+fills is quantized to FP8. Attention adds each page's share of the attention mass to a per-page
+score (the fused decode kernel emits it; prefill computes it beside SDPA: key_mass). Every `rerank_interval` steps
 the layer ranks each sequence's full pages: the top `tier1_fraction`, the first page (attention
 sinks) and the newest full page stay in FP8; the rest are re-encoded into nuq2 and their FP8 slots
 return to the FP8 pool's free list. Demotion only: a page in nuq2 has already lost the precision
@@ -33,8 +33,8 @@ import torch
 
 from moekv.context import Context, HostLists, to_device
 from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only,
-                                       can_stage_vectorized, check_finite, flag_nonfinite, stage_decode_tokens,
-                                       stage_tokens, staging_tensors)
+                                       can_stage_vectorized, check_finite, dense_attention, flag_nonfinite,
+                                       stage_decode_tokens, stage_tokens, staging_tensors)
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
 
@@ -480,34 +480,54 @@ class TieredFormat(PagedQuantFormat):
         return out
 
     def attend_reference(self, q, cache, ctx, scale, sliding_window):
-        """Attention with explicit probabilities, so each page's mass is known (no second pass)."""
+        """Attention as every format's reference path computes it (dense_attention: SDPA over the
+        dequantized context, flash on CUDA), and each full page's attention mass beside it
+        (key_mass: the probabilities summed over heads and queries, a chunk of queries at a time).
+        The mass used to come from explicit probabilities that also gave the output: [Hq, Tq, L]
+        fp32 at once, most of a 16 x 4k prefill on the H200 (NOTES, session 11)."""
         st = cache.state
         P = cache["k_staging"].shape[2]
-        out = torch.empty_like(q)
         host = ctx.host_lists()
         starts = host.query_start
-        group = q.shape[1] // cache["k_staging"].shape[1]
-        for b, length in enumerate(host.context_lens):
-            lo, hi = starts[b], starts[b + 1]
-            if hi == lo:
-                continue
-            k = self.gather(cache, ctx, b, length, "key").repeat_interleave(group, dim=1)  # [L, Hq, D]
-            v = self.gather(cache, ctx, b, length, "value").repeat_interleave(group, dim=1)
-            qb = q[lo:hi].float()  # [Tq, Hq, D]
-            scores = torch.einsum("thd,lhd->htl", qb, k) * scale  # [Hq, Tq, L]
-            q_pos = torch.arange(length - (hi - lo), length, device=q.device)[:, None]
-            k_pos = torch.arange(length, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-            out[lo:hi] = torch.einsum("htl,lhd->thd", probs, v).to(q.dtype)
+
+        def gather_and_rank(b, length):
+            k = self.gather(cache, ctx, b, length, "key")
             num_full = length // P
             if num_full:
-                per_page = probs[..., :num_full * P].sum(dim=(0, 1)).reshape(num_full, P).sum(-1).tolist()
-                for page, m in zip(host.block_tables[b][:num_full], per_page):
-                    st["mass"][page] += m * st["mass_weight"]
-        return out
+                mass = key_mass(q[starts[b]:starts[b + 1]], k, scale, sliding_window, num_full * P)
+                weight = st["mass_weight"]
+                for page, m in zip(host.block_tables[b][:num_full], mass.reshape(num_full, P).sum(-1).tolist()):
+                    st["mass"][page] += m * weight
+            return k, self.gather(cache, ctx, b, length, "value")
+
+        return dense_attention(q, ctx, gather_and_rank, scale, sliding_window)
+
+
+def key_mass(q: torch.Tensor, k: torch.Tensor, scale: float, sliding_window: int | None, num_keys: int,
+             max_elements: int = 1 << 26) -> torch.Tensor:
+    """The attention probability of each of the first `num_keys` keys, summed over query heads and
+    queries: q [Tq, Hq, D] (the last Tq positions of the context), k [L, Hkv, D] -> [num_keys] fp32.
+    Causal (and sliding-window) masking as the attention's; fp32 softmax over [Hkv, G, C, L] score
+    chunks of at most max_elements (C queries at a time), so no [Hq, Tq, L] tensor is ever held."""
+    num_q, num_heads, head_dim = q.shape
+    length, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    k_t = k.float().permute(1, 2, 0)  # [Hkv, D, L]
+    k_pos = torch.arange(length, device=q.device)
+    mass = torch.zeros(num_keys, dtype=torch.float32, device=q.device)
+    chunk = max(1, max_elements // (num_heads * length))
+    for c0 in range(0, num_q, chunk):
+        qc = q[c0:c0 + chunk].float()
+        C = qc.shape[0]
+        q_g = qc.reshape(C, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * C, head_dim)
+        scores = torch.bmm(q_g, k_t).mul_(scale).view(num_kv_heads, group, C, length)
+        q_pos = torch.arange(length - num_q + c0, length - num_q + c0 + C, device=q.device)[:, None]
+        allowed = k_pos[None, :] <= q_pos  # [C, L]
+        if sliding_window is not None:
+            allowed &= k_pos[None, :] > q_pos - sliding_window
+        probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
+        mass += probs[..., :num_keys].sum(dim=(0, 1, 2))
+    return mass
 
 
 def _pop_coldest(heap: list[tuple[float, int]], exclude: set[int]) -> int | None:

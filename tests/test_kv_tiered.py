@@ -353,12 +353,14 @@ def test_rerank_halves_masses_through_the_weight_of_later_mass():
         assert {p for p in pages if st["tier"][p] == TIER_FP8} <= {pages[0], pages[-1], *hot}
 
 
-@pytest.mark.parametrize("num_q, length, window, max_elements", [(40, 40, None, 1 << 26), (7, 50, None, 600),
-                                                                  (30, 64, 9, 900), (1, 33, None, 1)])
+@pytest.mark.parametrize("num_q, length, window, max_elements", [
+    (40, 40, None, 1 << 26), (7, 50, None, 600), (30, 64, 9, 900), (30, 64, 9, 8 * 64 * 5), (20, 70, 5, 8 * 70 * 4),
+    (1, 33, None, 1)])
 def test_key_mass_matches_explicit_probabilities(num_q, length, window, max_elements):
     """key_mass (the prefill's page ranking signal, chunked over queries) against the whole
     [Hq, Tq, L] softmax in float64: the last num_q positions of the context attend causally (and in
-    a sliding window), GQA 4 query heads per KV head; chunks of one query up to all of them."""
+    a sliding window), GQA 4 query heads per KV head; chunks of one query up to all of them, and
+    chunks whose window starts past the ranked keys."""
     import torch
 
     from moekv.kvcache.formats.tiered import key_mass

@@ -507,26 +507,43 @@ def key_mass(q: torch.Tensor, k: torch.Tensor, scale: float, sliding_window: int
              max_elements: int = 1 << 26) -> torch.Tensor:
     """The attention probability of each of the first `num_keys` keys, summed over query heads and
     queries: q [Tq, Hq, D] (the last Tq positions of the context), k [L, Hkv, D] -> [num_keys] fp32.
-    Causal (and sliding-window) masking as the attention's; fp32 softmax over [Hkv, G, C, L] score
-    chunks of at most max_elements (C queries at a time), so no [Hq, Tq, L] tensor is ever held."""
+    Causal (and sliding-window) masking as the attention's; fp32 softmax over [Hkv, G, C, n] score
+    chunks of C queries (C * Hq * L <= max_elements), so no [Hq, Tq, L] tensor is ever held. A
+    chunk scores only the n keys some query of it can see (for a whole prompt, half the keys on
+    average) and masks only the columns where some query may not look."""
     num_q, num_heads, head_dim = q.shape
     length, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
     k_t = k.float().permute(1, 2, 0)  # [Hkv, D, L]
-    k_pos = torch.arange(length, device=q.device)
     mass = torch.zeros(num_keys, dtype=torch.float32, device=q.device)
     chunk = max(1, max_elements // (num_heads * length))
     for c0 in range(0, num_q, chunk):
-        qc = q[c0:c0 + chunk].float()
-        C = qc.shape[0]
-        q_g = qc.reshape(C, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * C, head_dim)
-        scores = torch.bmm(q_g, k_t).mul_(scale).view(num_kv_heads, group, C, length)
-        q_pos = torch.arange(length - num_q + c0, length - num_q + c0 + C, device=q.device)[:, None]
-        allowed = k_pos[None, :] <= q_pos  # [C, L]
+        C = min(chunk, num_q - c0)
+        p0 = length - num_q + c0  # the chunk's first query position; its keys are [lo, hi)
+        hi = p0 + C
+        lo = 0 if sliding_window is None else max(0, p0 - sliding_window + 1)
+        if lo >= num_keys:
+            continue
+        q_c = q[c0:c0 + C].float() * scale
+        q_g = q_c.reshape(C, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * C,
+                                                                                          head_dim)
+        scores = torch.bmm(q_g, k_t[:, :, lo:hi]).view(num_kv_heads, group, C, hi - lo)
+        q_pos = torch.arange(p0, hi, device=q.device)[:, None]
+        # keys at p0 and later are past some query's position; keys up to hi - 1 - window are
+        # outside some query's window: only those columns take the mask
+        masked = [(max(p0, lo), hi)]
         if sliding_window is not None:
-            allowed &= k_pos[None, :] > q_pos - sliding_window
-        probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
-        mass += probs[..., :num_keys].sum(dim=(0, 1, 2))
+            masked.append((lo, min(hi, hi - sliding_window)))
+        for a, b in masked:
+            if a < b:
+                k_pos = torch.arange(a, b, device=q.device)[None, :]
+                blocked = k_pos > q_pos
+                if sliding_window is not None:
+                    blocked |= k_pos <= q_pos - sliding_window
+                scores[..., a - lo:b - lo].masked_fill_(blocked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        end = min(hi, num_keys)
+        mass[lo:end] += probs[..., :end - lo].sum(dim=(0, 1, 2))
     return mass
 
 

@@ -18,6 +18,12 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+def filling_rows(context_lens: list[int], block_size: int) -> list[int]:
+    """The sequences (rows) whose newest token completes a page in a decode step: a sequence now n
+    tokens long fills its page n // P - 1 when n % P == 0 (the one rule for which pages a step fills)."""
+    return [b for b, n in enumerate(context_lens) if n % block_size == 0]
+
+
 @dataclass(frozen=True)
 class HostLists:
     """Host copies of a step's small tables, as the runner built them (block_tables padded to one

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moekv.context import Context
+from moekv.context import Context, filling_rows
 
 log = logging.getLogger("moekv")
 
@@ -102,13 +102,9 @@ def step_fits_graph(num_tokens: list[int], context_lens: list[int], logits_rows:
 def decode_fills(context_lens: list[int], seq_slots: list[int], block_tables: list[list[int]],
                  block_size: int) -> tuple[list[int], list[int]]:
     """The (staging slot, page) of every sequence whose newest token completes its page in a
-    decode step: the token at position context_len - 1 sits in page (context_len - 1) // P."""
-    slots, pages = [], []
-    for n, slot, table in zip(context_lens, seq_slots, block_tables):
-        if n % block_size == 0:
-            slots.append(slot)
-            pages.append(table[(n - 1) // block_size])
-    return slots, pages
+    decode step (filling_rows)."""
+    rows = filling_rows(context_lens, block_size)
+    return ([seq_slots[b] for b in rows], [block_tables[b][context_lens[b] // block_size - 1] for b in rows])
 
 
 @dataclass

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from moekv.config import EngineConfig, parse_dtype
-from moekv.context import Context, HostLists, MixedSplit, to_device
+from moekv.context import Context, HostLists, MixedSplit, filling_rows, to_device
 from moekv.engine.cuda_graphs import DecodeGraphs, decode_fills, graphs_unsupported_reason, step_fits_graph
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
@@ -274,7 +274,7 @@ class ModelRunner:
                 log.exception("capturing the decode step failed; decode steps run eagerly from now on")
                 self.graphs = None
                 return False
-        first_pages = [table[0] for n, table in zip(context_lens, block_tables) if n % self.block_size == 0]
+        first_pages = [block_tables[b][0] for b in filling_rows(context_lens, self.block_size)]
         host = HostLists(context_lens, plan.query_start, plan.seq_slots, block_tables)
         return self.kv_format.prepare_graph_step(self.kv_caches, host, fill_pages, first_pages)
 

@@ -402,8 +402,8 @@ class PagedQuantFormat(KVFormat):
             # every sequence's filled pages in one quantization
             x_full = torch.cat(xs)  # [n, Hkv, P, D]
             check_finite(x_full, kind + "s")
-            page_ids = ctx.block_tables[to_device(rows, torch.long, x_full.device),
-                                        to_device(cols, torch.long, x_full.device)].long()
+            tables = ctx.host_lists().block_tables
+            page_ids = to_device([tables[b][c] for b, c in zip(rows, cols)], torch.long, x_full.device)
             cache[f"{name}_pages"][page_ids] = self.quantize_packed(x_full, kind, cache.layer)
 
     def fused_rope_write_target(self, cache, k, ctx):

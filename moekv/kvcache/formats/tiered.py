@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from moekv.context import Context, HostLists, to_device
+from moekv.context import Context, HostLists, filling_rows, to_device
 from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only,
                                        can_stage_vectorized, check_finite, dense_attention, flag_nonfinite,
                                        stage_decode_tokens, stage_tokens, staging_tensors)
@@ -266,11 +266,10 @@ class TieredFormat(PagedQuantFormat):
             cache[f"{name}_fp8"][dest] = self.hi.quantize_packed(x, kind, cache.layer)
 
     def _store_filled_staging(self, cache, ctx: Context) -> None:
-        """After a decode step's tokens are staged: store the staging pages they completed (a
-        sequence of n tokens completes its page n // P - 1 when n % P == 0)."""
+        """After a decode step's tokens are staged: store the staging pages they completed."""
         host = ctx.host_lists()
         P = cache["k_staging"].shape[2]
-        filled = [b for b, n in enumerate(host.context_lens) if n % P == 0]
+        filled = filling_rows(host.context_lens, P)
         if not filled:
             return
         slots = to_device([host.seq_slots[b] for b in filled], torch.long, cache["k_staging"].device)

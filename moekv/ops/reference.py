@@ -150,34 +150,39 @@ def paged_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
     its last positions. Serves prefill, chunked prefill and decode alike. Returns [T, Hq, D].
     """
     out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k_pages.shape[1]
-    group = num_heads // num_kv_heads
     starts = query_start_loc.tolist()
     lengths = context_lens.tolist()
     for b, length in enumerate(lengths):
-        q_b = q[starts[b]:starts[b + 1]]  # [Tq, Hq, D]
-        num_q = q_b.shape[0]
-        if num_q == 0:
+        if starts[b + 1] == starts[b]:
             continue
-        k = gather_kv_ref(k_pages, block_tables[b], length).to(q.dtype)
-        v = gather_kv_ref(v_pages, block_tables[b], length).to(q.dtype)
-        k = k.repeat_interleave(group, dim=1)  # GQA: each KV head serves `group` query heads
-        v = v.repeat_interleave(group, dim=1)
-        # [1, H, L, D]: SDPA's fused CUDA kernels take 4-D inputs only; 3-D ones fall back to the
-        # math path, which materialises the [H, Tq, L] scores in fp32 (on the H200 that was most of
-        # a bf16 prefill step: benchmarks/NOTES.md, session 9)
-        q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q_b, k, v))
-        if num_q == length and sliding_window is None:  # a whole prompt: plain causal (flash SDPA on CUDA)
-            o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
-        else:
-            q_pos = torch.arange(length - num_q, length, device=q.device)[:, None]
-            k_pos = torch.arange(length, device=q.device)[None, :]
-            mask = k_pos <= q_pos  # [Tq, L]
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
-        out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1)
+        k = gather_kv_ref(k_pages, block_tables[b], length)
+        v = gather_kv_ref(v_pages, block_tables[b], length)
+        out[starts[b]:starts[b + 1]] = causal_attention_ref(q[starts[b]:starts[b + 1]], k, v, scale, sliding_window)
     return out
+
+
+def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         sliding_window: int | None = None) -> torch.Tensor:
+    """One sequence's causal attention: q [Tq, Hq, D], its last Tq positions, over k, v [L, Hkv, D]
+    (cast to q's dtype; GQA: each KV head serves Hq / Hkv query heads) -> [Tq, Hq, D]. No host sync."""
+    num_q, length = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.to(q.dtype).repeat_interleave(group, dim=1)
+    v = v.to(q.dtype).repeat_interleave(group, dim=1)
+    # [1, H, L, D]: SDPA's fused CUDA kernels take 4-D inputs only; 3-D ones fall back to the
+    # math path, which materialises the [H, Tq, L] scores in fp32 (on the H200 that was most of
+    # a bf16 prefill step: benchmarks/NOTES.md, session 9)
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if num_q == length and sliding_window is None:  # a whole prompt: plain causal (flash SDPA on CUDA)
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+    else:
+        q_pos = torch.arange(length - num_q, length, device=q.device)[:, None]
+        k_pos = torch.arange(length, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # [Tq, L]
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
 
 
 # -- routing (moekv/routing; kernels in ops/fused_routing.py and ops/rms_norm_coarse_gate.py) ------

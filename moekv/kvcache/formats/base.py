@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moekv.context import Context, HostLists, to_device
-from moekv.ops.reference import paged_attention_ref
+from moekv.ops.reference import causal_attention_ref
 
 PAGE_ALIGN_BYTES = 128  # pages start on 128-byte lines so kernels can issue full-line loads
 FIELD_ALIGN_BYTES = 16  # fields inside a slab start on 16-byte boundaries (vector loads)
@@ -473,11 +473,9 @@ def _is_decode_only(q: torch.Tensor, ctx: Context) -> bool:
 
 
 def dense_attention(q: torch.Tensor, ctx: Context, gather, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Attention over K/V that `gather(b, length) -> (k, v) [length, Hkv, D]` reconstructs per sequence.
-
-    Builds a one-page-per-sequence dense view and reuses the paged reference, so masking and GQA
-    follow exactly the same code as the uncompressed path.
-    """
+    """Attention over K/V that `gather(b, length) -> (k, v) [length, Hkv, D]` reconstructs per
+    sequence: each sequence's queries through causal_attention_ref, the masking and GQA of the
+    uncompressed path, with no host sync of its own (the step's tables come from ctx.host_lists)."""
     out = torch.empty_like(q)
     host = ctx.host_lists()
     starts = host.query_start
@@ -486,11 +484,5 @@ def dense_attention(q: torch.Tensor, ctx: Context, gather, scale: float, sliding
         if hi == lo:
             continue
         k, v = gather(b, length)
-        # [1 page, Hkv, length, D] and a one-entry block table
-        k_pages = k.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        v_pages = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        one = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
-        out[lo:hi] = paged_attention_ref(
-            q[lo:hi], k_pages, v_pages, one, torch.tensor([length], device=q.device),
-            torch.tensor([0, hi - lo], device=q.device), scale, sliding_window)
+        out[lo:hi] = causal_attention_ref(q[lo:hi], k, v, scale, sliding_window)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,16 +174,26 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     # math path, which materialises the [H, Tq, L] scores in fp32 (on the H200 that was most of
     # a bf16 prefill step: benchmarks/NOTES.md, session 9)
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    if num_q == length and sliding_window is None:  # a whole prompt: plain causal (flash SDPA on CUDA)
-        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
-    else:
+    mask = None
+    if num_q != length or sliding_window is not None:  # (a whole prompt: plain causal, flash SDPA on CUDA)
         q_pos = torch.arange(length - num_q, length, device=q.device)[:, None]
         k_pos = torch.arange(length, device=q.device)[None, :]
         mask = k_pos <= q_pos  # [Tq, L]
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+    if q.is_cuda:  # not cuDNN's attention: it builds a graph for every new sequence length
+        with sdpa_kernel(SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale)
     return o[0].transpose(0, 1)
+
+
+# SDPA backends for prefill on CUDA. PyTorch prefers cuDNN's attention on Hopper, which builds (and
+# caches) an execution graph for each new query/key length: a few hundred ms each (sglang#4650
+# measured ~400 ms), paid by every prompt of a length not seen before. Flash and memory-efficient
+# attention have no such step.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 # -- routing (moekv/routing; kernels in ops/fused_routing.py and ops/rms_norm_coarse_gate.py) ------

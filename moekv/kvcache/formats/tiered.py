@@ -3,11 +3,11 @@
 Each layer keeps two physical pools, an FP8 pool (fp8_e4m3 slabs) and a low pool (nuq2 slabs),
 and maps every logical page (the block manager's page id) to a slot in one of them. A page that
 fills is quantized to FP8. Attention adds each page's share of the attention mass to a per-page
-score (the fused decode kernel emits it; prefill computes it beside SDPA: key_mass). Every `rerank_interval` steps
-the layer ranks each sequence's full pages: the top `tier1_fraction`, the first page (attention
-sinks) and the newest full page stay in FP8; the rest are re-encoded into nuq2 and their FP8 slots
-return to the FP8 pool's free list. Demotion only: a page in nuq2 has already lost the precision
-FP8 would keep, so promoting it back would cost bytes and buy nothing.
+score (the fused decode kernel emits it; prefill computes it beside SDPA: key_mass). Every
+`rerank_interval` steps the layer ranks each sequence's full pages: the top `tier1_fraction`, the
+first page (attention sinks) and the newest full page stay in FP8; the rest are re-encoded into
+nuq2 and their FP8 slots return to the FP8 pool's free list. Demotion only: a page in nuq2 has
+already lost the precision FP8 would keep, so promoting it back would cost bytes and buy nothing.
 
 The FP8 pool holds `fp8_pool_fraction` of the pages (headroom above tier1_fraction for pages
 written between re-rankings); when it runs out, the coldest unprotected FP8 page is demoted at
@@ -482,8 +482,9 @@ class TieredFormat(PagedQuantFormat):
         """Attention as every format's reference path computes it (dense_attention: SDPA over the
         dequantized context, flash on CUDA), and each full page's attention mass beside it
         (key_mass: the probabilities summed over heads and queries, a chunk of queries at a time).
-        The mass used to come from explicit probabilities that also gave the output: [Hq, Tq, L]
-        fp32 at once, most of a 16 x 4k prefill on the H200 (NOTES, session 11)."""
+        The mass used to come from explicit probabilities that also gave the output ([Hq, Tq, L]
+        fp32 at once and a fp32 P @ V); key_mass's first version, as costly (~0.57 s of a 2 x 4k
+        prefill step on the H200), now scores only the keys each chunk can see (NOTES, session 11)."""
         st = cache.state
         P = cache["k_staging"].shape[2]
         host = ctx.host_lists()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import PAGE_ALIGN_BYTES, KVFormat, LayerKVCache, RopeWriteTarget
-from moekv.ops.reference import paged_attention_ref, write_kv_pages_ref
+from moekv.kvcache.formats.base import PAGE_ALIGN_BYTES, KVFormat, LayerKVCache, RopeWriteTarget, dense_attention
+from moekv.ops.reference import gather_kv_ref, write_kv_pages_ref
 
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -52,5 +52,9 @@ class PlainKVFormat(KVFormat):
         return plain_spec(self.dtype)
 
     def attend_reference(self, q, cache, ctx, scale, sliding_window):
-        return paged_attention_ref(q, cache["k_pages"], cache["v_pages"], ctx.block_tables, ctx.context_lens,
-                                   ctx.query_start_loc, scale, sliding_window)
+        # paged_attention_ref's math, with the step's tables from the host lists (no sync a layer)
+        def gather(b, length):
+            table = ctx.block_tables[b]
+            return gather_kv_ref(cache["k_pages"], table, length), gather_kv_ref(cache["v_pages"], table, length)
+
+        return dense_attention(q, ctx, gather, scale, sliding_window)

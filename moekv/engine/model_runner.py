@@ -274,7 +274,9 @@ class ModelRunner:
                 log.exception("capturing the decode step failed; decode steps run eagerly from now on")
                 self.graphs = None
                 return False
-        first_pages = [block_tables[b][0] for b in filling_rows(context_lens, self.block_size)]
+        # the first page of each fill's sequence (decode_fills' rows, in its order)
+        first_pages = ([block_tables[b][0] for b in filling_rows(context_lens, self.block_size)]
+                       if fill_pages else [])
         host = HostLists(context_lens, plan.query_start, plan.seq_slots, block_tables)
         return self.kv_format.prepare_graph_step(self.kv_caches, host, fill_pages, first_pages)
 

@@ -6,6 +6,8 @@ N = pages in the pool, P = tokens per page (block_size).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -181,10 +183,8 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         mask = k_pos <= q_pos  # [Tq, L]
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-    if q.is_cuda:  # not cuDNN's attention: it builds a graph for every new sequence length
-        with sdpa_kernel(SDPA_BACKENDS):
-            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale)
-    else:
+    # on CUDA not cuDNN's attention: it builds a graph for every new sequence length
+    with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale)
     return o[0].transpose(0, 1)
 

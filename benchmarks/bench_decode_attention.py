@@ -184,7 +184,12 @@ def bytes_read(fmt, spec, batch: int, context: int, block_size: int) -> int:
     return batch * NUM_KV_HEADS * (pages * slabs + sixteen_bit) + qo
 
 
-LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "prefetch")
+LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "prefetch", "swap_ab")
+
+
+def launches(args):
+    """(config, swap_ab) pairs to time: every config in each orientation of --swap-ab (None: the spec's)."""
+    return [(config, swap_ab) for config in args.configs for swap_ab in args.swap_ab]
 
 
 def already_timed(launch: dict, results: list[dict]) -> bool:
@@ -296,18 +301,20 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     row["ref_max_abs"] = ref.abs().max().item()
     results = []
     max_context = ctx.block_tables.shape[1] * args.block_size
-    for block_n, warps, stages, split_factor, use_asm, prefetch in args.configs:
+    for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab in launches(args):
         if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG:  # the launcher's own choice
             splits = default_num_splits(spec, batch, NUM_KV_HEADS, max_context, block_n, sms)
         else:
             splits = max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, max_context, block_n, sms))
 
-        def run(block_n=block_n, warps=warps, stages=stages, splits=splits, use_asm=use_asm, prefetch=prefetch):
+        def run(block_n=block_n, warps=warps, stages=stages, splits=splits, use_asm=use_asm, prefetch=prefetch,
+                swap_ab=swap_ab):
             return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
                                           spec, num_splits=splits, block_n=block_n, num_warps=warps,
-                                          num_stages=stages, use_asm=use_asm, prefetch=prefetch)
+                                          num_stages=stages, use_asm=use_asm, prefetch=prefetch, swap_ab=swap_ab)
         launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
-                  "use_asm": use_asm, "prefetch": spec.prefetch if prefetch is None else prefetch}
+                  "use_asm": use_asm, "prefetch": spec.prefetch if prefetch is None else prefetch,
+                  "swap_ab": spec.swap_ab if swap_ab is None else bool(swap_ab)}
         if already_timed(launch, results):
             continue
         try:
@@ -315,7 +322,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
             torch.cuda.synchronize()
             ms = timer(run, args.cudagraph)
             entry = {**launch, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
-            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG:
+            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None:
                 entry["eager_ms"] = timer(run, cudagraph=False)
         except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is reported, not fatal
             entry = {**launch, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
@@ -337,7 +344,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                gbps=nbytes / best["ms"] * 1e-6,
                default_ms=default["ms"], eager_ms=default.get("eager_ms"), block_n=best["block_n"],
                num_warps=best["num_warps"], num_stages=best["num_stages"], num_splits=best["num_splits"],
-               use_asm=best["use_asm"], prefetch=best["prefetch"], no_asm_ms=no_asm["ms"] if no_asm else None,
+               use_asm=best["use_asm"], prefetch=best["prefetch"], swap_ab=best["swap_ab"], no_asm_ms=no_asm["ms"] if no_asm else None,
                max_abs_err=max(r["max_abs_err"] for r in ok),
                wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > limit] or None)
     del cache, ctx, q
@@ -394,7 +401,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     kernel alone without the mass output."""
     from moekv.kvcache.formats.tiered import TIER_FP8
     from moekv.ops.decode_attention import num_splits_for
-    from moekv.ops.decode_tiered import TIERED_PREFETCH, tiered_decode_attention
+    from moekv.ops.decode_tiered import TIERED_PREFETCH, TIERED_SWAP_AB, tiered_decode_attention
 
     P = args.block_size
     cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
@@ -414,12 +421,12 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     row["ref_max_abs"] = ref.abs().max().item()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     results = []
-    for block_n, warps, stages, split_factor, use_asm, prefetch in args.configs:
+    for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab in launches(args):
         if block_n > P:  # its tiles lie in one page
             continue
         splits = max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, ctx.block_tables.shape[1] * P, block_n, sms))
         launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm,
-                      prefetch=prefetch)
+                      prefetch=prefetch, swap_ab=swap_ab)
 
         def run(launch=launch):
             return fmt.attend_kernel(q, cache, ctx, scale, None, **launch)
@@ -429,7 +436,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
                                            ctx.context_lens, ctx.seq_slots, scale, None, fmt.hi, fmt.lo,
                                            emit_mass=False, **launch)[0]
         entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm,
-                 "prefetch": TIERED_PREFETCH if prefetch is None else prefetch}
+                 "prefetch": TIERED_PREFETCH if prefetch is None else prefetch,
+                 "swap_ab": TIERED_SWAP_AB if swap_ab is None else bool(swap_ab)}
         if already_timed(entry, results):
             continue
         try:
@@ -437,7 +445,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
             torch.cuda.synchronize()
             entry.update(ms=timer(run, args.cudagraph), nomass_ms=timer(run_nomass, args.cudagraph),
                          max_abs_err=(out[:1].float() - ref).abs().max().item())
-            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG:
+            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None:
                 entry["eager_ms"] = timer(run, cudagraph=False)
         except Exception as e:  # noqa: BLE001
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -458,7 +466,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
                gbps=nbytes / best["ms"] * 1e-6, default_ms=default["ms"], eager_ms=default.get("eager_ms"),
                block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
                num_splits=best["num_splits"], use_asm=best["use_asm"], prefetch=best["prefetch"],
-               max_abs_err=max(r["max_abs_err"] for r in ok),
+               swap_ab=best["swap_ab"], max_abs_err=max(r["max_abs_err"] for r in ok),
                wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > limit] or None)
     del cache, ctx, q
     torch.cuda.empty_cache()
@@ -474,6 +482,9 @@ def main() -> None:
     p.add_argument("--shapes", nargs="*", default=None, help="batchxcontext, e.g. 1x4096 16x32768")
     p.add_argument("--configs", nargs="*", type=int, default=None,
                    help=f"indices into CONFIGS (default: all; 0 is the default launch): {CONFIGS}")
+    p.add_argument("--swap-ab", nargs="*", default=None, choices=("spec", "0", "1"),
+                   help="orientations of the products to time with every config (default: the spec's; "
+                        "0: scores as q @ k^T, 1: as k @ q^T, DecodeSpec.swap_ab)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per page (64: kivi2 needs a multiple of 32)")
     p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
@@ -492,6 +503,7 @@ def main() -> None:
         t0 = time.time()
         args.vq_calibration = random_calibration(Path(tempfile.mkdtemp(prefix="vqcal")), NUM_KV_HEADS, HEAD_DIM)
         print(f"vq: random calibration fitted in {time.time() - t0:.1f} s ({args.vq_calibration})", flush=True)
+    args.swap_ab = [None if v == "spec" else v == "1" for v in (args.swap_ab or ["spec"])]
     args.shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes
                    else QUICK_SHAPES if args.quick else SHAPES)
     args.configs = ([DEFAULT_CONFIG] if args.quick else CONFIGS if args.configs is None

@@ -96,7 +96,7 @@ def page_size(label, block_size):
 
 
 def run_case(label, lens, num_kv_heads, group, head_dim, block_size, num_splits, window=None, kv=None,
-             q_dtype=torch.float32, seed=0, block_n=None):
+             q_dtype=torch.float32, seed=0, block_n=None, swap_ab=None):
     block_size = page_size(label, block_size)
     name, options = FORMATS[label]
     kv_dtype = torch.float16 if label == "fp16" else torch.bfloat16
@@ -107,7 +107,7 @@ def run_case(label, lens, num_kv_heads, group, head_dim, block_size, num_splits,
     scale = head_dim ** -0.5
     spec = fmt.decode_spec(block_size, head_dim)
     out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, window,
-                                    spec, num_splits=num_splits, block_n=block_n)
+                                    spec, num_splits=num_splits, block_n=block_n, swap_ab=swap_ab)
     return out, reference(fmt, cache, ctx, q, scale, window), cache, ctx
 
 
@@ -144,11 +144,14 @@ GRID = [
 
 @pytest.mark.parametrize("label", list(FORMATS))
 @pytest.mark.parametrize("case", range(len(GRID)))
-def test_kernel_matches_reference(label, case):
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
+def test_kernel_matches_reference(label, case, swap_ab):
+    """Both orientations of the products (DecodeSpec.swap_ab: scores as q @ k^T or k @ q^T)."""
     lens, hkv, group, head_dim, block_size, splits, block_n = GRID[case]
     if label.startswith("int4_g64") and head_dim % 64:
         pytest.skip("int4 g64 needs head_dim divisible by 64")
-    out, ref, _, _ = run_case(label, lens, hkv, group, head_dim, block_size, splits, block_n=block_n)
+    out, ref, _, _ = run_case(label, lens, hkv, group, head_dim, block_size, splits, block_n=block_n,
+                              swap_ab=swap_ab)
     check(label, out, ref)
 
 
@@ -452,17 +455,19 @@ GPU_LAUNCHES = [(64, 4, 2, True, None), (128, 8, 3, True, 0), (32, 4, 2, True, 2
 
 
 def check_gpu_launches(label, spec, cache, ctx, q, scale, ref, block_size):
-    """Every launch shape the benchmark tries (pages of 64) or the default one (other pages)."""
-    for i, (block_n, warps, stages, use_asm, prefetch) in enumerate(GPU_LAUNCHES if block_size == 64
-                                                                   else GPU_LAUNCHES[:1]):
+    """Every launch shape the benchmark tries (pages of 64) or the default one (other pages), in
+    both orientations of the products (swap_ab)."""
+    launches = GPU_LAUNCHES if block_size == 64 else GPU_LAUNCHES[:1]
+    for i, ((block_n, warps, stages, use_asm, prefetch), swap_ab) in enumerate(
+            (launch, swap_ab) for launch in launches for swap_ab in (False, True)):
         try:
             out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale,
                                             None, spec, block_n=block_n, num_warps=warps, num_stages=stages,
-                                            use_asm=use_asm, prefetch=prefetch)
+                                            use_asm=use_asm, prefetch=prefetch, swap_ab=swap_ab)
         except triton.runtime.errors.OutOfResources:
             # a non-default shape may need more shared memory than the GPU has (kivi2 at
             # (128, 8, 3): 264 KiB > 227 KiB on an H200); the benchmark skips it the same way
-            assert i > 0, "the default launch shape must fit"
+            assert i > 1, "the default launch shape must fit"
             continue
         check(label, out, ref, torch.bfloat16)
 

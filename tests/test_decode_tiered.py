@@ -74,13 +74,14 @@ GRID = [
 
 
 @pytest.mark.parametrize("case", range(len(GRID)))
-def test_tiered_kernel_matches_reference(case):
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
+def test_tiered_kernel_matches_reference(case, swap_ab):
     lens, hkv, group, head_dim, block_size, splits, block_n, kv_dtype = GRID[case]
     fmt, cache, ctx = tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=case)
     tiers = [cache.state["tier"][p] for b, n in enumerate(lens) for p in ctx.block_tables[b, :n // block_size].tolist()]
     assert TIER_FP8 in tiers and TIER_LOW in tiers
     mirrors_match(cache)
-    _, _, mass, _ = run_and_compare(fmt, cache, ctx, group, num_splits=splits, block_n=block_n)
+    _, _, mass, _ = run_and_compare(fmt, cache, ctx, group, num_splits=splits, block_n=block_n, swap_ab=swap_ab)
     assert mass.sum() > 0
 
 
@@ -197,13 +198,15 @@ def test_tiered_mix_small():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("block_n", [64, 32])
-def test_gpu_tiered_realistic(block_n):
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
+def test_gpu_tiered_realistic(block_n, swap_ab):
     """32 query / 8 KV heads, head_dim 128, pages of 64, long contexts off page boundaries, bf16 queries,
     ~15% of pages in FP8; the engine's path (fmt.attend) takes the kernel."""
     lens = [4096 + 7, 1000, 16384, 129]
     fmt, cache, ctx = tiered_mix(lens, 8, 128, 64, torch.bfloat16, seed=11)
     mirrors_match(cache)
-    run_and_compare(fmt, cache, ctx, 4, q_dtype=torch.bfloat16, rel=2e-2, mass_rel=2e-2, block_n=block_n)
+    run_and_compare(fmt, cache, ctx, 4, q_dtype=torch.bfloat16, rel=2e-2, mass_rel=2e-2, block_n=block_n,
+                    swap_ab=swap_ab)
     q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
     ref = reference(fmt, cache, ctx, q, 128 ** -0.5, None)
     assert fmt.use_kernel(q, ctx, cache)

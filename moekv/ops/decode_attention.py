@@ -34,6 +34,7 @@ import triton.language as tl
 from moekv.ops.pdl import let_dependents_launch, pdl_enabled, prefetch_l2
 
 LOG2E = 1.4426950408889634
+SWAP_MIN_ROWS = 8  # query rows of a group under swap_ab (the n8 of mma.m16n8k16)
 NO_WINDOW = 1 << 30  # a window longer than any context
 NUM_PARAMS = 6  # constexpr slots a tile reader gets for its layout (field offsets, group sizes)
 NUM_TABLES = 4  # DecodeSpec.tables: per-layer tensors outside the pages (codebooks, channel scales)
@@ -93,6 +94,9 @@ class DecodeSpec:
     prefetch: int = 0
     # splits per (sequence, KV head) = num_splits_for's x this (default_num_splits)
     split_factor: int = 1
+    # transposed products (scores [BLOCK_N, G], output [D, G]): the group is the MMA's N, padded to
+    # SWAP_MIN_ROWS instead of M's 16
+    swap_ab: bool = False
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -108,6 +112,17 @@ def _softmax_step(s, valid, m, l, qk_scale):
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
+    return m_new, l, p, alpha
+
+
+@triton.jit
+def _softmax_step_t(s, valid, m, l, qk_scale):
+    """_softmax_step on transposed scores s [BLOCK_N, G_PAD] (tokens along the rows, SWAP_AB)."""
+    s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=0))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l = l * alpha + tl.sum(p, axis=0)
     return m_new, l, p, alpha
 
 
@@ -158,7 +173,7 @@ def _paged_decode_kernel(
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, STAGED: tl.constexpr, RESIDUAL: tl.constexpr,
     DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr, TABLES: tl.constexpr,
-    PREFETCH: tl.constexpr, K_SLAB: tl.constexpr, V_SLAB: tl.constexpr,
+    PREFETCH: tl.constexpr, K_SLAB: tl.constexpr, V_SLAB: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -167,6 +182,7 @@ def _paged_decode_kernel(
     rows = tl.arange(0, G_PAD)  # query heads h*G + rows of the group (rows >= G are padding)
     d = tl.arange(0, D)
     q_rows = q_ptr + b * stride_qb + (h * G + rows)[:, None] * stride_qh  # [G_PAD, 1]
+    q_cols = q_ptr + b * stride_qb + (h * G + rows)[None, :] * stride_qh  # [1, G_PAD] (SWAP_AB's outliers)
     q = tl.load(q_rows + d[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
 
     length = tl.load(context_lens + b)
@@ -179,7 +195,10 @@ def _paged_decode_kernel(
 
     m = tl.full([G_PAD], -1e30, tl.float32)  # finite start: a fully masked tile cannot give inf - inf
     l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
+    if SWAP_AB:  # transposed products: tokens and channels are the MMA's M, the group its N
+        acc = tl.zeros([D, G_PAD], tl.float32)
+    else:
+        acc = tl.zeros([G_PAD, D], tl.float32)
     n_off = tl.arange(0, BLOCK_N)
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N  # tokens of one page in a tile
     NPG: tl.constexpr = BLOCK_N // PP  # pages a tile spans
@@ -236,25 +255,45 @@ def _paged_decode_kernel(
                               tab0, tab1, tab2, tab3)
                 else:
                     s = K_FIX(k_pool, kpb, tok0, q_rows, rows < G, s, D, BLOCK_N, P, DOT, K0, K1, K2, K3, K4, K5)
+            if SWAP_AB:  # s [BLOCK_N, G_PAD] from here on
+                s = tl.trans(s)
             if K_FOLD is not None and NPG == 1:  # the page's channel affine, applied to q instead
                 if TABLES:
                     q_page, bias = K_FOLD(k_pool, kpb, q, D, P, K0, K1, K2, K3, K4, K5, tab0, tab1, tab2, tab3)
                 else:
                     q_page, bias = K_FOLD(k_pool, kpb, q, D, P, K0, K1, K2, K3, K4, K5)
-                s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT)), s) + bias[:, None]
+                if SWAP_AB:
+                    s = tl.dot(k.to(DOT), tl.trans(q_page.to(DOT)), s) + bias[None, :]
+                else:
+                    s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT)), s) + bias[:, None]
+            elif SWAP_AB:
+                s = tl.dot(k.to(DOT), tl.trans(q_main), s)  # [BLOCK_N, G_PAD] fp32
             else:
                 s = tl.dot(q_main, tl.trans(k.to(DOT)), s)  # [G_PAD, BLOCK_N] fp32
             if K_SCALED:
-                s = s * k_scale[None, :]
+                if SWAP_AB:
+                    s = s * k_scale[:, None]
+                else:
+                    s = s * k_scale[None, :]
             for o in tl.static_range(K_NO):  # outlier channels: s += q[:, channel] * (exact - tile value)
                 ch_pg, ch_tok, delta = K_OUT(k_pool, kb, tok, kpb, tok0, valid, o, D, BLOCK_N, P,
                                              K0, K1, K2, K3, K4, K5)
-                if NPG == 1:
-                    q_col = tl.load(q_rows + ch_pg, mask=(rows < G)[:, None], other=0.0).to(tl.float32)  # [G_PAD, 1]
+                if SWAP_AB:
+                    if NPG == 1:
+                        q_col = tl.load(q_cols + ch_pg, mask=(rows < G)[None, :], other=0.0).to(tl.float32)  # [1, G_PAD]
+                    else:
+                        q_col = tl.load(q_cols + ch_tok[:, None], mask=(rows < G)[None, :], other=0.0).to(tl.float32)
+                    s += delta[:, None] * q_col
                 else:
-                    q_col = tl.load(q_rows + ch_tok[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
-                s += q_col * delta[None, :]
-            m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
+                    if NPG == 1:
+                        q_col = tl.load(q_rows + ch_pg, mask=(rows < G)[:, None], other=0.0).to(tl.float32)  # [G_PAD, 1]
+                    else:
+                        q_col = tl.load(q_rows + ch_tok[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
+                    s += q_col * delta[None, :]
+            if SWAP_AB:
+                m, l, p, alpha = _softmax_step_t(s, valid, m, l, qk_scale)
+            else:
+                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
 
             vb = page * stride_vp + h * stride_vh
             vpb = page_pg * stride_vp + h * stride_vh
@@ -267,9 +306,17 @@ def _paged_decode_kernel(
                 # per-token value scales go into the probabilities, normalised by the tile's largest
                 # so that p * scale stays far from fp16's subnormals, and restored on the product
                 v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
-                pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
+                if SWAP_AB:
+                    pv = tl.dot(tl.trans(v.to(DOT)), (p * (v_scale / v_max)[:, None]).to(DOT)) * v_max
+                else:
+                    pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
+            elif SWAP_AB:
+                pv = tl.dot(tl.trans(v.to(DOT)), p.to(DOT))  # [D, G_PAD]
             else:
                 pv = tl.dot(p.to(DOT), v.to(DOT))
+            if SWAP_AB and (V_NO > 0 or V_FIX is not None):  # the value hooks take [G_PAD, ...]
+                p = tl.trans(p)
+                pv = tl.trans(pv)
             for o in tl.static_range(V_NO):  # outlier channels: out[:, channel] += sum_n p * delta
                 ch_pg, ch_tok, delta = V_OUT(v_pool, vb, tok, vpb, tok0, valid, o, D, BLOCK_N, P,
                                              V0, V1, V2, V3, V4, V5)
@@ -285,7 +332,12 @@ def _paged_decode_kernel(
                                tab0, tab1, tab2, tab3)
                 else:
                     pv = V_FIX(v_pool, vpb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, V4, V5)
-            acc = acc * alpha[:, None] + pv
+            if SWAP_AB:
+                if V_NO > 0 or V_FIX is not None:
+                    pv = tl.trans(pv)
+                acc = acc * alpha[None, :] + pv
+            else:
+                acc = acc * alpha[:, None] + pv
     else:
         # the 16-bit tail [quantized, length): the staging page, then (kivi2) the residual ring;
         # names differ from the branch above, whose tiles have another dtype
@@ -310,11 +362,18 @@ def _paged_decode_kernel(
             stage_off = stage_base + (t_pos % P)[:, None] * stride_st + d[None, :]
             t_k += tl.load(k_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
             t_v += tl.load(v_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
-            t_s = tl.dot(q_tail, tl.trans(t_k))
-            m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
-            acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
+            if SWAP_AB:
+                t_s = tl.dot(t_k, tl.trans(q_tail))
+                m, l, t_p, t_alpha = _softmax_step_t(t_s, t_valid, m, l, qk_scale)
+                acc = acc * t_alpha[None, :] + tl.dot(tl.trans(t_v), t_p.to(TAIL_DOT))
+            else:
+                t_s = tl.dot(q_tail, tl.trans(t_k))
+                m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
+                acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
 
     head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
+    if SWAP_AB:
+        acc = tl.trans(acc)
     store_partial(part_o, part_lse, head, split, ns_total, out_col, rows < G, m, l, acc, D)
 
 
@@ -415,7 +474,8 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
                            seq_slots: torch.Tensor | None, scale: float, sliding_window: int | None,
                            spec: DecodeSpec, num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
-                           prefetch: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           prefetch: int | None = None, out: torch.Tensor | None = None,
+                           swap_ab: bool | None = None) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its last position) over each
     sequence's context_lens[b] tokens, read through `spec` from `tensors` (a LayerKVCache or a
     dict of its tensors). Returns [B, Hq, D] in q's dtype.
@@ -463,7 +523,9 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     tail_dot = tl.float32 if interpret else _TL_DTYPES[k_stage.dtype if spec.staged else q.dtype]
     st = k_stage.stride() if spec.staged else (0, 0, 0, 0)
     rt = k_ring.stride() if spec.residual else (0, 0, 0, 0)
-    G_PAD = max(16, triton.next_power_of_2(G))
+    if swap_ab is None:
+        swap_ab = spec.swap_ab
+    G_PAD = max(SWAP_MIN_ROWS if swap_ab else 16, triton.next_power_of_2(G))
     tables = tuple(spec.tables(tensors) if callable(spec.tables) else spec.tables)
     if len(tables) > NUM_TABLES or any(t.shape[0] != Hkv for t in tables):
         raise ValueError(f"decode kernel: up to {NUM_TABLES} tables of [Hkv={Hkv}, ...], got "
@@ -490,7 +552,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
         spec.key.row_scaled, spec.value.row_scaled, spec.key.outliers, spec.value.outliers,
         spec.key.fold_fn, spec.key.fix_fn, spec.value.fix_fn, spec.key.planes, spec.value.planes,
         Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm, has_tables,
-        int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0,
+        int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0, bool(swap_ab),
         num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, _TL_DTYPES, _patch_interpreter_index, _prefetch_slab,
-                                        _reduce_kernel, _sm_count, _softmax_step, check_block_n, num_splits_for,
+from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTYPES, _patch_interpreter_index, _prefetch_slab,
+                                        _reduce_kernel, _sm_count, _softmax_step, _softmax_step_t, check_block_n, num_splits_for,
                                         pow2_at_least, reduce_head, split_share, store_partial)
 from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
     nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
@@ -70,6 +70,7 @@ def _tiered_decode_kernel(
     BLOCK_N: tl.constexpr, DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr,
     EMIT_MASS: tl.constexpr, PREFETCH: tl.constexpr,  # L2 prefetch distance in tiles (0: off)
     KF_SLAB: tl.constexpr, VF_SLAB: tl.constexpr, KL_SLAB: tl.constexpr, VL_SLAB: tl.constexpr,  # bytes
+    SWAP_AB: tl.constexpr,  # transposed products (decode_attention.DecodeSpec.swap_ab)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -87,7 +88,10 @@ def _tiered_decode_kernel(
 
     m = tl.full([G_PAD], -1e30, tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([D, G_PAD], tl.float32)
+    else:
+        acc = tl.zeros([G_PAD, D], tl.float32)
     n_off = tl.arange(0, BLOCK_N)
     out_col = d
     head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
@@ -121,12 +125,19 @@ def _tiered_decode_kernel(
                 slot = tl.load(page_slot + page).to(tl.int64)
                 kb = slot * stride_kfp + h * stride_kfh
                 k, k_scale = fp8_key_tile(kf_pool, kb, tok, kb, tok0, valid, D, BLOCK_N, P, ASM, F_KS, 0, 0, 0, 0, 0)
-                s = tl.dot(q_fp8, tl.trans(k.to(DOT))) * k_scale[None, :]
-                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
                 vb = slot * stride_vfp + h * stride_vfh
-                v, v_scale = _fp8_value_tile_planar(vf_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, F_VS)
-                v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
-                pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
+                if SWAP_AB:
+                    s = tl.dot(k.to(DOT), tl.trans(q_fp8)) * k_scale[:, None]
+                    m, l, p, alpha = _softmax_step_t(s, valid, m, l, qk_scale)
+                    v, v_scale = _fp8_value_tile_planar(vf_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, F_VS)
+                    v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+                    pv = tl.dot(tl.trans(v.to(DOT)), (p * (v_scale / v_max)[:, None]).to(DOT)) * v_max
+                else:
+                    s = tl.dot(q_fp8, tl.trans(k.to(DOT))) * k_scale[None, :]
+                    m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
+                    v, v_scale = _fp8_value_tile_planar(vf_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, F_VS)
+                    v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+                    pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
             else:
                 kb = page * stride_klp + h * stride_klh
                 k, k_unused = nuq2_key_tile(kl_pool, kb, tok, kb, tok0, valid, D, BLOCK_N, P, ASM,
@@ -135,17 +146,32 @@ def _tiered_decode_kernel(
                 if K_FIX is not None:
                     s = K_FIX(kl_pool, kb, tok0, q_rows, row_ok, s, D, BLOCK_N, P, DOT, K0, K1, K2, K3, K4, K5)
                 q_page, bias = nuq2_key_fold(kl_pool, kb, q_pl, D, P, K0, K1, K2, K3, K4, K5)
-                s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT)), s) + bias[:, None]
-                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
                 vb = page * stride_vlp + h * stride_vlh
-                v, v_unused = nuq2_value_tile(vl_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, ASM,
-                                              V0, V1, V2, V3, 0, 0)
-                pv = tl.dot(p.to(DOT), v.to(DOT))
-                if V_FIX is not None:
-                    pv = V_FIX(vl_pool, vb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, 0, 0)
-            acc = acc * alpha[:, None] + pv
+                if SWAP_AB:  # the outlier hooks take [G_PAD, ...] tensors
+                    s = tl.dot(k.to(DOT), tl.trans(q_page.to(DOT)), tl.trans(s)) + bias[None, :]
+                    m, l, p, alpha = _softmax_step_t(s, valid, m, l, qk_scale)
+                    v, v_unused = nuq2_value_tile(vl_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, ASM,
+                                                  V0, V1, V2, V3, 0, 0)
+                    pv = tl.dot(tl.trans(v.to(DOT)), p.to(DOT))
+                    if V_FIX is not None:
+                        pv = tl.trans(V_FIX(vl_pool, vb, tok0, tl.trans(p), tl.trans(pv), D, BLOCK_N, P, DOT,
+                                            V0, V1, V2, V3, 0, 0))
+                else:
+                    s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT)), s) + bias[:, None]
+                    m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
+                    v, v_unused = nuq2_value_tile(vl_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, ASM,
+                                                  V0, V1, V2, V3, 0, 0)
+                    pv = tl.dot(p.to(DOT), v.to(DOT))
+                    if V_FIX is not None:
+                        pv = V_FIX(vl_pool, vb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, 0, 0)
+            if SWAP_AB:
+                acc = acc * alpha[None, :] + pv
+                p_sum = tl.sum(p, axis=0)
+            else:
+                acc = acc * alpha[:, None] + pv
+                p_sum = tl.sum(p, axis=1)
             if EMIT_MASS:  # this tile's probabilities relative to m (the running max after it)
-                tl.store(tile_sum + head * max_tiles + t, tl.sum(p, axis=1), mask=row_ok)
+                tl.store(tile_sum + head * max_tiles + t, p_sum, mask=row_ok)
                 tl.store(tile_max + head * max_tiles + t, m, mask=row_ok)
     else:  # the staged tail [quantized, length): 16-bit, no mass (the reference counts full pages only)
         q_tail = q.to(TAIL_DOT)
@@ -157,9 +183,16 @@ def _tiered_decode_kernel(
             stage_off = stage_base + (t_pos % P)[:, None] * stride_st + d[None, :]
             t_k = tl.load(k_stage + stage_off, mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
             t_v = tl.load(v_stage + stage_off, mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
-            t_s = tl.dot(q_tail, tl.trans(t_k))
-            m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
-            acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
+            if SWAP_AB:
+                t_s = tl.dot(t_k, tl.trans(q_tail))
+                m, l, t_p, t_alpha = _softmax_step_t(t_s, t_valid, m, l, qk_scale)
+                acc = acc * t_alpha[None, :] + tl.dot(tl.trans(t_v), t_p.to(TAIL_DOT))
+            else:
+                t_s = tl.dot(q_tail, tl.trans(t_k))
+                m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
+                acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     store_partial(part_o, part_lse, head, split, ns_total, out_col, row_ok, m, l, acc, D)
 
 
@@ -168,7 +201,8 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
                             scale: float, sliding_window: int | None, fp8_fmt, nuq2_fmt, emit_mass: bool = True,
                             num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
                             num_stages: int = 2, use_asm: bool | None = None, prefetch: int | None = None,
-                            out: torch.Tensor | None = None, mass_into: torch.Tensor | None = None):
+                            out: torch.Tensor | None = None, mass_into: torch.Tensor | None = None,
+                            swap_ab: bool | None = None):
     """Decode attention of q [B, Hq, D] over a tiered layer (tensors: its LayerKVCache or a dict with
     k_fp8, v_fp8, k_low, v_low, k_staging, v_staging). Returns (out [B, Hq, D] in q's dtype,
     mass [B, max_pages] fp32 or None): mass[b, i] = the attention probability summed over all query
@@ -221,7 +255,9 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     vparams = (lv["centroids"], lv.get("out_val", 0), lv.get("out_idx", 0), v_slots)
     dot = tl.float32 if interpret else tl.float16
     tail_dot = tl.float32 if interpret else _TL_DTYPES[k_stage.dtype]
-    G_PAD = max(16, triton.next_power_of_2(G))
+    if swap_ab is None:
+        swap_ab = TIERED_SWAP_AB
+    G_PAD = max(SWAP_MIN_ROWS if swap_ab else 16, triton.next_power_of_2(G))
     st = k_stage.stride()
     if prefetch is None:
         prefetch = TIERED_PREFETCH
@@ -240,7 +276,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
         scale * LOG2E, window, num_splits, ns_total,
         koff["scale"], voff["scale"], *kparams, *vparams,
         nuq2_key_fix if k_slots else None, nuq2_value_fix if v_slots else None,
-        Hkv, G, G_PAD, D, P, block_n, dot, tail_dot, use_asm, emit_mass, int(prefetch), *slabs,
+        Hkv, G, G_PAD, D, P, block_n, dot, tail_dot, use_asm, emit_mass, int(prefetch), *slabs, bool(swap_ab),
         num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:
@@ -268,6 +304,7 @@ def mass_block_pages(num_heads: int, tiles_per_page: int) -> int:
 
 # L2 prefetch distance (tiles) of the tiered kernel: nuq2's (most pages are nuq2), not yet swept for tiered
 TIERED_PREFETCH = PREFETCH["nuq2"]
+TIERED_SWAP_AB = False  # transposed products (decode_attention.DecodeSpec.swap_ab)
 
 
 @triton.jit

@@ -84,10 +84,11 @@ NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "
 INEXACT = {"nuq2_noslots"}  # bounds, not formats: wrong wherever a slot is used
 # launch shapes tried per (format, shape): (block_n, num_warps, num_stages, splits factor over
 # num_splits_for, inline PTX, L2 prefetch distance in tiles). The first is the launcher's default:
-# the spec's prefetch and split_factor (DecodeSpec). 8 warps dropped: 1.4-2x slower than 4 at every
+# the spec's prefetch and the launcher's splits (splits factor None: decode_attention.wave_splits by
+# the compiled kernel's programs per SM); a negative splits factor -n is exactly n splits. 8 warps dropped: 1.4-2x slower than 4 at every
 # point of the 2026-11-29 runs (results/h200/decode_attention.json)
-CONFIGS = [(64, 4, 2, 1, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True, 1), (64, 4, 2, 1, True, 2), (64, 4, 3, 1, True, 2),
-           (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0)]
+CONFIGS = [(64, 4, 2, None, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True, 1), (64, 4, 2, 1, True, 2), (64, 4, 3, 1, True, 2),
+           (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0), (64, 4, 2, None, True, 0)]
 DEFAULT_CONFIG = CONFIGS[0]
 UNIQUE_PAGES = 512  # distinct random pages, repeated over the pool (contents do not change the speed)
 PEERS = ["flashinfer"]  # other libraries' paged decode attention, beside the SDPA baseline
@@ -187,6 +188,29 @@ def bytes_read(fmt, spec, batch: int, context: int, block_size: int) -> int:
 LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "prefetch", "swap_ab")
 
 
+def launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab) -> int:
+    """The split count paged_decode_attention chooses for this launch (by the compiled kernel's
+    programs per SM, decode_attention.wave_splits)."""
+    from moekv.ops import decode_attention as da
+
+    da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, spec,
+                              block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm, prefetch=prefetch,
+                              swap_ab=swap_ab)
+    return da.LAST_LAUNCH["num_splits"]
+
+
+def config_splits(split_factor: int, batch: int, max_context: int, block_n: int, sms: int) -> int:
+    """A config's splits: split_factor x num_splits_for's count, or exactly -split_factor when negative
+    (sweep_decode_splits.py --split-counts)."""
+    from moekv.ops.decode_attention import num_splits_for
+
+    if split_factor is None:  # tiered's launcher: num_splits_for's count
+        split_factor = 1
+    if split_factor < 0:
+        return -split_factor
+    return max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, max_context, block_n, sms))
+
+
 def launches(args):
     """(config, swap_ab) pairs to time: every config in each orientation of --swap-ab (None: the spec's)."""
     return [(config, swap_ab) for config in args.configs for swap_ab in args.swap_ab]
@@ -246,7 +270,7 @@ def sdpa_baseline(batch: int, context: int, device, gen, cudagraph: bool) -> dic
 
 
 def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> dict:
-    from moekv.ops.decode_attention import default_num_splits, num_splits_for, paged_decode_attention
+    from moekv.ops.decode_attention import paged_decode_attention
 
     name, options = FORMATS[label]
     row = {"format": label, "batch": batch, "context": context, "baseline_ms": base["ms"]}
@@ -302,10 +326,10 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     results = []
     max_context = ctx.block_tables.shape[1] * args.block_size
     for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab in launches(args):
-        if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG:  # the launcher's own choice
-            splits = default_num_splits(spec, batch, NUM_KV_HEADS, max_context, block_n, sms)
+        if split_factor is None:  # the launcher's own choice
+            splits = launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab)
         else:
-            splits = max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, max_context, block_n, sms))
+            splits = config_splits(split_factor, batch, max_context, block_n, sms)
 
         def run(block_n=block_n, warps=warps, stages=stages, splits=splits, use_asm=use_asm, prefetch=prefetch,
                 swap_ab=swap_ab):
@@ -424,7 +448,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab in launches(args):
         if block_n > P:  # its tiles lie in one page
             continue
-        splits = max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, ctx.block_tables.shape[1] * P, block_n, sms))
+        splits = config_splits(split_factor, batch, ctx.block_tables.shape[1] * P, block_n, sms)
         launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm,
                       prefetch=prefetch, swap_ab=swap_ab)
 

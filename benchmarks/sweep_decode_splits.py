@@ -6,6 +6,9 @@ num_splits_for's count times 1, 2, 3 and 4, each with prefetch off and 2 tiles a
 option is bench_decode_attention's; session 7 chose fp8's split_factor with it:
 
     python benchmarks/sweep_decode_splits.py --formats fp8_e4m3 --out benchmarks/results/h200/decode_attention_fp8_splits.json
+
+--split-counts N N ... times exactly those split counts instead (prefetch off), e.g. whole waves
+of programs per SM (session 12: `--split-counts 4 5 6 8 --shapes 16x32768 --swap-ab 0 1`).
 """
 import sys
 from pathlib import Path
@@ -17,5 +20,12 @@ SPLIT_FACTORS = (1, 2, 3, 4)
 PREFETCH = (0, 2)
 
 if __name__ == "__main__":
-    bench.CONFIGS = [bench.DEFAULT_CONFIG] + [(64, 4, 2, f, True, pf) for f in SPLIT_FACTORS for pf in PREFETCH]
+    if "--split-counts" in sys.argv:
+        at = sys.argv.index("--split-counts")
+        end = next((i for i in range(at + 1, len(sys.argv)) if sys.argv[i].startswith("--")), len(sys.argv))
+        counts = [int(n) for n in sys.argv[at + 1:end]]
+        del sys.argv[at:end]
+        bench.CONFIGS = [(64, 4, 2, -n, True, 0) for n in counts]
+    else:
+        bench.CONFIGS = [bench.DEFAULT_CONFIG] + [(64, 4, 2, f, True, pf) for f in SPLIT_FACTORS for pf in PREFETCH]
     bench.main()

@@ -10,6 +10,8 @@ partial page staged), so the kernel reads exactly what the engine stores.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 
 import pytest
 import torch
@@ -529,3 +531,46 @@ def test_gpu_nuq2_calibrated(block_size, nuq2_calibration, monkeypatch):
     other = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, wrong)
     assert (other.double() - ref).abs().max() > 2 * tolerance("nuq2", ref, torch.bfloat16)
     check_engine_path("nuq2", fmt, cache, ctx, q, scale, ref, monkeypatch)
+
+
+def test_wave_splits_fill_whole_waves():
+    """The launcher's split rule (decode_attention.wave_splits): the fewest splits from 2 whose
+    programs fill the last wave to WAVE_FILL (all of it when it is the first), else the fullest;
+    at least 2 tiles a split."""
+    (da,) = kernel_modules("moekv.ops.decode_attention")
+    # session 12's sweep points (132 SMs, 8 KV heads, tiles of 64)
+    assert da.wave_splits(16, 8, 32768, 64, 132, 5) == 5  # 640 of 660 slots
+    assert da.wave_splits(16, 8, 32768, 64, 132, 4) == 4  # 512 of 528
+    assert da.wave_splits(1, 8, 131072, 64, 132, 5) == 82  # 656 of 660
+    assert da.wave_splits(1, 8, 131072, 64, 132, 4) == 66  # 528 of 528
+    assert da.wave_splits(64, 8, 32768, 64, 132, 4) == 2  # 1024 of 2 x 528
+    assert da.wave_splits(64, 8, 32768, 64, 132, 5) == 5  # 2560 of 4 x 660
+    assert da.wave_splits(1, 8, 4096, 64, 132, 3) == 32  # never one wave: the most, 2 tiles each
+    assert da.wave_splits(1, 8, 64, 64, 132, 3) == 1  # one tile
+    for batch, hkv, context, occ in itertools.product([1, 3, 16, 40], [1, 8], [300, 4096, 50000], [1, 2, 5]):
+        splits = da.wave_splits(batch, hkv, context, 64, 132, occ)
+        cap = max(1, min(128, math.ceil(context / 128)))
+        assert 1 <= splits <= cap
+
+        def fill(n):
+            programs = batch * hkv * n
+            slots = 132 * occ
+            return programs / (slots * math.ceil(programs / slots))
+        later = range(min(2, cap), cap + 1)
+        assert fill(splits) >= da.WAVE_FILL or fill(splits) >= max(fill(n) for n in later) - 1e-9
+        first = next((n for n in later if fill(n) >= da.WAVE_FILL), None)
+        if first is not None and batch * hkv * first <= 132 * occ:  # one wave: the most it holds
+            assert splits == min(cap, 132 * occ // (batch * hkv))
+        elif first is not None:
+            assert splits == first
+
+
+def test_programs_per_sm_counts_registers_and_shared_memory():
+    (da,) = kernel_modules("moekv.ops.decode_attention")
+    h200 = dict(max_regs=65536, max_shared=232448)
+    assert da.programs_per_sm(128, 38912, 4, **h200) == 4  # fp8 q @ k^T: registers
+    assert da.programs_per_sm(96, 34816, 4, **h200) == 5  # fp8 k @ q^T
+    assert da.programs_per_sm(72, 69632, 4, **h200) == 3  # bf16: shared memory
+    assert da.programs_per_sm(243, 38912, 4, **h200) == 2  # nuq2: 248 registers allocated
+    assert da.programs_per_sm(32, 0, 4, **h200) == 16  # warps
+    assert da.programs_per_sm(255, 200000, 8, **h200) == 1

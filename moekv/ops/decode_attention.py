@@ -433,9 +433,61 @@ def num_splits_for(batch: int, num_kv_heads: int, max_context: int, block_n: int
 
 def default_num_splits(spec: DecodeSpec, batch: int, num_kv_heads: int, max_context: int, block_n: int,
                        num_sms: int) -> int:
-    """The launcher's splits: num_splits_for's x spec.split_factor, at most one tile each."""
+    """The splits of a launch whose occupancy is unknown (the interpreter, or a kernel that could
+    not be compiled ahead): num_splits_for's x spec.split_factor, at most one tile each."""
     splits = num_splits_for(batch, num_kv_heads, max_context, block_n, num_sms) * spec.split_factor
     return max(1, min(splits, math.ceil(max_context / block_n)))
+
+
+WAVE_FILL = 0.95  # wave_splits: the share of the last wave of programs that must be busy
+
+
+def wave_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int,
+                programs_per_sm: int) -> int:
+    """Splits chosen by how full the last wave of programs is: the fewest, from 2, at which the
+    B * Hkv * splits programs fill whole waves of num_sms * programs_per_sm to WAVE_FILL (all the
+    first wave holds when that is the one), each split at least 2 tiles (at most 128); where none
+    does (short contexts at small batch), the fullest. On the H200 the decode kernels' time followed the last wave's fill more than their
+    instruction count (session 12, results/h200/decode_attention_splits_*.json): fp8 with 5
+    programs per SM at (16, 32k) took 311 us with 5 or 10 splits (0.97 of a wave) against 357 with
+    8 or 12 (0.78); int4 at (1, 128k) 159 us with 66 (one wave of 4 per SM) against 228 with 33."""
+    pairs = max(1, batch * num_kv_heads)
+    slots = num_sms * max(1, programs_per_sm)
+    cap = max(1, min(128, math.ceil(max_context / (2 * block_n))))
+    best, best_fill = cap, -1.0
+    for splits in range(min(2, cap), cap + 1):
+        programs = pairs * splits
+        fill = programs / (slots * math.ceil(programs / slots))
+        if fill >= WAVE_FILL:  # within one wave: as many as it holds
+            return min(cap, slots // pairs) if programs <= slots else splits
+        if fill > best_fill + 1e-9:
+            best, best_fill = splits, fill
+    return best
+
+
+def programs_per_sm(n_regs: int, shared: int, num_warps: int, max_regs: int, max_shared: int) -> int:
+    """How many programs of a kernel (n_regs registers a thread, `shared` bytes of shared memory,
+    num_warps warps) an SM holds at once: the least of what its max_regs registers (allocated per
+    warp in units of 256), its shared memory (max_shared, the opt-in limit of one block, + the 1 KiB
+    the driver reserves per block) and its 64 warps allow. H200 (65536, 232448): fp8's kernel at 128
+    registers and 38 KiB holds 4, at 96 registers 5."""
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = max_regs // max(1, regs_per_warp * num_warps)
+    by_smem = (max_shared + 1024) // (shared + 1024)
+    return max(1, min(by_regs, by_smem, 64 // num_warps))
+
+
+def _kernel_programs_per_sm(kernel, num_warps: int, device: torch.device) -> int:
+    """programs_per_sm of a compiled Triton kernel on `device`."""
+    kernel._init_handles()  # loads the binary: n_regs is known from then on
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = triton.runtime.driver.active.utils.get_device_properties(index)
+    return programs_per_sm(kernel.n_regs, kernel.metadata.shared, num_warps, props["max_num_regs"],
+                           props["max_shared_mem"])
+
+
+_OCCUPANCY: dict = {}  # launch key -> programs per SM (paged_decode_attention)
+LAST_LAUNCH: dict = {}  # what the last paged_decode_attention chose (num_splits), for benchmarks
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -504,11 +556,6 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     use_asm = bool(use_asm) and not interpret and block_n * D // 4 >= 4 * 32 * num_warps
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if num_splits is None:
-        num_splits = default_num_splits(spec, B, Hkv, block_tables.shape[1] * P, block_n, _sm_count(q.device))
-    ns_total = num_splits + (1 if spec.staged else 0)
-    part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
     if spec.staged:
         k_stage, v_stage = tensors["k_staging"], tensors["v_staging"]
     else:  # unused: any tensor of the right kind stands in
@@ -538,23 +585,46 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     k_slab, v_slab = k_pool.stride(1) * k_pool.element_size(), v_pool.stride(1) * v_pool.element_size()
     tab_strides = [t.stride(0) for t in tables] + [0] * (NUM_TABLES - len(tables))
     tables = tables + (q,) * (NUM_TABLES - len(tables))  # unused: any tensor stands in
-    _paged_decode_kernel[(B * Hkv, ns_total)](
-        q, q.stride(0), q.stride(1),
-        k_pool, v_pool, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        block_tables, block_tables.stride(0), context_lens, seq_slots,
-        k_stage, v_stage, st[0], st[1], st[2],
-        k_ring, v_ring, rt[0], rt[1], rt[2],
-        part_o, part_lse,
-        scale * LOG2E, NO_WINDOW if sliding_window is None else int(sliding_window), num_splits, ns_total,
-        *tables, *tab_strides,
-        spec.key.fn, spec.value.fn, spec.key.outlier_fn or spec.key.fn, spec.value.outlier_fn or spec.value.fn,
-        *spec.key.constexprs(), *spec.value.constexprs(),
-        spec.key.row_scaled, spec.value.row_scaled, spec.key.outliers, spec.value.outliers,
-        spec.key.fold_fn, spec.key.fix_fn, spec.value.fix_fn, spec.key.planes, spec.value.planes,
-        Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm, has_tables,
-        int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0, bool(swap_ab),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+
+    def kernel_args(num_splits):
+        ns_total = num_splits + (1 if spec.staged else 0)
+        part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
+        return part_o, part_lse, ns_total, (
+            q, q.stride(0), q.stride(1),
+            k_pool, v_pool, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            block_tables, block_tables.stride(0), context_lens, seq_slots,
+            k_stage, v_stage, st[0], st[1], st[2],
+            k_ring, v_ring, rt[0], rt[1], rt[2],
+            part_o, part_lse,
+            scale * LOG2E, NO_WINDOW if sliding_window is None else int(sliding_window), num_splits, ns_total,
+            *tables, *tab_strides,
+            spec.key.fn, spec.value.fn, spec.key.outlier_fn or spec.key.fn, spec.value.outlier_fn or spec.value.fn,
+            *spec.key.constexprs(), *spec.value.constexprs(),
+            spec.key.row_scaled, spec.value.row_scaled, spec.key.outliers, spec.value.outliers,
+            spec.key.fold_fn, spec.key.fix_fn, spec.value.fix_fn, spec.key.planes, spec.value.planes,
+            Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm, has_tables,
+            int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0, bool(swap_ab))
+
+    max_context = block_tables.shape[1] * P
+    if num_splits is None and interpret:
+        num_splits = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
+    elif num_splits is None:
+        # the splits depend on how many programs an SM holds: compile first (once per launch key)
+        # what the compiled kernel depends on (a spec is rebuilt every call, its tables may be a new closure)
+        key = (spec.key, spec.value, spec.dot_dtype, spec.staged, spec.residual, tuple(t.dtype for t in tables),
+               q.dtype, k_pool.dtype, v_pool.dtype, G, D, P, block_n, num_warps, num_stages, use_asm,
+               int(prefetch), bool(swap_ab), q.device)
+        if key not in _OCCUPANCY:
+            provisional = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
+            *_, args = kernel_args(provisional)
+            kernel = _paged_decode_kernel.warmup(*args, grid=(B * Hkv, provisional + 1),
+                                                 num_warps=num_warps, num_stages=num_stages)
+            _OCCUPANCY[key] = _kernel_programs_per_sm(kernel, num_warps, q.device)
+        num_splits = wave_splits(B, Hkv, max_context, block_n, _sm_count(q.device), _OCCUPANCY[key])
+    LAST_LAUNCH["num_splits"] = num_splits
+    part_o, part_lse, ns_total, args = kernel_args(num_splits)
+    _paged_decode_kernel[(B * Hkv, ns_total)](*args, num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty_like(q)
     _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total,

@@ -304,7 +304,12 @@ def kivi_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BL
 PREFETCH = {"fp8_e4m3": 0, "int4": 2, "kivi2": 1, "nuq2": 2}
 # fp8 runs twice num_splits_for's splits: its best launch at every one of the six points (11-32%
 # faster than the single count with prefetch 2, session 7's results/h200/decode_attention.json);
-# it reads half bf16's bytes a tile, so more, shorter programs keep more loads in flight
+# it reads half bf16's bytes a tile, so more, shorter programs keep more loads in flight. Since
+# session 12 the launcher chooses splits by the compiled kernel's programs per SM (wave_splits);
+# the factor only serves launches whose occupancy is unknown (the interpreter).
+# swap_ab (scores as k @ q^T): fp8, int4, nuq2 and vq, session 12's sweep
+# (results/h200/decode_attention_splits_*.json: at whole waves fp8 311 against 339 us at (16, 32k),
+# int4 607 against 688, vq 1162 against 1271, nuq2 -1%); bf16 and kivi2 keep q @ k^T (no gain)
 FP8_SPLIT_FACTOR = 2
 
 
@@ -320,7 +325,7 @@ def fp8_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     voff = fmt.layout("value", block_size, head_dim).offsets
     return DecodeSpec(key=TileReader(fp8_key_tile, (koff["scale"],), row_scaled=True),
                       value=TileReader(fp8_value_tile, (voff["scale"],), row_scaled=True), staged=True,
-                      prefetch=PREFETCH["fp8_e4m3"], split_factor=FP8_SPLIT_FACTOR)
+                      prefetch=PREFETCH["fp8_e4m3"], split_factor=FP8_SPLIT_FACTOR, swap_ab=True)
 
 
 def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
@@ -330,7 +335,7 @@ def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
         outliers = fmt.num_outliers(head_dim)
         params = (off["scale"], off["zero"], off["outlier_val"], off["outlier_idx"], fmt.group_size, outliers)
         readers.append(TileReader(int4_tile, params, outlier_fn=int4_outliers, outliers=outliers))
-    return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["int4"])
+    return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["int4"], swap_ab=True)
 
 
 def kivi_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
@@ -853,9 +858,10 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
             readers.append(TileReader(nuq2_value_tile, params, planes=4,
                                       fix_fn=value_fix if n_slots else None))
     if not fmt.calibrated:
-        return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["nuq2"])
+        return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["nuq2"], swap_ab=True)
 
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
-    return DecodeSpec(key=readers[0], value=readers[1], staged=True, tables=tables, prefetch=PREFETCH["nuq2"])
+    return DecodeSpec(key=readers[0], value=readers[1], staged=True, tables=tables, prefetch=PREFETCH["nuq2"],
+                      swap_ab=True)

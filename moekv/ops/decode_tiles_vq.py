@@ -183,4 +183,4 @@ def vq_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
-    return DecodeSpec(key=key, value=value, staged=True, tables=tables)
+    return DecodeSpec(key=key, value=value, staged=True, tables=tables, swap_ab=True)  # see decode_tiles.PREFETCH

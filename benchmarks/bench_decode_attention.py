@@ -91,6 +91,7 @@ CONFIGS = [(64, 4, 2, None, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, T
            (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0), (64, 4, 2, None, True, 0)]
 DEFAULT_CONFIG = CONFIGS[0]
 UNIQUE_PAGES = 512  # distinct random pages, repeated over the pool (contents do not change the speed)
+COMMAND_ARGV = None  # the command line to record, when a wrapper script rewrote sys.argv (sweep_decode_splits.py)
 PEERS = ["flashinfer"]  # other libraries' paged decode attention, beside the SDPA baseline
 
 
@@ -572,7 +573,7 @@ def write_record(args, bandwidth: float, started: float, peers: dict, rows: list
 
     record = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
+        "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + (COMMAND_ARGV or sys.argv)),
         "bandwidth_gbps": bandwidth / 1e9, "timer": "do_bench_cudagraph median" if args.cudagraph else "do_bench median",
         "heads": {"query": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM}, "block_size": args.block_size,
         "seconds": round(time.time() - started, 1),

@@ -24,6 +24,7 @@ if __name__ == "__main__":
         at = sys.argv.index("--split-counts")
         end = next((i for i in range(at + 1, len(sys.argv)) if sys.argv[i].startswith("--")), len(sys.argv))
         counts = [int(n) for n in sys.argv[at + 1:end]]
+        bench.COMMAND_ARGV = list(sys.argv)  # the result file's command keeps the counts
         del sys.argv[at:end]
         bench.CONFIGS = [(64, 4, 2, -n, True, 0) for n in counts]
     else:

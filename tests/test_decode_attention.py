@@ -574,3 +574,22 @@ def test_programs_per_sm_counts_registers_and_shared_memory():
     assert da.programs_per_sm(243, 38912, 4, **h200) == 2  # nuq2: 248 registers allocated
     assert da.programs_per_sm(32, 0, 4, **h200) == 16  # warps
     assert da.programs_per_sm(255, 200000, 8, **h200) == 1
+
+
+def test_occupancy_key_tells_compiled_kernels_apart():
+    """The launcher caches programs per SM by occupancy_key: specs rebuilt for every call (and a
+    calibrated nuq2's new tables closure) share a key; another orientation, format or launch does not."""
+    (da,) = kernel_modules("moekv.ops.decode_attention")
+    q = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
+    pool = torch.zeros(4, 2, 100, dtype=torch.uint8)
+    keys = {}
+    for name, options in (("nuq2", {"codebook": "page"}), ("int4", {}), ("fp8_e4m3", {})):
+        fmt = get_kv_format(name, torch.bfloat16, **options)
+        a, b = fmt.decode_spec(32, 64), fmt.decode_spec(32, 64)
+        assert a is not b
+        ka = da.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, a.swap_ab)
+        assert ka == da.occupancy_key(b, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, b.swap_ab)
+        assert ka != da.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, not a.swap_ab)
+        assert ka != da.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 0, a.swap_ab)
+        keys[name] = ka
+    assert len(set(keys.values())) == 3

@@ -486,7 +486,20 @@ def _kernel_programs_per_sm(kernel, num_warps: int, device: torch.device) -> int
                            props["max_shared_mem"])
 
 
-_OCCUPANCY: dict = {}  # launch key -> programs per SM (paged_decode_attention)
+def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, block_n: int, num_warps: int,
+                  num_stages: int, use_asm: bool, prefetch: int, swap_ab: bool) -> tuple:
+    """What the compiled decode kernel (and so its programs per SM) depends on. A spec is rebuilt
+    for every call and its tables may be a new closure, so the key is built from its parts; the
+    readers' hooks are module-level functions, keyed by id (hashing a JITFunction costs ~1 us, and
+    this runs for every layer of an eager step)."""
+    hooks = tuple(id(f) for r in (spec.key, spec.value) for f in (r.fn, r.outlier_fn, r.fold_fn, r.fix_fn))
+    readers = tuple((r.params, r.outliers, r.planes, r.row_scaled) for r in (spec.key, spec.value))
+    return (hooks, readers, spec.dot_dtype, spec.staged, spec.residual, tuple(t.dtype for t in tables), q.dtype,
+            q.shape[-1], k_pool.dtype, v_pool.dtype, G, P, block_n, num_warps, num_stages, bool(use_asm),
+            int(prefetch), bool(swap_ab), q.device)
+
+
+_OCCUPANCY: dict = {}  # occupancy_key -> programs per SM (paged_decode_attention)
 LAST_LAUNCH: dict = {}  # what the last paged_decode_attention chose (num_splits), for benchmarks
 
 
@@ -611,10 +624,8 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
         num_splits = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
     elif num_splits is None:
         # the splits depend on how many programs an SM holds: compile first (once per launch key)
-        # what the compiled kernel depends on (a spec is rebuilt every call, its tables may be a new closure)
-        key = (spec.key, spec.value, spec.dot_dtype, spec.staged, spec.residual, tuple(t.dtype for t in tables),
-               q.dtype, k_pool.dtype, v_pool.dtype, G, D, P, block_n, num_warps, num_stages, use_asm,
-               int(prefetch), bool(swap_ab), q.device)
+        key = occupancy_key(spec, tables, q, k_pool, v_pool, G, P, block_n, num_warps, num_stages, use_asm,
+                            prefetch, swap_ab)
         if key not in _OCCUPANCY:
             provisional = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
             *_, args = kernel_args(provisional)

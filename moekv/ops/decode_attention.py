@@ -126,6 +126,21 @@ def _softmax_step_t(s, valid, m, l, qk_scale):
     return m_new, l, p, alpha
 
 
+@triton.jit
+def tail_tile_step(q_tail, t_k, t_v, t_valid, m, l, acc, qk_scale, SWAP_AB: tl.constexpr, TAIL_DOT: tl.constexpr):
+    """One tile of the 16-bit tail (t_k, t_v [BLOCK_N, D] in TAIL_DOT): the online softmax's new
+    (m, l, acc), acc [G_PAD, D], or [D, G_PAD] under SWAP_AB."""
+    if SWAP_AB:
+        t_s = tl.dot(t_k, tl.trans(q_tail))
+        m, l, t_p, t_alpha = _softmax_step_t(t_s, t_valid, m, l, qk_scale)
+        acc = acc * t_alpha[None, :] + tl.dot(tl.trans(t_v), t_p.to(TAIL_DOT))
+    else:
+        t_s = tl.dot(q_tail, tl.trans(t_k))
+        m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
+        acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
+    return m, l, acc
+
+
 @triton.constexpr_function
 def pow2_at_least(n):
     """The smallest power of two >= n (>= 1), for tl.arange lengths in jit code."""
@@ -362,14 +377,7 @@ def _paged_decode_kernel(
             stage_off = stage_base + (t_pos % P)[:, None] * stride_st + d[None, :]
             t_k += tl.load(k_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
             t_v += tl.load(v_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
-            if SWAP_AB:
-                t_s = tl.dot(t_k, tl.trans(q_tail))
-                m, l, t_p, t_alpha = _softmax_step_t(t_s, t_valid, m, l, qk_scale)
-                acc = acc * t_alpha[None, :] + tl.dot(tl.trans(t_v), t_p.to(TAIL_DOT))
-            else:
-                t_s = tl.dot(q_tail, tl.trans(t_k))
-                m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
-                acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
+            m, l, acc = tail_tile_step(q_tail, t_k, t_v, t_valid, m, l, acc, qk_scale, SWAP_AB, TAIL_DOT)
 
     head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
     if SWAP_AB:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTYPES, _patch_interpreter_index, _prefetch_slab,
                                         _reduce_kernel, _sm_count, _softmax_step, _softmax_step_t, check_block_n, num_splits_for,
-                                        pow2_at_least, reduce_head, split_share, store_partial)
+                                        pow2_at_least, reduce_head, split_share, store_partial, tail_tile_step)
 from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
     nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
 
@@ -183,14 +183,7 @@ def _tiered_decode_kernel(
             stage_off = stage_base + (t_pos % P)[:, None] * stride_st + d[None, :]
             t_k = tl.load(k_stage + stage_off, mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
             t_v = tl.load(v_stage + stage_off, mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
-            if SWAP_AB:
-                t_s = tl.dot(t_k, tl.trans(q_tail))
-                m, l, t_p, t_alpha = _softmax_step_t(t_s, t_valid, m, l, qk_scale)
-                acc = acc * t_alpha[None, :] + tl.dot(tl.trans(t_v), t_p.to(TAIL_DOT))
-            else:
-                t_s = tl.dot(q_tail, tl.trans(t_k))
-                m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
-                acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
+            m, l, acc = tail_tile_step(q_tail, t_k, t_v, t_valid, m, l, acc, qk_scale, SWAP_AB, TAIL_DOT)
     if SWAP_AB:
         acc = tl.trans(acc)
     store_partial(part_o, part_lse, head, split, ns_total, out_col, row_ok, m, l, acc, D)

@@ -300,13 +300,15 @@ NUQ2_GRID = [
 
 
 @pytest.mark.parametrize("case", range(len(NUQ2_GRID)))
-def test_nuq2_outlier_slots(case):
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
+def test_nuq2_outlier_slots(case, swap_ab):
     """Keys and values whose outlier slots are in use (keys over several chunks of 16), an all-zero
-    page, page codebooks: the kernel against the format's own dequantization."""
+    page, page codebooks: the kernel against the format's own dequantization, in both orientations
+    of the products (the slot hooks take [G_PAD, ...] tensors: transposed around them under swap_ab)."""
     lens, hkv, group, block_size, splits, block_n = NUQ2_GRID[case]
     kv = lambda T, g: _heavy_kv(T, g, hkv, 64)  # noqa: E731
     out, ref, cache, _ = run_case("nuq2", lens, hkv, group, 64, block_size, splits, kv=kv, seed=case,
-                                  block_n=block_n)
+                                  block_n=block_n, swap_ab=swap_ab)
     check("nuq2", out, ref)
     fmt = get_kv_format("nuq2", codebook="page")
     slots = fmt.outlier_slots("key", block_size, 64)

@@ -186,17 +186,18 @@ def bytes_read(fmt, spec, batch: int, context: int, block_size: int) -> int:
     return batch * NUM_KV_HEADS * (pages * slabs + sixteen_bit) + qo
 
 
-LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "prefetch", "swap_ab")
+LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "prefetch", "swap_ab", "max_registers")
 
 
-def launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab) -> int:
+def launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab,
+                    max_registers=None) -> int:
     """The split count paged_decode_attention chooses for this launch (by the compiled kernel's
     programs per SM, decode_attention.wave_splits)."""
     from moekv.ops import decode_attention as da
 
     da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, spec,
                               block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm, prefetch=prefetch,
-                              swap_ab=swap_ab)
+                              swap_ab=swap_ab, max_registers=max_registers)
     return da.LAST_LAUNCH["num_splits"]
 
 
@@ -213,8 +214,10 @@ def config_splits(split_factor: int, batch: int, max_context: int, block_n: int,
 
 
 def launches(args):
-    """(config, swap_ab) pairs to time: every config in each orientation of --swap-ab (None: the spec's)."""
-    return [(config, swap_ab) for config in args.configs for swap_ab in args.swap_ab]
+    """(config, swap_ab, max_registers) to time: every config in each orientation of --swap-ab (None: the
+    spec's) and under each register cap of --max-registers (None: ptxas's choice)."""
+    return [(config, swap_ab, regs) for config in args.configs for swap_ab in args.swap_ab
+            for regs in args.max_registers]
 
 
 def already_timed(launch: dict, results: list[dict]) -> bool:
@@ -326,20 +329,22 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     row["ref_max_abs"] = ref.abs().max().item()
     results = []
     max_context = ctx.block_tables.shape[1] * args.block_size
-    for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab in launches(args):
+    for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab, regs in launches(args):
         if split_factor is None:  # the launcher's own choice
-            splits = launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab)
+            splits = launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab,
+                                     regs)
         else:
             splits = config_splits(split_factor, batch, max_context, block_n, sms)
 
         def run(block_n=block_n, warps=warps, stages=stages, splits=splits, use_asm=use_asm, prefetch=prefetch,
-                swap_ab=swap_ab):
+                swap_ab=swap_ab, regs=regs):
             return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
                                           spec, num_splits=splits, block_n=block_n, num_warps=warps,
-                                          num_stages=stages, use_asm=use_asm, prefetch=prefetch, swap_ab=swap_ab)
+                                          num_stages=stages, use_asm=use_asm, prefetch=prefetch, swap_ab=swap_ab,
+                                          max_registers=regs)
         launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
                   "use_asm": use_asm, "prefetch": spec.prefetch if prefetch is None else prefetch,
-                  "swap_ab": spec.swap_ab if swap_ab is None else bool(swap_ab)}
+                  "swap_ab": spec.swap_ab if swap_ab is None else bool(swap_ab), "max_registers": regs}
         if already_timed(launch, results):
             continue
         try:
@@ -347,7 +352,8 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
             torch.cuda.synchronize()
             ms = timer(run, args.cudagraph)
             entry = {**launch, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
-            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None:
+            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None \
+                    and regs is None:
                 entry["eager_ms"] = timer(run, cudagraph=False)
         except Exception as e:  # noqa: BLE001 - a launch shape that does not compile is reported, not fatal
             entry = {**launch, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
@@ -369,7 +375,8 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                gbps=nbytes / best["ms"] * 1e-6,
                default_ms=default["ms"], eager_ms=default.get("eager_ms"), block_n=best["block_n"],
                num_warps=best["num_warps"], num_stages=best["num_stages"], num_splits=best["num_splits"],
-               use_asm=best["use_asm"], prefetch=best["prefetch"], swap_ab=best["swap_ab"], no_asm_ms=no_asm["ms"] if no_asm else None,
+               use_asm=best["use_asm"], prefetch=best["prefetch"], swap_ab=best["swap_ab"],
+               max_registers=best["max_registers"], no_asm_ms=no_asm["ms"] if no_asm else None,
                max_abs_err=max(r["max_abs_err"] for r in ok),
                wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > limit] or None)
     del cache, ctx, q
@@ -446,8 +453,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     row["ref_max_abs"] = ref.abs().max().item()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     results = []
-    for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab in launches(args):
-        if block_n > P:  # its tiles lie in one page
+    for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab, regs in launches(args):
+        if block_n > P or regs is not None:  # its tiles lie in one page; its launcher has no register cap
             continue
         splits = config_splits(split_factor, batch, ctx.block_tables.shape[1] * P, block_n, sms)
         launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm,
@@ -470,7 +477,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
             torch.cuda.synchronize()
             entry.update(ms=timer(run, args.cudagraph), nomass_ms=timer(run_nomass, args.cudagraph),
                          max_abs_err=(out[:1].float() - ref).abs().max().item())
-            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None:
+            if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None \
+                    and regs is None:
                 entry["eager_ms"] = timer(run, cudagraph=False)
         except Exception as e:  # noqa: BLE001
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -510,6 +518,8 @@ def main() -> None:
     p.add_argument("--swap-ab", nargs="*", default=None, choices=("spec", "0", "1"),
                    help="orientations of the products to time with every config (default: the spec's; "
                         "0: scores as q @ k^T, 1: as k @ q^T, DecodeSpec.swap_ab)")
+    p.add_argument("--max-registers", nargs="*", default=None,
+                   help="ptxas register caps to time with every config ('none': ptxas's choice; e.g. none 80)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per page (64: kivi2 needs a multiple of 32)")
     p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
@@ -529,6 +539,7 @@ def main() -> None:
         args.vq_calibration = random_calibration(Path(tempfile.mkdtemp(prefix="vqcal")), NUM_KV_HEADS, HEAD_DIM)
         print(f"vq: random calibration fitted in {time.time() - t0:.1f} s ({args.vq_calibration})", flush=True)
     args.swap_ab = [None if v == "spec" else v == "1" for v in (args.swap_ab or ["spec"])]
+    args.max_registers = [None if v == "none" else int(v) for v in (args.max_registers or ["none"])]
     args.shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes
                    else QUICK_SHAPES if args.quick else SHAPES)
     args.configs = ([DEFAULT_CONFIG] if args.quick else CONFIGS if args.configs is None

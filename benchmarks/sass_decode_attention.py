@@ -64,7 +64,8 @@ def compile_launch(fn: JITFunction, args, kwargs):
 
 
 def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, num_warps: int, num_stages: int,
-          use_asm: bool, prefetch: int | None = None, swap_ab: bool | None = None):
+          use_asm: bool, prefetch: int | None = None, swap_ab: bool | None = None,
+          max_registers: int | None = None):
     """The compiled decode kernel for one format and launch shape (CPU tensors stand in for the GPU's)."""
     name, options = FORMATS["nuq2" if label in NUQ2_VARIANTS else label]
     if name == "vq":
@@ -99,7 +100,7 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
         da.paged_decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
                                   torch.arange(2), 0.1, None, spec, block_n=block_n, num_splits=2,
                                   num_warps=num_warps, num_stages=num_stages, use_asm=use_asm, prefetch=prefetch,
-                                  swap_ab=swap_ab)
+                                  swap_ab=swap_ab, max_registers=max_registers)
     finally:
         JITFunction.run = original
     return compiled["_paged_decode_kernel"]
@@ -177,13 +178,14 @@ def main() -> None:
     p.add_argument("--no-asm", dest="asm", action="store_false", help="plain-Triton unpacking, no inline PTX")
     p.add_argument("--swap-ab", type=int, default=None, choices=(0, 1),
                    help="transposed products (1) or not (0); default: the spec's")
+    p.add_argument("--max-registers", type=int, default=None, help="ptxas register cap (.maxnreg)")
     p.add_argument("--prefetch", type=int, default=None, help="L2 prefetch distance in tiles (default: the spec's)")
     args = p.parse_args()
     elements = 2 * args.block_n * args.head_dim  # K and V elements of one tile
     threads = 32 * args.num_warps
     for label in args.formats:
         kernel = build(label, args.head_dim, args.group, args.block_size, args.block_n, args.num_warps,
-                       args.num_stages, args.asm, args.prefetch, args.swap_ab)
+                       args.num_stages, args.asm, args.prefetch, args.swap_ab, args.max_registers)
         usage, loops = sass_loops(kernel)
         spill = spills(kernel)
         print(f"{label}: {usage.get('REG')} registers, {kernel.metadata.shared} B shared memory, "

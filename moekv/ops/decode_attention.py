@@ -97,6 +97,8 @@ class DecodeSpec:
     # transposed products (scores [BLOCK_N, G], output [D, G]): the group is the MMA's N, padded to
     # SWAP_MIN_ROWS instead of M's 16
     swap_ab: bool = False
+    # ptxas's register cap for the kernel (.maxnreg; None: its own choice): more programs per SM
+    max_registers: int | None = None
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -495,7 +497,7 @@ def _kernel_programs_per_sm(kernel, num_warps: int, device: torch.device) -> int
 
 
 def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, block_n: int, num_warps: int,
-                  num_stages: int, use_asm: bool, prefetch: int, swap_ab: bool) -> tuple:
+                  num_stages: int, use_asm: bool, prefetch: int, swap_ab: bool, max_registers: int | None = None) -> tuple:
     """What the compiled decode kernel (and so its programs per SM) depends on. A spec is rebuilt
     for every call and its tables may be a new closure, so the key is built from its parts; the
     readers' hooks are module-level functions, keyed by id (hashing a JITFunction costs ~1 us, and
@@ -504,7 +506,7 @@ def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, b
     readers = tuple((r.params, r.outliers, r.planes, r.row_scaled) for r in (spec.key, spec.value))
     return (hooks, readers, spec.dot_dtype, spec.staged, spec.residual, tuple(t.dtype for t in tables), q.dtype,
             q.shape[-1], k_pool.dtype, v_pool.dtype, G, P, block_n, num_warps, num_stages, bool(use_asm),
-            int(prefetch), bool(swap_ab), q.device)
+            int(prefetch), bool(swap_ab), max_registers, q.device)
 
 
 _OCCUPANCY: dict = {}  # occupancy_key -> programs per SM (paged_decode_attention)
@@ -548,7 +550,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
                            spec: DecodeSpec, num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
                            prefetch: int | None = None, out: torch.Tensor | None = None,
-                           swap_ab: bool | None = None) -> torch.Tensor:
+                           swap_ab: bool | None = None, max_registers: int | None = None) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its last position) over each
     sequence's context_lens[b] tokens, read through `spec` from `tensors` (a LayerKVCache or a
     dict of its tensors). Returns [B, Hq, D] in q's dtype.
@@ -628,22 +630,26 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
             int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0, bool(swap_ab))
 
     max_context = block_tables.shape[1] * P
+    # ptxas's register cap (.maxnreg): more programs per SM, at the risk of spills
+    if max_registers is None:
+        max_registers = spec.max_registers
+    launch_options = {} if max_registers is None or interpret else {"maxnreg": int(max_registers)}
     if num_splits is None and interpret:
         num_splits = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
     elif num_splits is None:
         # the splits depend on how many programs an SM holds: compile first (once per launch key)
         key = occupancy_key(spec, tables, q, k_pool, v_pool, G, P, block_n, num_warps, num_stages, use_asm,
-                            prefetch, swap_ab)
+                            prefetch, swap_ab, max_registers)
         if key not in _OCCUPANCY:
             provisional = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
             *_, args = kernel_args(provisional)
-            kernel = _paged_decode_kernel.warmup(*args, grid=(B * Hkv, provisional + 1),
-                                                 num_warps=num_warps, num_stages=num_stages)
+            kernel = _paged_decode_kernel.warmup(*args, grid=(B * Hkv, provisional + 1), num_warps=num_warps,
+                                                 num_stages=num_stages, **launch_options)
             _OCCUPANCY[key] = _kernel_programs_per_sm(kernel, num_warps, q.device)
         num_splits = wave_splits(B, Hkv, max_context, block_n, _sm_count(q.device), _OCCUPANCY[key])
     LAST_LAUNCH["num_splits"] = num_splits
     part_o, part_lse, ns_total, args = kernel_args(num_splits)
-    _paged_decode_kernel[(B * Hkv, ns_total)](*args, num_warps=num_warps, num_stages=num_stages)
+    _paged_decode_kernel[(B * Hkv, ns_total)](*args, num_warps=num_warps, num_stages=num_stages, **launch_options)
     if out is None:
         out = torch.empty_like(q)
     _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total,

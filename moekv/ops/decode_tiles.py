@@ -311,6 +311,10 @@ PREFETCH = {"fp8_e4m3": 0, "int4": 2, "kivi2": 1, "nuq2": 2}
 # (results/h200/decode_attention_splits_*.json: at whole waves fp8 311 against 339 us at (16, 32k),
 # int4 607 against 688, vq 1162 against 1271, nuq2 -1%); bf16 and kivi2 keep q @ k^T (no gain)
 FP8_SPLIT_FACTOR = 2
+# fp8 capped at 80 registers (96 without): 6 programs per SM instead of 5, no spills (sm_90 SASS),
+# 0.312 -> 0.291 ms at (16, 32k), 85.9 -> 81.7 us at (1, 128k), 1.209 -> 1.129 ms at (64, 32k)
+# (session 12, results/h200/decode_attention_fp8_maxnreg.json); 72 spills
+FP8_MAX_REGISTERS = 80
 
 
 def plain_spec(dtype: torch.dtype) -> DecodeSpec | None:
@@ -325,7 +329,8 @@ def fp8_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     voff = fmt.layout("value", block_size, head_dim).offsets
     return DecodeSpec(key=TileReader(fp8_key_tile, (koff["scale"],), row_scaled=True),
                       value=TileReader(fp8_value_tile, (voff["scale"],), row_scaled=True), staged=True,
-                      prefetch=PREFETCH["fp8_e4m3"], split_factor=FP8_SPLIT_FACTOR, swap_ab=True)
+                      prefetch=PREFETCH["fp8_e4m3"], split_factor=FP8_SPLIT_FACTOR, swap_ab=True,
+                      max_registers=FP8_MAX_REGISTERS)
 
 
 def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:

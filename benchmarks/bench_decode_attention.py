@@ -15,6 +15,8 @@ reference on the first sequence.
     python benchmarks/bench_decode_attention.py --formats bf16 nuq2 nuq2_eager nuq2_noslots --shapes 16x32768 \
         --out benchmarks/results/h200/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side
     python benchmarks/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer   # FlashInfer beside them
+    python benchmarks/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 --max-registers none 80
+        # the default launch in both orientations of the products and with and without a register cap
 
 Rows: format, batch, context, ms (kernel, CUDA-graph replay, median), baseline_ms (SDPA, same
 timer), speedup, bytes (what the format must read: its page slabs, the staged 16-bit tail, the
@@ -85,8 +87,8 @@ INEXACT = {"nuq2_noslots"}  # bounds, not formats: wrong wherever a slot is used
 # launch shapes tried per (format, shape): (block_n, num_warps, num_stages, splits factor over
 # num_splits_for, inline PTX, L2 prefetch distance in tiles). The first is the launcher's default:
 # the spec's prefetch and the launcher's splits (splits factor None: decode_attention.wave_splits by
-# the compiled kernel's programs per SM); a negative splits factor -n is exactly n splits. 8 warps dropped: 1.4-2x slower than 4 at every
-# point of the 2026-11-29 runs (results/h200/decode_attention.json)
+# the compiled kernel's programs per SM); a negative splits factor -n is exactly n splits. 8 warps
+# dropped: 1.4-2x slower than 4 at every point of the 2026-11-29 runs (results/h200/decode_attention.json)
 CONFIGS = [(64, 4, 2, None, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True, 1), (64, 4, 2, 1, True, 2), (64, 4, 3, 1, True, 2),
            (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0), (64, 4, 2, None, True, 0)]
 DEFAULT_CONFIG = CONFIGS[0]

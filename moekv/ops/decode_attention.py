@@ -457,8 +457,9 @@ def wave_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, n
     """Splits chosen by how full the last wave of programs is: the fewest, from 2, at which the
     B * Hkv * splits programs fill whole waves of num_sms * programs_per_sm to WAVE_FILL (all the
     first wave holds when that is the one), each split at least 2 tiles (at most 128); where none
-    does (short contexts at small batch), the fullest. On the H200 the decode kernels' time followed the last wave's fill more than their
-    instruction count (session 12, results/h200/decode_attention_splits_*.json): fp8 with 5
+    does (short contexts at small batch), the fullest. On the H200 the decode kernels' time
+    followed the last wave's fill more than their instruction count (session 12,
+    results/h200/decode_attention_splits_*.json): fp8 with 5
     programs per SM at (16, 32k) took 311 us with 5 or 10 splits (0.97 of a wave) against 357 with
     8 or 12 (0.78); int4 at (1, 128k) 159 us with 66 (one wave of 4 per SM) against 228 with 33."""
     pairs = max(1, batch * num_kv_heads)
@@ -497,7 +498,8 @@ def _kernel_programs_per_sm(kernel, num_warps: int, device: torch.device) -> int
 
 
 def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, block_n: int, num_warps: int,
-                  num_stages: int, use_asm: bool, prefetch: int, swap_ab: bool, max_registers: int | None = None) -> tuple:
+                  num_stages: int, use_asm: bool, prefetch: int, swap_ab: bool,
+                  max_registers: int | None = None) -> tuple:
     """What the compiled decode kernel (and so its programs per SM) depends on. A spec is rebuilt
     for every call and its tables may be a new closure, so the key is built from its parts; the
     readers' hooks are module-level functions, keyed by id (hashing a JITFunction costs ~1 us, and
@@ -557,10 +559,13 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
 
     Under TRITON_INTERPRET=1 (CPU tensors) every dot is done in fp32 (the
     interpreter's bf16 dot is wrong, see DESIGN.md section 6). num_splits, block_n, num_warps,
-    num_stages: launch shape (None: chosen here); use_asm: let tile readers use inline PTX
+    num_stages: launch shape (None: chosen here; the splits by `wave_splits` from the compiled
+    kernel's programs per SM, compiled once per `occupancy_key` before the first launch, or
+    `default_num_splits` under the interpreter); use_asm: let tile readers use inline PTX
     (default: on CUDA, where every thread holds whole 4-byte groups of codes); prefetch: ask L2
     for the slabs of the tile this many tiles ahead (0: off; None: spec.prefetch; compiled
-    kernels with tiles inside one page only).
+    kernels with tiles inside one page only); swap_ab: scores as k @ q^T (None: spec.swap_ab);
+    max_registers: ptxas's register cap (None: spec.max_registers; compiled kernels only).
     """
     B, Hq, D = q.shape
     k_pool, v_pool = tensors[spec.k_pool], tensors[spec.v_pool]

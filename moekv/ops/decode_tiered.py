@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTYPES, _patch_interpreter_index, _prefetch_slab,
-                                        _reduce_kernel, _sm_count, _softmax_step, _softmax_step_t, check_block_n, num_splits_for,
-                                        pow2_at_least, reduce_head, split_share, store_partial, tail_tile_step)
+from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTYPES, _patch_interpreter_index,
+                                        _prefetch_slab, _reduce_kernel, _sm_count, _softmax_step, _softmax_step_t,
+                                        check_block_n, num_splits_for, pow2_at_least, reduce_head, split_share,
+                                        store_partial, tail_tile_step)
 from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
     nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
 

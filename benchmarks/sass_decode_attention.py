@@ -95,7 +95,7 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
                                     torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
                                     torch.arange(2), 0.1, None, fmt.hi, fmt.lo, block_n=block_n,
                                     num_warps=num_warps, num_stages=num_stages, use_asm=use_asm,
-                                    swap_ab=swap_ab)
+                                    swap_ab=swap_ab, max_registers=max_registers)
             return compiled["_tiered_decode_kernel"]
         da.paged_decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
                                   torch.arange(2), 0.1, None, spec, block_n=block_n, num_splits=2,

@@ -196,7 +196,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
                             num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
                             num_stages: int = 2, use_asm: bool | None = None, prefetch: int | None = None,
                             out: torch.Tensor | None = None, mass_into: torch.Tensor | None = None,
-                            swap_ab: bool | None = None):
+                            swap_ab: bool | None = None, max_registers: int | None = None):
     """Decode attention of q [B, Hq, D] over a tiered layer (tensors: its LayerKVCache or a dict with
     k_fp8, v_fp8, k_low, v_low, k_staging, v_staging). Returns (out [B, Hq, D] in q's dtype,
     mass [B, max_pages] fp32 or None): mass[b, i] = the attention probability summed over all query
@@ -205,7 +205,9 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     fp8_fmt / nuq2_fmt: the tiers' formats (TieredFormat.hi / .lo; nuq2 with page codebooks).
     prefetch: L2 prefetch distance in tiles (None: TIERED_PREFETCH; 0: off; compiled kernels only).
     mass_into: a [num_pages] fp32 accumulator (the format's mass_dev): the mass is added there at
-    each page's id instead of returned (then None), in the same launch that computes it."""
+    each page's id instead of returned (then None), in the same launch that computes it.
+    swap_ab (None: TIERED_SWAP_AB) and max_registers (ptxas's cap; None: its choice): as
+    paged_decode_attention's."""
     B, Hq, D = q.shape
     kf, vf, kl, vl = tensors["k_fp8"], tensors["v_fp8"], tensors["k_low"], tensors["v_low"]
     k_stage, v_stage = tensors["k_staging"], tensors["v_staging"]
@@ -272,6 +274,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
         nuq2_key_fix if k_slots else None, nuq2_value_fix if v_slots else None,
         Hkv, G, G_PAD, D, P, block_n, dot, tail_dot, use_asm, emit_mass, int(prefetch), *slabs, bool(swap_ab),
         num_warps=num_warps, num_stages=num_stages,
+        **({} if max_registers is None or interpret else {"maxnreg": int(max_registers)}),
     )
     if out is None:
         out = torch.empty_like(q)

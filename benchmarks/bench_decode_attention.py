@@ -456,11 +456,11 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     results = []
     for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab, regs in launches(args):
-        if block_n > P or regs is not None:  # its tiles lie in one page; its launcher has no register cap
+        if block_n > P:  # its tiles lie in one page
             continue
         splits = config_splits(split_factor, batch, ctx.block_tables.shape[1] * P, block_n, sms)
         launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm,
-                      prefetch=prefetch, swap_ab=swap_ab)
+                      prefetch=prefetch, swap_ab=swap_ab, max_registers=regs)
 
         def run(launch=launch):
             return fmt.attend_kernel(q, cache, ctx, scale, None, **launch)
@@ -471,7 +471,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
                                            emit_mass=False, **launch)[0]
         entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm,
                  "prefetch": TIERED_PREFETCH if prefetch is None else prefetch,
-                 "swap_ab": TIERED_SWAP_AB if swap_ab is None else bool(swap_ab)}
+                 "swap_ab": TIERED_SWAP_AB if swap_ab is None else bool(swap_ab), "max_registers": regs}
         if already_timed(entry, results):
             continue
         try:
@@ -501,7 +501,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
                gbps=nbytes / best["ms"] * 1e-6, default_ms=default["ms"], eager_ms=default.get("eager_ms"),
                block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
                num_splits=best["num_splits"], use_asm=best["use_asm"], prefetch=best["prefetch"],
-               swap_ab=best["swap_ab"], max_abs_err=max(r["max_abs_err"] for r in ok),
+               swap_ab=best["swap_ab"], max_registers=best["max_registers"],
+               max_abs_err=max(r["max_abs_err"] for r in ok),
                wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > limit] or None)
     del cache, ctx, q
     torch.cuda.empty_cache()

@@ -104,27 +104,86 @@ class DecodeSpec:
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+# The products in either orientation (SWAP_AB): scores [G_PAD, BLOCK_N] = q @ k^T and output
+# [G_PAD, D] = p @ v, or (SWAP_AB) scores [BLOCK_N, G_PAD] = k @ q^T and output [D, G_PAD] = v^T @ p.
 @triton.jit
-def _softmax_step(s, valid, m, l, qk_scale):
-    """Online softmax over one tile's raw scores s [G_PAD, BLOCK_N] (fp32, before the scale):
-    returns the new running max m and sum l [G_PAD], the tile's probabilities p and the factor
-    alpha that rescales what was accumulated before (all base 2)."""
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    return m_new, l, p, alpha
+def _per_token(x, SWAP_AB: tl.constexpr):
+    """A [BLOCK_N] vector broadcast along the tokens axis of the scores."""
+    if SWAP_AB:
+        y = x[:, None]
+    else:
+        y = x[None, :]
+    return y
 
 
 @triton.jit
-def _softmax_step_t(s, valid, m, l, qk_scale):
-    """_softmax_step on transposed scores s [BLOCK_N, G_PAD] (tokens along the rows, SWAP_AB)."""
-    s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=0))
+def _per_head(x, SWAP_AB: tl.constexpr):
+    """A [G_PAD] vector broadcast along the heads axis of the scores (and of the output)."""
+    if SWAP_AB:
+        y = x[None, :]
+    else:
+        y = x[:, None]
+    return y
+
+
+# The operands are cast to DOT inside, the first operand of the product first: the order of the
+# casts changes how Triton schedules the loop (shared memory, registers, spills), and this keeps
+# each orientation's compiled kernel as it was when it was measured.
+@triton.jit
+def _scores(q, k, acc, DOT: tl.constexpr, SWAP_AB: tl.constexpr):
+    """q [G_PAD, D] against k [BLOCK_N, D], added to acc (or None)."""
+    if SWAP_AB:
+        s = tl.dot(k.to(DOT), tl.trans(q.to(DOT)), acc)
+    else:
+        s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), acc)
+    return s
+
+
+@triton.jit
+def _weighted_values(p, v, DOT: tl.constexpr, SWAP_AB: tl.constexpr, token_scale=None):
+    """Probabilities p (the scores' orientation; times token_scale [BLOCK_N] when given) times
+    v [BLOCK_N, D]."""
+    if SWAP_AB:
+        v_t = tl.trans(v.to(DOT))
+        if token_scale is not None:
+            p = p * token_scale[:, None]
+        o = tl.dot(v_t, p.to(DOT))
+    else:
+        if token_scale is not None:
+            p = p * token_scale[None, :]
+        o = tl.dot(p.to(DOT), v.to(DOT))
+    return o
+
+
+@triton.jit
+def _sum_tokens(x, SWAP_AB: tl.constexpr):
+    """Per-head sums over the tokens of x (the scores' orientation) -> [G_PAD]."""
+    if SWAP_AB:
+        y = tl.sum(x, axis=0)
+    else:
+        y = tl.sum(x, axis=1)
+    return y
+
+
+@triton.jit
+def _max_tokens(x, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        y = tl.max(x, axis=0)
+    else:
+        y = tl.max(x, axis=1)
+    return y
+
+
+@triton.jit
+def _softmax_step(s, valid, m, l, qk_scale, SWAP_AB: tl.constexpr = False):
+    """Online softmax over one tile's raw scores s (fp32, before the scale; [G_PAD, BLOCK_N], or
+    [BLOCK_N, G_PAD] under SWAP_AB): returns the new running max m and sum l [G_PAD], the tile's
+    probabilities p and the factor alpha that rescales what was accumulated before (all base 2)."""
+    s = tl.where(_per_token(valid, SWAP_AB), s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, _max_tokens(s, SWAP_AB))
     alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[None, :])
-    l = l * alpha + tl.sum(p, axis=0)
+    p = tl.exp2(s - _per_head(m_new, SWAP_AB))
+    l = l * alpha + _sum_tokens(p, SWAP_AB)
     return m_new, l, p, alpha
 
 
@@ -132,14 +191,9 @@ def _softmax_step_t(s, valid, m, l, qk_scale):
 def tail_tile_step(q_tail, t_k, t_v, t_valid, m, l, acc, qk_scale, SWAP_AB: tl.constexpr, TAIL_DOT: tl.constexpr):
     """One tile of the 16-bit tail (t_k, t_v [BLOCK_N, D] in TAIL_DOT): the online softmax's new
     (m, l, acc), acc [G_PAD, D], or [D, G_PAD] under SWAP_AB."""
-    if SWAP_AB:
-        t_s = tl.dot(t_k, tl.trans(q_tail))
-        m, l, t_p, t_alpha = _softmax_step_t(t_s, t_valid, m, l, qk_scale)
-        acc = acc * t_alpha[None, :] + tl.dot(tl.trans(t_v), t_p.to(TAIL_DOT))
-    else:
-        t_s = tl.dot(q_tail, tl.trans(t_k))
-        m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale)
-        acc = acc * t_alpha[:, None] + tl.dot(t_p.to(TAIL_DOT), t_v)
+    t_s = _scores(q_tail, t_k, None, TAIL_DOT, SWAP_AB)
+    m, l, t_p, t_alpha = _softmax_step(t_s, t_valid, m, l, qk_scale, SWAP_AB)
+    acc = acc * _per_head(t_alpha, SWAP_AB) + _weighted_values(t_p, t_v, TAIL_DOT, SWAP_AB)
     return m, l, acc
 
 
@@ -199,7 +253,7 @@ def _paged_decode_kernel(
     rows = tl.arange(0, G_PAD)  # query heads h*G + rows of the group (rows >= G are padding)
     d = tl.arange(0, D)
     q_rows = q_ptr + b * stride_qb + (h * G + rows)[:, None] * stride_qh  # [G_PAD, 1]
-    q_cols = q_ptr + b * stride_qb + (h * G + rows)[None, :] * stride_qh  # [1, G_PAD] (SWAP_AB's outliers)
+    q_heads = q_ptr + b * stride_qb + (h * G + rows) * stride_qh  # [G_PAD] (the outlier channels' q)
     q = tl.load(q_rows + d[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
 
     length = tl.load(context_lens + b)
@@ -279,38 +333,22 @@ def _paged_decode_kernel(
                     q_page, bias = K_FOLD(k_pool, kpb, q, D, P, K0, K1, K2, K3, K4, K5, tab0, tab1, tab2, tab3)
                 else:
                     q_page, bias = K_FOLD(k_pool, kpb, q, D, P, K0, K1, K2, K3, K4, K5)
-                if SWAP_AB:
-                    s = tl.dot(k.to(DOT), tl.trans(q_page.to(DOT)), s) + bias[None, :]
-                else:
-                    s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT)), s) + bias[:, None]
-            elif SWAP_AB:
-                s = tl.dot(k.to(DOT), tl.trans(q_main), s)  # [BLOCK_N, G_PAD] fp32
+                s = _scores(q_page, k, s, DOT, SWAP_AB) + _per_head(bias, SWAP_AB)
             else:
-                s = tl.dot(q_main, tl.trans(k.to(DOT)), s)  # [G_PAD, BLOCK_N] fp32
+                s = _scores(q_main, k, s, DOT, SWAP_AB)  # fp32
             if K_SCALED:
-                if SWAP_AB:
-                    s = s * k_scale[:, None]
-                else:
-                    s = s * k_scale[None, :]
+                s = s * _per_token(k_scale, SWAP_AB)
             for o in tl.static_range(K_NO):  # outlier channels: s += q[:, channel] * (exact - tile value)
                 ch_pg, ch_tok, delta = K_OUT(k_pool, kb, tok, kpb, tok0, valid, o, D, BLOCK_N, P,
                                              K0, K1, K2, K3, K4, K5)
-                if SWAP_AB:
-                    if NPG == 1:
-                        q_col = tl.load(q_cols + ch_pg, mask=(rows < G)[None, :], other=0.0).to(tl.float32)  # [1, G_PAD]
-                    else:
-                        q_col = tl.load(q_cols + ch_tok[:, None], mask=(rows < G)[None, :], other=0.0).to(tl.float32)
-                    s += delta[:, None] * q_col
-                else:
-                    if NPG == 1:
-                        q_col = tl.load(q_rows + ch_pg, mask=(rows < G)[:, None], other=0.0).to(tl.float32)  # [G_PAD, 1]
-                    else:
-                        q_col = tl.load(q_rows + ch_tok[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
-                    s += q_col * delta[None, :]
-            if SWAP_AB:
-                m, l, p, alpha = _softmax_step_t(s, valid, m, l, qk_scale)
-            else:
-                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
+                q_at = _per_head(q_heads, SWAP_AB)
+                if NPG == 1:  # q at the page's channel, in the heads' axis of s
+                    q_col = tl.load(q_at + ch_pg, mask=_per_head(rows < G, SWAP_AB), other=0.0).to(tl.float32)
+                else:  # q at each token's channel, shaped as s
+                    q_col = tl.load(q_at + _per_token(ch_tok, SWAP_AB), mask=_per_head(rows < G, SWAP_AB),
+                                    other=0.0).to(tl.float32)
+                s += q_col * _per_token(delta, SWAP_AB)
+            m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale, SWAP_AB)
 
             vb = page * stride_vp + h * stride_vh
             vpb = page_pg * stride_vp + h * stride_vh
@@ -323,14 +361,9 @@ def _paged_decode_kernel(
                 # per-token value scales go into the probabilities, normalised by the tile's largest
                 # so that p * scale stays far from fp16's subnormals, and restored on the product
                 v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
-                if SWAP_AB:
-                    pv = tl.dot(tl.trans(v.to(DOT)), (p * (v_scale / v_max)[:, None]).to(DOT)) * v_max
-                else:
-                    pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
-            elif SWAP_AB:
-                pv = tl.dot(tl.trans(v.to(DOT)), p.to(DOT))  # [D, G_PAD]
+                pv = _weighted_values(p, v, DOT, SWAP_AB, v_scale / v_max) * v_max
             else:
-                pv = tl.dot(p.to(DOT), v.to(DOT))
+                pv = _weighted_values(p, v, DOT, SWAP_AB)
             if SWAP_AB and (V_NO > 0 or V_FIX is not None):  # the value hooks take [G_PAD, ...]
                 p = tl.trans(p)
                 pv = tl.trans(pv)
@@ -349,12 +382,9 @@ def _paged_decode_kernel(
                                tab0, tab1, tab2, tab3)
                 else:
                     pv = V_FIX(v_pool, vpb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, V4, V5)
-            if SWAP_AB:
-                if V_NO > 0 or V_FIX is not None:
-                    pv = tl.trans(pv)
-                acc = acc * alpha[None, :] + pv
-            else:
-                acc = acc * alpha[:, None] + pv
+            if SWAP_AB and (V_NO > 0 or V_FIX is not None):
+                pv = tl.trans(pv)
+            acc = acc * _per_head(alpha, SWAP_AB) + pv
     else:
         # the 16-bit tail [quantized, length): the staging page, then (kivi2) the residual ring;
         # names differ from the branch above, whose tiles have another dtype

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTYPES, _patch_interpreter_index,
-                                        _prefetch_slab, _reduce_kernel, _sm_count, _softmax_step, _softmax_step_t,
+                                        _prefetch_slab, _reduce_kernel, _sm_count, _per_head, _per_token, _scores, _softmax_step,
+                                        _sum_tokens, _weighted_values,
                                         check_block_n, num_splits_for, pow2_at_least, reduce_head, split_share,
                                         store_partial, tail_tile_step)
 from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
@@ -126,19 +127,12 @@ def _tiered_decode_kernel(
                 slot = tl.load(page_slot + page).to(tl.int64)
                 kb = slot * stride_kfp + h * stride_kfh
                 k, k_scale = fp8_key_tile(kf_pool, kb, tok, kb, tok0, valid, D, BLOCK_N, P, ASM, F_KS, 0, 0, 0, 0, 0)
+                s = _scores(q_fp8, k, None, DOT, SWAP_AB) * _per_token(k_scale, SWAP_AB)
+                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale, SWAP_AB)
                 vb = slot * stride_vfp + h * stride_vfh
-                if SWAP_AB:
-                    s = tl.dot(k.to(DOT), tl.trans(q_fp8)) * k_scale[:, None]
-                    m, l, p, alpha = _softmax_step_t(s, valid, m, l, qk_scale)
-                    v, v_scale = _fp8_value_tile_planar(vf_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, F_VS)
-                    v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
-                    pv = tl.dot(tl.trans(v.to(DOT)), (p * (v_scale / v_max)[:, None]).to(DOT)) * v_max
-                else:
-                    s = tl.dot(q_fp8, tl.trans(k.to(DOT))) * k_scale[None, :]
-                    m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
-                    v, v_scale = _fp8_value_tile_planar(vf_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, F_VS)
-                    v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
-                    pv = tl.dot((p * (v_scale / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
+                v, v_scale = _fp8_value_tile_planar(vf_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, F_VS)
+                v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+                pv = _weighted_values(p, v, DOT, SWAP_AB, v_scale / v_max) * v_max
             else:
                 kb = page * stride_klp + h * stride_klh
                 k, k_unused = nuq2_key_tile(kl_pool, kb, tok, kb, tok0, valid, D, BLOCK_N, P, ASM,
@@ -149,30 +143,20 @@ def _tiered_decode_kernel(
                 q_page, bias = nuq2_key_fold(kl_pool, kb, q_pl, D, P, K0, K1, K2, K3, K4, K5)
                 vb = page * stride_vlp + h * stride_vlh
                 if SWAP_AB:  # the outlier hooks take [G_PAD, ...] tensors
-                    s = tl.dot(k.to(DOT), tl.trans(q_page.to(DOT)), tl.trans(s)) + bias[None, :]
-                    m, l, p, alpha = _softmax_step_t(s, valid, m, l, qk_scale)
-                    v, v_unused = nuq2_value_tile(vl_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, ASM,
-                                                  V0, V1, V2, V3, 0, 0)
-                    pv = tl.dot(tl.trans(v.to(DOT)), p.to(DOT))
-                    if V_FIX is not None:
-                        pv = tl.trans(V_FIX(vl_pool, vb, tok0, tl.trans(p), tl.trans(pv), D, BLOCK_N, P, DOT,
-                                            V0, V1, V2, V3, 0, 0))
-                else:
-                    s = tl.dot(q_page.to(DOT), tl.trans(k.to(DOT)), s) + bias[:, None]
-                    m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale)
-                    v, v_unused = nuq2_value_tile(vl_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, ASM,
-                                                  V0, V1, V2, V3, 0, 0)
-                    pv = tl.dot(p.to(DOT), v.to(DOT))
-                    if V_FIX is not None:
-                        pv = V_FIX(vl_pool, vb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, 0, 0)
-            if SWAP_AB:
-                acc = acc * alpha[None, :] + pv
-                p_sum = tl.sum(p, axis=0)
-            else:
-                acc = acc * alpha[:, None] + pv
-                p_sum = tl.sum(p, axis=1)
+                    s = tl.trans(s)
+                s = _scores(q_page, k, s, DOT, SWAP_AB) + _per_head(bias, SWAP_AB)
+                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale, SWAP_AB)
+                v, v_unused = nuq2_value_tile(vl_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, ASM,
+                                              V0, V1, V2, V3, 0, 0)
+                pv = _weighted_values(p, v, DOT, SWAP_AB)
+                if V_FIX is not None and SWAP_AB:
+                    pv = tl.trans(V_FIX(vl_pool, vb, tok0, tl.trans(p), tl.trans(pv), D, BLOCK_N, P, DOT,
+                                        V0, V1, V2, V3, 0, 0))
+                elif V_FIX is not None:
+                    pv = V_FIX(vl_pool, vb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, 0, 0)
+            acc = acc * _per_head(alpha, SWAP_AB) + pv
             if EMIT_MASS:  # this tile's probabilities relative to m (the running max after it)
-                tl.store(tile_sum + head * max_tiles + t, p_sum, mask=row_ok)
+                tl.store(tile_sum + head * max_tiles + t, _sum_tokens(p, SWAP_AB), mask=row_ok)
                 tl.store(tile_max + head * max_tiles + t, m, mask=row_ok)
     else:  # the staged tail [quantized, length): 16-bit, no mass (the reference counts full pages only)
         q_tail = q.to(TAIL_DOT)

@@ -24,6 +24,7 @@ D = head_dim, P = block_size, S = staging slots, R = residual ring rows, NS = sp
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -482,6 +483,7 @@ def default_num_splits(spec: DecodeSpec, batch: int, num_kv_heads: int, max_cont
 WAVE_FILL = 0.95  # wave_splits: the share of the last wave of programs that must be busy
 
 
+@functools.lru_cache(maxsize=4096)  # called for every layer of an eager step, with the same numbers
 def wave_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int,
                 programs_per_sm: int) -> int:
     """Splits chosen by how full the last wave of programs is: the fewest, from 2, at which the

@@ -156,23 +156,10 @@ def _weighted_values(p, v, DOT: tl.constexpr, SWAP_AB: tl.constexpr, token_scale
     return o
 
 
-@triton.jit
-def _sum_tokens(x, SWAP_AB: tl.constexpr):
-    """Per-head sums over the tokens of x (the scores' orientation) -> [G_PAD]."""
-    if SWAP_AB:
-        y = tl.sum(x, axis=0)
-    else:
-        y = tl.sum(x, axis=1)
-    return y
-
-
-@triton.jit
-def _max_tokens(x, SWAP_AB: tl.constexpr):
-    if SWAP_AB:
-        y = tl.max(x, axis=0)
-    else:
-        y = tl.max(x, axis=1)
-    return y
+@triton.constexpr_function
+def tokens_axis(swap_ab):
+    """The axis of the tokens in the scores (and probabilities): 0 under SWAP_AB, else 1."""
+    return 0 if swap_ab else 1
 
 
 @triton.jit
@@ -181,10 +168,10 @@ def _softmax_step(s, valid, m, l, qk_scale, SWAP_AB: tl.constexpr = False):
     [BLOCK_N, G_PAD] under SWAP_AB): returns the new running max m and sum l [G_PAD], the tile's
     probabilities p and the factor alpha that rescales what was accumulated before (all base 2)."""
     s = tl.where(_per_token(valid, SWAP_AB), s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, _max_tokens(s, SWAP_AB))
+    m_new = tl.maximum(m, tl.max(s, axis=tokens_axis(SWAP_AB)))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - _per_head(m_new, SWAP_AB))
-    l = l * alpha + _sum_tokens(p, SWAP_AB)
+    l = l * alpha + tl.sum(p, axis=tokens_axis(SWAP_AB))
     return m_new, l, p, alpha
 
 

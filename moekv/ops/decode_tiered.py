@@ -27,10 +27,10 @@ import triton
 import triton.language as tl
 
 from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTYPES, _patch_interpreter_index,
-                                        _prefetch_slab, _reduce_kernel, _sm_count, _per_head, _per_token, _scores, _softmax_step,
-                                        _sum_tokens, _weighted_values,
-                                        check_block_n, num_splits_for, pow2_at_least, reduce_head, split_share,
-                                        store_partial, tail_tile_step)
+                                        _per_head, _per_token, _prefetch_slab, _reduce_kernel, _scores, _sm_count,
+                                        _softmax_step, _weighted_values, check_block_n, num_splits_for,
+                                        pow2_at_least, reduce_head, split_share, store_partial, tail_tile_step,
+                                        tokens_axis)
 from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
     nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
 
@@ -156,7 +156,7 @@ def _tiered_decode_kernel(
                     pv = V_FIX(vl_pool, vb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, 0, 0)
             acc = acc * _per_head(alpha, SWAP_AB) + pv
             if EMIT_MASS:  # this tile's probabilities relative to m (the running max after it)
-                tl.store(tile_sum + head * max_tiles + t, _sum_tokens(p, SWAP_AB), mask=row_ok)
+                tl.store(tile_sum + head * max_tiles + t, tl.sum(p, axis=tokens_axis(SWAP_AB)), mask=row_ok)
                 tl.store(tile_max + head * max_tiles + t, m, mask=row_ok)
     else:  # the staged tail [quantized, length): 16-bit, no mass (the reference counts full pages only)
         q_tail = q.to(TAIL_DOT)

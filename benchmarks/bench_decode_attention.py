@@ -208,8 +208,6 @@ def config_splits(split_factor: int, batch: int, max_context: int, block_n: int,
     (sweep_decode_splits.py --split-counts)."""
     from moekv.ops.decode_attention import num_splits_for
 
-    if split_factor is None:  # tiered's launcher: num_splits_for's count
-        split_factor = 1
     if split_factor < 0:
         return -split_factor
     return max(1, split_factor * num_splits_for(batch, NUM_KV_HEADS, max_context, block_n, sms))
@@ -346,7 +344,8 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                                           max_registers=regs)
         launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
                   "use_asm": use_asm, "prefetch": spec.prefetch if prefetch is None else prefetch,
-                  "swap_ab": spec.swap_ab if swap_ab is None else bool(swap_ab), "max_registers": regs}
+                  "swap_ab": spec.swap_ab if swap_ab is None else bool(swap_ab),
+                  "max_registers": spec.max_registers if regs is None else regs or None}
         if already_timed(launch, results):
             continue
         try:
@@ -434,8 +433,10 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     ms is the engine's path (kernel + per-page mass into the device accumulator), nomass_ms the
     kernel alone without the mass output."""
     from moekv.kvcache.formats.tiered import TIER_FP8
-    from moekv.ops.decode_attention import num_splits_for
-    from moekv.ops.decode_tiered import TIERED_PREFETCH, TIERED_SWAP_AB, tiered_decode_attention
+    from moekv.ops import decode_attention as da
+    from moekv.ops.decode_tiles import CAPPED_MIN_PAGE
+    from moekv.ops.decode_tiered import (TIERED_MAX_REGISTERS, TIERED_PREFETCH, TIERED_SWAP_AB,
+                                          tiered_decode_attention)
 
     P = args.block_size
     cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
@@ -458,9 +459,14 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab, regs in launches(args):
         if block_n > P:  # its tiles lie in one page
             continue
-        splits = config_splits(split_factor, batch, ctx.block_tables.shape[1] * P, block_n, sms)
-        launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm,
+        launch = dict(num_splits=None, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm,
                       prefetch=prefetch, swap_ab=swap_ab, max_registers=regs)
+        if split_factor is None:  # the launcher's choice (wave_splits at the compiled kernel's occupancy)
+            fmt.attend_kernel(q, cache, ctx, scale, None, **launch)  # the engine's path, mass included
+            splits = da.LAST_LAUNCH["num_splits"]
+        else:
+            splits = config_splits(split_factor, batch, ctx.block_tables.shape[1] * P, block_n, sms)
+        launch["num_splits"] = splits
 
         def run(launch=launch):
             return fmt.attend_kernel(q, cache, ctx, scale, None, **launch)
@@ -471,7 +477,9 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
                                            emit_mass=False, **launch)[0]
         entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm,
                  "prefetch": TIERED_PREFETCH if prefetch is None else prefetch,
-                 "swap_ab": TIERED_SWAP_AB if swap_ab is None else bool(swap_ab), "max_registers": regs}
+                 "swap_ab": TIERED_SWAP_AB if swap_ab is None else bool(swap_ab),
+                 "max_registers": (TIERED_MAX_REGISTERS if P >= CAPPED_MIN_PAGE else None) if regs is None
+                 else regs or None}
         if already_timed(entry, results):
             continue
         try:
@@ -522,7 +530,8 @@ def main() -> None:
                    help="orientations of the products to time with every config (default: the spec's; "
                         "0: scores as q @ k^T, 1: as k @ q^T, DecodeSpec.swap_ab)")
     p.add_argument("--max-registers", nargs="*", default=None,
-                   help="ptxas register caps to time with every config ('none': ptxas's choice; e.g. none 80)")
+                   help="ptxas register caps to time with every config ('spec': the format's default, "
+                        "decode_tiles.MAX_REGISTERS / TIERED_MAX_REGISTERS; 'none': ptxas's own choice; e.g. none 80)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per page (64: kivi2 needs a multiple of 32)")
     p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
@@ -542,7 +551,8 @@ def main() -> None:
         args.vq_calibration = random_calibration(Path(tempfile.mkdtemp(prefix="vqcal")), NUM_KV_HEADS, HEAD_DIM)
         print(f"vq: random calibration fitted in {time.time() - t0:.1f} s ({args.vq_calibration})", flush=True)
     args.swap_ab = [None if v == "spec" else v == "1" for v in (args.swap_ab or ["spec"])]
-    args.max_registers = [None if v == "none" else int(v) for v in (args.max_registers or ["none"])]
+    args.max_registers = [{"spec": None, "none": 0}.get(v) if v in ("spec", "none") else int(v)
+                          for v in (args.max_registers or ["spec"])]
     args.shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes
                    else QUICK_SHAPES if args.quick else SHAPES)
     args.configs = ([DEFAULT_CONFIG] if args.quick else CONFIGS if args.configs is None

@@ -93,7 +93,7 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
 
             tiered_decode_attention(q, cache, cache.state["tier_dev"], cache.state["slot_dev"],
                                     torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
-                                    torch.arange(2), 0.1, None, fmt.hi, fmt.lo, block_n=block_n,
+                                    torch.arange(2), 0.1, None, fmt.hi, fmt.lo, num_splits=2, block_n=block_n,
                                     num_warps=num_warps, num_stages=num_stages, use_asm=use_asm,
                                     swap_ab=swap_ab, max_registers=max_registers)
             return compiled["_tiered_decode_kernel"]
@@ -178,7 +178,8 @@ def main() -> None:
     p.add_argument("--no-asm", dest="asm", action="store_false", help="plain-Triton unpacking, no inline PTX")
     p.add_argument("--swap-ab", type=int, default=None, choices=(0, 1),
                    help="transposed products (1) or not (0); default: the spec's")
-    p.add_argument("--max-registers", type=int, default=None, help="ptxas register cap (.maxnreg)")
+    p.add_argument("--max-registers", type=int, default=None,
+                   help="ptxas register cap (.maxnreg; default: the format's, decode_tiles.MAX_REGISTERS; 0: none)")
     p.add_argument("--prefetch", type=int, default=None, help="L2 prefetch distance in tiles (default: the spec's)")
     args = p.parse_args()
     elements = 2 * args.block_n * args.head_dim  # K and V elements of one tile

@@ -578,6 +578,21 @@ def test_programs_per_sm_counts_registers_and_shared_memory():
     assert da.programs_per_sm(255, 200000, 8, **h200) == 1
 
 
+def test_register_caps_only_where_measured():
+    """The formats' specs carry the register caps timed on the H200 at pages of 64 (decode_tiles.
+    MAX_REGISTERS); smaller pages, where a tile spans pages and the same caps spill hundreds of bytes,
+    keep ptxas's choice, except fp8 (no spills there). vq needs a calibration: its cap is read from
+    the same function its spec calls."""
+    (tiles,) = kernel_modules("moekv.ops.decode_tiles")
+    for name, options, cap in (("int4", {}, 96), ("nuq2", {"codebook": "page"}, 168), ("fp8_e4m3", {}, 80)):
+        fmt = get_kv_format(name, torch.bfloat16, **options)
+        assert fmt.decode_spec(64, 128).max_registers == cap, name
+        assert fmt.decode_spec(128, 128).max_registers == cap, name
+        assert fmt.decode_spec(16, 128).max_registers == (80 if name == "fp8_e4m3" else None), name
+    assert tiles.register_cap("vq", 64) == 96 and tiles.register_cap("vq", 16) is None
+    assert get_kv_format("bf16", torch.bfloat16).decode_spec(16, 128).max_registers is None
+
+
 def test_occupancy_key_tells_compiled_kernels_apart():
     """The launcher caches programs per SM by occupancy_key: specs rebuilt for every call (and a
     calibrated nuq2's new tables closure) share a key; another orientation, format or launch does not."""

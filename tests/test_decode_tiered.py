@@ -210,8 +210,16 @@ def test_gpu_tiered_realistic(block_n, swap_ab):
     q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
     ref = reference(fmt, cache, ctx, q, 128 ** -0.5, None)
     assert fmt.use_kernel(q, ctx, cache)
+    for key in [k for k in da._OCCUPANCY if k[0] == "tiered"]:
+        del da._OCCUPANCY[key]
     out = fmt.attend(q, cache, ctx, 128 ** -0.5, None)
     assert (out.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    # the launcher compiled first and chose the splits that fill whole waves at that occupancy
+    (per_sm,) = [v for k, v in da._OCCUPANCY.items() if k[0] == "tiered"]
+    assert 1 <= per_sm <= 4, per_sm
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    assert da.LAST_LAUNCH["num_splits"] == da.wave_splits(len(lens), 8, ctx.block_tables.shape[1] * 64, 64, sms,
+                                                          per_sm)
     windowed = reference(fmt, cache, ctx, q, 128 ** -0.5, 700)
     out = fmt.attend(q, cache, ctx, 128 ** -0.5, 700)
     assert (out.double() - windowed).abs().max().item() <= 2e-2 * windowed.abs().max().item()

@@ -516,6 +516,17 @@ def _kernel_programs_per_sm(kernel, num_warps: int, device: torch.device) -> int
                            props["max_shared_mem"])
 
 
+def compiled_programs_per_sm(key: tuple, kernel_fn, args, grid, num_warps: int, num_stages: int,
+                             launch_options: dict, device: torch.device) -> int:
+    """Programs per SM of kernel_fn compiled for (args, grid, launch options): compiled once per
+    `key` (JITFunction.warmup, not launched), then read from _OCCUPANCY. Both decode launchers
+    choose their splits from it (wave_splits)."""
+    if key not in _OCCUPANCY:
+        kernel = kernel_fn.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **launch_options)
+        _OCCUPANCY[key] = _kernel_programs_per_sm(kernel, num_warps, device)
+    return _OCCUPANCY[key]
+
+
 def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, block_n: int, num_warps: int,
                   num_stages: int, use_asm: bool, prefetch: int, swap_ab: bool,
                   max_registers: int | None = None) -> tuple:
@@ -530,8 +541,8 @@ def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, b
             int(prefetch), bool(swap_ab), max_registers, q.device)
 
 
-_OCCUPANCY: dict = {}  # occupancy_key -> programs per SM (paged_decode_attention)
-LAST_LAUNCH: dict = {}  # what the last paged_decode_attention chose (num_splits), for benchmarks
+_OCCUPANCY: dict = {}  # launch key -> programs per SM (compiled_programs_per_sm)
+LAST_LAUNCH: dict = {}  # what the last decode launch (paged or tiered) chose (num_splits), for benchmarks
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -584,7 +595,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     (default: on CUDA, where every thread holds whole 4-byte groups of codes); prefetch: ask L2
     for the slabs of the tile this many tiles ahead (0: off; None: spec.prefetch; compiled
     kernels with tiles inside one page only); swap_ab: scores as k @ q^T (None: spec.swap_ab);
-    max_registers: ptxas's register cap (None: spec.max_registers; compiled kernels only).
+    max_registers: ptxas's register cap (None: spec.max_registers; 0: none; compiled kernels only).
     """
     B, Hq, D = q.shape
     k_pool, v_pool = tensors[spec.k_pool], tensors[spec.v_pool]
@@ -657,20 +668,21 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     # ptxas's register cap (.maxnreg): more programs per SM, at the risk of spills
     if max_registers is None:
         max_registers = spec.max_registers
-    launch_options = {} if max_registers is None or interpret else {"maxnreg": int(max_registers)}
+    launch_options = {} if not max_registers or interpret else {"maxnreg": int(max_registers)}
     if num_splits is None and interpret:
         num_splits = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
     elif num_splits is None:
         # the splits depend on how many programs an SM holds: compile first (once per launch key)
         key = occupancy_key(spec, tables, q, k_pool, v_pool, G, P, block_n, num_warps, num_stages, use_asm,
                             prefetch, swap_ab, max_registers)
-        if key not in _OCCUPANCY:
+        if key in _OCCUPANCY:
+            per_sm = _OCCUPANCY[key]
+        else:
             provisional = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
             *_, args = kernel_args(provisional)
-            kernel = _paged_decode_kernel.warmup(*args, grid=(B * Hkv, provisional + 1), num_warps=num_warps,
-                                                 num_stages=num_stages, **launch_options)
-            _OCCUPANCY[key] = _kernel_programs_per_sm(kernel, num_warps, q.device)
-        num_splits = wave_splits(B, Hkv, max_context, block_n, _sm_count(q.device), _OCCUPANCY[key])
+            per_sm = compiled_programs_per_sm(key, _paged_decode_kernel, args, (B * Hkv, provisional + 1),
+                                              num_warps, num_stages, launch_options, q.device)
+        num_splits = wave_splits(B, Hkv, max_context, block_n, _sm_count(q.device), per_sm)
     LAST_LAUNCH["num_splits"] = num_splits
     part_o, part_lse, ns_total, args = kernel_args(num_splits)
     _paged_decode_kernel[(B * Hkv, ns_total)](*args, num_warps=num_warps, num_stages=num_stages, **launch_options)

@@ -26,13 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTYPES, _patch_interpreter_index,
-                                        _per_head, _per_token, _prefetch_slab, _reduce_kernel, _scores, _sm_count,
-                                        _softmax_step, _weighted_values, check_block_n, num_splits_for,
-                                        pow2_at_least, reduce_head, split_share, store_partial, tail_tile_step,
-                                        tokens_axis)
-from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
-    nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
+from moekv.ops.decode_attention import (LAST_LAUNCH, LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _OCCUPANCY, _TL_DTYPES,
+                                        _patch_interpreter_index, _per_head, _per_token, _prefetch_slab,
+                                        _reduce_kernel, _scores, _sm_count, _softmax_step, _weighted_values,
+                                        check_block_n, compiled_programs_per_sm, num_splits_for, pow2_at_least,
+                                        reduce_head, split_share, store_partial, tail_tile_step, tokens_axis,
+                                        wave_splits)
+from moekv.ops.decode_tiles import CAPPED_MIN_PAGE, PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, \
+    nuq2_key_fold, nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
 
 TIER_FP8 = tl.constexpr(1)  # = moekv.kvcache.formats.tiered.TIER_FP8
 
@@ -190,7 +191,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     prefetch: L2 prefetch distance in tiles (None: TIERED_PREFETCH; 0: off; compiled kernels only).
     mass_into: a [num_pages] fp32 accumulator (the format's mass_dev): the mass is added there at
     each page's id instead of returned (then None), in the same launch that computes it.
-    swap_ab (None: TIERED_SWAP_AB) and max_registers (ptxas's cap; None: its choice): as
+    swap_ab (None: TIERED_SWAP_AB) and max_registers (ptxas's cap; None: TIERED_MAX_REGISTERS, 0: none): as
     paged_decode_attention's."""
     B, Hq, D = q.shape
     kf, vf, kl, vl = tensors["k_fp8"], tensors["v_fp8"], tensors["k_low"], tensors["v_low"]
@@ -214,17 +215,10 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     if q.stride(-1) != 1:
         q = q.contiguous()
     max_pages = block_tables.shape[1]
-    if num_splits is None:
-        num_splits = num_splits_for(B, Hkv, max_pages * P, block_n, _sm_count(q.device))
-    ns_total = num_splits + 1
-    part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
     max_tiles = max_pages * (P // block_n)
     if emit_mass:  # the kernel writes every tile of the window's full pages; the mass programs read only those
         tile_sum = torch.empty(B, Hq, max_tiles, dtype=torch.float32, device=q.device)
         tile_max = torch.empty(B, Hq, max_tiles, dtype=torch.float32, device=q.device)
-    else:
-        tile_sum = tile_max = part_lse
     koff = fp8_fmt.layout("key", P, D).offsets
     voff = fp8_fmt.layout("value", P, D).offsets
     lk = nuq2_fmt.layout("key", P, D).offsets
@@ -245,21 +239,47 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
         prefetch = 0
     slabs = [t.stride(1) * t.element_size() if prefetch else 0 for t in (kf, vf, kl, vl)]
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    _tiered_decode_kernel[(B * Hkv, ns_total)](
-        q, q.stride(0), q.stride(1),
-        kf, vf, kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-        kl, vl, kl.stride(0), kl.stride(1), vl.stride(0), vl.stride(1),
-        block_tables, block_tables.stride(0), context_lens, seq_slots,
-        page_tier, page_slot,
-        k_stage, v_stage, st[0], st[1], st[2],
-        part_o, part_lse, tile_sum, tile_max, max_tiles,
-        scale * LOG2E, window, num_splits, ns_total,
-        koff["scale"], voff["scale"], *kparams, *vparams,
-        nuq2_key_fix if k_slots else None, nuq2_value_fix if v_slots else None,
-        Hkv, G, G_PAD, D, P, block_n, dot, tail_dot, use_asm, emit_mass, int(prefetch), *slabs, bool(swap_ab),
-        num_warps=num_warps, num_stages=num_stages,
-        **({} if max_registers is None or interpret else {"maxnreg": int(max_registers)}),
-    )
+
+    def kernel_args(num_splits):
+        ns_total = num_splits + 1
+        part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
+        sums, maxes = (tile_sum, tile_max) if emit_mass else (part_lse, part_lse)
+        return part_o, part_lse, ns_total, (
+            q, q.stride(0), q.stride(1),
+            kf, vf, kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+            kl, vl, kl.stride(0), kl.stride(1), vl.stride(0), vl.stride(1),
+            block_tables, block_tables.stride(0), context_lens, seq_slots,
+            page_tier, page_slot,
+            k_stage, v_stage, st[0], st[1], st[2],
+            part_o, part_lse, sums, maxes, max_tiles,
+            scale * LOG2E, window, num_splits, ns_total,
+            koff["scale"], voff["scale"], *kparams, *vparams,
+            nuq2_key_fix if k_slots else None, nuq2_value_fix if v_slots else None,
+            Hkv, G, G_PAD, D, P, block_n, dot, tail_dot, use_asm, emit_mass, int(prefetch), *slabs, bool(swap_ab))
+
+    if max_registers is None:  # measured at pages of 64; smaller pages spill under it (CAPPED_MIN_PAGE)
+        max_registers = TIERED_MAX_REGISTERS if P >= CAPPED_MIN_PAGE else 0
+    launch_options = {} if not max_registers or interpret else {"maxnreg": int(max_registers)}
+    max_context = max_pages * P
+    if num_splits is None and interpret:
+        num_splits = num_splits_for(B, Hkv, max_context, block_n, _sm_count(q.device))
+    elif num_splits is None:
+        # as paged_decode_attention: the splits that fill whole waves at the compiled kernel's occupancy
+        key = ("tiered", q.dtype, kf.dtype, kl.dtype, k_stage.dtype, D, G, Hkv, P, block_n, koff["scale"],
+               voff["scale"], kparams, vparams, use_asm, emit_mass, int(prefetch), bool(slabs[0]), bool(swap_ab),
+               num_warps, num_stages, max_registers, q.device)
+        if key in _OCCUPANCY:
+            per_sm = _OCCUPANCY[key]
+        else:
+            provisional = num_splits_for(B, Hkv, max_context, block_n, _sm_count(q.device))
+            *_, args = kernel_args(provisional)
+            per_sm = compiled_programs_per_sm(key, _tiered_decode_kernel, args, (B * Hkv, provisional + 1),
+                                              num_warps, num_stages, launch_options, q.device)
+        num_splits = wave_splits(B, Hkv, max_context, block_n, _sm_count(q.device), per_sm)
+    LAST_LAUNCH["num_splits"] = num_splits
+    part_o, part_lse, ns_total, args = kernel_args(num_splits)
+    _tiered_decode_kernel[(B * Hkv, ns_total)](*args, num_warps=num_warps, num_stages=num_stages, **launch_options)
     if out is None:
         out = torch.empty_like(q)
     ns_pad = max(2, triton.next_power_of_2(ns_total))
@@ -286,6 +306,10 @@ def mass_block_pages(num_heads: int, tiles_per_page: int) -> int:
 # L2 prefetch distance (tiles) of the tiered kernel: nuq2's (most pages are nuq2), not yet swept for tiered
 TIERED_PREFETCH = PREFETCH["nuq2"]
 TIERED_SWAP_AB = False  # transposed products (decode_attention.DecodeSpec.swap_ab)
+# ptxas's register cap: 255 -> 168 registers, 2 -> 3 programs per SM, 416 B of spills (64 local loads a
+# tile, L1 hits), 9-10% faster at (16, 32k), (1, 128k), (64, 32k) (session 13,
+# results/h200/decode_attention_caps_session13_{int4_vq,nuq2_tiered}.json)
+TIERED_MAX_REGISTERS = 168
 
 
 @triton.jit

@@ -315,6 +315,22 @@ FP8_SPLIT_FACTOR = 2
 # 0.312 -> 0.291 ms at (16, 32k), 85.9 -> 81.7 us at (1, 128k), 1.209 -> 1.129 ms at (64, 32k)
 # (session 12, results/h200/decode_attention_fp8_maxnreg.json); 72 spills
 FP8_MAX_REGISTERS = 80
+# the other formats' caps (session 13, results/h200/decode_attention_caps_session13_*.json, the
+# default launch at (16, 32k), (1, 128k), (64, 32k)): int4 126 -> 96 registers (4 -> 5 programs per SM, 32 B
+# of spills) 2-4% faster, vq 120 -> 96 (4 -> 5, 48 B) 9-10%, nuq2 196 -> 168 (2 -> 3, 120 B) 15-16%;
+# the spills are loop invariants reloaded from L1, cheaper than the idle issue slots they buy back
+MAX_REGISTERS = {"fp8_e4m3": FP8_MAX_REGISTERS, "int4": 96, "vq": 96, "nuq2": 168}
+# measured with pages of 64 (the engine's default for compressed formats): tiles inside one page.
+# With pages of 16 a tile of 64 spans 4 pages and needs more registers: the same caps spill 132 B
+# (int4) to 948 B (vq) a tile there, so smaller pages keep ptxas's choice (fp8 does not spill there)
+CAPPED_MIN_PAGE = 64
+
+
+def register_cap(fmt_name: str, block_size: int) -> int | None:
+    """DecodeSpec.max_registers of a format at this page size (None: ptxas's own choice)."""
+    if fmt_name == "fp8_e4m3" or block_size >= CAPPED_MIN_PAGE:
+        return MAX_REGISTERS.get(fmt_name)
+    return None
 
 
 def plain_spec(dtype: torch.dtype) -> DecodeSpec | None:
@@ -330,7 +346,7 @@ def fp8_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     return DecodeSpec(key=TileReader(fp8_key_tile, (koff["scale"],), row_scaled=True),
                       value=TileReader(fp8_value_tile, (voff["scale"],), row_scaled=True), staged=True,
                       prefetch=PREFETCH["fp8_e4m3"], split_factor=FP8_SPLIT_FACTOR, swap_ab=True,
-                      max_registers=FP8_MAX_REGISTERS)
+                      max_registers=register_cap("fp8_e4m3", block_size))
 
 
 def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
@@ -340,7 +356,8 @@ def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
         outliers = fmt.num_outliers(head_dim)
         params = (off["scale"], off["zero"], off["outlier_val"], off["outlier_idx"], fmt.group_size, outliers)
         readers.append(TileReader(int4_tile, params, outlier_fn=int4_outliers, outliers=outliers))
-    return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["int4"], swap_ab=True)
+    return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["int4"], swap_ab=True,
+                      max_registers=register_cap("int4", block_size))
 
 
 def kivi_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
@@ -863,10 +880,11 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
             readers.append(TileReader(nuq2_value_tile, params, planes=4,
                                       fix_fn=value_fix if n_slots else None))
     if not fmt.calibrated:
-        return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["nuq2"], swap_ab=True)
+        return DecodeSpec(key=readers[0], value=readers[1], staged=True, prefetch=PREFETCH["nuq2"], swap_ab=True,
+                          max_registers=register_cap("nuq2", block_size))
 
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
     return DecodeSpec(key=readers[0], value=readers[1], staged=True, tables=tables, prefetch=PREFETCH["nuq2"],
-                      swap_ab=True)
+                      swap_ab=True, max_registers=register_cap("nuq2", block_size))

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from moekv.ops.decode_attention import DecodeSpec, TileReader
-from moekv.ops.decode_tiles import (_add_slot_scores, _add_slot_values, _nuq2_used_chunks,  # slots as nuq2's
-                                    _slot_chunk_index)
+from moekv.ops.decode_tiles import (_add_slot_scores, _add_slot_values,  # slots as nuq2's
+                                    _nuq2_used_chunks, _slot_chunk_index, register_cap)
 
 CODEBOOK_SIZE = tl.constexpr(256)
 SLOT_CHUNK = 16  # outlier slots per one-hot product (the MMA's smallest K)
@@ -183,4 +183,5 @@ def vq_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
-    return DecodeSpec(key=key, value=value, staged=True, tables=tables, swap_ab=True)  # see decode_tiles.PREFETCH
+    return DecodeSpec(key=key, value=value, staged=True, tables=tables, swap_ab=True,  # see decode_tiles.PREFETCH
+                      max_registers=register_cap("vq", block_size))

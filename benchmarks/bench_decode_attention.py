@@ -274,6 +274,7 @@ def sdpa_baseline(batch: int, context: int, device, gen, cudagraph: bool) -> dic
 
 
 def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> dict:
+    from moekv.ops import decode_attention as da
     from moekv.ops.decode_attention import paged_decode_attention
 
     name, options = FORMATS[label]
@@ -351,6 +352,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
         try:
             out = run()
             torch.cuda.synchronize()
+            launch["max_registers"] = da.LAST_LAUNCH["max_registers"]  # a default cap may be dropped (choose_launch)
             ms = timer(run, args.cudagraph)
             entry = {**launch, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
             if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None \
@@ -485,6 +487,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
         try:
             out = run()
             torch.cuda.synchronize()
+            entry["max_registers"] = da.LAST_LAUNCH["max_registers"]  # a default cap may be dropped (choose_launch)
             entry.update(ms=timer(run, args.cudagraph), nomass_ms=timer(run_nomass, args.cudagraph),
                          max_abs_err=(out[:1].float() - ref).abs().max().item())
             if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None \

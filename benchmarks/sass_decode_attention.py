@@ -88,8 +88,13 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
 
     JITFunction.run = run
     try:
+        # the default cap, passed explicitly: the launchers would otherwise compile to decide whether to
+        # keep it for this short context (decode_attention.choose_launch)
         if name == "tiered":
-            from moekv.ops.decode_tiered import tiered_decode_attention
+            from moekv.ops.decode_tiered import CAPPED_MIN_PAGE, TIERED_MAX_REGISTERS, tiered_decode_attention
+
+            if max_registers is None:
+                max_registers = TIERED_MAX_REGISTERS if block_size >= CAPPED_MIN_PAGE else 0
 
             tiered_decode_attention(q, cache, cache.state["tier_dev"], cache.state["slot_dev"],
                                     torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
@@ -97,6 +102,8 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
                                     num_warps=num_warps, num_stages=num_stages, use_asm=use_asm,
                                     swap_ab=swap_ab, max_registers=max_registers)
             return compiled["_tiered_decode_kernel"]
+        if max_registers is None:
+            max_registers = spec.max_registers or 0
         da.paged_decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
                                   torch.arange(2), 0.1, None, spec, block_n=block_n, num_splits=2,
                                   num_warps=num_warps, num_stages=num_stages, use_asm=use_asm, prefetch=prefetch,

@@ -593,6 +593,40 @@ def test_register_caps_only_where_measured():
     assert get_kv_format("bf16", torch.bfloat16).decode_spec(16, 128).max_registers is None
 
 
+def test_choose_launch_drops_a_spilling_default_cap_on_short_splits():
+    """decode_attention.choose_launch against its rule, with made-up occupancies: capped 3 programs
+    per SM with spills, uncapped 2."""
+    (da,) = kernel_modules("moekv.ops.decode_attention")
+    asked = []
+
+    def occupancy(regs, spills=100):
+        asked.append(regs)
+        return (3, spills) if regs else (2, 0)
+
+    # batch 1 x 128k: 2048 tiles, 49 splits of ~42: the cap stays, splits from its occupancy
+    assert da.choose_launch(None, 168, True, occupancy, 1, 8, 131072, 64, 132) == (
+        da.wave_splits(1, 8, 131072, 64, 132, 3), 168)
+    # batch 1 x 4k: 64 tiles, 32 splits of 2: dropped, splits chosen again uncapped
+    assert da.choose_launch(None, 168, True, occupancy, 1, 8, 4096, 64, 132) == (
+        da.wave_splits(1, 8, 4096, 64, 132, 2), 0)
+    # batch 1 x 16k: 256 tiles, 49 splits of ~5 capped: dropped, and 33 splits (2 per SM) instead
+    assert da.wave_splits(1, 8, 16384, 64, 132, 3) == 49
+    assert da.choose_launch(None, 168, True, occupancy, 1, 8, 16384, 64, 132) == (33, 0)
+    # batch 1 x 32k: 512 tiles, 49 splits of 11 capped: stays
+    assert da.choose_launch(None, 168, True, occupancy, 1, 8, 32768, 64, 132)[1] == 168
+    # a cap that does not spill stays (fp8), as does one the caller asked for
+    assert da.choose_launch(None, 80, True, lambda r: occupancy(r, 0), 1, 8, 4096, 64, 132)[1] == 80
+    assert da.choose_launch(None, 168, False, occupancy, 1, 8, 4096, 64, 132)[1] == 168
+    # explicit splits are kept; with 2 tiles each the default cap still goes
+    assert da.choose_launch(2, 168, True, occupancy, 16, 8, 32768, 64, 132) == (2, 168)
+    assert da.choose_launch(40, 168, True, occupancy, 1, 8, 4096, 64, 132) == (40, 0)
+    # no cap: nothing to drop, and the uncapped occupancy is the one asked
+    asked.clear()
+    assert da.choose_launch(None, 0, True, occupancy, 16, 8, 32768, 64, 132) == (
+        da.wave_splits(16, 8, 32768, 64, 132, 2), 0)
+    assert asked == [0]
+
+
 def test_occupancy_key_tells_compiled_kernels_apart():
     """The launcher caches programs per SM by occupancy_key: specs rebuilt for every call (and a
     calibrated nuq2's new tables closure) share a key; another orientation, format or launch does not."""

@@ -516,15 +516,44 @@ def _kernel_programs_per_sm(kernel, num_warps: int, device: torch.device) -> int
                            props["max_shared_mem"])
 
 
-def compiled_programs_per_sm(key: tuple, kernel_fn, args, grid, num_warps: int, num_stages: int,
-                             launch_options: dict, device: torch.device) -> int:
-    """Programs per SM of kernel_fn compiled for (args, grid, launch options): compiled once per
-    `key` (JITFunction.warmup, not launched), then read from _OCCUPANCY. Both decode launchers
-    choose their splits from it (wave_splits)."""
+def compiled_occupancy(key: tuple, kernel_fn, args, grid, num_warps: int, num_stages: int, max_registers: int,
+                       device: torch.device) -> tuple[int, int]:
+    """(programs per SM, spill bytes) of kernel_fn compiled for (args, grid, launch options) under
+    ptxas's register cap max_registers (0: none): compiled once per `key` (JITFunction.warmup, not
+    launched), then read from _OCCUPANCY. Both decode launchers choose their launch from it."""
     if key not in _OCCUPANCY:
-        kernel = kernel_fn.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **launch_options)
-        _OCCUPANCY[key] = _kernel_programs_per_sm(kernel, num_warps, device)
+        options = {"maxnreg": int(max_registers)} if max_registers else {}
+        kernel = kernel_fn.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **options)
+        _OCCUPANCY[key] = (_kernel_programs_per_sm(kernel, num_warps, device), int(kernel.n_spills))
     return _OCCUPANCY[key]
+
+
+# A format's default register cap buys programs per SM with spills (loop invariants reloaded from
+# L1). Where each split has only a few tiles the extra programs are not there to be had (the grid
+# already fits in one wave) or not worth the longer reduce, and the reloads sit on a short loop's
+# critical path: session 13 at batch 1 (results/h200/decode_attention_caps_session13_b1.json), with
+# 2 tiles a split at 4k, tiered 19.7 us uncapped against 22.3 capped, nuq2 16.6 / 17.1; with ~6
+# at 32k, int4 43.8 / 48.3 (66 splits against 82); with >= 10, nuq2 88.0 / 79.0 and at 128k
+# every capped format faster. So a default cap whose kernel spills is dropped below this many tiles.
+MIN_CAPPED_TILES = 8
+
+
+def choose_launch(num_splits: int | None, max_registers: int, cap_is_default: bool, occupancy, batch: int,
+                  num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> tuple[int, int]:
+    """(num_splits, max_registers) of a compiled decode launch. occupancy(max_registers) -> (programs
+    per SM, spill bytes) of the kernel under that cap. Splits not given are wave_splits' at the
+    kernel's occupancy; a default cap (not one the caller asked for) whose kernel spills is dropped
+    when a split would get fewer than MIN_CAPPED_TILES tiles, and the splits chosen again without it."""
+    chosen = num_splits is None
+    if chosen:
+        per_sm, _ = occupancy(max_registers)
+        num_splits = wave_splits(batch, num_kv_heads, max_context, block_n, num_sms, per_sm)
+    tiles = -(-max_context // block_n)
+    if cap_is_default and max_registers and -(-tiles // num_splits) < MIN_CAPPED_TILES and occupancy(max_registers)[1]:
+        max_registers = 0
+        if chosen:
+            num_splits = wave_splits(batch, num_kv_heads, max_context, block_n, num_sms, occupancy(0)[0])
+    return num_splits, max_registers
 
 
 def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, block_n: int, num_warps: int,
@@ -541,8 +570,8 @@ def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, b
             int(prefetch), bool(swap_ab), max_registers, q.device)
 
 
-_OCCUPANCY: dict = {}  # launch key -> programs per SM (compiled_programs_per_sm)
-LAST_LAUNCH: dict = {}  # what the last decode launch (paged or tiered) chose (num_splits), for benchmarks
+_OCCUPANCY: dict = {}  # launch key -> (programs per SM, spill bytes) (compiled_occupancy)
+LAST_LAUNCH: dict = {}  # what the last decode launch (paged or tiered) chose (num_splits, max_registers)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -666,23 +695,28 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
 
     max_context = block_tables.shape[1] * P
     # ptxas's register cap (.maxnreg): more programs per SM, at the risk of spills
-    if max_registers is None:
+    cap_is_default = max_registers is None
+    if cap_is_default:
         max_registers = spec.max_registers
-    launch_options = {} if not max_registers or interpret else {"maxnreg": int(max_registers)}
+    max_registers = int(max_registers or 0)
     if num_splits is None and interpret:
         num_splits = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
-    elif num_splits is None:
-        # the splits depend on how many programs an SM holds: compile first (once per launch key)
-        key = occupancy_key(spec, tables, q, k_pool, v_pool, G, P, block_n, num_warps, num_stages, use_asm,
-                            prefetch, swap_ab, max_registers)
-        if key in _OCCUPANCY:
-            per_sm = _OCCUPANCY[key]
-        else:
+    elif not interpret:
+        # the launch depends on how many programs an SM holds: compile first (once per launch key)
+        def occupancy(regs):
+            key = occupancy_key(spec, tables, q, k_pool, v_pool, G, P, block_n, num_warps, num_stages, use_asm,
+                                prefetch, swap_ab, regs)
+            if key in _OCCUPANCY:
+                return _OCCUPANCY[key]
             provisional = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
             *_, args = kernel_args(provisional)
-            per_sm = compiled_programs_per_sm(key, _paged_decode_kernel, args, (B * Hkv, provisional + 1),
-                                              num_warps, num_stages, launch_options, q.device)
-        num_splits = wave_splits(B, Hkv, max_context, block_n, _sm_count(q.device), per_sm)
+            return compiled_occupancy(key, _paged_decode_kernel, args, (B * Hkv, provisional + 1), num_warps,
+                                      num_stages, regs, q.device)
+
+        num_splits, max_registers = choose_launch(num_splits, max_registers, cap_is_default, occupancy, B, Hkv,
+                                                  max_context, block_n, _sm_count(q.device))
+    launch_options = {"maxnreg": max_registers} if max_registers and not interpret else {}
+    LAST_LAUNCH["max_registers"] = max_registers or None
     LAST_LAUNCH["num_splits"] = num_splits
     part_o, part_lse, ns_total, args = kernel_args(num_splits)
     _paged_decode_kernel[(B * Hkv, ns_total)](*args, num_warps=num_warps, num_stages=num_stages, **launch_options)

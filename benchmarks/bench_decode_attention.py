@@ -193,14 +193,14 @@ LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "p
 
 def launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab,
                     max_registers=None) -> int:
-    """The split count paged_decode_attention chooses for this launch (by the compiled kernel's
-    programs per SM, decode_attention.wave_splits)."""
+    """The (split count, register cap: 0 for none) paged_decode_attention chooses for this launch
+    (by the compiled kernel's programs per SM and spills, decode_attention.choose_launch)."""
     from moekv.ops import decode_attention as da
 
     da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, spec,
                               block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm, prefetch=prefetch,
                               swap_ab=swap_ab, max_registers=max_registers)
-    return da.LAST_LAUNCH["num_splits"]
+    return da.LAST_LAUNCH["num_splits"], da.LAST_LAUNCH["max_registers"] or 0
 
 
 def config_splits(split_factor: int, batch: int, max_context: int, block_n: int, sms: int) -> int:
@@ -331,14 +331,15 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     results = []
     max_context = ctx.block_tables.shape[1] * args.block_size
     for (block_n, warps, stages, split_factor, use_asm, prefetch), swap_ab, regs in launches(args):
-        if split_factor is None:  # the launcher's own choice
-            splits = launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab,
-                                     regs)
+        run_regs = regs
+        if split_factor is None:  # the launcher's own choice, timed with exactly that launch
+            splits, run_regs = launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch,
+                                               swap_ab, regs)
         else:
             splits = config_splits(split_factor, batch, max_context, block_n, sms)
 
         def run(block_n=block_n, warps=warps, stages=stages, splits=splits, use_asm=use_asm, prefetch=prefetch,
-                swap_ab=swap_ab, regs=regs):
+                swap_ab=swap_ab, regs=run_regs):
             return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
                                           spec, num_splits=splits, block_n=block_n, num_warps=warps,
                                           num_stages=stages, use_asm=use_asm, prefetch=prefetch, swap_ab=swap_ab,
@@ -463,9 +464,10 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
             continue
         launch = dict(num_splits=None, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm,
                       prefetch=prefetch, swap_ab=swap_ab, max_registers=regs)
-        if split_factor is None:  # the launcher's choice (wave_splits at the compiled kernel's occupancy)
+        if split_factor is None:  # the launcher's choice (choose_launch at the compiled kernel's occupancy)
             fmt.attend_kernel(q, cache, ctx, scale, None, **launch)  # the engine's path, mass included
             splits = da.LAST_LAUNCH["num_splits"]
+            launch["max_registers"] = da.LAST_LAUNCH["max_registers"] or 0  # timed with exactly that launch
         else:
             splits = config_splits(split_factor, batch, ctx.block_tables.shape[1] * P, block_n, sms)
         launch["num_splits"] = splits

@@ -627,6 +627,50 @@ def test_choose_launch_drops_a_spilling_default_cap_on_short_splits():
     assert asked == [0]
 
 
+def test_launch_split_kernel_compiles_once_per_key_then_launches_its_choice(monkeypatch):
+    """The compiled branch of decode_attention.launch_split_kernel (both launchers' launch), with a
+    stand-in kernel: each (launch key, cap) is compiled once, before any launch; a spilling default
+    cap is dropped at batch 1 x 4k (2 tiles a split) and kept at 16 x 32k; the launch gets the
+    chosen splits as its grid and the cap as maxnreg."""
+    (da,) = kernel_modules("moekv.ops.decode_attention")
+    compiled, launched = [], []
+
+    class Compiled:  # what compiled_occupancy reads of a compile: spills (and, below, the cap)
+        def __init__(self, regs):
+            self.regs, self.n_spills = regs, 100 if regs else 0
+
+    class Kernel:
+        def warmup(self, *args, grid, num_warps, num_stages, **options):
+            compiled.append(options.get("maxnreg", 0))
+            return Compiled(options.get("maxnreg", 0))
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, args[0], kw.get("maxnreg")))
+
+    # capped: 3 programs per SM (with spills); uncapped: 2
+    monkeypatch.setattr(da, "_kernel_programs_per_sm", lambda kernel, warps, device: 3 if kernel.regs else 2)
+    monkeypatch.setattr(da, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(da, "_OCCUPANCY", {})
+
+    def kernel_args(splits):
+        return "o", "lse", splits + 1, (splits,)
+
+    def run(batch, context, default=True):
+        return da.launch_split_kernel(Kernel(), kernel_args, lambda regs: ("key", batch, regs), 7, None, 168, default,
+                                      batch, 8, context, 64, 4, 2, False, "cpu")
+
+    splits = da.wave_splits(16, 8, 32768, 64, 132, 3)
+    assert run(16, 32768) == ("o", "lse", splits + 1)
+    assert compiled == [168] and launched[-1] == ((128, splits + 1), splits, 168)
+    run(16, 32768)
+    assert compiled == [168]  # cached: not compiled again
+    run(1, 4096)
+    assert compiled == [168, 168, 0]  # a new key: capped first, then uncapped after the drop
+    assert launched[-1] == ((8, 33), 32, None) and da.LAST_LAUNCH["max_registers"] is None
+    run(1, 4096, default=False)  # a cap the caller asked for stays
+    assert launched[-1][2] == 168 and da.LAST_LAUNCH == {"num_splits": 32, "max_registers": 168}
+
+
 def test_occupancy_key_tells_compiled_kernels_apart():
     """The launcher caches programs per SM by occupancy_key: specs rebuilt for every call (and a
     calibrated nuq2's new tables closure) share a key; another orientation, format or launch does not."""

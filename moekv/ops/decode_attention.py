@@ -495,6 +495,34 @@ def wave_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, n
     return best
 
 
+def launch_split_kernel(kernel_fn, kernel_args, launch_key, default_splits: int, num_splits: int | None,
+                        max_registers: int, cap_is_default: bool, batch: int, num_kv_heads: int, max_context: int,
+                        block_n: int, num_warps: int, num_stages: int, interpret: bool, device: torch.device):
+    """Launch a split-K decode kernel (both decode launchers) on grid (batch * num_kv_heads, ns_total)
+    and return (part_o, part_lse, ns_total). kernel_args(num_splits) -> (part_o, part_lse, ns_total,
+    args); launch_key(regs): what the compiled kernel under cap regs depends on. Compiled: splits
+    and cap by choose_launch at the kernel's occupancy (compiled once per key, before the launch);
+    interpreted: num_splits or default_splits, no cap."""
+    if interpret:
+        num_splits, max_registers = num_splits or default_splits, 0
+    else:
+        def occupancy(regs):
+            key = launch_key(regs)
+            if key not in _OCCUPANCY:
+                *_, ns_total, args = kernel_args(default_splits)
+                compiled_occupancy(key, kernel_fn, args, (batch * num_kv_heads, ns_total), num_warps, num_stages,
+                                   regs, device)
+            return _OCCUPANCY[key]
+
+        num_splits, max_registers = choose_launch(num_splits, max_registers, cap_is_default, occupancy, batch,
+                                                  num_kv_heads, max_context, block_n, _sm_count(device))
+    LAST_LAUNCH["num_splits"], LAST_LAUNCH["max_registers"] = num_splits, max_registers or None
+    part_o, part_lse, ns_total, args = kernel_args(num_splits)
+    kernel_fn[(batch * num_kv_heads, ns_total)](*args, num_warps=num_warps, num_stages=num_stages,
+                                                **({"maxnreg": max_registers} if max_registers else {}))
+    return part_o, part_lse, ns_total
+
+
 def programs_per_sm(n_regs: int, shared: int, num_warps: int, max_regs: int, max_shared: int) -> int:
     """How many programs of a kernel (n_regs registers a thread, `shared` bytes of shared memory,
     num_warps warps) an SM holds at once: the least of what its max_regs registers (allocated per
@@ -699,27 +727,15 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     if cap_is_default:
         max_registers = spec.max_registers
     max_registers = int(max_registers or 0)
-    if num_splits is None and interpret:
-        num_splits = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
-    elif not interpret:
-        # the launch depends on how many programs an SM holds: compile first (once per launch key)
-        def occupancy(regs):
-            key = occupancy_key(spec, tables, q, k_pool, v_pool, G, P, block_n, num_warps, num_stages, use_asm,
-                                prefetch, swap_ab, regs)
-            if key in _OCCUPANCY:
-                return _OCCUPANCY[key]
-            provisional = default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device))
-            *_, args = kernel_args(provisional)
-            return compiled_occupancy(key, _paged_decode_kernel, args, (B * Hkv, provisional + 1), num_warps,
-                                      num_stages, regs, q.device)
 
-        num_splits, max_registers = choose_launch(num_splits, max_registers, cap_is_default, occupancy, B, Hkv,
-                                                  max_context, block_n, _sm_count(q.device))
-    launch_options = {"maxnreg": max_registers} if max_registers and not interpret else {}
-    LAST_LAUNCH["max_registers"] = max_registers or None
-    LAST_LAUNCH["num_splits"] = num_splits
-    part_o, part_lse, ns_total, args = kernel_args(num_splits)
-    _paged_decode_kernel[(B * Hkv, ns_total)](*args, num_warps=num_warps, num_stages=num_stages, **launch_options)
+    def launch_key(regs):  # the compile, and so its occupancy, under register cap regs
+        return occupancy_key(spec, tables, q, k_pool, v_pool, G, P, block_n, num_warps, num_stages, use_asm,
+                             prefetch, swap_ab, regs)
+
+    part_o, part_lse, ns_total = launch_split_kernel(
+        _paged_decode_kernel, kernel_args, launch_key,
+        default_num_splits(spec, B, Hkv, max_context, block_n, _sm_count(q.device)), num_splits, max_registers,
+        cap_is_default, B, Hkv, max_context, block_n, num_warps, num_stages, interpret, q.device)
     if out is None:
         out = torch.empty_like(q)
     _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total,

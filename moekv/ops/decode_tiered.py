@@ -26,12 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.decode_attention import (LAST_LAUNCH, LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _OCCUPANCY, _TL_DTYPES,
-                                        _patch_interpreter_index, _per_head, _per_token, _prefetch_slab,
-                                        _reduce_kernel, _scores, _sm_count, _softmax_step, _weighted_values,
-                                        check_block_n, choose_launch, compiled_occupancy, num_splits_for,
-                                        pow2_at_least, reduce_head, split_share, store_partial, tail_tile_step,
-                                        tokens_axis)
+from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTYPES, _patch_interpreter_index,
+                                        _per_head, _per_token, _prefetch_slab, _reduce_kernel, _scores, _sm_count,
+                                        _softmax_step, _weighted_values, check_block_n, launch_split_kernel,
+                                        num_splits_for, pow2_at_least, reduce_head, split_share, store_partial,
+                                        tail_tile_step, tokens_axis)
 from moekv.ops.decode_tiles import CAPPED_MIN_PAGE, PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, \
     nuq2_key_fold, nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
 
@@ -263,28 +262,16 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
         max_registers = TIERED_MAX_REGISTERS if P >= CAPPED_MIN_PAGE else 0
     max_registers = int(max_registers or 0)
     max_context = max_pages * P
-    if num_splits is None and interpret:
-        num_splits = num_splits_for(B, Hkv, max_context, block_n, _sm_count(q.device))
-    elif not interpret:
-        # as paged_decode_attention: compile first, then the splits (and cap) for its occupancy
-        def occupancy(regs):
-            key = ("tiered", q.dtype, kf.dtype, kl.dtype, k_stage.dtype, D, G, Hkv, P, block_n, koff["scale"],
-                   voff["scale"], kparams, vparams, use_asm, emit_mass, int(prefetch), bool(slabs[0]), bool(swap_ab),
-                   num_warps, num_stages, regs, q.device)
-            if key in _OCCUPANCY:
-                return _OCCUPANCY[key]
-            provisional = num_splits_for(B, Hkv, max_context, block_n, _sm_count(q.device))
-            *_, args = kernel_args(provisional)
-            return compiled_occupancy(key, _tiered_decode_kernel, args, (B * Hkv, provisional + 1), num_warps,
-                                      num_stages, regs, q.device)
 
-        num_splits, max_registers = choose_launch(num_splits, max_registers, cap_is_default, occupancy, B, Hkv,
-                                                  max_context, block_n, _sm_count(q.device))
-    launch_options = {"maxnreg": max_registers} if max_registers and not interpret else {}
-    LAST_LAUNCH["max_registers"] = max_registers or None
-    LAST_LAUNCH["num_splits"] = num_splits
-    part_o, part_lse, ns_total, args = kernel_args(num_splits)
-    _tiered_decode_kernel[(B * Hkv, ns_total)](*args, num_warps=num_warps, num_stages=num_stages, **launch_options)
+    def launch_key(regs):  # as paged_decode_attention's: what the compiled kernel depends on
+        return ("tiered", q.dtype, kf.dtype, kl.dtype, k_stage.dtype, D, G, Hkv, P, block_n, koff["scale"],
+                voff["scale"], kparams, vparams, use_asm, emit_mass, int(prefetch), bool(slabs[0]), bool(swap_ab),
+                num_warps, num_stages, regs, q.device)
+
+    part_o, part_lse, ns_total = launch_split_kernel(
+        _tiered_decode_kernel, kernel_args, launch_key,
+        num_splits_for(B, Hkv, max_context, block_n, _sm_count(q.device)), num_splits, max_registers,
+        cap_is_default, B, Hkv, max_context, block_n, num_warps, num_stages, interpret, q.device)
     if out is None:
         out = torch.empty_like(q)
     ns_pad = max(2, triton.next_power_of_2(ns_total))

@@ -437,9 +437,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     kernel alone without the mass output."""
     from moekv.kvcache.formats.tiered import TIER_FP8
     from moekv.ops import decode_attention as da
-    from moekv.ops.decode_tiles import CAPPED_MIN_PAGE
-    from moekv.ops.decode_tiered import (TIERED_MAX_REGISTERS, TIERED_PREFETCH, TIERED_SWAP_AB,
-                                          tiered_decode_attention)
+    from moekv.ops.decode_tiered import TIERED_PREFETCH, TIERED_SWAP_AB, tiered_decode_attention
+    from moekv.ops.decode_tiles import register_cap
 
     P = args.block_size
     cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
@@ -482,8 +481,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
         entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm,
                  "prefetch": TIERED_PREFETCH if prefetch is None else prefetch,
                  "swap_ab": TIERED_SWAP_AB if swap_ab is None else bool(swap_ab),
-                 "max_registers": (TIERED_MAX_REGISTERS if P >= CAPPED_MIN_PAGE else None) if regs is None
-                 else regs or None}
+                 "max_registers": register_cap("tiered", P) if regs is None else regs or None}
         if already_timed(entry, results):
             continue
         try:
@@ -536,7 +534,7 @@ def main() -> None:
                         "0: scores as q @ k^T, 1: as k @ q^T, DecodeSpec.swap_ab)")
     p.add_argument("--max-registers", nargs="*", default=None,
                    help="ptxas register caps to time with every config ('spec': the format's default, "
-                        "decode_tiles.MAX_REGISTERS / TIERED_MAX_REGISTERS; 'none': ptxas's own choice; e.g. none 80)")
+                        "decode_tiles.register_cap; 'none': ptxas's own choice; e.g. none 80)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per page (64: kivi2 needs a multiple of 32)")
     p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")

@@ -91,10 +91,11 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
         # the default cap, passed explicitly: the launchers would otherwise compile to decide whether to
         # keep it for this short context (decode_attention.choose_launch)
         if name == "tiered":
-            from moekv.ops.decode_tiered import CAPPED_MIN_PAGE, TIERED_MAX_REGISTERS, tiered_decode_attention
+            from moekv.ops.decode_tiered import tiered_decode_attention
+            from moekv.ops.decode_tiles import register_cap
 
             if max_registers is None:
-                max_registers = TIERED_MAX_REGISTERS if block_size >= CAPPED_MIN_PAGE else 0
+                max_registers = register_cap("tiered", block_size) or 0
 
             tiered_decode_attention(q, cache, cache.state["tier_dev"], cache.state["slot_dev"],
                                     torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),

@@ -590,6 +590,7 @@ def test_register_caps_only_where_measured():
         assert fmt.decode_spec(128, 128).max_registers == cap, name
         assert fmt.decode_spec(16, 128).max_registers == (80 if name == "fp8_e4m3" else None), name
     assert tiles.register_cap("vq", 64) == 96 and tiles.register_cap("vq", 16) is None
+    assert tiles.register_cap("tiered", 64) == 168 and tiles.register_cap("tiered", 16) is None  # its launcher's
     assert get_kv_format("bf16", torch.bfloat16).decode_spec(16, 128).max_registers is None
 
 

@@ -31,8 +31,8 @@ from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTY
                                         _softmax_step, _weighted_values, check_block_n, launch_split_kernel,
                                         num_splits_for, pow2_at_least, reduce_head, split_share, store_partial,
                                         tail_tile_step, tokens_axis)
-from moekv.ops.decode_tiles import CAPPED_MIN_PAGE, PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, \
-    nuq2_key_fold, nuq2_key_tile, nuq2_value_fix, nuq2_value_tile
+from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
+    nuq2_key_tile, nuq2_value_fix, nuq2_value_tile, register_cap
 
 TIER_FP8 = tl.constexpr(1)  # = moekv.kvcache.formats.tiered.TIER_FP8
 
@@ -190,7 +190,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     prefetch: L2 prefetch distance in tiles (None: TIERED_PREFETCH; 0: off; compiled kernels only).
     mass_into: a [num_pages] fp32 accumulator (the format's mass_dev): the mass is added there at
     each page's id instead of returned (then None), in the same launch that computes it.
-    swap_ab (None: TIERED_SWAP_AB) and max_registers (ptxas's cap; None: TIERED_MAX_REGISTERS, 0: none): as
+    swap_ab (None: TIERED_SWAP_AB) and max_registers (ptxas's cap; None: register_cap('tiered', P), 0: none): as
     paged_decode_attention's."""
     B, Hq, D = q.shape
     kf, vf, kl, vl = tensors["k_fp8"], tensors["v_fp8"], tensors["k_low"], tensors["v_low"]
@@ -258,8 +258,8 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
             Hkv, G, G_PAD, D, P, block_n, dot, tail_dot, use_asm, emit_mass, int(prefetch), *slabs, bool(swap_ab))
 
     cap_is_default = max_registers is None
-    if cap_is_default:  # measured at pages of 64; smaller pages spill under it (CAPPED_MIN_PAGE)
-        max_registers = TIERED_MAX_REGISTERS if P >= CAPPED_MIN_PAGE else 0
+    if cap_is_default:
+        max_registers = register_cap("tiered", P)
     max_registers = int(max_registers or 0)
     max_context = max_pages * P
 
@@ -298,10 +298,7 @@ def mass_block_pages(num_heads: int, tiles_per_page: int) -> int:
 # L2 prefetch distance (tiles) of the tiered kernel: nuq2's (most pages are nuq2), not yet swept for tiered
 TIERED_PREFETCH = PREFETCH["nuq2"]
 TIERED_SWAP_AB = False  # transposed products (decode_attention.DecodeSpec.swap_ab)
-# ptxas's register cap: 255 -> 168 registers, 2 -> 3 programs per SM, 416 B of spills (64 local loads a
-# tile, L1 hits), 9-10% faster at (16, 32k), (1, 128k), (64, 32k) (session 13,
-# results/h200/decode_attention_caps_session13_{int4_vq,nuq2_tiered}.json)
-TIERED_MAX_REGISTERS = 168
+# its register cap: decode_tiles.register_cap("tiered", P), with the other formats'
 
 
 @triton.jit

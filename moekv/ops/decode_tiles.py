@@ -318,8 +318,9 @@ FP8_MAX_REGISTERS = 80
 # the other formats' caps (session 13, results/h200/decode_attention_caps_session13_*.json, the
 # default launch at (16, 32k), (1, 128k), (64, 32k)): int4 126 -> 96 registers (4 -> 5 programs per SM, 32 B
 # of spills) 2-4% faster, vq 120 -> 96 (4 -> 5, 48 B) 9-10%, nuq2 196 -> 168 (2 -> 3, 120 B) 15-16%;
-# the spills are loop invariants reloaded from L1, cheaper than the idle issue slots they buy back
-MAX_REGISTERS = {"fp8_e4m3": FP8_MAX_REGISTERS, "int4": 96, "vq": 96, "nuq2": 168}
+# the spills are loop invariants reloaded from L1, cheaper than the idle issue slots they buy back;
+# tiered's kernel (decode_tiered.py) 255 -> 168 (2 -> 3, 416 B: 64 local loads a tile) 9-10%
+MAX_REGISTERS = {"fp8_e4m3": FP8_MAX_REGISTERS, "int4": 96, "vq": 96, "nuq2": 168, "tiered": 168}
 # measured with pages of 64 (the engine's default for compressed formats): tiles inside one page.
 # With pages of 16 a tile of 64 spans 4 pages and needs more registers: the same caps spill 132 B
 # (int4) to 948 B (vq) a tile there, so smaller pages keep ptxas's choice (fp8 does not spill there)
@@ -327,7 +328,8 @@ CAPPED_MIN_PAGE = 64
 
 
 def register_cap(fmt_name: str, block_size: int) -> int | None:
-    """DecodeSpec.max_registers of a format at this page size (None: ptxas's own choice)."""
+    """DecodeSpec.max_registers of a format at this page size (None: ptxas's own choice); for
+    tiered, its launcher's default."""
     if fmt_name == "fp8_e4m3" or block_size >= CAPPED_MIN_PAGE:
         return MAX_REGISTERS.get(fmt_name)
     return None

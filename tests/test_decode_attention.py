@@ -607,9 +607,12 @@ def test_choose_launch_drops_a_spilling_default_cap_on_short_splits():
     # batch 1 x 128k: 2048 tiles, 49 splits of ~42: the cap stays, splits from its occupancy
     assert da.choose_launch(None, 168, True, occupancy, 1, 8, 131072, 64, 132) == (
         da.wave_splits(1, 8, 131072, 64, 132, 3), 168)
-    # batch 1 x 4k: 64 tiles, 32 splits of 2: dropped, splits chosen again uncapped
+    asked.clear()
+    # batch 1 x 4k: 64 tiles, 32 splits of 2: dropped, splits chosen again uncapped (the occupancy
+    # asked once under the cap, once without it)
     assert da.choose_launch(None, 168, True, occupancy, 1, 8, 4096, 64, 132) == (
         da.wave_splits(1, 8, 4096, 64, 132, 2), 0)
+    assert asked == [168, 0]
     # batch 1 x 16k: 256 tiles, 49 splits of ~5 capped: dropped, and 33 splits (2 per SM) instead
     assert da.wave_splits(1, 8, 16384, 64, 132, 3) == 49
     assert da.choose_launch(None, 168, True, occupancy, 1, 8, 16384, 64, 132) == (33, 0)

@@ -506,12 +506,12 @@ def launch_split_kernel(kernel_fn, kernel_args, launch_key, default_splits: int,
     if interpret:
         num_splits, max_registers = num_splits or default_splits, 0
     else:
-        def occupancy(regs):
+        def occupancy(regs):  # compiled once per key, before the first launch
             key = launch_key(regs)
             if key not in _OCCUPANCY:
                 *_, ns_total, args = kernel_args(default_splits)
-                compiled_occupancy(key, kernel_fn, args, (batch * num_kv_heads, ns_total), num_warps, num_stages,
-                                   regs, device)
+                _OCCUPANCY[key] = compiled_occupancy(kernel_fn, args, (batch * num_kv_heads, ns_total), num_warps,
+                                                     num_stages, regs, device)
             return _OCCUPANCY[key]
 
         num_splits, max_registers = choose_launch(num_splits, max_registers, cap_is_default, occupancy, batch,
@@ -544,16 +544,13 @@ def _kernel_programs_per_sm(kernel, num_warps: int, device: torch.device) -> int
                            props["max_shared_mem"])
 
 
-def compiled_occupancy(key: tuple, kernel_fn, args, grid, num_warps: int, num_stages: int, max_registers: int,
+def compiled_occupancy(kernel_fn, args, grid, num_warps: int, num_stages: int, max_registers: int,
                        device: torch.device) -> tuple[int, int]:
-    """(programs per SM, spill bytes) of kernel_fn compiled for (args, grid, launch options) under
-    ptxas's register cap max_registers (0: none): compiled once per `key` (JITFunction.warmup, not
-    launched), then read from _OCCUPANCY. Both decode launchers choose their launch from it."""
-    if key not in _OCCUPANCY:
-        options = {"maxnreg": int(max_registers)} if max_registers else {}
-        kernel = kernel_fn.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **options)
-        _OCCUPANCY[key] = (_kernel_programs_per_sm(kernel, num_warps, device), int(kernel.n_spills))
-    return _OCCUPANCY[key]
+    """(programs per SM, spill bytes) of kernel_fn compiled (JITFunction.warmup, not launched) for
+    (args, grid, launch options) under ptxas's register cap max_registers (0: none)."""
+    options = {"maxnreg": int(max_registers)} if max_registers else {}
+    kernel = kernel_fn.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **options)
+    return _kernel_programs_per_sm(kernel, num_warps, device), int(kernel.n_spills)
 
 
 # A format's default register cap buys programs per SM with spills (loop invariants reloaded from
@@ -573,11 +570,13 @@ def choose_launch(num_splits: int | None, max_registers: int, cap_is_default: bo
     kernel's occupancy; a default cap (not one the caller asked for) whose kernel spills is dropped
     when a split would get fewer than MIN_CAPPED_TILES tiles, and the splits chosen again without it."""
     chosen = num_splits is None
+    capped = None  # (programs per SM, spills) under max_registers, asked for only where needed
     if chosen:
-        per_sm, _ = occupancy(max_registers)
-        num_splits = wave_splits(batch, num_kv_heads, max_context, block_n, num_sms, per_sm)
+        capped = occupancy(max_registers)
+        num_splits = wave_splits(batch, num_kv_heads, max_context, block_n, num_sms, capped[0])
     tiles = -(-max_context // block_n)
-    if cap_is_default and max_registers and -(-tiles // num_splits) < MIN_CAPPED_TILES and occupancy(max_registers)[1]:
+    if cap_is_default and max_registers and -(-tiles // num_splits) < MIN_CAPPED_TILES \
+            and (capped or occupancy(max_registers))[1]:
         max_registers = 0
         if chosen:
             num_splits = wave_splits(batch, num_kv_heads, max_context, block_n, num_sms, occupancy(0)[0])
@@ -598,7 +597,7 @@ def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, b
             int(prefetch), bool(swap_ab), max_registers, q.device)
 
 
-_OCCUPANCY: dict = {}  # launch key -> (programs per SM, spill bytes) (compiled_occupancy)
+_OCCUPANCY: dict = {}  # launch key -> (programs per SM, spill bytes) (launch_split_kernel)
 LAST_LAUNCH: dict = {}  # what the last decode launch (paged or tiered) chose (num_splits, max_registers)
 
 

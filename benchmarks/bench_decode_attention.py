@@ -192,7 +192,7 @@ LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "p
 
 
 def launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab,
-                    max_registers=None) -> int:
+                    max_registers=None) -> tuple[int, int]:
     """The (split count, register cap: 0 for none) paged_decode_attention chooses for this launch
     (by the compiled kernel's programs per SM and spills, decode_attention.choose_launch)."""
     from moekv.ops import decode_attention as da

@@ -192,14 +192,14 @@ LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "p
 
 
 def launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab,
-                    max_registers=None) -> tuple[int, int]:
+                    max_registers=None, separate_tail=False) -> tuple[int, int]:
     """The (split count, register cap: 0 for none) paged_decode_attention chooses for this launch
     (by the compiled kernel's programs per SM and spills, decode_attention.choose_launch)."""
     from moekv.ops import decode_attention as da
 
     da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, spec,
                               block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm, prefetch=prefetch,
-                              swap_ab=swap_ab, max_registers=max_registers)
+                              swap_ab=swap_ab, max_registers=max_registers, separate_tail=separate_tail)
     return da.LAST_LAUNCH["num_splits"], da.LAST_LAUNCH["max_registers"] or 0
 
 
@@ -334,7 +334,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
         run_regs = regs
         if split_factor is None:  # the launcher's own choice, timed with exactly that launch
             splits, run_regs = launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch,
-                                               swap_ab, regs)
+                                               swap_ab, regs, args.separate_tail)
         else:
             splits = config_splits(split_factor, batch, max_context, block_n, sms)
 
@@ -343,7 +343,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
             return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
                                           spec, num_splits=splits, block_n=block_n, num_warps=warps,
                                           num_stages=stages, use_asm=use_asm, prefetch=prefetch, swap_ab=swap_ab,
-                                          max_registers=regs)
+                                          max_registers=regs, separate_tail=args.separate_tail)
         launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
                   "use_asm": use_asm, "prefetch": spec.prefetch if prefetch is None else prefetch,
                   "swap_ab": spec.swap_ab if swap_ab is None else bool(swap_ab),
@@ -462,7 +462,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
         if block_n > P:  # its tiles lie in one page
             continue
         launch = dict(num_splits=None, block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm,
-                      prefetch=prefetch, swap_ab=swap_ab, max_registers=regs)
+                      prefetch=prefetch, swap_ab=swap_ab, max_registers=regs, separate_tail=args.separate_tail)
         if split_factor is None:  # the launcher's choice (choose_launch at the compiled kernel's occupancy)
             fmt.attend_kernel(q, cache, ctx, scale, None, **launch)  # the engine's path, mass included
             splits = da.LAST_LAUNCH["num_splits"]
@@ -538,6 +538,9 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=64, help="tokens per page (64: kivi2 needs a multiple of 32)")
     p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
+    p.add_argument("--separate-tail", action="store_true",
+                   help="every launch with the 16-bit tail in a program of its own (the layout before session 14; "
+                        "default: where DecodeSpec.tail_in_last_split says; fp8 keeps its own program)")
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
@@ -603,7 +606,7 @@ def write_record(args, bandwidth: float, started: float, peers: dict, rows: list
         "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + (COMMAND_ARGV or sys.argv)),
         "bandwidth_gbps": bandwidth / 1e9, "timer": "do_bench_cudagraph median" if args.cudagraph else "do_bench median",
         "heads": {"query": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM}, "block_size": args.block_size,
-        "seconds": round(time.time() - started, 1),
+        "seconds": round(time.time() - started, 1), "separate_tail": args.separate_tail,
         "vq_calibration": "random (moekv.kvcache.formats.vq.random_calibration)" if args.vq_calibration
         and args.vq_calibration.name.startswith("vqcal") else (str(args.vq_calibration) if args.vq_calibration else None),
         "peers": peers,

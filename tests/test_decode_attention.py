@@ -157,6 +157,32 @@ def test_kernel_matches_reference(label, case, swap_ab):
     check(label, out, ref)
 
 
+@pytest.mark.parametrize("label", ["fp8_e4m3", "int4_g32", "kivi2_r32", "nuq2", "bf16"])
+def test_the_last_split_reads_the_tail(label):
+    """The 16-bit tail (staging page, kivi2's ring) is read by the last split after its pages, in
+    its accumulator's column order (nuq2's planar columns): num_splits programs per head, not one
+    more; fp8's spec keeps a program of its own for it (measured faster), and separate_tail asks
+    for that layout everywhere: the same output. Contexts off page boundaries, more splits than
+    some sequences have tiles."""
+    lens, hkv, group, head_dim, block_size, splits, block_n = [150, 64, 7], 2, 4, 64, 32, 3, 32
+    name, options = FORMATS[label]
+    fmt = get_kv_format(name, torch.bfloat16, **options)
+    cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, torch.bfloat16, seed=3)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    spec = fmt.decode_spec(block_size, head_dim)
+    ref = reference(fmt, cache, ctx, q, head_dim ** -0.5, None)
+    outs = {}
+    for separate in (False, True):
+        outs[separate] = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
+                                                   head_dim ** -0.5, None, spec, num_splits=splits, block_n=block_n,
+                                                   separate_tail=separate)
+        assert spec.tail_in_last_split == (label != "fp8_e4m3")
+        extra = 1 if spec.staged and (separate or not spec.tail_in_last_split) else 0
+        assert da.LAST_LAUNCH["grid"] == (len(lens) * hkv, splits + extra)
+        check(label, outs[separate], ref)
+    assert (outs[False] - outs[True]).abs().max().item() <= tolerance(label, ref)
+
+
 @pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32", "kivi2_g64", "nuq2"])
 def test_pages_of_16_and_sliding_window(label):
     block_size = 32 if label.startswith("kivi2") else 16
@@ -672,7 +698,7 @@ def test_launch_split_kernel_compiles_once_per_key_then_launches_its_choice(monk
     assert compiled == [168, 168, 0]  # a new key: capped first, then uncapped after the drop
     assert launched[-1] == ((8, 33), 32, None) and da.LAST_LAUNCH["max_registers"] is None
     run(1, 4096, default=False)  # a cap the caller asked for stays
-    assert launched[-1][2] == 168 and da.LAST_LAUNCH == {"num_splits": 32, "max_registers": 168}
+    assert launched[-1][2] == 168 and da.LAST_LAUNCH == {"num_splits": 32, "max_registers": 168, "grid": (8, 33)}
 
 
 def test_occupancy_key_tells_compiled_kernels_apart():

@@ -85,6 +85,18 @@ def test_tiered_kernel_matches_reference(case, swap_ab):
     assert mass.sum() > 0
 
 
+@pytest.mark.parametrize("separate_tail", [False, True], ids=["last-split", "own-program"])
+def test_tiered_tail_in_the_last_split(separate_tail):
+    """The staged tail is read by the last split after its pages (num_splits programs per head), its
+    values in the planar order of that split's accumulator; separate_tail (its own program, the
+    layout before session 14) gives the same output and mass."""
+    lens, hkv, group, head_dim, block_size, splits, block_n, kv_dtype = GRID[2]
+    fmt, cache, ctx = tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=5)
+    assert any(n % block_size for n in lens)  # a partly filled page: a tail to read
+    run_and_compare(fmt, cache, ctx, group, num_splits=splits, block_n=block_n, separate_tail=separate_tail)
+    assert da.LAST_LAUNCH["grid"] == (len(lens) * hkv, splits + (1 if separate_tail else 0))
+
+
 def test_tiered_window_16bit_queries_and_pool_pressure():
     """A sliding window; fp16 queries; an FP8 pool too small for the pages, so that writing demotes
     the coldest page and sends pages straight to nuq2; releasing pages resets their mirrors."""

@@ -100,6 +100,9 @@ class DecodeSpec:
     swap_ab: bool = False
     # ptxas's register cap for the kernel (.maxnreg; None: its own choice): more programs per SM
     max_registers: int | None = None
+    # the last split reads the 16-bit tail after its pages (False: a program of its own per head,
+    # dispatched after the splits' programs; see paged_decode_attention's separate_tail)
+    tail_in_last_split: bool = True
 
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -176,6 +179,49 @@ def _softmax_step(s, valid, m, l, qk_scale, SWAP_AB: tl.constexpr = False):
 
 
 @triton.jit
+def _tail_tiles(q_tail, m, l, acc, b, h, seq_slots, k_stage, v_stage, stride_ss, stride_sh, stride_st,
+                k_ring, v_ring, stride_rs, stride_rh, stride_rt, quantized, first, length, qk_scale,
+                D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr, V_PL: tl.constexpr,
+                SWAP_AB: tl.constexpr, TAIL_DOT: tl.constexpr):
+    """The 16-bit tail [quantized, length) of a sequence's KV head: the staging page, then (kivi2)
+    the residual ring, into the online softmax (m, l, acc). q_tail and the keys in channel order;
+    the values loaded whole, then permuted to acc's columns (planar when V_PL > 1)."""
+    n_off = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    slot = tl.load(seq_slots + b)
+    stage_base = slot * stride_ss + h * stride_sh
+    ring_base = slot * stride_rs + h * stride_rh
+    for start in range(tl.maximum(quantized, first), length, BLOCK_N):
+        t_pos = start + n_off
+        t_valid = t_pos < length
+        if RESIDUAL > 0:
+            in_ring = t_pos >= length - RESIDUAL
+            at_stage = t_valid & (~in_ring)
+            at_ring = t_valid & in_ring
+            ring_row = ring_base + (t_pos % RESIDUAL)[:, None] * stride_rt
+            t_k = tl.load(k_ring + ring_row + d[None, :], mask=at_ring[:, None], other=0.0).to(TAIL_DOT)
+            t_v = tl.load(v_ring + ring_row + d[None, :], mask=at_ring[:, None], other=0.0).to(TAIL_DOT)
+        else:
+            at_stage = t_valid
+            t_k = tl.zeros([BLOCK_N, D], TAIL_DOT)
+            t_v = tl.zeros([BLOCK_N, D], TAIL_DOT)
+        stage_row = stage_base + (t_pos % P)[:, None] * stride_st
+        t_k += tl.load(k_stage + stage_row + d[None, :], mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
+        t_v += tl.load(v_stage + stage_row + d[None, :], mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
+        if V_PL > 1:
+            t_v = tail_values_in_acc_order(t_v, V_PL, BLOCK_N, D)
+        m, l, acc = tail_tile_step(q_tail, t_k, t_v, t_valid, m, l, acc, qk_scale, SWAP_AB, TAIL_DOT)
+    return m, l, acc
+
+
+@triton.jit
+def tail_values_in_acc_order(t_v, PL: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """A tail value tile [BLOCK_N, D] from channel order to a planar format's accumulator columns
+    (column PL * j + s holds channel s * D / PL + j): permuted in registers, after whole-row loads."""
+    return tl.reshape(tl.permute(tl.reshape(t_v, (BLOCK_N, PL, D // PL)), (0, 2, 1)), (BLOCK_N, D))
+
+
+@triton.jit
 def tail_tile_step(q_tail, t_k, t_v, t_valid, m, l, acc, qk_scale, SWAP_AB: tl.constexpr, TAIL_DOT: tl.constexpr):
     """One tile of the 16-bit tail (t_k, t_v [BLOCK_N, D] in TAIL_DOT): the online softmax's new
     (m, l, acc), acc [G_PAD, D], or [D, G_PAD] under SWAP_AB."""
@@ -221,7 +267,7 @@ def _paged_decode_kernel(
     k_ring, v_ring, stride_rs, stride_rh, stride_rt,  # [S, Hkv, R, D] (RESIDUAL > 0)
     part_o, part_lse,  # [B, Hq, ns_total, D] fp32, [B, Hq, ns_total] fp32
     qk_scale, window,  # softmax scale * log2(e); sliding window (NO_WINDOW = none)
-    num_splits, ns_total,  # shares of the pages; + 1 program for the tail when STAGED
+    num_splits, ns_total,  # shares of the pages; programs per head (the last one also reads the 16-bit tail)
     tab0, tab1, tab2, tab3, stride_t0, stride_t1, stride_t2, stride_t3,  # DecodeSpec.tables [Hkv, ...] (TABLES)
     K_TILE: tl.constexpr, V_TILE: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
     K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, K4: tl.constexpr, K5: tl.constexpr,
@@ -233,6 +279,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr, STAGED: tl.constexpr, RESIDUAL: tl.constexpr,
     DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr, TABLES: tl.constexpr,
     PREFETCH: tl.constexpr, K_SLAB: tl.constexpr, V_SLAB: tl.constexpr, SWAP_AB: tl.constexpr,
+    TAIL_IN_LAST: tl.constexpr,  # the last split reads the 16-bit tail (else a program of its own)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -261,7 +308,9 @@ def _paged_decode_kernel(
     n_off = tl.arange(0, BLOCK_N)
     PP: tl.constexpr = P if P < BLOCK_N else BLOCK_N  # tokens of one page in a tile
     NPG: tl.constexpr = BLOCK_N // PP  # pages a tile spans
-    out_col = d  # the partial's column of each accumulator column
+    out_col = d  # the partial's column of each accumulator column (every program's, the tail's too)
+    if V_PL > 1:
+        out_col = (d % V_PL) * (D // V_PL) + d // V_PL
     if TABLES:  # the tables of this program's KV head
         tab0 += h * stride_t0
         tab1 += h * stride_t1
@@ -271,8 +320,6 @@ def _paged_decode_kernel(
         if K_PL > 1:  # q's channels in the key tile's column order
             kcol = (d % K_PL) * (D // K_PL) + d // K_PL
             q = tl.load(q_rows + kcol[None, :], mask=(rows < G)[:, None], other=0.0).to(tl.float32)
-        if V_PL > 1:
-            out_col = (d % V_PL) * (D // V_PL) + d // V_PL
         q_main = q.to(DOT)
         t0, t1 = split_share(first, quantized, split, num_splits, BLOCK_N)
         bt_row = block_tables + b.to(tl.int64) * stride_bt
@@ -373,31 +420,19 @@ def _paged_decode_kernel(
             if SWAP_AB and (V_NO > 0 or V_FIX is not None):
                 pv = tl.trans(pv)
             acc = acc * _per_head(alpha, SWAP_AB) + pv
-    else:
-        # the 16-bit tail [quantized, length): the staging page, then (kivi2) the residual ring;
-        # names differ from the branch above, whose tiles have another dtype
-        q_tail = q.to(TAIL_DOT)
-        slot = tl.load(seq_slots + b)
-        stage_base = slot * stride_ss + h * stride_sh
-        ring_base = slot * stride_rs + h * stride_rh
-        for start in range(tl.maximum(quantized, first), length, BLOCK_N):
-            t_pos = start + n_off
-            t_valid = t_pos < length
-            if RESIDUAL > 0:
-                in_ring = t_pos >= length - RESIDUAL
-                at_stage = t_valid & (~in_ring)
-                at_ring = t_valid & in_ring
-                ring_off = ring_base + (t_pos % RESIDUAL)[:, None] * stride_rt + d[None, :]
-                t_k = tl.load(k_ring + ring_off, mask=at_ring[:, None], other=0.0).to(TAIL_DOT)
-                t_v = tl.load(v_ring + ring_off, mask=at_ring[:, None], other=0.0).to(TAIL_DOT)
-            else:
-                at_stage = t_valid
-                t_k = tl.zeros([BLOCK_N, D], TAIL_DOT)
-                t_v = tl.zeros([BLOCK_N, D], TAIL_DOT)
-            stage_off = stage_base + (t_pos % P)[:, None] * stride_st + d[None, :]
-            t_k += tl.load(k_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
-            t_v += tl.load(v_stage + stage_off, mask=at_stage[:, None], other=0.0).to(TAIL_DOT)
-            m, l, acc = tail_tile_step(q_tail, t_k, t_v, t_valid, m, l, acc, qk_scale, SWAP_AB, TAIL_DOT)
+    else:  # the tail's own program (TAIL_IN_LAST off: ns_total = num_splits + 1), q in channel order
+        if not TAIL_IN_LAST:
+            m, l, acc = _tail_tiles(q.to(TAIL_DOT), m, l, acc, b, h, seq_slots, k_stage, v_stage, stride_ss, stride_sh,
+                                    stride_st, k_ring, v_ring, stride_rs, stride_rh, stride_rt, quantized, first,
+                                    length, qk_scale, D, P, BLOCK_N, RESIDUAL, V_PL, SWAP_AB, TAIL_DOT)
+    if STAGED or RESIDUAL > 0:
+        if TAIL_IN_LAST:
+            if split == ns_total - 1:
+                # q reloaded in channel order (the pages' may be planar)
+                q_tail = tl.load(q_rows + d[None, :], mask=(rows < G)[:, None], other=0.0).to(TAIL_DOT)
+                m, l, acc = _tail_tiles(q_tail, m, l, acc, b, h, seq_slots, k_stage, v_stage, stride_ss, stride_sh,
+                                        stride_st, k_ring, v_ring, stride_rs, stride_rh, stride_rt, quantized, first,
+                                        length, qk_scale, D, P, BLOCK_N, RESIDUAL, V_PL, SWAP_AB, TAIL_DOT)
 
     head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
     if SWAP_AB:
@@ -516,8 +551,8 @@ def launch_split_kernel(kernel_fn, kernel_args, launch_key, default_splits: int,
 
         num_splits, max_registers = choose_launch(num_splits, max_registers, cap_is_default, occupancy, batch,
                                                   num_kv_heads, max_context, block_n, _sm_count(device))
-    LAST_LAUNCH["num_splits"], LAST_LAUNCH["max_registers"] = num_splits, max_registers or None
     part_o, part_lse, ns_total, args = kernel_args(num_splits)
+    LAST_LAUNCH.update(num_splits=num_splits, max_registers=max_registers or None, grid=(batch * num_kv_heads, ns_total))
     kernel_fn[(batch * num_kv_heads, ns_total)](*args, num_warps=num_warps, num_stages=num_stages,
                                                 **({"maxnreg": max_registers} if max_registers else {}))
     return part_o, part_lse, ns_total
@@ -585,7 +620,7 @@ def choose_launch(num_splits: int | None, max_registers: int, cap_is_default: bo
 
 def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, block_n: int, num_warps: int,
                   num_stages: int, use_asm: bool, prefetch: int, swap_ab: bool,
-                  max_registers: int | None = None) -> tuple:
+                  max_registers: int | None = None, tail_in_last: bool = True) -> tuple:
     """What the compiled decode kernel (and so its programs per SM) depends on. A spec is rebuilt
     for every call and its tables may be a new closure, so the key is built from its parts; the
     readers' hooks are module-level functions, keyed by id (hashing a JITFunction costs ~1 us, and
@@ -594,11 +629,11 @@ def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, b
     readers = tuple((r.params, r.outliers, r.planes, r.row_scaled) for r in (spec.key, spec.value))
     return (hooks, readers, spec.dot_dtype, spec.staged, spec.residual, tuple(t.dtype for t in tables), q.dtype,
             q.shape[-1], k_pool.dtype, v_pool.dtype, G, P, block_n, num_warps, num_stages, bool(use_asm),
-            int(prefetch), bool(swap_ab), max_registers, q.device)
+            int(prefetch), bool(swap_ab), max_registers, bool(tail_in_last), q.device)
 
 
 _OCCUPANCY: dict = {}  # launch key -> (programs per SM, spill bytes) (launch_split_kernel)
-LAST_LAUNCH: dict = {}  # what the last decode launch (paged or tiered) chose (num_splits, max_registers)
+LAST_LAUNCH: dict = {}  # what the last decode launch (paged or tiered) chose (num_splits, max_registers, grid)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -638,7 +673,8 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
                            spec: DecodeSpec, num_splits: int | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
                            prefetch: int | None = None, out: torch.Tensor | None = None,
-                           swap_ab: bool | None = None, max_registers: int | None = None) -> torch.Tensor:
+                           swap_ab: bool | None = None, max_registers: int | None = None,
+                           separate_tail: bool = False) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its last position) over each
     sequence's context_lens[b] tokens, read through `spec` from `tensors` (a LayerKVCache or a
     dict of its tensors). Returns [B, Hq, D] in q's dtype.
@@ -651,7 +687,9 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     (default: on CUDA, where every thread holds whole 4-byte groups of codes); prefetch: ask L2
     for the slabs of the tile this many tiles ahead (0: off; None: spec.prefetch; compiled
     kernels with tiles inside one page only); swap_ab: scores as k @ q^T (None: spec.swap_ab);
-    max_registers: ptxas's register cap (None: spec.max_registers; 0: none; compiled kernels only).
+    max_registers: ptxas's register cap (None: spec.max_registers; 0: none; compiled kernels only);
+    separate_tail: the 16-bit tail of a staged format in a program of its own, after the splits'
+    (as spec.tail_in_last_split=False asks: the layout before session 14), else where the spec says.
     """
     B, Hq, D = q.shape
     k_pool, v_pool = tensors[spec.k_pool], tensors[spec.v_pool]
@@ -700,8 +738,10 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     tab_strides = [t.stride(0) for t in tables] + [0] * (NUM_TABLES - len(tables))
     tables = tables + (q,) * (NUM_TABLES - len(tables))  # unused: any tensor stands in
 
+    tail_in_last = spec.tail_in_last_split and not separate_tail
+
     def kernel_args(num_splits):
-        ns_total = num_splits + (1 if spec.staged else 0)
+        ns_total = num_splits + (1 if spec.staged and not tail_in_last else 0)
         part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
         return part_o, part_lse, ns_total, (
@@ -718,7 +758,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
             spec.key.row_scaled, spec.value.row_scaled, spec.key.outliers, spec.value.outliers,
             spec.key.fold_fn, spec.key.fix_fn, spec.value.fix_fn, spec.key.planes, spec.value.planes,
             Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm, has_tables,
-            int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0, bool(swap_ab))
+            int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0, bool(swap_ab), tail_in_last)
 
     max_context = block_tables.shape[1] * P
     # ptxas's register cap (.maxnreg): more programs per SM, at the risk of spills
@@ -729,7 +769,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
 
     def launch_key(regs):  # the compile, and so its occupancy, under register cap regs
         return occupancy_key(spec, tables, q, k_pool, v_pool, G, P, block_n, num_warps, num_stages, use_asm,
-                             prefetch, swap_ab, regs)
+                             prefetch, swap_ab, regs, tail_in_last)
 
     part_o, part_lse, ns_total = launch_split_kernel(
         _paged_decode_kernel, kernel_args, launch_key,

@@ -30,7 +30,7 @@ from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTY
                                         _per_head, _per_token, _prefetch_slab, _reduce_kernel, _scores, _sm_count,
                                         _softmax_step, _weighted_values, check_block_n, launch_split_kernel,
                                         num_splits_for, pow2_at_least, reduce_head, split_share, store_partial,
-                                        tail_tile_step, tokens_axis)
+                                        tail_tile_step, tail_values_in_acc_order, tokens_axis)
 from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
     nuq2_key_tile, nuq2_value_fix, nuq2_value_tile, register_cap
 
@@ -95,11 +95,10 @@ def _tiered_decode_kernel(
     else:
         acc = tl.zeros([G_PAD, D], tl.float32)
     n_off = tl.arange(0, BLOCK_N)
-    out_col = d
+    planar = (d % 4) * (D // 4) + d // 4  # the channel of each planar tile column
+    out_col = planar  # every program's accumulator columns (the tail's too)
     head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
     if split < num_splits:
-        planar = (d % 4) * (D // 4) + d // 4  # the channel of each planar tile column
-        out_col = planar
         q_pl = tl.load(q_rows + planar[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         q_fp8 = q.to(DOT)
         t0, t1 = split_share(first, quantized, split, num_splits, BLOCK_N)
@@ -158,16 +157,20 @@ def _tiered_decode_kernel(
             if EMIT_MASS:  # this tile's probabilities relative to m (the running max after it)
                 tl.store(tile_sum + head * max_tiles + t, tl.sum(p, axis=tokens_axis(SWAP_AB)), mask=row_ok)
                 tl.store(tile_max + head * max_tiles + t, m, mask=row_ok)
-    else:  # the staged tail [quantized, length): 16-bit, no mass (the reference counts full pages only)
+    if split == ns_total - 1:
+        # the staged tail [quantized, length): 16-bit, no mass (the reference counts full pages
+        # only); read by the last split after its pages, or by a program of its own (separate_tail).
+        # q and the keys in channel order, the values permuted to acc's planar columns
         q_tail = q.to(TAIL_DOT)
         slot = tl.load(seq_slots + b)
         stage_base = slot * stride_ss + h * stride_sh
         for start in range(tl.maximum(quantized, first), length, BLOCK_N):
             t_pos = start + n_off
             t_valid = t_pos < length
-            stage_off = stage_base + (t_pos % P)[:, None] * stride_st + d[None, :]
-            t_k = tl.load(k_stage + stage_off, mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
-            t_v = tl.load(v_stage + stage_off, mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
+            stage_row = stage_base + (t_pos % P)[:, None] * stride_st
+            t_k = tl.load(k_stage + stage_row + d[None, :], mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
+            t_v = tl.load(v_stage + stage_row + d[None, :], mask=t_valid[:, None], other=0.0).to(TAIL_DOT)
+            t_v = tail_values_in_acc_order(t_v, 4, BLOCK_N, D)
             m, l, acc = tail_tile_step(q_tail, t_k, t_v, t_valid, m, l, acc, qk_scale, SWAP_AB, TAIL_DOT)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -180,7 +183,8 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
                             num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
                             num_stages: int = 2, use_asm: bool | None = None, prefetch: int | None = None,
                             out: torch.Tensor | None = None, mass_into: torch.Tensor | None = None,
-                            swap_ab: bool | None = None, max_registers: int | None = None):
+                            swap_ab: bool | None = None, max_registers: int | None = None,
+                            separate_tail: bool = False):
     """Decode attention of q [B, Hq, D] over a tiered layer (tensors: its LayerKVCache or a dict with
     k_fp8, v_fp8, k_low, v_low, k_staging, v_staging). Returns (out [B, Hq, D] in q's dtype,
     mass [B, max_pages] fp32 or None): mass[b, i] = the attention probability summed over all query
@@ -190,8 +194,8 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     prefetch: L2 prefetch distance in tiles (None: TIERED_PREFETCH; 0: off; compiled kernels only).
     mass_into: a [num_pages] fp32 accumulator (the format's mass_dev): the mass is added there at
     each page's id instead of returned (then None), in the same launch that computes it.
-    swap_ab (None: TIERED_SWAP_AB) and max_registers (ptxas's cap; None: register_cap('tiered', P), 0: none): as
-    paged_decode_attention's."""
+    swap_ab (None: TIERED_SWAP_AB), max_registers (ptxas's cap; None: register_cap('tiered', P), 0: none) and
+    separate_tail: as paged_decode_attention's."""
     B, Hq, D = q.shape
     kf, vf, kl, vl = tensors["k_fp8"], tensors["v_fp8"], tensors["k_low"], tensors["v_low"]
     k_stage, v_stage = tensors["k_staging"], tensors["v_staging"]
@@ -240,7 +244,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
 
     def kernel_args(num_splits):
-        ns_total = num_splits + 1
+        ns_total = num_splits + (1 if separate_tail else 0)
         part_o = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
         sums, maxes = (tile_sum, tile_max) if emit_mass else (part_lse, part_lse)

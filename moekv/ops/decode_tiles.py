@@ -325,6 +325,12 @@ MAX_REGISTERS = {"fp8_e4m3": FP8_MAX_REGISTERS, "int4": 96, "vq": 96, "nuq2": 16
 # With pages of 16 a tile of 64 spans 4 pages and needs more registers: the same caps spill 132 B
 # (int4) to 948 B (vq) a tile there, so smaller pages keep ptxas's choice (fp8 does not spill there)
 CAPPED_MIN_PAGE = 64
+# fp8 keeps the 16-bit tail's own program (DecodeSpec.tail_in_last_split): with the tail after its
+# pages its kernel (80 registers) spilled 16 B and ran 2.6-3% slower at (16, 32k) and (1, 128k), on
+# one machine (session 14, results/h200/decode_attention_tail_session14_old_new.json). The other
+# formats read it in the last split: at 1 x 4k tiered -9%, int4 -6%; within 1% elsewhere, but int4
+# +1.6% at (1, 128k)
+FP8_TAIL_IN_LAST_SPLIT = False
 
 
 def register_cap(fmt_name: str, block_size: int) -> int | None:
@@ -348,7 +354,7 @@ def fp8_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     return DecodeSpec(key=TileReader(fp8_key_tile, (koff["scale"],), row_scaled=True),
                       value=TileReader(fp8_value_tile, (voff["scale"],), row_scaled=True), staged=True,
                       prefetch=PREFETCH["fp8_e4m3"], split_factor=FP8_SPLIT_FACTOR, swap_ab=True,
-                      max_registers=register_cap("fp8_e4m3", block_size))
+                      max_registers=register_cap("fp8_e4m3", block_size), tail_in_last_split=FP8_TAIL_IN_LAST_SPLIT)
 
 
 def int4_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:

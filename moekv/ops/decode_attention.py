@@ -425,14 +425,12 @@ def _paged_decode_kernel(
             m, l, acc = _tail_tiles(q.to(TAIL_DOT), m, l, acc, b, h, seq_slots, k_stage, v_stage, stride_ss, stride_sh,
                                     stride_st, k_ring, v_ring, stride_rs, stride_rh, stride_rt, quantized, first,
                                     length, qk_scale, D, P, BLOCK_N, RESIDUAL, V_PL, SWAP_AB, TAIL_DOT)
-    if STAGED or RESIDUAL > 0:
-        if TAIL_IN_LAST:
-            if split == ns_total - 1:
-                # q reloaded in channel order (the pages' may be planar)
-                q_tail = tl.load(q_rows + d[None, :], mask=(rows < G)[:, None], other=0.0).to(TAIL_DOT)
-                m, l, acc = _tail_tiles(q_tail, m, l, acc, b, h, seq_slots, k_stage, v_stage, stride_ss, stride_sh,
-                                        stride_st, k_ring, v_ring, stride_rs, stride_rh, stride_rt, quantized, first,
-                                        length, qk_scale, D, P, BLOCK_N, RESIDUAL, V_PL, SWAP_AB, TAIL_DOT)
+    if STAGED and TAIL_IN_LAST:  # the tail (kivi2: staging page and residual ring) exists only when STAGED
+        if split == ns_total - 1:  # the last split, after its pages; q reloaded in channel order
+            q_tail = tl.load(q_rows + d[None, :], mask=(rows < G)[:, None], other=0.0).to(TAIL_DOT)
+            m, l, acc = _tail_tiles(q_tail, m, l, acc, b, h, seq_slots, k_stage, v_stage, stride_ss, stride_sh,
+                                    stride_st, k_ring, v_ring, stride_rs, stride_rh, stride_rt, quantized, first,
+                                    length, qk_scale, D, P, BLOCK_N, RESIDUAL, V_PL, SWAP_AB, TAIL_DOT)
 
     head = (b * (NUM_KV_HEADS * G) + h * G + rows).to(tl.int64)  # [G_PAD]
     if SWAP_AB:

@@ -9,7 +9,7 @@ beside its floor: the bytes the step must read (every attention weight, the dist
 batch routes to, the LM head, the KV pages of every sequence) over the HBM bandwidth measured in
 the same run. `transformers` runs the same shape at batch 1 as the naive baseline.
 
-    PYTHONPATH=. python benchmarks/bench_decode.py --random-weights --shape mixtral-8x7b \\
+    PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --shape mixtral-8x7b \\
         --out benchmarks/results/h200/decode.json
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402

@@ -3,7 +3,7 @@ reference (`NUQ2Format.quantize` + `PageLayout.pack`), eager and replayed from a
 decode step that fills pages runs it inside the step's graph; prefill runs it eagerly), on bf16
 pages of the Mixtral shape (8 KV heads, P = 64, D = 128), one CUDA device.
 
-    PYTHONPATH=. python benchmarks/bench_nuq2_quantize.py --out benchmarks/results/h200/nuq2_quantize.json
+    PYTHONPATH=. python benchmarks/kernels/bench_nuq2_quantize.py --out benchmarks/results/h200/nuq2_quantize.json
 
 pages: full pages quantized in one call, for all layers (a batch-64 decode step fills one or two
 pages a step: 32-64 pages over 32 layers; a prefill chunk of 2 x 4096 tokens fills 128 a layer).
@@ -24,7 +24,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import measure_hbm_gbps  # noqa: E402  (a 1 GiB copy, the floor's bandwidth)
 

@@ -6,7 +6,7 @@ Each window's context is prefilled into the cache, then the scored tokens are fe
 (teacher forcing), so every prediction reads the quantized cache as generation would. Needs
 transformers and optimum-quanto (pip install optimum-quanto); not part of moekv's run time.
 
-    python benchmarks/hf_quantized_cache_ppl.py --text FILE --nbits 2 4 --max-tokens 8192
+    python benchmarks/quality/hf_quantized_cache_ppl.py --text FILE --nbits 2 4 --max-tokens 8192
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv.config import default_model_path  # noqa: E402

@@ -4,7 +4,7 @@ prefills `--batch` prompts of `--context` tokens (Mixtral-8x7B shape, dummy weig
 warm-up step of the same shape. Prints the step's wall time and the top operators by device time
 and by host time; writes the tables under --out.
 
-    PYTHONPATH=. python benchmarks/profile_prefill.py --formats bf16 nuq2 --out /tmp/prefill
+    PYTHONPATH=. python benchmarks/tools/profile_prefill.py --formats bf16 nuq2 --out /tmp/prefill
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 
 from bench_engine import write_checkpoint_folder  # noqa: E402
 

@@ -5,7 +5,7 @@ decode step that re-ranks pages (every `--rerank-interval` steps; eager before s
 after the prefill is timed plainly; the next one runs under torch.profiler (device and host
 operators) and cProfile (the Python functions), beside an ordinary replayed step.
 
-    PYTHONPATH=. python benchmarks/profile_tiered_rerank.py --out /tmp/tiered
+    PYTHONPATH=. python benchmarks/tools/profile_tiered_rerank.py --out /tmp/tiered
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 
 from bench_engine import write_checkpoint_folder  # noqa: E402
 

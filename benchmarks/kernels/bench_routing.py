@@ -2,7 +2,7 @@
 """Fused routing kernels (moekv/ops/fused_routing.py, rms_norm_coarse_gate.py) against their
 PyTorch references (moekv/ops/reference.py), one CUDA device, one command:
 
-    python benchmarks/bench_routing.py --out benchmarks/results/h200/routing.json
+    python benchmarks/kernels/bench_routing.py --out benchmarks/results/h200/routing.json
 
 For T in {1, 16, 128, 1024, 4096} tokens and E in {8, 64, 128, 256} experts (top-k 2 for E = 8,
 else 8; hidden 2048 bf16 where a hidden state is read), rows per op:
@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moekv.ops.fused_routing import fused_cluster_routing, fused_routing  # noqa: E402
 from moekv.ops.reference import (cluster_routing_ref, fused_routing_ref, rms_norm_ref,  # noqa: E402
                                  topk_softmax_ref)

@@ -7,7 +7,7 @@ the first launches (compilation, warm caches) and record one:
 
     ncu --clock-control none --kernel-name regex:_paged_decode_kernel --launch-skip 2 --launch-count 1 \
         --section WarpStateStats --section SchedulerStats --section Occupancy \
-        python benchmarks/ncu_decode_attention.py --format int4 --batch 16 --context 32768
+        python benchmarks/tools/ncu_decode_attention.py --format int4 --batch 16 --context 32768
 
 Not a benchmark (no timing here): bench_decode_attention.py times the same launches.
 """
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
 
 from bench_decode_attention import FORMATS, HEAD_DIM, NUM_HEADS, build_cache  # noqa: E402
 

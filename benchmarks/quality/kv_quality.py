@@ -5,7 +5,7 @@ Every format is run through `moekv.eval.perplexity` (decode mode: each scored to
 cache as generation would). Writes benchmarks/results/cpu/kv_quality_<model>.json, a markdown
 table on stdout, and a plot of perplexity change against bits per element.
 
-    python benchmarks/kv_quality.py --max-tokens 30000
+    python benchmarks/quality/kv_quality.py --max-tokens 30000
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv import LLM  # noqa: E402

@@ -13,7 +13,7 @@ spread over one page (context - i * P / batch), as requests arriving at differen
 that page fills fall on different steps. In the same run it replays the engine's own graph of
 the step (no page fill) with CUDA events: `model_step_ms`, what bench_decode measures.
 
-    PYTHONPATH=. python benchmarks/bench_engine.py --out benchmarks/results/h200/engine.json
+    PYTHONPATH=. python benchmarks/e2e/bench_engine.py --out benchmarks/results/h200/engine.json
 
 Every point runs in both scheduling modes (--modes): synchronous, and async (each decode step
 queued before the host has read the step before it), on the same engine.
@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 
 from bench_decode import (SHAPES, hf_config, kv_bytes_per_token, measure_bandwidth,  # noqa: E402
                           weight_bytes_per_step)

@@ -1,7 +1,7 @@
 """Fused MoE (moekv/ops/fused_moe.py) vs a per-expert loop, torch._grouped_mm and the reference,
 at the Mixtral-8x7B expert shape (H=4096, I=14336, E=8, top-2, bf16), one CUDA device.
 
-    python benchmarks/bench_moe.py --out benchmarks/results/h200/moe.json
+    python benchmarks/kernels/bench_moe.py --out benchmarks/results/h200/moe.json
 
 Timings: triton.testing.do_bench medians (L2 flushed before each run); the fused step also through
 a CUDA graph (do_bench_cudagraph), as the decode step runs it. bytes = weights of the distinct
@@ -24,7 +24,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moekv.ops import fused_moe as fm  # noqa: E402
 from moekv.ops.reference import fused_moe_ref, silu_and_mul_ref  # noqa: E402
 

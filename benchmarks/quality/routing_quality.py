@@ -11,7 +11,7 @@
    the full logits, DeepSeek-V3's rule) and over contiguous groups.
 3. JSON, a markdown table on stdout and a plot under benchmarks/results/cpu/.
 
-    OMP_NUM_THREADS=1 python benchmarks/routing_quality.py
+    OMP_NUM_THREADS=1 python benchmarks/quality/routing_quality.py
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv import LLM  # noqa: E402

@@ -3,7 +3,7 @@
 experts, T = 1 and 4, CUDA-graph replays, beside the weight-bytes floor at copy bandwidth;
 rel_err_vs_default is against the first config (the fp32-tile accumulator).
 
-    PYTHONPATH=. python benchmarks/bench_moe_row_sums.py --out benchmarks/results/h200/moe_row_sums.json
+    PYTHONPATH=. python benchmarks/kernels/bench_moe_row_sums.py --out benchmarks/results/h200/moe_row_sums.json
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import measure_hbm_gbps  # noqa: E402
 

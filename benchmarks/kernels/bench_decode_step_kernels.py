@@ -9,7 +9,7 @@ timed as CUDA-graph replays (launch cost included, as in the engine):
 - residual add + RMSNorm: two launches vs ops/rms_norm.add_rms_norm;
 - paged decode attention (bf16 KV, batch 1, 4k / 32k / 128k): the split count and tile width.
 
-    PYTHONPATH=. python benchmarks/bench_decode_step_kernels.py --out benchmarks/results/h200/decode_step_kernels.json
+    PYTHONPATH=. python benchmarks/kernels/bench_decode_step_kernels.py --out benchmarks/results/h200/decode_step_kernels.json
 """
 from __future__ import annotations
 

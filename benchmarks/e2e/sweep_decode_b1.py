@@ -8,7 +8,7 @@ graph replays (bench_decode.run_point); three stages, each keeping the best of t
   B. the attention projections' GEMV shape (dense_gemv.DEFAULT_SHAPE)
   C. programmatic dependent launch (MOEKV_PDL=1) with 0, 1 or 2 K tiles prefetched before waiting
 
-    PYTHONPATH=. python benchmarks/sweep_decode_b1.py --out benchmarks/results/h200/sweep_decode_b1.json
+    PYTHONPATH=. python benchmarks/e2e/sweep_decode_b1.py --out benchmarks/results/h200/sweep_decode_b1.json
 """
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ device-to-device copy), the SDPA baseline, each format's kernel at a few launch 
 is reported; the default's time is kept beside it), and each kernel's error against the
 reference on the first sequence.
 
-    python benchmarks/bench_decode_attention.py                # writes benchmarks/results/h200/decode_attention.json
-    python benchmarks/bench_decode_attention.py --quick        # smoke run: two small shapes, default launch only
-    python benchmarks/bench_decode_attention.py --formats bf16 nuq2 nuq2_eager nuq2_noslots --shapes 16x32768 \
+    python benchmarks/kernels/bench_decode_attention.py                # writes benchmarks/results/h200/decode_attention.json
+    python benchmarks/kernels/bench_decode_attention.py --quick        # smoke run: two small shapes, default launch only
+    python benchmarks/kernels/bench_decode_attention.py --formats bf16 nuq2 nuq2_eager nuq2_noslots --shapes 16x32768 \
         --out benchmarks/results/h200/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side
-    python benchmarks/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer   # FlashInfer beside them
-    python benchmarks/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 --max-registers none 80
+    python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer   # FlashInfer beside them
+    python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 --max-registers none 80
         # the default launch in both orientations of the products and with and without a register cap
 
 Rows: format, batch, context, ms (kernel, CUDA-graph replay, median), baseline_ms (SDPA, same
@@ -37,11 +37,11 @@ output, nomass_ms is the kernel alone). vq runs on a random calibration
 bytes include the layer's codebooks and channel scales (the kernel's DecodeSpec.tables).
 
 --peers flashinfer adds FlashInfer's paged decode attention (BatchDecodeWithPagedKVCacheWrapper,
-benchmarks/flashinfer_peer.py) as a second peer after each shape's SDPA row: rows flashinfer_bf16 and
+benchmarks/kernels/flashinfer_peer.py) as a second peer after each shape's SDPA row: rows flashinfer_bf16 and
 flashinfer_fp8_e4m3 (status "peer"; FP8 with per-tensor K and V scales), its CUDA-core and
 tensor-core kernels tried (configs), timed and checked as the formats are, jit_s the wall seconds of
 the first plan + run (its JIT build with nvcc). flashinfer-python 0.5.0 and the dependencies the device
-image lacks are carried to the device as wheels (benchmarks/NOTES.md); without them the rows say
+image lacks are carried to the device as wheels (docs/journal.md); without them the rows say
 "skipped" and why.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
@@ -544,7 +544,7 @@ def main() -> None:
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
-                   help="other libraries timed after each shape's SDPA row (flashinfer: benchmarks/flashinfer_peer.py)")
+                   help="other libraries timed after each shape's SDPA row (flashinfer: benchmarks/kernels/flashinfer_peer.py)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention: needs a CUDA device")

@@ -3,8 +3,8 @@
 shape, one KV format, one (batch, context) point) under torch.profiler, eager and replayed from a
 CUDA graph, as a table of kernel name, launches per step and GPU time per step.
 
-    PYTHONPATH=. python benchmarks/profile_decode_step.py --shape mixtral-8x7b --format bf16 --batch 1 --context 4096
-    PYTHONPATH=. python benchmarks/profile_decode_step.py --format nuq2 tiered    # several formats, one model build
+    PYTHONPATH=. python benchmarks/tools/profile_decode_step.py --shape mixtral-8x7b --format bf16 --batch 1 --context 4096
+    PYTHONPATH=. python benchmarks/tools/profile_decode_step.py --format nuq2 tiered    # several formats, one model build
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 import bench_decode as bd  # noqa: E402
 
 

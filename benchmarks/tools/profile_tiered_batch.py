@@ -5,7 +5,7 @@
 phase runs under cProfile; its wall time, the times of the slowest steps and the top functions
 (cumulative) are written to --out as soon as the phase ends, so a run cut short keeps them.
 
-    PYTHONPATH=. python benchmarks/profile_tiered_batch.py --batch 16 --out /tmp/tiered_batch
+    PYTHONPATH=. python benchmarks/tools/profile_tiered_batch.py --batch 16 --out /tmp/tiered_batch
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 
 from bench_engine import compile_kernels, prompt_lengths, write_checkpoint_folder  # noqa: E402
 

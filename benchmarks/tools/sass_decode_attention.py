@@ -7,9 +7,9 @@ instruction mix of the loop over tiles (per thread, per BLOCK_N-token tile of K 
 a format's dequantization costs. A static count, not a measurement: it says what the loop issues,
 not how fast the GPU retires it.
 
-    python benchmarks/sass_decode_attention.py                       # every kernelised format, the benchmark's default launch
-    python benchmarks/sass_decode_attention.py --formats int4 --block-size 16 --block-n 64 --no-asm
-    python benchmarks/sass_decode_attention.py --formats nuq2 nuq2_eager nuq2_first nuq2_noslots --num-warps 8
+    python benchmarks/tools/sass_decode_attention.py                       # every kernelised format, the benchmark's default launch
+    python benchmarks/tools/sass_decode_attention.py --formats int4 --block-size 16 --block-n 64 --no-asm
+    python benchmarks/tools/sass_decode_attention.py --formats nuq2 nuq2_eager nuq2_first nuq2_noslots --num-warps 8
 
 Besides the opcode mix it reports what ptxas says about spills (bytes of local memory stored and
 loaded: LDL/STL in the loop are spills) and splits the loop's instructions into those every tile
@@ -36,13 +36,13 @@ from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.ops import decode_attention as da  # noqa: E402
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
 from bench_decode_attention import NUQ2_VARIANTS  # noqa: E402  (nuq2 kernel variants: label -> slots mode)
 
 TARGET = GPUTarget("cuda", 90, 32)

@@ -107,6 +107,9 @@ def test_readme_has_runnable_examples_of_both_kinds():
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the examples are the CPU path, also on a GPU machine
+    # one thread: the tiny model gains nothing from more, and on a shared 2-core machine torch's
+    # default thread pool oversubscribes the cores (a 32-token generate: 0.5 s alone, 20 s contended)
+    env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -28,7 +28,7 @@ import bench_decode as bd  # noqa: E402
 from moekv.ops import dense_gemv as dg, fused_moe as fm, pdl  # noqa: E402
 
 MOE_SHAPES = [fm.GemvConfig(block_n=32, block_k=256, num_stages=3, row_sums=False),  # the first default
-              fm.GemvConfig(block_n=16, block_k=512, row_sums=False),  # the second (session 4)
+              fm.GemvConfig(block_n=16, block_k=512, row_sums=False),  # the second
               fm.GemvConfig(block_n=16, block_k=1024), fm.GemvConfig(block_n=8, block_k=512)]  # row sums
 DENSE_SHAPES = [dg.GemvShape(16, 512, 4), dg.GemvShape(8, 2048, 8), dg.GemvShape(2, 4096, 4)]
 

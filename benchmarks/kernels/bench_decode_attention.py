@@ -13,7 +13,7 @@ reference on the first sequence.
     python benchmarks/kernels/bench_decode_attention.py                # writes benchmarks/results/h200/decode_attention.json
     python benchmarks/kernels/bench_decode_attention.py --quick        # smoke run: two small shapes, default launch only
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 nuq2 nuq2_eager nuq2_noslots --shapes 16x32768 \
-        --out benchmarks/results/h200/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side
+        --out /tmp/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side (a side study)
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer   # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 --max-registers none 80
         # the default launch in both orientations of the products and with and without a register cap
@@ -26,7 +26,7 @@ correct launch shape against the reference on sequence 0 (a launch shape more th
 listed in wrong_launches and does not compete; status "wrong" if none is right). Kernel variants
 (NUQ2_VARIANTS, not in the default list) time another way of reading the same pages: nuq2_eager
 the first outlier-slot code, nuq2_first the first chunk of 16 slots on every tile without a branch
-(session 7's candidate, not yet timed), nuq2_noslots no slot corrections at all (status "bound": a lower
+(a candidate layout), nuq2_noslots no slot corrections at all (status "bound": a lower
 bound on the slots' cost, its error is reported but does not disqualify it). Formats without
 a fused kernel yet appear with status "reference" (their plain-PyTorch path, timed at the smallest
 shape only) or "skipped" and the reason. tiered runs its own kernel (moekv/ops/decode_tiered.py) on a
@@ -88,7 +88,7 @@ INEXACT = {"nuq2_noslots"}  # bounds, not formats: wrong wherever a slot is used
 # num_splits_for, inline PTX, L2 prefetch distance in tiles). The first is the launcher's default:
 # the spec's prefetch and the launcher's splits (splits factor None: decode_attention.wave_splits by
 # the compiled kernel's programs per SM); a negative splits factor -n is exactly n splits. 8 warps
-# dropped: 1.4-2x slower than 4 at every point of the 2026-11-29 runs (results/h200/decode_attention.json)
+# dropped: 1.4-2x slower than 4 at every point of the 2026-11-29 runs (git history of results/h200/decode_attention.json)
 CONFIGS = [(64, 4, 2, None, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True, 1), (64, 4, 2, 1, True, 2), (64, 4, 3, 1, True, 2),
            (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0), (64, 4, 2, None, True, 0)]
 DEFAULT_CONFIG = CONFIGS[0]
@@ -539,7 +539,7 @@ def main() -> None:
     p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
     p.add_argument("--separate-tail", action="store_true",
-                   help="every launch with the 16-bit tail in a program of its own (the layout before session 14; "
+                   help="every launch with the 16-bit tail in a program of its own (the earlier layout; "
                         "default: where DecodeSpec.tail_in_last_split says; fp8 keeps its own program)")
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")

@@ -3,12 +3,12 @@
 
 The launcher's default (first), then tiles of 64, 4 warps, 2 stages, inline PTX, with
 num_splits_for's count times 1, 2, 3 and 4, each with prefetch off and 2 tiles ahead. Every other
-option is bench_decode_attention's; session 7 chose fp8's split_factor with it:
+option is bench_decode_attention's; fp8's split_factor was chosen with it:
 
-    python benchmarks/kernels/sweep_decode_splits.py --formats fp8_e4m3 --out benchmarks/results/h200/decode_attention_fp8_splits.json
+    python benchmarks/kernels/sweep_decode_splits.py --formats fp8_e4m3 --out /tmp/decode_attention_fp8_splits.json
 
 --split-counts N N ... times exactly those split counts instead (prefetch off), e.g. whole waves
-of programs per SM (session 12: `--split-counts 4 5 6 8 --shapes 16x32768 --swap-ab 0 1`).
+of programs per SM (e.g. `--split-counts 4 5 6 8 --shapes 16x32768 --swap-ab 0 1`).
 """
 import sys
 from pathlib import Path

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where tiered's slow steps go, for one sequence of `--context` tokens (Mixtral-8x7B shape, dummy
 weights): its prefill (under cProfile, after a short request has compiled the kernels) and the
-decode step that re-ranks pages (every `--rerank-interval` steps; eager before session 11, replayed since). The first re-ranking
+decode step that re-ranks pages (every `--rerank-interval` steps; replayed from a CUDA graph). The first re-ranking
 after the prefill is timed plainly; the next one runs under torch.profiler (device and host
 operators) and cProfile (the Python functions), beside an ordinary replayed step.
 

@@ -141,8 +141,24 @@ def test_link_finder_sees_relative_links_only():
     assert LINK.findall("[a](docs/x.md) [b](https://e.org) [c](#top)") == ["docs/x.md", "https://e.org", "#top"]
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.MULTILINE)}
+
+
+def test_heading_anchors_follow_github():
+    assert heading_anchors(REPO / "docs" / "performance.md") >= {"decode-attention", "what-bounds-the-compressed-formats"}
+
+
 @pytest.mark.parametrize("doc", [p for p in DOC_FILES], ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_point_at_files(doc: Path):
     assert doc.exists(), f"{doc.relative_to(REPO)} is missing"
-    broken = [t for t in relative_links(doc) if not (doc.parent / t.split("#")[0]).exists()]
-    assert not broken, f"{doc.relative_to(REPO)} links to missing files: {broken}"
+    broken = []
+    for target in relative_links(doc):
+        path, _, anchor = target.partition("#")
+        dest = doc.parent / path
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest)):
+            broken.append(target)
+    assert not broken, f"{doc.relative_to(REPO)} links to missing files or headings: {broken}"

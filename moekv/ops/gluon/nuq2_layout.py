@@ -76,8 +76,16 @@ ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
 SLOT_OF_ELEMENT = {kind: torch.argsort(e) for kind, e in ELEMENT_OF_SLOT.items()}
 
 
+def _check_kind(kind: str) -> None:
+    if kind not in ELEMENT_OF_SLOT:
+        raise ValueError(f"kind={kind!r}: expected 'key' or 'value'")
+
+
 def codes_to_fragment(codes: torch.Tensor, kind: str) -> torch.Tensor:
     """codes [..., 64, 128] in 0..3 -> int32 words [..., 512] in fragment order."""
+    _check_kind(kind)
+    if codes.shape[-2:] != (PAGE_TOKENS, HEAD_DIM):
+        raise ValueError(f"codes_to_fragment: codes must end in [{PAGE_TOKENS}, {HEAD_DIM}], got {tuple(codes.shape)}")
     lead = codes.shape[:-2]
     flat = codes.reshape(*lead, PAGE_TOKENS * HEAD_DIM).to(torch.uint8)
     slots = flat[..., ELEMENT_OF_SLOT[kind].to(codes.device)].reshape(*lead, PAGE_BYTES, 4)
@@ -87,6 +95,7 @@ def codes_to_fragment(codes: torch.Tensor, kind: str) -> torch.Tensor:
 
 def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
     """int32 words [..., 512] in fragment order -> codes [..., 64, 128] (int64)."""
+    _check_kind(kind)
     lead = words.shape[:-1]
     packed = words.contiguous().view(torch.uint8)  # [..., 2048]
     slots = torch.stack([(packed >> (2 * f)) & 3 for f in range(4)], dim=-1).reshape(*lead, PAGE_TOKENS * HEAD_DIM)

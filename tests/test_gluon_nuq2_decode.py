@@ -1,0 +1,115 @@
+"""The nuq2 Gluon decode path (moekv/ops/gluon/nuq2_decode.py). On CPU: its split reference (main
+term with the keys' channel affine folded into q, then the outlier slots as a sparse term) against
+dense attention over nuq2's own dequantized pages, in float64. On a GPU (marked gpu): the Gluon
+kernel against that reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekv.kvcache.formats.nuq2 import NUQ2Format
+from moekv.ops.gluon.nuq2_decode import (
+    main_term_reference, nuq2_decode_split_reference, outlier_corrections, reduce_partials,
+)
+from moekv.ops.gluon.nuq2_layout import dequantize_fragment, to_fragment_order
+from moekv.ops.reference import decode_attention_ref
+
+P, D = 64, 128
+
+
+def build(lens, Hkv, seed, outliers=True, device="cpu", heavy=True):
+    """Random nuq2 pages for sequences of lengths `lens` behind a shuffled block table, in
+    fragment order -> (fmt, frag, block_tables, context_lens, k_pages, v_pages)."""
+    fmt = NUQ2Format(codebook="page", quantize_kernel=False)
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [-(-n // P) for n in lens]
+    N = sum(pages_per) + 2
+    k = torch.randn(N, Hkv, P, D, generator=g)
+    k[..., 7] *= 8
+    k[..., 91] += 6
+    v = torch.randn(N, Hkv, P, D, generator=g)
+    if heavy:
+        k.view(-1)[torch.randint(0, k.numel(), (N * 6,), generator=g)] *= 12
+        v.view(-1)[torch.randint(0, v.numel(), (N * 4,), generator=g)] *= 10
+    slabs = []
+    for kind, x in (("key", k), ("value", v)):
+        fields = fmt.quantize(x, kind)
+        if not outliers:
+            fields["out_idx"].fill_(0xFFFF)
+        slabs.append(fmt.layout(kind, P, D).pack(fields))
+    perm = torch.randperm(N, generator=g).to(torch.int32)
+    tables = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages_per):
+        tables[b, :n] = perm[at:at + n]
+        at += n
+    frag = to_fragment_order(fmt, slabs[0].to(device), slabs[1].to(device))
+    return fmt, frag, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device), slabs[0], slabs[1]
+
+
+def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, outliers=True):
+    """decode_attention_ref over each sequence's pages as nuq2 dequantizes them (float64)."""
+    kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key")  # [N, H, P, D]
+    vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value")
+    keys, values = [], []
+    for b, n in enumerate(lens.tolist()):
+        ids = tables[b, :-(-n // P)].long().cpu()
+        keys.append(kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n].double())
+        values.append(vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double())
+    return decode_attention_ref(q.double().cpu(), keys, values, scale)
+
+
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_split_reference_matches_dense_attention(G, num_splits):
+    Hkv = 2
+    lens = [64, 200, 5 * 64 + 1]  # on and off page boundaries; 8 splits leave some empty
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G + num_splits)
+    assert (frag.k_out_idx != 0xFFFF).any() and (frag.v_out_idx != 0xFFFF).any()
+    q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    scale = D ** -0.5
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, scale)
+    part_o, part_lse = nuq2_decode_split_reference(q, frag, tables, lens_t, scale, num_splits)
+    assert part_o.shape == (len(lens), Hkv * G, num_splits, D)
+    torch.testing.assert_close(reduce_partials(part_o, part_lse), ref, rtol=1e-9, atol=1e-9)
+    # the sparse term is what makes it exact: without it the output is off
+    main_o, main_lse = main_term_reference(q, frag, tables, lens_t, scale, num_splits)
+    assert (reduce_partials(main_o, main_lse) - ref).abs().max() > 1e-3
+
+
+def test_main_term_is_attention_over_pages_without_outliers():
+    """The kernel's term alone: attention over the codebook values with the keys' channel affine,
+    slots ignored (dequantize_fragment(outliers=False)), folded or not."""
+    Hkv, G, lens = 2, 4, [130, 64 * 3]
+    fmt, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=3)
+    q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    kd, vd = dequantize_fragment(frag, "key", outliers=False), dequantize_fragment(frag, "value", outliers=False)
+    keys = [kd[tables[b, :-(-n // P)].long()].permute(0, 2, 1, 3).reshape(-1, Hkv, D)[:n].double()
+            for b, n in enumerate(lens)]
+    values = [vd[tables[b, :-(-n // P)].long()].permute(0, 2, 1, 3).reshape(-1, Hkv, D)[:n].double()
+              for b, n in enumerate(lens)]
+    ref = decode_attention_ref(q, keys, values, 0.1)
+    torch.testing.assert_close(reduce_partials(*main_term_reference(q, frag, tables, lens_t, 0.1, 2)), ref,
+                               rtol=1e-9, atol=1e-9)
+
+
+def test_corrections_without_slots_change_nothing():
+    Hkv, G, lens = 2, 4, [100]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=4, outliers=False)
+    q = torch.randn(1, Hkv * G, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    o, lse = main_term_reference(q, frag, tables, lens_t, 0.1, 2)
+    o2, lse2 = o.clone(), lse.clone()
+    outlier_corrections(o2, lse2, q, frag, tables, lens_t, 0.1)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    torch.testing.assert_close(reduce_partials(o, lse), dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1),
+                               rtol=1e-9, atol=1e-9)
+
+
+def test_bad_inputs_are_refused():
+    _, frag, tables, lens_t, _, _ = build([64], 2, seed=5)
+    with pytest.raises(ValueError, match="G in 1, 2, 4, 8"):
+        main_term_reference(torch.zeros(1, 6, D, dtype=torch.float64), frag, tables, lens_t, 0.1, 1)
+    with pytest.raises(ValueError, match="head"):
+        main_term_reference(torch.zeros(1, 2, 64, dtype=torch.float64), frag, tables, lens_t, 0.1, 1)
+    with pytest.raises(ValueError, match="num_splits"):
+        main_term_reference(torch.zeros(1, 2, D, dtype=torch.float64), frag, tables, lens_t, 0.1, 0)

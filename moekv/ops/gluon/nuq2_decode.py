@@ -217,3 +217,63 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
     if outliers:
         outlier_corrections(part_o, part_lse, q, frag, block_tables, context_lens, scale)
     return part_o, part_lse
+
+
+# -- the GPU path ------------------------------------------------------------------------------------
+TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at (~3 waves on an H200)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_pages: int) -> int:
+    """Splits per (sequence, KV head): about TARGET_PROGRAMS programs, each with at least 2 pages."""
+    want = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
+    return max(1, min(want, -(-max_pages // 2), 1024))
+
+
+def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, num_splits: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernel's main-term partials (part_o, part_lse), fp32 (CUDA only)."""
+    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1)
+    if not q.is_cuda:
+        raise ValueError("nuq2 Gluon decode runs on CUDA devices only (Gluon has no CPU or interpreter backend); "
+                         "nuq2_decode_split_reference computes the same on any device")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"nuq2 Gluon decode: q must be fp16 or bf16, got {q.dtype}")
+    try:
+        from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
+    except ImportError as e:  # Triton without Gluon
+        raise RuntimeError(f"nuq2 Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}") from e
+    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1])
+    Hq = q.shape[1]
+    part_o = torch.empty(B, Hq, num_splits, HEAD_DIM, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    nuq2_decode_kernel[(B * Hkv, num_splits)](
+        frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
+        frag.k_mean, frag.k_scale, q.contiguous(), block_tables, block_tables.stride(0), context_lens,
+        part_o, part_lse, scale * LOG2E, 0, num_splits, HKV=Hkv, G=G, num_warps=1)
+    return part_o, part_lse
+
+
+def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """decode_attention's reduce kernel (the partials have its layout) into out [B, Hq, D]."""
+    import triton
+
+    from moekv.ops.decode_attention import _reduce_kernel
+
+    B, Hq, ns, D = part_o.shape
+    _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns, Hq,
+                            max(2, triton.next_power_of_2(ns)), D, False, num_warps=4)
+    return out
+
+
+def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                          outliers: bool = True) -> torch.Tensor:
+    """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order -> [B, Hq, 128] in q's
+    dtype: the Gluon main term, the outlier slots' sparse term (outliers=False leaves it out: exact
+    only for pages without used slots), the reduce. CUDA only; the sparse term is plain PyTorch
+    with a host sync per sequence (a kernel for it is still to come)."""
+    part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits)
+    if outliers:
+        outlier_corrections(part_o, part_lse, q, frag, block_tables, context_lens, scale)
+    return reduce_on_device(part_o, part_lse, torch.empty_like(q))

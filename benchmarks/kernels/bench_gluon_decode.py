@@ -44,6 +44,7 @@ from moekv.ops.reference import decode_attention_ref  # noqa: E402
 HQ, HKV, D, P = 32, 8, 128, 64
 SHAPES = [(1, 4096), (16, 32768), (64, 32768), (1, 131072)]
 UNIQUE_PAGES = 512
+REGISTER_CAPS = [None, 128]  # ptxas's choice (~140) and one more program per SM (8 bytes of spills)
 SPARSE_TERM_MAX_TOKENS = 16 * 32768  # the PyTorch sparse term is timed up to this many cached tokens
 
 
@@ -169,15 +170,18 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
     for ns in sorted({*(splits or []), default, max(1, default // 2), default * 2}):
         if ns > pages_per:
             continue
-        fn = lambda ns=ns: reduce_on_device(*nuq2_decode_partials(q, frag, tables, lens, scale, ns), out)  # noqa: E731
-        sweep[ns] = bench(fn)
-        print(f"    gluon splits={ns}: {sweep[ns] * 1e3:.1f} us", flush=True)
+        for regs in REGISTER_CAPS:
+            fn = lambda ns=ns, regs=regs: reduce_on_device(  # noqa: E731
+                *nuq2_decode_partials(q, frag, tables, lens, scale, ns, regs), out)
+            sweep[f"{ns}/{regs}"] = bench(fn)
+            print(f"    gluon splits={ns} max_registers={regs}: {sweep[f'{ns}/{regs}'] * 1e3:.1f} us", flush=True)
     best = min(sweep, key=sweep.get)
-    row["gluon"] = {"ms": sweep[best], "num_splits": best, "default_splits": default,
-                    "default_ms": sweep.get(default), "sweep_ms": sweep}
-    row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best))
+    best_ns, best_regs = int(best.split("/")[0]), None if best.endswith("None") else int(best.split("/")[1])
+    row["gluon"] = {"ms": sweep[best], "num_splits": best_ns, "max_registers": best_regs, "default_splits": default,
+                    "default_ms": sweep.get(f"{default}/None"), "sweep_ms (splits/max_registers)": sweep}
+    row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs))
     if batch * context <= SPARSE_TERM_MAX_TOKENS:
-        part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens, scale, best)
+        part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outlier_corrections(part_o, part_lse, q, frag, tables, lens, scale)

@@ -230,9 +230,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int) -> int:
 
 
 def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, scale: float, num_splits: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gluon kernel's main-term partials (part_o, part_lse), fp32 (CUDA only)."""
+                         context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                         max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernel's main-term partials (part_o, part_lse), fp32 (CUDA only). max_registers:
+    ptxas's cap (None: its choice, ~140 a thread; 128 spills 8 bytes for one more program per SM)."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1)
     if not q.is_cuda:
         raise ValueError("nuq2 Gluon decode runs on CUDA devices only (Gluon has no CPU or interpreter backend); "
@@ -250,7 +251,8 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
     nuq2_decode_kernel[(B * Hkv, num_splits)](
         frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
         frag.k_mean, frag.k_scale, q.contiguous(), block_tables, block_tables.stride(0), context_lens,
-        part_o, part_lse, scale * LOG2E, 0, num_splits, HKV=Hkv, G=G, num_warps=1)
+        part_o, part_lse, scale * LOG2E, 0, num_splits, HKV=Hkv, G=G, num_warps=1,
+        **({"maxnreg": int(max_registers)} if max_registers else {}))
     return part_o, part_lse
 
 

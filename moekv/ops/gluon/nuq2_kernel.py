@@ -10,7 +10,8 @@ Codes arrive with one 128-bit load per thread per 512-byte row; a `prmt` lookup 
 code into an fp16 pair of the page's 4 centroids; reshape/permute then give the K / V^T tile in the
 A-operand layout without moving data (convert_layout(assert_trivial=True) checks it at compile time).
 P^T becomes the B operand by transposing each 8x8 block in registers (movmatrix). The keys' channel
-scale multiplies q (a [128, 8] B operand per page) and their channel mean adds q . mean per head.
+scale multiplies q (fp16 pairs, a [128, 8] B operand per page); their channel mean enters as q . mean
+per head, itself an MMA (the mean in every row of A) whose product seeds the scores' accumulator.
 Gluon compiles for NVIDIA GPUs only: importing this module needs triton.experimental.gluon (Triton
 3.6), launching it a CUDA device of compute capability >= 8.0.
 """
@@ -62,7 +63,7 @@ def _transpose_8x8(p):
 
 
 @gluon.jit
-def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, s0, m_i, l_i, acc, qk_scale,
+def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i, acc, qk_scale,
                n_valid, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
     """One page: scores, online softmax, P @ V into acc (O^T [128, 8])."""
     k_lo = _per_lane(gl.load(k_table), zero)
@@ -76,10 +77,10 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     kf = gl.permute(kf, [0, 5, 1, 7, 8, 3, 4, 2, 6])  # blk, y1, g | f1, f0, y3, y2, q4, y0
     kf = gl.reshape(kf, [PAGE, 128])
     ka = gl.convert_layout(kf, LA, assert_trivial=True)
-    s = gl.nvidia.ampere.mma_v2(ka, q_scaled, s0)  # S^T [64, 8]
+    s = gl.nvidia.ampere.mma_v2(ka, q_scaled, bias)  # S^T [64, 8], from bias [64, 8] (q . mean per head)
 
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))
-    s = (s + gl.expand_dims(bias, 0)) * qk_scale
+    s = s * qk_scale
     s = gl.where(gl.expand_dims(tok < n_valid, 1), s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     alpha = gl.exp2(m_i - m_new)
@@ -140,8 +141,9 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale, q_
     head0 = b.to(gl.int64) * (HKV * G) + h * G
     q_t = gl.load(q_ptr + (head0 + qn[None, :]) * D + qd[:, None], mask=(qn[None, :] < G) & (qd[:, None] < D),
                   other=0.0).to(gl.float32)
-    q_t = gl.convert_layout(q_t, LB)
-    chan = gl.convert_layout(qd[:, None] + qn[None, :] * 0, LB)
+    q_t = gl.convert_layout(q_t.to(gl.float16), LB)  # fp16 pairs of channels: one register each
+    chan = gl.arange(0, D, layout=gl.SliceLayout(1, LB))  # constant offsets from one base per thread
+    chan_a = gl.arange(0, D, layout=gl.SliceLayout(0, LA))
 
     kr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LK2))
     kw = gl.arange(0, 128, layout=gl.SliceLayout(0, LK2))
@@ -162,6 +164,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale, q_
     l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
     acc = gl.zeros([D, 8], gl.float32, layout=MMA)
     s0 = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
+    mean_template = gl.zeros([PAGE, D], gl.float16, layout=LA)  # a shape to broadcast the mean to
 
     # register double buffering: the next page's codes load while this page computes
     last = gl.maximum(p1 - 1, 0)
@@ -172,12 +175,15 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale, q_
         page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
         kx_n = gl.load(k_codes + page_n * WORDS + k_off)
         vx_n = gl.load(v_codes + page_n * WORDS + v_off)
-        scale = gl.load(k_scale + page * D + chan).to(gl.float32)
-        mean = gl.load(k_mean + page * D + chan).to(gl.float32)
-        q_scaled = (q_t * scale).to(gl.float16)
-        bias = gl.convert_layout(gl.sum(q_t * mean, axis=0), gl.SliceLayout(0, MMA))
+        scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
+        # q . mean on the tensor cores: every row of the A operand is the page's mean, so every
+        # row of the product is the per-head constant, already in the scores' layout
+        mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
+        mean_rows = gl.broadcast(mean, mean_template)[0]
+        q_scaled = q_t * scale  # fp16 x fp16: the one rounding the fp16 operand needs anyway
+        bias = gl.nvidia.ampere.mma_v2(mean_rows, q_t, s0)
         m_i, l_i, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
-                                   q_scaled, bias, s0, m_i, l_i, acc, qk_scale, length - pg * PAGE, LA, LB, MMA)
+                                   q_scaled, bias, m_i, l_i, acc, qk_scale, length - pg * PAGE, LA, LB, MMA)
         kx = kx_n
         vx = vx_n
         page = page_n

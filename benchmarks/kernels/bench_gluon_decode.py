@@ -10,7 +10,8 @@ with nuq2's DecodeSpec) as nuq2 slabs plus its bf16 staging page.
 
 Correctness first: at every shape, sequence 0 through the whole Gluon path (kernel, the outlier
 slots' sparse term, reduce) against dense attention over nuq2's dequantized pages (fp32), with and
-without the sparse term. Then times (median of triton.testing.do_bench): SDPA, today's kernel at its
+without the sparse term. Then times (median of triton.testing.do_bench_cudagraph, CUDA-graph replay;
+plain do_bench beside it as eager_ms): SDPA, today's kernel at its
 default launch, the Gluon main term + reduce at a few split counts (best reported, all kept), and
 the PyTorch sparse term once (eager, wall clock) where it is affordable. Beside each: bytes read
 and the byte floor (bytes / the bandwidth of a 4 GiB device copy measured in the same run).
@@ -49,6 +50,16 @@ SPARSE_TERM_MAX_TOKENS = 16 * 32768  # the PyTorch sparse term is timed up to th
 
 
 def bench(fn) -> float:
+    """Median ms of fn replayed from a CUDA graph: at batch 1 an eager launch's host overhead (the
+    Gluon launcher's argument handling, SDPA's dispatch) exceeds the GPU time and varies with the
+    host's load (eager timings of one shape moved 2-3x between runs)."""
+    import triton.testing
+
+    fn()  # compile outside the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def bench_eager(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -57,7 +68,7 @@ def bench(fn) -> float:
 def copy_bandwidth(device) -> float:
     src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
+    ms = bench_eager(lambda: dst.copy_(src))
     del src, dst
     torch.cuda.empty_cache()
     return 2 * (4 << 30) / (ms * 1e-3)
@@ -87,10 +98,10 @@ def sdpa_ms(batch, context, device, gen) -> float:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    ms = bench(run)
+    ms, eager = bench(run), bench_eager(run)
     del q, k, v
     torch.cuda.empty_cache()
-    return ms
+    return ms, eager
 
 
 def triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale) -> dict:
@@ -108,10 +119,10 @@ def triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale) -> dic
     run = lambda: da.paged_decode_attention(q, cache, tables, lens, slots, scale, None, spec)  # noqa: E731
     run()
     launch = dict(da.LAST_LAUNCH)
-    ms = bench(run)
+    ms, eager = bench(run), bench_eager(run)
     del cache
     torch.cuda.empty_cache()
-    return {"ms": ms, "num_splits": launch.get("num_splits"), "max_registers": launch.get("max_registers")}
+    return {"ms": ms, "eager_ms": eager, "num_splits": launch.get("num_splits"), "max_registers": launch.get("max_registers")}
 
 
 def check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale) -> dict:
@@ -150,7 +161,7 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
     row["check_seq0"] = check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale)
     print("  check", row["check_seq0"], flush=True)
 
-    row["sdpa_ms"] = sdpa_ms(batch, context, device, gen)
+    row["sdpa_ms"], row["sdpa_eager_ms"] = sdpa_ms(batch, context, device, gen)
     sdpa_bytes = 2 * batch * HKV * context * D * 2 + 2 * batch * HQ * D * 2
     row["sdpa_floor_ms"] = sdpa_bytes / bandwidth * 1e3
 
@@ -179,6 +190,9 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
     best_ns, best_regs = int(best.split("/")[0]), None if best.endswith("None") else int(best.split("/")[1])
     row["gluon"] = {"ms": sweep[best], "num_splits": best_ns, "max_registers": best_regs, "default_splits": default,
                     "default_ms": sweep.get(f"{default}/None"), "sweep_ms (splits/max_registers)": sweep}
+    best_fn = lambda: reduce_on_device(  # noqa: E731
+        *nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs), out)
+    row["gluon"]["eager_ms"] = bench_eager(best_fn)
     row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs))
     if batch * context <= SPARSE_TERM_MAX_TOKENS:
         part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs)

@@ -16,8 +16,8 @@ channel per page; values are v = centroid[code] (or a slot's value). The work sp
     (a token whose key is not an outlier has s' = s and only adds its dv).
 
 `nuq2_decode_split_reference` is the oracle of both (plain PyTorch); `nuq2_decode_attention` runs
-the Gluon kernel, the corrections and the reduce on an NVIDIA GPU (sm_80+; Gluon has no CPU or
-interpreter backend). Not yet here: the staged 16-bit tail (the newest page) and sliding windows.
+the Gluon kernel, the sparse term's Triton kernel (nuq2_sparse.py) and the reduce on an NVIDIA GPU
+(sm_80+; Gluon has no CPU or interpreter backend). Not yet here: the staged 16-bit tail (the newest page) and sliding windows.
 
 Shapes: q [B, Hq, D]; block_tables [B, max_pages] int32 (physical page ids); context_lens [B]
 (tokens in pages; the last page may be partly valid); G = Hq / Hkv in {1, 2, 4, 8}; partials
@@ -270,12 +270,17 @@ def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 
 def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                          outliers: bool = True) -> torch.Tensor:
+                          outliers: bool = True, sparse_kernel: bool = True,
+                          max_registers: int | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order -> [B, Hq, 128] in q's
     dtype: the Gluon main term, the outlier slots' sparse term (outliers=False leaves it out: exact
-    only for pages without used slots), the reduce. CUDA only; the sparse term is plain PyTorch
-    with a host sync per sequence (a kernel for it is still to come)."""
-    part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits)
-    if outliers:
+    only for pages without used slots), the reduce; three launches, no host sync. CUDA only.
+    sparse_kernel=False: the sparse term in PyTorch (outlier_corrections: a host sync per sequence)."""
+    part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers)
+    if outliers and sparse_kernel:
+        from moekv.ops.gluon.nuq2_sparse import outlier_corrections_kernel
+
+        outlier_corrections_kernel(part_o, part_lse, q, frag, block_tables, context_lens, scale)
+    elif outliers:
         outlier_corrections(part_o, part_lse, q, frag, block_tables, context_lens, scale)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q))

@@ -134,29 +134,30 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
                 w_k = q_at * (tl.load(k_scale + ph * D + kc_safe).to(tl.float32) * dk * qk2)[:, None]
                 # value slots' change as a [SV_PAD, D] matrix at their channels
                 e_v = tl.where((vc[:, None] == d[None, :]) & v_used[:, None], dv[:, None], 0.0)
-                for r0 in range(0, count, R):
-                    r = r0 + rr
-                    r_ok = r < count
-                    t_r = tl.sum(tl.where((pos[None, :] == r[:, None]) & (touched[None, :] > 0), tokens[None, :], 0),
-                                 axis=1)  # [R] the row's token (0 past count, masked below)
-                    kb_r, kf_r = key_code_position(t_r[:, None], d[None, :])
-                    zk = _centroid(_code_at(k_codes, ph * 2048, kb_r, kf_r), kc0, kc1, kc2, kc3)  # [R, D]
-                    s_main = (_dot(zk, tl.trans(q_scaled)) + bias[None, :]) * qk2  # [R, GP]
-                    hit_k = ((kt[None, :] == t_r[:, None]) & k_used[None, :] & r_ok[:, None]).to(tl.float32)
-                    s_new = s_main + _dot(hit_k, w_k)  # [R, GP]
-                    vb_r, vf_r = value_code_position(t_r[:, None], d[None, :])
-                    v_row = _centroid(_code_at(v_codes, ph * 2048, vb_r, vf_r), vc0, vc1, vc2, vc3)  # [R, D]
-                    m_new = tl.maximum(m, tl.max(tl.where(r_ok[:, None], s_new, float("-inf")), axis=0))
-                    alpha = tl.exp2(m - m_new)
-                    l_add = l_add * alpha
-                    o_add = o_add * alpha[:, None]
-                    m = m_new
-                    a = tl.where(r_ok[:, None], tl.exp2(s_new - m[None, :]), 0.0)  # [R, GP]
-                    w = a - tl.where(r_ok[:, None], tl.exp2(s_main - m[None, :]), 0.0)
-                    l_add += tl.sum(w, axis=0)
-                    hit_v = ((vt[None, :] == t_r[:, None]) & v_used[None, :] & r_ok[:, None]).to(tl.float32)  # [R, SV]
-                    a_slot = _dot(tl.trans(a), hit_v)  # [GP, SV_PAD]: each value slot's token weight
-                    o_add += _dot(tl.trans(w), v_row) + _dot(a_slot, e_v)
+                for r0 in range(0, P, R):  # bounded by P, not count: the interpreter's range wants a plain int
+                    if r0 < count:
+                        r = r0 + rr
+                        r_ok = r < count
+                        t_r = tl.sum(tl.where((pos[None, :] == r[:, None]) & (touched[None, :] > 0), tokens[None, :], 0),
+                                     axis=1)  # [R] the row's token (0 past count, masked below)
+                        kb_r, kf_r = key_code_position(t_r[:, None], d[None, :])
+                        zk = _centroid(_code_at(k_codes, ph * 2048, kb_r, kf_r), kc0, kc1, kc2, kc3)  # [R, D]
+                        s_main = (_dot(zk, tl.trans(q_scaled)) + bias[None, :]) * qk2  # [R, GP]
+                        hit_k = ((kt[None, :] == t_r[:, None]) & k_used[None, :] & r_ok[:, None]).to(tl.float32)
+                        s_new = s_main + _dot(hit_k, w_k)  # [R, GP]
+                        vb_r, vf_r = value_code_position(t_r[:, None], d[None, :])
+                        v_row = _centroid(_code_at(v_codes, ph * 2048, vb_r, vf_r), vc0, vc1, vc2, vc3)  # [R, D]
+                        m_new = tl.maximum(m, tl.max(tl.where(r_ok[:, None], s_new, float("-inf")), axis=0))
+                        alpha = tl.exp2(m - m_new)
+                        l_add = l_add * alpha
+                        o_add = o_add * alpha[:, None]
+                        m = m_new
+                        a = tl.where(r_ok[:, None], tl.exp2(s_new - m[None, :]), 0.0)  # [R, GP]
+                        w = a - tl.where(r_ok[:, None], tl.exp2(s_main - m[None, :]), 0.0)
+                        l_add += tl.sum(w, axis=0)
+                        hit_v = ((vt[None, :] == t_r[:, None]) & v_used[None, :] & r_ok[:, None]).to(tl.float32)  # [R, SV]
+                        a_slot = _dot(tl.trans(a), hit_v)  # [GP, SV_PAD]: each value slot's token weight
+                        o_add += _dot(tl.trans(w), v_row) + _dot(a_slot, e_v)
         mass_old = tl.exp2(lse - m)
         mass = mass_old + l_add
         o_ptr = part_o + row[:, None] * D + d[None, :]
@@ -174,10 +175,17 @@ def outlier_corrections_kernel(part_o: torch.Tensor, part_lse: torch.Tensor, q: 
     if part_o.dtype != torch.float32 or part_lse.dtype != torch.float32:
         raise ValueError(f"nuq2 sparse term kernel: fp32 partials expected, got {part_o.dtype} and {part_lse.dtype}")
     SK, SV = frag.k_out_idx.shape[2], frag.v_out_idx.shape[2]
-    if SK == 0 and SV == 0:
+    if SK == 0 or SV == 0:  # a layout without key or value slots: the PyTorch term handles it
+        from moekv.ops.gluon.nuq2_decode import outlier_corrections
+
+        outlier_corrections(part_o, part_lse, q, frag, block_tables, context_lens, scale)
         return
     assert PAGE_BYTES == 2048 and PAGE_TOKENS == 64 and HEAD_DIM == 128  # the kernel's constants
     num_splits = part_o.shape[2]
+    if not isinstance(nuq2_sparse_term_kernel, triton.runtime.jit.JITFunction):  # TRITON_INTERPRET=1
+        from moekv.ops.decode_attention import _patch_interpreter_index
+
+        _patch_interpreter_index()  # loops bounded by loaded values
     nuq2_sparse_term_kernel[(B * Hkv, num_splits)](
         q.contiguous(), frag.k_codes.view(torch.uint8), frag.v_codes.view(torch.uint8), frag.k_centroids,
         frag.v_centroids, frag.k_mean, frag.k_scale, frag.k_out_val, frag.k_out_idx, frag.v_out_val, frag.v_out_idx,

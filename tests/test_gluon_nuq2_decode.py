@@ -59,8 +59,7 @@ def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, outliers=True
     return decode_attention_ref(q.double().cpu(), keys, values, scale)
 
 
-@pytest.mark.parametrize("G", [1, 4, 8])
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("G, num_splits", [(1, 3), (4, 1), (4, 8), (8, 3)])
 def test_split_reference_matches_dense_attention(G, num_splits):
     Hkv = 2
     lens = [64, 200, 5 * 64 + 1]  # on and off page boundaries; 8 splits leave some empty

@@ -12,7 +12,7 @@ from tests.test_gluon_nuq2_decode import D, P, build, dense_reference
 (sparse,) = kernel_modules("moekv.ops.gluon.nuq2_sparse")
 
 from moekv.ops.gluon.nuq2_decode import main_term_reference, outlier_corrections, reduce_partials  # noqa: E402
-from moekv.ops.gluon.nuq2_layout import SLOT_OF_ELEMENT  # noqa: E402
+from moekv.ops.gluon.nuq2_layout import SLOT_OF_ELEMENT  # noqa: E402  (after kernel_modules)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

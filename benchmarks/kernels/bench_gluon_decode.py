@@ -35,7 +35,6 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats.nuq2 import NUQ2Format  # noqa: E402
 from moekv.ops.gluon.nuq2_decode import (  # noqa: E402
     default_num_splits, nuq2_decode_attention, nuq2_decode_partials, reduce_on_device,

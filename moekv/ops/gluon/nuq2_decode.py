@@ -144,7 +144,7 @@ def outlier_corrections(part_o: torch.Tensor, part_lse: torch.Tensor, q: torch.T
     """Add the outlier slots' sparse term to main-term partials, in place (see the module
     docstring). Works in part_o's dtype on any device; its cost follows the used slots, not the
     context. The main-term scores of the slot tokens are recomputed here from their code rows."""
-    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, part_o.shape[2])
+    _, Hkv, G = check_inputs(q, frag, block_tables, context_lens, part_o.shape[2])
     num_splits = part_o.shape[2]
     dt = part_o.dtype
     qk2 = scale * LOG2E
@@ -274,7 +274,8 @@ def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables
                           max_registers: int | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order -> [B, Hq, 128] in q's
     dtype: the Gluon main term, the outlier slots' sparse term (outliers=False leaves it out: exact
-    only for pages without used slots), the reduce; three launches, no host sync. CUDA only.
+    only for pages without used slots), the reduce; three launches, no host sync. CUDA only. The
+    sparse term's kernel is correct but ~50x slower than the main term (nuq2_sparse.py).
     sparse_kernel=False: the sparse term in PyTorch (outlier_corrections: a host sync per sequence)."""
     part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers)
     if outliers and sparse_kernel:

@@ -7,8 +7,13 @@ main-term score s from its key code row (as the main kernel did), adds the key s
 (q[c] * scale[c] * (z_slot - centroid) per slot), and accumulates in an online max m
     L += 2^(s' - m) - 2^(s - m),   O += (2^(s' - m) - 2^(s - m)) v + 2^(s' - m) dv
 (v the value code row, dv the value slots' change at their channels); then rescales the split's
-partial (o, lse) by them in place. Its cost follows the used slots, not the context. Every
-product is a tl.dot in fp32 (input_precision "ieee"), so the group is padded to 16.
+partial (o, lse) by them in place. Every product is a tl.dot in fp32 (input_precision "ieee"), so
+the group is padded to 16.
+
+Correct, not fast: on the H200 (benchmarks/results/h200/gluon_decode.json) it took 7.6 ms at
+16 x 32k where the Gluon main term took 0.16 ms (pages with ~10 key and ~5 value slots in use per
+page-head). It is the oracle-checked stand-in until the slots move into the Gluon tile loop as
+one-hot MMAs over precomputed per-page slot lists (JOURNAL_ENTRY.md of this branch).
 """
 from __future__ import annotations
 

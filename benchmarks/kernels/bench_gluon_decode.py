@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""The Gluon nuq2 decode kernel against torch SDPA (bf16, flash) and today's Triton nuq2 kernel, in one run.
+
+32 query / 8 KV heads, head_dim 128, pages of 64, one query per sequence, (batch, context) in
+(1, 4096), (16, 32768), (64, 32768), (1, 131072). 512 distinct random pages (keys with two outlier
+channels and a few huge elements, so that outlier slots are used), quantized by nuq2 on the GPU,
+repeated over the pool behind a shuffled block table; the Gluon path reads them in fragment order
+(moekv/ops/gluon/nuq2_layout.py), today's kernel (moekv.ops.decode_attention.paged_decode_attention
+with nuq2's DecodeSpec) as nuq2 slabs plus its bf16 staging page.
+
+Correctness first: at every shape, sequence 0 through the whole Gluon path (kernel, the outlier
+slots' sparse term, reduce) against dense attention over nuq2's dequantized pages (fp32), with and
+without the sparse term. Then times (median of triton.testing.do_bench_cudagraph, CUDA-graph replay;
+plain do_bench beside it as eager_ms): SDPA, today's kernel at its
+default launch, the Gluon main term + reduce at a few split counts and register caps (best reported,
+all kept), the sparse term's Triton kernel alone, and the whole Gluon path (main term + sparse term
++ reduce: gluon_full_ms, the end-to-end figure). Beside each: bytes read
+and the byte floor (bytes / the bandwidth of a 4 GiB device copy measured in the same run).
+
+    python benchmarks/kernels/bench_gluon_decode.py            # writes $OUT/gluon_decode.json (or /tmp)
+    python benchmarks/kernels/bench_gluon_decode.py --shapes 16x32768 --splits 16 32 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from moekv.kvcache.formats.nuq2 import NUQ2Format  # noqa: E402
+from moekv.ops.gluon.nuq2_decode import (  # noqa: E402
+    default_num_splits, nuq2_decode_attention, nuq2_decode_partials, reduce_on_device,
+)
+from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages, dequantize_fragment, to_fragment_order  # noqa: E402
+from moekv.ops.gluon.nuq2_sparse import outlier_corrections_kernel  # noqa: E402
+from moekv.ops.reference import decode_attention_ref  # noqa: E402
+
+HQ, HKV, D, P = 32, 8, 128, 64
+SHAPES = [(1, 4096), (16, 32768), (64, 32768), (1, 131072)]
+UNIQUE_PAGES = 512
+REGISTER_CAPS = [None, 128]  # ptxas's choice (~140) and one more program per SM (8 bytes of spills)
+
+
+def bench(fn) -> float:
+    """Median ms of fn replayed from a CUDA graph: at batch 1 an eager launch's host overhead (the
+    Gluon launcher's argument handling, SDPA's dispatch) exceeds the GPU time and varies with the
+    host's load (eager timings of one shape moved 2-3x between runs)."""
+    import triton.testing
+
+    fn()  # compile outside the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def bench_eager(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth(device) -> float:
+    src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = bench_eager(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (4 << 30) / (ms * 1e-3)
+
+
+def unique_pages(fmt, device, gen):
+    """UNIQUE_PAGES pages of keys and values -> their nuq2 slabs (uint8 [n, Hkv, slab])."""
+    shape = (UNIQUE_PAGES, HKV, P, D)
+    k = torch.randn(shape, device=device, generator=gen)
+    k[..., 7] *= 8
+    k[..., D // 2 + 27] += 6
+    huge = torch.randint(0, k.numel(), (UNIQUE_PAGES * 8,), device=device, generator=gen)
+    k.view(-1)[huge] *= 10
+    v = torch.randn(shape, device=device, generator=gen)
+    v.view(-1)[huge[: UNIQUE_PAGES * 2]] *= 8
+    return fmt.quantize_packed(k, "key"), fmt.quantize_packed(v, "value")
+
+
+def sdpa_ms(batch, context, device, gen) -> float:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(batch, HQ, 1, D, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, HKV, context, D, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    ms, eager = bench(run), bench_eager(run)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return ms, eager
+
+
+def triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale) -> dict:
+    """Today's fused nuq2 kernel at its default launch (last page from bf16 staging, as the engine does)."""
+    from moekv.ops import decode_attention as da
+
+    batch = q.shape[0]
+    cache = fmt.allocate(repeat.shape[0], HKV, P, D, q.device, batch, torch.bfloat16)
+    cache["k_pages"].copy_(k_slabs[repeat])
+    cache["v_pages"].copy_(v_slabs[repeat])
+    cache["k_staging"].normal_()
+    cache["v_staging"].normal_()
+    spec = fmt.decode_spec(P, D)
+    slots = torch.arange(batch, device=q.device)
+    run = lambda: da.paged_decode_attention(q, cache, tables, lens, slots, scale, None, spec)  # noqa: E731
+    run()
+    launch = dict(da.LAST_LAUNCH)
+    ms, eager = bench(run), bench_eager(run)
+    del cache
+    torch.cuda.empty_cache()
+    return {"ms": ms, "eager_ms": eager, "num_splits": launch.get("num_splits"), "max_registers": launch.get("max_registers")}
+
+
+def check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale) -> dict:
+    """Sequence 0 through the Gluon path (with and without the sparse term) against dense attention
+    over nuq2's dequantized pages (fp32; dequantize_fragment equals nuq2's dequantize, tested on CPU)."""
+    n = int(lens[0])
+    ids = repeat[tables[0, : -(-n // P)].long()]
+    kd, vd = dequantize_fragment(frag_u, "key"), dequantize_fragment(frag_u, "value")
+    k = kd[ids].permute(0, 2, 1, 3).reshape(-1, HKV, D)[:n]
+    v = vd[ids].permute(0, 2, 1, 3).reshape(-1, HKV, D)[:n]
+    ref = decode_attention_ref(q[:1].float(), [k], [v], scale)
+    out = nuq2_decode_attention(q[:1], frag, tables[:1], lens[:1], scale)
+    bare = nuq2_decode_attention(q[:1], frag, tables[:1], lens[:1], scale, outliers=False)
+    rel = lambda x: float((x.float() - ref).norm() / ref.norm())  # noqa: E731
+    used_k = int((frag_u.k_out_idx != 0xFFFF).sum()) / frag_u.k_out_idx[..., 0].numel()
+    used_v = int((frag_u.v_out_idx != 0xFFFF).sum()) / frag_u.v_out_idx[..., 0].numel()
+    return {"rel_err": rel(out), "rel_err_without_sparse_term": rel(bare),
+            "max_abs_err": float((out.float() - ref).abs().max()), "used_key_slots_per_page_head": used_k,
+            "used_value_slots_per_page_head": used_v}
+
+
+def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
+    fmt = NUQ2Format(codebook="page")
+    scale = D ** -0.5
+    pages_per = -(-context // P)
+    num_blocks = batch * pages_per + 1
+    k_slabs, v_slabs = unique_pages(fmt, device, gen)
+    frag_u = to_fragment_order(fmt, k_slabs, v_slabs)
+    repeat = torch.arange(num_blocks, device=device) % UNIQUE_PAGES
+    frag = Nuq2FragmentPages(**{name: t[repeat] for name, t in frag_u.tensors().items()}, calibrated=False)
+    perm = torch.randperm(num_blocks - 1, device=device, generator=gen)[: batch * pages_per]
+    tables = perm.view(batch, pages_per).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HQ, D, device=device, dtype=torch.bfloat16, generator=gen)
+    row = {"batch": batch, "context": context}
+    row["check_seq0"] = check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale)
+    print("  check", row["check_seq0"], flush=True)
+
+    row["sdpa_ms"], row["sdpa_eager_ms"] = sdpa_ms(batch, context, device, gen)
+    sdpa_bytes = 2 * batch * HKV * context * D * 2 + 2 * batch * HQ * D * 2
+    row["sdpa_floor_ms"] = sdpa_bytes / bandwidth * 1e3
+
+    try:
+        row["triton_nuq2"] = triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale)
+    except Exception as e:  # noqa: BLE001  (recorded, the Gluon rows still count)
+        row["triton_nuq2"] = {"error": repr(e)[:500]}
+    slab = fmt.layout("key", P, D).slab_bytes + fmt.layout("value", P, D).slab_bytes
+    row["triton_nuq2"]["bytes"] = batch * HKV * pages_per * slab + 2 * batch * HQ * D * 2
+
+    gl_bytes = batch * HKV * pages_per * frag.code_bytes_per_page_head() + 2 * batch * HQ * D * 2
+    row["gluon_bytes"] = gl_bytes
+    row["gluon_floor_ms"] = gl_bytes / bandwidth * 1e3
+    out = torch.empty_like(q)
+    sweep = {}
+    default = default_num_splits(batch, HKV, pages_per)
+    for ns in sorted({*(splits or []), default, max(1, default // 2), default * 2}):
+        if ns > pages_per:
+            continue
+        for regs in REGISTER_CAPS:
+            fn = lambda ns=ns, regs=regs: reduce_on_device(  # noqa: E731
+                *nuq2_decode_partials(q, frag, tables, lens, scale, ns, regs), out)
+            sweep[f"{ns}/{regs}"] = bench(fn)
+            print(f"    gluon splits={ns} max_registers={regs}: {sweep[f'{ns}/{regs}'] * 1e3:.1f} us", flush=True)
+    best = min(sweep, key=sweep.get)
+    best_ns, best_regs = int(best.split("/")[0]), None if best.endswith("None") else int(best.split("/")[1])
+    row["gluon"] = {"ms": sweep[best], "num_splits": best_ns, "max_registers": best_regs, "default_splits": default,
+                    "default_ms": sweep.get(f"{default}/None"), "sweep_ms (splits/max_registers)": sweep}
+    best_fn = lambda: reduce_on_device(  # noqa: E731
+        *nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs), out)
+    row["gluon"]["eager_ms"] = bench_eager(best_fn)
+    row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs))
+    # the whole path: main term, the sparse term's kernel, reduce (what the engine would launch)
+    full = lambda: nuq2_decode_attention(q, frag, tables, lens, scale, best_ns, max_registers=best_regs)  # noqa: E731
+    row["gluon_full_ms"] = bench(full)
+    part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs)
+    row["sparse_term_kernel_ms"] = bench(
+        lambda: outlier_corrections_kernel(part_o, part_lse, q, frag, tables, lens, scale))
+    row["ratio_gluon_full_vs_sdpa"] = row["sdpa_ms"] / row["gluon_full_ms"]
+    if "ms" in row["triton_nuq2"]:
+        row["ratio_gluon_full_vs_triton_nuq2"] = row["triton_nuq2"]["ms"] / row["gluon_full_ms"]
+    row["ratio_gluon_vs_sdpa"] = row["sdpa_ms"] / row["gluon"]["ms"]
+    if "ms" in row["triton_nuq2"]:
+        row["ratio_triton_nuq2_vs_sdpa"] = row["sdpa_ms"] / row["triton_nuq2"]["ms"]
+        row["ratio_gluon_vs_triton_nuq2"] = row["triton_nuq2"]["ms"] / row["gluon"]["ms"]
+    row["gluon_share_of_floor"] = row["gluon_floor_ms"] / row["gluon"]["ms"]
+    del frag, frag_u, k_slabs, v_slabs
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=None, help="BATCHxCONTEXT, e.g. 16x32768")
+    ap.add_argument("--splits", nargs="*", type=int, default=None, help="extra Gluon split counts to try")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/gluon_decode.json, else /tmp)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gluon_decode: needs a CUDA device (Gluon kernels do not run on CPU)")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "gluon_decode.json"))
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    import triton
+
+    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "heads": [HQ, HKV], "head_dim": D, "page": P, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    record["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
+    print("copy bandwidth GB/s", round(record["copy_bandwidth_GBps"]), flush=True)
+    record["rows"] = []
+    for batch, context in shapes:
+        print(f"shape {batch} x {context}", flush=True)
+        try:
+            row = run_shape(batch, context, args.splits, device, gen, record["copy_bandwidth_GBps"] * 1e9)
+        except Exception as e:  # noqa: BLE001  (the other shapes still run)
+            import traceback
+
+            traceback.print_exc()
+            row = {"batch": batch, "context": context, "error": repr(e)[:1000]}
+        print(json.dumps(row), flush=True)
+        record["rows"].append(row)
+        out_path.write_text(json.dumps(record, indent=1))
+    print("wrote", out_path)
+
+
+if __name__ == "__main__":
+    main()

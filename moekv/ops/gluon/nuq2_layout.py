@@ -1,0 +1,208 @@
+"""nuq2 pages in MMA-fragment order: what the Gluon decode kernel (nuq2_decode.py) reads.
+
+nuq2 stores a (page, kv head) slab as planar codes [P, D/4] plus side fields (nuq2.py). The Gluon
+kernel dequantizes in registers straight into mma_v2 A-operand fragments (one warp, K and V^T as
+the A operand, m16n8k16): each thread must find the codes of its fragment elements in ONE 128-bit
+load per 512-byte row, in the order the fragment wants them. This module reorders the codes of
+each page-head (P = 64 tokens, D = 128 channels, 2048 bytes) into that order and splits the other
+fields into side tables; `from_fragment_order` is the exact inverse.
+
+Fragment order, version 1 (NUQ2_FRAGMENT_VERSION). A page-head's 2048 bytes are 4 rows of 512 bytes;
+thread `lane` of the warp reads bytes [16 lane, 16 lane + 16) of every row (one 128-bit load).
+Byte b of a row holds four 2-bit codes, field f in bits 2f..2f+1. Write the indices in bits:
+
+  byte  = 64 g + 16 q4 + y           g in 0..7, q4 in 0..3, y = 8 y3 + 4 y2 + 2 y1 + y0
+  field = 2 f1 + f0
+
+  keys   (row = blk, 16 tokens each):       token = 16 blk + 8 y1 + g
+                                            chan  = 64 f1 + 32 f0 + 16 y3 + 8 y2 + 2 q4 + y0
+  values (row = 2 blk + rh, 32 tokens per   token = 32 blk + 16 y3 + 8 y2 + 2 q4 + y0
+          block of two rows):               chan  = 64 f1 + 32 f0 + 16 rh + 8 y1 + g
+
+so that, after a per-byte table lookup, the thread's fp16 values reshape/permute into the logical
+K [64, 128] / V^T [128, 64] tile in DotOperandLayout(0, mma_v2) without moving data between threads
+(keys: lane = 4 g + q4 holds rows g, g + 8 of each 16-token block, the A fragment's rows).
+
+Side tables (per page-head, as nuq2 stores them, nothing re-quantized):
+  k_centroids, v_centroids  fp16 [N, H, 4]   the codebook (calibrated codebooks expanded per page)
+  k_mean, k_scale           fp8  [N, H, D]   the keys' channel mean and scale
+  k_out_val, v_out_val      fp8  [N, H, S]   outlier slots, in units of max |centroid|
+  k_out_idx, v_out_idx      int32 [N, H, S]  their position t * D + c; NO_OUTLIER marks an unused slot
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from moekv.kvcache.formats.nuq2 import NO_OUTLIER, NUQ2Format, pack_codes, unpack_codes
+
+NUQ2_FRAGMENT_VERSION = 1
+PAGE_TOKENS = 64  # the fragment order is defined for pages of 64 tokens ...
+HEAD_DIM = 128  # ... and head_dim 128 (4 rows of 512 bytes a page-head)
+PAGE_BYTES = PAGE_TOKENS * HEAD_DIM // 4
+WORDS_PER_PAGE = PAGE_BYTES // 4
+
+
+def _bits(n: int, *widths: int) -> list[torch.Tensor]:
+    """Split 0..n-1 into bit fields of the given widths, most significant first."""
+    i = torch.arange(n)
+    out = []
+    shift = sum(widths)
+    for w in widths:
+        shift -= w
+        out.append((i >> shift) & ((1 << w) - 1))
+    return out
+
+
+def _element_of_slot(kind: str) -> torch.Tensor:
+    """[P * D] long: for slot e = 4 * byte + field of a page-head's fragment order, the element
+    t * D + c whose code it holds."""
+    if kind == "key":  # byte = (blk, g, q4, y3, y2, y1, y0), then field = (f1, f0)
+        blk, g, q4, y3, y2, y1, y0, f1, f0 = _bits(PAGE_TOKENS * HEAD_DIM, 2, 3, 2, 1, 1, 1, 1, 1, 1)
+        token = 16 * blk + 8 * y1 + g
+        chan = 64 * f1 + 32 * f0 + 16 * y3 + 8 * y2 + 2 * q4 + y0
+    elif kind == "value":  # byte = (blk, rh, g, q4, y3, y2, y1, y0), then field = (f1, f0)
+        blk, rh, g, q4, y3, y2, y1, y0, f1, f0 = _bits(PAGE_TOKENS * HEAD_DIM, 1, 1, 3, 2, 1, 1, 1, 1, 1, 1)
+        token = 32 * blk + 16 * y3 + 8 * y2 + 2 * q4 + y0
+        chan = 64 * f1 + 32 * f0 + 16 * rh + 8 * y1 + g
+    else:
+        raise ValueError(f"kind={kind!r}: expected 'key' or 'value'")
+    return token * HEAD_DIM + chan
+
+
+ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
+# the inverse: element t * D + c -> its slot 4 * byte + field
+SLOT_OF_ELEMENT = {kind: torch.argsort(e) for kind, e in ELEMENT_OF_SLOT.items()}
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in ELEMENT_OF_SLOT:
+        raise ValueError(f"kind={kind!r}: expected 'key' or 'value'")
+
+
+def codes_to_fragment(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """codes [..., 64, 128] in 0..3 -> int32 words [..., 512] in fragment order."""
+    _check_kind(kind)
+    if codes.shape[-2:] != (PAGE_TOKENS, HEAD_DIM):
+        raise ValueError(f"codes_to_fragment: codes must end in [{PAGE_TOKENS}, {HEAD_DIM}], got {tuple(codes.shape)}")
+    lead = codes.shape[:-2]
+    flat = codes.reshape(*lead, PAGE_TOKENS * HEAD_DIM).to(torch.uint8)
+    slots = flat[..., ELEMENT_OF_SLOT[kind].to(codes.device)].reshape(*lead, PAGE_BYTES, 4)
+    packed = slots[..., 0] | (slots[..., 1] << 2) | (slots[..., 2] << 4) | (slots[..., 3] << 6)
+    return packed.contiguous().view(torch.int32)
+
+
+def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
+    """int32 words [..., 512] in fragment order -> codes [..., 64, 128] (int64)."""
+    _check_kind(kind)
+    lead = words.shape[:-1]
+    packed = words.contiguous().view(torch.uint8)  # [..., 2048]
+    slots = torch.stack([(packed >> (2 * f)) & 3 for f in range(4)], dim=-1).reshape(*lead, PAGE_TOKENS * HEAD_DIM)
+    return slots[..., SLOT_OF_ELEMENT[kind].to(words.device)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
+
+
+@dataclass
+class Nuq2FragmentPages:
+    """A layer's nuq2 page pools in fragment order (N pages, H kv heads); see the module docstring."""
+
+    k_codes: torch.Tensor  # int32 [N, H, 512]
+    v_codes: torch.Tensor  # int32 [N, H, 512]
+    k_centroids: torch.Tensor  # fp16 [N, H, 4]
+    v_centroids: torch.Tensor  # fp16 [N, H, 4]
+    k_mean: torch.Tensor  # fp8 [N, H, D]
+    k_scale: torch.Tensor  # fp8 [N, H, D]
+    k_out_val: torch.Tensor  # fp8 [N, H, Sk]
+    k_out_idx: torch.Tensor  # int32 [N, H, Sk]
+    v_out_val: torch.Tensor  # fp8 [N, H, Sv]
+    v_out_idx: torch.Tensor  # int32 [N, H, Sv]
+    calibrated: bool = False  # the centroids came from a calibrated codebook (not stored in the slabs)
+    version: int = NUQ2_FRAGMENT_VERSION
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def code_bytes_per_page_head(self) -> int:
+        """What the main kernel reads per page-head: K and V codes, centroids, key mean and scale."""
+        return 2 * PAGE_BYTES + 2 * 8 + 2 * HEAD_DIM
+
+
+def check_shape(fmt: NUQ2Format, block_size: int, head_dim: int) -> None:
+    if not isinstance(fmt, NUQ2Format):
+        raise ValueError(f"nuq2 fragment order: needs a NUQ2Format, got {type(fmt).__name__}")
+    if (block_size, head_dim) != (PAGE_TOKENS, HEAD_DIM):
+        raise ValueError(f"nuq2 fragment order (version {NUQ2_FRAGMENT_VERSION}) is defined for block_size "
+                         f"{PAGE_TOKENS} and head_dim {HEAD_DIM}, got {block_size} and {head_dim}")
+
+
+def to_fragment_order(fmt: NUQ2Format, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                      layer: int | None = None) -> Nuq2FragmentPages:
+    """nuq2 slabs k_pages, v_pages [N, H, slab] uint8 (fmt's layout, block_size 64, head_dim 128)
+    -> the same pages in fragment order."""
+    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
+    out = {}
+    for name, kind, pages in (("k", "key", k_pages), ("v", "value", v_pages)):
+        layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)
+        if pages.dtype != torch.uint8 or pages.dim() != 3 or pages.shape[2] != layout.slab_bytes:
+            raise ValueError(f"nuq2 fragment order: {name}_pages must be uint8 [N, H, {layout.slab_bytes}], "
+                             f"got {pages.dtype} {tuple(pages.shape)}")
+        f = layout.unpack(pages)
+        n, heads = pages.shape[:2]
+        out[f"{name}_codes"] = codes_to_fragment(unpack_codes(f["codes"]), kind)
+        if fmt.calibrated:
+            cb = fmt.codebook(kind, layer, n * heads, pages.device).to(torch.float16)
+            out[f"{name}_centroids"] = cb.reshape(n, heads, 4).contiguous()
+        else:
+            out[f"{name}_centroids"] = f["centroids"].contiguous()
+        if kind == "key":
+            out["k_mean"], out["k_scale"] = f["chan_mean"].contiguous(), f["chan_scale"].contiguous()
+        if "out_idx" in f:
+            out[f"{name}_out_val"] = f["out_val"].contiguous()
+            out[f"{name}_out_idx"] = f["out_idx"].to(torch.int32)
+        else:  # no slots: empty tables
+            out[f"{name}_out_val"] = torch.zeros(n, heads, 0, dtype=torch.float8_e4m3fn, device=pages.device)
+            out[f"{name}_out_idx"] = torch.zeros(n, heads, 0, dtype=torch.int32, device=pages.device)
+    return Nuq2FragmentPages(**out, calibrated=fmt.calibrated)
+
+
+def from_fragment_order(fmt: NUQ2Format, frag: Nuq2FragmentPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of to_fragment_order: (k_pages, v_pages) nuq2 slabs [N, H, slab] uint8."""
+    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
+    if frag.version != NUQ2_FRAGMENT_VERSION:
+        raise ValueError(f"nuq2 fragment order: pages of version {frag.version}, this code reads {NUQ2_FRAGMENT_VERSION}")
+    slabs = []
+    for name, kind in (("k", "key"), ("v", "value")):
+        layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)
+        values = {"codes": pack_codes(codes_from_fragment(getattr(frag, f"{name}_codes"), kind))}
+        if kind == "key":
+            values["chan_mean"], values["chan_scale"] = frag.k_mean, frag.k_scale
+        if not fmt.calibrated:
+            values["centroids"] = getattr(frag, f"{name}_centroids")
+        if any(f.name == "out_idx" for f in layout.fields):
+            values["out_val"] = getattr(frag, f"{name}_out_val")
+            values["out_idx"] = getattr(frag, f"{name}_out_idx").to(torch.uint16)
+        slabs.append(layout.pack(values))
+    return slabs[0], slabs[1]
+
+
+def dequantize_fragment(frag: Nuq2FragmentPages, kind: str, outliers: bool = True) -> torch.Tensor:
+    """Pages [N, H, 64, 128] fp32 from the fragment-ordered tables, as nuq2's dequantize computes
+    them (outliers=False: the codebook term alone, what the Gluon kernel's main loop reads)."""
+    name = "k" if kind == "key" else "v"
+    codes = codes_from_fragment(getattr(frag, f"{name}_codes"), kind)  # [N, H, P, D]
+    n, heads = codes.shape[:2]
+    c = getattr(frag, f"{name}_centroids").float().reshape(n * heads, 4)
+    z = c.gather(1, codes.reshape(n * heads, -1))
+    idx = getattr(frag, f"{name}_out_idx").long().reshape(n * heads, -1)
+    if outliers and idx.shape[1]:
+        unit = c.abs().amax(-1, keepdim=True).clamp(min=1e-6)  # nuq2.centroid_unit
+        val = getattr(frag, f"{name}_out_val").float().reshape(n * heads, -1) * unit
+        used = idx != NO_OUTLIER
+        N = z.shape[1]
+        hit = torch.zeros(n * heads, N + 1, dtype=torch.bool, device=z.device).scatter_(1, idx.clamp(max=N), used)
+        dense = torch.zeros(n * heads, N + 1, device=z.device).scatter_(1, idx.clamp(max=N), val)
+        z = torch.where(hit[:, :N], dense[:, :N], z)
+    z = z.reshape(n, heads, PAGE_TOKENS, HEAD_DIM)
+    if kind == "key":
+        z = z * frag.k_scale.float()[:, :, None] + frag.k_mean.float()[:, :, None]
+    return z

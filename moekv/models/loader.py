@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from moekv.models import mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
+from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
 
 ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe) for name in mod.ARCHITECTURES}
@@ -143,7 +144,6 @@ def _resolve(name: str, cfg: ModelConfig) -> tuple[str, _Index] | None:
     return None
 
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_STD = 0.02  # the usual initializer range of these architectures' configs
 
 

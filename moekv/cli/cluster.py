@@ -12,23 +12,9 @@ def _fmt_margin(m: float) -> str:
     return "all" if m == math.inf else ("one" if m == -math.inf else f"{m:+.2f}")
 
 
-def split_calibration(tokenizer, paths: list[str], max_tokens: int, quality_tokens: int) -> tuple[list[int], list[int]]:
-    """From each file, its first max_tokens / n tokens for clustering, the next quality_tokens / n for
-    the margin sensitivity (disjoint, so the margins are not fitted on the clustering tokens)."""
-    from moekv.eval.perplexity import read_text_tokens
-
-    cluster_ids, quality_ids = [], []
-    per_file, per_file_q = max_tokens // len(paths), quality_tokens // len(paths)
-    for path in paths:
-        ids = read_text_tokens(tokenizer, path, per_file + per_file_q)
-        cluster_ids += ids[:per_file]
-        quality_ids += ids[per_file:per_file + per_file_q]
-    return cluster_ids, quality_ids
-
-
 def cmd_cluster(args: argparse.Namespace) -> int:
     from moekv.llm import LLM
-    from moekv.routing.cluster import build_cluster_map
+    from moekv.tools.cluster import build_cluster_map, split_calibration
     from moekv.routing.hierarchical import router_flops_per_token
 
     llm = LLM(model=args.model, dtype="float32" if args.device == "cpu" else "auto", device=args.device,

@@ -106,7 +106,7 @@ class EngineConfig:
     dtype: str = option("auto | float32 | bfloat16 | float16", "auto")
     device: str = option("cpu | cuda", "cpu")
     kv_cache_dtype: str = option(
-        "KV format: auto | bf16 | fp16 | fp32 | fp8_e4m3 | int4 | nuq2 | vq | kivi2 | tiered", "auto")
+        "KV format: " + " | ".join(KV_FORMAT_NAMES), "auto")
     max_model_len: int | None = option("prompt + generated tokens of one sequence (default: the model's limit)")
     block_size: int | None = option("tokens per KV page (default: 16 for bf16/fp16/fp32, 64 for compressed formats)")
     max_num_seqs: int = option("sequences in one batch", 64)
@@ -137,8 +137,8 @@ class EngineConfig:
     kv_residual: int = option("kivi2: newest tokens kept in 16-bit (a multiple of 32)", 128)
     # routing (moekv/routing)
     routing: str = option(
-        "auto | flat | group_limited | hierarchical (auto: group_limited when the checkpoint has n_group/topk_group, "
-        "else flat)", "auto")
+        " | ".join(ROUTING_MODES) + " (auto: group_limited when the checkpoint has n_group/topk_group, else flat)",
+        "auto")
     cluster_map: str | Path | None = option(
         "hierarchical: cluster map file from `moekv cluster` (also counts routing locality under it)")
     clusters_per_token: int | None = option("hierarchical: most clusters per token (default: the map's)")

@@ -5,10 +5,15 @@ Every field is checked at construction, before any weight is read, and a bad val
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
+
+from moekv.kvcache.formats.names import KV_FORMAT_NAMES
+from moekv.models.load_formats import LOAD_FORMATS
+from moekv.routing.modes import ROUTING_MODES
 
 DTYPES = {
     "float32": torch.float32,
@@ -33,6 +38,21 @@ def shipped_kv_calibration(model: str | Path) -> Path | None:
     """The checkpoint's own `kv_calibration/` folder (written by `moekv calibrate`), if it has one."""
     folder = Path(model) / "kv_calibration"
     return folder if (folder / "kv_calibration.safetensors").is_file() else None
+
+
+def option(help: str, default: Any = None, *, default_factory: Callable[[], Any] | None = None,
+           choices: tuple[str, ...] | None = None, flag: str | None = None):
+    """An EngineConfig field with what its command-line flag needs (cli/engine_args.py builds the
+    flags from these): help text, accepted choices, and the flag's name when it is not --field-name."""
+    metadata = {"help": help, "choices": choices, "flag": flag}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def field_default(f) -> Any:
+    """The default of a dataclass field, calling its default_factory if it has one."""
+    return f.default_factory() if f.default is MISSING else f.default
 
 
 def _check(condition: bool, message: str) -> None:
@@ -81,37 +101,52 @@ class EngineConfig:
         (where the host does the model's work itself and nothing would overlap).
     """
 
-    model: str | Path = field(default_factory=default_model_path)
-    dtype: str = "auto"
-    device: str = "cpu"
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None
-    block_size: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    enforce_eager: bool = False
-    async_scheduling: bool | None = None
-    load_format: str = "auto"
+    model: str | Path = option(
+        "Hugging Face checkpoint folder (default: the bundled models/tiny-moe)", default_factory=default_model_path)
+    dtype: str = option("auto | float32 | bfloat16 | float16", "auto")
+    device: str = option("cpu | cuda", "cpu")
+    kv_cache_dtype: str = option(
+        "KV format: " + " | ".join(KV_FORMAT_NAMES), "auto")
+    max_model_len: int | None = option("prompt + generated tokens of one sequence (default: the model's limit)")
+    block_size: int | None = option("tokens per KV page (default: 16 for bf16/fp16/fp32, 64 for compressed formats)")
+    max_num_seqs: int = option("sequences in one batch", 64)
+    max_num_batched_tokens: int = option("token budget of one step (prefill chunks + decodes)", 2048)
+    num_kv_blocks: int | None = option("pages in the KV pool (default: sized from the memory budget)")
+    kv_cache_memory_gb: float = option("CPU: GB of KV pages when --num-kv-blocks is not given", 1.0)
+    gpu_memory_utilization: float = option(
+        "CUDA: share of the card's memory the engine may fill (weights, KV pages, activations)", 0.9)
+    seed: int = option("seed of the sampler for requests without their own seed", 0, flag="--engine-seed")
+    enforce_eager: bool = option(
+        "never replay decode steps from CUDA graphs (default: graphs on CUDA where the KV format allows)", False)
+    async_scheduling: bool | None = option(
+        "queue each decode step before the host has read the one before it (default: on CUDA)")
+    load_format: str = option(
+        "dummy: random weights of config.json's shape instead of the checkpoint's (benchmarks)", "auto",
+        choices=LOAD_FORMATS)
     # KV format options (each format reads the ones it uses)
-    kv_group_size: int = 32
-    kv_outlier_sigma: float = 3.5
-    kv_calibration: str | Path | None = None
-    kv_codebook: str = "auto"  # nuq2/tiered: 'page' k-means, 'calibrated', or 'auto' (calibrated if available)
-    kv_rerank_interval: int = 32
-    kv_tier1_fraction: float = 0.15
-    kv_residual: int = 128  # kivi2: newest tokens kept in 16-bit (a multiple of 32)
-    # routing (moekv/routing): auto = group_limited when the checkpoint has n_group/topk_group, else flat
-    routing: str = "auto"
-    cluster_map: str | Path | None = None  # file from `moekv cluster`: hierarchical routing, placement
-    clusters_per_token: int | None = None  # hierarchical: most clusters a token may use (None: the map's)
-    cluster_admit_margin: float | None = None  # hierarchical: admit a further cluster while its coarse
-    # score is within this margin of the best (log routing mass; None: the map's calibrated per-layer values)
-    n_group: int | None = None  # group_limited: groups and groups kept (None: the checkpoint's)
-    topk_group: int | None = None
+    kv_group_size: int = option(
+        "int4: channels per scale group; kivi2: tokens (keys) and channels (values) per group (32 or 64)", 32)
+    kv_outlier_sigma: float = option("nuq2: outlier threshold in std devs", 3.5)
+    kv_calibration: str | Path | None = option(
+        "folder from `moekv calibrate` (default: the checkpoint's kv_calibration/ if it has one)")
+    kv_codebook: str = option(
+        "nuq2/tiered: per-page k-means, calibrated codebooks, or auto (calibrated when available)", "auto",
+        choices=("auto", "page", "calibrated"))
+    kv_rerank_interval: int = option("tiered: decode steps between re-rankings", 32)
+    kv_tier1_fraction: float = option("tiered: share of pages kept in FP8", 0.15)
+    kv_residual: int = option("kivi2: newest tokens kept in 16-bit (a multiple of 32)", 128)
+    # routing (moekv/routing)
+    routing: str = option(
+        " | ".join(ROUTING_MODES) + " (auto: group_limited when the checkpoint has n_group/topk_group, else flat)",
+        "auto")
+    cluster_map: str | Path | None = option(
+        "hierarchical: cluster map file from `moekv cluster` (also counts routing locality under it)")
+    clusters_per_token: int | None = option("hierarchical: most clusters per token (default: the map's)")
+    cluster_admit_margin: float | None = option(
+        "hierarchical: admit a further cluster while its coarse score (log routing mass) is within this of the "
+        "best (default: the map's)")
+    n_group: int | None = option("group_limited: expert groups (default: the checkpoint's)")
+    topk_group: int | None = option("group_limited: groups kept per token (default: the checkpoint's)")
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -123,8 +158,6 @@ class EngineConfig:
         if device_type == "cuda":
             _check(torch.cuda.is_available(),
                    f"device={self.device!r} was asked for but torch sees no CUDA device; use device='cpu'")
-        from moekv.kvcache.formats import KV_FORMAT_NAMES  # late import: formats import config helpers
-
         _check(self.kv_cache_dtype in KV_FORMAT_NAMES,
                f"kv_cache_dtype={self.kv_cache_dtype!r} is unknown; accepted: {list(KV_FORMAT_NAMES)}")
         _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
@@ -154,8 +187,6 @@ class EngineConfig:
         _check(isinstance(self.enforce_eager, bool), f"enforce_eager={self.enforce_eager!r} must be True or False")
         _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
                f"async_scheduling={self.async_scheduling!r} must be True, False or None (on CUDA only)")
-        from moekv.models.loader import LOAD_FORMATS
-
         _check(self.load_format in LOAD_FORMATS,
                f"load_format={self.load_format!r} is not supported; accepted: {list(LOAD_FORMATS)}")
         _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
@@ -163,8 +194,6 @@ class EngineConfig:
                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
 
     def _check_routing(self) -> None:
-        from moekv.routing import ROUTING_MODES
-
         _check(self.routing in ROUTING_MODES, f"routing={self.routing!r} is unknown; accepted: {list(ROUTING_MODES)}")
         if self.cluster_map is not None:
             self.cluster_map = Path(self.cluster_map)

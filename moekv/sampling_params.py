@@ -4,6 +4,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class SamplingParamsError(ValueError):
+    """A SamplingParams field out of range: `field` names it, `value` is what it was given and
+    `accepted` says what would be; the message reads 'SamplingParams.<field>=<value> is out of range;
+    accepted: ...'."""
+
+    def __init__(self, field: str, value: object, accepted: str) -> None:
+        self.field, self.value, self.accepted = field, value, accepted
+        super().__init__(f"SamplingParams.{field}={value!r} is out of range; accepted: {accepted}")
+
+    def message_for(self, name: str) -> str:
+        """The same message with the field called `name` (an API parameter's name)."""
+        return f"{name}={self.value!r} is out of range; accepted: {self.accepted}"
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping rules.
@@ -46,16 +60,15 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop_strings = list(self.stop)
         else:
-            raise ValueError(f"SamplingParams.stop={self.stop!r} is out of range; accepted: a string or a list of strings")
+            raise SamplingParamsError("stop", self.stop, "a string or a list of strings")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r} is out of range; "
-                             "accepted: a list of non-negative integers")
+            raise SamplingParamsError("stop_token_ids", self.stop_token_ids, "a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
 
-        def bad(name: str, accepted: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is out of range; accepted: {accepted}")
+        def bad(name: str, accepted: str) -> SamplingParamsError:
+            return SamplingParamsError(name, getattr(self, name), accepted)
 
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1, or None")

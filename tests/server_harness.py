@@ -17,8 +17,10 @@ from moekv.server.app import build_app
 class ServerThread:
     """with ServerThread(engine_kwargs, max_queue=...) as srv: srv.url, srv.engine, srv.state"""
 
-    def __init__(self, model, max_queue: int | None = 1024, model_name: str = "tiny", **engine_kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype="float32", **engine_kwargs))
+    def __init__(self, model, max_queue: int | None = 1024, model_name: str = "tiny", engine: LLMEngine | None = None,
+                 **engine_kwargs) -> None:
+        """engine: serve this engine (model and engine_kwargs unused); else a float32 one of model."""
+        self.engine = engine or LLMEngine(EngineConfig(model=model, dtype="float32", **engine_kwargs))
         self.app = build_app(self.engine, model_name=model_name, max_queue=max_queue)
         self.state = self.app.state.moekv
         self.model_name = model_name

@@ -65,3 +65,44 @@ def test_async_scheduling_flag_reaches_the_engine_config(mixtral_ckpt):
         assert seen[tuple(flags)] is want, flags
     assert not EngineConfig(model=mixtral_ckpt).async_scheduling_enabled  # the CPU's default
     assert EngineConfig(model=mixtral_ckpt, async_scheduling=True).async_scheduling_enabled
+
+
+def test_every_engine_config_field_has_a_flag_with_its_default():
+    """The engine flags are EngineConfig's fields: each one a flag, with the field's default, and the
+    parsed defaults build the default EngineConfig."""
+    import dataclasses
+    from pathlib import Path
+
+    from moekv.cli import build_parser
+    from moekv.cli.engine_args import engine_config_from, flag_name
+    from moekv.config import EngineConfig, field_default
+
+    for command in (["generate", "--prompt", "x"], ["serve"], ["eval", "ppl", "--text", "t"],
+                    ["eval", "routing", "--text", "t"]):
+        args = build_parser().parse_args(command)
+        for f in dataclasses.fields(EngineConfig):
+            default = field_default(f)
+            assert getattr(args, f.name) == (str(default) if isinstance(default, Path) else default), \
+                (command[0], flag_name(f))
+        assert engine_config_from(args) == EngineConfig()
+    flags = {flag_name(f) for f in dataclasses.fields(EngineConfig)}
+    assert {"--kv-cache-dtype", "--max-model-len", "--block-size", "--enforce-eager", "--async-scheduling",
+            "--cluster-map", "--load-format"} <= flags
+
+
+def test_engine_flags_reach_the_engine_config():
+    from moekv.cli import build_parser, engine_config_from
+
+    args = build_parser().parse_args(["serve", "--max-model-len", "64", "--block-size", "32", "--kv-cache-dtype",
+                                      "int4", "--enforce-eager", "--no-async-scheduling", "--engine-seed", "7",
+                                      "--kv-tier1-fraction", "0.25", "--load-format", "dummy"])
+    cfg = engine_config_from(args)
+    assert (cfg.max_model_len, cfg.block_size, cfg.kv_cache_dtype, cfg.enforce_eager, cfg.async_scheduling,
+            cfg.seed, cfg.kv_tier1_fraction, cfg.load_format) == (64, 32, "int4", True, False, 7, 0.25, "dummy")
+
+
+def test_kv_format_names_match_the_registry():
+    from moekv.kvcache.formats import _FACTORIES
+    from moekv.kvcache.formats.names import KV_FORMAT_NAMES
+
+    assert tuple(_FACTORIES) == KV_FORMAT_NAMES

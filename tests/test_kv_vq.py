@@ -168,7 +168,7 @@ def calibrated(mixtral_ckpt, tmp_path_factory):
 def test_calibrate_command(mixtral_ckpt, tmp_path, capsys):
     import argparse
 
-    from moekv.cli_calibrate import add_calibrate_parser
+    from moekv.cli.calibrate import add_calibrate_parser
 
     parser = argparse.ArgumentParser(prog="moekv")
     add_calibrate_parser(parser.add_subparsers(dest="command", required=True))

@@ -314,3 +314,27 @@ def test_cli_has_routing_flags():
                                       "--topk-group", "2", "--clusters-per-token", "2"])
     cfg = engine_config_from(args)
     assert (cfg.routing, cfg.n_group, cfg.topk_group, cfg.clusters_per_token) == ("group_limited", 4, 2, 2)
+
+
+def test_every_router_meets_the_protocol_the_moe_layer_uses(mixtral_ckpt):
+    """layers/moe.py knows routers only through routing.base.Router; the loader installs them, and a
+    layer without one says so instead of failing somewhere inside."""
+    from moekv.layers.moe import SparseMoE
+    from moekv.models.loader import load_model, load_model_config, moe_layers
+    from moekv.routing.base import Router
+    from moekv.routing.tap import RouterTap
+
+    E, H = 8, 16
+    clusters = LayerClusters(torch.arange(E).view(4, 2), torch.randn(4, H), torch.zeros(4))
+    routers = [FlatTopKRouter(2, True), GroupLimitedRouter(2, E, 4, 2, True),
+               HierarchicalRouter(clusters, torch.randn(E, H), 2, True, 2, 0.5)]
+    routers.append(RouterTap(routers[0], lambda *a: None, 0))
+    for router in routers:
+        assert isinstance(router, Router), type(router).__name__
+        assert isinstance(router.name, str) and isinstance(router.fuses_norm, bool)
+    cfg = load_model_config(mixtral_ckpt)
+    model = load_model(mixtral_ckpt, torch.float32, torch.device("cpu"), cfg)
+    assert all(isinstance(moe.router, FlatTopKRouter) for moe in moe_layers(model).values())
+    bare = SparseMoE(cfg)
+    with pytest.raises(RuntimeError, match="no router"):
+        bare(torch.zeros(1, cfg.hidden_size))

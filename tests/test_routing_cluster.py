@@ -14,10 +14,10 @@ import torch
 
 from moekv import LLM
 from moekv.routing import HierarchicalRouter
-from moekv.routing.cluster import (coactivation_counts, equal_partition, expert_affinity, choose_margins,
-                                   build_cluster_map)
+from moekv.routing.cluster import coactivation_counts, equal_partition, expert_affinity, choose_margins
 from moekv.routing.cluster_map import ClusterMap, ClusterMapError, LayerClusters
 from moekv.routing.placement import Placement, PlacementStats
+from moekv.tools.cluster import build_cluster_map
 from tests.checkpoints import CORPUS
 
 PROMPT = [{"prompt_token_ids": [5, 17, 33, 90, 4, 8, 100, 200, 3, 44, 55, 66, 77, 88, 99, 11]}]

@@ -121,7 +121,7 @@ def test_rms_norm_coarse_gate_matches_reference(dtype, H, C, bias):
 def test_engine_kernel_path_matches_cpu(mixtral_ckpt, tmp_path):
     """Flat, group-limited and hierarchical routing on CUDA (kernels) give the CPU's logits."""
     from moekv import LLM
-    from moekv.routing.cluster import build_cluster_map
+    from moekv.tools.cluster import build_cluster_map
     from tests.checkpoints import CORPUS
 
     cpu = LLM(mixtral_ckpt, dtype="float32", max_model_len=64)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moekv.layers.sampler import SamplingRow, sample
-from moekv.sampling_params import SamplingParams
+from moekv.sampling_params import SamplingParams, SamplingParamsError
 
 NAN, INF = float("nan"), float("inf")
 
@@ -55,9 +55,12 @@ NAN, INF = float("nan"), float("inf")
     (dict(frequency_penalty=-2.5), "frequency_penalty"),
 ])
 def test_out_of_range_values_raise_naming_the_field(kwargs, field):
-    """Each bad value raises ValueError whose message names the offending field."""
-    with pytest.raises(ValueError, match=re.escape(f"SamplingParams.{field}=")):
+    """Each bad value raises a ValueError (SamplingParamsError) whose message names the offending
+    field, and which carries the field's name and value for callers that report it their own way."""
+    with pytest.raises(ValueError, match=re.escape(f"SamplingParams.{field}=")) as info:
         SamplingParams(**kwargs)
+    assert isinstance(info.value, SamplingParamsError) and info.value.field == field
+    assert info.value.message_for("api_name").startswith(f"api_name={info.value.value!r} is out of range")
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -30,9 +30,8 @@ sys.path.insert(0, str(REPO))
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.models import mixtral  # noqa: E402
-from moekv.models.loader import empty_model, init_dummy_weights  # noqa: E402
+from moekv.models.loader import empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
-from moekv.routing import install_routers  # noqa: E402
 
 SHAPES = {
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,

@@ -159,9 +159,12 @@ class DecodeGraphs:
 
     def __init__(self, model, device: torch.device, max_num_seqs: int, max_pages_per_seq: int, block_size: int,
                  scratch_page: int, scratch_slot: int, use_graphs: bool = True, fill_variants: bool = False,
-                 after_forward=None) -> None:
+                 after_forward=None, counted_rows=None) -> None:
         self.model = model
         self.after_forward = after_forward  # after_forward(ctx): the step's work after its last layer
+        # counted_rows(n): tells the model's in-graph counters (routing locality) that only the first n
+        # rows of the next steps are real (warm-up and capture: none; a replay: its batch, not the padding)
+        self.counted_rows = counted_rows
         self.use_graphs = use_graphs
         # the format quantizes filled pages from the Context's fill lists: a graph per fill bucket.
         # Otherwise (plain pages) fill lists are not passed and every step is fill bucket 0
@@ -243,6 +246,8 @@ class DecodeGraphs:
             return
         self.load(self.pad([], [], [], [], [], [], bucket))
         self.load_fills([], [], fills)
+        if self.counted_rows is not None:
+            self.counted_rows(0)
         with torch.cuda.device(self.device):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -305,6 +310,8 @@ class DecodeGraphs:
             self.load_fills(fill_slots, fill_pages, fills)
         if input_ids_device is not None:  # device to device, queued after the step that samples them
             self.input_ids[:batch].copy_(input_ids_device)
+        if self.counted_rows is not None:
+            self.counted_rows(batch)
         if self.use_graphs:
             graph, logits = self.graphs[(bucket, fills)]
             with torch.cuda.device(self.device):

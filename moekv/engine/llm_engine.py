@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,28 @@ PromptType = str | dict[str, Any] | list[int]
 
 class PromptTooLongError(ValueError):
     pass
+
+
+@dataclass
+class EngineStats:
+    """One snapshot of the engine's figures (LLMEngine.stats()); counters count since start."""
+
+    prompt_tokens: int  # prompt tokens of accepted requests
+    generation_tokens: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # share of KV pages allocated (1 = full)
+    kv_pages_used: int
+    # the KV cache's configuration
+    kv_cache_dtype: str
+    block_size: int
+    num_blocks: int
+    bits_per_element: float  # stored bits per element of a full page, side tables included
+    # read from the device (None / empty when not asked for, or not counted)
+    routing_locality: float | None = None  # with a cluster map: share of assignments on the top-1 expert's device
+    routing_fan_out: float | None = None  # ... and mean devices a token's experts occupy
+    kv_format: dict[str, float] = field(default_factory=dict)  # the KV format's own figures (KVFormat.stats)
 
 
 class LLMEngine:
@@ -61,7 +84,11 @@ class LLMEngine:
         self._inflight = None
         self.num_follow_on_steps = 0  # steps queued ahead of the host (async scheduling)
         self.num_dropped_steps = 0  # ... of which every sequence had stopped before it was read
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._prompt_tokens = 0  # of accepted requests, since start
+        self._generation_tokens = 0
+        cfg = self.model_config
+        self.kv_bits_per_element = self.runner.kv_format.bits_per_element(cfg.num_kv_heads, self.runner.block_size,
+                                                                          cfg.head_dim)
 
     # -- requests ----------------------------------------------------------------------------
     def default_sampling_params(self) -> SamplingParams:
@@ -134,7 +161,7 @@ class LLMEngine:
         self._detokenizers[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
         self.scheduler.add(seq)
-        self.stats["prompt_tokens"] += seq.num_prompt_tokens
+        self._prompt_tokens += seq.num_prompt_tokens
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     output_kind: str = "cumulative") -> str:
@@ -166,6 +193,24 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def stats(self, device: bool = True) -> EngineStats:
+        """The engine's figures now. device: also the figures kept on the device or in the KV pools
+        (routing locality and fan-out when a cluster map is configured, the KV format's own figures):
+        reading them waits for the device, so a caller on the stepping thread leaves them out."""
+        runner, bm = self.runner, self.block_manager
+        snapshot = EngineStats(
+            prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions, num_running=self.num_running,
+            num_waiting=self.num_waiting, kv_cache_usage=bm.usage, kv_pages_used=bm.num_used_blocks,
+            kv_cache_dtype=self.config.kv_cache_dtype, block_size=runner.block_size, num_blocks=runner.num_blocks,
+            bits_per_element=self.kv_bits_per_element)
+        if device:
+            if runner.locality is not None:
+                routing = runner.locality.snapshot()
+                snapshot.routing_locality, snapshot.routing_fan_out = routing["locality"], routing["fan_out"]
+            snapshot.kv_format = runner.kv_format.stats(runner.kv_caches)
+        return snapshot
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -279,7 +324,7 @@ class LLMEngine:
             seq.output_logprobs.append(sampled.top_logprobs)
         seq.first_token_time = seq.first_token_time or now
         seq.last_token_time = now
-        self.stats["generation_tokens"] += 1
+        self._generation_tokens += 1
 
         if token in p.stop_token_ids:
             self._finish(seq, "stop", stop_reason=token)

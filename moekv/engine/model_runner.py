@@ -23,9 +23,10 @@ from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
 from moekv.kvcache.formats.base import nonfinite_verdict, raise_nonfinite
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
-from moekv.models.loader import load_model
+from moekv.models.loader import install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
-from moekv.routing import install_routers
+from moekv.routing.cluster_map import ClusterMap
+from moekv.routing.placement import LocalityCounter, Placement
 
 log = logging.getLogger("moekv")
 
@@ -149,6 +150,12 @@ class ModelRunner:
         self.kv_format.check_layout(model_cfg.num_kv_heads, config.block_size, model_cfg.head_dim)
         self.model = load_model(config.model, self.dtype, self.device, model_cfg, config.load_format)
         self.routing = install_routers(self.model, model_cfg, **config.routing_options())
+        # with a cluster map: routing locality counted on the device, before any graph is captured
+        self.locality: LocalityCounter | None = None
+        if config.cluster_map is not None:
+            self.locality = LocalityCounter(Placement.from_clusters(ClusterMap.load(config.cluster_map)), self.device)
+            for i, moe in moe_layers(self.model).items():
+                moe.observer = self.locality.observer(i)
         self.block_size = config.block_size
         # mixed steps' decodes take the fused decode kernel (on CUDA; the CPU's path is the same reference)
         self.split_mixed_steps = self.device.type == "cuda"
@@ -177,7 +184,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
                                        self.block_size, self.scratch_page, self.scratch_slot,
                                        fill_variants=self.kv_format.quantizes_filled_pages,
-                                       after_forward=self.quantize_filled_pages)
+                                       after_forward=self.quantize_filled_pages,
+                                       counted_rows=None if self.locality is None else self.locality.count_rows)
         elif self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", reason)
 
@@ -281,12 +289,11 @@ class ModelRunner:
         return self.kv_format.prepare_graph_step(self.kv_caches, host, fill_pages, first_pages)
 
     def _model_is_observed(self) -> bool:
-        """A K/V observer (calibration) or a router tap runs Python inside the step: a replay would skip it."""
-        from moekv.routing.tap import RouterTap
-
+        """A K/V observer (calibration) or a router tap runs Python inside the step: a replay would skip it.
+        (The engine's own routing counters are device ops that a graph captures: they do not count.)"""
         if any(attn.kv_observer is not None for attn in self.model.attention_layers):
             return True
-        return any(isinstance(getattr(getattr(layer, "mlp", None), "router", None), RouterTap)
+        return any(getattr(getattr(getattr(layer, "mlp", None), "router", None), "runs_python", False)
                    for layer in getattr(self.model, "layers", ()))
 
     def execute(self, out: SchedulerOutput, blocked_ids: dict[str, list[int]]) -> list[SeqStepResult]:
@@ -409,6 +416,8 @@ class ModelRunner:
             input_ids = plan.input_ids_device
             if input_ids is None:
                 input_ids = to_device(plan.input_ids, torch.long, dev)
+            if self.locality is not None:
+                self.locality.count_rows(len(plan.positions))
             hidden = self.model(input_ids, ctx)
             self.quantize_filled_pages(ctx)
             if not logits_rows:

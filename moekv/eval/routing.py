@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from moekv.ops.reference import cluster_routing_ref, fused_moe_ref
 from moekv.routing.placement import Placement, PlacementStats
-from moekv.routing.tap import moe_layers, tapped
+from moekv.models.loader import moe_layers
+from moekv.routing import checkpoint_router
+from moekv.routing.tap import tapped
 
 
 class _LayerStats:
@@ -40,7 +42,6 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     error, locality and fan-out against the model's flat routing. cluster_map: a ClusterMap or path
     (defines the clustered placement; llm's own map is used when it routes hierarchically)."""
     from moekv.eval.perplexity import perplexity
-    from moekv.routing import _flat
     from moekv.routing.cluster_map import ClusterMap
     from moekv.routing.hierarchical import HierarchicalRouter, router_flops_per_token
 
@@ -69,7 +70,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     stats_under = {name: PlacementStats(p) for name, p in placements.items()}
     flat_under = {name: PlacementStats(p) for name, p in placements.items()}
     per_layer = {i: _LayerStats() for i in layers}
-    flat_routers = {i: _flat(cfg) for i in layers}
+    flat_routers = {i: checkpoint_router(cfg) for i in layers}
     router_name = first.__class__.__name__
 
     @torch.no_grad()
@@ -99,7 +100,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
             stats_under[name].add(layer_idx, ids.cpu())
             flat_under[name].add(layer_idx, flat_ids.cpu())
 
-    with tapped(model, compare):
+    with tapped(layers, compare):
         result = perplexity(llm, text, window=window, stride=stride, max_tokens=max_tokens, progress=progress,
                             mode=mode)
 

@@ -7,7 +7,7 @@ from torch import nn
 from moekv.layers.mlp import GatedMLP
 from moekv.models.model_config import ModelConfig
 from moekv.ops.reference import fused_moe_ref
-from moekv.routing import RouterLogits, default_router
+from moekv.routing.base import Router, RouterLogits, RoutingObserver
 
 
 class SparseMoE(nn.Module):
@@ -21,24 +21,29 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, H, I))
         # DeepSeek-V3's selection bias (added to the scores for the choice only)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
-        self.router = default_router(cfg)  # the engine may install another (routing.install_routers)
+        self.router: Router | None = None  # installed by the loader (models/loader.install_routers)
+        self.observer: RoutingObserver | None = None  # the engine's counter of routing decisions, if any
         self.shared_expert = GatedMLP(H, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
         self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
 
     @property
     def router_fuses_norm(self) -> bool:
         """Whether the router computes the RMSNorm before the layer itself (with a coarse gate)."""
-        return getattr(self.router, "fuses_norm", False)
+        return self.router is not None and self.router.fuses_norm
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """x [T, H]: the normalised state, or, with `norm` given, the residual stream before the
         norm (a router with a coarse gate computes both from one read of x)."""
+        if self.router is None:
+            raise RuntimeError("this MoE layer has no router: models/loader.install_routers installs one")
         cluster_scores = None
         if norm is not None:
             x, cluster_scores = self.router.norm_and_coarse(x, norm)  # [T, H], [T, C] or None
         # logits [T, E] are computed only if the router reads them (hierarchical does not)
         router_logits = RouterLogits(x, self.gate, self.e_score_correction_bias, cluster_scores)
         weights, expert_ids = self.router(x, router_logits)  # [T, k], [T, k]
+        if self.observer is not None:
+            self.observer(weights, expert_ids)
         if x.is_cuda:  # Triton grouped GEMM / decode GEMV, capturable in CUDA graphs; CPU keeps the reference
             from moekv.ops.fused_moe import fused_moe
             out = fused_moe(x, self.w13, self.w2, weights, expert_ids)

@@ -16,8 +16,13 @@ import torch
 from safetensors import safe_open
 
 from moekv.models import mixtral, olmoe, qwen_moe
+from moekv.layers.moe import SparseMoE
 from moekv.models.decoder import MoEDecoder
+from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
+from moekv.routing import (ROUTING_MODES, HierarchicalRouter, checkpoint_router, group_limited_router,
+                           resolve_routing)
+from moekv.routing.cluster_map import ClusterMap
 
 ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe) for name in mod.ARCHITECTURES}
 SUPPORTED_ARCHITECTURES = tuple(ARCH_MODULES)
@@ -143,7 +148,6 @@ def _resolve(name: str, cfg: ModelConfig) -> tuple[str, _Index] | None:
     return None
 
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_STD = 0.02  # the usual initializer range of these architectures' configs
 
 
@@ -157,7 +161,42 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> M
             model = MoEDecoder(cfg)
     finally:
         torch.set_default_dtype(default)
-    return model.to_empty(device=device)
+    model = model.to_empty(device=device)
+    install_routers(model, cfg)  # the checkpoint's own routing until the engine asks for another
+    return model
+
+
+def moe_layers(model: MoEDecoder) -> dict[int, SparseMoE]:
+    """Layer index -> its SparseMoE, for the layers that have experts."""
+    return {i: layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoE)}
+
+
+def install_routers(model: MoEDecoder, model_cfg: ModelConfig, routing: str = "auto", cluster_map=None,
+                    clusters_per_token: int | None = None, admit_margin: float | None = None,
+                    n_group: int | None = None, topk_group: int | None = None) -> str:
+    """Give every MoE layer of a model the chosen router; returns the resolved mode.
+
+    cluster_map: a ClusterMap or the path of one (checked against the model, layer by layer)."""
+    mode = resolve_routing(routing, model_cfg)
+    if mode not in ROUTING_MODES[1:]:
+        raise ValueError(f"routing={routing!r} is unknown; accepted: {list(ROUTING_MODES)}")
+    layers = moe_layers(model)
+    if mode == "hierarchical":
+        if cluster_map is None:
+            raise ValueError("routing='hierarchical' needs cluster_map (a file from `moekv cluster`)")
+        source = "" if isinstance(cluster_map, ClusterMap) else str(cluster_map)
+        cmap = cluster_map if isinstance(cluster_map, ClusterMap) else ClusterMap.load(cluster_map)
+        cmap.check_model(model_cfg, {i: moe.gate for i, moe in layers.items()}, source=source)
+        per_token = min(clusters_per_token or cmap.clusters_per_token or cmap.num_clusters, cmap.num_clusters)
+        for i, moe in layers.items():
+            margin = cmap.layers[i].admit_margin if admit_margin is None else admit_margin
+            moe.router = HierarchicalRouter(cmap.layers[i], moe.gate, model_cfg.top_k, model_cfg.norm_topk_prob,
+                                            per_token, margin, model_cfg.scoring_func, model_cfg.routed_scaling_factor)
+        return mode
+    for moe in layers.values():
+        moe.router = (group_limited_router(model_cfg, n_group, topk_group) if mode == "group_limited"
+                      else checkpoint_router(model_cfg))
+    return mode
 
 
 @torch.no_grad()

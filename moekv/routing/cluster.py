@@ -1,7 +1,8 @@
-"""Offline expert clustering (`moekv cluster`): calibration text -> a ClusterMap.
+"""Offline expert clustering, the arithmetic of one layer (moekv/tools/cluster.py runs the model
+over calibration text and calls it for every MoE layer).
 
-For every MoE layer: run calibration text through the model with its own (flat) routing and keep
-the router's input; count how often two experts are chosen by the same token (co-activation);
+For every MoE layer, from the router's inputs on calibration text (with the model's own flat
+routing): count how often two experts are chosen by the same token (co-activation);
 combine those counts with the similarity of the experts' router rows and weights into one
 affinity matrix; split the experts into C equal clusters that maximise the affinity inside the
 clusters (pair swaps from several random starts); fit a coarse gate (C rows + biases) that
@@ -194,98 +195,3 @@ def cluster_layer(hidden: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor | 
              "coarse_top1_accuracy": (scores.argmax(1) == cluster_of[ids[:, 0]]).float().mean().item(),
              "coarse_mass_accuracy": (scores.argmax(1) == target.argmax(1)).float().mean().item()}
     return layer, stats
-
-
-@torch.no_grad()
-def collect_router_inputs(llm, token_ids: list[int], window: int, progress: bool = True,
-                          batch_windows: int = 8) -> dict[int, torch.Tensor]:
-    """Run token_ids through the model in non-overlapping windows with its own routing; returns
-    MoE layer -> the router's inputs [N, H] (fp32, CPU)."""
-    from tqdm.auto import tqdm
-
-    from moekv.routing.tap import tapped
-
-    store: dict[int, list[torch.Tensor]] = {}
-
-    def keep(layer_idx, hidden, router_logits, weights, ids):
-        store.setdefault(layer_idx, []).append(hidden.detach().float().cpu())
-
-    chunks = [token_ids[i:i + window] for i in range(0, len(token_ids), window)]
-    bar = tqdm(total=len(token_ids), desc="calibration", unit="tok", disable=not progress)
-    with tapped(llm.engine.runner.model, keep):
-        for i in range(0, len(chunks), batch_windows):
-            group = chunks[i:i + batch_windows]
-            llm.score([{"prompt_token_ids": c} for c in group])
-            bar.update(sum(len(c) for c in group))
-    bar.close()
-    return {idx: torch.cat(parts) for idx, parts in store.items()}
-
-
-def windowed_nll(llm, token_ids: list[int], window: int, batch_windows: int = 8) -> float:
-    """Mean NLL of token_ids scored in non-overlapping windows through llm as it is routed now."""
-    from moekv.eval.perplexity import score_windows
-
-    def logits_fn(chunks, first_rows):
-        return llm.score([{"prompt_token_ids": c} for c in chunks])
-
-    total, count = score_windows(logits_fn, token_ids, window, window, progress=False, batch_windows=batch_windows)
-    return total / count
-
-
-def build_cluster_map(llm, token_ids: list[int], num_clusters: int, quality_ids: list[int] | None = None,
-                      ppl_budget: float = 0.01, clusters_per_token: int = 0, window: int | None = None,
-                      margins: tuple[float, ...] = MARGINS, weights: ClusterWeights = ClusterWeights(),
-                      restarts: int = 16, seed: int = 0, progress: bool = True):
-    """Cluster every MoE layer of llm's model; returns (ClusterMap, summary).
-
-    token_ids: calibration tokens for co-activation counts and the coarse gates. quality_ids: other
-    calibration tokens on which, for each layer alone and each margin, the increase of NLL over flat
-    routing is measured; the per-layer margins then maximise locality within ppl_budget (relative
-    perplexity increase, e.g. 0.01). Without quality_ids every layer keeps all clusters (margin inf)."""
-    from tqdm.auto import tqdm
-
-    from moekv.routing.cluster_map import ClusterMap
-    from moekv.routing.hierarchical import HierarchicalRouter
-    from moekv.routing.tap import moe_layers
-
-    cfg = llm.engine.model_config
-    window = min(window or llm.engine.max_model_len, llm.engine.max_model_len)
-    hidden = collect_router_inputs(llm, token_ids, window, progress)
-    moes = moe_layers(llm.engine.runner.model)
-    per_token = min(clusters_per_token or num_clusters, num_clusters)
-    layers, stats, table = {}, {}, {}
-    for idx, moe in tqdm(moes.items(), desc="clustering", unit="layer", disable=not progress):
-        bias = None if moe.e_score_correction_bias is None else moe.e_score_correction_bias.detach().float().cpu()
-        gate = moe.gate.detach().float().cpu()
-        layers[idx], stats[idx] = cluster_layer(hidden[idx], gate, moe.w13.detach().float().cpu(),
-                                                moe.w2.detach().float().cpu(), num_clusters, cfg.top_k,
-                                                cfg.norm_topk_prob, cfg.scoring_func, bias, weights, restarts, seed)
-        table[idx] = [{"margin": m, **margin_locality(hidden[idx], gate, layers[idx], cfg.top_k, cfg.norm_topk_prob,
-                                                      per_token, m, cfg.scoring_func, bias), "delta_nll": 0.0}
-                      for m in margins]
-    if quality_ids:
-        base = windowed_nll(llm, quality_ids, window)
-        jobs = [(i, row) for i in table for row in table[i] if row["margin"] != float("inf")]
-        for i, row in tqdm(jobs, desc="margin sensitivity", unit="run", disable=not progress):
-            flat_router = moes[i].router
-            moes[i].router = HierarchicalRouter(layers[i], moes[i].gate, cfg.top_k, cfg.norm_topk_prob, per_token,
-                                                row["margin"], cfg.scoring_func, cfg.routed_scaling_factor)
-            try:
-                row["delta_nll"] = windowed_nll(llm, quality_ids, window) - base
-            finally:
-                moes[i].router = flat_router
-        chosen = choose_margins(table, ppl_budget)
-    else:
-        chosen = {i: float("inf") for i in table}
-    for i, margin in chosen.items():
-        layers[i].admit_margin = margin
-        row = next(r for r in table[i] if r["margin"] == margin)
-        stats[i].update({"admit_margin": margin, **{f"hier_{k}": v for k, v in row.items() if k != "margin"}})
-    summary = {"tokens": len(token_ids), "quality_tokens": len(quality_ids or []), "ppl_budget": ppl_budget,
-               "expected_ppl_change": math.expm1(sum(stats[i]["hier_delta_nll"] for i in stats)),
-               "expected_locality": sum(stats[i]["hier_locality"] for i in stats) / len(stats),
-               "layers": {str(i): s for i, s in stats.items()},
-               "margin_table": {str(i): rows for i, rows in table.items()}, "weights": vars(weights)}
-    cmap = ClusterMap(cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.top_k, layers,
-                      clusters_per_token=per_token, summary=summary)
-    return cmap, summary

@@ -11,6 +11,7 @@ class FlatTopKRouter:
     (Mixtral always renormalises; Qwen-MoE and OLMoE follow `norm_topk_prob`)."""
 
     name = "flat"
+    fuses_norm = False
 
     def __init__(self, top_k: int, renormalize: bool) -> None:
         self.top_k = top_k

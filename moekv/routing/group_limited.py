@@ -17,6 +17,7 @@ from moekv.routing.logits import RouterLogits
 
 class GroupLimitedRouter:
     name = "group_limited"
+    fuses_norm = False
 
     def __init__(self, top_k: int, num_experts: int, n_group: int, topk_group: int, renormalize: bool,
                  scoring: str = "sigmoid", scaling_factor: float = 1.0) -> None:

@@ -80,8 +80,12 @@ class PlacementStats:
 
 class LocalityCounter:
     """Running locality and fan-out of the decisions a model makes while it serves, kept in device
-    tensors (adding a batch costs no host sync and can be captured in a CUDA graph); `snapshot()`
-    reads them back. Used as a RouterTap callback by the server's metrics."""
+    tensors: adding a batch is in-place device work (no host sync), so a CUDA graph captures it and
+    every replay counts again. The engine installs one observer per MoE layer (`observer`) before
+    it captures graphs; `snapshot()` reads the totals back (a sync).
+
+    counted_rows: how many leading rows of the step are real tokens (a replayed decode step pads
+    its batch to a bucket with rows that must not count); the engine sets it before every step."""
 
     def __init__(self, placement: Placement, device: torch.device) -> None:
         self.device_of_expert = {i: d.to(device) for i, d in placement.device_of_expert.items()}
@@ -89,16 +93,36 @@ class LocalityCounter:
         self.placement_name = placement.name
         # local assignments, assignments, (token, device) pairs used, tokens
         self.totals = torch.zeros(4, dtype=torch.float64, device=device)
+        self.counted_rows = torch.zeros((), dtype=torch.long, device=device)
 
-    def __call__(self, layer_idx, hidden, router_logits, weights, expert_ids) -> None:
+    def count_rows(self, rows: int) -> None:
+        """The next steps' first `rows` rows are real (stream-ordered before them)."""
+        self.counted_rows.fill_(rows)
+
+    def observer(self, layer_idx: int) -> "LayerLocalityObserver":
+        return LayerLocalityObserver(self, layer_idx)
+
+    def add(self, layer_idx: int, expert_ids: torch.Tensor) -> None:
         dev = self.device_of_expert[layer_idx][expert_ids]  # [T, k]
+        real = torch.arange(dev.shape[0], device=dev.device) < self.counted_rows  # [T]
         used = torch.zeros(dev.shape[0], self.num_devices, dtype=torch.bool, device=dev.device)
         used.scatter_(1, dev, True)
-        batch = torch.stack([(dev == dev[:, :1]).sum(), torch.tensor(dev.numel(), device=dev.device),
-                             used.sum(), torch.tensor(dev.shape[0], device=dev.device)])
+        tokens = real.sum()
+        batch = torch.stack([((dev == dev[:, :1]) & real[:, None]).sum(), tokens * dev.shape[1],
+                             (used & real[:, None]).sum(), tokens])
         self.totals += batch.to(torch.float64)
 
     def snapshot(self) -> dict:
         local, assignments, devices, tokens = self.totals.tolist()
         return {"locality": local / assignments if assignments else float("nan"),
-                "fan_out": devices / tokens if tokens else float("nan")}
+                "fan_out": devices / tokens if tokens else float("nan"), "decisions": int(tokens)}
+
+
+class LayerLocalityObserver:
+    """One MoE layer's RoutingObserver (routing/base.py): adds its decisions to a LocalityCounter."""
+
+    def __init__(self, counter: LocalityCounter, layer_idx: int) -> None:
+        self.counter, self.layer_idx = counter, layer_idx
+
+    def __call__(self, weights: torch.Tensor, expert_ids: torch.Tensor) -> None:
+        self.counter.add(self.layer_idx, expert_ids)

@@ -1,11 +1,15 @@
-"""RouterTap: wraps a layer's router and hands every routing decision to a callback (calibration
-for `moekv cluster`, statistics for `moekv eval routing`) without changing it."""
+"""RouterTap: wraps a layer's router and hands every routing decision to a Python callback
+(calibration for `moekv cluster`, statistics for `moekv eval routing`) without changing it. A tap
+runs Python inside the step, so the engine runs tapped steps eagerly (`runs_python`); counting that
+must survive CUDA-graph replay is a RoutingObserver installed by the engine instead."""
 from __future__ import annotations
 
 import torch
 
 
 class RouterTap:
+    runs_python = True  # a CUDA-graph replay would skip the callback
+
     def __init__(self, router, callback, layer_idx: int) -> None:
         self.inner = router
         self.callback = callback  # callback(layer_idx, hidden [T, H], router_logits, weights [T, k], ids [T, k])
@@ -25,18 +29,12 @@ class RouterTap:
         return (weights, ids) if out is None else out  # a callback may substitute the decision
 
 
-def moe_layers(model) -> dict[int, "torch.nn.Module"]:
-    """Layer index -> its SparseMoE, for the layers that have experts."""
-    from moekv.layers.moe import SparseMoE
-
-    return {i: layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoE)}
-
-
 class tapped:
-    """with tapped(model, callback): every MoE layer's router reports to callback; restored on exit."""
+    """with tapped(layers, callback): every given MoE layer's router (layers: layer index -> SparseMoE,
+    e.g. models.loader.moe_layers(model)) reports to callback; restored on exit."""
 
-    def __init__(self, model, callback) -> None:
-        self.layers = moe_layers(model)
+    def __init__(self, layers: dict, callback) -> None:
+        self.layers = layers
         self.callback = callback
 
     def __enter__(self):

@@ -4,7 +4,9 @@ locality and fan-out when the engine has a cluster map.
 
 Each server gets its own CollectorRegistry (not prometheus_client's global one), so several
 servers can live in one process (tests start more than one). Request timings are observed in
-the engine thread as outputs come out of a step; gauges are set after every step.
+the engine thread as outputs come out of a step; gauges are set after every step from the
+engine's host-side figures, and at scrape time from the ones it keeps on the device (routing
+locality) or in its KV pools (tier shares): everything is read through `engine.stats()`.
 """
 from __future__ import annotations
 
@@ -51,12 +53,21 @@ class ServerMetrics:
                              "Stored bits per cached K/V element of a full page, side tables included.")
         self.kv_info = gauge("kv_cache_config_info", "KV cache configuration (value 1; see labels).",
                              ("kv_cache_dtype", "block_size", "num_blocks", "bits_per_element"))
-        if engine.runner.kv_format.name == "tiered":  # series that only this format has
+        stats = engine.stats()
+        # series that only some KV formats have (tiered: tier shares and bits read), by the figures they report
+        self.tier_share = self.bits_read = None
+        if any(key.startswith("tier_fraction_") for key in stats.kv_format):
             self.tier_share = gauge("kv_cache_tier_fraction",
                                     "tiered format: share of encoded (full) pages in each tier, mean over layers.",
                                     ("tier",))
             self.bits_read = gauge("kv_cache_bits_per_element_read",
                                    "tiered format: bits per element attention has read so far.")
+        self.locality = self.fan_out = None
+        if stats.routing_locality is not None:  # the engine counts routing under its cluster map
+            self.locality = gauge(
+                "routing_locality", "Share of (token, expert) assignments on the device of the token's top-1 expert "
+                "(clustered placement, one cluster per device), since start.")
+            self.fan_out = gauge("routing_fan_out", "Mean distinct devices a token's experts occupy, since start.")
 
         def counter(name, doc, labels=()):
             c = Counter(f"moekv:{name}", doc, ["model_name", *labels], registry=r)
@@ -67,38 +78,13 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = counter("request_success", "Requests ended, by finish reason.", ("finished_reason",))
         self._model_name = model_name
-        self._last = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self._last_token_time: dict[str, float] = {}  # request id -> time of its latest token
 
-        self.locality = self._install_locality_counter(engine, gauge)
-        runner, cfg = engine.runner, engine.model_config
-        fmt = runner.kv_format
-        self.kv_format = fmt
-        bits = fmt.bits_per_element(cfg.num_kv_heads, runner.block_size, cfg.head_dim)
-        self.kv_bits.set(bits)
-        self.kv_info.labels(model_name=model_name, kv_cache_dtype=engine.config.kv_cache_dtype,
-                            block_size=str(runner.block_size), num_blocks=str(runner.num_blocks),
-                            bits_per_element=f"{bits:.2f}").set(1)
-
-    @staticmethod
-    def _install_locality_counter(engine, gauge):
-        """With a cluster map (hierarchical routing, or flat routing given one): every MoE layer's
-        decisions are counted under the clustered placement (one cluster per device)."""
-        path = engine.config.cluster_map
-        if path is None:
-            return None
-        from moekv.routing.cluster_map import ClusterMap
-        from moekv.routing.placement import LocalityCounter, Placement
-        from moekv.routing.tap import RouterTap, moe_layers
-
-        counter = LocalityCounter(Placement.from_clusters(ClusterMap.load(path)), engine.runner.device)
-        for i, moe in moe_layers(engine.runner.model).items():
-            moe.router = RouterTap(moe.router, counter, i)
-        counter.locality_gauge = gauge(
-            "routing_locality", "Share of (token, expert) assignments on the device of the token's top-1 expert "
-            "(clustered placement, one cluster per device), since start.")
-        counter.fan_out_gauge = gauge("routing_fan_out", "Mean distinct devices a token's experts occupy, since start.")
-        return counter
+        self.kv_bits.set(stats.bits_per_element)
+        self.kv_info.labels(model_name=model_name, kv_cache_dtype=stats.kv_cache_dtype,
+                            block_size=str(stats.block_size), num_blocks=str(stats.num_blocks),
+                            bits_per_element=f"{stats.bits_per_element:.2f}").set(1)
 
     # -- engine thread -----------------------------------------------------------------------
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -129,42 +115,28 @@ class ServerMetrics:
             self.tpot.observe((t.last_token_time - t.first_token_time) / (n - 1))
 
     def on_step(self, engine) -> None:
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        bm = engine.block_manager
-        self.kv_usage.set(bm.usage)
-        self.kv_pages_used.set(bm.num_used_blocks)
-        now = {"preemptions": engine.scheduler.num_preemptions, **engine.stats}
-        for key, metric in (("preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
+        stats = engine.stats(device=False)  # no wait for the device between steps
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_pages_used.set(stats.kv_pages_used)
+        for key, metric in (("num_preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
                             ("generation_tokens", self.generation_tokens)):
-            if now[key] > self._last[key]:
-                metric.inc(now[key] - self._last[key])
-                self._last[key] = now[key]
+            now = getattr(stats, key)
+            if now > self._last[key]:
+                metric.inc(now - self._last[key])
+                self._last[key] = now
 
     # -- scrape (event loop) -------------------------------------------------------------------
     def render(self, engine) -> bytes:
-        if self.locality is not None:  # read the device counters at scrape time only
-            snap = self.locality.snapshot()
-            self.locality.locality_gauge.set(snap["locality"])
-            self.locality.fan_out_gauge.set(snap["fan_out"])
-        if self.kv_format.name == "tiered":
-            self._refresh_tiers(engine)
+        stats = engine.stats()  # the device-side figures are read at scrape time only
+        if self.locality is not None:
+            self.locality.set(stats.routing_locality)
+            self.fan_out.set(stats.routing_fan_out)
+        if self.tier_share is not None:
+            for tier in ("fp8", "nuq2"):
+                self.tier_share.labels(model_name=self._model_name, tier=tier).set(
+                    stats.kv_format.get(f"tier_fraction_{tier}", 0.0))
+            if "bits_per_element_read" in stats.kv_format:
+                self.bits_read.set(stats.kv_format["bits_per_element_read"])
         return generate_latest(self.registry)
-
-    def _refresh_tiers(self, engine) -> None:
-        # The tiered format keeps its page tiers as plain lists (cache.state); reading them from
-        # this thread while the engine steps may be one step stale, which a gauge tolerates.
-        from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW, TIER_NONE
-
-        shares = {"fp8": 0.0, "nuq2": 0.0}
-        caches = engine.runner.kv_caches
-        for cache in caches:
-            tiers = list(cache.state["tier"])
-            used = len(tiers) - tiers.count(TIER_NONE) or 1
-            shares["fp8"] += tiers.count(TIER_FP8) / used / len(caches)
-            shares["nuq2"] += tiers.count(TIER_LOW) / used / len(caches)
-        for tier, share in shares.items():
-            self.tier_share.labels(model_name=self._model_name, tier=tier).set(share)
-        measured = self.kv_format.measured_bits_per_element
-        if measured is not None:
-            self.bits_read.set(measured)

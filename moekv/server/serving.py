@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from moekv.engine.llm_engine import LLMEngine, PromptTooLongError
 from moekv.engine.sequence import Sequence
 from moekv.outputs import RequestOutput
-from moekv.sampling_params import SamplingParams
+from moekv.sampling_params import SamplingParams, SamplingParamsError
 from moekv.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestHandle
 from moekv.server.metrics import ServerMetrics
 from moekv.server.protocol import APIError
@@ -59,12 +58,11 @@ def sampling_params(engine: LLMEngine, req: Any, *, max_tokens: int | None, logp
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, **kwargs)
-    except ValueError as e:
-        m = re.match(r"SamplingParams\.(\w+)=", str(e))
-        field = m.group(1) if m else None
-        param = (names or {}).get(field, field)
-        message = str(e).replace(f"SamplingParams.{field}=", f"{param}=") if field else str(e)
-        raise APIError(400, message, param=param, code="invalid_value") from None
+    except SamplingParamsError as e:
+        param = (names or {}).get(e.field, e.field)
+        raise APIError(400, e.message_for(param), param=param, code="invalid_value") from None
+    except ValueError as e:  # a value no single field is to blame for
+        raise APIError(400, str(e), param=None, code="invalid_value") from None
 
 
 def make_sequences(state: ServerState, request_id: str, prompts: list, params: SamplingParams, n: int,

@@ -8,6 +8,7 @@ import torch
 
 from moekv.kvcache.formats.base import KVFormat, LayerKVCache, PagedQuantFormat
 from moekv.kvcache.formats.fp8 import FP8Format
+from moekv.kvcache.formats.names import KV_FORMAT_NAMES
 from moekv.kvcache.formats.plain import PlainKVFormat
 
 _PLAIN = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -23,7 +24,8 @@ _FACTORIES: dict[str, Callable[..., KVFormat]] = {
     "kivi2": lambda model_dtype, **o: _lazy("kivi", "KIVI2Format")(**o),
     "tiered": lambda model_dtype, **o: _lazy("tiered", "TieredFormat")(**o),
 }
-KV_FORMAT_NAMES = tuple(_FACTORIES)
+if tuple(_FACTORIES) != KV_FORMAT_NAMES:  # the configuration checks names against the list in names.py
+    raise ImportError(f"kvcache/formats/names.py lists {KV_FORMAT_NAMES}, the registry has {tuple(_FACTORIES)}")
 
 
 def _lazy(module: str, cls: str):

@@ -167,6 +167,10 @@ class KVFormat(ABC):
         """A decode step was replayed: apply the host-side effects its eager `write` / `attend`
         would have had (every layer's cache in `caches`)."""
 
+    def stats(self, caches: list[LayerKVCache]) -> dict[str, float]:
+        """The format's own figures over every layer's cache (exported as metrics); none by default."""
+        return {}
+
 
 def per_shape(method):
     """Memoize a format's method of (kind, block_size, head_dim) -- its layout, its outlier slot

@@ -206,6 +206,22 @@ class TieredFormat(PagedQuantFormat):
         if cache.state["steps"] % self.rerank_interval == 0:
             self._rerank(cache, host)
 
+    def stats(self, caches) -> dict[str, float]:
+        """tier_fraction_fp8 / tier_fraction_nuq2: share of encoded (full) pages in each tier, mean
+        over layers; bits_per_element_read: bits per element attention has read so far (once it has).
+        The page tiers are plain lists: read from another thread while the engine steps, they may be
+        one step stale."""
+        shares = {"tier_fraction_fp8": 0.0, "tier_fraction_nuq2": 0.0}
+        for cache in caches:
+            tiers = list(cache.state["tier"])
+            used = len(tiers) - tiers.count(TIER_NONE) or 1
+            shares["tier_fraction_fp8"] += tiers.count(TIER_FP8) / used / len(caches)
+            shares["tier_fraction_nuq2"] += tiers.count(TIER_LOW) / used / len(caches)
+        measured = self.measured_bits_per_element
+        if measured is not None:
+            shares["bits_per_element_read"] = measured
+        return shares
+
     # -- CUDA graphs -------------------------------------------------------------------------------
     def after_graph_replay(self, caches) -> None:
         for c in caches:

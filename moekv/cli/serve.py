@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 
+from moekv.cli.engine_args import add_engine_args, engine_config_from
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from moekv.cli import engine_config_from
     from moekv.engine.llm_engine import LLMEngine
     from moekv.server.app import build_app
 
@@ -34,8 +35,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` on the `moekv` sub-command parsers."""
-    from moekv.cli import add_engine_args
-
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                                             "/metrics)")
     add_engine_args(p)

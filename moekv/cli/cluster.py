@@ -1,9 +1,7 @@
-"""`moekv cluster` (offline expert clustering -> cluster map file) and `moekv eval routing`
-(agreement with flat routing, per-layer output error, perplexity, locality, fan-out)."""
+"""`moekv cluster`: offline expert clustering -> a cluster map file (moekv/tools/cluster.py does the work)."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -14,34 +12,9 @@ def _fmt_margin(m: float) -> str:
     return "all" if m == math.inf else ("one" if m == -math.inf else f"{m:+.2f}")
 
 
-def _finite(obj):
-    """JSON without Infinity: margins of +-inf become the strings 'inf' / '-inf'."""
-    if isinstance(obj, float) and math.isinf(obj):
-        return "inf" if obj > 0 else "-inf"
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def split_calibration(tokenizer, paths: list[str], max_tokens: int, quality_tokens: int) -> tuple[list[int], list[int]]:
-    """From each file, its first max_tokens / n tokens for clustering, the next quality_tokens / n for
-    the margin sensitivity (disjoint, so the margins are not fitted on the clustering tokens)."""
-    from moekv.eval.perplexity import read_text_tokens
-
-    cluster_ids, quality_ids = [], []
-    per_file, per_file_q = max_tokens // len(paths), quality_tokens // len(paths)
-    for path in paths:
-        ids = read_text_tokens(tokenizer, path, per_file + per_file_q)
-        cluster_ids += ids[:per_file]
-        quality_ids += ids[per_file:per_file + per_file_q]
-    return cluster_ids, quality_ids
-
-
 def cmd_cluster(args: argparse.Namespace) -> int:
     from moekv.llm import LLM
-    from moekv.routing.cluster import build_cluster_map
+    from moekv.tools.cluster import build_cluster_map, split_calibration
     from moekv.routing.hierarchical import router_flops_per_token
 
     llm = LLM(model=args.model, dtype="float32" if args.device == "cpu" else "auto", device=args.device,
@@ -95,49 +68,4 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_cluster)
-    return p
-
-
-def cmd_eval_routing(args: argparse.Namespace) -> int:
-    from moekv.cli import engine_config_from
-    from moekv.eval.routing import evaluate_routing
-    from moekv.llm import LLM
-
-    llm = LLM(**vars(engine_config_from(args)))
-    record = evaluate_routing(llm, args.text, max_tokens=args.max_tokens, window=args.window, stride=args.stride,
-                              mode=args.mode, cluster_map=args.cluster_map, num_devices=args.num_devices,
-                              progress=not args.json)
-    if not args.json:
-        print(f"routing {record['routing']}: perplexity {record['ppl']:.4f} over {record['tokens']} tokens of {args.text}")
-        print(f"top-k agreement with flat: {record['topk_agreement']['set']:.3f} identical sets, "
-              f"{record['topk_agreement']['top1']:.3f} identical top-1")
-        print(f"{'layer':>5} {'same set':>8} {'same top-1':>10} {'rel. error':>10} {'clusters/tok':>12}")
-        for i, s in record["per_layer"].items():
-            print(f"{i:>5} {s['topk_set_agreement']:>8.3f} {s['top1_agreement']:>10.3f} {s['relative_error']:>10.4f} "
-                  f"{s['clusters_per_token']:>12.2f}")
-        for label, table in (("this routing", record["placements"]), ("flat routing", record["flat_placements"])):
-            for name, p in table.items():
-                print(f"{label:<12} under {name:<9} placement ({p['num_devices']} devices): locality "
-                      f"{p['locality']:.3f}, fan-out {p['fan_out']:.2f}, {p['cross_device_bytes_per_token']:,.0f} "
-                      f"cross-device bytes/token")
-        if "router_flops_per_token" in record:
-            f = record["router_flops_per_token"]
-            print(f"router FLOPs/token: {f['hierarchical']:,.0f} vs flat {f['flat']:,} ({100 * f['saving']:+.1f}% saved)")
-    print(json.dumps(_finite(record)) if args.json else "")
-    return 0
-
-
-def add_eval_routing_parser(eval_subparsers, add_engine_args) -> argparse.ArgumentParser:
-    """Register `eval routing` on the `moekv eval` sub-command parsers."""
-    p = eval_subparsers.add_parser("routing", help="routing agreement with flat, per-layer error, perplexity, locality")
-    add_engine_args(p)
-    p.add_argument("--text", required=True, help="UTF-8 text file to evaluate on")
-    p.add_argument("--max-tokens", type=int, default=16384, help="score at most this many tokens of the text")
-    p.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
-    p.add_argument("--stride", type=int, default=None, help="window advance (default: window / 2)")
-    p.add_argument("--mode", default="prefill", choices=["decode", "prefill"],
-                   help="prefill (default: routing does not depend on the KV cache) or decode")
-    p.add_argument("--num-devices", type=int, default=None, help="devices of the placement (default: one per cluster)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    p.set_defaults(func=cmd_eval_routing)
     return p

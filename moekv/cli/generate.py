@@ -1,0 +1,61 @@
+"""`moekv generate`: generate text from a prompt, streaming tokens to the terminal."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from moekv.cli.engine_args import add_engine_args, engine_config_from
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moekv.engine.llm_engine import LLMEngine
+    from moekv.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+                            repetition_penalty=args.repetition_penalty)
+    prompt = args.prompt
+    if args.chat:
+        prompt = {"prompt_token_ids": engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special_tokens=False)}
+    engine.add_request("cli", prompt, params, output_kind="delta")  # printed as it comes; the final output has all
+    if not args.chat and not args.quiet:
+        print(args.prompt, end="", flush=True)
+    start = time.perf_counter()
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.error:
+                print(f"\nerror: {out.error}", file=sys.stderr)
+                return 1
+            print(out.delta_text, end="", flush=True)
+            final = out
+    elapsed = time.perf_counter() - start
+    print()
+    if final is not None and not args.quiet:
+        n = len(final.outputs[0].token_ids)
+        print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, finish_reason={final.outputs[0].finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `generate` on the `moekv` sub-command parsers."""
+    gen = subparsers.add_parser("generate", help="generate text from a prompt, streaming tokens to the terminal")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--quiet", action="store_true", help="print only the generated text")
+    gen.set_defaults(func=cmd_generate)
+
+    return gen

@@ -1,0 +1,60 @@
+"""`moekv info`: architecture, parameter counts and KV bytes per token of a checkpoint."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moekv.config import default_model_path
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from moekv.config import shipped_kv_calibration
+    from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format
+    from moekv.models.loader import load_model_config
+
+    cfg = load_model_config(Path(args.model))
+    total, active = cfg.parameter_counts()
+    moe_layers = sum(cfg.moe_layers)
+    rows = [
+        ("architecture", cfg.architecture),
+        ("layers", f"{cfg.num_layers} ({moe_layers} with experts)"),
+        ("hidden size", cfg.hidden_size),
+        ("attention heads", f"{cfg.num_heads} query / {cfg.num_kv_heads} KV, head_dim {cfg.head_dim}"),
+        ("experts", f"{cfg.num_experts}, top-{cfg.top_k}, intermediate {cfg.moe_intermediate_size}"
+                    + (f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else "")),
+        ("vocabulary", cfg.vocab_size),
+        ("max positions", cfg.max_position_embeddings),
+        ("parameters", f"{total:,} total, {active:,} active per token ({100 * active / total:.1f}%)"),
+        ("checkpoint dtype", str(cfg.torch_dtype).replace("torch.", "")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print(f"\nKV cache per token (all {cfg.num_layers} layers, K and V, block_size {args.block_size}):")
+    for name in KV_FORMAT_NAMES:
+        if name == "auto":
+            continue
+        try:
+            fmt = get_kv_format(name, cfg.torch_dtype, group_size=args.kv_group_size,
+                                calibration=args.kv_calibration or shipped_kv_calibration(args.model))
+            fmt.check_layout(cfg.num_kv_heads, args.block_size, cfg.head_dim)
+        except ValueError as e:  # e.g. needs calibration, or cannot lay out this block size
+            print(f"  {name:<10} n/a: {e}")
+            continue
+        page = fmt.page_bytes(cfg.num_kv_heads, args.block_size, cfg.head_dim)
+        per_token = cfg.num_layers * page / args.block_size
+        bits = fmt.bits_per_element(cfg.num_kv_heads, args.block_size, cfg.head_dim)
+        print(f"  {name:<10} {per_token:>10,.0f} bytes/token  {bits:5.2f} bits/element")
+    return 0
+
+
+def add_info_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `info` on the `moekv` sub-command parsers."""
+    info = subparsers.add_parser("info", help="architecture, parameter counts and KV bytes per token of a checkpoint")
+    info.add_argument("--model", default=str(default_model_path()))
+    info.add_argument("--block-size", type=int, default=64)
+    info.add_argument("--kv-group-size", type=int, default=32)
+    info.add_argument("--kv-calibration", default=None)
+    info.set_defaults(func=cmd_info)
+
+    return info

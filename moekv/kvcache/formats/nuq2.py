@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from moekv.kvcache.calibration_io import load_calibration
 from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
 
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -217,8 +218,6 @@ class NUQ2Format(PagedQuantFormat):
         self.tau = float(outlier_sigma)
         self.tables: dict[str, torch.Tensor] = {}
         if calibration is not None:
-            from moekv.kvcache.calibrate import load_calibration
-
             self.tables = {k: v for k, v in load_calibration(calibration, "kv_cache_dtype='nuq2'").items()
                            if k.startswith("nuq2.")}
         if codebook == "auto":

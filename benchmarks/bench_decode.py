@@ -225,7 +225,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
     if need > free_bytes:
         row["skipped"] = f"KV of {need / 2**30:.1f} GiB does not fit beside the weights ({free_bytes / 2**30:.1f} GiB free)"
         return row
-    if not getattr(fmt, "graph_safe", True):
+    if not fmt.graph_support.replays_decode:
         row["skipped"] = ("not graph-safe: the engine runs this format's decode steps eagerly; a graph-captured "
                           "step would not be the engine's")
         return row

@@ -109,9 +109,10 @@ def test_which_steps_fit_a_graph():
 
 @pytest.mark.parametrize("name", GRAPH_FORMATS)
 def test_graph_safe_formats(name):
-    fmt = get_kv_format(name, torch.bfloat16, codebook="page")
+    fmt = get_kv_format(name, torch.bfloat16, **({"codebook": "page"} if name in ("nuq2", "tiered") else {}))
     block_size = 16 if name == "bf16" else 64
-    assert fmt.graph_safe
+    assert fmt.graph_support.replays_decode and fmt.graph_support.replays_fills
+    assert fmt.graph_support.lists_fills == (name != "bf16")  # paged formats quantize the fills themselves
     assert graphs_unsupported_reason(CUDA, False, fmt, torch.bfloat16, block_size, 32) is None
     assert "enforce_eager" in graphs_unsupported_reason(CUDA, True, fmt, torch.bfloat16, block_size, 32)
     assert "CUDA" in graphs_unsupported_reason(torch.device("cpu"), False, fmt, torch.bfloat16, block_size, 32)
@@ -130,11 +131,11 @@ def test_calibrated_tables_are_graph_safe(tmp_path):
     save_file({f"nuq2.layer0.{kind}.centroids": fit_centroids(pages, kind) for kind in ("key", "value")},
               str(tmp_path / "kv_calibration.safetensors"))
     nuq2 = get_kv_format("nuq2", torch.bfloat16, calibration=str(tmp_path), codebook="calibrated")
-    assert nuq2.calibrated and nuq2.graph_safe
+    assert nuq2.calibrated and nuq2.graph_support.replays_decode
     assert nuq2.decode_spec(64, 32) is not None
     assert graphs_unsupported_reason(CUDA, False, nuq2, torch.bfloat16, 64, 32) is None
     assert "CUDA" in graphs_unsupported_reason(torch.device("cpu"), False, nuq2, torch.bfloat16, 64, 32)
-    assert VQFormat.graph_safe
+    assert VQFormat.graph_support.replays_decode
 
 
 def test_formats_that_stay_eager():
@@ -151,7 +152,7 @@ def test_tiered_is_graph_safe_where_its_fused_kernel_runs(tmp_path):
     from moekv.kvcache.formats.nuq2 import fit_centroids
 
     tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
-    assert tiered.graph_safe and tiered.decode_spec(64, 32) is None  # its own kernel, not decode_attention's
+    assert tiered.graph_support.replays_decode and tiered.decode_spec(64, 32) is None  # its own kernel, not decode_attention's
     for block_size, head_dim in ((16, 32), (32, 32), (64, 128), (32, 16)):
         assert graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16, block_size, head_dim) is None
     assert "dtype" in graphs_unsupported_reason(CUDA, False, tiered, torch.float32, 64, 32)
@@ -212,7 +213,7 @@ def _with_emulated_graphs(llm):
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.model, runner.device, llm.engine.config.max_num_seqs, runner.max_pages_per_seq,
                           runner.block_size, runner.scratch_page, runner.scratch_slot, use_graphs=False,
-                          fill_variants=runner.kv_format.quantizes_filled_pages,
+                          fill_variants=runner.kv_format.graph_support.lists_fills,
                           after_forward=runner.quantize_filled_pages)
     calls = []
     run = graphs.run
@@ -433,7 +434,7 @@ def test_cuda_graphs_match_eager(hd32_ckpt, fmt):
     assert llm.engine.runner.graphs is graphs, "the graph path failed and fell back to eager (see the log)"
     assert graphs.num_replays > 20
     assert {bucket for bucket, _ in graphs.graphs} == {4, 2, 1}  # batches 3, 2, 1
-    if llm.engine.runner.kv_format.quantizes_filled_pages:
+    if llm.engine.runner.kv_format.graph_support.lists_fills:
         assert any(fills for _, fills in graphs.graphs), "no replayed step filled a page: a weak test"
     for a, b in zip(ref, out):
         ok, where = _first_divergence_is_a_tie(a.outputs[0].token_ids, a.outputs[0].logprobs,

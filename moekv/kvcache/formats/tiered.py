@@ -32,25 +32,22 @@ import math
 import torch
 
 from moekv.context import Context, HostLists, filling_rows, to_device
-from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only,
-                                       can_stage_vectorized, check_finite, dense_attention, flag_nonfinite,
-                                       stage_decode_tokens, stage_tokens, staging_tensors)
+from moekv.kvcache.formats.base import (GraphStepHooks, GraphSupport, LayerKVCache, PagedQuantFormat, RopeWriteTarget,
+                                       _is_decode_only, can_stage_vectorized, check_finite, dense_attention,
+                                       flag_nonfinite, stage_decode_tokens, stage_tokens, staging_tensors)
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
 
 TIER_NONE, TIER_FP8, TIER_LOW = 0, 1, 2
 
 
-class TieredFormat(PagedQuantFormat):
+class TieredFormat(PagedQuantFormat, GraphStepHooks):
     name = "tiered"
     # decode steps are device-only; the host-side step count, re-ranking and mass flag are kept by
-    # prepare_graph_step / after_graph_replay
-    graph_safe = True
-    # a page that fills takes an FP8 slot from a host-side free list (and may demote another page):
-    # in a replayed step the slots are chosen before it (prepare_graph_step) and read from a
-    # device buffer by the captured write
-    graph_fills_pages = True
-    quantizes_filled_pages = True  # (the runner lists the fills; write stores them, before attention)
+    # the GraphStepHooks. A page that fills takes an FP8 slot from a host-side free list (and may
+    # demote another page): in a replayed step the slots are chosen before it (prepare_graph_step)
+    # and read from a device buffer by the captured write, which stores the listed fills itself
+    graph_support = GraphSupport.DECODE_WITH_LISTED_FILLS
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,

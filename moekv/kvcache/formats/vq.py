@@ -115,9 +115,8 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
 class VQFormat(PagedQuantFormat):
     name = "vq"
     needs_calibration = True
-    # decode_spec() returns the fused kernel; its tables are copied to the device on the first call,
-    # which the CUDA-graph runner's warm-up (before capture) makes
-    graph_safe = True
+    # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
+    # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
 
     def __init__(self, calibration: str | Path | None = None, **_) -> None:

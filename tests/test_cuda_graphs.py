@@ -421,7 +421,7 @@ def test_cuda_graphs_match_eager(hd32_ckpt, fmt):
     """Replayed decode steps against enforce_eager=True, with pages of 32 so that replayed steps
     fill pages too (quantized inside the graph for the compressed formats)."""
     kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_dtype=fmt,
-                  kv_codebook="page", block_size=32)
+                  kv_codebook="page" if fmt == "nuq2" else "auto", block_size=32)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (40, 30, 20)]
     eager = LLM(hd32_ckpt, enforce_eager=True, **kwargs)

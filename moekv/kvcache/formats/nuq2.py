@@ -204,7 +204,7 @@ class NUQ2Format(PagedQuantFormat):
     name = "nuq2"
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
-                 codebook: str = "auto", quantize_kernel: bool | None = None, **_) -> None:
+                 codebook: str = "auto", quantize_kernel: bool | None = None) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
         (calibrated when the calibration folder has nuq2 codebooks, else per page).
         quantize_kernel: quantize pages on CUDA with the fused kernel (moekv/ops/nuq2_quantize.py);

@@ -51,7 +51,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,
-                 fused_decode: bool = True, **_) -> None:
+                 fused_decode: bool = True) -> None:
         # The fused two-tier decode kernel (checked against the reference on the H200,
         # benchmarks/results/h200/gpu_tests.log); fused_decode=False keeps the reference path.
         self.fused_decode = fused_decode

@@ -119,7 +119,7 @@ class VQFormat(PagedQuantFormat):
     # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
 
-    def __init__(self, calibration: str | Path | None = None, **_) -> None:
+    def __init__(self, calibration: str | Path | None = None) -> None:
         if calibration is None:
             raise ValueError(NEEDS_CALIBRATION)
         self.tables = load_calibration(calibration, "kv_cache_dtype='vq'")

@@ -43,7 +43,7 @@ def main() -> None:
         if label == "tiered":  # half the full pages to nuq2
             for b, n in enumerate(lens):
                 for i, page in enumerate(ctx.block_tables[b, :n // P].tolist()):
-                    if i % 2 and cache.state["tier"][page] == TIER_FP8:
+                    if i % 2 and cache.state.tier[page] == TIER_FP8:
                         fmt._demote(cache, [page])
         q = torch.randn(len(lens), 8, D, device=DEVICE, dtype=torch.bfloat16)
         ref = reference(fmt, cache, ctx, q, D ** -0.5, None)

@@ -133,7 +133,7 @@ def tiered() -> None:
         cache, ctx = build_cache(fmt, lens, 2, D, P, torch.bfloat16, seed=1)
         for b, n in enumerate(lens):  # half the full pages to nuq2
             for i, page in enumerate(ctx.block_tables[b, :n // P].tolist()):
-                if i % 2 and cache.state["tier"][page] == TIER_FP8:
+                if i % 2 and cache.state.tier[page] == TIER_FP8:
                     fmt._demote(cache, [page])
         q = torch.randn(len(lens), 8, D, device=DEVICE, dtype=torch.bfloat16)
         ref = reference(fmt, cache, ctx, q, D ** -0.5, None)

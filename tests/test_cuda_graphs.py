@@ -262,11 +262,11 @@ def _record_tiered(llm):
     def recording_rerank(cache, host):
         rerank(cache, host)
         if cache is first:
-            reranks.append((cache.state["steps"], list(cache.state["tier"])))
+            reranks.append((cache.state.steps, list(cache.state.tier)))
 
     def recording_after(caches):
         after(caches)
-        replayed_at.append(first.state["steps"])
+        replayed_at.append(first.state.steps)
 
     fmt._rerank, fmt.after_graph_replay = recording_rerank, recording_after
     return reranks, replayed_at
@@ -282,12 +282,12 @@ def _check_tiered_pool_drained(llm):
     assert bm.num_free_blocks == bm.num_blocks
     for cache in engine.runner.kv_caches:
         st = cache.state
-        assert set(st["tier"]) == {TIER_NONE}
-        assert sorted(st["free_fp8"]) == list(range(st["scratch_fp8"]))  # every slot but the scratch one
+        assert set(st.tier) == {TIER_NONE}
+        assert sorted(st.free_fp8) == list(range(st.scratch_fp8))  # every slot but the scratch one
         # pending mass of a released page is dropped with it (if unflagged, it would stay here)
-        assert st["mass_dev"].abs().max().item() == 0
+        assert st.mass_dev.abs().max().item() == 0
         engine.runner.kv_format._fold_mass(cache)
-        assert not any(st["mass"])
+        assert not any(st.mass)
 
 
 @pytest.mark.parametrize("rerank_interval, tier1_fraction", [(4, 0.15), (10**6, 0.15), (10**6, 0.05)])
@@ -314,9 +314,9 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
     prepare = fmt._prepare_fills
 
     def recording_prepare(caches, fill_pages, first_pages):
-        low = sum(t == TIER_LOW for t in caches[0].state["tier"])
+        low = sum(t == TIER_LOW for t in caches[0].state.tier)
         ok = prepare(caches, fill_pages, first_pages)
-        prepared.append((ok, sum(t == TIER_LOW for t in caches[0].state["tier"]) - low))
+        prepared.append((ok, sum(t == TIER_LOW for t in caches[0].state.tier) - low))
         return ok
 
     fmt._prepare_fills = recording_prepare
@@ -329,7 +329,7 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
         assert any(demoted for _, demoted in prepared), "no replayed fill demoted a page: a weak test"
     if rerank_interval == 4:
         assert any(s % rerank_interval == 0 for s in replayed_at), "no re-ranking step was replayed: a weak test"
-    steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
+    steps = {c.state.steps for e in (eager, llm) for c in e.engine.runner.kv_caches}
     assert len(steps) == 1
     assert [s for s, _ in reranks] == [s for s, _ in eager_reranks] == list(range(rerank_interval, steps.pop() + 1,
                                                                                   rerank_interval))
@@ -478,7 +478,7 @@ def test_tiered_cuda_graphs_match_eager(hd32_ckpt, rerank_interval):
     assert any(fills for _, fills in graphs.graphs), "no replayed step filled a page: a weak test"
     if rerank_interval == 8:
         assert any(s % rerank_interval == 0 for s in replayed_at), "no re-ranking step was replayed: a weak test"
-    steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
+    steps = {c.state.steps for e in (eager, llm) for c in e.engine.runner.kv_caches}
     assert len(steps) == 1
     assert [s for s, _ in reranks] == [s for s, _ in eager_reranks] == list(range(rerank_interval, steps.pop() + 1,
                                                                                   rerank_interval))

@@ -159,7 +159,7 @@ class ServerMetrics:
         shares = {"fp8": 0.0, "nuq2": 0.0}
         caches = engine.runner.kv_caches
         for cache in caches:
-            tiers = list(cache.state["tier"])
+            tiers = list(cache.state.tier)
             used = len(tiers) - tiers.count(TIER_NONE) or 1
             shares["fp8"] += tiers.count(TIER_FP8) / used / len(caches)
             shares["nuq2"] += tiers.count(TIER_LOW) / used / len(caches)

@@ -32,6 +32,8 @@ class LayerKVCache:
     # [] bool on the cache's device: a graph step quantized non-finite K/V (flag_nonfinite);
     # allocated by the formats that quantize pages in graph steps, None for the others
     nonfinite: torch.Tensor | None = None
+    # host-side state a format keeps per layer beside the tensors (tiered: its TieredState), or None
+    state: object | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]

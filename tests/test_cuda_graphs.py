@@ -152,7 +152,8 @@ def test_tiered_is_graph_safe_where_its_fused_kernel_runs(tmp_path):
     from moekv.kvcache.formats.nuq2 import fit_centroids
 
     tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
-    assert tiered.graph_support.replays_decode and tiered.decode_spec(64, 32) is None  # its own kernel, not decode_attention's
+    assert tiered.graph_support.replays_decode
+    assert tiered.decode_spec(64, 32) is None  # its own kernel, not decode_attention's
     for block_size, head_dim in ((16, 32), (32, 32), (64, 128), (32, 16)):
         assert graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16, block_size, head_dim) is None
     assert "dtype" in graphs_unsupported_reason(CUDA, False, tiered, torch.float32, 64, 32)

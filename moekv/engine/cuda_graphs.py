@@ -73,7 +73,8 @@ def graphs_unsupported_reason(device: torch.device, enforce_eager: bool, kv_form
     if dtype not in GRAPH_DTYPES:
         return f"model dtype {dtype} (the fused decode kernel takes fp16/bf16 queries)"
     if not kv_format.graph_support.replays_decode:
-        return f"kv_cache_dtype={kv_format.name!r} runs decode steps eagerly (graph_support {kv_format.graph_support.name})"
+        return (f"kv_cache_dtype={kv_format.name!r} runs decode steps eagerly "
+                f"(graph_support {kv_format.graph_support.name})")
     reason = kv_format.fused_decode_unavailable(block_size, head_dim)
     if reason is not None:
         return f"kv_cache_dtype={kv_format.name!r} {reason}"

@@ -43,7 +43,6 @@ from moekv.kvcache.formats.tiered_policy import (TIER_FP8, TIER_LOW, TIER_NONE, 
                                                  is_rerank_step, rerank_demotions, tier_shares)
 
 
-
 @dataclass
 class TieredState:
     """One layer's page state (LayerKVCache.state). The plain-Python fields are the source of truth

@@ -5,7 +5,7 @@ Every field is checked at construction, before any weight is read, and a bad val
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -123,7 +123,7 @@ class EngineConfig:
     load_format: str = option(
         "dummy: random weights of config.json's shape instead of the checkpoint's (benchmarks)", "auto",
         choices=LOAD_FORMATS)
-    # KV format options (each format reads the ones it uses)
+    # KV format options: each format takes its own (kv_format_options); one set for a format that does not is an error
     kv_group_size: int = option(
         "int4: channels per scale group; kivi2: tokens (keys) and channels (values) per group (32 or 64)", 32)
     kv_outlier_sigma: float = option("nuq2: outlier threshold in std devs", 3.5)
@@ -164,6 +164,7 @@ class EngineConfig:
                f"max_model_len={self.max_model_len!r} must be an integer >= 2 (or None for the model's limit)")
         if self.block_size is None:
             self.block_size = 16 if self.kv_cache_dtype in PLAIN_KV_FORMATS else 64
+        self._check_kv_options()  # before the shipped calibration fills kv_calibration in
         if self.kv_calibration is None:
             self.kv_calibration = shipped_kv_calibration(self.model)
         _check(isinstance(self.block_size, int) and self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
@@ -218,10 +219,29 @@ class EngineConfig:
         return {"routing": self.routing, "cluster_map": self.cluster_map, "clusters_per_token": self.clusters_per_token,
                 "admit_margin": self.cluster_admit_margin, "n_group": self.n_group, "topk_group": self.topk_group}
 
-    def kv_format_options(self) -> dict:
+    def _kv_options(self) -> dict:
+        """Every kv_* option, by the name the formats give it (kv_X -> X)."""
         return {"group_size": self.kv_group_size, "outlier_sigma": self.kv_outlier_sigma,
                 "calibration": self.kv_calibration, "codebook": self.kv_codebook, "rerank_interval": self.kv_rerank_interval,
                 "tier1_fraction": self.kv_tier1_fraction, "residual": self.kv_residual}
+
+    def _check_kv_options(self) -> None:
+        """A kv_* option set away from its default for a format that does not take it was meant for
+        another format: refused, not ignored (the CLI passes every flag, at its default when not given)."""
+        from moekv.kvcache.formats import kv_format_options
+
+        taken = kv_format_options(self.kv_cache_dtype)
+        defaults = {f.name: f.default for f in fields(self)}
+        unused = [f"kv_{name}={value!r}" for name, value in self._kv_options().items()
+                  if name not in taken and value != defaults[f"kv_{name}"]]
+        _check(not unused, f"kv_cache_dtype={self.kv_cache_dtype!r} does not take {', '.join(unused)}; it takes: "
+                           f"{[f'kv_{name}' for name in self._kv_options() if name in taken] or 'no kv_* option'}")
+
+    def kv_format_options(self) -> dict:
+        """The kv_* options the chosen format takes, for get_kv_format."""
+        from moekv.kvcache.formats import kv_options_for
+
+        return kv_options_for(self.kv_cache_dtype, self._kv_options())
 
     @property
     def async_scheduling_enabled(self) -> bool:

@@ -56,7 +56,7 @@ class Context:
     fill_pages: torch.Tensor | None = None
     # host-side: True when the step runs from the CUDA-graph runner's static buffers (warm-up,
     # capture, replay, or its eager stand-in): formats do device work only, and the runner applies
-    # their host-side bookkeeping after each replay (KVFormat.after_graph_replay)
+    # their host-side bookkeeping after each replay (GraphStepHooks.after_graph_replay)
     graph_step: bool = False
     # a step that runs one-token queries (decodes) beside longer ones (prefill chunks), on CUDA:
     # each part as its own Context, so that the decodes take the fused decode kernel (MixedSplit;

@@ -199,7 +199,8 @@ def test_async_matches_sync_on_the_gpu(hd32_ckpt, fmt):
     are the same in both runs (every sequence stops at max_tokens), so the same kernels see the
     same rows. Prints the batch-1 time per step of both (no assertion on speed)."""
     kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=4, kv_cache_dtype=fmt,
-                  kv_codebook="page", block_size=32, kv_rerank_interval=8)
+                  block_size=32, **{"bf16": {}, "nuq2": dict(kv_codebook="page"),
+                                    "tiered": dict(kv_codebook="page", kv_rerank_interval=8)}[fmt])
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (60, 45, 30)]
     runs, rates = {}, {}

@@ -109,9 +109,10 @@ def test_which_steps_fit_a_graph():
 
 @pytest.mark.parametrize("name", GRAPH_FORMATS)
 def test_graph_safe_formats(name):
-    fmt = get_kv_format(name, torch.bfloat16, codebook="page")
+    fmt = get_kv_format(name, torch.bfloat16, **({"codebook": "page"} if name in ("nuq2", "tiered") else {}))
     block_size = 16 if name == "bf16" else 64
-    assert fmt.graph_safe
+    assert fmt.graph_support.replays_decode and fmt.graph_support.replays_fills
+    assert fmt.graph_support.lists_fills == (name != "bf16")  # paged formats quantize the fills themselves
     assert graphs_unsupported_reason(CUDA, False, fmt, torch.bfloat16, block_size, 32) is None
     assert "enforce_eager" in graphs_unsupported_reason(CUDA, True, fmt, torch.bfloat16, block_size, 32)
     assert "CUDA" in graphs_unsupported_reason(torch.device("cpu"), False, fmt, torch.bfloat16, block_size, 32)
@@ -130,11 +131,11 @@ def test_calibrated_tables_are_graph_safe(tmp_path):
     save_file({f"nuq2.layer0.{kind}.centroids": fit_centroids(pages, kind) for kind in ("key", "value")},
               str(tmp_path / "kv_calibration.safetensors"))
     nuq2 = get_kv_format("nuq2", torch.bfloat16, calibration=str(tmp_path), codebook="calibrated")
-    assert nuq2.calibrated and nuq2.graph_safe
+    assert nuq2.calibrated and nuq2.graph_support.replays_decode
     assert nuq2.decode_spec(64, 32) is not None
     assert graphs_unsupported_reason(CUDA, False, nuq2, torch.bfloat16, 64, 32) is None
     assert "CUDA" in graphs_unsupported_reason(torch.device("cpu"), False, nuq2, torch.bfloat16, 64, 32)
-    assert VQFormat.graph_safe
+    assert VQFormat.graph_support.replays_decode
 
 
 def test_formats_that_stay_eager():
@@ -151,7 +152,8 @@ def test_tiered_is_graph_safe_where_its_fused_kernel_runs(tmp_path):
     from moekv.kvcache.formats.nuq2 import fit_centroids
 
     tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
-    assert tiered.graph_safe and tiered.decode_spec(64, 32) is None  # its own kernel, not decode_attention's
+    assert tiered.graph_support.replays_decode
+    assert tiered.decode_spec(64, 32) is None  # its own kernel, not decode_attention's
     for block_size, head_dim in ((16, 32), (32, 32), (64, 128), (32, 16)):
         assert graphs_unsupported_reason(CUDA, False, tiered, torch.bfloat16, block_size, head_dim) is None
     assert "dtype" in graphs_unsupported_reason(CUDA, False, tiered, torch.float32, 64, 32)
@@ -212,7 +214,7 @@ def _with_emulated_graphs(llm):
     runner = llm.engine.runner
     graphs = DecodeGraphs(runner.model, runner.device, llm.engine.config.max_num_seqs, runner.max_pages_per_seq,
                           runner.block_size, runner.scratch_page, runner.scratch_slot, use_graphs=False,
-                          fill_variants=runner.kv_format.quantizes_filled_pages,
+                          fill_variants=runner.kv_format.graph_support.lists_fills,
                           after_forward=runner.quantize_filled_pages)
     calls = []
     run = graphs.run
@@ -261,11 +263,11 @@ def _record_tiered(llm):
     def recording_rerank(cache, host):
         rerank(cache, host)
         if cache is first:
-            reranks.append((cache.state["steps"], list(cache.state["tier"])))
+            reranks.append((cache.state.steps, list(cache.state.tier)))
 
     def recording_after(caches):
         after(caches)
-        replayed_at.append(first.state["steps"])
+        replayed_at.append(first.state.steps)
 
     fmt._rerank, fmt.after_graph_replay = recording_rerank, recording_after
     return reranks, replayed_at
@@ -281,12 +283,12 @@ def _check_tiered_pool_drained(llm):
     assert bm.num_free_blocks == bm.num_blocks
     for cache in engine.runner.kv_caches:
         st = cache.state
-        assert set(st["tier"]) == {TIER_NONE}
-        assert sorted(st["free_fp8"]) == list(range(st["scratch_fp8"]))  # every slot but the scratch one
+        assert set(st.tier) == {TIER_NONE}
+        assert sorted(st.free_fp8) == list(range(st.scratch_fp8))  # every slot but the scratch one
         # pending mass of a released page is dropped with it (if unflagged, it would stay here)
-        assert st["mass_dev"].abs().max().item() == 0
+        assert st.mass_dev.abs().max().item() == 0
         engine.runner.kv_format._fold_mass(cache)
-        assert not any(st["mass"])
+        assert not any(st.mass)
 
 
 @pytest.mark.parametrize("rerank_interval, tier1_fraction", [(4, 0.15), (10**6, 0.15), (10**6, 0.05)])
@@ -313,9 +315,9 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
     prepare = fmt._prepare_fills
 
     def recording_prepare(caches, fill_pages, first_pages):
-        low = sum(t == TIER_LOW for t in caches[0].state["tier"])
+        low = sum(t == TIER_LOW for t in caches[0].state.tier)
         ok = prepare(caches, fill_pages, first_pages)
-        prepared.append((ok, sum(t == TIER_LOW for t in caches[0].state["tier"]) - low))
+        prepared.append((ok, sum(t == TIER_LOW for t in caches[0].state.tier) - low))
         return ok
 
     fmt._prepare_fills = recording_prepare
@@ -328,7 +330,7 @@ def test_tiered_padded_static_step_matches_eager_on_cpu(hd32_ckpt, rerank_interv
         assert any(demoted for _, demoted in prepared), "no replayed fill demoted a page: a weak test"
     if rerank_interval == 4:
         assert any(s % rerank_interval == 0 for s in replayed_at), "no re-ranking step was replayed: a weak test"
-    steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
+    steps = {c.state.steps for e in (eager, llm) for c in e.engine.runner.kv_caches}
     assert len(steps) == 1
     assert [s for s, _ in reranks] == [s for s, _ in eager_reranks] == list(range(rerank_interval, steps.pop() + 1,
                                                                                   rerank_interval))
@@ -420,7 +422,7 @@ def test_cuda_graphs_match_eager(hd32_ckpt, fmt):
     """Replayed decode steps against enforce_eager=True, with pages of 32 so that replayed steps
     fill pages too (quantized inside the graph for the compressed formats)."""
     kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_dtype=fmt,
-                  kv_codebook="page", block_size=32)
+                  kv_codebook="page" if fmt == "nuq2" else "auto", block_size=32)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (40, 30, 20)]
     eager = LLM(hd32_ckpt, enforce_eager=True, **kwargs)
@@ -433,7 +435,7 @@ def test_cuda_graphs_match_eager(hd32_ckpt, fmt):
     assert llm.engine.runner.graphs is graphs, "the graph path failed and fell back to eager (see the log)"
     assert graphs.num_replays > 20
     assert {bucket for bucket, _ in graphs.graphs} == {4, 2, 1}  # batches 3, 2, 1
-    if llm.engine.runner.kv_format.quantizes_filled_pages:
+    if llm.engine.runner.kv_format.graph_support.lists_fills:
         assert any(fills for _, fills in graphs.graphs), "no replayed step filled a page: a weak test"
     for a, b in zip(ref, out):
         ok, where = _first_divergence_is_a_tie(a.outputs[0].token_ids, a.outputs[0].logprobs,
@@ -477,7 +479,7 @@ def test_tiered_cuda_graphs_match_eager(hd32_ckpt, rerank_interval):
     assert any(fills for _, fills in graphs.graphs), "no replayed step filled a page: a weak test"
     if rerank_interval == 8:
         assert any(s % rerank_interval == 0 for s in replayed_at), "no re-ranking step was replayed: a weak test"
-    steps = {c.state["steps"] for e in (eager, llm) for c in e.engine.runner.kv_caches}
+    steps = {c.state.steps for e in (eager, llm) for c in e.engine.runner.kv_caches}
     assert len(steps) == 1
     assert [s for s, _ in reranks] == [s for s, _ in eager_reranks] == list(range(rerank_interval, steps.pop() + 1,
                                                                                   rerank_interval))

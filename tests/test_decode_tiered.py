@@ -28,15 +28,15 @@ def tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=0, demote_every
     st = cache.state
     for b, n in enumerate(lens):
         for i, page in enumerate(ctx.block_tables[b, :n // block_size].tolist()):
-            if demote_every and i % demote_every == 1 and st["tier"][page] == TIER_FP8:
+            if demote_every and i % demote_every == 1 and st.tier[page] == TIER_FP8:
                 fmt._demote(cache, [page])
     return fmt, cache, ctx
 
 
 def mirrors_match(cache):
     st = cache.state
-    assert st["tier_dev"].tolist() == st["tier"]
-    assert st["slot_dev"].tolist() == st["fp8_slot"]
+    assert st.tier_dev.tolist() == st.tier
+    assert st.slot_dev.tolist() == st.fp8_slot
 
 
 def run_and_compare(fmt, cache, ctx, group, q_dtype=torch.float32, window=None, seed=1, rel=2e-3, mass_rel=1e-4,
@@ -49,18 +49,18 @@ def run_and_compare(fmt, cache, ctx, group, q_dtype=torch.float32, window=None, 
     ref = reference(fmt, cache, ctx, q, scale, window)
     st = cache.state
     # the reference path's mass, from zero
-    st["mass"] = [0.0] * len(st["mass"])
+    st.mass = [0.0] * len(st.mass)
     fmt.attend_reference(q, cache, ctx, scale, window)
-    ref_mass = torch.tensor(st["mass"], dtype=torch.float64)
-    st["mass"] = [0.0] * len(st["mass"])
+    ref_mass = torch.tensor(st.mass, dtype=torch.float64)
+    st.mass = [0.0] * len(st.mass)
     out = fmt.attend_kernel(q, cache, ctx, scale, window, **launch)
     fmt._fold_mass(cache)
-    mass = torch.tensor(st["mass"], dtype=torch.float64)
+    mass = torch.tensor(st.mass, dtype=torch.float64)
     assert out.dtype == q_dtype and torch.isfinite(out).all()
     err = (out.double() - ref).abs().max().item()
     assert err <= rel * (ref.abs().max().item() + 1e-6), f"max error {err:.3g}"
     assert (mass - ref_mass).abs().max().item() <= mass_rel * max(1.0, ref_mass.abs().max().item()), (mass, ref_mass)
-    assert not st["mass_pending"] and st["mass_dev"].abs().max().item() == 0
+    assert not st.mass_pending and st.mass_dev.abs().max().item() == 0
     return out, ref, mass, ref_mass
 
 
@@ -78,7 +78,7 @@ GRID = [
 def test_tiered_kernel_matches_reference(case, swap_ab):
     lens, hkv, group, head_dim, block_size, splits, block_n, kv_dtype = GRID[case]
     fmt, cache, ctx = tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=case)
-    tiers = [cache.state["tier"][p] for b, n in enumerate(lens) for p in ctx.block_tables[b, :n // block_size].tolist()]
+    tiers = [cache.state.tier[p] for b, n in enumerate(lens) for p in ctx.block_tables[b, :n // block_size].tolist()]
     assert TIER_FP8 in tiers and TIER_LOW in tiers
     mirrors_match(cache)
     _, _, mass, _ = run_and_compare(fmt, cache, ctx, group, num_splits=splits, block_n=block_n, swap_ab=swap_ab)
@@ -111,9 +111,9 @@ def test_tiered_window_16bit_queries_and_pool_pressure():
     pages = ctx.block_tables[1, :70 // 16].tolist()
     fmt.release_pages(cache, pages)
     mirrors_match(cache)
-    assert all(cache.state["mass_dev"][p].item() == 0 for p in pages)
+    assert all(cache.state.mass_dev[p].item() == 0 for p in pages)
     fmt._fold_mass(cache)
-    assert all(cache.state["mass"][p] == 0 for p in pages)
+    assert all(cache.state.mass[p] == 0 for p in pages)
 
 
 def test_rerank_folds_kernel_mass():
@@ -122,12 +122,12 @@ def test_rerank_folds_kernel_mass():
                                    tier1_fraction=0.1, fp8_pool_fraction=1.0)
     st = cache.state
     pages = ctx.block_tables[0, :10].tolist()
-    assert all(st["tier"][p] == TIER_FP8 for p in pages)
-    st["mass_dev"][pages[4]] = 5.0  # as if the kernel had put all attention on page 4
-    st["mass_pending"] = True
+    assert all(st.tier[p] == TIER_FP8 for p in pages)
+    st.mass_dev[pages[4]] = 5.0  # as if the kernel had put all attention on page 4
+    st.mass_pending = True
     fmt._rerank(cache, ctx.host_lists())
-    assert st["tier"][pages[4]] == TIER_FP8 and st["tier"][pages[0]] == TIER_FP8 and st["tier"][pages[-1]] == TIER_FP8
-    assert sum(st["tier"][p] == TIER_LOW for p in pages) == 7
+    assert st.tier[pages[4]] == TIER_FP8 and st.tier[pages[0]] == TIER_FP8 and st.tier[pages[-1]] == TIER_FP8
+    assert sum(st.tier[p] == TIER_LOW for p in pages) == 7
     assert fmt.page_mass(cache, pages[4]) == 2.5  # halved after the ranking
     mirrors_match(cache)
 
@@ -153,16 +153,16 @@ def test_replayed_step_mass_matches_eager():
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 8, 32, generator=g).to(DEVICE)
     scale = 32 ** -0.5
-    num_blocks = len(st["tier"])
+    num_blocks = len(st.tier)
     used = set(ctx.block_tables.flatten().tolist())
     scratch = max(set(range(num_blocks)) - used)  # build_cache leaves two pages unused
     scratch_slot = 0  # build_cache's sequences use staging slots 2 and 3
 
     out = fmt.attend_kernel(q, cache, ctx, scale, None, num_splits=2, block_n=16)
     fmt._fold_mass(cache)
-    eager_mass = list(st["mass"])
+    eager_mass = list(st.mass)
     assert sum(eager_mass) > 0
-    st["mass"] = [0.0] * num_blocks
+    st.mass = [0.0] * num_blocks
 
     width = ctx.block_tables.shape[1] + 2
     tables = torch.full((3, width), scratch, dtype=torch.int32)
@@ -176,18 +176,18 @@ def test_replayed_step_mass_matches_eager():
                      max_query_len=1, fills_no_page=True, graph_step=True)
     q_pad = torch.cat([q, torch.randn(1, 8, 32, generator=g).to(DEVICE)])
     replayed = fmt.attend_kernel(q_pad, cache, padded, scale, None, num_splits=2, block_n=16)
-    st["mass_pending"] = False  # what a replay leaves: it does not run this line of attend_kernel
-    assert st["mass_dev"][scratch].item() == 0  # the padding row and unused entries carry no mass
-    st["mass_dev"][scratch] += 1.0  # and if they did, it must not reach a score
+    st.mass_pending = False  # what a replay leaves: it does not run this line of attend_kernel
+    assert st.mass_dev[scratch].item() == 0  # the padding row and unused entries carry no mass
+    st.mass_dev[scratch] += 1.0  # and if they did, it must not reach a score
     fmt._fold_mass(cache)
-    assert sum(st["mass"]) == 0, "the fold credited mass nobody flagged"
+    assert sum(st.mass) == 0, "the fold credited mass nobody flagged"
     fmt.after_graph_replay([cache])
-    assert st["mass_pending"]
+    assert st.mass_pending
     fmt._fold_mass(cache)
     assert torch.allclose(replayed[:2], out, rtol=1e-5, atol=1e-6)
-    assert st["mass"][scratch] == 0
-    assert torch.allclose(torch.tensor(st["mass"]), torch.tensor(eager_mass), rtol=1e-5, atol=1e-7)
-    assert not st["mass_pending"] and st["mass_dev"].abs().max().item() == 0
+    assert st.mass[scratch] == 0
+    assert torch.allclose(torch.tensor(st.mass), torch.tensor(eager_mass), rtol=1e-5, atol=1e-7)
+    assert not st.mass_pending and st.mass_dev.abs().max().item() == 0
 
 
 def tiered_mix(lens, hkv, head_dim, block_size, kv_dtype, seed=0, fp8_every=7):
@@ -196,7 +196,7 @@ def tiered_mix(lens, hkv, head_dim, block_size, kv_dtype, seed=0, fp8_every=7):
     cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed)
     for b, n in enumerate(lens):
         for i, page in enumerate(ctx.block_tables[b, :n // block_size].tolist()):
-            if i and i % fp8_every != 3 and cache.state["tier"][page] == TIER_FP8:
+            if i and i % fp8_every != 3 and cache.state.tier[page] == TIER_FP8:
                 fmt._demote(cache, [page])
     return fmt, cache, ctx
 

@@ -18,7 +18,7 @@ from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (befo
 
 from safetensors.torch import save_file  # noqa: E402
 
-from moekv.kvcache.calibrate import CALIBRATION_FILE  # noqa: E402
+from moekv.kvcache.calibration_io import CALIBRATION_FILE  # noqa: E402
 from moekv.kvcache.formats.vq import VQFormat, fit_codebook, fit_key_channel_scale  # noqa: E402
 from tests.test_decode_attention import build_cache, reference  # noqa: E402 (shared cache recipe, oracle)
 

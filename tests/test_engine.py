@@ -266,7 +266,8 @@ def test_mixed_steps_split_in_two_give_the_same_tokens(hd32_ckpt, fmt, monkeypat
     from moekv.layers.attention import attend_mixed
 
     kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype=fmt,
-                  block_size=16 if fmt == "fp32" else 32, max_num_batched_tokens=24, kv_codebook="page")
+                  block_size=16 if fmt == "fp32" else 32, max_num_batched_tokens=24,
+                  kv_codebook="auto" if fmt == "fp32" else "page")
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 200 + 1 for j in range(n)]} for i, n in enumerate((5, 40, 70))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(hd32_ckpt, **kwargs).generate(prompts, params)]

@@ -78,8 +78,8 @@ def test_tiered_format_reports_its_tier_shares():
     llm = LLM(TINY, dtype="float32", max_model_len=256, kv_cache_dtype="tiered", block_size=32, kv_rerank_interval=4)
     llm.generate("word " * 100, SamplingParams(max_tokens=40, ignore_eos=True))
     figures = llm.engine.stats().kv_format
-    assert figures["tier_fraction_fp8"] + figures["tier_fraction_nuq2"] == pytest.approx(1)
-    assert 0 < figures["tier_fraction_fp8"] < 1
+    assert figures["tier_share_fp8"] + figures["tier_share_low"] == pytest.approx(1)
+    assert 0 < figures["tier_share_fp8"] < 1
 
 
 @pytest.mark.gpu

@@ -13,10 +13,6 @@ import pytest
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "moekv"
 LOW_LAYERS = ("ops", "layers", "kvcache", "routing", "models", "engine")
 HIGH_LAYERS = ("moekv.llm", "moekv.cli", "moekv.server", "moekv.tools")
-# Modules whose cycle (kvcache/calibrate.py <-> the vq and nuq2 formats) and whose import of moekv.llm
-# (calibration drives an LLM) another branch removes, by moving the driving part to moekv/tools/calibrate.py.
-# Once that is merged: empty this set and drop the two xfail tests' marks.
-FIXED_ELSEWHERE = {"moekv.kvcache.calibrate", "moekv.kvcache.formats.nuq2", "moekv.kvcache.formats.vq"}
 
 
 def module_name(path: Path) -> str:
@@ -139,30 +135,12 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
-def test_no_import_cycle_outside_other_branches_modules():
-    graph = import_graph()
-    cycles = [c for c in find_cycles(graph) if not set(c) <= FIXED_ELSEWHERE]
-    assert not cycles, describe(cycles, graph)
-
-
-def test_low_layers_never_import_the_high_ones_outside_other_branches_modules():
-    bad = [line for line in layering_violations(import_graph()) if line.split(" -> ")[0] not in FIXED_ELSEWHERE]
-    assert not bad, "\n".join(bad)
-
-
-PENDING_MERGE = pytest.mark.xfail(strict=True, reason="kvcache/calibrate.py <-> kvcache/formats/{vq,nuq2} and "
-                                  "kvcache/calibrate.py -> moekv.llm are removed on another branch: after the merge "
-                                  "drop this mark (and empty FIXED_ELSEWHERE)")
-
-
-@PENDING_MERGE
-def test_no_import_cycle_at_all():
+def test_no_import_cycle():
     graph = import_graph()
     cycles = find_cycles(graph)
     assert not cycles, describe(cycles, graph)
 
 
-@PENDING_MERGE
 def test_low_layers_never_import_the_high_ones():
     bad = layering_violations(import_graph())
     assert not bad, "\n".join(bad)

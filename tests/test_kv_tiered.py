@@ -24,21 +24,21 @@ def test_pages_move_down_and_all_return(llm):
         engine.step()
         for cache in engine.runner.kv_caches:
             st = cache.state
-            fp8_used = [p for p, t in enumerate(st["tier"]) if t == TIER_FP8]
+            fp8_used = [p for p, t in enumerate(st.tier) if t == TIER_FP8]
             # every FP8 page owns exactly one FP8 slot, and slots are never shared or also free
-            slots = [st["fp8_slot"][p] for p in fp8_used]
-            assert len(set(slots)) == len(slots) and not set(slots) & set(st["free_fp8"])
-            assert len(slots) + len(st["free_fp8"]) == st["scratch_fp8"]  # the pool (its last slot is scratch)
-            seen_low |= TIER_LOW in st["tier"]
+            slots = [st.fp8_slot[p] for p in fp8_used]
+            assert len(set(slots)) == len(slots) and not set(slots) & set(st.free_fp8)
+            assert len(slots) + len(st.free_fp8) == st.scratch_fp8  # the pool (its last slot is scratch)
+            seen_low |= TIER_LOW in st.tier
             for seq in engine.scheduler.running:  # sink and newest full page stay in FP8
                 full = seq.block_table[:seq.num_computed_tokens // 32]
-                if len(full) > 2 and st["steps"] % 4 == 0:
-                    assert st["tier"][full[0]] == TIER_FP8 and st["tier"][full[-1]] == TIER_FP8
+                if len(full) > 2 and st.steps % 4 == 0:
+                    assert st.tier[full[0]] == TIER_FP8 and st.tier[full[-1]] == TIER_FP8
     assert seen_low, "no page was ever demoted to nuq2"
     engine.runner.release_pages(engine.block_manager.drain_freed())
     for cache in engine.runner.kv_caches:
-        assert set(cache.state["tier"]) == {TIER_NONE}
-        assert len(cache.state["free_fp8"]) == cache.state["scratch_fp8"]
+        assert set(cache.state.tier) == {TIER_NONE}
+        assert len(cache.state.free_fp8) == cache.state.scratch_fp8
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -57,6 +57,17 @@ def test_bits_between_the_two_tiers(llm):
 
 
 # -- CUDA-graph hooks (the host-side bookkeeping a replay skips) ------------------------------------
+def _host_state(cache) -> dict:
+    """A copy of a layer's host-side page state: every TieredState field but the device tensors."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    return {f.name: copy.deepcopy(getattr(cache.state, f.name)) for f in dataclasses.fields(cache.state)
+            if not isinstance(getattr(cache.state, f.name), torch.Tensor)}
+
+
 def _decode_ctx(context_len: int, graph_step: bool = False, block_size: int = 16):
     """One sequence's decode step (pages 0-4, staging slot 0), filling no page."""
     import torch
@@ -84,7 +95,7 @@ def _tiered_layers(rerank_interval: int, num_layers: int = 2):
     rerank = fmt._rerank
 
     def recording(cache, host):
-        reranks.append((cache.layer, cache.state["steps"]))
+        reranks.append((cache.layer, cache.state.steps))
         rerank(cache, host)
 
     fmt._rerank = recording
@@ -115,44 +126,42 @@ def test_graph_replays_keep_the_eager_rerank_schedule(rerank_interval):
             for cache in caches:
                 fmt.write(cache, k, k, _decode_ctx(ctx_len, graph_step=True))
             fmt.after_graph_replay(caches)
-        assert [c.state["steps"] for c in caches] == [c.state["steps"] for c in eager_caches] == [step + 1] * 2
-        assert not any(c.state["counted_ahead"] for c in caches)
+        assert [c.state.steps for c in caches] == [c.state.steps for c in eager_caches] == [step + 1] * 2
+        assert not any(c.state.counted_ahead for c in caches)
     assert reranks == eager_reranks
     assert [s for layer, s in eager_reranks if layer == 0] == list(range(rerank_interval, 24, rerank_interval))
 
 
 def test_after_graph_replay_flags_the_mass_of_every_layer():
     fmt, caches, _ = _tiered_layers(32, num_layers=3)
-    caches[1].state["steps"] = 7
+    caches[1].state.steps = 7
     for c in caches:
-        c.state["counted_ahead"] = True
+        c.state.counted_ahead = True
     fmt.after_graph_replay(caches)
-    assert [c.state["steps"] for c in caches] == [0, 7, 0]  # counted before the replay, not here
-    assert all(c.state["mass_pending"] and not c.state["counted_ahead"] for c in caches)
+    assert [c.state.steps for c in caches] == [0, 7, 0]  # counted before the replay, not here
+    assert all(c.state.mass_pending and not c.state.counted_ahead for c in caches)
 
 
 def test_graph_steps_leave_the_host_state_alone():
     """Warm-up and capture run the step with ctx.graph_step (here at a step that would re-rank):
     the staging gets the token, and nothing else changes: no step counted, no re-ranking, no tier,
     slot or mass touched."""
-    import copy
-
     import torch
 
     fmt, caches, reranks = _tiered_layers(4, num_layers=1)
     cache = caches[0]
-    cache.state["steps"] = 3
-    cache.state["mass"] = [float(i) for i in range(8)]
-    before = {key: copy.deepcopy(v) for key, v in cache.state.items() if not isinstance(v, torch.Tensor)}
+    cache.state.steps = 3
+    cache.state.mass = [float(i) for i in range(8)]
+    before = _host_state(cache)
     k = torch.randn(1, 1, 16)
     fmt.write(cache, k, 2 * k, _decode_ctx(21, graph_step=True))
-    assert {key: v for key, v in cache.state.items() if not isinstance(v, torch.Tensor)} == before
+    assert _host_state(cache) == before
     assert not reranks
     staged = lambda x: x[0].to(cache["k_staging"].dtype)  # noqa: E731
     assert torch.equal(cache["k_staging"][0, :, 20 % 16], staged(k))
     assert torch.equal(cache["v_staging"][0, :, 20 % 16], staged(2 * k))
     fmt.write(cache, k, k, _decode_ctx(21))  # the same step eagerly: counted, and it re-ranks
-    assert cache.state["steps"] == 4 and reranks == [(0, 4)]
+    assert cache.state.steps == 4 and reranks == [(0, 4)]
 
 
 def test_demoting_pages_in_one_batch_matches_one_at_a_time():
@@ -175,9 +184,9 @@ def test_demoting_pages_in_one_batch_matches_one_at_a_time():
     for name in ("k_low", "v_low", "k_fp8", "v_fp8"):
         assert torch.equal(caches[0][name], caches[1][name]), name
     for key in ("tier", "fp8_slot"):
-        assert caches[0].state[key] == caches[1].state[key]
-    assert sorted(caches[0].state["free_fp8"]) == sorted(caches[1].state["free_fp8"])
-    assert [caches[0].state["tier"][p] for p in range(5)] == [TIER_LOW, TIER_FP8, TIER_FP8, TIER_LOW, TIER_LOW]
+        assert getattr(caches[0].state, key) == getattr(caches[1].state, key)
+    assert sorted(caches[0].state.free_fp8) == sorted(caches[1].state.free_fp8)
+    assert [caches[0].state.tier[p] for p in range(5)] == [TIER_LOW, TIER_FP8, TIER_FP8, TIER_LOW, TIER_LOW]
     assert caches[0]["k_low"][[0, 3, 4]].abs().sum() > 0
 
 
@@ -195,7 +204,7 @@ def test_storing_pages_in_one_batch_chooses_what_one_at_a_time_chooses():
     fmt = get_kv_format("tiered", torch.float32, codebook="page")
     H, P, D = 2, 16, 32
     caches = [fmt.allocate(8, H, P, D, torch.device("cpu"), 1, torch.float32) for _ in range(2)]
-    assert len(caches[0].state["free_fp8"]) == 3
+    assert len(caches[0].state.free_fp8) == 3
     g = torch.Generator().manual_seed(5)
     kv = lambda: {"k": torch.randn(H, P, D, generator=g), "v": torch.randn(H, P, D, generator=g)}  # noqa: E731
     seq_a = [(page, kv(), list(range(page + 1))) for page in range(6)]
@@ -205,11 +214,11 @@ def test_storing_pages_in_one_batch_chooses_what_one_at_a_time_chooses():
         for item in batch:
             fmt._store_pages(caches[1], [item])
         for cache in caches:  # attention's mass on the first batch's pages: the second demotes by it
-            cache.state["mass"][0], cache.state["mass"][4], cache.state["mass"][5] = 5.0, 1.0, 0.5
+            cache.state.mass[0], cache.state.mass[4], cache.state.mass[5] = 5.0, 1.0, 0.5
     batched, single = caches
     for key in ("tier", "fp8_slot", "free_fp8"):
-        assert batched.state[key] == single.state[key], key
-    tiers = batched.state["tier"]
+        assert getattr(batched.state, key) == getattr(single.state, key), key
+    tiers = batched.state.tier
     # one at a time: pages 1, 2, 3 made room for 3, 4, 5; then the coldest, 5 and 4, for 6 and 7
     assert [p for p, t in enumerate(tiers) if t == TIER_FP8] == [0, 6, 7]
     for name in ("k_fp8", "v_fp8"):
@@ -258,12 +267,12 @@ def test_a_decode_step_that_fills_pages_stores_what_the_general_path_stores():
         fmt.write(cache, k, v, ctx)
         results.append(cache)
     want = results[-1]
-    assert [want.state["tier"][t[n // P - 1]] for t, n in zip(tables, lens) if n % P == 0] == [TIER_FP8] * 3
+    assert [want.state.tier[t[n // P - 1]] for t, n in zip(tables, lens) if n % P == 0] == [TIER_FP8] * 3
     for got in results[:-1]:
         for name in ("k_staging", "v_staging", "k_fp8", "v_fp8", "k_low", "v_low"):
             assert torch.equal(got[name], want[name]), name
         for key in ("tier", "fp8_slot", "free_fp8"):
-            assert got.state[key] == want.state[key], key
+            assert getattr(got.state, key) == getattr(want.state, key), key
 
 
 def test_prepare_graph_step_chooses_fill_slots_or_leaves_the_state_as_it_was():
@@ -283,23 +292,23 @@ def test_prepare_graph_step_chooses_fill_slots_or_leaves_the_state_as_it_was():
     for hot, want in ((5.0, False), (0.0, True)):
         cache = fmt.allocate(32, H, P, D, torch.device("cpu"), 2, torch.float32)  # (2 sequences)
         st = cache.state
-        fmt._store_pages(cache, [(p, kv(), [p]) for p in range(st["scratch_fp8"])])  # the pool full
-        for p in range(st["scratch_fp8"]):
-            st["mass"][p] = hot
-        before = (list(st["tier"]), list(st["fp8_slot"]), list(st["free_fp8"]), cache["k_low"].clone())
+        fmt._store_pages(cache, [(p, kv(), [p]) for p in range(st.scratch_fp8)])  # the pool full
+        for p in range(st.scratch_fp8):
+            st.mass[p] = hot
+        before = (list(st.tier), list(st.fp8_slot), list(st.free_fp8), cache["k_low"].clone())
         # fills of pages 20 and 21 (two sequences whose first pages are 30 and 31)
         host = HostLists([32, 32], [0, 1, 2], [0, 1], [[30, 20], [31, 21]])  # (P = 16)
         assert fmt.prepare_graph_step([cache], host, [20, 21], [30, 31]) is want
         if not want:  # page 20 (no mass yet) would be the coldest when 21 needs a slot
-            assert (st["tier"], st["fp8_slot"], st["free_fp8"]) == before[:3]
-            assert st["steps"] == 0 and not st["counted_ahead"]
+            assert (st.tier, st.fp8_slot, st.free_fp8) == before[:3]
+            assert st.steps == 0 and not st.counted_ahead
             assert torch.equal(cache["k_low"], before[3])
             continue
-        assert st["tier"][20] == st["tier"][21] == TIER_FP8 and st["tier"][0] == st["tier"][1] == TIER_LOW
-        assert st["fill_fp8_dev"][:2].tolist() == [before[1][0], before[1][1]]  # the demoted pages' slots
-        assert (st["fill_fp8_dev"][2:] == st["scratch_fp8"]).all()
+        assert st.tier[20] == st.tier[21] == TIER_FP8 and st.tier[0] == st.tier[1] == TIER_LOW
+        assert st.fill_fp8_dev[:2].tolist() == [before[1][0], before[1][1]]  # the demoted pages' slots
+        assert (st.fill_fp8_dev[2:] == st.scratch_fp8).all()
         assert cache["k_low"][0].abs().sum() > 0 and torch.equal(cache["k_low"][2], before[3][2])
-        assert st["tier_dev"][20].item() == TIER_FP8 and st["slot_dev"][21].item() == before[1][1]
+        assert st.tier_dev[20].item() == TIER_FP8 and st.slot_dev[21].item() == before[1][1]
 
 
 def test_the_fill_slots_return_to_scratch_after_the_replay_that_used_them():
@@ -314,9 +323,9 @@ def test_the_fill_slots_return_to_scratch_after_the_replay_that_used_them():
     cache = fmt.allocate(32, 2, 16, 32, torch.device("cpu"), 2, torch.float32)
     st = cache.state
     assert fmt.prepare_graph_step([cache], HostLists([32], [0, 1], [0], [[30, 20]]), [20], [30])
-    assert st["fill_fp8_dev"][0].item() != st["scratch_fp8"]
+    assert st.fill_fp8_dev[0].item() != st.scratch_fp8
     fmt.after_graph_replay([cache])
-    assert (st["fill_fp8_dev"] == st["scratch_fp8"]).all() and not st["fill_slots_loaded"]
+    assert (st.fill_fp8_dev == st.scratch_fp8).all() and not st.fill_slots_loaded
 
 
 def test_rerank_halves_masses_through_the_weight_of_later_mass():
@@ -336,21 +345,21 @@ def test_rerank_halves_masses_through_the_weight_of_later_mass():
     kv = lambda: {"k": torch.randn(1, P, 16, generator=g), "v": torch.randn(1, P, 16, generator=g)}  # noqa: E731
     fmt._store_pages(cache, [(p, kv(), pages[:p + 1]) for p in pages])
     host = HostLists([8 * P], [0, 1], [0], [pages])
-    want = [0.0] * len(st["mass"])
-    st["mass_weight"] = 2.0 ** 62  # two re-rankings from the fold back
+    want = [0.0] * len(st.mass)
+    st.mass_weight = 2.0 ** 62  # two re-rankings from the fold back
     for r in range(4):
         added = torch.rand(len(pages), generator=g, dtype=torch.float64).tolist()
-        st["mass_dev"][pages] = torch.tensor(added, dtype=torch.float32)
-        st["mass_pending"] = True
-        for p, m in zip(pages, st["mass_dev"][pages].tolist()):
+        st.mass_dev[pages] = torch.tensor(added, dtype=torch.float32)
+        st.mass_pending = True
+        for p, m in zip(pages, st.mass_dev[pages].tolist()):
             want[p] += m
         fmt._rerank(cache, host)
         want = [m * 0.5 for m in want]
         got = [fmt.page_mass(cache, p) for p in pages]
         assert got == [want[p] for p in pages], r  # powers of two: exact
-        assert st["mass_weight"] == (2.0 ** (63 + r) if r < 1 else 2.0 ** (r - 1)), r
+        assert st.mass_weight == (2.0 ** (63 + r) if r < 1 else 2.0 ** (r - 1)), r
         hot = sorted(pages[1:-1], key=lambda p: -want[p])[:2]  # 15% of 8 pages, beside the first and newest
-        assert {p for p in pages if st["tier"][p] == TIER_FP8} <= {pages[0], pages[-1], *hot}
+        assert {p for p in pages if st.tier[p] == TIER_FP8} <= {pages[0], pages[-1], *hot}
 
 
 @pytest.mark.parametrize("num_q, length, window, max_elements", [

@@ -230,7 +230,7 @@ def run_both_ways(fmt_name, dtype, steps, P, observer=False, monkeypatch=None):
     for fuse in (True, False):
         attn = make_attention(dtype)
         attn.fuse_rope_write = fuse
-        fmt = get_kv_format(fmt_name, dtype, residual=32)
+        fmt = get_kv_format(fmt_name, dtype, **({"residual": 32} if fmt_name == "kivi2" else {}))
         attn.kv_format, attn.kv_cache = fmt, fmt.allocate(16, 2, P, 32, torch.device(DEVICE), 4, dtype)
         seen = []
         if observer:

@@ -85,7 +85,7 @@ def kv_read_bytes_per_token(fmt, cfg, block_size: int, cache) -> float:
         return kv_bytes_per_token(fmt, cfg, block_size)
     from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW
 
-    n_fp8, n_low = cache.state["tier"].count(TIER_FP8), cache.state["tier"].count(TIER_LOW)
+    n_fp8, n_low = cache.state.tier.count(TIER_FP8), cache.state.tier.count(TIER_LOW)
     hi, lo = (sum(fmt._slabs(kind, block_size, cfg.head_dim)[i] for kind in ("key", "value")) for i in (0, 1))
     per_page = cfg.num_kv_heads * (n_fp8 * hi + n_low * lo) / max(1, n_fp8 + n_low)
     return cfg.num_layers * per_page / block_size
@@ -111,10 +111,10 @@ def fill_tiered(fmt, cache, cfg, block_size: int, batch: int, pages_per_seq: int
     for b in range(batch):
         for i in range(full):
             page = b * pages_per_seq + i
-            if (i % stride == 0 or i == full - 1) and st["free_fp8"]:
-                st["tier"][page], st["fp8_slot"][page] = TIER_FP8, st["free_fp8"].pop()
+            if (i % stride == 0 or i == full - 1) and st.free_fp8:
+                st.tier[page], st.fp8_slot[page] = TIER_FP8, st.free_fp8.pop()
             else:
-                st["tier"][page] = TIER_LOW
+                st.tier[page] = TIER_LOW
             stored.append(page)
     fmt._sync_pages(cache, stored)
 
@@ -224,7 +224,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
     if need > free_bytes:
         row["skipped"] = f"KV of {need / 2**30:.1f} GiB does not fit beside the weights ({free_bytes / 2**30:.1f} GiB free)"
         return row
-    if not getattr(fmt, "graph_safe", True):
+    if not fmt.graph_support.replays_decode:
         row["skipped"] = ("not graph-safe: the engine runs this format's decode steps eagerly; a graph-captured "
                           "step would not be the engine's")
         return row

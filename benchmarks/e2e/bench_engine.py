@@ -266,7 +266,7 @@ def main() -> None:
         try:
             llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda", kv_cache_dtype=fmt_name,
                       max_model_len=max_len, max_num_seqs=max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                      kv_codebook="page")
+                      kv_codebook="page" if fmt_name in ("nuq2", "tiered") else "auto")
         except Exception as e:  # report and go on with the next format
             result["rows"].append({"kv_cache_dtype": fmt_name, "nuq2_quantize": quantize_impl,
                                    "error": f"{type(e).__name__}: {str(e)[:300]}"})

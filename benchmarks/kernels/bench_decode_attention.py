@@ -421,11 +421,11 @@ def build_tiered_cache(fmt, batch: int, context: int, block_size: int, device, g
     for row in tables[:, :full].tolist():
         for i, page in enumerate(row):
             fp8 = (i % 20) in (3, 10, 16)
-            if fp8 and st["free_fp8"]:
-                st["tier"][page], st["fp8_slot"][page] = TIER_FP8, st["free_fp8"].pop()
+            if fp8 and st.free_fp8:
+                st.tier[page], st.fp8_slot[page] = TIER_FP8, st.free_fp8.pop()
             else:
-                st["tier"][page] = TIER_LOW
-    fmt._sync_pages(cache, [p for p in range(num_blocks) if st["tier"][p]])
+                st.tier[page] = TIER_LOW
+    fmt._sync_pages(cache, [p for p in range(num_blocks) if st.tier[p]])
     ctx = decode_context(tables, context, device)
     assert num_fp8 >= 1
     return cache, ctx
@@ -446,7 +446,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     scale = HEAD_DIM ** -0.5
     full = context // P
-    n_fp8 = sum(st["tier"][p] == TIER_FP8 for p in ctx.block_tables[:, :full].flatten().tolist())
+    n_fp8 = sum(st.tier[p] == TIER_FP8 for p in ctx.block_tables[:, :full].flatten().tolist())
     slab = {t: sum(f.layout(kind, P, HEAD_DIM).slab_bytes for kind in ("key", "value")) for t, f in
             (("fp8", fmt.hi), ("low", fmt.lo))}
     tiles = batch * NUM_HEADS * ctx.block_tables.shape[1] * (P // min(64, P))
@@ -475,7 +475,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
             return fmt.attend_kernel(q, cache, ctx, scale, None, **launch)
 
         def run_nomass(launch=launch):
-            return tiered_decode_attention(q, cache, st["tier_dev"], st["slot_dev"], ctx.block_tables,
+            return tiered_decode_attention(q, cache, st.tier_dev, st.slot_dev, ctx.block_tables,
                                            ctx.context_lens, ctx.seq_slots, scale, None, fmt.hi, fmt.lo,
                                            emit_mass=False, **launch)[0]
         entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm,
@@ -497,8 +497,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             traceback.print_exc(file=sys.stderr)
         results.append(entry)
-    st["mass_dev"].zero_()
-    st["mass_pending"] = False
+    st.mass_dev.zero_()
+    st.mass_pending = False
     row["configs"] = results
     limit = tolerance(row["ref_max_abs"])
     ok = [r for r in results if "ms" in r and r["max_abs_err"] <= limit]

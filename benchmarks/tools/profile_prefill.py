@@ -55,7 +55,7 @@ def main() -> None:
     for fmt in args.formats:
         llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda", kv_cache_dtype=fmt,
                   max_model_len=args.context + 64, max_num_seqs=args.batch, max_num_batched_tokens=tokens,
-                  kv_codebook="page")
+                  kv_codebook="page" if fmt in ("nuq2", "tiered") else "auto")
         engine = llm.engine
         vocab = engine.model_config.vocab_size
         warm = prefill_once(engine, args.batch, args.context, vocab, seed=0)

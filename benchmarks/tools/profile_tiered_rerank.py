@@ -40,7 +40,7 @@ def timed_step(engine) -> float:
 def steps_until_rerank(engine) -> None:
     """Step until the next step re-ranks (every layer counts the same steps)."""
     runner = engine.runner
-    while (runner.kv_caches[0].state["steps"] + 1) % runner.kv_format.rerank_interval:
+    while (runner.kv_caches[0].state.steps + 1) % runner.kv_format.rerank_interval:
         engine.step()
 
 

@@ -97,7 +97,7 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
             if max_registers is None:
                 max_registers = register_cap("tiered", block_size) or 0
 
-            tiered_decode_attention(q, cache, cache.state["tier_dev"], cache.state["slot_dev"],
+            tiered_decode_attention(q, cache, cache.state.tier_dev, cache.state.slot_dev,
                                     torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
                                     torch.arange(2), 0.1, None, fmt.hi, fmt.lo, num_splits=2, block_n=block_n,
                                     num_warps=num_warps, num_stages=num_stages, use_asm=use_asm,

@@ -10,7 +10,7 @@ from moekv.config import default_model_path
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import json
 
-    from moekv.kvcache.calibrate import RECORD_FILE, calibrate
+    from moekv.tools.calibrate import RECORD_FILE, calibrate
 
     out = calibrate(args.model, args.text, args.out, max_tokens=args.max_tokens, window=args.window,
                     block_size=args.block_size, seed=args.seed, progress=not args.quiet)

@@ -9,7 +9,7 @@ from moekv.config import default_model_path
 
 def cmd_info(args: argparse.Namespace) -> int:
     from moekv.config import shipped_kv_calibration
-    from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format
+    from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format, kv_options_for
     from moekv.models.loader import load_model_config
 
     cfg = load_model_config(Path(args.model))
@@ -35,8 +35,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         if name == "auto":
             continue
         try:
-            fmt = get_kv_format(name, cfg.torch_dtype, group_size=args.kv_group_size,
-                                calibration=args.kv_calibration or shipped_kv_calibration(args.model))
+            options = dict(group_size=args.kv_group_size,
+                           calibration=args.kv_calibration or shipped_kv_calibration(args.model))
+            fmt = get_kv_format(name, cfg.torch_dtype, **kv_options_for(name, options))
             fmt.check_layout(cfg.num_kv_heads, args.block_size, cfg.head_dim)
         except ValueError as e:  # e.g. needs calibration, or cannot lay out this block size
             print(f"  {name:<10} n/a: {e}")

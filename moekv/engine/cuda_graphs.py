@@ -14,19 +14,20 @@ between them cost more than the kernels (bench_decode: a Mixtral-8x7B-shaped ste
 - the graph ends with the logits of every row ([bucket, V] fp32); sampling stays outside.
 
 Only steps that `step_fits_graph` accepts take this path (decode-only, every sequence samples and
-needs no other logits rows, and no page fills unless the format's `graph_fills_pages` allows it)
+needs no other logits rows, and no page fills unless the format's `graph_support.replays_fills`)
 and whose host-side work the KV format's `prepare_graph_step` can do before the replay (tiered:
 the fills' FP8 slots, its step count and re-ranking); the model runner keeps the eager path for
 the rest, and for formats or devices that `graphs_unsupported_reason` turns down.
 
 Page-filling steps: plain pages take the token through slot_mapping as in any step. Formats that
-quantize filled pages (`quantizes_filled_pages`) get the step's fills as (staging slot, page)
+quantize filled pages (`graph_support.lists_fills`) get the step's fills as (staging slot, page)
 lists in the Context; each batch bucket then keeps one graph per fill bucket (0, 1, 2, 4, ... up to
 the batch bucket), the fill lists padded with (scratch slot, scratch page). At batch 64 with
 64-token pages, about 63% of decode steps fill a page somewhere: without this they all ran eagerly. The captured Context says
-`graph_step=True`, so formats keep to device work there; before each replay the runner calls the
-format's `prepare_graph_step` and after it `after_graph_replay`, for the host-side bookkeeping the
-replay skips (tiered: the flag that the mass accumulator holds new mass).
+`graph_step=True`, so formats keep to device work there; a format with host-side bookkeeping that
+the replay skips implements GraphStepHooks (tiered: its FP8 slots, step count, re-ranking, and the
+flag that the mass accumulator holds new mass): the runner calls its `prepare_graph_step` before
+each replay and `after_graph_replay` after it.
 """
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def graphs_unsupported_reason(device: torch.device, enforce_eager: bool, kv_form
         return f"device {device} is not CUDA"
     if dtype not in GRAPH_DTYPES:
         return f"model dtype {dtype} (the fused decode kernel takes fp16/bf16 queries)"
-    if not getattr(kv_format, "graph_safe", False):
-        return f"kv_cache_dtype={kv_format.name!r} keeps host-side state (not graph-safe)"
+    if not kv_format.graph_support.replays_decode:
+        return (f"kv_cache_dtype={kv_format.name!r} runs decode steps eagerly "
+                f"(graph_support {kv_format.graph_support.name})")
     reason = kv_format.fused_decode_unavailable(block_size, head_dim)
     if reason is not None:
         return f"kv_cache_dtype={kv_format.name!r} {reason}"
@@ -88,7 +90,7 @@ def fill_buckets(bucket: int) -> list[int]:
 def step_fits_graph(num_tokens: list[int], context_lens: list[int], logits_rows: list[int], block_size: int,
                     max_batch: int, fills_ok: bool = False) -> bool:
     """A step can be replayed when every sequence runs one token, no page becomes full unless the
-    format can fill pages in a graph (fills_ok: its `graph_fills_pages`), the logits rows wanted
+    format can fill pages in a graph (fills_ok: its `graph_support.replays_fills`), the logits rows wanted
     are exactly one per sequence in order (the graph computes every row's logits: a sequence that
     does not sample, or that also wants prompt logits, needs the eager path), and a bucket holds
     the batch."""

@@ -21,7 +21,7 @@ from moekv.engine.cuda_graphs import DecodeGraphs, decode_fills, graphs_unsuppor
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
-from moekv.kvcache.formats.base import nonfinite_verdict, raise_nonfinite
+from moekv.kvcache.formats.base import GraphStepHooks, nonfinite_verdict, raise_nonfinite
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.loader import install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
@@ -183,7 +183,7 @@ class ModelRunner:
         if reason is None:
             self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
                                        self.block_size, self.scratch_page, self.scratch_slot,
-                                       fill_variants=self.kv_format.quantizes_filled_pages,
+                                       fill_variants=self.kv_format.graph_support.lists_fills,
                                        after_forward=self.quantize_filled_pages,
                                        counted_rows=None if self.locality is None else self.locality.count_rows)
         elif self.device.type == "cuda":
@@ -266,7 +266,7 @@ class ModelRunner:
         if self.graphs is None:
             return False
         if not step_fits_graph(num_tokens, context_lens, logits_rows,
-                               self.block_size, self.graphs.max_batch, self.kv_format.graph_fills_pages):
+                               self.block_size, self.graphs.max_batch, self.kv_format.graph_support.replays_fills):
             return False
         return not self._model_is_observed()
 
@@ -286,6 +286,8 @@ class ModelRunner:
         first_pages = ([block_tables[b][0] for b in filling_rows(context_lens, self.block_size)]
                        if fill_pages else [])
         host = HostLists(context_lens, plan.query_start, plan.seq_slots, block_tables)
+        if not isinstance(self.kv_format, GraphStepHooks):
+            return True
         return self.kv_format.prepare_graph_step(self.kv_caches, host, fill_pages, first_pages)
 
     def _model_is_observed(self) -> bool:
@@ -377,7 +379,7 @@ class ModelRunner:
         bs = self.block_size
         decode_only = all(n == 1 for n in num_tokens)
         fill_slots, fill_pages = [], []  # decode steps: the pages this step's tokens complete
-        if decode_only and self.kv_format.quantizes_filled_pages:
+        if decode_only and self.kv_format.graph_support.lists_fills:
             fill_slots, fill_pages = decode_fills(context_lens, seq_slots, block_tables, bs)
         logits, nonfinite = None, None
         if (self.graphs is not None and self.step_uses_graph(num_tokens, context_lens, logits_rows)
@@ -392,7 +394,8 @@ class ModelRunner:
             if logits is not None:  # replayed: the format's host-side bookkeeping for the step
                 if fill_slots:  # what check_finite would have raised in an eager step, read in wait()
                     nonfinite = nonfinite_verdict(self.kv_caches)
-                self.kv_format.after_graph_replay(self.kv_caches)
+                if isinstance(self.kv_format, GraphStepHooks):
+                    self.kv_format.after_graph_replay(self.kv_caches)
         if logits is None:
             max_pages = max(len(table) for table in block_tables)
             tables = [table + [0] * (max_pages - len(table)) for table in block_tables]

@@ -56,7 +56,7 @@ class ServerMetrics:
         stats = engine.stats()
         # series that only some KV formats have (tiered: tier shares and bits read), by the figures they report
         self.tier_share = self.bits_read = None
-        if any(key.startswith("tier_fraction_") for key in stats.kv_format):
+        if any(key.startswith("tier_share_") for key in stats.kv_format):
             self.tier_share = gauge("kv_cache_tier_fraction",
                                     "tiered format: share of encoded (full) pages in each tier, mean over layers.",
                                     ("tier",))
@@ -134,9 +134,8 @@ class ServerMetrics:
             self.locality.set(stats.routing_locality)
             self.fan_out.set(stats.routing_fan_out)
         if self.tier_share is not None:
-            for tier in ("fp8", "nuq2"):
-                self.tier_share.labels(model_name=self._model_name, tier=tier).set(
-                    stats.kv_format.get(f"tier_fraction_{tier}", 0.0))
-            if "bits_per_element_read" in stats.kv_format:
-                self.bits_read.set(stats.kv_format["bits_per_element_read"])
+            for tier, key in (("fp8", "tier_share_fp8"), ("nuq2", "tier_share_low")):
+                self.tier_share.labels(model_name=self._model_name, tier=tier).set(stats.kv_format.get(key, 0.0))
+            if "bits_read" in stats.kv_format:
+                self.bits_read.set(stats.kv_format["bits_read"])
         return generate_latest(self.registry)

@@ -1,46 +1,73 @@
 """Registry of KV formats. A format is one file here: a spec (bytes per page, bits per element)
-plus how it writes a step's K/V into pages and how attention reads them back."""
+plus how it writes a step's K/V into pages and how attention reads them back.
+
+Options reach a format as keyword arguments of its constructor, and only those: an option a format
+does not take is an error naming the ones it does (kv_format_options), never silently ignored."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import importlib
+import inspect
+from typing import Any
 
 import torch
 
-from moekv.kvcache.formats.base import KVFormat, LayerKVCache, PagedQuantFormat
-from moekv.kvcache.formats.fp8 import FP8Format
+from moekv.kvcache.formats.base import GraphStepHooks, GraphSupport, KVFormat, LayerKVCache, PagedQuantFormat
 from moekv.kvcache.formats.names import KV_FORMAT_NAMES
 from moekv.kvcache.formats.plain import PlainKVFormat
 
-_PLAIN = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-# name -> factory(model_dtype, **options). "auto" stores K/V in the model's dtype.
-_FACTORIES: dict[str, Callable[..., KVFormat]] = {
-    "auto": lambda model_dtype, **_: PlainKVFormat(model_dtype),
-    **{name: (lambda dt: lambda model_dtype, **_: PlainKVFormat(dt))(dt) for name, dt in _PLAIN.items()},
-    "fp8_e4m3": lambda model_dtype, **_: FP8Format(),
-    "int4": lambda model_dtype, **o: _lazy("int4", "Int4Format")(**o),
-    "nuq2": lambda model_dtype, **o: _lazy("nuq2", "NUQ2Format")(**o),
-    "vq": lambda model_dtype, **o: _lazy("vq", "VQFormat")(**o),
-    "kivi2": lambda model_dtype, **o: _lazy("kivi", "KIVI2Format")(**o),
-    "tiered": lambda model_dtype, **o: _lazy("tiered", "TieredFormat")(**o),
+# plain formats, by the dtype they store ("auto": the model's); they take no options
+_PLAIN: dict[str, torch.dtype | None] = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                         "fp32": torch.float32}
+# compressed formats: (module in this package, class), imported when first asked for (keeps start-up light)
+_COMPRESSED: dict[str, tuple[str, str]] = {
+    "fp8_e4m3": ("fp8", "FP8Format"),
+    "int4": ("int4", "Int4Format"),
+    "nuq2": ("nuq2", "NUQ2Format"),
+    "vq": ("vq", "VQFormat"),
+    "kivi2": ("kivi", "KIVI2Format"),
+    "tiered": ("tiered", "TieredFormat"),
 }
-if tuple(_FACTORIES) != KV_FORMAT_NAMES:  # the configuration checks names against the list in names.py
-    raise ImportError(f"kvcache/formats/names.py lists {KV_FORMAT_NAMES}, the registry has {tuple(_FACTORIES)}")
+if (*_PLAIN, *_COMPRESSED) != KV_FORMAT_NAMES:  # the configuration checks names against names.py's list
+    raise ImportError(f"kvcache/formats/names.py lists {KV_FORMAT_NAMES}, the registry has {(*_PLAIN, *_COMPRESSED)}")
 
 
-def _lazy(module: str, cls: str):
-    """Import a format's module only when it is asked for (keeps start-up light)."""
-    import importlib
+def _check_name(name: str) -> None:
+    if name not in KV_FORMAT_NAMES:
+        raise ValueError(f"kv_cache_dtype={name!r} is unknown; accepted: {list(KV_FORMAT_NAMES)}")
 
+
+def _format_class(name: str) -> type[KVFormat]:
+    module, cls = _COMPRESSED[name]
     return getattr(importlib.import_module(f"moekv.kvcache.formats.{module}"), cls)
 
 
+def kv_format_options(name: str) -> tuple[str, ...]:
+    """The options format `name` takes: its constructor's keyword arguments, in their order."""
+    _check_name(name)
+    if name in _PLAIN:
+        return ()
+    return tuple(inspect.signature(_format_class(name)).parameters)
+
+
+def kv_options_for(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `options` that format `name` takes: for callers that hold one set of options
+    for several formats on purpose (EngineConfig, `moekv info`) and have checked it themselves."""
+    taken = kv_format_options(name)
+    return {key: value for key, value in options.items() if key in taken}
+
+
 def get_kv_format(name: str, model_dtype: torch.dtype = torch.bfloat16, **options: Any) -> KVFormat:
-    """The format called `name`; options (group_size, outlier_sigma, calibration, ...) go to its
-    constructor, and each format ignores the ones it does not use."""
-    if name not in _FACTORIES:
-        raise ValueError(f"kv_cache_dtype={name!r} is unknown; accepted: {list(KV_FORMAT_NAMES)}")
-    return _FACTORIES[name](model_dtype, **options)
+    """The format called `name`, built with `options` (group_size, outlier_sigma, calibration, ...);
+    ValueError for an unknown name or an option the format does not take."""
+    taken = kv_format_options(name)
+    unknown = sorted(set(options) - set(taken))
+    if unknown:
+        raise ValueError(f"kv_cache_dtype={name!r} does not take the option(s) {unknown}; "
+                         f"it takes: {list(taken) if taken else 'no options'}")
+    if name in _PLAIN:
+        return PlainKVFormat(_PLAIN[name] or model_dtype)
+    return _format_class(name)(**options)
 
 
-__all__ = ["KV_FORMAT_NAMES", "KVFormat", "LayerKVCache", "PagedQuantFormat", "get_kv_format"]
+__all__ = ["KV_FORMAT_NAMES", "GraphStepHooks", "GraphSupport", "KVFormat", "LayerKVCache", "PagedQuantFormat",
+           "get_kv_format", "kv_format_options", "kv_options_for"]

@@ -9,6 +9,7 @@ reads directly. Bits per element count every byte of the slab, padding included.
 """
 from __future__ import annotations
 
+import enum
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ class LayerKVCache:
     # [] bool on the cache's device: a graph step quantized non-finite K/V (flag_nonfinite);
     # allocated by the formats that quantize pages in graph steps, None for the others
     nonfinite: torch.Tensor | None = None
+    # host-side state a format keeps per layer beside the tensors (tiered: its TieredState), or None
+    state: object | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -56,22 +59,40 @@ class RopeWriteTarget:
     v_ring: torch.Tensor | None = None
 
 
+class GraphSupport(enum.Enum):
+    """Which decode steps of a format the engine may replay from a CUDA graph (engine/cuda_graphs.py).
+
+    A replayable step writes and attends without host syncs (write's vectorized path + a fused
+    decode kernel); the runner also needs fused_decode_unavailable() to be None. Host-side state
+    such a step would change is kept by the GraphStepHooks a format may implement.
+    """
+
+    EAGER_ONLY = "eager_only"  # every step runs eagerly
+    DECODE_WITHOUT_FILLS = "decode_without_fills"  # decode steps that fill no page; the others run eagerly
+    # decode steps, page-filling ones too: the filled page takes its token through slot_mapping like any other
+    DECODE_WITH_FILLS = "decode_with_fills"
+    # decode steps, page-filling ones too, whose filled pages the runner lists in ctx.fill_slots /
+    # fill_pages for the format to quantize (quantize_filled_pages); the graph runner then keeps one
+    # graph per number of fills (rounded up to a power of two) in each batch bucket
+    DECODE_WITH_LISTED_FILLS = "decode_with_listed_fills"
+
+    @property
+    def replays_decode(self) -> bool:
+        return self is not GraphSupport.EAGER_ONLY
+
+    @property
+    def replays_fills(self) -> bool:
+        return self in (GraphSupport.DECODE_WITH_FILLS, GraphSupport.DECODE_WITH_LISTED_FILLS)
+
+    @property
+    def lists_fills(self) -> bool:
+        return self is GraphSupport.DECODE_WITH_LISTED_FILLS
+
+
 class KVFormat(ABC):
     name: str
     needs_calibration: bool = False
-    # True when a decode step that fills no page writes and attends without host syncs (write's
-    # vectorized path + a fused decode kernel), so it can be replayed from a CUDA graph; host-side
-    # state such a step would change is kept up to date by prepare_graph_step / after_graph_replay. The
-    # runner also needs fused_decode_unavailable() to be None (engine/cuda_graphs.py)
-    graph_safe: bool = False
-    # True when a graph-safe decode step may also fill pages: plain pages take the token through
-    # slot_mapping like any other; paged formats quantize the filled pages from ctx.fill_slots /
-    # fill_pages after the step's last layer (quantize_filled_pages). False: such steps run eagerly
-    graph_fills_pages: bool = False
-    # True when a decode step's filled pages must be listed in ctx.fill_slots / fill_pages (the
-    # format quantizes them from its staging pages); the graph runner then keeps one graph per
-    # number of fills (rounded up to a power of two) in each batch bucket
-    quantizes_filled_pages: bool = False
+    graph_support: GraphSupport = GraphSupport.EAGER_ONLY
 
     @abstractmethod
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
@@ -154,15 +175,26 @@ class KVFormat(ABC):
             return "has no fused decode kernel at this shape (reference path)"
         return None
 
-    # -- CUDA graphs (engine/model_runner.py): a replay repeats the captured device work only ------
+    def stats(self, caches: list[LayerKVCache]) -> dict[str, float]:
+        """Figures that depend on the run (tiered: the share of pages in each tier), for metrics;
+        none by default. May be read from another thread: a step stale at worst."""
+        return {}
+
+
+class GraphStepHooks(ABC):
+    """Opt-in for a format that keeps host-side state a replayed decode step must not skip: a CUDA
+    graph repeats only the captured device work, so the runner (engine/model_runner.py) calls these
+    around every replay of a format that is an instance of this class."""
+
+    @abstractmethod
     def prepare_graph_step(self, caches: list[LayerKVCache], host: HostLists, fill_pages: list[int],
                            first_pages: list[int]) -> bool:
         """Before every replayed decode step (host: its tables; fill_pages: the pages it fills,
         first_pages: the first page of each one's sequence): host-side work the captured step relies
         on or that an eager step would do (tiered: choosing the fills' FP8 slots, counting the step,
         re-ranking). False, with nothing changed: the step must run eagerly instead."""
-        return True
 
+    @abstractmethod
     def after_graph_replay(self, caches: list[LayerKVCache]) -> None:
         """A decode step was replayed: apply the host-side effects its eager `write` / `attend`
         would have had (every layer's cache in `caches`)."""
@@ -343,9 +375,9 @@ class PagedQuantFormat(KVFormat):
     """A compressed format that quantizes whole pages: subclasses give the layouts and the
     page-level quantize/dequantize; this class handles staging, packing and reading back."""
 
-    graph_safe = True  # decode steps stage with one indexed copy (stage_decode_tokens)
-    graph_fills_pages = True  # ... and quantize the pages they fill in one batch (quantize_filled_pages)
-    quantizes_filled_pages = True
+    # decode steps stage with one indexed copy (stage_decode_tokens) and quantize the pages they
+    # fill in one batch after the last layer (quantize_filled_pages)
+    graph_support = GraphSupport.DECODE_WITH_LISTED_FILLS
     # quantize() does not read per-layer tables, so pages of all layers can go in one batch
     layer_independent_quantize = True
 

@@ -32,7 +32,7 @@ MAX_HEAD_DIM = 256  # outlier indices are uint8
 class Int4Format(PagedQuantFormat):
     name = "int4"
 
-    def __init__(self, group_size: int = 32, outlier_fraction: float = 0.01, **_: object) -> None:
+    def __init__(self, group_size: int = 32, outlier_fraction: float = 0.01) -> None:
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int4: group_size={group_size!r} is not supported; accepted: {list(GROUP_SIZES)}")
         if not 0.0 <= outlier_fraction < 1.0:

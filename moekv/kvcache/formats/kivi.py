@@ -37,8 +37,7 @@ class KIVI2Format(PagedQuantFormat):
     name = "kivi2"
     default_residual = 128  # KIVI's R (EngineConfig.kv_residual passes it through the registry)
 
-    def __init__(self, residual: int | None = None, kivi_residual: int | None = None, group_size: int = GROUP,
-                 **_: object) -> None:
+    def __init__(self, residual: int | None = None, kivi_residual: int | None = None, group_size: int = GROUP) -> None:
         if group_size not in (32, 64):
             raise ValueError(f"kivi2: group_size={group_size!r} is not supported; accepted: 32 (KIVI's default), 64")
         self.group = group_size

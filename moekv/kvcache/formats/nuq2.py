@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from moekv.kvcache.calibration_io import load_calibration
 from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
 
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -203,7 +204,7 @@ class NUQ2Format(PagedQuantFormat):
     name = "nuq2"
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
-                 codebook: str = "auto", quantize_kernel: bool | None = None, **_) -> None:
+                 codebook: str = "auto", quantize_kernel: bool | None = None) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
         (calibrated when the calibration folder has nuq2 codebooks, else per page).
         quantize_kernel: quantize pages on CUDA with the fused kernel (moekv/ops/nuq2_quantize.py);
@@ -217,8 +218,6 @@ class NUQ2Format(PagedQuantFormat):
         self.tau = float(outlier_sigma)
         self.tables: dict[str, torch.Tensor] = {}
         if calibration is not None:
-            from moekv.kvcache.calibrate import load_calibration
-
             self.tables = {k: v for k, v in load_calibration(calibration, "kv_cache_dtype='nuq2'").items()
                            if k.startswith("nuq2.")}
         if codebook == "auto":

@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import PAGE_ALIGN_BYTES, KVFormat, LayerKVCache, RopeWriteTarget, dense_attention
+from moekv.kvcache.formats.base import (PAGE_ALIGN_BYTES, GraphSupport, KVFormat, LayerKVCache, RopeWriteTarget,
+                                       dense_attention)
 from moekv.ops.reference import gather_kv_ref, write_kv_pages_ref
 
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 class PlainKVFormat(KVFormat):
-    graph_safe = True  # one scatter through slot_mapping; fp32 pages have no decode_spec (reference path)
-    graph_fills_pages = True  # a token that fills its page is stored like any other
+    # one scatter through slot_mapping, a token that fills its page like any other (fp32 pages have
+    # no decode_spec: fused_decode_unavailable keeps them eager)
+    graph_support = GraphSupport.DECODE_WITH_FILLS
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

@@ -1,13 +1,15 @@
 """tiered: pages with the most attention mass stay in FP8, the rest drop to nuq2.
 
 Each layer keeps two physical pools, an FP8 pool (fp8_e4m3 slabs) and a low pool (nuq2 slabs),
-and maps every logical page (the block manager's page id) to a slot in one of them. A page that
-fills is quantized to FP8. Attention adds each page's share of the attention mass to a per-page
-score (the fused decode kernel emits it; prefill computes it beside SDPA: key_mass). Every
-`rerank_interval` steps the layer ranks each sequence's full pages: the top `tier1_fraction`, the
-first page (attention sinks) and the newest full page stay in FP8; the rest are re-encoded into
-nuq2 and their FP8 slots return to the FP8 pool's free list. Demotion only: a page in nuq2 has
-already lost the precision FP8 would keep, so promoting it back would cost bytes and buy nothing.
+and maps every logical page (the block manager's page id) to a slot in one of them (TieredState,
+the cache's `state`). A page that fills is quantized to FP8. Attention adds each page's share of
+the attention mass to a per-page score (the fused decode kernel emits it; prefill computes it
+beside SDPA: key_mass). Every `rerank_interval` steps the layer ranks each sequence's full pages:
+the top `tier1_fraction`, the first page (attention sinks) and the newest full page stay in FP8;
+the rest are re-encoded into nuq2 and their FP8 slots return to the FP8 pool's free list. Demotion
+only: a page in nuq2 has already lost the precision FP8 would keep, so promoting it back would
+cost bytes and buy nothing. Which pages go where is decided by tiered_policy.py (plain Python on
+plain lists); this file keeps the state, moves the slabs and mirrors the tiers to the device.
 
 The FP8 pool holds `fp8_pool_fraction` of the pages (headroom above tier1_fraction for pages
 written between re-rankings); when it runs out, the coldest unprotected FP8 page is demoted at
@@ -26,35 +28,73 @@ accumulator, as the eager `attend_kernel` would have.
 """
 from __future__ import annotations
 
-import heapq
 import math
+from dataclasses import dataclass
 
 import torch
 
 from moekv.context import Context, HostLists, filling_rows, to_device
-from moekv.kvcache.formats.base import (LayerKVCache, PagedQuantFormat, RopeWriteTarget, _is_decode_only,
-                                       can_stage_vectorized, check_finite, dense_attention, flag_nonfinite,
-                                       stage_decode_tokens, stage_tokens, staging_tensors)
+from moekv.kvcache.formats.base import (GraphStepHooks, GraphSupport, LayerKVCache, PagedQuantFormat, RopeWriteTarget,
+                                       _is_decode_only, can_stage_vectorized, check_finite, dense_attention,
+                                       flag_nonfinite, stage_decode_tokens, stage_tokens, staging_tensors)
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
+from moekv.kvcache.formats.tiered_policy import (TIER_FP8, TIER_LOW, TIER_NONE, choose_tiers, decayed_weight,
+                                                 is_rerank_step, rerank_demotions, tier_shares)
 
-TIER_NONE, TIER_FP8, TIER_LOW = 0, 1, 2
+
+@dataclass
+class TieredState:
+    """One layer's page state (LayerKVCache.state). The plain-Python fields are the source of truth
+    (writes, demotions, re-ranking: tiered_policy decides on them). The fused decode kernel
+    (moekv/ops/decode_tiered.py) reads device mirrors of the tier map, kept in sync wherever a page
+    changes tier (_sync_pages), and adds its attention mass to a device accumulator that is folded
+    into `mass` before the host reads it (_fold_mass)."""
+
+    tier: list[int]  # per page: TIER_NONE, TIER_FP8 or TIER_LOW
+    fp8_slot: list[int]  # per page: its slot in the FP8 pool, -1 outside it
+    # each page's attention mass, in units of mass_weight: re-ranking halves every mass by doubling
+    # the weight of what is added after it (the ranking only compares masses)
+    mass: list[float]
+    free_fp8: list[int]  # free FP8 slots, the next one taken from the end
+    tier_dev: torch.Tensor  # [pages] int32: the device mirror of tier
+    slot_dev: torch.Tensor  # [pages] int32: the device mirror of fp8_slot
+    mass_dev: torch.Tensor  # [pages] fp32: mass the fused kernel added, not yet in `mass`
+    # a replayed step's fills: the FP8 slot of each (prepare_graph_step), the scratch slot beyond
+    # them and between steps (a capture's warm-up writes its padded fills there)
+    fill_fp8_dev: torch.Tensor  # [max_num_seqs] int64
+    scratch_fp8: int  # the FP8 pool's scratch slot, never handed out
+    mass_weight: float = 1.0
+    steps: int = 0  # steps this layer has counted (re-ranking every rerank_interval)
+    # prepare_graph_step counted (and maybe re-ranked) the coming step: set until its replay is
+    # done; an eager step that finds it set (the replay failed) counts nothing
+    counted_ahead: bool = False
+    mass_pending: bool = False  # mass_dev holds mass not yet in `mass`
+    fill_slots_loaded: bool = False  # fill_fp8_dev holds real slots until the replay is done
+
+    @classmethod
+    def empty(cls, num_blocks: int, num_fp8: int, max_num_seqs: int, device: torch.device) -> TieredState:
+        """Every page free, FP8 slots 0..num_fp8-1 free (slot num_fp8 is the scratch slot)."""
+        return cls(tier=[TIER_NONE] * num_blocks, fp8_slot=[-1] * num_blocks, mass=[0.0] * num_blocks,
+                   free_fp8=list(range(num_fp8 - 1, -1, -1)),
+                   tier_dev=torch.zeros(num_blocks, dtype=torch.int32, device=device),
+                   slot_dev=torch.full((num_blocks,), -1, dtype=torch.int32, device=device),
+                   mass_dev=torch.zeros(num_blocks, dtype=torch.float32, device=device),
+                   fill_fp8_dev=torch.full((max_num_seqs,), num_fp8, dtype=torch.long, device=device),
+                   scratch_fp8=num_fp8)
 
 
-class TieredFormat(PagedQuantFormat):
+class TieredFormat(PagedQuantFormat, GraphStepHooks):
     name = "tiered"
     # decode steps are device-only; the host-side step count, re-ranking and mass flag are kept by
-    # prepare_graph_step / after_graph_replay
-    graph_safe = True
-    # a page that fills takes an FP8 slot from a host-side free list (and may demote another page):
-    # in a replayed step the slots are chosen before it (prepare_graph_step) and read from a
-    # device buffer by the captured write
-    graph_fills_pages = True
-    quantizes_filled_pages = True  # (the runner lists the fills; write stores them, before attention)
+    # the GraphStepHooks. A page that fills takes an FP8 slot from a host-side free list (and may
+    # demote another page): in a replayed step the slots are chosen before it (prepare_graph_step)
+    # and read from a device buffer by the captured write, which stores the listed fills itself
+    graph_support = GraphSupport.DECODE_WITH_LISTED_FILLS
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,
-                 fused_decode: bool = True, **_) -> None:
+                 fused_decode: bool = True) -> None:
         # The fused two-tier decode kernel (checked against the reference on the H200,
         # benchmarks/results/h200/gpu_tests.log); fused_decode=False keeps the reference path.
         self.fused_decode = fused_decode
@@ -87,6 +127,15 @@ class TieredFormat(PagedQuantFormat):
     def measured_bits_per_element(self) -> float | None:
         return self.bits_read / self.elements_read if self.elements_read else None
 
+    def stats(self, caches) -> dict[str, float]:
+        """The share of stored pages in each tier (averaged over layers) and, once attention has read
+        any, the bits per element it read. From another thread the tier lists may be a step stale."""
+        fp8, low = tier_shares([list(c.state.tier) for c in caches])
+        out = {"tier_share_fp8": fp8, "tier_share_low": low}
+        if self.measured_bits_per_element is not None:
+            out["bits_read"] = self.measured_bits_per_element
+        return out
+
     # -- pools -----------------------------------------------------------------------------------
     def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype) -> LayerKVCache:
         num_fp8 = max(min(num_blocks, 3 * max_num_seqs), math.ceil(self.fp8_pool_fraction * num_blocks))
@@ -96,69 +145,43 @@ class TieredFormat(PagedQuantFormat):
             # one slot more: the scratch slot the padded fills of a replayed step write to
             t[f"{name}_fp8"] = torch.zeros(num_fp8 + 1, num_kv_heads, hi, dtype=torch.uint8, device=device)
             t[f"{name}_low"] = torch.zeros(num_blocks, num_kv_heads, lo, dtype=torch.uint8, device=device)
-        cache = LayerKVCache(t, nonfinite=torch.zeros((), dtype=torch.bool, device=device))
-        # Page state in plain Python: the source of truth (writes, demotions, re-ranking). The fused
-        # decode kernel (moekv/ops/decode_tiered.py) reads device mirrors of the tier map, kept in
-        # sync wherever a page changes tier (_sync_pages), and adds its attention mass to a device
-        # accumulator that is folded into "mass" before the host reads it (_fold_mass).
-        cache.state = {
-            "tier": [TIER_NONE] * num_blocks,
-            "fp8_slot": [-1] * num_blocks,
-            # each page's attention mass, in units of mass_weight: re-ranking halves every mass by
-            # doubling the weight of what is added after it (the ranking only compares masses)
-            "mass": [0.0] * num_blocks,
-            "mass_weight": 1.0,
-            "free_fp8": list(range(num_fp8 - 1, -1, -1)),
-            "steps": 0,
-            # prepare_graph_step counted (and maybe re-ranked) the coming step: set until its
-            # replay is done; an eager step that finds it set (the replay failed) counts nothing
-            "counted_ahead": False,
-            "tier_dev": torch.zeros(num_blocks, dtype=torch.int32, device=device),
-            "slot_dev": torch.full((num_blocks,), -1, dtype=torch.int32, device=device),
-            "mass_dev": torch.zeros(num_blocks, dtype=torch.float32, device=device),
-            "mass_pending": False,  # mass_dev holds mass not yet in "mass"
-            # a replayed step's fills: the FP8 slot of each (prepare_graph_step), the scratch slot
-            # beyond them and between steps (a capture's warm-up writes its padded fills there)
-            "scratch_fp8": num_fp8,
-            "fill_fp8_dev": torch.full((max_num_seqs,), num_fp8, dtype=torch.long, device=device),
-            "fill_slots_loaded": False,  # fill_fp8_dev holds real slots until the replay is done
-        }
-        return cache
+        return LayerKVCache(t, nonfinite=torch.zeros((), dtype=torch.bool, device=device),
+                            state=TieredState.empty(num_blocks, num_fp8, max_num_seqs, device))
 
     def _sync_pages(self, cache, pages: list[int], zero_mass: bool = False) -> None:
         """Copy the pages' tier and FP8 slot to the device mirrors (and clear their pending mass)."""
         if not pages:
             return
         st = cache.state
-        dev = st["tier_dev"].device
+        dev = st.tier_dev.device
         # to_device: a plain torch.tensor(..., device=cuda) waits for the queued step (async scheduling)
         idx = to_device(pages, torch.long, dev)
-        st["tier_dev"][idx] = to_device([st["tier"][p] for p in pages], torch.int32, dev)
-        st["slot_dev"][idx] = to_device([st["fp8_slot"][p] for p in pages], torch.int32, dev)
-        if zero_mass and st["mass_pending"]:
-            st["mass_dev"][idx] = 0.0
+        st.tier_dev[idx] = to_device([st.tier[p] for p in pages], torch.int32, dev)
+        st.slot_dev[idx] = to_device([st.fp8_slot[p] for p in pages], torch.int32, dev)
+        if zero_mass and st.mass_pending:
+            st.mass_dev[idx] = 0.0
 
     def _fold_mass(self, cache) -> None:
         """Add the kernel's accumulated mass to the host scores (one device-to-host copy)."""
         st = cache.state
-        if st["mass_pending"]:
-            pages = st["mass_dev"].nonzero().flatten()
-            weight = st["mass_weight"]
-            for page, m in zip(pages.tolist(), st["mass_dev"][pages].tolist()):
+        if st.mass_pending:
+            pages = st.mass_dev.nonzero().flatten()
+            weight = st.mass_weight
+            for page, m in zip(pages.tolist(), st.mass_dev[pages].tolist()):
                 # only stored pages are ranked: mass on a page in no tier (free, being filled, or the
                 # graph runner's scratch page that padded rows point at) is dropped
-                if st["tier"][page] != TIER_NONE:
-                    st["mass"][page] += m * weight
-            st["mass_dev"].zero_()
-            st["mass_pending"] = False
+                if st.tier[page] != TIER_NONE:
+                    st.mass[page] += m * weight
+            st.mass_dev.zero_()
+            st.mass_pending = False
 
     def release_pages(self, cache, pages) -> None:
         st = cache.state
         pages = list(pages)
         for page in pages:
-            if st["tier"][page] == TIER_FP8:
-                st["free_fp8"].append(st["fp8_slot"][page])
-            st["tier"][page], st["fp8_slot"][page], st["mass"][page] = TIER_NONE, -1, 0.0
+            if st.tier[page] == TIER_FP8:
+                st.free_fp8.append(st.fp8_slot[page])
+            st.tier[page], st.fp8_slot[page], st.mass[page] = TIER_NONE, -1, 0.0
         self._sync_pages(cache, pages, zero_mass=True)
 
     # -- writing ---------------------------------------------------------------------------------
@@ -185,8 +208,8 @@ class TieredFormat(PagedQuantFormat):
                                           for (b, page_idx), kv in completed.items()])
         if ctx.graph_step:  # warm-up, capture or replay: prepare_graph_step counts replayed steps
             return
-        if st["counted_ahead"]:  # prepared for a replay that failed: counted (and re-ranked) already
-            st["counted_ahead"] = False
+        if st.counted_ahead:  # prepared for a replay that failed: counted (and re-ranked) already
+            st.counted_ahead = False
             return
         self._count_step(cache, ctx.host_lists())
 
@@ -202,34 +225,18 @@ class TieredFormat(PagedQuantFormat):
     def _count_step(self, cache, host: HostLists) -> None:
         """The host side of a step, after its pages are stored: count it, and re-rank every
         `rerank_interval` steps."""
-        cache.state["steps"] += 1
-        if cache.state["steps"] % self.rerank_interval == 0:
+        cache.state.steps += 1
+        if is_rerank_step(cache.state.steps, self.rerank_interval):
             self._rerank(cache, host)
-
-    def stats(self, caches) -> dict[str, float]:
-        """tier_fraction_fp8 / tier_fraction_nuq2: share of encoded (full) pages in each tier, mean
-        over layers; bits_per_element_read: bits per element attention has read so far (once it has).
-        The page tiers are plain lists: read from another thread while the engine steps, they may be
-        one step stale."""
-        shares = {"tier_fraction_fp8": 0.0, "tier_fraction_nuq2": 0.0}
-        for cache in caches:
-            tiers = list(cache.state["tier"])
-            used = len(tiers) - tiers.count(TIER_NONE) or 1
-            shares["tier_fraction_fp8"] += tiers.count(TIER_FP8) / used / len(caches)
-            shares["tier_fraction_nuq2"] += tiers.count(TIER_LOW) / used / len(caches)
-        measured = self.measured_bits_per_element
-        if measured is not None:
-            shares["bits_per_element_read"] = measured
-        return shares
 
     # -- CUDA graphs -------------------------------------------------------------------------------
     def after_graph_replay(self, caches) -> None:
         for c in caches:
-            c.state["counted_ahead"] = False  # prepare_graph_step's count stands: the replay ran
-            c.state["mass_pending"] = True  # attend_kernel's flag: the replay added to mass_dev
-            if c.state["fill_slots_loaded"]:  # back to the scratch slot (queued after the replay)
-                c.state["fill_fp8_dev"].fill_(c.state["scratch_fp8"])
-                c.state["fill_slots_loaded"] = False
+            c.state.counted_ahead = False  # prepare_graph_step's count stands: the replay ran
+            c.state.mass_pending = True  # attend_kernel's flag: the replay added to mass_dev
+            if c.state.fill_slots_loaded:  # back to the scratch slot (queued after the replay)
+                c.state.fill_fp8_dev.fill_(c.state.scratch_fp8)
+                c.state.fill_slots_loaded = False
 
     def prepare_graph_step(self, caches, host: HostLists, fill_pages: list[int], first_pages: list[int]) -> bool:
         """Before a replayed step, what its eager `write` would do on the host, in the same order:
@@ -239,7 +246,7 @@ class TieredFormat(PagedQuantFormat):
             return False
         for c in caches:
             self._count_step(c, host)
-            c.state["counted_ahead"] = True  # if the replay fails, the eager step must not count again
+            c.state.counted_ahead = True  # if the replay fails, the eager step must not count again
         return True
 
     def _prepare_fills(self, caches, fill_pages: list[int], first_pages: list[int]) -> bool:
@@ -254,28 +261,28 @@ class TieredFormat(PagedQuantFormat):
         for c in caches:
             st = c.state
             # a recomputed page starts over (the others are in no tier: nothing to release)
-            self.release_pages(c, [p for p in fill_pages if st["tier"][p] != TIER_NONE])
-            before = (list(st["tier"]), list(st["fp8_slot"]), list(st["free_fp8"]))
+            self.release_pages(c, [p for p in fill_pages if st.tier[p] != TIER_NONE])
+            before = (list(st.tier), list(st.fp8_slot), list(st.free_fp8))
             chosen.append((c, before, self._choose_tiers(c, pages)))
         if any(to_low for _, _, (_, to_low, _) in chosen):
             for c, (tier, fp8_slot, free_fp8), _ in chosen:
-                c.state["tier"], c.state["fp8_slot"], c.state["free_fp8"] = tier, fp8_slot, free_fp8
+                c.state.tier, c.state.fp8_slot, c.state.free_fp8 = tier, fp8_slot, free_fp8
             return False
         for c, _, (to_fp8, _, demoted) in chosen:
             st = c.state
             self._reencode_low(c, [p for p, _ in demoted], [slot for _, slot in demoted])
             slots = [to_fp8[page] for page in fill_pages]
-            pad = st["fill_fp8_dev"].numel() - len(slots)
-            st["fill_fp8_dev"].copy_(to_device(slots + [st["scratch_fp8"]] * pad, torch.long, st["fill_fp8_dev"].device))
+            pad = st.fill_fp8_dev.numel() - len(slots)
+            st.fill_fp8_dev.copy_(to_device(slots + [st.scratch_fp8] * pad, torch.long, st.fill_fp8_dev.device))
             self._sync_pages(c, [p for p, _ in demoted] + fill_pages)
-            st["fill_slots_loaded"] = True
+            st.fill_slots_loaded = True
         return True
 
     def _store_fills_in_graph(self, cache, ctx: Context) -> None:
         """Inside a replayed step: the staging pages it completed (ctx.fill_slots, padded with the
         scratch slot) quantized to FP8 into the slots _prepare_fills chose (fill_fp8_dev)."""
         F = ctx.fill_slots.numel()
-        dest = cache.state["fill_fp8_dev"][:F]
+        dest = cache.state.fill_fp8_dev[:F]
         for name, kind in (("k", "key"), ("v", "value")):
             x = cache[f"{name}_staging"][ctx.fill_slots]  # [F, Hkv, P, D]
             flag_nonfinite(cache, x)
@@ -326,43 +333,15 @@ class TieredFormat(PagedQuantFormat):
         self._sync_pages(cache, [p for p, _ in demoted] + list(to_fp8) + list(to_low))
 
     def _choose_tiers(self, cache, pages: list[tuple[int, list[int]]]):
-        """The host side of storing pages (page, its sequence's pages up to it), in order, as one at
-        a time would: a free FP8 slot each; with none free, the coldest FP8 page outside the
-        sequence's first and this one gives up its slot. Updates the page state; -> (page -> FP8
-        slot, pages for the low tier, (page, slot) of the FP8 pages stored before that were demoted:
-        their slabs must be re-encoded before the slots are written). A page of the batch that a
-        later page demotes goes to the low tier directly."""
+        """The host side of storing pages (page, its sequence's pages up to it): tiered_policy's
+        choose_tiers on this layer's page state, with the kernel's mass folded in when it is read."""
         st = cache.state
-        to_fp8: dict[int, int] = {}
-        to_low: list[int] = []
-        demoted: list[tuple[int, int]] = []
-        coldest: list[tuple[float, int]] | None = None  # heap of (mass, page) over the FP8 pages
-        for page, protect in pages:
-            if not st["free_fp8"]:
-                if coldest is None:
-                    self._fold_mass(cache)
-                    coldest = [(st["mass"][p], p) for p, t in enumerate(st["tier"]) if t == TIER_FP8]
-                    heapq.heapify(coldest)
-                victim = _pop_coldest(coldest, exclude=set(protect[:1] + protect[-1:]))
-                if victim is not None:
-                    slot = st["fp8_slot"][victim]
-                    if victim in to_fp8:  # a page of this batch: never written to FP8
-                        del to_fp8[victim]
-                        to_low.append(victim)
-                    else:
-                        demoted.append((victim, slot))
-                    st["tier"][victim], st["fp8_slot"][victim] = TIER_LOW, -1
-                    st["free_fp8"].append(slot)
-            if st["free_fp8"]:
-                slot = st["free_fp8"].pop()
-                st["tier"][page], st["fp8_slot"][page] = TIER_FP8, slot
-                to_fp8[page] = slot
-                if coldest is not None:
-                    heapq.heappush(coldest, (0.0, page))  # released: no mass yet
-            else:  # every FP8 page is protected: this one goes straight to the low tier
-                st["tier"][page] = TIER_LOW
-                to_low.append(page)
-        return to_fp8, to_low, demoted
+
+        def current_mass() -> list[float]:
+            self._fold_mass(cache)
+            return st.mass
+
+        return choose_tiers(pages, st.tier, st.fp8_slot, st.free_fp8, current_mass)
 
     def _reencode_low(self, cache, pages: list[int], slots: list[int]) -> None:
         """Device work of a demotion: the FP8 slabs in `slots` re-encoded into nuq2 as `pages`."""
@@ -384,11 +363,11 @@ class TieredFormat(PagedQuantFormat):
         if not pages:
             return
         st = cache.state
-        slots = [st["fp8_slot"][page] for page in pages]
+        slots = [st.fp8_slot[page] for page in pages]
         self._reencode_low(cache, pages, slots)
         for page, slot in zip(pages, slots):
-            st["free_fp8"].append(slot)
-            st["tier"][page], st["fp8_slot"][page] = TIER_LOW, -1
+            st.free_fp8.append(slot)
+            st.tier[page], st.fp8_slot[page] = TIER_LOW, -1
         self._sync_pages(cache, pages)
 
     def _rerank(self, cache, host: HostLists) -> None:
@@ -398,26 +377,16 @@ class TieredFormat(PagedQuantFormat):
         st = cache.state
         self._fold_mass(cache)
         block_size = cache["k_staging"].shape[2]
-        demote = []
-        for b, length in enumerate(host.context_lens):
-            full = host.block_tables[b][:length // block_size]
-            if len(full) <= 2:
-                continue
-            keep = set(sorted(full, key=lambda p: -st["mass"][p])[:math.ceil(self.tier1_fraction * len(full))])
-            keep |= {full[0], full[-1]}
-            demote += [page for page in full if page not in keep and st["tier"][page] == TIER_FP8]
-        self._demote(cache, demote)
-        # every page's mass halves: the weight of the mass added from now on doubles (a pass over
-        # every page of the pool, ~2 ms a layer at 21k pages, only when the weight grows large)
-        st["mass_weight"] *= 2.0
-        if st["mass_weight"] >= 2.0 ** 64:
-            st["mass"] = [m / st["mass_weight"] for m in st["mass"]]
-            st["mass_weight"] = 1.0
+        full_pages = [host.block_tables[b][:length // block_size] for b, length in enumerate(host.context_lens)]
+        self._demote(cache, rerank_demotions(full_pages, st.tier, st.mass, self.tier1_fraction))
+        # the weight doubles (a pass over every page of the pool, ~2 ms a layer at 21k pages, only
+        # when the weight grows large)
+        st.mass, st.mass_weight = decayed_weight(st.mass, st.mass_weight)
 
     @staticmethod
     def page_mass(cache, page: int) -> float:
         """A page's decayed attention mass (what the ranking compares)."""
-        return cache.state["mass"][page] / cache.state["mass_weight"]
+        return cache.state.mass[page] / cache.state.mass_weight
 
     # -- reading ---------------------------------------------------------------------------------
     def _gather_pages(self, cache, pages: list[int], kind: str) -> torch.Tensor:
@@ -427,10 +396,10 @@ class TieredFormat(PagedQuantFormat):
         P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
         out = torch.empty(len(pages), cache["k_staging"].shape[1], P, D, device=cache["k_staging"].device)
         for tier, fmt, pool in ((TIER_FP8, self.hi, "fp8"), (TIER_LOW, self.lo, "low")):
-            idx = [i for i, p in enumerate(pages) if st["tier"][p] == tier]
+            idx = [i for i, p in enumerate(pages) if st.tier[p] == tier]
             if not idx:
                 continue
-            rows = [st["fp8_slot"][pages[i]] if tier == TIER_FP8 else pages[i] for i in idx]
+            rows = [st.fp8_slot[pages[i]] if tier == TIER_FP8 else pages[i] for i in idx]
             slabs = cache[f"{name}_{pool}"][to_device(rows, torch.long, out.device)]
             layout = fmt.layout(kind, P, D)
             out[to_device(idx, torch.long, out.device)] = fmt.dequantize(layout.unpack(slabs), kind, cache.layer)
@@ -488,10 +457,10 @@ class TieredFormat(PagedQuantFormat):
         from moekv.ops.decode_tiered import tiered_decode_attention
 
         st = cache.state
-        out, _ = tiered_decode_attention(q, cache, st["tier_dev"], st["slot_dev"], ctx.block_tables,
+        out, _ = tiered_decode_attention(q, cache, st.tier_dev, st.slot_dev, ctx.block_tables,
                                          ctx.context_lens, ctx.seq_slots, scale, sliding_window,
-                                         self.hi, self.lo, mass_into=st["mass_dev"], **launch)
-        st["mass_pending"] = True  # host-side: a replay skips it (after_graph_replay sets it)
+                                         self.hi, self.lo, mass_into=st.mass_dev, **launch)
+        st.mass_pending = True  # host-side: a replay skips it (after_graph_replay sets it)
         return out
 
     def attend_reference(self, q, cache, ctx, scale, sliding_window):
@@ -511,9 +480,9 @@ class TieredFormat(PagedQuantFormat):
             num_full = length // P
             if num_full:
                 mass = key_mass(q[starts[b]:starts[b + 1]], k, scale, sliding_window, num_full * P)
-                weight = st["mass_weight"]
+                weight = st.mass_weight
                 for page, m in zip(host.block_tables[b][:num_full], mass.reshape(num_full, P).sum(-1).tolist()):
-                    st["mass"][page] += m * weight
+                    st.mass[page] += m * weight
             return k, self.gather(cache, ctx, b, length, "value")
 
         return dense_attention(q, ctx, gather_and_rank, scale, sliding_window)
@@ -561,22 +530,6 @@ def key_mass(q: torch.Tensor, k: torch.Tensor, scale: float, sliding_window: int
         end = min(hi, num_keys)
         mass[lo:end] += probs[..., :end - lo].sum(dim=(0, 1, 2))
     return mass
-
-
-def _pop_coldest(heap: list[tuple[float, int]], exclude: set[int]) -> int | None:
-    """The page of least mass on the heap outside `exclude` (the lowest page among equal masses, as
-    min over the pages in order picks), removed from it; the excluded ones stay. None if none."""
-    skipped, found = [], None
-    while heap:
-        entry = heapq.heappop(heap)
-        if entry[1] in exclude:
-            skipped.append(entry)
-        else:
-            found = entry[1]
-            break
-    for entry in skipped:
-        heapq.heappush(heap, entry)
-    return found
 
 
 def _kernel_shape_ok(block_size: int, head_dim: int) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from moekv.kvcache.calibration_io import load_calibration, save_calibration
 from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
 from moekv.kvcache.formats.nuq2 import (FP8_MAX, NO_OUTLIER, apply_outliers, fit_slots_to_padding, outlier_fields,
                                         pick_largest, store_outliers)
@@ -114,16 +115,13 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
 class VQFormat(PagedQuantFormat):
     name = "vq"
     needs_calibration = True
-    # decode_spec() returns the fused kernel; its tables are copied to the device on the first call,
-    # which the CUDA-graph runner's warm-up (before capture) makes
-    graph_safe = True
+    # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
+    # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
 
-    def __init__(self, calibration: str | Path | None = None, **_) -> None:
+    def __init__(self, calibration: str | Path | None = None) -> None:
         if calibration is None:
             raise ValueError(NEEDS_CALIBRATION)
-        from moekv.kvcache.calibrate import load_calibration
-
         self.tables = load_calibration(calibration, "kv_cache_dtype='vq'")
         self.calibration = Path(calibration)
         self.sub_dim = self.codebook("key", 0).shape[-1]  # as calibrated (SUB_DIM by default)
@@ -243,12 +241,6 @@ def random_calibration(folder: str | Path, num_kv_heads: int, head_dim: int, num
     """A calibration folder for benchmarks and kernel tests (no model): codebooks and key channel
     scales fitted on Gaussian pages (keys with two offset channels per head, as post-RoPE keys have),
     the same for every layer. Returns the folder."""
-    from safetensors.torch import save_file
-
-    from moekv.kvcache.calibrate import CALIBRATION_FILE
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     pages = torch.randn(16, num_kv_heads, 64, head_dim, generator=g)
     keys = pages.clone()
@@ -262,5 +254,4 @@ def random_calibration(folder: str | Path, num_kv_heads: int, head_dim: int, num
         tables[f"vq.layer{layer}.key.chan_scale"] = scale
         tables[f"vq.layer{layer}.key.codebook"] = k_book
         tables[f"vq.layer{layer}.value.codebook"] = v_book
-    save_file(tables, str(folder / CALIBRATION_FILE))
-    return folder
+    return save_calibration(folder, tables)

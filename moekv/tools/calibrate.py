@@ -1,5 +1,8 @@
 """calibrate: fit the KV formats' learned tables (VQ codebooks, key channel scales, nuq2 codebooks) on text.
 
+A tool above the engine: it drives an LLM over the text and fits what the formats read back
+through moekv/kvcache/calibration_io.py.
+
 Calibration text runs through the engine in fp32 with an fp32 cache; every attention layer's
 observer hands over the post-RoPE K/V of each window, which are cut into pages of `block_size`
 tokens (formats take some statistics, such as the key channel means, per page) and subsampled
@@ -14,26 +17,18 @@ to a bounded number of pages per layer. The result is one safetensors file plus 
 from __future__ import annotations
 
 import datetime
-import json
 import math
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-CALIBRATION_FILE = "kv_calibration.safetensors"
-RECORD_FILE = "kv_calibration.json"
+from moekv.eval.perplexity import read_text_tokens
+from moekv.kvcache.calibration_io import RECORD_FILE, save_calibration
+from moekv.kvcache.formats import nuq2, vq
+from moekv.llm import LLM
 
-
-def load_calibration(folder: str | Path, what: str) -> dict[str, torch.Tensor]:
-    """The tensors of a calibration folder; `what` names the format asking (for the error message)."""
-    path = Path(folder) / CALIBRATION_FILE
-    if not path.is_file():
-        raise ValueError(f"{what}: no {CALIBRATION_FILE} in kv_calibration={str(folder)!r}; run `moekv calibrate "
-                         "--model PATH --text FILE --out DIR` and pass kv_calibration=DIR")
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
+__all__ = ["RECORD_FILE", "PageSampler", "calibrate", "collect_pages", "fit_tables"]
 
 
 class PageSampler:
@@ -93,8 +88,6 @@ def collect_pages(llm, ids: list[int], window: int, block_size: int, max_pages: 
 def fit_tables(sampler: PageSampler, num_layers: int, seed: int, progress: bool,
                vq_sub_dim: int, vq_iters: int, vq_max_vectors: int) -> dict[str, torch.Tensor]:
     """Every learned table, by name (see the module docstring)."""
-    from moekv.kvcache.formats import nuq2, vq
-
     generator = torch.Generator().manual_seed(seed)
     tables: dict[str, torch.Tensor] = {}
     steps = [(layer, kind) for layer in range(num_layers) for kind in ("key", "value")]
@@ -120,11 +113,6 @@ def calibrate(model_dir: str | Path, text_path: str | Path, out_dir: str | Path,
     pages kept per layer and kind (fewer if the kept K/V would pass max_sample_bytes); vq_* the
     codebook fit (channels per subvector, Lloyd iterations, vectors per codebook).
     """
-    from safetensors.torch import save_file
-
-    from moekv.eval.perplexity import read_text_tokens
-    from moekv.llm import LLM
-
     if max_tokens < block_size:
         raise ValueError(f"max_tokens={max_tokens} must be at least block_size={block_size}")
     llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp32", max_num_seqs=1)
@@ -140,9 +128,6 @@ def calibrate(model_dir: str | Path, text_path: str | Path, out_dir: str | Path,
     max_pages = max(1, min(max_pages, max_sample_bytes // page_bytes))
     sampler = collect_pages(llm, ids, window, block_size, max_pages, seed, progress)
     tables = fit_tables(sampler, cfg.num_layers, seed, progress, vq_sub_dim, vq_iters, vq_max_vectors)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tables, str(out / CALIBRATION_FILE))
     record = {
         "model": str(Path(model_dir).resolve()), "text": str(Path(text_path).resolve()),
         "tokens_used": len(ids), "window": window, "block_size": block_size,
@@ -156,5 +141,4 @@ def calibrate(model_dir: str | Path, text_path: str | Path, out_dir: str | Path,
         "total_bytes": sum(t.numel() * t.element_size() for t in tables.values()),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    (out / RECORD_FILE).write_text(json.dumps(record, indent=2))
-    return out
+    return save_calibration(out_dir, tables, record)

@@ -1,0 +1,40 @@
+"""calibration_io: the calibration folder's files, read by the formats and written by `moekv calibrate`.
+
+  DIR/kv_calibration.safetensors  the learned tables by name (vq.layer{l}.*, nuq2.layer{l}.*)
+  DIR/kv_calibration.json         what they were fitted on (model, text, tokens, shapes, bytes, date)
+
+A leaf module: the formats import it to read the tables, the calibration tool (moekv/tools/calibrate.py)
+to write them; it imports neither.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CALIBRATION_FILE = "kv_calibration.safetensors"
+RECORD_FILE = "kv_calibration.json"
+
+
+def load_calibration(folder: str | Path, what: str) -> dict[str, torch.Tensor]:
+    """The tensors of a calibration folder; `what` names the format asking (for the error message)."""
+    path = Path(folder) / CALIBRATION_FILE
+    if not path.is_file():
+        raise ValueError(f"{what}: no {CALIBRATION_FILE} in kv_calibration={str(folder)!r}; run `moekv calibrate "
+                         "--model PATH --text FILE --out DIR` and pass kv_calibration=DIR")
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def save_calibration(folder: str | Path, tables: dict[str, torch.Tensor], record: dict | None = None) -> Path:
+    """Write `tables` (and the JSON `record`, when given) into `folder`, made if missing; returns it."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in tables.items()}, str(folder / CALIBRATION_FILE))
+    if record is not None:
+        (folder / RECORD_FILE).write_text(json.dumps(record, indent=2))
+    return folder

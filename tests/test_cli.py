@@ -94,15 +94,15 @@ def test_engine_flags_reach_the_engine_config():
     from moekv.cli import build_parser, engine_config_from
 
     args = build_parser().parse_args(["serve", "--max-model-len", "64", "--block-size", "32", "--kv-cache-dtype",
-                                      "int4", "--enforce-eager", "--no-async-scheduling", "--engine-seed", "7",
+                                      "tiered", "--enforce-eager", "--no-async-scheduling", "--engine-seed", "7",
                                       "--kv-tier1-fraction", "0.25", "--load-format", "dummy"])
     cfg = engine_config_from(args)
     assert (cfg.max_model_len, cfg.block_size, cfg.kv_cache_dtype, cfg.enforce_eager, cfg.async_scheduling,
-            cfg.seed, cfg.kv_tier1_fraction, cfg.load_format) == (64, 32, "int4", True, False, 7, 0.25, "dummy")
+            cfg.seed, cfg.kv_tier1_fraction, cfg.load_format) == (64, 32, "tiered", True, False, 7, 0.25, "dummy")
 
 
 def test_kv_format_names_match_the_registry():
-    from moekv.kvcache.formats import _FACTORIES
+    from moekv.kvcache.formats import _COMPRESSED, _PLAIN
     from moekv.kvcache.formats.names import KV_FORMAT_NAMES
 
-    assert tuple(_FACTORIES) == KV_FORMAT_NAMES
+    assert (*_PLAIN, *_COMPRESSED) == KV_FORMAT_NAMES

@@ -53,7 +53,7 @@ def main() -> None:
                     continue
                 out = fmt.attend_kernel(q, cache, ctx, D ** -0.5, None, block_n=block_n, num_warps=warps)
             else:
-                from moekv.ops.decode_attention import paged_decode_attention
+                from moekv.ops.decode.paged import paged_decode_attention
 
                 out = paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, D ** -0.5,
                                              None, fmt.decode_spec(P, D), block_n=block_n, num_warps=warps)

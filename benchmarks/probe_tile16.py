@@ -13,7 +13,7 @@ Session 5 found compiled decode kernels wrong with tiles of 16 tokens for int4, 
    16 and 32 tokens, against the same codes unpacked one byte per column (no join).
 
 Part 2 ran first without a fix (results/h200/probe_tile16_before.txt: wrong in every variant, part 1
-right); the readers now unpack tiles of 16 without a join (decode_tiles.JOIN_FREE_BELOW).
+right); the readers now unpack tiles of 16 without a join (moekv/ops/decode/codes.py JOIN_FREE_BELOW).
 
     PYTHONPATH=. python benchmarks/probe_tile16.py
 """
@@ -28,7 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import moekv.ops.decode_attention as da  # noqa: E402
+import moekv.ops.decode.paged as da  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from tests.test_decode_attention import DEVICE, FORMATS, build_cache, reference  # noqa: E402
 

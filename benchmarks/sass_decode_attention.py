@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
-from moekv.ops import decode_attention as da  # noqa: E402
+from moekv.ops.decode import paged as da  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_decode_attention import NUQ2_VARIANTS  # noqa: E402  (nuq2 kernel variants: label -> slots mode)
@@ -51,7 +51,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", {"group_size": 32}),
            "kivi2": ("kivi2", {"residual": 128}), "nuq2": ("nuq2", {"codebook": "page"}),
            "vq": ("vq", {}),  # vq: a random calibration (vq.random_calibration) made on first use
-           "tiered": ("tiered", {"codebook": "page"}),  # its own kernel (moekv/ops/decode_tiered.py), mass output on
+           "tiered": ("tiered", {"codebook": "page"}),  # its own kernel (moekv/ops/decode/tiered.py), mass output on
            "fp16": ("fp16", {})}
 KEYS = ["BAR", "LDG", "LDGSTS", "LDL", "STL", "LDS", "STS", "LDSM", "HMMA"]
 
@@ -74,7 +74,7 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
         options = {**options, "calibration": _vq_calibration(head_dim)}
     fmt = get_kv_format(name, torch.bfloat16, **options)
     if label in NUQ2_VARIANTS:
-        from moekv.ops.decode_tiles import nuq2_spec
+        from moekv.ops.decode.nuq2 import nuq2_spec
 
         spec = nuq2_spec(fmt, block_size, head_dim, slots=NUQ2_VARIANTS[label])
     else:
@@ -92,10 +92,10 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
     JITFunction.run = run
     try:
         # the default cap, passed explicitly: the launchers would otherwise compile to decide whether to
-        # keep it for this short context (decode_attention.choose_launch)
+        # keep it for this short context (decode/launch.py choose_launch)
         if name == "tiered":
-            from moekv.ops.decode_tiered import tiered_decode_attention
-            from moekv.ops.decode_tiles import register_cap
+            from moekv.ops.decode.launch import register_cap
+            from moekv.ops.decode.tiered import tiered_decode_attention
 
             if max_registers is None:
                 max_registers = register_cap("tiered", block_size) or 0
@@ -204,7 +204,7 @@ def main() -> None:
     p.add_argument("--swap-ab", type=int, default=None, choices=(0, 1),
                    help="transposed products (1) or not (0); default: the spec's")
     p.add_argument("--max-registers", type=int, default=None,
-                   help="ptxas register cap (.maxnreg; default: the format's, decode_tiles.MAX_REGISTERS; 0: none)")
+                   help="ptxas register cap (.maxnreg; default: the format's, decode/launch.py register_cap; 0: none)")
     p.add_argument("--prefetch", type=int, default=None, help="L2 prefetch distance in tiles (default: the spec's)")
     p.add_argument("--dump-sass", type=Path, default=None, help="also write each kernel's SASS into this folder")
     args = p.parse_args()

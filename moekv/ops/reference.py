@@ -306,7 +306,7 @@ def rms_norm_coarse_gate_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
 
 def decode_attention_ref(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
                          sliding_window: int | None = None) -> torch.Tensor:
-    """The reference of the paged decode kernel (moekv/ops/decode_attention.py): each sequence's one
+    """The reference of the paged decode kernel (moekv/ops/decode/paged.py): each sequence's one
     query (its last position) over its whole context, computed in q's dtype (float64 in tests).
 
     q [B, Hq, D]; keys[b], values[b] [L_b, Hkv, D]: sequence b's context as its format dequantizes

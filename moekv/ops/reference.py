@@ -173,8 +173,7 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     k = k.to(q.dtype).repeat_interleave(group, dim=1)
     v = v.to(q.dtype).repeat_interleave(group, dim=1)
     # [1, H, L, D]: SDPA's fused CUDA kernels take 4-D inputs only; 3-D ones fall back to the
-    # math path, which materialises the [H, Tq, L] scores in fp32 (on the H200 that was most of
-    # a bf16 prefill step: benchmarks/NOTES.md, session 9)
+    # math path, which materialises the [H, Tq, L] scores in fp32 (most of a bf16 prefill step)
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     mask = None
     if num_q != length or sliding_window is not None:  # (a whole prompt: plain causal, flash SDPA on CUDA)

@@ -89,13 +89,8 @@ def _unpack_crumbs(packed, ASM: tl.constexpr):
     return tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
 
 
-# Tiles with a side of 16 (16 tokens, or a head_dim of 16) unpack without tl.interleave: on the H200
-# (Triton 3.6) a join feeding the MMA of a 16-token tile gave wrong products in the decode loop (int4,
-# nuq2 and tiered, every head_dim, warps, stages and page size tried), while the same readers stored
-# to memory, a lone join + dot, and tiles of 32 or more were right (results/h200/probe_tile16*.txt,
-# NOTES session 6); calibrated nuq2 at head_dim 16 failed the same way. Each column then loads its
-# own byte (every byte two or four times, from L1): slower, but only tiles of 16 tokens (pages of 16)
-# or 16 channels use it.
+# Tiles with a side of 16 (16 tokens, or a head_dim of 16) unpack without tl.interleave, one byte load per
+# column: a join feeding the MMA of such a tile gives wrong products on the H200 (Triton 3.6).
 JOIN_FREE_BELOW = tl.constexpr(32)
 
 

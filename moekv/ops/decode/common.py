@@ -148,8 +148,8 @@ def per_head(x, SWAP_AB: tl.constexpr):
 
 
 # The operands are cast to DOT inside, the first operand of the product first: the order of the
-# casts changes how Triton schedules the loop (shared memory, registers, spills), and this keeps
-# each orientation's compiled kernel as it was when it was measured.
+# casts changes how Triton schedules the loop (shared memory, registers, spills); the kernels' timings
+# (and their tuning) are for this order.
 @triton.jit
 def tile_scores(q, k, acc, DOT: tl.constexpr, SWAP_AB: tl.constexpr):
     """q [G_PAD, D] against k [BLOCK_N, D], added to acc (or None)."""

@@ -417,9 +417,10 @@ def nuq2_key_fix_eager(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr
                  P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
                  OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
                  T0=None, T1=None, T2=None, T3=None):
-    """(The first version, kept for timing beside nuq2_key_fix: every chunk's slot loads, layout
-    conversions and a cross-warp `any` ran on every tile, used or not.) Scores of the outlier slots: s[g, t] += q[g, c] * scale[c] * delta for each used slot (t, c),
-    16 slots at a time: corr [G_PAD, 16] @ one-hot of the slots' tile columns [16, BLOCK_N].
+    """(A baseline to time nuq2_key_fix against: every chunk's slot loads, layout conversions and a
+    cross-warp `any` on every tile, used or not.) Scores of the outlier slots: s[g, t] += q[g, c] *
+    scale[c] * delta for each used slot (t, c), 16 slots at a time: corr [G_PAD, 16] @ one-hot of the
+    slots' tile columns [16, BLOCK_N].
     A chunk whose slots are all unused is skipped (quantize fills the slots in order)."""
     SC: tl.constexpr = 16
     f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
@@ -439,7 +440,8 @@ def nuq2_value_fix_eager(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N:
                    P: tl.constexpr, DOT: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
                    OIDX_OFF: tl.constexpr, S: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr,
                    T0=None, T1=None, T2=None, T3=None):
-    """(The first version, kept for timing beside nuq2_value_fix.) Output of the outlier slots: pv[g, col(c)] += p[g, t] * delta for each used slot (t, c):
+    """(A baseline to time nuq2_value_fix against.) Output of the outlier slots: pv[g, col(c)] +=
+    p[g, t] * delta for each used slot (t, c):
     p @ one-hot [BLOCK_N, 16] gathers p at the slots' tokens, times delta, @ one-hot [16, D]
     scatters to their channels' tile columns."""
     SC: tl.constexpr = 16
@@ -458,8 +460,8 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
     """slots: how the kernel applies the outlier slots. 'lazy' (the default): only the chunks of 16
     slots in use, each behind one uniform branch; 'first': the first chunk on every tile without a
     branch (with 3.5-sigma outliers nearly every page uses it; its loads then need not wait for the
-    used-chunk count), the others as 'lazy' (a candidate, not yet timed); 'eager': the first version (every chunk's loads
-    on every tile), kept to time beside it; 'off': not at all, a bound on what the slots cost
+    used-chunk count), the others as 'lazy' (a candidate, not yet timed); 'eager': every chunk's loads
+    on every tile, a baseline to time against; 'off': not at all, a bound on what the slots cost
     (wrong wherever a slot is used: for benchmarks only).
 
     Calibrated codebooks (fmt.calibrated): no centroids field; CENT_OFF = NUQ2_TABLE_CENTROIDS and

@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
-from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -351,12 +351,13 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                   "max_registers": spec.max_registers if regs is None else regs or None}
         if already_timed(launch, results):
             continue
+        asked = {"split_factor": split_factor, "asked_registers": regs}  # what --write-config writes back
         try:
             out = run()
             torch.cuda.synchronize()
             launch["max_registers"] = da.LAST_LAUNCH["max_registers"]  # a default cap may be dropped (choose_launch)
             ms = timer(run, args.cudagraph)
-            entry = {**launch, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
+            entry = {**launch, **asked, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
             if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None \
                     and regs is None:
                 entry["eager_ms"] = timer(run, cudagraph=False)
@@ -542,6 +543,9 @@ def main() -> None:
     p.add_argument("--separate-tail", action="store_true",
                    help="every launch with the 16-bit tail in a program of its own ("
                         "default: where DecodeSpec.tail_in_last_split says; fp8 keeps its own program)")
+    p.add_argument("--write-config", action="store_true",
+                   help="write each format's best launch over the shapes (prefetch, swap_ab, and the register cap "
+                        "and split factor where the run set them) into moekv/ops/configs/ (moekv/ops/tuning.py)")
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
@@ -595,7 +599,37 @@ def main() -> None:
             write_record(args, bandwidth, started, peers, rows)  # after each row: a cut-off run keeps what it measured
     write_record(args, bandwidth, started, peers, rows)
     print(f"\nwrote {args.out} ({time.time() - started:.1f} s)")
+    if args.write_config:
+        from moekv.ops.tuning import write_tuning
+
+        formats = {label: best_launch(rows, label) for label in args.formats if label in KV_FORMAT_NAMES}
+        path = write_tuning("decode_attention", torch.cuda.get_device_name(), {"formats": formats})
+        print(f"wrote {path}: {formats}")
     print_table(rows)
+
+
+def best_launch(rows: list[dict], label: str) -> dict:
+    """The tuning fields of `label`'s launch with the least time over the run's shapes (each shape's times
+    relative to its best correct launch; tiles of 64, 4 warps, 2 stages; launches timed at every shape):
+    prefetch and swap_ab, and the register cap and split factor where the run asked for them."""
+    timed = {}
+    shapes = [r for r in rows if r["format"] == label and r.get("status") == "kernel"]
+    for row in shapes:
+        ok = [c for c in row["configs"] if "ms" in c and c["max_abs_err"] <= tolerance(row["ref_max_abs"])
+              and (c["block_n"], c["num_warps"], c["num_stages"]) == (64, 4, 2)]
+        for c in ok:
+            key = (c["prefetch"], c["swap_ab"], c.get("asked_registers"), c.get("split_factor"))
+            timed.setdefault(key, []).append(c["ms"] / min(o["ms"] for o in ok))
+    full = {key: sum(times) for key, times in timed.items() if len(times) == len(shapes)}
+    if not full:
+        return {}
+    prefetch, swap_ab, regs, split_factor = min(full, key=full.get)
+    best = {"prefetch": prefetch, "swap_ab": swap_ab}
+    if regs is not None:  # 0: ptxas's own choice
+        best["max_registers"] = regs or None
+    if split_factor is not None and split_factor > 0:
+        best["split_factor"] = split_factor
+    return best
 
 
 def write_record(args, bandwidth: float, started: float, peers: dict, rows: list[dict]) -> None:

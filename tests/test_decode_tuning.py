@@ -111,3 +111,20 @@ def test_each_format_reads_its_pages_through_its_own_module(fmt_name, module, bu
 def test_the_launchers_are_where_the_formats_import_them():
     assert callable(decode["moekv.ops.decode.paged"].paged_decode_attention)
     assert callable(decode["moekv.ops.decode.tiered"].tiered_decode_attention)
+
+
+def test_write_config_merges_a_sweeps_choices_into_the_devices_file(tmp_path):
+    """What the sweep scripts' --write-config does: a new device starts from the default device's numbers,
+    the sweep's fields replace theirs (None: back to the spec's default), the rest stays."""
+    path = tuning.write_tuning("decode_attention", "NVIDIA H100 80GB HBM3",
+                               {"formats": {"int4": {"prefetch": 1, "max_registers": None}, "new": {"swap_ab": True}}},
+                               folder=tmp_path)
+    assert path == tmp_path / "decode_attention_NVIDIA_H100_80GB_HBM3.json"
+    written = launch.DecodeTuning.from_json({**json.loads(path.read_text()), "device": "NVIDIA_H100_80GB_HBM3"})
+    default = launch.tuning_for(None)
+    assert written.format("int4").prefetch == 1 and written.format("int4").max_registers is None
+    assert written.format("int4").swap_ab == default.format("int4").swap_ab
+    assert written.format("new").swap_ab and written.format("fp8_e4m3") == default.format("fp8_e4m3")
+    again = tuning.write_tuning("decode_attention", "NVIDIA H100 80GB HBM3", {"wave_fill": 0.9}, folder=tmp_path)
+    assert json.loads(again.read_text())["formats"]["int4"]["prefetch"] == 1  # the device's own file, updated
+    assert json.loads(again.read_text())["wave_fill"] == 0.9

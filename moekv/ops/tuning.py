@@ -15,6 +15,7 @@ import functools
 import json
 import re
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -54,3 +55,29 @@ def load_tuning(kernel: str, device_name: str | None) -> dict:
     data = json.loads(path.read_text())
     data["device"] = key
     return data
+
+
+def merge(base: dict, updates: dict) -> dict:
+    """base with updates applied key by key, nested dicts merged (a value None removes its key)."""
+    merged = dict(base)
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        elif value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
+
+
+def write_tuning(kernel: str, device_name: str, updates: dict, folder: Path | None = None) -> Path:
+    """Merge `updates` into <kernel>_<device>.json in `folder` (default: moekv/ops/configs of this checkout),
+    starting from DEFAULT_DEVICE's file when the device has none yet; returns the file written. For the sweep
+    scripts' --write-config."""
+    folder = folder or Path(__file__).resolve().parent / "configs"
+    path = folder / config_name(kernel, device_name)
+    start = path if path.is_file() else Path(__file__).resolve().parent / "configs" / f"{kernel}_{DEFAULT_DEVICE}.json"
+    data = merge(json.loads(start.read_text()) if start.is_file() else {}, updates)
+    data.pop("device", None)  # the loader says which file it read
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path

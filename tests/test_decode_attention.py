@@ -268,7 +268,7 @@ def test_dispatch(nuq2_calibration, monkeypatch):
     assert torch.equal(k_tab, calibrated.tables["nuq2.layer1.key.centroids"])
     assert torch.equal(v_tab, calibrated.tables["nuq2.layer1.value.centroids"])
     assert spec.tables(cache)[0] is k_tab
-    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: pytest.fail("kernel on CPU"))
+    monkeypatch.setattr(paged, "paged_decode_attention", lambda *a, **k: pytest.fail("kernel on CPU"))
     q = torch.randn(2, 8, 64)
     assert torch.equal(calibrated.attend(q, cache, ctx, 0.125, None),
                        calibrated.attend_reference(q, cache, ctx, 0.125, None))
@@ -506,7 +506,7 @@ def check_engine_path(label, fmt, cache, ctx, q, scale, ref, monkeypatch):
     """The engine's path: attend on CUDA with a decode-only Context takes the kernel, and a window too."""
     calls = []
     launcher = paged.paged_decode_attention
-    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: calls.append(1) or launcher(*a, **k))
+    monkeypatch.setattr(paged, "paged_decode_attention", lambda *a, **k: calls.append(1) or launcher(*a, **k))
     check(label, fmt.attend(q, cache, ctx, scale, None), ref, torch.bfloat16)
     assert calls, "format.attend did not take the decode kernel"
     windowed = reference(fmt, cache, ctx, q, scale, 700)

@@ -63,7 +63,7 @@ from moekv.ops.decode.nuq2 import (
     nuq2_value_fix,
     nuq2_value_tile,
 )
-from moekv.ops.decode.paged import reduce_partials
+from moekv.ops.decode.paged import reduce_partials, strides
 
 TIER_FP8 = tl.constexpr(1)  # = moekv.kvcache.formats.tiered.TIER_FP8
 
@@ -266,7 +266,6 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     if swap_ab is None:
         swap_ab = format_tuning("tiered").swap_ab
     G_PAD = max(SWAP_MIN_ROWS if swap_ab else 16, triton.next_power_of_2(G))
-    st = k_stage.stride()
     if prefetch is None:
         prefetch = format_tuning("tiered").prefetch
     if interpret:  # inline PTX
@@ -280,12 +279,12 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
         part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
         sums, maxes = (tile_sum, tile_max) if emit_mass else (part_lse, part_lse)
         return part_o, part_lse, ns_total, (
-            q, q.stride(0), q.stride(1),
-            kf, vf, kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-            kl, vl, kl.stride(0), kl.stride(1), vl.stride(0), vl.stride(1),
-            block_tables, block_tables.stride(0), context_lens, seq_slots,
+            q, *strides(q, 2),
+            kf, vf, *strides(kf, 2), *strides(vf, 2),
+            kl, vl, *strides(kl, 2), *strides(vl, 2),
+            block_tables, *strides(block_tables, 1), context_lens, seq_slots,
             page_tier, page_slot,
-            k_stage, v_stage, st[0], st[1], st[2],
+            k_stage, v_stage, *strides(k_stage, 3),
             part_o, part_lse, sums, maxes, max_tiles,
             scale * LOG2E, window, num_splits, ns_total,
             koff["scale"], voff["scale"], *kparams, *vparams,

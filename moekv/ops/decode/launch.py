@@ -2,13 +2,14 @@
 share a (sequence, KV head)'s tiles, and whether ptxas's register cap is kept, chosen from the compiled
 kernel's programs per SM; and the per-device tuning those choices and the formats' specs read.
 
-Tuning: moekv/ops/configs/decode_attention_<device>.json (moekv.ops.tuning), written by the sweep scripts
-(benchmarks/sweep_decode_splits.py, sweep_decode_b1.py, bench_decode_attention.py --write-config).
+Tuning: moekv/ops/configs/decode_attention_<device>.json (moekv.ops.tuning), written by the sweeps'
+--write-config (benchmarks/bench_decode_attention.py, sweep_decode_splits.py).
 `decode_tuning()` is the current device's, loaded once; an unknown device (and the CPU) gets the
 default device's numbers (moekv.ops.tuning.DEFAULT_DEVICE).
 
 Caches (each one object, documented where it is made): OCCUPANCY (launch key -> programs per SM and
-spills of the compiled kernel), SM_COUNTS (device -> SMs); LAST_LAUNCH records what the last launch chose.
+spills of the compiled kernel), sm_count (an SMCounts: device -> SMs); LAST_LAUNCH records what the last
+launch chose.
 """
 from __future__ import annotations
 

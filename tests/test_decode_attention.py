@@ -1,4 +1,4 @@
-"""The paged decode kernel (moekv/ops/decode_attention.py) against its float64 reference.
+"""The paged decode kernel (moekv/ops/decode/paged.py) against its float64 reference.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on CPU tensors at small shapes (every dot in
 fp32); with CUDA the same grid runs compiled, and the `gpu` tests add realistic shapes in bf16.
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
+from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
@@ -25,7 +25,8 @@ from moekv.kvcache.formats.base import _is_decode_only  # noqa: E402
 from moekv.kvcache.formats.nuq2 import fit_centroids  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
-da, decode_tiles = kernel_modules("moekv.ops.decode_attention", "moekv.ops.decode_tiles")
+decode = dict(zip(DECODE_MODULES, kernel_modules(*DECODE_MODULES)))
+decode_launch, nuq2_tiles, paged = (decode[f"moekv.ops.decode.{name}"] for name in ("launch", "nuq2", "paged"))
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -108,7 +109,7 @@ def run_case(label, lens, num_kv_heads, group, head_dim, block_size, num_splits,
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(DEVICE, q_dtype)
     scale = head_dim ** -0.5
     spec = fmt.decode_spec(block_size, head_dim)
-    out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, window,
+    out = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, window,
                                     spec, num_splits=num_splits, block_n=block_n, swap_ab=swap_ab)
     return out, reference(fmt, cache, ctx, q, scale, window), cache, ctx
 
@@ -173,12 +174,12 @@ def test_the_last_split_reads_the_tail(label):
     ref = reference(fmt, cache, ctx, q, head_dim ** -0.5, None)
     outs = {}
     for separate in (False, True):
-        outs[separate] = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
+        outs[separate] = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
                                                    head_dim ** -0.5, None, spec, num_splits=splits, block_n=block_n,
                                                    separate_tail=separate)
         assert spec.tail_in_last_split == (label != "fp8_e4m3")
         extra = 1 if spec.staged and (separate or not spec.tail_in_last_split) else 0
-        assert da.LAST_LAUNCH["grid"] == (len(lens) * hkv, splits + extra)
+        assert decode_launch.LAST_LAUNCH["grid"] == (len(lens) * hkv, splits + extra)
         check(label, outs[separate], ref)
     assert (outs[False] - outs[True]).abs().max().item() <= tolerance(label, ref)
 
@@ -194,7 +195,7 @@ def test_pages_of_16_and_sliding_window(label):
 
 @pytest.mark.parametrize("block_n", [16, 32, 64])
 def test_nuq2_head_dim_16(block_n):
-    """head_dim 16 takes the join-free unpack (decode_tiles.JOIN_FREE_BELOW: a join into a 16-wide
+    """head_dim 16 takes the join-free unpack (moekv/ops/decode/codes.py JOIN_FREE_BELOW: a join into a 16-wide
     product was wrong on the H200), also with each token's own page codebook when a tile spans
     pages (tiles of 32 and 64 over pages of 16), and with the outlier slots in use."""
     kv = lambda T, g: _heavy_kv(T, g, 2, 16)  # noqa: E731
@@ -238,16 +239,15 @@ def test_16bit_queries(label):
 def test_default_splits_follow_the_spec():
     """The launcher's splits are num_splits_for's times the format's split_factor (fp8: 2, the rest 1),
     never more than one tile each."""
-    (da,) = kernel_modules("moekv.ops.decode_attention")
     bf16 = get_kv_format("bf16").decode_spec(64, 128)
     fp8 = get_kv_format("fp8_e4m3").decode_spec(64, 128)
     assert bf16.split_factor == 1 and fp8.split_factor == 2
     for batch, context in [(1, 4096), (16, 32768), (64, 32768)]:
-        base = da.num_splits_for(batch, 8, context, 64, 132)
-        assert da.default_num_splits(bf16, batch, 8, context, 64, 132) == base
-        assert da.default_num_splits(fp8, batch, 8, context, 64, 132) == 2 * base
-    assert da.default_num_splits(fp8, 1, 8, 128, 64, 132) == 2  # 2 tiles: one split each
-    assert da.default_num_splits(fp8, 1, 8, 64, 64, 132) == 1
+        base = decode_launch.num_splits_for(batch, 8, context, 64, 132)
+        assert decode_launch.default_num_splits(bf16, batch, 8, context, 64, 132) == base
+        assert decode_launch.default_num_splits(fp8, batch, 8, context, 64, 132) == 2 * base
+    assert decode_launch.default_num_splits(fp8, 1, 8, 128, 64, 132) == 2  # 2 tiles: one split each
+    assert decode_launch.default_num_splits(fp8, 1, 8, 64, 64, 132) == 1
 
 
 def test_dispatch(nuq2_calibration, monkeypatch):
@@ -260,7 +260,7 @@ def test_dispatch(nuq2_calibration, monkeypatch):
     assert calibrated.calibrated
     spec = calibrated.decode_spec(16, 64)
     assert spec is not None and callable(spec.tables)
-    assert spec.key.params[0] == spec.value.params[0] == decode_tiles.NUQ2_TABLE_CENTROIDS
+    assert spec.key.params[0] == spec.value.params[0] == nuq2_tiles.NUQ2_TABLE_CENTROIDS
     assert get_kv_format("nuq2", codebook="page").decode_spec(16, 64).tables == ()  # page codebooks: unchanged
     cache, ctx = build_cache(calibrated, [40, 9], 2, 64, 16, torch.bfloat16, device=torch.device("cpu"), layer=1)
     k_tab, v_tab = spec.tables(cache)  # layer 1's, [Hkv, 4] fp16, one copy per (layer, device)
@@ -268,7 +268,7 @@ def test_dispatch(nuq2_calibration, monkeypatch):
     assert torch.equal(k_tab, calibrated.tables["nuq2.layer1.key.centroids"])
     assert torch.equal(v_tab, calibrated.tables["nuq2.layer1.value.centroids"])
     assert spec.tables(cache)[0] is k_tab
-    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: pytest.fail("kernel on CPU"))
+    monkeypatch.setattr(paged, "paged_decode_attention", lambda *a, **k: pytest.fail("kernel on CPU"))
     q = torch.randn(2, 8, 64)
     assert torch.equal(calibrated.attend(q, cache, ctx, 0.125, None),
                        calibrated.attend_reference(q, cache, ctx, 0.125, None))
@@ -356,8 +356,8 @@ def test_nuq2_slot_modes(case):
     scale = 64 ** -0.5
 
     def attend(slots):
-        spec = decode_tiles.nuq2_spec(fmt, block_size, 64, slots=slots)
-        return da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
+        spec = nuq2_tiles.nuq2_spec(fmt, block_size, 64, slots=slots)
+        return paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
                                          spec, num_splits=splits, block_n=block_n)
 
     full = reference(fmt, cache, ctx, q, scale, None)
@@ -375,7 +375,7 @@ def test_nuq2_slot_modes(case):
     check("nuq2", attend("lazy"), cleared)
     check("nuq2", attend("first"), cleared)
     with pytest.raises(ValueError):
-        decode_tiles.nuq2_spec(fmt, block_size, 64, slots="sometimes")
+        nuq2_tiles.nuq2_spec(fmt, block_size, 64, slots="sometimes")
 
 
 # -- nuq2 with calibrated codebooks: per (layer, K/V, head) centroids through DecodeSpec.tables ---------
@@ -420,7 +420,7 @@ def run_calibrated(calibration, lens, hkv, group, head_dim, block_size, splits, 
     q = q.to(DEVICE, q_dtype)
     scale = head_dim ** -0.5
     spec = fmt.decode_spec(block_size, head_dim)
-    out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
+    out = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
                                     spec, num_splits=splits, block_n=block_n, **launch)
     return out, reference(fmt, cache, ctx, q, scale, None), fmt, cache, ctx, q, spec
 
@@ -458,7 +458,7 @@ def test_nuq2_calibrated_codebooks(case, q_dtype, nuq2_calibration):
     # layer 1's tables are the ones read: layer 0's give a different output on the same pages
     assert not torch.equal(fmt.decode_tables(0, DEVICE)[0], fmt.decode_tables(1, DEVICE)[0])
     wrong = dataclasses.replace(spec, tables=fmt.decode_tables(0, DEVICE))
-    other = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
+    other = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
                                       head_dim ** -0.5, None, wrong, num_splits=splits, block_n=block_n)
     assert (other.double() - ref).abs().max() > 10 * tolerance("nuq2", ref, q_dtype)
 
@@ -470,8 +470,8 @@ def test_nuq2_calibrated_slot_modes(nuq2_calibration):
                                                      block_size, splits, block_n, seed=9)
     check("nuq2", out, ref)
     for slots, exact in (("eager", True), ("first", True), ("off", False)):
-        spec = decode_tiles.nuq2_spec(fmt, block_size, head_dim, slots=slots)
-        res = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
+        spec = nuq2_tiles.nuq2_spec(fmt, block_size, head_dim, slots=slots)
+        res = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
                                         head_dim ** -0.5, None, spec, num_splits=splits, block_n=block_n)
         err = (res.double() - ref).abs().max().item()
         assert (err <= tolerance("nuq2", ref)) == exact, (slots, err)
@@ -491,7 +491,7 @@ def check_gpu_launches(label, spec, cache, ctx, q, scale, ref, block_size):
     for i, ((block_n, warps, stages, use_asm, prefetch), swap_ab) in enumerate(
             (launch, swap_ab) for launch in launches for swap_ab in (False, True)):
         try:
-            out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale,
+            out = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale,
                                             None, spec, block_n=block_n, num_warps=warps, num_stages=stages,
                                             use_asm=use_asm, prefetch=prefetch, swap_ab=swap_ab)
         except triton.runtime.errors.OutOfResources:
@@ -505,8 +505,8 @@ def check_gpu_launches(label, spec, cache, ctx, q, scale, ref, block_size):
 def check_engine_path(label, fmt, cache, ctx, q, scale, ref, monkeypatch):
     """The engine's path: attend on CUDA with a decode-only Context takes the kernel, and a window too."""
     calls = []
-    launcher = da.paged_decode_attention
-    monkeypatch.setattr(da, "paged_decode_attention", lambda *a, **k: calls.append(1) or launcher(*a, **k))
+    launcher = paged.paged_decode_attention
+    monkeypatch.setattr(paged, "paged_decode_attention", lambda *a, **k: calls.append(1) or launcher(*a, **k))
     check(label, fmt.attend(q, cache, ctx, scale, None), ref, torch.bfloat16)
     assert calls, "format.attend did not take the decode kernel"
     windowed = reference(fmt, cache, ctx, q, scale, 700)
@@ -556,27 +556,28 @@ def test_gpu_nuq2_calibrated(block_size, nuq2_calibration, monkeypatch):
     spec = fmt.decode_spec(block_size, 128)
     check_gpu_launches("nuq2", spec, cache, ctx, q, scale, ref, block_size)
     wrong = dataclasses.replace(spec, tables=fmt.decode_tables(0, DEVICE))  # layer 0's codebooks
-    other = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, wrong)
+    other = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None,
+                                         wrong)
     assert (other.double() - ref).abs().max() > 2 * tolerance("nuq2", ref, torch.bfloat16)
     check_engine_path("nuq2", fmt, cache, ctx, q, scale, ref, monkeypatch)
 
 
 def test_wave_splits_fill_whole_waves():
-    """The launcher's split rule (decode_attention.wave_splits): the fewest splits from 2 whose
-    programs fill the last wave to WAVE_FILL (all of it when it is the first), else the fullest;
-    at least 2 tiles a split."""
-    (da,) = kernel_modules("moekv.ops.decode_attention")
-    # session 12's sweep points (132 SMs, 8 KV heads, tiles of 64)
-    assert da.wave_splits(16, 8, 32768, 64, 132, 5) == 5  # 640 of 660 slots
-    assert da.wave_splits(16, 8, 32768, 64, 132, 4) == 4  # 512 of 528
-    assert da.wave_splits(1, 8, 131072, 64, 132, 5) == 82  # 656 of 660
-    assert da.wave_splits(1, 8, 131072, 64, 132, 4) == 66  # 528 of 528
-    assert da.wave_splits(64, 8, 32768, 64, 132, 4) == 2  # 1024 of 2 x 528
-    assert da.wave_splits(64, 8, 32768, 64, 132, 5) == 5  # 2560 of 4 x 660
-    assert da.wave_splits(1, 8, 4096, 64, 132, 3) == 32  # never one wave: the most, 2 tiles each
-    assert da.wave_splits(1, 8, 64, 64, 132, 3) == 1  # one tile
+    """The launcher's split rule (decode_launch.wave_splits): the fewest splits from 2 whose
+    programs fill the last wave to the tuning's wave_fill (all of it when it is the first), else the
+    fullest; at least 2 tiles a split."""
+    wave_fill = decode_launch.decode_tuning().wave_fill
+    # the H200 sweep's points (132 SMs, 8 KV heads, tiles of 64)
+    assert decode_launch.wave_splits(16, 8, 32768, 64, 132, 5) == 5  # 640 of 660 slots
+    assert decode_launch.wave_splits(16, 8, 32768, 64, 132, 4) == 4  # 512 of 528
+    assert decode_launch.wave_splits(1, 8, 131072, 64, 132, 5) == 82  # 656 of 660
+    assert decode_launch.wave_splits(1, 8, 131072, 64, 132, 4) == 66  # 528 of 528
+    assert decode_launch.wave_splits(64, 8, 32768, 64, 132, 4) == 2  # 1024 of 2 x 528
+    assert decode_launch.wave_splits(64, 8, 32768, 64, 132, 5) == 5  # 2560 of 4 x 660
+    assert decode_launch.wave_splits(1, 8, 4096, 64, 132, 3) == 32  # never one wave: the most, 2 tiles each
+    assert decode_launch.wave_splits(1, 8, 64, 64, 132, 3) == 1  # one tile
     for batch, hkv, context, occ in itertools.product([1, 3, 16, 40], [1, 8], [300, 4096, 50000], [1, 2, 5]):
-        splits = da.wave_splits(batch, hkv, context, 64, 132, occ)
+        splits = decode_launch.wave_splits(batch, hkv, context, 64, 132, occ)
         cap = max(1, min(128, math.ceil(context / 128)))
         assert 1 <= splits <= cap
 
@@ -585,8 +586,8 @@ def test_wave_splits_fill_whole_waves():
             slots = 132 * occ
             return programs / (slots * math.ceil(programs / slots))
         later = range(min(2, cap), cap + 1)
-        assert fill(splits) >= da.WAVE_FILL or fill(splits) >= max(fill(n) for n in later) - 1e-9
-        first = next((n for n in later if fill(n) >= da.WAVE_FILL), None)
+        assert fill(splits) >= wave_fill or fill(splits) >= max(fill(n) for n in later) - 1e-9
+        first = next((n for n in later if fill(n) >= wave_fill), None)
         if first is not None and batch * hkv * first <= 132 * occ:  # one wave: the most it holds
             assert splits == min(cap, 132 * occ // (batch * hkv))
         elif first is not None:
@@ -594,36 +595,34 @@ def test_wave_splits_fill_whole_waves():
 
 
 def test_programs_per_sm_counts_registers_and_shared_memory():
-    (da,) = kernel_modules("moekv.ops.decode_attention")
     h200 = dict(max_regs=65536, max_shared=232448)
-    assert da.programs_per_sm(128, 38912, 4, **h200) == 4  # fp8 q @ k^T: registers
-    assert da.programs_per_sm(96, 34816, 4, **h200) == 5  # fp8 k @ q^T
-    assert da.programs_per_sm(72, 69632, 4, **h200) == 3  # bf16: shared memory
-    assert da.programs_per_sm(243, 38912, 4, **h200) == 2  # nuq2: 248 registers allocated
-    assert da.programs_per_sm(32, 0, 4, **h200) == 16  # warps
-    assert da.programs_per_sm(255, 200000, 8, **h200) == 1
+    assert decode_launch.programs_per_sm(128, 38912, 4, **h200) == 4  # fp8 q @ k^T: registers
+    assert decode_launch.programs_per_sm(96, 34816, 4, **h200) == 5  # fp8 k @ q^T
+    assert decode_launch.programs_per_sm(72, 69632, 4, **h200) == 3  # bf16: shared memory
+    assert decode_launch.programs_per_sm(243, 38912, 4, **h200) == 2  # nuq2: 248 registers allocated
+    assert decode_launch.programs_per_sm(32, 0, 4, **h200) == 16  # warps
+    assert decode_launch.programs_per_sm(255, 200000, 8, **h200) == 1
 
 
 def test_register_caps_only_where_measured():
-    """The formats' specs carry the register caps timed on the H200 at pages of 64 (decode_tiles.
-    MAX_REGISTERS); smaller pages, where a tile spans pages and the same caps spill hundreds of bytes,
+    """The formats' specs carry the register caps timed on the H200 at pages of 64 (its tuning file's
+    max_registers); smaller pages, where a tile spans pages and the same caps spill hundreds of bytes,
     keep ptxas's choice, except fp8 (no spills there). vq needs a calibration: its cap is read from
     the same function its spec calls."""
-    (tiles,) = kernel_modules("moekv.ops.decode_tiles")
     for name, options, cap in (("int4", {}, 96), ("nuq2", {"codebook": "page"}, 168), ("fp8_e4m3", {}, 80)):
         fmt = get_kv_format(name, torch.bfloat16, **options)
         assert fmt.decode_spec(64, 128).max_registers == cap, name
         assert fmt.decode_spec(128, 128).max_registers == cap, name
         assert fmt.decode_spec(16, 128).max_registers == (80 if name == "fp8_e4m3" else None), name
-    assert tiles.register_cap("vq", 64) == 96 and tiles.register_cap("vq", 16) is None
-    assert tiles.register_cap("tiered", 64) == 168 and tiles.register_cap("tiered", 16) is None  # its launcher's
+    assert decode_launch.register_cap("vq", 64) == 96 and decode_launch.register_cap("vq", 16) is None
+    assert decode_launch.register_cap("tiered", 64) == 168  # its launcher's
+    assert decode_launch.register_cap("tiered", 16) is None
     assert get_kv_format("bf16", torch.bfloat16).decode_spec(16, 128).max_registers is None
 
 
 def test_choose_launch_drops_a_spilling_default_cap_on_short_splits():
-    """decode_attention.choose_launch against its rule, with made-up occupancies: capped 3 programs
+    """decode_launch.choose_launch against its rule, with made-up occupancies: capped 3 programs
     per SM with spills, uncapped 2."""
-    (da,) = kernel_modules("moekv.ops.decode_attention")
     asked = []
 
     def occupancy(regs, spills=100):
@@ -631,38 +630,37 @@ def test_choose_launch_drops_a_spilling_default_cap_on_short_splits():
         return (3, spills) if regs else (2, 0)
 
     # batch 1 x 128k: 2048 tiles, 49 splits of ~42: the cap stays, splits from its occupancy
-    assert da.choose_launch(None, 168, True, occupancy, 1, 8, 131072, 64, 132) == (
-        da.wave_splits(1, 8, 131072, 64, 132, 3), 168)
+    assert decode_launch.choose_launch(None, 168, True, occupancy, 1, 8, 131072, 64, 132) == (
+        decode_launch.wave_splits(1, 8, 131072, 64, 132, 3), 168)
     asked.clear()
     # batch 1 x 4k: 64 tiles, 32 splits of 2: dropped, splits chosen again uncapped (the occupancy
     # asked once under the cap, once without it)
-    assert da.choose_launch(None, 168, True, occupancy, 1, 8, 4096, 64, 132) == (
-        da.wave_splits(1, 8, 4096, 64, 132, 2), 0)
+    assert decode_launch.choose_launch(None, 168, True, occupancy, 1, 8, 4096, 64, 132) == (
+        decode_launch.wave_splits(1, 8, 4096, 64, 132, 2), 0)
     assert asked == [168, 0]
     # batch 1 x 16k: 256 tiles, 49 splits of ~5 capped: dropped, and 33 splits (2 per SM) instead
-    assert da.wave_splits(1, 8, 16384, 64, 132, 3) == 49
-    assert da.choose_launch(None, 168, True, occupancy, 1, 8, 16384, 64, 132) == (33, 0)
+    assert decode_launch.wave_splits(1, 8, 16384, 64, 132, 3) == 49
+    assert decode_launch.choose_launch(None, 168, True, occupancy, 1, 8, 16384, 64, 132) == (33, 0)
     # batch 1 x 32k: 512 tiles, 49 splits of 11 capped: stays
-    assert da.choose_launch(None, 168, True, occupancy, 1, 8, 32768, 64, 132)[1] == 168
+    assert decode_launch.choose_launch(None, 168, True, occupancy, 1, 8, 32768, 64, 132)[1] == 168
     # a cap that does not spill stays (fp8), as does one the caller asked for
-    assert da.choose_launch(None, 80, True, lambda r: occupancy(r, 0), 1, 8, 4096, 64, 132)[1] == 80
-    assert da.choose_launch(None, 168, False, occupancy, 1, 8, 4096, 64, 132)[1] == 168
+    assert decode_launch.choose_launch(None, 80, True, lambda r: occupancy(r, 0), 1, 8, 4096, 64, 132)[1] == 80
+    assert decode_launch.choose_launch(None, 168, False, occupancy, 1, 8, 4096, 64, 132)[1] == 168
     # explicit splits are kept; with 2 tiles each the default cap still goes
-    assert da.choose_launch(2, 168, True, occupancy, 16, 8, 32768, 64, 132) == (2, 168)
-    assert da.choose_launch(40, 168, True, occupancy, 1, 8, 4096, 64, 132) == (40, 0)
+    assert decode_launch.choose_launch(2, 168, True, occupancy, 16, 8, 32768, 64, 132) == (2, 168)
+    assert decode_launch.choose_launch(40, 168, True, occupancy, 1, 8, 4096, 64, 132) == (40, 0)
     # no cap: nothing to drop, and the uncapped occupancy is the one asked
     asked.clear()
-    assert da.choose_launch(None, 0, True, occupancy, 16, 8, 32768, 64, 132) == (
-        da.wave_splits(16, 8, 32768, 64, 132, 2), 0)
+    assert decode_launch.choose_launch(None, 0, True, occupancy, 16, 8, 32768, 64, 132) == (
+        decode_launch.wave_splits(16, 8, 32768, 64, 132, 2), 0)
     assert asked == [0]
 
 
 def test_launch_split_kernel_compiles_once_per_key_then_launches_its_choice(monkeypatch):
-    """The compiled branch of decode_attention.launch_split_kernel (both launchers' launch), with a
+    """The compiled branch of decode_launch.launch_split_kernel (both launchers' launch), with a
     stand-in kernel: each (launch key, cap) is compiled once, before any launch; a spilling default
     cap is dropped at batch 1 x 4k (2 tiles a split) and kept at 16 x 32k; the launch gets the
     chosen splits as its grid and the cap as maxnreg."""
-    (da,) = kernel_modules("moekv.ops.decode_attention")
     compiled, launched = [], []
 
     class Compiled:  # what compiled_occupancy reads of a compile: spills (and, below, the cap)
@@ -678,33 +676,33 @@ def test_launch_split_kernel_compiles_once_per_key_then_launches_its_choice(monk
             return lambda *args, **kw: launched.append((grid, args[0], kw.get("maxnreg")))
 
     # capped: 3 programs per SM (with spills); uncapped: 2
-    monkeypatch.setattr(da, "_kernel_programs_per_sm", lambda kernel, warps, device: 3 if kernel.regs else 2)
-    monkeypatch.setattr(da, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(da, "_OCCUPANCY", {})
+    monkeypatch.setattr(decode_launch, "_kernel_programs_per_sm", lambda kernel, warps, device: 3 if kernel.regs else 2)
+    monkeypatch.setattr(decode_launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(decode_launch, "OCCUPANCY", decode_launch.OccupancyCache())
 
     def kernel_args(splits):
         return "o", "lse", splits + 1, (splits,)
 
     def run(batch, context, default=True):
-        return da.launch_split_kernel(Kernel(), kernel_args, lambda regs: ("key", batch, regs), 7, None, 168, default,
-                                      batch, 8, context, 64, 4, 2, False, "cpu")
+        return decode_launch.launch_split_kernel(Kernel(), kernel_args, lambda regs: ("key", batch, regs), 7, None,
+                                                 168, default, batch, 8, context, 64, 4, 2, False, "cpu")
 
-    splits = da.wave_splits(16, 8, 32768, 64, 132, 3)
+    splits = decode_launch.wave_splits(16, 8, 32768, 64, 132, 3)
     assert run(16, 32768) == ("o", "lse", splits + 1)
     assert compiled == [168] and launched[-1] == ((128, splits + 1), splits, 168)
     run(16, 32768)
     assert compiled == [168]  # cached: not compiled again
     run(1, 4096)
     assert compiled == [168, 168, 0]  # a new key: capped first, then uncapped after the drop
-    assert launched[-1] == ((8, 33), 32, None) and da.LAST_LAUNCH["max_registers"] is None
+    assert launched[-1] == ((8, 33), 32, None) and decode_launch.LAST_LAUNCH["max_registers"] is None
     run(1, 4096, default=False)  # a cap the caller asked for stays
-    assert launched[-1][2] == 168 and da.LAST_LAUNCH == {"num_splits": 32, "max_registers": 168, "grid": (8, 33)}
+    assert launched[-1][2] == 168
+    assert decode_launch.LAST_LAUNCH == {"num_splits": 32, "max_registers": 168, "grid": (8, 33)}
 
 
 def test_occupancy_key_tells_compiled_kernels_apart():
     """The launcher caches programs per SM by occupancy_key: specs rebuilt for every call (and a
     calibrated nuq2's new tables closure) share a key; another orientation, format or launch does not."""
-    (da,) = kernel_modules("moekv.ops.decode_attention")
     q = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
     pool = torch.zeros(4, 2, 100, dtype=torch.uint8)
     keys = {}
@@ -712,9 +710,9 @@ def test_occupancy_key_tells_compiled_kernels_apart():
         fmt = get_kv_format(name, torch.bfloat16, **options)
         a, b = fmt.decode_spec(32, 64), fmt.decode_spec(32, 64)
         assert a is not b
-        ka = da.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, a.swap_ab)
-        assert ka == da.occupancy_key(b, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, b.swap_ab)
-        assert ka != da.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, not a.swap_ab)
-        assert ka != da.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 0, a.swap_ab)
+        ka = decode_launch.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, a.swap_ab)
+        assert ka == decode_launch.occupancy_key(b, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, b.swap_ab)
+        assert ka != decode_launch.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, not a.swap_ab)
+        assert ka != decode_launch.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 0, a.swap_ab)
         keys[name] = ka
     assert len(set(keys.values())) == 3

@@ -1,4 +1,4 @@
-"""The tiered decode kernel (moekv/ops/decode_tiered.py): both tiers in one launch, against the float64
+"""The tiered decode kernel (moekv/ops/decode/tiered.py): both tiers in one launch, against the float64
 reference over the format's own gather, and its per-page attention mass against what the format's
 reference path (TieredFormat.attend_reference) accumulates.
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_kernels import kernel_modules, triton  # noqa: F401 (before any kernel import)
+from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa: F401 (before any kernel import)
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW  # noqa: E402
 
-da, decode_tiles, dt = kernel_modules("moekv.ops.decode_attention", "moekv.ops.decode_tiles",
-                                      "moekv.ops.decode_tiered")
+decode = dict(zip(DECODE_MODULES, kernel_modules(*DECODE_MODULES)))
+decode_launch, dt = decode["moekv.ops.decode.launch"], decode["moekv.ops.decode.tiered"]
 from tests.test_decode_attention import DEVICE, build_cache, reference  # noqa: E402
 
 
@@ -94,7 +94,7 @@ def test_tiered_tail_in_the_last_split(separate_tail):
     fmt, cache, ctx = tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=5)
     assert any(n % block_size for n in lens)  # a partly filled page: a tail to read
     run_and_compare(fmt, cache, ctx, group, num_splits=splits, block_n=block_n, separate_tail=separate_tail)
-    assert da.LAST_LAUNCH["grid"] == (len(lens) * hkv, splits + (1 if separate_tail else 0))
+    assert decode_launch.LAST_LAUNCH["grid"] == (len(lens) * hkv, splits + (1 if separate_tail else 0))
 
 
 def test_tiered_window_16bit_queries_and_pool_pressure():
@@ -222,19 +222,18 @@ def test_gpu_tiered_realistic(block_n, swap_ab):
     q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
     ref = reference(fmt, cache, ctx, q, 128 ** -0.5, None)
     assert fmt.use_kernel(q, ctx, cache)
-    for key in [k for k in da._OCCUPANCY if k[0] == "tiered"]:
-        del da._OCCUPANCY[key]
+    decode_launch.OCCUPANCY.forget(keep=lambda key: key[0] != "tiered")
     out = fmt.attend(q, cache, ctx, 128 ** -0.5, None)
     assert (out.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
     # the launcher compiled first and chose the splits that fill whole waves at that occupancy (the
     # kernel under its default cap: 256 tiles in the longest context, many a split)
-    cap = decode_tiles.register_cap("tiered", 64)
-    assert cap and da.LAST_LAUNCH["max_registers"] == cap
-    (per_sm,) = [v[0] for k, v in da._OCCUPANCY.items() if k[0] == "tiered" and k[-2] == cap]
+    cap = decode_launch.register_cap("tiered", 64)
+    assert cap and decode_launch.LAST_LAUNCH["max_registers"] == cap
+    (per_sm,) = [v[0] for k, v in decode_launch.OCCUPANCY.items() if k[0] == "tiered" and k[-2] == cap]
     assert 1 <= per_sm <= 4, per_sm
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    assert da.LAST_LAUNCH["num_splits"] == da.wave_splits(len(lens), 8, ctx.block_tables.shape[1] * 64, 64, sms,
-                                                          per_sm)
+    assert decode_launch.LAST_LAUNCH["num_splits"] == decode_launch.wave_splits(
+        len(lens), 8, ctx.block_tables.shape[1] * 64, 64, sms, per_sm)
     windowed = reference(fmt, cache, ctx, q, 128 ** -0.5, 700)
     out = fmt.attend(q, cache, ctx, 128 ** -0.5, 700)
     assert (out.double() - windowed).abs().max().item() <= 2e-2 * windowed.abs().max().item()

@@ -1,4 +1,4 @@
-"""vq in the paged decode kernel (moekv/ops/decode_tiles_vq.py) against the float64 reference.
+"""vq in the paged decode kernel (moekv/ops/decode/vq.py) against the float64 reference.
 
 The reference is dense attention over `VQFormat.gather` (its `dequantize`: codebook rows, outlier
 slots, token scales, the keys' channel affine). Caches are written through the format's own
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
+from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 from safetensors.torch import save_file  # noqa: E402
 
@@ -22,7 +22,8 @@ from moekv.kvcache.calibration_io import CALIBRATION_FILE  # noqa: E402
 from moekv.kvcache.formats.vq import VQFormat, fit_codebook, fit_key_channel_scale  # noqa: E402
 from tests.test_decode_attention import build_cache, reference  # noqa: E402 (shared cache recipe, oracle)
 
-da, _, decode_tiles_vq = kernel_modules("moekv.ops.decode_attention", "moekv.ops.decode_tiles", "moekv.ops.decode_tiles_vq")
+decode = dict(zip(DECODE_MODULES, kernel_modules(*DECODE_MODULES)))
+common, paged = decode["moekv.ops.decode.common"], decode["moekv.ops.decode.paged"]
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -76,7 +77,7 @@ def run_case(calibration, lens, hkv, group, D, P, splits, block_n, window=None, 
     q = torch.randn(len(lens), hkv * group, D, generator=g).to(DEVICE, q_dtype)
     scale = D ** -0.5
     spec = fmt.decode_spec(P, D)
-    out = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, window,
+    out = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, window,
                                     spec, num_splits=splits, block_n=block_n)
     return out, reference(fmt, cache, ctx, q, scale, window), fmt
 
@@ -128,10 +129,10 @@ def test_layer_tables_and_sliding_window(calibration):
     cache, ctx = build_cache(fmt2, [83, 16], 2, 32, 32, torch.bfloat16, layer=1, seed=3, kv=vq_kv(None, 2, 32))
     q = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     spec = fmt2.decode_spec(32, 32)
-    wrong = da.DecodeSpec(key=spec.key, value=spec.value, staged=True, tables=tables0)
-    right = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, 0.2, None, spec,
+    wrong = common.DecodeSpec(key=spec.key, value=spec.value, staged=True, tables=tables0)
+    right = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, 0.2, None, spec,
                                       num_splits=1, block_n=32)
-    other = da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, 0.2, None, wrong,
+    other = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, 0.2, None, wrong,
                                       num_splits=1, block_n=32)
     check(right, reference(fmt2, cache, ctx, q, 0.2, None))
     assert (right - other).abs().max() > 1e-3

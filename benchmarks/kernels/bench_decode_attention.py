@@ -29,7 +29,7 @@ the first outlier-slot code, nuq2_first the first chunk of 16 slots on every til
 (a candidate layout), nuq2_noslots no slot corrections at all (status "bound": a lower
 bound on the slots' cost, its error is reported but does not disqualify it). Formats without
 a fused kernel yet appear with status "reference" (their plain-PyTorch path, timed at the smallest
-shape only) or "skipped" and the reason. tiered runs its own kernel (moekv/ops/decode_tiered.py) on a
+shape only) or "skipped" and the reason. tiered runs its own kernel (moekv/ops/decode/tiered.py) on a
 cache with ~15% of pages in FP8 and the rest in nuq2 (bench_tiered: ms includes the per-page mass
 output, nomass_ms is the kernel alone). vq runs on a random calibration
 (codebooks fitted in a few seconds on Gaussian pages shaped like the benchmark's keys and values,
@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
-from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -194,19 +194,20 @@ LAUNCH_KEYS = ("block_n", "num_warps", "num_stages", "num_splits", "use_asm", "p
 def launcher_splits(q, cache, ctx, scale, spec, block_n, warps, stages, use_asm, prefetch, swap_ab,
                     max_registers=None, separate_tail=False) -> tuple[int, int]:
     """The (split count, register cap: 0 for none) paged_decode_attention chooses for this launch
-    (by the compiled kernel's programs per SM and spills, decode_attention.choose_launch)."""
-    from moekv.ops import decode_attention as da
+    (by the compiled kernel's programs per SM and spills, decode/launch.py choose_launch)."""
+    from moekv.ops.decode import launch as da
+    from moekv.ops.decode.paged import paged_decode_attention
 
-    da.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, spec,
-                              block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm, prefetch=prefetch,
-                              swap_ab=swap_ab, max_registers=max_registers, separate_tail=separate_tail)
+    paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, None, spec,
+                           block_n=block_n, num_warps=warps, num_stages=stages, use_asm=use_asm, prefetch=prefetch,
+                           swap_ab=swap_ab, max_registers=max_registers, separate_tail=separate_tail)
     return da.LAST_LAUNCH["num_splits"], da.LAST_LAUNCH["max_registers"] or 0
 
 
 def config_splits(split_factor: int, batch: int, max_context: int, block_n: int, sms: int) -> int:
     """A config's splits: split_factor x num_splits_for's count, or exactly -split_factor when negative
     (sweep_decode_splits.py --split-counts)."""
-    from moekv.ops.decode_attention import num_splits_for
+    from moekv.ops.decode.launch import num_splits_for
 
     if split_factor < 0:
         return -split_factor
@@ -228,7 +229,7 @@ def already_timed(launch: dict, results: list[dict]) -> bool:
 
 def fmt_spec_staged():
     """Stand-in spec for byte counting of a paged format without a kernel: pages + staged tail."""
-    from moekv.ops.decode_attention import DecodeSpec, TileReader
+    from moekv.ops.decode.common import DecodeSpec, TileReader
 
     return DecodeSpec(key=TileReader(None), value=TileReader(None), staged=True)
 
@@ -274,8 +275,8 @@ def sdpa_baseline(batch: int, context: int, device, gen, cudagraph: bool) -> dic
 
 
 def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> dict:
-    from moekv.ops import decode_attention as da
-    from moekv.ops.decode_attention import paged_decode_attention
+    from moekv.ops.decode import launch as da
+    from moekv.ops.decode.paged import paged_decode_attention
 
     name, options = FORMATS[label]
     row = {"format": label, "batch": batch, "context": context, "baseline_ms": base["ms"]}
@@ -292,7 +293,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     except ValueError as e:
         return {**row, "status": "skipped", "reason": str(e)}
     if label in NUQ2_VARIANTS:
-        from moekv.ops.decode_tiles import nuq2_spec
+        from moekv.ops.decode.nuq2 import nuq2_spec
 
         spec = nuq2_spec(fmt, args.block_size, HEAD_DIM, slots=NUQ2_VARIANTS[label])
     else:
@@ -350,12 +351,13 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                   "max_registers": spec.max_registers if regs is None else regs or None}
         if already_timed(launch, results):
             continue
+        asked = {"split_factor": split_factor, "asked_registers": regs}  # what --write-config writes back
         try:
             out = run()
             torch.cuda.synchronize()
             launch["max_registers"] = da.LAST_LAUNCH["max_registers"]  # a default cap may be dropped (choose_launch)
             ms = timer(run, args.cudagraph)
-            entry = {**launch, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
+            entry = {**launch, **asked, "ms": ms, "max_abs_err": (out[:1].float() - ref).abs().max().item()}
             if (block_n, warps, stages, split_factor, use_asm, prefetch) == DEFAULT_CONFIG and swap_ab is None \
                     and regs is None:
                 entry["eager_ms"] = timer(run, cudagraph=False)
@@ -432,13 +434,13 @@ def build_tiered_cache(fmt, batch: int, context: int, block_size: int, device, g
 
 
 def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -> dict:
-    """tiered through its own kernel (moekv/ops/decode_tiered.py): ~15% of pages FP8, the rest nuq2;
+    """tiered through its own kernel (moekv/ops/decode/tiered.py): ~15% of pages FP8, the rest nuq2;
     ms is the engine's path (kernel + per-page mass into the device accumulator), nomass_ms the
     kernel alone without the mass output."""
     from moekv.kvcache.formats.tiered import TIER_FP8
-    from moekv.ops import decode_attention as da
-    from moekv.ops.decode_tiered import TIERED_PREFETCH, TIERED_SWAP_AB, tiered_decode_attention
-    from moekv.ops.decode_tiles import register_cap
+    from moekv.ops.decode import launch as da
+    from moekv.ops.decode.launch import format_tuning, register_cap
+    from moekv.ops.decode.tiered import tiered_decode_attention
 
     P = args.block_size
     cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
@@ -479,8 +481,8 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
                                            ctx.context_lens, ctx.seq_slots, scale, None, fmt.hi, fmt.lo,
                                            emit_mass=False, **launch)[0]
         entry = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits, "use_asm": use_asm,
-                 "prefetch": TIERED_PREFETCH if prefetch is None else prefetch,
-                 "swap_ab": TIERED_SWAP_AB if swap_ab is None else bool(swap_ab),
+                 "prefetch": format_tuning("tiered").prefetch if prefetch is None else prefetch,
+                 "swap_ab": format_tuning("tiered").swap_ab if swap_ab is None else bool(swap_ab),
                  "max_registers": register_cap("tiered", P) if regs is None else regs or None}
         if already_timed(entry, results):
             continue
@@ -534,13 +536,16 @@ def main() -> None:
                         "0: scores as q @ k^T, 1: as k @ q^T, DecodeSpec.swap_ab)")
     p.add_argument("--max-registers", nargs="*", default=None,
                    help="ptxas register caps to time with every config ('spec': the format's default, "
-                        "decode_tiles.register_cap; 'none': ptxas's own choice; e.g. none 80)")
+                        "decode/launch.py register_cap; 'none': ptxas's own choice; e.g. none 80)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per page (64: kivi2 needs a multiple of 32)")
     p.add_argument("--no-cudagraph", dest="cudagraph", action="store_false",
                    help="time with plain do_bench (Python launch included) instead of CUDA-graph replay")
     p.add_argument("--separate-tail", action="store_true",
-                   help="every launch with the 16-bit tail in a program of its own (the earlier layout; "
+                   help="every launch with the 16-bit tail in a program of its own ("
                         "default: where DecodeSpec.tail_in_last_split says; fp8 keeps its own program)")
+    p.add_argument("--write-config", action="store_true",
+                   help="write each format's best launch over the shapes (prefetch, swap_ab, and the register cap "
+                        "and split factor where the run set them) into moekv/ops/configs/ (moekv/ops/tuning.py)")
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
@@ -594,7 +599,37 @@ def main() -> None:
             write_record(args, bandwidth, started, peers, rows)  # after each row: a cut-off run keeps what it measured
     write_record(args, bandwidth, started, peers, rows)
     print(f"\nwrote {args.out} ({time.time() - started:.1f} s)")
+    if args.write_config:
+        from moekv.ops.tuning import write_tuning
+
+        formats = {label: best_launch(rows, label) for label in args.formats if label in KV_FORMAT_NAMES}
+        path = write_tuning("decode_attention", torch.cuda.get_device_name(), {"formats": formats})
+        print(f"wrote {path}: {formats}")
     print_table(rows)
+
+
+def best_launch(rows: list[dict], label: str) -> dict:
+    """The tuning fields of `label`'s launch with the least time over the run's shapes (each shape's times
+    relative to its best correct launch; tiles of 64, 4 warps, 2 stages; launches timed at every shape):
+    prefetch and swap_ab, and the register cap and split factor where the run asked for them."""
+    timed = {}
+    shapes = [r for r in rows if r["format"] == label and r.get("status") == "kernel"]
+    for row in shapes:
+        ok = [c for c in row["configs"] if "ms" in c and c["max_abs_err"] <= tolerance(row["ref_max_abs"])
+              and (c["block_n"], c["num_warps"], c["num_stages"]) == (64, 4, 2)]
+        for c in ok:
+            key = (c["prefetch"], c["swap_ab"], c.get("asked_registers"), c.get("split_factor"))
+            timed.setdefault(key, []).append(c["ms"] / min(o["ms"] for o in ok))
+    full = {key: sum(times) for key, times in timed.items() if len(times) == len(shapes)}
+    if not full:
+        return {}
+    prefetch, swap_ab, regs, split_factor = min(full, key=full.get)
+    best = {"prefetch": prefetch, "swap_ab": swap_ab}
+    if regs is not None:  # 0: ptxas's own choice
+        best["max_registers"] = regs or None
+    if split_factor is not None and split_factor > 0:
+        best["split_factor"] = split_factor
+    return best
 
 
 def write_record(args, bandwidth: float, started: float, peers: dict, rows: list[dict]) -> None:

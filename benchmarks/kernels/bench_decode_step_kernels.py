@@ -28,7 +28,8 @@ import bench_decode_attention as bda  # noqa: E402
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.ops import dense_gemv as dg  # noqa: E402
-from moekv.ops.decode_attention import num_splits_for, paged_decode_attention  # noqa: E402
+from moekv.ops.decode.launch import num_splits_for  # noqa: E402
+from moekv.ops.decode.paged import paged_decode_attention  # noqa: E402
 from moekv.ops.reference import rms_norm_ref  # noqa: E402
 from moekv.ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from moekv.ops.router_gemv import router_gemv  # noqa: E402

@@ -9,6 +9,8 @@ option is bench_decode_attention's; fp8's split_factor was chosen with it:
 
 --split-counts N N ... times exactly those split counts instead (prefetch off), e.g. whole waves
 of programs per SM (e.g. `--split-counts 4 5 6 8 --shapes 16x32768 --swap-ab 0 1`).
+--write-config writes each format's best split factor and prefetch into its device's tuning file
+(moekv/ops/configs/decode_attention_<device>.json, see bench_decode_attention.best_launch).
 """
 import sys
 from pathlib import Path

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
 from bench_decode_attention import FORMATS, HEAD_DIM, NUM_HEADS, build_cache  # noqa: E402
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
-from moekv.ops.decode_attention import paged_decode_attention  # noqa: E402
+from moekv.ops.decode.paged import paged_decode_attention  # noqa: E402
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ not how fast the GPU retires it.
     python benchmarks/tools/sass_decode_attention.py                       # every kernelised format, the benchmark's default launch
     python benchmarks/tools/sass_decode_attention.py --formats int4 --block-size 16 --block-n 64 --no-asm
     python benchmarks/tools/sass_decode_attention.py --formats nuq2 nuq2_eager nuq2_first nuq2_noslots --num-warps 8
+    python benchmarks/tools/sass_decode_attention.py --dump-sass /tmp/sass_a   # then diff -r against another tree's dump
 
 Besides the opcode mix it reports what ptxas says about spills (bytes of local memory stored and
 loaded: LDL/STL in the loop are spills) and splits the loop's instructions into those every tile
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
-from moekv.ops import decode_attention as da  # noqa: E402
+from moekv.ops.decode import paged as da  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
 from bench_decode_attention import NUQ2_VARIANTS  # noqa: E402  (nuq2 kernel variants: label -> slots mode)
@@ -50,7 +51,8 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 FORMATS = {"bf16": ("bf16", {}), "fp8_e4m3": ("fp8_e4m3", {}), "int4": ("int4", {"group_size": 32}),
            "kivi2": ("kivi2", {"residual": 128}), "nuq2": ("nuq2", {"codebook": "page"}),
            "vq": ("vq", {}),  # vq: a random calibration (vq.random_calibration) made on first use
-           "tiered": ("tiered", {"codebook": "page"})}  # its own kernel (moekv/ops/decode_tiered.py), mass output on
+           "tiered": ("tiered", {"codebook": "page"}),  # its own kernel (moekv/ops/decode/tiered.py), mass output on
+           "fp16": ("fp16", {})}
 KEYS = ["BAR", "LDG", "LDGSTS", "LDL", "STL", "LDS", "STS", "LDSM", "HMMA"]
 
 
@@ -72,7 +74,7 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
         options = {**options, "calibration": _vq_calibration(head_dim)}
     fmt = get_kv_format(name, torch.bfloat16, **options)
     if label in NUQ2_VARIANTS:
-        from moekv.ops.decode_tiles import nuq2_spec
+        from moekv.ops.decode.nuq2 import nuq2_spec
 
         spec = nuq2_spec(fmt, block_size, head_dim, slots=NUQ2_VARIANTS[label])
     else:
@@ -80,7 +82,8 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
     num_kv_heads = 8
     cache = fmt.allocate(8, num_kv_heads, block_size, head_dim, torch.device("cpu"), 2, torch.bfloat16)
     q = torch.zeros(2, num_kv_heads * group, head_dim, dtype=torch.bfloat16)
-    compiled = {}
+    compiled = COMPILED
+    compiled.clear()
     original = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -89,10 +92,10 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
     JITFunction.run = run
     try:
         # the default cap, passed explicitly: the launchers would otherwise compile to decide whether to
-        # keep it for this short context (decode_attention.choose_launch)
+        # keep it for this short context (decode/launch.py choose_launch)
         if name == "tiered":
-            from moekv.ops.decode_tiered import tiered_decode_attention
-            from moekv.ops.decode_tiles import register_cap
+            from moekv.ops.decode.launch import register_cap
+            from moekv.ops.decode.tiered import tiered_decode_attention
 
             if max_registers is None:
                 max_registers = register_cap("tiered", block_size) or 0
@@ -114,6 +117,7 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
     return compiled["_paged_decode_kernel"]
 
 
+COMPILED: dict = {}  # kernel name -> compiled kernel, of the last build (the decode kernel and its reduce)
 _VQ_CALIBRATIONS: dict[int, Path] = {}
 
 
@@ -125,6 +129,19 @@ def _vq_calibration(head_dim: int) -> Path:
         _VQ_CALIBRATIONS[head_dim] = random_calibration(Path(tempfile.mkdtemp(prefix="vqcal")), 8, head_dim,
                                                         iters=1, max_vectors=512)
     return _VQ_CALIBRATIONS[head_dim]
+
+
+def dump_sass(label: str, folder: Path) -> None:
+    """The SASS of every kernel of the last build, one file each (label.kernel.sass), without the addresses
+    and the header that names the cubin: two trees' dumps diff to nothing when their kernels are the same."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, kernel in COMPILED.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "k.cubin"
+            cubin.write_bytes(kernel.asm["cubin"])
+            sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+        body = [re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).rstrip() for line in sass.splitlines() if "/*" in line]
+        (folder / f"{label}.{name}.sass").write_text("\n".join(body) + "\n")
 
 
 def spills(kernel) -> dict:
@@ -187,8 +204,9 @@ def main() -> None:
     p.add_argument("--swap-ab", type=int, default=None, choices=(0, 1),
                    help="transposed products (1) or not (0); default: the spec's")
     p.add_argument("--max-registers", type=int, default=None,
-                   help="ptxas register cap (.maxnreg; default: the format's, decode_tiles.MAX_REGISTERS; 0: none)")
+                   help="ptxas register cap (.maxnreg; default: the format's, decode/launch.py register_cap; 0: none)")
     p.add_argument("--prefetch", type=int, default=None, help="L2 prefetch distance in tiles (default: the spec's)")
+    p.add_argument("--dump-sass", type=Path, default=None, help="also write each kernel's SASS into this folder")
     args = p.parse_args()
     elements = 2 * args.block_n * args.head_dim  # K and V elements of one tile
     threads = 32 * args.num_warps
@@ -197,6 +215,8 @@ def main() -> None:
                        args.num_stages, args.asm, args.prefetch, args.swap_ab, args.max_registers)
         usage, loops = sass_loops(kernel)
         spill = spills(kernel)
+        if args.dump_sass:
+            dump_sass(label, args.dump_sass)
         print(f"{label}: {usage.get('REG')} registers, {kernel.metadata.shared} B shared memory, "
               f"spills {spill.get('spill_stores')} B stored / {spill.get('spill_loads')} B loaded "
               f"(stack {spill.get('stack')} B)")

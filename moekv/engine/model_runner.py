@@ -39,11 +39,21 @@ class SeqStepResult:
 
 
 @dataclass
+class SeqRows:
+    """One sequence's share of a step's logits: its result, and where its rows sit among the rows
+    whose logits the step computes (indices into StepPlan.logits_rows)."""
+
+    result: SeqStepResult
+    prompt_rows: list[int]  # rows scored for prompt logprobs (row p predicts prompt token p + 1)
+    sample_row: int | None  # the row sampled for the next token; None: the sequence is still mid-prompt
+    logit_rows: list[int]  # rows returned as prompt logits
+
+
+@dataclass
 class StepPlan:
     """One step's host-side inputs: per token (input_ids, positions, slots; T entries) and per
-    sequence (the rest; B entries), and per sequence (result, prompt-logprob rows, sample row,
-    prompt-logit rows) in `rows`, rows counted in logits_rows (the step's rows whose logits are
-    needed)."""
+    sequence (the rest; B entries), and each sequence's SeqRows in `rows`, rows counted in
+    logits_rows (the step's rows whose logits are needed)."""
 
     seqs: list[Sequence]
     input_ids: list[int]
@@ -54,7 +64,7 @@ class StepPlan:
     num_tokens: list[int]
     seq_slots: list[int]
     logits_rows: list[int]
-    rows: list[tuple[SeqStepResult, list[int], int | None, list[int]]]
+    rows: list[SeqRows]
     # a follow-on step: its input tokens [B] int64 on the device, sampled by the step still
     # running before it (input_ids then holds placeholders)
     input_ids_device: torch.Tensor | None = None
@@ -63,8 +73,7 @@ class StepPlan:
 def every_row_samples(plan: StepPlan) -> bool:
     """Each sequence samples (its sample row = its place in the step) and wants no prompt
     logprobs or logits: a step the engine may follow on before the host has seen its tokens."""
-    return all(sample_row == i and not prompt_rows and not logit_rows
-               for i, (_, prompt_rows, sample_row, logit_rows) in enumerate(plan.rows))
+    return all(r.sample_row == i and not r.prompt_rows and not r.logit_rows for i, r in enumerate(plan.rows))
 
 
 class PendingStep:
@@ -333,7 +342,7 @@ class ModelRunner:
             context_lens=[p + 1 for p in positions], query_start=list(range(len(seqs) + 1)),
             num_tokens=[1] * len(seqs), seq_slots=[self._slots[seq.request_id] for seq in seqs],
             logits_rows=list(range(len(seqs))),
-            rows=[(SeqStepResult(seq), [], i, []) for i, seq in enumerate(seqs)], input_ids_device=tokens)
+            rows=[SeqRows(SeqStepResult(seq), [], i, []) for i, seq in enumerate(seqs)], input_ids_device=tokens)
         return self._launch(plan, blocked_ids)
 
     def _plan(self, out: SchedulerOutput) -> StepPlan:
@@ -368,13 +377,13 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_row = len(logits_rows)
                 logits_rows.append(base + item.num_tokens - 1)
-            plan.rows.append((SeqStepResult(seq), prompt_rows, sample_row, logit_rows))
+            plan.rows.append(SeqRows(SeqStepResult(seq), prompt_rows, sample_row, logit_rows))
         return plan
 
     def _launch(self, plan: StepPlan, blocked_ids: dict[str, list[int]]) -> PendingStep:
         num_tokens, context_lens, seq_slots = plan.num_tokens, plan.context_lens, plan.seq_slots
         logits_rows = plan.logits_rows
-        results = [row[0] for row in plan.rows]
+        results = [row.result for row in plan.rows]
         block_tables = [seq.block_table for seq in plan.seqs]
         bs = self.block_size
         decode_only = all(n == 1 for n in num_tokens)
@@ -428,10 +437,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[ctx.logits_indices])  # [S, V] fp32
 
         rows, sample_rows, sample_targets = [], [], []
-        for result, prompt_rows, sample_row, logit_rows in plan.rows:
+        for plan_rows in plan.rows:
+            result, prompt_rows, sample_row = plan_rows.result, plan_rows.prompt_rows, plan_rows.sample_row
             seq = result.seq
-            if logit_rows:
-                result.prompt_logits = logits[logit_rows].cpu()
+            if plan_rows.logit_rows:
+                result.prompt_logits = logits[plan_rows.logit_rows].cpu()
             if prompt_rows:
                 logprobs = torch.log_softmax(logits[prompt_rows], dim=-1)
                 first_target = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1) + 1

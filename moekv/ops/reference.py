@@ -173,8 +173,7 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     k = k.to(q.dtype).repeat_interleave(group, dim=1)
     v = v.to(q.dtype).repeat_interleave(group, dim=1)
     # [1, H, L, D]: SDPA's fused CUDA kernels take 4-D inputs only; 3-D ones fall back to the
-    # math path, which materialises the [H, Tq, L] scores in fp32 (on the H200 that was most of
-    # a bf16 prefill step: benchmarks/NOTES.md, session 9)
+    # math path, which materialises the [H, Tq, L] scores in fp32 (most of a bf16 prefill step)
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     mask = None
     if num_q != length or sliding_window is not None:  # (a whole prompt: plain causal, flash SDPA on CUDA)
@@ -306,7 +305,7 @@ def rms_norm_coarse_gate_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
 
 def decode_attention_ref(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
                          sliding_window: int | None = None) -> torch.Tensor:
-    """The reference of the paged decode kernel (moekv/ops/decode_attention.py): each sequence's one
+    """The reference of the paged decode kernel (moekv/ops/decode/paged.py): each sequence's one
     query (its last position) over its whole context, computed in q's dtype (float64 in tests).
 
     q [B, Hq, D]; keys[b], values[b] [L_b, Hkv, D]: sequence b's context as its format dequantizes

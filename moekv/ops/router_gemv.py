@@ -3,9 +3,8 @@
 At decode (T = 1) cuBLAS runs this 8 x 4096 product as a split-K GEMM plus a reduce kernel (~6 us
 per MoE layer measured on an H200, for 64 KB of weights); one Triton program per (token, block of
 expert) streams its gate row once and writes the logit in the hidden state's dtype, fp32
-accumulation, as F.linear does. One expert per program and the whole row in one load: the first
-version (one program per 16 experts, 256 columns a step) ran the 8 x 4096 product on one SM as
-16 dependent loads, 12 us per layer on the H200, twice cuBLAS.
+accumulation, as F.linear does. One expert per program and the whole row in one load: wider
+programs would run the product on a few SMs as a chain of dependent loads.
 Reference: `F.linear(hidden, gate)` (`RouterLogits.full`).
 Shape legend: T = tokens, E = experts, H = hidden size.
 """

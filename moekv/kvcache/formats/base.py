@@ -152,7 +152,7 @@ class KVFormat(ABC):
             block_size = staging.shape[2] if staging is not None else (pages.shape[2] if pages is not None else 0)
             spec = self.decode_spec(block_size, q.shape[-1]) if block_size else None
             if spec is not None:
-                from moekv.ops.decode_attention import paged_decode_attention
+                from moekv.ops.decode.paged import paged_decode_attention
 
                 return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
                                               scale, sliding_window, spec)
@@ -164,7 +164,7 @@ class KVFormat(ABC):
         raise NotImplementedError(f"{type(self).__name__} implements neither attend nor attend_reference")
 
     def decode_spec(self, block_size: int, head_dim: int):
-        """How the paged decode kernel reads this format's pages (a moekv.ops.decode_attention.DecodeSpec),
+        """How the paged decode kernel reads this format's pages (a moekv.ops.decode.common.DecodeSpec),
         or None to keep the reference path on CUDA too. Formats plug their tile readers in here."""
         return None
 

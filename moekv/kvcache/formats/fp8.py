@@ -41,6 +41,6 @@ class FP8Format(PagedQuantFormat):
         return codes * fields["scale"].float()[..., None]
 
     def decode_spec(self, block_size, head_dim):
-        from moekv.ops.decode_tiles import fp8_spec
+        from moekv.ops.decode.fp8 import fp8_spec
 
         return fp8_spec(self, block_size, head_dim)

@@ -92,7 +92,7 @@ class Int4Format(PagedQuantFormat):
         return x.scatter_(-1, idx, fields["outlier_val"].float())
 
     def decode_spec(self, block_size, head_dim):
-        from moekv.ops.decode_tiles import int4_spec
+        from moekv.ops.decode.int4 import int4_spec
 
         return int4_spec(self, block_size, head_dim)
 

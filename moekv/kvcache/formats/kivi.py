@@ -103,7 +103,7 @@ class KIVI2Format(PagedQuantFormat):
         return groups.reshape(n, heads, P, D)
 
     def decode_spec(self, block_size, head_dim):
-        from moekv.ops.decode_tiles import kivi_spec  # the tile readers take G (32 or 64) as a parameter
+        from moekv.ops.decode.kivi import kivi_spec  # the tile readers take G (32 or 64) as a parameter
 
         return kivi_spec(self, block_size, head_dim)
 

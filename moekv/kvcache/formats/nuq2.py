@@ -290,14 +290,14 @@ class NUQ2Format(PagedQuantFormat):
 
     def decode_spec(self, block_size, head_dim):
         """The fused decode kernel (centroid lookup, the keys' channel affine folded into q, outlier
-        slots as per-tile corrections; moekv/ops/decode_tiles.py). Calibrated codebooks live outside
+        slots as per-tile corrections; moekv/ops/decode/nuq2.py). Calibrated codebooks live outside
         the slab: the readers take each layer's from `decode_tables` (DecodeSpec.tables); codebooks
         not stored in fp16 (what `moekv calibrate` writes) keep the reference path, since the
         kernel's lookup is fp16."""
         if self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
                                    if name.endswith(".centroids")):
             return None
-        from moekv.ops.decode_tiles import nuq2_spec
+        from moekv.ops.decode.nuq2 import nuq2_spec
 
         return nuq2_spec(self, block_size, head_dim)
 

@@ -49,7 +49,7 @@ class PlainKVFormat(KVFormat):
         return RopeWriteTarget(cache["k_pages"], cache["v_pages"], ctx.slot_mapping)
 
     def decode_spec(self, block_size, head_dim):
-        from moekv.ops.decode_tiles import plain_spec
+        from moekv.ops.decode.plain import plain_spec
 
         return plain_spec(self.dtype)
 

@@ -47,7 +47,7 @@ from moekv.kvcache.formats.tiered_policy import (TIER_FP8, TIER_LOW, TIER_NONE, 
 class TieredState:
     """One layer's page state (LayerKVCache.state). The plain-Python fields are the source of truth
     (writes, demotions, re-ranking: tiered_policy decides on them). The fused decode kernel
-    (moekv/ops/decode_tiered.py) reads device mirrors of the tier map, kept in sync wherever a page
+    (moekv/ops/decode/tiered.py) reads device mirrors of the tier map, kept in sync wherever a page
     changes tier (_sync_pages), and adds its attention mass to a device accumulator that is folded
     into `mass` before the host reads it (_fold_mass)."""
 
@@ -451,10 +451,10 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         return self.attend_reference(q, cache, ctx, scale, sliding_window)
 
     def attend_kernel(self, q, cache, ctx, scale, sliding_window, **launch):
-        """One query per sequence through moekv/ops/decode_tiered.py: both tiers in one launch; the
+        """One query per sequence through moekv/ops/decode/tiered.py: both tiers in one launch; the
         per-page attention mass it emits (summed over query heads, full pages only: the reference's
         definition) goes to the device accumulator, without a sync. launch: num_splits, block_n, ..."""
-        from moekv.ops.decode_tiered import tiered_decode_attention
+        from moekv.ops.decode.tiered import tiered_decode_attention
 
         st = cache.state
         out, _ = tiered_decode_attention(q, cache, st.tier_dev, st.slot_dev, ctx.block_tables,

@@ -160,9 +160,9 @@ class VQFormat(PagedQuantFormat):
 
     def decode_spec(self, block_size, head_dim):
         """The fused decode kernel: codebook gathers, the keys' channel affine folded into q, outlier
-        slots as per-tile corrections (moekv/ops/decode_tiles_vq.py); the codebooks and channel
+        slots as per-tile corrections (moekv/ops/decode/vq.py); the codebooks and channel
         scales come from decode_tables for the cache's layer."""
-        from moekv.ops.decode_tiles_vq import vq_spec
+        from moekv.ops.decode.vq import vq_spec
 
         return vq_spec(self, block_size, head_dim)
 

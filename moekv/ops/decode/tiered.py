@@ -5,7 +5,7 @@ logical page (the block manager's id, what block_tables hold) to a tier and, for
 FP8 pool. The format mirrors that map into two int32 device tensors, `page_tier` [N] (1 FP8, 2 low,
 0 none) and `page_slot` [N] (the FP8 slot, -1 otherwise), which this kernel reads per tile.
 
-The kernel is `_paged_decode_kernel`'s (moekv/ops/decode_attention.py) split-K loop specialised to
+The kernel is `_paged_decode_kernel`'s (moekv/ops/decode/paged.py) split-K loop specialised to
 two readers: tiles never span pages (BLOCK_N <= P), so each tile is one page of one tier and a
 uniform branch on the page's tier picks the FP8 readers (row-scaled codes) or the nuq2 ones
 (centroid lookup, the keys' channel affine folded into q, outlier-slot corrections). Both branches
@@ -26,13 +26,44 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.decode_attention import (LOG2E, NO_WINDOW, SWAP_MIN_ROWS, _TL_DTYPES, _patch_interpreter_index,
-                                        _per_head, _per_token, _prefetch_slab, _reduce_kernel, _scores, _sm_count,
-                                        _softmax_step, _weighted_values, check_block_n, launch_split_kernel,
-                                        num_splits_for, pow2_at_least, reduce_head, split_share, store_partial,
-                                        tail_tile_step, tail_values_in_acc_order, tokens_axis)
-from moekv.ops.decode_tiles import PREFETCH, _fp8_row_scale, fp8_key_tile, nuq2_key_fix, nuq2_key_fold, \
-    nuq2_key_tile, nuq2_value_fix, nuq2_value_tile, register_cap
+from moekv.ops.decode.common import (
+    LOG2E,
+    NO_WINDOW,
+    SWAP_MIN_ROWS,
+    TL_DTYPES,
+    check_block_n,
+    per_head,
+    per_token,
+    pow2_at_least,
+    prefetch_slab,
+    reduce_head,
+    softmax_step,
+    split_share,
+    store_partial,
+    tail_tile_step,
+    tail_values_in_acc_order,
+    tile_scores,
+    tokens_axis,
+    weighted_values,
+)
+from moekv.ops.decode.fp8 import fp8_key_tile, fp8_row_scale
+from moekv.ops.decode.interpreter import patch_interpreter_index
+from moekv.ops.decode.launch import (
+    decode_tuning,
+    format_tuning,
+    launch_split_kernel,
+    num_splits_for,
+    register_cap,
+    sm_count,
+)
+from moekv.ops.decode.nuq2 import (
+    nuq2_key_fix,
+    nuq2_key_fold,
+    nuq2_key_tile,
+    nuq2_value_fix,
+    nuq2_value_tile,
+)
+from moekv.ops.decode.paged import reduce_partials, strides
 
 TIER_FP8 = tl.constexpr(1)  # = moekv.kvcache.formats.tiered.TIER_FP8
 
@@ -50,7 +81,7 @@ def _fp8_value_tile_planar(pool, base, tok, page_base, tok0, valid, D: tl.conste
     codes = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     row0 = tl.multiple_of(page_base + tok0, 16)
     x_t = tl.load(codes + (row0 + (ch * P)[:, None] + r[None, :]))  # [D, BLOCK_N]
-    return tl.trans(x_t.to(tl.float16)), _fp8_row_scale(pool, base, tok, valid, SCALE_OFF)
+    return tl.trans(x_t.to(tl.float16)), fp8_row_scale(pool, base, tok, valid, SCALE_OFF)
 
 
 @triton.jit
@@ -72,7 +103,7 @@ def _tiered_decode_kernel(
     BLOCK_N: tl.constexpr, DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr,
     EMIT_MASS: tl.constexpr, PREFETCH: tl.constexpr,  # L2 prefetch distance in tiles (0: off)
     KF_SLAB: tl.constexpr, VF_SLAB: tl.constexpr, KL_SLAB: tl.constexpr, VL_SLAB: tl.constexpr,  # bytes
-    SWAP_AB: tl.constexpr,  # transposed products (decode_attention.DecodeSpec.swap_ab)
+    SWAP_AB: tl.constexpr,  # transposed products (DecodeSpec.swap_ab)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -117,21 +148,21 @@ def _tiered_decode_kernel(
                 ahead = tl.load(bt_row + tl.minimum(t + PREFETCH, t1 - 1) * BLOCK_N // P).to(tl.int64)
                 a_slot = tl.load(page_slot + ahead).to(tl.int64)
                 in_fp8 = a_slot >= 0
-                _prefetch_slab(kf_pool, a_slot * stride_kfp + h * stride_kfh, KF_SLAB, in_fp8)
-                _prefetch_slab(vf_pool, a_slot * stride_vfp + h * stride_vfh, VF_SLAB, in_fp8)
-                _prefetch_slab(kl_pool, ahead * stride_klp + h * stride_klh, KL_SLAB, a_slot < 0)
-                _prefetch_slab(vl_pool, ahead * stride_vlp + h * stride_vlh, VL_SLAB, a_slot < 0)
+                prefetch_slab(kf_pool, a_slot * stride_kfp + h * stride_kfh, KF_SLAB, in_fp8)
+                prefetch_slab(vf_pool, a_slot * stride_vfp + h * stride_vfh, VF_SLAB, in_fp8)
+                prefetch_slab(kl_pool, ahead * stride_klp + h * stride_klh, KL_SLAB, a_slot < 0)
+                prefetch_slab(vl_pool, ahead * stride_vlp + h * stride_vlh, VL_SLAB, a_slot < 0)
             tier = tl.load(page_tier + page)
             if tier == TIER_FP8:
                 slot = tl.load(page_slot + page).to(tl.int64)
                 kb = slot * stride_kfp + h * stride_kfh
                 k, k_scale = fp8_key_tile(kf_pool, kb, tok, kb, tok0, valid, D, BLOCK_N, P, ASM, F_KS, 0, 0, 0, 0, 0)
-                s = _scores(q_fp8, k, None, DOT, SWAP_AB) * _per_token(k_scale, SWAP_AB)
-                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale, SWAP_AB)
+                s = tile_scores(q_fp8, k, None, DOT, SWAP_AB) * per_token(k_scale, SWAP_AB)
+                m, l, p, alpha = softmax_step(s, valid, m, l, qk_scale, SWAP_AB)
                 vb = slot * stride_vfp + h * stride_vfh
                 v, v_scale = _fp8_value_tile_planar(vf_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, F_VS)
                 v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
-                pv = _weighted_values(p, v, DOT, SWAP_AB, v_scale / v_max) * v_max
+                pv = weighted_values(p, v, DOT, SWAP_AB, v_scale / v_max) * v_max
             else:
                 kb = page * stride_klp + h * stride_klh
                 k, k_unused = nuq2_key_tile(kl_pool, kb, tok, kb, tok0, valid, D, BLOCK_N, P, ASM,
@@ -143,17 +174,17 @@ def _tiered_decode_kernel(
                 vb = page * stride_vlp + h * stride_vlh
                 if SWAP_AB:  # the outlier hooks take [G_PAD, ...] tensors
                     s = tl.trans(s)
-                s = _scores(q_page, k, s, DOT, SWAP_AB) + _per_head(bias, SWAP_AB)
-                m, l, p, alpha = _softmax_step(s, valid, m, l, qk_scale, SWAP_AB)
+                s = tile_scores(q_page, k, s, DOT, SWAP_AB) + per_head(bias, SWAP_AB)
+                m, l, p, alpha = softmax_step(s, valid, m, l, qk_scale, SWAP_AB)
                 v, v_unused = nuq2_value_tile(vl_pool, vb, tok, vb, tok0, valid, D, BLOCK_N, P, ASM,
                                               V0, V1, V2, V3, 0, 0)
-                pv = _weighted_values(p, v, DOT, SWAP_AB)
+                pv = weighted_values(p, v, DOT, SWAP_AB)
                 if V_FIX is not None and SWAP_AB:
                     pv = tl.trans(V_FIX(vl_pool, vb, tok0, tl.trans(p), tl.trans(pv), D, BLOCK_N, P, DOT,
                                         V0, V1, V2, V3, 0, 0))
                 elif V_FIX is not None:
                     pv = V_FIX(vl_pool, vb, tok0, p, pv, D, BLOCK_N, P, DOT, V0, V1, V2, V3, 0, 0)
-            acc = acc * _per_head(alpha, SWAP_AB) + pv
+            acc = acc * per_head(alpha, SWAP_AB) + pv
             if EMIT_MASS:  # this tile's probabilities relative to m (the running max after it)
                 tl.store(tile_sum + head * max_tiles + t, tl.sum(p, axis=tokens_axis(SWAP_AB)), mask=row_ok)
                 tl.store(tile_max + head * max_tiles + t, m, mask=row_ok)
@@ -191,10 +222,10 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     heads on the i-th full page of sequence b (0 for the partly filled page and pages past the context).
 
     fp8_fmt / nuq2_fmt: the tiers' formats (TieredFormat.hi / .lo; nuq2 with page codebooks).
-    prefetch: L2 prefetch distance in tiles (None: TIERED_PREFETCH; 0: off; compiled kernels only).
+    prefetch: L2 prefetch distance in tiles (None: the tuning's for 'tiered'; 0: off; compiled kernels only).
     mass_into: a [num_pages] fp32 accumulator (the format's mass_dev): the mass is added there at
     each page's id instead of returned (then None), in the same launch that computes it.
-    swap_ab (None: TIERED_SWAP_AB), max_registers (ptxas's cap; None: register_cap('tiered', P), 0: none) and
+    swap_ab (None: the tuning's for 'tiered'), max_registers (ptxas's cap; None: register_cap('tiered', P), 0: none) and
     separate_tail: as paged_decode_attention's."""
     B, Hq, D = q.shape
     kf, vf, kl, vl = tensors["k_fp8"], tensors["v_fp8"], tensors["k_low"], tensors["v_low"]
@@ -207,8 +238,8 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
         raise ValueError("tiered decode: the low tier's nuq2 must use page codebooks")
     interpret = not isinstance(_tiered_decode_kernel, triton.runtime.jit.JITFunction)
     if interpret:
-        _patch_interpreter_index()
-    block_n = min(block_n or (16 if interpret else 64), P)
+        patch_interpreter_index()
+    block_n = min(block_n or (16 if interpret else decode_tuning().block_n), P)
     check_block_n("tiered decode", block_n)
     if P % block_n:
         raise ValueError(f"tiered decode: block_n={block_n} must divide block_size={P} (its tiles lie in one page)")
@@ -231,13 +262,12 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     kparams = (lk["centroids"], lk.get("out_val", 0), lk.get("out_idx", 0), k_slots, lk["chan_mean"], lk["chan_scale"])
     vparams = (lv["centroids"], lv.get("out_val", 0), lv.get("out_idx", 0), v_slots)
     dot = tl.float32 if interpret else tl.float16
-    tail_dot = tl.float32 if interpret else _TL_DTYPES[k_stage.dtype]
+    tail_dot = tl.float32 if interpret else TL_DTYPES[k_stage.dtype]
     if swap_ab is None:
-        swap_ab = TIERED_SWAP_AB
+        swap_ab = format_tuning("tiered").swap_ab
     G_PAD = max(SWAP_MIN_ROWS if swap_ab else 16, triton.next_power_of_2(G))
-    st = k_stage.stride()
     if prefetch is None:
-        prefetch = TIERED_PREFETCH
+        prefetch = format_tuning("tiered").prefetch
     if interpret:  # inline PTX
         prefetch = 0
     slabs = [t.stride(1) * t.element_size() if prefetch else 0 for t in (kf, vf, kl, vl)]
@@ -249,12 +279,12 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
         part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
         sums, maxes = (tile_sum, tile_max) if emit_mass else (part_lse, part_lse)
         return part_o, part_lse, ns_total, (
-            q, q.stride(0), q.stride(1),
-            kf, vf, kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-            kl, vl, kl.stride(0), kl.stride(1), vl.stride(0), vl.stride(1),
-            block_tables, block_tables.stride(0), context_lens, seq_slots,
+            q, *strides(q, 2),
+            kf, vf, *strides(kf, 2), *strides(vf, 2),
+            kl, vl, *strides(kl, 2), *strides(vl, 2),
+            block_tables, *strides(block_tables, 1), context_lens, seq_slots,
             page_tier, page_slot,
-            k_stage, v_stage, st[0], st[1], st[2],
+            k_stage, v_stage, *strides(k_stage, 3),
             part_o, part_lse, sums, maxes, max_tiles,
             scale * LOG2E, window, num_splits, ns_total,
             koff["scale"], voff["scale"], *kparams, *vparams,
@@ -274,14 +304,13 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
 
     part_o, part_lse, ns_total = launch_split_kernel(
         _tiered_decode_kernel, kernel_args, launch_key,
-        num_splits_for(B, Hkv, max_context, block_n, _sm_count(q.device)), num_splits, max_registers,
+        num_splits_for(B, Hkv, max_context, block_n, sm_count(q.device)), num_splits, max_registers,
         cap_is_default, B, Hkv, max_context, block_n, num_warps, num_stages, interpret, q.device)
     if out is None:
         out = torch.empty_like(q)
     ns_pad = max(2, triton.next_power_of_2(ns_total))
     if not emit_mass:
-        _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total, Hq, ns_pad, D, False,
-                                num_warps=4)
+        reduce_partials(part_o, part_lse, out, ns_total, False)
         return out, None
     mass = mass_into if mass_into is not None else torch.empty(B, max_pages, dtype=torch.float32, device=q.device)
     block_pages = mass_block_pages(Hq, P // block_n)
@@ -297,12 +326,6 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
 def mass_block_pages(num_heads: int, tiles_per_page: int) -> int:
     """Pages per mass program of _reduce_and_mass_kernel: about 2048 (head, tile) pairs each (16 a thread)."""
     return max(1, 2048 // (triton.next_power_of_2(num_heads) * tiles_per_page))
-
-
-# L2 prefetch distance (tiles) of the tiered kernel: nuq2's (most pages are nuq2), not yet swept for tiered
-TIERED_PREFETCH = PREFETCH["nuq2"]
-TIERED_SWAP_AB = False  # transposed products (decode_attention.DecodeSpec.swap_ab)
-# its register cap: decode_tiles.register_cap("tiered", P), with the other formats'
 
 
 @triton.jit

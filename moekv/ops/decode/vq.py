@@ -30,11 +30,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekv.ops.decode_attention import DecodeSpec, TileReader
-from moekv.ops.decode_tiles import (_add_slot_scores, _add_slot_values,  # slots as nuq2's
-                                    _nuq2_used_chunks, _slot_chunk_index, register_cap)
+from moekv.ops.decode.common import DecodeSpec, TileReader
+from moekv.ops.decode.launch import spec_launch
+from moekv.ops.decode.slots import (
+    add_slot_scores,
+    add_slot_values,
+    slot_chunk_index,
+    used_slot_chunks,
+)
 
 CODEBOOK_SIZE = tl.constexpr(256)
+
+
 SLOT_CHUNK = 16  # outlier slots per one-hot product (the MMA's smallest K)
 
 
@@ -110,7 +117,7 @@ def _vq_slot_chunk(pool, page_base, tok0, chunk, CB, D: tl.constexpr, BLOCK_N: t
     (used, tile column of the slot's token, channel, tok_scale * (slot value - codebook element
     under it); 0 where unused)."""
     NS: tl.constexpr = D // SUB
-    i, pb, first = _slot_chunk_index(page_base, tok0, chunk, BLOCK_N, P)
+    i, pb, first = slot_chunk_index(page_base, tok0, chunk, BLOCK_N, P)
     u16 = pool.to(tl.pointer_type(tl.uint16), bitcast=True)
     half = pool.to(tl.pointer_type(tl.float16), bitcast=True)
     f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
@@ -135,7 +142,7 @@ def vq_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_
     """Scores of the outlier slots: s[g, col(t)] += q[g, c] * chan_scale[c] * delta per used slot."""
     SC: tl.constexpr = 16
     NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
-    chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    chunks = used_slot_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
             used, colm, c, delta = _vq_slot_chunk(pool, page_base, tok0, chunk, T0, D, BLOCK_N, P, TOK_OFF,
@@ -143,7 +150,7 @@ def vq_key_fix(pool, page_base, tok0, q_rows, row_ok, s, D: tl.constexpr, BLOCK_
             cs = tl.load(T1 + c).to(tl.float32)
             q_c = tl.load(q_rows + c[None, :], mask=row_ok[:, None] & used[None, :], other=0.0).to(tl.float32)
             corr = q_c * (cs * delta)[None, :]  # [G_PAD, NPG * 16]
-            s = _add_slot_scores(s, corr, colm, used, BLOCK_N, DOT)
+            s = add_slot_scores(s, corr, colm, used, BLOCK_N, DOT)
     return s
 
 
@@ -155,12 +162,12 @@ def vq_value_fix(pool, page_base, tok0, p, pv, D: tl.constexpr, BLOCK_N: tl.cons
     the slots' tokens, times delta, @ one-hot of their channels)."""
     SC: tl.constexpr = 16
     NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
-    chunks = _nuq2_used_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    chunks = used_slot_chunks(pool, page_base, OIDX_OFF, S, NPG)
     for chunk in tl.static_range((S + SC - 1) // SC):
         if chunk < chunks:
             used, colm, c, delta = _vq_slot_chunk(pool, page_base, tok0, chunk, T2, D, BLOCK_N, P, TOK_OFF,
                                                   OVAL_OFF, OIDX_OFF, S, SUB)
-            pv = _add_slot_values(pv, p, colm, c, delta, used, D, BLOCK_N, DOT)
+            pv = add_slot_values(pv, p, colm, c, delta, used, D, BLOCK_N, DOT)
     return pv
 
 
@@ -183,5 +190,4 @@ def vq_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
-    return DecodeSpec(key=key, value=value, staged=True, tables=tables, swap_ab=True,  # see decode_tiles.PREFETCH
-                      max_registers=register_cap("vq", block_size))
+    return DecodeSpec(key=key, value=value, staged=True, tables=tables, **spec_launch("vq", block_size))

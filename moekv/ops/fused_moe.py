@@ -292,7 +292,7 @@ def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, 
     """Program (token, n-block): out[token, n-block] = sum over the token's k slots of weight * the
     slot expert's rows . h[pair], written once in the output dtype: no fp32 partials, no sum and
     no cast launch after it. Measured slower than the split version on the H200 at T=1 (fewer
-    loads in flight; benchmarks/NOTES.md): kept as an option (GemvConfig.fold_slots), off."""
+    loads in flight; docs/journal.md): kept as an option (GemvConfig.fold_slots), off."""
     pid = tl.program_id(0)
     token = pid % num_tokens
     pid_n = pid // num_tokens

@@ -466,10 +466,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     def attend_reference(self, q, cache, ctx, scale, sliding_window):
         """Attention as every format's reference path computes it (dense_attention: SDPA over the
         dequantized context, flash on CUDA), and each full page's attention mass beside it
-        (key_mass: the probabilities summed over heads and queries, a chunk of queries at a time).
-        The mass used to come from explicit probabilities that also gave the output ([Hq, Tq, L]
-        fp32 at once and a fp32 P @ V); key_mass's first version, as costly (~0.57 s of a 2 x 4k
-        prefill step on the H200), now scores only the keys each chunk can see (NOTES, session 11)."""
+        (key_mass: the probabilities summed over heads and queries, a chunk of queries at a time,
+        scoring only the keys each chunk can see, so the mass costs a fraction of the attention)."""
         st = cache.state
         P = cache["k_staging"].shape[2]
         host = ctx.host_lists()

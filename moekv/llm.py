@@ -1,7 +1,8 @@
 """LLM: the offline Python API, shaped like vLLM's `LLM`."""
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm

@@ -15,8 +15,16 @@ import torch
 
 from moekv import LLM, SamplingParams
 from moekv.engine.block_manager import BlockManager
-from moekv.engine.cuda_graphs import (DecodeGraphs, bucket_for, decode_fills, fill_buckets, graph_buckets,
-                                      graphs_unsupported_reason, pad_decode_inputs, step_fits_graph)
+from moekv.engine.cuda_graphs import (
+    DecodeGraphs,
+    bucket_for,
+    decode_fills,
+    fill_buckets,
+    graph_buckets,
+    graphs_unsupported_reason,
+    pad_decode_inputs,
+    step_fits_graph,
+)
 from moekv.kvcache.formats import get_kv_format
 from moekv.kvcache.formats.tiered import TIER_LOW
 

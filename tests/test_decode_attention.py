@@ -19,6 +19,9 @@ from safetensors.torch import save_file
 
 from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
+# the interpreter switch above must be set before any moekv module decorates a kernel
+# isort: split
+
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import _is_decode_only  # noqa: E402

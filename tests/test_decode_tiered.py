@@ -11,6 +11,9 @@ import torch
 
 from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa: F401 (before any kernel import)
 
+# the interpreter switch above must be set before any moekv module decorates a kernel
+# isort: split
+
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW  # noqa: E402

@@ -14,6 +14,9 @@ import torch
 
 from tests.triton_kernels import DECODE_MODULES, kernel_modules  # noqa: F401 (before any kernel import)
 
+# the interpreter switch above must be set before any moekv module decorates a kernel
+# isort: split
+
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.ops import tuning  # noqa: E402
 

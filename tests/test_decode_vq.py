@@ -10,11 +10,13 @@ benchmark's shape (32/8 heads, head_dim 128, pages of 64) in bf16.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
+
+# the interpreter switch above must be set before any moekv module decorates a kernel
+# isort: split
 
 from safetensors.torch import save_file  # noqa: E402
 

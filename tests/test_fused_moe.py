@@ -9,11 +9,13 @@ bf16 dots are cast up there, DESIGN.md section 6); with CUDA the same grid runs 
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
+
+# the interpreter switch above must be set before any moekv module decorates a kernel
+# isort: split
 
 from moekv.ops.reference import fused_moe_ref, moe_align_block_size_ref  # noqa: E402
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "moekv"
 LOW_LAYERS = ("ops", "layers", "kvcache", "routing", "models", "engine")
 HIGH_LAYERS = ("moekv.llm", "moekv.cli", "moekv.server", "moekv.tools")

@@ -8,9 +8,19 @@ import math
 import pytest
 import torch
 
-from moekv.kvcache.formats.tiered_policy import (MAX_MASS_WEIGHT, TIER_FP8, TIER_LOW, TIER_NONE, choose_tiers,
-                                                 decayed_weight, is_rerank_step, pages_to_keep, pop_coldest,
-                                                 rerank_demotions, tier_shares)
+from moekv.kvcache.formats.tiered_policy import (
+    MAX_MASS_WEIGHT,
+    TIER_FP8,
+    TIER_LOW,
+    TIER_NONE,
+    choose_tiers,
+    decayed_weight,
+    is_rerank_step,
+    pages_to_keep,
+    pop_coldest,
+    rerank_demotions,
+    tier_shares,
+)
 
 
 def test_rerank_every_interval_steps():

@@ -2,11 +2,13 @@
 float64 oracle. Without CUDA they run under TRITON_INTERPRET=1 on CPU tensors (fp32/fp16)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
+
+# the interpreter switch above must be set before any moekv module decorates a kernel
+# isort: split
 
 from moekv.ops.reference import add_rms_norm_ref, apply_rotary_ref, rms_norm_ref, rotary_cos_sin_ref  # noqa: E402
 

@@ -12,6 +12,9 @@ import torch
 
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
+# the interpreter switch above must be set before any moekv module decorates a kernel
+# isort: split
+
 from moekv.kvcache.formats.nuq2 import KMEANS_ITERS, NO_OUTLIER, NUQ2Format, unpack_codes  # noqa: E402
 
 (nq,) = kernel_modules("moekv.ops.nuq2_quantize")

@@ -4,19 +4,20 @@
 both ways. Without CUDA the kernels run under TRITON_INTERPRET=1 on CPU tensors (fp32/fp16)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
+
+# the interpreter switch above must be set before any moekv module decorates a kernel
+# isort: split
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import LayerKVCache, stage_decode_tokens  # noqa: E402
 from moekv.layers.attention import Attention  # noqa: E402
 from moekv.models.model_config import ModelConfig  # noqa: E402
-from moekv.ops.reference import (apply_rotary_ref, rope_kv_write_ref, rotary_cos_sin_ref,  # noqa: E402
-                                 write_kv_pages_ref)
+from moekv.ops.reference import apply_rotary_ref, rope_kv_write_ref, rotary_cos_sin_ref, write_kv_pages_ref  # noqa: E402
 
 rkw, ro = kernel_modules("moekv.ops.rope_kv_write", "moekv.ops.rotary")
 

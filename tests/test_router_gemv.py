@@ -2,13 +2,11 @@
 Without CUDA it runs under TRITON_INTERPRET=1 on CPU tensors (fp32/fp16)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
-
 
 (rg,) = kernel_modules("moekv.ops.router_gemv")
 

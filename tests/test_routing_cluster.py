@@ -14,7 +14,7 @@ import torch
 
 from moekv import LLM
 from moekv.routing import HierarchicalRouter
-from moekv.routing.cluster import coactivation_counts, equal_partition, expert_affinity, choose_margins
+from moekv.routing.cluster import choose_margins, coactivation_counts, equal_partition, expert_affinity
 from moekv.routing.cluster_map import ClusterMap, ClusterMapError, LayerClusters
 from moekv.routing.placement import Placement, PlacementStats
 from moekv.tools.cluster import build_cluster_map

@@ -15,6 +15,9 @@ import torch
 
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
+# the interpreter switch above must be set before any moekv module decorates a kernel
+# isort: split
+
 from moekv.ops.reference import cluster_routing_ref, fused_routing_ref, rms_norm_coarse_gate_ref  # noqa: E402
 
 _, fr, rc = kernel_modules("moekv.ops.rms_norm", "moekv.ops.fused_routing", "moekv.ops.rms_norm_coarse_gate")

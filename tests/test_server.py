@@ -8,11 +8,11 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from pathlib import Path
 import torch
 
 from moekv import LLM, SamplingParams

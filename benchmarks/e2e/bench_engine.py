@@ -46,8 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 
-from bench_decode import (SHAPES, hf_config, kv_bytes_per_token, measure_bandwidth,  # noqa: E402
-                          weight_bytes_per_step)
+from bench_decode import SHAPES, hf_config, kv_bytes_per_token, measure_bandwidth, weight_bytes_per_step  # noqa: E402
 
 from moekv import LLM, SamplingParams  # noqa: E402
 

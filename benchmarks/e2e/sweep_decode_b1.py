@@ -25,7 +25,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode as bd  # noqa: E402
 
-from moekv.ops import dense_gemv as dg, fused_moe as fm, pdl  # noqa: E402
+from moekv.ops import dense_gemv as dg  # noqa: E402
+from moekv.ops import fused_moe as fm
+from moekv.ops import pdl
 
 MOE_SHAPES = [fm.GemvConfig(block_n=32, block_k=256, num_stages=3, row_sums=False),  # the first default
               fm.GemvConfig(block_n=16, block_k=512, row_sums=False),  # the second

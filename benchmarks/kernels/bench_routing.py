@@ -43,8 +43,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moekv.ops.fused_routing import fused_cluster_routing, fused_routing  # noqa: E402
-from moekv.ops.reference import (cluster_routing_ref, fused_routing_ref, rms_norm_ref,  # noqa: E402
-                                 topk_softmax_ref)
+from moekv.ops.reference import cluster_routing_ref, fused_routing_ref, rms_norm_ref, topk_softmax_ref  # noqa: E402
 from moekv.ops.rms_norm_coarse_gate import rms_norm_coarse_gate  # noqa: E402
 
 TOKENS = (1, 16, 128, 1024, 4096)

@@ -21,8 +21,8 @@ import json
 import math
 import platform
 import shlex
-import sys
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,13 +35,13 @@ sys.path.insert(0, str(REPO))
 from moekv import LLM  # noqa: E402
 from moekv.cli.eval import _finite  # noqa: E402
 from moekv.config import default_model_path  # noqa: E402
-from moekv.ops.reference import fused_routing_ref  # noqa: E402
+from moekv.eval.routing import evaluate_routing  # noqa: E402
 from moekv.models.loader import moe_layers  # noqa: E402
+from moekv.ops.reference import fused_routing_ref  # noqa: E402
 from moekv.routing.cluster import choose_margins  # noqa: E402
 from moekv.routing.cluster_map import ClusterMap  # noqa: E402
 from moekv.routing.hierarchical import router_flops_per_token  # noqa: E402
 from moekv.routing.logits import RouterLogits  # noqa: E402
-from moekv.eval.routing import evaluate_routing  # noqa: E402
 from moekv.tools.cluster import build_cluster_map, split_calibration  # noqa: E402
 
 TEXT_DIR = REPO.parent / "shared" / "data" / "text"

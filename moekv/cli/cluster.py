@@ -14,8 +14,8 @@ def _fmt_margin(m: float) -> str:
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     from moekv.llm import LLM
-    from moekv.tools.cluster import build_cluster_map, split_calibration
     from moekv.routing.hierarchical import router_flops_per_token
+    from moekv.tools.cluster import build_cluster_map, split_calibration
 
     llm = LLM(model=args.model, dtype="float32" if args.device == "cpu" else "auto", device=args.device,
               routing="flat", max_model_len=args.window, max_num_batched_tokens=max(2048, 8 * (args.window or 512)))

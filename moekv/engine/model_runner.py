@@ -9,9 +9,8 @@ CUDA-graph replay write and read only there (engine/cuda_graphs.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import logging
+from dataclasses import dataclass, field
 
 import torch
 

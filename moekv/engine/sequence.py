@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from moekv.sampling_params import SamplingParams
 
-
 # "cumulative": every step's output holds everything so far (the engine API's default);
 # "delta": a running request's outputs hold only the step's new tokens, text and logprobs, its
 #   final output everything (the server streams deltas and reads finals);

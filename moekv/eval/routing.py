@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moekv.ops.reference import cluster_routing_ref, fused_moe_ref
-from moekv.routing.placement import Placement, PlacementStats
 from moekv.models.loader import moe_layers
+from moekv.ops.reference import cluster_routing_ref, fused_moe_ref
 from moekv.routing import checkpoint_router
+from moekv.routing.placement import Placement, PlacementStats
 from moekv.routing.tap import tapped
 
 

@@ -32,8 +32,15 @@ import triton
 import triton.language as tl
 
 from moekv.ops.dense_gemv import row_dots
-from moekv.ops.pdl import (launch_options, let_dependents_launch, pdl_enabled, prefetch_cols, prefetch_lines,
-                           prefetch_rows_l2, wait_for_inputs)
+from moekv.ops.pdl import (
+    launch_options,
+    let_dependents_launch,
+    pdl_enabled,
+    prefetch_cols,
+    prefetch_lines,
+    prefetch_rows_l2,
+    wait_for_inputs,
+)
 
 GEMV_MAX_PAIRS = 16  # decode fast path up to this many (token, slot) pairs
 

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _total(x):
     return tl.sum(tl.sum(x, axis=1), axis=0)

@@ -10,8 +10,20 @@ from fastapi.responses import JSONResponse, Response
 from moekv.engine.llm_engine import LLMEngine
 from moekv.outputs import RequestOutput
 from moekv.server.protocol import APIError, ChatCompletionRequest, ChatMessage, parse_body
-from moekv.server.serving import (ServerState, StreamUsage, collect, make_sequences, new_id, now, prompt_tokens,
-                                  sampling_params, stream_response, submit, token_text, usage)
+from moekv.server.serving import (
+    ServerState,
+    StreamUsage,
+    collect,
+    make_sequences,
+    new_id,
+    now,
+    prompt_tokens,
+    sampling_params,
+    stream_response,
+    submit,
+    token_text,
+    usage,
+)
 
 
 def render_messages(engine: LLMEngine, messages: list[ChatMessage], add_generation_prompt: bool,

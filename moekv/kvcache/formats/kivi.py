@@ -25,8 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import (Field, PagedQuantFormat, PageLayout, RopeWriteTarget, can_stage_with_fills,
-                                       per_shape)
+from moekv.kvcache.formats.base import (
+    Field,
+    PagedQuantFormat,
+    PageLayout,
+    RopeWriteTarget,
+    can_stage_with_fills,
+    per_shape,
+)
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3

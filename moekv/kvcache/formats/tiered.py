@@ -34,13 +34,33 @@ from dataclasses import dataclass
 import torch
 
 from moekv.context import Context, HostLists, filling_rows, to_device
-from moekv.kvcache.formats.base import (GraphStepHooks, GraphSupport, LayerKVCache, PagedQuantFormat, RopeWriteTarget,
-                                       _is_decode_only, can_stage_vectorized, check_finite, dense_attention,
-                                       flag_nonfinite, stage_decode_tokens, stage_tokens, staging_tensors)
+from moekv.kvcache.formats.base import (
+    GraphStepHooks,
+    GraphSupport,
+    LayerKVCache,
+    PagedQuantFormat,
+    RopeWriteTarget,
+    _is_decode_only,
+    can_stage_vectorized,
+    check_finite,
+    dense_attention,
+    flag_nonfinite,
+    stage_decode_tokens,
+    stage_tokens,
+    staging_tensors,
+)
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
-from moekv.kvcache.formats.tiered_policy import (TIER_FP8, TIER_LOW, TIER_NONE, choose_tiers, decayed_weight,
-                                                 is_rerank_step, rerank_demotions, tier_shares)
+from moekv.kvcache.formats.tiered_policy import (
+    TIER_FP8,
+    TIER_LOW,
+    TIER_NONE,
+    choose_tiers,
+    decayed_weight,
+    is_rerank_step,
+    rerank_demotions,
+    tier_shares,
+)
 
 
 @dataclass

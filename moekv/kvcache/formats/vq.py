@@ -24,8 +24,15 @@ import torch
 
 from moekv.kvcache.calibration_io import load_calibration, save_calibration
 from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
-from moekv.kvcache.formats.nuq2 import (FP8_MAX, NO_OUTLIER, apply_outliers, fit_slots_to_padding, outlier_fields,
-                                        pick_largest, store_outliers)
+from moekv.kvcache.formats.nuq2 import (
+    FP8_MAX,
+    NO_OUTLIER,
+    apply_outliers,
+    fit_slots_to_padding,
+    outlier_fields,
+    pick_largest,
+    store_outliers,
+)
 
 CODEBOOK_SIZE = 256  # uint8 codes
 SUB_DIM = 8  # channels per code: 1 bit/element for the codes (d = 4 would be 2 bits before any scale)

@@ -206,7 +206,7 @@ def measure_bandwidth(device) -> float:
     src = torch.empty(1 << 31, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), 10)
-    del src, dst
+    src = dst = None  # free the buffers (rebound, not del: the timed lambda closes over them)
     torch.cuda.empty_cache()
     return 2 * (1 << 31) / (ms / 1e3)
 
@@ -291,7 +291,7 @@ def transformers_baseline(shape: str, context: int, device, bandwidth: float, it
         _, weights_read = weight_bytes_per_step(cfg, 1)
         kv_read = context * cfg.num_layers * 2 * cfg.kv_size * 2
         row["floor_ms"] = 1e3 * (weights_read + kv_read) / bandwidth
-        del model, out, past
+        model = out = past = None  # free the model (rebound, not del: step() closes over them)
     except Exception as e:  # report why, keep the rest of the results
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     gc.collect()

@@ -116,7 +116,7 @@ def measure_bandwidth(device) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src), cudagraph=False)
-    del src, dst
+    src = dst = None  # free the buffers (rebound, not del: the timed lambda closes over them)
     torch.cuda.empty_cache()
     return 2 * n / (ms * 1e-3)
 
@@ -269,7 +269,7 @@ def sdpa_baseline(batch: int, context: int, device, gen, cudagraph: bool) -> dic
     ms = timer(run, cudagraph)
     eager = timer(run, cudagraph=False)
     nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
-    del q, k, v
+    q = k = v = None  # free the tensors (rebound, not del: run() closes over them)
     torch.cuda.empty_cache()
     return {"ms": ms, "eager_ms": eager, "bytes": nbytes, "note": note}
 
@@ -385,7 +385,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
                max_registers=best["max_registers"], no_asm_ms=no_asm["ms"] if no_asm else None,
                max_abs_err=max(r["max_abs_err"] for r in ok),
                wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > limit] or None)
-    del cache, ctx, q
+    cache = ctx = q = None  # free the cache (rebound, not del: the timed closures use these names)
     torch.cuda.empty_cache()
     return row
 
@@ -517,7 +517,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
                swap_ab=best["swap_ab"], max_registers=best["max_registers"],
                max_abs_err=max(r["max_abs_err"] for r in ok),
                wrong_launches=[r for r in results if "ms" in r and r["max_abs_err"] > limit] or None)
-    del cache, ctx, q
+    cache = ctx = q = None  # free the cache (rebound, not del: the timed closures use these names)
     torch.cuda.empty_cache()
     return row
 

@@ -80,7 +80,7 @@ def main() -> None:
                         ms = bda.timer(each(lambda w, shape=shape: dg.dense_gemv(x, w, shape=shape)), True) / COPIES
                         record(name, f"dense_gemv bn{bn} bk{bk} w{warps}", ms, nbytes, rel(out, ref), tokens=T,
                                block_n=bn, block_k=bk, num_warps=warps)
-        del ws
+        ws = None  # free the copies (rebound, not del: the timed lambdas close over ws)
 
     # router
     gate = (torch.randn(E, H, device=dev, generator=gen) / 64).bfloat16()
@@ -121,7 +121,7 @@ def main() -> None:
                 label = f"ctx{context} P{P} bn{block_n} splits{splits}" + (" (default)" if splits == default and block_n == 64 else "")
                 record("attn_b1", label, bda.timer(run, True), nbytes, rel(run(), ref), context=context, block_size=P,
                        block_n=block_n, num_splits=splits)
-        del cache
+        cache = None  # free the cache (rebound, not del: run() closes over it)
 
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

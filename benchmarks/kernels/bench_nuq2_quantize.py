@@ -102,7 +102,7 @@ def main() -> None:
                     row = dict(impl=impl, kind=kind, pages=n, ms=None, error=f"{type(exc).__name__}: {exc}"[:300])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del x
+            x = None  # free the input (rebound, not del: the timed lambdas close over x)
             torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),

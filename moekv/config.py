@@ -167,7 +167,8 @@ class EngineConfig:
         self._check_kv_options()  # before the shipped calibration fills kv_calibration in
         if self.kv_calibration is None:
             self.kv_calibration = shipped_kv_calibration(self.model)
-        _check(isinstance(self.block_size, int) and self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
+        _check(isinstance(self.block_size, int) and self.block_size >= 1
+               and (self.block_size & (self.block_size - 1)) == 0,
                f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
         _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
                f"max_num_seqs={self.max_num_seqs!r} must be an integer >= 1")
@@ -175,7 +176,8 @@ class EngineConfig:
                f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
         _check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
                f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 1 (or None to size from memory)")
-        _check(self.kv_group_size in (32, 64), f"kv_group_size={self.kv_group_size!r} is not supported; accepted: 32, 64")
+        _check(self.kv_group_size in (32, 64),
+               f"kv_group_size={self.kv_group_size!r} is not supported; accepted: 32, 64")
         _check(self.kv_codebook in ("auto", "page", "calibrated"),
                f"kv_codebook={self.kv_codebook!r} is not supported; accepted: 'auto', 'page', 'calibrated'")
         _check(self.kv_outlier_sigma > 0, f"kv_outlier_sigma={self.kv_outlier_sigma!r} must be > 0")
@@ -202,7 +204,8 @@ class EngineConfig:
                                                "(make one with `moekv cluster`)")
         _check(self.routing != "hierarchical" or self.cluster_map is not None,
                "routing='hierarchical' needs cluster_map (a file written by `moekv cluster`)")
-        _check(self.clusters_per_token is None or (isinstance(self.clusters_per_token, int) and self.clusters_per_token >= 1),
+        _check(self.clusters_per_token is None
+               or (isinstance(self.clusters_per_token, int) and self.clusters_per_token >= 1),
                f"clusters_per_token={self.clusters_per_token!r} must be an integer >= 1 (or None for the map's value)")
         _check(self.cluster_admit_margin is None or (isinstance(self.cluster_admit_margin, (int, float))
                                                      and self.cluster_admit_margin == self.cluster_admit_margin),
@@ -222,7 +225,8 @@ class EngineConfig:
     def _kv_options(self) -> dict:
         """Every kv_* option, by the name the formats give it (kv_X -> X)."""
         return {"group_size": self.kv_group_size, "outlier_sigma": self.kv_outlier_sigma,
-                "calibration": self.kv_calibration, "codebook": self.kv_codebook, "rerank_interval": self.kv_rerank_interval,
+                "calibration": self.kv_calibration, "codebook": self.kv_codebook,
+                "rerank_interval": self.kv_rerank_interval,
                 "tier1_fraction": self.kv_tier1_fraction, "residual": self.kv_residual}
 
     def _check_kv_options(self) -> None:

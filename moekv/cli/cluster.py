@@ -56,13 +56,15 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, nargs="+", help="UTF-8 calibration text file(s) (not your evaluation text)")
     p.add_argument("--clusters", type=int, required=True, help="clusters per layer (must divide the expert count)")
     p.add_argument("--out", default=None, help="cluster map file (default: <model name>.clusters<C>.safetensors)")
-    p.add_argument("--max-tokens", type=int, default=32768, help="calibration tokens for co-activation and coarse gates")
+    p.add_argument("--max-tokens", type=int, default=32768,
+                   help="calibration tokens for co-activation and coarse gates")
     p.add_argument("--quality-tokens", type=int, default=8192,
                    help="further tokens on which each layer's margin is chosen (0: keep all clusters)")
     p.add_argument("--ppl-budget", type=float, default=0.01,
                    help="relative perplexity increase the margins may spend on the calibration text")
     p.add_argument("--clusters-per-token", type=int, default=0, help="most clusters per token (0: all)")
-    p.add_argument("--window", type=int, default=None, help="tokens per calibration window (default: the model's context)")
+    p.add_argument("--window", type=int, default=None,
+                   help="tokens per calibration window (default: the model's context)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--restarts", type=int, default=16, help="random starts of the partition search")
     p.add_argument("--seed", type=int, default=0)

@@ -56,7 +56,8 @@ def cmd_eval_routing(args: argparse.Namespace) -> int:
                               mode=args.mode, cluster_map=args.cluster_map, num_devices=args.num_devices,
                               progress=not args.json)
     if not args.json:
-        print(f"routing {record['routing']}: perplexity {record['ppl']:.4f} over {record['tokens']} tokens of {args.text}")
+        print(f"routing {record['routing']}: perplexity {record['ppl']:.4f} "
+              f"over {record['tokens']} tokens of {args.text}")
         print(f"top-k agreement with flat: {record['topk_agreement']['set']:.3f} identical sets, "
               f"{record['topk_agreement']['top1']:.3f} identical top-1")
         print(f"{'layer':>5} {'same set':>8} {'same top-1':>10} {'rel. error':>10} {'clusters/tok':>12}")
@@ -70,7 +71,8 @@ def cmd_eval_routing(args: argparse.Namespace) -> int:
                       f"cross-device bytes/token")
         if "router_flops_per_token" in record:
             f = record["router_flops_per_token"]
-            print(f"router FLOPs/token: {f['hierarchical']:,.0f} vs flat {f['flat']:,} ({100 * f['saving']:+.1f}% saved)")
+            print(f"router FLOPs/token: {f['hierarchical']:,.0f} vs flat {f['flat']:,} "
+                  f"({100 * f['saving']:+.1f}% saved)")
     print(json.dumps(_finite(record)) if args.json else "")
     return 0
 

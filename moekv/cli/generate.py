@@ -36,7 +36,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print()
     if final is not None and not args.quiet:
         n = len(final.outputs[0].token_ids)
-        print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, finish_reason={final.outputs[0].finish_reason}]",
+        print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, "
+              f"finish_reason={final.outputs[0].finish_reason}]",
               file=sys.stderr)
     return 0
 

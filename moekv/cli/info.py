@@ -21,7 +21,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("hidden size", cfg.hidden_size),
         ("attention heads", f"{cfg.num_heads} query / {cfg.num_kv_heads} KV, head_dim {cfg.head_dim}"),
         ("experts", f"{cfg.num_experts}, top-{cfg.top_k}, intermediate {cfg.moe_intermediate_size}"
-                    + (f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else "")),
+                    + (f", shared expert {cfg.shared_expert_intermediate_size}"
+                       if cfg.shared_expert_intermediate_size else "")),
         ("vocabulary", cfg.vocab_size),
         ("max positions", cfg.max_position_embeddings),
         ("parameters", f"{total:,} total, {active:,} active per token ({100 * active / total:.1f}%)"),

@@ -23,7 +23,8 @@ Page-filling steps: plain pages take the token through slot_mapping as in any st
 quantize filled pages (`graph_support.lists_fills`) get the step's fills as (staging slot, page)
 lists in the Context; each batch bucket then keeps one graph per fill bucket (0, 1, 2, 4, ... up to
 the batch bucket), the fill lists padded with (scratch slot, scratch page). At batch 64 with
-64-token pages, about 63% of decode steps fill a page somewhere: without this they all ran eagerly. The captured Context says
+64-token pages, about 63% of decode steps fill a page somewhere: without this they all ran eagerly.
+The captured Context says
 `graph_step=True`, so formats keep to device work there; a format with host-side bookkeeping that
 the replay skips implements GraphStepHooks (tiered: its FP8 slots, step count, re-ranking, and the
 flag that the mass accumulator holds new mass): the runner calls its `prepare_graph_step` before
@@ -206,7 +207,8 @@ class DecodeGraphs:
             block_tables=self.block_tables[:bucket], context_lens=self.context_lens[:bucket],
             query_start_loc=self.query_start_loc[:bucket + 1], logits_indices=self.logits_indices[:bucket],
             seq_slots=self.seq_slots[:bucket], max_query_len=1, fills_no_page=fills == 0,
-            fill_slots=self.fill_slots[:fills] if fills else None, fill_pages=self.fill_pages[:fills] if fills else None,
+            fill_slots=self.fill_slots[:fills] if fills else None,
+            fill_pages=self.fill_pages[:fills] if fills else None,
             graph_step=True)
 
     def fill_bucket(self, num_fills: int, bucket: int) -> int:

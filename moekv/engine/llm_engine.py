@@ -389,7 +389,8 @@ class LLMEngine:
         p = seq.sampling_params
         if seq.output_kind == "delta" and not seq.is_finished:  # this step's part only: O(1), not O(length)
             text, token_ids = delta_text, list(delta_ids)
-            logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(delta_ids):] if p.logprobs is not None else None
+            logprobs = (seq.output_logprobs[len(seq.output_logprobs) - len(delta_ids):]
+                        if p.logprobs is not None else None)
         else:
             text, token_ids = seq.output_text, list(seq.output_token_ids)
             logprobs = list(seq.output_logprobs) if p.logprobs is not None else None

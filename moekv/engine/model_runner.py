@@ -213,7 +213,8 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             # keep (1 - utilization) of the card free for activations and the allocator's slack
-            budget = free - (1 - self.config.gpu_memory_utilization) * torch.cuda.get_device_properties(self.device).total_memory
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
             num_blocks = max(int(max(budget, 0) // self.kv_bytes_per_block) - 1, 0)
             source = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
         else:
@@ -397,7 +398,8 @@ class ModelRunner:
                                          seq_slots, fill_slots, fill_pages,
                                          input_ids_device=plan.input_ids_device)  # [B, V] fp32
             except Exception:  # a host sync or an unsupported op in the step: stay eager from now on
-                log.exception("replaying the decode step from a CUDA graph failed; decode steps run eagerly from now on")
+                log.exception("replaying the decode step from a CUDA graph failed; "
+                              "decode steps run eagerly from now on")
                 self.graphs = None
             if logits is not None:  # replayed: the format's host-side bookkeeping for the step
                 if fill_slots:  # what check_finite would have raised in an eager step, read in wait()

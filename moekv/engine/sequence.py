@@ -78,7 +78,8 @@ class Sequence:
         """Tokens the next step may compute for this sequence (before the token budget)."""
         n = self.num_uncomputed_tokens
         if self.decode_from is not None:
-            n = 1 if self.num_computed_tokens >= self.decode_from else min(n, self.decode_from - self.num_computed_tokens)
+            n = (1 if self.num_computed_tokens >= self.decode_from
+                 else min(n, self.decode_from - self.num_computed_tokens))
         return n
 
     def token_ids(self, start: int, stop: int) -> list[int]:

@@ -90,9 +90,9 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
         st.ref_sq += float(ref.pow(2).sum())
         inner = moe.router.inner
         if isinstance(inner, HierarchicalRouter) and router_logits.cluster_scores is not None:
-            kept = cluster_routing_ref(hidden, router_logits.cluster_scores, inner.gate_by_cluster, inner.cluster_experts,
-                                       inner.top_k, inner.renormalize, inner.clusters_per_token, inner.admit_margin,
-                                       return_kept=True)[2]
+            kept = cluster_routing_ref(hidden, router_logits.cluster_scores, inner.gate_by_cluster,
+                                       inner.cluster_experts, inner.top_k, inner.renormalize, inner.clusters_per_token,
+                                       inner.admit_margin, return_kept=True)[2]
             st.clusters += float((kept >= 0).sum())
         else:
             st.clusters += ids.shape[0] * (cluster_map.num_clusters if cluster_map is not None else 1)

@@ -51,7 +51,8 @@ class Attention(nn.Module):
         self.o_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_bias else None
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "per_head":
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps), RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(self.q_size, cfg.rms_norm_eps), RMSNorm(self.kv_size, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv

@@ -23,7 +23,8 @@ class SparseMoE(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
         self.router: Router | None = None  # installed by the loader (models/loader.install_routers)
         self.observer: RoutingObserver | None = None  # the engine's counter of routing decisions, if any
-        self.shared_expert = GatedMLP(H, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
+        self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
+                              if cfg.shared_expert_intermediate_size else None)
         self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
 
     @property

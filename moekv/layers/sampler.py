@@ -128,7 +128,8 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
     """
     S = logits.shape[0]
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    plain = [i for i, row in enumerate(rows) if row.params.greedy and not row.params.has_penalties and not row.blocked_ids]
+    plain = [i for i, row in enumerate(rows)
+             if row.params.greedy and not row.params.has_penalties and not row.blocked_ids]
     if len(plain) == S:
         tokens = torch.argmax(logits, dim=-1)  # [S]
     else:

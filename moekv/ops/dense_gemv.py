@@ -2,7 +2,8 @@
 
 At batch 1 the attention projections are pure weight streaming (the qkv and o weights of a
 Mixtral-8x7B layer are 84 MB), and cuBLAS runs them at ~65-75% of HBM bandwidth on the H200
-(its o projection also adds a split-K reduce launch). Used for one token only (MAX_TOKENS). Here program (token, n-block) streams a
+(its o projection also adds a split-K reduce launch). Used for one token only (MAX_TOKENS). Here
+program (token, n-block) streams a
 [BLOCK_N, K] slab of the weight; tokens vary fastest in the grid, so the programs that share a slab
 run together and all but the first read it from L2. Products accumulate element-wise in a
 [BLOCK_N, BLOCK_K] fp32 tile reduced once at the end, as the MoE decode GEMV does; the bias is
@@ -86,7 +87,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_tokens, stride_xt, stri
     if PDL and PREFETCH_LINES > 0:  # the weights do not depend on the kernel before: ask for the first tiles now
         prefetch_rows_l2(w_rows, n_ok, PREFETCH_COLS, PREFETCH_LINES)
     wait_for_inputs(PDL)
-    y = row_dots(x_ptrs, w_rows[:, None] + offs_k[None, :], offs_k, n_ok, K, K, BLOCK_K, BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K)
+    y = row_dots(x_ptrs, w_rows[:, None] + offs_k[None, :], offs_k, n_ok, K, K, BLOCK_K, BLOCK_K, BLOCK_N, BLOCK_K,
+                 EVEN_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -127,7 +127,8 @@ def _gate_up_gemm_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
-    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    # [BLOCK_K, BLOCK_N]
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + N * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -209,7 +210,8 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token * stride_xt + offs_k * stride_xk  # [BLOCK_K]
-    g_ptrs = w13_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+    # [BLOCK_N, BLOCK_K]
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     u_ptrs = g_ptrs + N * stride_wn
     if ROW_SUMS:
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -414,7 +416,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     k = topk_ids.shape[1]
     if H_w != H or two_i != 2 * I or tuple(w2.shape) != (E, H, I) or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"fused_moe: shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}")
+                         f"w2 {tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, "
+                         f"topk_ids {tuple(topk_ids.shape)}")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"fused_moe: x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     M = T * k

@@ -30,7 +30,8 @@ def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 def rotary_cos_sin_ref(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [T, D] for the non-interleaved ("rotate half") RoPE layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -54,5 +54,6 @@ def router_gemv(hidden: torch.Tensor, gate: torch.Tensor, block_e: int = 1) -> t
         block_h = min(triton.next_power_of_2(H), 8192)  # one load per program for H <= 8192
         block_e = triton.next_power_of_2(block_e)
         _router_gemv_kernel[(T, triton.cdiv(E, block_e))](x, g, out, x.stride(0), g.stride(0), out.stride(0), E, H,
-                                                          block_e, block_h, num_warps=4 if block_e * block_h <= 4096 else 8)
+                                                          block_e, block_h,
+                                                          num_warps=4 if block_e * block_h <= 4096 else 8)
     return out

@@ -29,7 +29,8 @@ class ClusterWeights:
     experts: float = 0.1  # cosine of the two experts' weights (gate, up, down)
 
 
-def coactivation_counts(expert_ids: torch.Tensor, num_experts: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+def coactivation_counts(expert_ids: torch.Tensor, num_experts: int,
+                        weights: torch.Tensor | None = None) -> torch.Tensor:
     """expert_ids [N, k] -> [E, E] symmetric counts of tokens choosing both i and j (diagonal: i at all)."""
     N, k = expert_ids.shape
     w = torch.ones(N) if weights is None else weights.float()

@@ -67,11 +67,14 @@ class ClusterMap:
             experts = layer.experts
             if experts.dim() != 2 or experts.numel() != self.num_experts:
                 raise ClusterMapError(f"layer {idx}: clusters hold {experts.numel()} expert slots in shape "
-                                      f"{tuple(experts.shape)}; expected C equal clusters of {self.num_experts} experts")
+                                      f"{tuple(experts.shape)}; "
+                                      f"expected C equal clusters of {self.num_experts} experts")
             if sorted(experts.flatten().tolist()) != list(range(self.num_experts)):
-                raise ClusterMapError(f"layer {idx}: clusters must cover experts 0..{self.num_experts - 1} exactly once")
+                raise ClusterMapError(f"layer {idx}: clusters must cover experts "
+                                      f"0..{self.num_experts - 1} exactly once")
             if experts.shape[1] < self.top_k:
-                raise ClusterMapError(f"layer {idx}: clusters of {experts.shape[1]} experts cannot hold top_k={self.top_k}")
+                raise ClusterMapError(f"layer {idx}: clusters of {experts.shape[1]} experts "
+                                      f"cannot hold top_k={self.top_k}")
             C = experts.shape[0]
             if tuple(layer.coarse_weight.shape) != (C, self.hidden_size) or tuple(layer.coarse_bias.shape) != (C,):
                 raise ClusterMapError(f"layer {idx}: coarse gate has shape {tuple(layer.coarse_weight.shape)} / "
@@ -96,7 +99,8 @@ class ClusterMap:
                                   f"run `moekv cluster` on this model")
         moe_layers = [i for i, m in enumerate(model_cfg.moe_layers) if m]
         if sorted(self.layers) != moe_layers:
-            raise ClusterMapError(f"{where} covers layers {sorted(self.layers)}; this model's MoE layers are {moe_layers}")
+            raise ClusterMapError(f"{where} covers layers {sorted(self.layers)}; "
+                                  f"this model's MoE layers are {moe_layers}")
         for idx, gate in (routers or {}).items():
             probe = self.layers[idx].router_probe
             if probe is None:
@@ -107,7 +111,8 @@ class ClusterMap:
             if diff > 1e-2 * scale:  # bf16 vs fp32 loading differs by < 0.4%
                 raise ClusterMapError(f"{where}: the router weights of layer {idx} differ from those the map was made "
                                       f"from (max difference {diff:.3g}, {diff / scale:.1%} of their range): it "
-                                      f"belongs to another checkpoint of the same shape; run `moekv cluster` on this model")
+                                      f"belongs to another checkpoint of the same shape; "
+                                      f"run `moekv cluster` on this model")
 
     # -- file ------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
@@ -149,7 +154,8 @@ class ClusterMap:
             raise ClusterMapError(f"{path} is not a cluster map (metadata format={meta.get('format')!r}, "
                                   f"expected {FORMAT!r})")
         if meta.get("version") != VERSION:
-            raise ClusterMapError(f"{path}: cluster map version {meta.get('version')!r} is not supported; accepted: {VERSION}")
+            raise ClusterMapError(f"{path}: cluster map version {meta.get('version')!r} is not supported; "
+                                  f"accepted: {VERSION}")
         layer_ids = sorted({int(name.split(".")[1]) for name in tensors})
         try:
             layers = {i: LayerClusters(tensors[f"layers.{i}.experts"], tensors[f"layers.{i}.coarse_weight"],

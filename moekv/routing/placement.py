@@ -27,7 +27,8 @@ class Placement:
         """Cluster c of every layer on device c mod num_devices (default: one cluster per device)."""
         num_devices = num_devices or cluster_map.num_clusters
         if cluster_map.num_clusters % num_devices:
-            raise ValueError(f"num_devices={num_devices} must divide the number of clusters ({cluster_map.num_clusters})")
+            raise ValueError(f"num_devices={num_devices} must divide the number of clusters "
+                             f"({cluster_map.num_clusters})")
         return cls({i: layer.cluster_of_expert() % num_devices for i, layer in cluster_map.layers.items()},
                    num_devices, "clustered")
 

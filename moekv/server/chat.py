@@ -99,7 +99,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             return None
         n_new = len(out.delta_token_ids)
         entries = (comp.logprobs or [])[len(comp.logprobs or []) - n_new:] if n_new else []
-        choice = {"index": index[rid], "delta": {"role": "assistant", "content": delta} if first else {"content": delta},
+        choice = {"index": index[rid],
+                  "delta": {"role": "assistant", "content": delta} if first else {"content": delta},
                   "logprobs": logprobs_of(out.delta_token_ids, entries),
                   "finish_reason": comp.finish_reason if out.finished else None}
         return counts.add({**head, "choices": [choice]}, out)

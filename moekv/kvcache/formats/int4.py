@@ -5,7 +5,8 @@ two per byte, the even channel in the low nibble, so a kernel unpacks a byte wit
 one mask. The top ~1% of channels of each (page, kv_head) by magnitude (at least one) are kept in
 bf16 beside the codes (they are the page's largest values: bf16 cannot overflow where fp16 could,
 and its relative step 2^-9 is far below the 4-bit one), their uint8 indices in the slab. They are
-chosen per page from the data, so no calibration is needed. Outlier channels are left out of their group's min/max (one large
+chosen per page from the data, so no calibration is needed. Outlier channels are left out of their
+group's min/max (one large
 channel would otherwise stretch the step of the whole group) and are overwritten on dequantize.
 
 Slab of one (page, kv_head), P = block_size, D = head_dim, G = group_size, O = outlier channels:

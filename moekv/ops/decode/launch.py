@@ -212,7 +212,8 @@ def launch_split_kernel(kernel_fn, kernel_args, launch_key, default_splits: int,
         num_splits, max_registers = choose_launch(num_splits, max_registers, cap_is_default, occupancy, batch,
                                                   num_kv_heads, max_context, block_n, sm_count(device))
     part_o, part_lse, ns_total, args = kernel_args(num_splits)
-    LAST_LAUNCH.update(num_splits=num_splits, max_registers=max_registers or None, grid=(batch * num_kv_heads, ns_total))
+    LAST_LAUNCH.update(num_splits=num_splits, max_registers=max_registers or None,
+                       grid=(batch * num_kv_heads, ns_total))
     kernel_fn[(batch * num_kv_heads, ns_total)](*args, num_warps=num_warps, num_stages=num_stages,
                                                 **({"maxnreg": max_registers} if max_registers else {}))
     return part_o, part_lse, ns_total

@@ -334,7 +334,8 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     Hkv = k_pool.shape[1]
     G = Hq // Hkv
     if G * Hkv != Hq or D & (D - 1) or D < 16:
-        raise ValueError(f"decode kernel: needs Hq % Hkv == 0 and a power-of-two head_dim >= 16 (Hq={Hq}, Hkv={Hkv}, D={D})")
+        raise ValueError(f"decode kernel: needs Hq % Hkv == 0 and a power-of-two head_dim >= 16 "
+                         f"(Hq={Hq}, Hkv={Hkv}, D={D})")
     P = tensors["k_staging"].shape[2] if spec.staged else k_pool.shape[2]
     interpret = not isinstance(_paged_decode_kernel, triton.runtime.jit.JITFunction)  # TRITON_INTERPRET=1
     if interpret:

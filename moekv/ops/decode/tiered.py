@@ -233,7 +233,8 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     Hkv, P = kl.shape[1], k_stage.shape[2]
     G = Hq // Hkv
     if G * Hkv != Hq or D & (D - 1) or D < 16:
-        raise ValueError(f"tiered decode: needs Hq % Hkv == 0 and a power-of-two head_dim >= 16 (Hq={Hq}, Hkv={Hkv}, D={D})")
+        raise ValueError(f"tiered decode: needs Hq % Hkv == 0 and a power-of-two head_dim >= 16 "
+                         f"(Hq={Hq}, Hkv={Hkv}, D={D})")
     if nuq2_fmt.calibrated:
         raise ValueError("tiered decode: the low tier's nuq2 must use page codebooks")
     interpret = not isinstance(_tiered_decode_kernel, triton.runtime.jit.JITFunction)

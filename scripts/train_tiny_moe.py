@@ -792,7 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     weights_bytes_est = 2 * params["total"]
     print(
         f"model: {params['total'] / 1e6:.2f}M params, {params['active'] / 1e6:.2f}M active/token, "
-        f"~{weights_bytes_est / MB:.1f} MB in bf16; experts impl: {getattr(model.config, '_experts_implementation', '?')}"
+        f"~{weights_bytes_est / MB:.1f} MB in bf16; "
+        f"experts impl: {getattr(model.config, '_experts_implementation', '?')}"
     )
     if weights_bytes_est > args.max_size_mb * MB:
         print(f"ERROR: bf16 weights alone exceed --max-size-mb {args.max_size_mb}", file=sys.stderr)
@@ -821,7 +822,8 @@ def main(argv: list[str] | None = None) -> int:
             "files": args.files,
             "holdout_frac": args.holdout_frac,
             "per_file": [
-                {"name": d["name"], "raw_chars": d["raw_chars"], "train_chars": len(d["train"]), "val_chars": len(d["val"])}
+                {"name": d["name"], "raw_chars": d["raw_chars"], "train_chars": len(d["train"]),
+                 "val_chars": len(d["val"])}
                 for d in docs
             ],
             "train_tokens": len(train_stream),
@@ -829,7 +831,8 @@ def main(argv: list[str] | None = None) -> int:
             "val_windows": len(val_windows),
         },
         "tokenizer_vocab_size": tok.get_vocab_size(),
-        **{k: result[k] for k in ("steps", "planned_steps", "stop_reason", "tokens_seen", "train_time_s", "selected_step")},
+        **{k: result[k] for k in ("steps", "planned_steps", "stop_reason", "tokens_seen", "train_time_s",
+                                  "selected_step")},
         "epochs_seen": result["tokens_seen"] / len(train_stream),
         "wall_time_s": None,  # filled below
         "device": device_description(device),

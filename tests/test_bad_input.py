@@ -135,5 +135,6 @@ def test_sampling_params_checked_when_mutated(llm):
 
 def test_page_alignment(tmp_path, mixtral_ckpt):
     ckpt = copy_ckpt(mixtral_ckpt, tmp_path / "align")
-    with pytest.raises(ValueError, match=r"pages must be a multiple of 128 bytes: use a block_size that is a multiple of 4"):
+    with pytest.raises(ValueError,
+                       match=r"pages must be a multiple of 128 bytes: use a block_size that is a multiple of 4"):
         LLM(ckpt, dtype="bfloat16", block_size=2)

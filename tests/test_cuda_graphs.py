@@ -583,7 +583,8 @@ def test_tiered_fused_decode_matches_reference_in_the_engine(hd32_ckpt, monkeypa
     ref = ref_llm.generate(prompts, params)
     diffs = _tiered_logprob_diffs(ref, out, rerank_interval)
     exact = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, out))
-    print(f"\ntiered fused vs reference (re-rank every {rerank_interval}): {exact}/3 sequences identical, {len(calls)} fused attention calls, "
+    print(f"\ntiered fused vs reference (re-rank every {rerank_interval}): {exact}/3 sequences identical, "
+          f"{len(calls)} fused attention calls, "
           f"mean |logprob difference| {sum(diffs) / len(diffs):.4f}, max {max(diffs):.3f} over {len(diffs)} tokens")
     for e in (fused, ref_llm):
         bm = e.engine.block_manager

@@ -16,7 +16,8 @@ from moekv.routing.placement import LocalityCounter, Placement, PlacementStats
 from moekv.routing.tap import tapped
 
 TINY = default_model_path()
-CLUSTER_MAP = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu" / "tiny-moe.clusters4.safetensors"
+CLUSTER_MAP = (Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu"
+               / "tiny-moe.clusters4.safetensors")
 PROMPT = "The sea was calm and the ship"
 
 

@@ -30,10 +30,12 @@ def route(T: int, E: int, k: int, pattern: str, seed: int):
     """(weights [T, k] fp32, expert_ids [T, k] int64) with distinct experts per token.
     pattern: "random" | "one" (every token's first choice is expert E-1; experts go empty)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.int64)
+    ids = (torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T
+           else torch.empty(0, k, dtype=torch.int64))
     if pattern == "one" and T:
-        ids = torch.stack([torch.cat([torch.tensor([E - 1]), torch.tensor([e for e in row.tolist() if e != E - 1][:k - 1],
-                                                                            dtype=torch.int64)]) for row in ids])
+        ids = torch.stack([torch.cat([torch.tensor([E - 1]),
+                                      torch.tensor([e for e in row.tolist() if e != E - 1][:k - 1], dtype=torch.int64)])
+                           for row in ids])
     weights = torch.softmax(torch.randn(T, k, generator=g), -1)
     return weights.to(DEVICE), ids.to(DEVICE)
 

@@ -72,7 +72,8 @@ def test_decode_steps_that_fill_pages_match_the_loop(name):
         vec = fill_ctx(context_lens, slots, P)
         for loop_cache, vec_cache in zip(loop_caches, vec_caches):  # the layers of one step
             k, v = torch.randn(3, H, D, generator=g), torch.randn(3, H, D, generator=g)
-            fmt.write(loop_cache, k, v, decode_ctx(context_lens, slots, P, fills_no_page=all(n % P for n in context_lens)))
+            fmt.write(loop_cache, k, v,
+                      decode_ctx(context_lens, slots, P, fills_no_page=all(n % P for n in context_lens)))
             fmt.write(vec_cache, k, v, vec)
         fmt.quantize_filled_pages(vec_caches, vec)
         filled += 0 if vec.fill_slots is None else len(vec.fill_slots)

@@ -149,7 +149,8 @@ def heading_anchors(path: Path) -> set[str]:
 
 
 def test_heading_anchors_follow_github():
-    assert heading_anchors(REPO / "docs" / "performance.md") >= {"decode-attention", "what-bounds-the-compressed-formats"}
+    assert heading_anchors(REPO / "docs" / "performance.md") >= {"decode-attention",
+                                                                 "what-bounds-the-compressed-formats"}
 
 
 @pytest.mark.parametrize("doc", [p for p in DOC_FILES], ids=lambda p: str(p.relative_to(REPO)))

@@ -313,7 +313,8 @@ def test_tiered_format_reports_its_tiers():
     runner, cfg = srv.engine.runner, srv.engine.model_config
     bits = runner.kv_format.bits_per_element(cfg.num_kv_heads, runner.block_size, cfg.head_dim)
     assert m["moekv:kv_cache_bits_per_element"] == pytest.approx(bits)
-    assert m["moekv:kv_cache_tier_fraction{tier=fp8}"] + m["moekv:kv_cache_tier_fraction{tier=nuq2}"] == pytest.approx(1)
+    fractions = m["moekv:kv_cache_tier_fraction{tier=fp8}"] + m["moekv:kv_cache_tier_fraction{tier=nuq2}"]
+    assert fractions == pytest.approx(1)
     assert m["moekv:kv_cache_bits_per_element_read"] > 0
 
 
@@ -343,7 +344,8 @@ def test_serve_command_starts_and_answers():
     assert r.returncode == 2 and "--max-queue=0 must be >= 1" in r.stderr
 
 
-CLUSTER_MAP = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu" / "tiny-moe.clusters4.safetensors"
+CLUSTER_MAP = (Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu"
+               / "tiny-moe.clusters4.safetensors")
 
 
 @pytest.mark.parametrize("routing, clusters_per_token", [("hierarchical", 1), ("flat", None)])

@@ -222,7 +222,8 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
     pages = batch * (context // block_size + 1)
     need = pages * block_size * per_token
     if need > free_bytes:
-        row["skipped"] = f"KV of {need / 2**30:.1f} GiB does not fit beside the weights ({free_bytes / 2**30:.1f} GiB free)"
+        row["skipped"] = (f"KV of {need / 2**30:.1f} GiB does not fit beside the weights "
+                          f"({free_bytes / 2**30:.1f} GiB free)")
         return row
     if not fmt.graph_support.replays_decode:
         row["skipped"] = ("not graph-safe: the engine runs this format's decode steps eagerly; a graph-captured "
@@ -343,7 +344,8 @@ def main() -> None:
             else:
                 print(f"{fmt_name:>9} B={batch:<3} ctx={context:<6} TPOT {row['tpot_ms']:7.2f} ms "
                       f"(eager {row['tpot_eager_ms']:7.2f}, graph={row['graph']})  floor {row['floor_ms']:6.2f} ms "
-                      f"({row['tpot_over_floor']:.2f}x)" + (f"  [{row.get('graph_error')}]" if not row["graph"] else ""),
+                      f"({row['tpot_over_floor']:.2f}x)"
+                      + (f"  [{row.get('graph_error')}]" if not row["graph"] else ""),
                       flush=True)
     del model
     gc.collect()

@@ -184,7 +184,8 @@ def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, ban
     # no sequence may finish inside the timed steps (the batch would shrink into smaller buckets, whose
     # graphs would be captured there): room for every mode's warm-up and timed steps, and for the
     # tokens the first sequences decode while the others still prefill (at most one per prefill step)
-    params = SamplingParams(max_tokens=decode_budget(steps, len(modes), batch, context, engine.scheduler.max_num_batched_tokens), temperature=0.0, ignore_eos=True)
+    max_tokens = decode_budget(steps, len(modes), batch, context, engine.scheduler.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = []
     for n in lengths:
         prompt = torch.randint(3, cfg["vocab_size"], (n,), generator=gen).tolist()
@@ -214,7 +215,8 @@ def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, ban
         row = {**base, "async_scheduling": getattr(engine, "async_scheduling", False),
                **time_steps(engine, graphs, steps, block_size)}
         mean_context = context + (i + 0.5) * (steps + 1)
-        row["floor_ms"] = 1e3 * (weights_read + batch * mean_context * kv_bytes_per_token(fmt, mcfg, block_size)) / bandwidth
+        kv_read = batch * mean_context * kv_bytes_per_token(fmt, mcfg, block_size)
+        row["floor_ms"] = 1e3 * (weights_read + kv_read) / bandwidth
         rows.append(row)
     for rid in ids:
         engine.abort_request(rid)
@@ -289,15 +291,17 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"\n{'format':10} {'B':>3} {'ctx':>6} {'async':>5} {'engine ms':>10} {'p50':>7} {'model ms':>9} {'overhead':>9} "
-          f"{'graphs':>7} {'fills':>6} {'floor':>6}")
+    print(f"\n{'format':10} {'B':>3} {'ctx':>6} {'async':>5} {'engine ms':>10} {'p50':>7} {'model ms':>9} "
+          f"{'overhead':>9} {'graphs':>7} {'fills':>6} {'floor':>6}")
     for r in result["rows"]:
         if "error" in r:
-            print(f"{r['kv_cache_dtype']:10} {r.get('batch', '')!s:>3} {r.get('context', '')!s:>6} error: {r['error'][:80]}")
+            print(f"{r['kv_cache_dtype']:10} {r.get('batch', '')!s:>3} {r.get('context', '')!s:>6} "
+                  f"error: {r['error'][:80]}")
             continue
         model = f"{r['model_step_ms']:.2f}" if r.get("model_step_ms") is not None else "-"
         over = f"{r['overhead_ms']:.2f}" if r.get("overhead_ms") is not None else "-"
-        print(f"{r['kv_cache_dtype']:10} {r['batch']:>3} {r['context']:>6} {str(r['async_scheduling']):>5} {r['tpot_ms']:>10.2f} {r['tpot_p50_ms']:>7.2f} "
+        print(f"{r['kv_cache_dtype']:10} {r['batch']:>3} {r['context']:>6} {str(r['async_scheduling']):>5} "
+              f"{r['tpot_ms']:>10.2f} {r['tpot_p50_ms']:>7.2f} "
               f"{model:>9} {over:>9} {r['graph_share']:>7.2f} {r['fill_step_share']:>6.2f} {r['floor_ms']:>6.2f}")
 
 

@@ -10,12 +10,16 @@ device-to-device copy), the SDPA baseline, each format's kernel at a few launch 
 is reported; the default's time is kept beside it), and each kernel's error against the
 reference on the first sequence.
 
-    python benchmarks/kernels/bench_decode_attention.py                # writes benchmarks/results/h200/decode_attention.json
-    python benchmarks/kernels/bench_decode_attention.py --quick        # smoke run: two small shapes, default launch only
+    python benchmarks/kernels/bench_decode_attention.py
+        # writes benchmarks/results/h200/decode_attention.json
+    python benchmarks/kernels/bench_decode_attention.py --quick
+        # smoke run: two small shapes, default launch only
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 nuq2 nuq2_eager nuq2_noslots --shapes 16x32768 \
         --out /tmp/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side (a side study)
-    python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer   # FlashInfer beside them
-    python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 --max-registers none 80
+    python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer
+        # FlashInfer beside them
+    python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
+        --max-registers none 80
         # the default launch in both orientations of the products and with and without a register cap
 
 Rows: format, batch, context, ms (kernel, CUDA-graph replay, median), baseline_ms (SDPA, same
@@ -88,9 +92,11 @@ INEXACT = {"nuq2_noslots"}  # bounds, not formats: wrong wherever a slot is used
 # num_splits_for, inline PTX, L2 prefetch distance in tiles). The first is the launcher's default:
 # the spec's prefetch and the launcher's splits (splits factor None: decode_attention.wave_splits by
 # the compiled kernel's programs per SM); a negative splits factor -n is exactly n splits. 8 warps
-# dropped: 1.4-2x slower than 4 at every point of the 2026-11-29 runs (git history of results/h200/decode_attention.json)
-CONFIGS = [(64, 4, 2, None, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True, 1), (64, 4, 2, 1, True, 2), (64, 4, 3, 1, True, 2),
-           (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0), (64, 4, 2, None, True, 0)]
+# dropped: 1.4-2x slower than 4 at every point of the 2026-11-29 runs
+# (git history of results/h200/decode_attention.json)
+CONFIGS = [(64, 4, 2, None, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True, 1), (64, 4, 2, 1, True, 2),
+           (64, 4, 3, 1, True, 2), (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0),
+           (64, 4, 2, None, True, 0)]
 DEFAULT_CONFIG = CONFIGS[0]
 UNIQUE_PAGES = 512  # distinct random pages, repeated over the pool (contents do not change the speed)
 COMMAND_ARGV = None  # the command line to record, when a wrapper script rewrote sys.argv (sweep_decode_splits.py)
@@ -371,7 +377,8 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     ok = [r for r in results if "ms" in r and (r["max_abs_err"] <= limit or label in INEXACT)]
     if not ok:
         bad = [r for r in results if "ms" in r]
-        reason = (f"every launch shape disagrees with the reference (max error {min(r['max_abs_err'] for r in bad):.3g})"
+        reason = (f"every launch shape disagrees with the reference "
+                  f"(max error {min(r['max_abs_err'] for r in bad):.3g})"
                   if bad else results[0].get("error"))
         return {**row, "status": "wrong" if bad else "error", "reason": reason}
     best = min(ok, key=lambda r: r["ms"])
@@ -549,7 +556,8 @@ def main() -> None:
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
-                   help="other libraries timed after each shape's SDPA row (flashinfer: benchmarks/kernels/flashinfer_peer.py)")
+                   help="other libraries timed after each shape's SDPA row "
+                        "(flashinfer: benchmarks/kernels/flashinfer_peer.py)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention: needs a CUDA device")
@@ -639,11 +647,13 @@ def write_record(args, bandwidth: float, started: float, peers: dict, rows: list
     record = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + (COMMAND_ARGV or sys.argv)),
-        "bandwidth_gbps": bandwidth / 1e9, "timer": "do_bench_cudagraph median" if args.cudagraph else "do_bench median",
+        "bandwidth_gbps": bandwidth / 1e9,
+        "timer": "do_bench_cudagraph median" if args.cudagraph else "do_bench median",
         "heads": {"query": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM}, "block_size": args.block_size,
         "seconds": round(time.time() - started, 1), "separate_tail": args.separate_tail,
-        "vq_calibration": "random (moekv.kvcache.formats.vq.random_calibration)" if args.vq_calibration
-        and args.vq_calibration.name.startswith("vqcal") else (str(args.vq_calibration) if args.vq_calibration else None),
+        "vq_calibration": ("random (moekv.kvcache.formats.vq.random_calibration)"
+                           if args.vq_calibration and args.vq_calibration.name.startswith("vqcal")
+                           else (str(args.vq_calibration) if args.vq_calibration else None)),
         "peers": peers,
         "rows": rows,
     }

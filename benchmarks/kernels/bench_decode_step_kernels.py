@@ -9,7 +9,8 @@ timed as CUDA-graph replays (launch cost included, as in the engine):
 - residual add + RMSNorm: two launches vs ops/rms_norm.add_rms_norm;
 - paged decode attention (bf16 KV, batch 1, 4k / 32k / 128k): the split count and tile width.
 
-    PYTHONPATH=. python benchmarks/kernels/bench_decode_step_kernels.py --out benchmarks/results/h200/decode_step_kernels.json
+    PYTHONPATH=. python benchmarks/kernels/bench_decode_step_kernels.py \
+        --out benchmarks/results/h200/decode_step_kernels.json
 """
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def main() -> None:
                 def run(splits=splits, block_n=block_n):
                     return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
                                                   D ** -0.5, None, spec, num_splits=splits, block_n=block_n)
-                label = f"ctx{context} P{P} bn{block_n} splits{splits}" + (" (default)" if splits == default and block_n == 64 else "")
+                label = (f"ctx{context} P{P} bn{block_n} splits{splits}"
+                         + (" (default)" if splits == default and block_n == 64 else ""))
                 record("attn_b1", label, bda.timer(run, True), nbytes, rel(run(), ref), context=context, block_size=P,
                        block_n=block_n, num_splits=splits)
         cache = None  # free the cache (rebound, not del: run() closes over it)

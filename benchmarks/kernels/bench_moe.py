@@ -57,7 +57,8 @@ def grouped_mm_moe(x, w13, w2, weights, ids):
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tok = order // k
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, flat,
+                                                                             torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
     h = silu_and_mul_ref(torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs))  # [M, I]
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [M, H]
@@ -74,7 +75,8 @@ def gemv_sweep():
             out.append(fm.GemvConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
     out += [fm.GemvConfig(block_n=8, block_k=1024, num_splits=s) for s in (1, 2, 4, 8)]
     # products in an fp32 tile reduced once at the end (the default before row sums)
-    out += [fm.GemvConfig(block_n=bn, block_k=bk, num_stages=st, row_sums=False) for bn, bk, st in ((16, 512, 4), (32, 256, 3))]
+    out += [fm.GemvConfig(block_n=bn, block_k=bk, num_stages=st, row_sums=False)
+            for bn, bk, st in ((16, 512, 4), (32, 256, 3))]
     return out
 
 
@@ -125,7 +127,8 @@ def main() -> None:
             err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
             ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
         except Exception as exc:  # record, keep going (one failing shape must not lose the run)
-            rows.append(dict(impl=impl, tokens=T, ms=None, gbps=None, floor_ms=None, error=f"{type(exc).__name__}: {exc}"[:300], **extra))
+            rows.append(dict(impl=impl, tokens=T, ms=None, gbps=None, floor_ms=None,
+                             error=f"{type(exc).__name__}: {exc}"[:300], **extra))
             print(f"{impl:>12} T={T:5d} failed: {rows[-1]['error']}", flush=True)
             return None
         nbytes = touched * expert_bytes + 2 * T * H * 2
@@ -173,7 +176,8 @@ def main() -> None:
         bench("reference", T, lambda: fused_moe_ref(x, w13, w2, weights, ids), ref, touched)
         if args.sweep:
             configs = [("gemv", c) for c in gemv_sweep()] if T * k <= 2 * fm.GEMV_MAX_PAIRS else []
-            configs += [("gemm", c) for c in GEMM_SWEEP] if T > 1 else [("gemm", GEMM_SWEEP[0]), ("gemm", GEMM_SWEEP[1])]
+            configs += ([("gemm", c) for c in GEMM_SWEEP] if T > 1
+                        else [("gemm", GEMM_SWEEP[0]), ("gemm", GEMM_SWEEP[1])])
             for path, cfg in configs:
                 bench("fused_sweep", T, lambda: fm.fused_moe(x, w13, w2, weights, ids, path=path, config=cfg), ref,
                       touched, path=path, **{f"cfg_{key}": v for key, v in vars(cfg).items()})

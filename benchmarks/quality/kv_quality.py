@@ -82,7 +82,8 @@ def main() -> None:
             r = perplexity(llm, path, max_tokens=args.max_tokens, progress=True, mode="decode")
             rows.append({"format": label, **r.to_dict(), "text": text_name, "text_path": str(path)})
             print(f"{label:>16} {text_name:>15}: ppl {r.ppl:9.4f}  bits {r.bits_per_element:6.3f} "
-                  f"(at window {r.bits_per_element_at_window:6.3f}, read {r.bits_per_element_read})  ({r.seconds:.0f} s)",
+                  f"(at window {r.bits_per_element_at_window:6.3f}, read {r.bits_per_element_read})  "
+                  f"({r.seconds:.0f} s)",
                   flush=True)
     for earlier in args.merge:
         rows = json.loads(Path(earlier).read_text())["rows"] + rows

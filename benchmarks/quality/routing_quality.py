@@ -227,7 +227,8 @@ def print_held_out(result: dict) -> None:
     print("\n| routing (held-out books) | locality | fan-out | ppl | ppl change |")
     print("|---|---|---|---|---|")
     for r in result["held_out_books"]["rows"]:
-        print(f"| {r['label']} | {r['locality']:.3f} | {r['fan_out']:.2f} | {r['ppl']:.3f} | {100 * r['ppl_change']:+.2f}% |")
+        print(f"| {r['label']} | {r['locality']:.3f} | {r['fan_out']:.2f} | {r['ppl']:.3f} "
+              f"| {100 * r['ppl_change']:+.2f}% |")
 
 
 def plot(result: dict, path: Path) -> None:

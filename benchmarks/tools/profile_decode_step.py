@@ -3,8 +3,10 @@
 shape, one KV format, one (batch, context) point) under torch.profiler, eager and replayed from a
 CUDA graph, as a table of kernel name, launches per step and GPU time per step.
 
-    PYTHONPATH=. python benchmarks/tools/profile_decode_step.py --shape mixtral-8x7b --format bf16 --batch 1 --context 4096
-    PYTHONPATH=. python benchmarks/tools/profile_decode_step.py --format nuq2 tiered    # several formats, one model build
+    PYTHONPATH=. python benchmarks/tools/profile_decode_step.py --shape mixtral-8x7b --format bf16 --batch 1 \
+        --context 4096
+    PYTHONPATH=. python benchmarks/tools/profile_decode_step.py --format nuq2 tiered
+        # several formats, one model build
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ def main() -> None:
     p.add_argument("--format", nargs="+", default=["bf16"], help="one or more KV formats (one model build)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=None, help="tokens per page (default: the engine's for the format)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per page (default: the engine's for the format)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
@@ -60,7 +63,8 @@ def profile_format(model, cfg, name: str, args, device) -> None:
                 if ev.device_type == torch.autograd.DeviceType.CUDA:
                     kernel = ev.name[:90]
                     per_kernel[kernel][0] += 1
-                    per_kernel[kernel][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+                    per_kernel[kernel][1] += (ev.device_time_total if hasattr(ev, "device_time_total")
+                                              else ev.cuda_time_total)
             total_us = sum(v[1] for v in per_kernel.values()) / args.steps
             launches = sum(v[0] for v in per_kernel.values()) / args.steps
             print(f"\n== {label}: {launches:.0f} kernels per step, {total_us / 1e3:.3f} ms of kernel time per step "

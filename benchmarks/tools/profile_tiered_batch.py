@@ -64,8 +64,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.steps + 512, temperature=0.0, ignore_eos=True)
     for n in prompt_lengths(args.batch, args.context, block_size):
-        engine.add_request(None, {"prompt_token_ids": torch.randint(3, cfg["vocab_size"], (n,), generator=gen).tolist()},
-                           params)
+        prompt = torch.randint(3, cfg["vocab_size"], (n,), generator=gen).tolist()
+        engine.add_request(None, {"prompt_token_ids": prompt}, params)
     lines = [f"tiered, batch {args.batch}, prompts of about {args.context} tokens, pages of {block_size}"]
 
     def prefill():

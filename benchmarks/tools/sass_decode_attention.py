@@ -7,10 +7,12 @@ instruction mix of the loop over tiles (per thread, per BLOCK_N-token tile of K 
 a format's dequantization costs. A static count, not a measurement: it says what the loop issues,
 not how fast the GPU retires it.
 
-    python benchmarks/tools/sass_decode_attention.py                       # every kernelised format, the benchmark's default launch
+    python benchmarks/tools/sass_decode_attention.py
+        # every kernelised format, the benchmark's default launch
     python benchmarks/tools/sass_decode_attention.py --formats int4 --block-size 16 --block-n 64 --no-asm
     python benchmarks/tools/sass_decode_attention.py --formats nuq2 nuq2_eager nuq2_first nuq2_noslots --num-warps 8
-    python benchmarks/tools/sass_decode_attention.py --dump-sass /tmp/sass_a   # then diff -r against another tree's dump
+    python benchmarks/tools/sass_decode_attention.py --dump-sass /tmp/sass_a
+        # then diff -r against another tree's dump
 
 Besides the opcode mix it reports what ptxas says about spills (bytes of local memory stored and
 loaded: LDL/STL in the loop are spills) and splits the loop's instructions into those every tile
@@ -108,8 +110,9 @@ def build(label: str, head_dim: int, group: int, block_size: int, block_n: int, 
             return compiled["_tiered_decode_kernel"]
         if max_registers is None:
             max_registers = spec.max_registers or 0
-        da.paged_decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32),
-                                  torch.arange(2), 0.1, None, spec, block_n=block_n, num_splits=2,
+        da.paged_decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32),
+                                  torch.full((2,), 100, dtype=torch.int32), torch.arange(2), 0.1, None, spec,
+                                  block_n=block_n, num_splits=2,
                                   num_warps=num_warps, num_stages=num_stages, use_asm=use_asm, prefetch=prefetch,
                                   swap_ab=swap_ab, max_registers=max_registers)
     finally:

@@ -28,6 +28,11 @@ Side tables (per page-head, as nuq2 stores them, nothing re-quantized):
   k_mean, k_scale           fp8  [N, H, D]   the keys' channel mean and scale
   k_out_val, v_out_val      fp8  [N, H, S]   outlier slots, in units of max |centroid|
   k_out_idx, v_out_idx      int32 [N, H, S]  their position t * D + c; NO_OUTLIER marks an unused slot
+  slot_tokens               int32 [N, H, Sk + Sv]  the distinct tokens holding a used key or value slot,
+                                           ascending, padded with PAGE_TOKENS (derived from the two
+                                           out_idx tables, so the sparse term reads a few bytes per
+                                           page-head instead of scanning 64 tokens)
+  slot_counts               int32 [N, H]   how many of slot_tokens are real
 """
 from __future__ import annotations
 
@@ -102,6 +107,20 @@ def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
     return slots[..., SLOT_OF_ELEMENT[kind].to(words.device)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
 
 
+def slot_token_lists(k_out_idx: torch.Tensor, v_out_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per page-head, the distinct tokens that hold a used key or value slot: (tokens int32
+    [N, H, Sk + Sv] ascending, padded with PAGE_TOKENS; counts int32 [N, H])."""
+    if k_out_idx.shape[:2] != v_out_idx.shape[:2]:
+        raise ValueError(f"slot_token_lists: out_idx tables of different pages: {tuple(k_out_idx.shape)} and "
+                         f"{tuple(v_out_idx.shape)}")
+    idx = torch.cat([k_out_idx, v_out_idx], dim=2).long()
+    tokens = torch.where(idx != NO_OUTLIER, idx // HEAD_DIM, PAGE_TOKENS).sort(dim=2).values
+    repeated = torch.zeros_like(tokens, dtype=torch.bool)
+    repeated[..., 1:] = tokens[..., 1:] == tokens[..., :-1]
+    tokens = torch.where(repeated, PAGE_TOKENS, tokens).sort(dim=2).values
+    return tokens.to(torch.int32).contiguous(), (tokens < PAGE_TOKENS).sum(2).to(torch.int32)
+
+
 @dataclass
 class Nuq2FragmentPages:
     """A layer's nuq2 page pools in fragment order (N pages, H kv heads); see the module docstring."""
@@ -118,6 +137,14 @@ class Nuq2FragmentPages:
     v_out_idx: torch.Tensor  # int32 [N, H, Sv]
     calibrated: bool = False  # the centroids came from a calibrated codebook (not stored in the slabs)
     version: int = NUQ2_FRAGMENT_VERSION
+    slot_tokens: torch.Tensor | None = None  # int32 [N, H, Sk + Sv]; None: derived from the out_idx tables
+    slot_counts: torch.Tensor | None = None  # int32 [N, H]
+
+    def __post_init__(self):
+        if (self.slot_tokens is None) != (self.slot_counts is None):
+            raise ValueError("Nuq2FragmentPages: slot_tokens and slot_counts come together (or both None)")
+        if self.slot_tokens is None:
+            self.slot_tokens, self.slot_counts = slot_token_lists(self.k_out_idx, self.v_out_idx)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}

@@ -1,19 +1,21 @@
 """The outlier slots' sparse term of nuq2 decode as one Triton kernel (plain Triton, so it also runs
 under TRITON_INTERPRET=1): what `nuq2_decode.outlier_corrections` computes, without a host sync.
 
-Program (b * Hkv + h, split) after the Gluon main kernel: for each page of its split, the tokens
-that hold a used outlier slot (key or value), 16 at a time. For each such token it recomputes the
-main-term score s from its key code row (as the main kernel did), adds the key slots' change
-(q[c] * scale[c] * (z_slot - centroid) per slot), and accumulates in an online max m
-    L += 2^(s' - m) - 2^(s - m),   O += (2^(s' - m) - 2^(s - m)) v + 2^(s' - m) dv
-(v the value code row, dv the value slots' change at their channels); then rescales the split's
-partial (o, lse) by them in place. Every product is a tl.dot in fp32 (input_precision "ieee"), so
-the group is padded to 16.
+Its cost follows the slot tokens, not the page: the layout keeps, per page-head, the distinct
+tokens that hold a used outlier slot (`Nuq2FragmentPages.slot_tokens`, ascending, with a count),
+so a program reads a count, a short token list and the slot tables, then only those tokens' code
+rows (32 bytes each, one byte gather per (token, 4 channels)).
 
-Correct, not fast: on the H200 (benchmarks/results/h200/gluon_decode.json) it took 7.6 ms at
-16 x 32k where the Gluon main term took 0.16 ms (pages with ~10 key and ~5 value slots in use per
-page-head). It is the oracle-checked stand-in until the slots move into the Gluon tile loop as
-one-hot MMAs over precomputed per-page slot lists (JOURNAL_ENTRY.md of this branch).
+Program (b * Hkv + h, split), after the Gluon main kernel, over its split's pages; per page, the
+slot tokens R = 16 at a time (one tile for the usual ~10 key + ~5 value slots):
+    s   = ((q * scale) . z_t + q . mean) * qk2          main-term score, recomputed from the key codes
+    s'  = s + sum_{key slots of t} q[c] * scale[c] * (z_slot - centroid) * qk2
+    L  += 2^(s' - m) - 2^(s - m)
+    O  += (2^(s' - m) - 2^(s - m)) v_t + 2^(s' - m) dv_t
+(v_t the value code row, dv_t the value slots' change at their channels; m an online max that
+starts at the split's lse), then rescales the split's partial (o, lse) in place. The products are
+tl.dot in fp32 with three-pass TF32 (input_precision "tf32x3": tensor cores, ~fp32 accuracy), so
+the head group is padded to 16 (the smallest dot).
 """
 from __future__ import annotations
 
@@ -55,14 +57,15 @@ def _centroid(code, c0, c1, c2, c3):
 
 @triton.jit
 def _dot(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, input_precision="tf32x3")
 
 
 @triton.jit
 def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_scale, k_oval, k_oidx, v_oval, v_oidx,
-                            block_tables, stride_bt, context_lens, part_o, part_lse, qk2, num_splits,
-                            HKV: tl.constexpr, G: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
-                            SK_PAD: tl.constexpr, SV_PAD: tl.constexpr, NO: tl.constexpr):
+                            slot_tokens, slot_counts, block_tables, stride_bt, context_lens, part_o, part_lse, qk2,
+                            num_splits, HKV: tl.constexpr, G: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+                            SK_PAD: tl.constexpr, SV_PAD: tl.constexpr, ST: tl.constexpr, ST_PAD: tl.constexpr,
+                            NO: tl.constexpr):
     D: tl.constexpr = 128
     P: tl.constexpr = 64
     GP: tl.constexpr = 16
@@ -79,10 +82,11 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
     if p0 < p1:
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
-        tokens = tl.arange(0, P)
         rr = tl.arange(0, R)
         jk = tl.arange(0, SK_PAD)
         jv = tl.arange(0, SV_PAD)
+        cl = tl.arange(0, 32)  # a code byte's channel c % 32; its four fields are c // 32
+        f4 = tl.arange(0, 4)
         head = b.to(tl.int64) * (HKV * G) + h * G + g  # [GP]
         q = tl.load(q_ptr + head[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
         row = head * num_splits + split
@@ -93,20 +97,17 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
         bt_row = block_tables + b.to(tl.int64) * stride_bt
         for pg in range(p0, p1):
             ph = tl.load(bt_row + pg).to(tl.int64) * HKV + h
-            n_valid = length - pg * P
-            kidx = tl.load(k_oidx + ph * SK + jk, mask=jk < SK, other=NO)
-            k_used = (kidx != NO) & (kidx // D < n_valid)
-            kt = kidx // D
-            kc = kidx % D
-            vidx = tl.load(v_oidx + ph * SV + jv, mask=jv < SV, other=NO)
-            v_used = (vidx != NO) & (vidx // D < n_valid)
-            vt = vidx // D
-            vc = vidx % D
-            touched = (tl.max(((kt[None, :] == tokens[:, None]) & k_used[None, :]).to(tl.int32), axis=1)
-                       | tl.max(((vt[None, :] == tokens[:, None]) & v_used[None, :]).to(tl.int32), axis=1))  # [P]
-            count = tl.sum(touched, axis=0)
-            pos = tl.cumsum(touched, axis=0) - 1  # each slot token's row among the page's slot tokens
+            count = tl.load(slot_counts + ph)
             if count > 0:
+                n_valid = length - pg * P
+                kidx = tl.load(k_oidx + ph * SK + jk, mask=jk < SK, other=NO)
+                k_used = (kidx != NO) & (kidx // D < n_valid)
+                kt = kidx // D
+                kc = tl.where(k_used, kidx % D, 0)
+                vidx = tl.load(v_oidx + ph * SV + jv, mask=jv < SV, other=NO)
+                v_used = (vidx != NO) & (vidx // D < n_valid)
+                vt = vidx // D
+                vc = tl.where(v_used, vidx % D, 0)
                 # the slots' change of z: the exact value minus the centroid its code holds
                 kc0 = tl.load(k_cent + ph * 4).to(tl.float32)
                 kc1 = tl.load(k_cent + ph * 4 + 1).to(tl.float32)
@@ -120,11 +121,11 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
                 v_unit = tl.maximum(tl.maximum(tl.abs(vc0), tl.abs(vc1)), tl.maximum(tl.abs(vc2), tl.abs(vc3)))
                 k_unit = tl.maximum(k_unit, 1e-6)
                 v_unit = tl.maximum(v_unit, 1e-6)
-                kb, kf = key_code_position(tl.where(k_used, kt, 0), tl.where(k_used, kc, 0))
+                kb, kf = key_code_position(tl.where(k_used, kt, 0), kc)
                 k_code = _code_at(k_codes, ph * 2048, kb, kf)
                 dk = tl.load(k_oval + ph * SK + jk, mask=k_used, other=0.0).to(tl.float32) * k_unit
                 dk = tl.where(k_used, dk - _centroid(k_code, kc0, kc1, kc2, kc3), 0.0)
-                vb, vf = value_code_position(tl.where(v_used, vt, 0), tl.where(v_used, vc, 0))
+                vb, vf = value_code_position(tl.where(v_used, vt, 0), vc)
                 v_code = _code_at(v_codes, ph * 2048, vb, vf)
                 dv = tl.load(v_oval + ph * SV + jv, mask=v_used, other=0.0).to(tl.float32) * v_unit
                 dv = tl.where(v_used, dv - _centroid(v_code, vc0, vc1, vc2, vc3), 0.0)
@@ -133,25 +134,28 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
                 q_scaled = q * sc[None, :]  # [GP, D]
                 bias = tl.sum(q * mn[None, :], axis=1)  # [GP]
                 # key slots' score change per slot and head: q[g, c] * scale[c] * dz * qk2   [SK_PAD, GP]
-                kc_safe = tl.where(k_used, kc, 0)
-                q_at = tl.load(q_ptr + head[None, :] * D + kc_safe[:, None], mask=(g < G)[None, :] & k_used[:, None],
+                q_at = tl.load(q_ptr + head[None, :] * D + kc[:, None], mask=(g < G)[None, :] & k_used[:, None],
                                other=0.0).to(tl.float32)
-                w_k = q_at * (tl.load(k_scale + ph * D + kc_safe).to(tl.float32) * dk * qk2)[:, None]
+                w_k = q_at * (tl.load(k_scale + ph * D + kc).to(tl.float32) * dk * qk2)[:, None]
                 # value slots' change as a [SV_PAD, D] matrix at their channels
                 e_v = tl.where((vc[:, None] == d[None, :]) & v_used[:, None], dv[:, None], 0.0)
-                for r0 in range(0, P, R):  # bounded by P, not count: the interpreter's range wants a plain int
+                for r0 in range(0, ST_PAD, R):  # bounded by a constant: the interpreter's range wants a plain int
                     if r0 < count:
-                        r = r0 + rr
-                        r_ok = r < count
-                        t_r = tl.sum(tl.where((pos[None, :] == r[:, None]) & (touched[None, :] > 0), tokens[None, :], 0),
-                                     axis=1)  # [R] the row's token (0 past count, masked below)
-                        kb_r, kf_r = key_code_position(t_r[:, None], d[None, :])
-                        zk = _centroid(_code_at(k_codes, ph * 2048, kb_r, kf_r), kc0, kc1, kc2, kc3)  # [R, D]
+                        t_r = tl.load(slot_tokens + ph * ST + r0 + rr, mask=r0 + rr < count, other=P)  # [R]
+                        r_ok = t_r < n_valid  # padding (P) and tokens past the context drop out
+                        t_safe = tl.where(r_ok, t_r, 0)
+                        # the tokens' code rows: 32 bytes each, field f of byte (t, c % 32) is channel 32 f + c % 32
+                        kb_r, kf_r = key_code_position(t_safe[:, None], cl[None, :])
+                        k_bytes = tl.load(k_codes + ph * 2048 + kb_r).to(tl.int32)  # [R, 32]
+                        k_row = tl.reshape((k_bytes[:, None, :] >> (2 * f4)[None, :, None]) & 3, [R, D])
+                        zk = _centroid(k_row, kc0, kc1, kc2, kc3)  # [R, D]
                         s_main = (_dot(zk, tl.trans(q_scaled)) + bias[None, :]) * qk2  # [R, GP]
                         hit_k = ((kt[None, :] == t_r[:, None]) & k_used[None, :] & r_ok[:, None]).to(tl.float32)
                         s_new = s_main + _dot(hit_k, w_k)  # [R, GP]
-                        vb_r, vf_r = value_code_position(t_r[:, None], d[None, :])
-                        v_row = _centroid(_code_at(v_codes, ph * 2048, vb_r, vf_r), vc0, vc1, vc2, vc3)  # [R, D]
+                        vb_r, vf_r = value_code_position(t_safe[:, None], cl[None, :])
+                        v_bytes = tl.load(v_codes + ph * 2048 + vb_r).to(tl.int32)
+                        v_row = _centroid(tl.reshape((v_bytes[:, None, :] >> (2 * f4)[None, :, None]) & 3, [R, D]),
+                                          vc0, vc1, vc2, vc3)  # [R, D]
                         m_new = tl.maximum(m, tl.max(tl.where(r_ok[:, None], s_new, float("-inf")), axis=0))
                         alpha = tl.exp2(m - m_new)
                         l_add = l_add * alpha
@@ -160,7 +164,7 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
                         a = tl.where(r_ok[:, None], tl.exp2(s_new - m[None, :]), 0.0)  # [R, GP]
                         w = a - tl.where(r_ok[:, None], tl.exp2(s_main - m[None, :]), 0.0)
                         l_add += tl.sum(w, axis=0)
-                        hit_v = ((vt[None, :] == t_r[:, None]) & v_used[None, :] & r_ok[:, None]).to(tl.float32)  # [R, SV]
+                        hit_v = ((vt[None, :] == t_r[:, None]) & v_used[None, :] & r_ok[:, None]).to(tl.float32)
                         a_slot = _dot(tl.trans(a), hit_v)  # [GP, SV_PAD]: each value slot's token weight
                         o_add += _dot(tl.trans(w), v_row) + _dot(a_slot, e_v)
         mass_old = tl.exp2(lse - m)
@@ -187,6 +191,11 @@ def outlier_corrections_kernel(part_o: torch.Tensor, part_lse: torch.Tensor, q: 
         return
     assert PAGE_BYTES == 2048 and PAGE_TOKENS == 64 and HEAD_DIM == 128  # the kernel's constants
     num_splits = part_o.shape[2]
+    ST = frag.slot_tokens.shape[2]
+    heads = frag.k_out_idx.shape[:2]
+    if frag.slot_tokens.shape != (*heads, SK + SV) or frag.slot_counts.shape != heads:
+        raise ValueError(f"nuq2 sparse term kernel: slot lists {tuple(frag.slot_tokens.shape)} / "
+                         f"{tuple(frag.slot_counts.shape)} do not fit the out_idx tables {tuple(frag.k_out_idx.shape)}")
     if not isinstance(nuq2_sparse_term_kernel, triton.runtime.jit.JITFunction):  # TRITON_INTERPRET=1
         from moekv.ops.decode_attention import _patch_interpreter_index
 
@@ -194,6 +203,7 @@ def outlier_corrections_kernel(part_o: torch.Tensor, part_lse: torch.Tensor, q: 
     nuq2_sparse_term_kernel[(B * Hkv, num_splits)](
         q.contiguous(), frag.k_codes.view(torch.uint8), frag.v_codes.view(torch.uint8), frag.k_centroids,
         frag.v_centroids, frag.k_mean, frag.k_scale, frag.k_out_val, frag.k_out_idx, frag.v_out_val, frag.v_out_idx,
-        block_tables, block_tables.stride(0), context_lens, part_o, part_lse, scale * LOG2E, num_splits,
-        HKV=Hkv, G=G, SK=max(SK, 1), SV=max(SV, 1), SK_PAD=max(16, triton.next_power_of_2(SK)),
-        SV_PAD=max(16, triton.next_power_of_2(SV)), NO=NO_OUTLIER, num_warps=4)
+        frag.slot_tokens, frag.slot_counts, block_tables, block_tables.stride(0), context_lens, part_o, part_lse,
+        scale * LOG2E, num_splits, HKV=Hkv, G=G, SK=SK, SV=SV, SK_PAD=max(16, triton.next_power_of_2(SK)),
+        SV_PAD=max(16, triton.next_power_of_2(SV)), ST=ST, ST_PAD=max(16, triton.next_power_of_2(ST)), NO=NO_OUTLIER,
+        num_warps=4)

@@ -19,6 +19,8 @@ and the byte floor (bytes / the bandwidth of a 4 GiB device copy measured in the
 
     python benchmarks/kernels/bench_gluon_decode.py            # writes $OUT/gluon_decode.json (or /tmp)
     python benchmarks/kernels/bench_gluon_decode.py --shapes 16x32768 --splits 16 32 64
+    python benchmarks/kernels/bench_gluon_decode.py --only-gluon --shapes 16x32768 1x131072   # short: SDPA
+        and the Gluon path only (no Triton nuq2 kernel, default split count, one register cap)
 """
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ def check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale) -> dict:
             "used_value_slots_per_page_head": used_v}
 
 
-def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
+def run_shape(batch, context, splits, device, gen, bandwidth, only_gluon=False) -> dict:
     fmt = NUQ2Format(codebook="page")
     scale = D ** -0.5
     pages_per = -(-context // P)
@@ -165,10 +167,13 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
     sdpa_bytes = 2 * batch * HKV * context * D * 2 + 2 * batch * HQ * D * 2
     row["sdpa_floor_ms"] = sdpa_bytes / bandwidth * 1e3
 
-    try:
-        row["triton_nuq2"] = triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale)
-    except Exception as e:  # noqa: BLE001  (recorded, the Gluon rows still count)
-        row["triton_nuq2"] = {"error": repr(e)[:500]}
+    if only_gluon:
+        row["triton_nuq2"] = {"skipped": "--only-gluon"}
+    else:
+        try:
+            row["triton_nuq2"] = triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale)
+        except Exception as e:  # noqa: BLE001  (recorded, the Gluon rows still count)
+            row["triton_nuq2"] = {"error": repr(e)[:500]}
     slab = fmt.layout("key", P, D).slab_bytes + fmt.layout("value", P, D).slab_bytes
     row["triton_nuq2"]["bytes"] = batch * HKV * pages_per * slab + 2 * batch * HQ * D * 2
 
@@ -178,10 +183,11 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
     out = torch.empty_like(q)
     sweep = {}
     default = default_num_splits(batch, HKV, pages_per)
-    for ns in sorted({*(splits or []), default, max(1, default // 2), default * 2}):
+    tried = {*(splits or []), default} if only_gluon else {*(splits or []), default, max(1, default // 2), default * 2}
+    for ns in sorted(tried):
         if ns > pages_per:
             continue
-        for regs in REGISTER_CAPS:
+        for regs in REGISTER_CAPS[-1:] if only_gluon else REGISTER_CAPS:
             fn = lambda ns=ns, regs=regs: reduce_on_device(  # noqa: E731
                 *nuq2_decode_partials(q, frag, tables, lens, scale, ns, regs), out)
             sweep[f"{ns}/{regs}"] = bench(fn)
@@ -192,7 +198,8 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
                     "default_ms": sweep.get(f"{default}/None"), "sweep_ms (splits/max_registers)": sweep}
     best_fn = lambda: reduce_on_device(  # noqa: E731
         *nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs), out)
-    row["gluon"]["eager_ms"] = bench_eager(best_fn)
+    if not only_gluon:
+        row["gluon"]["eager_ms"] = bench_eager(best_fn)
     row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs))
     # the whole path: main term, the sparse term's kernel, reduce (what the engine would launch)
     full = lambda: nuq2_decode_attention(q, frag, tables, lens, scale, best_ns, max_registers=best_regs)  # noqa: E731
@@ -201,6 +208,10 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
     row["sparse_term_kernel_ms"] = bench(
         lambda: outlier_corrections_kernel(part_o, part_lse, q, frag, tables, lens, scale))
     row["ratio_gluon_full_vs_sdpa"] = row["sdpa_ms"] / row["gluon_full_ms"]
+    row["sparse_share_of_main"] = row["sparse_term_kernel_ms"] / row["gluon_kernel_only_ms"]
+    print(f"  SDPA {row['sdpa_ms'] * 1e3:.1f} us | Gluon main {row['gluon_kernel_only_ms'] * 1e3:.1f} us, sparse term "
+          f"{row['sparse_term_kernel_ms'] * 1e3:.1f} us ({row['sparse_share_of_main']:.2f} of main), whole path "
+          f"{row['gluon_full_ms'] * 1e3:.1f} us = {row['ratio_gluon_full_vs_sdpa']:.2f}x SDPA", flush=True)
     if "ms" in row["triton_nuq2"]:
         row["ratio_gluon_full_vs_triton_nuq2"] = row["triton_nuq2"]["ms"] / row["gluon_full_ms"]
     row["ratio_gluon_vs_sdpa"] = row["sdpa_ms"] / row["gluon"]["ms"]
@@ -217,11 +228,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=None, help="BATCHxCONTEXT, e.g. 16x32768")
     ap.add_argument("--splits", nargs="*", type=int, default=None, help="extra Gluon split counts to try")
+    ap.add_argument("--only-gluon", action="store_true",
+                    help="SDPA and the Gluon path only: no Triton nuq2 kernel, no split / register-cap sweep")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gluon_decode.json, else /tmp)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gluon_decode: needs a CUDA device (Gluon kernels do not run on CPU)")
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    except ValueError:
+        sys.exit(f"bench_gluon_decode: --shapes wants BATCHxCONTEXT items (e.g. 16x32768), got {args.shapes}")
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "gluon_decode.json"))
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -235,7 +251,8 @@ def main() -> None:
     for batch, context in shapes:
         print(f"shape {batch} x {context}", flush=True)
         try:
-            row = run_shape(batch, context, args.splits, device, gen, record["copy_bandwidth_GBps"] * 1e9)
+            row = run_shape(batch, context, args.splits, device, gen, record["copy_bandwidth_GBps"] * 1e9,
+                            args.only_gluon)
         except Exception as e:  # noqa: BLE001  (the other shapes still run)
             import traceback
 

@@ -47,3 +47,64 @@ def test_kernel_matches_torch_sparse_term(G):
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
     ref = dense_reference(fmt, k_pages, v_pages, q.double(), tables, lens_t, scale)
     torch.testing.assert_close(reduce_partials(o.double(), lse.double()).cpu(), ref, rtol=1e-3, atol=1e-3)
+
+
+def _with_slots(frag, k_idx, v_idx):
+    """frag with its out_idx tables replaced (and the slot-token lists derived again)."""
+    from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages
+
+    tensors = {k: t for k, t in frag.tensors().items() if k not in ("slot_tokens", "slot_counts")}
+    tensors.update(k_out_idx=k_idx.contiguous(), v_out_idx=v_idx.contiguous())
+    return Nuq2FragmentPages(**tensors, calibrated=frag.calibrated)
+
+
+@pytest.mark.parametrize("G, num_splits", [(1, 8), (4, 2), (8, 5)])
+def test_kernel_on_placed_slots(G, num_splits):
+    """Slots placed by hand: several key slots on one token, key and value slots on the same token,
+    a value slot alone, a page-head without slots, slots past the context (the last page is partly
+    valid), and splits with no pages (num_splits above a sequence's page count). Against the
+    PyTorch term and dense attention over the pages the tables describe."""
+    from moekv.ops.gluon.nuq2_layout import from_fragment_order
+
+    NO = 0xFFFF
+    Hkv = 2
+    lens = [130, 64 * 4, 3]
+    fmt, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=40 + G, device=DEVICE)
+    k_idx, v_idx = frag.k_out_idx.clone(), frag.v_out_idx.clone()
+    p_last = int(tables[0, 2])  # sequence 0's last page: tokens 0 and 1 valid
+    k_idx[p_last, 0] = NO
+    k_idx[p_last, 0, :4] = torch.tensor([0 * D + 7, 0 * D + 91, 0 * D + 3, 1 * D + 7])  # 3 slots on token 0
+    k_idx[p_last, 0, 4] = 40 * D + 5  # past the context
+    v_idx[p_last, 0] = NO
+    v_idx[p_last, 0, :3] = torch.tensor([0 * D + 1, 1 * D + 100, 50 * D + 2])  # same token as a key slot; past
+    p_empty = int(tables[1, 1])
+    k_idx[p_empty, 1] = NO  # no slots at all
+    v_idx[p_empty, 1] = NO
+    p_v = int(tables[1, 3])
+    k_idx[p_v, 0] = NO  # value slots only
+    frag = _with_slots(frag, k_idx, v_idx)
+    assert int(frag.slot_counts[p_empty, 1]) == 0
+    assert frag.slot_tokens[p_last, 0, :4].tolist() == [0, 1, 40, 50]
+    q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(G)).to(DEVICE)
+    scale = D ** -0.5
+    o, lse = main_term_reference(q, frag, tables, lens_t, scale, num_splits)
+    o_ref, lse_ref = o.clone(), lse.clone()
+    outlier_corrections(o_ref, lse_ref, q, frag, tables, lens_t, scale)
+    sparse.outlier_corrections_kernel(o, lse, q, frag, tables, lens_t, scale)
+    finite = lse_ref.isfinite()
+    assert not finite.all()  # some splits are empty
+    assert torch.equal(lse.isfinite(), finite)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+    k_pages, v_pages = from_fragment_order(fmt, frag)
+    ref = dense_reference(fmt, k_pages, v_pages, q.double(), tables, lens_t, scale)
+    torch.testing.assert_close(reduce_partials(o.double(), lse.double()).cpu(), ref, rtol=1e-3, atol=1e-3)
+
+
+def test_kernel_refuses_slot_lists_that_do_not_fit():
+    fmt, frag, tables, lens_t, _, _ = build([64], 2, seed=3, device=DEVICE)
+    frag.slot_tokens = frag.slot_tokens[..., :-1]
+    o = torch.zeros(1, 2, 1, D, device=DEVICE)
+    lse = torch.zeros(1, 2, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="slot lists"):
+        sparse.outlier_corrections_kernel(o, lse, torch.zeros(1, 2, D, device=DEVICE), frag, tables, lens_t, 0.1)

@@ -108,3 +108,37 @@ def test_kernel_refuses_slot_lists_that_do_not_fit():
     lse = torch.zeros(1, 2, 1, device=DEVICE)
     with pytest.raises(ValueError, match="slot lists"):
         sparse.outlier_corrections_kernel(o, lse, torch.zeros(1, 2, D, device=DEVICE), frag, tables, lens_t, 0.1)
+
+
+SPARSE_SM90_BUILD = """
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moekv.ops.gluon.nuq2_sparse import nuq2_sparse_term_kernel
+sig = {"q_ptr": "*bf16", "k_codes": "*u8", "v_codes": "*u8", "k_cent": "*fp16", "v_cent": "*fp16",
+       "k_mean": "*fp8e4nv", "k_scale": "*fp8e4nv", "k_oval": "*fp8e4nv", "k_oidx": "*i32", "v_oval": "*fp8e4nv",
+       "v_oidx": "*i32", "slot_tokens": "*i32", "slot_counts": "*i32", "block_tables": "*i32", "stride_bt": "i32",
+       "context_lens": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "qk2": "fp32", "num_splits": "i32"}
+ce = dict(HKV=8, G=8, SK=16, SV=8, SK_PAD=16, SV_PAD=16, ST=24, ST_PAD=32, NO=0xFFFF)
+sig.update({k: "constexpr" for k in ce})
+k = compile(ASTSource(nuq2_sparse_term_kernel, signature=sig, constexprs=ce), target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=4))
+print("mma.sync" in k.asm["ptx"], ".local" in k.asm["ptx"])
+"""
+
+
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    """The sparse kernel builds for the H200 (sm_90): its reshapes and tf32x3 dots lower to tensor-core
+    MMAs, with no local memory in the PTX. In a fresh interpreter (see test_gluon_nuq2_decode.py's
+    build test for why)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", SPARSE_SM90_BUILD], env=env, capture_output=True, text=True,
+                         timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "False"], run.stdout

@@ -207,6 +207,9 @@ def run_shape(batch, context, splits, device, gen, bandwidth, only_gluon=False) 
     part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs)
     row["sparse_term_kernel_ms"] = bench(
         lambda: outlier_corrections_kernel(part_o, part_lse, q, frag, tables, lens, scale))
+    row["sparse_term_kernel_ms_by_num_warps"] = {w: bench(  # the default (4) above; the others to choose it by
+        lambda w=w: outlier_corrections_kernel(part_o, part_lse, q, frag, tables, lens, scale, num_warps=w))
+        for w in (2, 8)}
     row["ratio_gluon_full_vs_sdpa"] = row["sdpa_ms"] / row["gluon_full_ms"]
     row["sparse_share_of_main"] = row["sparse_term_kernel_ms"] / row["gluon_kernel_only_ms"]
     print(f"  SDPA {row['sdpa_ms'] * 1e3:.1f} us | Gluon main {row['gluon_kernel_only_ms'] * 1e3:.1f} us, sparse term "

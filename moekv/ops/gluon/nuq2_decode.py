@@ -275,7 +275,8 @@ def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order -> [B, Hq, 128] in q's
     dtype: the Gluon main term, the outlier slots' sparse term (outliers=False leaves it out: exact
     only for pages without used slots), the reduce; three launches, no host sync. CUDA only. The
-    sparse term's kernel is correct but ~50x slower than the main term (nuq2_sparse.py).
+    sparse term's kernel visits only the slot tokens (nuq2_sparse.py) but still recomputes their
+    scores and value rows from codes, so it costs a multiple of the main term (docs/journal.md).
     sparse_kernel=False: the sparse term in PyTorch (outlier_corrections: a host sync per sequence)."""
     part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers)
     if outliers and sparse_kernel:

@@ -53,7 +53,7 @@ def _with_slots(frag, k_idx, v_idx):
     """frag with its out_idx tables replaced (and the slot-token lists derived again)."""
     from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages
 
-    tensors = {k: t for k, t in frag.tensors().items() if k not in ("slot_tokens", "slot_counts")}
+    tensors = {k: t for k, t in frag.tensors().items() if k not in ("slot_tokens", "slot_counts", "k_used", "v_used")}
     tensors.update(k_out_idx=k_idx.contiguous(), v_out_idx=v_idx.contiguous())
     return Nuq2FragmentPages(**tensors, calibrated=frag.calibrated)
 
@@ -76,7 +76,8 @@ def test_kernel_on_placed_slots(G, num_splits):
     k_idx[p_last, 0, :4] = torch.tensor([0 * D + 7, 0 * D + 91, 0 * D + 3, 1 * D + 7])  # 3 slots on token 0
     k_idx[p_last, 0, 4] = 40 * D + 5  # past the context
     v_idx[p_last, 0] = NO
-    v_idx[p_last, 0, :3] = torch.tensor([0 * D + 1, 1 * D + 100, 50 * D + 2])  # same token as a key slot; past
+    v_idx[p_last, 0, 1:4] = torch.tensor([0 * D + 1, 1 * D + 100, 50 * D + 2])  # same token as a key slot; past
+    v_idx[p_last, 1, :2] = NO  # used slots after unused ones: the layout moves them first
     p_empty = int(tables[1, 1])
     k_idx[p_empty, 1] = NO  # no slots at all
     v_idx[p_empty, 1] = NO
@@ -85,6 +86,7 @@ def test_kernel_on_placed_slots(G, num_splits):
     frag = _with_slots(frag, k_idx, v_idx)
     assert int(frag.slot_counts[p_empty, 1]) == 0
     assert frag.slot_tokens[p_last, 0, :4].tolist() == [0, 1, 40, 50]
+    assert int(frag.v_used[p_last, 0]) == 3 and frag.v_out_idx[p_last, 0, 0] == 0 * D + 1
     q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(G)).to(DEVICE)
     scale = D ** -0.5
     o, lse = main_term_reference(q, frag, tables, lens_t, scale, num_splits)
@@ -117,9 +119,10 @@ from triton.compiler import ASTSource
 from moekv.ops.gluon.nuq2_sparse import nuq2_sparse_term_kernel
 sig = {"q_ptr": "*bf16", "k_codes": "*u8", "v_codes": "*u8", "k_cent": "*fp16", "v_cent": "*fp16",
        "k_mean": "*fp8e4nv", "k_scale": "*fp8e4nv", "k_oval": "*fp8e4nv", "k_oidx": "*i32", "v_oval": "*fp8e4nv",
-       "v_oidx": "*i32", "slot_tokens": "*i32", "slot_counts": "*i32", "block_tables": "*i32", "stride_bt": "i32",
+       "v_oidx": "*i32", "slot_tokens": "*i32", "slot_counts": "*i32", "k_used": "*i32", "v_used": "*i32",
+       "block_tables": "*i32", "stride_bt": "i32",
        "context_lens": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "qk2": "fp32", "num_splits": "i32"}
-ce = dict(HKV=8, G=8, SK=16, SV=8, SK_PAD=16, SV_PAD=16, ST=24, ST_PAD=32, NO=0xFFFF)
+ce = dict(HKV=8, G=8, SK=80, SV=32, SK_PAD=128, SV_PAD=32, ST=112, ST_PAD=128, NO=0xFFFF)  # nuq2's counts
 sig.update({k: "constexpr" for k in ce})
 k = compile(ASTSource(nuq2_sparse_term_kernel, signature=sig, constexprs=ce), target=GPUTarget("cuda", 90, 32),
             options=dict(num_warps=4))

@@ -33,6 +33,8 @@ Side tables (per page-head, as nuq2 stores them, nothing re-quantized):
                                            out_idx tables, so the sparse term reads a few bytes per
                                            page-head instead of scanning 64 tokens)
   slot_counts               int32 [N, H]   how many of slot_tokens are real
+  k_used, v_used            int32 [N, H]   how many out slots are used; the used ones come first (the
+                                           order of slots carries no meaning; nuq2 writes them so)
 """
 from __future__ import annotations
 
@@ -107,6 +109,18 @@ def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
     return slots[..., SLOT_OF_ELEMENT[kind].to(words.device)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
 
 
+def used_slots_first(out_idx: torch.Tensor, out_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out_idx, out_val) with each page-head's used slots first (kept as they are when they already
+    are, as nuq2 writes them), and the number used int32 [N, H]."""
+    used = out_idx != NO_OUTLIER
+    counts = used.sum(-1).to(torch.int32)
+    if used.shape[-1] and not bool((used.int().cumprod(-1).bool() == used).all()):
+        order = torch.sort((~used).to(torch.uint8), dim=-1, stable=True).indices
+        val_bytes = out_val.view(torch.uint8).gather(-1, order)  # fp8 has no gather on CPU
+        out_idx, out_val = out_idx.gather(-1, order).contiguous(), val_bytes.view(out_val.dtype).contiguous()
+    return out_idx, out_val, counts
+
+
 def slot_token_lists(k_out_idx: torch.Tensor, v_out_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per page-head, the distinct tokens that hold a used key or value slot: (tokens int32
     [N, H, Sk + Sv] ascending, padded with PAGE_TOKENS; counts int32 [N, H])."""
@@ -139,11 +153,17 @@ class Nuq2FragmentPages:
     version: int = NUQ2_FRAGMENT_VERSION
     slot_tokens: torch.Tensor | None = None  # int32 [N, H, Sk + Sv]; None: derived from the out_idx tables
     slot_counts: torch.Tensor | None = None  # int32 [N, H]
+    k_used: torch.Tensor | None = None  # int32 [N, H]
+    v_used: torch.Tensor | None = None  # int32 [N, H]
 
     def __post_init__(self):
-        if (self.slot_tokens is None) != (self.slot_counts is None):
-            raise ValueError("Nuq2FragmentPages: slot_tokens and slot_counts come together (or both None)")
+        derived = (self.slot_tokens, self.slot_counts, self.k_used, self.v_used)
+        if any(t is None for t in derived) and any(t is not None for t in derived):
+            raise ValueError("Nuq2FragmentPages: slot_tokens, slot_counts, k_used and v_used come together "
+                             "(or all None)")
         if self.slot_tokens is None:
+            self.k_out_idx, self.k_out_val, self.k_used = used_slots_first(self.k_out_idx, self.k_out_val)
+            self.v_out_idx, self.v_out_val, self.v_used = used_slots_first(self.v_out_idx, self.v_out_val)
             self.slot_tokens, self.slot_counts = slot_token_lists(self.k_out_idx, self.v_out_idx)
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -61,15 +61,33 @@ def _dot(a, b):
 
 
 @triton.jit
+def _slot_deltas(oidx, oval, ph, j, n_used, n_valid, S: tl.constexpr, codes, c0, c1, c2, c3, unit,
+                 KEY: tl.constexpr, NO: tl.constexpr):
+    """Slots j (a chunk) of page-head ph: (token, channel, used, exact value - centroid of its code)."""
+    idx = tl.load(oidx + ph * S + j, mask=j < n_used, other=NO)
+    used = (idx != NO) & (idx // 128 < n_valid)
+    t = tl.where(used, idx // 128, 0)
+    c = tl.where(used, idx % 128, 0)
+    if KEY:
+        byte, field = key_code_position(t, c)
+    else:
+        byte, field = value_code_position(t, c)
+    code = _code_at(codes, ph * 2048, byte, field)
+    z = tl.load(oval + ph * S + j, mask=used, other=0.0).to(tl.float32) * unit
+    return tl.where(used, idx // 128, -1), c, used, tl.where(used, z - _centroid(code, c0, c1, c2, c3), 0.0)
+
+
+@triton.jit
 def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_scale, k_oval, k_oidx, v_oval, v_oidx,
-                            slot_tokens, slot_counts, block_tables, stride_bt, context_lens, part_o, part_lse, qk2,
-                            num_splits, HKV: tl.constexpr, G: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
-                            SK_PAD: tl.constexpr, SV_PAD: tl.constexpr, ST: tl.constexpr, ST_PAD: tl.constexpr,
-                            NO: tl.constexpr):
+                            slot_tokens, slot_counts, k_used, v_used, block_tables, stride_bt, context_lens, part_o,
+                            part_lse, qk2, num_splits, HKV: tl.constexpr, G: tl.constexpr, SK: tl.constexpr,
+                            SV: tl.constexpr, SK_PAD: tl.constexpr, SV_PAD: tl.constexpr, ST: tl.constexpr,
+                            ST_PAD: tl.constexpr, NO: tl.constexpr):
     D: tl.constexpr = 128
     P: tl.constexpr = 64
     GP: tl.constexpr = 16
-    R: tl.constexpr = 16
+    R: tl.constexpr = 16  # slot tokens a tile
+    C: tl.constexpr = 16  # used slots a chunk (the slot tables hold the used ones first)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // HKV
@@ -83,8 +101,7 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         rr = tl.arange(0, R)
-        jk = tl.arange(0, SK_PAD)
-        jv = tl.arange(0, SV_PAD)
+        jc = tl.arange(0, C)
         cl = tl.arange(0, 32)  # a code byte's channel c % 32; its four fields are c // 32
         f4 = tl.arange(0, 4)
         head = b.to(tl.int64) * (HKV * G) + h * G + g  # [GP]
@@ -100,15 +117,8 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
             count = tl.load(slot_counts + ph)
             if count > 0:
                 n_valid = length - pg * P
-                kidx = tl.load(k_oidx + ph * SK + jk, mask=jk < SK, other=NO)
-                k_used = (kidx != NO) & (kidx // D < n_valid)
-                kt = kidx // D
-                kc = tl.where(k_used, kidx % D, 0)
-                vidx = tl.load(v_oidx + ph * SV + jv, mask=jv < SV, other=NO)
-                v_used = (vidx != NO) & (vidx // D < n_valid)
-                vt = vidx // D
-                vc = tl.where(v_used, vidx % D, 0)
-                # the slots' change of z: the exact value minus the centroid its code holds
+                nk = tl.load(k_used + ph)
+                nv = tl.load(v_used + ph)
                 kc0 = tl.load(k_cent + ph * 4).to(tl.float32)
                 kc1 = tl.load(k_cent + ph * 4 + 1).to(tl.float32)
                 kc2 = tl.load(k_cent + ph * 4 + 2).to(tl.float32)
@@ -121,25 +131,11 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
                 v_unit = tl.maximum(tl.maximum(tl.abs(vc0), tl.abs(vc1)), tl.maximum(tl.abs(vc2), tl.abs(vc3)))
                 k_unit = tl.maximum(k_unit, 1e-6)
                 v_unit = tl.maximum(v_unit, 1e-6)
-                kb, kf = key_code_position(tl.where(k_used, kt, 0), kc)
-                k_code = _code_at(k_codes, ph * 2048, kb, kf)
-                dk = tl.load(k_oval + ph * SK + jk, mask=k_used, other=0.0).to(tl.float32) * k_unit
-                dk = tl.where(k_used, dk - _centroid(k_code, kc0, kc1, kc2, kc3), 0.0)
-                vb, vf = value_code_position(tl.where(v_used, vt, 0), vc)
-                v_code = _code_at(v_codes, ph * 2048, vb, vf)
-                dv = tl.load(v_oval + ph * SV + jv, mask=v_used, other=0.0).to(tl.float32) * v_unit
-                dv = tl.where(v_used, dv - _centroid(v_code, vc0, vc1, vc2, vc3), 0.0)
                 sc = tl.load(k_scale + ph * D + d).to(tl.float32)
                 mn = tl.load(k_mean + ph * D + d).to(tl.float32)
                 q_scaled = q * sc[None, :]  # [GP, D]
                 bias = tl.sum(q * mn[None, :], axis=1)  # [GP]
-                # key slots' score change per slot and head: q[g, c] * scale[c] * dz * qk2   [SK_PAD, GP]
-                q_at = tl.load(q_ptr + head[None, :] * D + kc[:, None], mask=(g < G)[None, :] & k_used[:, None],
-                               other=0.0).to(tl.float32)
-                w_k = q_at * (tl.load(k_scale + ph * D + kc).to(tl.float32) * dk * qk2)[:, None]
-                # value slots' change as a [SV_PAD, D] matrix at their channels
-                e_v = tl.where((vc[:, None] == d[None, :]) & v_used[:, None], dv[:, None], 0.0)
-                for r0 in range(0, ST_PAD, R):  # bounded by a constant: the interpreter's range wants a plain int
+                for r0 in range(0, ST_PAD, R):  # bounded by constants: the interpreter's range wants plain ints
                     if r0 < count:
                         t_r = tl.load(slot_tokens + ph * ST + r0 + rr, mask=r0 + rr < count, other=P)  # [R]
                         r_ok = t_r < n_valid  # padding (P) and tokens past the context drop out
@@ -150,8 +146,17 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
                         k_row = tl.reshape((k_bytes[:, None, :] >> (2 * f4)[None, :, None]) & 3, [R, D])
                         zk = _centroid(k_row, kc0, kc1, kc2, kc3)  # [R, D]
                         s_main = (_dot(zk, tl.trans(q_scaled)) + bias[None, :]) * qk2  # [R, GP]
-                        hit_k = ((kt[None, :] == t_r[:, None]) & k_used[None, :] & r_ok[:, None]).to(tl.float32)
-                        s_new = s_main + _dot(hit_k, w_k)  # [R, GP]
+                        # key slots' score change: q[g, c] * scale[c] * dz * qk2, summed per token
+                        s_new = s_main
+                        for j0 in range(0, SK_PAD, C):
+                            if j0 < nk:
+                                kt, kc, kok, dk = _slot_deltas(k_oidx, k_oval, ph, j0 + jc, nk, n_valid, SK, k_codes,
+                                                               kc0, kc1, kc2, kc3, k_unit, True, NO)
+                                q_at = tl.load(q_ptr + head[None, :] * D + kc[:, None],
+                                               mask=(g < G)[None, :] & kok[:, None], other=0.0).to(tl.float32)
+                                w_k = q_at * (tl.load(k_scale + ph * D + kc).to(tl.float32) * dk * qk2)[:, None]
+                                hit_k = (kt[None, :] == t_r[:, None]).to(tl.float32)  # [R, C]
+                                s_new += _dot(hit_k, w_k)
                         vb_r, vf_r = value_code_position(t_safe[:, None], cl[None, :])
                         v_bytes = tl.load(v_codes + ph * 2048 + vb_r).to(tl.int32)
                         v_row = _centroid(tl.reshape((v_bytes[:, None, :] >> (2 * f4)[None, :, None]) & 3, [R, D]),
@@ -164,9 +169,15 @@ def nuq2_sparse_term_kernel(q_ptr, k_codes, v_codes, k_cent, v_cent, k_mean, k_s
                         a = tl.where(r_ok[:, None], tl.exp2(s_new - m[None, :]), 0.0)  # [R, GP]
                         w = a - tl.where(r_ok[:, None], tl.exp2(s_main - m[None, :]), 0.0)
                         l_add += tl.sum(w, axis=0)
-                        hit_v = ((vt[None, :] == t_r[:, None]) & v_used[None, :] & r_ok[:, None]).to(tl.float32)
-                        a_slot = _dot(tl.trans(a), hit_v)  # [GP, SV_PAD]: each value slot's token weight
-                        o_add += _dot(tl.trans(w), v_row) + _dot(a_slot, e_v)
+                        o_add += _dot(tl.trans(w), v_row)
+                        # value slots' change at their channels, weighted by their token's new weight
+                        for j0 in range(0, SV_PAD, C):
+                            if j0 < nv:
+                                vt, vc, vok, dv = _slot_deltas(v_oidx, v_oval, ph, j0 + jc, nv, n_valid, SV, v_codes,
+                                                               vc0, vc1, vc2, vc3, v_unit, False, NO)
+                                e_v = tl.where((vc[:, None] == d[None, :]) & vok[:, None], dv[:, None], 0.0)  # [C, D]
+                                hit_v = (vt[None, :] == t_r[:, None]).to(tl.float32)  # [R, C]
+                                o_add += _dot(_dot(tl.trans(a), hit_v), e_v)
         mass_old = tl.exp2(lse - m)
         mass = mass_old + l_add
         o_ptr = part_o + row[:, None] * D + d[None, :]
@@ -179,7 +190,8 @@ def outlier_corrections_kernel(part_o: torch.Tensor, part_lse: torch.Tensor, q: 
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                num_warps: int = 4) -> None:
     """nuq2_decode.outlier_corrections as one launch (fp32 partials, in place); no host sync.
-    num_warps: per program (the sm_90 build uses 255 registers at 2, 4 and 8; 2 spills 88 bytes)."""
+    num_warps: per program (sm_90 build at nuq2's 80 + 32 slots: 255 registers at 2 and 4 warps with 88
+    and 24 bytes of stack, 232 and none at 8)."""
     from moekv.ops.gluon.nuq2_decode import LOG2E, check_inputs
 
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, part_o.shape[2])
@@ -205,7 +217,7 @@ def outlier_corrections_kernel(part_o: torch.Tensor, part_lse: torch.Tensor, q: 
     nuq2_sparse_term_kernel[(B * Hkv, num_splits)](
         q.contiguous(), frag.k_codes.view(torch.uint8), frag.v_codes.view(torch.uint8), frag.k_centroids,
         frag.v_centroids, frag.k_mean, frag.k_scale, frag.k_out_val, frag.k_out_idx, frag.v_out_val, frag.v_out_idx,
-        frag.slot_tokens, frag.slot_counts, block_tables, block_tables.stride(0), context_lens, part_o, part_lse,
-        scale * LOG2E, num_splits, HKV=Hkv, G=G, SK=SK, SV=SV, SK_PAD=max(16, triton.next_power_of_2(SK)),
-        SV_PAD=max(16, triton.next_power_of_2(SV)), ST=ST, ST_PAD=max(16, triton.next_power_of_2(ST)), NO=NO_OUTLIER,
-        num_warps=num_warps)
+        frag.slot_tokens, frag.slot_counts, frag.k_used, frag.v_used, block_tables, block_tables.stride(0),
+        context_lens, part_o, part_lse, scale * LOG2E, num_splits, HKV=Hkv, G=G, SK=SK, SV=SV,
+        SK_PAD=max(16, triton.next_power_of_2(SK)), SV_PAD=max(16, triton.next_power_of_2(SV)), ST=ST,
+        ST_PAD=max(16, triton.next_power_of_2(ST)), NO=NO_OUTLIER, num_warps=num_warps)

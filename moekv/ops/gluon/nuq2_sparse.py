@@ -3,8 +3,9 @@ under TRITON_INTERPRET=1): what `nuq2_decode.outlier_corrections` computes, with
 
 Its cost follows the slot tokens, not the page: the layout keeps, per page-head, the distinct
 tokens that hold a used outlier slot (`Nuq2FragmentPages.slot_tokens`, ascending, with a count),
-so a program reads a count, a short token list and the slot tables, then only those tokens' code
-rows (32 bytes each, one byte gather per (token, 4 channels)).
+and the number of used slots (`k_used`, `v_used`; the used slots come first in the out tables), so a
+program reads the counts, a short token list and only the used slots (16 a chunk), then only those
+tokens' code rows (32 bytes each, one byte gather per (token, 4 channels)).
 
 Program (b * Hkv + h, split), after the Gluon main kernel, over its split's pages; per page, the
 slot tokens R = 16 at a time (one tile for the usual ~10 key + ~5 value slots):

@@ -9,7 +9,10 @@ import torch
 
 from moekv.kvcache.formats.nuq2 import NUQ2Format
 from moekv.ops.gluon.nuq2_decode import (
-    main_term_reference, nuq2_decode_split_reference, outlier_corrections, reduce_partials,
+    main_term_reference,
+    nuq2_decode_split_reference,
+    outlier_corrections,
+    reduce_partials,
 )
 from moekv.ops.gluon.nuq2_layout import dequantize_fragment, to_fragment_order
 from moekv.ops.reference import decode_attention_ref

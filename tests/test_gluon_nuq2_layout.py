@@ -8,8 +8,13 @@ import torch
 
 from moekv.kvcache.formats.nuq2 import NUQ2Format
 from moekv.ops.gluon.nuq2_layout import (
-    ELEMENT_OF_SLOT, NUQ2_FRAGMENT_VERSION, codes_from_fragment, codes_to_fragment, dequantize_fragment,
-    from_fragment_order, to_fragment_order,
+    ELEMENT_OF_SLOT,
+    NUQ2_FRAGMENT_VERSION,
+    codes_from_fragment,
+    codes_to_fragment,
+    dequantize_fragment,
+    from_fragment_order,
+    to_fragment_order,
 )
 
 P, D, H = 64, 128, 2
@@ -98,3 +103,18 @@ def test_bad_shapes_are_refused():
         to_fragment_order(fmt, torch.zeros(2, H, 100, dtype=torch.uint8), torch.zeros(2, H, 100, dtype=torch.uint8))
     with pytest.raises(ValueError, match="kind"):
         codes_to_fragment(torch.zeros(P, D, dtype=torch.long), "keys")
+
+
+def test_slot_token_lists_are_the_distinct_slot_tokens():
+    """Per page-head: the tokens holding a used key or value slot, each once, ascending, padded
+    with PAGE_TOKENS; to_fragment_order derives them from nuq2's out_idx tables."""
+    from moekv.ops.gluon.nuq2_layout import PAGE_TOKENS, slot_token_lists
+
+    NO = 0xFFFF
+    k = torch.tensor([[[5 * 128 + 3, NO, 2 * 128, 5 * 128 + 9], [NO, NO, NO, NO]]], dtype=torch.int32)
+    v = torch.tensor([[[63 * 128, 2 * 128 + 1], [NO, 7 * 128 + 127]]], dtype=torch.int32)
+    tokens, counts = slot_token_lists(k, v)
+    assert counts.tolist() == [[3, 1]]
+    assert tokens.tolist() == [[[2, 5, 63] + [PAGE_TOKENS] * 3, [7] + [PAGE_TOKENS] * 5]]
+    with pytest.raises(ValueError, match="out_idx"):
+        slot_token_lists(k, v[:, :1])

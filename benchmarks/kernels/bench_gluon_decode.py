@@ -19,6 +19,8 @@ and the byte floor (bytes / the bandwidth of a 4 GiB device copy measured in the
 
     python benchmarks/kernels/bench_gluon_decode.py            # writes $OUT/gluon_decode.json (or /tmp)
     python benchmarks/kernels/bench_gluon_decode.py --shapes 16x32768 --splits 16 32 64
+    python benchmarks/kernels/bench_gluon_decode.py --only-gluon --shapes 16x32768 1x131072   # short: SDPA
+        and the Gluon path only (no Triton nuq2 kernel, default split count, one register cap)
 """
 from __future__ import annotations
 
@@ -37,7 +39,10 @@ sys.path.insert(0, str(REPO))
 
 from moekv.kvcache.formats.nuq2 import NUQ2Format  # noqa: E402
 from moekv.ops.gluon.nuq2_decode import (  # noqa: E402
-    default_num_splits, nuq2_decode_attention, nuq2_decode_partials, reduce_on_device,
+    default_num_splits,
+    nuq2_decode_attention,
+    nuq2_decode_partials,
+    reduce_on_device,
 )
 from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages, dequantize_fragment, to_fragment_order  # noqa: E402
 from moekv.ops.gluon.nuq2_sparse import outlier_corrections_kernel  # noqa: E402
@@ -69,7 +74,7 @@ def copy_bandwidth(device) -> float:
     src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = bench_eager(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # free the buffers (rebound, not del: the timed lambda closes over them)
     torch.cuda.empty_cache()
     return 2 * (4 << 30) / (ms * 1e-3)
 
@@ -99,14 +104,15 @@ def sdpa_ms(batch, context, device, gen) -> float:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
     ms, eager = bench(run), bench_eager(run)
-    del q, k, v
+    q = k = v = None  # free the tensors (rebound, not del: run closes over them)
     torch.cuda.empty_cache()
     return ms, eager
 
 
 def triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale) -> dict:
     """Today's fused nuq2 kernel at its default launch (last page from bf16 staging, as the engine does)."""
-    from moekv.ops import decode_attention as da
+    from moekv.ops.decode.launch import LAST_LAUNCH
+    from moekv.ops.decode.paged import paged_decode_attention
 
     batch = q.shape[0]
     cache = fmt.allocate(repeat.shape[0], HKV, P, D, q.device, batch, torch.bfloat16)
@@ -116,13 +122,14 @@ def triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale) -> dic
     cache["v_staging"].normal_()
     spec = fmt.decode_spec(P, D)
     slots = torch.arange(batch, device=q.device)
-    run = lambda: da.paged_decode_attention(q, cache, tables, lens, slots, scale, None, spec)  # noqa: E731
+    run = lambda: paged_decode_attention(q, cache, tables, lens, slots, scale, None, spec)  # noqa: E731
     run()
-    launch = dict(da.LAST_LAUNCH)
+    launch = dict(LAST_LAUNCH)
     ms, eager = bench(run), bench_eager(run)
-    del cache
+    cache = None  # free the pages (rebound, not del: run closes over them)
     torch.cuda.empty_cache()
-    return {"ms": ms, "eager_ms": eager, "num_splits": launch.get("num_splits"), "max_registers": launch.get("max_registers")}
+    return {"ms": ms, "eager_ms": eager, "num_splits": launch.get("num_splits"),
+            "max_registers": launch.get("max_registers")}
 
 
 def check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale) -> dict:
@@ -144,7 +151,7 @@ def check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale) -> dict:
             "used_value_slots_per_page_head": used_v}
 
 
-def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
+def run_shape(batch, context, splits, device, gen, bandwidth, only_gluon=False) -> dict:
     fmt = NUQ2Format(codebook="page")
     scale = D ** -0.5
     pages_per = -(-context // P)
@@ -165,10 +172,13 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
     sdpa_bytes = 2 * batch * HKV * context * D * 2 + 2 * batch * HQ * D * 2
     row["sdpa_floor_ms"] = sdpa_bytes / bandwidth * 1e3
 
-    try:
-        row["triton_nuq2"] = triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale)
-    except Exception as e:  # noqa: BLE001  (recorded, the Gluon rows still count)
-        row["triton_nuq2"] = {"error": repr(e)[:500]}
+    if only_gluon:
+        row["triton_nuq2"] = {"skipped": "--only-gluon"}
+    else:
+        try:
+            row["triton_nuq2"] = triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale)
+        except Exception as e:  # noqa: BLE001  (recorded, the Gluon rows still count)
+            row["triton_nuq2"] = {"error": repr(e)[:500]}
     slab = fmt.layout("key", P, D).slab_bytes + fmt.layout("value", P, D).slab_bytes
     row["triton_nuq2"]["bytes"] = batch * HKV * pages_per * slab + 2 * batch * HQ * D * 2
 
@@ -178,10 +188,11 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
     out = torch.empty_like(q)
     sweep = {}
     default = default_num_splits(batch, HKV, pages_per)
-    for ns in sorted({*(splits or []), default, max(1, default // 2), default * 2}):
+    tried = {*(splits or []), default} if only_gluon else {*(splits or []), default, max(1, default // 2), default * 2}
+    for ns in sorted(tried):
         if ns > pages_per:
             continue
-        for regs in REGISTER_CAPS:
+        for regs in REGISTER_CAPS[-1:] if only_gluon else REGISTER_CAPS:
             fn = lambda ns=ns, regs=regs: reduce_on_device(  # noqa: E731
                 *nuq2_decode_partials(q, frag, tables, lens, scale, ns, regs), out)
             sweep[f"{ns}/{regs}"] = bench(fn)
@@ -192,7 +203,8 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
                     "default_ms": sweep.get(f"{default}/None"), "sweep_ms (splits/max_registers)": sweep}
     best_fn = lambda: reduce_on_device(  # noqa: E731
         *nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs), out)
-    row["gluon"]["eager_ms"] = bench_eager(best_fn)
+    if not only_gluon:
+        row["gluon"]["eager_ms"] = bench_eager(best_fn)
     row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs))
     # the whole path: main term, the sparse term's kernel, reduce (what the engine would launch)
     full = lambda: nuq2_decode_attention(q, frag, tables, lens, scale, best_ns, max_registers=best_regs)  # noqa: E731
@@ -200,7 +212,14 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
     part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs)
     row["sparse_term_kernel_ms"] = bench(
         lambda: outlier_corrections_kernel(part_o, part_lse, q, frag, tables, lens, scale))
+    row["sparse_term_kernel_ms_by_num_warps"] = {w: bench(  # the default (4) above; the others to choose it by
+        lambda w=w: outlier_corrections_kernel(part_o, part_lse, q, frag, tables, lens, scale, num_warps=w))
+        for w in (2, 8)}
     row["ratio_gluon_full_vs_sdpa"] = row["sdpa_ms"] / row["gluon_full_ms"]
+    row["sparse_share_of_main"] = row["sparse_term_kernel_ms"] / row["gluon_kernel_only_ms"]
+    print(f"  SDPA {row['sdpa_ms'] * 1e3:.1f} us | Gluon main {row['gluon_kernel_only_ms'] * 1e3:.1f} us, sparse term "
+          f"{row['sparse_term_kernel_ms'] * 1e3:.1f} us ({row['sparse_share_of_main']:.2f} of main), whole path "
+          f"{row['gluon_full_ms'] * 1e3:.1f} us = {row['ratio_gluon_full_vs_sdpa']:.2f}x SDPA", flush=True)
     if "ms" in row["triton_nuq2"]:
         row["ratio_gluon_full_vs_triton_nuq2"] = row["triton_nuq2"]["ms"] / row["gluon_full_ms"]
     row["ratio_gluon_vs_sdpa"] = row["sdpa_ms"] / row["gluon"]["ms"]
@@ -208,7 +227,7 @@ def run_shape(batch, context, splits, device, gen, bandwidth) -> dict:
         row["ratio_triton_nuq2_vs_sdpa"] = row["sdpa_ms"] / row["triton_nuq2"]["ms"]
         row["ratio_gluon_vs_triton_nuq2"] = row["triton_nuq2"]["ms"] / row["gluon"]["ms"]
     row["gluon_share_of_floor"] = row["gluon_floor_ms"] / row["gluon"]["ms"]
-    del frag, frag_u, k_slabs, v_slabs
+    frag = frag_u = k_slabs = v_slabs = None  # free them (rebound, not del: the timed lambdas close over them)
     torch.cuda.empty_cache()
     return row
 
@@ -217,25 +236,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=None, help="BATCHxCONTEXT, e.g. 16x32768")
     ap.add_argument("--splits", nargs="*", type=int, default=None, help="extra Gluon split counts to try")
+    ap.add_argument("--only-gluon", action="store_true",
+                    help="SDPA and the Gluon path only: no Triton nuq2 kernel, no split / register-cap sweep")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gluon_decode.json, else /tmp)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gluon_decode: needs a CUDA device (Gluon kernels do not run on CPU)")
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    except ValueError:
+        sys.exit(f"bench_gluon_decode: --shapes wants BATCHxCONTEXT items (e.g. 16x32768), got {args.shapes}")
     out_path = Path(args.out or os.path.join(os.environ.get("OUT", "/tmp"), "gluon_decode.json"))
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     import triton
 
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "heads": [HQ, HKV], "head_dim": D, "page": P, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "heads": [HQ, HKV], "head_dim": D, "page": P,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     record["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     print("copy bandwidth GB/s", round(record["copy_bandwidth_GBps"]), flush=True)
     record["rows"] = []
     for batch, context in shapes:
         print(f"shape {batch} x {context}", flush=True)
         try:
-            row = run_shape(batch, context, args.splits, device, gen, record["copy_bandwidth_GBps"] * 1e9)
+            row = run_shape(batch, context, args.splits, device, gen, record["copy_bandwidth_GBps"] * 1e9,
+                            args.only_gluon)
         except Exception as e:  # noqa: BLE001  (the other shapes still run)
             import traceback
 

@@ -17,7 +17,8 @@ channel per page; values are v = centroid[code] (or a slot's value). The work sp
 
 `nuq2_decode_split_reference` is the oracle of both (plain PyTorch); `nuq2_decode_attention` runs
 the Gluon kernel, the sparse term's Triton kernel (nuq2_sparse.py) and the reduce on an NVIDIA GPU
-(sm_80+; Gluon has no CPU or interpreter backend). Not yet here: the staged 16-bit tail (the newest page) and sliding windows.
+(sm_80+; Gluon has no CPU or interpreter backend). Not yet here: the staged 16-bit tail (the newest page) and
+sliding windows.
 
 Shapes: q [B, Hq, D]; block_tables [B, max_pages] int32 (physical page ids); context_lens [B]
 (tokens in pages; the last page may be partly valid); G = Hq / Hkv in {1, 2, 4, 8}; partials
@@ -31,10 +32,8 @@ import math
 import torch
 
 from moekv.kvcache.formats.nuq2 import NO_OUTLIER
+from moekv.ops.gluon.checks import LOG2E, check_inputs
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS, SLOT_OF_ELEMENT, Nuq2FragmentPages, codes_from_fragment
-
-LOG2E = 1.4426950408889634
-MMA_N = 8  # the query heads of a group are the MMA's N (m16n8k16): groups up to 8
 
 
 # -- splits -------------------------------------------------------------------------------------------
@@ -43,24 +42,6 @@ def split_pages(num_pages: int, num_splits: int, split: int) -> tuple[int, int]:
     per = -(-num_pages // num_splits)
     p0 = min(split * per, num_pages)
     return p0, min(p0 + per, num_pages)
-
-
-def check_inputs(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 num_splits: int) -> tuple[int, int, int]:
-    """(B, Hkv, G), or ValueError naming what does not fit."""
-    if q.dim() != 3 or q.shape[2] != HEAD_DIM:
-        raise ValueError(f"nuq2 Gluon decode: q must be [B, Hq, head_dim={HEAD_DIM}], got {tuple(q.shape)}")
-    B, Hq, _ = q.shape
-    Hkv = frag.k_codes.shape[1]
-    G = Hq // Hkv
-    if G * Hkv != Hq or G > MMA_N or G & (G - 1):
-        raise ValueError(f"nuq2 Gluon decode: needs Hq = G * Hkv with G in 1, 2, 4, 8 (Hq={Hq}, Hkv={Hkv})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
-        raise ValueError(f"nuq2 Gluon decode: block_tables [B={B}, pages] and context_lens [B] expected, got "
-                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
-    if num_splits < 1:
-        raise ValueError(f"nuq2 Gluon decode: num_splits={num_splits} must be >= 1")
-    return B, Hkv, G
 
 
 # -- the main term (what the kernel computes) --------------------------------------------------------
@@ -133,7 +114,8 @@ def _used_slots(frag: Nuq2FragmentPages, name: str, pages: torch.Tensor, length:
     unit = c_tab.abs().amax(-1, keepdim=True).clamp(min=1e-6)  # nuq2.centroid_unit
     z_slot = getattr(frag, f"{name}_out_val")[pages].float() * unit
     words = getattr(frag, f"{name}_codes")[pages].reshape(n * H, -1)
-    codes = _slot_codes(words, "key" if name == "k" else "value", idx.clamp(max=PAGE_TOKENS * HEAD_DIM - 1).reshape(n * H, S))
+    positions = idx.clamp(max=PAGE_TOKENS * HEAD_DIM - 1).reshape(n * H, S)
+    codes = _slot_codes(words, "key" if name == "k" else "value", positions)
     delta = z_slot - c_tab.gather(2, codes.reshape(n, H, S))
     h = torch.arange(H, device=idx.device)[None, :, None].expand(n, H, S)
     return j[used], h[used], idx[used] // HEAD_DIM, idx[used] % HEAD_DIM, delta[used]
@@ -166,7 +148,8 @@ def outlier_corrections(part_o: torch.Tensor, part_lse: torch.Tensor, q: torch.T
         page_head = pages[tj] * Hkv + th
         k_words = frag.k_codes.reshape(-1, frag.k_codes.shape[-1])[page_head]
         zk = frag.k_centroids.reshape(-1, 4)[page_head].to(dt).gather(1, _slot_codes(k_words, "key", rows))
-        k_row = zk * frag.k_scale.reshape(-1, HEAD_DIM)[page_head].to(dt) + frag.k_mean.reshape(-1, HEAD_DIM)[page_head].to(dt)
+        k_scale = frag.k_scale.reshape(-1, HEAD_DIM)[page_head].to(dt)
+        k_row = zk * k_scale + frag.k_mean.reshape(-1, HEAD_DIM)[page_head].to(dt)
         s = torch.einsum("ugd,ud->ug", qg[th], k_row) * qk2  # [U, G]
         # the key slots' change of score: q[c] * scale[c] * (z_slot - centroid)
         k_scale_at = frag.k_scale[pages[kj], kh, kc].to(dt)
@@ -257,14 +240,10 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
 
 
 def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """decode_attention's reduce kernel (the partials have its layout) into out [B, Hq, D]."""
-    import triton
+    """The paged decode kernel's reduce (the partials have its layout) into out [B, Hq, D]."""
+    from moekv.ops.decode.paged import reduce_partials
 
-    from moekv.ops.decode_attention import _reduce_kernel
-
-    B, Hq, ns, D = part_o.shape
-    _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns, Hq,
-                            max(2, triton.next_power_of_2(ns)), D, False, num_warps=4)
+    reduce_partials(part_o, part_lse, out, part_o.shape[2], pdl=False)
     return out
 
 
@@ -275,13 +254,15 @@ def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order -> [B, Hq, 128] in q's
     dtype: the Gluon main term, the outlier slots' sparse term (outliers=False leaves it out: exact
     only for pages without used slots), the reduce; three launches, no host sync. CUDA only. The
-    sparse term's kernel is correct but ~50x slower than the main term (nuq2_sparse.py).
+    sparse term's kernel visits only the slot tokens (nuq2_sparse.py) but still recomputes their
+    scores and value rows from codes, so it costs a multiple of the main term (docs/journal.md).
     sparse_kernel=False: the sparse term in PyTorch (outlier_corrections: a host sync per sequence)."""
     part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers)
-    if outliers and sparse_kernel:
+    has_both_slot_kinds = frag.k_out_idx.shape[2] > 0 and frag.v_out_idx.shape[2] > 0
+    if outliers and sparse_kernel and has_both_slot_kinds:
         from moekv.ops.gluon.nuq2_sparse import outlier_corrections_kernel
 
         outlier_corrections_kernel(part_o, part_lse, q, frag, block_tables, context_lens, scale)
-    elif outliers:
+    elif outliers:  # the PyTorch term also serves layouts without key or without value slots
         outlier_corrections(part_o, part_lse, q, frag, block_tables, context_lens, scale)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q))

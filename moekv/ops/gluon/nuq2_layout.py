@@ -28,6 +28,13 @@ Side tables (per page-head, as nuq2 stores them, nothing re-quantized):
   k_mean, k_scale           fp8  [N, H, D]   the keys' channel mean and scale
   k_out_val, v_out_val      fp8  [N, H, S]   outlier slots, in units of max |centroid|
   k_out_idx, v_out_idx      int32 [N, H, S]  their position t * D + c; NO_OUTLIER marks an unused slot
+  slot_tokens               int32 [N, H, Sk + Sv]  the distinct tokens holding a used key or value slot,
+                                           ascending, padded with PAGE_TOKENS (derived from the two
+                                           out_idx tables, so the sparse term reads a few bytes per
+                                           page-head instead of scanning 64 tokens)
+  slot_counts               int32 [N, H]   how many of slot_tokens are real
+  k_used, v_used            int32 [N, H]   how many out slots are used; the used ones come first (the
+                                           order of slots carries no meaning; nuq2 writes them so)
 """
 from __future__ import annotations
 
@@ -102,6 +109,32 @@ def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
     return slots[..., SLOT_OF_ELEMENT[kind].to(words.device)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
 
 
+def used_slots_first(out_idx: torch.Tensor, out_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out_idx, out_val) with each page-head's used slots first (kept as they are when they already
+    are, as nuq2 writes them), and the number used int32 [N, H]."""
+    used = out_idx != NO_OUTLIER
+    counts = used.sum(-1).to(torch.int32)
+    if used.shape[-1] and not bool((used.int().cumprod(-1).bool() == used).all()):
+        order = torch.sort((~used).to(torch.uint8), dim=-1, stable=True).indices
+        val_bytes = out_val.view(torch.uint8).gather(-1, order)  # fp8 has no gather on CPU
+        out_idx, out_val = out_idx.gather(-1, order).contiguous(), val_bytes.view(out_val.dtype).contiguous()
+    return out_idx, out_val, counts
+
+
+def slot_token_lists(k_out_idx: torch.Tensor, v_out_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per page-head, the distinct tokens that hold a used key or value slot: (tokens int32
+    [N, H, Sk + Sv] ascending, padded with PAGE_TOKENS; counts int32 [N, H])."""
+    if k_out_idx.shape[:2] != v_out_idx.shape[:2]:
+        raise ValueError(f"slot_token_lists: out_idx tables of different pages: {tuple(k_out_idx.shape)} and "
+                         f"{tuple(v_out_idx.shape)}")
+    idx = torch.cat([k_out_idx, v_out_idx], dim=2).long()
+    tokens = torch.where(idx != NO_OUTLIER, idx // HEAD_DIM, PAGE_TOKENS).sort(dim=2).values
+    repeated = torch.zeros_like(tokens, dtype=torch.bool)
+    repeated[..., 1:] = tokens[..., 1:] == tokens[..., :-1]
+    tokens = torch.where(repeated, PAGE_TOKENS, tokens).sort(dim=2).values
+    return tokens.to(torch.int32).contiguous(), (tokens < PAGE_TOKENS).sum(2).to(torch.int32)
+
+
 @dataclass
 class Nuq2FragmentPages:
     """A layer's nuq2 page pools in fragment order (N pages, H kv heads); see the module docstring."""
@@ -118,6 +151,20 @@ class Nuq2FragmentPages:
     v_out_idx: torch.Tensor  # int32 [N, H, Sv]
     calibrated: bool = False  # the centroids came from a calibrated codebook (not stored in the slabs)
     version: int = NUQ2_FRAGMENT_VERSION
+    slot_tokens: torch.Tensor | None = None  # int32 [N, H, Sk + Sv]; None: derived from the out_idx tables
+    slot_counts: torch.Tensor | None = None  # int32 [N, H]
+    k_used: torch.Tensor | None = None  # int32 [N, H]
+    v_used: torch.Tensor | None = None  # int32 [N, H]
+
+    def __post_init__(self):
+        derived = (self.slot_tokens, self.slot_counts, self.k_used, self.v_used)
+        if any(t is None for t in derived) and any(t is not None for t in derived):
+            raise ValueError("Nuq2FragmentPages: slot_tokens, slot_counts, k_used and v_used come together "
+                             "(or all None)")
+        if self.slot_tokens is None:
+            self.k_out_idx, self.k_out_val, self.k_used = used_slots_first(self.k_out_idx, self.k_out_val)
+            self.v_out_idx, self.v_out_val, self.v_used = used_slots_first(self.v_out_idx, self.v_out_val)
+            self.slot_tokens, self.slot_counts = slot_token_lists(self.k_out_idx, self.v_out_idx)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
@@ -169,7 +216,8 @@ def from_fragment_order(fmt: NUQ2Format, frag: Nuq2FragmentPages) -> tuple[torch
     """The inverse of to_fragment_order: (k_pages, v_pages) nuq2 slabs [N, H, slab] uint8."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
     if frag.version != NUQ2_FRAGMENT_VERSION:
-        raise ValueError(f"nuq2 fragment order: pages of version {frag.version}, this code reads {NUQ2_FRAGMENT_VERSION}")
+        raise ValueError(f"nuq2 fragment order: pages of version {frag.version}, "
+                         f"this code reads {NUQ2_FRAGMENT_VERSION}")
     slabs = []
     for name, kind in (("k", "key"), ("v", "value")):
         layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)

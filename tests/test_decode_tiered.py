@@ -92,7 +92,7 @@ def test_tiered_kernel_matches_reference(case, swap_ab):
 def test_tiered_tail_in_the_last_split(separate_tail):
     """The staged tail is read by the last split after its pages (num_splits programs per head), its
     values in the planar order of that split's accumulator; separate_tail (its own program, the
-    layout before session 14) gives the same output and mass."""
+    earlier layout) gives the same output and mass."""
     lens, hkv, group, head_dim, block_size, splits, block_n, kv_dtype = GRID[2]
     fmt, cache, ctx = tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=5)
     assert any(n % block_size for n in lens)  # a partly filled page: a tail to read

@@ -1,4 +1,4 @@
-"""`moekv` command line: generate | serve | bench | eval (ppl, routing) | calibrate | cluster | info.
+"""`moekv` command line: generate | serve | bench | eval (ppl, routing, retrieval) | calibrate | cluster | info.
 
 One module per command group registers its parser; the engine flags they share come from
 cli/engine_args.py (generated from EngineConfig's fields).

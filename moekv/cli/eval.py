@@ -1,19 +1,31 @@
-"""`moekv eval ppl` (perplexity through the engine's KV cache) and `moekv eval routing` (agreement
-with flat routing, per-layer output error, perplexity, locality, fan-out)."""
+"""`moekv eval ppl` (perplexity through the engine's KV cache), `moekv eval routing` (agreement
+with flat routing, per-layer output error, perplexity, locality, fan-out) and `moekv eval retrieval`
+(passkey accuracy by context length and needle depth)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+from pathlib import Path
 
-from moekv.cli.engine_args import add_engine_args, engine_config_from
+from moekv.cli.engine_args import add_engine_args
+from moekv.config import EngineConfig
+
+
+def _llm(args: argparse.Namespace):
+    """The LLM of the engine flags. Built from the flags themselves, not from a validated EngineConfig's
+    fields: validation fills in defaults (the checkpoint's shipped kv_calibration) that a second
+    validation would refuse for formats that take no calibration."""
+    from moekv.llm import LLM
+
+    return LLM(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from moekv.eval.perplexity import perplexity, perplexity_transformers, read_text_tokens
-    from moekv.llm import LLM
 
-    llm = LLM(**vars(engine_config_from(args)))
+    llm = _llm(args)
     result = perplexity(llm, args.text, window=args.window, stride=args.stride, max_tokens=args.max_tokens,
                         progress=not args.json, mode=args.mode)
     record = result.to_dict()
@@ -49,9 +61,8 @@ def _finite(obj):
 
 def cmd_eval_routing(args: argparse.Namespace) -> int:
     from moekv.eval.routing import evaluate_routing
-    from moekv.llm import LLM
 
-    llm = LLM(**vars(engine_config_from(args)))
+    llm = _llm(args)
     record = evaluate_routing(llm, args.text, max_tokens=args.max_tokens, window=args.window, stride=args.stride,
                               mode=args.mode, cluster_map=args.cluster_map, num_devices=args.num_devices,
                               progress=not args.json)
@@ -93,8 +104,76 @@ def add_eval_routing_parser(eval_subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _depth(s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"depth must be in [0, 1], got {s}")
+    return value
+
+
+def _positive_int(s: str) -> int:
+    try:
+        value = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {s}")
+    return value
+
+
+def cmd_eval_retrieval(args: argparse.Namespace) -> int:
+    import sys
+
+    from moekv.eval.retrieval import evaluate_retrieval, plot_heatmap
+
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise FileNotFoundError(f"--plot {args.plot}: its folder does not exist")
+    llm = _llm(args)
+    result = evaluate_retrieval(llm, args.text, lengths=args.lengths, depths=args.depths, trials=args.trials,
+                                seed=args.seed, answer_tokens=args.answer_tokens, progress=not args.json)
+    if args.plot:
+        plot_heatmap(result, args.plot)
+    if not args.json:
+        print(f"passkey retrieval, KV {result.kv_cache_dtype} ({result.bits_per_element:.2f} bits/element), "
+              f"{result.trials} trials per cell, filler from {args.text}")
+        print(f"{'depth':>6} " + " ".join(f"{n:>7}" for n in result.lengths))
+        for depth, row in zip(result.depths, result.grid()):
+            print(f"{depth:>6g} " + " ".join(f"{100 * a:>6.0f}%" for a in row))
+        print(f"{'all':>6} " + " ".join(f"{100 * result.accuracy_by_length[str(n)]:>6.1f}%"
+                                         for n in result.lengths))
+        print(f"accuracy {100 * result.accuracy:.1f}% over {len(result.answers)} prompts ({result.seconds:.1f} s)")
+        if args.plot:
+            print(f"heat map: {args.plot}", file=sys.stderr)
+    print(json.dumps(result.to_dict()) if args.json else "")
+    return 0
+
+
+def add_eval_retrieval_parser(eval_subparsers) -> argparse.ArgumentParser:
+    """Register `eval retrieval` on the `moekv eval` sub-command parsers."""
+    from moekv.eval.retrieval import DEFAULT_ANSWER_TOKENS, DEFAULT_DEPTHS, DEFAULT_LENGTHS
+
+    p = eval_subparsers.add_parser("retrieval", help="passkey retrieval accuracy by context length and needle depth")
+    add_engine_args(p)
+    p.add_argument("--text", required=True, help="UTF-8 text file the filler is taken from (unseen in training)")
+    p.add_argument("--lengths", type=_positive_int, nargs="+", default=list(DEFAULT_LENGTHS),
+                   help="context lengths in tokens, prompt and answer together (default: 1024 2048 4096)")
+    p.add_argument("--depths", type=_depth, nargs="+", default=list(DEFAULT_DEPTHS),
+                   help="needle depths in [0, 1] (default: 0.0 0.1 ... 1.0)")
+    p.add_argument("--trials", type=_positive_int, default=10, help="keys per (length, depth) cell")
+    p.add_argument("--seed", type=int, default=0, help="seed of the keys and filler offsets")
+    p.add_argument("--answer-tokens", type=_positive_int, default=DEFAULT_ANSWER_TOKENS,
+                   help="tokens generated per prompt (greedy)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a heat map (depth x length)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    p.set_defaults(func=cmd_eval_retrieval)
+    return p
+
+
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `eval` (with `eval ppl` and `eval routing`) on the `moekv` sub-command parsers."""
+    """Register `eval` (with `eval ppl`, `eval routing` and `eval retrieval`) on the `moekv` sub-command parsers."""
     ev = subparsers.add_parser("eval", help="quality measurements")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
     ppl = ev_sub.add_parser("ppl", help="perplexity of a text file through the engine's KV cache")
@@ -110,4 +189,5 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                      help="also score the same windows with transformers (needs it installed)")
     ppl.set_defaults(func=cmd_eval_ppl)
     add_eval_routing_parser(ev_sub)
+    add_eval_retrieval_parser(ev_sub)
     return ev

@@ -23,27 +23,69 @@ def _llm(args: argparse.Namespace):
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
-    from moekv.eval.perplexity import perplexity, perplexity_transformers, read_text_tokens
+    from moekv.eval.perplexity import perplexity, text_files
 
+    texts = text_files(args.text)  # checked before the model loads
+    if len(args.text) > 1 or Path(args.text[0]).is_dir():
+        return _eval_ppl_domains(args, texts)
     llm = _llm(args)
-    result = perplexity(llm, args.text, window=args.window, stride=args.stride, max_tokens=args.max_tokens,
+    text = args.text[0]
+    result = perplexity(llm, text, window=args.window, stride=args.stride, max_tokens=args.max_tokens,
                         progress=not args.json, mode=args.mode)
     record = result.to_dict()
     if args.reference_transformers:
-        ids = read_text_tokens(llm.tokenizer, args.text, args.max_tokens)
-        ref_ppl, ref_tokens = perplexity_transformers(args.model, ids, result.window, result.stride,
-                                                      dtype=llm.engine.runner.dtype, device=args.device,
-                                                      progress=not args.json)
-        assert ref_tokens == result.tokens
-        record["transformers_ppl"] = ref_ppl
-        record["relative_diff_vs_transformers"] = result.ppl / ref_ppl - 1
+        _add_transformers(args, llm, text, result, record)
     if not args.json:
-        print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens of {args.text} "
+        print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens of {text} "
               f"(window {result.window}, stride {result.stride}, KV {result.kv_cache_dtype} at "
               f"{result.bits_per_element:.2f} bits/element, {result.seconds:.1f} s)")
         if args.reference_transformers:
             print(f"transformers: {record['transformers_ppl']:.4f} "
                   f"({100 * record['relative_diff_vs_transformers']:+.4f}%)")
+    print(json.dumps(record) if args.json else "")
+    return 0
+
+
+def _add_transformers(args: argparse.Namespace, llm, text, result, record: dict) -> None:
+    """transformers' perplexity of the same windows, and the relative difference, into record."""
+    from moekv.eval.perplexity import perplexity_transformers, read_text_tokens
+
+    ids = read_text_tokens(llm.tokenizer, text, args.max_tokens)
+    ref_ppl, ref_tokens = perplexity_transformers(args.model, ids, result.window, result.stride,
+                                                  dtype=llm.engine.runner.dtype, device=args.device,
+                                                  progress=not args.json)
+    assert ref_tokens == result.tokens
+    record["transformers_ppl"] = ref_ppl
+    record["relative_diff_vs_transformers"] = result.ppl / ref_ppl - 1
+
+
+def _eval_ppl_domains(args: argparse.Namespace, texts: dict) -> int:
+    """Several texts (or a folder): each one's perplexity, named by its stem, and the token-weighted total.
+    The JSON record is the total's (the single-text fields) with "domains": {name: that text's record}."""
+    from moekv.eval.perplexity import perplexity_domains
+
+    llm = _llm(args)
+    results, total = perplexity_domains(llm, texts, window=args.window, stride=args.stride,
+                                        max_tokens=args.max_tokens, progress=not args.json, mode=args.mode)
+    record = total.to_dict()
+    record["domains"] = {name: r.to_dict() for name, r in results.items()}
+    if args.reference_transformers:
+        for name, r in results.items():
+            _add_transformers(args, llm, texts[name], r, record["domains"][name])
+        ref_nll = sum(math.log(d["transformers_ppl"]) * d["tokens"] for d in record["domains"].values())
+        record["transformers_ppl"] = math.exp(ref_nll / total.tokens)
+        record["relative_diff_vs_transformers"] = total.ppl / record["transformers_ppl"] - 1
+    if not args.json:
+        width = max(8, *(len(n) for n in results))
+        ref = " transformers" if args.reference_transformers else ""
+        print(f"{'text':<{width}} {'tokens':>9} {'perplexity':>11}{ref}")
+        for name, d in [*record["domains"].items(), ("total", record)]:
+            line = f"{name:<{width}} {d['tokens']:>9,} {d['ppl']:>11.4f}"
+            if args.reference_transformers:
+                line += f" {d['transformers_ppl']:>12.4f} ({100 * d['relative_diff_vs_transformers']:+.4f}%)"
+            print(line)
+        print(f"(window {total.window}, stride {total.stride}, KV {total.kv_cache_dtype} at "
+              f"{total.bits_per_element:.2f} bits/element, {total.seconds:.1f} s)")
     print(json.dumps(record) if args.json else "")
     return 0
 
@@ -178,7 +220,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
     ppl = ev_sub.add_parser("ppl", help="perplexity of a text file through the engine's KV cache")
     add_engine_args(ppl)
-    ppl.add_argument("--text", required=True, help="UTF-8 text file")
+    ppl.add_argument("--text", required=True, action="append",
+                     help="UTF-8 text file, or a folder of .txt files; repeat it to score several texts: each "
+                          "one's perplexity (named by file stem) and their token-weighted total")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
     ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
     ppl.add_argument("--stride", type=int, default=None, help="window advance (default: window / 2)")

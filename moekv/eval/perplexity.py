@@ -138,6 +138,53 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
                                                            cfg.head_dim))
 
 
+def text_files(paths: str | Path | list[str | Path]) -> dict[str, Path]:
+    """Domain name (the file's stem) -> text file, for files and folders (a folder gives its *.txt files,
+    sorted). Names must not repeat."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    out: dict[str, Path] = {}
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            files = sorted(path.glob("*.txt"))
+            if not files:
+                raise ValueError(f"folder {path} holds no .txt file")
+        elif path.is_file():
+            files = [path]
+        else:
+            raise FileNotFoundError(f"text file not found: {path}")
+        for f in files:
+            if f.stem in out:
+                raise ValueError(f"two texts are named {f.stem!r} ({out[f.stem]} and {f}); domains are named by "
+                                 "file stem, so rename one")
+            out[f.stem] = f
+    return out
+
+
+def perplexity_domains(llm, texts: dict[str, str | Path], **kwargs) -> tuple[dict[str, PerplexityResult],
+                                                                            PerplexityResult]:
+    """perplexity() of each text alone, and their token-weighted total (text: the names, comma-separated;
+    seconds: the sum). kwargs go to perplexity()."""
+    if not texts:
+        raise ValueError("give at least one text")
+    results, bits_read, elements_read = {}, 0.0, 0
+    fmt = llm.engine.runner.kv_format
+    for name, path in texts.items():
+        results[name] = perplexity(llm, path, **kwargs)
+        if hasattr(fmt, "bits_read"):  # reset by each perplexity() call: add them up here
+            bits_read, elements_read = bits_read + fmt.bits_read, elements_read + fmt.elements_read
+    first = next(iter(results.values()))
+    tokens = sum(r.tokens for r in results.values())
+    nll = sum(r.nll * r.tokens for r in results.values()) / tokens
+    total = PerplexityResult(
+        ppl=math.exp(nll), nll=nll, tokens=tokens, window=first.window, stride=first.stride,
+        kv_cache_dtype=first.kv_cache_dtype, bits_per_element=first.bits_per_element, mode=first.mode,
+        seconds=sum(r.seconds for r in results.values()), text=", ".join(results),
+        bits_per_element_read=bits_read / elements_read if elements_read else None,
+        bits_per_element_at_window=first.bits_per_element_at_window)
+    return results, total
+
+
 def perplexity_transformers(model_dir: str | Path, ids: list[int], window: int, stride: int,
                             dtype: torch.dtype = torch.float32, device: str = "cpu",
                             progress: bool = True) -> tuple[float, int]:

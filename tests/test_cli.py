@@ -78,7 +78,7 @@ def test_every_engine_config_field_has_a_flag_with_its_default():
     from moekv.config import EngineConfig, field_default
 
     for command in (["generate", "--prompt", "x"], ["serve"], ["eval", "ppl", "--text", "t"],
-                    ["eval", "routing", "--text", "t"]):
+                    ["eval", "routing", "--text", "t"], ["eval", "retrieval", "--text", "t"]):
         args = build_parser().parse_args(command)
         for f in dataclasses.fields(EngineConfig):
             default = field_default(f)

@@ -20,7 +20,7 @@ from moekv import LLM, SamplingParams
 from moekv.cli import main
 from moekv.eval.needle import NEEDLE_TEMPLATE, QUESTION
 from moekv.eval.perplexity import perplexity
-from moekv.eval.retrieval import build_cases, evaluate_retrieval
+from moekv.eval.retrieval import build_cases, evaluate_retrieval, plot_heatmap
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny-moe"
@@ -202,6 +202,7 @@ def test_cli_json_and_plot(filler_file, tmp_path, capsys):
     for key in ("accuracy", "kv_cache_dtype", "bits_per_element", "seconds"):
         assert key in record
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_heatmap(record, tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # from JSON
     rc = main(["eval", "retrieval", "--text", str(filler_file), "--max-model-len", "512", "--lengths", "128",
                "1024", "--trials", "1"])
     assert rc == 2 and "length 1024 exceeds the engine's max_model_len=512" in capsys.readouterr().err

@@ -172,27 +172,27 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
 
 
 def plot_heatmap(result: RetrievalResult | dict, path: str | Path, title: str | None = None) -> Path:
-    """A PNG heat map of accuracy, depth (rows) x length (columns), each cell annotated."""
+    """A PNG heat map of accuracy in percent, depth (rows) x length (columns), each cell annotated."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     r = result if isinstance(result, RetrievalResult) else RetrievalResult(**result)
-    grid = r.grid()
+    grid = [[100 * a for a in row] for row in r.grid()]
     fig, ax = plt.subplots(figsize=(1.4 + 1.1 * len(r.lengths), 1.2 + 0.42 * len(r.depths)))
-    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=100.0, aspect="auto")
     ax.set_xticks(range(len(r.lengths)), [str(n) for n in r.lengths])
     ax.set_yticks(range(len(r.depths)), [f"{d:g}" for d in r.depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     for i, row in enumerate(grid):
         for j, acc in enumerate(row):
-            ax.text(j, i, f"{100 * acc:.0f}", ha="center", va="center", fontsize=8,
-                    color="black" if 0.25 < acc < 0.85 else "white")
+            ax.text(j, i, f"{acc:.0f}", ha="center", va="center", fontsize=8,
+                    color="black" if 25 < acc < 85 else "white")
     ax.set_title(title or f"passkey retrieval, KV {r.kv_cache_dtype}: {100 * r.accuracy:.1f}% "
                           f"({r.trials} per cell)", fontsize=9)
-    fig.colorbar(im, ax=ax, label="accuracy")
+    fig.colorbar(im, ax=ax, label="accuracy (%)")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

@@ -183,9 +183,15 @@ def test_engine_answers_are_plain_greedy_generations(llm, filler_file):
     assert mine["answer"] == alone[0].outputs[0].text and mine["key"] == case.key
 
 
-def test_lengths_beyond_max_model_len_are_refused(llm, filler_file):
+def test_too_long_lengths_and_bad_texts_are_refused(llm, filler_file):
     with pytest.raises(ValueError, match="length 1024 exceeds the engine's max_model_len=512"):
         evaluate_retrieval(llm, filler_file, lengths=[256, 1024], depths=[0.5], trials=1, progress=False)
+    empty = filler_file.parent / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="holds 0 tokens; length 256 needs"):
+        evaluate_retrieval(llm, empty, lengths=[256], depths=[0.5], trials=1, progress=False)
+    with pytest.raises(FileNotFoundError, match="text file not found"):
+        evaluate_retrieval(llm, filler_file.parent / "missing.txt", lengths=[256], progress=False)
 
 
 def test_cli_json_and_plot(filler_file, tmp_path, capsys):

@@ -130,16 +130,18 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
                        depths: Sequence[float] = DEFAULT_DEPTHS, trials: int = 10, seed: int = 0,
                        answer_tokens: int = DEFAULT_ANSWER_TOKENS, progress: bool = True) -> RetrievalResult:
     """Passkey accuracy of `llm` (a moekv.LLM) by context length and needle depth, with filler from `text`."""
-    from moekv.eval.perplexity import read_text_tokens
     from moekv.sampling_params import SamplingParams
 
     engine = llm.engine
-    lengths = list(lengths)
+    lengths, depths = list(lengths), [float(d) for d in depths]
     too_long = [n for n in lengths if isinstance(n, int) and n > engine.max_model_len]
     if too_long:
         raise ValueError(f"length {too_long[0]} exceeds the engine's max_model_len={engine.max_model_len} "
                          f"(lengths count the prompt and its {answer_tokens} answer tokens)")
-    filler = read_text_tokens(engine.tokenizer, text, None)
+    path = Path(text)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file not found: {path}")
+    filler = engine.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
 
     def encode(s: str) -> list[int]:
         return engine.tokenizer.encode(s, add_special_tokens=False)
@@ -150,7 +152,7 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
         fmt.bits_read, fmt.elements_read = 0.0, 0
     if progress:
         import sys
-        print(f"retrieval: {len(cases)} prompts ({len(lengths)} lengths x {len(list(depths))} depths x {trials} "
+        print(f"retrieval: {len(cases)} prompts ({len(lengths)} lengths x {len(depths)} depths x {trials} "
               f"trials), KV {fmt.name}", file=sys.stderr)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": c.ids} for c in cases],
@@ -160,7 +162,7 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
     cfg = engine.model_config
     bs = engine.config.block_size
     return RetrievalResult(
-        lengths=lengths, depths=list(depths), trials=trials, seed=seed, answer_tokens=answer_tokens,
+        lengths=lengths, depths=depths, trials=trials, seed=seed, answer_tokens=answer_tokens,
         accuracy=sum(r["correct"] for r in per_prompt) / len(per_prompt),
         accuracy_by_length=_mean_by(per_prompt, "length"), accuracy_by_depth=_mean_by(per_prompt, "depth"),
         cells=cells, kv_cache_dtype=fmt.name,

@@ -25,6 +25,8 @@ Join the parts with `cat model.safetensors.part* > model.safetensors`.
 
   python scripts/train_domain_moe.py --data /tmp/domain-data --out /tmp/run --time-budget-s 440
   python scripts/train_domain_moe.py --data /tmp/domain-smoke --out /tmp/run-smoke --smoke   # CPU, < 1 min
+  python scripts/train_domain_moe.py --data models/domain-moe --out /tmp/ev --evaluate-only models/domain-moe \
+      --device cpu --eval-lengths 1024 --eval-keys 1     # re-evaluate a checkpoint (its folder holds heldout/)
 """
 from __future__ import annotations
 
@@ -96,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--eval-depths", default="0,0.25,0.5,0.75,1")
     r.add_argument("--eval-keys", type=int, default=5, help="passkeys per (length, depth, filler domain)")
     r.add_argument("--heldout-max-tokens", type=int, default=None, help="score only the first N held-out tokens")
+    r.add_argument("--evaluate-only", type=Path, default=None, metavar="MODEL_DIR",
+                   help="no training: evaluate this checkpoint (held-out loss in float32 on CPU) into --out/eval.json")
     r.add_argument("--smoke", action="store_true", help="toy model and a few steps (CPU, < 1 min)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -394,6 +398,25 @@ def plot_curve(log_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
+def evaluate_only(args, device: torch.device) -> dict:
+    """Held-out loss per domain and passkey accuracy of a saved checkpoint (the final evaluation of a run)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tok = Tokenizer.from_file(str(args.data / "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(args.evaluate_only, dtype=torch.float32).to(device)
+    window_len = model.config.max_position_embeddings
+    held = heldout_losses(model, tok, args.data, window_len, device, args.heldout_max_tokens)
+    print("[eval] held-out loss: " + ", ".join(f"{k} {v['loss']:.4f}" for k, v in held.items()), flush=True)
+    pk = passkey_eval(model, tok, args.data, [int(x) for x in args.eval_lengths.split(",")],
+                      [float(x) for x in args.eval_depths.split(",")], args.eval_keys, device, args.seed + 999)
+    print(f"[eval] passkey ({pk['dtype']}) by length: {pk['by_length']}", flush=True)
+    result = {"model": str(args.evaluate_only), "device": str(device), "heldout": held, "heldout_window": window_len,
+              "passkey": pk}
+    (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 # --------------------------------------------------------------------------- #
 # Training
 # --------------------------------------------------------------------------- #
@@ -409,6 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.evaluate_only is not None:
+        return evaluate_only(args, device)
     log_path = args.out / "train_log.jsonl"
     log_path.write_text("")
 

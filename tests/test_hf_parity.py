@@ -1,6 +1,8 @@
 """moekv against transformers on the same checkpoint: logits and greedy generation."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -60,3 +62,36 @@ def test_text_prompts_match_transformers_tokenization(checkpoints):
     out = llm.generate(text, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert out.prompt_token_ids == tok(text)["input_ids"]
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+DOMAIN_MOE = Path(__file__).resolve().parent.parent / "models" / "domain-moe"
+
+
+@pytest.fixture(scope="module")
+def domain_moe_pair():
+    """The shipped 4k-context, head_dim-128 model in float32, in transformers and in moekv."""
+    hf = load_hf(DOMAIN_MOE)
+    hf.generation_config.eos_token_id = None
+    llm = LLM(str(DOMAIN_MOE), dtype="float32", max_model_len=1024, max_num_batched_tokens=256)
+    return hf, llm
+
+
+def test_domain_moe_logits_and_greedy_match_transformers(domain_moe_pair):
+    """Held-out code and prose prompts (hundreds of tokens, chunked prefill) score and continue as in transformers."""
+    hf, llm = domain_moe_pair
+    texts = [(DOMAIN_MOE / "heldout" / f"{name}.txt").read_text(encoding="utf-8")[:2000] for name in ("code", "prose")]
+    prompts = [llm.tokenizer.encode(t, add_special_tokens=False)[:n] for t, n in zip(texts, (600, 333))]
+    assert all(len(p) in (600, 333) for p in prompts)
+    ours = llm.score([{"prompt_token_ids": p} for p in prompts])
+    for prompt, logits in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        assert logits.shape == ref.shape == (len(prompt), 4096)
+        assert (logits - ref).abs().max().item() < 1e-3
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()

@@ -1,0 +1,549 @@
+#!/usr/bin/env python3
+"""Train models/domain-moe: a 4k-context, head_dim-128 Mixtral MoE on four domains, with retrieval.
+
+Input: the folder written by scripts/prepare_domain_data.py (tokenizer, uint16 token streams per
+domain, held-out text). Each training row is one domain's text (so experts can specialise by
+domain); on top of plain language modelling, two kinds of rows teach retrieval:
+  copy rows     (--copy-frac)     a span of 64-256 tokens of the row reappears later in the row: the
+                                  loss on the repeat is dense copy supervision (induction heads);
+  passkey rows  (--passkey-frac)  moekv.eval.needle.build_prompt at a random length and depth with
+                                  filler from a random training domain, followed by the key; the key
+                                  tokens get an extra loss term (--answer-loss-weight).
+A length curriculum (--curriculum) starts with short rows and ends at 4096 with the same number of
+tokens per step. The schedule (warmup, cosine, curriculum) runs on progress = max(step / --max-steps,
+elapsed / --time-budget-s), so a time-limited run still finishes its schedule. Router balance: the
+usual per-layer Switch-Transformer load-balancing loss (coefficient --aux-loss-coef).
+
+Output (--out, at most 8 files: what a GPU call can return):
+  model.safetensors.part0, .part1   bf16 save_pretrained weights split in <= 15 MiB parts
+                                    (rewritten at every checkpoint, every --checkpoint-every-s)
+  config.json                       MixtralConfig
+  train_log.jsonl                   one JSON object per logged step / evaluation
+  eval.json                         final held-out loss per domain and passkey accuracy
+  loss_curve.png                    (when matplotlib is there)
+Join the parts with `cat model.safetensors.part* > model.safetensors`.
+
+  python scripts/train_domain_moe.py --data /tmp/domain-data --out /tmp/run --time-budget-s 440
+  python scripts/train_domain_moe.py --data /tmp/domain-smoke --out /tmp/run-smoke --smoke   # CPU, < 1 min
+  python scripts/train_domain_moe.py --data models/domain-moe --out /tmp/ev --evaluate-only models/domain-moe \
+      --device cpu --eval-lengths 1024 --eval-keys 1     # re-evaluate a checkpoint (its folder holds heldout/)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # moekv.eval.needle: the passkey format shared with the eval
+    sys.path.insert(0, str(REPO_ROOT))
+from moekv.eval.needle import answer_is_correct, build_prompt, random_key  # noqa: E402
+
+DOMAINS = ("prose", "drama", "code", "math")
+PART_BYTES = 15 * 1024 * 1024
+EOT = "<|endoftext|>"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, required=True, help="output folder of prepare_domain_data.py")
+    p.add_argument("--out", type=Path, required=True)
+    m = p.add_argument_group("model")
+    m.add_argument("--hidden-size", type=int, default=256)
+    m.add_argument("--num-layers", type=int, default=4)
+    m.add_argument("--num-heads", type=int, default=4)
+    m.add_argument("--num-kv-heads", type=int, default=2)
+    m.add_argument("--head-dim", type=int, default=128)
+    m.add_argument("--num-experts", type=int, default=16)
+    m.add_argument("--experts-per-tok", type=int, default=2)
+    m.add_argument("--intermediate-size", type=int, default=176, help="per expert")
+    m.add_argument("--max-position-embeddings", type=int, default=4096)
+    m.add_argument("--rope-theta", type=float, default=50000.0)
+    m.add_argument("--experts-impl", default="auto", help="auto (grouped_mm on CUDA if it works) | eager | grouped_mm")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--tokens-per-step", type=int, default=131072)
+    o.add_argument("--curriculum", default="512:0.15,1024:0.15,2048:0.2,4096:0.5",
+                   help="seq_len:fraction of progress, in order")
+    o.add_argument("--max-steps", type=int, default=100000)
+    o.add_argument("--time-budget-s", type=float, default=440.0, help="training time; the schedule follows it")
+    o.add_argument("--lr", type=float, default=2e-3)
+    o.add_argument("--min-lr-ratio", type=float, default=0.1)
+    o.add_argument("--warmup", type=float, default=0.03, help="fraction of progress")
+    o.add_argument("--weight-decay", type=float, default=0.1)
+    o.add_argument("--grad-clip", type=float, default=1.0)
+    o.add_argument("--aux-loss-coef", type=float, default=0.01)
+    d = p.add_argument_group("data mixture")
+    d.add_argument("--domain-weights", default="prose:0.3,drama:0.15,code:0.35,math:0.2")
+    d.add_argument("--copy-frac", type=float, default=0.1)
+    d.add_argument("--passkey-frac", type=float, default=0.25)
+    d.add_argument("--answer-loss-weight", type=float, default=1.0,
+                   help="extra loss term: mean loss of the passkey answer tokens times this")
+    r = p.add_argument_group("run")
+    r.add_argument("--seed", type=int, default=1234)
+    r.add_argument("--device", default="auto")
+    r.add_argument("--log-every", type=int, default=20)
+    r.add_argument("--checkpoint-every-s", type=float, default=120.0)
+    r.add_argument("--eval-lengths", default="1024,2048,4096")
+    r.add_argument("--eval-depths", default="0,0.25,0.5,0.75,1")
+    r.add_argument("--eval-keys", type=int, default=5, help="passkeys per (length, depth, filler domain)")
+    r.add_argument("--heldout-max-tokens", type=int, default=None, help="score only the first N held-out tokens")
+    r.add_argument("--evaluate-only", type=Path, default=None, metavar="MODEL_DIR",
+                   help="no training: evaluate this checkpoint (held-out loss in float32 on CPU) into --out/eval.json")
+    r.add_argument("--smoke", action="store_true", help="toy model and a few steps (CPU, < 1 min)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.hidden_size, args.num_layers, args.intermediate_size = 64, 2, 32
+        args.num_heads, args.num_kv_heads, args.head_dim, args.num_experts = 2, 1, 32, 4
+        args.max_position_embeddings = 512
+        args.tokens_per_step, args.max_steps, args.log_every = 1024, 8, 2
+        args.curriculum = "128:0.5,256:0.5"
+        args.eval_lengths, args.eval_depths, args.eval_keys = "256", "0,1", 1
+        args.heldout_max_tokens = 1024
+    args.curriculum_plan = parse_curriculum(args.curriculum)
+    args.domain_weight_map = parse_weights(args.domain_weights)
+    if max(s for s, _ in args.curriculum_plan) > args.max_position_embeddings:
+        p.error("a curriculum length exceeds --max-position-embeddings")
+    if args.copy_frac + args.passkey_frac > 1:
+        p.error("--copy-frac + --passkey-frac must be <= 1")
+    return args
+
+
+def parse_curriculum(spec: str) -> list[tuple[int, float]]:
+    plan = []
+    for item in spec.split(","):
+        length, frac = item.split(":")
+        plan.append((int(length), float(frac)))
+    total = sum(f for _, f in plan)
+    if total <= 0:
+        raise ValueError(f"curriculum fractions must sum to > 0: {spec}")
+    return [(length, f / total) for length, f in plan]
+
+
+def parse_weights(spec: str) -> dict[str, float]:
+    weights = {}
+    for item in spec.split(","):
+        name, w = item.split(":")
+        if name not in DOMAINS:
+            raise ValueError(f"unknown domain {name!r} (known: {', '.join(DOMAINS)})")
+        weights[name] = float(w)
+    return weights
+
+
+def seq_len_at(plan: list[tuple[int, float]], progress: float) -> int:
+    acc = 0.0
+    for length, frac in plan:
+        acc += frac
+        if progress < acc:
+            return length
+    return plan[-1][0]
+
+
+def lr_at(progress: float, args: argparse.Namespace) -> float:
+    if progress < args.warmup:
+        return args.lr * max(progress / args.warmup, 0.01)
+    x = min(1.0, (progress - args.warmup) / max(1e-9, 1.0 - args.warmup))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * x)))
+
+
+# --------------------------------------------------------------------------- #
+# Rows (pure functions of a random generator; unit-tested in tests/test_domain_data.py)
+# --------------------------------------------------------------------------- #
+def window(stream: np.ndarray, length: int, rng: random.Random) -> list[int]:
+    start = rng.randrange(0, len(stream) - length + 1)
+    return stream[start : start + length].tolist()
+
+
+def copy_row(stream: np.ndarray, length: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A window whose span [a, a+s) is copied over [b, b+s), b >= a+s; returns (ids, copied positions)."""
+    ids = window(stream, length, rng)
+    s = rng.randint(min(64, length // 4), min(256, length // 4))
+    a = rng.randrange(0, length - 2 * s + 1)
+    b = rng.randrange(a + s, length - s + 1)
+    ids[b : b + s] = ids[a : a + s]
+    return ids, list(range(b, b + s))
+
+
+def passkey_row(encode, stream: np.ndarray, length: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """build_prompt at a random prompt length and depth, then the key and '.', then filler up to `length`.
+
+    Returns (ids, answer positions): the positions of the key's tokens in ids.
+    """
+    key = random_key(rng)
+    answer = encode(key)
+    tail = encode(".\n")
+    min_prompt = len(encode("\n")) + 64  # room for some filler
+    prompt_len = rng.randint(min(length // 4, length - len(answer) - len(tail)) if length >= 256 else min_prompt,
+                             length - len(answer) - len(tail))
+    depth = rng.random()
+    filler = window(stream, length, rng)
+    prompt = build_prompt(encode, filler, prompt_len, depth, key)
+    ids = prompt.ids + answer + tail
+    positions = list(range(len(prompt.ids), len(prompt.ids) + len(answer)))
+    rest = length - len(ids)
+    if rest > 0:
+        ids += window(stream, rest, rng)
+    return ids[:length], positions
+
+
+def make_batch(streams: dict, encode, length: int, n_rows: int, args, rng: random.Random):
+    """(ids (n_rows, length) long, copy mask, answer mask, domain index per row)."""
+    names = list(args.domain_weight_map)
+    weights = [args.domain_weight_map[n] for n in names]
+    ids = np.zeros((n_rows, length), dtype=np.int64)
+    copy_mask = np.zeros((n_rows, length), dtype=bool)
+    answer_mask = np.zeros((n_rows, length), dtype=bool)
+    dom = []
+    for i in range(n_rows):
+        name = rng.choices(names, weights)[0]
+        dom.append(DOMAINS.index(name))
+        u = rng.random()
+        if u < args.passkey_frac:
+            row, pos = passkey_row(encode, streams[name], length, rng)
+            answer_mask[i, pos] = True
+        elif u < args.passkey_frac + args.copy_frac:
+            row, pos = copy_row(streams[name], length, rng)
+            copy_mask[i, pos] = True
+        else:
+            row = window(streams[name], length, rng)
+        ids[i] = row
+    return torch.from_numpy(ids), torch.from_numpy(copy_mask), torch.from_numpy(answer_mask), dom
+
+
+# --------------------------------------------------------------------------- #
+# Model
+# --------------------------------------------------------------------------- #
+def build_model(args, vocab_size: int, eot_id: int):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim,
+        num_local_experts=args.num_experts, num_experts_per_tok=args.experts_per_tok,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        rms_norm_eps=1e-5, tie_word_embeddings=False, router_aux_loss_coef=args.aux_loss_coef,
+        output_router_logits=False, sliding_window=None,
+        bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id,
+    )
+    return MixtralForCausalLM(config)
+
+
+def choose_experts_impl(model, args, device: torch.device) -> str:
+    """grouped_mm on CUDA when a forward+backward with it runs; eager otherwise."""
+    wanted = args.experts_impl
+    if wanted == "auto":
+        wanted = "grouped_mm" if device.type == "cuda" else "eager"
+    if wanted == "eager":
+        model.set_experts_implementation("eager")
+        return "eager"
+    try:
+        model.set_experts_implementation(wanted)
+        ids = torch.randint(0, model.config.vocab_size, (2, 64), device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            model(input_ids=ids).logits.float().mean().backward()
+        model.zero_grad(set_to_none=True)
+        return wanted
+    except Exception as e:  # keep training: a slower kernel beats a lost call
+        print(f"[train] experts implementation {wanted} failed ({type(e).__name__}: {e}); using eager", flush=True)
+        model.zero_grad(set_to_none=True)
+        model.set_experts_implementation("eager")
+        return "eager"
+
+
+def balance_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss per layer, averaged over layers (1.0 = balanced)."""
+    losses = []
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = probs.topk(top_k, dim=-1).indices.flatten()
+        frac = torch.zeros(num_experts, device=probs.device).scatter_add_(
+            0, chosen, torch.ones_like(chosen, dtype=probs.dtype)) / chosen.numel()
+        losses.append(num_experts * torch.sum(frac * probs.mean(dim=0)))
+    return torch.stack(losses).mean()
+
+
+# --------------------------------------------------------------------------- #
+# Saving (bf16 save_pretrained, split in parts a GPU call can return)
+# --------------------------------------------------------------------------- #
+def save_parts(model, out: Path, step: int) -> None:
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        bf16.save_pretrained(tmp)
+        data = (Path(tmp) / "model.safetensors").read_bytes()
+        n_parts = 0
+        for i in range(0, len(data), PART_BYTES):
+            part = Path(tmp) / f"model.safetensors.part{n_parts}"
+            part.write_bytes(data[i : i + PART_BYTES])
+            os.replace(part, out / part.name)
+            n_parts += 1
+        for stale in out.glob("model.safetensors.part*"):
+            if int(stale.name.rsplit("part", 1)[1]) >= n_parts:
+                stale.unlink()
+        os.replace(Path(tmp) / "config.json", out / "config.json")
+    print(f"[train] saved step {step}: {len(data) / 1e6:.1f} MB in {n_parts} parts", flush=True)
+
+
+# --------------------------------------------------------------------------- #
+# Evaluation
+# --------------------------------------------------------------------------- #
+@torch.no_grad()
+def heldout_losses(model, tok, data: Path, window_len: int, device, max_tokens: int | None = None) -> dict:
+    """Token-weighted next-token loss per domain on non-overlapping windows of the held-out text."""
+    model.eval()
+    out = {}
+    for name in DOMAINS:
+        ids = tok.encode((data / "heldout" / f"{name}.txt").read_text(encoding="utf-8")).ids[:max_tokens]
+        total, count = 0.0, 0
+        for i in range(0, len(ids) - 1, window_len):
+            w = torch.tensor([ids[i : i + window_len]], device=device)
+            if w.size(1) < 2:
+                continue
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(input_ids=w).logits
+            total += F.cross_entropy(logits[0, :-1].float(), w[0, 1:], reduction="sum").item()
+            count += w.size(1) - 1
+        out[name] = {"loss": total / count, "tokens": count}
+    model.train()
+    return out
+
+
+@torch.no_grad()
+def passkey_eval(model, tok, data: Path, lengths, depths, keys_per_cell: int, device, seed: int,
+                 dtype=torch.bfloat16) -> dict:
+    """Greedy passkey accuracy (model cast to `dtype`) over held-out filler of every domain."""
+    def encode(s: str) -> list[int]:
+        return tok.encode(s, add_special_tokens=False).ids
+
+    m = copy.deepcopy(model).to(dtype).eval()
+    rng = random.Random(seed)
+    fillers = {n: encode((data / "heldout" / f"{n}.txt").read_text(encoding="utf-8")) for n in DOMAINS}
+    cells, per_domain = [], {n: [0, 0] for n in DOMAINS}
+    for length in lengths:
+        for depth in depths:
+            ok = 0
+            n = 0
+            for name, filler in fillers.items():
+                prompts = []
+                for _ in range(keys_per_cell):
+                    start = rng.randrange(0, max(1, len(filler) - length))
+                    prompts.append(build_prompt(encode, filler[start : start + length], length, depth,
+                                                random_key(rng)))
+                ids = torch.tensor([p.ids for p in prompts], device=device)
+                gen = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=7, do_sample=False,
+                                 pad_token_id=m.config.eos_token_id)
+                for p, row in zip(prompts, gen[:, ids.size(1):].tolist()):
+                    good = answer_is_correct(tok.decode(row), p.key)
+                    ok += good
+                    per_domain[name][0] += good
+                    per_domain[name][1] += 1
+                n += len(prompts)
+            cells.append({"length": length, "depth": depth, "correct": ok, "total": n, "accuracy": ok / n})
+    by_length = {}
+    for c in cells:
+        agg = by_length.setdefault(c["length"], [0, 0])
+        agg[0] += c["correct"]
+        agg[1] += c["total"]
+    del m
+    return {"dtype": str(dtype).replace("torch.", ""), "cells": cells,
+            "by_length": {str(k): v[0] / v[1] for k, v in by_length.items()},
+            "by_filler_domain": {k: v[0] / max(1, v[1]) for k, v in per_domain.items()}}
+
+
+def plot_curve(log_path: Path, png: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[train] matplotlib missing: no loss_curve.png", flush=True)
+        return
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
+    train = [r for r in rows if r.get("kind") == "train"]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    x = [r["tokens"] / 1e6 for r in train]
+    ax[0].plot(x, [r["lm_loss"] for r in train], label="train LM loss (all rows)")
+    ax[0].plot(x, [r["copy_loss"] for r in train], label="loss on copied spans", alpha=0.7)
+    ax[0].plot(x, [r["answer_loss"] for r in train], label="loss on passkey answers", alpha=0.7)
+    for r in rows:
+        if r.get("kind") == "heldout":
+            for name, v in r["losses"].items():
+                ax[0].scatter([r["tokens"] / 1e6], [v["loss"]], s=12, label=f"held-out {name}")
+    handles, labels = ax[0].get_legend_handles_labels()
+    uniq = dict(zip(labels, handles))
+    ax[0].legend(uniq.values(), uniq.keys(), fontsize=7)
+    ax[0].set_xlabel("training tokens (M)")
+    ax[0].set_ylabel("nats / token")
+    ax[0].set_ylim(0, 8)
+    ax[1].plot(x, [r["seq_len"] for r in train], label="sequence length")
+    ax[1].set_xlabel("training tokens (M)")
+    ax[1].set_ylabel("sequence length")
+    ax2 = ax[1].twinx()
+    ax2.plot(x, [r["lr"] for r in train], color="tab:orange", label="learning rate")
+    ax2.set_ylabel("learning rate")
+    fig.suptitle("domain-moe training")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def evaluate_only(args, device: torch.device) -> dict:
+    """Held-out loss per domain and passkey accuracy of a saved checkpoint (the final evaluation of a run)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tok = Tokenizer.from_file(str(args.data / "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(args.evaluate_only, dtype=torch.float32).to(device)
+    window_len = model.config.max_position_embeddings
+    held = heldout_losses(model, tok, args.data, window_len, device, args.heldout_max_tokens)
+    print("[eval] held-out loss: " + ", ".join(f"{k} {v['loss']:.4f}" for k, v in held.items()), flush=True)
+    pk = passkey_eval(model, tok, args.data, [int(x) for x in args.eval_lengths.split(",")],
+                      [float(x) for x in args.eval_depths.split(",")], args.eval_keys, device, args.seed + 999)
+    print(f"[eval] passkey ({pk['dtype']}) by length: {pk['by_length']}", flush=True)
+    result = {"model": str(args.evaluate_only), "device": str(device), "heldout": held, "heldout_window": window_len,
+              "passkey": pk}
+    (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+# --------------------------------------------------------------------------- #
+# Training
+# --------------------------------------------------------------------------- #
+def main(argv: list[str] | None = None) -> dict:
+    from tokenizers import Tokenizer
+
+    args = parse_args(argv)
+    t_start = time.time()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.evaluate_only is not None:
+        return evaluate_only(args, device)
+    log_path = args.out / "train_log.jsonl"
+    log_path.write_text("")
+
+    def log(obj: dict) -> None:
+        with log_path.open("a") as f:
+            f.write(json.dumps(obj) + "\n")
+
+    tok = Tokenizer.from_file(str(args.data / "tokenizer.json"))
+    eot_id = tok.token_to_id(EOT)
+
+    def encode(s: str) -> list[int]:
+        return tok.encode(s, add_special_tokens=False).ids
+
+    streams = {n: np.load(args.data / f"train_{n}.npy") for n in DOMAINS}
+    print("[train] data: " + ", ".join(f"{n} {len(s):,}" for n, s in streams.items()) + " tokens", flush=True)
+
+    model = build_model(args, tok.get_vocab_size(), eot_id).to(device)
+    impl = choose_experts_impl(model, args, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[train] {n_params / 1e6:.2f}M parameters, experts {impl}, device {device}", flush=True)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    log({"kind": "config", "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+         "params": n_params, "experts_impl": impl, "torch": torch.__version__,
+         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+
+    rng = random.Random(args.seed)
+    step, tokens, t_train0 = 0, 0, time.time()
+    last_ckpt = t_train0
+    acc = dict.fromkeys(("lm", "copy", "ans", "bal", "n", "copy_n", "ans_n"), 0.0)
+    eval_lengths = [int(x) for x in args.eval_lengths.split(",")]
+    while True:
+        elapsed = time.time() - t_train0
+        progress = max(step / args.max_steps, elapsed / args.time_budget_s)
+        if progress >= 1.0:
+            break
+        seq_len = seq_len_at(args.curriculum_plan, progress)
+        n_rows = max(1, args.tokens_per_step // seq_len)
+        lr = lr_at(progress, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids, copy_mask, ans_mask, _ = make_batch(streams, encode, seq_len, n_rows, args, rng)
+        ids = ids.to(device, non_blocking=True)
+        copy_mask = copy_mask.to(device)[:, 1:]
+        ans_mask = ans_mask.to(device)[:, 1:]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model(input_ids=ids, output_router_logits=True)
+        per_tok = F.cross_entropy(out.logits[:, :-1].float().reshape(-1, out.logits.size(-1)),
+                                  ids[:, 1:].reshape(-1), reduction="none").view(ids.size(0), -1)
+        lm = per_tok.mean()
+        n_ans = ans_mask.sum()
+        ans = (per_tok * ans_mask).sum() / n_ans.clamp(min=1)
+        bal = balance_loss(out.router_logits, args.num_experts, args.experts_per_tok)
+        loss = lm + args.answer_loss_weight * ans + args.aux_loss_coef * bal
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        step += 1
+        tokens += ids.numel()
+        n_copy = copy_mask.sum()
+        # accumulate on the device: no host sync between log lines
+        acc["lm"] += lm.detach()
+        acc["bal"] += bal.detach()
+        acc["n"] += 1
+        acc["copy"] += (per_tok.detach() * copy_mask).sum()
+        acc["copy_n"] += n_copy
+        acc["ans"] += (per_tok.detach() * ans_mask).sum()
+        acc["ans_n"] += n_ans
+        if step % args.log_every == 0:
+            acc = {k: float(v) for k, v in acc.items()}
+            el = time.time() - t_train0
+            row = {"kind": "train", "step": step, "tokens": tokens, "seq_len": seq_len, "lr": lr,
+                   "lm_loss": acc["lm"] / acc["n"], "copy_loss": acc["copy"] / max(1, acc["copy_n"]),
+                   "answer_loss": acc["ans"] / max(1, acc["ans_n"]), "balance": acc["bal"] / acc["n"],
+                   "grad_norm": gnorm.item(), "elapsed_s": round(el, 1), "tokens_per_s": round(tokens / el)}
+            log(row)
+            print(f"[train] step {step} len {seq_len} lr {lr:.2e} lm {row['lm_loss']:.3f} copy "
+                  f"{row['copy_loss']:.3f} answer {row['answer_loss']:.3f} bal {row['balance']:.3f} "
+                  f"{row['tokens_per_s']:,} tok/s {el:.0f}s", flush=True)
+            acc = dict.fromkeys(acc, 0.0)
+        if time.time() - last_ckpt >= args.checkpoint_every_s:
+            save_parts(model, args.out, step)
+            pk = passkey_eval(model, tok, args.data, [seq_len], [0.5], 2, device, args.seed + step)
+            log({"kind": "checkpoint", "step": step, "tokens": tokens, "passkey_by_length": pk["by_length"]})
+            print(f"[train] passkey at {seq_len}: {pk['by_length']}", flush=True)
+            last_ckpt = time.time()
+    train_s = time.time() - t_train0
+    print(f"[train] {step} steps, {tokens:,} tokens in {train_s:.0f}s", flush=True)
+    save_parts(model, args.out, step)
+
+    t_eval = time.time()
+    held = heldout_losses(model, tok, args.data, args.max_position_embeddings, device, args.heldout_max_tokens)
+    log({"kind": "heldout", "step": step, "tokens": tokens, "losses": held})
+    print("[eval] held-out loss: " + ", ".join(f"{k} {v['loss']:.3f}" for k, v in held.items()), flush=True)
+    pk = passkey_eval(model, tok, args.data, eval_lengths, [float(x) for x in args.eval_depths.split(",")],
+                      args.eval_keys, device, args.seed + 999)
+    print(f"[eval] passkey ({pk['dtype']}) by length: {pk['by_length']}; by filler: {pk['by_filler_domain']}",
+          flush=True)
+    result = {"steps": step, "tokens": tokens, "train_seconds": round(train_s, 1),
+              "eval_seconds": round(time.time() - t_eval, 1), "params": n_params, "experts_impl": impl,
+              "heldout": held, "heldout_window": args.max_position_embeddings, "passkey": pk}
+    (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot_curve(log_path, args.out / "loss_curve.png")
+    print(f"[done] total {time.time() - t_start:.0f}s", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The pure data pieces of scripts/prepare_domain_data.py and scripts/train_domain_moe.py."""
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moekv.eval.needle import NEEDLE_TEMPLATE, QUESTION
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+prep = _load("prepare_domain_data")
+train = _load("train_domain_moe")
+
+
+def test_cp1252_mapping_matches_the_code_page():
+    # Windows-1252 code chart: 0x91-0x97 are quotes, bullet and dashes, 0x9C the oe ligature
+    src = "I\x92ll \x93go\x94 \x91now\x92 \x95 a\x96b\x97c man\x9cuvre"
+    assert prep.fix_cp1252(src) == "I\u2019ll \u201cgo\u201d \u2018now\u2019 \u2022 a\u2013b\u2014c man\u0153uvre"
+    # undefined in cp1252: kept; ordinary text untouched
+    assert prep.fix_cp1252("\x81\x8d\x8f\x90\x9d") == "\x81\x8d\x8f\x90\x9d"
+    assert prep.fix_cp1252("caf\u00e9 \u2014 ok") == "caf\u00e9 \u2014 ok"
+
+
+def test_split_tail_cuts_at_a_line_start():
+    text = "".join(f"line {i}\n" for i in range(100))
+    train_part, held = prep.split_tail(text, 50)
+    assert train_part + held == text
+    assert 0 < len(held) <= 50 and held.startswith("line ") and train_part.endswith("\n")
+    assert prep.split_tail(text, 0) == (text, "")
+
+
+def test_modules_split_and_every_kth_holdout_are_disjoint_and_complete():
+    text = "".join(f"# ===== Lib/m{i}.py =====\nx = {i}\n" for i in range(45))
+    modules = prep.split_modules(text)
+    assert len(modules) == 45 and "".join(modules) == text
+    tr, held = prep.split_every_kth(modules, 20, max_chars=10_000)
+    assert sorted(tr + held) == sorted(modules) and not set(tr) & set(held)
+    assert held == [modules[10], modules[30]]
+    _, capped = prep.split_every_kth(modules, 20, max_chars=len(modules[10]))
+    assert capped == [modules[10]]
+    with pytest.raises(ValueError):
+        prep.split_every_kth(modules, 1, 100)
+
+
+def _py(expr: str) -> str:
+    """Algebra notation to Python: x^2 -> x**2, 3x -> 3*x."""
+    return re.sub(r"(\d)([xab(])", r"\1*\2", expr.replace("^", "**")).replace(")(", ")*(")
+
+
+def test_generated_math_is_correct():
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(2000):
+        line = prep.math_problem(rng)
+        if line.startswith("Solve"):
+            m = re.fullmatch(r"Solve (\d+)x ([+-]) (\d+) = (-?\d+)\. \d+x = (-?\d+), so x = (-?\d+)\.", line)
+            a, sign, b, c, ax, x = m.groups()
+            b = int(b) if sign == "+" else -int(b)
+            assert int(a) * int(x) + b == int(c) and int(ax) == int(c) - b
+            seen.add("solve")
+        elif line.startswith(("Expand", "Simplify")):
+            lhs, rhs = line.split(" ", 1)[1].split(": ")
+            for x in range(-3, 4):
+                for a, b in ((1, 2), (-2, 5)):
+                    env = {"x": x, "a": a, "b": b}
+                    assert eval(_py(lhs), env) == eval(_py(rhs), env), line
+            seen.add(line.split()[0])
+        else:
+            parts = line.split(" = ")
+            values = [eval(p) for p in parts]
+            assert all(v == values[0] for v in values), line
+            seen.add("arith")
+    assert seen == {"solve", "Expand", "Simplify", "arith"}
+
+
+def _char_encode(s: str) -> list[int]:
+    return [ord(c) for c in s]
+
+
+def test_passkey_row_holds_one_needle_and_the_answer_right_after_the_question():
+    stream = np.array([ord("a") + i % 26 for i in range(20_000)], dtype=np.uint16)  # letters only
+    rng = random.Random(1)
+    for length in (512, 1024, 4096):
+        for _ in range(20):
+            ids, pos = train.passkey_row(_char_encode, stream, length, rng)
+            assert len(ids) == length
+            text = "".join(map(chr, ids))
+            key = text[pos[0] : pos[-1] + 1]
+            assert len(pos) == 5 and key.isdigit() and key[0] != "0"
+            assert pos == list(range(pos[0], pos[0] + 5))
+            assert text[: pos[0]].endswith(QUESTION) and text[pos[-1] + 1 :].startswith(".\n")
+            assert text.count(NEEDLE_TEMPLATE.format(key=key)) == 1 and text.count(QUESTION) == 1
+            assert text.index(NEEDLE_TEMPLATE.format(key=key)) < pos[0]
+
+
+def test_copy_row_repeats_an_earlier_span():
+    stream = np.arange(50_000, dtype=np.uint16)  # all distinct, so a repeat can only come from the copy
+    rng = random.Random(2)
+    for length in (512, 4096):
+        ids, pos = train.copy_row(stream, length, rng)
+        assert len(ids) == length and 64 <= len(pos) <= 256
+        span = ids[pos[0] : pos[-1] + 1]
+        first = ids.index(span[0])
+        assert first < pos[0] and ids[first : first + len(span)] == span
+
+
+def test_batch_masks_and_curriculum():
+    args = train.parse_args(["--data", "x", "--out", "y", "--copy-frac", "0.3", "--passkey-frac", "0.3"])
+    streams = {n: np.array([ord("a") + i % 26 for i in range(10_000)], dtype=np.uint16) for n in train.DOMAINS}
+    ids, copy_mask, ans_mask, dom = train.make_batch(streams, _char_encode, 512, 40, args, random.Random(3))
+    assert ids.shape == copy_mask.shape == ans_mask.shape == (40, 512)
+    assert not (copy_mask & ans_mask).any()
+    assert set(ans_mask.sum(1).tolist()) <= {0, 5} and ans_mask.any() and copy_mask.any()
+    assert {train.DOMAINS[d] for d in dom} == set(train.DOMAINS)
+    plan = train.parse_curriculum("512:1,4096:3")
+    assert [train.seq_len_at(plan, p) for p in (0.0, 0.24, 0.26, 0.99, 1.0)] == [512, 512, 4096, 4096, 4096]
+    with pytest.raises(ValueError, match="unknown domain"):
+        train.parse_weights("poetry:1")
+
+
+@pytest.mark.slow
+def test_smoke_run_end_to_end(tmp_path):
+    """prepare --smoke and train --smoke on CPU: a checkpoint transformers loads, held-out and passkey results."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    meta = prep.main(["--out", str(data), "--smoke"])
+    assert set(meta["domains"]) == set(prep.DOMAINS) and all(d["train_tokens"] > 0 for d in meta["domains"].values())
+    result = train.main(["--data", str(data), "--out", str(out), "--smoke"])
+    assert result["steps"] == 8 and set(result["heldout"]) == set(train.DOMAINS)
+    cells = result["passkey"]["cells"]
+    assert [(c["length"], c["depth"]) for c in cells] == [(256, 0.0), (256, 1.0)]
+    assert all(c["total"] == len(train.DOMAINS) for c in cells)
+    assert json.loads((out / "eval.json").read_text())["steps"] == 8
+    logged = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if r["kind"] == "train"] == [2, 4, 6, 8]
+    # the parts join into the checkpoint transformers loads
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    parts = sorted(out.glob("model.safetensors.part*"))
+    (ckpt / "model.safetensors").write_bytes(b"".join(p.read_bytes() for p in parts))
+    (ckpt / "config.json").write_text((out / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    assert model.config.head_dim == 32 and model.config.num_local_experts == 4
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, meta["vocab_size"])

@@ -27,14 +27,15 @@ Side tables (per page-head, as nuq2 stores them, nothing re-quantized):
   k_centroids, v_centroids  fp16 [N, H, 4]   the codebook (calibrated codebooks expanded per page)
   k_mean, k_scale           fp8  [N, H, D]   the keys' channel mean and scale
   k_out_val, v_out_val      fp8  [N, H, S]   outlier slots, in units of max |centroid|
-  k_out_idx, v_out_idx      int32 [N, H, S]  their position t * D + c; NO_OUTLIER marks an unused slot
-  slot_tokens               int32 [N, H, Sk + Sv]  the distinct tokens holding a used key or value slot,
-                                           ascending, padded with PAGE_TOKENS (derived from the two
-                                           out_idx tables, so the sparse term reads a few bytes per
-                                           page-head instead of scanning 64 tokens)
-  slot_counts               int32 [N, H]   how many of slot_tokens are real
-  k_used, v_used            int32 [N, H]   how many out slots are used; the used ones come first (the
-                                           order of slots carries no meaning; nuq2 writes them so)
+  k_out_idx, v_out_idx      int32 [N, H, S]  their position t * D + c; NO_OUTLIER marks an unused slot;
+                                           the used slots come first (the order of slots carries no
+                                           meaning; nuq2 writes them so, `used_slots_first` makes sure)
+  k_used, v_used            int32 [N, H]   how many out slots are used
+  k_slot_delta              fp32 [N, H, Sk]  what a key slot adds to the main term's scaled key:
+                                           scale[c] * (slot value - centroid[code at (t, c)]) (0 unused)
+  v_slot_delta              fp32 [N, H, Sv]  what a value slot adds: slot value - centroid[code] (0 unused)
+The slot deltas are q-independent, so they are computed once here (`slot_deltas`), and the Gluon tile
+loop adds the slots with one-hot products on the tensor cores (nuq2_kernel.py).
 """
 from __future__ import annotations
 
@@ -121,18 +122,26 @@ def used_slots_first(out_idx: torch.Tensor, out_val: torch.Tensor) -> tuple[torc
     return out_idx, out_val, counts
 
 
-def slot_token_lists(k_out_idx: torch.Tensor, v_out_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per page-head, the distinct tokens that hold a used key or value slot: (tokens int32
-    [N, H, Sk + Sv] ascending, padded with PAGE_TOKENS; counts int32 [N, H])."""
-    if k_out_idx.shape[:2] != v_out_idx.shape[:2]:
-        raise ValueError(f"slot_token_lists: out_idx tables of different pages: {tuple(k_out_idx.shape)} and "
-                         f"{tuple(v_out_idx.shape)}")
-    idx = torch.cat([k_out_idx, v_out_idx], dim=2).long()
-    tokens = torch.where(idx != NO_OUTLIER, idx // HEAD_DIM, PAGE_TOKENS).sort(dim=2).values
-    repeated = torch.zeros_like(tokens, dtype=torch.bool)
-    repeated[..., 1:] = tokens[..., 1:] == tokens[..., :-1]
-    tokens = torch.where(repeated, PAGE_TOKENS, tokens).sort(dim=2).values
-    return tokens.to(torch.int32).contiguous(), (tokens < PAGE_TOKENS).sum(2).to(torch.int32)
+def slot_deltas(codes_words: torch.Tensor, centroids: torch.Tensor, out_idx: torch.Tensor,
+                out_val: torch.Tensor, kind: str, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [N, H, S]: per outlier slot, what it adds to the codebook term at its element (t, c):
+    values z_slot - centroid[code]; keys scale[c] * (z_slot - centroid[code]) (the main term's key is
+    mean + scale * centroid). z_slot = out_val * max |centroid| (nuq2.centroid_unit); unused slots 0."""
+    _check_kind(kind)
+    n, heads, slots = out_idx.shape
+    if not slots:
+        return torch.zeros(n, heads, 0, dtype=torch.float32, device=out_idx.device)
+    used = out_idx != NO_OUTLIER
+    pos = torch.where(used, out_idx, 0).long()  # [N, H, S] elements t * D + c
+    codes = codes_from_fragment(codes_words, kind).reshape(n, heads, -1).gather(2, pos)
+    c = centroids.float()
+    unit = c.abs().amax(-1, keepdim=True).clamp(min=1e-6)
+    delta = out_val.float() * unit - c.gather(2, codes)
+    if kind == "key":
+        if k_scale is None:
+            raise ValueError("slot_deltas: keys need k_scale")
+        delta = delta * k_scale.float().gather(2, pos % HEAD_DIM)
+    return torch.where(used, delta, 0.0).contiguous()
 
 
 @dataclass
@@ -151,27 +160,34 @@ class Nuq2FragmentPages:
     v_out_idx: torch.Tensor  # int32 [N, H, Sv]
     calibrated: bool = False  # the centroids came from a calibrated codebook (not stored in the slabs)
     version: int = NUQ2_FRAGMENT_VERSION
-    slot_tokens: torch.Tensor | None = None  # int32 [N, H, Sk + Sv]; None: derived from the out_idx tables
-    slot_counts: torch.Tensor | None = None  # int32 [N, H]
-    k_used: torch.Tensor | None = None  # int32 [N, H]
+    k_used: torch.Tensor | None = None  # int32 [N, H]; None (with the three below): derived here
     v_used: torch.Tensor | None = None  # int32 [N, H]
+    k_slot_delta: torch.Tensor | None = None  # fp32 [N, H, Sk]
+    v_slot_delta: torch.Tensor | None = None  # fp32 [N, H, Sv]
 
     def __post_init__(self):
-        derived = (self.slot_tokens, self.slot_counts, self.k_used, self.v_used)
+        derived = (self.k_used, self.v_used, self.k_slot_delta, self.v_slot_delta)
         if any(t is None for t in derived) and any(t is not None for t in derived):
-            raise ValueError("Nuq2FragmentPages: slot_tokens, slot_counts, k_used and v_used come together "
+            raise ValueError("Nuq2FragmentPages: k_used, v_used, k_slot_delta and v_slot_delta come together "
                              "(or all None)")
-        if self.slot_tokens is None:
+        if self.k_used is None:
             self.k_out_idx, self.k_out_val, self.k_used = used_slots_first(self.k_out_idx, self.k_out_val)
             self.v_out_idx, self.v_out_val, self.v_used = used_slots_first(self.v_out_idx, self.v_out_val)
-            self.slot_tokens, self.slot_counts = slot_token_lists(self.k_out_idx, self.v_out_idx)
+            self.k_slot_delta = slot_deltas(self.k_codes, self.k_centroids, self.k_out_idx, self.k_out_val, "key",
+                                            self.k_scale)
+            self.v_slot_delta = slot_deltas(self.v_codes, self.v_centroids, self.v_out_idx, self.v_out_val, "value")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
 
     def code_bytes_per_page_head(self) -> int:
-        """What the main kernel reads per page-head: K and V codes, centroids, key mean and scale."""
-        return 2 * PAGE_BYTES + 2 * 8 + 2 * HEAD_DIM
+        """What the kernel reads per page-head besides the slots: K and V codes, centroids, key mean
+        and scale, the two used counts."""
+        return 2 * PAGE_BYTES + 2 * 8 + 2 * HEAD_DIM + 8
+
+    def slot_bytes(self) -> int:
+        """What the kernel reads for the used slots of all pages (position and delta, 8 bytes each)."""
+        return 8 * int(self.k_used.sum() + self.v_used.sum())
 
 
 def check_shape(fmt: NUQ2Format, block_size: int, head_dim: int) -> None:

@@ -184,9 +184,10 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i
        "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16",
        "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "part_o": "*fp32", "part_lse": "*fp32",
        "qk_scale": "fp32", "window": "i32", "zero": "i32", "num_splits": "i32", "ns_total": "i32",
-       "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr"}
-for G, staged in ((1, True), (4, False), (8, True)):
-    src = GluonASTSource(nuq2_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "STAGED": staged},
+       "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr"}
+for G, staged, chunk0 in ((1, True, False), (4, False, True), (8, True, False)):
+    src = GluonASTSource(nuq2_decode_kernel, signature=sig,
+                         constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": chunk0},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
     ptx = k.asm["ptx"]
@@ -196,10 +197,10 @@ for G, staged in ((1, True), (4, False), (8, True)):
 
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships, for groups of 1, 4
-    and 8, with and without the staged tail: layouts that do not convert trivially, inline PTX or
-    shapes that do not fit fail here, not on the device. In a fresh interpreter: other CPU tests set
-    TRITON_INTERPRET=1 for the session (tests/triton_kernels.py), which leaves triton.language's own
-    helpers uncompilable."""
+    and 8, with and without the staged tail and the unconditional first slot chunk: layouts that do
+    not convert trivially, inline PTX or shapes that do not fit fail here, not on the device. In a
+    fresh interpreter: other CPU tests set TRITON_INTERPRET=1 for the session
+    (tests/triton_kernels.py), which leaves triton.language's own helpers uncompilable."""
     import os
     import subprocess
     import sys

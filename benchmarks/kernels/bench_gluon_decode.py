@@ -195,24 +195,31 @@ def run_shape(batch, context, splits, device, gen, bandwidth, only_gluon=False) 
         if ns > pages_per:
             continue
         for regs in REGISTER_CAPS[-1:] if only_gluon else REGISTER_CAPS:
-            fn = lambda ns=ns, regs=regs: reduce_on_device(  # noqa: E731
-                *nuq2_decode_partials(q, frag, tables, lens, scale, ns, regs), out)
-            sweep[f"{ns}/{regs}"] = bench(fn)
-            print(f"    gluon splits={ns} max_registers={regs}: {sweep[f'{ns}/{regs}'] * 1e3:.1f} us", flush=True)
+            for c0 in (False, True):  # slots: chunks while used ones remain / the first chunk always
+                fn = lambda ns=ns, regs=regs, c0=c0: reduce_on_device(  # noqa: E731
+                    *nuq2_decode_partials(q, frag, tables, lens, scale, ns, regs, slot_chunk0=c0), out)
+                key = f"{ns}/{regs}/{int(c0)}"
+                sweep[key] = bench(fn)
+                print(f"    gluon splits={ns} max_registers={regs} slot_chunk0={c0}: {sweep[key] * 1e3:.1f} us",
+                      flush=True)
     best = min(sweep, key=sweep.get)
-    best_ns, best_regs = int(best.split("/")[0]), None if best.endswith("None") else int(best.split("/")[1])
-    row["gluon"] = {"ms": sweep[best], "num_splits": best_ns, "max_registers": best_regs, "default_splits": default,
-                    "default_ms": sweep.get(f"{default}/None"), "sweep_ms (splits/max_registers)": sweep}
+    best_ns, best_regs, best_c0 = best.split("/")
+    best_ns, best_regs, best_c0 = int(best_ns), None if best_regs == "None" else int(best_regs), best_c0 == "1"
+    row["gluon"] = {"ms": sweep[best], "num_splits": best_ns, "max_registers": best_regs, "slot_chunk0": best_c0,
+                    "default_splits": default, "default_ms": sweep.get(f"{default}/None/0"),
+                    "sweep_ms (splits/max_registers/slot_chunk0)": sweep}
     best_fn = lambda: reduce_on_device(  # noqa: E731
-        *nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs), out)
+        *nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs, slot_chunk0=best_c0), out)
     if not only_gluon:
         row["gluon"]["eager_ms"] = bench_eager(best_fn)
-    row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs))
+    row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs,
+                                                                     slot_chunk0=best_c0))
     # what the engine launches: pages up to the newest one, that one from bf16 staging (the extra split)
     k_st = torch.randn(batch, HKV, P, D, device=device, dtype=torch.bfloat16, generator=gen)
     v_st = torch.randn_like(k_st)
     staged = (k_st, v_st, torch.arange(batch, device=device))
-    full = lambda: nuq2_decode_attention(q, frag, tables, lens, scale, best_ns, best_regs, staged, out=out)  # noqa: E731
+    full = lambda: nuq2_decode_attention(q, frag, tables, lens, scale, best_ns, best_regs, staged, out=out,  # noqa: E731
+                                         slot_chunk0=best_c0)
     row["gluon_staged_ms"] = bench(full)
     row["ratio_gluon_staged_vs_sdpa"] = row["sdpa_ms"] / row["gluon_staged_ms"]
     print(f"  SDPA {row['sdpa_ms'] * 1e3:.1f} us | Gluon {row['gluon']['ms'] * 1e3:.1f} us (kernel alone "

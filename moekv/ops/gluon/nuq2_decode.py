@@ -203,9 +203,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int) -> int:
 def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                          max_registers: int | None = None, staged: Staged | None = None,
-                         sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         sliding_window: int | None = None,
+                         slot_chunk0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
-    num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice)."""
+    num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice); slot_chunk0:
+    the first 16 slots of each kind unconditionally (loads not behind the used counts; ~35 more
+    registers), else chunks only while used slots remain."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1)
     check_extras(staged, sliding_window, B, Hkv)
     if not q.is_cuda:
@@ -237,7 +240,7 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, seq_slots,
         k_stage, v_stage, st[0], st[1], st[2],
         part_o, part_lse, scale * LOG2E, window, 0, num_splits, ns_total,
-        HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1,
+        HKV=Hkv, G=G, STAGED=staged is not None, CHUNK0=bool(slot_chunk0), num_warps=1,
         **({"maxnreg": int(max_registers)} if max_registers else {}))
     return part_o, part_lse
 
@@ -253,10 +256,11 @@ def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                           max_registers: int | None = None, staged: Staged | None = None,
-                          sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                          sliding_window: int | None = None, out: torch.Tensor | None = None,
+                          slot_chunk0: bool = False) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order (outlier slots included,
     exact) and, with `staged`, the 16-bit tail -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
     reduce, two launches, no host sync. CUDA only."""
     part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                            staged, sliding_window)
+                                            staged, sliding_window, slot_chunk0)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

@@ -13,8 +13,9 @@ P^T becomes the B operand by transposing each 8x8 block in registers (movmatrix)
 scale multiplies q (fp16 pairs, a [128, 8] B operand per page); their channel mean enters as q . mean
 per head, itself an MMA (the mean in every row of A) whose product seeds the scores' accumulator.
 
-Outlier slots, folded into the same tile, exact, on the tensor cores, 16 used slots per chunk (nuq2
-has up to 80 key and 32 value slots a page-head; a page-head without used slots runs no chunk). With
+Outlier slots, folded into the same tile, exact, on the tensor cores, 16 slots per chunk (nuq2 has
+up to 80 key and 32 value slots a page-head, used ones first; the first chunk always runs, with
+loads that do not wait for the used counts, further chunks only when more than 16 are used). With
 (t_j, c_j) slot j's element and kd_j, dv_j its precomputed deltas (nuq2_layout.slot_deltas):
     before the softmax  S^T [64, 8]  += OneHot_K [64, 16] @ W [16, 8],  W[j, n] = q[n, c_j] kd_j
                         (W as an fp16 hi + lo pair: two MMAs, ~fp32 accuracy)
@@ -100,54 +101,65 @@ def _softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT: gl.constexpr, LB: gl.co
 
 
 @gluon.jit
-def _key_slots(s, k_idx, k_delta, nk, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
-    """S^T += OneHot_K [64, 16] @ W [16, 8] for the page-head's nk used key slots, 16 a chunk."""
-    tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LA))
-    ja = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
-    jb = gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
+def _key_slot_chunk_load(k_idx, k_delta, c0, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
+                         LB: gl.constexpr):
+    """Key slots [c0, c0 + 16) (those below lim): their tokens as OneHot_K's columns, and W [16, 8] =
+    q[n, c_j] kd_j (fp32, the B operand's layout). Unused slots have token 511 and delta 0."""
+    ja = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
+    jb = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
     nb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-    for c0 in range(0, nk, 16):
-        idx_a = gl.load(k_idx + c0 + ja, mask=c0 + ja < nk, other=65535)
-        hot = gl.where(gl.expand_dims(tok, 1) == gl.expand_dims(idx_a // 128, 0), 1.0, 0.0).to(gl.float16)
-        idx_b = gl.load(k_idx + c0 + jb, mask=c0 + jb < nk, other=0)
-        kd = gl.load(k_delta + c0 + jb, mask=c0 + jb < nk, other=0.0)
-        qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b % 128, 1),
-                     mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(c0 + jb < nk, 1), other=0.0).to(gl.float32)
-        w = qv * gl.expand_dims(kd, 1)
-        w_hi = w.to(gl.float16)
-        w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
-        s = gl.nvidia.ampere.mma_v2(hot, w_hi, s)
-        s = gl.nvidia.ampere.mma_v2(hot, w_lo, s)
-    return s
+    tok_j = gl.load(k_idx + ja, mask=ja < lim, other=65535) // 128
+    idx_b = gl.load(k_idx + jb, mask=jb < lim, other=0)
+    kd = gl.load(k_delta + jb, mask=jb < lim, other=0.0)
+    qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b % 128, 1),
+                 mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
+    return tok_j, qv * gl.expand_dims(kd, 1)
 
 
 @gluon.jit
-def _value_slots(acc, pb, v_idx, v_delta, nv, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
-    """O^T += Dv^T [128, 16] @ (OneHot_V [16, 64] @ P^T) for the page-head's nv used value slots."""
+def _key_slot_chunk(s, tok_j, w, LA: gl.constexpr):
+    """S^T [64, 8] += OneHot_K [64, 16] @ W [16, 8], W as an fp16 hi + lo pair (two MMAs)."""
+    tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LA))
+    hot = gl.where(gl.expand_dims(tok, 1) == gl.expand_dims(tok_j, 0), 1.0, 0.0).to(gl.float16)
+    w_hi = w.to(gl.float16)
+    w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
+    s = gl.nvidia.ampere.mma_v2(hot, w_hi, s)
+    return gl.nvidia.ampere.mma_v2(hot, w_lo, s)
+
+
+@gluon.jit
+def _value_slot_chunk_load(v_idx, v_delta, c0, lim, LA: gl.constexpr):
+    """Value slots [c0, c0 + 16) (those below lim): tokens as OneHot_V's rows, channels and deltas
+    as Dv^T's columns (unused: token 511, delta 0)."""
+    jr = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
+    jc = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
+    tok_j = gl.load(v_idx + jr, mask=jr < lim, other=65535) // 128
+    chan_j = gl.load(v_idx + jc, mask=jc < lim, other=0) % 128
+    dv = gl.load(v_delta + jc, mask=jc < lim, other=0.0).to(gl.float16)
+    return tok_j, chan_j, dv
+
+
+@gluon.jit
+def _value_slot_chunk(acc, pb, tok_j, chan_j, dv, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+    """O^T [128, 8] += Dv^T [128, 16] @ (OneHot_V [16, 64] @ P^T)."""
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(0, LA))
-    j_rows = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
-    j_cols = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
     chan = gl.arange(0, 128, layout=gl.SliceLayout(1, LA))
-    zero = gl.zeros([16, 8], gl.float32, layout=MMA)
-    for c0 in range(0, nv, 16):
-        idx_r = gl.load(v_idx + c0 + j_rows, mask=c0 + j_rows < nv, other=65535)
-        hot = gl.where(gl.expand_dims(idx_r // 128, 1) == gl.expand_dims(tok, 0), 1.0, 0.0).to(gl.float16)
-        p_slots = gl.nvidia.ampere.mma_v2(hot, pb, zero)  # [16, 8]: P at each slot's token
-        psb = _as_b_operand(p_slots.to(gl.float16), 16, LB)
-        idx_c = gl.load(v_idx + c0 + j_cols, mask=c0 + j_cols < nv, other=0)
-        dv = gl.load(v_delta + c0 + j_cols, mask=c0 + j_cols < nv, other=0.0).to(gl.float16)
-        dvt = gl.where(gl.expand_dims(chan, 1) == gl.expand_dims(idx_c % 128, 0), gl.expand_dims(dv, 0),
-                       gl.zeros([128, 16], gl.float16, layout=LA))
-        acc = gl.nvidia.ampere.mma_v2(dvt, psb, acc)
-    return acc
+    hot = gl.where(gl.expand_dims(tok_j, 1) == gl.expand_dims(tok, 0), 1.0, 0.0).to(gl.float16)
+    p_slots = gl.nvidia.ampere.mma_v2(hot, pb, gl.zeros([16, 8], gl.float32, layout=MMA))  # P at the slots' tokens
+    psb = _as_b_operand(p_slots.to(gl.float16), 16, LB)
+    dvt = gl.where(gl.expand_dims(chan, 1) == gl.expand_dims(chan_j, 0), gl.expand_dims(dv, 0),
+                   gl.zeros([128, 16], gl.float16, layout=LA))
+    return gl.nvidia.ampere.mma_v2(dvt, psb, acc)
 
 
 @gluon.jit
 def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i, acc, qk_scale,
-               n_valid, n_first, k_idx, k_delta, nk, v_idx, v_delta, nv, q_ptr, head0, G: gl.constexpr,
-               LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+               n_valid, n_first, k_idx, k_delta, nk, SK, v_idx, v_delta, nv, SV, q_ptr, head0, G: gl.constexpr,
+               CHUNK0: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
     """One page: scores (+ key slots), online softmax, P @ V (+ value slots) into acc (O^T [128, 8]).
-    Tokens [n_first, n_valid) of the page count."""
+    Tokens [n_first, n_valid) of the page count. Slots run in chunks of 16 while used ones remain;
+    CHUNK0: the first chunk of each kind runs unconditionally (unused slots add exact zeros; its loads
+    do not wait for the used counts, at ~35 more registers a thread)."""
     k_lo = _per_lane(gl.load(k_table), zero)
     k_hi = _per_lane(gl.load(k_table + 1), zero)
     v_lo = _per_lane(gl.load(v_table), zero)
@@ -160,7 +172,12 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     kf = gl.reshape(kf, [PAGE, 128])
     ka = gl.convert_layout(kf, LA, assert_trivial=True)
     s = gl.nvidia.ampere.mma_v2(ka, q_scaled, bias)  # S^T [64, 8], from bias [64, 8] (q . mean per head)
-    s = _key_slots(s, k_idx, k_delta, nk, q_ptr, head0, G, LA, LB)
+    if CHUNK0:
+        k_tok, w = _key_slot_chunk_load(k_idx, k_delta, 0, SK, q_ptr, head0, G, LA, LB)
+        s = _key_slot_chunk(s, k_tok, w, LA)
+    for c0 in range(16 if CHUNK0 else 0, nk, 16):
+        k_tok, w = _key_slot_chunk_load(k_idx, k_delta, c0, nk, q_ptr, head0, G, LA, LB)
+        s = _key_slot_chunk(s, k_tok, w, LA)
 
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))
     valid = gl.expand_dims((tok < n_valid) & (tok >= n_first), 1)
@@ -173,7 +190,12 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     vf = gl.reshape(vf, [128, PAGE])
     va = gl.convert_layout(vf, LA, assert_trivial=True)
     acc = gl.nvidia.ampere.mma_v2(va, pb, acc)  # O^T [128, 8]
-    acc = _value_slots(acc, pb, v_idx, v_delta, nv, LA, LB, MMA)
+    if CHUNK0:
+        v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, 0, SV, LA)
+        acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
+    for c0 in range(16 if CHUNK0 else 0, nv, 16):
+        v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, c0, nv, LA)
+        acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
     return m_new, l_i, acc
 
 
@@ -220,7 +242,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                        q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                        k_stage, v_stage, stride_ss, stride_sh, stride_st,
                        part_o, part_lse, qk_scale, window, zero, num_splits, ns_total,
-                       HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr):
+                       HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512]; k_tables, v_tables int32 [N, HKV, 2] (the fp16
     centroids); k_mean, k_scale fp8 [N, HKV, 128]; k_idx / v_idx int32 [N, HKV, SK / SV] (slot
     positions, used first), k_delta / v_delta fp32 (their deltas), k_used / v_used int32 [N, HKV];
@@ -309,8 +331,9 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
             nv = gl.load(v_used + page)
             m_i, l_i, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
                                        q_scaled, bias, m_i, l_i, acc, qk_scale, length - pg * PAGE,
-                                       first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk,
-                                       v_idx + page * SV, v_delta + page * SV, nv, q_ptr, head0, G, LA, LB, MMA)
+                                       first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
+                                       v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G, CHUNK0,
+                                       LA, LB, MMA)
             kx = kx_n
             vx = vx_n
             page = page_n

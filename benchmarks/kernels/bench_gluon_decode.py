@@ -15,7 +15,8 @@ eager_ms): SDPA, today's kernel at its default launch (newest page from bf16 sta
 kernel + reduce at a few split counts and register caps (best reported, all kept), and the Gluon path
 with the staged bf16 tail as its extra split (gluon_staged_ms: what the engine launches, the same
 work as today's kernel). Beside each: bytes read and the byte floor (bytes / the bandwidth of a 4 GiB
-device copy measured in the same run).
+device copy measured in the same run). Before the shapes: what converting freshly quantized pages
+into fragment order costs beside quantizing them (the engine does it at quantize-on-write time).
 
     python benchmarks/kernels/bench_gluon_decode.py            # writes $OUT/gluon_decode.json (or /tmp)
     python benchmarks/kernels/bench_gluon_decode.py --shapes 16x32768 --splits 16 32 64
@@ -44,7 +45,12 @@ from moekv.ops.gluon.nuq2_decode import (  # noqa: E402
     nuq2_decode_partials,
     reduce_on_device,
 )
-from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages, dequantize_fragment, to_fragment_order  # noqa: E402
+from moekv.ops.gluon.nuq2_layout import (  # noqa: E402
+    Nuq2FragmentPages,
+    dequantize_fragment,
+    kind_to_fragment,
+    to_fragment_order,
+)
 from moekv.ops.reference import decode_attention_ref  # noqa: E402
 
 HQ, HKV, D, P = 32, 8, 128, 64
@@ -237,6 +243,25 @@ def run_shape(batch, context, splits, device, gen, bandwidth, only_gluon=False) 
     return row
 
 
+def conversion_cost(device, gen) -> dict:
+    """What keeping the engine's pools in fragment order costs at quantize-on-write time: the pages a
+    decode step fills (n pages of 8 KV heads, all layers' fills in one batch), quantized to slabs by
+    nuq2 and converted (kind_to_fragment), K and V, graph-replayed ms."""
+    fmt = NUQ2Format(codebook="page")
+    out = {}
+    for n in (16, 512):  # e.g. 16 sequences filling a page in one layer; 16 in each of 32 layers
+        x = torch.randn(n, HKV, P, D, device=device, generator=gen)
+        x[..., 7] *= 8
+        slabs = {kind: fmt.quantize_packed(x, kind) for kind in ("key", "value")}
+        out[f"{n}_pages"] = {
+            "quantize_ms": bench(lambda: [fmt.quantize_packed(x, kind) for kind in ("key", "value")]),  # noqa: B023
+            "convert_ms": bench(lambda: [kind_to_fragment(fmt, kind, slabs[kind])  # noqa: B023
+                                         for kind in ("key", "value")])}
+        print(f"  {n} pages x {HKV} heads: quantize {out[f'{n}_pages']['quantize_ms'] * 1e3:.1f} us, convert "
+              f"{out[f'{n}_pages']['convert_ms'] * 1e3:.1f} us", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=None, help="BATCHxCONTEXT, e.g. 16x32768")
@@ -261,6 +286,10 @@ def main() -> None:
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     record["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     print("copy bandwidth GB/s", round(record["copy_bandwidth_GBps"]), flush=True)
+    try:
+        record["fragment_conversion"] = conversion_cost(device, gen)
+    except Exception as e:  # noqa: BLE001  (recorded; the shapes still run)
+        record["fragment_conversion"] = {"error": repr(e)[:500]}
     record["rows"] = []
     for batch, context in shapes:
         print(f"shape {batch} x {context}", flush=True)

@@ -149,6 +149,7 @@ def test_default_split_rule():
     assert default_num_splits(1, 8, 64) == 32  # short contexts: at least 2 pages a split
     assert default_num_splits(16, 8, 512) == 32  # about 4096 programs
     assert default_num_splits(64, 8, 512) == 8
+    assert default_num_splits(1, 8, 2048, extra=1) == 255  # with the staged split: 256 partials in all
 
 
 def test_bad_inputs_are_refused():

@@ -190,23 +190,26 @@ def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tenso
 # -- the GPU path ------------------------------------------------------------------------------------
 TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at (~3 waves on an H200)
 MAX_SPLITS = 256  # batch 1 at 128k: 256 splits (8 pages each) 49 us, 512 (4 pages) 87 us (docs/journal.md)
+DEFAULT_MAX_REGISTERS = 128  # ptxas's cap: 2-10% faster than none at every measured shape (docs/journal.md)
+DEFAULT_SLOT_CHUNK0 = True  # the first slot chunk unconditionally: 2-10% faster with the cap (docs/journal.md)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_pages: int) -> int:
+def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int = 0) -> int:
     """Splits per (sequence, KV head): about TARGET_PROGRAMS programs, each with at least 2 pages,
-    at most MAX_SPLITS (more splits at batch 1 cost more in the reduce and per-split setup than
-    they gain in parallelism)."""
+    and with the `extra` split (the staged tail) at most MAX_SPLITS in all: more splits at batch 1
+    cost more in the reduce and per-split setup than they gain in parallelism, and the reduce pads
+    the split count to a power of two (257 partials cost ~40 us more than 256 at 1 x 128k)."""
     want = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
-    return max(1, min(want, -(-max_pages // 2), MAX_SPLITS))
+    return max(1, min(want, -(-max_pages // 2), MAX_SPLITS - extra))
 
 
 def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                         max_registers: int | None = None, staged: Staged | None = None,
+                         max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                          sliding_window: int | None = None,
-                         slot_chunk0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         slot_chunk0: bool = DEFAULT_SLOT_CHUNK0) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
-    num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice); slot_chunk0:
+    num_splits holds the 16-bit tail. max_registers: ptxas's cap (0 / None: its choice); slot_chunk0:
     the first 16 slots of each kind unconditionally (loads not behind the used counts; ~35 more
     registers), else chunks only while used slots remain."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1)
@@ -220,7 +223,7 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
         from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
     except ImportError as e:  # Triton without Gluon
         raise RuntimeError(f"nuq2 Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}") from e
-    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1])
+    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None))
     Hq = q.shape[1]
     ns_total = num_splits + (staged is not None)
     part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)
@@ -255,9 +258,9 @@ def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 
 def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                          max_registers: int | None = None, staged: Staged | None = None,
+                          max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                           sliding_window: int | None = None, out: torch.Tensor | None = None,
-                          slot_chunk0: bool = False) -> torch.Tensor:
+                          slot_chunk0: bool = DEFAULT_SLOT_CHUNK0) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order (outlier slots included,
     exact) and, with `staged`, the 16-bit tail -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
     reduce, two launches, no host sync. CUDA only."""

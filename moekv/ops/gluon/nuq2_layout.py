@@ -83,6 +83,23 @@ def _element_of_slot(kind: str) -> torch.Tensor:
 ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
 # the inverse: element t * D + c -> its slot 4 * byte + field
 SLOT_OF_ELEMENT = {kind: torch.argsort(e) for kind, e in ELEMENT_OF_SLOT.items()}
+_ON_DEVICE: dict[tuple[str, str, torch.device], torch.Tensor] = {}
+
+
+def _index_on(table: str, kind: str, device: torch.device) -> torch.Tensor:
+    """ELEMENT_OF_SLOT / SLOT_OF_ELEMENT [kind] on `device`, copied once: a copy from the host inside a
+    CUDA graph capture (the engine converts the pages a captured step fills) is refused."""
+    key = (table, kind, torch.device(device))
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = (ELEMENT_OF_SLOT if table == "element" else SLOT_OF_ELEMENT)[kind].to(device)
+    return _ON_DEVICE[key]
+
+
+def prepare_device(device: torch.device) -> None:
+    """Put the reorder's index tables on `device` now (before any capture that converts pages)."""
+    for kind in ("key", "value"):
+        _index_on("element", kind, device)
+        _index_on("slot", kind, device)
 
 
 def _check_kind(kind: str) -> None:
@@ -97,7 +114,7 @@ def codes_to_fragment(codes: torch.Tensor, kind: str) -> torch.Tensor:
         raise ValueError(f"codes_to_fragment: codes must end in [{PAGE_TOKENS}, {HEAD_DIM}], got {tuple(codes.shape)}")
     lead = codes.shape[:-2]
     flat = codes.reshape(*lead, PAGE_TOKENS * HEAD_DIM).to(torch.uint8)
-    slots = flat[..., ELEMENT_OF_SLOT[kind].to(codes.device)].reshape(*lead, PAGE_BYTES, 4)
+    slots = flat[..., _index_on("element", kind, codes.device)].reshape(*lead, PAGE_BYTES, 4)
     packed = slots[..., 0] | (slots[..., 1] << 2) | (slots[..., 2] << 4) | (slots[..., 3] << 6)
     return packed.contiguous().view(torch.int32)
 
@@ -108,7 +125,7 @@ def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
     lead = words.shape[:-1]
     packed = words.contiguous().view(torch.uint8)  # [..., 2048]
     slots = torch.stack([(packed >> (2 * f)) & 3 for f in range(4)], dim=-1).reshape(*lead, PAGE_TOKENS * HEAD_DIM)
-    return slots[..., SLOT_OF_ELEMENT[kind].to(words.device)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
+    return slots[..., _index_on("slot", kind, words.device)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
 
 
 def used_slots_first(out_idx: torch.Tensor, out_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -320,6 +337,7 @@ def fragment_bytes_per_page_head(fmt) -> int:
 def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
                              device: torch.device) -> dict[str, torch.Tensor]:
     """Empty fragment-order pools [num_blocks, num_kv_heads, ...]: zero codes, unused slots."""
+    prepare_device(device)
     out = {}
     for name, (shape, dt) in fragment_table_shapes(fmt).items():
         t = torch.zeros(num_blocks, num_kv_heads, *shape, dtype=dt, device=device)

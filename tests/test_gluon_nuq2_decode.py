@@ -1,7 +1,7 @@
-"""The nuq2 Gluon decode path (moekv/ops/gluon/nuq2_decode.py). On CPU: its split reference (main
-term with the keys' channel affine folded into q, then the outlier slots as a sparse term) against
-dense attention over nuq2's own dequantized pages, in float64. On a GPU (marked gpu): the Gluon
-kernel against that reference."""
+"""The nuq2 Gluon decode path (moekv/ops/gluon/nuq2_decode.py). On CPU: its split reference (the
+keys' channel affine folded into q, the outlier slots folded in as one-hot products, the staged
+16-bit tail as one more split, sliding windows) against dense attention over nuq2's own dequantized
+pages, in float64. On a GPU (marked gpu): the Gluon kernel against that reference and dense attention."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +9,8 @@ import torch
 
 from moekv.kvcache.formats.nuq2 import NUQ2Format
 from moekv.ops.gluon.nuq2_decode import (
-    main_term_reference,
+    default_num_splits,
     nuq2_decode_split_reference,
-    outlier_corrections,
     reduce_partials,
 )
 from moekv.ops.gluon.nuq2_layout import dequantize_fragment, to_fragment_order
@@ -50,38 +49,56 @@ def build(lens, Hkv, seed, outliers=True, device="cpu", heavy=True):
     return fmt, frag, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device), slabs[0], slabs[1]
 
 
-def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, outliers=True):
-    """decode_attention_ref over each sequence's pages as nuq2 dequantizes them (float64)."""
+def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged=None, sliding_window=None):
+    """decode_attention_ref over each sequence's pages as nuq2 dequantizes them (float64); with
+    staged = (k_stage, v_stage, seq_slots), tokens from ((len - 1) // 64) * 64 on from the staging."""
     kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key")  # [N, H, P, D]
     vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value")
     keys, values = [], []
     for b, n in enumerate(lens.tolist()):
         ids = tables[b, :-(-n // P)].long().cpu()
-        keys.append(kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n].double())
-        values.append(vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double())
-    return decode_attention_ref(q.double().cpu(), keys, values, scale)
+        k = kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n].double()
+        v = vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double()
+        if staged is not None:
+            quantized = (n - 1) // P * P
+            slot = int(staged[2][b])
+            k = torch.cat([k[:quantized], staged[0][slot].cpu().double().transpose(0, 1)[: n - quantized]])
+            v = torch.cat([v[:quantized], staged[1][slot].cpu().double().transpose(0, 1)[: n - quantized]])
+        keys.append(k)
+        values.append(v)
+    return decode_attention_ref(q.double().cpu(), keys, values, scale, sliding_window)
+
+
+def staging(B, Hkv, seed, device="cpu", dtype=torch.float64):
+    """Random 16-bit staging pages [B + 1, Hkv, 64, 128] (one spare) and a permuted slot per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype)
+    v = torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype)
+    slots = torch.randperm(B + 1, generator=g)[:B]
+    return k.to(device), v.to(device), slots.to(device)
 
 
 @pytest.mark.parametrize("G, num_splits", [(1, 3), (4, 1), (4, 8), (8, 3)])
 def test_split_reference_matches_dense_attention(G, num_splits):
+    """The fold of the outlier slots (one-hot products in the tile) is exact: the reference equals
+    dense attention over nuq2's dequantized pages; without the slots it does not."""
     Hkv = 2
     lens = [64, 200, 5 * 64 + 1]  # on and off page boundaries; 8 splits leave some empty
     fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G + num_splits)
-    assert (frag.k_out_idx != 0xFFFF).any() and (frag.v_out_idx != 0xFFFF).any()
+    assert (frag.k_used > 0).any() and (frag.v_used > 0).any()
     q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     scale = D ** -0.5
     ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, scale)
     part_o, part_lse = nuq2_decode_split_reference(q, frag, tables, lens_t, scale, num_splits)
     assert part_o.shape == (len(lens), Hkv * G, num_splits, D)
     torch.testing.assert_close(reduce_partials(part_o, part_lse), ref, rtol=1e-9, atol=1e-9)
-    # the sparse term is what makes it exact: without it the output is off
-    main_o, main_lse = main_term_reference(q, frag, tables, lens_t, scale, num_splits)
+    main_o, main_lse = nuq2_decode_split_reference(q, frag, tables, lens_t, scale, num_splits, outliers=False)
     assert (reduce_partials(main_o, main_lse) - ref).abs().max() > 1e-3
 
 
-def test_main_term_is_attention_over_pages_without_outliers():
-    """The kernel's term alone: attention over the codebook values with the keys' channel affine,
-    slots ignored (dequantize_fragment(outliers=False)), folded or not."""
+def test_codebook_term_is_attention_over_pages_without_outliers():
+    """outliers=False: attention over the codebook values with the keys' channel affine, slots
+    ignored (dequantize_fragment(outliers=False))."""
     Hkv, G, lens = 2, 4, [130, 64 * 3]
     _, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=3)
     q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -91,30 +108,70 @@ def test_main_term_is_attention_over_pages_without_outliers():
     values = [vd[tables[b, :-(-n // P)].long()].permute(0, 2, 1, 3).reshape(-1, Hkv, D)[:n].double()
               for b, n in enumerate(lens)]
     ref = decode_attention_ref(q, keys, values, 0.1)
-    torch.testing.assert_close(reduce_partials(*main_term_reference(q, frag, tables, lens_t, 0.1, 2)), ref,
-                               rtol=1e-9, atol=1e-9)
+    out = reduce_partials(*nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, 2, outliers=False))
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
 
 
-def test_corrections_without_slots_change_nothing():
+def test_pages_without_slots():
     Hkv, G, lens = 2, 4, [100]
     fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=4, outliers=False)
+    assert int(frag.k_used.sum()) == 0 and int(frag.v_used.sum()) == 0
     q = torch.randn(1, Hkv * G, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    o, lse = main_term_reference(q, frag, tables, lens_t, 0.1, 2)
-    o2, lse2 = o.clone(), lse.clone()
-    outlier_corrections(o2, lse2, q, frag, tables, lens_t, 0.1)
+    o, lse = nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, 2)
+    o2, lse2 = nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, 2, outliers=False)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
     torch.testing.assert_close(reduce_partials(o, lse), dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1),
                                rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("window", [None, 1, 50, 64 * 2 + 3, 10_000])
+def test_staged_tail_and_sliding_window(window):
+    """The staged 16-bit tail as split num_splits (the newest page, even when full, from staging)
+    and sliding windows (pages before the window skipped, the first one masked), against dense
+    attention over pages + staging with the same window."""
+    Hkv, G = 2, 4
+    lens = [64, 65, 200, 5 * 64 + 1, 4 * 64]  # tails of 64, 1, 8, 1, 64 tokens
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=7)
+    staged = staging(len(lens), Hkv, seed=8)
+    q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1, staged, window)
+    for ns in (1, 3):
+        part_o, part_lse = nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged,
+                                                       sliding_window=window)
+        assert part_o.shape[2] == ns + 1 and bool(part_lse[:, :, ns].isfinite().all())  # every tail holds a token
+        torch.testing.assert_close(reduce_partials(part_o, part_lse), ref, rtol=1e-9, atol=1e-9)
+    if window == 1:  # only the newest token counts: the page splits are empty
+        assert bool((part_lse[:, :, :ns] == -float("inf")).all())
+
+
+def test_default_split_rule():
+    assert default_num_splits(1, 8, 2048) == 256  # batch 1 at 128k: capped (MAX_SPLITS)
+    assert default_num_splits(1, 8, 64) == 32  # short contexts: at least 2 pages a split
+    assert default_num_splits(16, 8, 512) == 32  # about 4096 programs
+    assert default_num_splits(64, 8, 512) == 8
+    assert default_num_splits(1, 8, 2048, extra=1) == 255  # with the staged split: 256 partials in all
+
+
 def test_bad_inputs_are_refused():
     _, frag, tables, lens_t, _, _ = build([64], 2, seed=5)
+    q = torch.zeros(1, 2, D, dtype=torch.float64)
     with pytest.raises(ValueError, match="G in 1, 2, 4, 8"):
-        main_term_reference(torch.zeros(1, 6, D, dtype=torch.float64), frag, tables, lens_t, 0.1, 1)
+        nuq2_decode_split_reference(torch.zeros(1, 6, D, dtype=torch.float64), frag, tables, lens_t, 0.1, 1)
     with pytest.raises(ValueError, match="head"):
-        main_term_reference(torch.zeros(1, 2, 64, dtype=torch.float64), frag, tables, lens_t, 0.1, 1)
+        nuq2_decode_split_reference(torch.zeros(1, 2, 64, dtype=torch.float64), frag, tables, lens_t, 0.1, 1)
     with pytest.raises(ValueError, match="num_splits"):
-        main_term_reference(torch.zeros(1, 2, D, dtype=torch.float64), frag, tables, lens_t, 0.1, 0)
+        nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, 0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, 1, sliding_window=0)
+    k, v, slots = staging(1, 2, seed=1)
+    with pytest.raises(ValueError, match="staging tensors"):
+        nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, 1, staged=(k[:, :1], v[:, :1], slots))
+    with pytest.raises(ValueError, match="seq_slots"):
+        nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, 1, staged=(k, v, slots.repeat(2)))
+    with pytest.raises(ValueError, match="CUDA"):
+        from moekv.ops.gluon.nuq2_decode import nuq2_decode_partials
+
+        nuq2_decode_partials(q.float(), frag, tables, lens_t, 0.1, 1)
 
 
 SM90_BUILD = """
@@ -123,12 +180,16 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i32", "k_mean": "*fp8e4nv",
-       "k_scale": "*fp8e4nv", "q_ptr": "*bf16", "block_tables": "*i32", "stride_bt": "i32",
-       "context_lens": "*i32", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "zero": "i32",
-       "num_splits": "i32", "HKV": "constexpr", "G": "constexpr"}
-for G in (1, 4, 8):
-    src = GluonASTSource(nuq2_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G},
-                         attrs={(i,): [["tt.divisibility", 16]] for i in range(8)})
+       "k_scale": "*fp8e4nv", "k_idx": "*i32", "k_delta": "*fp32", "k_used": "*i32", "v_idx": "*i32",
+       "v_delta": "*fp32", "v_used": "*i32", "SK": "i32", "SV": "i32", "q_ptr": "*bf16", "block_tables": "*i32",
+       "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16",
+       "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "part_o": "*fp32", "part_lse": "*fp32",
+       "qk_scale": "fp32", "window": "i32", "zero": "i32", "num_splits": "i32", "ns_total": "i32",
+       "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr"}
+for G, staged, chunk0 in ((1, True, False), (4, False, True), (8, True, False)):
+    src = GluonASTSource(nuq2_decode_kernel, signature=sig,
+                         constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": chunk0},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
     ptx = k.asm["ptx"]
     print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in ptx, "prmt.b32" in ptx, ".local" in ptx)
@@ -137,9 +198,10 @@ for G in (1, 4, 8):
 
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships, for groups of 1, 4
-    and 8: layouts that do not convert trivially, inline PTX or shapes that do not fit fail here,
-    not on the device. In a fresh interpreter: other CPU tests set TRITON_INTERPRET=1 for the
-    session (tests/triton_kernels.py), which leaves triton.language's own helpers uncompilable."""
+    and 8, with and without the staged tail and the unconditional first slot chunk: layouts that do
+    not convert trivially, inline PTX or shapes that do not fit fail here, not on the device. In a
+    fresh interpreter: other CPU tests set TRITON_INTERPRET=1 for the session
+    (tests/triton_kernels.py), which leaves triton.language's own helpers uncompilable."""
     import os
     import subprocess
     import sys
@@ -167,18 +229,18 @@ def relative_error(out, ref):
 @GPU
 @pytest.mark.parametrize("G", [1, 4, 8])
 @pytest.mark.parametrize("lens", [[64], [4096 + 7], [1000, 64 * 9, 129, 3000]])
-def test_gpu_kernel_matches_main_term(G, lens):
-    """The Gluon kernel's partials against the main-term reference (float64): batch 1 and 4,
-    lengths on and off page boundaries, GQA 1 / 4 / 8, a few split counts (some splits empty)."""
+def test_gpu_kernel_matches_reference(G, lens):
+    """The Gluon kernel's partials (outlier slots folded in) against the split reference (float64):
+    batch 1 and 4, lengths on and off page boundaries, GQA 1 / 4 / 8, a few split counts (some
+    splits empty)."""
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_partials
 
     Hkv = 8 // G if G > 1 else 4
     _, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=G, device="cuda")
     q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    frag64 = frag
     for ns in (1, 5, 64):
         part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens_t, D ** -0.5, ns)
-        ref_o, ref_lse = main_term_reference(q.double(), frag64, tables, lens_t, D ** -0.5, ns)
+        ref_o, ref_lse = nuq2_decode_split_reference(q.double(), frag, tables, lens_t, D ** -0.5, ns)
         full = ref_lse > -float("inf")
         assert torch.equal(part_lse.isfinite().cpu(), full.cpu()), "empty splits must be -inf, others finite"
         assert (part_lse - ref_lse)[full].abs().max() < 2e-2
@@ -191,7 +253,7 @@ def test_gpu_kernel_matches_main_term(G, lens):
 @pytest.mark.parametrize("outliers", [True, False])
 @pytest.mark.parametrize("G", [1, 4, 8])
 def test_gpu_decode_matches_dense_attention(G, outliers):
-    """Kernel + sparse term + reduce against dense attention over nuq2's own dequantized pages."""
+    """Kernel + reduce against dense attention over nuq2's own dequantized pages."""
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
 
     Hkv = 8 // G if G > 1 else 4
@@ -201,6 +263,24 @@ def test_gpu_decode_matches_dense_attention(G, outliers):
     ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
     out = nuq2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
     assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
-    if outliers:  # the sparse term matters at this tolerance
-        without = nuq2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4, outliers=False)
-        assert relative_error(without, ref) > 2 * relative_error(out, ref)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("window", [None, 1, 100, 64 * 5 + 3])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_staged_tail_and_window(G, window):
+    """The staged bf16 tail as the launch's extra split, and sliding windows, against dense attention
+    over pages + staging."""
+    from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
+
+    Hkv = 8 // G if G > 1 else 4
+    lens = [777, 64 * 16, 65, 64]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=20 + G, device="cuda")
+    k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, (k, v, slots), window)
+    for ns in (1, 3, None):
+        out = nuq2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
+                                    sliding_window=window)
+        assert relative_error(out, ref) < 1e-2, ns

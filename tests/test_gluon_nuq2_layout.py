@@ -105,16 +105,31 @@ def test_bad_shapes_are_refused():
         codes_to_fragment(torch.zeros(P, D, dtype=torch.long), "keys")
 
 
-def test_slot_token_lists_are_the_distinct_slot_tokens():
-    """Per page-head: the tokens holding a used key or value slot, each once, ascending, padded
-    with PAGE_TOKENS; to_fragment_order derives them from nuq2's out_idx tables."""
-    from moekv.ops.gluon.nuq2_layout import PAGE_TOKENS, slot_token_lists
+@pytest.mark.parametrize("n", [1, 5])
+def test_slot_deltas_complete_the_codebook_term(n):
+    """The per-slot deltas the kernel folds in (k_slot_delta, v_slot_delta), scattered onto the
+    codebook term at their elements, give nuq2's own dequantize: keys mean + scale * centroid +
+    kd = mean + scale * z_slot, values centroid + dv = z_slot. Unused slots carry 0, used ones come first."""
+    fmt, k_pages, v_pages = nuq2_pages(n, seed=10 + n)
+    frag = to_fragment_order(fmt, k_pages, v_pages)
+    for name, kind, pages in (("k", "key", k_pages), ("v", "value", v_pages)):
+        ref = fmt.dequantize(fmt.layout(kind, P, D).unpack(pages), kind).double()
+        idx, used = getattr(frag, f"{name}_out_idx").long(), getattr(frag, f"{name}_used")
+        delta = getattr(frag, f"{name}_slot_delta").double()
+        slot = torch.arange(idx.shape[2])
+        assert torch.equal(idx != 0xFFFF, slot < used[..., None])  # used first, counted
+        assert bool((delta[idx == 0xFFFF] == 0).all()) and int(used.sum()) > 0
+        main = dequantize_fragment(frag, kind, outliers=False).double().reshape(n, H, P * D)
+        main.scatter_add_(2, idx.clamp(max=P * D - 1), torch.where(idx != 0xFFFF, delta, 0.0))
+        torch.testing.assert_close(main.reshape(ref.shape), ref, rtol=1e-5, atol=1e-5)
+        # and without the deltas the codebook term differs at the slots
+        assert (dequantize_fragment(frag, kind, outliers=False).double() - ref).abs().max() > 0.1
 
-    NO = 0xFFFF
-    k = torch.tensor([[[5 * 128 + 3, NO, 2 * 128, 5 * 128 + 9], [NO, NO, NO, NO]]], dtype=torch.int32)
-    v = torch.tensor([[[63 * 128, 2 * 128 + 1], [NO, 7 * 128 + 127]]], dtype=torch.int32)
-    tokens, counts = slot_token_lists(k, v)
-    assert counts.tolist() == [[3, 1]]
-    assert tokens.tolist() == [[[2, 5, 63] + [PAGE_TOKENS] * 3, [7] + [PAGE_TOKENS] * 5]]
-    with pytest.raises(ValueError, match="out_idx"):
-        slot_token_lists(k, v[:, :1])
+
+def test_derived_slot_tables_come_together():
+    fmt, k_pages, v_pages = nuq2_pages(1, seed=2)
+    frag = to_fragment_order(fmt, k_pages, v_pages)
+    parts = {f: getattr(frag, f) for f in ("k_codes", "v_codes", "k_centroids", "v_centroids", "k_mean", "k_scale",
+                                           "k_out_val", "k_out_idx", "v_out_val", "v_out_idx")}
+    with pytest.raises(ValueError, match="come together"):
+        type(frag)(**parts, k_used=frag.k_used)

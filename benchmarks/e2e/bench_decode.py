@@ -11,6 +11,8 @@ the same run. `transformers` runs the same shape at batch 1 as the naive baselin
 
     PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --shape mixtral-8x7b \\
         --out benchmarks/results/h200/decode.json
+    PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --formats nuq2 --kernel gluon ...
+        # nuq2 through the Gluon decode kernel (pools in fragment order)
 """
 from __future__ import annotations
 
@@ -130,7 +132,13 @@ def fill_pages(fmt, cache, cfg, block_size: int, device) -> None:
     for name, kind in (("k", "key"), ("v", "value")):
         x = torch.randn(1, H, block_size, D, generator=gen, device=device)
         slab = fmt.layout(kind, block_size, D).pack(fmt.quantize(x, kind, cache.layer))  # [1, H, bytes]
-        cache[f"{name}_pages"].copy_(slab.expand_as(cache[f"{name}_pages"]))
+        if "k_slot_delta" in cache.tensors:  # nuq2 pools in the Gluon kernel's fragment order
+            from moekv.ops.gluon.nuq2_layout import kind_to_fragment
+
+            for field, t in kind_to_fragment(fmt, kind, slab, cache.layer).items():
+                cache[field].copy_(t.expand_as(cache[field]))
+        else:
+            cache[f"{name}_pages"].copy_(slab.expand_as(cache[f"{name}_pages"]))
 
 
 def decode_context(batch: int, context: int, block_size: int, device) -> Context:
@@ -312,7 +320,13 @@ def main() -> None:
                    help="tokens per page for every format (default: the engine's, 16 for bf16 and 64 for the rest)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--kernel", choices=("triton", "gluon", "auto"), default=None,
+                   help="nuq2's decode kernel (sets MOEKV_DECODE_KERNEL; default: the engine's default)")
     args = p.parse_args()
+    if args.kernel:
+        import os
+
+        os.environ["MOEKV_DECODE_KERNEL"] = args.kernel
     if not torch.cuda.is_available():
         sys.exit("bench_decode needs a CUDA device")
     device = torch.device("cuda")

@@ -16,6 +16,8 @@ reference on the first sequence.
         # smoke run: two small shapes, default launch only
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 nuq2 nuq2_eager nuq2_noslots --shapes 16x32768 \
         --out /tmp/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side (a side study)
+    python benchmarks/kernels/bench_decode_attention.py --formats nuq2 --kernel triton gluon
+        # nuq2's Triton and Gluon kernels side by side (rows nuq2 and nuq2_gluon)
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer
         # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
@@ -163,7 +165,13 @@ def build_cache(fmt, batch: int, context: int, block_size: int, device, gen):
     else:
         for name, kind, x in (("k", "key", k), ("v", "value", v)):
             slab = fmt.layout(kind, block_size, HEAD_DIM).pack(fmt.quantize(x, kind, cache.layer))
-            cache[f"{name}_pages"].copy_(slab[repeat])
+            if "k_slot_delta" in cache.tensors:  # nuq2 pools in the Gluon kernel's fragment order
+                from moekv.ops.gluon.nuq2_layout import kind_to_fragment
+
+                for field, t in kind_to_fragment(fmt, kind, slab, cache.layer).items():
+                    cache[field].copy_(t[repeat])
+            else:
+                cache[f"{name}_pages"].copy_(slab[repeat])
         tail = context % block_size  # the newest, partly filled page (staged in bf16)
         for name in ("k_staging", "v_staging"):
             cache[name].normal_(generator=gen)
@@ -397,6 +405,57 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     return row
 
 
+def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> dict:
+    """nuq2 through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: pools in fragment order,
+    KVFormat.attend -> moekv/ops/gluon/nuq2_decode.py, the staged tail as the launch's extra split,
+    the default split count), timed and checked as the Triton rows are: row `<label>_gluon`."""
+    import os
+
+    from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages
+
+    name, options = FORMATS[label]
+    row = {"format": f"{label}_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
+    saved = os.environ.get("MOEKV_DECODE_KERNEL")
+    os.environ["MOEKV_DECODE_KERNEL"] = "gluon"
+    try:
+        fmt = get_kv_format(name, torch.bfloat16, **options)
+        cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
+    except Exception as e:  # noqa: BLE001
+        return {**row, "status": "skipped", "reason": f"no Gluon pools here: {type(e).__name__}: {e}"}
+    finally:
+        if saved is None:
+            os.environ.pop("MOEKV_DECODE_KERNEL", None)
+        else:
+            os.environ["MOEKV_DECODE_KERNEL"] = saved
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    scale = HEAD_DIM ** -0.5
+    pages = context // args.block_size if context % args.block_size else context // args.block_size - 1
+    used = float(cache["k_used"].float().mean() + cache["v_used"].float().mean())  # slots a page-head reads
+    per_page_head = Nuq2FragmentPages.code_bytes_per_page_head(None) + 8 * used
+    nbytes = int(batch * NUM_KV_HEADS * (pages * per_page_head + (context - pages * args.block_size) * HEAD_DIM * 4)
+                 + 2 * batch * NUM_HEADS * HEAD_DIM * 2)
+    row.update(bits_per_element=round(8 * fmt.page_bytes(NUM_KV_HEADS, args.block_size, HEAD_DIM)
+                                      / (2 * NUM_KV_HEADS * args.block_size * HEAD_DIM), 4),
+               bytes=nbytes, floor_ms=nbytes / bandwidth * 1e3, used_slots_per_page_head=used)
+    ref = reference_output(fmt, cache, ctx, q, context)
+    row["ref_max_abs"] = ref.abs().max().item()
+    run = lambda: fmt.attend(q, cache, ctx, scale, None)  # noqa: E731
+    try:
+        out = run()
+        torch.cuda.synchronize()
+        ms = timer(run, args.cudagraph)
+        err = (out[:1].float() - ref).abs().max().item()
+        row.update(status="kernel" if err <= tolerance(row["ref_max_abs"]) else "wrong", ms=ms,
+                   speedup=base["ms"] / ms, gbps=nbytes / ms * 1e-6, max_abs_err=err,
+                   eager_ms=timer(run, cudagraph=False))
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc(file=sys.stderr)
+        row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    cache = ctx = q = None  # free the pools (rebound, not del: run closes over them)
+    torch.cuda.empty_cache()
+    return row
+
+
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 
 
@@ -555,6 +614,9 @@ def main() -> None:
                         "and split factor where the run set them) into moekv/ops/configs/ (moekv/ops/tuning.py)")
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
+    p.add_argument("--kernel", nargs="+", choices=("triton", "gluon"), default=["triton"],
+                   help="nuq2's decode kernels to time: triton (slab pools, moekv/ops/decode) and/or gluon (pools in "
+                        "fragment order, moekv/ops/gluon; rows <format>_gluon)")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
                    help="other libraries timed after each shape's SDPA row "
                         "(flashinfer: benchmarks/kernels/flashinfer_peer.py)")
@@ -601,9 +663,14 @@ def main() -> None:
                 rows.append(row)
                 print_row(row)
         for label in args.formats:
-            row = bench_format(label, batch, context, args, device, gen, bandwidth, base)
-            rows.append(row)
-            print_row(row)
+            gluon = FORMATS[label][0] == "nuq2" and label not in NUQ2_VARIANTS and label != "tiered"
+            if "triton" in args.kernel or not gluon:
+                row = bench_format(label, batch, context, args, device, gen, bandwidth, base)
+                rows.append(row)
+                print_row(row)
+            if "gluon" in args.kernel and gluon:
+                rows.append(bench_gluon(label, batch, context, args, device, gen, bandwidth, base))
+                print_row(rows[-1])
             write_record(args, bandwidth, started, peers, rows)  # after each row: a cut-off run keeps what it measured
     write_record(args, bandwidth, started, peers, rows)
     print(f"\nwrote {args.out} ({time.time() - started:.1f} s)")

@@ -8,14 +8,15 @@ repeated over the pool behind a shuffled block table; the Gluon path reads them 
 (moekv/ops/gluon/nuq2_layout.py), today's kernel (moekv.ops.decode_attention.paged_decode_attention
 with nuq2's DecodeSpec) as nuq2 slabs plus its bf16 staging page.
 
-Correctness first: at every shape, sequence 0 through the whole Gluon path (kernel, the outlier
-slots' sparse term, reduce) against dense attention over nuq2's dequantized pages (fp32), with and
-without the sparse term. Then times (median of triton.testing.do_bench_cudagraph, CUDA-graph replay;
-plain do_bench beside it as eager_ms): SDPA, today's kernel at its
-default launch, the Gluon main term + reduce at a few split counts and register caps (best reported,
-all kept), the sparse term's Triton kernel alone, and the whole Gluon path (main term + sparse term
-+ reduce: gluon_full_ms, the end-to-end figure). Beside each: bytes read
-and the byte floor (bytes / the bandwidth of a 4 GiB device copy measured in the same run).
+Correctness first: at every shape, sequence 0 through the whole Gluon path (kernel with the outlier
+slots folded in, reduce) against dense attention over nuq2's dequantized pages (fp32). Then times
+(median of triton.testing.do_bench_cudagraph, CUDA-graph replay; plain do_bench beside it as
+eager_ms): SDPA, today's kernel at its default launch (newest page from bf16 staging), the Gluon
+kernel + reduce at a few split counts and register caps (best reported, all kept), and the Gluon path
+with the staged bf16 tail as its extra split (gluon_staged_ms: what the engine launches, the same
+work as today's kernel). Beside each: bytes read and the byte floor (bytes / the bandwidth of a 4 GiB
+device copy measured in the same run). Before the shapes: what converting freshly quantized pages
+into fragment order costs beside quantizing them (the engine does it at quantize-on-write time).
 
     python benchmarks/kernels/bench_gluon_decode.py            # writes $OUT/gluon_decode.json (or /tmp)
     python benchmarks/kernels/bench_gluon_decode.py --shapes 16x32768 --splits 16 32 64
@@ -44,14 +45,18 @@ from moekv.ops.gluon.nuq2_decode import (  # noqa: E402
     nuq2_decode_partials,
     reduce_on_device,
 )
-from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages, dequantize_fragment, to_fragment_order  # noqa: E402
-from moekv.ops.gluon.nuq2_sparse import outlier_corrections_kernel  # noqa: E402
+from moekv.ops.gluon.nuq2_layout import (  # noqa: E402
+    Nuq2FragmentPages,
+    dequantize_fragment,
+    kind_to_fragment,
+    to_fragment_order,
+)
 from moekv.ops.reference import decode_attention_ref  # noqa: E402
 
 HQ, HKV, D, P = 32, 8, 128, 64
 SHAPES = [(1, 4096), (16, 32768), (64, 32768), (1, 131072)]
 UNIQUE_PAGES = 512
-REGISTER_CAPS = [None, 128]  # ptxas's choice (~140) and one more program per SM (8 bytes of spills)
+REGISTER_CAPS = [0, 128]  # ptxas's choice (162-203 with the slot fold) and a cap (more programs per SM)
 
 
 def bench(fn) -> float:
@@ -133,8 +138,9 @@ def triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale) -> dic
 
 
 def check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale) -> dict:
-    """Sequence 0 through the Gluon path (with and without the sparse term) against dense attention
-    over nuq2's dequantized pages (fp32; dequantize_fragment equals nuq2's dequantize, tested on CPU)."""
+    """Sequence 0 through the Gluon path against dense attention over nuq2's dequantized pages (fp32;
+    dequantize_fragment equals nuq2's dequantize, tested on CPU), and over the pages without their
+    outlier slots (how far off the slots' fold would be if it were missing)."""
     n = int(lens[0])
     ids = repeat[tables[0, : -(-n // P)].long()]
     kd, vd = dequantize_fragment(frag_u, "key"), dequantize_fragment(frag_u, "value")
@@ -142,11 +148,13 @@ def check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale) -> dict:
     v = vd[ids].permute(0, 2, 1, 3).reshape(-1, HKV, D)[:n]
     ref = decode_attention_ref(q[:1].float(), [k], [v], scale)
     out = nuq2_decode_attention(q[:1], frag, tables[:1], lens[:1], scale)
-    bare = nuq2_decode_attention(q[:1], frag, tables[:1], lens[:1], scale, outliers=False)
+    kb, vb = dequantize_fragment(frag_u, "key", outliers=False), dequantize_fragment(frag_u, "value", outliers=False)
+    bare = decode_attention_ref(q[:1].float(), [kb[ids].permute(0, 2, 1, 3).reshape(-1, HKV, D)[:n]],
+                                [vb[ids].permute(0, 2, 1, 3).reshape(-1, HKV, D)[:n]], scale)
     rel = lambda x: float((x.float() - ref).norm() / ref.norm())  # noqa: E731
     used_k = int((frag_u.k_out_idx != 0xFFFF).sum()) / frag_u.k_out_idx[..., 0].numel()
     used_v = int((frag_u.v_out_idx != 0xFFFF).sum()) / frag_u.v_out_idx[..., 0].numel()
-    return {"rel_err": rel(out), "rel_err_without_sparse_term": rel(bare),
+    return {"rel_err": rel(out), "rel_err_of_pages_without_slots": rel(bare),
             "max_abs_err": float((out.float() - ref).abs().max()), "used_key_slots_per_page_head": used_k,
             "used_value_slots_per_page_head": used_v}
 
@@ -193,35 +201,38 @@ def run_shape(batch, context, splits, device, gen, bandwidth, only_gluon=False) 
         if ns > pages_per:
             continue
         for regs in REGISTER_CAPS[-1:] if only_gluon else REGISTER_CAPS:
-            fn = lambda ns=ns, regs=regs: reduce_on_device(  # noqa: E731
-                *nuq2_decode_partials(q, frag, tables, lens, scale, ns, regs), out)
-            sweep[f"{ns}/{regs}"] = bench(fn)
-            print(f"    gluon splits={ns} max_registers={regs}: {sweep[f'{ns}/{regs}'] * 1e3:.1f} us", flush=True)
+            for c0 in (False, True):  # slots: chunks while used ones remain / the first chunk always
+                fn = lambda ns=ns, regs=regs, c0=c0: reduce_on_device(  # noqa: E731
+                    *nuq2_decode_partials(q, frag, tables, lens, scale, ns, regs, slot_chunk0=c0), out)
+                key = f"{ns}/{regs}/{int(c0)}"
+                sweep[key] = bench(fn)
+                print(f"    gluon splits={ns} max_registers={regs} slot_chunk0={c0}: {sweep[key] * 1e3:.1f} us",
+                      flush=True)
     best = min(sweep, key=sweep.get)
-    best_ns, best_regs = int(best.split("/")[0]), None if best.endswith("None") else int(best.split("/")[1])
-    row["gluon"] = {"ms": sweep[best], "num_splits": best_ns, "max_registers": best_regs, "default_splits": default,
-                    "default_ms": sweep.get(f"{default}/None"), "sweep_ms (splits/max_registers)": sweep}
+    best_ns, best_regs, best_c0 = best.split("/")
+    best_ns, best_regs, best_c0 = int(best_ns), int(best_regs), best_c0 == "1"
+    row["gluon"] = {"ms": sweep[best], "num_splits": best_ns, "max_registers": best_regs, "slot_chunk0": best_c0,
+                    "default_splits": default, "default_ms": sweep.get(f"{default}/128/1"),
+                    "sweep_ms (splits/max_registers/slot_chunk0)": sweep}
     best_fn = lambda: reduce_on_device(  # noqa: E731
-        *nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs), out)
+        *nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs, slot_chunk0=best_c0), out)
     if not only_gluon:
         row["gluon"]["eager_ms"] = bench_eager(best_fn)
-    row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs))
-    # the whole path: main term, the sparse term's kernel, reduce (what the engine would launch)
-    full = lambda: nuq2_decode_attention(q, frag, tables, lens, scale, best_ns, max_registers=best_regs)  # noqa: E731
-    row["gluon_full_ms"] = bench(full)
-    part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs)
-    row["sparse_term_kernel_ms"] = bench(
-        lambda: outlier_corrections_kernel(part_o, part_lse, q, frag, tables, lens, scale))
-    row["sparse_term_kernel_ms_by_num_warps"] = {w: bench(  # the default (4) above; the others to choose it by
-        lambda w=w: outlier_corrections_kernel(part_o, part_lse, q, frag, tables, lens, scale, num_warps=w))
-        for w in (2, 8)}
-    row["ratio_gluon_full_vs_sdpa"] = row["sdpa_ms"] / row["gluon_full_ms"]
-    row["sparse_share_of_main"] = row["sparse_term_kernel_ms"] / row["gluon_kernel_only_ms"]
-    print(f"  SDPA {row['sdpa_ms'] * 1e3:.1f} us | Gluon main {row['gluon_kernel_only_ms'] * 1e3:.1f} us, sparse term "
-          f"{row['sparse_term_kernel_ms'] * 1e3:.1f} us ({row['sparse_share_of_main']:.2f} of main), whole path "
-          f"{row['gluon_full_ms'] * 1e3:.1f} us = {row['ratio_gluon_full_vs_sdpa']:.2f}x SDPA", flush=True)
+    row["gluon_kernel_only_ms"] = bench(lambda: nuq2_decode_partials(q, frag, tables, lens, scale, best_ns, best_regs,
+                                                                     slot_chunk0=best_c0))
+    # what the engine launches: pages up to the newest one, that one from bf16 staging (the extra split)
+    k_st = torch.randn(batch, HKV, P, D, device=device, dtype=torch.bfloat16, generator=gen)
+    v_st = torch.randn_like(k_st)
+    staged = (k_st, v_st, torch.arange(batch, device=device))
+    full = lambda: nuq2_decode_attention(q, frag, tables, lens, scale, None, staged=staged, out=out)  # noqa: E731
+    row["gluon_staged_ms"] = bench(full)  # the engine's launch: default splits, cap and slot chunks
+    row["gluon_staged_splits"] = default_num_splits(batch, HKV, pages_per, 1)
+    row["ratio_gluon_staged_vs_sdpa"] = row["sdpa_ms"] / row["gluon_staged_ms"]
+    print(f"  SDPA {row['sdpa_ms'] * 1e3:.1f} us | Gluon {row['gluon']['ms'] * 1e3:.1f} us (kernel alone "
+          f"{row['gluon_kernel_only_ms'] * 1e3:.1f}), staged {row['gluon_staged_ms'] * 1e3:.1f} us = "
+          f"{row['ratio_gluon_staged_vs_sdpa']:.2f}x SDPA", flush=True)
     if "ms" in row["triton_nuq2"]:
-        row["ratio_gluon_full_vs_triton_nuq2"] = row["triton_nuq2"]["ms"] / row["gluon_full_ms"]
+        row["ratio_gluon_staged_vs_triton_nuq2"] = row["triton_nuq2"]["ms"] / row["gluon_staged_ms"]
     row["ratio_gluon_vs_sdpa"] = row["sdpa_ms"] / row["gluon"]["ms"]
     if "ms" in row["triton_nuq2"]:
         row["ratio_triton_nuq2_vs_sdpa"] = row["sdpa_ms"] / row["triton_nuq2"]["ms"]
@@ -230,6 +241,25 @@ def run_shape(batch, context, splits, device, gen, bandwidth, only_gluon=False) 
     frag = frag_u = k_slabs = v_slabs = None  # free them (rebound, not del: the timed lambdas close over them)
     torch.cuda.empty_cache()
     return row
+
+
+def conversion_cost(device, gen) -> dict:
+    """What keeping the engine's pools in fragment order costs at quantize-on-write time: the pages a
+    decode step fills (n pages of 8 KV heads, all layers' fills in one batch), quantized to slabs by
+    nuq2 and converted (kind_to_fragment), K and V, graph-replayed ms."""
+    fmt = NUQ2Format(codebook="page")
+    out = {}
+    for n in (16, 512):  # e.g. 16 sequences filling a page in one layer; 16 in each of 32 layers
+        x = torch.randn(n, HKV, P, D, device=device, generator=gen)
+        x[..., 7] *= 8
+        slabs = {kind: fmt.quantize_packed(x, kind) for kind in ("key", "value")}
+        out[f"{n}_pages"] = {
+            "quantize_ms": bench(lambda: [fmt.quantize_packed(x, kind) for kind in ("key", "value")]),  # noqa: B023
+            "convert_ms": bench(lambda: [kind_to_fragment(fmt, kind, slabs[kind])  # noqa: B023
+                                         for kind in ("key", "value")])}
+        print(f"  {n} pages x {HKV} heads: quantize {out[f'{n}_pages']['quantize_ms'] * 1e3:.1f} us, convert "
+              f"{out[f'{n}_pages']['convert_ms'] * 1e3:.1f} us", flush=True)
+    return out
 
 
 def main() -> None:
@@ -256,6 +286,10 @@ def main() -> None:
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     record["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     print("copy bandwidth GB/s", round(record["copy_bandwidth_GBps"]), flush=True)
+    try:
+        record["fragment_conversion"] = conversion_cost(device, gen)
+    except Exception as e:  # noqa: BLE001  (recorded; the shapes still run)
+        record["fragment_conversion"] = {"error": repr(e)[:500]}
     record["rows"] = []
     for batch, context in shapes:
         print(f"shape {batch} x {context}", flush=True)

@@ -440,7 +440,19 @@ class PagedQuantFormat(KVFormat):
             check_finite(x_full, kind + "s")
             tables = ctx.host_lists().block_tables
             page_ids = to_device([tables[b][c] for b, c in zip(rows, cols)], torch.long, x_full.device)
-            cache[f"{name}_pages"][page_ids] = self.quantize_packed(x_full, kind, cache.layer)
+            self.store_slabs(cache, name, page_ids, self.quantize_packed(x_full, kind, cache.layer))
+
+    def store_slabs(self, cache: LayerKVCache, name: str, page_ids: torch.Tensor, slabs: torch.Tensor) -> None:
+        """Put freshly quantized slabs [n, Hkv, slab] of `name` ('k' / 'v') at pages page_ids. A format
+        that keeps its pages in another layout (nuq2 in fragment order) converts them here."""
+        cache[f"{name}_pages"][page_ids] = slabs
+
+    def dequantize_pages(self, cache: LayerKVCache, kind: str, page_ids: torch.Tensor) -> torch.Tensor:
+        """Pages page_ids of K or V dequantized: [n, Hkv, P, D] fp32 (the inverse of store_slabs)."""
+        name = "k" if kind == "key" else "v"
+        staging = cache[f"{name}_staging"]
+        fields = self.layout(kind, staging.shape[2], staging.shape[3]).unpack(cache[f"{name}_pages"][page_ids])
+        return self.dequantize(fields, kind, cache.layer)
 
     def fused_rope_write_target(self, cache, k, ctx):
         # only the vectorized staging path; a subclass whose write does more says so itself
@@ -469,7 +481,7 @@ class PagedQuantFormat(KVFormat):
             else:  # per-layer tables (calibrated codebooks): one quantization per layer
                 slabs = [self.quantize_packed(x[i * F:(i + 1) * F], kind, c.layer) for i, c in enumerate(caches)]
             for c, slab in zip(caches, slabs):
-                c[f"{name}_pages"][ctx.fill_pages] = slab
+                self.store_slabs(c, name, ctx.fill_pages, slab)
 
     def gather(self, cache, ctx: Context, b: int, length: int, kind: str) -> torch.Tensor:
         """Sequence b's first `length` tokens of K or V, dequantized (its newest page, in staging,
@@ -485,8 +497,7 @@ class PagedQuantFormat(KVFormat):
         parts = []
         if num_full:
             page_ids = ctx.block_tables[b, :num_full].long()
-            fields = self.layout(kind, block_size, head_dim).unpack(cache[f"{name}_pages"][page_ids])
-            x = self.dequantize(fields, kind, cache.layer)  # [n, Hkv, P, D]
+            x = self.dequantize_pages(cache, kind, page_ids)  # [n, Hkv, P, D]
             parts.append(x.permute(0, 2, 1, 3).reshape(num_full * block_size, -1, head_dim))
         tail = length - num_full * block_size
         if tail:

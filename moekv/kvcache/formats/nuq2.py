@@ -33,32 +33,16 @@ import torch
 
 from moekv.kvcache.calibration_io import load_calibration
 from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
+from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 NUM_CENTROIDS = 4
-CODES_PER_BYTE = 4
-NO_OUTLIER = 0xFFFF  # out_idx of an unused slot; page-heads hold fewer than 65535 elements
 KEY_MIN_OUTLIER_FRACTION = 0.005  # keys' tails cost the most (measured); values take padding only
+DECODE_KERNEL_ENV = "MOEKV_DECODE_KERNEL"  # auto | triton | gluon: see NUQ2Format.fragment_pages
+DEFAULT_DECODE_KERNEL = "triton"  # until the engine path has run through the whole GPU suite (docs/journal.md)
 KMEANS_ITERS = 8  # 1-D Lloyd from quantiles converges in a few; 20 moved the error by 0.2%
 
 
-# -- codes: 4 per byte ----------------------------------------------------------------------------
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """codes [..., P, D] in 0..3 -> bytes [..., P, D/4]. Channel s*D/4 + j sits in bits 2s..2s+1 of
-    byte j: one wide load of a row and four uniform shifts yield four contiguous channel runs."""
-    quarters = codes.to(torch.uint8).chunk(CODES_PER_BYTE, dim=-1)  # 4 x [..., P, D/4]
-    out = quarters[0].clone()
-    for s in range(1, CODES_PER_BYTE):
-        out |= quarters[s] << (2 * s)
-    return out
-
-
-def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """bytes [..., P, D/4] -> codes [..., P, D] (int64)."""
-    return torch.cat([(packed >> (2 * s)) & 3 for s in range(CODES_PER_BYTE)], dim=-1).long()
-
-
-# -- 1-D k-means with 4 centroids ---------------------------------------------------------------------
 def assign(z: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Nearest of the sorted centroids c [B, 4] for each z [B, N] -> codes [B, N] (int64)."""
     mids = (c[:, 1:] + c[:, :-1]) / 2  # [B, 3]: in 1-D the nearest centroid is a threshold test
@@ -300,6 +284,89 @@ class NUQ2Format(PagedQuantFormat):
         from moekv.ops.decode.nuq2 import nuq2_spec
 
         return nuq2_spec(self, block_size, head_dim)
+
+    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/) ---------------------------------------
+    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
+        """Whether pools of this shape keep their pages in the Gluon decode kernel's fragment order
+        (moekv/ops/gluon/nuq2_layout.py: converted from the slabs when pages are written) instead
+        of slabs, so that decode steps take the Gluon kernel. MOEKV_DECODE_KERNEL picks: 'triton'
+        (slabs, the Triton kernel; the default, DEFAULT_DECODE_KERNEL), 'gluon' (fragment order
+        wherever the shape is covered, CPU included: there the reference path reads it), 'auto'
+        (fragment order on sm_90 CUDA devices with Gluon, for the covered shape: block_size 64,
+        head_dim 128, fp16 codebooks; slabs elsewhere)."""
+        choice = os.environ.get(DECODE_KERNEL_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
+        if choice not in ("auto", "triton", "gluon"):
+            raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected 'auto', 'triton' or 'gluon'")
+        if choice == "triton":
+            return False
+        covered = (block_size, head_dim) == (64, 128) and not (
+            self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
+                                    if name.endswith(".centroids")))
+        if choice == "gluon":
+            if not covered:
+                raise ValueError(f"{DECODE_KERNEL_ENV}=gluon: nuq2's Gluon kernel covers block_size 64, head_dim "
+                                 f"128 and fp16 codebooks, got block_size {block_size}, head_dim {head_dim}")
+            return True
+        if not covered or not torch.cuda.is_available():
+            return False
+        device = torch.device("cuda") if device is None else torch.device(device)
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            return False
+        import importlib.util
+
+        return importlib.util.find_spec("triton.experimental.gluon") is not None
+
+    def page_bytes(self, num_kv_heads, block_size, head_dim) -> int:
+        if self.fragment_pages(block_size, head_dim):
+            from moekv.ops.gluon.nuq2_layout import fragment_bytes_per_page_head
+
+            return num_kv_heads * fragment_bytes_per_page_head(self)
+        return super().page_bytes(num_kv_heads, block_size, head_dim)
+
+    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype):
+        fragment = self.fragment_pages(block_size, head_dim, device)
+        cache = super().allocate(0 if fragment else num_blocks, num_kv_heads, block_size, head_dim, device,
+                                 max_num_seqs, dtype)
+        if fragment:  # the fragment-order tables instead of the slab pools
+            from moekv.ops.gluon.nuq2_layout import allocate_fragment_tables
+
+            del cache.tensors["k_pages"], cache.tensors["v_pages"]
+            cache.tensors.update(allocate_fragment_tables(self, num_blocks, num_kv_heads, device))
+        return cache
+
+    def store_slabs(self, cache, name, page_ids, slabs) -> None:
+        if "k_slot_delta" not in cache.tensors:
+            return super().store_slabs(cache, name, page_ids, slabs)
+        from moekv.ops.gluon.nuq2_layout import kind_to_fragment
+
+        for field, t in kind_to_fragment(self, "key" if name == "k" else "value", slabs, cache.layer).items():
+            cache[field][page_ids] = t
+
+    def dequantize_pages(self, cache, kind, page_ids):
+        if "k_slot_delta" not in cache.tensors:
+            return super().dequantize_pages(cache, kind, page_ids)
+        from moekv.ops.gluon.nuq2_layout import dequantize_fragment, fragment_view
+
+        return dequantize_fragment(fragment_view(cache, self.calibrated, page_ids), kind)
+
+    def attend(self, q, cache, ctx, scale, sliding_window):
+        """Pages in fragment order: decode-only steps on CUDA take the Gluon kernel (the staged
+        newest page as its extra split), everything else the reference path; slabs: the base class's."""
+        if "k_slot_delta" not in cache.tensors:
+            return super().attend(q, cache, ctx, scale, sliding_window)
+        from moekv.kvcache.formats.base import _is_decode_only
+
+        G = q.shape[1] // cache["k_codes"].shape[1]
+        if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in (1, 2, 4, 8)
+                and _is_decode_only(q, ctx)):
+            from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
+            from moekv.ops.gluon.nuq2_layout import fragment_view
+
+            return nuq2_decode_attention(q, fragment_view(cache, self.calibrated), ctx.block_tables,
+                                         ctx.context_lens, scale,
+                                         staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
+                                         sliding_window=sliding_window)
+        return self.attend_reference(q, cache, ctx, scale, sliding_window)
 
     # -- quantize / dequantize -----------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):

@@ -12,6 +12,19 @@ A-operand layout without moving data (convert_layout(assert_trivial=True) checks
 P^T becomes the B operand by transposing each 8x8 block in registers (movmatrix). The keys' channel
 scale multiplies q (fp16 pairs, a [128, 8] B operand per page); their channel mean enters as q . mean
 per head, itself an MMA (the mean in every row of A) whose product seeds the scores' accumulator.
+
+Outlier slots, folded into the same tile, exact, on the tensor cores, 16 slots per chunk (nuq2 has
+up to 80 key and 32 value slots a page-head, used ones first; the first chunk always runs, with
+loads that do not wait for the used counts, further chunks only when more than 16 are used). With
+(t_j, c_j) slot j's element and kd_j, dv_j its precomputed deltas (nuq2_layout.slot_deltas):
+    before the softmax  S^T [64, 8]  += OneHot_K [64, 16] @ W [16, 8],  W[j, n] = q[n, c_j] kd_j
+                        (W as an fp16 hi + lo pair: two MMAs, ~fp32 accuracy)
+    after P             P_s [16, 8]   = OneHot_V [16, 64] @ P^T        (exact: picks P's entries)
+                        O^T [128, 8] += Dv^T [128, 16] @ P_s,  Dv^T[c, j] = dv_j if c == c_j
+The staged 16-bit tail (the newest page, in the engine's bf16 staging tensor) is one more split of the
+same launch (STAGED): its program runs one tile of plain 16-bit K and V^T through the same softmax.
+A sliding window (`window`, a huge value for none) starts the page range at the page holding the
+window's first token and masks the tokens before it.
 Gluon compiles for NVIDIA GPUs only: importing this module needs triton.experimental.gluon (Triton
 3.6), launching it a CUDA device of compute capability >= 8.0.
 """
@@ -56,16 +69,97 @@ def _per_lane(x, zero):
 
 @gluon.jit
 def _transpose_8x8(p):
-    """Transpose every 8x8 fp16 block held in mma accumulator order (one 32-bit register a thread)."""
+    """Transpose every 8x8 16-bit block held in mma accumulator order (one 32-bit register a thread)."""
     return gl.inline_asm_elementwise(
         asm="movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
-        constraints="=r,r", args=[p], dtype=gl.float16, is_pure=True, pack=2)
+        constraints="=r,r", args=[p], dtype=p.dtype, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _as_b_operand(p, ROWS_: gl.constexpr, LB: gl.constexpr):
+    """A 16-bit [ROWS_, 8] tensor in the accumulator layout -> the same tensor as the B operand
+    (K = ROWS_, N = 8): each 8x8 block transposed in registers, no data between threads."""
+    pt = _transpose_8x8(p)
+    pt = gl.reshape(pt, [ROWS_ // 8, 8, 8])
+    pt = gl.permute(pt, [0, 2, 1])
+    pt = gl.reshape(pt, [ROWS_, 8])
+    return gl.convert_layout(pt, LB, assert_trivial=True)
+
+
+@gluon.jit
+def _softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT: gl.constexpr, LB: gl.constexpr):
+    """Online softmax over one tile's scores S^T [T, 8] (valid [T, 1]): new (m, l), acc rescaled, and
+    P^T as the B operand in dtype DT."""
+    s = s * qk_scale
+    s = gl.where(valid, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 0))
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    acc = acc * gl.expand_dims(alpha, 0)
+    return m_new, l_i, acc, _as_b_operand(p.to(DT), s.shape[0], LB)
+
+
+@gluon.jit
+def _key_slot_chunk_load(k_idx, k_delta, c0, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
+                         LB: gl.constexpr):
+    """Key slots [c0, c0 + 16) (those below lim): their tokens as OneHot_K's columns, and W [16, 8] =
+    q[n, c_j] kd_j (fp32, the B operand's layout). Unused slots have token 511 and delta 0."""
+    ja = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
+    jb = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
+    nb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
+    tok_j = gl.load(k_idx + ja, mask=ja < lim, other=65535) // 128
+    idx_b = gl.load(k_idx + jb, mask=jb < lim, other=0)
+    kd = gl.load(k_delta + jb, mask=jb < lim, other=0.0)
+    qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b % 128, 1),
+                 mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
+    return tok_j, qv * gl.expand_dims(kd, 1)
+
+
+@gluon.jit
+def _key_slot_chunk(s, tok_j, w, LA: gl.constexpr):
+    """S^T [64, 8] += OneHot_K [64, 16] @ W [16, 8], W as an fp16 hi + lo pair (two MMAs)."""
+    tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LA))
+    hot = gl.where(gl.expand_dims(tok, 1) == gl.expand_dims(tok_j, 0), 1.0, 0.0).to(gl.float16)
+    w_hi = w.to(gl.float16)
+    w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
+    s = gl.nvidia.ampere.mma_v2(hot, w_hi, s)
+    return gl.nvidia.ampere.mma_v2(hot, w_lo, s)
+
+
+@gluon.jit
+def _value_slot_chunk_load(v_idx, v_delta, c0, lim, LA: gl.constexpr):
+    """Value slots [c0, c0 + 16) (those below lim): tokens as OneHot_V's rows, channels and deltas
+    as Dv^T's columns (unused: token 511, delta 0)."""
+    jr = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
+    jc = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
+    tok_j = gl.load(v_idx + jr, mask=jr < lim, other=65535) // 128
+    chan_j = gl.load(v_idx + jc, mask=jc < lim, other=0) % 128
+    dv = gl.load(v_delta + jc, mask=jc < lim, other=0.0).to(gl.float16)
+    return tok_j, chan_j, dv
+
+
+@gluon.jit
+def _value_slot_chunk(acc, pb, tok_j, chan_j, dv, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+    """O^T [128, 8] += Dv^T [128, 16] @ (OneHot_V [16, 64] @ P^T)."""
+    tok = gl.arange(0, PAGE, layout=gl.SliceLayout(0, LA))
+    chan = gl.arange(0, 128, layout=gl.SliceLayout(1, LA))
+    hot = gl.where(gl.expand_dims(tok_j, 1) == gl.expand_dims(tok, 0), 1.0, 0.0).to(gl.float16)
+    p_slots = gl.nvidia.ampere.mma_v2(hot, pb, gl.zeros([16, 8], gl.float32, layout=MMA))  # P at the slots' tokens
+    psb = _as_b_operand(p_slots.to(gl.float16), 16, LB)
+    dvt = gl.where(gl.expand_dims(chan, 1) == gl.expand_dims(chan_j, 0), gl.expand_dims(dv, 0),
+                   gl.zeros([128, 16], gl.float16, layout=LA))
+    return gl.nvidia.ampere.mma_v2(dvt, psb, acc)
 
 
 @gluon.jit
 def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i, acc, qk_scale,
-               n_valid, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
-    """One page: scores, online softmax, P @ V into acc (O^T [128, 8])."""
+               n_valid, n_first, k_idx, k_delta, nk, SK, v_idx, v_delta, nv, SV, q_ptr, head0, G: gl.constexpr,
+               CHUNK0: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+    """One page: scores (+ key slots), online softmax, P @ V (+ value slots) into acc (O^T [128, 8]).
+    Tokens [n_first, n_valid) of the page count. Slots run in chunks of 16 while used ones remain;
+    CHUNK0: the first chunk of each kind runs unconditionally (unused slots add exact zeros; its loads
+    do not wait for the used counts, at ~35 more registers a thread)."""
     k_lo = _per_lane(gl.load(k_table), zero)
     k_hi = _per_lane(gl.load(k_table + 1), zero)
     v_lo = _per_lane(gl.load(v_table), zero)
@@ -78,21 +172,16 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     kf = gl.reshape(kf, [PAGE, 128])
     ka = gl.convert_layout(kf, LA, assert_trivial=True)
     s = gl.nvidia.ampere.mma_v2(ka, q_scaled, bias)  # S^T [64, 8], from bias [64, 8] (q . mean per head)
+    if CHUNK0:
+        k_tok, w = _key_slot_chunk_load(k_idx, k_delta, 0, SK, q_ptr, head0, G, LA, LB)
+        s = _key_slot_chunk(s, k_tok, w, LA)
+    for c0 in range(16 if CHUNK0 else 0, nk, 16):
+        k_tok, w = _key_slot_chunk_load(k_idx, k_delta, c0, nk, q_ptr, head0, G, LA, LB)
+        s = _key_slot_chunk(s, k_tok, w, LA)
 
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))
-    s = s * qk_scale
-    s = gl.where(gl.expand_dims(tok < n_valid, 1), s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - gl.expand_dims(m_new, 0))
-    l_i = l_i * alpha + gl.sum(p, axis=0)
-    acc = acc * gl.expand_dims(alpha, 0)
-    # P^T as the B operand: each 8x8 block transposed in registers
-    pt = _transpose_8x8(p.to(gl.float16))
-    pt = gl.reshape(pt, [PAGE // 8, 8, 8])
-    pt = gl.permute(pt, [0, 2, 1])
-    pt = gl.reshape(pt, [PAGE, 8])
-    pb = gl.convert_layout(pt, LB, assert_trivial=True)
+    valid = gl.expand_dims((tok < n_valid) & (tok >= n_first), 1)
+    m_new, l_i, acc, pb = _softmax_step(s, valid, m_i, l_i, acc, qk_scale, gl.float16, LB)
 
     # V: [4 rows, 512 bytes] -> V^T [128, 64] in the A-operand layout
     vf = _centroid_pairs(gl.expand_dims(gl.expand_dims(vx, 2), 3), shift_v, v_lo, v_hi)
@@ -101,16 +190,65 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     vf = gl.reshape(vf, [128, PAGE])
     va = gl.convert_layout(vf, LA, assert_trivial=True)
     acc = gl.nvidia.ampere.mma_v2(va, pb, acc)  # O^T [128, 8]
+    if CHUNK0:
+        v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, 0, SV, LA)
+        acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
+    for c0 in range(16 if CHUNK0 else 0, nv, 16):
+        v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, c0, nv, LA)
+        acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
     return m_new, l_i, acc
 
 
 @gluon.jit
-def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale, q_ptr, block_tables, stride_bt,
-                       context_lens, part_o, part_lse, qk_scale, zero, num_splits,
-                       HKV: gl.constexpr, G: gl.constexpr):
+def _staged_tile(k_row, v_row, stride_st, q_ptr, head0, m_i, l_i, acc, qk_scale, n_valid, n_first,
+                 G: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+    """The 16-bit tail: tokens [n_first, n_valid) of the staging page at k_row / v_row (rows
+    stride_st apart), 16 tokens a step (K [16, 128] and V^T [128, 16] loaded straight into the
+    A-operand layout: a whole page's would spill), q in its own 16-bit type (bf16 or fp16; the staging
+    is converted to it)."""
+    DT: gl.constexpr = q_ptr.dtype.element_ty
+    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
+    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
+    q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + qd[:, None], mask=(qn[None, :] < G) & (qd[:, None] < 128),
+                  other=0.0)
+    qb = gl.convert_layout(q_t, LB)
+    tok_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
+    chan_c = gl.arange(0, 128, layout=gl.SliceLayout(0, LA))
+    chan_r = gl.arange(0, 128, layout=gl.SliceLayout(1, LA))
+    tok_c = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
+    tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    s0 = gl.zeros([16, 8], gl.float32, layout=MMA)
+    for t0 in range(gl.maximum(n_first, 0) // 16 * 16, n_valid, 16):  # no chunk wholly before the window
+        tr = t0 + tok_r
+        kmask = gl.expand_dims((tr < n_valid) & (tr >= n_first), 1) & gl.expand_dims(chan_c < 128, 0)
+        k = gl.load(k_row + gl.expand_dims(tr, 1) * stride_st + gl.expand_dims(chan_c, 0), mask=kmask,
+                    other=0.0).to(DT)
+        s = gl.nvidia.ampere.mma_v2(k, qb, s0)  # S^T [16, 8]
+        t = t0 + tok
+        valid = gl.expand_dims((t < n_valid) & (t >= n_first), 1)
+        m_i, l_i, acc, pb = _softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT, LB)
+        tc = t0 + tok_c
+        vmask = gl.expand_dims(chan_r < 128, 1) & gl.expand_dims((tc < n_valid) & (tc >= n_first), 0)
+        vt = gl.load(v_row + gl.expand_dims(tc, 0) * stride_st + gl.expand_dims(chan_r, 1), mask=vmask,
+                     other=0.0).to(DT)
+        acc = gl.nvidia.ampere.mma_v2(vt, pb, acc)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
+                       k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
+                       q_ptr, block_tables, stride_bt, context_lens, seq_slots,
+                       k_stage, v_stage, stride_ss, stride_sh, stride_st,
+                       part_o, part_lse, qk_scale, window, zero, num_splits, ns_total,
+                       HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512]; k_tables, v_tables int32 [N, HKV, 2] (the fp16
-    centroids); k_mean, k_scale fp8 [N, HKV, 128]; q [B, HKV * G, 128] fp16/bf16 contiguous;
-    part_o fp32 [B, HKV * G, num_splits, 128], part_lse fp32 [B, HKV * G, num_splits]."""
+    centroids); k_mean, k_scale fp8 [N, HKV, 128]; k_idx / v_idx int32 [N, HKV, SK / SV] (slot
+    positions, used first), k_delta / v_delta fp32 (their deltas), k_used / v_used int32 [N, HKV];
+    q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from ((len - 1) // 64) * 64 on are in
+    k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split num_splits;
+    part_o fp32 [B, HKV * G, ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]."""
     D: gl.constexpr = 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -128,65 +266,82 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale, q_
     b = bh // HKV
     h = bh % HKV
     length = gl.load(context_lens + b)
-    num_pages = gl.cdiv(length, PAGE)
-    per = gl.cdiv(num_pages, num_splits)
-    p0 = gl.minimum(split * per, num_pages)
+    quantized = length
+    if STAGED:
+        quantized = ((length - 1) // PAGE) * PAGE  # the newest page, even when full, is in staging
+    first = gl.maximum(length - window, 0)  # the sliding window's oldest token
+    num_pages = gl.cdiv(quantized, PAGE)  # staged: quantized is a multiple of PAGE
+    page_lo = gl.minimum(first // PAGE, num_pages)
+    per = gl.cdiv(num_pages - page_lo, num_splits)
+    p0 = gl.minimum(page_lo + split * per, num_pages)
     p1 = gl.minimum(p0 + per, num_pages)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
-
-    # q^T [128, 8] (fp32; padded heads are zero) and the channel index of each of its elements, in
-    # the B-operand layout: the per-page scale and mean are loaded straight into it
-    qd = gl.arange(0, D, layout=gl.SliceLayout(1, QL))
-    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
     head0 = b.to(gl.int64) * (HKV * G) + h * G
-    q_t = gl.load(q_ptr + (head0 + qn[None, :]) * D + qd[:, None], mask=(qn[None, :] < G) & (qd[:, None] < D),
-                  other=0.0).to(gl.float32)
-    q_t = gl.convert_layout(q_t.to(gl.float16), LB)  # fp16 pairs of channels: one register each
-    chan = gl.arange(0, D, layout=gl.SliceLayout(1, LB))  # constant offsets from one base per thread
-    chan_a = gl.arange(0, D, layout=gl.SliceLayout(0, LA))
-
-    kr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LK2))
-    kw = gl.arange(0, 128, layout=gl.SliceLayout(0, LK2))
-    k_off = kr[:, None] * 128 + kw[None, :]
-    vr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LV2))
-    vw = gl.arange(0, 128, layout=gl.SliceLayout(0, LV2))
-    v_off = ((vr % 2) * 256 + (vr // 2) * 128)[:, None] + vw[None, :]  # row (rh, blk) at byte 512 (2 blk + rh)
-    shift_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, LK4)))) * 2
-    shift_k = gl.expand_dims(gl.expand_dims(gl.expand_dims(shift_k, 0), 0), 0)
-    shift_k = shift_k + gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.zeros([4], gl.int32, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, LK4)))), 0), 0), 3)
-    shift_v = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, LV4)))) * 2
-    shift_v = gl.expand_dims(gl.expand_dims(gl.expand_dims(shift_v, 0), 0), 0)
-    shift_v = shift_v + gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.zeros([4], gl.int32, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, LV4)))), 0), 0), 3)
 
     m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
     acc = gl.zeros([D, 8], gl.float32, layout=MMA)
-    s0 = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
-    mean_template = gl.zeros([PAGE, D], gl.float16, layout=LA)  # a shape to broadcast the mean to
 
-    # register double buffering: the next page's codes load while this page computes
-    last = gl.maximum(p1 - 1, 0)
-    page = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64) * HKV + h
-    kx = gl.load(k_codes + page * WORDS + k_off)
-    vx = gl.load(v_codes + page * WORDS + v_off)
-    for pg in range(p0, p1):
-        page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
-        kx_n = gl.load(k_codes + page_n * WORDS + k_off)
-        vx_n = gl.load(v_codes + page_n * WORDS + v_off)
-        scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
-        # q . mean on the tensor cores: every row of the A operand is the page's mean, so every
-        # row of the product is the per-head constant, already in the scores' layout
-        mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
-        mean_rows = gl.broadcast(mean, mean_template)[0]
-        q_scaled = q_t * scale  # fp16 x fp16: the one rounding the fp16 operand needs anyway
-        bias = gl.nvidia.ampere.mma_v2(mean_rows, q_t, s0)
-        m_i, l_i, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
-                                   q_scaled, bias, m_i, l_i, acc, qk_scale, length - pg * PAGE, LA, LB, MMA)
-        kx = kx_n
-        vx = vx_n
-        page = page_n
+    if split < num_splits:
+        # q^T [128, 8] (padded heads are zero) as fp16 pairs in the B-operand layout; the per-page
+        # scale and mean are loaded straight into it
+        qd = gl.arange(0, D, layout=gl.SliceLayout(1, QL))
+        qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
+        q_t = gl.load(q_ptr + (head0 + qn[None, :]) * D + qd[:, None],
+                      mask=(qn[None, :] < G) & (qd[:, None] < D), other=0.0).to(gl.float32)
+        q_t = gl.convert_layout(q_t.to(gl.float16), LB)  # fp16 pairs of channels: one register each
+        chan = gl.arange(0, D, layout=gl.SliceLayout(1, LB))  # constant offsets from one base per thread
+        chan_a = gl.arange(0, D, layout=gl.SliceLayout(0, LA))
+
+        kr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LK2))
+        kw = gl.arange(0, 128, layout=gl.SliceLayout(0, LK2))
+        k_off = kr[:, None] * 128 + kw[None, :]
+        vr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LV2))
+        vw = gl.arange(0, 128, layout=gl.SliceLayout(0, LV2))
+        v_off = ((vr % 2) * 256 + (vr // 2) * 128)[:, None] + vw[None, :]  # row (rh, blk) at byte 512 (2 blk + rh)
+        shift_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, LK4)))) * 2
+        shift_k = gl.expand_dims(gl.expand_dims(gl.expand_dims(shift_k, 0), 0), 0)
+        shift_k = shift_k + gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.zeros([4], gl.int32, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, LK4)))), 0), 0), 3)
+        shift_v = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, LV4)))) * 2
+        shift_v = gl.expand_dims(gl.expand_dims(gl.expand_dims(shift_v, 0), 0), 0)
+        shift_v = shift_v + gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.zeros([4], gl.int32, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, LV4)))), 0), 0), 3)
+
+        s0 = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
+        mean_template = gl.zeros([PAGE, D], gl.float16, layout=LA)  # a shape to broadcast the mean to
+
+        # register double buffering: the next page's codes load while this page computes
+        last = gl.maximum(p1 - 1, 0)
+        page = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64) * HKV + h
+        kx = gl.load(k_codes + page * WORDS + k_off)
+        vx = gl.load(v_codes + page * WORDS + v_off)
+        for pg in range(p0, p1):
+            page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
+            kx_n = gl.load(k_codes + page_n * WORDS + k_off)
+            vx_n = gl.load(v_codes + page_n * WORDS + v_off)
+            scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
+            # q . mean on the tensor cores: every row of the A operand is the page's mean, so every
+            # row of the product is the per-head constant, already in the scores' layout
+            mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
+            mean_rows = gl.broadcast(mean, mean_template)[0]
+            q_scaled = q_t * scale  # fp16 x fp16: the one rounding the fp16 operand needs anyway
+            bias = gl.nvidia.ampere.mma_v2(mean_rows, q_t, s0)
+            nk = gl.load(k_used + page)
+            nv = gl.load(v_used + page)
+            m_i, l_i, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
+                                       q_scaled, bias, m_i, l_i, acc, qk_scale, length - pg * PAGE,
+                                       first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
+                                       v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G, CHUNK0,
+                                       LA, LB, MMA)
+            kx = kx_n
+            vx = vx_n
+            page = page_n
+    elif STAGED:
+        slot = gl.load(seq_slots + b).to(gl.int64)
+        base = slot * stride_ss + h * stride_sh
+        m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+                                     qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
 
     # the split's partial: normalised output and log2 of its mass (0 and -inf when empty)
     nonempty = l_i > 0
@@ -195,7 +350,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale, q_
     lse = gl.where(nonempty, m_i + gl.log2(l_safe), -float("inf"))
     od = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
     on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    row = (head0 + on) * num_splits + split  # [8]
+    row = (head0 + on) * ns_total + split  # [8]
     gl.store(part_o + gl.expand_dims(row, 0) * D + gl.expand_dims(od, 1), o,
              mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < D, 1))
     gl.store(part_lse + row, lse, mask=on < G)

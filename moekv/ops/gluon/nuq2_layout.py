@@ -27,22 +27,24 @@ Side tables (per page-head, as nuq2 stores them, nothing re-quantized):
   k_centroids, v_centroids  fp16 [N, H, 4]   the codebook (calibrated codebooks expanded per page)
   k_mean, k_scale           fp8  [N, H, D]   the keys' channel mean and scale
   k_out_val, v_out_val      fp8  [N, H, S]   outlier slots, in units of max |centroid|
-  k_out_idx, v_out_idx      int32 [N, H, S]  their position t * D + c; NO_OUTLIER marks an unused slot
-  slot_tokens               int32 [N, H, Sk + Sv]  the distinct tokens holding a used key or value slot,
-                                           ascending, padded with PAGE_TOKENS (derived from the two
-                                           out_idx tables, so the sparse term reads a few bytes per
-                                           page-head instead of scanning 64 tokens)
-  slot_counts               int32 [N, H]   how many of slot_tokens are real
-  k_used, v_used            int32 [N, H]   how many out slots are used; the used ones come first (the
-                                           order of slots carries no meaning; nuq2 writes them so)
+  k_out_idx, v_out_idx      int32 [N, H, S]  their position t * D + c; NO_OUTLIER marks an unused slot;
+                                           the used slots come first (the order of slots carries no
+                                           meaning; nuq2 writes them so, `used_slots_first` makes sure)
+  k_used, v_used            int32 [N, H]   how many out slots are used
+  k_slot_delta              fp32 [N, H, Sk]  what a key slot adds to the main term's scaled key:
+                                           scale[c] * (slot value - centroid[code at (t, c)]) (0 unused)
+  v_slot_delta              fp32 [N, H, Sv]  what a value slot adds: slot value - centroid[code] (0 unused)
+The slot deltas are q-independent, so they are computed once here (`slot_deltas`), and the Gluon tile
+loop adds the slots with one-hot products on the tensor cores (nuq2_kernel.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
 
-from moekv.kvcache.formats.nuq2 import NO_OUTLIER, NUQ2Format, pack_codes, unpack_codes
+from moekv.ops.nuq2_codes import NO_OUTLIER, pack_codes, unpack_codes
 
 NUQ2_FRAGMENT_VERSION = 1
 PAGE_TOKENS = 64  # the fragment order is defined for pages of 64 tokens ...
@@ -81,6 +83,23 @@ def _element_of_slot(kind: str) -> torch.Tensor:
 ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
 # the inverse: element t * D + c -> its slot 4 * byte + field
 SLOT_OF_ELEMENT = {kind: torch.argsort(e) for kind, e in ELEMENT_OF_SLOT.items()}
+_ON_DEVICE: dict[tuple[str, str, torch.device], torch.Tensor] = {}
+
+
+def _index_on(table: str, kind: str, device: torch.device) -> torch.Tensor:
+    """ELEMENT_OF_SLOT / SLOT_OF_ELEMENT [kind] on `device`, copied once: a copy from the host inside a
+    CUDA graph capture (the engine converts the pages a captured step fills) is refused."""
+    key = (table, kind, torch.device(device))
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = (ELEMENT_OF_SLOT if table == "element" else SLOT_OF_ELEMENT)[kind].to(device)
+    return _ON_DEVICE[key]
+
+
+def prepare_device(device: torch.device) -> None:
+    """Put the reorder's index tables on `device` now (before any capture that converts pages)."""
+    for kind in ("key", "value"):
+        _index_on("element", kind, device)
+        _index_on("slot", kind, device)
 
 
 def _check_kind(kind: str) -> None:
@@ -95,7 +114,7 @@ def codes_to_fragment(codes: torch.Tensor, kind: str) -> torch.Tensor:
         raise ValueError(f"codes_to_fragment: codes must end in [{PAGE_TOKENS}, {HEAD_DIM}], got {tuple(codes.shape)}")
     lead = codes.shape[:-2]
     flat = codes.reshape(*lead, PAGE_TOKENS * HEAD_DIM).to(torch.uint8)
-    slots = flat[..., ELEMENT_OF_SLOT[kind].to(codes.device)].reshape(*lead, PAGE_BYTES, 4)
+    slots = flat[..., _index_on("element", kind, codes.device)].reshape(*lead, PAGE_BYTES, 4)
     packed = slots[..., 0] | (slots[..., 1] << 2) | (slots[..., 2] << 4) | (slots[..., 3] << 6)
     return packed.contiguous().view(torch.int32)
 
@@ -106,33 +125,49 @@ def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
     lead = words.shape[:-1]
     packed = words.contiguous().view(torch.uint8)  # [..., 2048]
     slots = torch.stack([(packed >> (2 * f)) & 3 for f in range(4)], dim=-1).reshape(*lead, PAGE_TOKENS * HEAD_DIM)
-    return slots[..., SLOT_OF_ELEMENT[kind].to(words.device)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
+    return slots[..., _index_on("slot", kind, words.device)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
 
 
 def used_slots_first(out_idx: torch.Tensor, out_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out_idx, out_val) with each page-head's used slots first (kept as they are when they already
-    are, as nuq2 writes them), and the number used int32 [N, H]."""
+    """(out_idx, out_val) with each page-head's used slots first (a stable sort: kept as they are when
+    they already are, as nuq2 writes them), and the number used int32 [N, H]. No host sync (the
+    engine converts pages inside captured decode steps)."""
     used = out_idx != NO_OUTLIER
     counts = used.sum(-1).to(torch.int32)
-    if used.shape[-1] and not bool((used.int().cumprod(-1).bool() == used).all()):
+    if used.shape[-1]:
         order = torch.sort((~used).to(torch.uint8), dim=-1, stable=True).indices
         val_bytes = out_val.view(torch.uint8).gather(-1, order)  # fp8 has no gather on CPU
         out_idx, out_val = out_idx.gather(-1, order).contiguous(), val_bytes.view(out_val.dtype).contiguous()
     return out_idx, out_val, counts
 
 
-def slot_token_lists(k_out_idx: torch.Tensor, v_out_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per page-head, the distinct tokens that hold a used key or value slot: (tokens int32
-    [N, H, Sk + Sv] ascending, padded with PAGE_TOKENS; counts int32 [N, H])."""
-    if k_out_idx.shape[:2] != v_out_idx.shape[:2]:
-        raise ValueError(f"slot_token_lists: out_idx tables of different pages: {tuple(k_out_idx.shape)} and "
-                         f"{tuple(v_out_idx.shape)}")
-    idx = torch.cat([k_out_idx, v_out_idx], dim=2).long()
-    tokens = torch.where(idx != NO_OUTLIER, idx // HEAD_DIM, PAGE_TOKENS).sort(dim=2).values
-    repeated = torch.zeros_like(tokens, dtype=torch.bool)
-    repeated[..., 1:] = tokens[..., 1:] == tokens[..., :-1]
-    tokens = torch.where(repeated, PAGE_TOKENS, tokens).sort(dim=2).values
-    return tokens.to(torch.int32).contiguous(), (tokens < PAGE_TOKENS).sum(2).to(torch.int32)
+def _slot_deltas_from_codes(codes: torch.Tensor, centroids: torch.Tensor, out_idx: torch.Tensor,
+                            out_val: torch.Tensor, kind: str, k_scale: torch.Tensor | None) -> torch.Tensor:
+    """slot_deltas with the codes given in element order [N, H, P * D]."""
+    n, heads, slots = out_idx.shape
+    if not slots:
+        return torch.zeros(n, heads, 0, dtype=torch.float32, device=out_idx.device)
+    used = out_idx != NO_OUTLIER
+    pos = torch.where(used, out_idx, 0).long()  # [N, H, S] elements t * D + c
+    c = centroids.float()
+    unit = c.abs().amax(-1, keepdim=True).clamp(min=1e-6)  # nuq2.centroid_unit
+    delta = out_val.float() * unit - c.gather(2, codes.long().gather(2, pos))
+    if kind == "key":
+        if k_scale is None:
+            raise ValueError("slot_deltas: keys need k_scale")
+        delta = delta * k_scale.float().gather(2, pos % HEAD_DIM)
+    return torch.where(used, delta, 0.0).contiguous()
+
+
+def slot_deltas(codes_words: torch.Tensor, centroids: torch.Tensor, out_idx: torch.Tensor,
+                out_val: torch.Tensor, kind: str, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [N, H, S]: per outlier slot, what it adds to the codebook term at its element (t, c):
+    values z_slot - centroid[code]; keys scale[c] * (z_slot - centroid[code]) (the main term's key is
+    mean + scale * centroid). z_slot = out_val * max |centroid| (nuq2.centroid_unit); unused slots 0."""
+    _check_kind(kind)
+    n, heads = out_idx.shape[:2]
+    codes = codes_from_fragment(codes_words, kind).reshape(n, heads, -1)
+    return _slot_deltas_from_codes(codes, centroids, out_idx, out_val, kind, k_scale)
 
 
 @dataclass
@@ -151,68 +186,88 @@ class Nuq2FragmentPages:
     v_out_idx: torch.Tensor  # int32 [N, H, Sv]
     calibrated: bool = False  # the centroids came from a calibrated codebook (not stored in the slabs)
     version: int = NUQ2_FRAGMENT_VERSION
-    slot_tokens: torch.Tensor | None = None  # int32 [N, H, Sk + Sv]; None: derived from the out_idx tables
-    slot_counts: torch.Tensor | None = None  # int32 [N, H]
-    k_used: torch.Tensor | None = None  # int32 [N, H]
+    k_used: torch.Tensor | None = None  # int32 [N, H]; None (with the three below): derived here
     v_used: torch.Tensor | None = None  # int32 [N, H]
+    k_slot_delta: torch.Tensor | None = None  # fp32 [N, H, Sk]
+    v_slot_delta: torch.Tensor | None = None  # fp32 [N, H, Sv]
 
     def __post_init__(self):
-        derived = (self.slot_tokens, self.slot_counts, self.k_used, self.v_used)
+        derived = (self.k_used, self.v_used, self.k_slot_delta, self.v_slot_delta)
         if any(t is None for t in derived) and any(t is not None for t in derived):
-            raise ValueError("Nuq2FragmentPages: slot_tokens, slot_counts, k_used and v_used come together "
+            raise ValueError("Nuq2FragmentPages: k_used, v_used, k_slot_delta and v_slot_delta come together "
                              "(or all None)")
-        if self.slot_tokens is None:
+        if self.k_used is None:
             self.k_out_idx, self.k_out_val, self.k_used = used_slots_first(self.k_out_idx, self.k_out_val)
             self.v_out_idx, self.v_out_val, self.v_used = used_slots_first(self.v_out_idx, self.v_out_val)
-            self.slot_tokens, self.slot_counts = slot_token_lists(self.k_out_idx, self.v_out_idx)
+            self.k_slot_delta = slot_deltas(self.k_codes, self.k_centroids, self.k_out_idx, self.k_out_val, "key",
+                                            self.k_scale)
+            self.v_slot_delta = slot_deltas(self.v_codes, self.v_centroids, self.v_out_idx, self.v_out_val, "value")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
 
     def code_bytes_per_page_head(self) -> int:
-        """What the main kernel reads per page-head: K and V codes, centroids, key mean and scale."""
-        return 2 * PAGE_BYTES + 2 * 8 + 2 * HEAD_DIM
+        """What the kernel reads per page-head besides the slots: K and V codes, centroids, key mean
+        and scale, the two used counts."""
+        return 2 * PAGE_BYTES + 2 * 8 + 2 * HEAD_DIM + 8
+
+    def slot_bytes(self) -> int:
+        """What the kernel reads for the used slots of all pages (position and delta, 8 bytes each)."""
+        return 8 * int(self.k_used.sum() + self.v_used.sum())
 
 
-def check_shape(fmt: NUQ2Format, block_size: int, head_dim: int) -> None:
-    if not isinstance(fmt, NUQ2Format):
+def check_shape(fmt, block_size: int, head_dim: int) -> None:
+    if getattr(fmt, "name", None) != "nuq2":
         raise ValueError(f"nuq2 fragment order: needs a NUQ2Format, got {type(fmt).__name__}")
     if (block_size, head_dim) != (PAGE_TOKENS, HEAD_DIM):
         raise ValueError(f"nuq2 fragment order (version {NUQ2_FRAGMENT_VERSION}) is defined for block_size "
                          f"{PAGE_TOKENS} and head_dim {HEAD_DIM}, got {block_size} and {head_dim}")
 
 
-def to_fragment_order(fmt: NUQ2Format, k_pages: torch.Tensor, v_pages: torch.Tensor,
+def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor, layer: int | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """One kind's nuq2 slabs [N, H, slab] uint8 (block_size 64, head_dim 128) -> its fragment-order
+    tables, named as Nuq2FragmentPages' fields ('k_codes', ..., 'k_used', 'k_slot_delta'). No host
+    sync: the engine calls it on the pages a decode step fills, inside captured steps."""
+    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
+    _check_kind(kind)
+    name = "k" if kind == "key" else "v"
+    layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)
+    if slabs.dtype != torch.uint8 or slabs.dim() != 3 or slabs.shape[2] != layout.slab_bytes:
+        raise ValueError(f"nuq2 fragment order: {name}_pages must be uint8 [N, H, {layout.slab_bytes}], "
+                         f"got {slabs.dtype} {tuple(slabs.shape)}")
+    f = layout.unpack(slabs)
+    n, heads = slabs.shape[:2]
+    codes = unpack_codes(f["codes"])  # [N, H, P, D]
+    out = {f"{name}_codes": codes_to_fragment(codes, kind)}
+    if fmt.calibrated:
+        cb = fmt.codebook(kind, layer, n * heads, slabs.device).to(torch.float16)
+        out[f"{name}_centroids"] = cb.reshape(n, heads, 4).contiguous()
+    else:
+        out[f"{name}_centroids"] = f["centroids"].contiguous()
+    if kind == "key":
+        out["k_mean"], out["k_scale"] = f["chan_mean"].contiguous(), f["chan_scale"].contiguous()
+    if "out_idx" in f:
+        idx, val, used = used_slots_first(f["out_idx"].to(torch.int32), f["out_val"])
+    else:  # no slots: empty tables
+        idx = torch.zeros(n, heads, 0, dtype=torch.int32, device=slabs.device)
+        val = torch.zeros(n, heads, 0, dtype=torch.float8_e4m3fn, device=slabs.device)
+        used = torch.zeros(n, heads, dtype=torch.int32, device=slabs.device)
+    out[f"{name}_out_val"], out[f"{name}_out_idx"], out[f"{name}_used"] = val, idx, used
+    out[f"{name}_slot_delta"] = _slot_deltas_from_codes(codes.reshape(n, heads, -1), out[f"{name}_centroids"], idx,
+                                                        val, kind, out.get("k_scale"))
+    return out
+
+
+def to_fragment_order(fmt, k_pages: torch.Tensor, v_pages: torch.Tensor,
                       layer: int | None = None) -> Nuq2FragmentPages:
     """nuq2 slabs k_pages, v_pages [N, H, slab] uint8 (fmt's layout, block_size 64, head_dim 128)
     -> the same pages in fragment order."""
-    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
-    out = {}
-    for name, kind, pages in (("k", "key", k_pages), ("v", "value", v_pages)):
-        layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)
-        if pages.dtype != torch.uint8 or pages.dim() != 3 or pages.shape[2] != layout.slab_bytes:
-            raise ValueError(f"nuq2 fragment order: {name}_pages must be uint8 [N, H, {layout.slab_bytes}], "
-                             f"got {pages.dtype} {tuple(pages.shape)}")
-        f = layout.unpack(pages)
-        n, heads = pages.shape[:2]
-        out[f"{name}_codes"] = codes_to_fragment(unpack_codes(f["codes"]), kind)
-        if fmt.calibrated:
-            cb = fmt.codebook(kind, layer, n * heads, pages.device).to(torch.float16)
-            out[f"{name}_centroids"] = cb.reshape(n, heads, 4).contiguous()
-        else:
-            out[f"{name}_centroids"] = f["centroids"].contiguous()
-        if kind == "key":
-            out["k_mean"], out["k_scale"] = f["chan_mean"].contiguous(), f["chan_scale"].contiguous()
-        if "out_idx" in f:
-            out[f"{name}_out_val"] = f["out_val"].contiguous()
-            out[f"{name}_out_idx"] = f["out_idx"].to(torch.int32)
-        else:  # no slots: empty tables
-            out[f"{name}_out_val"] = torch.zeros(n, heads, 0, dtype=torch.float8_e4m3fn, device=pages.device)
-            out[f"{name}_out_idx"] = torch.zeros(n, heads, 0, dtype=torch.int32, device=pages.device)
-    return Nuq2FragmentPages(**out, calibrated=fmt.calibrated)
+    return Nuq2FragmentPages(**kind_to_fragment(fmt, "key", k_pages, layer),
+                             **kind_to_fragment(fmt, "value", v_pages, layer), calibrated=fmt.calibrated)
 
 
-def from_fragment_order(fmt: NUQ2Format, frag: Nuq2FragmentPages) -> tuple[torch.Tensor, torch.Tensor]:
+def from_fragment_order(fmt, frag: Nuq2FragmentPages) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of to_fragment_order: (k_pages, v_pages) nuq2 slabs [N, H, slab] uint8."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
     if frag.version != NUQ2_FRAGMENT_VERSION:
@@ -254,3 +309,45 @@ def dequantize_fragment(frag: Nuq2FragmentPages, kind: str, outliers: bool = Tru
     if kind == "key":
         z = z * frag.k_scale.float()[:, :, None] + frag.k_mean.float()[:, :, None]
     return z
+
+
+FRAGMENT_FIELDS = ("k_codes", "v_codes", "k_centroids", "v_centroids", "k_mean", "k_scale", "k_out_val", "k_out_idx",
+                   "v_out_val", "v_out_idx", "k_used", "v_used", "k_slot_delta", "v_slot_delta")
+
+
+def fragment_table_shapes(fmt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per (page, kv head): each fragment table's trailing shape and dtype (what an engine pool holds)."""
+    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
+    sk, sv = fmt.outlier_slots("key", PAGE_TOKENS, HEAD_DIM), fmt.outlier_slots("value", PAGE_TOKENS, HEAD_DIM)
+    fp8 = torch.float8_e4m3fn
+    return {"k_codes": ((WORDS_PER_PAGE,), torch.int32), "v_codes": ((WORDS_PER_PAGE,), torch.int32),
+            "k_centroids": ((4,), torch.float16), "v_centroids": ((4,), torch.float16),
+            "k_mean": ((HEAD_DIM,), fp8), "k_scale": ((HEAD_DIM,), fp8),
+            "k_out_val": ((sk,), fp8), "k_out_idx": ((sk,), torch.int32),
+            "v_out_val": ((sv,), fp8), "v_out_idx": ((sv,), torch.int32),
+            "k_used": ((), torch.int32), "v_used": ((), torch.int32),
+            "k_slot_delta": ((sk,), torch.float32), "v_slot_delta": ((sv,), torch.float32)}
+
+
+def fragment_bytes_per_page_head(fmt) -> int:
+    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+               for shape, dt in fragment_table_shapes(fmt).values())
+
+
+def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
+                             device: torch.device) -> dict[str, torch.Tensor]:
+    """Empty fragment-order pools [num_blocks, num_kv_heads, ...]: zero codes, unused slots."""
+    prepare_device(device)
+    out = {}
+    for name, (shape, dt) in fragment_table_shapes(fmt).items():
+        t = torch.zeros(num_blocks, num_kv_heads, *shape, dtype=dt, device=device)
+        if name.endswith("_out_idx"):
+            t.fill_(NO_OUTLIER)
+        out[name] = t
+    return out
+
+
+def fragment_view(tensors, calibrated: bool, page_ids: torch.Tensor | None = None) -> Nuq2FragmentPages:
+    """Nuq2FragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
+    pick = (lambda t: t) if page_ids is None else (lambda t: t[page_ids])
+    return Nuq2FragmentPages(**{name: pick(tensors[name]) for name in FRAGMENT_FIELDS}, calibrated=calibrated)

@@ -99,6 +99,10 @@ class EngineConfig:
         overlaps the device's (as vLLM's --async-scheduling). A sequence that stops on a token the
         host had not yet seen costs one token of wasted compute. None = on for CUDA, off on the CPU
         (where the host does the model's work itself and nothing would overlap).
+    enable_prefix_caching: full KV pages of identical prompt prefixes are computed once and shared
+        by later requests (chained content hash, reference counts, unreferenced cached pages evicted
+        least recently used first), as vLLM's flag. Refused with tiered (its re-ranking rewrites
+        written pages) and with kivi2 unless kv_residual=0 (its 16-bit window is per sequence).
     """
 
     model: str | Path = option(
@@ -123,6 +127,8 @@ class EngineConfig:
     load_format: str = option(
         "dummy: random weights of config.json's shape instead of the checkpoint's (benchmarks)", "auto",
         choices=LOAD_FORMATS)
+    enable_prefix_caching: bool = option(
+        "share the KV pages of identical prompt prefixes across requests (full pages, by content hash)", False)
     # KV format options: each format takes its own (kv_format_options); one set for a format that does not is an error
     kv_group_size: int = option(
         "int4: channels per scale group; kivi2: tokens (keys) and channels (values) per group (32 or 64)", 32)
@@ -190,6 +196,8 @@ class EngineConfig:
         _check(isinstance(self.enforce_eager, bool), f"enforce_eager={self.enforce_eager!r} must be True or False")
         _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
                f"async_scheduling={self.async_scheduling!r} must be True, False or None (on CUDA only)")
+        _check(isinstance(self.enable_prefix_caching, bool),
+               f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
         _check(self.load_format in LOAD_FORMATS,
                f"load_format={self.load_format!r} is not supported; accepted: {list(LOAD_FORMATS)}")
         _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")

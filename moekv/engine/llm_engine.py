@@ -53,6 +53,9 @@ class EngineStats:
     routing_locality: float | None = None  # with a cluster map: share of assignments on the top-1 expert's device
     routing_fan_out: float | None = None  # ... and mean devices a token's experts occupy
     kv_format: dict[str, float] = field(default_factory=dict)  # the KV format's own figures (KVFormat.stats)
+    # prefix caching (vLLM's counters, in tokens): prompt tokens looked up, and of those found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -69,7 +72,11 @@ class LLMEngine:
                              f"max_position_embeddings={limit}; accepted: 2..{limit}")
         self.max_model_len = config.max_model_len or limit
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        # the prefix cache's chain root: what besides the tokens decides a page's bytes
+        salt = repr((str(model_dir.resolve()), str(self.runner.dtype), config.kv_cache_dtype,
+                     sorted((k, str(v)) for k, v in config.kv_format_options().items()))).encode()
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching, cache_salt=salt)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         gen_eos = self.generation_config.get("eos_token_id")
@@ -204,7 +211,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, num_running=self.num_running,
             num_waiting=self.num_waiting, kv_cache_usage=bm.usage, kv_pages_used=bm.num_used_blocks,
             kv_cache_dtype=self.config.kv_cache_dtype, block_size=runner.block_size, num_blocks=runner.num_blocks,
-            bits_per_element=self.kv_bits_per_element)
+            bits_per_element=self.kv_bits_per_element,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits)
         if device:
             if runner.locality is not None:
                 routing = runner.locality.snapshot()
@@ -304,6 +312,7 @@ class LLMEngine:
         outputs = []
         for seq in seqs:
             if not seq.is_finished:
+                self.block_manager.forget(seq)  # what the failed step wrote is not served to others
                 self._finish(seq, "error")
                 outputs.append(self._output(seq, "", [], error=f"{type(e).__name__}: {e}"))
         return outputs

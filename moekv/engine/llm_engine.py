@@ -20,7 +20,7 @@ from moekv.engine.model_runner import ModelRunner, PendingStep
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import OUTPUT_KINDS, Sequence
 from moekv.models.loader import load_model_config, read_json
-from moekv.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from moekv.models.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer
 from moekv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moekv.sampling_params import SamplingParams
 
@@ -63,7 +63,7 @@ class LLMEngine:
         self.config = config
         model_dir = Path(config.model)
         self.model_config = load_model_config(model_dir)
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = NoTokenizer() if config.skip_tokenizer_init else Tokenizer(config.tokenizer or model_dir)
         gen_path = model_dir / "generation_config.json"
         self.generation_config = read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
         limit = self.model_config.max_position_embeddings
@@ -140,6 +140,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.stop_strings and self.config.skip_tokenizer_init:
+            raise ValueError("stop strings need the tokenizer (outputs have no text under skip_tokenizer_init=True); "
+                             "use stop_token_ids")
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token")
@@ -296,6 +299,7 @@ class LLMEngine:
         for seq in seqs:  # prev's token is at position num_tokens: room for num_tokens + 1
             if not self.block_manager.allocate(seq, seq.num_tokens + 1):
                 return None
+        self.runner.release_pages(self.block_manager.drain_freed())  # cached pages evicted for these
         blocked = {seq.request_id: self._blocked_ids(seq, pending=1) for seq in seqs}
         try:
             follow_on = self.runner.launch_follow_on(prev, seqs, blocked)

@@ -95,7 +95,8 @@ def test_hit_counters_count_tokens_as_vllm():
     expected_hits = 0
     expected_queries = 0
     for prompt, hit_pages in ((a, 0), (b, 2), (c, 2), (d, 0), (a, 3)):
-        llm.generate({"prompt_token_ids": prompt}, params)
+        out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+        assert out.num_cached_tokens == hit_pages * bs
         expected_queries += len(prompt)
         expected_hits += hit_pages * bs
         stats = engine.stats()

@@ -419,4 +419,4 @@ class LLMEngine:
             outputs=[completion], finished=seq.is_finished,
             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
             metrics=metrics, num_preemptions=seq.num_preemptions, delta_text=delta_text,
-            delta_token_ids=delta_ids, error=error)
+            delta_token_ids=delta_ids, error=error, num_cached_tokens=seq.num_cached_tokens)

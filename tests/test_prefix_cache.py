@@ -235,8 +235,8 @@ class PrefixMachine(RuleBasedStateMachine):
         seq.num_computed = len(cached) * bs
         self._check_holds(seq, seq.num_computed)  # the cached pages hold exactly its prefix
         self._write(seq, seq.num_computed, len(seq.tokens))  # prefill of the rest
+        self.bm.register_computed(seq, seq.num_computed, len(seq.tokens))
         seq.num_computed = len(seq.tokens)
-        self.bm.register_computed(seq, seq.num_computed)
         self.live.append(seq)
         event(f"hit pages: {min(len(cached), 3)}")
 
@@ -249,8 +249,8 @@ class PrefixMachine(RuleBasedStateMachine):
         self._wipe_reused()
         seq.num_extra += n
         self._write(seq, seq.num_computed, len(seq.tokens))
+        self.bm.register_computed(seq, seq.num_computed, len(seq.tokens))
         seq.num_computed = len(seq.tokens)
-        self.bm.register_computed(seq, seq.num_computed)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

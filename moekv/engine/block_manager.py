@@ -115,14 +115,15 @@ class BlockManager:
             pages.append(page)
         return pages
 
-    def register_computed(self, seq: HasPrompt, num_computed_tokens: int) -> None:
-        """seq's first num_computed_tokens tokens are in its pages: index its full prompt pages among
-        them. A page whose content another page already holds stays unindexed (freed as usual)."""
-        if not self.enable_prefix_caching:
+    def register_computed(self, seq: HasPrompt, start: int, end: int) -> None:
+        """A step computed seq's tokens start..end-1 into its pages: index the full prompt pages it
+        completed. A page whose content another page already holds stays unindexed (freed as usual)."""
+        n_prompt = len(seq.prompt_token_ids)
+        if not self.enable_prefix_caching or start >= n_prompt:
             return
-        n = min(num_computed_tokens, len(seq.prompt_token_ids)) // self.block_size
+        first, n = start // self.block_size, min(end, n_prompt) // self.block_size
         hashes = self.page_hashes(seq)
-        for i in range(n):
+        for i in range(first, n):
             page, h = seq.block_table[i], hashes[i]
             if page in self._hash_of or h in self._page_of:
                 continue

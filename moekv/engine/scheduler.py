@@ -122,4 +122,5 @@ class Scheduler:
         """Record that the scheduled tokens are now in the cache."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
-            self.block_manager.register_computed(item.seq, item.seq.num_computed_tokens)
+            self.block_manager.register_computed(item.seq, item.seq.num_computed_tokens - item.num_tokens,
+                                                 item.seq.num_computed_tokens)

@@ -41,10 +41,11 @@ def shipped_kv_calibration(model: str | Path) -> Path | None:
 
 
 def option(help: str, default: Any = None, *, default_factory: Callable[[], Any] | None = None,
-           choices: tuple[str, ...] | None = None, flag: str | None = None):
+           choices: tuple[str, ...] | None = None, flag: str | None = None, aliases: tuple[str, ...] = ()):
     """An EngineConfig field with what its command-line flag needs (cli/engine_args.py builds the
-    flags from these): help text, accepted choices, and the flag's name when it is not --field-name."""
-    metadata = {"help": help, "choices": choices, "flag": flag}
+    flags from these): help text, accepted choices, the flag's name when it is not --field-name, and
+    other names of the flag (left out by a command that gives the name a meaning of its own)."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "aliases": aliases}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -99,6 +100,17 @@ class EngineConfig:
         overlaps the device's (as vLLM's --async-scheduling). A sequence that stops on a token the
         host had not yet seen costs one token of wasted compute. None = on for CUDA, off on the CPU
         (where the host does the model's work itself and nothing would overlap).
+    tokenizer: a folder holding tokenizer.json (tokenizer_config.json and a chat template are read
+        beside it) or a tokenizer.json file, used instead of the checkpoint's (as vLLM's flag).
+    skip_tokenizer_init: load no tokenizer (as vLLM's flag): prompts must be token ids (text or chat
+        is a ValueError), outputs carry token ids and empty text, stop strings are refused; a
+        checkpoint folder without tokenizer.json loads.
+    seed: the flag is --seed (vLLM's engine seed) and --engine-seed; `moekv generate` keeps --seed
+        for its request's own seed, so there only --engine-seed sets this.
+    enable_prefix_caching: full KV pages of identical prompt prefixes are computed once and shared
+        by later requests (chained content hash, reference counts, unreferenced cached pages evicted
+        least recently used first), as vLLM's flag. Refused with tiered (its re-ranking rewrites
+        written pages) and with kivi2 unless kv_residual=0 (its 16-bit window is per sequence).
     """
 
     model: str | Path = option(
@@ -115,7 +127,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = option("CPU: GB of KV pages when --num-kv-blocks is not given", 1.0)
     gpu_memory_utilization: float = option(
         "CUDA: share of the card's memory the engine may fill (weights, KV pages, activations)", 0.9)
-    seed: int = option("seed of the sampler for requests without their own seed", 0, flag="--engine-seed")
+    seed: int = option("seed of the sampler for requests without their own seed", 0, flag="--engine-seed",
+                       aliases=("--seed",))
     enforce_eager: bool = option(
         "never replay decode steps from CUDA graphs (default: graphs on CUDA where the KV format allows)", False)
     async_scheduling: bool | None = option(
@@ -123,6 +136,12 @@ class EngineConfig:
     load_format: str = option(
         "dummy: random weights of config.json's shape instead of the checkpoint's (benchmarks)", "auto",
         choices=LOAD_FORMATS)
+    enable_prefix_caching: bool = option(
+        "share the KV pages of identical prompt prefixes across requests (full pages, by content hash)", False)
+    tokenizer: str | Path | None = option(
+        "tokenizer folder or tokenizer.json file to use instead of the checkpoint's (default: the checkpoint's)")
+    skip_tokenizer_init: bool = option(
+        "load no tokenizer: prompts must be token ids; outputs carry token ids and empty text", False)
     # KV format options: each format takes its own (kv_format_options); one set for a format that does not is an error
     kv_group_size: int = option(
         "int4: channels per scale group; kivi2: tokens (keys) and channels (values) per group (32 or 64)", 32)
@@ -190,6 +209,16 @@ class EngineConfig:
         _check(isinstance(self.enforce_eager, bool), f"enforce_eager={self.enforce_eager!r} must be True or False")
         _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
                f"async_scheduling={self.async_scheduling!r} must be True, False or None (on CUDA only)")
+        _check(isinstance(self.skip_tokenizer_init, bool),
+               f"skip_tokenizer_init={self.skip_tokenizer_init!r} must be True or False")
+        if self.tokenizer is not None:
+            _check(not self.skip_tokenizer_init,
+                   f"tokenizer={str(self.tokenizer)!r} and skip_tokenizer_init=True contradict each other; give one")
+            self.tokenizer = Path(self.tokenizer)
+            _check(self.tokenizer.is_file() or (self.tokenizer / "tokenizer.json").is_file(),
+                   f"tokenizer={str(self.tokenizer)!r} is neither a tokenizer.json file nor a folder holding one")
+        _check(isinstance(self.enable_prefix_caching, bool),
+               f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
         _check(self.load_format in LOAD_FORMATS,
                f"load_format={self.load_format!r} is not supported; accepted: {list(LOAD_FORMATS)}")
         _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")

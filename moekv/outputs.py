@@ -46,3 +46,5 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    # prefix caching (as vLLM's field): prompt tokens read from the cache at the request's last admission
+    num_cached_tokens: int = 0

@@ -24,8 +24,9 @@ def _value_type(f: dataclasses.Field, hints: dict) -> type:
     return str
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field."""
+def add_engine_args(parser: argparse.ArgumentParser, own_flags: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field (with its aliases, except those in own_flags: names the
+    command itself defines, such as generate's per-request --seed)."""
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         default = field_default(f)
@@ -40,7 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = kind
             if f.metadata.get("choices"):
                 kwargs["choices"] = list(f.metadata["choices"])
-        parser.add_argument(flag_name(f), **kwargs)
+        aliases = [a for a in f.metadata.get("aliases", ()) if a not in own_flags]
+        parser.add_argument(flag_name(f), *aliases, **kwargs)
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:

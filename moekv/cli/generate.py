@@ -14,8 +14,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(engine_config_from(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
-                            repetition_penalty=args.repetition_penalty)
+                            top_k=args.top_k, seed=args.request_seed, stop=args.stop or None,
+                            ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty)
     prompt = args.prompt
     if args.chat:
         prompt = {"prompt_token_ids": engine.tokenizer.encode(
@@ -45,14 +45,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """Register `generate` on the `moekv` sub-command parsers."""
     gen = subparsers.add_parser("generate", help="generate text from a prompt, streaming tokens to the terminal")
-    add_engine_args(gen)
+    add_engine_args(gen, own_flags=("--seed",))  # --seed: this request's seed; --engine-seed: the engine's
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, dest="request_seed", help="this request's sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

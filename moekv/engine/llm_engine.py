@@ -20,7 +20,7 @@ from moekv.engine.model_runner import ModelRunner, PendingStep
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import OUTPUT_KINDS, Sequence
 from moekv.models.loader import load_model_config, read_json
-from moekv.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from moekv.models.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer
 from moekv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moekv.sampling_params import SamplingParams
 
@@ -53,6 +53,9 @@ class EngineStats:
     routing_locality: float | None = None  # with a cluster map: share of assignments on the top-1 expert's device
     routing_fan_out: float | None = None  # ... and mean devices a token's experts occupy
     kv_format: dict[str, float] = field(default_factory=dict)  # the KV format's own figures (KVFormat.stats)
+    # prefix caching (vLLM's counters, in tokens): prompt tokens looked up, and of those found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -60,7 +63,7 @@ class LLMEngine:
         self.config = config
         model_dir = Path(config.model)
         self.model_config = load_model_config(model_dir)
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = NoTokenizer() if config.skip_tokenizer_init else Tokenizer(config.tokenizer or model_dir)
         gen_path = model_dir / "generation_config.json"
         self.generation_config = read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
         limit = self.model_config.max_position_embeddings
@@ -69,7 +72,11 @@ class LLMEngine:
                              f"max_position_embeddings={limit}; accepted: 2..{limit}")
         self.max_model_len = config.max_model_len or limit
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        # the prefix cache's chain root: what besides the tokens decides a page's bytes
+        salt = repr((str(model_dir.resolve()), str(self.runner.dtype), config.kv_cache_dtype,
+                     sorted((k, str(v)) for k, v in config.kv_format_options().items()))).encode()
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching, cache_salt=salt)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         gen_eos = self.generation_config.get("eos_token_id")
@@ -133,6 +140,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.stop_strings and self.config.skip_tokenizer_init:
+            raise ValueError("stop strings need the tokenizer (outputs have no text under skip_tokenizer_init=True); "
+                             "use stop_token_ids")
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token")
@@ -204,7 +214,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, num_running=self.num_running,
             num_waiting=self.num_waiting, kv_cache_usage=bm.usage, kv_pages_used=bm.num_used_blocks,
             kv_cache_dtype=self.config.kv_cache_dtype, block_size=runner.block_size, num_blocks=runner.num_blocks,
-            bits_per_element=self.kv_bits_per_element)
+            bits_per_element=self.kv_bits_per_element,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits)
         if device:
             if runner.locality is not None:
                 routing = runner.locality.snapshot()
@@ -288,6 +299,7 @@ class LLMEngine:
         for seq in seqs:  # prev's token is at position num_tokens: room for num_tokens + 1
             if not self.block_manager.allocate(seq, seq.num_tokens + 1):
                 return None
+        self.runner.release_pages(self.block_manager.drain_freed())  # cached pages evicted for these
         blocked = {seq.request_id: self._blocked_ids(seq, pending=1) for seq in seqs}
         try:
             follow_on = self.runner.launch_follow_on(prev, seqs, blocked)
@@ -304,6 +316,7 @@ class LLMEngine:
         outputs = []
         for seq in seqs:
             if not seq.is_finished:
+                self.block_manager.forget(seq)  # what the failed step wrote is not served to others
                 self._finish(seq, "error")
                 outputs.append(self._output(seq, "", [], error=f"{type(e).__name__}: {e}"))
         return outputs
@@ -406,4 +419,4 @@ class LLMEngine:
             outputs=[completion], finished=seq.is_finished,
             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
             metrics=metrics, num_preemptions=seq.num_preemptions, delta_text=delta_text,
-            delta_token_ids=delta_ids, error=error)
+            delta_token_ids=delta_ids, error=error, num_cached_tokens=seq.num_cached_tokens)

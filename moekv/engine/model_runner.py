@@ -156,6 +156,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_cfg)
         self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype, **config.kv_format_options())
         self.kv_format.check_layout(model_cfg.num_kv_heads, config.block_size, model_cfg.head_dim)
+        if config.enable_prefix_caching:
+            reason = self.kv_format.prefix_caching_unsupported()
+            if reason is not None:
+                raise ValueError(f"enable_prefix_caching=True does not work with kv_cache_dtype="
+                                 f"{config.kv_cache_dtype!r}: {reason}")
         self.model = load_model(config.model, self.dtype, self.device, model_cfg, config.load_format)
         self.routing = install_routers(self.model, model_cfg, **config.routing_options())
         # with a cluster map: routing locality counted on the device, before any graph is captured

@@ -4,7 +4,9 @@ One step mixes decodes (1 token per running sequence) and prefill chunks (the un
 of a prompt, cut to fit the token budget). Running sequences go first, oldest first; new prompts
 join while budget, `max_num_seqs` and free pages allow. When a running sequence needs a page and
 none is free, the newest running sequence is preempted: its pages go back to the pool and it
-returns to the front of the waiting queue, to be recomputed later. No tensors here.
+returns to the front of the waiting queue, to be recomputed later. With prefix caching, a prompt
+being admitted starts from the longest run of its full pages already cached (BlockManager), and the
+pages a step completes are indexed for later prompts. No tensors here.
 """
 from __future__ import annotations
 
@@ -89,9 +91,16 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                num_tokens = min(seq.num_schedulable_tokens, budget)
-                if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens):
+                bm = self.block_manager
+                cached = bm.find_cached_prefix(seq) if seq.reads_prefix_cache else []
+                num_cached = len(cached) * bm.block_size  # a waiting sequence has nothing computed
+                num_tokens = min(seq.num_tokens - num_cached if cached else seq.num_schedulable_tokens, budget)
+                if not bm.allocate(seq, num_cached + num_tokens, cached):
                     break
+                if bm.enable_prefix_caching and seq.reads_prefix_cache:
+                    bm.prefix_cache_queries += seq.num_prompt_tokens
+                    bm.prefix_cache_hits += num_cached
+                seq.num_computed_tokens = seq.num_cached_tokens = num_cached
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 if seq.first_scheduled_time is None:
@@ -113,3 +122,5 @@ class Scheduler:
         """Record that the scheduled tokens are now in the cache."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
+            self.block_manager.register_computed(item.seq, item.seq.num_computed_tokens - item.num_tokens,
+                                                 item.seq.num_computed_tokens)

@@ -60,6 +60,10 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # prefix caching: the chained hashes of the prompt's full pages (BlockManager.page_hashes), and
+    # how many prompt tokens the last admission found in the cache (not computed again)
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +94,13 @@ class Sequence:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : stop - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether the sequence may start from cached pages: not when it wants something from every
+        prompt position (prompt logprobs, prompt logits, scoring in decode mode)."""
+        return (self.sampling_params.prompt_logprobs is None and self.prompt_logits is None
+                and self.decode_from is None)
 
     @property
     def is_finished(self) -> bool:

@@ -22,10 +22,17 @@ def _token_text(value: Any) -> str | None:
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
+        """model_dir: a folder holding tokenizer.json (and tokenizer_config.json, a chat template),
+        or the path of a tokenizers JSON file itself (its folder is searched for the rest)."""
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
+        if model_dir.is_file():
+            path, model_dir = model_dir, model_dir.parent
+        else:
+            path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer.json not found in {model_dir} (moekv reads fast tokenizers only)")
+            raise FileNotFoundError(f"tokenizer.json not found in {model_dir} (moekv reads fast tokenizers only); "
+                                    "give tokenizer= (--tokenizer) a folder or tokenizer.json file, or "
+                                    "skip_tokenizer_init=True (--skip-tokenizer-init) for token-id prompts only")
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # the Rust library raises a plain Exception on a malformed file
@@ -76,6 +83,28 @@ class Tokenizer:
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected these messages: {e}") from e
+
+
+class NoTokenizer:
+    """The engine's tokenizer under skip_tokenizer_init (as vLLM's): nothing is loaded, so text cannot
+    become tokens (a ValueError naming the option) and tokens become no text (outputs carry token
+    ids and empty text)."""
+
+    bos_token = eos_token = eos_token_id = chat_template = None
+    MESSAGE = ("the engine was started with skip_tokenizer_init=True (no tokenizer): {what}; send token ids "
+               "({{'prompt_token_ids': [...]}} in the Python API, a list of integers as the server's prompt)")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError(self.MESSAGE.format(what="text prompts cannot be tokenized"))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        raise ValueError(self.MESSAGE.format(what="chat messages cannot be rendered and tokenized"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return None
 
 
 def _raise_template_error(message: str) -> None:

@@ -86,7 +86,10 @@ def build_app(engine: LLMEngine, model_name: str | None = None, max_queue: int |
                            code="invalid_value")
         if req.prompt is not None:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=add)
+            try:
+                ids = engine.tokenizer.encode(req.prompt, add_special_tokens=add)
+            except ValueError as e:  # no tokenizer (skip_tokenizer_init)
+                raise APIError(400, str(e), param="prompt", code="invalid_value") from None
         else:
             ids = render_messages(engine, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

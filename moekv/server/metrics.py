@@ -77,8 +77,11 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = counter("request_success", "Requests ended, by finish reason.", ("finished_reason",))
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix caching: prompt tokens looked up (tokens).")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix caching: prompt tokens found cached (tokens).")
         self._model_name = model_name
-        self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._last_token_time: dict[str, float] = {}  # request id -> time of its latest token
 
         self.kv_bits.set(stats.bits_per_element)
@@ -121,7 +124,8 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.kv_pages_used.set(stats.kv_pages_used)
         for key, metric in (("num_preemptions", self.preemptions), ("prompt_tokens", self.prompt_tokens),
-                            ("generation_tokens", self.generation_tokens)):
+                            ("generation_tokens", self.generation_tokens),
+                            ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
             now = getattr(stats, key)
             if now > self._last[key]:
                 metric.inc(now - self._last[key])

@@ -122,6 +122,13 @@ class KVFormat(ABC):
     def release_pages(self, cache: LayerKVCache, pages: list[int]) -> None:
         """Pages went back to the block manager's free list: drop any state kept for them."""
 
+    def prefix_caching_unsupported(self) -> str | None:
+        """Why full pages of this format cannot be shared between sequences by prefix caching, or None.
+        Sharing needs a written full page to stay as written, and a sequence's attention to need
+        nothing beyond its pages that only computing the prefix would have produced (the 16-bit
+        staging page is rebuilt, since a sequence resumes at a page boundary)."""
+        return None
+
     @abstractmethod
     def allocate(self, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  device: torch.device, max_num_seqs: int, dtype: torch.dtype) -> LayerKVCache: ...

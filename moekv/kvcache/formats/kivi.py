@@ -56,6 +56,13 @@ class KIVI2Format(PagedQuantFormat):
                              f"(the residual window is kept in whole {self.group}-token groups)")
         self.residual = r
 
+    def prefix_caching_unsupported(self) -> str | None:
+        if self.residual == 0:
+            return None  # pages alone hold the context: shared as they are
+        return (f"its residual window (the newest {self.residual} tokens in 16-bit) lives in a per-sequence ring "
+                "that shared pages do not carry: a request starting from cached pages would read window "
+                "tokens it never computed; use kv_residual=0 to share pages")
+
     def value_group(self, head_dim: int) -> int:
         """Channels per value group: G, or the whole head when it is narrower than G."""
         return min(self.group, head_dim)

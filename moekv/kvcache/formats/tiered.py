@@ -128,6 +128,12 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         self.elements_read = 0
 
     # -- accounting ------------------------------------------------------------------------------
+    def prefix_caching_unsupported(self) -> str | None:
+        return ("its re-ranking rewrites full pages after they are written (FP8 pages demoted to nuq2), "
+                "chosen from each sequence's own attention mass and protected pages; a shared page would "
+                "change under one request because of another, so outputs would depend on which requests "
+                "happened to share it")
+
     def _slabs(self, kind: str, block_size: int, head_dim: int) -> tuple[int, int]:
         return (self.hi.layout(kind, block_size, head_dim).slab_bytes,
                 self.lo.layout(kind, block_size, head_dim).slab_bytes)

@@ -19,16 +19,20 @@ from moekv.engine.llm_engine import LLMEngine
 from moekv.server.async_engine import AsyncEngine
 from moekv.server.chat import create_chat_completion, render_messages
 from moekv.server.completions import create_completion
+from moekv.server.guard import GuardMiddleware
 from moekv.server.metrics import ServerMetrics
+from moekv.server.options import ServerOptions
 from moekv.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, parse_body
 from moekv.server.serving import ServerState
 
 log = logging.getLogger("moekv.server")
 
 
-def build_app(engine: LLMEngine, model_name: str | None = None, max_queue: int | None = 1024) -> FastAPI:
+def build_app(engine: LLMEngine, model_name: str | None = None, max_queue: int | None = 1024,
+              options: ServerOptions | None = None) -> FastAPI:
     """An app serving `engine` under `model_name` (default: the --model path, as vLLM names it).
-    The engine thread starts and stops with the app's lifespan."""
+    The engine thread starts and stops with the app's lifespan. options: the API key and request
+    limits (guard.py; default: ServerOptions(), an open server)."""
     if max_queue is not None and max_queue < 1:
         raise ValueError(f"max_queue={max_queue} must be an integer >= 1 (or None for no limit)")
     name = model_name or str(engine.config.model)
@@ -46,6 +50,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, max_queue: int |
 
     app = FastAPI(title="moekv", lifespan=lifespan)
     app.state.moekv = state
+    app.state.options = options = options or ServerOptions()
+    app.add_middleware(GuardMiddleware, options=options)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -36,6 +36,19 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least(low: int):
+    """argparse type: an integer >= low (so `--stride 0` is an error, not the default)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: an integer >= {low}")
+        return value
+    return parse
+
+
 def _finite(obj):
     """JSON without Infinity: margins of +-inf become the strings 'inf' / '-inf'."""
     if isinstance(obj, float) and math.isinf(obj):
@@ -83,8 +96,8 @@ def add_eval_routing_parser(eval_subparsers) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--text", required=True, help="UTF-8 text file to evaluate on")
     p.add_argument("--max-tokens", type=int, default=16384, help="score at most this many tokens of the text")
-    p.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
-    p.add_argument("--stride", type=int, default=None, help="window advance (default: window / 2)")
+    p.add_argument("--window", type=_at_least(2), default=None, help="tokens per window (default: max_model_len)")
+    p.add_argument("--stride", type=_at_least(1), default=None, help="window advance (default: window / 2)")
     p.add_argument("--mode", default="prefill", choices=["decode", "prefill"],
                    help="prefill (default: routing does not depend on the KV cache) or decode")
     p.add_argument("--num-devices", type=int, default=None, help="devices of the placement (default: one per cluster)")
@@ -101,8 +114,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(ppl)
     ppl.add_argument("--text", required=True, help="UTF-8 text file")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
-    ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
-    ppl.add_argument("--stride", type=int, default=None, help="window advance (default: window / 2)")
+    ppl.add_argument("--window", type=_at_least(2), default=None, help="tokens per window (default: max_model_len)")
+    ppl.add_argument("--stride", type=_at_least(1), default=None, help="window advance (default: window / 2)")
     ppl.add_argument("--mode", default="decode", choices=["decode", "prefill"],
                      help="decode: scored tokens are fed one per step, reading the cache as generation does")
     ppl.add_argument("--json", action="store_true", help="print one JSON object on the last line")

@@ -31,7 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"moekv serve: captured {n} decode-step CUDA graphs in {time.perf_counter() - start:.1f} s", flush=True)
     app = build_app(engine, model_name=args.served_model_name, max_queue=args.max_queue, options=options)
     name = app.state.moekv.model_name
-    print(f"moekv serve: {name!r} (max_model_len {engine.max_model_len}, KV {args.kv_cache_dtype}, "
+    print(f"moekv serve: {name!r} (max_model_len {engine.max_model_len}, KV {engine.runner.kv_format.name}, "
           f"{engine.block_manager.num_blocks} pages of {engine.config.block_size} tokens) on "
           f"http://{args.host}:{args.port}" + (" (API key required)" if options.api_key else ""),
           flush=True)

@@ -162,6 +162,17 @@ def test_body_over_the_limit_is_a_413(server):
 
     r = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # a client still sending a large body reads the 413 (the body is read and dropped), not a reset
+    with httpx.Client(base_url=server.url) as client:
+        for _ in range(3):
+            r = client.post("/v1/completions", content=b"x" * 3_000_000, headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "3000000 bytes" in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 200  # the same connection carries on
+    # beyond what is worth reading, the connection is closed after the answer
+    with connect(server.url) as sock:
+        sock.sendall(POST_HEAD.replace(b"Content-Length: 100", b"Content-Length: 999999999999"))
+        status, body = response_of(read_all(sock))
+    assert status == 413 and body["error"]["code"] == "request_too_large"
     assert_healthy(server)
 
 

@@ -46,8 +46,14 @@ async def send_error(send, err: APIError, close: bool = False, headers: list | N
 
 
 class _BodyError(Exception):
-    def __init__(self, err: APIError | None) -> None:
+    def __init__(self, err: APIError | None, close: bool = True) -> None:
         self.err = err  # None: the client has gone
+        self.close = close  # the rest of the body was not read: the connection cannot carry another request
+
+
+# a body over the limit is read and dropped up to this many bytes more before the 413, so the client
+# (still sending) reads the answer instead of a reset connection; beyond it the connection is closed
+DISCARD_BYTES = 64 * 2**20
 
 
 class GuardMiddleware:
@@ -76,7 +82,7 @@ class GuardMiddleware:
             body = await self._read_body(scope, receive)
         except _BodyError as e:
             if e.err is not None:
-                await send_error(send, _unauthorized() if unauthorized else e.err, close=True)
+                await send_error(send, _unauthorized() if unauthorized else e.err, close=e.close)
             return  # the client has gone: nobody to answer
         if unauthorized:  # answered after the body is read, so the connection stays usable
             await send_error(send, _unauthorized(), headers=[(b"www-authenticate", b"Bearer")])
@@ -96,8 +102,9 @@ class GuardMiddleware:
     async def _read_body(self, scope, receive) -> bytes:
         limit = self.options.max_request_bytes
         length = _header(scope, b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise _BodyError(_too_large(int(length), limit))
+        declared = int(length) if length is not None and length.isdigit() else None
+        if declared is not None and declared > limit + DISCARD_BYTES:
+            raise _BodyError(_too_large(declared, limit))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.options.read_timeout
         chunks, size = [], 0
@@ -106,6 +113,8 @@ class GuardMiddleware:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
+                if size > limit or (declared is not None and declared > limit):
+                    raise _BodyError(_too_large(declared, limit)) from None  # too large whatever else
                 wait = self.options.read_timeout
                 raise _BodyError(APIError(408, f"the request body did not arrive within {wait:g} s (--read-timeout)",
                                           code="request_timeout")) from None
@@ -113,10 +122,16 @@ class GuardMiddleware:
                 raise _BodyError(None)
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                raise _BodyError(_too_large(None, limit))
+            more = message.get("more_body", False)
+            if size > limit:  # drop what came; keep reading (up to DISCARD_BYTES more) to answer cleanly
+                chunks = []
+                if not more:
+                    raise _BodyError(_too_large(declared, limit), close=False)
+                if size > limit + DISCARD_BYTES:
+                    raise _BodyError(_too_large(declared, limit))
+                continue
             chunks.append(chunk)
-            if not message.get("more_body", False):
+            if not more:
                 return b"".join(chunks)
 
 

@@ -179,9 +179,16 @@ def main() -> int:
         start = time.monotonic()
         end = start + args.duration
 
+        samples = []  # RSS every 10 s: growth that levels off is warm-up, growth that does not is a leak
+
+        async def sample_rss():
+            while time.monotonic() < end:
+                samples.append(round(rss_mib(proc.pid), 1))
+                await asyncio.sleep(10)
+
         async def load():
             await asyncio.gather(*(soak.client_loop(end) for _ in range(args.clients)),
-                                 soak.stall_loop(end, args.read_timeout))
+                                 soak.stall_loop(end, args.read_timeout), sample_rss())
 
         asyncio.run(load())
         elapsed = time.monotonic() - start

@@ -231,6 +231,7 @@ def main() -> int:
         "count_5xx": sum(v for k, v in soak.status.items() if k >= 500), "first_5xx": soak.errors,
         "pages_used_when_idle": pages, "running_when_idle": running, "waiting_when_idle": waiting,
         "healthy_after": healthy, "rss_mib_before": round(rss_before, 1), "rss_mib_after": round(rss_after, 1),
+        "rss_mib_every_10s": samples,
         "sigterm_s": round(sigterm_s, 2), "shutdown_timeout_s": args.shutdown_timeout, "exit_status": proc.returncode,
         "tracebacks_in_log": server_log.count("Traceback"),
     }

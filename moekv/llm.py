@@ -45,6 +45,9 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a {{'prompt_token_ids': [...]}} dict, or a list of them; "
+                            f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             params_list = [sampling_params] * len(prompts)
@@ -100,8 +103,15 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": self.tokenizer.encode(self.tokenizer.apply_chat_template(c),
-                                                              add_special_tokens=False)}
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts (or a list of such lists); "
+                            f"got {type(messages).__name__}")
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        for i, conversation in enumerate(conversations):
+            if not conversation:  # as the server answers 400: there is nothing to respond to
+                raise ValueError(f"messages{f'[{i}]' if conversations is messages else ''} is an empty conversation; "
+                                 "give at least one message")
+        prompts = [{"prompt_token_ids": self.engine.encode_text(self.tokenizer.apply_chat_template(list(c)),
+                                                                add_special_tokens=False, name="messages")}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

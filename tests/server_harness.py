@@ -6,22 +6,25 @@ import threading
 import time
 
 import httpx
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from moekv import EngineConfig
 from moekv.engine.llm_engine import LLMEngine
 from moekv.server.app import build_app
+from moekv.server.guard import make_server
+from moekv.server.options import ServerOptions
 
 
 class ServerThread:
     """with ServerThread(engine_kwargs, max_queue=...) as srv: srv.url, srv.engine, srv.state"""
 
     def __init__(self, model, max_queue: int | None = 1024, model_name: str = "tiny", engine: LLMEngine | None = None,
-                 **engine_kwargs) -> None:
-        """engine: serve this engine (model and engine_kwargs unused); else a float32 one of model."""
+                 options: ServerOptions | None = None, **engine_kwargs) -> None:
+        """engine: serve this engine (model and engine_kwargs unused); else a float32 one of model.
+        options: the server's limits and API key (default: `moekv serve`'s defaults, a 5 s drain)."""
         self.engine = engine or LLMEngine(EngineConfig(model=model, dtype="float32", **engine_kwargs))
-        self.app = build_app(self.engine, model_name=model_name, max_queue=max_queue)
+        self.options = options or ServerOptions(shutdown_timeout=5)
+        self.app = build_app(self.engine, model_name=model_name, max_queue=max_queue, options=self.options)
         self.state = self.app.state.moekv
         self.model_name = model_name
 
@@ -29,7 +32,7 @@ class ServerThread:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5))
+        self.server = make_server(self.app, self.options, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

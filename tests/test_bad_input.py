@@ -138,3 +138,58 @@ def test_page_alignment(tmp_path, mixtral_ckpt):
     with pytest.raises(ValueError,
                        match=r"pages must be a multiple of 128 bytes: use a block_size that is a multiple of 4"):
         LLM(ckpt, dtype="bfloat16", block_size=2)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda llm: llm.generate("\ud800 x"), ValueError, r"prompt is not valid Unicode: a lone surrogate U\+D800"),
+    (lambda llm: llm.generate([{"prompt": "ok \udfff"}]), ValueError, "prompt is not valid Unicode"),
+    (lambda llm: llm.chat([{"role": "user", "content": "\ud83d"}]), ValueError, "messages is not valid Unicode"),
+    (lambda llm: llm.tokenizer.encode("a\ud800"), ValueError, "text is not valid Unicode"),
+    (lambda llm: llm.tokenizer.encode(None), TypeError, "text must be a str, got NoneType"),
+    (lambda llm: llm.generate(None), TypeError, r"prompts must be a string, .* got NoneType"),
+    (lambda llm: llm.generate(7), TypeError, "prompts must be .* got int"),
+    (lambda llm: llm.chat([]), ValueError, "messages is an empty conversation"),
+    (lambda llm: llm.chat([[{"role": "user", "content": "hi"}], []]), ValueError, r"messages\[1\] is an empty"),
+    (lambda llm: llm.chat("hi"), TypeError, "messages must be a list"),
+])
+def test_bad_prompts_name_the_argument(llm, call, exc, match):
+    """The raw errors these gave before (TypeError from the Rust tokenizer, 'NoneType' object is not
+    iterable, or a generation from an empty chat) become errors that name the argument."""
+    with pytest.raises(exc, match=match):
+        call(llm)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_prompt_too_long_to_fit_is_refused_before_tokenizing(llm, monkeypatch):
+    tok = llm.tokenizer
+    bound = tok.max_chars_per_token
+    assert bound is not None and bound == max(len(t) for t in json.loads(
+        (llm.engine.config.model / "tokenizer.json").read_text())["model"]["vocab"])
+    calls = []
+    monkeypatch.setattr(tok._tok, "encode", lambda *a, **k: calls.append(a) or pytest.fail("tokenized"))
+    n = int(bound * llm.engine.max_model_len) + 1
+    with pytest.raises(PromptTooLongError, match=f"the prompt has {n} characters: at least 33 tokens"):
+        llm.generate("x" * n)
+    assert not calls
+
+
+def test_chars_per_token_bound_only_where_it_holds():
+    from moekv.models.tokenizer import _chars_per_token_bound
+
+    bpe = {"model": {"type": "BPE", "vocab": {"a": 0, "abcd": 1}, "unk_token": None}, "added_tokens": []}
+    assert _chars_per_token_bound(bpe) == 4
+    assert _chars_per_token_bound({**bpe, "normalizer": {"type": "NFC"}}) == 12  # composition shrinks text
+    assert _chars_per_token_bound({**bpe, "added_tokens": [{"content": "<|im_start|>"}]}) == 12
+    for spec in [{**bpe, "pre_tokenizer": {"type": "Whitespace"}},  # drops spaces: no bound
+                 {**bpe, "normalizer": {"type": "Strip"}},
+                 {**bpe, "normalizer": {"type": "Replace", "pattern": {"String": "  "}, "content": " "}},
+                 {**bpe, "model": {**bpe["model"], "unk_token": "<unk>", "fuse_unk": True}},
+                 {"model": {"type": "WordPiece", "vocab": {"a": 0}}}]:
+        assert _chars_per_token_bound(spec) is None, spec
+    # the real case: a text of N characters never tokenizes to fewer than N / bound tokens
+    from moekv.config import default_model_path
+    from moekv.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_path())
+    for text in ["x" * 1000, " " * 1000, "the " * 300, "é日本" * 200, "<|endoftext|>" * 50]:
+        assert len(tok.encode(text)) * tok.max_chars_per_token >= len(text), text[:20]

@@ -106,3 +106,14 @@ def test_kv_format_names_match_the_registry():
     from moekv.kvcache.formats.names import KV_FORMAT_NAMES
 
     assert (*_PLAIN, *_COMPRESSED) == KV_FORMAT_NAMES
+
+
+def test_info_rows_name_their_page_size_and_eval_refuses_stride_0(mixtral_ckpt, tmp_path):
+    r = run_cli("info", "--model", str(mixtral_ckpt))
+    rows = {line.split()[0]: line for line in r.stdout.splitlines() if "bytes/token" in line}
+    assert rows["bf16"].endswith("(block_size 16)") and rows["nuq2"].endswith("(block_size 64)")
+    text = tmp_path / "t.txt"
+    text.write_text("some words " * 20)
+    for flag, value in (("--stride", "0"), ("--window", "1")):
+        r = run_cli("eval", "ppl", "--model", str(mixtral_ckpt), "--text", str(text), flag, value)
+        assert r.returncode == 2 and f"argument {flag}: {value} is out of range" in r.stderr

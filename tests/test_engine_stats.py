@@ -71,7 +71,7 @@ def test_stats_without_cluster_map_or_format_figures():
     stats = llm.engine.stats()
     assert stats.routing_locality is None and stats.routing_fan_out is None and stats.kv_format == {}
     assert stats.generation_tokens == 6 and stats.num_running == stats.num_waiting == 0
-    assert stats.kv_cache_dtype == "auto" and stats.bits_per_element == 32  # fp32 model, plain pages
+    assert stats.kv_cache_dtype == "fp32" and stats.bits_per_element == 32  # "auto" on an fp32 model: fp32 pages
     assert llm.engine.stats(device=False).kv_format == {}
 
 

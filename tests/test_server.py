@@ -276,7 +276,7 @@ def test_metrics_move_as_requests_run(server, small_server, client):
     before = scrape(server.url)
     runner = server.engine.runner  # fp32 K/V: 32 bits per element
     assert before["moekv:kv_cache_config_info{bits_per_element=32.00,block_size="
-                  f"{runner.block_size},kv_cache_dtype=auto,num_blocks={runner.num_blocks}}}"] == 1
+                  f"{runner.block_size},kv_cache_dtype=fp32,num_blocks={runner.num_blocks}}}"] == 1
     stream = client.completions.create(model="tiny", prompt="A long story", max_tokens=200, stream=True,
                                        extra_body=NO_EOS)
     next(iter(stream))

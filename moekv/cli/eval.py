@@ -90,6 +90,19 @@ def _eval_ppl_domains(args: argparse.Namespace, texts: dict) -> int:
     return 0
 
 
+def _at_least(low: int):
+    """argparse type: an integer >= low (so `--stride 0` is an error, not the default)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: an integer >= {low}")
+        return value
+    return parse
+
+
 def _finite(obj):
     """JSON without Infinity: margins of +-inf become the strings 'inf' / '-inf'."""
     if isinstance(obj, float) and math.isinf(obj):
@@ -136,8 +149,8 @@ def add_eval_routing_parser(eval_subparsers) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--text", required=True, help="UTF-8 text file to evaluate on")
     p.add_argument("--max-tokens", type=int, default=16384, help="score at most this many tokens of the text")
-    p.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
-    p.add_argument("--stride", type=int, default=None, help="window advance (default: window / 2)")
+    p.add_argument("--window", type=_at_least(2), default=None, help="tokens per window (default: max_model_len)")
+    p.add_argument("--stride", type=_at_least(1), default=None, help="window advance (default: window / 2)")
     p.add_argument("--mode", default="prefill", choices=["decode", "prefill"],
                    help="prefill (default: routing does not depend on the KV cache) or decode")
     p.add_argument("--num-devices", type=int, default=None, help="devices of the placement (default: one per cluster)")
@@ -175,7 +188,7 @@ def cmd_eval_retrieval(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--plot {args.plot}: its folder does not exist")
     llm = _llm(args)
     result = evaluate_retrieval(llm, args.text, lengths=args.lengths, depths=args.depths, trials=args.trials,
-                                seed=args.seed, answer_tokens=args.answer_tokens, progress=not args.json)
+                                seed=args.key_seed, answer_tokens=args.answer_tokens, progress=not args.json)
     if args.plot:
         plot_heatmap(result, args.plot)
     if not args.json:
@@ -198,14 +211,14 @@ def add_eval_retrieval_parser(eval_subparsers) -> argparse.ArgumentParser:
     from moekv.eval.retrieval import DEFAULT_ANSWER_TOKENS, DEFAULT_DEPTHS, DEFAULT_LENGTHS
 
     p = eval_subparsers.add_parser("retrieval", help="passkey retrieval accuracy by context length and needle depth")
-    add_engine_args(p)
+    add_engine_args(p, own_flags=("--seed",))  # --seed: the keys' seed here; --engine-seed: the engine's
     p.add_argument("--text", required=True, help="UTF-8 text file the filler is taken from (unseen in training)")
     p.add_argument("--lengths", type=_positive_int, nargs="+", default=list(DEFAULT_LENGTHS),
                    help="context lengths in tokens, prompt and answer together (default: 1024 2048 4096)")
     p.add_argument("--depths", type=_depth, nargs="+", default=list(DEFAULT_DEPTHS),
                    help="needle depths in [0, 1] (default: 0.0 0.1 ... 1.0)")
     p.add_argument("--trials", type=_positive_int, default=10, help="keys per (length, depth) cell")
-    p.add_argument("--seed", type=int, default=0, help="seed of the keys and filler offsets")
+    p.add_argument("--seed", type=int, default=0, dest="key_seed", help="seed of the keys and filler offsets")
     p.add_argument("--answer-tokens", type=_positive_int, default=DEFAULT_ANSWER_TOKENS,
                    help="tokens generated per prompt (greedy)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a heat map (depth x length)")
@@ -224,8 +237,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                      help="UTF-8 text file, or a folder of .txt files; repeat it to score several texts: each "
                           "one's perplexity (named by file stem) and their token-weighted total")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
-    ppl.add_argument("--window", type=int, default=None, help="tokens per window (default: max_model_len)")
-    ppl.add_argument("--stride", type=int, default=None, help="window advance (default: window / 2)")
+    ppl.add_argument("--window", type=_at_least(2), default=None, help="tokens per window (default: max_model_len)")
+    ppl.add_argument("--stride", type=_at_least(1), default=None, help="window advance (default: window / 2)")
     ppl.add_argument("--mode", default="decode", choices=["decode", "prefill"],
                      help="decode: scored tokens are fed one per step, reading the cache as generation does")
     ppl.add_argument("--json", action="store_true", help="print one JSON object on the last line")

@@ -8,7 +8,7 @@ from moekv.config import default_model_path
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from moekv.config import shipped_kv_calibration
+    from moekv.config import PLAIN_KV_FORMATS, shipped_kv_calibration
     from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format, kv_options_for
     from moekv.models.loader import load_model_config
 
@@ -31,22 +31,25 @@ def cmd_info(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    print(f"\nKV cache per token (all {cfg.num_layers} layers, K and V, block_size {args.block_size}):")
+    where = f"block_size {args.block_size}" if args.block_size else "each format at its default block_size"
+    print(f"\nKV cache per token (all {cfg.num_layers} layers, K and V, {where}):")
     for name in KV_FORMAT_NAMES:
         if name == "auto":
             continue
+        # the engine's default page: 16 tokens for the plain formats, 64 for the compressed ones
+        block_size = args.block_size or (16 if name in PLAIN_KV_FORMATS else 64)
         try:
             options = dict(group_size=args.kv_group_size,
                            calibration=args.kv_calibration or shipped_kv_calibration(args.model))
             fmt = get_kv_format(name, cfg.torch_dtype, **kv_options_for(name, options))
-            fmt.check_layout(cfg.num_kv_heads, args.block_size, cfg.head_dim)
+            fmt.check_layout(cfg.num_kv_heads, block_size, cfg.head_dim)
         except ValueError as e:  # e.g. needs calibration, or cannot lay out this block size
             print(f"  {name:<10} n/a: {e}")
             continue
-        page = fmt.page_bytes(cfg.num_kv_heads, args.block_size, cfg.head_dim)
-        per_token = cfg.num_layers * page / args.block_size
-        bits = fmt.bits_per_element(cfg.num_kv_heads, args.block_size, cfg.head_dim)
-        print(f"  {name:<10} {per_token:>10,.0f} bytes/token  {bits:5.2f} bits/element")
+        page = fmt.page_bytes(cfg.num_kv_heads, block_size, cfg.head_dim)
+        per_token = cfg.num_layers * page / block_size
+        bits = fmt.bits_per_element(cfg.num_kv_heads, block_size, cfg.head_dim)
+        print(f"  {name:<10} {per_token:>10,.0f} bytes/token  {bits:5.2f} bits/element  (block_size {block_size})")
     return 0
 
 
@@ -54,7 +57,8 @@ def add_info_parser(subparsers) -> argparse.ArgumentParser:
     """Register `info` on the `moekv` sub-command parsers."""
     info = subparsers.add_parser("info", help="architecture, parameter counts and KV bytes per token of a checkpoint")
     info.add_argument("--model", default=str(default_model_path()))
-    info.add_argument("--block-size", type=int, default=64)
+    info.add_argument("--block-size", type=int, default=None,
+                      help="tokens per page (default: the engine's, 16 for plain formats and 64 for compressed ones)")
     info.add_argument("--kv-group-size", type=int, default=32)
     info.add_argument("--kv-calibration", default=None)
     info.set_defaults(func=cmd_info)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from moekv.engine.model_runner import ModelRunner, PendingStep
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import OUTPUT_KINDS, Sequence
 from moekv.models.loader import load_model_config, read_json
-from moekv.models.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer
+from moekv.models.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer, check_text
 from moekv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moekv.sampling_params import SamplingParams
 
@@ -45,7 +46,7 @@ class EngineStats:
     kv_cache_usage: float  # share of KV pages allocated (1 = full)
     kv_pages_used: int
     # the KV cache's configuration
-    kv_cache_dtype: str
+    kv_cache_dtype: str  # the format in use ('auto' resolved to the model's dtype: bf16, fp16 or fp32)
     block_size: int
     num_blocks: int
     bits_per_element: float  # stored bits per element of a full page, side tables included
@@ -110,14 +111,28 @@ class LLMEngine:
                 kwargs[dst] = g[src]
         return SamplingParams(**kwargs)
 
+    def encode_text(self, text: str, add_special_tokens: bool = True, name: str = "prompt") -> list[int]:
+        """Token ids of a text prompt. Refused before tokenizing (ValueError naming `name`): invalid
+        Unicode, and a text too long to fit max_model_len however it tokenizes (tokenizing it would
+        cost seconds for nothing)."""
+        if not isinstance(text, str):
+            raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+        check_text(text, name)
+        bound = self.tokenizer.max_chars_per_token
+        if bound is not None and len(text) > bound * self.max_model_len:
+            raise PromptTooLongError(
+                f"the {name} has {len(text)} characters: at least {math.ceil(len(text) / bound)} tokens (a token of "
+                f"this tokenizer covers at most {bound:g} characters), more than max_model_len={self.max_model_len}")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode_text(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
             elif "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self.encode_text(prompt["prompt"])
             else:
                 raise ValueError("a prompt dict needs 'prompt_token_ids' (list of ints) or 'prompt' (string)")
         else:
@@ -213,7 +228,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_running=self.num_running,
             num_waiting=self.num_waiting, kv_cache_usage=bm.usage, kv_pages_used=bm.num_used_blocks,
-            kv_cache_dtype=self.config.kv_cache_dtype, block_size=runner.block_size, num_blocks=runner.num_blocks,
+            kv_cache_dtype=runner.kv_format.name, block_size=runner.block_size, num_blocks=runner.num_blocks,
             bits_per_element=self.kv_bits_per_element,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits)
         if device:

@@ -111,8 +111,8 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
     if mode not in ("decode", "prefill"):
         raise ValueError(f"mode={mode!r} is not accepted; use 'decode' or 'prefill'")
     engine = llm.engine
-    window = window or engine.max_model_len
-    stride = stride or max(1, window // 2)
+    window = engine.max_model_len if window is None else window
+    stride = max(1, window // 2) if stride is None else stride
     if window > engine.max_model_len:
         raise ValueError(f"window={window} exceeds the engine's max_model_len={engine.max_model_len}")
     ids = read_text_tokens(engine.tokenizer, text_path, max_tokens)

@@ -43,6 +43,8 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.chat_template = self._find_chat_template(model_dir, cfg)
+        self._path = path
+        self._max_chars: float | None | bool = False  # not computed yet
 
     @staticmethod
     def _find_chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:
@@ -60,6 +62,9 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        check_text(text, "text")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -84,6 +89,16 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected these messages: {e}") from e
 
+    @property
+    def max_chars_per_token(self) -> float | None:
+        """An upper bound on the characters of input text one token can stand for, so that a text
+        of N characters needs at least N / bound tokens (a prompt that cannot fit is refused before
+        it is tokenized). None when this tokenizer's pipeline gives no such bound: an unknown token
+        that swallows a whole word, or a normalizer / pre-tokenizer that drops characters."""
+        if self._max_chars is False:
+            self._max_chars = _chars_per_token_bound(json.loads(self._path.read_text(encoding="utf-8")))
+        return self._max_chars
+
 
 class NoTokenizer:
     """The engine's tokenizer under skip_tokenizer_init (as vLLM's): nothing is loaded, so text cannot
@@ -105,6 +120,71 @@ class NoTokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return None
+
+    max_chars_per_token = None  # no text is ever tokenized
+
+
+def check_text(text: str, name: str) -> None:
+    """ValueError naming `name` if `text` is not valid Unicode (a lone surrogate, which only an
+    escaped JSON string or Python code can produce, and which no UTF-8 tokenizer can read)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character "
+                         f"{e.start}; send UTF-8 text (a surrogate pair only as a complete pair)") from None
+
+
+# normalizers that never shrink a text by more than this factor (NFC/NFKC compose at most 3 code
+# points into one); a pre-tokenizer in _KEEPS_CHARS keeps every character (ByteLevel maps each byte
+# to one, Metaspace each space to one); anything else may drop characters and gives no bound
+_SHRINK = {"NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "NFC": 3, "NFKC": 3}
+_KEEPS_CHARS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"}
+
+
+def _normalizer_factor(node: dict | None) -> float | None:
+    if node is None:
+        return 1
+    kind = node.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for child in node.get("normalizers", []):
+            f = _normalizer_factor(child)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":  # a literal replaced by something at least as long keeps the length
+        pattern = node.get("pattern", {})
+        if "String" in pattern and len(node.get("content", "")) >= len(pattern["String"]):
+            return 1
+        return None
+    return _SHRINK.get(kind)
+
+
+def _keeps_chars(node: dict | None) -> bool:
+    if node is None:
+        return True
+    kind = node.get("type")
+    if kind == "Sequence":
+        return all(_keeps_chars(child) for child in node.get("pretokenizers", []))
+    if kind == "Split":
+        return str(node.get("behavior", "")).lower() != "removed"
+    return kind in _KEEPS_CHARS
+
+
+def _chars_per_token_bound(spec: dict) -> float | None:
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")):
+        return None  # WordPiece/Unigram/WordLevel, or a fused unknown token: one token, any length
+    factor = _normalizer_factor(spec.get("normalizer"))
+    if factor is None or not _keeps_chars(spec.get("pre_tokenizer")):
+        return None
+    vocab = model.get("vocab") or {}
+    added = [t.get("content", "") for t in spec.get("added_tokens") or []]
+    longest = max([len(t) for t in vocab] + [len(t) for t in added] + [1])
+    return float(factor * longest)
 
 
 def _raise_template_error(message: str) -> None:

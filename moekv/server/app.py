@@ -15,20 +15,24 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moekv.engine.llm_engine import LLMEngine
+from moekv.engine.llm_engine import LLMEngine, PromptTooLongError
 from moekv.server.async_engine import AsyncEngine
 from moekv.server.chat import create_chat_completion, render_messages
 from moekv.server.completions import create_completion
+from moekv.server.guard import GuardMiddleware
 from moekv.server.metrics import ServerMetrics
+from moekv.server.options import ServerOptions
 from moekv.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, parse_body
 from moekv.server.serving import ServerState
 
 log = logging.getLogger("moekv.server")
 
 
-def build_app(engine: LLMEngine, model_name: str | None = None, max_queue: int | None = 1024) -> FastAPI:
+def build_app(engine: LLMEngine, model_name: str | None = None, max_queue: int | None = 1024,
+              options: ServerOptions | None = None) -> FastAPI:
     """An app serving `engine` under `model_name` (default: the --model path, as vLLM names it).
-    The engine thread starts and stops with the app's lifespan."""
+    The engine thread starts and stops with the app's lifespan. options: the API key and request
+    limits (guard.py; default: ServerOptions(), an open server)."""
     if max_queue is not None and max_queue < 1:
         raise ValueError(f"max_queue={max_queue} must be an integer >= 1 (or None for no limit)")
     name = model_name or str(engine.config.model)
@@ -43,9 +47,12 @@ def build_app(engine: LLMEngine, model_name: str | None = None, max_queue: int |
             yield
         finally:
             state.async_engine.stop()
+            state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="moekv", lifespan=lifespan)
     app.state.moekv = state
+    app.state.options = options = options or ServerOptions()
+    app.add_middleware(GuardMiddleware, options=options)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -79,24 +86,30 @@ def build_app(engine: LLMEngine, model_name: str | None = None, max_queue: int |
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        req = parse_body(await request.body(), TokenizeRequest)
+        req = await state.run_blocking(parse_body, await request.body(), TokenizeRequest)
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt",
                            code="invalid_value")
         if req.prompt is not None:
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            try:
-                ids = engine.tokenizer.encode(req.prompt, add_special_tokens=add)
-            except ValueError as e:  # no tokenizer (skip_tokenizer_init)
-                raise APIError(400, str(e), param="prompt", code="invalid_value") from None
+            ids = await state.run_blocking(encode_prompt, req.prompt, add)
         else:
-            ids = render_messages(engine, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+            ids = await state.run_blocking(render_messages, engine, req.messages, req.add_generation_prompt,
+                                           bool(req.add_special_tokens))
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    def encode_prompt(prompt: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return engine.encode_text(prompt, add_special_tokens=add_special_tokens)
+        except PromptTooLongError as e:
+            raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt", code="invalid_value") from None
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        req = parse_body(await request.body(), DetokenizeRequest)
+        req = await state.run_blocking(parse_body, await request.body(), DetokenizeRequest)
         state.check_model(req.model)
         vocab = engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]

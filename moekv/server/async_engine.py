@@ -61,6 +61,8 @@ class AsyncEngine:
         self._inbox: list[tuple] = []
         self._num_inbox_adds = 0
         self._num_waiting = 0  # engine.num_waiting as of the last drain or step
+        self._num_running = 0  # ... and engine.num_running
+        self.max_num_seqs = engine.config.max_num_seqs  # batch slots: requests up to it never wait
         self._wakeup = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -90,16 +92,23 @@ class AsyncEngine:
         with self._lock:
             return self._num_waiting + self._num_inbox_adds
 
+    def _num_beyond_slots(self, extra: int = 0) -> int:
+        """Of the requests not yet running (plus `extra` more), those the free batch slots cannot take
+        at the next step: the ones that will wait. Caller holds the lock."""
+        free = max(0, self.max_num_seqs - self._num_running)
+        return max(0, self._num_waiting + self._num_inbox_adds + extra - free)
+
     def submit(self, seqs: list[Sequence]) -> RequestHandle:
-        """Queue validated sequences; raises QueueFullError (all or none are queued)."""
+        """Queue validated sequences; raises QueueFullError (all or none are queued) when more than
+        max_queue would wait for a batch slot (a burst the free slots can take is never refused)."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self.dead!r})")
         handle = RequestHandle([s.request_id for s in seqs])
         with self._lock:
-            queued = self._num_waiting + self._num_inbox_adds
-            if self.max_queue is not None and queued + len(seqs) > self.max_queue:
-                raise QueueFullError(f"the waiting queue is full ({queued} of max_queue={self.max_queue} "
-                                     f"waiting; this request needs {len(seqs)}); retry later")
+            if self.max_queue is not None and self._num_beyond_slots(len(seqs)) > self.max_queue:
+                waiting = self._num_beyond_slots()
+                raise QueueFullError(f"the waiting queue is full ({waiting} of max_queue={self.max_queue} "
+                                     f"waiting for a batch slot; this request needs {len(seqs)}); retry later")
             self._inbox.append(("add", seqs, handle))
             self._num_inbox_adds += len(seqs)
         self._wakeup.set()
@@ -148,12 +157,14 @@ class AsyncEngine:
                         if out is not None:
                             self.metrics.on_finished(out)
             self._num_waiting = self.engine.num_waiting
+            self._num_running = self.engine.num_running
         if items:
             self._publish()
 
     def _publish(self) -> None:
         with self._lock:
             self._num_waiting = self.engine.num_waiting
+            self._num_running = self.engine.num_running
         self.metrics.on_step(self.engine)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

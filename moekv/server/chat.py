@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from moekv.engine.llm_engine import LLMEngine
+from moekv.engine.llm_engine import LLMEngine, PromptTooLongError
 from moekv.outputs import RequestOutput
 from moekv.server.protocol import APIError, ChatCompletionRequest, ChatMessage, parse_body
 from moekv.server.serving import (
@@ -36,7 +36,12 @@ def render_messages(engine: LLMEngine, messages: list[ChatMessage], add_generati
     except ValueError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     # the template writes any BOS itself, so by default the tokenizer adds none
-    return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    try:
+        return engine.encode_text(text, add_special_tokens=add_special_tokens, name="messages")
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
 
 
 def chat_logprobs(engine: LLMEngine, token_ids: list[int], entries: list, top_n: int) -> dict[str, Any]:
@@ -52,7 +57,7 @@ def chat_logprobs(engine: LLMEngine, token_ids: list[int], entries: list, top_n:
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
-    req = parse_body(await request.body(), ChatCompletionRequest)
+    req = await state.run_blocking(parse_body, await request.body(), ChatCompletionRequest)
     state.check_model(req.model)
     engine = state.engine
     if req.top_logprobs is not None and not req.logprobs:
@@ -62,10 +67,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(engine, req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None,
                              names={"logprobs": "top_logprobs", "max_tokens": mt_param})
-    prompt = {"prompt_token_ids": render_messages(engine, req.messages, req.add_generation_prompt)}
+    prompt = {"prompt_token_ids": await state.run_blocking(render_messages, engine, req.messages,
+                                                           req.add_generation_prompt)}
     request_id = new_id("chatcmpl")
-    seqs = make_sequences(state, request_id, [prompt], params, req.n,
-                          mt_param if max_tokens is not None else None, "messages")
+    seqs = await state.run_blocking(make_sequences, state, request_id, [prompt], params, req.n,
+                                    mt_param if max_tokens is not None else None, "messages")
     index = {seq.request_id: i for i, seq in enumerate(seqs)}
     handle = submit(state, seqs)
     head = {"id": request_id, "created": now(), "model": state.model_name}

@@ -56,15 +56,15 @@ def _prompt_text(engine: LLMEngine, out: RequestOutput) -> str:
 
 
 async def create_completion(state: ServerState, request: Request) -> Response:
-    req = parse_body(await request.body(), CompletionRequest)
+    req = await state.run_blocking(parse_body, await request.body(), CompletionRequest)
     state.check_model(req.model)
     engine = state.engine
     echo_logprobs = req.logprobs if req.echo else None
     params = sampling_params(engine, req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=echo_logprobs)
     request_id = new_id("cmpl")
-    seqs = make_sequences(state, request_id, _prompts(req.prompt), params, req.n,
-                          "max_tokens" if req.max_tokens is not None else None, "prompt")
+    seqs = await state.run_blocking(make_sequences, state, request_id, _prompts(req.prompt), params, req.n,
+                                    "max_tokens" if req.max_tokens is not None else None, "prompt")
     index = {seq.request_id: i for i, seq in enumerate(seqs)}
     handle = submit(state, seqs)
     head = {"id": request_id, "object": "text_completion", "created": now(), "model": state.model_name}

@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_N = 128  # choices per request, as OpenAI allows
+MAX_JSON_DEPTH = 32  # nested arrays/objects in a request body (the deepest valid request has 5)
 
 
 class APIError(Exception):
@@ -20,12 +21,18 @@ class APIError(Exception):
     TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "overloaded_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict[str, Any]:
         kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _printable(text: str) -> str:
+    """text with anything UTF-8 cannot carry (lone surrogates from the request) written as escapes."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Strict(BaseModel):
@@ -111,6 +118,9 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # the parser's own depth limit (about a thousand levels)
+        raise _too_deep() from None
+    check_json(data)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_type")
@@ -118,6 +128,48 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e, data) from None
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} levels deep",
+                    code="invalid_json")
+
+
+def check_json(data: Any) -> None:
+    """APIError(400) for a body nested deeper than MAX_JSON_DEPTH or holding a string (or key) that is
+    not valid Unicode: JSON's \\ud800 escapes decode to lone surrogates, which nothing downstream
+    can encode. Iterative, so no depth of input can exhaust the stack."""
+    stack = [(data, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            _check_str(value, path)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{_printable(key)}" if path else _printable(key)
+                _check_str(key, where)
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, depth + 1, where))
+        else:
+            for i, item in enumerate(value):
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, depth + 1, f"{path}.{i}" if path else str(i)))
+
+
+def _check_str(text: str, path: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = path.split(".")[0] or None
+        raise APIError(400, f"{path or 'the body'}: not valid Unicode (a lone surrogate U+{ord(text[e.start]):04X} at "
+                            f"character {e.start}); send UTF-8 text", param=param, code="invalid_value") from None
 
 
 def validation_error(e: ValidationError, data: Any = None) -> APIError:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -35,6 +37,14 @@ class ServerState:
     async_engine: AsyncEngine
     metrics: ServerMetrics
     model_name: str
+    # parsing, tokenizing and chat-template rendering run here, off the event loop, so that one large
+    # request does not hold up /health and every stream (the tokenizer releases the interpreter)
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="moekv-tokenize"))
+
+    async def run_blocking(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) in the executor; its exceptions (APIError included) come back here."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -70,10 +80,11 @@ def make_sequences(state: ServerState, request_id: str, prompts: list, params: S
     """prompts x n validated Sequences (nothing queued yet). max_tokens_param: the API field that
     set params.max_tokens, checked against the room the prompt leaves (None: not given)."""
     engine = state.engine
-    limit = state.async_engine.max_queue
-    if limit is not None and len(prompts) * n > limit:
+    aeng = state.async_engine
+    if aeng.max_queue is not None and len(prompts) * n > aeng.max_queue + aeng.max_num_seqs:
         raise APIError(400, f"this request needs {len(prompts) * n} sequences ({len(prompts)} prompts x n={n}) "
-                            f"but the server queues at most max_queue={limit}", param="n", code="invalid_value")
+                            f"but the server takes at most max_num_seqs + max_queue = {aeng.max_num_seqs} + "
+                            f"{aeng.max_queue} at once", param="n", code="invalid_value")
     seqs = []
     for p, prompt in enumerate(prompts):
         for i in range(n):

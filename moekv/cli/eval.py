@@ -7,6 +7,7 @@ import json
 import math
 
 from moekv.cli.engine_args import add_engine_args, engine_config_from
+from moekv.cli.experts import add_eval_experts_parser
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
@@ -110,4 +111,5 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                      help="also score the same windows with transformers (needs it installed)")
     ppl.set_defaults(func=cmd_eval_ppl)
     add_eval_routing_parser(ev_sub)
+    add_eval_experts_parser(ev_sub)
     return ev

@@ -53,6 +53,8 @@ class EngineStats:
     routing_locality: float | None = None  # with a cluster map: share of assignments on the top-1 expert's device
     routing_fan_out: float | None = None  # ... and mean devices a token's experts occupy
     kv_format: dict[str, float] = field(default_factory=dict)  # the KV format's own figures (KVFormat.stats)
+    # expert offload's counters (ExpertOffload.stats: hits, misses, bytes, prediction_recall, ...); empty without
+    expert_offload: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -210,6 +212,8 @@ class LLMEngine:
                 routing = runner.locality.snapshot()
                 snapshot.routing_locality, snapshot.routing_fan_out = routing["locality"], routing["fan_out"]
             snapshot.kv_format = runner.kv_format.stats(runner.kv_caches)
+            if runner.experts is not None:
+                snapshot.expert_offload = runner.experts.stats()
         return snapshot
 
     # -- stepping ----------------------------------------------------------------------------

@@ -159,12 +159,12 @@ class ModelRunner:
         # with expert offload the model is loaded on the host and all but its experts moved to the device
         load_device = torch.device("cpu") if config.expert_offload else self.device
         self.model = load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
-        self.routing = install_routers(self.model, model_cfg, **config.routing_options())
         self.experts = None  # ExpertOffload: expert caches, prefetch and their counters
-        if config.expert_offload:
+        if config.expert_offload:  # (before the routers, which may copy router rows on the device)
             from moekv.experts.offload import install_expert_offload
 
             self.experts = install_expert_offload(self.model, model_cfg, config, self.device)
+        self.routing = install_routers(self.model, model_cfg, **config.routing_options())
         # with a cluster map: routing locality counted on the device, before any graph is captured
         self.locality: LocalityCounter | None = None
         if config.cluster_map is not None:

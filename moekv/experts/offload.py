@@ -201,7 +201,7 @@ class ExpertCache:
         if len(rounds) <= 1:
             self.ensure(needed)
             slot_map = torch.tensor(self.slot_of, dtype=torch.long).to(x.device, non_blocking=True)
-            out = fused_moe(x, self.w13, self.w2, weights, slot_map[expert_ids])
+            out = fused_moe(x, self.w13, self.w2, weights, slot_map[expert_ids].to(expert_ids.dtype))
             self._release(needed)
             return out
         out = torch.zeros_like(x)
@@ -210,7 +210,7 @@ class ExpertCache:
             slot_map = torch.tensor(self.slot_of, dtype=torch.long).to(x.device, non_blocking=True)
             in_round = torch.isin(expert_ids, torch.tensor(chunk, device=x.device))
             token_idx, k_slot = torch.where(in_round)
-            ids = slot_map[expert_ids[token_idx, k_slot]][:, None]
+            ids = slot_map[expert_ids[token_idx, k_slot]][:, None].to(expert_ids.dtype)
             y = fused_moe(x[token_idx], self.w13, self.w2, weights[token_idx, k_slot][:, None], ids)
             out.index_add_(0, token_idx, y)
             self._release(chunk)

@@ -116,6 +116,24 @@ def test_offload_gives_the_all_resident_tokens_and_logits(resident, prefetch):
         assert s["prediction_recall"] is None and s["copies_prefetch"] == 0
 
 
+def test_offload_with_hierarchical_routing_and_a_fitted_predictor():
+    """The routers (which copy router rows at install) and a predictor file work with offload: the
+    tokens of the resident engine with the same routing."""
+    root = TINY.parent.parent / "benchmarks" / "results" / "cpu"
+    kw = dict(model=TINY, dtype="float32", max_model_len=128, routing="hierarchical",
+              cluster_map=root / "tiny-moe.clusters4.safetensors")
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(PROMPTS, sp)]
+    llm = LLM(**kw, expert_offload=True, expert_cache_slots=3, expert_predictor=root / "tiny-moe.experts.safetensors")
+    offload = llm.engine.runner.experts
+    for i, cache in offload.caches.items():  # the file's most frequent experts are loaded first
+        freq = offload.predictor.frequency(i)
+        assert sorted(cache.resident()) == sorted(freq.topk(3).indices.tolist())
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == want
+    s = offload.stats()
+    assert s["prediction_recall"] > 0.3 and s["copies_prefetch"] > 0
+
+
 def test_prediction_cuts_demand_copies_and_budget_sets_slots():
     """The same requests at the same budget (given in GiB): prefetching the predicted experts
     leaves fewer misses than copying on demand only."""

@@ -120,7 +120,7 @@ def evaluate_expert_prediction(llm, text: str | Path, predictor: ExpertPredictor
 
 def expert_bytes(model) -> int:
     """Bytes of one expert's weights (w13 and w2) in the model's dtype: what one miss copies."""
+    from moekv.experts.offload import expert_nbytes
     from moekv.models.loader import moe_layers
 
-    moe = next(iter(moe_layers(model).values()))
-    return (moe.w13[0].numel() + moe.w2[0].numel()) * moe.w13.element_size()
+    return expert_nbytes(next(iter(moe_layers(model).values())))

@@ -166,6 +166,21 @@ class EngineConfig:
         "best (default: the map's)")
     n_group: int | None = option("group_limited: expert groups (default: the checkpoint's)")
     topk_group: int | None = option("group_limited: groups kept per token (default: the checkpoint's)")
+    # experts (moekv/experts): expert prediction and offload
+    expert_offload: bool = option(
+        "keep the experts that do not fit --gpu-expert-budget in (pinned) host memory, with an on-device expert "
+        "cache per MoE layer", False)
+    gpu_expert_budget_gb: float | None = option(
+        "expert_offload: GiB of device memory for expert weights over all MoE layers (default: half of them)",
+        flag="--gpu-expert-budget")
+    expert_cache_slots: int | None = option(
+        "expert_offload: experts resident per MoE layer (overrides --gpu-expert-budget)")
+    expert_prefetch: bool | None = option(
+        "expert_offload: copy each MoE layer's predicted experts in before the layer runs (default: on)")
+    expert_prefetch_per_token: int | None = option(
+        "expert_offload: predicted experts prefetched per token (default: the model's top-k)")
+    expert_predictor: str | Path | None = option(
+        "file from `moekv calibrate-experts` (fitted predictor, hot experts); default: pre-gating")
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -206,6 +221,7 @@ class EngineConfig:
         _check(isinstance(self.kv_residual, int) and self.kv_residual >= 0 and self.kv_residual % 32 == 0,
                f"kv_residual={self.kv_residual!r} must be a multiple of 32 (0 = no full-precision window)")
         self._check_routing()
+        self._check_experts()
         _check(isinstance(self.enforce_eager, bool), f"enforce_eager={self.enforce_eager!r} must be True or False")
         _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
                f"async_scheduling={self.async_scheduling!r} must be True, False or None (on CUDA only)")
@@ -246,6 +262,28 @@ class EngineConfig:
                    f"{name}={value!r} must be an integer >= 1 (or None for the checkpoint's value)")
         _check(self.n_group is None or self.topk_group is None or self.topk_group <= self.n_group,
                f"topk_group={self.topk_group} must be <= n_group={self.n_group}")
+
+    def _check_experts(self) -> None:
+        _check(isinstance(self.expert_offload, bool), f"expert_offload={self.expert_offload!r} must be True or False")
+        _check(self.gpu_expert_budget_gb is None
+               or (isinstance(self.gpu_expert_budget_gb, (int, float)) and self.gpu_expert_budget_gb > 0),
+               f"gpu_expert_budget_gb={self.gpu_expert_budget_gb!r} must be a number of GiB > 0 (or None)")
+        _check(self.expert_cache_slots is None
+               or (isinstance(self.expert_cache_slots, int) and self.expert_cache_slots >= 1),
+               f"expert_cache_slots={self.expert_cache_slots!r} must be an integer >= 1 (or None)")
+        _check(self.expert_prefetch is None or isinstance(self.expert_prefetch, bool),
+               f"expert_prefetch={self.expert_prefetch!r} must be True, False or None")
+        _check(self.expert_prefetch_per_token is None
+               or (isinstance(self.expert_prefetch_per_token, int) and self.expert_prefetch_per_token >= 1),
+               f"expert_prefetch_per_token={self.expert_prefetch_per_token!r} must be an integer >= 1 (or None)")
+        if not self.expert_offload:
+            given = [name for name in ("gpu_expert_budget_gb", "expert_cache_slots", "expert_prefetch",
+                                       "expert_prefetch_per_token") if getattr(self, name) is not None]
+            _check(not given, f"{', '.join(given)} only apply with expert_offload=True (--expert-offload)")
+        if self.expert_predictor is not None:
+            self.expert_predictor = Path(self.expert_predictor)
+            _check(self.expert_predictor.is_file(), f"expert_predictor={str(self.expert_predictor)!r}: no such file "
+                                                    "(make one with `moekv calibrate-experts`)")
 
     def routing_options(self) -> dict:
         return {"routing": self.routing, "cluster_map": self.cluster_map, "clusters_per_token": self.clusters_per_token,

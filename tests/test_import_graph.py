@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "moekv"
-LOW_LAYERS = ("ops", "layers", "kvcache", "routing", "models", "engine")
+LOW_LAYERS = ("ops", "layers", "kvcache", "routing", "models", "engine", "experts")
 HIGH_LAYERS = ("moekv.llm", "moekv.cli", "moekv.server", "moekv.tools")
 
 

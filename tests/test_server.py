@@ -361,3 +361,19 @@ def test_routing_locality_is_exported(routing, clusters_per_token):
         assert m["moekv:routing_locality"] == 1.0 and m["moekv:routing_fan_out"] == 1.0
     else:
         assert 0.2 < m["moekv:routing_locality"] < 1.0 and 1.0 < m["moekv:routing_fan_out"] <= 2.0
+
+
+def test_expert_offload_metrics_are_exported():
+    """With expert offload the server exports the cache's hits and misses, the bytes copied and the
+    prediction recall; they agree with the engine's own counters."""
+    with ServerThread(TINY, max_model_len=128, expert_offload=True, expert_cache_slots=4) as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "The sea was", "max_tokens": 8, **NO_EOS})
+        assert r.status_code == 200
+        srv.wait_idle()
+        m = scrape(srv.url)
+        e = srv.engine.stats().expert_offload
+    assert m["moekv:expert_cache_hits_total"] == e["hits"] and m["moekv:expert_cache_misses_total"] == e["misses"]
+    assert m["moekv:expert_cache_misses_total"] > 0
+    assert m["moekv:expert_host_to_device_bytes_total"] == e["bytes_prefetch"] + e["bytes_demand"] > 0
+    assert 0.0 < m["moekv:expert_prediction_recall"] <= 1.0
+    assert m["moekv:expert_host_to_device_bytes_per_token"] == pytest.approx(e["bytes_per_token"])

@@ -13,6 +13,7 @@ from moekv.cli.calibrate import add_calibrate_parser
 from moekv.cli.cluster import add_cluster_parser
 from moekv.cli.engine_args import add_engine_args, engine_config_from
 from moekv.cli.eval import add_eval_parser
+from moekv.cli.experts import add_calibrate_experts_parser
 from moekv.cli.generate import add_generate_parser
 from moekv.cli.info import add_info_parser
 from moekv.cli.serve import add_serve_parser
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_parser(sub)
     add_info_parser(sub)
     add_calibrate_parser(sub)
+    add_calibrate_experts_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
     return parser

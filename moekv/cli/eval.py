@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from moekv.cli.engine_args import add_engine_args
+from moekv.cli.experts import add_eval_experts_parser
 from moekv.config import EngineConfig
 
 
@@ -247,4 +248,5 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     ppl.set_defaults(func=cmd_eval_ppl)
     add_eval_routing_parser(ev_sub)
     add_eval_retrieval_parser(ev_sub)
+    add_eval_experts_parser(ev_sub)
     return ev

@@ -57,6 +57,8 @@ class EngineStats:
     # prefix caching (vLLM's counters, in tokens): prompt tokens looked up, and of those found cached
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # expert offload's counters (ExpertOffload.stats: hits, misses, bytes, prediction_recall, ...); empty without
+    expert_offload: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -236,6 +238,8 @@ class LLMEngine:
                 routing = runner.locality.snapshot()
                 snapshot.routing_locality, snapshot.routing_fan_out = routing["locality"], routing["fan_out"]
             snapshot.kv_format = runner.kv_format.stats(runner.kv_caches)
+            if runner.experts is not None:
+                snapshot.expert_offload = runner.experts.stats()
         return snapshot
 
     # -- stepping ----------------------------------------------------------------------------

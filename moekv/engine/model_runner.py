@@ -161,7 +161,14 @@ class ModelRunner:
             if reason is not None:
                 raise ValueError(f"enable_prefix_caching=True does not work with kv_cache_dtype="
                                  f"{config.kv_cache_dtype!r}: {reason}")
-        self.model = load_model(config.model, self.dtype, self.device, model_cfg, config.load_format)
+        # with expert offload the model is loaded on the host and all but its experts moved to the device
+        load_device = torch.device("cpu") if config.expert_offload else self.device
+        self.model = load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
+        self.experts = None  # ExpertOffload: expert caches, prefetch and their counters
+        if config.expert_offload:  # (before the routers, which may copy router rows on the device)
+            from moekv.experts.offload import install_expert_offload
+
+            self.experts = install_expert_offload(self.model, model_cfg, config, self.device)
         self.routing = install_routers(self.model, model_cfg, **config.routing_options())
         # with a cluster map: routing locality counted on the device, before any graph is captured
         self.locality: LocalityCounter | None = None
@@ -193,6 +200,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         reason = graphs_unsupported_reason(self.device, config.enforce_eager, self.kv_format, self.dtype,
                                            self.block_size, model_cfg.head_dim)
+        if reason is None and self.experts is not None:
+            reason = "expert_offload=True reads each MoE layer's routing on the host (cache misses, prefetch)"
         if reason is None:
             self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
                                        self.block_size, self.scratch_page, self.scratch_slot,

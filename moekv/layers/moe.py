@@ -23,6 +23,8 @@ class SparseMoE(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
         self.router: Router | None = None  # installed by the loader (models/loader.install_routers)
         self.observer: RoutingObserver | None = None  # the engine's counter of routing decisions, if any
+        # expert offload (moekv/experts/offload.py): the experts run on an on-device expert cache
+        self.offload = None
         self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
                               if cfg.shared_expert_intermediate_size else None)
         self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
@@ -45,7 +47,9 @@ class SparseMoE(nn.Module):
         weights, expert_ids = self.router(x, router_logits)  # [T, k], [T, k]
         if self.observer is not None:
             self.observer(weights, expert_ids)
-        if x.is_cuda:  # Triton grouped GEMM / decode GEMV, capturable in CUDA graphs; CPU keeps the reference
+        if self.offload is not None:  # experts in host memory, computed on the cache's slots
+            out = self.offload(x, weights, expert_ids)
+        elif x.is_cuda:  # Triton grouped GEMM / decode GEMV, capturable in CUDA graphs; CPU keeps the reference
             from moekv.ops.fused_moe import fused_moe
             out = fused_moe(x, self.w13, self.w2, weights, expert_ids)
         else:

@@ -45,6 +45,8 @@ class MoEDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # called as before_layer(i, x, delta) before layer i runs (expert prefetch: moekv/experts/offload.py)
+        self.before_layer = None
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -53,7 +55,9 @@ class MoEDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: Context) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, H] (normalised)."""
         x, delta = F.embedding(input_ids, self.embed_tokens), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if self.before_layer is not None:
+                self.before_layer(i, x, delta)
             x, delta = layer(x, delta, ctx)
         return self.norm.add_and_norm(x, delta)[1]
 

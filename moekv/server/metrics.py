@@ -1,6 +1,7 @@
 """Prometheus metrics of one server, named like vLLM's (`vllm:` -> `moekv:`), plus moekv's own:
-the KV format and its bits per element, the tier occupancy of the tiered format, and routing
-locality and fan-out when the engine has a cluster map.
+the KV format and its bits per element, the tier occupancy of the tiered format, routing
+locality and fan-out when the engine has a cluster map, and the expert cache's hits, misses,
+host->device bytes and prediction recall when it offloads experts.
 
 Each server gets its own CollectorRegistry (not prometheus_client's global one), so several
 servers can live in one process (tests start more than one). Request timings are observed in
@@ -73,6 +74,18 @@ class ServerMetrics:
             c = Counter(f"moekv:{name}", doc, ["model_name", *labels], registry=r)
             return c.labels(**m) if not labels else c
 
+        self.expert_recall = None
+        if stats.expert_offload:  # the engine offloads experts: its cache and prediction figures
+            self.expert_recall = gauge("expert_prediction_recall",
+                                       "Share of routed (token, expert) pairs the expert predictor named, since start.")
+            self.expert_hits = counter("expert_cache_hits", "Expert lookups served by the on-device expert cache.")
+            self.expert_misses = counter("expert_cache_misses", "Expert lookups copied from host memory on demand.")
+            self.expert_bytes = counter("expert_host_to_device_bytes",
+                                        "Expert weight bytes copied host -> device (prefetch and on demand).")
+            self.expert_bytes_per_token = gauge("expert_host_to_device_bytes_per_token",
+                                                "Expert weight bytes copied host -> device per token, since start.")
+            self._expert_last = {"hits": 0, "misses": 0, "bytes": 0}
+
         self.preemptions = counter("num_preemptions", "Preemptions (a request lost its pages to recompute).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -137,6 +150,16 @@ class ServerMetrics:
         if self.locality is not None:
             self.locality.set(stats.routing_locality)
             self.fan_out.set(stats.routing_fan_out)
+        if self.expert_recall is not None:
+            e = stats.expert_offload
+            self.expert_recall.set(e["prediction_recall"] or 0.0)
+            now = {"hits": e["hits"], "misses": e["misses"], "bytes": e["bytes_prefetch"] + e["bytes_demand"]}
+            for key, metric in (("hits", self.expert_hits), ("misses", self.expert_misses),
+                                ("bytes", self.expert_bytes)):
+                if now[key] > self._expert_last[key]:
+                    metric.inc(now[key] - self._expert_last[key])
+                    self._expert_last[key] = now[key]
+            self.expert_bytes_per_token.set(e["bytes_per_token"])
         if self.tier_share is not None:
             for tier, key in (("fp8", "tier_share_fp8"), ("nuq2", "tier_share_low")):
                 self.tier_share.labels(model_name=self._model_name, tier=tier).set(stats.kv_format.get(key, 0.0))

@@ -1,0 +1,327 @@
+"""Expert offload: experts beyond a device budget live in host memory (pinned on CUDA); each MoE
+layer computes with a fixed-size on-device expert cache.
+
+Per MoE layer, an `ExpertCache` holds S slots (`w13 [S, 2I, H]`, `w2 [S, H, I]` on the device), a
+host-side map expert -> slot, and LRU order over the resident experts. At start the S experts most
+often routed to on the calibration text (the predictor file's frequencies; else experts 0..S-1) are
+loaded. Per step:
+
+1. before layer L runs (MoEDecoder.before_layer), `ExpertOffload.__call__` predicts layer L's
+   experts from the residual stream entering layer L (moekv/experts/predictor.py) and copies the
+   predicted experts that are not resident into slots (evicting the least recently used experts
+   that are not predicted), on a separate copy stream on CUDA, so the copies overlap layer L's
+   attention; on the CPU the "copy" is a plain copy_ with the same bookkeeping;
+2. in layer L's MoE (SparseMoE.offload), the routed experts are looked up: a resident expert is a
+   hit, a missing one is copied on demand (a miss); the compute stream waits for the copies of the
+   slots it uses (CUDA events), and the experts run on the slots through the expert -> slot map
+   (the same kernels: `fused_moe` on CUDA with slot ids; on the CPU a loop over experts in the
+   order of `fused_moe_ref`, so results are bitwise those of the all-resident run). A step that
+   routes to more distinct experts than there are slots (a long prefill) runs in rounds of S
+   experts. A slot is overwritten only after the compute that last read it (an event the copy
+   stream waits for).
+
+Reading the routing (and the prediction) on the host costs a device sync per MoE layer, so steps
+with offload run eagerly (no CUDA graphs; the engine says so in its log).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+from moekv.ops.reference import silu_and_mul_ref
+
+log = logging.getLogger("moekv")
+
+
+def expert_nbytes(moe) -> int:
+    """Bytes of one expert's weights (w13 and w2) of an MoE layer: what one copy moves."""
+    return (moe.w13[0].numel() + moe.w2[0].numel()) * moe.w13.element_size()
+
+
+def slots_for_budget(budget_gb: float, expert_bytes: int, num_moe_layers: int, num_experts: int) -> int:
+    """Experts per MoE layer that fit budget_gb GiB of device memory (the same count in every layer)."""
+    slots = int(budget_gb * 2**30 // (expert_bytes * num_moe_layers))
+    if slots < 1:
+        raise ValueError(f"gpu_expert_budget_gb={budget_gb} holds no expert per MoE layer: one expert is "
+                         f"{expert_bytes:,} bytes and the model has {num_moe_layers} MoE layers, so at least "
+                         f"{expert_bytes * num_moe_layers / 2**30:.4f} GiB is needed")
+    return min(slots, num_experts)
+
+
+class ExpertCache:
+    """One MoE layer's on-device expert slots, filled from the host copy of its experts."""
+
+    def __init__(self, layer_idx: int, host_w13: torch.Tensor, host_w2: torch.Tensor, num_slots: int,
+                 device: torch.device, copy_stream=None) -> None:
+        E = host_w13.shape[0]
+        self.layer_idx = layer_idx
+        self.num_experts = E
+        self.num_slots = num_slots
+        self.device = device
+        self.host_w13, self.host_w2 = host_w13, host_w2  # [E, 2I, H], [E, H, I] (pinned on CUDA)
+        self.w13 = torch.empty((num_slots, *host_w13.shape[1:]), dtype=host_w13.dtype, device=device)
+        self.w2 = torch.empty((num_slots, *host_w2.shape[1:]), dtype=host_w2.dtype, device=device)
+        self.expert_bytes = (host_w13[0].numel() + host_w2[0].numel()) * host_w13.element_size()
+        self.slot_of = [-1] * E  # expert -> slot (-1: not resident)
+        self.expert_in = [-1] * num_slots  # slot -> expert (-1: empty)
+        self.lru: OrderedDict[int, None] = OrderedDict()  # resident experts, least recently used first
+        self.copy_stream = copy_stream
+        self.slot_ready = [None] * num_slots  # CUDA: event after the copy into the slot
+        self.slot_free = [None] * num_slots  # CUDA: event after the last compute that read the slot
+        self.fresh: set[int] = set()  # experts a prefetch brought in, not used yet
+        self.predicted: torch.Tensor | None = None  # [T, k] this step's predicted top-k, for recall
+        # counters since start
+        self.hits = self.misses = self.evictions = 0
+        self.prefetch_hits = self.prefetch_unused = 0  # prefetched experts used / evicted before use
+        self.bytes = {"initial": 0, "prefetch": 0, "demand": 0}
+        self.copies = {"initial": 0, "prefetch": 0, "demand": 0}
+        self.recall_hits = torch.zeros((), dtype=torch.long, device=device)  # true (token, expert) pairs predicted
+        self.recall_pairs = torch.zeros((), dtype=torch.long, device=device)
+
+    # -- residency ---------------------------------------------------------------------------------
+    def resident(self) -> list[int]:
+        return list(self.lru)
+
+    def _victim(self, protect: set[int]) -> int:
+        """A free slot, else the slot of the least recently used expert not in protect."""
+        for slot, expert in enumerate(self.expert_in):
+            if expert < 0:
+                return slot
+        for expert in self.lru:
+            if expert not in protect:
+                return self.slot_of[expert]
+        raise RuntimeError(f"layer {self.layer_idx}: all {self.num_slots} expert slots are protected")
+
+    def _load(self, expert: int, reason: str, protect: set[int]) -> int:
+        slot = self._victim(protect)
+        old = self.expert_in[slot]
+        if old >= 0:
+            self.evictions += 1
+            self.slot_of[old] = -1
+            del self.lru[old]
+            if old in self.fresh:
+                self.fresh.discard(old)
+                self.prefetch_unused += 1
+        if self.copy_stream is not None:
+            free = self.slot_free[slot]
+            with torch.cuda.stream(self.copy_stream):
+                if free is not None:  # the compute that last read this slot comes first
+                    self.copy_stream.wait_event(free)
+                self.w13[slot].copy_(self.host_w13[expert], non_blocking=True)
+                self.w2[slot].copy_(self.host_w2[expert], non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+            self.slot_ready[slot] = ready
+        else:
+            self.w13[slot].copy_(self.host_w13[expert])
+            self.w2[slot].copy_(self.host_w2[expert])
+        self.slot_of[expert] = slot
+        self.expert_in[slot] = expert
+        self.lru[expert] = None
+        self.bytes[reason] += self.expert_bytes
+        self.copies[reason] += 1
+        return slot
+
+    def fill(self, experts: list[int]) -> None:
+        """Load these experts (at most num_slots of them, in order) at start."""
+        for e in experts[:self.num_slots]:
+            if self.slot_of[e] < 0:
+                self._load(e, "initial", set())
+
+    def prefetch(self, experts: list[int]) -> None:
+        """Make these experts resident (best first; at most num_slots), without evicting any of them."""
+        experts = experts[:self.num_slots]
+        protect = set(experts)
+        for e in experts:
+            if self.slot_of[e] >= 0:
+                self.lru.move_to_end(e)
+            else:
+                self._load(e, "prefetch", protect)
+                self.fresh.add(e)
+
+    def ensure(self, experts: list[int]) -> None:
+        """The experts one MoE computation uses (at most num_slots): count hits and misses, copy the
+        missing ones on demand, and order the compute stream after the copies of their slots."""
+        protect = set(experts)
+        for e in experts:
+            if self.slot_of[e] >= 0:
+                self.hits += 1
+                self.lru.move_to_end(e)
+                if e in self.fresh:
+                    self.prefetch_hits += 1
+            else:
+                self.misses += 1
+                self._load(e, "demand", protect)
+            self.fresh.discard(e)
+        if self.copy_stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            for e in experts:
+                slot = self.slot_of[e]
+                if self.slot_ready[slot] is not None:
+                    compute.wait_event(self.slot_ready[slot])
+                    self.slot_ready[slot] = None
+
+    def _release(self, experts: list[int]) -> None:
+        """CUDA: the slots of these experts may be overwritten once the compute queued so far is done."""
+        if self.copy_stream is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            for e in experts:
+                self.slot_free[self.slot_of[e]] = done
+
+    # -- compute -------------------------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """The experts step of fused_moe_ref / fused_moe (x [T, H], weights and expert_ids [T, k])
+        computed on the cache's slots."""
+        if self.predicted is not None:
+            if self.predicted.shape[0] == expert_ids.shape[0]:
+                found = (expert_ids[:, :, None] == self.predicted[:, None, :]).any(-1)
+                self.recall_hits += found.sum()
+                self.recall_pairs += expert_ids.numel()
+            self.predicted = None
+        needed = torch.unique(expert_ids).tolist()  # sorted: the order of fused_moe_ref's loop
+        S = self.num_slots
+        rounds = [needed[i:i + S] for i in range(0, len(needed), S)]
+        if not x.is_cuda:
+            out = torch.zeros_like(x)
+            for chunk in rounds:
+                self.ensure(chunk)
+                for expert in chunk:  # as fused_moe_ref, on the expert's slot
+                    slot = self.slot_of[expert]
+                    token_idx, k_slot = torch.where(expert_ids == expert)
+                    h = silu_and_mul_ref(F.linear(x[token_idx], self.w13[slot]))
+                    y = F.linear(h, self.w2[slot]) * weights[token_idx, k_slot, None].to(x.dtype)
+                    out.index_add_(0, token_idx, y)
+            return out
+        from moekv.ops.fused_moe import fused_moe
+
+        if len(rounds) <= 1:
+            self.ensure(needed)
+            slot_map = torch.tensor(self.slot_of, dtype=torch.long).to(x.device, non_blocking=True)
+            out = fused_moe(x, self.w13, self.w2, weights, slot_map[expert_ids].to(expert_ids.dtype))
+            self._release(needed)
+            return out
+        out = torch.zeros_like(x)
+        for chunk in rounds:  # each round: the (token, expert) pairs of its experts, as single-expert rows
+            self.ensure(chunk)
+            slot_map = torch.tensor(self.slot_of, dtype=torch.long).to(x.device, non_blocking=True)
+            in_round = torch.isin(expert_ids, torch.tensor(chunk, device=x.device))
+            token_idx, k_slot = torch.where(in_round)
+            ids = slot_map[expert_ids[token_idx, k_slot]][:, None].to(expert_ids.dtype)
+            y = fused_moe(x[token_idx], self.w13, self.w2, weights[token_idx, k_slot][:, None], ids)
+            out.index_add_(0, token_idx, y)
+            self._release(chunk)
+        return out
+
+    def stats(self) -> dict:
+        lookups = self.hits + self.misses
+        return {"slots": self.num_slots, "hits": self.hits, "misses": self.misses,
+                "hit_rate": self.hits / lookups if lookups else 0.0, "evictions": self.evictions,
+                "prefetch_hits": self.prefetch_hits, "prefetch_unused": self.prefetch_unused,
+                "bytes_initial": self.bytes["initial"], "bytes_prefetch": self.bytes["prefetch"],
+                "bytes_demand": self.bytes["demand"], "copies_prefetch": self.copies["prefetch"],
+                "copies_demand": self.copies["demand"]}
+
+
+class ExpertOffload:
+    """Every MoE layer's ExpertCache, and the prefetch hook the decoder calls before each layer."""
+
+    def __init__(self, caches: dict, predictor=None, prefetch_per_token: int | None = None) -> None:
+        self.caches = caches  # MoE layer index -> ExpertCache
+        self.predictor = predictor  # ExpertPredictor, or None: no prefetch (on-demand copies only)
+        self.prefetch_per_token = prefetch_per_token
+        self.tokens = 0  # tokens through the first MoE layer (for bytes per token)
+        self._first = min(caches)
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, delta: torch.Tensor | None) -> None:
+        """MoEDecoder.before_layer: predict layer layer_idx's experts from the residual entering it
+        and copy them in (before the layer's attention runs)."""
+        cache = self.caches.get(layer_idx)
+        if cache is None:
+            return
+        if layer_idx == self._first:
+            self.tokens += x.shape[0]
+        if self.predictor is None or x.shape[0] == 0:
+            return
+        residual = x if delta is None else x + delta
+        top_k = self.predictor.top_k
+        n = self.prefetch_per_token or top_k
+        ranked = self.predictor.scores(layer_idx, residual).topk(max(n, top_k), dim=-1).indices  # [T, n]
+        cache.predicted = ranked[:, :top_k]
+        counts = torch.bincount(ranked[:, :n].reshape(-1), minlength=cache.num_experts)
+        order = counts.argsort(descending=True, stable=True)
+        wanted = order[:int((counts > 0).sum())][:cache.num_slots].tolist()  # host sync on CUDA
+        cache.prefetch(wanted)
+
+    def stats(self) -> dict:
+        """Totals over layers (and per layer under 'layers'); reading the recall waits for the device."""
+        per_layer = {i: c.stats() for i, c in self.caches.items()}
+        total = {key: sum(s[key] for s in per_layer.values())
+                 for key in ("hits", "misses", "evictions", "prefetch_hits", "prefetch_unused", "bytes_initial",
+                             "bytes_prefetch", "bytes_demand", "copies_prefetch", "copies_demand")}
+        lookups = total["hits"] + total["misses"]
+        pairs = int(sum(c.recall_pairs for c in self.caches.values()))
+        moved = total["bytes_prefetch"] + total["bytes_demand"]
+        return {**total, "hit_rate": total["hits"] / lookups if lookups else 0.0,
+                "prediction_recall": int(sum(c.recall_hits for c in self.caches.values())) / pairs if pairs else None,
+                "tokens": self.tokens, "bytes_per_token": moved / self.tokens if self.tokens else 0.0,
+                "slots_per_layer": next(iter(self.caches.values())).num_slots,
+                "prefetch": self.predictor is not None, "layers": per_layer}
+
+
+def install_expert_offload(model, model_cfg, config, device: torch.device) -> ExpertOffload:
+    """Move the model (loaded on the CPU) to `device` except its experts, which stay on the host
+    (pinned when device is CUDA) behind one ExpertCache per MoE layer; install the caches in the
+    MoE layers and, unless config.expert_prefetch is False, the prefetch hook in the decoder."""
+    from moekv.experts.predictor import ExpertPredictor
+    from moekv.models.loader import moe_layers
+
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("expert_offload=True but the model has no MoE layer")
+    first = next(iter(layers.values()))
+    nbytes = expert_nbytes(first)
+    E = model_cfg.num_experts
+    if config.expert_cache_slots is not None:
+        slots = min(config.expert_cache_slots, E)
+    else:
+        budget = config.gpu_expert_budget_gb
+        if budget is None:
+            budget = len(layers) * E * nbytes / 2 / 2**30  # half of the experts
+        slots = slots_for_budget(budget, nbytes, len(layers), E)
+    host = {}
+    for i, moe in layers.items():  # the experts leave the module while the rest moves to the device
+        host[i] = (moe.w13, moe.w2)
+        moe.w13 = moe.w2 = None
+    if device.type == "cuda":
+        model.to(device)
+    for i, moe in layers.items():
+        w13, w2 = host[i]
+        if device.type == "cuda":
+            w13 = torch.nn.Parameter(w13.data.pin_memory(), requires_grad=False)
+            w2 = torch.nn.Parameter(w2.data.pin_memory(), requires_grad=False)
+        moe.w13, moe.w2 = w13, w2  # the host copy (what `moekv eval routing` and tools read)
+    predictor = None
+    if config.expert_predictor is not None:
+        predictor = ExpertPredictor.load(config.expert_predictor, model)
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    caches = {}
+    for i, moe in layers.items():
+        cache = ExpertCache(i, moe.w13.data, moe.w2.data, slots, device, copy_stream)
+        freq = predictor.frequency(i) if predictor is not None else None
+        hot = freq.argsort(descending=True, stable=True).tolist() if freq is not None else list(range(E))
+        cache.fill(hot)
+        moe.offload = cache
+        caches[i] = cache
+    prefetch = config.expert_prefetch is not False
+    if prefetch and predictor is None:
+        predictor = ExpertPredictor(model)  # pre-gating
+    offload = ExpertOffload(caches, predictor if prefetch else None, config.expert_prefetch_per_token)
+    model.before_layer = offload  # without a predictor it only counts tokens
+    log.info("expert offload: %d of %d experts per MoE layer on %s (%.3f GiB), the rest in host memory; "
+             "prefetch %s", slots, E, device, slots * nbytes * len(layers) / 2**30,
+             f"on ({predictor.kind})" if prefetch else "off (misses are copied on demand)")
+    return offload

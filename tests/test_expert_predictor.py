@@ -1,0 +1,155 @@
+"""Expert prediction (moekv/experts/predictor.py, tools/experts.py): pre-gating against a float64
+re-derivation, the least-squares fit against a known linear map, file checks, recall on text."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moekv.config import default_model_path
+from moekv.experts.predictor import ExpertPredictor, PredictorFit, recall
+from moekv.models.loader import load_model, moe_layers
+
+TINY = default_model_path()
+TEXT = TINY.parent.parent / "README.md"  # any English text; not the model's eval text
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(TINY, torch.float32, torch.device("cpu"))
+
+
+def test_recall_by_hand():
+    actual = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    predicted = torch.tensor([[1, 0], [3, 7], [6, 7]])
+    assert recall(predicted, actual).tolist() == [1.0, 0.5, 0.0]
+    wide = torch.tensor([[9, 8, 0], [2, 3, 1], [5, 6, 4]])
+    assert recall(wide, actual).tolist() == [0.5, 1.0, 1.0]
+
+
+def test_pregate_is_the_layers_router_on_the_residual(model):
+    """Pre-gating = layer L's post-attention norm and router applied to the residual entering L,
+    re-derived in float64."""
+    pred = ExpertPredictor(model)
+    gen = torch.Generator().manual_seed(0)
+    for i, moe in moe_layers(model).items():
+        r = torch.randn(37, model.config.hidden_size, generator=gen) * 3
+        norm = model.layers[i].post_attention_layernorm
+        r64 = r.double()
+        h = r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+        want = h @ moe.gate.double().T
+        got = pred.logits(i, r)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+        ids = pred.predict(i, r, n=3)
+        assert ids.shape == (37, 3)
+        assert torch.equal(ids, want.topk(3, -1).indices)
+
+
+def test_fit_recovers_a_linear_map_that_pregating_misses(model):
+    """If the router's input is a fixed linear map M of the normalised residual, the fitted
+    predictor reproduces the logits (and recall 1 on held-out tokens); pre-gating, which assumes
+    M = diag(norm weight), does not."""
+    i = next(iter(moe_layers(model)))
+    moe = model.layers[i].mlp
+    H = model.config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    M = torch.randn(H, H, generator=gen) / H ** 0.5
+    fit = PredictorFit(model)
+    xs = []
+    for _ in range(8):
+        r = torch.randn(512, H, generator=gen) * 2
+        x = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+        hidden = x @ M
+        ids = torch.topk(hidden @ moe.gate.T, model.config.top_k, -1).indices
+        fit.add(i, r, hidden, ids)
+        xs.append((r, hidden))
+    # the other layers need data too: feed them their own pre-gating (a fit must not make it worse)
+    for j in moe_layers(model):
+        if j != i:
+            r = torch.randn(256, H, generator=gen)
+            h = model.layers[j].post_attention_layernorm(r)
+            fit.add(j, r, h, torch.topk(h @ model.layers[j].mlp.gate.T, model.config.top_k, -1).indices)
+    predictor, summary = fit.finish(alphas=(1e-6, 1e-2))
+    assert summary[i]["holdout_recall_fitted"] > 0.99
+    assert summary[i]["holdout_recall_pregate"] < 0.6
+    r, hidden = xs[0]
+    torch.testing.assert_close(predictor.logits(i, r), hidden @ moe.gate.T, rtol=1e-3, atol=1e-3)
+    for j in moe_layers(model):
+        if j != i:
+            assert summary[j]["holdout_recall_fitted"] >= summary[j]["holdout_recall_pregate"] - 1e-6
+
+
+def test_save_load_and_refusals(model, tmp_path):
+    with pytest.raises(ValueError, match="nothing to save"):
+        ExpertPredictor(model).save(tmp_path / "x.safetensors")
+    fit = PredictorFit(model)
+    gen = torch.Generator().manual_seed(2)
+    for j, moe in moe_layers(model).items():
+        r = torch.randn(64, model.config.hidden_size, generator=gen)
+        h = model.layers[j].post_attention_layernorm(r)
+        fit.add(j, r, h, torch.topk(h @ moe.gate.T, 2, -1).indices)
+    pred, _ = fit.finish(alphas=(1e-3,))
+    path = pred.save(tmp_path / "p.safetensors")
+    back = ExpertPredictor.load(path, model)
+    r = torch.randn(5, model.config.hidden_size, generator=gen)
+    for j in moe_layers(model):
+        torch.testing.assert_close(back.logits(j, r), pred.logits(j, r))
+        assert torch.equal(back.frequency(j), pred.frequency(j))
+        assert back.frequency(j).sum() == 64 * 2
+    with pytest.raises(ValueError, match="no such file"):
+        ExpertPredictor.load(tmp_path / "missing.safetensors", model)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    with pytest.raises(ValueError, match="cannot be read"):
+        ExpertPredictor.load(tmp_path / "junk.safetensors", model)
+    other = load_model(TINY, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        next(iter(moe_layers(other).values())).gate.mul_(-1)
+    with pytest.raises(ValueError, match="router weights differ"):
+        ExpertPredictor.load(path, other)
+
+
+def test_fitted_path_with_the_prior_map_equals_pregating(model):
+    """The fitted code path (one addmm on rms(r)) given the pre-gating matrix as its map predicts
+    what the norm-module path does."""
+    fit = PredictorFit(model)
+    from moekv.experts.predictor import FittedLayer
+
+    fitted = {j: FittedLayer(fit.prior(j).float(), torch.zeros(16), torch.zeros(16, 4)) for j in moe_layers(model)}
+    pred = ExpertPredictor(model, fitted)
+    r = torch.randn(50, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for j in moe_layers(model):
+        torch.testing.assert_close(pred.logits(j, r), pred.logits(j, r, pregate=True), rtol=1e-4, atol=1e-4)
+
+
+def test_eval_experts_cli_json(tmp_path, capsys):
+    from moekv.cli import main
+
+    assert main(["eval", "experts", "--text", str(TEXT), "--max-tokens", "300", "--window", "128",
+                 "--max-model-len", "128", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["top_k"] == 2 and record["num_experts"] == 16
+    assert set(record["per_layer"]) == {"0", "1", "2", "3"}
+    for s in record["per_layer"].values():
+        assert s["tokens"] == 300
+        assert 0.0 <= s["recall_pregate"] <= s["recall_pregate_at_2k"] <= 1.0
+    # real text: pre-gating is far better than chance (2 of 16 experts: 1/8 expected)
+    assert record["mean"]["recall_pregate"] > 0.4
+    assert main(["eval", "experts", "--text", str(tmp_path / "none.txt"), "--json"]) == 2
+
+
+def test_calibrate_experts_cli_then_eval(tmp_path, capsys):
+    from moekv.cli import main
+
+    out = tmp_path / "pred.safetensors"
+    assert main(["calibrate-experts", "--text", str(TEXT), "--out", str(out), "--max-tokens", "1024",
+                 "--window", "256", "--quiet"]) == 0
+    assert out.is_file()
+    capsys.readouterr()
+    assert main(["eval", "experts", "--text", str(TINY / "README.md"), "--max-tokens", "256", "--window", "128",
+                 "--max-model-len", "128", "--expert-predictor", str(out), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["predictor"] == str(out)
+    for s in record["per_layer"].values():
+        assert 0.0 <= s["recall_fitted"] <= s["recall_fitted_at_2k"] <= 1.0
+        assert 0.0 <= s["recall_static_hot"] <= 1.0

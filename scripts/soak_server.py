@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -159,7 +160,9 @@ def main() -> int:
            "--max-num-seqs", "32", "--max-queue", "64", "--log-level", "warning", "--read-timeout",
            str(args.read_timeout), "--shutdown-timeout", str(args.shutdown_timeout), "--max-request-bytes",
            str(2 * 2**20), *(["--model", args.model] if args.model else []), *args.server_args]
-    log_path = Path(args.json or "soak").with_suffix(".server.log")
+    # the server's own log, next to the report (or in the temp folder), searched for tracebacks at the end
+    log_path = (Path(args.json).with_suffix(".server.log") if args.json
+                else Path(tempfile.gettempdir()) / "soak.server.log")
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

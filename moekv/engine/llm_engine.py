@@ -53,6 +53,9 @@ class EngineStats:
     routing_locality: float | None = None  # with a cluster map: share of assignments on the top-1 expert's device
     routing_fan_out: float | None = None  # ... and mean devices a token's experts occupy
     kv_format: dict[str, float] = field(default_factory=dict)  # the KV format's own figures (KVFormat.stats)
+    # expert parallel: bytes the ranks sent (and received) dispatching tokens to experts and back, all ranks
+    ep_bytes_sent: int | None = None
+    ep_bytes_received: int | None = None
 
 
 class LLMEngine:
@@ -178,6 +181,10 @@ class LLMEngine:
         self._finish(seq, "abort")
         return self._output(seq, "", [])
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (nothing to do with one process)."""
+        self.runner.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -210,6 +217,10 @@ class LLMEngine:
                 routing = runner.locality.snapshot()
                 snapshot.routing_locality, snapshot.routing_fan_out = routing["locality"], routing["fan_out"]
             snapshot.kv_format = runner.kv_format.stats(runner.kv_caches)
+            ep = runner.expert_parallel_bytes()
+            if ep is not None:
+                snapshot.ep_bytes_sent = sum(v[0] for v in ep.values())
+                snapshot.ep_bytes_received = sum(v[1] for v in ep.values())
         return snapshot
 
     # -- stepping ----------------------------------------------------------------------------

@@ -168,6 +168,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_cfg)
         self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype, **config.kv_format_options())
         self.parallel = parallel
+        # expert parallel: MoE layer -> [E] rank of each expert (None: experts are not spread)
+        self.expert_placement: dict[int, torch.Tensor] | None = None
         if parallel is None and config.tensor_parallel_size > 1:
             from moekv.layers.parallel import check_tp_shapes
 
@@ -179,6 +181,7 @@ class ModelRunner:
             self.device = self.parallel.device
             self.model = load_model(config.model, self.dtype, torch.device("cpu"), model_cfg, config.load_format)
             placement = placement_of(config, model_cfg, list(moe_layers(self.model)))
+            self.expert_placement = placement
             shard_model(self.model, model_cfg, self.parallel.tp, placement)
             self.model.to(self.device)
             for moe in moe_layers(self.model).values():

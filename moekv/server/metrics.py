@@ -77,6 +77,12 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = counter("request_success", "Requests ended, by finish reason.", ("finished_reason",))
+        self.ep_sent = self.ep_received = None
+        if stats.ep_bytes_sent is not None:  # expert parallel: what the ranks really sent each other
+            self.ep_sent = counter("ep_bytes_sent", "Expert parallel: bytes of hidden states and expert outputs "
+                                   "the ranks sent each other (dispatch and combine), all ranks, since start.")
+            self.ep_received = counter("ep_bytes_received", "Expert parallel: bytes the ranks received, since start.")
+            self._ep_last = [0, 0]
         self._model_name = model_name
         self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self._last_token_time: dict[str, float] = {}  # request id -> time of its latest token
@@ -138,4 +144,10 @@ class ServerMetrics:
                 self.tier_share.labels(model_name=self._model_name, tier=tier).set(stats.kv_format.get(key, 0.0))
             if "bits_read" in stats.kv_format:
                 self.bits_read.set(stats.kv_format["bits_read"])
+        if self.ep_sent is not None:
+            for j, (now, metric) in enumerate(((stats.ep_bytes_sent, self.ep_sent),
+                                               (stats.ep_bytes_received, self.ep_received))):
+                if now > self._ep_last[j]:
+                    metric.inc(now - self._ep_last[j])
+                    self._ep_last[j] = now
         return generate_latest(self.registry)

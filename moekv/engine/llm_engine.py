@@ -238,9 +238,9 @@ class LLMEngine:
             out = self.scheduler.schedule()
             if out.is_empty():
                 return []
-            self.runner.release_pages(self.block_manager.drain_freed())
             blocked = {item.seq.request_id: self._blocked_ids(item.seq) for item in out.scheduled}
             try:
+                self.runner.release_pages(self.block_manager.drain_freed())  # (on every rank: it may fail too)
                 pending = self.runner.launch(out, blocked)
             except Exception as e:  # a fault fails the step's requests; nothing is left holding pages
                 return self._fail_step([item.seq for item in out.scheduled], e)

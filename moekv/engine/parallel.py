@@ -9,7 +9,7 @@ Three torch.distributed groups, all over the same N ranks:
   as host lists pickled into one tensor by broadcast_object_list);
 - compute (NCCL on CUDA, gloo on the CPU; timeout `distributed_timeout`): the layers' all-reduces
   and expert-parallel sends;
-- status (gloo, timeout `distributed_timeout`): after every step each rank reports whether its
+- status (gloo, timeout twice `distributed_timeout`): after every step each rank reports whether its
   forward raised. A rank that raised leaves the others blocked in a compute collective until it
   times out; then every rank reports, the compute group is rebuilt, and rank 0 raises
   ParallelStepError naming the rank and its error (the engine fails the step's requests and
@@ -83,7 +83,8 @@ class ParallelGroup:
             torch.cuda.set_device(self.device)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=COMMAND_TIMEOUT)
-        self.status_group = dist.new_group(backend="gloo", timeout=self.timeout)
+        # a rank that failed early waits here while the others wait out a compute collective: longer
+        self.status_group = dist.new_group(backend="gloo", timeout=2 * self.timeout + timedelta(seconds=10))
         self.tp = TPGroup(rank, world_size, dist.new_group(backend=self.backend, timeout=self.timeout))
         self.procs: list = []
         self.lock = threading.RLock()  # one command (and its collectives) at a time
@@ -264,7 +265,8 @@ def serve_commands(group: ParallelGroup, runner) -> None:
             try:
                 group.finish_step(error)
             except ParallelStepError:
-                pass
+                if group.broken is not None:  # rank 0 (or another rank) is gone
+                    return
         elif command == "release_pages":
             runner.release_pages(payload)
         elif command == "ep_bytes":

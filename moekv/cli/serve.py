@@ -29,7 +29,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{engine.block_manager.num_blocks} pages of {engine.config.block_size} tokens) on "
           f"http://{args.host}:{args.port}",
           flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()  # the worker ranks of --tensor-parallel-size > 1
     return 0
 
 

@@ -24,6 +24,7 @@ from moekv.engine.parallel import (
     inject_fault,
     placement_of,
     serve_commands,
+    shard_kv_tables,
     shard_model,
 )
 from moekv.engine.scheduler import SchedulerOutput
@@ -187,6 +188,11 @@ class ModelRunner:
             for moe in moe_layers(self.model).values():
                 if moe.ep is not None:
                     moe.ep.to(self.device)
+            from moekv.layers.parallel import kv_heads_of_rank
+
+            _, kv_heads = kv_heads_of_rank(model_cfg.num_heads, model_cfg.num_kv_heads, self.parallel.rank,
+                                           self.parallel.world_size)
+            shard_kv_tables(self.kv_format, kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
         self.num_kv_heads = self.model.attention_layers[0].num_kv_heads  # this rank's
         self.kv_format.check_layout(self.num_kv_heads, config.block_size, model_cfg.head_dim)
         self.routing = install_routers(self.model, model_cfg, **config.routing_options())

@@ -181,6 +181,15 @@ class EngineConfig:
         "expert_offload: predicted experts prefetched per token (default: the model's top-k)")
     expert_predictor: str | Path | None = option(
         "file from `moekv calibrate-experts` (fitted predictor, hot experts); default: pre-gating")
+    # several processes (engine/parallel.py, layers/parallel.py)
+    tensor_parallel_size: int = option(
+        "ranks the model is split over: attention heads, MLP and (without expert parallel) experts; rank 0 is this "
+        "process, the engine starts the others (one per GPU on CUDA, gloo processes on the CPU)", 1)
+    enable_expert_parallel: bool = option(
+        "with tensor_parallel_size > 1: whole experts per rank (the cluster map's clusters when one is given, "
+        "else contiguous slices), tokens sent to the ranks of their experts", False)
+    distributed_timeout: float = option(
+        "seconds a collective waits for the other ranks before the step fails", 300.0)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -240,6 +249,23 @@ class EngineConfig:
         _check(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        _check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
+               f"tensor_parallel_size={tp!r} must be an integer >= 1")
+        _check(isinstance(self.enable_expert_parallel, bool),
+               f"enable_expert_parallel={self.enable_expert_parallel!r} must be True or False")
+        _check(isinstance(self.distributed_timeout, (int, float)) and self.distributed_timeout > 0,
+               f"distributed_timeout={self.distributed_timeout!r} must be a number of seconds > 0")
+        if tp > 1 and self.torch_device.type == "cuda":
+            _check(self.torch_device.index in (None, 0),
+                   f"device={self.device!r}: with tensor_parallel_size > 1 rank r runs on cuda:r; give device='cuda'")
+            _check(torch.cuda.device_count() >= tp,
+                   f"tensor_parallel_size={tp} needs {tp} GPUs; torch sees {torch.cuda.device_count()}")
+        _check(tp == 1 or self.async_scheduling is not True,
+               "async_scheduling=True is not supported with tensor_parallel_size > 1; leave it unset")
 
     def _check_routing(self) -> None:
         _check(self.routing in ROUTING_MODES, f"routing={self.routing!r} is unknown; accepted: {list(ROUTING_MODES)}")
@@ -280,6 +306,10 @@ class EngineConfig:
             given = [name for name in ("gpu_expert_budget_gb", "expert_cache_slots", "expert_prefetch",
                                        "expert_prefetch_per_token") if getattr(self, name) is not None]
             _check(not given, f"{', '.join(given)} only apply with expert_offload=True (--expert-offload)")
+        tp = self.tensor_parallel_size
+        _check(not (self.expert_offload and isinstance(tp, int) and tp > 1),
+               "expert_offload=True is not supported with tensor_parallel_size > 1 (each rank would need its own "
+               "expert cache); use one of them")
         if self.expert_predictor is not None:
             self.expert_predictor = Path(self.expert_predictor)
             _check(self.expert_predictor.is_file(), f"expert_predictor={str(self.expert_predictor)!r}: no such file "
@@ -316,6 +346,8 @@ class EngineConfig:
 
     @property
     def async_scheduling_enabled(self) -> bool:
+        if self.tensor_parallel_size > 1:  # the ranks' step inputs come from the host
+            return False
         return self.torch_device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
 
     @property

@@ -129,13 +129,17 @@ def cmd_eval_routing(args: argparse.Namespace) -> int:
               f"{record['topk_agreement']['top1']:.3f} identical top-1")
         print(f"{'layer':>5} {'same set':>8} {'same top-1':>10} {'rel. error':>10} {'clusters/tok':>12}")
         for i, s in record["per_layer"].items():
-            print(f"{i:>5} {s['topk_set_agreement']:>8.3f} {s['top1_agreement']:>10.3f} {s['relative_error']:>10.4f} "
+            err = "-" if s["relative_error"] is None else f"{s['relative_error']:.4f}"
+            print(f"{i:>5} {s['topk_set_agreement']:>8.3f} {s['top1_agreement']:>10.3f} {err:>10} "
                   f"{s['clusters_per_token']:>12.2f}")
         for label, table in (("this routing", record["placements"]), ("flat routing", record["flat_placements"])):
             for name, p in table.items():
                 print(f"{label:<12} under {name:<9} placement ({p['num_devices']} devices): locality "
                       f"{p['locality']:.3f}, fan-out {p['fan_out']:.2f}, {p['cross_device_bytes_per_token']:,.0f} "
                       f"cross-device bytes/token")
+        if "ep_bytes_per_token" in record:
+            print(f"expert parallel: {record['ep_bytes_per_token']:,.0f} bytes/token really sent between the ranks "
+                  f"(placement predicts {record['placements']['engine']['cross_device_bytes_per_token']:,.0f})")
         if "router_flops_per_token" in record:
             f = record["router_flops_per_token"]
             print(f"router FLOPs/token: {f['hierarchical']:,.0f} vs flat {f['flat']:,} "

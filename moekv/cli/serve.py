@@ -35,7 +35,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{engine.block_manager.num_blocks} pages of {engine.config.block_size} tokens) on "
           f"http://{args.host}:{args.port}" + (" (API key required)" if options.api_key else ""),
           flush=True)
-    make_server(app, options, host=args.host, port=args.port, log_level=args.log_level).run()
+    try:
+        make_server(app, options, host=args.host, port=args.port, log_level=args.log_level).run()
+    finally:
+        engine.shutdown()  # the worker ranks of --tensor-parallel-size > 1
     return 0
 
 

@@ -59,6 +59,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     # expert offload's counters (ExpertOffload.stats: hits, misses, bytes, prediction_recall, ...); empty without
     expert_offload: dict = field(default_factory=dict)
+    # expert parallel: bytes the ranks sent (and received) dispatching tokens to experts and back, all ranks
+    ep_bytes_sent: int | None = None
+    ep_bytes_received: int | None = None
 
 
 class LLMEngine:
@@ -205,6 +208,10 @@ class LLMEngine:
         self._finish(seq, "abort")
         return self._output(seq, "", [])
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (nothing to do with one process)."""
+        self.runner.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -240,6 +247,10 @@ class LLMEngine:
             snapshot.kv_format = runner.kv_format.stats(runner.kv_caches)
             if runner.experts is not None:
                 snapshot.expert_offload = runner.experts.stats()
+            ep = runner.expert_parallel_bytes()
+            if ep is not None:
+                snapshot.ep_bytes_sent = sum(v[0] for v in ep.values())
+                snapshot.ep_bytes_received = sum(v[1] for v in ep.values())
         return snapshot
 
     # -- stepping ----------------------------------------------------------------------------
@@ -257,9 +268,9 @@ class LLMEngine:
             out = self.scheduler.schedule()
             if out.is_empty():
                 return []
-            self.runner.release_pages(self.block_manager.drain_freed())
             blocked = {item.seq.request_id: self._blocked_ids(item.seq) for item in out.scheduled}
             try:
+                self.runner.release_pages(self.block_manager.drain_freed())  # (on every rank: it may fail too)
                 pending = self.runner.launch(out, blocked)
             except Exception as e:  # a fault fails the step's requests; nothing is left holding pages
                 return self._fail_step([item.seq for item in out.scheduled], e)

@@ -17,6 +17,16 @@ import torch
 from moekv.config import EngineConfig, parse_dtype
 from moekv.context import Context, HostLists, MixedSplit, filling_rows, to_device
 from moekv.engine.cuda_graphs import DecodeGraphs, decode_fills, graphs_unsupported_reason, step_fits_graph
+from moekv.engine.parallel import (
+    ParallelGroup,
+    StepInputs,
+    expert_parallel_bytes,
+    inject_fault,
+    placement_of,
+    serve_commands,
+    shard_kv_tables,
+    shard_model,
+)
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
@@ -149,21 +159,49 @@ def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
+                 parallel: ParallelGroup | None = None) -> None:
+        """parallel: a worker rank's group (engine/parallel.py); rank 0 starts the workers itself
+        when config.tensor_parallel_size > 1."""
         self.config = config
         self.model_cfg = model_cfg
         self.device = config.torch_device
         self.dtype = resolve_dtype(config, model_cfg)
         self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype, **config.kv_format_options())
-        self.kv_format.check_layout(model_cfg.num_kv_heads, config.block_size, model_cfg.head_dim)
         if config.enable_prefix_caching:
             reason = self.kv_format.prefix_caching_unsupported()
             if reason is not None:
                 raise ValueError(f"enable_prefix_caching=True does not work with kv_cache_dtype="
                                  f"{config.kv_cache_dtype!r}: {reason}")
-        # with expert offload the model is loaded on the host and all but its experts moved to the device
-        load_device = torch.device("cpu") if config.expert_offload else self.device
-        self.model = load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
+        self.parallel = parallel
+        # expert parallel: MoE layer -> [E] rank of each expert (None: experts are not spread)
+        self.expert_placement: dict[int, torch.Tensor] | None = None
+        if parallel is None and config.tensor_parallel_size > 1:
+            from moekv.layers.parallel import check_tp_shapes
+
+            check_tp_shapes(model_cfg, config.tensor_parallel_size, config.enable_expert_parallel)
+            self.parallel = ParallelGroup.launch(config, max_model_len, worker_main)
+        if self.parallel is None:
+            # with expert offload the model is loaded on the host and all but its experts moved to the device
+            load_device = torch.device("cpu") if config.expert_offload else self.device
+            self.model = load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
+        else:  # every rank loads the checkpoint on the host, keeps its shard, and moves that to its device
+            self.device = self.parallel.device
+            self.model = load_model(config.model, self.dtype, torch.device("cpu"), model_cfg, config.load_format)
+            placement = placement_of(config, model_cfg, list(moe_layers(self.model)))
+            self.expert_placement = placement
+            shard_model(self.model, model_cfg, self.parallel.tp, placement)
+            self.model.to(self.device)
+            for moe in moe_layers(self.model).values():
+                if moe.ep is not None:
+                    moe.ep.to(self.device)
+            from moekv.layers.parallel import kv_heads_of_rank
+
+            _, kv_heads = kv_heads_of_rank(model_cfg.num_heads, model_cfg.num_kv_heads, self.parallel.rank,
+                                           self.parallel.world_size)
+            shard_kv_tables(self.kv_format, kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
+        self.num_kv_heads = self.model.attention_layers[0].num_kv_heads  # this rank's
+        self.kv_format.check_layout(self.num_kv_heads, config.block_size, model_cfg.head_dim)
         self.experts = None  # ExpertOffload: expert caches, prefetch and their counters
         if config.expert_offload:  # (before the routers, which may copy router rows on the device)
             from moekv.experts.offload import install_expert_offload
@@ -172,7 +210,7 @@ class ModelRunner:
         self.routing = install_routers(self.model, model_cfg, **config.routing_options())
         # with a cluster map: routing locality counted on the device, before any graph is captured
         self.locality: LocalityCounter | None = None
-        if config.cluster_map is not None:
+        if config.cluster_map is not None and self.rank == 0:
             self.locality = LocalityCounter(Placement.from_clusters(ClusterMap.load(config.cluster_map)), self.device)
             for i, moe in moe_layers(self.model).items():
                 moe.observer = self.locality.observer(i)
@@ -180,12 +218,14 @@ class ModelRunner:
         # mixed steps' decodes take the fused decode kernel (on CUDA; the CPU's path is the same reference)
         self.split_mixed_steps = self.device.type == "cuda"
         self.num_blocks = self._plan_num_blocks(max_model_len)  # pages the block manager hands out
+        if self.parallel is not None:  # the same pool on every rank: the smallest one
+            self.num_blocks = min(self.parallel.gather(self.num_blocks))
         self.scratch_page = self.num_blocks  # + 1 page per pool, never handed out (padded graph rows)
         self.scratch_slot = config.max_num_seqs  # + 1 staging slot, likewise
         self.kv_caches = []
         for attn in self.model.attention_layers:
             attn.kv_format = self.kv_format
-            attn.kv_cache = self.kv_format.allocate(self.num_blocks + 1, model_cfg.num_kv_heads, self.block_size,
+            attn.kv_cache = self.kv_format.allocate(self.num_blocks + 1, self.num_kv_heads, self.block_size,
                                                     model_cfg.head_dim, self.device, config.max_num_seqs + 1,
                                                     self.dtype)
             attn.kv_cache.layer = attn.layer_idx
@@ -202,6 +242,8 @@ class ModelRunner:
                                            self.block_size, model_cfg.head_dim)
         if reason is None and self.experts is not None:
             reason = "expert_offload=True reads each MoE layer's routing on the host (cache misses, prefetch)"
+        if reason is None and self.parallel is not None:
+            reason = "tensor_parallel_size > 1 (collectives are not captured yet)"
         if reason is None:
             self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
                                        self.block_size, self.scratch_page, self.scratch_slot,
@@ -215,7 +257,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         c = self.model_cfg
-        return c.num_layers * self.kv_format.page_bytes(c.num_kv_heads, self.block_size, c.head_dim)
+        return c.num_layers * self.kv_format.page_bytes(self.num_kv_heads, self.block_size, c.head_dim)
 
     def _plan_num_blocks(self, max_model_len: int) -> int:
         """Pages the block manager may hand out; the scratch page comes on top of an explicit
@@ -265,9 +307,17 @@ class ModelRunner:
         self._generators.pop(seq.request_id, None)
         self._release_slot(seq)
 
+    @property
+    def rank(self) -> int:
+        return 0 if self.parallel is None else self.parallel.rank
+
     def release_pages(self, pages: list[int]) -> None:
-        """Tell each layer's format that these pages are free again (before they are reused)."""
+        """Tell each layer's format that these pages are free again (before they are reused), on
+        every rank."""
         if pages:
+            if self.parallel is not None and self.rank == 0:
+                with self.parallel.lock:
+                    self.parallel.send("release_pages", pages)
             for cache in self.kv_caches:
                 self.kv_format.release_pages(cache, pages)
 
@@ -359,6 +409,72 @@ class ModelRunner:
             rows=[SeqRows(SeqStepResult(seq), [], i, []) for i, seq in enumerate(seqs)], input_ids_device=tokens)
         return self._launch(plan, blocked_ids)
 
+    def _run_step(self, inputs: StepInputs, input_ids_device: torch.Tensor | None = None):
+        """The forward of one step, on every rank when there are several (rank 0 sends the inputs,
+        then all ranks report how their forward went: parallel.finish_step raises if one failed)."""
+        if self.parallel is None:
+            return self.run_model(inputs, input_ids_device)
+        with self.parallel.lock:
+            self.parallel.send("step", inputs)
+            error, out = None, None
+            try:
+                out = self.run_model(inputs)
+            except Exception as e:
+                error = e
+            self.parallel.finish_step(error)
+        return out
+
+    def run_model(self, inputs: StepInputs, input_ids_device: torch.Tensor | None = None):
+        """The model over one step's inputs (this rank's shard): (final hidden states [T, H], Context)."""
+        dev = self.device
+        ctx = Context(
+            positions=to_device(inputs.positions, torch.long, dev),
+            slot_mapping=to_device(inputs.slots, torch.long, dev),
+            block_tables=to_device(inputs.block_tables, torch.int32, dev),
+            context_lens=to_device(inputs.context_lens, torch.int32, dev),
+            query_start_loc=to_device(inputs.query_start, torch.int32, dev),
+            logits_indices=to_device(inputs.logits_rows, torch.long, dev),
+            seq_slots=to_device(inputs.seq_slots, torch.long, dev),
+            max_query_len=inputs.max_query_len,
+            fills_no_page=inputs.fills_no_page,
+            fill_slots=to_device(inputs.fill_slots, torch.long, dev) if inputs.fill_slots else None,
+            fill_pages=to_device(inputs.fill_pages, torch.long, dev) if inputs.fill_slots else None,
+            host=HostLists(inputs.context_lens, inputs.query_start, inputs.seq_slots, inputs.block_tables),
+        )
+        if inputs.split_mixed:
+            num_tokens = [b - a for a, b in zip(inputs.query_start, inputs.query_start[1:])]
+            ctx.mixed = mixed_split(num_tokens, inputs.positions, inputs.slots, inputs.block_tables,
+                                    inputs.context_lens, inputs.seq_slots, dev)
+        input_ids = input_ids_device
+        if input_ids is None:
+            input_ids = to_device(inputs.input_ids, torch.long, dev)
+        hidden = self.model(input_ids, ctx)
+        self.quantize_filled_pages(ctx)
+        return hidden, ctx
+
+    def expert_parallel_bytes(self) -> dict[int, list[int]] | None:
+        """Expert-parallel traffic so far, summed over the ranks: MoE layer -> [bytes sent, bytes
+        received] (None without expert parallelism)."""
+        if self.parallel is None or not expert_parallel_bytes(self.model):
+            return None
+        with self.parallel.lock:
+            self.parallel.send("ep_bytes")
+            per_rank = self.parallel.gather(expert_parallel_bytes(self.model))
+        return {i: [sum(r[i][0] for r in per_rank), sum(r[i][1] for r in per_rank)] for i in per_rank[0]}
+
+    def inject_fault(self, rank: int, layer_idx: int) -> None:
+        """Tests: the next step's forward raises in layer `layer_idx` on `rank`."""
+        if rank == 0:
+            inject_fault(self.model, layer_idx, 0)
+        else:
+            with self.parallel.lock:
+                self.parallel.send("inject_fault", (rank, layer_idx))
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks, if any."""
+        if self.parallel is not None and self.rank == 0:
+            self.parallel.shutdown()
+
     def _plan(self, out: SchedulerOutput) -> StepPlan:
         """The host-side inputs of a scheduled step."""
         plan = StepPlan(seqs=[item.seq for item in out.scheduled], input_ids=[], positions=[], slots=[],
@@ -423,30 +539,15 @@ class ModelRunner:
         if logits is None:
             max_pages = max(len(table) for table in block_tables)
             tables = [table + [0] * (max_pages - len(table)) for table in block_tables]
-            dev = self.device
-            ctx = Context(
-                positions=to_device(plan.positions, torch.long, dev),
-                slot_mapping=to_device(plan.slots, torch.long, dev),
-                block_tables=to_device(tables, torch.int32, dev),
-                context_lens=to_device(context_lens, torch.int32, dev),
-                query_start_loc=to_device(plan.query_start, torch.int32, dev),
-                logits_indices=to_device(logits_rows, torch.long, dev),
-                seq_slots=to_device(seq_slots, torch.long, dev),
-                max_query_len=max(num_tokens),
-                fills_no_page=all(n % bs for n in context_lens),
-                fill_slots=to_device(fill_slots, torch.long, dev) if fill_slots else None,
-                fill_pages=to_device(fill_pages, torch.long, dev) if fill_slots else None,
-                host=HostLists(context_lens, plan.query_start, seq_slots, tables),
-            )
-            if self.split_mixed_steps and not decode_only and 1 in num_tokens:
-                ctx.mixed = mixed_split(num_tokens, plan.positions, plan.slots, tables, context_lens, seq_slots, dev)
-            input_ids = plan.input_ids_device
-            if input_ids is None:
-                input_ids = to_device(plan.input_ids, torch.long, dev)
+            inputs = StepInputs(
+                input_ids=plan.input_ids, positions=plan.positions, slots=plan.slots, block_tables=tables,
+                context_lens=context_lens, query_start=plan.query_start, logits_rows=logits_rows,
+                seq_slots=seq_slots, max_query_len=max(num_tokens), fills_no_page=all(n % bs for n in context_lens),
+                fill_slots=fill_slots, fill_pages=fill_pages,
+                split_mixed=self.split_mixed_steps and not decode_only and 1 in num_tokens)
             if self.locality is not None:
                 self.locality.count_rows(len(plan.positions))
-            hidden = self.model(input_ids, ctx)
-            self.quantize_filled_pages(ctx)
+            hidden, ctx = self._run_step(inputs, plan.input_ids_device)
             if not logits_rows:
                 return PendingStep(results, self.device, self.kv_caches)
             logits = self.model.compute_logits(hidden[ctx.logits_indices])  # [S, V] fp32
@@ -478,3 +579,16 @@ class ModelRunner:
         return PendingStep(results, self.device, self.kv_caches, sample_targets, sampled,
                            to_host_async(nonfinite) if nonfinite is not None else None,
                            followable=every_row_samples(plan))
+
+
+def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, max_model_len: int) -> None:
+    """Ranks 1..N-1 of a tensor-parallel engine (started by rank 0): load the shard, then run rank 0's
+    commands until told to stop."""
+    import os
+
+    from moekv.models.loader import load_model_config
+
+    if config.torch_device.type == "cpu":  # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    group = ParallelGroup(rank, world, init_method, config.torch_device, config.distributed_timeout)
+    serve_commands(group, ModelRunner(config, load_model_config(config.model), max_model_len, parallel=group))

@@ -5,7 +5,9 @@ on the very input each layer receives, the tap also computes the model's own fla
 layers' outputs, so that each layer's agreement and output error against flat are measured where
 the run actually is (without compounding earlier layers' differences into the comparison). The
 decisions of both routers are scored under the clustered placement (when a cluster map is given)
-and under random placements.
+and under random placements. An engine with expert parallelism also reports, per layer, the bytes
+its ranks really sent per token beside the figure its placement predicts (`placements["engine"]`);
+the per-layer output error is not measured there (a rank holds only its share of the experts).
 """
 from __future__ import annotations
 
@@ -55,8 +57,15 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
         cluster_map = ClusterMap.load(cluster_map)
     if cluster_map is not None:
         cluster_map.check_model(cfg, {i: moe.gate for i, moe in layers.items()})
+    runner = engine.runner
+    parallel = getattr(runner, "parallel", None) is not None
+    engine_placement = getattr(runner, "expert_placement", None)
+    if engine_placement is not None:  # the ranks the experts really live on
+        num_devices = num_devices or runner.parallel.world_size
     num_devices = num_devices or (cluster_map.num_clusters if cluster_map is not None else min(4, cfg.num_experts))
     placements = {}
+    if engine_placement is not None:
+        placements["engine"] = Placement(engine_placement, runner.parallel.world_size, "engine")
     if cluster_map is not None:
         placements["clustered"] = Placement.from_clusters(cluster_map, num_devices)
     first = next(iter(layers.values())).router
@@ -81,13 +90,14 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
         st.tokens += ids.shape[0]
         st.same_set += int((ids.sort(1).values == flat_ids.sort(1).values).all(1).sum())
         st.same_top1 += int((ids[:, 0] == flat_ids[:, 0]).sum())
-        ours = fused_moe_ref(hidden, moe.w13, moe.w2, weights, ids).float()
-        ref = fused_moe_ref(hidden, moe.w13, moe.w2, flat_w, flat_ids).float()
-        if moe.shared_expert is not None:  # the layer's output includes its shared expert (same in both)
-            shared = (torch.sigmoid(F.linear(hidden, moe.shared_expert_gate)) * moe.shared_expert(hidden)).float()
-            ours, ref = ours + shared, ref + shared
-        st.err_sq += float((ours - ref).pow(2).sum())
-        st.ref_sq += float(ref.pow(2).sum())
+        if not parallel:  # (a rank of a parallel engine holds only its share of the experts)
+            ours = fused_moe_ref(hidden, moe.w13, moe.w2, weights, ids).float()
+            ref = fused_moe_ref(hidden, moe.w13, moe.w2, flat_w, flat_ids).float()
+            if moe.shared_expert is not None:  # the layer's output includes its shared expert (same in both)
+                shared = (torch.sigmoid(F.linear(hidden, moe.shared_expert_gate)) * moe.shared_expert(hidden)).float()
+                ours, ref = ours + shared, ref + shared
+            st.err_sq += float((ours - ref).pow(2).sum())
+            st.ref_sq += float(ref.pow(2).sum())
         inner = moe.router.inner
         if isinstance(inner, HierarchicalRouter) and router_logits.cluster_scores is not None:
             kept = cluster_routing_ref(hidden, router_logits.cluster_scores, inner.gate_by_cluster,
@@ -100,14 +110,16 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
             stats_under[name].add(layer_idx, ids.cpu())
             flat_under[name].add(layer_idx, flat_ids.cpu())
 
+    ep_before = runner.expert_parallel_bytes() if parallel else None
     with tapped(layers, compare):
         result = perplexity(llm, text, window=window, stride=stride, max_tokens=max_tokens, progress=progress,
                             mode=mode)
+    ep_after = runner.expert_parallel_bytes() if parallel else None
 
     def placement_summary(stats: dict[str, PlacementStats]) -> dict:
         out = {}
         bpe = torch.finfo(engine.runner.dtype).bits // 8
-        for name in ("grouped", "clustered"):
+        for name in ("engine", "grouped", "clustered"):
             if name in stats:
                 out[name] = stats[name].summary(cfg.hidden_size, bpe)
         randoms = [s.summary(cfg.hidden_size, bpe) for name, s in stats.items() if name.startswith("random")]
@@ -120,7 +132,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     layer_summaries = {i: s.summary() for i, s in per_layer.items()}
     total = sum(s.tokens for s in per_layer.values())
     ours, flat = placement_summary(stats_under), placement_summary(flat_under)
-    main = ours.get("grouped", ours.get("clustered", ours.get("random")))
+    main = ours.get("engine", ours.get("grouped", ours.get("clustered", ours.get("random"))))
     record = {
         "routing": engine.runner.routing,
         "router": router_name,
@@ -141,6 +153,17 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
         "placements": ours,
         "flat_placements": flat,
     }
+    if parallel:
+        for s in record["per_layer"].values():
+            s["relative_error"] = None
+        record["relative_error"] = {str(i): None for i in layer_summaries}
+    if ep_after is not None:  # bytes the ranks really sent per token, beside what the placement predicts
+        for i, s in layer_summaries.items():
+            sent = (ep_after[i][0] - ep_before[i][0]) / max(s["tokens"], 1)
+            record["per_layer"][str(i)]["ep_bytes_per_token"] = sent
+            record["per_layer"][str(i)]["simulated_bytes_per_token"] = \
+                ours["engine"]["per_layer"][i]["cross_device_bytes_per_token"]
+        record["ep_bytes_per_token"] = sum(p["ep_bytes_per_token"] for p in record["per_layer"].values())
     if cluster_map is not None:
         mean_clusters = sum(s.clusters for s in per_layer.values()) / total
         record["clusters_per_token"] = mean_clusters

@@ -66,6 +66,8 @@ class Attention(nn.Module):
         # RoPE + K/V store in one kernel (ops/rope_kv_write.py) where the format allows it:
         # None = on CUDA only (CPU keeps the references); True / False force it (tests)
         self.fuse_rope_write: bool | None = None
+        # tensor parallel (layers/parallel.py): this rank's heads only; o_proj's output is all-reduced
+        self.tp = None
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         T = x.shape[0]
@@ -98,4 +100,7 @@ class Attention(nn.Module):
             o = attend_mixed(self.kv_format.attend, q, self.kv_cache, ctx, self.scale, self.sliding_window)
         else:
             o = self.kv_format.attend(q, self.kv_cache, ctx, self.scale, self.sliding_window)
-        return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
+        if self.tp is None:
+            return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
+        out = self.tp.all_reduce(_project(o.reshape(T, self.q_size), self.o_proj, None))  # partial sums
+        return out if self.o_bias is None else out + self.o_bias

@@ -14,6 +14,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+        self.tp = None  # tensor parallel (layers/parallel.py): a slice of I per rank, the output all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul_ref(F.linear(x, self.gate_up_proj)), self.down_proj)
+        out = F.linear(silu_and_mul_ref(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return out if self.tp is None else self.tp.all_reduce(out)

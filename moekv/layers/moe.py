@@ -28,6 +28,10 @@ class SparseMoE(nn.Module):
         self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
                               if cfg.shared_expert_intermediate_size else None)
         self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
+        # tensor / expert parallel (layers/parallel.py): this rank's share of the output, all-reduced;
+        # ep: the rank's whole experts (an ExpertParallel), else a slice of every expert
+        self.tp = None
+        self.ep = None
 
     @property
     def router_fuses_norm(self) -> bool:
@@ -49,6 +53,8 @@ class SparseMoE(nn.Module):
             self.observer(weights, expert_ids)
         if self.offload is not None:  # experts in host memory, computed on the cache's slots
             out = self.offload(x, weights, expert_ids)
+        elif self.ep is not None:  # this rank's experts (expert parallel)
+            out = self.ep(x, self.w13, self.w2, weights, expert_ids)
         elif x.is_cuda:  # Triton grouped GEMM / decode GEMV, capturable in CUDA graphs; CPU keeps the reference
             from moekv.ops.fused_moe import fused_moe
             out = fused_moe(x, self.w13, self.w2, weights, expert_ids)
@@ -56,4 +62,4 @@ class SparseMoE(nn.Module):
             out = fused_moe_ref(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)

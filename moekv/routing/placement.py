@@ -68,12 +68,16 @@ class PlacementStats:
         return {"locality": local / max(assignments, 1), "fan_out": devices / max(tokens, 1)}
 
     def summary(self, hidden_size: int, bytes_per_element: int = 2) -> dict:
-        """locality and fan_out over all MoE layers; cross-device bytes per token summed over layers."""
+        """locality and fan_out over all MoE layers; cross-device bytes per token summed over layers
+        (and per layer)."""
         totals = [sum(row[j] for row in self.per_layer.values()) for j in range(4)]
         out = self._summary(*totals)
+        per_token = 2 * hidden_size * bytes_per_element
         remote_per_token = sum((row[2] - row[3]) / max(row[3], 1) for row in self.per_layer.values())
-        out["cross_device_bytes_per_token"] = 2 * hidden_size * bytes_per_element * remote_per_token
-        out["per_layer"] = {i: self._summary(*row) for i, row in sorted(self.per_layer.items())}
+        out["cross_device_bytes_per_token"] = per_token * remote_per_token
+        out["per_layer"] = {i: {**self._summary(*row),
+                                "cross_device_bytes_per_token": per_token * (row[2] - row[3]) / max(row[3], 1)}
+                            for i, row in sorted(self.per_layer.items())}
         out["placement"] = self.placement.name
         out["num_devices"] = self.placement.num_devices
         return out

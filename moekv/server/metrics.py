@@ -92,6 +92,12 @@ class ServerMetrics:
         self.success = counter("request_success", "Requests ended, by finish reason.", ("finished_reason",))
         self.prefix_queries = counter("prefix_cache_queries", "Prefix caching: prompt tokens looked up (tokens).")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix caching: prompt tokens found cached (tokens).")
+        self.ep_sent = self.ep_received = None
+        if stats.ep_bytes_sent is not None:  # expert parallel: what the ranks really sent each other
+            self.ep_sent = counter("ep_bytes_sent", "Expert parallel: bytes of hidden states and expert outputs "
+                                   "the ranks sent each other (dispatch and combine), all ranks, since start.")
+            self.ep_received = counter("ep_bytes_received", "Expert parallel: bytes the ranks received, since start.")
+            self._ep_last = [0, 0]
         self._model_name = model_name
         self._last = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0,
                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}
@@ -165,4 +171,10 @@ class ServerMetrics:
                 self.tier_share.labels(model_name=self._model_name, tier=tier).set(stats.kv_format.get(key, 0.0))
             if "bits_read" in stats.kv_format:
                 self.bits_read.set(stats.kv_format["bits_read"])
+        if self.ep_sent is not None:
+            for j, (now, metric) in enumerate(((stats.ep_bytes_sent, self.ep_sent),
+                                               (stats.ep_bytes_received, self.ep_received))):
+                if now > self._ep_last[j]:
+                    metric.inc(now - self._ep_last[j])
+                    self._ep_last[j] = now
         return generate_latest(self.registry)

@@ -1,0 +1,297 @@
+"""The engine over several processes (tensor_parallel_size > 1): rank 0 is the engine's own process
+(scheduler, block manager, sampling); it starts ranks 1..N-1 as workers (torch.multiprocessing,
+spawn), each of which loads the checkpoint, keeps its shard (layers/parallel.py) and its own KV
+pools, and then waits for commands.
+
+Three torch.distributed groups, all over the same N ranks:
+- commands (gloo, no practical timeout: a worker may wait a long time for the next step): rank 0
+  broadcasts each command with its inputs (a step's token ids, positions, slots, block tables ...,
+  as host lists pickled into one tensor by broadcast_object_list);
+- compute (NCCL on CUDA, gloo on the CPU; timeout `distributed_timeout`): the layers' all-reduces
+  and expert-parallel sends;
+- status (gloo, timeout twice `distributed_timeout`): after every step each rank reports whether its
+  forward raised. A rank that raised leaves the others blocked in a compute collective until it
+  times out; then every rank reports, the compute group is rebuilt, and rank 0 raises
+  ParallelStepError naming the rank and its error (the engine fails the step's requests and
+  frees their pages; freed pages are released on every rank with the next step).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moekv.layers.mlp import GatedMLP
+from moekv.layers.parallel import TPGroup, shard_attention, shard_mlp, shard_moe
+
+log = logging.getLogger("moekv")
+
+COMMAND_TIMEOUT = timedelta(days=365)  # workers idle between requests for as long as the server runs
+_ACTIVE: list["ParallelGroup"] = []  # one group per process: torch.distributed has one default group
+
+
+class ParallelStepError(RuntimeError):
+    """A rank failed a step (its error, or a collective that timed out); the step's requests fail."""
+
+
+@dataclass
+class StepInputs:
+    """What every rank needs to run one step's forward: host lists (T tokens, B sequences)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]  # padded to one width
+    context_lens: list[int]
+    query_start: list[int]
+    logits_rows: list[int]
+    seq_slots: list[int]
+    max_query_len: int
+    fills_no_page: bool
+    fill_slots: list[int]
+    fill_pages: list[int]
+    split_mixed: bool
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: cuda:r on CUDA (one GPU per rank), the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+class ParallelGroup:
+    """This process's place among the ranks, its groups, and (rank 0) the worker processes."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device, timeout: float) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device = rank_device(device, rank)
+        self.timeout = timedelta(seconds=timeout)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=COMMAND_TIMEOUT)
+        # a rank that failed early waits here while the others wait out a compute collective: longer
+        self.status_group = dist.new_group(backend="gloo", timeout=2 * self.timeout + timedelta(seconds=10))
+        self.tp = TPGroup(rank, world_size, dist.new_group(backend=self.backend, timeout=self.timeout))
+        self.procs: list = []
+        self.lock = threading.RLock()  # one command (and its collectives) at a time
+        self.broken: str | None = None
+        self._closed = False
+
+    # -- rank 0 ------------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, config, max_model_len: int, worker_main) -> "ParallelGroup":
+        """Rank 0: start ranks 1..N-1 (each runs worker_main(rank, world, init_method, config,
+        max_model_len): loads its shard, then serves commands) and join them."""
+        if _ACTIVE:
+            raise RuntimeError("this process already runs an engine with tensor_parallel_size > 1; shut it down "
+                               "first (LLMEngine.shutdown()): torch.distributed allows one group per process")
+        world = config.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker_main, args=(r, world, init_method, config, max_model_len),
+                             daemon=True, name=f"moekv-rank{r}") for r in range(1, world)]
+        for p in procs:
+            p.start()
+        try:
+            group = cls(0, world, init_method, config.torch_device, config.distributed_timeout)
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
+        group.procs = procs
+        _ACTIVE.append(group)
+        weakref.finalize(group, ParallelGroup._finalize, procs)
+        return group
+
+    def _check_workers(self) -> None:
+        if self.broken is not None:
+            raise ParallelStepError(f"the worker ranks are unusable: {self.broken}")
+        dead = [(r + 1, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            self.broken = ", ".join(f"rank {r} exited (code {code})" for r, code in dead)
+            raise ParallelStepError(f"the worker ranks are unusable: {self.broken}")
+
+    def send(self, command: str, payload=None) -> None:
+        """Rank 0: broadcast one command to the workers."""
+        self._check_workers()
+        dist.broadcast_object_list([(command, payload)], src=0)
+
+    def receive(self):
+        """Workers: the next command from rank 0."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # -- every rank --------------------------------------------------------------------------
+    def finish_step(self, error: BaseException | None) -> None:
+        """Every rank says whether its forward raised; if any did, the compute group is rebuilt
+        (a rank may have stopped between collectives) and ParallelStepError is raised on every rank."""
+        msg = None if error is None else f"{type(error).__name__}: {error}"
+        msgs = [None] * self.world_size
+        try:
+            dist.all_gather_object(msgs, msg, group=self.status_group)
+        except Exception as e:  # a rank is gone: nothing more can be run
+            self.broken = f"a rank did not report the step's status ({type(e).__name__}: {e})"
+            raise ParallelStepError(self.broken) from error
+        failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+        if not failed:
+            return
+        old = self.tp.group
+        self.tp.group = dist.new_group(backend=self.backend, timeout=self.timeout)
+        try:
+            dist.destroy_process_group(old)
+        except Exception:  # already torn down by the failure
+            pass
+        # the cause first: a rank whose own error is not a collective that waited for it
+        failed.sort(key=lambda rm: "timed out" in rm[1].lower() or "timeout" in rm[1].lower())
+        r, m = failed[0]
+        others = "; ".join(f"rank {o}: {mo}" for o, mo in failed[1:])
+        raise ParallelStepError(f"rank {r} failed the step: {m}" + (f" (then {others})" if others else ""))
+
+    def gather(self, value) -> list:
+        """Every rank's value, on every rank (status group)."""
+        out = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.status_group)
+        return out
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the workers and leave the groups (the process may start another engine)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self.lock:
+            if self.broken is None and all(p.is_alive() for p in self.procs):
+                try:
+                    dist.broadcast_object_list([("shutdown", None)], src=0)
+                except Exception:
+                    log.exception("telling the workers to stop failed")
+            for p in self.procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+    @staticmethod
+    def _finalize(procs) -> None:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
+def placement_of(config, model_cfg, moe_layer_ids: list[int]) -> dict[int, torch.Tensor] | None:
+    """Expert parallel: the rank of every expert of each MoE layer ([E] int64). With a cluster map,
+    its clusters spread over the ranks (cluster c on rank c mod N, as routing/placement.py counts);
+    otherwise contiguous slices of E / N experts. None without expert parallelism."""
+    world = config.tensor_parallel_size
+    if not config.enable_expert_parallel or world == 1:
+        return None
+    if config.cluster_map is not None:
+        from moekv.routing.cluster_map import ClusterMap
+        from moekv.routing.placement import Placement
+
+        cmap = ClusterMap.load(config.cluster_map)
+        if cmap.num_clusters % world:
+            raise ValueError(f"tensor_parallel_size={world} must divide the cluster map's {cmap.num_clusters} "
+                             "clusters (each rank holds whole clusters)")
+        return dict(Placement.from_clusters(cmap, world).device_of_expert)
+    E = model_cfg.num_experts
+    return {i: torch.arange(E) // (E // world) for i in moe_layer_ids}
+
+
+def shard_model(model, model_cfg, tp: TPGroup, placement: dict[int, torch.Tensor] | None) -> None:
+    """Cut a loaded model (every rank holds it whole) down to rank's shard, in place."""
+    from moekv.layers.moe import SparseMoE
+
+    for i, layer in enumerate(model.layers):
+        shard_attention(layer.self_attn, model_cfg, tp)
+        if isinstance(layer.mlp, SparseMoE):
+            shard_moe(layer.mlp, tp, None if placement is None else placement[i], dispatch=True)
+        elif isinstance(layer.mlp, GatedMLP):
+            shard_mlp(layer.mlp, tp)
+            layer.mlp.tp = tp
+
+
+def shard_kv_tables(kv_format, kv_heads: range, num_kv_heads: int) -> None:
+    """A calibrated KV format's tables (vq codebooks, nuq2 centroids: [num_kv_heads, ...] each) cut to
+    the KV heads this rank keeps, in the format and the formats inside it (tiered's tiers)."""
+    seen, todo = set(), [kv_format]
+    while todo:
+        fmt = todo.pop()
+        if id(fmt) in seen:
+            continue
+        seen.add(id(fmt))
+        tables = getattr(fmt, "tables", None)
+        if isinstance(tables, dict):
+            for name, t in list(tables.items()):
+                if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == num_kv_heads:
+                    tables[name] = t[kv_heads.start:kv_heads.stop].contiguous()
+        todo += [v for v in vars(fmt).values() if hasattr(v, "attend") and hasattr(v, "allocate")]
+
+
+def expert_parallel_bytes(model) -> dict[int, tuple[int, int]]:
+    """This rank's expert-parallel traffic so far: MoE layer -> (bytes sent, bytes received)."""
+    from moekv.layers.moe import SparseMoE
+
+    return {i: (layer.mlp.ep.bytes_sent, layer.mlp.ep.bytes_received) for i, layer in enumerate(model.layers)
+            if isinstance(layer.mlp, SparseMoE) and layer.mlp.ep is not None}
+
+
+def inject_fault(model, layer_idx: int, rank: int) -> None:
+    """Tests: the next forward through layer `layer_idx` raises on this rank (once)."""
+    def hook(module, args):
+        handle.remove()
+        raise RuntimeError(f"injected fault in layer {layer_idx} on rank {rank}")
+
+    handle = model.layers[layer_idx].mlp.register_forward_pre_hook(hook)
+
+
+def serve_commands(group: ParallelGroup, runner) -> None:
+    """Ranks 1..N-1: run rank 0's commands on `runner` (a ModelRunner) until told to stop."""
+    while True:
+        try:
+            command, payload = group.receive()
+        except Exception:  # rank 0 is gone
+            return
+        if command == "shutdown":
+            break
+        if command == "step":
+            error = None
+            try:
+                runner.run_model(payload)
+            except Exception as e:  # reported to rank 0 through the status group
+                error = e
+            try:
+                group.finish_step(error)
+            except ParallelStepError:
+                if group.broken is not None:  # rank 0 (or another rank) is gone
+                    return
+        elif command == "release_pages":
+            runner.release_pages(payload)
+        elif command == "ep_bytes":
+            group.gather(expert_parallel_bytes(runner.model))
+        elif command == "inject_fault":
+            if payload[0] == group.rank:
+                inject_fault(runner.model, payload[1], group.rank)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass

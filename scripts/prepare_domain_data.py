@@ -33,20 +33,16 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tokenizer_files import EOT, save_tokenizer, train_tokenizer  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 NOVELS = ["text/pg1399.txt", "text/pg2554.txt", "text/pg2600.txt"]
 DRAMA = "text/tinyshakespeare.txt"
 CODE = "code/cpython311_stdlib.txt"
 DOMAINS = ("prose", "drama", "code", "math")
-EOT = "<|endoftext|>"
 MODULE_HEADER = "# ===== Lib/"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 
 
 # --------------------------------------------------------------------------- #
@@ -226,47 +222,6 @@ def load_domains(data_dir: Path, heldout_chars: int, math_chars: int, seed: int,
     return out
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, min_frequency: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    pieces = [p for t in texts for p in t.split("\n\n") if p]
-    tok.train_from_iterator(pieces, trainer=trainer, length=len(pieces))
-    return tok
-
-
-def save_tokenizer(tok, out: Path, model_max_length: int) -> None:
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOT,
-        "eos_token": EOT,
-        "pad_token": EOT,
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    special = {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT}
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-
-
 def encode_docs(tok, docs: list[str], eot_id: int):
     import numpy as np
 
@@ -312,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"[prepare] training byte-level BPE, vocabulary {args.vocab_size} ({time.time() - t0:.1f}s)", flush=True)
     all_train = [d for train, _ in domains.values() for d in train]
-    tok = train_tokenizer(all_train, args.vocab_size, args.min_frequency)
+    tok = train_tokenizer(all_train, args.vocab_size, args.min_frequency, split_digits=True)
     save_tokenizer(tok, out, args.max_position_embeddings)
     eot_id = tok.token_to_id(EOT)
 

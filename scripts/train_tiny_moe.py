@@ -43,17 +43,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tokenizer_files import EOT, save_tokenizer, train_tokenizer  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "text"
 DEFAULT_FILES = ["pg1399.txt", "pg2554.txt", "pg2600.txt", "tinyshakespeare.txt"]
 FORBIDDEN_SUBSTRING = "wikitext"  # evaluation-only data, never for training
-EOT = "<|endoftext|>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 MB = 1000 * 1000  # size limit is in decimal megabytes (the stricter reading)
 
 
@@ -200,47 +196,6 @@ def eval_windows(stream: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------- #
 # Tokenizer
 # --------------------------------------------------------------------------- #
-def train_tokenizer(texts: list[str], vocab_size: int, min_frequency: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    # Byte-level: every byte is in the alphabet, so nothing is ever <unk>.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    # Feed paragraphs so the trainer can count words in parallel.
-    pieces = [p for t in texts for p in t.split("\n\n") if p]
-    tok.train_from_iterator(pieces, trainer=trainer, length=len(pieces))
-    return tok
-
-
-def save_tokenizer(tok, out: Path, model_max_length: int) -> None:
-    """Write tokenizer.json + config files by hand so the layout is the same on every transformers version."""
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOT,
-        "eos_token": EOT,
-        "pad_token": EOT,
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    special = {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT}
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-
-
 def check_tokenizer_roundtrip(out: Path, sample: str) -> None:
     from transformers import AutoTokenizer
 

@@ -7,6 +7,7 @@ continuation) pair.
     pip install "lm_eval[api]"          # not in the dev extras: it pulls datasets, pandas, pyarrow, sklearn
     PYTHONPATH=. python scripts/lmeval_check.py            # starts `moekv serve` on 127.0.0.1 itself
     PYTHONPATH=. python scripts/lmeval_check.py --url http://127.0.0.1:8000  # an already running server
+    PYTHONPATH=. python scripts/lmeval_check.py --write-task /tmp/cloze       # only the task, for lm_eval's CLI
 
 Nothing is downloaded: the task is a local YAML reading a local JSONL file, and lm_eval's tokenizer is
 the model folder's tokenizer.json (`tokenizer_backend=huggingface,tokenizer=<model folder>`).
@@ -169,9 +170,14 @@ def main() -> int:
     p.add_argument("--url", help="a running `moekv serve` serving --model as 'tiny' (default: start one)")
     p.add_argument("--port", type=int, default=8791)
     p.add_argument("--atol", type=float, default=1e-3, help="per-request tolerance (float32 server)")
+    p.add_argument("--write-task", type=Path, metavar="DIR",
+                   help="only write the task (YAML + JSONL) to DIR, for `lm_eval --include_path DIR`")
     args = p.parse_args()
 
     items = cloze_items(heldout_text(args.data_dir), args.items)
+    if args.write_task:
+        print(f"wrote {write_task(args.write_task.resolve(), items)}/{TASK}.yaml ({len(items)} items)")
+        return 0
     proc = None if args.url else start_server(args.model, args.port)
     url = args.url or f"http://127.0.0.1:{args.port}"
     try:

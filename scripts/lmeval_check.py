@@ -93,17 +93,23 @@ def write_task(folder: Path, items: list[dict]) -> Path:
 
 def run_lm_eval(url: str, model_path: Path, task_dir: Path, model_name: str = "tiny",
                 max_length: int = 256) -> dict:
-    """lm_eval.simple_evaluate with local-completions against url; returns its results (samples kept)."""
+    """lm_eval.simple_evaluate with local-completions against url; returns its results (samples kept).
+    The HF_*_OFFLINE variables are set only for the call."""
+    saved = dict(os.environ)
     offline_env()
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
 
-    model_args = (f"model={model_name},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
-                  f"tokenizer={model_path},tokenized_requests=True,max_length={max_length},"
-                  "num_concurrent=1,max_retries=1")
-    return lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=[TASK],
-                                   task_manager=TaskManager(include_path=str(task_dir)), log_samples=True,
-                                   batch_size=1)
+        model_args = (f"model={model_name},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
+                      f"tokenizer={model_path},tokenized_requests=True,max_length={max_length},"
+                      "num_concurrent=1,max_retries=1")
+        return lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=[TASK],
+                                       task_manager=TaskManager(include_path=str(task_dir)), log_samples=True,
+                                       batch_size=1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def lm_eval_pairs(results: dict) -> list[tuple[str, str, float]]:

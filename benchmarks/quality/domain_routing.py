@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/domain_routing"))
     p.add_argument("--map-out", type=Path, default=OUT_DIR / "domain-moe.clusters4.safetensors")
     p.add_argument("--out", type=Path, default=OUT_DIR / "routing_quality_domain-moe.json")
+    p.add_argument("--skip-default", action="store_true",
+                   help="no run with the map's own margins (when they keep every cluster it routes as flat does)")
     p.add_argument("--skip-cluster", action="store_true", help="reuse --map-out")
     args = p.parse_args()
     random.seed(0)
@@ -104,8 +106,9 @@ def main() -> None:
     hier = ["--routing", "hierarchical", "--cluster-map", str(args.map_out)]
     for domain in DOMAINS:
         text = args.model / "heldout" / f"{domain}.txt"
-        rows = {"flat": eval_routing(text, args, ["--routing", "flat", "--cluster-map", str(args.map_out)]),
-                "hierarchical": eval_routing(text, args, hier)}
+        rows = {"flat": eval_routing(text, args, ["--routing", "flat", "--cluster-map", str(args.map_out)])}
+        if not args.skip_default:
+            rows["hierarchical"] = eval_routing(text, args, hier)
         for m in args.margins:
             rows[f"margin {m:g}"] = eval_routing(text, args, hier + [f"--cluster-admit-margin={m}"])
         result["domains"][domain] = rows

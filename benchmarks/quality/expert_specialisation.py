@@ -52,10 +52,15 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens per domain")
     p.add_argument("--window", type=int, default=2048)
     p.add_argument("--out", type=Path, default=OUT_DIR / "expert_specialisation_domain-moe.json")
-    p.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG (and --cluster-map's shares) from --out")
+    p.add_argument("--cluster-map", type=Path, default=OUT_DIR / "domain-moe.clusters4.safetensors",
+                   help="also record each domain's share in each cluster of this map ('' for none)")
     args = p.parse_args()
     if args.replot:
-        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        result = json.loads(args.out.read_text())
+        add_cluster_shares(result, args.cluster_map)
+        args.out.write_text(json.dumps(result, indent=1))
+        plot(result, args.out.with_suffix(".png"))
         return
     llm = LLM(model=str(args.model), dtype="float32", routing="flat", max_model_len=args.window,
               max_num_batched_tokens=max(4096, 2 * args.window))
@@ -102,9 +107,31 @@ def main() -> None:
         print(f"layer {i}: I(domain; expert) {result['layers'][str(i)]['mutual_information_bits']:.3f} bits "
               f"(max {math.log2(len(DOMAINS)):.0f}); share in own top-4 experts "
               + ", ".join(f"{dom} {float(top4[d]):.2f}" for d, dom in enumerate(DOMAINS)) + f" (uniform {4 / E:.2f})")
+    add_cluster_shares(result, args.cluster_map)
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def add_cluster_shares(result: dict, map_path: Path | None) -> None:
+    """result["clusters"]: the map's experts per cluster and, per layer and domain, the share of the
+    domain's assignments that land in each cluster (how well the clustering separates the domains)."""
+    if not map_path or not Path(map_path).is_file():
+        return
+    from moekv.routing.cluster_map import ClusterMap
+
+    cmap = ClusterMap.load(map_path)
+    out = {"map": str(Path(map_path).resolve().relative_to(REPO)) if Path(map_path).resolve().is_relative_to(REPO)
+           else str(map_path), "layers": {}}
+    for i in sorted(cmap.layers):
+        experts = cmap.layers[i].experts.tolist()
+        share = result["layers"][str(i)]["assignment_share"]
+        out["layers"][str(i)] = {"experts": experts,
+                                 "domain_share": {d: [round(sum(share[d][e] for e in c), 4) for c in experts]
+                                                  for d in result["domains"]}}
+        print(f"layer {i}: share in each cluster " + "; ".join(
+            f"{d} {out['layers'][str(i)]['domain_share'][d]}" for d in result["domains"]))
+    result["clusters"] = out
 
 
 def plot(result: dict, path: Path) -> None:

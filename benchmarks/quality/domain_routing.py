@@ -11,7 +11,7 @@
    hierarchical with one uniform margin per run (--margins).
 4. JSON and a markdown table.
 
-    OMP_NUM_THREADS=2 python benchmarks/quality/domain_routing.py     # ~5 min clustering + ~10 min evaluation
+    OMP_NUM_THREADS=2 python benchmarks/quality/domain_routing.py --skip-default   # ~20 min on 2 busy cores
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens per domain")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--margins", type=lambda s: [float(x) for x in s.split(",") if x],
-                   default=[0.5, 0.0, -0.5, -math.inf],
+                   default=[4.0, 3.0, 2.0, 0.0, -math.inf],
                    help="comma-separated uniform margins (one for every layer) to evaluate too, e.g. --margins=0,-inf "
                         "(-inf: one cluster per token)")
     p.add_argument("--calib-chars", type=int, default=60_000)
@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=OUT_DIR / "routing_quality_domain-moe.json")
     p.add_argument("--skip-default", action="store_true",
                    help="no run with the map's own margins (when they keep every cluster it routes as flat does)")
+    p.add_argument("--skip-flat", action="store_true", help="no flat run (when another --out has it)")
     p.add_argument("--skip-cluster", action="store_true", help="reuse --map-out")
     args = p.parse_args()
     random.seed(0)
@@ -106,7 +107,8 @@ def main() -> None:
     hier = ["--routing", "hierarchical", "--cluster-map", str(args.map_out)]
     for domain in DOMAINS:
         text = args.model / "heldout" / f"{domain}.txt"
-        rows = {"flat": eval_routing(text, args, ["--routing", "flat", "--cluster-map", str(args.map_out)])}
+        rows = {} if args.skip_flat else {
+            "flat": eval_routing(text, args, ["--routing", "flat", "--cluster-map", str(args.map_out)])}
         if not args.skip_default:
             rows["hierarchical"] = eval_routing(text, args, hier)
         for m in args.margins:
@@ -120,6 +122,8 @@ def print_table(result: dict) -> None:
     print("| domain | routing | locality | fan-out | clusters/token | top-k sets = flat | ppl (change) |")
     print("|---|---|---|---|---|---|---|")
     for domain, rows in result["domains"].items():
+        if "flat" not in rows:
+            continue
         base = rows["flat"]["ppl"]
         for label, r in rows.items():
             pl = r["placements"]

@@ -79,7 +79,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens per domain")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--margins", type=lambda s: [float(x) for x in s.split(",") if x],
-                   default=[4.0, 3.0, 2.0, 0.0, -math.inf],
+                   default=[4.0, 3.0, 2.0, 1.0, 0.0, -math.inf],
                    help="comma-separated uniform margins (one for every layer) to evaluate too, e.g. --margins=0,-inf "
                         "(-inf: one cluster per token)")
     p.add_argument("--calib-chars", type=int, default=60_000)

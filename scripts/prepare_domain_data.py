@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tokenizer_files import EOT, save_tokenizer, train_tokenizer  # noqa: E402
+from training_common import EOT, save_tokenizer, strip_gutenberg, train_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
@@ -64,21 +64,6 @@ def fix_cp1252(text: str) -> str:
                 pass
         out.append(ch)
     return "".join(out)
-
-
-def strip_gutenberg(text: str) -> str:
-    """Drop Project Gutenberg licence boilerplate around the '*** START/END OF' markers."""
-    lines = text.split("\n")
-    start, end = 0, len(lines)
-    for i, line in enumerate(lines):
-        if line.lstrip().startswith("*** START OF"):
-            start = i + 1
-            break
-    for i in range(len(lines) - 1, start - 1, -1):
-        if lines[i].lstrip().startswith("*** END OF"):
-            end = i
-            break
-    return "\n".join(lines[start:end]).strip("\n") + "\n"
 
 
 def split_tail(text: str, n_chars: int) -> tuple[str, str]:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tokenizer_files import EOT, save_tokenizer, train_tokenizer  # noqa: E402
+from training_common import EOT, save_tokenizer, strip_gutenberg, train_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "text"
@@ -132,21 +132,6 @@ def seed_everything(seed: int) -> None:
 # --------------------------------------------------------------------------- #
 # Data
 # --------------------------------------------------------------------------- #
-def strip_gutenberg(text: str) -> str:
-    """Drop Project Gutenberg licence boilerplate around the '*** START/END OF' markers."""
-    lines = text.split("\n")
-    start, end = 0, len(lines)
-    for i, line in enumerate(lines):
-        if line.lstrip().startswith("*** START OF"):
-            start = i + 1
-            break
-    for i in range(len(lines) - 1, start - 1, -1):
-        if lines[i].lstrip().startswith("*** END OF"):
-            end = i
-            break
-    return "\n".join(lines[start:end]).strip("\n") + "\n"
-
-
 def split_holdout(text: str, frac: float) -> tuple[str, str]:
     """Split off the last `frac` of the characters, moving the cut to the next newline."""
     cut = int(len(text) * (1.0 - frac))

@@ -1,4 +1,4 @@
-"""The tokenizer files both training scripts write: a byte-level BPE, its config and chat template.
+"""What both training-data scripts share: Gutenberg stripping, the byte-level BPE, its files and chat template.
 
 Imported by scripts/train_tiny_moe.py and scripts/prepare_domain_data.py (run as scripts, so this
 folder is on sys.path).
@@ -15,6 +15,21 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+def strip_gutenberg(text: str) -> str:
+    """Drop Project Gutenberg licence boilerplate around the '*** START/END OF' markers."""
+    lines = text.split("\n")
+    start, end = 0, len(lines)
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("*** START OF"):
+            start = i + 1
+            break
+    for i in range(len(lines) - 1, start - 1, -1):
+        if lines[i].lstrip().startswith("*** END OF"):
+            end = i
+            break
+    return "\n".join(lines[start:end]).strip("\n") + "\n"
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, min_frequency: int, split_digits: bool = False):

@@ -45,6 +45,20 @@ def add_engine_args(parser: argparse.ArgumentParser, own_flags: tuple[str, ...] 
         parser.add_argument(flag_name(f), *aliases, **kwargs)
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The parsed engine flags (add_engine_args) as EngineConfig / LLM keyword arguments. Build an LLM
+    from these, not from a validated EngineConfig's fields: validation fills in defaults (the
+    checkpoint's shipped kv_calibration) that a second validation refuses for formats taking none."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
+def llm_from(args: argparse.Namespace):
+    """The moekv.LLM of parsed engine flags (imported here, so `--help` does not load the engine)."""
+    from moekv.llm import LLM
+
+    return LLM(**engine_kwargs(args))
+
+
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine flags (add_engine_args)."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return EngineConfig(**engine_kwargs(args))

@@ -4,23 +4,12 @@ with flat routing, per-layer output error, perplexity, locality, fan-out) and `m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 from pathlib import Path
 
-from moekv.cli.engine_args import add_engine_args
+from moekv.cli.engine_args import add_engine_args, llm_from
 from moekv.cli.experts import add_eval_experts_parser
-from moekv.config import EngineConfig
-
-
-def _llm(args: argparse.Namespace):
-    """The LLM of the engine flags. Built from the flags themselves, not from a validated EngineConfig's
-    fields: validation fills in defaults (the checkpoint's shipped kv_calibration) that a second
-    validation would refuse for formats that take no calibration."""
-    from moekv.llm import LLM
-
-    return LLM(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
@@ -29,7 +18,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     texts = text_files(args.text)  # checked before the model loads
     if len(args.text) > 1 or Path(args.text[0]).is_dir():
         return _eval_ppl_domains(args, texts)
-    llm = _llm(args)
+    llm = llm_from(args)
     text = args.text[0]
     result = perplexity(llm, text, window=args.window, stride=args.stride, max_tokens=args.max_tokens,
                         progress=not args.json, mode=args.mode)
@@ -65,7 +54,7 @@ def _eval_ppl_domains(args: argparse.Namespace, texts: dict) -> int:
     The JSON record is the total's (the single-text fields) with "domains": {name: that text's record}."""
     from moekv.eval.perplexity import perplexity_domains
 
-    llm = _llm(args)
+    llm = llm_from(args)
     results, total = perplexity_domains(llm, texts, window=args.window, stride=args.stride,
                                         max_tokens=args.max_tokens, progress=not args.json, mode=args.mode)
     record = total.to_dict()
@@ -118,7 +107,7 @@ def _finite(obj):
 def cmd_eval_routing(args: argparse.Namespace) -> int:
     from moekv.eval.routing import evaluate_routing
 
-    llm = _llm(args)
+    llm = llm_from(args)
     record = evaluate_routing(llm, args.text, max_tokens=args.max_tokens, window=args.window, stride=args.stride,
                               mode=args.mode, cluster_map=args.cluster_map, num_devices=args.num_devices,
                               progress=not args.json)
@@ -174,16 +163,6 @@ def _depth(s: str) -> float:
     return value
 
 
-def _positive_int(s: str) -> int:
-    try:
-        value = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {s}")
-    return value
-
-
 def cmd_eval_retrieval(args: argparse.Namespace) -> int:
     import sys
 
@@ -191,7 +170,7 @@ def cmd_eval_retrieval(args: argparse.Namespace) -> int:
 
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         raise FileNotFoundError(f"--plot {args.plot}: its folder does not exist")
-    llm = _llm(args)
+    llm = llm_from(args)
     result = evaluate_retrieval(llm, args.text, lengths=args.lengths, depths=args.depths, trials=args.trials,
                                 seed=args.key_seed, answer_tokens=args.answer_tokens, progress=not args.json)
     if args.plot:
@@ -218,13 +197,13 @@ def add_eval_retrieval_parser(eval_subparsers) -> argparse.ArgumentParser:
     p = eval_subparsers.add_parser("retrieval", help="passkey retrieval accuracy by context length and needle depth")
     add_engine_args(p, own_flags=("--seed",))  # --seed: the keys' seed here; --engine-seed: the engine's
     p.add_argument("--text", required=True, help="UTF-8 text file the filler is taken from (unseen in training)")
-    p.add_argument("--lengths", type=_positive_int, nargs="+", default=list(DEFAULT_LENGTHS),
+    p.add_argument("--lengths", type=_at_least(1), nargs="+", default=list(DEFAULT_LENGTHS),
                    help="context lengths in tokens, prompt and answer together (default: 1024 2048 4096)")
     p.add_argument("--depths", type=_depth, nargs="+", default=list(DEFAULT_DEPTHS),
                    help="needle depths in [0, 1] (default: 0.0 0.1 ... 1.0)")
-    p.add_argument("--trials", type=_positive_int, default=10, help="keys per (length, depth) cell")
+    p.add_argument("--trials", type=_at_least(1), default=10, help="keys per (length, depth) cell")
     p.add_argument("--seed", type=int, default=0, dest="key_seed", help="seed of the keys and filler offsets")
-    p.add_argument("--answer-tokens", type=_positive_int, default=DEFAULT_ANSWER_TOKENS,
+    p.add_argument("--answer-tokens", type=_at_least(1), default=DEFAULT_ANSWER_TOKENS,
                    help="tokens generated per prompt (greedy)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a heat map (depth x length)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")

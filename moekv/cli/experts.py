@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
-from moekv.cli.engine_args import add_engine_args
-from moekv.config import EngineConfig, default_model_path
+from moekv.cli.engine_args import add_engine_args, llm_from
+from moekv.config import default_model_path
 
 
 def cmd_calibrate_experts(args: argparse.Namespace) -> int:
@@ -44,12 +43,9 @@ def add_calibrate_experts_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_eval_experts(args: argparse.Namespace) -> int:
-    from moekv.llm import LLM
     from moekv.tools.experts import evaluate_expert_prediction
 
-    # the flags as given: EngineConfig fills in defaults (the shipped kv_calibration) that a
-    # second validation, LLM(**vars(engine_config_from(args))), would refuse for plain KV formats
-    llm = LLM(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    llm = llm_from(args)
     record = evaluate_expert_prediction(llm, args.text, args.expert_predictor, max_tokens=args.max_tokens,
                                         window=args.window, progress=not args.json)
     if not args.json:

@@ -134,6 +134,8 @@ def test_batch_masks_and_curriculum():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not (prep.DEFAULT_DATA_DIR / prep.NOVELS[0]).is_file(),
+                    reason="needs the shared training data beside the repository (../shared/data)")
 def test_smoke_run_end_to_end(tmp_path):
     """prepare --smoke and train --smoke on CPU: a checkpoint transformers loads, held-out and passkey results."""
     import json

@@ -207,9 +207,7 @@ class EngineConfig:
                f"max_model_len={self.max_model_len!r} must be an integer >= 2 (or None for the model's limit)")
         if self.block_size is None:
             self.block_size = 16 if self.kv_cache_dtype in PLAIN_KV_FORMATS else 64
-        self._check_kv_options()  # before the shipped calibration fills kv_calibration in
-        if self.kv_calibration is None:
-            self.kv_calibration = shipped_kv_calibration(self.model)
+        self._check_kv_options()
         _check(isinstance(self.block_size, int) and self.block_size >= 1
                and (self.block_size & (self.block_size - 1)) == 0,
                f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
@@ -339,10 +337,14 @@ class EngineConfig:
                            f"{[f'kv_{name}' for name in self._kv_options() if name in taken] or 'no kv_* option'}")
 
     def kv_format_options(self) -> dict:
-        """The kv_* options the chosen format takes, for get_kv_format."""
+        """The kv_* options the chosen format takes, for get_kv_format; kv_calibration=None resolves
+        here to the checkpoint's shipped folder (not in validation, which must stay repeatable)."""
         from moekv.kvcache.formats import kv_options_for
 
-        return kv_options_for(self.kv_cache_dtype, self._kv_options())
+        options = self._kv_options()
+        if options["calibration"] is None:
+            options["calibration"] = shipped_kv_calibration(self.model)
+        return kv_options_for(self.kv_cache_dtype, options)
 
     @property
     def async_scheduling_enabled(self) -> bool:

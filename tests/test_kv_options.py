@@ -94,3 +94,17 @@ def test_engine_config_passes_each_format_only_its_options():
     assert options == {"group_size": 64, "residual": 64}
     tiered = EngineConfig(kv_cache_dtype="tiered", kv_rerank_interval=8, kv_codebook="page").kv_format_options()
     assert tiered["rerank_interval"] == 8 and tiered["codebook"] == "page" and "residual" not in tiered
+
+
+def test_engine_config_validates_the_same_twice():
+    """Validation does not rewrite options: a validated config's fields build an equal config (the
+    parallel ranks and dataclasses.replace re-validate), for formats with and without tables, and
+    the checkpoint's shipped calibration still reaches the formats that read one."""
+    import dataclasses
+
+    for name in KV_FORMAT_NAMES:
+        config = EngineConfig(kv_cache_dtype=name)
+        again = EngineConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+        assert again.kv_format_options() == config.kv_format_options(), name
+        assert dataclasses.replace(config).kv_cache_dtype == name
+    assert EngineConfig(kv_cache_dtype="vq").kv_format_options()["calibration"].name == "kv_calibration"

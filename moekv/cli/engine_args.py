@@ -46,9 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser, own_flags: tuple[str, ...] 
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The parsed engine flags (add_engine_args) as EngineConfig / LLM keyword arguments. Build an LLM
-    from these, not from a validated EngineConfig's fields: validation fills in defaults (the
-    checkpoint's shipped kv_calibration) that a second validation refuses for formats taking none."""
+    """The parsed engine flags (add_engine_args) as EngineConfig / LLM keyword arguments."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 

@@ -1,11 +1,13 @@
 """Run `moekv serve`'s app on a loopback port in a background thread (uvicorn), for tests."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 
 import httpx
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from moekv import EngineConfig
@@ -13,6 +15,28 @@ from moekv.engine.llm_engine import LLMEngine
 from moekv.server.app import build_app
 from moekv.server.guard import make_server
 from moekv.server.options import ServerOptions
+
+NO_EOS = {"ignore_eos": True}  # vLLM's extra field: token counts become exact
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Client, server and engine share the CI's 2 cores: keep torch from oversubscribing them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def assert_pool_empty(srv: "ServerThread") -> None:
+    """No request is left in the engine and every page is back in the pool."""
+    srv.wait_idle()
+    engine = srv.engine
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants([])
 
 
 class ServerThread:

@@ -6,21 +6,18 @@ import math
 import re
 
 import pytest
-import torch
 
 from moekv.cli import main
 from moekv.config import default_model_path
 from moekv.server.bench import RequestResult, summarize
-from tests.server_harness import ServerThread, scrape
+from tests.server_harness import ServerThread, one_torch_thread, scrape
 
 
 @pytest.fixture(scope="module")
 def server():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # client and server share the CI's 2 cores
-    with ServerThread(default_model_path(), max_queue=64, max_model_len=128, max_num_seqs=8) as srv:
+    with one_torch_thread(), ServerThread(default_model_path(), max_queue=64, max_model_len=128,
+                                          max_num_seqs=8) as srv:
         yield srv
-    torch.set_num_threads(before)
 
 
 def test_summary_statistics():

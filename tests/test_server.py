@@ -17,19 +17,15 @@ import torch
 
 from moekv import LLM, SamplingParams
 from moekv.config import default_model_path
-from tests.server_harness import ServerThread, scrape
+from tests.server_harness import NO_EOS, ServerThread, assert_pool_empty, one_torch_thread, scrape
 
 TINY = default_model_path()
-NO_EOS = {"ignore_eos": True}  # vLLM's extra field: token counts become exact
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Client, server and engine share the CI's 2 cores: keep torch from oversubscribing them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +49,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def offline():
     return LLM(TINY, dtype="float32", max_model_len=256)
-
-
-def assert_pool_empty(srv: ServerThread) -> None:
-    srv.wait_idle()
-    engine = srv.engine
-    assert engine.num_running == 0 and engine.num_waiting == 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    engine.block_manager.check_invariants([])
 
 
 def test_completion_matches_offline_generate(client, offline):

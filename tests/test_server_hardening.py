@@ -17,22 +17,18 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from moekv.config import default_model_path
 from moekv.server.options import ServerOptions
-from tests.server_harness import ServerThread
+from tests.server_harness import NO_EOS, ServerThread, assert_pool_empty, one_torch_thread
 
 TINY = default_model_path()
-NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +67,7 @@ def response_of(raw: bytes) -> tuple[int, dict | None]:
 
 def assert_healthy(srv: ServerThread) -> None:
     assert httpx.get(f"{srv.url}/health").status_code == 200
-    srv.wait_idle()
-    bm = srv.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks  # no page leaked
+    assert_pool_empty(srv)
 
 
 POST_HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -69,3 +69,24 @@ def test_bench_serve_bad_arguments(server, capsys, args, message):
     base = ["bench", "serve", "--url", server.url, "--no-progress"]
     assert main(base + args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_serve_sends_the_api_key(capsys, monkeypatch):
+    """Against a server started with an API key: refused without one (a clear error, exit 2), served
+    with --api-key or with MOEKV_API_KEY in the environment."""
+    from moekv.server.options import ServerOptions
+
+    monkeypatch.delenv("MOEKV_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    options = ServerOptions(api_key="bench-key", shutdown_timeout=5)
+    with one_torch_thread(), ServerThread(default_model_path(), max_model_len=64, max_num_seqs=4,
+                                          options=options) as srv:
+        base = ["bench", "serve", "--url", srv.url, "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
+                "--no-progress", "--json"]
+        assert main(base) == 2
+        assert "401" in capsys.readouterr().err
+        assert main(base + ["--api-key", "bench-key"]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completed"] == 2
+        monkeypatch.setenv("MOEKV_API_KEY", "bench-key")
+        assert main(base) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completed"] == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 
@@ -27,7 +28,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     try:
         record = asyncio.run(run_benchmark(
             args.url, args.model, args.num_prompts, args.input_len, args.output_len, args.request_rate,
-            args.max_concurrency, args.seed, progress=not args.no_progress))
+            args.max_concurrency, args.seed, progress=not args.no_progress,
+            api_key=args.api_key or os.environ.get("MOEKV_API_KEY") or os.environ.get("OPENAI_API_KEY")))
     except httpx.HTTPError as e:  # server down or answering errors before the run began
         raise ValueError(f"cannot benchmark {args.url}: {type(e).__name__}: {e}") from None
     print(format_report(record), file=sys.stderr if args.json else sys.stdout)
@@ -43,6 +45,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = bench_sub.add_parser("serve", help="load generator against a running server (like `vllm bench serve`)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer key of a keyed server (default: $MOEKV_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request (EOS ignored)")

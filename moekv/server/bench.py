@@ -128,12 +128,15 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 async def run_benchmark(url: str, model: str | None = None, num_prompts: int = 100, input_len: int = 128,
                         output_len: int = 64, request_rate: float = math.inf, max_concurrency: int | None = None,
-                        seed: int = 0, progress: bool = True, timeout: float = 600.0) -> dict:
+                        seed: int = 0, progress: bool = True, timeout: float = 600.0,
+                        api_key: str | None = None) -> dict:
+    """api_key: sent as `Authorization: Bearer` on every request (a server started with --api-key)."""
     import httpx
 
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # never queue in the client
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout, limits=limits, headers=headers) as client:
         model, max_model_len = await server_model(client, model)
         if max_model_len is not None and input_len + output_len > max_model_len:
             raise ValueError(f"--input-len {input_len} + --output-len {output_len} exceeds the server's "

@@ -262,8 +262,16 @@ class EngineConfig:
         if tp > 1 and self.torch_device.type == "cuda":
             _check(self.torch_device.index in (None, 0),
                    f"device={self.device!r}: with tensor_parallel_size > 1 rank r runs on cuda:r; give device='cuda'")
-            _check(torch.cuda.device_count() >= tp,
-                   f"tensor_parallel_size={tp} needs {tp} GPUs; torch sees {torch.cuda.device_count()}")
+            from moekv.engine.parallel import launcher_env
+
+            env = launcher_env()
+            if env is None:  # the engine starts the ranks, one per GPU of this host
+                _check(torch.cuda.device_count() >= tp,
+                       f"tensor_parallel_size={tp} needs {tp} GPUs; torch sees {torch.cuda.device_count()}")
+            else:  # torchrun: this host's ranks, one per GPU of this host
+                _check(torch.cuda.device_count() > env.local_rank,
+                       f"torchrun gave this process LOCAL_RANK={env.local_rank}, but torch sees "
+                       f"{torch.cuda.device_count()} GPUs here: give --nproc-per-node <= the GPUs of each host")
         _check(tp == 1 or self.async_scheduling is not True,
                "async_scheduling=True is not supported with tensor_parallel_size > 1; leave it unset")
 

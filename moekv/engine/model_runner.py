@@ -22,6 +22,7 @@ from moekv.engine.parallel import (
     StepInputs,
     expert_parallel_bytes,
     inject_fault,
+    launcher_env,
     placement_of,
     serve_commands,
     shard_kv_tables,
@@ -180,7 +181,15 @@ class ModelRunner:
             from moekv.layers.parallel import check_tp_shapes
 
             check_tp_shapes(model_cfg, config.tensor_parallel_size, config.enable_expert_parallel)
-            self.parallel = ParallelGroup.launch(config, max_model_len, worker_main)
+            env = launcher_env()
+            if env is None:  # the engine starts ranks 1..N-1 itself
+                self.parallel = ParallelGroup.launch(config, max_model_len, worker_main)
+            else:  # torchrun started every rank: this one joins them, and serves rank 0 unless it is rank 0
+                self.parallel = ParallelGroup.join(config, env)
+                if self.parallel.rank != 0:
+                    serve_commands(self.parallel, ModelRunner(config, model_cfg, max_model_len, parallel=self.parallel))
+                    log.info("rank %d: rank 0 shut the engine down; this process exits", self.parallel.rank)
+                    raise SystemExit(0)
         if self.parallel is None:
             # with expert offload the model is loaded on the host and all but its experts moved to the device
             load_device = torch.device("cpu") if config.expert_offload else self.device

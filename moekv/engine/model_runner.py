@@ -32,8 +32,9 @@ from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
 from moekv.kvcache.formats.base import GraphStepHooks, nonfinite_verdict, raise_nonfinite
+from moekv.layers.parallel import shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
-from moekv.models.loader import install_routers, load_model, moe_layers
+from moekv.models.loader import Shard, install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
 from moekv.routing.cluster_map import ClusterMap
 from moekv.routing.placement import LocalityCounter, Placement
@@ -194,13 +195,14 @@ class ModelRunner:
             # with expert offload the model is loaded on the host and all but its experts moved to the device
             load_device = torch.device("cpu") if config.expert_offload else self.device
             self.model = load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
-        else:  # every rank loads the checkpoint on the host, keeps its shard, and moves that to its device
+        else:  # every rank reads its shard's rows of the checkpoint, straight into its device
             self.device = self.parallel.device
-            self.model = load_model(config.model, self.dtype, torch.device("cpu"), model_cfg, config.load_format)
-            placement = placement_of(config, model_cfg, list(moe_layers(self.model)))
+            tp = self.parallel.tp
+            placement = placement_of(config, model_cfg, [i for i, moe in enumerate(model_cfg.moe_layers) if moe])
             self.expert_placement = placement
-            shard_model(self.model, model_cfg, self.parallel.tp, placement)
-            self.model.to(self.device)
+            shard = Shard(cut=lambda m: shard_model(m, model_cfg, tp, placement),
+                          plan=lambda m: shard_plan(m, model_cfg, tp, placement))
+            self.model = load_model(config.model, self.dtype, self.device, model_cfg, config.load_format, shard)
             for moe in moe_layers(self.model).values():
                 if moe.ep is not None:
                     moe.ep.to(self.device)

@@ -99,7 +99,8 @@ class EngineConfig:
         before it (its input tokens are read on the device), so that the host's work per step
         overlaps the device's (as vLLM's --async-scheduling). A sequence that stops on a token the
         host had not yet seen costs one token of wasted compute. None = on for CUDA, off on the CPU
-        (where the host does the model's work itself and nothing would overlap).
+        (where the host does the model's work itself and nothing would overlap) and with
+        tensor_parallel_size > 1 (True works there: rank 0 broadcasts the tokens on the device).
     tokenizer: a folder holding tokenizer.json (tokenizer_config.json and a chat template are read
         beside it) or a tokenizer.json file, used instead of the checkpoint's (as vLLM's flag).
     skip_tokenizer_init: load no tokenizer (as vLLM's flag): prompts must be token ids (text or chat
@@ -272,8 +273,6 @@ class EngineConfig:
                 _check(torch.cuda.device_count() > env.local_rank,
                        f"torchrun gave this process LOCAL_RANK={env.local_rank}, but torch sees "
                        f"{torch.cuda.device_count()} GPUs here: give --nproc-per-node <= the GPUs of each host")
-        _check(tp == 1 or self.async_scheduling is not True,
-               "async_scheduling=True is not supported with tensor_parallel_size > 1; leave it unset")
 
     def _check_routing(self) -> None:
         _check(self.routing in ROUTING_MODES, f"routing={self.routing!r} is unknown; accepted: {list(ROUTING_MODES)}")
@@ -354,9 +353,10 @@ class EngineConfig:
 
     @property
     def async_scheduling_enabled(self) -> bool:
-        if self.tensor_parallel_size > 1:  # the ranks' step inputs come from the host
-            return False
-        return self.torch_device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        # several ranks: off until measured on GPUs (each step's token broadcast is one more collective)
+        return self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
 
     @property
     def torch_device(self) -> torch.device:

@@ -429,7 +429,7 @@ class ModelRunner:
             self.parallel.send("step", inputs)
             error, out = None, None
             try:
-                out = self.run_model(inputs)
+                out = self.run_model(inputs, input_ids_device)
             except Exception as e:
                 error = e
             self.parallel.finish_step(error)
@@ -457,6 +457,12 @@ class ModelRunner:
             ctx.mixed = mixed_split(num_tokens, inputs.positions, inputs.slots, inputs.block_tables,
                                     inputs.context_lens, inputs.seq_slots, dev)
         input_ids = input_ids_device
+        if inputs.tokens_on_device and self.parallel is not None:  # rank 0's sampled tokens, to every rank
+            if input_ids is None:  # a worker
+                input_ids = torch.empty(len(inputs.input_ids), dtype=torch.long, device=dev)
+            else:
+                input_ids = input_ids.to(torch.long).contiguous()
+            self.parallel.tp.broadcast(input_ids)
         if input_ids is None:
             input_ids = to_device(inputs.input_ids, torch.long, dev)
         hidden = self.model(input_ids, ctx)
@@ -555,7 +561,8 @@ class ModelRunner:
                 context_lens=context_lens, query_start=plan.query_start, logits_rows=logits_rows,
                 seq_slots=seq_slots, max_query_len=max(num_tokens), fills_no_page=all(n % bs for n in context_lens),
                 fill_slots=fill_slots, fill_pages=fill_pages,
-                split_mixed=self.split_mixed_steps and not decode_only and 1 in num_tokens)
+                split_mixed=self.split_mixed_steps and not decode_only and 1 in num_tokens,
+                tokens_on_device=plan.input_ids_device is not None)
             if self.locality is not None:
                 self.locality.count_rows(len(plan.positions))
             hidden, ctx = self._run_step(inputs, plan.input_ids_device)

@@ -65,6 +65,10 @@ class StepInputs:
     fill_slots: list[int]
     fill_pages: list[int]
     split_mixed: bool
+    # async scheduling's follow-on step: the input tokens are the ones rank 0 sampled on the device,
+    # which the host has not seen (input_ids holds placeholders); rank 0 broadcasts them on the
+    # compute group inside the step
+    tokens_on_device: bool = False
 
 
 def _free_port() -> int:

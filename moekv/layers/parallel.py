@@ -38,6 +38,11 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x from rank 0 to every rank, in place (the group's rank 0 is global rank 0)."""
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
 
 def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, world: int) -> tuple[range, range]:
     """(query heads, KV heads) rank keeps. Query heads are split evenly (num_heads % world == 0);

@@ -99,7 +99,8 @@ class EngineConfig:
         before it (its input tokens are read on the device), so that the host's work per step
         overlaps the device's (as vLLM's --async-scheduling). A sequence that stops on a token the
         host had not yet seen costs one token of wasted compute. None = on for CUDA, off on the CPU
-        (where the host does the model's work itself and nothing would overlap).
+        (where the host does the model's work itself and nothing would overlap) and with
+        tensor_parallel_size > 1 (True works there: rank 0 broadcasts the tokens on the device).
     tokenizer: a folder holding tokenizer.json (tokenizer_config.json and a chat template are read
         beside it) or a tokenizer.json file, used instead of the checkpoint's (as vLLM's flag).
     skip_tokenizer_init: load no tokenizer (as vLLM's flag): prompts must be token ids (text or chat
@@ -260,10 +261,16 @@ class EngineConfig:
         if tp > 1 and self.torch_device.type == "cuda":
             _check(self.torch_device.index in (None, 0),
                    f"device={self.device!r}: with tensor_parallel_size > 1 rank r runs on cuda:r; give device='cuda'")
-            _check(torch.cuda.device_count() >= tp,
-                   f"tensor_parallel_size={tp} needs {tp} GPUs; torch sees {torch.cuda.device_count()}")
-        _check(tp == 1 or self.async_scheduling is not True,
-               "async_scheduling=True is not supported with tensor_parallel_size > 1; leave it unset")
+            from moekv.engine.parallel import launcher_env
+
+            env = launcher_env()
+            if env is None:  # the engine starts the ranks, one per GPU of this host
+                _check(torch.cuda.device_count() >= tp,
+                       f"tensor_parallel_size={tp} needs {tp} GPUs; torch sees {torch.cuda.device_count()}")
+            else:  # torchrun: this host's ranks, one per GPU of this host
+                _check(torch.cuda.device_count() > env.local_rank,
+                       f"torchrun gave this process LOCAL_RANK={env.local_rank}, but torch sees "
+                       f"{torch.cuda.device_count()} GPUs here: give --nproc-per-node <= the GPUs of each host")
 
     def _check_routing(self) -> None:
         _check(self.routing in ROUTING_MODES, f"routing={self.routing!r} is unknown; accepted: {list(ROUTING_MODES)}")
@@ -348,9 +355,10 @@ class EngineConfig:
 
     @property
     def async_scheduling_enabled(self) -> bool:
-        if self.tensor_parallel_size > 1:  # the ranks' step inputs come from the host
-            return False
-        return self.torch_device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        # several ranks: off until measured on GPUs (each step's token broadcast is one more collective)
+        return self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
 
     @property
     def torch_device(self) -> torch.device:

@@ -67,3 +67,17 @@ def test_bad_parallel_options(mixtral_ckpt):
         LLM(model=str(mixtral_ckpt), tensor_parallel_size=0, **ENGINE)
     with pytest.raises(ValueError, match="distributed_timeout"):
         LLM(model=str(mixtral_ckpt), distributed_timeout=0, **ENGINE)
+
+
+def test_async_scheduling_with_two_ranks(mixtral_ckpt, single):
+    """Follow-on decode steps (their tokens sampled by rank 0 on the device and broadcast inside the
+    step) give the one-process tokens; steps really were queued ahead."""
+    llm = LLM(model=str(mixtral_ckpt), **ENGINE, tensor_parallel_size=2, enable_expert_parallel=True,
+              async_scheduling=True, distributed_timeout=60)
+    try:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert llm.engine.num_follow_on_steps > 0
+        assert llm.engine.block_manager.num_used_blocks == 0
+    finally:
+        llm.engine.shutdown()
+    assert tokens == single["mixtral"][0]

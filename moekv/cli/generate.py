@@ -10,9 +10,17 @@ from moekv.cli.engine_args import add_engine_args, engine_config_from
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from moekv.engine.llm_engine import LLMEngine
-    from moekv.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config_from(args))
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.shutdown()  # the worker ranks of --tensor-parallel-size > 1
+
+
+def _generate(engine, args: argparse.Namespace) -> int:
+    from moekv.sampling_params import SamplingParams
+
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.request_seed, stop=args.stop or None,
                             ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty)

@@ -22,6 +22,7 @@ from moekv.engine.parallel import (
     StepInputs,
     expert_parallel_bytes,
     inject_fault,
+    launcher_env,
     placement_of,
     serve_commands,
     shard_kv_tables,
@@ -31,8 +32,9 @@ from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
 from moekv.kvcache.formats.base import GraphStepHooks, nonfinite_verdict, raise_nonfinite
+from moekv.layers.parallel import shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
-from moekv.models.loader import install_routers, load_model, moe_layers
+from moekv.models.loader import Shard, install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
 from moekv.routing.cluster_map import ClusterMap
 from moekv.routing.placement import LocalityCounter, Placement
@@ -180,18 +182,27 @@ class ModelRunner:
             from moekv.layers.parallel import check_tp_shapes
 
             check_tp_shapes(model_cfg, config.tensor_parallel_size, config.enable_expert_parallel)
-            self.parallel = ParallelGroup.launch(config, max_model_len, worker_main)
+            env = launcher_env()
+            if env is None:  # the engine starts ranks 1..N-1 itself
+                self.parallel = ParallelGroup.launch(config, max_model_len, worker_main)
+            else:  # torchrun started every rank: this one joins them, and serves rank 0 unless it is rank 0
+                self.parallel = ParallelGroup.join(config, env)
+                if self.parallel.rank != 0:
+                    serve_commands(self.parallel, ModelRunner(config, model_cfg, max_model_len, parallel=self.parallel))
+                    log.info("rank %d: rank 0 shut the engine down; this process exits", self.parallel.rank)
+                    raise SystemExit(0)
         if self.parallel is None:
             # with expert offload the model is loaded on the host and all but its experts moved to the device
             load_device = torch.device("cpu") if config.expert_offload else self.device
             self.model = load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
-        else:  # every rank loads the checkpoint on the host, keeps its shard, and moves that to its device
+        else:  # every rank reads its shard's rows of the checkpoint, straight into its device
             self.device = self.parallel.device
-            self.model = load_model(config.model, self.dtype, torch.device("cpu"), model_cfg, config.load_format)
-            placement = placement_of(config, model_cfg, list(moe_layers(self.model)))
+            tp = self.parallel.tp
+            placement = placement_of(config, model_cfg, [i for i, moe in enumerate(model_cfg.moe_layers) if moe])
             self.expert_placement = placement
-            shard_model(self.model, model_cfg, self.parallel.tp, placement)
-            self.model.to(self.device)
+            shard = Shard(cut=lambda m: shard_model(m, model_cfg, tp, placement),
+                          plan=lambda m: shard_plan(m, model_cfg, tp, placement))
+            self.model = load_model(config.model, self.dtype, self.device, model_cfg, config.load_format, shard)
             for moe in moe_layers(self.model).values():
                 if moe.ep is not None:
                     moe.ep.to(self.device)
@@ -418,7 +429,7 @@ class ModelRunner:
             self.parallel.send("step", inputs)
             error, out = None, None
             try:
-                out = self.run_model(inputs)
+                out = self.run_model(inputs, input_ids_device)
             except Exception as e:
                 error = e
             self.parallel.finish_step(error)
@@ -446,6 +457,12 @@ class ModelRunner:
             ctx.mixed = mixed_split(num_tokens, inputs.positions, inputs.slots, inputs.block_tables,
                                     inputs.context_lens, inputs.seq_slots, dev)
         input_ids = input_ids_device
+        if inputs.tokens_on_device and self.parallel is not None:  # rank 0's sampled tokens, to every rank
+            if input_ids is None:  # a worker
+                input_ids = torch.empty(len(inputs.input_ids), dtype=torch.long, device=dev)
+            else:
+                input_ids = input_ids.to(torch.long).contiguous()
+            self.parallel.tp.broadcast(input_ids)
         if input_ids is None:
             input_ids = to_device(inputs.input_ids, torch.long, dev)
         hidden = self.model(input_ids, ctx)
@@ -544,7 +561,8 @@ class ModelRunner:
                 context_lens=context_lens, query_start=plan.query_start, logits_rows=logits_rows,
                 seq_slots=seq_slots, max_query_len=max(num_tokens), fills_no_page=all(n % bs for n in context_lens),
                 fill_slots=fill_slots, fill_pages=fill_pages,
-                split_mixed=self.split_mixed_steps and not decode_only and 1 in num_tokens)
+                split_mixed=self.split_mixed_steps and not decode_only and 1 in num_tokens,
+                tokens_on_device=plan.input_ids_device is not None)
             if self.locality is not None:
                 self.locality.count_rows(len(plan.positions))
             hidden, ctx = self._run_step(inputs, plan.input_ids_device)

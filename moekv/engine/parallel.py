@@ -3,6 +3,12 @@
 spawn), each of which loads the checkpoint, keeps its shard (layers/parallel.py) and its own KV
 pools, and then waits for commands.
 
+Under torchrun (or any launcher that sets torch.distributed's env:// variables RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT) the engine starts no process: every process runs the same program, the
+one of RANK 0 becomes the engine, the others become workers inside the engine's constructor and
+leave it with SystemExit(0) once rank 0 shuts down (ranks on several hosts; rank r's GPU is
+cuda:LOCAL_RANK). A process group initialised before the engine is joined, not replaced.
+
 Three torch.distributed groups, all over the same N ranks:
 - commands (gloo, no practical timeout: a worker may wait a long time for the next step): rank 0
   broadcasts each command with its inputs (a step's token ids, positions, slots, block tables ...,
@@ -18,6 +24,7 @@ Three torch.distributed groups, all over the same N ranks:
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import weakref
@@ -58,6 +65,10 @@ class StepInputs:
     fill_slots: list[int]
     fill_pages: list[int]
     split_mixed: bool
+    # async scheduling's follow-on step: the input tokens are the ones rank 0 sampled on the device,
+    # which the host has not seen (input_ids holds placeholders); rank 0 broadcasts them on the
+    # compute group inside the step
+    tokens_on_device: bool = False
 
 
 def _free_port() -> int:
@@ -66,23 +77,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r's device: cuda:r on CUDA (one GPU per rank), the CPU otherwise."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """A rank's device: cuda:local_rank on CUDA (one GPU per rank; the local rank is the rank when
+    the engine starts the ranks itself, LOCAL_RANK under torchrun), the CPU otherwise."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """This process's place as a launcher (torchrun) gave it: env:// variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def launcher_env() -> LaunchEnv | None:
+    """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE when a launcher (torchrun) started this process
+    with torch.distributed's env:// rendezvous (MASTER_ADDR and MASTER_PORT set too); None otherwise."""
+    env = os.environ
+    if not all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    except ValueError as e:
+        raise ValueError(f"torchrun's environment is not numeric: {e}") from None
+    return LaunchEnv(rank, world, local_rank, local_world)
 
 
 class ParallelGroup:
     """This process's place among the ranks, its groups, and (rank 0) the worker processes."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device, timeout: float) -> None:
+    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device, timeout: float,
+                 local_rank: int | None = None) -> None:
         self.rank, self.world_size = rank, world_size
-        self.device = rank_device(device, rank)
+        self.device = rank_device(device, rank if local_rank is None else local_rank)
         self.timeout = timedelta(seconds=timeout)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=COMMAND_TIMEOUT)
+        # commands travel on the default group when the engine creates it; on a group of their own
+        # when the program had initialised torch.distributed already (its default group is left alone)
+        self.owns_default_group = not dist.is_initialized()
+        self.command_group = None
+        if self.owns_default_group:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=COMMAND_TIMEOUT)
+        else:
+            if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+                raise ValueError(f"torch.distributed is initialised as rank {dist.get_rank()} of "
+                                 f"{dist.get_world_size()}; the engine needs rank {rank} of {world_size}")
+            self.command_group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         # a rank that failed early waits here while the others wait out a compute collective: longer
         self.status_group = dist.new_group(backend="gloo", timeout=2 * self.timeout + timedelta(seconds=10))
         self.tp = TPGroup(rank, world_size, dist.new_group(backend=self.backend, timeout=self.timeout))
@@ -117,6 +165,21 @@ class ParallelGroup:
         weakref.finalize(group, ParallelGroup._finalize, procs)
         return group
 
+    @classmethod
+    def join(cls, config, env: LaunchEnv) -> "ParallelGroup":
+        """Every rank of a launcher's (torchrun's) processes: join the others (env:// rendezvous)."""
+        world = config.tensor_parallel_size
+        if env.world_size != world:
+            raise ValueError(f"tensor_parallel_size={world}, but the launcher (torchrun) started WORLD_SIZE="
+                             f"{env.world_size} processes: give --nproc-per-node x --nnodes = {world}")
+        if _ACTIVE:
+            raise RuntimeError("this process already runs an engine with tensor_parallel_size > 1; shut it down "
+                               "first (LLMEngine.shutdown()): torch.distributed allows one group per process")
+        group = cls(env.rank, world, "env://", config.torch_device, config.distributed_timeout, env.local_rank)
+        if env.rank == 0:
+            _ACTIVE.append(group)
+        return group
+
     def _check_workers(self) -> None:
         if self.broken is not None:
             raise ParallelStepError(f"the worker ranks are unusable: {self.broken}")
@@ -128,12 +191,12 @@ class ParallelGroup:
     def send(self, command: str, payload=None) -> None:
         """Rank 0: broadcast one command to the workers."""
         self._check_workers()
-        dist.broadcast_object_list([(command, payload)], src=0)
+        dist.broadcast_object_list([(command, payload)], src=0, group=self.command_group)
 
     def receive(self):
         """Workers: the next command from rank 0."""
         box = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.command_group)
         return box[0]
 
     # -- every rank --------------------------------------------------------------------------
@@ -176,19 +239,25 @@ class ParallelGroup:
         with self.lock:
             if self.broken is None and all(p.is_alive() for p in self.procs):
                 try:
-                    dist.broadcast_object_list([("shutdown", None)], src=0)
+                    dist.broadcast_object_list([("shutdown", None)], src=0, group=self.command_group)
                 except Exception:
                     log.exception("telling the workers to stop failed")
             for p in self.procs:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+            self.leave()
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+
+    def leave(self) -> None:
+        """Destroy the engine's groups (and the default group when the engine created it)."""
+        groups = [None] if self.owns_default_group else [self.tp.group, self.status_group, self.command_group]
+        for g in groups:
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # already torn down by a failure
+                pass
 
     @staticmethod
     def _finalize(procs) -> None:
@@ -291,7 +360,4 @@ def serve_commands(group: ParallelGroup, runner) -> None:
         elif command == "inject_fault":
             if payload[0] == group.rank:
                 inject_fault(runner.model, payload[1], group.rank)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    group.leave()

@@ -38,6 +38,11 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x from rank 0 to every rank, in place (the group's rank 0 is global rank 0)."""
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
 
 def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, world: int) -> tuple[range, range]:
     """(query heads, KV heads) rank keeps. Query heads are split evenly (num_heads % world == 0);
@@ -99,13 +104,20 @@ class ShardedRMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(var + self.eps)).to(x.dtype)
 
 
-def shard_attention(attn, cfg, tp: TPGroup) -> None:
-    """Keep rank's query heads, the KV heads they read, and o_proj's columns for its heads."""
+def attention_rows(cfg, tp: TPGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows of qkv_proj, rows of q (o_proj's columns), rows of k or v) that rank keeps."""
     q_heads, kv_heads = kv_heads_of_rank(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.world_size)
     D, q_size, kv_size = cfg.head_dim, cfg.q_size, cfg.kv_size
     q_rows = torch.arange(q_heads.start * D, q_heads.stop * D)
     kv_rows = torch.arange(kv_heads.start * D, kv_heads.stop * D)
-    rows = torch.cat([q_rows, q_size + kv_rows, q_size + kv_size + kv_rows])
+    return torch.cat([q_rows, q_size + kv_rows, q_size + kv_size + kv_rows]), q_rows, kv_rows
+
+
+def shard_attention(attn, cfg, tp: TPGroup) -> None:
+    """Keep rank's query heads, the KV heads they read, and o_proj's columns for its heads."""
+    q_size, kv_size = cfg.q_size, cfg.kv_size
+    q_heads, kv_heads = kv_heads_of_rank(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.world_size)
+    rows, q_rows, kv_rows = attention_rows(cfg, tp)
     attn.qkv_proj = _rows(attn.qkv_proj, rows)
     if attn.qkv_bias is not None:
         attn.qkv_bias = _rows(attn.qkv_bias, rows)
@@ -150,6 +162,48 @@ def shard_moe(moe, tp: TPGroup, device_of_expert: torch.Tensor | None, dispatch:
         moe.w2 = _rows(moe.w2, local)
         moe.ep = ExpertParallel(tp, device_of_expert, dispatch)
     moe.tp = tp
+
+
+def shard_plan(model, cfg, tp: TPGroup,
+               placement: dict[int, torch.Tensor] | None) -> dict[str, tuple[int, torch.Tensor]]:
+    """What shard_model keeps of each parameter it cuts, by the parameter's name in the whole model:
+    (dim, the indices kept along it, ascending). Parameters not named are kept whole. `model` is
+    the whole model (on the meta device is enough: only its structure is read)."""
+    from moekv.layers.mlp import GatedMLP
+    from moekv.layers.moe import SparseMoE
+
+    plan: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def mlp(prefix: str, inter: int) -> None:
+        rows = _gate_up_rows(inter, tp.rank, tp.world_size)
+        plan[f"{prefix}.gate_up_proj"] = (0, rows)
+        plan[f"{prefix}.down_proj"] = (1, rows[: len(rows) // 2])
+
+    for i, layer in enumerate(model.layers):
+        rows, q_rows, kv_rows = attention_rows(cfg, tp)
+        a = f"layers.{i}.self_attn"
+        plan[f"{a}.qkv_proj"] = (0, rows)
+        if layer.self_attn.qkv_bias is not None:
+            plan[f"{a}.qkv_bias"] = (0, rows)
+        plan[f"{a}.o_proj"] = (1, q_rows)
+        if layer.self_attn.qk_norm == "full":
+            plan[f"{a}.q_norm.weight"] = (0, q_rows)
+            plan[f"{a}.k_norm.weight"] = (0, kv_rows)
+        m = f"layers.{i}.mlp"
+        if isinstance(layer.mlp, SparseMoE):
+            if layer.mlp.shared_expert is not None:
+                mlp(f"{m}.shared_expert", layer.mlp.shared_expert.down_proj.shape[1])
+            if placement is None:
+                rows = _gate_up_rows(layer.mlp.w2.shape[2], tp.rank, tp.world_size)
+                plan[f"{m}.w13"] = (1, rows)
+                plan[f"{m}.w2"] = (2, rows[: len(rows) // 2])
+            else:
+                local = torch.nonzero(placement[i] == tp.rank).flatten()
+                plan[f"{m}.w13"] = (0, local)
+                plan[f"{m}.w2"] = (0, local)
+        elif isinstance(layer.mlp, GatedMLP):
+            mlp(m, layer.mlp.down_proj.shape[1])
+    return plan
 
 
 def local_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,13 +17,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from moekv.models import mixtral, olmoe, qwen_moe
 from moekv.layers.moe import SparseMoE
+from moekv.models import mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
-from moekv.routing import (ROUTING_MODES, HierarchicalRouter, checkpoint_router, group_limited_router,
-                           resolve_routing)
+from moekv.routing import ROUTING_MODES, HierarchicalRouter, checkpoint_router, group_limited_router, resolve_routing
 from moekv.routing.cluster_map import ClusterMap
 
 ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe) for name in mod.ARCHITECTURES}
@@ -151,16 +152,35 @@ def _resolve(name: str, cfg: ModelConfig) -> tuple[str, _Index] | None:
 DUMMY_STD = 0.02  # the usual initializer range of these architectures' configs
 
 
-def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> MoEDecoder:
-    """The modules with uninitialised parameters allocated once, in `dtype`, on `device`: built on
-    the meta device first, so a model in bf16 never exists in fp32 (Mixtral-8x7B would need 187 GB)."""
+@dataclass
+class Shard:
+    """One rank's part of the model, for load_model: `cut(model)` cuts the modules down to it (run on
+    the meta device, before anything is allocated); `plan(model)` says, for each parameter it cuts,
+    by its name in the whole model, (dim, the indices kept along it, ascending): the checkpoint's
+    tensors are read for those rows only (engine/parallel.py's shard_model, layers/parallel.py's shard_plan)."""
+
+    cut: Callable[[MoEDecoder], None]
+    plan: Callable[[MoEDecoder], dict[str, tuple[int, torch.Tensor]]]
+
+
+def _meta_model(cfg: ModelConfig, dtype: torch.dtype) -> MoEDecoder:
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = MoEDecoder(cfg)
+            return MoEDecoder(cfg)
     finally:
         torch.set_default_dtype(default)
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                cut: Callable[[MoEDecoder], None] | None = None) -> MoEDecoder:
+    """The modules with uninitialised parameters allocated once, in `dtype`, on `device`: built on
+    the meta device first, so a model in bf16 never exists in fp32 (Mixtral-8x7B would need 187 GB).
+    cut: a rank's Shard.cut, applied before anything is allocated."""
+    model = _meta_model(cfg, dtype)
+    if cut is not None:
+        cut(model)
     model = model.to_empty(device=device)
     install_routers(model, cfg)  # the checkpoint's own routing until the engine asks for another
     return model
@@ -215,19 +235,31 @@ def init_dummy_weights(model: MoEDecoder, seed: int = 0) -> MoEDecoder:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               cfg: ModelConfig | None = None, load_format: str = "auto") -> MoEDecoder:
+               cfg: ModelConfig | None = None, load_format: str = "auto", shard: Shard | None = None) -> MoEDecoder:
     """The checkpoint's weights (load_format 'auto' / 'safetensors'), or random ones of its
-    config.json's shape ('dummy': for benchmarks of a model whose weights are not on the machine)."""
+    config.json's shape ('dummy': for benchmarks of a model whose weights are not on the machine).
+    shard: one rank's part only (tensor / expert parallel): only its rows are read and allocated
+    (with 'dummy', random weights of the part's shape: not the rows of a whole random model)."""
     model_dir = Path(model_dir)
     cfg = cfg or load_model_config(model_dir)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; accepted: {list(LOAD_FORMATS)}")
+    cut = None if shard is None else shard.cut
     if load_format == "dummy":
-        return init_dummy_weights(empty_model(cfg, dtype, device))
+        return init_dummy_weights(empty_model(cfg, dtype, device, cut))
+    keep, full_shapes = {}, {}
+    if shard is not None:
+        whole = _meta_model(cfg, dtype)
+        keep = shard.plan(whole)
+        full_shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
     arch = ARCH_MODULES[cfg.architecture]
     files = safetensors_files(model_dir)
-    model = empty_model(cfg, dtype, device)  # every parameter is filled below, or the load fails
+    model = empty_model(cfg, dtype, device, cut)  # every parameter is filled below, or the load fails
     params = dict(model.named_parameters())
+    for name, (dim, kept) in keep.items():
+        if params[name].shape[dim] != len(kept):
+            raise RuntimeError(f"the shard plan keeps {len(kept)} rows of {name} along dim {dim}; the cut "
+                               f"model holds {params[name].shape[dim]}")
     filled: dict[str, int] = {name: 0 for name in params}
     for path in files:
         try:
@@ -246,13 +278,61 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                     raise CheckpointError(f"{path.name}: tensor {raw_name!r} does not belong to a "
                                           f"{cfg.architecture} with this config.json")
                 target, index = resolved
-                _copy_into(params[target], index, f.get_tensor(raw_name), raw_name, path)
-                filled[target] += 1
+                if target in keep:
+                    filled[target] += _copy_kept(params[target], index, keep[target], full_shapes[target], f,
+                                                 raw_name, path)
+                else:
+                    _copy_into(params[target], index, f.get_tensor(raw_name), raw_name, path)
+                    filled[target] += 1
     missing = [name for name, count in filled.items() if count == 0]
     if missing:
         raise CheckpointError(f"{model_dir}: no weights found for {len(missing)} parameters, e.g. {missing[:5]}")
     model.eval()
     return model
+
+
+@torch.no_grad()
+def _copy_kept(param: torch.Tensor, index: _Index, kept: tuple[int, torch.Tensor], full_shape: tuple[int, ...],
+               f, name: str, path: Path) -> bool:
+    """Copy the rows of checkpoint tensor `name` (the region `index` of the whole parameter) that a
+    shard keeps (kept: (dim of the whole parameter, indices)) into the cut parameter; read only
+    those rows when they are one contiguous run, and nothing when none is kept. True if it copied."""
+    dim, rows = kept
+    region = tuple(torch.empty(full_shape, device="meta")[index].shape) if index else full_shape
+    dest = list(index)
+    src_dim = dim - sum(isinstance(i, int) for i in index[:dim])  # ints drop their dimension
+    if dim < len(index) and isinstance(index[dim], int):  # the tensor is one row of dim: kept or not
+        hit = torch.nonzero(rows == index[dim]).flatten()
+        if not len(hit):
+            return False
+        dest[dim] = int(hit[0])
+        _copy_into(param, tuple(dest), f.get_tensor(name), name, path)
+        return True
+    if dim < len(index):  # the tensor fills rows start..stop of dim
+        start, stop = index[dim].start or 0, index[dim].stop
+        inside = (rows >= start) & (rows < stop)
+        if not inside.any():
+            return False
+        first = int(torch.nonzero(inside).flatten()[0])
+        src = rows[inside] - start
+        dest[dim] = slice(first, first + len(src))
+    else:  # the tensor spans dim whole
+        src = rows
+    stored = f.get_slice(name)
+    shape = tuple(stored.get_shape())
+    if shape == region and int(src[-1]) - int(src[0]) + 1 == len(src):  # one run: read just it
+        window = [slice(None)] * len(shape)
+        window[src_dim] = slice(int(src[0]), int(src[-1]) + 1)
+        tensor = stored[tuple(window)]
+    else:
+        tensor = f.get_tensor(name)
+        if shape != region and len(shape) == 3 and shape == region[:1] + region[1:][::-1]:
+            tensor = tensor.transpose(1, 2)  # stacked experts saved as [E, in, out]
+        if tuple(tensor.shape) != region:
+            raise CheckpointError(f"{path.name}: tensor {name!r} has shape {shape}, config.json implies {region}")
+        tensor = tensor.index_select(src_dim, src)
+    _copy_into(param, tuple(dest), tensor, name, path)
+    return True
 
 
 @torch.no_grad()

@@ -22,7 +22,8 @@ loads that do not wait for the used counts, further chunks only when more than 1
     after P             P_s [16, 8]   = OneHot_V [16, 64] @ P^T        (exact: picks P's entries)
                         O^T [128, 8] += OneHot_C [128, 16] @ (dv * P_s)   (= Dv^T @ P_s, Dv^T[c, j] = dv_j
                                                                             if c == c_j; dv scales P_s's rows)
-The one-hot tiles hold fp16 2.0 (one bit, 0x4000; W and dv * P_s are halved to match) and are built
+The one-hot tiles hold fp16 2.0 (one bit, 0x4000; W is halved, dv quartered: the value side has two
+one-hot products, OneHot_V and OneHot_C) and are built
 from per-column-pair bit masks, two instructions per register (_hot_rows / _hot_cols).
 The staged 16-bit tail (the newest page, in the engine's bf16 staging tensor) is one more split of the
 same launch (STAGED): its program runs one tile of plain 16-bit K and V^T through the same softmax.
@@ -213,7 +214,7 @@ def _value_slot_chunk_load(v_idx, v_delta, c0, lim, LA: gl.constexpr, MMA: gl.co
     jm = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     tok_j = gl.load(v_idx + jr, mask=jr < lim, other=65535) >> 7
     chan_j = gl.load(v_idx + jc, mask=jc < lim, other=0) & 127
-    dv = gl.load(v_delta + jm, mask=jm < lim, other=0.0) * (1.0 / HOT)
+    dv = gl.load(v_delta + jm, mask=jm < lim, other=0.0) * (1.0 / (HOT * HOT))  # two one-hot products
     return tok_j, chan_j, dv
 
 

@@ -39,16 +39,33 @@ def build(lens, Hkv, seed, device="cpu", outlier_fraction=0.01):
     return fmt, frag, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device), slabs[0], slabs[1]
 
 
-def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale):
-    """decode_attention_ref over each sequence's pages as int4 dequantizes them (float64)."""
+def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged=None, sliding_window=None):
+    """decode_attention_ref over each sequence's pages as int4 dequantizes them (float64); with staged =
+    (k_stage, v_stage, seq_slots), tokens from ((len - 1) // 64) * 64 on from the staging."""
     kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key")  # [N, H, P, D]
     vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value")
     keys, values = [], []
     for b, n in enumerate(lens.tolist()):
         ids = tables[b, :-(-n // P)].long().cpu()
-        keys.append(kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n].double())
-        values.append(vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double())
-    return decode_attention_ref(q.double().cpu(), keys, values, scale)
+        k = kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n].double()
+        v = vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double()
+        if staged is not None:
+            quantized = (n - 1) // P * P
+            slot = int(staged[2][b])
+            k = torch.cat([k[:quantized], staged[0][slot].cpu().double().transpose(0, 1)[: n - quantized]])
+            v = torch.cat([v[:quantized], staged[1][slot].cpu().double().transpose(0, 1)[: n - quantized]])
+        keys.append(k)
+        values.append(v)
+    return decode_attention_ref(q.double().cpu(), keys, values, scale, sliding_window)
+
+
+def staging(B, Hkv, seed, device="cpu", dtype=torch.float64):
+    """Random 16-bit staging pages [B + 1, Hkv, 64, 128] (one spare) and a permuted slot per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype)
+    v = torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype)
+    slots = torch.randperm(B + 1, generator=g)[:B]
+    return k.to(device), v.to(device), slots.to(device)
 
 
 @pytest.mark.parametrize("G", [1, 4, 8])
@@ -64,6 +81,21 @@ def test_split_reference_equals_dense_attention(G, outlier_fraction):
     ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5)
     for ns in (1, 3, 16):
         o, lse = int4_decode_split_reference(q, frag, tables, lens_t, D ** -0.5, ns)
+        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-10, rtol=1e-10), ns
+
+
+@pytest.mark.parametrize("window", [None, 1, 100, 64 * 5 + 3])
+def test_staged_tail_and_sliding_window(window):
+    """The staged 16-bit tail as split num_splits (the newest page, even when full, from staging) and
+    sliding windows, against dense attention over pages + staging."""
+    Hkv, G = 2, 4
+    lens = [777, 64 * 16, 65, 64]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=5)
+    staged = staging(len(lens), Hkv, seed=8)
+    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1, staged, window)
+    for ns in (1, 3, 7):
+        o, lse = int4_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, sliding_window=window)
         assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-10, rtol=1e-10), ns
 
 
@@ -85,11 +117,12 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from moekv.ops.gluon.int4_kernel import int4_decode_kernel
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp16", "v_scale": "*fp16",
        "v_zero": "*fp16", "k_oidx": "*i32", "k_odelta": "*fp32", "v_oidx": "*i32", "v_odelta": "*fp32",
-       "q_ptr": "*bf16", "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32", "part_o": "*fp32",
-       "part_lse": "*fp32", "qk_scale": "fp32", "num_splits": "i32", "HKV": "constexpr", "G": "constexpr",
-       "NO": "constexpr"}
-for G, NO in ((1, 1), (4, 1), (8, 4)):
-    src = GluonASTSource(int4_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "NO": NO},
+       "q_ptr": "*bf16", "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64",
+       "k_stage": "*bf16", "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32",
+       "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32",
+       "ns_total": "i32", "HKV": "constexpr", "G": "constexpr", "NO": "constexpr", "STAGED": "constexpr"}
+for G, NO, staged in ((1, 1, True), (4, 1, False), (8, 4, True)):
+    src = GluonASTSource(int4_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "NO": NO, "STAGED": staged},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
     ptx = k.asm["ptx"]
@@ -162,3 +195,24 @@ def test_gpu_decode_matches_dense_attention(G, outlier_fraction):
     ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
     out = int4_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
     assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("window", [None, 1, 100, 64 * 5 + 3])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_staged_tail_and_window(G, window):
+    """The staged bf16 tail as the launch's extra split, and sliding windows, against dense attention
+    over pages + staging."""
+    from moekv.ops.gluon.int4_decode import int4_decode_attention
+
+    Hkv = 8 // G if G > 1 else 4
+    lens = [777, 64 * 16, 65, 64]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=20 + G, device="cuda")
+    k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, (k, v, slots), window)
+    for ns in (1, 3, None):
+        out = int4_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
+                                    sliding_window=window)
+        assert relative_error(out, ref) < 1e-2, ns

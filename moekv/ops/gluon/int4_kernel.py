@@ -22,7 +22,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from moekv.ops.gluon.nuq2_kernel import _as_b_operand
+from moekv.ops.gluon.nuq2_kernel import _as_b_operand, _staged_tile
 
 PAGE = gl.constexpr(64)
 WORDS = gl.constexpr(1024)  # int32 words of codes per page-head
@@ -121,12 +121,16 @@ def _store_group(part_o, acc, zacc, zrow, g: gl.constexpr, l_safe, row, chan, on
 
 @gluon.jit
 def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oidx, k_odelta, v_oidx, v_odelta,
-                       q_ptr, block_tables, stride_bt, context_lens, part_o, part_lse, qk_scale, num_splits,
-                       HKV: gl.constexpr, G: gl.constexpr, NO: gl.constexpr):
+                       q_ptr, block_tables, stride_bt, context_lens, seq_slots,
+                       k_stage, v_stage, stride_ss, stride_sh, stride_st,
+                       part_o, part_lse, qk_scale, window, num_splits, ns_total,
+                       HKV: gl.constexpr, G: gl.constexpr, NO: gl.constexpr, STAGED: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 1024] (fragment order); k_scale, k_zero, v_scale, v_zero fp16
     [N, HKV, 64, 4]; k_oidx, v_oidx int32 [N, HKV, NO]; k_odelta, v_odelta fp32 [N, HKV, 64, NO];
-    q [B, HKV * G, 128] fp16/bf16 contiguous; part_o fp32 [B, HKV * G, num_splits, 128], part_lse fp32
-    [B, HKV * G, num_splits]."""
+    q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from ((len - 1) // 64) * 64 on are in
+    k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split num_splits (nuq2's staged
+    tile); window: the sliding window (a huge value for none); part_o fp32 [B, HKV * G, ns_total, 128],
+    part_lse fp32 [B, HKV * G, ns_total]."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -139,89 +143,107 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
     b = bh // HKV
     h = bh % HKV
     length = gl.load(context_lens + b)
-    num_pages = gl.cdiv(length, PAGE)
-    per = gl.cdiv(num_pages, num_splits)
-    p0 = gl.minimum(split * per, num_pages)
+    quantized = length
+    if STAGED:
+        quantized = ((length - 1) // PAGE) * PAGE  # the newest page, even when full, is in staging
+    first = gl.maximum(length - window, 0)  # the sliding window's oldest token
+    num_pages = gl.cdiv(quantized, PAGE)
+    page_lo = gl.minimum(first // PAGE, num_pages)
+    per = gl.cdiv(num_pages - page_lo, num_splits)
+    p0 = gl.minimum(page_lo + split * per, num_pages)
     p1 = gl.minimum(p0 + per, num_pages)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
-    qb0, qs0 = _q_group(q_ptr, head0, 0, G, LB, MMA)
-    qb1, qs1 = _q_group(q_ptr, head0, 1, G, LB, MMA)
-    qb2, qs2 = _q_group(q_ptr, head0, 2, G, LB, MMA)
-    qb3, qs3 = _q_group(q_ptr, head0, 3, G, LB, MMA)
-
-    wr = gl.arange(0, 2, layout=gl.SliceLayout(1, L2))
-    ww = gl.arange(0, 128, layout=gl.SliceLayout(0, L2))
-    off = wr[:, None] * 128 + ww[None, :]
-    e3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
-    tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))  # scores' rows
-    tok_b = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LB))  # P^T's rows
-    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    chan = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
-    zrow = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    za_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))  # the side tile's rows: 0..3 zeros, 4.. outliers
-    za_t = gl.arange(0, PAGE, layout=gl.SliceLayout(0, LA))
-
     m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc0 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    zacc = gl.zeros([16, 8], gl.float32, layout=MMA)  # rows 0..3: sum_t zero[t, g] P[t, n]
+    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    row = (head0 + on) * ns_total + split  # [8]
+    if split < num_splits:
+        qb0, qs0 = _q_group(q_ptr, head0, 0, G, LB, MMA)
+        qb1, qs1 = _q_group(q_ptr, head0, 1, G, LB, MMA)
+        qb2, qs2 = _q_group(q_ptr, head0, 2, G, LB, MMA)
+        qb3, qs3 = _q_group(q_ptr, head0, 3, G, LB, MMA)
 
-    for pg in range(p0, p1):
-        page = gl.load(bt_row + pg).to(gl.int64) * HKV + h
-        s = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
-        s = _group_scores(s, k_codes, k_scale, k_zero, page, 0, off, e3, qb0, qs0, tok, LA, MMA)
-        s = _group_scores(s, k_codes, k_scale, k_zero, page, 1, off, e3, qb1, qs1, tok, LA, MMA)
-        s = _group_scores(s, k_codes, k_scale, k_zero, page, 2, off, e3, qb2, qs2, tok, LA, MMA)
-        s = _group_scores(s, k_codes, k_scale, k_zero, page, 3, off, e3, qb3, qs3, tok, LA, MMA)
-        for o in gl.static_range(NO):  # outlier channels: delta_k[t] * q[n, c_o]
-            c_o = gl.load(k_oidx + page * NO + o)
-            q_o = gl.load(q_ptr + (head0 + on) * 128 + c_o, mask=on < G, other=0.0).to(gl.float32)
-            d_k = gl.load(k_odelta + page * (PAGE * NO) + tok * NO + o)
-            s = s + gl.expand_dims(d_k, 1) * gl.expand_dims(q_o, 0)
+        wr = gl.arange(0, 2, layout=gl.SliceLayout(1, L2))
+        ww = gl.arange(0, 128, layout=gl.SliceLayout(0, L2))
+        off = wr[:, None] * 128 + ww[None, :]
+        e3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
+        tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))  # scores' rows
+        tok_b = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LB))  # P^T's rows
+        chan = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
+        zrow = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        za_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))  # the side tile's rows: 0..3 zeros, 4.. outliers
+        za_t = gl.arange(0, PAGE, layout=gl.SliceLayout(0, LA))
 
-        s = s * qk_scale
-        s = gl.where(gl.expand_dims(pg * PAGE + tok < length, 1), s, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 0))
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
-        a2 = gl.expand_dims(alpha, 0)
-        pb = _as_b_operand(p.to(gl.float16), PAGE, LB)
+        acc0 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        zacc = gl.zeros([16, 8], gl.float32, layout=MMA)  # rows 0..3: sum_t zero[t, g] P[t, n]
 
-        acc0 = _group_values(acc0 * a2, v_codes, v_scale, page, 0, off, e3, pb, tok_b, LA)
-        acc1 = _group_values(acc1 * a2, v_codes, v_scale, page, 1, off, e3, pb, tok_b, LA)
-        acc2 = _group_values(acc2 * a2, v_codes, v_scale, page, 2, off, e3, pb, tok_b, LA)
-        acc3 = _group_values(acc3 * a2, v_codes, v_scale, page, 3, off, e3, pb, tok_b, LA)
+        for pg in range(p0, p1):
+            page = gl.load(bt_row + pg).to(gl.int64) * HKV + h
+            s = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
+            s = _group_scores(s, k_codes, k_scale, k_zero, page, 0, off, e3, qb0, qs0, tok, LA, MMA)
+            s = _group_scores(s, k_codes, k_scale, k_zero, page, 1, off, e3, qb1, qs1, tok, LA, MMA)
+            s = _group_scores(s, k_codes, k_scale, k_zero, page, 2, off, e3, qb2, qs2, tok, LA, MMA)
+            s = _group_scores(s, k_codes, k_scale, k_zero, page, 3, off, e3, qb3, qs3, tok, LA, MMA)
+            for o in gl.static_range(NO):  # outlier channels: delta_k[t] * q[n, c_o]
+                c_o = gl.load(k_oidx + page * NO + o)
+                q_o = gl.load(q_ptr + (head0 + on) * 128 + c_o, mask=on < G, other=0.0).to(gl.float32)
+                d_k = gl.load(k_odelta + page * (PAGE * NO) + tok * NO + o)
+                s = s + gl.expand_dims(d_k, 1) * gl.expand_dims(q_o, 0)
 
-        # the side tile [16, 64]: rows 0..3 the values' zeros (zero^T), rows 4..4+NO the outliers' deltas
-        zt = gl.load(v_zero + page * SIDE + gl.expand_dims(za_t, 0) * 4 + gl.expand_dims(za_r, 1),
-                     mask=gl.expand_dims(za_r < 4, 1) & gl.expand_dims(za_t < PAGE, 0), other=0.0)
-        dt = gl.load(v_odelta + page * (PAGE * NO) + gl.expand_dims(za_t, 0) * NO + gl.expand_dims(za_r - 4, 1),
-                     mask=gl.expand_dims((za_r >= 4) & (za_r < 4 + NO), 1) & gl.expand_dims(za_t < PAGE, 0),
-                     other=0.0).to(gl.float16)
-        x = gl.nvidia.ampere.mma_v2(zt + dt, pb, gl.zeros([16, 8], gl.float32, layout=MMA))
-        zacc = zacc * a2 + gl.where(gl.expand_dims(zrow < 4, 1), x, 0.0)
-        for o in gl.static_range(NO):  # outlier channel c_o += sum_t delta_v[t] P[t, n], this page's channel
-            x_o = gl.sum(gl.where(gl.expand_dims(zrow == 4 + o, 1), x, 0.0), axis=0)
-            c_o = gl.load(v_oidx + page * NO + o)
-            acc0 = _add_at_channel(acc0, 0, chan, c_o, x_o)
-            acc1 = _add_at_channel(acc1, 1, chan, c_o, x_o)
-            acc2 = _add_at_channel(acc2, 2, chan, c_o, x_o)
-            acc3 = _add_at_channel(acc3, 3, chan, c_o, x_o)
+            s = s * qk_scale
+            pos = pg * PAGE + tok
+            s = gl.where(gl.expand_dims((pos < length) & (pos >= first), 1), s, -float("inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 0))
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            a2 = gl.expand_dims(alpha, 0)
+            pb = _as_b_operand(p.to(gl.float16), PAGE, LB)
 
-    # the split's partial: normalised output and log2 of its mass (0 and -inf when empty)
+            acc0 = _group_values(acc0 * a2, v_codes, v_scale, page, 0, off, e3, pb, tok_b, LA)
+            acc1 = _group_values(acc1 * a2, v_codes, v_scale, page, 1, off, e3, pb, tok_b, LA)
+            acc2 = _group_values(acc2 * a2, v_codes, v_scale, page, 2, off, e3, pb, tok_b, LA)
+            acc3 = _group_values(acc3 * a2, v_codes, v_scale, page, 3, off, e3, pb, tok_b, LA)
+
+            # the side tile [16, 64]: rows 0..3 the values' zeros (zero^T), rows 4..4+NO the outliers' deltas
+            zt = gl.load(v_zero + page * SIDE + gl.expand_dims(za_t, 0) * 4 + gl.expand_dims(za_r, 1),
+                         mask=gl.expand_dims(za_r < 4, 1) & gl.expand_dims(za_t < PAGE, 0), other=0.0)
+            dt = gl.load(v_odelta + page * (PAGE * NO) + gl.expand_dims(za_t, 0) * NO + gl.expand_dims(za_r - 4, 1),
+                         mask=gl.expand_dims((za_r >= 4) & (za_r < 4 + NO), 1) & gl.expand_dims(za_t < PAGE, 0),
+                         other=0.0).to(gl.float16)
+            x = gl.nvidia.ampere.mma_v2(zt + dt, pb, gl.zeros([16, 8], gl.float32, layout=MMA))
+            zacc = zacc * a2 + gl.where(gl.expand_dims(zrow < 4, 1), x, 0.0)
+            for o in gl.static_range(NO):  # outlier channel c_o += sum_t delta_v[t] P[t, n], this page's channel
+                x_o = gl.sum(gl.where(gl.expand_dims(zrow == 4 + o, 1), x, 0.0), axis=0)
+                c_o = gl.load(v_oidx + page * NO + o)
+                acc0 = _add_at_channel(acc0, 0, chan, c_o, x_o)
+                acc1 = _add_at_channel(acc1, 1, chan, c_o, x_o)
+                acc2 = _add_at_channel(acc2, 2, chan, c_o, x_o)
+                acc3 = _add_at_channel(acc3, 3, chan, c_o, x_o)
+        # the split's partial: normalised output and log2 of its mass (0 and -inf when empty)
+        nonempty = l_i > 0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        _store_group(part_o, acc0, zacc, zrow, 0, l_safe, row, chan, on, G)
+        _store_group(part_o, acc1, zacc, zrow, 1, l_safe, row, chan, on, G)
+        _store_group(part_o, acc2, zacc, zrow, 2, l_safe, row, chan, on, G)
+        _store_group(part_o, acc3, zacc, zrow, 3, l_safe, row, chan, on, G)
+    elif STAGED:  # the 16-bit tail: nuq2's staged tile (plain K and V^T, O^T [128, 8])
+        slot = gl.load(seq_slots + b).to(gl.int64)
+        base = slot * stride_ss + h * stride_sh
+        acc = gl.zeros([128, 8], gl.float32, layout=MMA)
+        m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+                                     qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
+        nonempty = l_i > 0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        od = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+        gl.store(part_o + gl.expand_dims(row, 0) * 128 + gl.expand_dims(od, 1), acc / gl.expand_dims(l_safe, 0),
+                 mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < 128, 1))
     nonempty = l_i > 0
-    l_safe = gl.where(nonempty, l_i, 1.0)
-    lse = gl.where(nonempty, m_i + gl.log2(l_safe), -float("inf"))
-    row = (head0 + on) * num_splits + split  # [8]
-    _store_group(part_o, acc0, zacc, zrow, 0, l_safe, row, chan, on, G)
-    _store_group(part_o, acc1, zacc, zrow, 1, l_safe, row, chan, on, G)
-    _store_group(part_o, acc2, zacc, zrow, 2, l_safe, row, chan, on, G)
-    _store_group(part_o, acc3, zacc, zrow, 3, l_safe, row, chan, on, G)
+    lse = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), -float("inf"))
     gl.store(part_lse + row, lse, mask=on < G)

@@ -248,3 +248,18 @@ def fragment_table_shapes(fmt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
 def fragment_bytes_per_page_head(fmt) -> int:
     return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
                for shape, dt in fragment_table_shapes(fmt).values())
+
+
+def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
+                             device: torch.device) -> dict[str, torch.Tensor]:
+    """Empty fragment-order pools [num_blocks, num_kv_heads, ...] (zero codes, scales, zeros, deltas;
+    outlier channel 0)."""
+    prepare_device(device)
+    return {name: torch.zeros(num_blocks, num_kv_heads, *shape, dtype=dt, device=device)
+            for name, (shape, dt) in fragment_table_shapes(fmt).items()}
+
+
+def fragment_view(tensors, page_ids: torch.Tensor | None = None) -> Int4FragmentPages:
+    """Int4FragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
+    pick = (lambda t: t) if page_ids is None else (lambda t: t[page_ids])
+    return Int4FragmentPages(**{name: pick(tensors[name]) for name in FRAGMENT_FIELDS})

@@ -55,9 +55,31 @@ def _nibble_pairs(x, e):
 
 
 @gluon.jit
+def _nibble_pairs_biased(x, e):
+    """As _nibble_pairs without the subtraction: fp16 1024 + code (exact; the keys take the 1024 out
+    with their zeros: 1024 * scale * qsum)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m, k;
+        mov.b32 m, 0x64006400;
+        mov.b32 k, 0x000f000f;
+        lop3.b32 $0, $4, k, m, 0xea;
+        shr.u32 t, $4, 4;
+        lop3.b32 $1, t, k, m, 0xea;
+        shr.u32 t, $4, 8;
+        lop3.b32 $2, t, k, m, 0xea;
+        shr.u32 t, $4, 12;
+        lop3.b32 $3, t, k, m, 0xea;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[x, e], dtype=gl.float16, is_pure=True, pack=8)
+
+
+@gluon.jit
 def _key_tile(x, e3, LA: gl.constexpr):
-    """A group's two rows of key words [2, 128] -> K_g [64 tokens, 32 channels] in the A-operand layout."""
-    f = _nibble_pairs(gl.expand_dims(x, 2), e3)  # [2, 128, 8]: i0, word = 4 lane + u, slot e
+    """A group's two rows of key words [2, 128] -> 1024 + K_g [64 tokens, 32 channels] (codes) in the
+    A-operand layout."""
+    f = _nibble_pairs_biased(gl.expand_dims(x, 2), e3)  # [2, 128, 8]: i0, word = 4 lane + u, slot e
     f = gl.reshape(f, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # i0, l4, l3, l2, l1, l0, u1, u0, e2, e1, e0
     f = gl.permute(f, [0, 6, 9, 1, 2, 3, 7, 8, 4, 5, 10])  # i0, u1, e1, l4, l3, l2 | u0, e2, l1, l0, e0
     return gl.convert_layout(gl.reshape(f, [PAGE, 32]), LA, assert_trivial=True)
@@ -73,21 +95,34 @@ def _value_tile(x, e3, LA: gl.constexpr):
 
 
 @gluon.jit
-def _group_scores(s, k_codes, k_scale, k_zero, page, g: gl.constexpr, off, e3, qb, qs, tok,
-                  LA: gl.constexpr, MMA: gl.constexpr):
-    """s += scale_g * (K_g @ q_g^T) + zero_g * qsum_g (fp32, per token and head)."""
+def _by_group(ptr, page, rows, cols, SL: gl.constexpr):
+    """A page-head's fp16 [64 tokens, 4 groups] table (scales or zeros), each row one 8-byte load,
+    split into its 4 groups' [64] columns in the slice layout SL (the rows' layout of the consumer)."""
+    x = gl.load(ptr + page * SIDE + gl.expand_dims(rows, 1) * 4 + gl.expand_dims(cols, 0))
+    x = gl.reshape(x, [PAGE, 2, 2])  # group = 2 hi + lo
+    lo, hi = gl.split(x)
+    g0, g2 = gl.split(lo)
+    g1, g3 = gl.split(hi)
+    return (gl.convert_layout(g0, SL), gl.convert_layout(g1, SL), gl.convert_layout(g2, SL),
+            gl.convert_layout(g3, SL))
+
+
+@gluon.jit
+def _group_scores(s, k_codes, page, g: gl.constexpr, off, e3, qb, qs, sk, zk, LA: gl.constexpr,
+                  MMA: gl.constexpr):
+    """s += scale_g * (K_g @ q_g^T) + zero_g * qsum_g, from the biased codes: (1024 + K_g) @ q_g^T is
+    exact products summed in fp32, and scale_g * 1024 * qsum_g leaves with the zeros' term."""
     ka = _key_tile(gl.load(k_codes + page * WORDS + g * 256 + off), e3, LA)
     part = gl.nvidia.ampere.mma_v2(ka, qb, gl.zeros([PAGE, 8], gl.float32, layout=MMA))
-    sk = gl.load(k_scale + page * SIDE + tok * 4 + g).to(gl.float32)
-    zk = gl.load(k_zero + page * SIDE + tok * 4 + g).to(gl.float32)
+    sk = sk.to(gl.float32)
+    zk = zk.to(gl.float32) - 1024.0 * sk
     return s + part * gl.expand_dims(sk, 1) + gl.expand_dims(zk, 1) * gl.expand_dims(qs, 0)
 
 
 @gluon.jit
-def _group_values(acc, v_codes, v_scale, page, g: gl.constexpr, off, e3, pb, tok_b, LA: gl.constexpr):
+def _group_values(acc, v_codes, page, g: gl.constexpr, off, e3, pb, sv, LA: gl.constexpr):
     """O^T_g += V^T_g @ (scale_g * P^T)."""
     va = _value_tile(gl.load(v_codes + page * WORDS + g * 256 + off), e3, LA)
-    sv = gl.load(v_scale + page * SIDE + tok_b * 4 + g)
     return gl.nvidia.ampere.mma_v2(va, pb * gl.expand_dims(sv, 1), acc)
 
 
@@ -98,9 +133,9 @@ def _q_group(q_ptr, head0, g: gl.constexpr, G: gl.constexpr, LB: gl.constexpr, M
     qk = gl.arange(0, 32, layout=gl.SliceLayout(1, QL))
     qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
     q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + g * 32 + qk[:, None],
-                  mask=(qn[None, :] < G) & (qk[:, None] < 32), other=0.0).to(gl.float32)
-    qs = gl.convert_layout(gl.sum(q_t, axis=0), gl.SliceLayout(0, MMA))
-    return gl.convert_layout(q_t.to(gl.float16), LB), qs
+                  mask=(qn[None, :] < G) & (qk[:, None] < 32), other=0.0).to(gl.float16)
+    qs = gl.convert_layout(gl.sum(q_t.to(gl.float32), axis=0), gl.SliceLayout(0, MMA))  # of what the MMA sums
+    return gl.convert_layout(q_t, LB), qs
 
 
 @gluon.jit
@@ -137,6 +172,12 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
     # code words [2 rows, 128 words, 8 slots (broadcast)]: register order slot, word, row
     L3: gl.constexpr = gl.BlockedLayout([2, 4, 8], [1, 32, 1], [1, 1, 1], [2, 1, 0])
     L2: gl.constexpr = gl.SliceLayout(2, L3)
+    # [64 tokens, 4 groups] side tables, a row's 4 groups in one thread: rows as the scores' rows (keys)
+    # and as P^T's rows (values)
+    LSK: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0], [16, 0], [32, 0]],
+                                                   [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], [], [], [64, 4])
+    LSV: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
+                                                   [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], [], [], [64, 4])
 
     bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -170,7 +211,10 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
         off = wr[:, None] * 128 + ww[None, :]
         e3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
         tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))  # scores' rows
-        tok_b = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LB))  # P^T's rows
+        rk = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LSK))
+        ck = gl.arange(0, 4, layout=gl.SliceLayout(0, LSK))
+        rv = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LSV))
+        cv = gl.arange(0, 4, layout=gl.SliceLayout(0, LSV))
         chan = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
         zrow = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
         za_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))  # the side tile's rows: 0..3 zeros, 4.. outliers
@@ -185,10 +229,12 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
         for pg in range(p0, p1):
             page = gl.load(bt_row + pg).to(gl.int64) * HKV + h
             s = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
-            s = _group_scores(s, k_codes, k_scale, k_zero, page, 0, off, e3, qb0, qs0, tok, LA, MMA)
-            s = _group_scores(s, k_codes, k_scale, k_zero, page, 1, off, e3, qb1, qs1, tok, LA, MMA)
-            s = _group_scores(s, k_codes, k_scale, k_zero, page, 2, off, e3, qb2, qs2, tok, LA, MMA)
-            s = _group_scores(s, k_codes, k_scale, k_zero, page, 3, off, e3, qb3, qs3, tok, LA, MMA)
+            sk0, sk1, sk2, sk3 = _by_group(k_scale, page, rk, ck, gl.SliceLayout(1, MMA))
+            zk0, zk1, zk2, zk3 = _by_group(k_zero, page, rk, ck, gl.SliceLayout(1, MMA))
+            s = _group_scores(s, k_codes, page, 0, off, e3, qb0, qs0, sk0, zk0, LA, MMA)
+            s = _group_scores(s, k_codes, page, 1, off, e3, qb1, qs1, sk1, zk1, LA, MMA)
+            s = _group_scores(s, k_codes, page, 2, off, e3, qb2, qs2, sk2, zk2, LA, MMA)
+            s = _group_scores(s, k_codes, page, 3, off, e3, qb3, qs3, sk3, zk3, LA, MMA)
             for o in gl.static_range(NO):  # outlier channels: delta_k[t] * q[n, c_o]
                 c_o = gl.load(k_oidx + page * NO + o)
                 q_o = gl.load(q_ptr + (head0 + on) * 128 + c_o, mask=on < G, other=0.0).to(gl.float32)
@@ -206,10 +252,11 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
             a2 = gl.expand_dims(alpha, 0)
             pb = _as_b_operand(p.to(gl.float16), PAGE, LB)
 
-            acc0 = _group_values(acc0 * a2, v_codes, v_scale, page, 0, off, e3, pb, tok_b, LA)
-            acc1 = _group_values(acc1 * a2, v_codes, v_scale, page, 1, off, e3, pb, tok_b, LA)
-            acc2 = _group_values(acc2 * a2, v_codes, v_scale, page, 2, off, e3, pb, tok_b, LA)
-            acc3 = _group_values(acc3 * a2, v_codes, v_scale, page, 3, off, e3, pb, tok_b, LA)
+            sv0, sv1, sv2, sv3 = _by_group(v_scale, page, rv, cv, gl.SliceLayout(1, LB))
+            acc0 = _group_values(acc0 * a2, v_codes, page, 0, off, e3, pb, sv0, LA)
+            acc1 = _group_values(acc1 * a2, v_codes, page, 1, off, e3, pb, sv1, LA)
+            acc2 = _group_values(acc2 * a2, v_codes, page, 2, off, e3, pb, sv2, LA)
+            acc3 = _group_values(acc3 * a2, v_codes, page, 3, off, e3, pb, sv3, LA)
 
             # the side tile [16, 64]: rows 0..3 the values' zeros (zero^T), rows 4..4+NO the outliers' deltas
             zt = gl.load(v_zero + page * SIDE + gl.expand_dims(za_t, 0) * 4 + gl.expand_dims(za_r, 1),

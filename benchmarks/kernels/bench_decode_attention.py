@@ -460,6 +460,18 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
         row.update(status="kernel" if err <= tolerance(row["ref_max_abs"]) else "wrong", ms=ms,
                    speedup=base["ms"] / ms, gbps=nbytes / ms * 1e-6, max_abs_err=err,
                    eager_ms=timer(run, cudagraph=False))
+        if "k_out_delta" in cache.tensors:  # int4: the same launch under ptxas register caps (a side study)
+            from moekv.ops.gluon.int4_decode import int4_decode_attention
+            from moekv.ops.gluon.int4_layout import fragment_view
+
+            frag = fragment_view(cache)
+            staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
+            caps = {}
+            for cap in GLUON_INT4_REGISTER_CAPS:
+                launch = lambda cap=cap: int4_decode_attention(q, frag, ctx.block_tables, ctx.context_lens,  # noqa: E731
+                                                               scale, max_registers=cap, staged=staged)
+                caps[str(cap)] = timer(launch, args.cudagraph)
+            row["max_registers_ms"] = caps
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -468,6 +480,7 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     return row
 
 
+GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 
 
@@ -746,6 +759,9 @@ def print_row(row: dict) -> None:
         print(f"  {row['format']:>9} {row['status']:>9}: {row['ms'] * 1e3:9.1f} us  x{row['speedup']:.2f} vs sdpa  "
               f"{row['gbps']:6.0f} GB/s  floor {row['floor_ms'] * 1e3:8.1f} us  err {row.get('max_abs_err')}",
               flush=True)
+        if "max_registers_ms" in row:
+            print("            register caps: " + ", ".join(f"{cap} {ms * 1e3:.1f} us"
+                                                         for cap, ms in row["max_registers_ms"].items()), flush=True)
     else:
         print(f"  {row['format']:>9} {row['status']}: {row.get('reason')}", flush=True)
 

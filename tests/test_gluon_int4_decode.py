@@ -72,7 +72,8 @@ def staging(B, Hkv, seed, device="cpu", dtype=torch.float64):
 @pytest.mark.parametrize("outlier_fraction", [0.01, 0.03])
 def test_split_reference_equals_dense_attention(G, outlier_fraction):
     """The kernel's algebra (float64) against dense attention over int4's dequantized pages: several
-    split counts (some splits empty), lengths on and off page boundaries, 1 and 4 outlier channels."""
+    split counts (some splits empty), lengths on and off page boundaries, 1 and 4 outlier channels.
+    (int4's dequantize computes in float32: ~1e-10 apart; a wrong term would be ~1e-3 or more.)"""
     Hkv = 8 // G if G > 1 else 2
     lens = [700, 64 * 3, 65, 1]
     fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G, outlier_fraction=outlier_fraction)
@@ -81,7 +82,7 @@ def test_split_reference_equals_dense_attention(G, outlier_fraction):
     ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5)
     for ns in (1, 3, 16):
         o, lse = int4_decode_split_reference(q, frag, tables, lens_t, D ** -0.5, ns)
-        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-10, rtol=1e-10), ns
+        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), ns
 
 
 @pytest.mark.parametrize("window", [None, 1, 100, 64 * 5 + 3])
@@ -96,7 +97,7 @@ def test_staged_tail_and_sliding_window(window):
     ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1, staged, window)
     for ns in (1, 3, 7):
         o, lse = int4_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, sliding_window=window)
-        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-10, rtol=1e-10), ns
+        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), ns
 
 
 def test_bad_inputs_are_refused():

@@ -517,6 +517,37 @@ class PagedQuantFormat(KVFormat):
                                scale, sliding_window)
 
 
+DECODE_KERNEL_ENV = "MOEKV_DECODE_KERNEL"  # auto | triton | gluon: whether pools feed the Gluon decode kernels
+DEFAULT_DECODE_KERNEL = "triton"  # until the Gluon path has run through the whole GPU suite (docs/journal.md)
+
+
+def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: str) -> bool:
+    """Whether a format's pools of a shape keep their pages in a Gluon decode kernel's fragment order
+    (moekv/ops/gluon/), by MOEKV_DECODE_KERNEL: 'triton' (slabs, the Triton kernel; the default,
+    DEFAULT_DECODE_KERNEL), 'gluon' (fragment order wherever the shape is `covered`, CPU included: there
+    the reference path reads it; a ValueError naming `what` the kernel covers otherwise), 'auto'
+    (fragment order on sm_90 CUDA devices with Gluon for covered shapes; slabs elsewhere)."""
+    import os
+
+    choice = os.environ.get(DECODE_KERNEL_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
+    if choice not in ("auto", "triton", "gluon"):
+        raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected 'auto', 'triton' or 'gluon'")
+    if choice == "triton":
+        return False
+    if choice == "gluon":
+        if not covered:
+            raise ValueError(f"{DECODE_KERNEL_ENV}=gluon: {what}")
+        return True
+    if not covered or not torch.cuda.is_available():
+        return False
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("triton.experimental.gluon") is not None
+
+
 def _is_decode_only(q: torch.Tensor, ctx: Context) -> bool:
     """One query token per sequence (every query_lens == 1)."""
     if q.shape[0] != ctx.num_seqs:

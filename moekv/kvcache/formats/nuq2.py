@@ -32,14 +32,20 @@ from typing import Callable
 import torch
 
 from moekv.kvcache.calibration_io import load_calibration
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
+from moekv.kvcache.formats.base import (  # noqa: F401 (DECODE_KERNEL_ENV, DEFAULT_DECODE_KERNEL re-exported)
+    DECODE_KERNEL_ENV,
+    DEFAULT_DECODE_KERNEL,
+    Field,
+    PagedQuantFormat,
+    PageLayout,
+    gluon_pages_wanted,
+    per_shape,
+)
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 NUM_CENTROIDS = 4
 KEY_MIN_OUTLIER_FRACTION = 0.005  # keys' tails cost the most (measured); values take padding only
-DECODE_KERNEL_ENV = "MOEKV_DECODE_KERNEL"  # auto | triton | gluon: see NUQ2Format.fragment_pages
-DEFAULT_DECODE_KERNEL = "triton"  # until the engine path has run through the whole GPU suite (docs/journal.md)
 KMEANS_ITERS = 8  # 1-D Lloyd from quantiles converges in a few; 20 moved the error by 0.2%
 
 
@@ -294,27 +300,11 @@ class NUQ2Format(PagedQuantFormat):
         wherever the shape is covered, CPU included: there the reference path reads it), 'auto'
         (fragment order on sm_90 CUDA devices with Gluon, for the covered shape: block_size 64,
         head_dim 128, fp16 codebooks; slabs elsewhere)."""
-        choice = os.environ.get(DECODE_KERNEL_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
-        if choice not in ("auto", "triton", "gluon"):
-            raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected 'auto', 'triton' or 'gluon'")
-        if choice == "triton":
-            return False
         covered = (block_size, head_dim) == (64, 128) and not (
             self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
                                     if name.endswith(".centroids")))
-        if choice == "gluon":
-            if not covered:
-                raise ValueError(f"{DECODE_KERNEL_ENV}=gluon: nuq2's Gluon kernel covers block_size 64, head_dim "
-                                 f"128 and fp16 codebooks, got block_size {block_size}, head_dim {head_dim}")
-            return True
-        if not covered or not torch.cuda.is_available():
-            return False
-        device = torch.device("cuda") if device is None else torch.device(device)
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-            return False
-        import importlib.util
-
-        return importlib.util.find_spec("triton.experimental.gluon") is not None
+        return gluon_pages_wanted(covered, device, "nuq2's Gluon kernel covers block_size 64, head_dim 128 and "
+                                  f"fp16 codebooks, got block_size {block_size}, head_dim {head_dim}")
 
     def page_bytes(self, num_kv_heads, block_size, head_dim) -> int:
         if self.fragment_pages(block_size, head_dim):

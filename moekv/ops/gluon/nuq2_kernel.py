@@ -20,7 +20,11 @@ loads that do not wait for the used counts, further chunks only when more than 1
     before the softmax  S^T [64, 8]  += OneHot_K [64, 16] @ W [16, 8],  W[j, n] = q[n, c_j] kd_j
                         (W as an fp16 hi + lo pair: two MMAs, ~fp32 accuracy)
     after P             P_s [16, 8]   = OneHot_V [16, 64] @ P^T        (exact: picks P's entries)
-                        O^T [128, 8] += Dv^T [128, 16] @ P_s,  Dv^T[c, j] = dv_j if c == c_j
+                        O^T [128, 8] += OneHot_C [128, 16] @ (dv * P_s)   (= Dv^T @ P_s, Dv^T[c, j] = dv_j
+                                                                            if c == c_j; dv scales P_s's rows)
+The one-hot tiles hold fp16 2.0 (one bit, 0x4000; W is halved, dv quartered: the value side has two
+one-hot products, OneHot_V and OneHot_C) and are built
+from per-column-pair bit masks, two instructions per register (_hot_rows / _hot_cols).
 The staged 16-bit tail (the newest page, in the engine's bf16 staging tensor) is one more split of the
 same launch (STAGED): its program runs one tile of plain 16-bit K and V^T through the same softmax.
 A sliding window (`window`, a huge value for none) starts the page range at the page holding the
@@ -100,6 +104,79 @@ def _softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT: gl.constexpr, LB: gl.co
     return m_new, l_i, acc, _as_b_operand(p.to(DT), s.shape[0], LB)
 
 
+HOT = gl.constexpr(2.0)  # the one-hot tiles' 1: fp16 2.0 is one bit (0x4000); the other operand is halved
+
+
+@gluon.jit
+def _hot_rows(x, row):
+    """A one-hot fp16 tile in the A-operand layout: element (r, j) = HOT where x[r, j] == row[r, j],
+    x constant down each column (slot j's token or channel, or >= 512 for none), row constant along
+    each row (r < 128). A thread holds rows r = g + 8 i (g = r % 8 its lane's) and column pairs (j,
+    j + 1) in one register: per column pair and half (r // 64) a mask with, for the row x hits, bit
+    14 - i % 8 (and 30 - i % 8 for column j + 1), computed once; then per register one shift left by
+    i % 8 and one and: the pair of fp16 2.0 / 0 values, instead of two compares and selects per element."""
+    g = row % 8
+    i = (row // 8) % 8
+    h = row // 64
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, b, t;
+        .reg .pred e, f;
+        and.b32 t, $1, 7;
+        setp.eq.u32 e, t, $3;
+        shr.u32 t, $1, 6;
+        setp.eq.and.u32 e, t, $7, e;
+        shr.u32 t, $1, 3;
+        and.b32 t, t, 7;
+        sub.u32 t, 14, t;
+        shl.b32 a, 1, t;
+        selp.b32 a, a, 0, e;
+        and.b32 t, $2, 7;
+        setp.eq.u32 f, t, $4;
+        shr.u32 t, $2, 6;
+        setp.eq.and.u32 f, t, $8, f;
+        shr.u32 t, $2, 3;
+        and.b32 t, t, 7;
+        sub.u32 t, 30, t;
+        shl.b32 b, 1, t;
+        selp.b32 b, b, 0, f;
+        or.b32 a, a, b;
+        shl.b32 a, a, $5;
+        and.b32 $0, a, 0x40004000;
+        }""",
+        constraints="=r,r,r,r,r,r,r,r,r", args=[x, g, i, h], dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _hot_cols(x, col):
+    """A one-hot fp16 tile in the A-operand layout: element (j, t) = HOT where x[j, t] == col[j, t],
+    x constant along each row (slot j's token, or >= 512 for none), col constant down each column
+    (t < 64). A thread holds column pairs (t0, t0 + 1) in one register, t0 = 2 q4 + 8 r (q4 its
+    lane's): per row a mask with bit 14 - r + 16 (x % 2) set where x // 2 % 4 == q4 and r = x // 8,
+    then one shift left by r and one and per register."""
+    q4 = (col // 2) % 4
+    r = col // 8
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, t;
+        .reg .pred e;
+        shr.u32 t, $1, 1;
+        and.b32 t, t, 3;
+        setp.eq.u32 e, t, $3;
+        setp.lt.and.u32 e, $1, 64, e;
+        and.b32 t, $1, 1;
+        shl.b32 t, t, 4;
+        shr.u32 a, $1, 3;
+        sub.u32 t, t, a;
+        add.u32 t, t, 14;
+        shl.b32 a, 1, t;
+        selp.b32 a, a, 0, e;
+        shl.b32 a, a, $5;
+        and.b32 $0, a, 0x40004000;
+        }""",
+        constraints="=r,r,r,r,r,r,r", args=[x, q4, r], dtype=gl.float16, is_pure=True, pack=2)
+
+
 @gluon.jit
 def _key_slot_chunk_load(k_idx, k_delta, c0, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
                          LB: gl.constexpr):
@@ -108,19 +185,20 @@ def _key_slot_chunk_load(k_idx, k_delta, c0, lim, q_ptr, head0, G: gl.constexpr,
     ja = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
     jb = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
     nb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-    tok_j = gl.load(k_idx + ja, mask=ja < lim, other=65535) // 128
+    tok_j = gl.load(k_idx + ja, mask=ja < lim, other=65535) >> 7
     idx_b = gl.load(k_idx + jb, mask=jb < lim, other=0)
     kd = gl.load(k_delta + jb, mask=jb < lim, other=0.0)
-    qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b % 128, 1),
+    qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b & 127, 1),
                  mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
-    return tok_j, qv * gl.expand_dims(kd, 1)
+    return tok_j, qv * gl.expand_dims(kd * (1.0 / HOT), 1)
 
 
 @gluon.jit
 def _key_slot_chunk(s, tok_j, w, LA: gl.constexpr):
     """S^T [64, 8] += OneHot_K [64, 16] @ W [16, 8], W as an fp16 hi + lo pair (two MMAs)."""
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LA))
-    hot = gl.where(gl.expand_dims(tok, 1) == gl.expand_dims(tok_j, 0), 1.0, 0.0).to(gl.float16)
+    hot = _hot_rows(gl.broadcast(gl.expand_dims(tok_j, 0), gl.expand_dims(tok, 1))[0],
+                    gl.broadcast(gl.expand_dims(tok, 1), gl.expand_dims(tok_j, 0))[0])
     w_hi = w.to(gl.float16)
     w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
     s = gl.nvidia.ampere.mma_v2(hot, w_hi, s)
@@ -128,28 +206,31 @@ def _key_slot_chunk(s, tok_j, w, LA: gl.constexpr):
 
 
 @gluon.jit
-def _value_slot_chunk_load(v_idx, v_delta, c0, lim, LA: gl.constexpr):
-    """Value slots [c0, c0 + 16) (those below lim): tokens as OneHot_V's rows, channels and deltas
-    as Dv^T's columns (unused: token 511, delta 0)."""
+def _value_slot_chunk_load(v_idx, v_delta, c0, lim, LA: gl.constexpr, MMA: gl.constexpr):
+    """Value slots [c0, c0 + 16) (those below lim): tokens as OneHot_V's rows, channels as OneHot_C's
+    columns, deltas per row of P_s (unused: token 511, delta 0)."""
     jr = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
     jc = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
-    tok_j = gl.load(v_idx + jr, mask=jr < lim, other=65535) // 128
-    chan_j = gl.load(v_idx + jc, mask=jc < lim, other=0) % 128
-    dv = gl.load(v_delta + jc, mask=jc < lim, other=0.0).to(gl.float16)
+    jm = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    tok_j = gl.load(v_idx + jr, mask=jr < lim, other=65535) >> 7
+    chan_j = gl.load(v_idx + jc, mask=jc < lim, other=0) & 127
+    dv = gl.load(v_delta + jm, mask=jm < lim, other=0.0) * (1.0 / (HOT * HOT))  # two one-hot products
     return tok_j, chan_j, dv
 
 
 @gluon.jit
 def _value_slot_chunk(acc, pb, tok_j, chan_j, dv, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
-    """O^T [128, 8] += Dv^T [128, 16] @ (OneHot_V [16, 64] @ P^T)."""
+    """O^T [128, 8] += OneHot_C [128, 16] @ (dv * (OneHot_V [16, 64] @ P^T)): P at the slots' tokens,
+    scaled by their deltas (rows of a [16, 8] tile), placed at their channels."""
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(0, LA))
     chan = gl.arange(0, 128, layout=gl.SliceLayout(1, LA))
-    hot = gl.where(gl.expand_dims(tok_j, 1) == gl.expand_dims(tok, 0), 1.0, 0.0).to(gl.float16)
+    hot = _hot_cols(gl.broadcast(gl.expand_dims(tok_j, 1), gl.expand_dims(tok, 0))[0],
+                    gl.broadcast(gl.expand_dims(tok, 0), gl.expand_dims(tok_j, 1))[0])
     p_slots = gl.nvidia.ampere.mma_v2(hot, pb, gl.zeros([16, 8], gl.float32, layout=MMA))  # P at the slots' tokens
-    psb = _as_b_operand(p_slots.to(gl.float16), 16, LB)
-    dvt = gl.where(gl.expand_dims(chan, 1) == gl.expand_dims(chan_j, 0), gl.expand_dims(dv, 0),
-                   gl.zeros([128, 16], gl.float16, layout=LA))
-    return gl.nvidia.ampere.mma_v2(dvt, psb, acc)
+    psb = _as_b_operand((p_slots * gl.expand_dims(dv, 1)).to(gl.float16), 16, LB)
+    hot_c = _hot_rows(gl.broadcast(gl.expand_dims(chan_j, 0), gl.expand_dims(chan, 1))[0],
+                      gl.broadcast(gl.expand_dims(chan, 1), gl.expand_dims(chan_j, 0))[0])
+    return gl.nvidia.ampere.mma_v2(hot_c, psb, acc)
 
 
 @gluon.jit
@@ -191,10 +272,10 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     va = gl.convert_layout(vf, LA, assert_trivial=True)
     acc = gl.nvidia.ampere.mma_v2(va, pb, acc)  # O^T [128, 8]
     if CHUNK0:
-        v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, 0, SV, LA)
+        v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, 0, SV, LA, MMA)
         acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
     for c0 in range(16 if CHUNK0 else 0, nv, 16):
-        v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, c0, nv, LA)
+        v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, c0, nv, LA, MMA)
         acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
     return m_new, l_i, acc
 

@@ -1,0 +1,296 @@
+"""The Gluon kernel of int4 decode attention (see int4_decode.py for the algebra and the reference,
+int4_layout.py for the fragment order it reads).
+
+One warp per program, program (b * Hkv + h, split): the split's pages of sequence b, KV head h, one
+64-token page per step, one group of 32 channels at a time. Swap-AB products on mma_v2 (m16n8k16),
+the group's query heads as N (padded to 8):
+    S^T [64, 8]    = sum_g scale_g * (K_g [64, 32] @ q_g^T [32, 8]) + sum_g zero_g * qsum_g + outliers
+    O^T_g [32, 8] += V^T_g [32, 64] @ (scale_g * P^T) [64, 8]
+K_g and V^T_g are A operands dequantized in registers: one 128-bit load per thread per 512-byte row
+(two rows a group), each 32-bit word's 8 nibbles turned into 4 fp16 pairs of exact integers by the
+magic-number trick (one lop3 for the and/or with 0x6400, one subtraction of 1024: two instructions a pair, plus
+three shifts a word), and a
+reshape/permute to the tile that moves no data (convert_layout(assert_trivial=True) checks it). The
+keys' per-(token, group) scale and zero act on the fp32 accumulators (one FMA each per element), the
+values' scale on P^T in fp16 per group; the values' zeros go through one more MMA (zero^T [4 -> 16, 64]
+@ P^T, accumulated apart and added per group at the end) and the outlier channels (int4 writes code 0
+there) through their q-independent deltas: keys an FMA per score, values a row of that same MMA added
+to the outlier's channel (it changes from page to page). Gluon compiles for NVIDIA GPUs only.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from moekv.ops.gluon.nuq2_kernel import _as_b_operand, _staged_tile
+
+PAGE = gl.constexpr(64)
+WORDS = gl.constexpr(1024)  # int32 words of codes per page-head
+SIDE = gl.constexpr(256)  # fp16 scales (or zeros) per page-head: 64 tokens x 4 groups
+
+
+@gluon.jit
+def _nibble_pairs(x, e):
+    """x: int32 code words broadcast over the 8 slots e of a word -> fp16 codes 0..15 (exact), slot
+    order 2k, 2k + 1 = nibbles k, k + 4 (one fp16 pair per lop3 (and 0x000f000f, or 0x6400) and sub)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m, k;
+        mov.b32 m, 0x64006400;
+        mov.b32 k, 0x000f000f;
+        lop3.b32 t, $4, k, m, 0xea;
+        sub.f16x2 $0, t, m;
+        shr.u32 t, $4, 4;
+        lop3.b32 t, t, k, m, 0xea;
+        sub.f16x2 $1, t, m;
+        shr.u32 t, $4, 8;
+        lop3.b32 t, t, k, m, 0xea;
+        sub.f16x2 $2, t, m;
+        shr.u32 t, $4, 12;
+        lop3.b32 t, t, k, m, 0xea;
+        sub.f16x2 $3, t, m;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[x, e], dtype=gl.float16, is_pure=True, pack=8)
+
+
+@gluon.jit
+def _nibble_pairs_biased(x, e):
+    """As _nibble_pairs without the subtraction: fp16 1024 + code (exact; the keys take the 1024 out
+    with their zeros: 1024 * scale * qsum)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m, k;
+        mov.b32 m, 0x64006400;
+        mov.b32 k, 0x000f000f;
+        lop3.b32 $0, $4, k, m, 0xea;
+        shr.u32 t, $4, 4;
+        lop3.b32 $1, t, k, m, 0xea;
+        shr.u32 t, $4, 8;
+        lop3.b32 $2, t, k, m, 0xea;
+        shr.u32 t, $4, 12;
+        lop3.b32 $3, t, k, m, 0xea;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[x, e], dtype=gl.float16, is_pure=True, pack=8)
+
+
+@gluon.jit
+def _key_tile(x, e3, LA: gl.constexpr):
+    """A group's two rows of key words [2, 128] -> 1024 + K_g [64 tokens, 32 channels] (codes) in the
+    A-operand layout."""
+    f = _nibble_pairs_biased(gl.expand_dims(x, 2), e3)  # [2, 128, 8]: i0, word = 4 lane + u, slot e
+    f = gl.reshape(f, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # i0, l4, l3, l2, l1, l0, u1, u0, e2, e1, e0
+    f = gl.permute(f, [0, 6, 9, 1, 2, 3, 7, 8, 4, 5, 10])  # i0, u1, e1, l4, l3, l2 | u0, e2, l1, l0, e0
+    return gl.convert_layout(gl.reshape(f, [PAGE, 32]), LA, assert_trivial=True)
+
+
+@gluon.jit
+def _value_tile(x, e3, LA: gl.constexpr):
+    """A group's two rows of value words [2, 128] -> V^T_g [32 channels, 64 tokens] in the A-operand layout."""
+    f = _nibble_pairs(gl.expand_dims(x, 2), e3)
+    f = gl.reshape(f, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # i0, l4, l3, l2, l1, l0, u1, u0, e2, e1, e0
+    f = gl.permute(f, [0, 9, 1, 2, 3, 6, 7, 8, 4, 5, 10])  # i0, e1, l4, l3, l2 | u1, u0, e2, l1, l0, e0
+    return gl.convert_layout(gl.reshape(f, [32, PAGE]), LA, assert_trivial=True)
+
+
+@gluon.jit
+def _by_group(ptr, page, rows, cols, SL: gl.constexpr):
+    """A page-head's fp16 [64 tokens, 4 groups] table (scales or zeros), each row one 8-byte load,
+    split into its 4 groups' [64] columns in the slice layout SL (the rows' layout of the consumer)."""
+    x = gl.load(ptr + page * SIDE + gl.expand_dims(rows, 1) * 4 + gl.expand_dims(cols, 0))
+    x = gl.reshape(x, [PAGE, 2, 2])  # group = 2 hi + lo
+    lo, hi = gl.split(x)
+    g0, g2 = gl.split(lo)
+    g1, g3 = gl.split(hi)
+    return (gl.convert_layout(g0, SL), gl.convert_layout(g1, SL), gl.convert_layout(g2, SL),
+            gl.convert_layout(g3, SL))
+
+
+@gluon.jit
+def _group_scores(s, k_codes, page, g: gl.constexpr, off, e3, qb, qs, sk, zk, LA: gl.constexpr,
+                  MMA: gl.constexpr):
+    """s += scale_g * (K_g @ q_g^T) + zero_g * qsum_g, from the biased codes: (1024 + K_g) @ q_g^T is
+    exact products summed in fp32, and scale_g * 1024 * qsum_g leaves with the zeros' term."""
+    ka = _key_tile(gl.load(k_codes + page * WORDS + g * 256 + off), e3, LA)
+    part = gl.nvidia.ampere.mma_v2(ka, qb, gl.zeros([PAGE, 8], gl.float32, layout=MMA))
+    sk = sk.to(gl.float32)
+    zk = zk.to(gl.float32) - 1024.0 * sk
+    return s + part * gl.expand_dims(sk, 1) + gl.expand_dims(zk, 1) * gl.expand_dims(qs, 0)
+
+
+@gluon.jit
+def _group_values(acc, v_codes, page, g: gl.constexpr, off, e3, pb, sv, LA: gl.constexpr):
+    """O^T_g += V^T_g @ (scale_g * P^T)."""
+    va = _value_tile(gl.load(v_codes + page * WORDS + g * 256 + off), e3, LA)
+    return gl.nvidia.ampere.mma_v2(va, pb * gl.expand_dims(sv, 1), acc)
+
+
+@gluon.jit
+def _q_group(q_ptr, head0, g: gl.constexpr, G: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+    """q_g^T [32, 8] as the fp16 B operand, and qsum_g [8] (fp32, the scores' column layout)."""
+    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
+    qk = gl.arange(0, 32, layout=gl.SliceLayout(1, QL))
+    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
+    q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + g * 32 + qk[:, None],
+                  mask=(qn[None, :] < G) & (qk[:, None] < 32), other=0.0).to(gl.float16)
+    qs = gl.convert_layout(gl.sum(q_t.to(gl.float32), axis=0), gl.SliceLayout(0, MMA))  # of what the MMA sums
+    return gl.convert_layout(q_t, LB), qs
+
+
+@gluon.jit
+def _add_at_channel(acc, g: gl.constexpr, chan, c_o, x_o):
+    """acc (O^T_g [32, 8]) += x_o [8] at row c_o - 32 g when the channel c_o is in group g."""
+    hit = gl.expand_dims(chan + g * 32 == c_o, 1)
+    return acc + gl.where(hit, gl.expand_dims(x_o, 0), 0.0)
+
+
+@gluon.jit
+def _store_group(part_o, acc, zacc, zrow, g: gl.constexpr, l_safe, row, chan, on, G: gl.constexpr):
+    """The split's normalised output of group g's 32 channels (the group's zero term added)."""
+    z_g = gl.sum(gl.where(gl.expand_dims(zrow == g, 1), zacc, 0.0), axis=0)  # [8]
+    o = (acc + gl.expand_dims(z_g, 0)) / gl.expand_dims(l_safe, 0)
+    gl.store(part_o + gl.expand_dims(row, 0) * 128 + g * 32 + gl.expand_dims(chan, 1), o,
+             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(chan < 32, 1))
+
+
+@gluon.jit
+def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oidx, k_odelta, v_oidx, v_odelta,
+                       q_ptr, block_tables, stride_bt, context_lens, seq_slots,
+                       k_stage, v_stage, stride_ss, stride_sh, stride_st,
+                       part_o, part_lse, qk_scale, window, num_splits, ns_total,
+                       HKV: gl.constexpr, G: gl.constexpr, NO: gl.constexpr, STAGED: gl.constexpr):
+    """k_codes, v_codes int32 [N, HKV, 1024] (fragment order); k_scale, k_zero, v_scale, v_zero fp16
+    [N, HKV, 64, 4]; k_oidx, v_oidx int32 [N, HKV, NO]; k_odelta, v_odelta fp32 [N, HKV, 64, NO];
+    q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from ((len - 1) // 64) * 64 on are in
+    k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split num_splits (nuq2's staged
+    tile); window: the sliding window (a huge value for none); part_o fp32 [B, HKV * G, ns_total, 128],
+    part_lse fp32 [B, HKV * G, ns_total]."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    # code words [2 rows, 128 words, 8 slots (broadcast)]: register order slot, word, row
+    L3: gl.constexpr = gl.BlockedLayout([2, 4, 8], [1, 32, 1], [1, 1, 1], [2, 1, 0])
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    # [64 tokens, 4 groups] side tables, a row's 4 groups in one thread: rows as the scores' rows (keys)
+    # and as P^T's rows (values)
+    LSK: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0], [16, 0], [32, 0]],
+                                                   [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], [], [], [64, 4])
+    LSV: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
+                                                   [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], [], [], [64, 4])
+
+    bh = gl.program_id(0)
+    split = gl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    length = gl.load(context_lens + b)
+    quantized = length
+    if STAGED:
+        quantized = ((length - 1) // PAGE) * PAGE  # the newest page, even when full, is in staging
+    first = gl.maximum(length - window, 0)  # the sliding window's oldest token
+    num_pages = gl.cdiv(quantized, PAGE)
+    page_lo = gl.minimum(first // PAGE, num_pages)
+    per = gl.cdiv(num_pages - page_lo, num_splits)
+    p0 = gl.minimum(page_lo + split * per, num_pages)
+    p1 = gl.minimum(p0 + per, num_pages)
+    bt_row = block_tables + b.to(gl.int64) * stride_bt
+    head0 = b.to(gl.int64) * (HKV * G) + h * G
+
+    m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    row = (head0 + on) * ns_total + split  # [8]
+    if split < num_splits:
+        qb0, qs0 = _q_group(q_ptr, head0, 0, G, LB, MMA)
+        qb1, qs1 = _q_group(q_ptr, head0, 1, G, LB, MMA)
+        qb2, qs2 = _q_group(q_ptr, head0, 2, G, LB, MMA)
+        qb3, qs3 = _q_group(q_ptr, head0, 3, G, LB, MMA)
+
+        wr = gl.arange(0, 2, layout=gl.SliceLayout(1, L2))
+        ww = gl.arange(0, 128, layout=gl.SliceLayout(0, L2))
+        off = wr[:, None] * 128 + ww[None, :]
+        e3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
+        tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))  # scores' rows
+        rk = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LSK))
+        ck = gl.arange(0, 4, layout=gl.SliceLayout(0, LSK))
+        rv = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LSV))
+        cv = gl.arange(0, 4, layout=gl.SliceLayout(0, LSV))
+        chan = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
+        zrow = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        za_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))  # the side tile's rows: 0..3 zeros, 4.. outliers
+        za_t = gl.arange(0, PAGE, layout=gl.SliceLayout(0, LA))
+
+        acc0 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        zacc = gl.zeros([16, 8], gl.float32, layout=MMA)  # rows 0..3: sum_t zero[t, g] P[t, n]
+
+        for pg in range(p0, p1):
+            page = gl.load(bt_row + pg).to(gl.int64) * HKV + h
+            s = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
+            sk0, sk1, sk2, sk3 = _by_group(k_scale, page, rk, ck, gl.SliceLayout(1, MMA))
+            zk0, zk1, zk2, zk3 = _by_group(k_zero, page, rk, ck, gl.SliceLayout(1, MMA))
+            s = _group_scores(s, k_codes, page, 0, off, e3, qb0, qs0, sk0, zk0, LA, MMA)
+            s = _group_scores(s, k_codes, page, 1, off, e3, qb1, qs1, sk1, zk1, LA, MMA)
+            s = _group_scores(s, k_codes, page, 2, off, e3, qb2, qs2, sk2, zk2, LA, MMA)
+            s = _group_scores(s, k_codes, page, 3, off, e3, qb3, qs3, sk3, zk3, LA, MMA)
+            for o in gl.static_range(NO):  # outlier channels: delta_k[t] * q[n, c_o]
+                c_o = gl.load(k_oidx + page * NO + o)
+                q_o = gl.load(q_ptr + (head0 + on) * 128 + c_o, mask=on < G, other=0.0).to(gl.float32)
+                d_k = gl.load(k_odelta + page * (PAGE * NO) + tok * NO + o)
+                s = s + gl.expand_dims(d_k, 1) * gl.expand_dims(q_o, 0)
+
+            s = s * qk_scale
+            pos = pg * PAGE + tok
+            s = gl.where(gl.expand_dims((pos < length) & (pos >= first), 1), s, -float("inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - gl.expand_dims(m_new, 0))
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            a2 = gl.expand_dims(alpha, 0)
+            pb = _as_b_operand(p.to(gl.float16), PAGE, LB)
+
+            sv0, sv1, sv2, sv3 = _by_group(v_scale, page, rv, cv, gl.SliceLayout(1, LB))
+            acc0 = _group_values(acc0 * a2, v_codes, page, 0, off, e3, pb, sv0, LA)
+            acc1 = _group_values(acc1 * a2, v_codes, page, 1, off, e3, pb, sv1, LA)
+            acc2 = _group_values(acc2 * a2, v_codes, page, 2, off, e3, pb, sv2, LA)
+            acc3 = _group_values(acc3 * a2, v_codes, page, 3, off, e3, pb, sv3, LA)
+
+            # the side tile [16, 64]: rows 0..3 the values' zeros (zero^T), rows 4..4+NO the outliers' deltas
+            zt = gl.load(v_zero + page * SIDE + gl.expand_dims(za_t, 0) * 4 + gl.expand_dims(za_r, 1),
+                         mask=gl.expand_dims(za_r < 4, 1) & gl.expand_dims(za_t < PAGE, 0), other=0.0)
+            dt = gl.load(v_odelta + page * (PAGE * NO) + gl.expand_dims(za_t, 0) * NO + gl.expand_dims(za_r - 4, 1),
+                         mask=gl.expand_dims((za_r >= 4) & (za_r < 4 + NO), 1) & gl.expand_dims(za_t < PAGE, 0),
+                         other=0.0).to(gl.float16)
+            x = gl.nvidia.ampere.mma_v2(zt + dt, pb, gl.zeros([16, 8], gl.float32, layout=MMA))
+            zacc = zacc * a2 + gl.where(gl.expand_dims(zrow < 4, 1), x, 0.0)
+            for o in gl.static_range(NO):  # outlier channel c_o += sum_t delta_v[t] P[t, n], this page's channel
+                x_o = gl.sum(gl.where(gl.expand_dims(zrow == 4 + o, 1), x, 0.0), axis=0)
+                c_o = gl.load(v_oidx + page * NO + o)
+                acc0 = _add_at_channel(acc0, 0, chan, c_o, x_o)
+                acc1 = _add_at_channel(acc1, 1, chan, c_o, x_o)
+                acc2 = _add_at_channel(acc2, 2, chan, c_o, x_o)
+                acc3 = _add_at_channel(acc3, 3, chan, c_o, x_o)
+        # the split's partial: normalised output and log2 of its mass (0 and -inf when empty)
+        nonempty = l_i > 0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        _store_group(part_o, acc0, zacc, zrow, 0, l_safe, row, chan, on, G)
+        _store_group(part_o, acc1, zacc, zrow, 1, l_safe, row, chan, on, G)
+        _store_group(part_o, acc2, zacc, zrow, 2, l_safe, row, chan, on, G)
+        _store_group(part_o, acc3, zacc, zrow, 3, l_safe, row, chan, on, G)
+    elif STAGED:  # the 16-bit tail: nuq2's staged tile (plain K and V^T, O^T [128, 8])
+        slot = gl.load(seq_slots + b).to(gl.int64)
+        base = slot * stride_ss + h * stride_sh
+        acc = gl.zeros([128, 8], gl.float32, layout=MMA)
+        m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+                                     qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
+        nonempty = l_i > 0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        od = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+        gl.store(part_o + gl.expand_dims(row, 0) * 128 + gl.expand_dims(od, 1), acc / gl.expand_dims(l_safe, 0),
+                 mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < 128, 1))
+    nonempty = l_i > 0
+    lse = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), -float("inf"))
+    gl.store(part_lse + row, lse, mask=on < G)

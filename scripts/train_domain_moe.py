@@ -84,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seq_len:fraction of progress, in order")
     o.add_argument("--token-budget", type=float, default=131072 * 1000,
                    help="training tokens; sets the step count (--tokens-per-step) and the pass cap's budget")
+    o.add_argument("--curriculum-gate", type=float, default=None, metavar="NATS",
+                   help="hold the curriculum's first length until the logged passkey answer loss is below NATS "
+                        "(or --curriculum-gate-max of progress has passed); the later lengths then share what is left")
+    o.add_argument("--curriculum-gate-max", type=float, default=0.6, help="progress at which the gate opens anyway")
     o.add_argument("--max-steps", type=int, default=None, help="default: --token-budget / --tokens-per-step")
     o.add_argument("--time-budget-s", type=float, default=1e9,
                    help="a safety cap on training time: the schedule ends early when it is reached")
@@ -167,6 +171,22 @@ def seq_len_at(plan: list[tuple[int, float]], progress: float) -> int:
         if progress < acc:
             return length
     return plan[-1][0]
+
+
+def gated_seq_len(plan: list[tuple[int, float]], progress: float, opened_at: float | None) -> int:
+    """The curriculum with its first length held until a gate opened at progress `opened_at` (None: still
+    closed); the phases after the first keep their relative shares of the progress left after max(opened_at,
+    the first phase's planned end)."""
+    first_end = plan[0][1]
+    if opened_at is None:
+        return plan[0][0]
+    start = max(opened_at, first_end)
+    if progress < start or len(plan) == 1:
+        return plan[0][0]
+    rest = plan[1:]
+    scale = sum(f for _, f in rest)
+    x = (progress - start) / max(1e-12, 1.0 - start)  # 0..1 over the later phases
+    return seq_len_at([(length, f / scale) for length, f in rest], x)
 
 
 def lr_at(progress: float, args: argparse.Namespace) -> float:
@@ -602,12 +622,16 @@ def main(argv: list[str] | None = None) -> dict:
     acc = dict.fromkeys(("lm", "copy", "ans", "bal", "n", "copy_n", "ans_n"), 0.0)
     eval_lengths = [int(x) for x in args.eval_lengths.split(",")]
     seq_len = args.curriculum_plan[0][0]
+    gate_opened_at = None if args.curriculum_gate is not None else 0.0
     while True:
         elapsed = time.time() - t_train0
         progress = max(step / args.max_steps, elapsed / args.time_budget_s)
         if progress >= 1.0:
             break
-        seq_len = seq_len_at(args.curriculum_plan, progress)
+        if gate_opened_at is None and progress >= args.curriculum_gate_max:
+            gate_opened_at = progress
+            log({"kind": "gate", "step": step, "tokens": tokens, "progress": progress, "reason": "max"})
+        seq_len = gated_seq_len(args.curriculum_plan, progress, gate_opened_at)
         n_rows = max(1, args.tokens_per_step // seq_len)
         lr = lr_at(progress, args)
         for g in opt.param_groups:
@@ -651,6 +675,10 @@ def main(argv: list[str] | None = None) -> dict:
                    "grad_norm": gnorm.item(), "elapsed_s": round(el, 1),
                    "tokens_per_s": round(tokens / max(1e-9, el - eval_s))}
             log(row)
+            if gate_opened_at is None and row["answer_loss"] < args.curriculum_gate and acc["ans_n"] > 0:
+                gate_opened_at = progress
+                log({"kind": "gate", "step": step, "tokens": tokens, "progress": progress, "reason": "answer_loss"})
+                print(f"[train] curriculum gate open at step {step} (answer loss {row['answer_loss']:.3f})", flush=True)
             print(f"[train] step {step} len {seq_len} lr {lr:.2e} lm {row['lm_loss']:.3f} copy "
                   f"{row['copy_loss']:.3f} answer {row['answer_loss']:.3f} bal {row['balance']:.3f} "
                   f"{row['tokens_per_s']:,} tok/s {el:.0f}s", flush=True)

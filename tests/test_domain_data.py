@@ -190,6 +190,20 @@ def test_batch_masks_and_curriculum():
         train.parse_weights("poetry:1")
 
 
+def test_gated_curriculum_holds_the_first_length_then_shares_the_rest():
+    plan = train.parse_curriculum("512:0.3,1024:0.2,2048:0.2,4096:0.3")
+    # gate open from the start (no gate): the plain curriculum
+    for p in (0.0, 0.29, 0.31, 0.49, 0.51, 0.69, 0.71, 0.99):
+        assert train.gated_seq_len(plan, p, 0.0) == train.seq_len_at(plan, p)
+    # closed: the first length, even past its planned end
+    assert {train.gated_seq_len(plan, p, None) for p in (0.0, 0.5, 0.99)} == {512}
+    # opened at 0.6: 512 until 0.6, then 1024 / 2048 / 4096 over 0.6..1 in shares 2:2:3 (ends 0.714, 0.829, 1)
+    got = {p: train.gated_seq_len(plan, p, 0.6) for p in (0.59, 0.61, 0.71, 0.72, 0.82, 0.84, 0.999)}
+    assert got == {0.59: 512, 0.61: 1024, 0.71: 1024, 0.72: 2048, 0.82: 2048, 0.84: 4096, 0.999: 4096}
+    # opened before the first phase's planned end: the plan as written
+    assert [train.gated_seq_len(plan, p, 0.1) for p in (0.2, 0.35, 0.6, 0.8)] == [512, 1024, 2048, 4096]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (prep.DEFAULT_DATA_DIR / prep.NOVELS[0]).is_file(),
                     reason="needs the shared training data beside the repository (../shared/data)")

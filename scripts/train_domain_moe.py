@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto weights: at most this many passes over a domain's training tokens in the budget")
     d.add_argument("--fill-domain", default="math", help="auto weights: the domain that takes what the cap leaves")
     d.add_argument("--copy-frac", type=float, default=0.1)
+    d.add_argument("--copy-source", choices=("random", "text"), default="random",
+                   help="copy rows repeat random token ids (default) or the row's own text (the shipped model)")
     d.add_argument("--passkey-frac", type=float, default=0.25)
     d.add_argument("--answer-loss-weight", type=float, default=1.0,
                    help="extra loss term: mean loss of the passkey answer tokens times this")
@@ -204,17 +206,25 @@ def window(stream: np.ndarray, length: int, rng: random.Random) -> list[int]:
     return stream[start : start + length].tolist()
 
 
-def copy_row(stream: np.ndarray, length: int, rng: random.Random,
-             vocab_size: int) -> tuple[list[int], list[int], list[int]]:
-    """A window of `stream` with a span of s random token ids (1..vocab_size-1) written over [a, a+s) and
-    again over [b, b+s), b >= a+s: the repeat can only be predicted by copying the first span.
+def copy_row(stream: np.ndarray, length: int, rng: random.Random, vocab_size: int,
+             source: str = "random") -> tuple[list[int], list[int], list[int]]:
+    """A window of `stream` whose span [a, a+s) is repeated over [b, b+s), b >= a+s.
 
-    Returns (ids, copied positions [b, b+s), noise positions [a, a+s): targets no model can predict).
+    source "random": the span is s random token ids (1..vocab_size-1), written at both places, so the
+    repeat can only be predicted by copying; "text": the window's own text at [a, a+s) (the shipped
+    model's rows, whose spans the model could recall from memory instead).
+    Returns (ids, copied positions [b, b+s), noise positions: [a, a+s) for random spans (targets no
+    model can predict), none for text).
     """
     ids = window(stream, length, rng)
     s = rng.randint(min(64, length // 4), min(256, length // 4))
     a = rng.randrange(0, length - 2 * s + 1)
     b = rng.randrange(a + s, length - s + 1)
+    if source == "text":
+        ids[b : b + s] = ids[a : a + s]
+        return ids, list(range(b, b + s)), []
+    if source != "random":
+        raise ValueError(f"copy source {source!r}: use 'random' or 'text'")
     span = [rng.randrange(1, vocab_size) for _ in range(s)]
     ids[a : a + s] = span
     ids[b : b + s] = span
@@ -313,7 +323,7 @@ def make_batch(streams: dict, encode, length: int, n_rows: int, weights: dict[st
             row, pos = passkey_row(encode, streams[name], length, rng)
             answer_mask[i, pos] = True
         elif u < args.passkey_frac + args.copy_frac:
-            row, pos, noise = copy_row(streams[name], length, rng, vocab_size)
+            row, pos, noise = copy_row(streams[name], length, rng, vocab_size, args.copy_source)
             copy_mask[i, pos] = True
             noise_mask[i, noise] = True
         else:

@@ -123,6 +123,19 @@ def test_copy_row_repeats_a_random_span_and_marks_the_first_as_noise():
         assert set(outside) == {7}
 
 
+def test_copy_row_from_text_repeats_an_earlier_span():
+    stream = np.arange(50_000, dtype=np.uint16)  # all distinct, so a repeat can only come from the copy
+    rng = random.Random(2)
+    for length in (512, 4096):
+        ids, pos, noise = train.copy_row(stream, length, rng, vocab_size=4096, source="text")
+        assert len(ids) == length and 64 <= len(pos) <= 256 and noise == []
+        span = ids[pos[0] : pos[-1] + 1]
+        first = ids.index(span[0])
+        assert first < pos[0] and ids[first : first + len(span)] == span
+    with pytest.raises(ValueError):
+        train.copy_row(stream, 512, rng, vocab_size=4096, source="poetry")
+
+
 SIZES = {"prose": 1_894_191, "drama": 367_193, "code": 3_243_128, "math": 4_381_833}
 
 

@@ -4,26 +4,33 @@
 Input: the folder written by scripts/prepare_domain_data.py (tokenizer, uint16 token streams per
 domain, held-out text). Each training row is one domain's text (so experts can specialise by
 domain); on top of plain language modelling, two kinds of rows teach retrieval:
-  copy rows     (--copy-frac)     a span of 64-256 tokens of the row reappears later in the row: the
-                                  loss on the repeat is dense copy supervision (induction heads);
+  copy rows     (--copy-frac)     a span of 64-256 RANDOM tokens is written into the row and repeated
+                                  later: the repeat is predictable only by copying (induction heads),
+                                  never from memory; the first span is left out of the loss (noise);
   passkey rows  (--passkey-frac)  moekv.eval.needle.build_prompt at a random length and depth with
                                   filler from a random training domain, followed by the key; the key
                                   tokens get an extra loss term (--answer-loss-weight).
+Domain mixture (--domain-weights auto): rows are drawn from the domains in proportion to their
+training tokens, and no domain is seen more than --max-passes times over the run's token budget
+(--token-budget, which also sets the step count); if the budget would pass the cap, the capped
+domains keep --max-passes and the rest of the tokens go to generated math (`domain_mixture`).
 A length curriculum (--curriculum) starts with short rows and ends at 4096 with the same number of
-tokens per step. The schedule (warmup, cosine, curriculum) runs on progress = max(step / --max-steps,
-elapsed / --time-budget-s), so a time-limited run still finishes its schedule. Router balance: the
+tokens per step. The schedule (warmup, cosine, curriculum) runs on progress = max(step / max_steps,
+elapsed / --time-budget-s), so a run cut by time still finishes its schedule. Router balance: the
 usual per-layer Switch-Transformer load-balancing loss (coefficient --aux-loss-coef).
+Every --eval-every-tokens the held-out loss of each domain is measured and logged; the checkpoint
+with the lowest mean held-out loss (unweighted over domains) is the one written out.
 
 Output (--out, at most 8 files: what a GPU call can return):
-  model.safetensors.part0, .part1   bf16 save_pretrained weights split in <= 15 MiB parts
-                                    (rewritten at every checkpoint, every --checkpoint-every-s)
+  model.safetensors.part0, .part1   bf16 save_pretrained weights split in <= 15 MiB parts: the
+                                    best held-out checkpoint so far (rewritten when it improves)
   config.json                       MixtralConfig
   train_log.jsonl                   one JSON object per logged step / evaluation
   eval.json                         final held-out loss per domain and passkey accuracy
   loss_curve.png                    (when matplotlib is there)
 Join the parts with `cat model.safetensors.part* > model.safetensors`.
 
-  python scripts/train_domain_moe.py --data /tmp/domain-data --out /tmp/run --time-budget-s 440
+  python scripts/train_domain_moe.py --data /tmp/domain-data --out /tmp/run --token-budget 131072000
   python scripts/train_domain_moe.py --data /tmp/domain-smoke --out /tmp/run-smoke --smoke   # CPU, < 1 min
   python scripts/train_domain_moe.py --data models/domain-moe --out /tmp/ev --evaluate-only models/domain-moe \
       --device cpu --eval-lengths 1024 --eval-keys 1     # re-evaluate a checkpoint (its folder holds heldout/)
@@ -75,8 +82,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--tokens-per-step", type=int, default=131072)
     o.add_argument("--curriculum", default="512:0.15,1024:0.15,2048:0.2,4096:0.5",
                    help="seq_len:fraction of progress, in order")
-    o.add_argument("--max-steps", type=int, default=100000)
-    o.add_argument("--time-budget-s", type=float, default=440.0, help="training time; the schedule follows it")
+    o.add_argument("--token-budget", type=float, default=131072 * 1000,
+                   help="training tokens; sets the step count (--tokens-per-step) and the pass cap's budget")
+    o.add_argument("--curriculum-gate", type=float, default=None, metavar="NATS",
+                   help="hold the curriculum's first length until the logged passkey answer loss is below NATS "
+                        "(or --curriculum-gate-max of progress has passed); the later lengths then share what is left")
+    o.add_argument("--curriculum-gate-max", type=float, default=0.6, help="progress at which the gate opens anyway")
+    o.add_argument("--max-steps", type=int, default=None, help="default: --token-budget / --tokens-per-step")
+    o.add_argument("--time-budget-s", type=float, default=1e9,
+                   help="a safety cap on training time: the schedule ends early when it is reached")
     o.add_argument("--lr", type=float, default=2e-3)
     o.add_argument("--min-lr-ratio", type=float, default=0.1)
     o.add_argument("--warmup", type=float, default=0.03, help="fraction of progress")
@@ -84,8 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--grad-clip", type=float, default=1.0)
     o.add_argument("--aux-loss-coef", type=float, default=0.01)
     d = p.add_argument_group("data mixture")
-    d.add_argument("--domain-weights", default="prose:0.3,drama:0.15,code:0.35,math:0.2")
+    d.add_argument("--domain-weights", default="auto",
+                   help="auto (proportional to training tokens under --max-passes) or name:w,... (fixed)")
+    d.add_argument("--max-passes", type=float, default=16.0,
+                   help="auto weights: at most this many passes over a domain's training tokens in the budget")
+    d.add_argument("--fill-domain", default="math", help="auto weights: the domain that takes what the cap leaves")
     d.add_argument("--copy-frac", type=float, default=0.1)
+    d.add_argument("--copy-source", choices=("random", "text"), default="random",
+                   help="copy rows repeat random token ids (default) or the row's own text (the shipped model)")
     d.add_argument("--passkey-frac", type=float, default=0.25)
     d.add_argument("--answer-loss-weight", type=float, default=1.0,
                    help="extra loss term: mean loss of the passkey answer tokens times this")
@@ -93,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--seed", type=int, default=1234)
     r.add_argument("--device", default="auto")
     r.add_argument("--log-every", type=int, default=20)
-    r.add_argument("--checkpoint-every-s", type=float, default=120.0)
+    r.add_argument("--eval-every-tokens", type=float, default=10e6,
+                   help="held-out loss per domain (and a passkey spot check) every this many training tokens")
     r.add_argument("--eval-lengths", default="1024,2048,4096")
     r.add_argument("--eval-depths", default="0,0.25,0.5,0.75,1")
     r.add_argument("--eval-keys", type=int, default=5, help="passkeys per (length, depth, filler domain)")
@@ -106,12 +127,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.hidden_size, args.num_layers, args.intermediate_size = 64, 2, 32
         args.num_heads, args.num_kv_heads, args.head_dim, args.num_experts = 2, 1, 32, 4
         args.max_position_embeddings = 512
-        args.tokens_per_step, args.max_steps, args.log_every = 1024, 8, 2
+        args.tokens_per_step, args.token_budget, args.log_every = 1024, 8 * 1024, 2
+        args.eval_every_tokens = 3 * 1024
         args.curriculum = "128:0.5,256:0.5"
         args.eval_lengths, args.eval_depths, args.eval_keys = "256", "0,1", 1
         args.heldout_max_tokens = 1024
     args.curriculum_plan = parse_curriculum(args.curriculum)
-    args.domain_weight_map = parse_weights(args.domain_weights)
+    if args.max_steps is None:
+        args.max_steps = max(1, int(args.token_budget // args.tokens_per_step))
+    args.domain_weight_map = None if args.domain_weights == "auto" else parse_weights(args.domain_weights)
+    if args.fill_domain not in DOMAINS:
+        p.error(f"--fill-domain must be one of {', '.join(DOMAINS)}")
     if max(s for s, _ in args.curriculum_plan) > args.max_position_embeddings:
         p.error("a curriculum length exceeds --max-position-embeddings")
     if args.copy_frac + args.passkey_frac > 1:
@@ -149,6 +175,22 @@ def seq_len_at(plan: list[tuple[int, float]], progress: float) -> int:
     return plan[-1][0]
 
 
+def gated_seq_len(plan: list[tuple[int, float]], progress: float, opened_at: float | None) -> int:
+    """The curriculum with its first length held until a gate opened at progress `opened_at` (None: still
+    closed); the phases after the first keep their relative shares of the progress left after max(opened_at,
+    the first phase's planned end)."""
+    first_end = plan[0][1]
+    if opened_at is None:
+        return plan[0][0]
+    start = max(opened_at, first_end)
+    if progress < start or len(plan) == 1:
+        return plan[0][0]
+    rest = plan[1:]
+    scale = sum(f for _, f in rest)
+    x = (progress - start) / max(1e-12, 1.0 - start)  # 0..1 over the later phases
+    return seq_len_at([(length, f / scale) for length, f in rest], x)
+
+
 def lr_at(progress: float, args: argparse.Namespace) -> float:
     if progress < args.warmup:
         return args.lr * max(progress / args.warmup, 0.01)
@@ -164,14 +206,78 @@ def window(stream: np.ndarray, length: int, rng: random.Random) -> list[int]:
     return stream[start : start + length].tolist()
 
 
-def copy_row(stream: np.ndarray, length: int, rng: random.Random) -> tuple[list[int], list[int]]:
-    """A window whose span [a, a+s) is copied over [b, b+s), b >= a+s; returns (ids, copied positions)."""
+def copy_row(stream: np.ndarray, length: int, rng: random.Random, vocab_size: int,
+             source: str = "random") -> tuple[list[int], list[int], list[int]]:
+    """A window of `stream` whose span [a, a+s) is repeated over [b, b+s), b >= a+s.
+
+    source "random": the span is s random token ids (1..vocab_size-1), written at both places, so the
+    repeat can only be predicted by copying; "text": the window's own text at [a, a+s) (the shipped
+    model's rows, whose spans the model could recall from memory instead).
+    Returns (ids, copied positions [b, b+s), noise positions: [a, a+s) for random spans (targets no
+    model can predict), none for text).
+    """
     ids = window(stream, length, rng)
     s = rng.randint(min(64, length // 4), min(256, length // 4))
     a = rng.randrange(0, length - 2 * s + 1)
     b = rng.randrange(a + s, length - s + 1)
-    ids[b : b + s] = ids[a : a + s]
-    return ids, list(range(b, b + s))
+    if source == "text":
+        ids[b : b + s] = ids[a : a + s]
+        return ids, list(range(b, b + s)), []
+    if source != "random":
+        raise ValueError(f"copy source {source!r}: use 'random' or 'text'")
+    span = [rng.randrange(1, vocab_size) for _ in range(s)]
+    ids[a : a + s] = span
+    ids[b : b + s] = span
+    return ids, list(range(b, b + s)), list(range(a, a + s))
+
+
+def domain_mixture(sizes: dict[str, int], budget: float, max_passes: float,
+                   fill: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(row weight per domain, passes over each domain's training tokens) for a run of `budget` tokens.
+
+    Weights are proportional to the domains' training tokens, which gives every domain budget / total
+    passes, while that is at most `max_passes`. Above it every domain but `fill` is held at
+    `max_passes` and `fill` takes the remaining tokens (its passes are then above the cap:
+    `generated_math_tokens` says how many fresh tokens bring them back under it).
+    """
+    if max_passes <= 0 or budget <= 0:
+        raise ValueError(f"budget ({budget}) and max_passes ({max_passes}) must be > 0")
+    if fill not in sizes:
+        raise ValueError(f"fill domain {fill!r} is not among {sorted(sizes)}")
+    total = sum(sizes.values())
+    if budget / total <= max_passes:
+        weights = {n: size / total for n, size in sizes.items()}
+    else:
+        weights = {n: max_passes * size / budget for n, size in sizes.items() if n != fill}
+        weights[fill] = 1.0 - sum(weights.values())
+        if weights[fill] < 0:  # only if the other domains alone exceed the budget at the cap (impossible here)
+            raise ValueError("the capped domains exceed the budget")
+    passes = {n: weights[n] * budget / sizes[n] for n in sizes}
+    return {n: weights[n] for n in sizes}, passes
+
+
+def generated_math_tokens(sizes: dict[str, int], budget: float, max_passes: float, fill: str) -> int:
+    """Fresh `fill` tokens to add so that no domain passes `max_passes` (0 when the cap holds already)."""
+    _, passes = domain_mixture(sizes, budget, max_passes, fill)
+    if passes[fill] <= max_passes:
+        return 0
+    return math.ceil(budget / max_passes - sum(sizes.values()))
+
+
+def extend_math(stream: np.ndarray, encode, eot_id: int, n_tokens: int, seed: int) -> np.ndarray:
+    """`stream` followed by at least n_tokens of fresh exercises (prepare_domain_data's generator, a seed
+    neither its training part (seed) nor its held-out part (seed + 1) uses)."""
+    if n_tokens <= 0:
+        return stream
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from prepare_domain_data import math_document
+
+    rng = random.Random(f"fresh-math-{seed}")
+    extra: list[int] = []
+    while len(extra) < n_tokens:
+        extra.append(eot_id)
+        extra.extend(encode(math_document(rng, rng.randrange(10, 41))))
+    return np.concatenate([stream, np.asarray(extra, dtype=stream.dtype)])
 
 
 def passkey_row(encode, stream: np.ndarray, length: int, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -196,28 +302,35 @@ def passkey_row(encode, stream: np.ndarray, length: int, rng: random.Random) -> 
     return ids[:length], positions
 
 
-def make_batch(streams: dict, encode, length: int, n_rows: int, args, rng: random.Random):
-    """(ids (n_rows, length) long, copy mask, answer mask, domain index per row)."""
-    names = list(args.domain_weight_map)
-    weights = [args.domain_weight_map[n] for n in names]
+def make_batch(streams: dict, encode, length: int, n_rows: int, weights: dict[str, float], args,
+               rng: random.Random, vocab_size: int):
+    """(ids (n_rows, length) long, copy mask, answer mask, noise mask, domain index per row).
+
+    Noise positions (copy rows' random first span) are left out of the LM loss.
+    """
+    names = list(weights)
+    w = [weights[n] for n in names]
     ids = np.zeros((n_rows, length), dtype=np.int64)
     copy_mask = np.zeros((n_rows, length), dtype=bool)
     answer_mask = np.zeros((n_rows, length), dtype=bool)
+    noise_mask = np.zeros((n_rows, length), dtype=bool)
     dom = []
     for i in range(n_rows):
-        name = rng.choices(names, weights)[0]
+        name = rng.choices(names, w)[0]
         dom.append(DOMAINS.index(name))
         u = rng.random()
         if u < args.passkey_frac:
             row, pos = passkey_row(encode, streams[name], length, rng)
             answer_mask[i, pos] = True
         elif u < args.passkey_frac + args.copy_frac:
-            row, pos = copy_row(streams[name], length, rng)
+            row, pos, noise = copy_row(streams[name], length, rng, vocab_size, args.copy_source)
             copy_mask[i, pos] = True
+            noise_mask[i, noise] = True
         else:
             row = window(streams[name], length, rng)
         ids[i] = row
-    return torch.from_numpy(ids), torch.from_numpy(copy_mask), torch.from_numpy(answer_mask), dom
+    return (torch.from_numpy(ids), torch.from_numpy(copy_mask), torch.from_numpy(answer_mask),
+            torch.from_numpy(noise_mask), dom)
 
 
 # --------------------------------------------------------------------------- #
@@ -299,12 +412,16 @@ def save_parts(model, out: Path, step: int) -> None:
 # Evaluation
 # --------------------------------------------------------------------------- #
 @torch.no_grad()
-def heldout_losses(model, tok, data: Path, window_len: int, device, max_tokens: int | None = None) -> dict:
+def heldout_losses(model, tok, data: Path, window_len: int, device, max_tokens: int | None = None,
+                   cache: dict | None = None) -> dict:
     """Token-weighted next-token loss per domain on non-overlapping windows of the held-out text."""
     model.eval()
     out = {}
+    cache = {} if cache is None else cache
     for name in DOMAINS:
-        ids = tok.encode((data / "heldout" / f"{name}.txt").read_text(encoding="utf-8")).ids[:max_tokens]
+        if name not in cache:
+            cache[name] = tok.encode((data / "heldout" / f"{name}.txt").read_text(encoding="utf-8")).ids[:max_tokens]
+        ids = cache[name]
         total, count = 0.0, 0
         for i in range(0, len(ids) - 1, window_len):
             w = torch.tensor([ids[i : i + window_len]], device=device)
@@ -376,10 +493,14 @@ def plot_curve(log_path: Path, png: Path) -> None:
     ax[0].plot(x, [r["lm_loss"] for r in train], label="train LM loss (all rows)")
     ax[0].plot(x, [r["copy_loss"] for r in train], label="loss on copied spans", alpha=0.7)
     ax[0].plot(x, [r["answer_loss"] for r in train], label="loss on passkey answers", alpha=0.7)
-    for r in rows:
-        if r.get("kind") == "heldout":
-            for name, v in r["losses"].items():
-                ax[0].scatter([r["tokens"] / 1e6], [v["loss"]], s=12, label=f"held-out {name}")
+    held = [r for r in rows if r.get("kind") == "heldout"]
+    for name in DOMAINS:
+        pts = [(r["tokens"] / 1e6, r["losses"][name]["loss"]) for r in held if name in r["losses"]]
+        if pts:
+            ax[0].plot(*zip(*pts), marker="o", ms=3, label=f"held-out {name}")
+    kept = [r for r in held if r.get("best")]
+    if kept:
+        ax[0].axvline(kept[-1]["tokens"] / 1e6, color="grey", ls=":", label="kept checkpoint")
     handles, labels = ax[0].get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
     ax[0].legend(uniq.values(), uniq.keys(), fontsize=7)
@@ -448,7 +569,20 @@ def main(argv: list[str] | None = None) -> dict:
         return tok.encode(s, add_special_tokens=False).ids
 
     streams = {n: np.load(args.data / f"train_{n}.npy") for n in DOMAINS}
-    print("[train] data: " + ", ".join(f"{n} {len(s):,}" for n, s in streams.items()) + " tokens", flush=True)
+    sizes = {n: len(s) for n, s in streams.items()}
+    if args.domain_weight_map is None:
+        extra = generated_math_tokens(sizes, args.token_budget, args.max_passes, args.fill_domain)
+        if extra and args.fill_domain == "math":
+            streams["math"] = extend_math(streams["math"], encode, eot_id, extra, args.seed)
+            sizes["math"] = len(streams["math"])
+        weights, passes = domain_mixture(sizes, args.max_steps * args.tokens_per_step, args.max_passes,
+                                         args.fill_domain)
+    else:
+        weights = args.domain_weight_map
+        planned = args.max_steps * args.tokens_per_step / sum(weights.values())
+        passes = {n: weights.get(n, 0.0) * planned / sizes[n] for n in DOMAINS}
+    print("[train] data: " + ", ".join(f"{n} {sizes[n]:,} tokens (weight {weights.get(n, 0):.3f}, "
+                                       f"{passes[n]:.1f} passes)" for n in DOMAINS), flush=True)
 
     model = build_model(args, tok.get_vocab_size(), eot_id).to(device)
     impl = choose_experts_impl(model, args, device)
@@ -459,34 +593,70 @@ def main(argv: list[str] | None = None) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    mixture = {"train_tokens": sizes, "weights": weights, "passes": passes,
+               "planned_tokens": args.max_steps * args.tokens_per_step}
     log({"kind": "config", "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-         "params": n_params, "experts_impl": impl, "torch": torch.__version__,
+         "params": n_params, "experts_impl": impl, "torch": torch.__version__, "mixture": mixture,
          "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
 
+    heldout_cache: dict = {}
+    best: dict | None = None
+    best_state: dict | None = None
+
+    def checkpoint(step: int, tokens: int, seq_len: int) -> dict:
+        """Held-out loss per domain; the weights are written out when their mean is the best so far."""
+        nonlocal best, best_state
+        t0 = time.time()
+        held = heldout_losses(model, tok, args.data, args.max_position_embeddings, device,
+                              args.heldout_max_tokens, heldout_cache)
+        mean = sum(v["loss"] for v in held.values()) / len(held)
+        pk = passkey_eval(model, tok, args.data, [seq_len], [0.5], 2, device, args.seed + step)
+        improved = best is None or mean < best["mean_loss"]
+        if improved:
+            best = {"step": step, "tokens": tokens, "mean_loss": mean, "losses": held}
+            best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            save_parts(model, args.out, step)
+        record = {"kind": "heldout", "step": step, "tokens": tokens, "losses": held, "mean_loss": mean,
+                  "best": improved, "passkey_by_length": pk["by_length"], "seconds": round(time.time() - t0, 2)}
+        log(record)
+        print(f"[eval] step {step}: held-out " + ", ".join(f"{k} {v['loss']:.3f}" for k, v in held.items())
+              + f"; mean {mean:.3f}{' (best)' if improved else ''}; passkey at {seq_len}: {pk['by_length']}",
+              flush=True)
+        return record
+
     rng = random.Random(args.seed)
-    step, tokens, t_train0 = 0, 0, time.time()
-    last_ckpt = t_train0
+    step, tokens, t_train0, eval_s = 0, 0, time.time(), 0.0
+    next_eval = args.eval_every_tokens
+    last: dict | None = None
+    vocab_size = tok.get_vocab_size()
     acc = dict.fromkeys(("lm", "copy", "ans", "bal", "n", "copy_n", "ans_n"), 0.0)
     eval_lengths = [int(x) for x in args.eval_lengths.split(",")]
+    seq_len = args.curriculum_plan[0][0]
+    gate_opened_at = None if args.curriculum_gate is not None else 0.0
     while True:
         elapsed = time.time() - t_train0
         progress = max(step / args.max_steps, elapsed / args.time_budget_s)
         if progress >= 1.0:
             break
-        seq_len = seq_len_at(args.curriculum_plan, progress)
+        if gate_opened_at is None and progress >= args.curriculum_gate_max:
+            gate_opened_at = progress
+            log({"kind": "gate", "step": step, "tokens": tokens, "progress": progress, "reason": "max"})
+        seq_len = gated_seq_len(args.curriculum_plan, progress, gate_opened_at)
         n_rows = max(1, args.tokens_per_step // seq_len)
         lr = lr_at(progress, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        ids, copy_mask, ans_mask, _ = make_batch(streams, encode, seq_len, n_rows, args, rng)
+        ids, copy_mask, ans_mask, noise_mask, _ = make_batch(streams, encode, seq_len, n_rows, weights, args, rng,
+                                                             vocab_size)
         ids = ids.to(device, non_blocking=True)
         copy_mask = copy_mask.to(device)[:, 1:]
         ans_mask = ans_mask.to(device)[:, 1:]
+        keep = ~noise_mask.to(device)[:, 1:]  # targets inside a random span are noise: no LM loss there
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model(input_ids=ids, output_router_logits=True)
         per_tok = F.cross_entropy(out.logits[:, :-1].float().reshape(-1, out.logits.size(-1)),
                                   ids[:, 1:].reshape(-1), reduction="none").view(ids.size(0), -1)
-        lm = per_tok.mean()
+        lm = (per_tok * keep).sum() / keep.sum().clamp(min=1)
         n_ans = ans_mask.sum()
         ans = (per_tok * ans_mask).sum() / n_ans.clamp(min=1)
         bal = balance_loss(out.router_logits, args.num_experts, args.experts_per_tok)
@@ -512,33 +682,41 @@ def main(argv: list[str] | None = None) -> dict:
             row = {"kind": "train", "step": step, "tokens": tokens, "seq_len": seq_len, "lr": lr,
                    "lm_loss": acc["lm"] / acc["n"], "copy_loss": acc["copy"] / max(1, acc["copy_n"]),
                    "answer_loss": acc["ans"] / max(1, acc["ans_n"]), "balance": acc["bal"] / acc["n"],
-                   "grad_norm": gnorm.item(), "elapsed_s": round(el, 1), "tokens_per_s": round(tokens / el)}
+                   "grad_norm": gnorm.item(), "elapsed_s": round(el, 1),
+                   "tokens_per_s": round(tokens / max(1e-9, el - eval_s))}
             log(row)
+            if gate_opened_at is None and row["answer_loss"] < args.curriculum_gate and acc["ans_n"] > 0:
+                gate_opened_at = progress
+                log({"kind": "gate", "step": step, "tokens": tokens, "progress": progress, "reason": "answer_loss"})
+                print(f"[train] curriculum gate open at step {step} (answer loss {row['answer_loss']:.3f})", flush=True)
             print(f"[train] step {step} len {seq_len} lr {lr:.2e} lm {row['lm_loss']:.3f} copy "
                   f"{row['copy_loss']:.3f} answer {row['answer_loss']:.3f} bal {row['balance']:.3f} "
                   f"{row['tokens_per_s']:,} tok/s {el:.0f}s", flush=True)
             acc = dict.fromkeys(acc, 0.0)
-        if time.time() - last_ckpt >= args.checkpoint_every_s:
-            save_parts(model, args.out, step)
-            pk = passkey_eval(model, tok, args.data, [seq_len], [0.5], 2, device, args.seed + step)
-            log({"kind": "checkpoint", "step": step, "tokens": tokens, "passkey_by_length": pk["by_length"]})
-            print(f"[train] passkey at {seq_len}: {pk['by_length']}", flush=True)
-            last_ckpt = time.time()
+        if tokens >= next_eval:
+            t0 = time.time()
+            last = checkpoint(step, tokens, seq_len)
+            next_eval += args.eval_every_tokens
+            eval_s += time.time() - t0
     train_s = time.time() - t_train0
-    print(f"[train] {step} steps, {tokens:,} tokens in {train_s:.0f}s", flush=True)
-    save_parts(model, args.out, step)
+    print(f"[train] {step} steps, {tokens:,} tokens in {train_s:.0f}s ({eval_s:.0f}s of it evaluating)", flush=True)
+    if last is None or last["step"] != step:
+        last = checkpoint(step, tokens, seq_len)  # the last one is written out only if it is the best
+    model.load_state_dict(best_state)
+    print(f"[train] kept step {best['step']} ({best['tokens']:,} tokens): mean held-out {best['mean_loss']:.4f} "
+          f"(last: {last['mean_loss']:.4f})", flush=True)
 
     t_eval = time.time()
-    held = heldout_losses(model, tok, args.data, args.max_position_embeddings, device, args.heldout_max_tokens)
-    log({"kind": "heldout", "step": step, "tokens": tokens, "losses": held})
-    print("[eval] held-out loss: " + ", ".join(f"{k} {v['loss']:.3f}" for k, v in held.items()), flush=True)
     pk = passkey_eval(model, tok, args.data, eval_lengths, [float(x) for x in args.eval_depths.split(",")],
                       args.eval_keys, device, args.seed + 999)
     print(f"[eval] passkey ({pk['dtype']}) by length: {pk['by_length']}; by filler: {pk['by_filler_domain']}",
           flush=True)
-    result = {"steps": step, "tokens": tokens, "train_seconds": round(train_s, 1),
-              "eval_seconds": round(time.time() - t_eval, 1), "params": n_params, "experts_impl": impl,
-              "heldout": held, "heldout_window": args.max_position_embeddings, "passkey": pk}
+    result = {"steps": step, "tokens": tokens, "train_seconds": round(train_s, 1), "eval_seconds_in_training":
+              round(eval_s, 1), "final_eval_seconds": round(time.time() - t_eval, 1), "params": n_params,
+              "experts_impl": impl, "mixture": mixture, "kept": {k: best[k] for k in ("step", "tokens", "mean_loss")},
+              "heldout": best["losses"], "heldout_last": {"step": last["step"], "losses": last["losses"],
+                                                          "mean_loss": last["mean_loss"]},
+              "heldout_window": args.max_position_embeddings, "passkey": pk}
     (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     plot_curve(log_path, args.out / "loss_curve.png")
     print(f"[done] total {time.time() - t_start:.0f}s", flush=True)

@@ -108,29 +108,113 @@ def test_passkey_row_holds_one_needle_and_the_answer_right_after_the_question():
             assert text.index(NEEDLE_TEMPLATE.format(key=key)) < pos[0]
 
 
-def test_copy_row_repeats_an_earlier_span():
+def test_copy_row_repeats_a_random_span_and_marks_the_first_as_noise():
+    stream = np.full(50_000, 7, dtype=np.uint16)  # one token only: every other id comes from the random span
+    rng = random.Random(2)
+    for length in (512, 4096):
+        ids, pos, noise = train.copy_row(stream, length, rng, vocab_size=4096)
+        assert len(ids) == length and 64 <= len(pos) == len(noise) <= 256
+        assert pos == list(range(pos[0], pos[0] + len(pos))) and noise == list(range(noise[0], noise[0] + len(noise)))
+        assert noise[-1] < pos[0]  # the first span comes before its copy
+        first, copied = [ids[i] for i in noise], [ids[i] for i in pos]
+        assert first == copied and all(1 <= t < 4096 for t in first)  # never id 0 (<|endoftext|>)
+        assert len(set(first)) > len(first) // 2  # random ids, not a constant run
+        outside = [t for i, t in enumerate(ids) if i not in set(pos) | set(noise)]
+        assert set(outside) == {7}
+
+
+def test_copy_row_from_text_repeats_an_earlier_span():
     stream = np.arange(50_000, dtype=np.uint16)  # all distinct, so a repeat can only come from the copy
     rng = random.Random(2)
     for length in (512, 4096):
-        ids, pos = train.copy_row(stream, length, rng)
-        assert len(ids) == length and 64 <= len(pos) <= 256
+        ids, pos, noise = train.copy_row(stream, length, rng, vocab_size=4096, source="text")
+        assert len(ids) == length and 64 <= len(pos) <= 256 and noise == []
         span = ids[pos[0] : pos[-1] + 1]
         first = ids.index(span[0])
         assert first < pos[0] and ids[first : first + len(span)] == span
+    with pytest.raises(ValueError):
+        train.copy_row(stream, 512, rng, vocab_size=4096, source="poetry")
+
+
+SIZES = {"prose": 1_894_191, "drama": 367_193, "code": 3_243_128, "math": 4_381_833}
+
+
+def test_domain_mixture_is_proportional_under_the_cap():
+    budget = 100e6  # 10.1 passes over the 9.89M tokens: under a cap of 16
+    weights, passes = train.domain_mixture(SIZES, budget, 16, "math")
+    total = sum(SIZES.values())
+    for name, size in SIZES.items():
+        assert weights[name] == pytest.approx(size / total, rel=1e-12)
+        # passes recomputed independently: the domain's expected tokens over its size
+        assert passes[name] == pytest.approx(budget * size / total / size, rel=1e-12)
+    assert sum(weights.values()) == pytest.approx(1.0)
+    assert train.generated_math_tokens(SIZES, budget, 16, "math") == 0
+
+
+def test_domain_mixture_caps_every_domain_but_the_fill():
+    budget = 452e6  # the shipped run's tokens: 45.7 passes if proportional
+    weights, passes = train.domain_mixture(SIZES, budget, 16, "math")
+    for name in ("prose", "drama", "code"):
+        assert weights[name] * budget == pytest.approx(16 * SIZES[name], rel=1e-12)
+        assert passes[name] == pytest.approx(16)
+    assert sum(weights.values()) == pytest.approx(1.0)
+    assert weights["math"] * budget == pytest.approx(budget - 16 * (SIZES["prose"] + SIZES["drama"] + SIZES["code"]))
+    assert passes["math"] > 16
+    # fresh math that brings the fill domain under the cap: the mixture is proportional again
+    extra = train.generated_math_tokens(SIZES, budget, 16, "math")
+    grown = dict(SIZES, math=SIZES["math"] + extra)
+    w2, p2 = train.domain_mixture(grown, budget, 16, "math")
+    assert max(p2.values()) <= 16 + 1e-9 and min(p2.values()) == pytest.approx(max(p2.values()))
+    grown["math"] -= 2
+    assert train.domain_mixture(grown, budget, 16, "math")[1]["math"] > 16  # one token less would not do
+    with pytest.raises(ValueError):
+        train.domain_mixture(SIZES, budget, 16, "poetry")
+    with pytest.raises(ValueError):
+        train.domain_mixture(SIZES, budget, 0, "math")
+
+
+def test_extend_math_appends_fresh_exercises():
+    stream = np.array([0, 5, 6], dtype=np.uint16)
+    out = train.extend_math(stream, _char_encode, 0, 1000, seed=1234)
+    assert out.dtype == stream.dtype and list(out[:3]) == [0, 5, 6] and len(out) >= 1003
+    text = "".join(map(chr, out[4:]))
+    assert text.startswith("Exercises.\n") and " = " in text
+    assert train.extend_math(stream, _char_encode, 0, 0, seed=1234) is stream
 
 
 def test_batch_masks_and_curriculum():
     args = train.parse_args(["--data", "x", "--out", "y", "--copy-frac", "0.3", "--passkey-frac", "0.3"])
+    assert args.domain_weight_map is None and args.max_steps == 1000  # auto mixture; steps from the budget
     streams = {n: np.array([ord("a") + i % 26 for i in range(10_000)], dtype=np.uint16) for n in train.DOMAINS}
-    ids, copy_mask, ans_mask, dom = train.make_batch(streams, _char_encode, 512, 40, args, random.Random(3))
-    assert ids.shape == copy_mask.shape == ans_mask.shape == (40, 512)
-    assert not (copy_mask & ans_mask).any()
+    weights = dict.fromkeys(train.DOMAINS, 0.25)
+    ids, copy_mask, ans_mask, noise_mask, dom = train.make_batch(streams, _char_encode, 512, 40, weights, args,
+                                                                 random.Random(3), vocab_size=4096)
+    assert ids.shape == copy_mask.shape == ans_mask.shape == noise_mask.shape == (40, 512)
+    assert not (copy_mask & ans_mask).any() and not (noise_mask & copy_mask).any()
     assert set(ans_mask.sum(1).tolist()) <= {0, 5} and ans_mask.any() and copy_mask.any()
+    assert (copy_mask.sum(1) == noise_mask.sum(1)).all()  # each copy row: one noise span, one copy of it
     assert {train.DOMAINS[d] for d in dom} == set(train.DOMAINS)
+    only_code = {"prose": 0.0, "drama": 0.0, "code": 1.0, "math": 0.0}
+    *_, dom = train.make_batch(streams, _char_encode, 512, 10, only_code, args, random.Random(4), vocab_size=4096)
+    assert {train.DOMAINS[d] for d in dom} == {"code"}
     plan = train.parse_curriculum("512:1,4096:3")
     assert [train.seq_len_at(plan, p) for p in (0.0, 0.24, 0.26, 0.99, 1.0)] == [512, 512, 4096, 4096, 4096]
     with pytest.raises(ValueError, match="unknown domain"):
         train.parse_weights("poetry:1")
+
+
+def test_gated_curriculum_holds_the_first_length_then_shares_the_rest():
+    plan = train.parse_curriculum("512:0.3,1024:0.2,2048:0.2,4096:0.3")
+    # gate open from the start (no gate): the plain curriculum
+    for p in (0.0, 0.29, 0.31, 0.49, 0.51, 0.69, 0.71, 0.99):
+        assert train.gated_seq_len(plan, p, 0.0) == train.seq_len_at(plan, p)
+    # closed: the first length, even past its planned end
+    assert {train.gated_seq_len(plan, p, None) for p in (0.0, 0.5, 0.99)} == {512}
+    # opened at 0.6: 512 until 0.6, then 1024 / 2048 / 4096 over 0.6..1 in shares 2:2:3 (ends 0.714, 0.829, 1)
+    got = {p: train.gated_seq_len(plan, p, 0.6) for p in (0.59, 0.61, 0.71, 0.72, 0.82, 0.84, 0.999)}
+    assert got == {0.59: 512, 0.61: 1024, 0.71: 1024, 0.72: 2048, 0.82: 2048, 0.84: 4096, 0.999: 4096}
+    # opened before the first phase's planned end: the plan as written
+    assert [train.gated_seq_len(plan, p, 0.1) for p in (0.2, 0.35, 0.6, 0.8)] == [512, 1024, 2048, 4096]
 
 
 @pytest.mark.slow
@@ -148,12 +232,18 @@ def test_smoke_run_end_to_end(tmp_path):
     assert set(meta["domains"]) == set(prep.DOMAINS) and all(d["train_tokens"] > 0 for d in meta["domains"].values())
     result = train.main(["--data", str(data), "--out", str(out), "--smoke"])
     assert result["steps"] == 8 and set(result["heldout"]) == set(train.DOMAINS)
+    assert sum(result["mixture"]["weights"].values()) == pytest.approx(1.0)
     cells = result["passkey"]["cells"]
     assert [(c["length"], c["depth"]) for c in cells] == [(256, 0.0), (256, 1.0)]
     assert all(c["total"] == len(train.DOMAINS) for c in cells)
     assert json.loads((out / "eval.json").read_text())["steps"] == 8
     logged = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if r["kind"] == "train"] == [2, 4, 6, 8]
+    held = [r for r in logged if r["kind"] == "heldout"]
+    assert [r["step"] for r in held] == [3, 6, 8]  # every 3 * 1024 tokens, and the last step
+    best = min(held, key=lambda r: r["mean_loss"])
+    assert result["kept"]["step"] == best["step"] and result["heldout"] == best["losses"]
+    assert [r["step"] for r in held if r["best"]][-1] == best["step"]
     # the parts join into the checkpoint transformers loads
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

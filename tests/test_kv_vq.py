@@ -175,9 +175,14 @@ def test_calibrate_command(mixtral_ckpt, tmp_path, capsys):
     (tmp_path / "t.txt").write_text(CALIBRATION_TEXT)
     args = parser.parse_args(["calibrate", "--model", str(mixtral_ckpt), "--text", str(tmp_path / "t.txt"),
                               "--out", str(tmp_path / "cal"), "--max-tokens", "256", "--block-size", "32", "--quiet"])
+    assert args.device == "cpu"  # the default: score the text on the CPU
     assert args.func(args) == 0
     assert "--kv-calibration" in capsys.readouterr().out
-    assert (tmp_path / "cal" / "kv_calibration.json").is_file()
+    assert json.loads((tmp_path / "cal" / "kv_calibration.json").read_text())["device"] == "cpu"
+    with pytest.raises(ValueError, match="device"):  # --device reaches the engine, which checks it
+        args = parser.parse_args(["calibrate", "--model", str(mixtral_ckpt), "--text", str(tmp_path / "t.txt"),
+                                  "--out", str(tmp_path / "cal2"), "--max-tokens", "256", "--device", "tpu"])
+        args.func(args)
 
 
 def test_calibrate_writes_tables_and_record(calibrated, mixtral_ckpt):

@@ -136,7 +136,11 @@ def test_build_cluster_map_on_a_checkpoint(built_map):
         assert lay.coarse_weight.shape == (4, 64)
     assert summary["expected_ppl_change"] <= 0.02 + 1e-9
     for rows in summary["margin_table"].values():
-        assert {r["margin"] for r in rows} >= {-math.inf, 0.0, math.inf}
+        assert {r["margin"] for r in rows} >= {-math.inf, 0.0, 2.0, 3.0, 4.0, math.inf}
+        # a wider margin admits at least the clusters a narrower one does
+        by_margin = sorted(rows, key=lambda r: r["margin"])
+        admitted = [r["clusters_per_token"] for r in by_margin]
+        assert all(a <= b + 1e-9 for a, b in zip(admitted, admitted[1:])), by_margin
         one = next(r for r in rows if r["margin"] == -math.inf)
         assert one["locality"] == 1.0 and one["clusters_per_token"] == 1.0
         assert next(r for r in rows if r["margin"] == math.inf)["delta_nll"] == 0.0

@@ -2,22 +2,91 @@
 depth, and held-out perplexity per domain, with the bits per element each format stores and reads.
 
     PYTHONPATH=. python benchmarks/quality/domain_model_tables.py --device cuda --out RESULT.json
+    PYTHONPATH=. python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail \
+        --no-retrieval --formats bf16 fp8_e4m3 nuq2 tiered --out DECODE.json
 
+A format is a kv_cache_dtype with engine options after colons: `nuq2:kv_codebook=page` (nuq2 with
+per-page codebooks instead of the shipped calibration's), `tiered:kv_rerank_interval=1` (re-ranked
+before every decode step, so the passkey's answer tokens read the tiers the ranking chose). In
+--ppl-mode prefill no decode step runs, so tiered serves every page from its FP8 tier (its row is
+FP8's); --ppl-mode decode-tail takes --tail-windows windows of 4096 tokens per domain, prefills
+all but the last --tail-tokens of each and feeds those one per decode step (all windows in one batch),
+so every scored token sees ~4k tokens of context read as generation reads it (tiered re-ranking
+every --kv-rerank-interval steps); the bits tiered read are measured over those steps.
 One engine per format; results are written after each format, so a cut run keeps what it finished.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
+import torch
+
 from moekv import LLM
-from moekv.eval.perplexity import perplexity_domains, text_files
+from moekv.eval.perplexity import PerplexityResult, nll_from_logits, perplexity_domains, text_files
 from moekv.eval.retrieval import evaluate_retrieval
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "domain-moe"
-FORMATS = ("bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "vq", "tiered")
+FORMATS = ("bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "nuq2:kv_codebook=page", "vq", "tiered:kv_rerank_interval=1")
+
+
+def parse_format(spec: str) -> tuple[str, dict]:
+    """'tiered:kv_rerank_interval=1' -> ('tiered', {'kv_rerank_interval': 1}); values as int, float or str."""
+    name, *opts = spec.split(":")
+    options = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                continue
+        options[key] = value
+    return name, options
+
+
+def decode_tail_ppl(llm, domains: dict[str, Path], window: int, scored: int, per_domain: int):
+    """Perplexity of the last `scored` tokens of `per_domain` non-overlapping `window`-token windows of
+    each text, every scored token fed by a decode step (one batch for all windows of all domains)."""
+    engine = llm.engine
+    fmt = engine.runner.kv_format
+    prompts, owners = [], []
+    for name, path in domains.items():
+        ids = engine.tokenizer.encode(Path(path).read_text(encoding="utf-8", errors="replace"),
+                                      add_special_tokens=False)
+        for i in range(min(per_domain, len(ids) // window)):
+            prompts.append(ids[i * window:(i + 1) * window])
+            owners.append(name)
+    if hasattr(fmt, "bits_read"):  # tiered: count what the decode steps read
+        fmt.bits_read, fmt.elements_read = 0.0, 0
+    start = time.perf_counter()
+    first = window - 1 - scored  # logits row r predicts token r + 1; rows from `first` on come from decode steps
+    logits = llm.score([{"prompt_token_ids": ids} for ids in prompts], decode_from=[first] * len(prompts))
+    sums: dict[str, list[float]] = {}
+    for name, ids, rows in zip(owners, prompts, logits):
+        nll = float(nll_from_logits(rows[first:window - 1], torch.tensor(ids[first + 1:window])))
+        agg = sums.setdefault(name, [0.0, 0])
+        agg[0] += nll
+        agg[1] += scored
+    seconds = time.perf_counter() - start
+    cfg = engine.model_config
+    bits = fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size, cfg.head_dim)
+    read = getattr(fmt, "measured_bits_per_element", None)
+    at_window = fmt.bits_per_element_at(window, cfg.num_kv_heads, engine.config.block_size, cfg.head_dim)
+
+    def result(nll: float, count: int, text: str) -> PerplexityResult:
+        return PerplexityResult(ppl=math.exp(nll / count), nll=nll / count, tokens=count, window=window,
+                                stride=scored, mode="decode-tail", kv_cache_dtype=fmt.name, seconds=seconds,
+                                text=text, bits_per_element=bits, bits_per_element_read=read,
+                                bits_per_element_at_window=at_window)
+
+    per = {name: result(v[0], v[1], str(domains[name])) for name, v in sums.items()}
+    total = result(sum(v[0] for v in sums.values()), sum(v[1] for v in sums.values()), ", ".join(sums))
+    return per, total
 
 
 def main() -> None:
@@ -30,6 +99,11 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=8, help="keys per (length, depth) cell")
     p.add_argument("--filler", default=None, help="filler text (default: the model's held-out prose)")
     p.add_argument("--ppl-max-tokens", type=int, default=32768, help="scored tokens per domain")
+    p.add_argument("--ppl-mode", choices=("prefill", "decode", "decode-tail"), default="prefill")
+    p.add_argument("--tail-windows", type=int, default=8, help="decode-tail: windows per domain")
+    p.add_argument("--tail-tokens", type=int, default=256, help="decode-tail: scored tokens per window")
+    p.add_argument("--ppl-stride", type=int, default=None, help="scored tokens per window (default: half of it)")
+    p.add_argument("--no-retrieval", action="store_true", help="perplexity only")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -43,12 +117,17 @@ def main() -> None:
               "formats": {}}
     for fmt in args.formats:
         start = time.perf_counter()
-        llm = LLM(model=str(model), device=args.device, dtype=dtype, kv_cache_dtype=fmt,
-                  max_model_len=max(args.lengths), max_num_seqs=64)
-        retrieval = evaluate_retrieval(llm, filler, lengths=args.lengths, depths=args.depths, trials=args.trials,
-                                       seed=0, progress=False).to_dict()
-        per_domain, total = perplexity_domains(llm, domains, max_tokens=args.ppl_max_tokens, mode="prefill",
-                                               progress=False)
+        name, options = parse_format(fmt)
+        llm = LLM(model=str(model), device=args.device, dtype=dtype, kv_cache_dtype=name,
+                  max_model_len=max(args.lengths), max_num_seqs=64, **options)
+        retrieval = {} if args.no_retrieval else evaluate_retrieval(
+            llm, filler, lengths=args.lengths, depths=args.depths, trials=args.trials, seed=0,
+            progress=False).to_dict()
+        if args.ppl_mode == "decode-tail":
+            per_domain, total = decode_tail_ppl(llm, domains, max(args.lengths), args.tail_tokens, args.tail_windows)
+        else:
+            per_domain, total = perplexity_domains(llm, domains, max_tokens=args.ppl_max_tokens,
+                                                   mode=args.ppl_mode, stride=args.ppl_stride, progress=False)
         record["formats"][fmt] = {
             "retrieval": {k: retrieval[k] for k in retrieval if k != "answers"},
             "ppl": {name: r.to_dict() for name, r in per_domain.items()} | {"total": total.to_dict()},
@@ -57,7 +136,8 @@ def main() -> None:
         acc = retrieval.get("accuracy")
         print(f"{fmt}: retrieval {acc} by length {retrieval.get('accuracy_by_length')}; ppl "
               + ", ".join(f"{n} {r.ppl:.3f}" for n, r in per_domain.items())
-              + f"; {total.bits_per_element:.2f} bits ({time.perf_counter() - start:.0f} s)", flush=True)
+              + f"; {total.bits_per_element:.2f} bits stored, read {total.bits_per_element_read} "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1))
         del llm
 

@@ -13,7 +13,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from moekv.tools.calibrate import RECORD_FILE, calibrate
 
     out = calibrate(args.model, args.text, args.out, max_tokens=args.max_tokens, window=args.window,
-                    block_size=args.block_size, seed=args.seed, progress=not args.quiet)
+                    block_size=args.block_size, seed=args.seed, progress=not args.quiet, device=args.device)
     record = json.loads((out / RECORD_FILE).read_text())
     print(f"wrote {out} ({record['tokens_used']} tokens of {args.text}; tables {record['total_bytes']:,} bytes, "
           f"vq codebooks {record['vq']['codebook_bytes_fp16']:,} bytes); use it with --kv-calibration {out}")
@@ -31,6 +31,7 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=512, help="tokens scored at once (capped by the model's context)")
     p.add_argument("--block-size", type=int, default=64, help="page size the per-page statistics are taken over")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu | cuda: where the text is scored (fp32 on either)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_calibrate)
     return p

@@ -105,17 +105,18 @@ def fit_tables(sampler: PageSampler, num_layers: int, seed: int, progress: bool,
 def calibrate(model_dir: str | Path, text_path: str | Path, out_dir: str | Path, max_tokens: int = 65536,
               window: int = 512, progress: bool = True, block_size: int = 64, max_pages: int = 2048,
               max_sample_bytes: int = 1 << 30, seed: int = 0, vq_sub_dim: int = 8, vq_iters: int = 16,
-              vq_max_vectors: int = 16384) -> Path:
+              vq_max_vectors: int = 16384, device: str = "cpu") -> Path:
     """Fit the KV formats' calibration on `text_path` and write it to `out_dir`; returns out_dir.
 
     max_tokens bounds the text used; window is the tokens scored at once (capped by the model's
     context); block_size the page size that per-page statistics are taken over; max_pages the
     pages kept per layer and kind (fewer if the kept K/V would pass max_sample_bytes); vq_* the
-    codebook fit (channels per subvector, Lloyd iterations, vectors per codebook).
+    codebook fit (channels per subvector, Lloyd iterations, vectors per codebook); device where the
+    text is scored (fp32 either way; the pages are kept and fitted on the CPU).
     """
     if max_tokens < block_size:
         raise ValueError(f"max_tokens={max_tokens} must be at least block_size={block_size}")
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp32", max_num_seqs=1)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp32", max_num_seqs=1, device=device)
     window = min(window, llm.engine.max_model_len)
     if window < block_size:
         raise ValueError(f"window={window} must hold at least one page of block_size={block_size} tokens")
@@ -130,7 +131,7 @@ def calibrate(model_dir: str | Path, text_path: str | Path, out_dir: str | Path,
     tables = fit_tables(sampler, cfg.num_layers, seed, progress, vq_sub_dim, vq_iters, vq_max_vectors)
     record = {
         "model": str(Path(model_dir).resolve()), "text": str(Path(text_path).resolve()),
-        "tokens_used": len(ids), "window": window, "block_size": block_size,
+        "tokens_used": len(ids), "window": window, "device": device, "block_size": block_size,
         "pages_per_layer_and_kind": int(sampler.collected(0, "key").shape[0]),
         "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "vq": {"sub_dim": vq_sub_dim, "codebook_size": 256, "iters": vq_iters, "max_vectors": vq_max_vectors,

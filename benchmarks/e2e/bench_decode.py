@@ -195,17 +195,22 @@ def capture_graph(step) -> torch.cuda.CUDAGraph:
 
 
 def time_ms(fn, iters: int) -> float:
-    """Median of `iters` CUDA-event timings after two warm-up calls."""
+    """Median of `iters` timings after two warm-up calls: CUDA events on a GPU, the wall clock on the CPU."""
     for _ in range(2):
         fn()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
     return sorted(times)[len(times) // 2]
 
 

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import SHAPES, capture_graph, install_filled_caches, kv_bytes_per_token  # noqa: E402
+from bench_decode import SHAPES, capture_graph, install_filled_caches, kv_bytes_per_token, time_ms  # noqa: E402
 
 from moekv.engine.parallel import ParallelGroup, StepInputs, shard_model  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
@@ -97,28 +97,6 @@ class Variants:
                 layer.mlp.ep = self.ep[i] if name == "tp+ep" else None
 
 
-def timer(device: torch.device):
-    """fn, iters -> median ms of `iters` calls after two warm-up calls (CUDA events on CUDA)."""
-    def run(fn, iters: int) -> float:
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(iters):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(1e3 * (time.perf_counter() - t0))
-        return sorted(times)[len(times) // 2]
-    return run
-
-
 def median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
@@ -148,7 +126,6 @@ def run_point(model, cfg, variants: Variants, group: ParallelGroup, fmt_name: st
         return row
     ctx = install_filled_caches(model, cfg, fmt, batch, context, block_size, device)
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=device, generator=torch.Generator(device).manual_seed(0))
-    time_ms = timer(device)
     use_graphs = device.type == "cuda"
     logits, graphs, eager, replay = {}, {}, {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
 

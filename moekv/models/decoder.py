@@ -47,6 +47,8 @@ class MoEDecoder(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         # called as before_layer(i, x, delta) before layer i runs (expert prefetch: moekv/experts/offload.py)
         self.before_layer = None
+        # called as after_layers() once the last layer has run (joins the L2 prefetch's side stream)
+        self.after_layers = None
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -59,6 +61,8 @@ class MoEDecoder(nn.Module):
             if self.before_layer is not None:
                 self.before_layer(i, x, delta)
             x, delta = layer(x, delta, ctx)
+        if self.after_layers is not None:
+            self.after_layers()
         return self.norm.add_and_norm(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,7 @@ def launch_l2_prefetch(ids: torch.Tensor, w13: torch.Tensor, lines: int, bulk: b
         raise ValueError("expert L2 prefetch needs each expert's w13 contiguous")
     lines = min(lines, triton.cdiv(expert_bytes, LINE_BYTES))
     units = triton.cdiv(lines, BULK_LINES) if bulk else lines
-    block = min(BLOCK_LINES, triton.next_power_of_2(units))
+    block = max(16, min(BLOCK_LINES, triton.next_power_of_2(units)))
     grid = (ids.numel(), triton.cdiv(units, block))
     _KERNEL[grid](ids, w13, w13.stride(0), lines, expert_bytes, ELEMS_PER_LINE=LINE_BYTES // elem, BLOCK=block,
                   BULK=bulk, BULK_LINES=BULK_LINES, num_warps=4)

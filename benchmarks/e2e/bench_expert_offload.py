@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""Batch-1 decode time per token (TPOT) with expert L2 prefetch and with expert offload (issue 28).
+
+Random bf16 weights (the loader's `--load-format dummy`: N(0, 0.02), norms at 1), KV pools of bf16
+pages filled as if `--context` tokens were cached, one decode step timed per variant:
+
+- `l2` part (all layers of the shape): (a) all-resident, the step replayed from a CUDA graph; (b)
+  the same with moekv/experts/l2_prefetch.py's side stream (pre-gating prediction, then
+  prefetch.global.L2 over the first bytes of each predicted expert's w13) at several byte budgets,
+  and the bulk-prefetch variant. Variants are timed in two interleaved rounds (their spread is the
+  noise figure).
+- `offload` part (the first `--offload-layers` layers of the shape: the experts of the whole model
+  would not fit pinned in the machine's host memory next to the rest): (a) all-resident, eager and
+  graph; (c) experts in pinned host memory, half of each layer's experts resident in an LRU expert
+  cache, misses copied on demand; (d) the same budget with the predicted experts copied in before
+  each layer on the copy stream: pre-gating (its recall on dummy weights is what it is: reported),
+  and a replayed-routing predictor at recall 1.0 and 0.85 (the issue's target), which returns the
+  step's true experts (recorded on the resident model for the same token) with a share replaced by
+  random ones. Offload steps run eagerly (the engine does the same). Per run: step time, hit rate
+  and prediction recall per layer, host->device bytes per token.
+
+    PYTHONPATH=. python benchmarks/e2e/bench_expert_offload.py --shapes mixtral-8x7b qwen3-30b-a3b \\
+        --out benchmarks/results/h200/expert_offload.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
+
+from bench_decode import capture_graph, install_filled_caches, measure_bandwidth, time_ms  # noqa: E402
+
+from moekv.experts.l2_prefetch import ExpertL2Prefetch, l2_prefetch_budget  # noqa: E402
+from moekv.experts.offload import ExpertCache, ExpertOffload  # noqa: E402
+from moekv.experts.predictor import ExpertPredictor  # noqa: E402
+from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.models import mixtral  # noqa: E402
+from moekv.models.loader import empty_model, init_dummy_weights, install_routers, moe_layers  # noqa: E402
+from moekv.models.model_config import apply_routing_fields  # noqa: E402
+from moekv.routing.tap import tapped  # noqa: E402
+
+COMMON = dict(rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-6)
+SHAPES = {
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=14336, num_local_experts=8,
+                         num_experts_per_tok=2),
+    # Qwen3-30B-A3B's sizes on the Mixtral layer (no q/k norm: it does not change the bytes moved)
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=768, num_local_experts=128,
+                          num_experts_per_tok=8),
+    "small": dict(vocab_size=4096, hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, intermediate_size=1024, num_local_experts=8,
+                  num_experts_per_tok=2),
+}
+MB = 10**6
+
+
+def build(shape: str, layers: int | None, device: torch.device):
+    hf = {"architectures": ["MixtralForCausalLM"], "torch_dtype": "bfloat16", **COMMON, **SHAPES[shape]}
+    if layers is not None:
+        hf["num_hidden_layers"] = min(layers, hf["num_hidden_layers"])
+    cfg = apply_routing_fields(mixtral.config_from_hf(hf), hf)
+    model = init_dummy_weights(empty_model(cfg, torch.bfloat16, device))
+    install_routers(model, cfg, routing="flat")
+    return model, cfg
+
+
+def expert_bytes(cfg) -> int:
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+
+
+def free(*objs) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- L2 prefetch ------------------------------------------------------------------------------------
+def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], device) -> dict:
+    t0 = time.time()
+    model, cfg = build(shape, None, device)
+    ctx = install_filled_caches(model, cfg, get_kv_format("bf16", torch.bfloat16), 1, context, 16, device)
+    ids = torch.randint(0, cfg.vocab_size, (1,), device=device)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    hook = ExpertL2Prefetch(model, ExpertPredictor(model), l2_prefetch_budget(l2), device)
+    model.before_layer, model.after_layers = hook, hook.after_layers
+
+    holder = [None]
+
+    def step():
+        holder[0] = model.compute_logits(model(ids, ctx))  # at capture: the graph's output buffer
+        return holder[0]
+
+    variants = [("off", None, False)] + [(f"{mb:g} MB", mb, False) for mb in budgets_mb] + \
+               [(f"{budgets_mb[len(budgets_mb) // 2]:g} MB bulk", budgets_mb[len(budgets_mb) // 2], True)]
+    rows = {name: {"variant": name, "budget_mb": mb, "bulk": bulk, "times_ms": []} for name, mb, bulk in variants}
+    graphs, outputs = {}, {}
+    with torch.no_grad():
+        for name, mb, bulk in variants:
+            hook.enabled = mb is not None
+            if mb is not None:
+                hook.budget_bytes = l2_prefetch_budget(l2, int(mb * MB))
+                hook.bulk = bulk
+            try:
+                launches = hook.launches
+                graphs[name] = capture_graph(step)
+                outputs[name] = holder[0]
+                rows[name]["prefetch_mb_per_layer"] = hook.budget_bytes / MB if mb is not None else 0.0
+                rows[name]["layer_prefetches_captured"] = hook.launches - launches
+            except Exception as e:  # one failing variant must not lose the others
+                rows[name]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                torch.cuda.synchronize()
+        for name in graphs:  # the prefetch writes nothing: every variant's logits are the plain graph's
+            graphs[name].replay()
+            torch.cuda.synchronize()
+            if "off" in outputs:
+                rows[name]["logits_equal_off"] = bool(torch.equal(outputs[name], outputs["off"]))
+        for _ in range(2):  # two interleaved rounds
+            for name, _, _ in variants:
+                if name in graphs:
+                    rows[name]["times_ms"].append(time_ms(graphs[name].replay, iters))
+    for r in rows.values():
+        if r["times_ms"]:
+            r["tpot_ms"] = min(r["times_ms"])
+    base = rows["off"].get("tpot_ms")
+    for r in rows.values():
+        if base and r.get("tpot_ms"):
+            r["vs_off"] = r["tpot_ms"] / base - 1
+    record = {"shape": shape, "layers": cfg.num_layers, "context": context, "l2_bytes": l2,
+              "expert_w13_bytes": 2 * cfg.hidden_size * cfg.moe_intermediate_size * 2,
+              "default_budget_mb": l2_prefetch_budget(l2) / MB, "rows": list(rows.values()),
+              "seconds": round(time.time() - t0, 1)}
+    del graphs, outputs, hook
+    for attn in model.attention_layers:
+        attn.kv_cache = None
+    model.before_layer = model.after_layers = None
+    free(model)
+    return record
+
+
+# -- offload -----------------------------------------------------------------------------------------
+class ReplayedRouting:
+    """A predictor that knows each step's true experts (recorded on the resident model) and keeps a
+    share `recall` of them, the rest replaced by random other experts: recall under control."""
+
+    def __init__(self, routing: dict, top_k: int, num_experts: int, recall: float, seed: int = 0) -> None:
+        self.routing, self.top_k, self.num_experts, self.recall = routing, top_k, num_experts, recall
+        self.gen = torch.Generator().manual_seed(seed)
+        self.step = 0
+        self.kind = f"replayed routing, recall {recall:g}"
+
+    def scores(self, layer_idx: int, residual: torch.Tensor) -> torch.Tensor:
+        true = self.routing[(self.step, layer_idx)]  # [T, k] on the host
+        T = true.shape[0]
+        s = torch.rand(T, self.num_experts, generator=self.gen)
+        keep = torch.rand(true.shape, generator=self.gen) < self.recall
+        s.scatter_(1, true, torch.where(keep, 2.0, -1.0))
+        return s.to(residual.device)
+
+
+def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int, device) -> dict:
+    t0 = time.time()
+    model, cfg = build(shape, layers, device)
+    cuda = device.type == "cuda"
+    ctx = install_filled_caches(model, cfg, get_kv_format("bf16", torch.bfloat16), 1, context, 16, device)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (warmup + steps,), generator=gen).tolist()
+    moes = moe_layers(model)
+    E, k = cfg.num_experts, cfg.top_k
+    slots = E // 2
+    record = {"shape": shape, "layers": cfg.num_layers, "context": context, "steps": steps, "warmup": warmup,
+              "experts": E, "top_k": k, "slots_per_layer": slots, "expert_bytes": expert_bytes(cfg), "runs": []}
+
+    def run_steps(before=None) -> list[float]:
+        times = []
+        with torch.no_grad():
+            for s, tok in enumerate(tokens):
+                if before is not None:
+                    before(s)
+                ids = torch.tensor([tok], device=device)
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                model.compute_logits(model(ids, ctx))
+                if cuda:
+                    torch.cuda.synchronize()
+                if s >= warmup:
+                    times.append((time.perf_counter() - start) * 1e3)
+        return times
+
+    # (a) all-resident, recording each step's true routing
+    routing = {}
+    current = [0]
+
+    def record_ids(layer_idx, hidden, logits, weights, ids):
+        routing[(current[0], layer_idx)] = ids.detach().cpu()
+
+    def set_step(s):
+        current[0] = s
+
+    with tapped(moes, record_ids):
+        run_steps(set_step)
+    eager = run_steps()
+    row = {"run": "all-resident, eager", "step_ms_median": sorted(eager)[len(eager) // 2]}
+    if cuda:
+        ids = torch.tensor([tokens[0]], device=device)
+        with torch.no_grad():
+            graph = capture_graph(lambda: model.compute_logits(model(ids, ctx)))
+            row["graph_tpot_ms"] = time_ms(graph.replay, 20)
+        del graph
+    record["runs"].append(row)
+    print(f"  {shape} x{cfg.num_layers} all-resident: eager {row['step_ms_median']:.2f} ms, graph "
+          f"{row.get('graph_tpot_ms', float('nan')):.3f} ms", flush=True)
+
+    # experts to (pinned) host memory
+    host = {}
+    for i, moe in moes.items():
+        h13 = torch.empty(moe.w13.shape, dtype=moe.w13.dtype, pin_memory=cuda)
+        h2 = torch.empty(moe.w2.shape, dtype=moe.w2.dtype, pin_memory=cuda)
+        h13.copy_(moe.w13.data)
+        h2.copy_(moe.w2.data)
+        host[i] = (h13, h2)
+        moe.w13 = moe.w2 = None
+    free()
+    copy_stream = torch.cuda.Stream(device) if cuda else None
+    # a pinned -> device copy of one expert, for the link's rate
+    if cuda:
+        i0 = next(iter(host))
+        dst = torch.empty_like(host[i0][0][0], device=device)
+        link_ms = time_ms(lambda: dst.copy_(host[i0][0][0], non_blocking=True), 10)
+        record["h2d_bytes_per_s"] = host[i0][0][0].numel() * 2 / (link_ms / 1e3)
+        del dst
+
+    pregate = ExpertPredictor(model)
+    runs = [("(c) on demand", None), ("(d) pre-gating prefetch", pregate)]
+    replayed = {r: ReplayedRouting(routing, k, E, r) for r in (1.0, 0.85)}
+    runs += [(f"(d) {p.kind}", p) for p in replayed.values()]
+    for name, predictor in runs:
+        caches = {}
+        for i, moe in moes.items():
+            cache = ExpertCache(i, host[i][0], host[i][1], slots, device, copy_stream)
+            cache.fill(list(range(slots)))
+            moe.offload = cache
+            caches[i] = cache
+        offload = ExpertOffload(caches, predictor)
+        model.before_layer = offload
+        before = (lambda s, p=predictor: setattr(p, "step", s)) if isinstance(predictor, ReplayedRouting) else None
+        try:
+            times = run_steps(before)
+        except Exception as e:
+            record["runs"].append({"run": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"  {name}: failed {e}", flush=True)
+            continue
+        st = offload.stats()
+        n_tok = warmup + steps
+        row = {"run": name, "step_ms_median": sorted(times)[len(times) // 2], "step_ms_mean": sum(times) / len(times),
+               "hit_rate": st["hit_rate"], "prediction_recall": st["prediction_recall"],
+               "misses_per_token": st["misses"] / n_tok, "bytes_per_token": st["bytes_per_token"],
+               "bytes_prefetch_per_token": st["bytes_prefetch"] / n_tok,
+               "bytes_demand_per_token": st["bytes_demand"] / n_tok,
+               "prefetch_unused": st["prefetch_unused"], "copies_prefetch": st["copies_prefetch"],
+               "per_layer_hit_rate": {str(i): s["hit_rate"] for i, s in st["layers"].items()},
+               "per_layer_recall": {str(i): (int(c.recall_hits) / int(c.recall_pairs) if int(c.recall_pairs) else None)
+                                    for i, c in caches.items()}}
+        record["runs"].append(row)
+        print(f"  {name}: {row['step_ms_median']:.2f} ms/token, hit rate {row['hit_rate']:.3f}, recall "
+              f"{row['prediction_recall']}, {row['bytes_per_token'] / MB:.1f} MB/token", flush=True)
+        for moe in moes.values():
+            moe.offload = None
+        model.before_layer = None
+        del caches, offload
+        free()
+    base = next((r for r in record["runs"] if r["run"] == "(c) on demand" and "error" not in r), None)
+    if base:
+        for r in record["runs"]:
+            if r["run"].startswith("(d)") and "error" not in r:
+                r["speedup_vs_on_demand"] = base["step_ms_median"] / r["step_ms_median"]
+    for attn in model.attention_layers:
+        attn.kv_cache = None
+    record["seconds"] = round(time.time() - t0, 1)
+    free(model, host)
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="*", default=["mixtral-8x7b", "qwen3-30b-a3b"], choices=sorted(SHAPES))
+    p.add_argument("--parts", nargs="*", default=["l2", "offload"], choices=["l2", "offload"])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--budgets-mb", type=float, nargs="*", default=[8, 16, 30])
+    p.add_argument("--offload-layers", type=int, nargs="*", default=[4, 8],
+                   help="layers of each shape in the offload part (one number per shape, or one for all)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs a CUDA device (or --device cpu --parts offload for a smoke run)")
+    record = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+              "command": " ".join(["python"] + sys.argv), "l2": [], "offload": []}
+    if device.type == "cuda":
+        import triton
+
+        record["triton"] = triton.__version__
+        record["hbm_copy_bandwidth_bytes_per_s"] = measure_bandwidth(device)
+    started = time.time()
+
+    def save():
+        record["seconds"] = round(time.time() - started, 1)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(record, indent=2))
+
+    layers = dict(zip(args.shapes, args.offload_layers if len(args.offload_layers) == len(args.shapes)
+                      else args.offload_layers[:1] * len(args.shapes)))
+    for shape in args.shapes:
+        for part in args.parts:
+            print(f"{shape}: {part}", flush=True)
+            free()
+            try:
+                if part == "l2":
+                    rec = l2_part(shape, args.context, args.iters, args.budgets_mb, device)
+                    for r in rec["rows"]:
+                        print(f"  L2 {r['variant']:>12}: {r.get('tpot_ms', float('nan')):.3f} ms "
+                              f"({100 * r.get('vs_off', 0):+.2f}%) {r['times_ms']} {r.get('error', '')}", flush=True)
+                else:
+                    rec = offload_part(shape, layers[shape], args.context, args.steps, args.warmup, device)
+            except Exception as e:
+                import traceback
+
+                traceback.print_exc()
+                rec = {"shape": shape, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+                free()
+            record[part].append(rec)
+            free()
+            save()
+    print(f"done in {time.time() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -130,6 +130,8 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
             for name, _, _ in variants:
                 if name in graphs:
                     rows[name]["times_ms"].append(time_ms(graphs[name].replay, iters))
+    profiled = next((name for name, mb, bulk in variants[1:] if name in graphs and not bulk), None)
+    profile = {name: profile_kernels(graphs[name].replay) for name in ("off", profiled) if name in graphs}
     for r in rows.values():
         if r["times_ms"]:
             r["tpot_ms"] = min(r["times_ms"])
@@ -140,6 +142,7 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
     record = {"shape": shape, "layers": cfg.num_layers, "context": context, "l2_bytes": l2,
               "expert_w13_bytes": 2 * cfg.hidden_size * cfg.moe_intermediate_size * 2,
               "default_budget_mb": l2_prefetch_budget(l2) / MB, "rows": list(rows.values()),
+              "profile_variant": profiled, "profile": profile,
               "seconds": round(time.time() - t0, 1)}
     del graphs, outputs, hook
     for attn in model.attention_layers:
@@ -147,6 +150,51 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
     model.before_layer = model.after_layers = None
     free(model)
     return record
+
+
+def profile_kernels(fn, first: int = 48) -> dict:
+    """One call of fn under the profiler: the first `first` kernels (name, stream, start and
+    duration in us from the first kernel) and, per prefetch kernel, the compute-stream kernels that
+    ran while it did (the overlap)."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            trace = json.loads(Path(path).read_text())
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    kernels = sorted((ev for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel"), key=lambda ev: ev["ts"])
+    if not kernels:
+        return {"error": "no kernel events in the trace (graph replays not traced per kernel)"}
+    t0 = kernels[0]["ts"]
+    rows = [{"name": ev["name"][:80], "stream": ev.get("args", {}).get("stream", ev.get("tid")),
+             "start_us": round(ev["ts"] - t0, 2), "dur_us": round(ev.get("dur", 0), 2)} for ev in kernels]
+    pf = [r for r in rows if "l2_prefetch" in r["name"]]
+    streams = {r["stream"] for r in pf}
+    overlap = []
+    for r in pf[:4]:
+        end = r["start_us"] + r["dur_us"]
+        beside = [c["name"][:40] for c in rows if c["stream"] not in streams
+                  and c["start_us"] < end and c["start_us"] + c["dur_us"] > r["start_us"]]
+        overlap.append({"prefetch_start_us": r["start_us"], "prefetch_dur_us": r["dur_us"],
+                        "compute_kernels_beside": beside})
+    by_name: dict[str, list] = {}
+    for r in rows:
+        c = by_name.setdefault(r["name"][:60], [0, 0.0])
+        c[0] += 1
+        c[1] = round(c[1] + r["dur_us"], 2)
+    return {"kernels": len(rows), "prefetch_kernels": len(pf),
+            "step_us": round(rows[-1]["start_us"] + rows[-1]["dur_us"], 1),
+            "count_and_total_us_by_kernel": dict(sorted(by_name.items(), key=lambda kv: -kv[1][1])),
+            "first_kernels": rows[:first], "overlap": overlap}
 
 
 # -- offload -----------------------------------------------------------------------------------------
@@ -302,7 +350,7 @@ def main() -> None:
     p.add_argument("--budgets-mb", type=float, nargs="*", default=[8, 16, 30])
     p.add_argument("--offload-layers", type=int, nargs="*", default=[4, 8],
                    help="layers of each shape in the offload part (one number per shape, or one for all)")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", type=Path, default=None)

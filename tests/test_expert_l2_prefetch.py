@@ -100,6 +100,19 @@ def test_hook_plan_on_a_cpu_model_matches_the_split():
     assert hook.plan(MAX_PAIRS, i).lines == 0  # MAX_PAIRS tokens x 2: a prefill, nothing prefetched
 
 
+def test_decoder_calls_after_attention_once_per_layer():
+    """The late launch point: DecoderLayer.after_attention gets each layer's attention output."""
+    llm = LLM(model=TINY, dtype="float32", max_model_len=64)
+    model = llm.engine.runner.model
+    seen = []
+    for i, layer in enumerate(model.layers):
+        layer.after_attention = lambda attn, i=i: seen.append((i, tuple(attn.shape)))
+    llm.generate(["It was a dark"], SamplingParams(max_tokens=2, temperature=0.0))
+    H, n = model.config.hidden_size, len(model.layers)
+    assert [i for i, _ in seen] == list(range(n)) * (len(seen) // n) and len(seen) >= 2 * n
+    assert all(shape[-1] == H for _, shape in seen)
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -124,8 +137,8 @@ def test_cuda_prefetch_kernel_runs_over_every_expert_and_writes_nothing():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("mb", [None, 0.05])
-def test_cuda_l2_prefetch_keeps_tokens_and_logits_in_graphs(mb):
+@pytest.mark.parametrize("mb,when", [(None, "router"), (0.05, "attention")])
+def test_cuda_l2_prefetch_keeps_tokens_and_logits_in_graphs(mb, when):
     """The engine with the prefetch (side stream forked and joined inside the captured decode step)
     gives the tokens and logits of the engine without it, and the hook really issued prefetches."""
     sp = SamplingParams(max_tokens=24, temperature=0.0)
@@ -137,6 +150,7 @@ def test_cuda_l2_prefetch_keeps_tokens_and_logits_in_graphs(mb):
     hook = llm.engine.runner.l2_prefetch
     assert llm.engine.runner.graphs is not None and hook is not None
     assert llm.engine.runner.model.before_layer is hook
+    hook.when = when  # before any graph is captured
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == want
     assert hook.launches > 0 and hook.bytes_issued > 0 and hook._pending is None
     assert llm.engine.runner.graphs.graphs, "no decode step was captured"

@@ -7,8 +7,10 @@ pages filled as if `--context` tokens were cached, one decode step timed per var
 - `l2` part (all layers of the shape): (a) all-resident, the step replayed from a CUDA graph; (b)
   the same with moekv/experts/l2_prefetch.py's side stream (pre-gating prediction, then
   prefetch.global.L2 over the first bytes of each predicted expert's w13) at several byte budgets,
-  and the bulk-prefetch variant. Variants are timed in two interleaved rounds (their spread is the
-  noise figure).
+  at two launch points (`router`: after the attention block, beside the norm, router and top-k;
+  `attention`: as soon as the prediction is done, beside the attention), and the bulk-prefetch
+  variant. Variants are timed in two interleaved rounds (their spread is the noise figure); one
+  replay with and without the prefetch is profiled (kernels per stream, what ran beside the prefetch).
 - `offload` part (the first `--offload-layers` layers of the shape: the experts of the whole model
   would not fit pinned in the machine's host memory next to the rest): (a) all-resident, eager and
   graph; (c) experts in pinned host memory, half of each layer's experts resident in an LRU expert
@@ -102,16 +104,19 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
         holder[0] = model.compute_logits(model(ids, ctx))  # at capture: the graph's output buffer
         return holder[0]
 
-    variants = [("off", None, False)] + [(f"{mb:g} MB", mb, False) for mb in budgets_mb] + \
-               [(f"{budgets_mb[len(budgets_mb) // 2]:g} MB bulk", budgets_mb[len(budgets_mb) // 2], True)]
-    rows = {name: {"variant": name, "budget_mb": mb, "bulk": bulk, "times_ms": []} for name, mb, bulk in variants}
+    mid = budgets_mb[len(budgets_mb) // 2]
+    variants = [("off", None, False, None)] + [(f"router {mb:g} MB", mb, False, "router") for mb in budgets_mb] + \
+               [(f"attention {mb:g} MB", mb, False, "attention") for mb in budgets_mb[1:]] + \
+               [(f"router {mid:g} MB bulk", mid, True, "router")]
+    rows = {name: {"variant": name, "budget_mb": mb, "bulk": bulk, "when": when, "times_ms": []}
+            for name, mb, bulk, when in variants}
     graphs, outputs = {}, {}
     with torch.no_grad():
-        for name, mb, bulk in variants:
+        for name, mb, bulk, when in variants:
             hook.enabled = mb is not None
             if mb is not None:
                 hook.budget_bytes = l2_prefetch_budget(l2, int(mb * MB))
-                hook.bulk = bulk
+                hook.bulk, hook.when = bulk, when
             try:
                 launches = hook.launches
                 graphs[name] = capture_graph(step)
@@ -127,10 +132,10 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
             if "off" in outputs:
                 rows[name]["logits_equal_off"] = bool(torch.equal(outputs[name], outputs["off"]))
         for _ in range(2):  # two interleaved rounds
-            for name, _, _ in variants:
+            for name, *_ in variants:
                 if name in graphs:
                     rows[name]["times_ms"].append(time_ms(graphs[name].replay, iters))
-    profiled = next((name for name, mb, bulk in variants[1:] if name in graphs and not bulk), None)
+    profiled = next((name for name, mb, bulk, when in variants[1:] if name in graphs and mb == mid), None)
     profile = {name: profile_kernels(graphs[name].replay) for name in ("off", profiled) if name in graphs}
     for r in rows.values():
         if r["times_ms"]:

@@ -39,6 +39,12 @@ DEFAULT_BANDWIDTH = 4.0e12  # bytes/s HBM delivers to the prefetch in that windo
 MAX_PAIRS = 16  # (token, expert) pairs above which a step prefetches nothing (fused_moe's GEMV bound)
 BLOCK_LINES = 1024  # lines per program of the prefetch kernel
 BULK_LINES = 32  # lines (4 KiB) per bulk prefetch instruction
+# When the prefetch kernel starts: "attention": as soon as the prediction is done (beside the QKV
+# projection, the attention and its output projection, whose weights and KV pages then stream
+# through the L2 before the experts' GEMV reads it); "router": once the attention block is done,
+# beside the post-attention norm, the router and the top-k (latency-bound, right before the GEMV).
+WHEN = ("attention", "router")
+DEFAULT_WHEN = "router"
 
 
 def l2_prefetch_budget(l2_bytes: int, requested_bytes: int | None = None, window_s: float = DEFAULT_WINDOW_S,
@@ -146,19 +152,25 @@ class ExpertL2Prefetch:
     """MoEDecoder.before_layer / after_layers: per MoE layer, predict and prefetch on a side stream."""
 
     def __init__(self, model, predictor, budget_bytes: int, device: torch.device, per_token: int | None = None,
-                 bulk: bool = False) -> None:
+                 bulk: bool = False, when: str = DEFAULT_WHEN) -> None:
         from moekv.models.loader import moe_layers
 
+        if when not in WHEN:
+            raise ValueError(f"when={when!r}: accepted {list(WHEN)}")
         self.layers = moe_layers(model)
         self.predictor = predictor
         self.budget_bytes = budget_bytes
         self.per_token = per_token or predictor.top_k
         self.bulk = bulk
+        self.when = when
         self.enabled = True  # benchmarks compare with and without on one model
         self.stream = torch.cuda.Stream(device)
-        self._pending = None  # (event, tensors the side stream reads or wrote) until the join
+        self._pending = None  # (event, device, tensors the side stream reads or wrote) until the join
+        self._ready = None  # (layer, ids, lines): predicted, prefetch not launched yet (when="router")
         self.launches = 0  # layer prefetches issued (at capture time for captured steps)
         self.bytes_issued = 0
+        for i in self.layers:  # DecoderLayer.after_attention: the "router" launch point
+            model.layers[i].after_attention = self.after_attention
 
     def plan(self, tokens: int, layer_idx: int) -> L2PrefetchPlan:
         moe = self.layers[layer_idx]
@@ -169,13 +181,21 @@ class ExpertL2Prefetch:
         return L2PrefetchPlan(pairs, l2_prefetch_lines(self.budget_bytes, pairs, w13_bytes))
 
     def join(self) -> None:
-        """The compute stream waits for the side stream's last prefetch (and drops its tensors)."""
+        """The compute stream waits for the side stream's last work (and drops its tensors)."""
+        self._ready = None
         if self._pending is not None:
             event, device = self._pending[0], self._pending[1]
             torch.cuda.current_stream(device).wait_event(event)
             self._pending = None
 
+    def _launch(self, layer_idx: int, ids: torch.Tensor, lines: int) -> None:
+        launch_l2_prefetch(ids, self.layers[layer_idx].w13, lines, self.bulk)
+        self.launches += 1
+        self.bytes_issued += ids.numel() * lines * LINE_BYTES
+
     def __call__(self, layer_idx: int, x: torch.Tensor, delta: torch.Tensor | None) -> None:
+        """MoEDecoder.before_layer: fork, predict layer layer_idx's experts from the residual entering
+        it, and (when="attention") prefetch them at once."""
         self.join()
         if not self.enabled or layer_idx not in self.layers or x.shape[0] == 0 or not x.is_cuda:
             return
@@ -187,12 +207,27 @@ class ExpertL2Prefetch:
         with torch.cuda.stream(self.stream):
             residual = x if delta is None else x + delta
             ids = self.predictor.scores(layer_idx, residual).topk(self.per_token, dim=-1).indices  # [T, n]
-            launch_l2_prefetch(ids, self.layers[layer_idx].w13, plan.lines, self.bulk)
+            if self.when == "attention":
+                self._launch(layer_idx, ids, plan.lines)
+            else:
+                self._ready = (layer_idx, ids, plan.lines)
             done = torch.cuda.Event()
             done.record(self.stream)
         self._pending = (done, x.device, x, delta, residual, ids)
-        self.launches += 1
-        self.bytes_issued += plan.bytes
+
+    def after_attention(self, attn_out: torch.Tensor) -> None:
+        """DecoderLayer.after_attention (when="router"): the prefetch starts once the attention
+        (its output projection included) is done, beside the norm, router and top-k."""
+        if self._ready is None:
+            return
+        layer_idx, ids, lines = self._ready
+        self._ready = None
+        self.stream.wait_stream(torch.cuda.current_stream(attn_out.device))
+        with torch.cuda.stream(self.stream):
+            self._launch(layer_idx, ids, lines)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._pending = (done, *self._pending[1:], attn_out)
 
     def after_layers(self) -> None:
         self.join()

@@ -23,6 +23,7 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = SparseMoE(cfg)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+        self.after_attention = None  # called as after_attention(attn_out) (moekv/experts/l2_prefetch.py)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; delta: the previous layer's output, still to be added to it (None
@@ -30,6 +31,8 @@ class DecoderLayer(nn.Module):
         next norm, in the same launch."""
         x, h = self.input_layernorm.add_and_norm(x, delta)
         attn = self.self_attn(h, ctx)
+        if self.after_attention is not None:  # the expert L2 prefetch's late launch point
+            self.after_attention(attn)
         if isinstance(self.mlp, SparseMoE) and self.mlp.router_fuses_norm:  # the norm shares a pass with a coarse gate
             x = x + attn
             return x, self.mlp(x, norm=self.post_attention_layernorm)

@@ -125,12 +125,14 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
                 rows[name]["layer_prefetches_captured"] = hook.launches - launches
             except Exception as e:  # one failing variant must not lose the others
                 rows[name]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                hook._pending = hook._ready = None
                 torch.cuda.synchronize()
         for name in graphs:  # the prefetch writes nothing: every variant's logits are the plain graph's
             graphs[name].replay()
             torch.cuda.synchronize()
             if "off" in outputs:
                 rows[name]["logits_equal_off"] = bool(torch.equal(outputs[name], outputs["off"]))
+                rows[name]["logits_max_abs_diff_vs_off"] = float((outputs[name] - outputs["off"]).abs().max())
         for _ in range(2):  # two interleaved rounds
             for name, *_ in variants:
                 if name in graphs:
@@ -235,8 +237,11 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
     record = {"shape": shape, "layers": cfg.num_layers, "context": context, "steps": steps, "warmup": warmup,
               "experts": E, "top_k": k, "slots_per_layer": slots, "expert_bytes": expert_bytes(cfg), "runs": []}
 
+    logits_of: list = []  # each step's logits of the last run_steps call (on the host)
+
     def run_steps(before=None) -> list[float]:
         times = []
+        logits_of.clear()
         with torch.no_grad():
             for s, tok in enumerate(tokens):
                 if before is not None:
@@ -245,11 +250,12 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
                 if cuda:
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                model.compute_logits(model(ids, ctx))
+                logits = model.compute_logits(model(ids, ctx))
                 if cuda:
                     torch.cuda.synchronize()
                 if s >= warmup:
                     times.append((time.perf_counter() - start) * 1e3)
+                logits_of.append(logits.cpu())
         return times
 
     # (a) all-resident, recording each step's true routing
@@ -265,6 +271,7 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
     with tapped(moes, record_ids):
         run_steps(set_step)
     eager = run_steps()
+    resident_logits = list(logits_of)
     row = {"run": "all-resident, eager", "step_ms_median": sorted(eager)[len(eager) // 2]}
     if cuda:
         ids = torch.tensor([tokens[0]], device=device)
@@ -314,10 +321,16 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
         except Exception as e:
             record["runs"].append({"run": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(f"  {name}: failed {e}", flush=True)
+            for moe in moes.values():
+                moe.offload = None
+            model.before_layer = None
             continue
+        diff = max(float((a - b).abs().max()) for a, b in zip(logits_of, resident_logits))
+        same_tokens = all(int(a.argmax()) == int(b.argmax()) for a, b in zip(logits_of, resident_logits))
         st = offload.stats()
         n_tok = warmup + steps
         row = {"run": name, "step_ms_median": sorted(times)[len(times) // 2], "step_ms_mean": sum(times) / len(times),
+               "greedy_tokens_equal_resident": same_tokens, "logits_max_abs_diff_vs_resident": diff,
                "hit_rate": st["hit_rate"], "prediction_recall": st["prediction_recall"],
                "misses_per_token": st["misses"] / n_tok, "bytes_per_token": st["bytes_per_token"],
                "bytes_prefetch_per_token": st["bytes_prefetch"] / n_tok,

@@ -43,8 +43,9 @@ sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 from bench_decode import capture_graph, install_filled_caches, measure_bandwidth, time_ms  # noqa: E402
 
 from moekv.experts.l2_prefetch import ExpertL2Prefetch, l2_prefetch_budget  # noqa: E402
+from moekv.experts.observe import observed  # noqa: E402
 from moekv.experts.offload import ExpertCache, ExpertOffload  # noqa: E402
-from moekv.experts.predictor import ExpertPredictor  # noqa: E402
+from moekv.experts.predictor import ExpertPredictor, recall  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.models import mixtral  # noqa: E402
 from moekv.models.loader import empty_model, init_dummy_weights, install_routers, moe_layers  # noqa: E402
@@ -89,13 +90,45 @@ def free(*objs) -> None:
 
 
 # -- L2 prefetch ------------------------------------------------------------------------------------
-def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], device) -> dict:
+class FixedRouting:
+    """A predictor that always names the timed token's true experts (recorded once): the L2
+    prefetch's gain at recall 1, apart from what pre-gating gets right on dummy weights."""
+
+    kind = "true routing"
+
+    def __init__(self, ids: dict, num_experts: int, top_k: int, device) -> None:
+        self.top_k = top_k
+        self.by_layer = {i: torch.zeros(1, num_experts, device=device).scatter_(1, e.reshape(1, -1), 1.0)
+                         for i, e in ids.items()}
+
+    def scores(self, layer_idx: int, residual: torch.Tensor) -> torch.Tensor:
+        return self.by_layer[layer_idx]
+
+
+def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], device, recall_tokens: int = 31) -> dict:
     t0 = time.time()
     model, cfg = build(shape, None, device)
     ctx = install_filled_caches(model, cfg, get_kv_format("bf16", torch.bfloat16), 1, context, 16, device)
     ids = torch.randint(0, cfg.vocab_size, (1,), device=device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    hook = ExpertL2Prefetch(model, ExpertPredictor(model), l2_prefetch_budget(l2), device)
+    pregate = ExpertPredictor(model)
+    # the timed token's true routing, and pre-gating's recall on these dummy weights (eager)
+    true_ids, recalls = {}, {}
+    first = [True]
+
+    def seen(i, residual, hidden, weights, expert_ids):
+        if first[0]:
+            true_ids[i] = expert_ids.clone()
+        recalls.setdefault(i, []).append(float(recall(pregate.predict(i, residual), expert_ids).mean()))
+
+    gen = torch.Generator(device).manual_seed(2)
+    with torch.no_grad(), observed(model, seen):
+        model(ids, ctx)
+        first[0] = False
+        for _ in range(recall_tokens):
+            model(torch.randint(0, cfg.vocab_size, (1,), device=device, generator=gen), ctx)
+    oracle = FixedRouting(true_ids, cfg.num_experts, cfg.top_k, device)
+    hook = ExpertL2Prefetch(model, pregate, l2_prefetch_budget(l2), device)
     model.before_layer, model.after_layers = hook, hook.after_layers
 
     holder = [None]
@@ -105,18 +138,22 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
         return holder[0]
 
     mid = budgets_mb[len(budgets_mb) // 2]
-    variants = [("off", None, False, None)] + [(f"router {mb:g} MB", mb, False, "router") for mb in budgets_mb] + \
-               [(f"attention {mb:g} MB", mb, False, "attention") for mb in budgets_mb[1:]] + \
-               [(f"router {mid:g} MB bulk", mid, True, "router")]
-    rows = {name: {"variant": name, "budget_mb": mb, "bulk": bulk, "when": when, "times_ms": []}
-            for name, mb, bulk, when in variants}
+    variants = [("off", None, False, None, None)] + \
+        [(f"router {mb:g} MB", mb, False, "router", pregate) for mb in budgets_mb] + \
+        [(f"attention {mb:g} MB", mb, False, "attention", pregate) for mb in (mid, budgets_mb[-1])] + \
+        [(f"router {mid:g} MB bulk", mid, True, "router", pregate)] + \
+        [(f"router {mb:g} MB, true routing", mb, False, "router", oracle) for mb in (mid, budgets_mb[-1])]
+    rows = {name: {"variant": name, "budget_mb": mb, "bulk": bulk, "when": when, "times_ms": [],
+                   "predictor": None if p is None else getattr(p, "kind", "pregate")}
+            for name, mb, bulk, when, p in variants}
     graphs, outputs = {}, {}
     with torch.no_grad():
-        for name, mb, bulk, when in variants:
+        for name, mb, bulk, when, predictor in variants:
             hook.enabled = mb is not None
             if mb is not None:
-                hook.budget_bytes = l2_prefetch_budget(l2, int(mb * MB))
-                hook.bulk, hook.when = bulk, when
+                # above half the L2 the benchmark sets the bytes itself (the engine never does)
+                hook.budget_bytes = int(mb * MB)
+                hook.bulk, hook.when, hook.predictor = bulk, when, predictor
             try:
                 launches = hook.launches
                 graphs[name] = capture_graph(step)
@@ -137,7 +174,7 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
             for name, *_ in variants:
                 if name in graphs:
                     rows[name]["times_ms"].append(time_ms(graphs[name].replay, iters))
-    profiled = next((name for name, mb, bulk, when in variants[1:] if name in graphs and mb == mid), None)
+    profiled = next((v[0] for v in variants[1:] if v[0] in graphs and v[1] == mid), None)
     profile = {name: profile_kernels(graphs[name].replay) for name in ("off", profiled) if name in graphs}
     for r in rows.values():
         if r["times_ms"]:
@@ -147,6 +184,8 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
         if base and r.get("tpot_ms"):
             r["vs_off"] = r["tpot_ms"] / base - 1
     record = {"shape": shape, "layers": cfg.num_layers, "context": context, "l2_bytes": l2,
+              "pregate_recall_per_layer_dummy_weights": {str(i): sum(v) / len(v) for i, v in recalls.items()},
+              "recall_tokens": recall_tokens + 1,
               "expert_w13_bytes": 2 * cfg.hidden_size * cfg.moe_intermediate_size * 2,
               "default_budget_mb": l2_prefetch_budget(l2) / MB, "rows": list(rows.values()),
               "profile_variant": profiled, "profile": profile,
@@ -365,7 +404,8 @@ def main() -> None:
     p.add_argument("--parts", nargs="*", default=["l2", "offload"], choices=["l2", "offload"])
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--budgets-mb", type=float, nargs="*", default=[8, 16, 30])
+    p.add_argument("--budgets-mb", type=float, nargs="*", default=[8, 16, 24, 32, 40],
+                   help="MB per layer for the L2 prefetch (the middle and last one also for the other variants)")
     p.add_argument("--offload-layers", type=int, nargs="*", default=[4, 8],
                    help="layers of each shape in the offload part (one number per shape, or one for all)")
     p.add_argument("--steps", type=int, default=20)

@@ -197,7 +197,7 @@ class ExpertL2Prefetch:
         """MoEDecoder.before_layer: fork, predict layer layer_idx's experts from the residual entering
         it, and (when="attention") prefetch them at once."""
         self.join()
-        if not self.enabled or layer_idx not in self.layers or x.shape[0] == 0 or not x.is_cuda:
+        if not self.enabled or layer_idx not in self.layers or x.shape[0] == 0:
             return
         plan = self.plan(x.shape[0], layer_idx)
         if plan.lines == 0:

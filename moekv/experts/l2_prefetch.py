@@ -12,10 +12,16 @@ event), and there:
    w13 (its gate and up rows: the first bytes the MoE's GEMV reads; the programs of the lowest
    n-blocks start first). Nothing is written, so a wrong prediction costs bandwidth, never results.
 
-The side stream runs beside layer L's attention; the compute stream waits for it (joins) before
-layer L + 1 (and after the last layer), so every fork is joined inside the step and the whole thing
-is captured in the decode step's CUDA graph. w2 is not prefetched: the w13 GEMV streams more than
-the L2 holds between the prefetch and w2's GEMV.
+The prefetch kernel starts once layer L's attention block is done (`when="router"`, the default:
+beside the post-attention norm, router and top-k) or as soon as the prediction is ready
+(`when="attention"`). The compute stream waits for the side stream (joins) before layer L + 1 (and
+after the last layer), so every fork is joined inside the step and the whole thing is captured in
+the decode step's CUDA graph.
+
+Measured on the H200 (docs/experts.md): 1-6% SLOWER at batch 1 at every budget and launch point
+(Mixtral-8x7B and Qwen3-30B-A3B shapes): the expert GEMV already runs at the HBM copy rate and the
+side stream's kernels slow the compute stream's small ones. Hence off by default. w2 is not
+prefetched: the w13 GEMV streams more than the L2 holds between the prefetch and w2's GEMV.
 
 Bytes per layer and step (`l2_prefetch_budget`): at most half the L2 (the attention's KV pages and
 the attention weights pass through it too), at most what HBM delivers in the window the prefetch

@@ -182,6 +182,12 @@ class EngineConfig:
         "expert_offload: predicted experts prefetched per token (default: the model's top-k)")
     expert_predictor: str | Path | None = option(
         "file from `moekv calibrate-experts` (fitted predictor, hot experts); default: pre-gating")
+    expert_l2_prefetch: bool = option(
+        "CUDA, all experts resident: while each layer's attention runs, a side stream predicts the layer's experts "
+        "and prefetches the first bytes of their weights into L2 (moekv/experts/l2_prefetch.py)", False)
+    expert_l2_prefetch_mb: float | None = option(
+        "expert_l2_prefetch: MB prefetched per MoE layer and step (default: min(half the L2, what HBM delivers "
+        "in 10 us))")
     # several processes (engine/parallel.py, layers/parallel.py)
     tensor_parallel_size: int = option(
         "ranks the model is split over: attention heads, MLP and (without expert parallel) experts; rank 0 is this "
@@ -315,6 +321,23 @@ class EngineConfig:
         _check(not (self.expert_offload and isinstance(tp, int) and tp > 1),
                "expert_offload=True is not supported with tensor_parallel_size > 1 (each rank would need its own "
                "expert cache); use one of them")
+        _check(isinstance(self.expert_l2_prefetch, bool),
+               f"expert_l2_prefetch={self.expert_l2_prefetch!r} must be True or False")
+        _check(self.expert_l2_prefetch_mb is None
+               or (isinstance(self.expert_l2_prefetch_mb, (int, float))
+                   and not isinstance(self.expert_l2_prefetch_mb, bool) and self.expert_l2_prefetch_mb > 0),
+               f"expert_l2_prefetch_mb={self.expert_l2_prefetch_mb!r} must be a number of MB > 0 (or None)")
+        _check(self.expert_l2_prefetch_mb is None or self.expert_l2_prefetch,
+               "expert_l2_prefetch_mb only applies with expert_l2_prefetch=True (--expert-l2-prefetch)")
+        if self.expert_l2_prefetch:
+            _check(not self.expert_offload,
+                   "expert_l2_prefetch=True prefetches resident experts into L2; with expert_offload=True the experts "
+                   "are copied in from the host instead: use one of them")
+            _check(not (isinstance(tp, int) and tp > 1),
+                   "expert_l2_prefetch=True is not supported with tensor_parallel_size > 1")
+            _check(str(self.device).split(":")[0] == "cuda",
+                   f"expert_l2_prefetch=True needs a CUDA device (it issues the GPU's L2 prefetch instruction from a "
+                   f"Triton kernel on a side stream); device={self.device!r}")
         if self.expert_predictor is not None:
             self.expert_predictor = Path(self.expert_predictor)
             _check(self.expert_predictor.is_file(), f"expert_predictor={str(self.expert_predictor)!r}: no such file "

@@ -219,6 +219,11 @@ class ModelRunner:
 
             self.experts = install_expert_offload(self.model, model_cfg, config, self.device)
         self.routing = install_routers(self.model, model_cfg, **config.routing_options())
+        self.l2_prefetch = None  # ExpertL2Prefetch: predicted experts into L2 beside the attention
+        if config.expert_l2_prefetch:
+            from moekv.experts.l2_prefetch import install_l2_prefetch
+
+            self.l2_prefetch = install_l2_prefetch(self.model, config, self.device)
         # with a cluster map: routing locality counted on the device, before any graph is captured
         self.locality: LocalityCounter | None = None
         if config.cluster_map is not None and self.rank == 0:

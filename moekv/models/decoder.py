@@ -23,6 +23,7 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = SparseMoE(cfg)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
+        self.after_attention = None  # called as after_attention(attn_out) (moekv/experts/l2_prefetch.py)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; delta: the previous layer's output, still to be added to it (None
@@ -30,6 +31,8 @@ class DecoderLayer(nn.Module):
         next norm, in the same launch."""
         x, h = self.input_layernorm.add_and_norm(x, delta)
         attn = self.self_attn(h, ctx)
+        if self.after_attention is not None:  # the expert L2 prefetch's late launch point
+            self.after_attention(attn)
         if isinstance(self.mlp, SparseMoE) and self.mlp.router_fuses_norm:  # the norm shares a pass with a coarse gate
             x = x + attn
             return x, self.mlp(x, norm=self.post_attention_layernorm)
@@ -47,6 +50,8 @@ class MoEDecoder(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         # called as before_layer(i, x, delta) before layer i runs (expert prefetch: moekv/experts/offload.py)
         self.before_layer = None
+        # called as after_layers() once the last layer has run (joins the L2 prefetch's side stream)
+        self.after_layers = None
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -59,6 +64,8 @@ class MoEDecoder(nn.Module):
             if self.before_layer is not None:
                 self.before_layer(i, x, delta)
             x, delta = layer(x, delta, ctx)
+        if self.after_layers is not None:
+            self.after_layers()
         return self.norm.add_and_norm(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,166 @@
+"""kivi2 pages in MMA-fragment order: what the Gluon kivi2 decode kernel (kivi2_decode.py) reads.
+
+kivi2 stores a (page, kv head) slab as 2-bit codes [P, D/4] (channel 4j + i in bits 2i of byte j)
+with fp16 scale and zero tables: keys per channel over groups of 32 tokens ([P/32, D]), values per
+token over groups of 32 channels ([P, D/32]) (moekv/kvcache/formats/kivi.py). The Gluon kernel turns
+the codes into fp16 in registers straight into mma_v2 A-operand fragments (one warp, K and V^T as
+the A operand, m16n8k16), so each page-head's codes (P = 64 tokens, D = 128 channels, 2048 bytes)
+are reordered into the order the consuming thread holds them.
+
+Fragment order, version 1 (KIVI2_FRAGMENT_VERSION): the bits of nuq2's 2-bit fragment order
+version 1 (nuq2_layout.py: 4 rows of 512 bytes, thread `lane` reading bytes [16 lane, 16 lane + 16)
+of each row with one 128-bit load, byte b's field f in bits 2f..2f + 1), shared with it rather than
+redefined, because a 2-bit code is a 2-bit code: for both formats
+
+  keys   (row = blk, 16 tokens each)          token = 16 blk + 8 y1 + g
+                                              chan  = 64 f1 + 32 f0 + 16 y3 + 8 y2 + 2 q4 + y0
+  values (row = 2 blk + rh)                   token = 32 blk + 16 y3 + 8 y2 + 2 q4 + y0
+                                              chan  = 64 f1 + 32 f0 + 16 rh + 8 y1 + g
+
+with byte = 64 g + 16 q4 + y (y = 8 y3 + 4 y2 + 2 y1 + y0) and field = 2 f1 + f0. What this gives
+kivi2's algebra: keys' rows 0-1 are the first token group (tokens 0..31) and rows 2-3 the second,
+so each half of a page is one key scale/zero row; a byte's field f is value channel group f
+(channels 32 f .. 32 f + 31), so one shift per group picks that group's V^T [32, 64] tile.
+
+Side tables (per page-head; kivi2's own values, nothing re-quantized):
+  k_scale, k_zero   fp16 [N, H, 2, 128]   per (token group of 32, channel), as kivi2 stores them
+  v_scale, v_zero   fp16 [N, H, 64, 4]    per (token, channel group of 32), as kivi2 stores them
+Covered: block_size 64, head_dim 128, group 32 (KIVI's G; G = 64 keeps the slab path).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from moekv.ops.gluon import nuq2_layout
+from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, WORDS_PER_PAGE
+
+KIVI2_FRAGMENT_VERSION = 1
+GROUP = 32  # tokens per key group and channels per value group the order is defined for
+KEY_GROUPS = PAGE_TOKENS // GROUP  # 2 token groups a page
+VALUE_GROUPS = HEAD_DIM // GROUP  # 4 channel groups a head
+ELEMENT_OF_SLOT = nuq2_layout.ELEMENT_OF_SLOT
+codes_to_fragment = nuq2_layout.codes_to_fragment  # codes [..., 64, 128] in 0..3 -> int32 [..., 512]
+codes_from_fragment = nuq2_layout.codes_from_fragment  # the inverse (int64 codes)
+prepare_device = nuq2_layout.prepare_device
+
+
+@dataclass
+class Kivi2FragmentPages:
+    """A layer's kivi2 page pools in fragment order (N pages, H kv heads); see the module docstring."""
+
+    k_codes: torch.Tensor  # int32 [N, H, 512]
+    v_codes: torch.Tensor  # int32 [N, H, 512]
+    k_scale: torch.Tensor  # fp16 [N, H, 2, 128]
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor  # fp16 [N, H, 64, 4]
+    v_zero: torch.Tensor
+    version: int = KIVI2_FRAGMENT_VERSION
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def kernel_bytes_per_page_head(self) -> int:
+        """What the kernel reads per page-head: K and V codes, their scales and zeros (= kivi2's slabs)."""
+        return 2 * PAGE_BYTES + 2 * 2 * (KEY_GROUPS * HEAD_DIM) + 2 * 2 * (PAGE_TOKENS * VALUE_GROUPS)
+
+
+def check_shape(fmt, block_size: int, head_dim: int) -> None:
+    if getattr(fmt, "name", None) != "kivi2":
+        raise ValueError(f"kivi2 fragment order: needs a KIVI2Format, got {type(fmt).__name__}")
+    if (block_size, head_dim, fmt.group) != (PAGE_TOKENS, HEAD_DIM, GROUP):
+        raise ValueError(f"kivi2 fragment order (version {KIVI2_FRAGMENT_VERSION}) is defined for block_size "
+                         f"{PAGE_TOKENS}, head_dim {HEAD_DIM} and group {GROUP}, got {block_size}, {head_dim} "
+                         f"and {fmt.group}")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in ("key", "value"):
+        raise ValueError(f"kind={kind!r}: expected 'key' or 'value'")
+
+
+def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One kind's kivi2 slabs [N, H, slab] uint8 -> its fragment-order tables, named as
+    Kivi2FragmentPages' fields. No host sync (usable inside captured steps)."""
+    from moekv.kvcache.formats.kivi import _unpack_crumbs
+
+    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
+    _check_kind(kind)
+    name = "k" if kind == "key" else "v"
+    layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)
+    if slabs.dtype != torch.uint8 or slabs.dim() != 3 or slabs.shape[2] != layout.slab_bytes:
+        raise ValueError(f"kivi2 fragment order: {name}_pages must be uint8 [N, H, {layout.slab_bytes}], "
+                         f"got {slabs.dtype} {tuple(slabs.shape)}")
+    f = layout.unpack(slabs)
+    return {f"{name}_codes": codes_to_fragment(_unpack_crumbs(f["codes"]), kind),
+            f"{name}_scale": f["scale"].contiguous(), f"{name}_zero": f["zero"].contiguous()}
+
+
+def to_fragment_order(fmt, k_pages: torch.Tensor, v_pages: torch.Tensor) -> Kivi2FragmentPages:
+    """kivi2 slabs k_pages, v_pages [N, H, slab] uint8 (block_size 64, head_dim 128, group 32)
+    -> the same pages in fragment order."""
+    return Kivi2FragmentPages(**kind_to_fragment(fmt, "key", k_pages), **kind_to_fragment(fmt, "value", v_pages))
+
+
+def from_fragment_order(fmt, frag: Kivi2FragmentPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of to_fragment_order: (k_pages, v_pages) kivi2 slabs [N, H, slab] uint8."""
+    from moekv.kvcache.formats.kivi import _pack_crumbs
+
+    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
+    if frag.version != KIVI2_FRAGMENT_VERSION:
+        raise ValueError(f"kivi2 fragment order: pages of version {frag.version}, this code reads "
+                         f"{KIVI2_FRAGMENT_VERSION}")
+    slabs = []
+    for name, kind in (("k", "key"), ("v", "value")):
+        codes = codes_from_fragment(getattr(frag, f"{name}_codes"), kind).to(torch.uint8)
+        values = {"codes": _pack_crumbs(codes), "scale": getattr(frag, f"{name}_scale"),
+                  "zero": getattr(frag, f"{name}_zero")}
+        slabs.append(fmt.layout(kind, PAGE_TOKENS, HEAD_DIM).pack(values))
+    return slabs[0], slabs[1]
+
+
+def dequantize_fragment(frag: Kivi2FragmentPages, kind: str) -> torch.Tensor:
+    """Pages [N, H, 64, 128] fp32 from the fragment-ordered tables, as kivi2's dequantize computes them."""
+    _check_kind(kind)
+    name = "k" if kind == "key" else "v"
+    codes = codes_from_fragment(getattr(frag, f"{name}_codes"), kind).float()  # [N, H, P, D]
+    n, heads = codes.shape[:2]
+    scale, zero = getattr(frag, f"{name}_scale").float(), getattr(frag, f"{name}_zero").float()
+    if kind == "key":  # [N, H, 2, D] over each group's 32 tokens
+        x = codes.view(n, heads, KEY_GROUPS, GROUP, HEAD_DIM) * scale[:, :, :, None] + zero[:, :, :, None]
+    else:  # [N, H, P, 4] over each group's 32 channels
+        x = codes.view(n, heads, PAGE_TOKENS, VALUE_GROUPS, GROUP) * scale[..., None] + zero[..., None]
+    return x.reshape(n, heads, PAGE_TOKENS, HEAD_DIM)
+
+
+FRAGMENT_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+
+
+def fragment_table_shapes(fmt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per (page, kv head): each fragment table's trailing shape and dtype (what an engine pool holds)."""
+    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
+    return {"k_codes": ((WORDS_PER_PAGE,), torch.int32), "v_codes": ((WORDS_PER_PAGE,), torch.int32),
+            "k_scale": ((KEY_GROUPS, HEAD_DIM), torch.float16), "k_zero": ((KEY_GROUPS, HEAD_DIM), torch.float16),
+            "v_scale": ((PAGE_TOKENS, VALUE_GROUPS), torch.float16),
+            "v_zero": ((PAGE_TOKENS, VALUE_GROUPS), torch.float16)}
+
+
+def fragment_bytes_per_page_head(fmt) -> int:
+    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+               for shape, dt in fragment_table_shapes(fmt).values())
+
+
+def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
+                             device: torch.device) -> dict[str, torch.Tensor]:
+    """Empty fragment-order pools [num_blocks, num_kv_heads, ...] (zero codes, scales and zeros)."""
+    prepare_device(device)
+    return {name: torch.zeros(num_blocks, num_kv_heads, *shape, dtype=dt, device=device)
+            for name, (shape, dt) in fragment_table_shapes(fmt).items()}
+
+
+def fragment_view(tensors, page_ids: torch.Tensor | None = None) -> Kivi2FragmentPages:
+    """Kivi2FragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
+    pick = (lambda t: t) if page_ids is None else (lambda t: t[page_ids])
+    return Kivi2FragmentPages(**{name: pick(tensors[name]) for name in FRAGMENT_FIELDS})

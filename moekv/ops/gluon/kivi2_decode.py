@@ -45,6 +45,9 @@ from moekv.ops.gluon.kivi2_layout import (
 from moekv.ops.gluon.nuq2_decode import NO_WINDOW, Staged, check_extras, default_num_splits, reduce_on_device
 
 Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
+# ptxas's register cap: the staged kernel takes 240-247 registers uncapped (8 one-warp programs an SM);
+# 168 holds 12 with no spill at G 2 / 4 and 8 B outside the page loop at G 1 / 8 (sm_90 builds, journal)
+DEFAULT_MAX_REGISTERS = 168
 
 
 def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -148,7 +151,8 @@ def kivi2_decode_split_reference(q: torch.Tensor, frag: Kivi2FragmentPages, bloc
                                  kernel_roundings: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype; with
     `staged`, split num_splits holds the 16-bit tail (and `residual`'s ring). kernel_roundings: round
-    the operands as the kernel does (fp16 q, ks * q, P, vs * P; the tail in q's 16-bit type of `tail_dtype`)."""
+    the operands as the kernel does (fp16 q, ks * q, P, vs * P; the tail's q, K, V and P in bf16, the
+    kernel's tail type for bf16 queries)."""
     B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits, staged, residual, sliding_window)
     Hq, dt = q.shape[1], q.dtype
     ns_total = num_splits + (staged is not None)
@@ -201,7 +205,7 @@ def kivi2_decode_split_reference(q: torch.Tensor, frag: Kivi2FragmentPages, bloc
 # -- the GPU path ------------------------------------------------------------------------------------
 def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor,
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                          max_registers: int | None = None, staged: Staged | None = None,
+                          max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                           residual: Residual | None = None,
                           sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
@@ -247,7 +251,7 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
 
 def kivi2_decode_attention(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                           max_registers: int | None = None, staged: Staged | None = None,
+                           max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                            residual: Residual | None = None, sliding_window: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over kivi2 pages in fragment order (and, with `staged`, the

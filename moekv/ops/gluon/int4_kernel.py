@@ -22,7 +22,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from moekv.ops.gluon.nuq2_kernel import _as_b_operand, _staged_tile
+from moekv.ops.gluon.nuq2_kernel import _as_b_operand, _split_range, _staged_tile
 
 PAGE = gl.constexpr(64)
 WORDS = gl.constexpr(1024)  # int32 words of codes per page-head
@@ -189,11 +189,7 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
     if STAGED:
         quantized = ((length - 1) // PAGE) * PAGE  # the newest page, even when full, is in staging
     first = gl.maximum(length - window, 0)  # the sliding window's oldest token
-    num_pages = gl.cdiv(quantized, PAGE)
-    page_lo = gl.minimum(first // PAGE, num_pages)
-    per = gl.cdiv(num_pages - page_lo, num_splits)
-    p0 = gl.minimum(page_lo + split * per, num_pages)
-    p1 = gl.minimum(p0 + per, num_pages)
+    p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 

@@ -28,7 +28,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from moekv.ops.gluon.int4_kernel import _by_group, _store_group
-from moekv.ops.gluon.nuq2_kernel import _as_b_operand, _centroid_pairs, _per_lane, _softmax_step
+from moekv.ops.gluon.nuq2_kernel import (
+    _as_b_operand,
+    _centroid_pairs,
+    _per_lane,
+    _q_operand,
+    _softmax_step,
+    _split_range,
+)
 
 PAGE = gl.constexpr(64)
 HALF = gl.constexpr(32)  # tokens of a key group: half a page
@@ -92,12 +99,7 @@ def _tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr
     length - R, else from the staging page (row t % 64). q in its own 16-bit type (bf16 or fp16; the
     ring and staging are converted to it)."""
     DT: gl.constexpr = q_ptr.dtype.element_ty
-    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
-    qd = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
-    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
-    q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + qd[:, None], mask=(qn[None, :] < G) & (qd[:, None] < 128),
-                  other=0.0)
-    qb = gl.convert_layout(q_t, LB)
+    qb = _q_operand(q_ptr, head0, G, LB)
     tok_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
     chan_c = gl.arange(0, 128, layout=gl.SliceLayout(0, LA))
     chan_r = gl.arange(0, 128, layout=gl.SliceLayout(1, LA))
@@ -153,7 +155,6 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     # [32 tokens, 4 groups] value side tables, a token's 4 groups in one thread, rows as P_h^T's rows
     LSV: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [1, 0], [8, 0], [16, 0]],
                                                    [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], [], [], [32, 4])
-    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
 
     bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -164,13 +165,10 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     if STAGED:  # the tail: the newest page (even when full) and the residual ring's R tokens
         quantized = gl.minimum(((length - 1) // PAGE) * PAGE, gl.maximum(length - R, 0))
     first = gl.maximum(length - window, 0)  # the sliding window's oldest token
-    num_pages = gl.cdiv(quantized, PAGE)
-    page_lo = gl.minimum(first // PAGE, num_pages)
-    if first >= quantized:  # no page token in the window (pages with nothing valid are skipped)
-        page_lo = num_pages
-    per = gl.cdiv(num_pages - page_lo, num_splits)
-    p0 = gl.minimum(page_lo + split * per, num_pages)
-    p1 = gl.minimum(p0 + per, num_pages)
+    # no page at all when the window starts at or after `quantized` (quantized need not be a page
+    # boundary here: its page would hold no valid token, and a page of nothing valid has no maximum)
+    p0, p1 = _split_range(gl.where(first >= quantized, quantized + PAGE - 1, first), quantized, split, num_splits,
+                          PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
@@ -179,11 +177,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     row = (head0 + on) * ns_total + split  # [8]
     if split < num_splits:
-        qd = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
-        qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
-        q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + qd[:, None],
-                      mask=(qn[None, :] < G) & (qd[:, None] < 128), other=0.0).to(gl.float32)
-        q_t = gl.convert_layout(q_t.to(gl.float16), LB)  # q^T [128, 8] fp16, padded heads zero
+        q_t = _q_operand(q_ptr, head0, G, LB).to(gl.float16)  # q^T [128, 8] fp16, padded heads zero
         chan_b = gl.arange(0, 128, layout=gl.SliceLayout(1, LB))
         chan_a = gl.arange(0, 128, layout=gl.SliceLayout(0, LA))
         t_lo = _per_lane(zero + CODE_LO, zero)

@@ -281,6 +281,28 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
 
 
 @gluon.jit
+def _q_operand(q_ptr, head0, G: gl.constexpr, LB: gl.constexpr):
+    """q^T [128, 8] of the group's G heads (padded heads zero) in q's own 16-bit type, as the B operand."""
+    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
+    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
+    q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + qd[:, None], mask=(qn[None, :] < G) & (qd[:, None] < 128),
+                  other=0.0)
+    return gl.convert_layout(q_t, LB)
+
+
+@gluon.jit
+def _split_range(first, quantized, split, num_splits, PAGE_: gl.constexpr):
+    """(p0, p1): split `split`'s share of the pages holding tokens [first, quantized) (first: the
+    sliding window's oldest token; pages from the one holding it), cut into num_splits shares."""
+    num_pages = gl.cdiv(quantized, PAGE_)
+    page_lo = gl.minimum(first // PAGE_, num_pages)
+    per = gl.cdiv(num_pages - page_lo, num_splits)
+    p0 = gl.minimum(page_lo + split * per, num_pages)
+    return p0, gl.minimum(p0 + per, num_pages)
+
+
+@gluon.jit
 def _staged_tile(k_row, v_row, stride_st, q_ptr, head0, m_i, l_i, acc, qk_scale, n_valid, n_first,
                  G: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
     """The 16-bit tail: tokens [n_first, n_valid) of the staging page at k_row / v_row (rows
@@ -288,12 +310,7 @@ def _staged_tile(k_row, v_row, stride_st, q_ptr, head0, m_i, l_i, acc, qk_scale,
     A-operand layout: a whole page's would spill), q in its own 16-bit type (bf16 or fp16; the staging
     is converted to it)."""
     DT: gl.constexpr = q_ptr.dtype.element_ty
-    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
-    qd = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
-    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
-    q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + qd[:, None], mask=(qn[None, :] < G) & (qd[:, None] < 128),
-                  other=0.0)
-    qb = gl.convert_layout(q_t, LB)
+    qb = _q_operand(q_ptr, head0, G, LB)
     tok_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
     chan_c = gl.arange(0, 128, layout=gl.SliceLayout(0, LA))
     chan_r = gl.arange(0, 128, layout=gl.SliceLayout(1, LA))

@@ -15,7 +15,7 @@ keys' per-channel scale multiplies q (one fp16 [128, 8] B operand a half); their
 whose A operand holds the half's zero row in every row (q . kz[h] per head, already in the scores'
 layout, seeding the accumulator). The values' per-token scale multiplies P^T per group (fp16), their
 zeros go through one [16, 32] @ P^T MMA a half, accumulated apart and added per group at the end
-(int4's _store_group).
+(int4's _store_groups).
 The 16-bit tail [quantized, length) (kivi2_decode.quantized_tokens: the residual ring's newest R tokens
 and the staged page's older ones) is one more split of the same launch (STAGED): 16 tokens a step, K
 [16, 128] and V^T [128, 16] loaded straight into the A-operand layout from the ring or the staging.
@@ -27,14 +27,18 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from moekv.ops.gluon.int4_kernel import _by_group, _store_group
+from moekv.ops.gluon.int4_kernel import _by_group, _store_groups
 from moekv.ops.gluon.nuq2_kernel import (
     _as_b_operand,
     _centroid_pairs,
     _per_lane,
+    _program,
     _q_operand,
     _softmax_step,
     _split_range,
+    _store_lse,
+    _store_tail_partial,
+    _tail_aranges,
 )
 
 PAGE = gl.constexpr(64)
@@ -100,12 +104,7 @@ def _tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr
     ring and staging are converted to it)."""
     DT: gl.constexpr = q_ptr.dtype.element_ty
     qb = _q_operand(q_ptr, head0, G, LB)
-    tok_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
-    chan_c = gl.arange(0, 128, layout=gl.SliceLayout(0, LA))
-    chan_r = gl.arange(0, 128, layout=gl.SliceLayout(1, LA))
-    tok_c = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
-    tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    s0 = gl.zeros([16, 8], gl.float32, layout=MMA)
+    tok_r, chan_c, chan_r, tok_c, tok, s0 = _tail_aranges(LA, MMA)
     ring_lo = length - R  # tokens from here on are in the ring
     r_safe = gl.maximum(R, 1)
     for t0 in range(lo, length, 16):  # every chunk's first token is valid
@@ -156,15 +155,14 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     LSV: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [1, 0], [8, 0], [16, 0]],
                                                    [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], [], [], [32, 4])
 
-    bh = gl.program_id(0)
-    split = gl.program_id(1)
+    bh, split = _program()
     b = bh // HKV
     h = bh % HKV
     length = gl.load(context_lens + b)
+    first = gl.maximum(length - window, 0)  # the sliding window's oldest token
     quantized = length
     if STAGED:  # the tail: the newest page (even when full) and the residual ring's R tokens
         quantized = gl.minimum(((length - 1) // PAGE) * PAGE, gl.maximum(length - R, 0))
-    first = gl.maximum(length - window, 0)  # the sliding window's oldest token
     # no page at all when the window starts at or after `quantized` (quantized need not be a page
     # boundary here: its page would hold no valid token, and a page of nothing valid has no maximum)
     p0, p1 = _split_range(gl.where(first >= quantized, quantized + PAGE - 1, first), quantized, split, num_splits,
@@ -172,10 +170,10 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
-    m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))  # the group's query heads (the MMAs' N)
+    row = (head0 + on) * ns_total + split  # [8]: their partials' rows
     l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    row = (head0 + on) * ns_total + split  # [8]
+    m_i = l_i - float("inf")
     if split < num_splits:
         q_t = _q_operand(q_ptr, head0, G, LB).to(gl.float16)  # q^T [128, 8] fp16, padded heads zero
         chan_b = gl.arange(0, 128, layout=gl.SliceLayout(1, LB))
@@ -200,8 +198,6 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
         za_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
         za_t = gl.arange(0, HALF, layout=gl.SliceLayout(0, LA))
         tok = gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA))
-        chan = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
-        zrow = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
         s0 = gl.zeros([HALF, 8], gl.float32, layout=MMA)
         z16 = gl.zeros([16, 8], gl.float32, layout=MMA)
         z_template = gl.zeros([HALF, 128], gl.float16, layout=LA)
@@ -258,13 +254,8 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
             vx0 = vx0_n
             vx1 = vx1_n
             page = page_n
-        # the split's partial: normalised output and log2 of its mass (0 and -inf when empty)
-        nonempty = l_i > 0
-        l_safe = gl.where(nonempty, l_i, 1.0)
-        _store_group(part_o, acc0, zacc, zrow, 0, l_safe, row, chan, on, G)
-        _store_group(part_o, acc1, zacc, zrow, 1, l_safe, row, chan, on, G)
-        _store_group(part_o, acc2, zacc, zrow, 2, l_safe, row, chan, on, G)
-        _store_group(part_o, acc3, zacc, zrow, 3, l_safe, row, chan, on, G)
+        # the split's partial: normalised output (0 when empty; its lse after the branches)
+        _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)
     elif STAGED:  # the 16-bit tail: staging page and residual ring (plain K and V^T, O^T [128, 8])
         slot = gl.load(seq_slots + b).to(gl.int64)
         acc = gl.zeros([128, 8], gl.float32, layout=MMA)
@@ -272,11 +263,5 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
                                     + h * stride_sh, stride_st, k_ring + slot * stride_rs + h * stride_rh,
                                     v_ring + slot * stride_rs + h * stride_rh, stride_rt, R, q_ptr, head0,
                                     m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length, G, LA, LB, MMA)
-        nonempty = l_i > 0
-        l_safe = gl.where(nonempty, l_i, 1.0)
-        od = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-        gl.store(part_o + gl.expand_dims(row, 0) * 128 + gl.expand_dims(od, 1), acc / gl.expand_dims(l_safe, 0),
-                 mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < 128, 1))
-    nonempty = l_i > 0
-    lse = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), -float("inf"))
-    gl.store(part_lse + row, lse, mask=on < G)
+        _store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G, MMA)
+    _store_lse(part_lse, m_i, l_i, row, on, G)

@@ -94,3 +94,44 @@ def test_shapes_outside_the_order_are_refused():
     fmt, k_pages, v_pages = kivi2_pages(1, seed=0)
     with pytest.raises(ValueError, match="uint8"):
         to_fragment_order(fmt, k_pages[..., :-2], v_pages)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): result byte i = byte (sel >> 4 i) & 7 of the 8-byte value b:a."""
+    src = a | (b << 32)
+    return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _centroid_pairs(word: int, shift: int, lo: int, hi: int) -> list[int]:
+    """The kernel's asm (nuq2_kernel._centroid_pairs) on one word: the 4 fp16 bit patterns it returns,
+    element i = byte i of the word (the 4 consecutive register elements of pack=4)."""
+    t = (word >> shift) & 0x03030303
+    s = (t * 34 + 0x10101010) & 0xFFFFFFFF
+    r0, r1 = _prmt(lo, hi, s & 0xFFFF), _prmt(lo, hi, s >> 16)
+    return [r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16]
+
+
+def test_kernel_dequant_chain_rebuilds_the_tiles():
+    """The Gluon kernel's register steps replayed on the logical tensors: the prmt lookup with the
+    table 0, 1, 2, 3 (kivi2_kernel.CODE_LO / CODE_HI) emulated bit for bit, then the kernel's
+    reshape/permute to K_h [32, 128] (keys, per half) and V^T_{g,h} [32, 32] (values, per group and
+    half) must give exactly the codes at (token, channel). (The compiler checks the layouts are
+    trivial; this checks the index algebra those layouts carry.)"""
+    lo, hi = 0x3C000000, 0x42004000
+    fp16 = {0x0000: 0, 0x3C00: 1, 0x4000: 2, 0x4200: 3}
+    codes = torch.randint(0, 4, (2, P, D), generator=torch.Generator().manual_seed(3))
+    for kind, c in (("key", codes[0]), ("value", codes[1])):
+        words = codes_to_fragment(c, kind).view(4, 128).tolist()  # 4 rows of 128 words
+        if kind == "key":
+            for h in range(2):  # x [2 rows, 128 words, 4 bytes, 4 fields]
+                x = torch.tensor([[[[fp16[_centroid_pairs(words[2 * h + r][w] & 0xFFFFFFFF, 2 * f, lo, hi)[bw]]
+                                     for f in range(4)] for bw in range(4)] for w in range(128)] for r in range(2)])
+                kf = x.reshape(2, 8, 4, 2, 2, 2, 2, 2, 2).permute(0, 5, 1, 7, 8, 3, 4, 2, 6).reshape(32, 128)
+                assert torch.equal(kf, c[32 * h:32 * h + 32]), h
+        else:
+            for h in range(2):
+                for g in range(4):  # x [2 rows (rh), 128 words, 4 bytes] at shift 2 g
+                    x = torch.tensor([[[fp16[_centroid_pairs(words[2 * h + r][w] & 0xFFFFFFFF, 2 * g, lo, hi)[bw]]
+                                        for bw in range(4)] for w in range(128)] for r in range(2)])
+                    vf = x.reshape(2, 8, 4, 2, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6).reshape(32, 32)
+                    assert torch.equal(vf, c[32 * h:32 * h + 32, 32 * g:32 * g + 32].T), (h, g)

@@ -487,6 +487,20 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
                                                                scale, max_registers=cap, staged=staged)
                 caps[str(cap)] = timer(launch, args.cudagraph)
             row["max_registers_ms"] = caps
+        elif "k_codes" in cache.tensors and "k_slot_delta" not in cache.tensors:  # kivi2: the default cap and others
+            from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
+            from moekv.ops.gluon.kivi2_layout import fragment_view
+
+            frag = fragment_view(cache)
+            staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
+            ring = (cache["k_residual"], cache["v_residual"]) if fmt.residual else None
+            caps = {}
+            for cap in GLUON_KIVI2_REGISTER_CAPS:
+                launch = lambda cap=cap: kivi2_decode_attention(q, frag, ctx.block_tables, ctx.context_lens,  # noqa: E731
+                                                                scale, max_registers=cap or None, staged=staged,
+                                                                residual=ring)
+                caps[str(cap or "none")] = timer(launch, args.cudagraph)
+            row["max_registers_ms"] = caps
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -496,6 +510,7 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
 
 
 GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
+GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an SM), 240-247 uncapped (0), 200 spills
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 
 

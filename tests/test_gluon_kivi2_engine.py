@@ -109,3 +109,33 @@ def test_gpu_engine_attend_takes_the_gluon_kernel(monkeypatch, window, residual)
     triton_out = fmt_s.attend(q, slabs, ctx, D ** -0.5, window)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
     assert rel(out, ref) < 1e-2 and rel(triton_out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+def test_gpu_captured_fill_step_converts_its_pages(monkeypatch):
+    """A decode step that fills pages is captured in a CUDA graph by the engine: the conversion into
+    fragment order must not copy from the host or sync. Replayed, it writes what the eager step wrote."""
+    fmt, cache = filled_pools(monkeypatch, "gluon", "cuda", torch.bfloat16)
+    ctx = decode_ctx([P, P], [0, 1], [[6], [7]], "cuda")
+    ctx.fill_slots = torch.tensor([0, 1], device="cuda")
+    ctx.fill_pages = torch.tensor([6, 7], device="cuda")
+    fmt.quantize_filled_pages([cache], ctx)  # eager: the reference, and the kernels compiled
+    eager = {name: cache[name][6:8].clone() for name in FRAGMENT_FIELDS}
+    for name in FRAGMENT_FIELDS:
+        cache[name][6:8].zero_()
+    ctx.graph_step = True
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fmt.quantize_filled_pages([cache], ctx)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        fmt.quantize_filled_pages([cache], ctx)
+    for name in FRAGMENT_FIELDS:
+        cache[name][6:8].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name in FRAGMENT_FIELDS:
+        assert torch.equal(cache[name][6:8], eager[name]), name

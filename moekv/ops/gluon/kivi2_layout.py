@@ -83,9 +83,7 @@ def _check_kind(kind: str) -> None:
 
 def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
     """One kind's kivi2 slabs [N, H, slab] uint8 -> its fragment-order tables, named as
-    Kivi2FragmentPages' fields. No host sync (usable inside captured steps)."""
-    from moekv.kvcache.formats.kivi import _unpack_crumbs
-
+    Kivi2FragmentPages' fields. No host sync and no copy from the host (usable inside captured steps)."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
     _check_kind(kind)
     name = "k" if kind == "key" else "v"
@@ -94,7 +92,9 @@ def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Ten
         raise ValueError(f"kivi2 fragment order: {name}_pages must be uint8 [N, H, {layout.slab_bytes}], "
                          f"got {slabs.dtype} {tuple(slabs.shape)}")
     f = layout.unpack(slabs)
-    return {f"{name}_codes": codes_to_fragment(_unpack_crumbs(f["codes"]), kind),
+    packed = f["codes"]  # [N, H, P, D/4]: channel 4j + i in bits 2i of byte j (kivi2's slabs)
+    codes = torch.stack([(packed >> (2 * i)) & 3 for i in range(4)], dim=-1).flatten(-2)
+    return {f"{name}_codes": codes_to_fragment(codes, kind),
             f"{name}_scale": f["scale"].contiguous(), f"{name}_zero": f["zero"].contiguous()}
 
 

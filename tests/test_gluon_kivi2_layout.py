@@ -40,26 +40,36 @@ def test_slot_map_is_a_bijection(kind):
 
 def test_documented_positions():
     """Spot checks of the docstring's formulas. Keys: token 40 = 16 blk + 8 y1 + g (blk 2, y1 1, g 0),
-    channel 97 = 64 f1 + 32 f0 + y0 (f1 1, f0 1, y0 1): byte 512 * 2 + 64 * 0 + 16 * 0 + 3 (y = 2 y1 +
-    y0), field 3 (bits 6-7). Values: token 37 = 32 blk + 2 q4 + y0 (blk 1, q4 2, y0 1), channel 50 =
-    32 f0 + 16 rh + g (f 1, rh 1, g 2): row 2 blk + rh = 3, byte 64 * 2 + 16 * 2 + 1, field 1."""
+    channel 97 = 64 f1 + 32 f0 + y0 (f1 1, f0 1, y0 1): row 2, lane 0, u 3 (word 256 + 3), h 1, j 1
+    (bits 16 + 2 = 18-19: byte 2, field 1). Values: token 37 = 32 blk + 2 q4 + y0 (blk 1, q4 2, y0
+    1), channel 50 = 32 f0 + 16 rh + g (f0 1, rh 1, g 2): row 2 blk + rh = 3, lane 4 g + q4 = 10, u 1
+    (word 384 + 41), h 1, j 0 (bit 16: byte 2, field 0)."""
     codes = torch.zeros(2, P, D, dtype=torch.long)
     codes[0, 40, 97] = 3
     codes[1, 37, 50] = 2
     kb = codes_to_fragment(codes[0], "key").view(torch.uint8)
     vb = codes_to_fragment(codes[1], "value").view(torch.uint8)
-    assert kb.nonzero().flatten().tolist() == [512 * 2 + 3] and int(kb[512 * 2 + 3]) == 3 << 6
-    assert vb.nonzero().flatten().tolist() == [512 * 3 + 128 + 32 + 1] and int(vb[512 * 3 + 161]) == 2 << 2
+    at = 4 * (256 + 3) + 2
+    assert kb.nonzero().flatten().tolist() == [at] and int(kb[at]) == 3 << 2
+    at = 4 * (384 + 41) + 2
+    assert vb.nonzero().flatten().tolist() == [at] and int(vb[at]) == 2
 
 
 def test_halves_and_groups_sit_where_the_kernel_reads_them():
-    """Keys: rows 0-1 hold token group 0 (tokens 0..31), rows 2-3 group 1; values: field f of every
-    byte is channel group f (what the kernel's per-half key MMAs and per-group value shifts rely on)."""
+    """Keys: rows 0-1 hold token group 0 (tokens 0..31), rows 2-3 group 1; values: word u of a lane's
+    four is channel group u; a register's pair (adjacent columns of the A fragment: key channels c, c + 1,
+    value tokens t, t + 1) is the same crumb of a word's two 16-bit halves (what the kernel's per-half
+    key MMAs, per-group value words and shift-free magic-number pairs rely on)."""
     m = torch.arange(P * D)
-    row, field = (m // 4) // 512, m % 4
-    k_tok = ELEMENT_OF_SLOT["key"] // D
-    assert torch.equal(k_tok // 32, row // 2)
-    assert torch.equal((ELEMENT_OF_SLOT["value"] % D) // 32, field)
+    word, c = m // 16, m % 16
+    row, u, h, j = word // 128, word % 4, c // 8, c % 8
+    k_el, v_el = ELEMENT_OF_SLOT["key"], ELEMENT_OF_SLOT["value"]
+    assert torch.equal((k_el // D) // 32, row // 2)
+    assert torch.equal((v_el % D) // 32, u)
+    lo = h == 0  # slot (word, 0, j) and its partner (word, 1, j) = slot + 8
+    assert torch.equal(k_el[m[lo] + 8], k_el[m[lo]] + 1)  # key channel + 1, same token
+    assert torch.equal(v_el[m[lo] + 8], v_el[m[lo]] + D)  # value token + 1, same channel
+    assert int(j.max()) == 7
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])
@@ -96,42 +106,38 @@ def test_shapes_outside_the_order_are_refused():
         to_fragment_order(fmt, k_pages[..., :-2], v_pages)
 
 
-def _prmt(a: int, b: int, sel: int) -> int:
-    """PTX prmt.b32 (default mode): result byte i = byte (sel >> 4 i) & 7 of the 8-byte value b:a."""
-    src = a | (b << 32)
-    return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+MAGIC = [0x6400, 0x5C00, 0x5400, 0x4C00, 0x4400]  # fp16 2^(10 - 2j): a code at bits 2j has unit 1
 
 
-def _centroid_pairs(word: int, shift: int, lo: int, hi: int) -> list[int]:
-    """The kernel's asm (nuq2_kernel._centroid_pairs) on one word: the 4 fp16 bit patterns it returns,
-    element i = byte i of the word (the 4 consecutive register elements of pack=4)."""
-    t = (word >> shift) & 0x03030303
-    s = (t * 34 + 0x10101010) & 0xFFFFFFFF
-    r0, r1 = _prmt(lo, hi, s & 0xFFFF), _prmt(lo, hi, s >> 16)
-    return [r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16]
+def _crumb_pairs(word: int) -> list[int]:
+    """The kernel's asm (kivi2_kernel._crumb_pairs) on one word, bit for bit: 16 fp16 bit patterns,
+    element 2 k + i = the i-th half of output register k."""
+    out = []
+    for k in range(8):
+        x, j = (word, k) if k < 5 else (word >> 10, k - 5)
+        t = (x & (0x00030003 << (2 * j))) | (MAGIC[j] * 0x10001)  # lop3 (a & b) | c
+        for i in range(2):  # sub.f16x2 t, magic: exact, the halves apart
+            out.append(int(torch.tensor([(t >> (16 * i)) & 0xFFFF], dtype=torch.int16).view(torch.float16).float()
+                           - torch.tensor([MAGIC[j]], dtype=torch.int16).view(torch.float16).float()))
+    return out
 
 
 def test_kernel_dequant_chain_rebuilds_the_tiles():
-    """The Gluon kernel's register steps replayed on the logical tensors: the prmt lookup with the
-    table 0, 1, 2, 3 (kivi2_kernel.CODE_LO / CODE_HI) emulated bit for bit, then the kernel's
-    reshape/permute to K_h [32, 128] (keys, per half) and V^T_{g,h} [32, 32] (values, per group and
-    half) must give exactly the codes at (token, channel). (The compiler checks the layouts are
-    trivial; this checks the index algebra those layouts carry.)"""
-    lo, hi = 0x3C000000, 0x42004000
-    fp16 = {0x0000: 0, 0x3C00: 1, 0x4000: 2, 0x4200: 3}
+    """The Gluon kernel's register steps replayed on the logical tensors: the magic-number asm
+    emulated bit for bit, then the kernel's reshape/permute to K_h [32, 128] (keys, per half) and
+    V^T_{g,h} [32, 32] (values, per group and half) must give exactly the codes at (token, channel).
+    (The compiler checks the layouts are trivial; this checks the index algebra those layouts carry.)"""
     codes = torch.randint(0, 4, (2, P, D), generator=torch.Generator().manual_seed(3))
     for kind, c in (("key", codes[0]), ("value", codes[1])):
-        words = codes_to_fragment(c, kind).view(4, 128).tolist()  # 4 rows of 128 words
-        if kind == "key":
-            for h in range(2):  # x [2 rows, 128 words, 4 bytes, 4 fields]
-                x = torch.tensor([[[[fp16[_centroid_pairs(words[2 * h + r][w] & 0xFFFFFFFF, 2 * f, lo, hi)[bw]]
-                                     for f in range(4)] for bw in range(4)] for w in range(128)] for r in range(2)])
-                kf = x.reshape(2, 8, 4, 2, 2, 2, 2, 2, 2).permute(0, 5, 1, 7, 8, 3, 4, 2, 6).reshape(32, 128)
+        words = [[w & 0xFFFFFFFF for w in r] for r in codes_to_fragment(c, kind).view(4, 128).tolist()]
+        pairs = {(r, w): _crumb_pairs(words[r][w]) for r in range(4) for w in range(128)}
+        for h in range(2):
+            if kind == "key":  # x [2 rows, 128 words, 16 elements]
+                x = torch.tensor([[pairs[2 * h + r, w] for w in range(128)] for r in range(2)])
+                kf = x.reshape(2, 8, 4, 2, 2, 2, 2, 2, 2).permute(0, 7, 1, 3, 4, 5, 6, 2, 8).reshape(32, 128)
                 assert torch.equal(kf, c[32 * h:32 * h + 32]), h
-        else:
-            for h in range(2):
-                for g in range(4):  # x [2 rows (rh), 128 words, 4 bytes] at shift 2 g
-                    x = torch.tensor([[[fp16[_centroid_pairs(words[2 * h + r][w] & 0xFFFFFFFF, 2 * g, lo, hi)[bw]]
-                                        for bw in range(4)] for w in range(128)] for r in range(2)])
-                    vf = x.reshape(2, 8, 4, 2, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6).reshape(32, 32)
-                    assert torch.equal(vf, c[32 * h:32 * h + 32, 32 * g:32 * g + 32].T), (h, g)
+                continue
+            for g in range(4):  # x [2 rows (rh), 32 lanes (word u = g), 16 elements]
+                x = torch.tensor([[pairs[2 * h + r, 4 * lane + g] for lane in range(32)] for r in range(2)])
+                vf = x.reshape(2, 8, 4, 2, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6).reshape(32, 32)
+                assert torch.equal(vf, c[32 * h:32 * h + 32, 32 * g:32 * g + 32].T), (h, g)

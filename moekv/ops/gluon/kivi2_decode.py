@@ -11,8 +11,8 @@ the Gluon kernel (kivi2_kernel.py) computes, exactly as this module's reference 
   values   O^T_g [32, 8] += codes_g^T [32, 64] @ (vs[:, g] * P^T) [64, 8]  (the values' scale into P)
            W [16, 8]     += vz^T [4 -> 16, 64] @ P^T   (row g added to every channel of group g at the end)
 
-Codes reach the MMAs as exact small integers in fp16 (a prmt lookup of the table 0, 1, 2, 3); the
-products are summed in fp32. The fp16 roundings are those of ks * q, of q itself and of P and vs * P
+Codes reach the MMAs as exact small integers in fp16 (the magic-number trick); the products are
+summed in fp32. The fp16 roundings are those of ks * q, of q itself and of P and vs * P
 (`kernel_roundings=True` emulates them in float32). Online softmax in base 2; each split writes its
 partial (o, lse) as moekv/ops/decode/paged.py's reduce reads them.
 
@@ -45,8 +45,8 @@ from moekv.ops.gluon.kivi2_layout import (
 from moekv.ops.gluon.nuq2_decode import NO_WINDOW, Staged, check_extras, default_num_splits, reduce_on_device
 
 Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
-# ptxas's register cap: the staged kernel takes 240-247 registers uncapped (8 one-warp programs an SM);
-# 168 holds 12 with no spill at G 2 / 4 and 8 B outside the page loop at G 1 / 8 (sm_90 builds, journal)
+# ptxas's register cap: the staged kernel takes ~250 registers uncapped (8 one-warp programs an SM);
+# 168 holds 12, with no spill inside the loops at G 1 / 4 / 8 (sm_90 builds, docs/journal.md)
 DEFAULT_MAX_REGISTERS = 168
 
 
@@ -243,7 +243,7 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
         frag.k_codes, frag.v_codes, frag.k_scale, frag.k_zero, frag.v_scale, frag.v_zero,
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, seq_slots,
         k_stage, v_stage, st[0], st[1], st[2], k_ring, v_ring, rt[0], rt[1], rt[2], R,
-        part_o, part_lse, scale * LOG2E, window, 0, num_splits, ns_total,
+        part_o, part_lse, scale * LOG2E, window, num_splits, ns_total,
         HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1,
         **({"maxnreg": int(max_registers)} if max_registers else {}))
     return part_o, part_lse

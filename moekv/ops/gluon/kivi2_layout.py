@@ -7,20 +7,23 @@ the codes into fp16 in registers straight into mma_v2 A-operand fragments (one w
 the A operand, m16n8k16), so each page-head's codes (P = 64 tokens, D = 128 channels, 2048 bytes)
 are reordered into the order the consuming thread holds them.
 
-Fragment order, version 1 (KIVI2_FRAGMENT_VERSION): the bits of nuq2's 2-bit fragment order
-version 1 (nuq2_layout.py: 4 rows of 512 bytes, thread `lane` reading bytes [16 lane, 16 lane + 16)
-of each row with one 128-bit load, byte b's field f in bits 2f..2f + 1), shared with it rather than
-redefined, because a 2-bit code is a 2-bit code: for both formats
+Fragment order, version 1 (KIVI2_FRAGMENT_VERSION). A page-head's 2048 bytes are 4 rows of 512 bytes
+(128 int32 words); thread `lane` reads words [4 lane, 4 lane + 4) of every row (one 128-bit load).
+Word u of a lane holds 16 codes, the code of slot (h, j) in bits 16 h + 2 j: each 16-bit half holds 8
+codes at bits 0, 2, .., 14, so (w & 0x00030003 << 2j) | magic_j is an fp16 pair (magic_j + code, same
+for the other half) with magic_j = 2^(10 - 2j) (j < 5: the code's bits fall in the mantissa where their
+unit is 1), minus magic_j exactly the codes: two instructions a pair and no shift; j = 5..7 after one
+shift of the word by 10. Write lane = 4 g + q4, u = 2 f1 + f0, h = y0 and j = y1 + 2 y2 + 4 y3; then
 
   keys   (row = blk, 16 tokens each)          token = 16 blk + 8 y1 + g
                                               chan  = 64 f1 + 32 f0 + 16 y3 + 8 y2 + 2 q4 + y0
   values (row = 2 blk + rh)                   token = 32 blk + 16 y3 + 8 y2 + 2 q4 + y0
                                               chan  = 64 f1 + 32 f0 + 16 rh + 8 y1 + g
 
-with byte = 64 g + 16 q4 + y (y = 8 y3 + 4 y2 + 2 y1 + y0) and field = 2 f1 + f0. What this gives
-kivi2's algebra: keys' rows 0-1 are the first token group (tokens 0..31) and rows 2-3 the second,
-so each half of a page is one key scale/zero row; a byte's field f is value channel group f
-(channels 32 f .. 32 f + 31), so one shift per group picks that group's V^T [32, 64] tile.
+(nuq2's index formulas, with the bits placed so that the pair of a register (y0) is the word's two
+halves). What it gives kivi2's algebra: key rows 0-1 are the first token group (tokens 0..31) and rows
+2-3 the second, so each half of a page is one key scale/zero row; word u of a lane is value channel
+group u (channels 32 u .. 32 u + 31), so a group's V^T tile comes from one word a row.
 
 Side tables (per page-head; kivi2's own values, nothing re-quantized):
   k_scale, k_zero   fp16 [N, H, 2, 128]   per (token group of 32, channel), as kivi2 stores them
@@ -35,16 +38,47 @@ from dataclasses import dataclass, fields
 import torch
 
 from moekv.ops.gluon import nuq2_layout
-from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, WORDS_PER_PAGE
+from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, WORDS_PER_PAGE, _bits
 
 KIVI2_FRAGMENT_VERSION = 1
 GROUP = 32  # tokens per key group and channels per value group the order is defined for
 KEY_GROUPS = PAGE_TOKENS // GROUP  # 2 token groups a page
 VALUE_GROUPS = HEAD_DIM // GROUP  # 4 channel groups a head
-ELEMENT_OF_SLOT = nuq2_layout.ELEMENT_OF_SLOT
-codes_to_fragment = nuq2_layout.codes_to_fragment  # codes [..., 64, 128] in 0..3 -> int32 [..., 512]
-codes_from_fragment = nuq2_layout.codes_from_fragment  # the inverse (int64 codes)
-prepare_device = nuq2_layout.prepare_device
+
+
+def _element_of_slot(kind: str) -> torch.Tensor:
+    """[P * D] long: for slot 16 * word + 8 h + j (the code in bits 16 h + 2 j of the word; as bytes:
+    slot = 4 * byte + field, the packing nuq2_layout.codes_to_fragment writes) the element t * D + c."""
+    # word = 128 row + 4 lane + u, lane = 4 g + q4, u = 2 f1 + f0; h = y0; j = 4 y3 + 2 y2 + y1
+    row, g, q4, f1, f0, y0, y3, y2, y1 = _bits(PAGE_TOKENS * HEAD_DIM, 2, 3, 2, 1, 1, 1, 1, 1, 1)
+    if kind == "key":
+        token = 16 * row + 8 * y1 + g
+        chan = 64 * f1 + 32 * f0 + 16 * y3 + 8 * y2 + 2 * q4 + y0
+    elif kind == "value":
+        blk, rh = row // 2, row % 2
+        token = 32 * blk + 16 * y3 + 8 * y2 + 2 * q4 + y0
+        chan = 64 * f1 + 32 * f0 + 16 * rh + 8 * y1 + g
+    else:
+        raise ValueError(f"kind={kind!r}: expected 'key' or 'value'")
+    return token * HEAD_DIM + chan
+
+
+ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
+nuq2_layout.ORDERS["kivi2"] = (ELEMENT_OF_SLOT, {kind: torch.argsort(e) for kind, e in ELEMENT_OF_SLOT.items()})
+
+
+def codes_to_fragment(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """codes [..., 64, 128] in 0..3 -> int32 words [..., 512] in kivi2's fragment order."""
+    return nuq2_layout.codes_to_fragment(codes, kind, order="kivi2")
+
+
+def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
+    """int32 words [..., 512] in kivi2's fragment order -> codes [..., 64, 128] (int64)."""
+    return nuq2_layout.codes_from_fragment(words, kind, order="kivi2")
+
+
+def prepare_device(device: torch.device) -> None:
+    nuq2_layout.prepare_device(device, order="kivi2")
 
 
 @dataclass

@@ -41,6 +41,7 @@ from moekv.ops.gluon.kivi2_layout import (
     VALUE_GROUPS,
     Kivi2FragmentPages,
     codes_from_fragment,
+    key_side_by_channel,
 )
 from moekv.ops.gluon.nuq2_decode import NO_WINDOW, Staged, check_extras, default_num_splits, reduce_on_device
 
@@ -104,8 +105,8 @@ def _page_scores(qg: torch.Tensor, frag: Kivi2FragmentPages, pages: torch.Tensor
     n, H = codes.shape[:2]
     halves = codes.reshape(n, H, KEY_GROUPS, GROUP, HEAD_DIM)
     q16 = _f16(qg, rnd)
-    ks = frag.k_scale[pages].to(dt)  # [n, H, 2, D]
-    kz = frag.k_zero[pages].to(dt)
+    ks = key_side_by_channel(frag.k_scale[pages]).to(dt)  # [n, H, 2, D]
+    kz = key_side_by_channel(frag.k_zero[pages]).to(dt)
     q_scaled = _f16(ks[:, :, :, None] * q16[None, :, None], rnd)  # [n, H, 2, G, D]: ks * q per half, fp16
     s = torch.einsum("nhitc,nhigc->nhgit", halves, q_scaled)  # [n, H, G, 2, 32]
     bias = torch.einsum("nhic,hgc->nhgi", kz, q16)  # [n, H, G, 2]: q . kz[h]

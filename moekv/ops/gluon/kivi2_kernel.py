@@ -112,11 +112,20 @@ def _value_tile(vx, e16, LW: gl.constexpr, LA: gl.constexpr):
 
 
 @gluon.jit
-def _half_scores(kx, e16, k_scale, k_zero, page, hf: gl.constexpr, q_t, chan_b, chan_a, z_template, s0,
-                 LA: gl.constexpr):
+def _key_side_row(ptr, side_off, SL: gl.constexpr):
+    """A key scale (or zero) row stored in thread order (position 32 q4 + 2 i + e holds channel
+    8 i + 2 q4 + e; side_off [4, 32] its positions) -> [128] by channel in SL (the MMA operands' channel
+    layout): a thread's 32 channels in four 16-byte loads."""
+    x = gl.permute(gl.reshape(gl.load(ptr + side_off), [4, 16, 2]), [1, 0, 2])  # i, q4, e
+    return gl.convert_layout(gl.reshape(x, [128]), SL, assert_trivial=True)
+
+
+@gluon.jit
+def _half_scores(kx, e16, k_scale, k_zero, page, hf: gl.constexpr, q_t, side_off, z_template, s0,
+                 LA: gl.constexpr, LB: gl.constexpr):
     """S^T_h [32, 8] = K_h @ (ks[h] * q)^T + (q . kz[h]) in every row."""
-    ks = gl.load(k_scale + page * KSIDE + hf * 128 + chan_b)
-    kz = gl.load(k_zero + page * KSIDE + hf * 128 + chan_a)
+    ks = _key_side_row(k_scale + page * KSIDE + hf * 128, side_off, gl.SliceLayout(1, LB))
+    kz = _key_side_row(k_zero + page * KSIDE + hf * 128, side_off, gl.SliceLayout(0, LA))
     bias = gl.nvidia.ampere.mma_v2(gl.broadcast(gl.expand_dims(kz, 0), z_template)[0], q_t, s0)
     return gl.nvidia.ampere.mma_v2(_key_half(kx, e16, LA), q_t * gl.expand_dims(ks, 1), bias)
 
@@ -220,8 +229,10 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     m_i = l_i - float("inf")
     if split < num_splits:
         q_t = _q_operand(q_ptr, head0, G, LB).to(gl.float16)  # q^T [128, 8] fp16, padded heads zero
-        chan_b = gl.arange(0, 128, layout=gl.SliceLayout(1, LB))
-        chan_a = gl.arange(0, 128, layout=gl.SliceLayout(0, LA))
+        # a key scale / zero row [4 q4, 32 (i, e)]: lanes 4 g + q4 read position 32 q4 .. 32 q4 + 31
+        LQ: gl.constexpr = gl.BlockedLayout([1, 32], [4, 8], [1, 1], [0, 1])
+        side_off = (gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, LQ)), 1) * 32
+                    + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LQ)), 0))
         kr = gl.arange(0, 2, layout=gl.SliceLayout(1, LK2))
         kw = gl.arange(0, 128, layout=gl.SliceLayout(0, LK2))
         k_off = kr[:, None] * 128 + kw[None, :]  # a half's two rows (keys blk, values rh): the same offsets
@@ -258,8 +269,8 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
             vx0_n = gl.load(v_codes + page_n * WORDS + k_off)
             vx1_n = gl.load(v_codes + page_n * WORDS + 256 + k_off)
 
-            sa = _half_scores(kx0, e16, k_scale, k_zero, page, 0, q_t, chan_b, chan_a, z_template, s0, LA) * qk_scale
-            sb = _half_scores(kx1, e16, k_scale, k_zero, page, 1, q_t, chan_b, chan_a, z_template, s0, LA) * qk_scale
+            sa = _half_scores(kx0, e16, k_scale, k_zero, page, 0, q_t, side_off, z_template, s0, LA, LB) * qk_scale
+            sb = _half_scores(kx1, e16, k_scale, k_zero, page, 1, q_t, side_off, z_template, s0, LA, LB) * qk_scale
             pos = pg * PAGE + tok
             sa = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sa, -float("inf"))
             pos = pos + HALF

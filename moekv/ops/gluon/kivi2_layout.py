@@ -26,7 +26,10 @@ halves). What it gives kivi2's algebra: key rows 0-1 are the first token group (
 group u (channels 32 u .. 32 u + 31), so a group's V^T tile comes from one word a row.
 
 Side tables (per page-head; kivi2's own values, nothing re-quantized):
-  k_scale, k_zero   fp16 [N, H, 2, 128]   per (token group of 32, channel), as kivi2 stores them
+  k_scale, k_zero   fp16 [N, H, 2, 128]   per (token group of 32, channel), each row in thread order:
+                                          position 32 q4 + 2 i + e holds channel 8 i + 2 q4 + e
+                                          (KEY_SIDE_CHANNEL), the 32 channels a thread's MMA operands
+                                          hold (lane = 4 g + q4) contiguous: four 16-byte loads a row
   v_scale, v_zero   fp16 [N, H, 64, 4]    per (token, channel group of 32), as kivi2 stores them
 Covered: block_size 64, head_dim 128, group 32 (KIVI's G; G = 64 keeps the slab path).
 """
@@ -64,6 +67,27 @@ def _element_of_slot(kind: str) -> torch.Tensor:
 
 
 ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
+_q4, _i, _e = _bits(HEAD_DIM, 2, 4, 1)
+KEY_SIDE_CHANNEL = 8 * _i + 2 * _q4 + _e  # position p of a stored key scale / zero row -> its channel
+KEY_SIDE_POSITION = torch.argsort(KEY_SIDE_CHANNEL)  # channel -> its position
+_SIDE_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _side_index(which: str, device: torch.device) -> torch.Tensor:
+    key = (which, torch.device(device))
+    if key not in _SIDE_ON_DEVICE:  # copied once (no host copy inside a captured step)
+        _SIDE_ON_DEVICE[key] = (KEY_SIDE_CHANNEL if which == "channel" else KEY_SIDE_POSITION).to(device)
+    return _SIDE_ON_DEVICE[key]
+
+
+def key_side_to_thread_order(x: torch.Tensor) -> torch.Tensor:
+    """[..., 128] by channel -> by position (what k_scale / k_zero store)."""
+    return x[..., _side_index("channel", x.device)].contiguous()
+
+
+def key_side_by_channel(x: torch.Tensor) -> torch.Tensor:
+    """The stored [..., 128] (thread order) -> by channel."""
+    return x[..., _side_index("position", x.device)]
 nuq2_layout.ORDERS["kivi2"] = (ELEMENT_OF_SLOT, {kind: torch.argsort(e) for kind, e in ELEMENT_OF_SLOT.items()})
 
 
@@ -79,6 +103,8 @@ def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
 
 def prepare_device(device: torch.device) -> None:
     nuq2_layout.prepare_device(device, order="kivi2")
+    _side_index("channel", device)
+    _side_index("position", device)
 
 
 @dataclass
@@ -128,8 +154,9 @@ def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Ten
     f = layout.unpack(slabs)
     packed = f["codes"]  # [N, H, P, D/4]: channel 4j + i in bits 2i of byte j (kivi2's slabs)
     codes = torch.stack([(packed >> (2 * i)) & 3 for i in range(4)], dim=-1).flatten(-2)
-    return {f"{name}_codes": codes_to_fragment(codes, kind),
-            f"{name}_scale": f["scale"].contiguous(), f"{name}_zero": f["zero"].contiguous()}
+    side = key_side_to_thread_order if kind == "key" else torch.Tensor.contiguous
+    return {f"{name}_codes": codes_to_fragment(codes, kind), f"{name}_scale": side(f["scale"]),
+            f"{name}_zero": side(f["zero"])}
 
 
 def to_fragment_order(fmt, k_pages: torch.Tensor, v_pages: torch.Tensor) -> Kivi2FragmentPages:
@@ -149,8 +176,9 @@ def from_fragment_order(fmt, frag: Kivi2FragmentPages) -> tuple[torch.Tensor, to
     slabs = []
     for name, kind in (("k", "key"), ("v", "value")):
         codes = codes_from_fragment(getattr(frag, f"{name}_codes"), kind).to(torch.uint8)
-        values = {"codes": _pack_crumbs(codes), "scale": getattr(frag, f"{name}_scale"),
-                  "zero": getattr(frag, f"{name}_zero")}
+        side = key_side_by_channel if kind == "key" else (lambda t: t)
+        values = {"codes": _pack_crumbs(codes), "scale": side(getattr(frag, f"{name}_scale")),
+                  "zero": side(getattr(frag, f"{name}_zero"))}
         slabs.append(fmt.layout(kind, PAGE_TOKENS, HEAD_DIM).pack(values))
     return slabs[0], slabs[1]
 
@@ -163,6 +191,7 @@ def dequantize_fragment(frag: Kivi2FragmentPages, kind: str) -> torch.Tensor:
     n, heads = codes.shape[:2]
     scale, zero = getattr(frag, f"{name}_scale").float(), getattr(frag, f"{name}_zero").float()
     if kind == "key":  # [N, H, 2, D] over each group's 32 tokens
+        scale, zero = key_side_by_channel(scale), key_side_by_channel(zero)
         x = codes.view(n, heads, KEY_GROUPS, GROUP, HEAD_DIM) * scale[:, :, :, None] + zero[:, :, :, None]
     else:  # [N, H, P, 4] over each group's 32 channels
         x = codes.view(n, heads, PAGE_TOKENS, VALUE_GROUPS, GROUP) * scale[..., None] + zero[..., None]

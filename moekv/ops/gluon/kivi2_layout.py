@@ -167,8 +167,6 @@ def to_fragment_order(fmt, k_pages: torch.Tensor, v_pages: torch.Tensor) -> Kivi
 
 def from_fragment_order(fmt, frag: Kivi2FragmentPages) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of to_fragment_order: (k_pages, v_pages) kivi2 slabs [N, H, slab] uint8."""
-    from moekv.kvcache.formats.kivi import _pack_crumbs
-
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
     if frag.version != KIVI2_FRAGMENT_VERSION:
         raise ValueError(f"kivi2 fragment order: pages of version {frag.version}, this code reads "
@@ -177,7 +175,8 @@ def from_fragment_order(fmt, frag: Kivi2FragmentPages) -> tuple[torch.Tensor, to
     for name, kind in (("k", "key"), ("v", "value")):
         codes = codes_from_fragment(getattr(frag, f"{name}_codes"), kind).to(torch.uint8)
         side = key_side_by_channel if kind == "key" else (lambda t: t)
-        values = {"codes": _pack_crumbs(codes), "scale": side(getattr(frag, f"{name}_scale")),
+        packed = sum(codes[..., i::4] << (2 * i) for i in range(4)).to(torch.uint8)  # channel 4j + i: bits 2i of j
+        values = {"codes": packed, "scale": side(getattr(frag, f"{name}_scale")),
                   "zero": side(getattr(frag, f"{name}_zero"))}
         slabs.append(fmt.layout(kind, PAGE_TOKENS, HEAD_DIM).pack(values))
     return slabs[0], slabs[1]

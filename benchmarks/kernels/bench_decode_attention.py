@@ -16,8 +16,8 @@ reference on the first sequence.
         # smoke run: two small shapes, default launch only
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 nuq2 nuq2_eager nuq2_noslots --shapes 16x32768 \
         --out /tmp/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side (a side study)
-    python benchmarks/kernels/bench_decode_attention.py --formats nuq2 int4 --kernel triton gluon
-        # nuq2's and int4's Triton and Gluon kernels side by side (rows nuq2, nuq2_gluon, int4, int4_gluon)
+    python benchmarks/kernels/bench_decode_attention.py --formats nuq2 int4 kivi2 --kernel triton gluon
+        # the Triton and Gluon kernels side by side (rows nuq2, nuq2_gluon, int4, int4_gluon, kivi2, kivi2_gluon)
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer
         # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
@@ -174,6 +174,11 @@ def build_cache(fmt, batch: int, context: int, block_size: int, device, gen):
                 from moekv.ops.gluon.int4_layout import kind_to_fragment as int4_to_fragment
 
                 for field, t in int4_to_fragment(fmt, kind, slab).items():
+                    cache[field].copy_(t[repeat])
+            elif "k_codes" in cache.tensors:  # kivi2 pools in the Gluon kernel's fragment order
+                from moekv.ops.gluon.kivi2_layout import kind_to_fragment as kivi2_to_fragment
+
+                for field, t in kivi2_to_fragment(fmt, kind, slab).items():
                     cache[field].copy_(t[repeat])
             else:
                 cache[f"{name}_pages"].copy_(slab[repeat])
@@ -411,9 +416,10 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
 
 
 def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> dict:
-    """nuq2 or int4 through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: pools in fragment order,
-    KVFormat.attend -> moekv/ops/gluon/{nuq2,int4}_decode.py, the staged tail as the launch's extra split,
-    the default split count), timed and checked as the Triton rows are: row `<label>_gluon`."""
+    """nuq2, int4 or kivi2 through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: pools in fragment
+    order, KVFormat.attend -> moekv/ops/gluon/{nuq2,int4,kivi2}_decode.py, the staged tail (kivi2: and its
+    residual ring) as the launch's extra split, the default split count), timed and checked as the Triton
+    rows are: row `<label>_gluon`."""
     import os
 
     from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages
@@ -435,16 +441,25 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     scale = HEAD_DIM ** -0.5
     pages = context // args.block_size if context % args.block_size else context // args.block_size - 1
+    tail_tokens = context - pages * args.block_size  # the staged newest page, in bf16
     if "k_used" in cache.tensors:  # nuq2: codes and side tables, plus the used slots
         used = float(cache["k_used"].float().mean() + cache["v_used"].float().mean())  # slots a page-head reads
         per_page_head = Nuq2FragmentPages.code_bytes_per_page_head(None) + 8 * used
-    else:  # int4: codes, scales, zeros, outlier channels and deltas
+    elif "k_out_delta" in cache.tensors:  # int4: codes, scales, zeros, outlier channels and deltas
         from moekv.ops.gluon.int4_layout import fragment_view
 
         used = None
         first_page = torch.zeros(1, dtype=torch.long, device=device)
         per_page_head = fragment_view(cache, first_page).kernel_bytes_per_page_head()
-    nbytes = int(batch * NUM_KV_HEADS * (pages * per_page_head + (context - pages * args.block_size) * HEAD_DIM * 4)
+    else:  # kivi2: codes, scales and zeros; the tail is the residual ring's R tokens (or the staged page's)
+        from moekv.ops.gluon.kivi2_decode import quantized_tokens
+        from moekv.ops.gluon.kivi2_layout import Kivi2FragmentPages
+
+        used = None
+        per_page_head = Kivi2FragmentPages.kernel_bytes_per_page_head(None)
+        quantized = quantized_tokens(context, True, fmt.residual)
+        pages, tail_tokens = -(-quantized // args.block_size), context - quantized
+    nbytes = int(batch * NUM_KV_HEADS * (pages * per_page_head + tail_tokens * HEAD_DIM * 4)
                  + 2 * batch * NUM_HEADS * HEAD_DIM * 2)
     row.update(bits_per_element=round(8 * fmt.page_bytes(NUM_KV_HEADS, args.block_size, HEAD_DIM)
                                       / (2 * NUM_KV_HEADS * args.block_size * HEAD_DIM), 4),
@@ -472,6 +487,20 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
                                                                scale, max_registers=cap, staged=staged)
                 caps[str(cap)] = timer(launch, args.cudagraph)
             row["max_registers_ms"] = caps
+        elif "k_codes" in cache.tensors and "k_slot_delta" not in cache.tensors:  # kivi2: the default cap and others
+            from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
+            from moekv.ops.gluon.kivi2_layout import fragment_view
+
+            frag = fragment_view(cache)
+            staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
+            ring = (cache["k_residual"], cache["v_residual"]) if fmt.residual else None
+            caps = {}
+            for cap in GLUON_KIVI2_REGISTER_CAPS:
+                launch = lambda cap=cap: kivi2_decode_attention(q, frag, ctx.block_tables, ctx.context_lens,  # noqa: E731
+                                                                scale, max_registers=cap or None, staged=staged,
+                                                                residual=ring)
+                caps[str(cap or "none")] = timer(launch, args.cudagraph)
+            row["max_registers_ms"] = caps
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -481,6 +510,7 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
 
 
 GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
+GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an SM), 240-247 uncapped (0), 200 spills
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 
 
@@ -640,8 +670,8 @@ def main() -> None:
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
     p.add_argument("--kernel", nargs="+", choices=("triton", "gluon"), default=["triton"],
-                   help="nuq2's and int4's decode kernels to time: triton (slab pools, moekv/ops/decode) and/or gluon "
-                        "(pools in fragment order, moekv/ops/gluon; rows <format>_gluon)")
+                   help="nuq2's, int4's and kivi2's decode kernels to time: triton (slab pools, moekv/ops/decode) "
+                        "and/or gluon (pools in fragment order, moekv/ops/gluon; rows <format>_gluon)")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
                    help="other libraries timed after each shape's SDPA row "
                         "(flashinfer: benchmarks/kernels/flashinfer_peer.py)")
@@ -688,7 +718,7 @@ def main() -> None:
                 rows.append(row)
                 print_row(row)
         for label in args.formats:
-            gluon = FORMATS[label][0] in ("nuq2", "int4") and label not in NUQ2_VARIANTS and label != "tiered"
+            gluon = FORMATS[label][0] in ("nuq2", "int4", "kivi2") and label not in NUQ2_VARIANTS and label != "tiered"
             if "triton" in args.kernel or not gluon:
                 row = bench_format(label, batch, context, args, device, gen, bandwidth, base)
                 rows.append(row)

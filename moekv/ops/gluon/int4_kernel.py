@@ -22,7 +22,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from moekv.ops.gluon.nuq2_kernel import _as_b_operand, _staged_tile
+from moekv.ops.gluon.nuq2_kernel import _as_b_operand, _split_range, _staged_tile, _store_lse, _store_tail_partial
 
 PAGE = gl.constexpr(64)
 WORDS = gl.constexpr(1024)  # int32 words of codes per page-head
@@ -97,9 +97,10 @@ def _value_tile(x, e3, LA: gl.constexpr):
 @gluon.jit
 def _by_group(ptr, page, rows, cols, SL: gl.constexpr):
     """A page-head's fp16 [64 tokens, 4 groups] table (scales or zeros), each row one 8-byte load,
-    split into its 4 groups' [64] columns in the slice layout SL (the rows' layout of the consumer)."""
+    split into its 4 groups' [64] columns in the slice layout SL (the rows' layout of the consumer).
+    rows: the tokens read (kivi2 reads [32]-token halves of its [64, 4] value tables)."""
     x = gl.load(ptr + page * SIDE + gl.expand_dims(rows, 1) * 4 + gl.expand_dims(cols, 0))
-    x = gl.reshape(x, [PAGE, 2, 2])  # group = 2 hi + lo
+    x = gl.reshape(x, [x.shape[0], 2, 2])  # group = 2 hi + lo
     lo, hi = gl.split(x)
     g0, g2 = gl.split(lo)
     g1, g3 = gl.split(hi)
@@ -155,6 +156,19 @@ def _store_group(part_o, acc, zacc, zrow, g: gl.constexpr, l_safe, row, chan, on
 
 
 @gluon.jit
+def _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G: gl.constexpr, MMA: gl.constexpr):
+    """A page split's normalised output (0 when empty) from the 4 groups' O^T_g [32, 8] and the zeros'
+    sums zacc (rows 0..3), at the partials' rows `row` of the G heads."""
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    chan = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
+    zrow = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    _store_group(part_o, acc0, zacc, zrow, 0, l_safe, row, chan, on, G)
+    _store_group(part_o, acc1, zacc, zrow, 1, l_safe, row, chan, on, G)
+    _store_group(part_o, acc2, zacc, zrow, 2, l_safe, row, chan, on, G)
+    _store_group(part_o, acc3, zacc, zrow, 3, l_safe, row, chan, on, G)
+
+
+@gluon.jit
 def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oidx, k_odelta, v_oidx, v_odelta,
                        q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                        k_stage, v_stage, stride_ss, stride_sh, stride_st,
@@ -188,11 +202,7 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
     if STAGED:
         quantized = ((length - 1) // PAGE) * PAGE  # the newest page, even when full, is in staging
     first = gl.maximum(length - window, 0)  # the sliding window's oldest token
-    num_pages = gl.cdiv(quantized, PAGE)
-    page_lo = gl.minimum(first // PAGE, num_pages)
-    per = gl.cdiv(num_pages - page_lo, num_splits)
-    p0 = gl.minimum(page_lo + split * per, num_pages)
-    p1 = gl.minimum(p0 + per, num_pages)
+    p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
@@ -273,24 +283,13 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
                 acc1 = _add_at_channel(acc1, 1, chan, c_o, x_o)
                 acc2 = _add_at_channel(acc2, 2, chan, c_o, x_o)
                 acc3 = _add_at_channel(acc3, 3, chan, c_o, x_o)
-        # the split's partial: normalised output and log2 of its mass (0 and -inf when empty)
-        nonempty = l_i > 0
-        l_safe = gl.where(nonempty, l_i, 1.0)
-        _store_group(part_o, acc0, zacc, zrow, 0, l_safe, row, chan, on, G)
-        _store_group(part_o, acc1, zacc, zrow, 1, l_safe, row, chan, on, G)
-        _store_group(part_o, acc2, zacc, zrow, 2, l_safe, row, chan, on, G)
-        _store_group(part_o, acc3, zacc, zrow, 3, l_safe, row, chan, on, G)
+        # the split's partial: normalised output (0 when empty; its lse after the branches)
+        _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)
     elif STAGED:  # the 16-bit tail: nuq2's staged tile (plain K and V^T, O^T [128, 8])
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh
         acc = gl.zeros([128, 8], gl.float32, layout=MMA)
         m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                      qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
-        nonempty = l_i > 0
-        l_safe = gl.where(nonempty, l_i, 1.0)
-        od = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-        gl.store(part_o + gl.expand_dims(row, 0) * 128 + gl.expand_dims(od, 1), acc / gl.expand_dims(l_safe, 0),
-                 mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < 128, 1))
-    nonempty = l_i > 0
-    lse = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), -float("inf"))
-    gl.store(part_lse + row, lse, mask=on < G)
+        _store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G, MMA)
+    _store_lse(part_lse, m_i, l_i, row, on, G)

@@ -281,6 +281,62 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
 
 
 @gluon.jit
+def _q_operand(q_ptr, head0, G: gl.constexpr, LB: gl.constexpr):
+    """q^T [128, 8] of the group's G heads (padded heads zero) in q's own 16-bit type, as the B operand."""
+    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
+    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
+    q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + qd[:, None], mask=(qn[None, :] < G) & (qd[:, None] < 128),
+                  other=0.0)
+    return gl.convert_layout(q_t, LB)
+
+
+@gluon.jit
+def _program():
+    """(b * HKV + h, split) of this program: the (sequence, KV head) index and the split."""
+    return gl.program_id(0), gl.program_id(1)
+
+
+@gluon.jit
+def _tail_aranges(LA: gl.constexpr, MMA: gl.constexpr):
+    """The 16-bit tail's index vectors: tokens and channels of K [16, 128] and V^T [128, 16] in the
+    A-operand layout, tokens of S^T [16, 8], and S^T's zero accumulator."""
+    return (gl.arange(0, 16, layout=gl.SliceLayout(1, LA)), gl.arange(0, 128, layout=gl.SliceLayout(0, LA)),
+            gl.arange(0, 128, layout=gl.SliceLayout(1, LA)), gl.arange(0, 16, layout=gl.SliceLayout(0, LA)),
+            gl.arange(0, 16, layout=gl.SliceLayout(1, MMA)), gl.zeros([16, 8], gl.float32, layout=MMA))
+
+
+@gluon.jit
+def _store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G: gl.constexpr, MMA: gl.constexpr):
+    """A tail split's partial: O^T [128, 8] normalised (0 when empty) and log2 of its mass (-inf when
+    empty) at the partials' rows `row` of the G heads."""
+    nonempty = l_i > 0
+    l_safe = gl.where(nonempty, l_i, 1.0)
+    od = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+    gl.store(part_o + gl.expand_dims(row, 0) * 128 + gl.expand_dims(od, 1), acc / gl.expand_dims(l_safe, 0),
+             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < 128, 1))
+
+
+@gluon.jit
+def _store_lse(part_lse, m_i, l_i, row, on, G: gl.constexpr):
+    """log2 of a split's softmax mass (-inf when empty) at the partials' rows `row` of the G heads."""
+    nonempty = l_i > 0
+    lse = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), -float("inf"))
+    gl.store(part_lse + row, lse, mask=on < G)
+
+
+@gluon.jit
+def _split_range(first, quantized, split, num_splits, PAGE_: gl.constexpr):
+    """(p0, p1): split `split`'s share of the pages holding tokens [first, quantized) (first: the
+    sliding window's oldest token; pages from the one holding it), cut into num_splits shares."""
+    num_pages = gl.cdiv(quantized, PAGE_)
+    page_lo = gl.minimum(first // PAGE_, num_pages)
+    per = gl.cdiv(num_pages - page_lo, num_splits)
+    p0 = gl.minimum(page_lo + split * per, num_pages)
+    return p0, gl.minimum(p0 + per, num_pages)
+
+
+@gluon.jit
 def _staged_tile(k_row, v_row, stride_st, q_ptr, head0, m_i, l_i, acc, qk_scale, n_valid, n_first,
                  G: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
     """The 16-bit tail: tokens [n_first, n_valid) of the staging page at k_row / v_row (rows
@@ -288,18 +344,8 @@ def _staged_tile(k_row, v_row, stride_st, q_ptr, head0, m_i, l_i, acc, qk_scale,
     A-operand layout: a whole page's would spill), q in its own 16-bit type (bf16 or fp16; the staging
     is converted to it)."""
     DT: gl.constexpr = q_ptr.dtype.element_ty
-    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
-    qd = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
-    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
-    q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + qd[:, None], mask=(qn[None, :] < G) & (qd[:, None] < 128),
-                  other=0.0)
-    qb = gl.convert_layout(q_t, LB)
-    tok_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
-    chan_c = gl.arange(0, 128, layout=gl.SliceLayout(0, LA))
-    chan_r = gl.arange(0, 128, layout=gl.SliceLayout(1, LA))
-    tok_c = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
-    tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    s0 = gl.zeros([16, 8], gl.float32, layout=MMA)
+    qb = _q_operand(q_ptr, head0, G, LB)
+    tok_r, chan_c, chan_r, tok_c, tok, s0 = _tail_aranges(LA, MMA)
     for t0 in range(gl.maximum(n_first, 0) // 16 * 16, n_valid, 16):  # no chunk wholly before the window
         tr = t0 + tok_r
         kmask = gl.expand_dims((tr < n_valid) & (tr >= n_first), 1) & gl.expand_dims(chan_c < 128, 0)

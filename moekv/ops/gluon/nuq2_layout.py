@@ -83,23 +83,25 @@ def _element_of_slot(kind: str) -> torch.Tensor:
 ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
 # the inverse: element t * D + c -> its slot 4 * byte + field
 SLOT_OF_ELEMENT = {kind: torch.argsort(e) for kind, e in ELEMENT_OF_SLOT.items()}
-_ON_DEVICE: dict[tuple[str, str, torch.device], torch.Tensor] = {}
+# 2-bit fragment orders by name (kivi2_layout.py registers its own): (element of slot, slot of element)
+ORDERS = {"nuq2": (ELEMENT_OF_SLOT, SLOT_OF_ELEMENT)}
+_ON_DEVICE: dict[tuple[str, str, str, torch.device], torch.Tensor] = {}
 
 
-def _index_on(table: str, kind: str, device: torch.device) -> torch.Tensor:
-    """ELEMENT_OF_SLOT / SLOT_OF_ELEMENT [kind] on `device`, copied once: a copy from the host inside a
-    CUDA graph capture (the engine converts the pages a captured step fills) is refused."""
-    key = (table, kind, torch.device(device))
+def _index_on(table: str, kind: str, device: torch.device, order: str = "nuq2") -> torch.Tensor:
+    """An order's ELEMENT_OF_SLOT / SLOT_OF_ELEMENT [kind] on `device`, copied once: a copy from the host
+    inside a CUDA graph capture (the engine converts the pages a captured step fills) is refused."""
+    key = (order, table, kind, torch.device(device))
     if key not in _ON_DEVICE:
-        _ON_DEVICE[key] = (ELEMENT_OF_SLOT if table == "element" else SLOT_OF_ELEMENT)[kind].to(device)
+        _ON_DEVICE[key] = ORDERS[order][0 if table == "element" else 1][kind].to(device)
     return _ON_DEVICE[key]
 
 
-def prepare_device(device: torch.device) -> None:
+def prepare_device(device: torch.device, order: str = "nuq2") -> None:
     """Put the reorder's index tables on `device` now (before any capture that converts pages)."""
     for kind in ("key", "value"):
-        _index_on("element", kind, device)
-        _index_on("slot", kind, device)
+        _index_on("element", kind, device, order)
+        _index_on("slot", kind, device, order)
 
 
 def _check_kind(kind: str) -> None:
@@ -107,25 +109,26 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"kind={kind!r}: expected 'key' or 'value'")
 
 
-def codes_to_fragment(codes: torch.Tensor, kind: str) -> torch.Tensor:
-    """codes [..., 64, 128] in 0..3 -> int32 words [..., 512] in fragment order."""
+def codes_to_fragment(codes: torch.Tensor, kind: str, order: str = "nuq2") -> torch.Tensor:
+    """codes [..., 64, 128] in 0..3 -> int32 words [..., 512] in fragment order (slot 4 * byte + field
+    holds the code of element ORDERS[order][0][kind][slot])."""
     _check_kind(kind)
     if codes.shape[-2:] != (PAGE_TOKENS, HEAD_DIM):
         raise ValueError(f"codes_to_fragment: codes must end in [{PAGE_TOKENS}, {HEAD_DIM}], got {tuple(codes.shape)}")
     lead = codes.shape[:-2]
     flat = codes.reshape(*lead, PAGE_TOKENS * HEAD_DIM).to(torch.uint8)
-    slots = flat[..., _index_on("element", kind, codes.device)].reshape(*lead, PAGE_BYTES, 4)
+    slots = flat[..., _index_on("element", kind, codes.device, order)].reshape(*lead, PAGE_BYTES, 4)
     packed = slots[..., 0] | (slots[..., 1] << 2) | (slots[..., 2] << 4) | (slots[..., 3] << 6)
     return packed.contiguous().view(torch.int32)
 
 
-def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
+def codes_from_fragment(words: torch.Tensor, kind: str, order: str = "nuq2") -> torch.Tensor:
     """int32 words [..., 512] in fragment order -> codes [..., 64, 128] (int64)."""
     _check_kind(kind)
     lead = words.shape[:-1]
     packed = words.contiguous().view(torch.uint8)  # [..., 2048]
     slots = torch.stack([(packed >> (2 * f)) & 3 for f in range(4)], dim=-1).reshape(*lead, PAGE_TOKENS * HEAD_DIM)
-    return slots[..., _index_on("slot", kind, words.device)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
+    return slots[..., _index_on("slot", kind, words.device, order)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
 
 
 def used_slots_first(out_idx: torch.Tensor, out_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,263 @@
+"""Split-K paged decode attention over kivi2 pages in fragment order, with a Gluon kernel.
+
+kivi2 stores keys k[t, c] = code * ks[t // 32, c] + kz[t // 32, c] (per channel over groups of 32
+tokens) and values v[t, c] = code * vs[t, c // 32] + vz[t, c // 32] (per token over groups of 32
+channels), 2-bit codes, and keeps the newest R tokens in a 16-bit residual ring beside the pages
+(moekv/kvcache/formats/kivi.py). Per 64-token page, two token halves h = 0, 1 (one key group each),
+the Gluon kernel (kivi2_kernel.py) computes, exactly as this module's reference does:
+
+  scores   S^T_h [32, 8] = codes_h [32, 128] @ (ks[h] * q)^T [128, 8]      (the keys' scale folded into q)
+                         + Z_h [32, 128] @ q^T [128, 8],  Z_h = kz[h] in every row   (the zeros: q . kz[h])
+  values   O^T_g [32, 8] += codes_g^T [32, 64] @ (vs[:, g] * P^T) [64, 8]  (the values' scale into P)
+           W [16, 8]     += vz^T [4 -> 16, 64] @ P^T   (row g added to every channel of group g at the end)
+
+Codes reach the MMAs as exact small integers in fp16 (the magic-number trick); the products are
+summed in fp32. The fp16 roundings are those of ks * q, of q itself and of P and vs * P
+(`kernel_roundings=True` emulates them in float32). Online softmax in base 2; each split writes its
+partial (o, lse) as moekv/ops/decode/paged.py's reduce reads them.
+
+The 16-bit tail is one more split of the same launch: tokens [quantized, length) with
+quantized = min(((len - 1) // 64) * 64, max(len - R, 0)) (the Triton kernel's rule): a token t >=
+len - R from the residual ring (row t % R), an older one from the staging page (row t % 64). Pages
+hold tokens [0, quantized); the page holding `quantized` is read up to it. Sliding windows skip the
+pages before the window and mask inside the first one.
+
+Shapes: q [B, Hq, 128]; block_tables [B, max_pages] int32; context_lens [B]; G = Hq / Hkv in {1, 2, 4,
+8}; staged = (k_stage, v_stage, seq_slots) [S, Hkv, 64, 128] 16-bit and [B]; residual = (k_ring,
+v_ring) [S, Hkv, R, 128] 16-bit at the same slots (needs staged).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moekv.ops.gluon.checks import LOG2E, MMA_N
+from moekv.ops.gluon.kivi2_layout import (
+    GROUP,
+    HEAD_DIM,
+    KEY_GROUPS,
+    PAGE_TOKENS,
+    VALUE_GROUPS,
+    Kivi2FragmentPages,
+    codes_from_fragment,
+    key_side_by_channel,
+)
+from moekv.ops.gluon.nuq2_decode import NO_WINDOW, Staged, check_extras, default_num_splits, reduce_on_device
+
+Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
+# ptxas's register cap: the staged kernel takes ~250 registers uncapped (8 one-warp programs an SM);
+# 168 holds 12, with no spill inside the loops at G 1 / 4 / 8 (sm_90 builds, docs/journal.md)
+DEFAULT_MAX_REGISTERS = 168
+
+
+def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 num_splits: int, staged: Staged | None, residual: Residual | None,
+                 sliding_window: int | None) -> tuple[int, int, int, int]:
+    """(B, Hkv, G, R), or ValueError naming what does not fit."""
+    if q.dim() != 3 or q.shape[2] != HEAD_DIM:
+        raise ValueError(f"kivi2 Gluon decode: q must be [B, Hq, head_dim={HEAD_DIM}], got {tuple(q.shape)}")
+    B, Hq, _ = q.shape
+    Hkv = frag.k_codes.shape[1]
+    G = Hq // Hkv
+    if G * Hkv != Hq or G > MMA_N or G & (G - 1):
+        raise ValueError(f"kivi2 Gluon decode: needs Hq = G * Hkv with G in 1, 2, 4, 8 (Hq={Hq}, Hkv={Hkv})")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
+        raise ValueError(f"kivi2 Gluon decode: block_tables [B={B}, pages] and context_lens [B] expected, got "
+                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+    if num_splits < 1:
+        raise ValueError(f"kivi2 Gluon decode: num_splits={num_splits} must be >= 1")
+    check_extras(staged, sliding_window, B, Hkv)
+    R = 0
+    if residual is not None:
+        if staged is None:
+            raise ValueError("kivi2 Gluon decode: the residual ring comes with the staged tail (its seq_slots)")
+        k_ring, v_ring = residual
+        if (k_ring.dim() != 4 or k_ring.shape[1] != Hkv or k_ring.shape[3] != HEAD_DIM or v_ring.shape != k_ring.shape
+                or k_ring.shape[0] != staged[0].shape[0]):
+            raise ValueError(f"kivi2 Gluon decode: residual rings must be [S, {Hkv}, R, {HEAD_DIM}] like the staging, "
+                             f"got {tuple(k_ring.shape)} and {tuple(v_ring.shape)}")
+        if k_ring.stride(-1) != 1 or v_ring.stride() != k_ring.stride():
+            raise ValueError("kivi2 Gluon decode: residual rings need unit channel stride and equal strides")
+        R = k_ring.shape[2]
+        if R % GROUP:
+            raise ValueError(f"kivi2 Gluon decode: the residual window R={R} must be a multiple of {GROUP}")
+    return B, Hkv, G, R
+
+
+def quantized_tokens(length: int, staged: bool, R: int) -> int:
+    """Tokens [0, quantized) are read from pages; the rest is the 16-bit tail (the Triton kernel's rule)."""
+    if not staged:
+        return length
+    return min(((length - 1) // PAGE_TOKENS) * PAGE_TOKENS, max(length - R, 0))
+
+
+# -- the reference (what the kernel computes) ----------------------------------------------------------
+def _f16(x: torch.Tensor, on: bool) -> torch.Tensor:
+    """x rounded to fp16 and back (the kernel's operand roundings) when `on`."""
+    return x.to(torch.float16).to(x.dtype) if on else x
+
+
+def _page_scores(qg: torch.Tensor, frag: Kivi2FragmentPages, pages: torch.Tensor, rnd: bool) -> torch.Tensor:
+    """qg [H, G, D] -> scores [n, H, G, 64] by the kernel's algebra, in qg's dtype (rnd: its fp16 roundings)."""
+    dt = qg.dtype
+    codes = codes_from_fragment(frag.k_codes[pages], "key").to(dt)  # [n, H, P, D]
+    n, H = codes.shape[:2]
+    halves = codes.reshape(n, H, KEY_GROUPS, GROUP, HEAD_DIM)
+    q16 = _f16(qg, rnd)
+    ks = key_side_by_channel(frag.k_scale[pages]).to(dt)  # [n, H, 2, D]
+    kz = key_side_by_channel(frag.k_zero[pages]).to(dt)
+    q_scaled = _f16(ks[:, :, :, None] * q16[None, :, None], rnd)  # [n, H, 2, G, D]: ks * q per half, fp16
+    s = torch.einsum("nhitc,nhigc->nhgit", halves, q_scaled)  # [n, H, G, 2, 32]
+    bias = torch.einsum("nhic,hgc->nhgi", kz, q16)  # [n, H, G, 2]: q . kz[h]
+    return (s + bias[..., None]).reshape(n, H, -1, PAGE_TOKENS)
+
+
+def _page_values(p: torch.Tensor, frag: Kivi2FragmentPages, pages: torch.Tensor, rnd: bool) -> torch.Tensor:
+    """p [n, H, G, 64] (softmax numerators) -> sum over the pages of P @ V by the kernel's algebra: [H, G, D]."""
+    dt = p.dtype
+    codes = codes_from_fragment(frag.v_codes[pages], "value").to(dt)  # [n, H, P, D]
+    n, H = codes.shape[:2]
+    codes = codes.reshape(n, H, PAGE_TOKENS, VALUE_GROUPS, GROUP)
+    vs = frag.v_scale[pages].to(dt)  # [n, H, P, groups]
+    vz = frag.v_zero[pages].to(dt)
+    p16 = _f16(p, rnd)
+    p_g = _f16(p16[..., None] * vs[:, :, None], rnd)  # [n, H, G, P, groups]: per-token scale into P
+    o = torch.einsum("nhtgc,nhktg->hkgc", codes, p_g).reshape(H, -1, HEAD_DIM)
+    z = torch.einsum("nhtg,nhkt->hkg", vz, p16)  # [H, G, groups], added to each channel of the group
+    return o + z.repeat_interleave(GROUP, dim=-1)
+
+
+def tail_tokens(staged: Staged, residual: Residual | None, b: int, quantized: int, length: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16-bit tail [quantized, length) of sequence b: (k, v) [H, T, D], ring rows where t >= length - R,
+    staging rows elsewhere."""
+    k_stage, v_stage, seq_slots = staged
+    slot = int(seq_slots[b])
+    t = torch.arange(quantized, length, device=k_stage.device)
+    k = k_stage[slot][:, t % PAGE_TOKENS].to(dtype)
+    v = v_stage[slot][:, t % PAGE_TOKENS].to(dtype)
+    if residual is not None and residual[0].shape[2]:
+        R = residual[0].shape[2]
+        ring = (t >= length - R)[None, :, None]
+        k = torch.where(ring, residual[0][slot][:, t % R].to(dtype), k)
+        v = torch.where(ring, residual[1][slot][:, t % R].to(dtype), v)
+    return k, v
+
+
+def kivi2_decode_split_reference(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor,
+                                 context_lens: torch.Tensor, scale: float, num_splits: int,
+                                 staged: Staged | None = None, residual: Residual | None = None,
+                                 sliding_window: int | None = None,
+                                 kernel_roundings: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype; with
+    `staged`, split num_splits holds the 16-bit tail (and `residual`'s ring). kernel_roundings: round
+    the operands as the kernel does (fp16 q, ks * q, P, vs * P; the tail's q, K, V and P in bf16, the
+    kernel's tail type for bf16 queries)."""
+    B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits, staged, residual, sliding_window)
+    Hq, dt = q.shape[1], q.dtype
+    ns_total = num_splits + (staged is not None)
+    part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
+    part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
+    qk2 = scale * LOG2E
+    for b, length in enumerate(context_lens.tolist()):
+        quantized = quantized_tokens(length, staged is not None, R)
+        first = max(length - sliding_window, 0) if sliding_window is not None else 0
+        num_pages = -(-quantized // PAGE_TOKENS)
+        page_lo = num_pages if first >= quantized else min(first // PAGE_TOKENS, num_pages)  # no page token valid
+        per = -(-(num_pages - page_lo) // num_splits)
+        qb = q[b].reshape(Hkv, G, HEAD_DIM)
+        for sp in range(num_splits):
+            p0 = min(page_lo + sp * per, num_pages)
+            p1 = min(p0 + per, num_pages)
+            if p0 == p1:
+                continue
+            pages = block_tables[b, p0:p1].long()
+            n = p1 - p0
+            s = _page_scores(qb, frag, pages, kernel_roundings) * qk2  # [n, H, G, P]
+            pos = torch.arange(p0 * PAGE_TOKENS, p1 * PAGE_TOKENS, device=q.device).reshape(n, 1, 1, PAGE_TOKENS)
+            s = s.masked_fill((pos >= quantized) | (pos < first), -math.inf)
+            m = s.amax(dim=(0, 3), keepdim=True)  # [1, H, G, 1] (finite: every page holds a valid token)
+            p = torch.exp2(s - m)
+            mass = p.sum(dim=(0, 3))  # [H, G]
+            o = _page_values(p, frag, pages, kernel_roundings) / mass[..., None]
+            part_o[b, :, sp] = o.reshape(Hq, HEAD_DIM)
+            part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
+        if staged is not None:
+            lo = max(quantized, first)
+            if lo >= length:
+                continue
+            k, v = tail_tokens(staged, residual, b, lo, length, dt)  # [H, T, D]
+            if kernel_roundings:  # the tail's MMAs run in q's 16-bit type
+                k, v, qt = k.to(torch.bfloat16).to(dt), v.to(torch.bfloat16).to(dt), qb.to(torch.bfloat16).to(dt)
+            else:
+                qt = qb
+            s = torch.einsum("hgd,htd->hgt", qt, k) * qk2
+            m = s.amax(-1, keepdim=True)
+            p = torch.exp2(s - m)
+            mass = p.sum(-1)
+            if kernel_roundings:
+                p = p.to(torch.bfloat16).to(dt)
+            part_o[b, :, num_splits] = (torch.einsum("hgt,htd->hgd", p, v) / mass[..., None]).reshape(Hq, HEAD_DIM)
+            part_lse[b, :, num_splits] = (m[..., 0] + torch.log2(mass)).reshape(Hq)
+    return part_o, part_lse
+
+
+# -- the GPU path ------------------------------------------------------------------------------------
+def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                          max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
+                          residual: Residual | None = None,
+                          sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
+    num_splits holds the 16-bit tail (and the residual ring). max_registers: ptxas's cap (None: its choice)."""
+    B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, staged, residual,
+                                sliding_window)
+    if not q.is_cuda:
+        raise ValueError("kivi2 Gluon decode runs on CUDA devices only (Gluon has no CPU or interpreter backend); "
+                         "kivi2_decode_split_reference computes the same on any device")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"kivi2 Gluon decode: q must be fp16 or bf16, got {q.dtype}")
+    try:
+        from moekv.ops.gluon.kivi2_kernel import kivi2_decode_kernel
+    except ImportError as e:  # Triton without Gluon
+        raise RuntimeError(f"kivi2 Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}") from e
+    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None))
+    Hq = q.shape[1]
+    ns_total = num_splits + (staged is not None)
+    part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
+    if staged is not None:
+        k_stage, v_stage, seq_slots = staged
+        st = k_stage.stride()
+    else:  # unused: any tensors stand in
+        k_stage = v_stage = q
+        seq_slots = context_lens
+        st = (0, 0, 0)
+    if R:
+        k_ring, v_ring = residual
+        rt = k_ring.stride()
+    else:
+        k_ring, v_ring, rt = k_stage, v_stage, (0, 0, 0)
+    window = NO_WINDOW if sliding_window is None else int(sliding_window)
+    kivi2_decode_kernel[(B * Hkv, ns_total)](
+        frag.k_codes, frag.v_codes, frag.k_scale, frag.k_zero, frag.v_scale, frag.v_zero,
+        q.contiguous(), block_tables, block_tables.stride(0), context_lens, seq_slots,
+        k_stage, v_stage, st[0], st[1], st[2], k_ring, v_ring, rt[0], rt[1], rt[2], R,
+        part_o, part_lse, scale * LOG2E, window, num_splits, ns_total,
+        HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1,
+        **({"maxnreg": int(max_registers)} if max_registers else {}))
+    return part_o, part_lse
+
+
+def kivi2_decode_attention(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                           max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
+                           residual: Residual | None = None, sliding_window: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of q [B, Hq, 128] over kivi2 pages in fragment order (and, with `staged`, the
+    16-bit tail: staging page and residual ring) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
+    reduce, two launches, no host sync. CUDA only."""
+    part_o, part_lse = kivi2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
+                                             staged, residual, sliding_window)
+    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

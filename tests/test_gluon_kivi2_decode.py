@@ -1,0 +1,272 @@
+"""The kivi2 Gluon decode path (moekv/ops/gluon/kivi2_decode.py). On CPU: its split reference (keys'
+per-channel scale folded into q per token half and zeros as q . zero, values' per-token scale into P
+and zeros through P's sums, the 16-bit tail from the residual ring and the staging page) against
+dense attention over kivi2's own dequantized pages, in float64; the kernel's fp16 roundings emulated
+in float32; the kernel's sm_90 build. On a GPU (marked gpu): the Gluon kernel against that reference
+and dense attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekv.kvcache.formats.kivi import KIVI2Format
+from moekv.ops.gluon.kivi2_decode import kivi2_decode_split_reference, quantized_tokens, tail_tokens
+from moekv.ops.gluon.kivi2_layout import to_fragment_order
+from moekv.ops.gluon.nuq2_decode import reduce_partials
+from moekv.ops.reference import decode_attention_ref
+
+P, D = 64, 128
+
+
+def build(lens, Hkv, seed, device="cpu"):
+    """Random kivi2 pages (keys with two large channels, as KIVI's key outliers) for sequences of
+    lengths `lens` behind a shuffled block table, in fragment order -> (fmt, frag, tables, lens, k_pages, v_pages)."""
+    fmt = KIVI2Format()
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [-(-n // P) for n in lens]
+    N = sum(pages_per) + 2
+    k = torch.randn(N, Hkv, P, D, generator=g) + 0.5
+    k[..., 7] *= 8
+    k[..., 91] += 6
+    v = torch.randn(N, Hkv, P, D, generator=g) - 0.3
+    v[..., 40] *= 5
+    slabs = [fmt.layout(kind, P, D).pack(fmt.quantize(x, kind)) for kind, x in (("key", k), ("value", v))]
+    perm = torch.randperm(N, generator=g).to(torch.int32)
+    tables = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages_per):
+        tables[b, :n] = perm[at:at + n]
+        at += n
+    frag = to_fragment_order(fmt, slabs[0].to(device), slabs[1].to(device))
+    return fmt, frag, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device), slabs[0], slabs[1]
+
+
+def tail(B, Hkv, R, seed, device="cpu", dtype=torch.float64):
+    """Random 16-bit staging pages [B + 1, Hkv, 64, 128] and rings [B + 1, Hkv, R, 128] (one spare
+    slot), a permuted slot per sequence: staged, residual. Staging and ring hold different values, so
+    a token read from the wrong one shows."""
+    g = torch.Generator().manual_seed(seed)
+    staged = (torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype).to(device),
+              torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype).to(device),
+              torch.randperm(B + 1, generator=g)[:B].to(device))
+    ring = (torch.randn(B + 1, Hkv, R, D, generator=g).to(dtype).to(device) + 1.0,
+            torch.randn(B + 1, Hkv, R, D, generator=g).to(dtype).to(device) - 1.0)
+    return staged, ring
+
+
+def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged=None, residual=None, sliding_window=None):
+    """decode_attention_ref (float64) over each sequence's tokens: [0, quantized) as kivi2 dequantizes
+    its pages, the rest from the ring (t >= len - R, row t % R) or the staging page (row t % 64)."""
+    kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key")  # [N, H, P, D]
+    vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value")
+    R = residual[0].shape[2] if residual is not None else 0
+    keys, values = [], []
+    for b, n in enumerate(lens.tolist()):
+        ids = tables[b, :-(-n // P)].long().cpu()
+        k = kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n].double()
+        v = vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double()
+        if staged is not None:
+            quantized = quantized_tokens(n, True, R)
+            cpu = lambda t: tuple(x.cpu() for x in t) if t is not None else None  # noqa: E731
+            kt, vt = tail_tokens(cpu(staged), cpu(residual), b, quantized, n, torch.float64)
+            k = torch.cat([k[:quantized], kt.transpose(0, 1)])
+            v = torch.cat([v[:quantized], vt.transpose(0, 1)])
+        keys.append(k)
+        values.append(v)
+    return decode_attention_ref(q.double().cpu(), keys, values, scale, sliding_window)
+
+
+def test_quantized_tokens_is_the_triton_kernels_rule():
+    """Pages hold [0, min(newest page start, len - R)); the tail is at most max(R, 64) tokens."""
+    assert quantized_tokens(1000, True, 128) == 872  # inside page 13: the page is read up to 872
+    assert quantized_tokens(1000, True, 0) == 960
+    assert quantized_tokens(100, True, 128) == 0
+    assert quantized_tokens(64 * 20, True, 32) == 64 * 19  # the newest page, full, stays staged
+    assert quantized_tokens(777, False, 128) == 777
+
+
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_split_reference_equals_dense_attention(G):
+    """The kernel's algebra (float64) against dense attention over kivi2's dequantized pages, pages only:
+    several split counts (some splits empty), lengths on and off page boundaries. (kivi2's dequantize
+    computes in float32: ~1e-10 apart; a wrong term would be ~1e-3 or more.)"""
+    Hkv = 8 // G if G > 1 else 2
+    lens = [700, 64 * 3, 65, 1]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G)
+    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5)
+    for ns in (1, 3, 16):
+        o, lse = kivi2_decode_split_reference(q, frag, tables, lens_t, D ** -0.5, ns)
+        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), ns
+
+
+@pytest.mark.parametrize("R", [0, 32, 128])
+@pytest.mark.parametrize("window", [None, 1, 100, 150, 64 * 5 + 3])
+def test_tail_ring_and_sliding_window(R, window):
+    """The 16-bit tail (staging page and residual ring) as split num_splits and sliding windows (some
+    ending inside the tail, so that a page split has no valid token), against dense attention."""
+    Hkv, G = 2, 4
+    lens = [1000, 777, 64 * 16, 65, 64, 130, 5]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=5 + R)
+    staged, ring = tail(len(lens), Hkv, R, seed=8)
+    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1, staged, ring, window)
+    for ns in (1, 3, 7):
+        o, lse = kivi2_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, residual=ring,
+                                              sliding_window=window)
+        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), ns
+
+
+def relative_error(out, ref):
+    return float((out.double().cpu() - ref.cpu()).norm() / ref.cpu().norm())
+
+
+def test_kernel_roundings_stay_small():
+    """The kernel's fp16 operand roundings (q, ks * q, P, vs * P; the bf16 tail), emulated in float32,
+    against dense attention in float64: the error budget the GPU tests allow (3e-3) holds with margin,
+    and the emulation is not the exact algebra (so it models something)."""
+    Hkv, G = 2, 4
+    lens = [1000, 64 * 16, 65]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=3)
+    staged, ring = tail(len(lens), Hkv, 128, seed=4, dtype=torch.bfloat16)
+    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64).to(torch.bfloat16)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5, staged, ring)
+    o, lse = kivi2_decode_split_reference(q.float(), frag, tables, lens_t, D ** -0.5, 4, staged=staged,
+                                          residual=ring, kernel_roundings=True)
+    err = relative_error(reduce_partials(o.double(), lse.double()), ref)
+    assert 1e-6 < err < 1e-3, err
+
+
+def test_bad_inputs_are_refused():
+    _, frag, tables, lens_t, _, _ = build([100], 2, seed=0)
+    q = torch.randn(1, 6, D)
+    with pytest.raises(ValueError, match="G in 1, 2, 4, 8"):
+        kivi2_decode_split_reference(q, frag, tables, lens_t, 0.1, 1)
+    staged, ring = tail(1, 2, 48, seed=0)
+    q = torch.randn(1, 8, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kivi2_decode_split_reference(q, frag, tables, lens_t, 0.1, 1, staged=staged, residual=ring)
+    with pytest.raises(ValueError, match="comes with the staged"):
+        kivi2_decode_split_reference(q, frag, tables, lens_t, 0.1, 1, residual=ring)
+    with pytest.raises(ValueError, match="CUDA"):
+        from moekv.ops.gluon.kivi2_decode import kivi2_decode_partials
+
+        kivi2_decode_partials(torch.randn(1, 8, D, dtype=torch.bfloat16), frag, tables, lens_t, 0.1, 1)
+
+
+SM90_BUILD = """
+import re, subprocess
+from pathlib import Path
+import triton
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekv.ops.gluon.kivi2_decode import DEFAULT_MAX_REGISTERS
+from moekv.ops.gluon.kivi2_kernel import kivi2_decode_kernel
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp16", "v_scale": "*fp16",
+       "v_zero": "*fp16", "q_ptr": "*bf16", "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32",
+       "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32",
+       "stride_st": "i32", "k_ring": "*bf16", "v_ring": "*bf16", "stride_rs": "i32", "stride_rh": "i32",
+       "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32",
+       "num_splits": "i32", "ns_total": "i32", "HKV": "constexpr", "G": "constexpr",
+       "STAGED": "constexpr"}
+for G, staged in ((1, True), (4, False), (8, True)):
+    src = GluonASTSource(kivi2_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "STAGED": staged},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=DEFAULT_MAX_REGISTERS))
+    ptx = k.asm["ptx"]
+    Path("k.cubin").write_bytes(k.asm["cubin"])
+    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", "k.cubin"], capture_output=True, text=True).stdout
+    ops = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
+           if (m := re.match(r"\\s+/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_]+)", line))]
+    loops = [(int(t.group(1), 16), a) for a, op, line in ops
+             if op == "BRA" and (t := re.search(r"BRA\\s+(0x[0-9a-f]+)", line)) and int(t.group(1), 16) < a]
+    spilled = any(op in ("LDL", "STL") and lo <= a <= hi for a, op, _ in ops for lo, hi in loops)
+    print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in ptx, "sub.f16x2" in ptx, bool(loops) and not spilled)
+"""
+
+
+def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; with
+    and without the tail split) under the default register cap: every tile's layout conversion is
+    checked trivial at compile time; no shared memory, the MMAs and the magic-number subtraction present,
+    no local memory (spills) inside the loops. In a fresh interpreter (other CPU tests set
+    TRITON_INTERPRET=1 for the session)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", SM90_BUILD], env=env, capture_output=True, text=True,
+                         timeout=600, check=False, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["1", "0", "True", "True", "True", "4", "0", "True", "True", "True",
+                                  "8", "0", "True", "True", "True"], run.stdout
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("lens", [[64], [4096 + 7], [1000, 64 * 9, 129, 3000]])
+def test_gpu_kernel_matches_reference(G, lens):
+    """The Gluon kernel's partials against the split reference (float64): batch 1 and 4, lengths on
+    and off page boundaries, GQA 1 / 4 / 8, split counts with empty splits."""
+    from moekv.ops.gluon.kivi2_decode import kivi2_decode_partials
+
+    Hkv = 8 // G if G > 1 else 4
+    _, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=G, device="cuda")
+    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
+    for ns in (1, 5, 64):
+        part_o, part_lse = kivi2_decode_partials(q, frag, tables, lens_t, D ** -0.5, ns)
+        ref_o, ref_lse = kivi2_decode_split_reference(q.double(), frag, tables, lens_t, D ** -0.5, ns)
+        full = ref_lse > -float("inf")
+        assert torch.equal(part_lse.isfinite().cpu(), full.cpu()), "empty splits must be -inf, others finite"
+        assert (part_lse - ref_lse)[full].abs().max() < 2e-2
+        assert relative_error(reduce_partials(part_o.double(), part_lse.double()),
+                              reduce_partials(ref_o, ref_lse)) < 3e-3
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_decode_matches_dense_attention(G):
+    """Kernel + reduce against dense attention over kivi2's own dequantized pages."""
+    from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
+
+    Hkv = 8 // G if G > 1 else 4
+    lens = [777, 64 * 16, 65]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=10 + G, device="cuda")
+    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
+    out = kivi2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
+    assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("R", [0, 128])
+@pytest.mark.parametrize("window", [None, 1, 100, 150, 64 * 5 + 3])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_tail_ring_and_window(G, window, R):
+    """The bf16 tail (staging page and residual ring) as the launch's extra split, and sliding windows,
+    against dense attention over pages + tail."""
+    from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
+
+    Hkv = 8 // G if G > 1 else 4
+    lens = [1000, 777, 64 * 16, 65, 64, 130, 5]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=20 + G, device="cuda")
+    staged, ring = tail(len(lens), Hkv, max(R, 32), seed=G, device="cuda", dtype=torch.bfloat16)
+    residual = ring if R else None
+    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, staged, residual, window)
+    for ns in (1, 3, None):
+        out = kivi2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=staged,
+                                     residual=residual, sliding_window=window)
+        assert relative_error(out, ref) < 1e-2, ns

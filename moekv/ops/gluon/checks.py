@@ -5,7 +5,6 @@ import torch
 
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM, Nuq2FragmentPages
 
-LOG2E = 1.4426950408889634
 MMA_N = 8  # the query heads of a group are the MMA's N (m16n8k16): groups up to 8
 
 

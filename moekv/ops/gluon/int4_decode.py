@@ -28,7 +28,8 @@ import math
 
 import torch
 
-from moekv.ops.gluon.checks import LOG2E, MMA_N
+from moekv.ops.decode.common import LOG2E
+from moekv.ops.gluon.checks import MMA_N
 from moekv.ops.gluon.int4_layout import GROUP, GROUPS, HEAD_DIM, PAGE_TOKENS, Int4FragmentPages, codes_from_fragment
 from moekv.ops.gluon.nuq2_decode import NO_WINDOW, Staged, _page_range, check_extras
 

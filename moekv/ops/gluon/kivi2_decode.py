@@ -32,7 +32,8 @@ import math
 
 import torch
 
-from moekv.ops.gluon.checks import LOG2E, MMA_N
+from moekv.ops.decode.common import LOG2E
+from moekv.ops.gluon.checks import MMA_N
 from moekv.ops.gluon.kivi2_layout import (
     GROUP,
     HEAD_DIM,

@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from moekv.ops.gluon.checks import LOG2E, check_inputs
+from moekv.ops.decode.common import LOG2E
+from moekv.ops.gluon.checks import check_inputs
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS, Nuq2FragmentPages, codes_from_fragment
 
 NO_WINDOW = 1 << 30  # a window longer than any context (moekv.ops.decode.common.NO_WINDOW)

@@ -44,6 +44,7 @@ def test_cache_bookkeeping_by_hand():
     cache.ensure([0, 1])  # 0 misses and evicts 4 (1 is protected), then 1 hits
     assert cache.resident() == [5, 0, 1]
     assert (cache.hits, cache.misses, cache.evictions, cache.prefetch_unused) == (3, 2, 4, 0)
+    cache.finish()  # the computation that used 0 and 1 is over: 5 (prefetched for it, unused) is not incoming now
     cache.ensure([2, 3])  # two misses: evict 5 (prefetched, never used), then 0
     assert cache.prefetch_unused == 1 and cache.resident() == [1, 2, 3]
     # the slots hold the experts the map says

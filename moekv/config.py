@@ -180,6 +180,13 @@ class EngineConfig:
         "expert_offload: copy each MoE layer's predicted experts in before the layer runs (default: on)")
     expert_prefetch_per_token: int | None = option(
         "expert_offload: predicted experts prefetched per token (default: the model's top-k)")
+    expert_prefetch_lookahead: int | None = option(
+        "expert_offload: predict MoE layer L's experts from the residual stream entering layer L - (N - 1): 1 = "
+        "before layer L's own attention, 2 = a whole layer earlier (default: 1)")
+    expert_prefetch_async: bool | None = option(
+        "expert_offload: read the prediction without a host sync (device -> pinned buffer on a side stream, acted "
+        "on once its event is done; a prediction not ready by its layer is dropped or, if made a layer earlier, "
+        "waited for) (default: off)")
     expert_predictor: str | Path | None = option(
         "file from `moekv calibrate-experts` (fitted predictor, hot experts); default: pre-gating")
     expert_l2_prefetch: bool = option(
@@ -313,9 +320,15 @@ class EngineConfig:
         _check(self.expert_prefetch_per_token is None
                or (isinstance(self.expert_prefetch_per_token, int) and self.expert_prefetch_per_token >= 1),
                f"expert_prefetch_per_token={self.expert_prefetch_per_token!r} must be an integer >= 1 (or None)")
+        ahead = self.expert_prefetch_lookahead
+        _check(ahead is None or (isinstance(ahead, int) and not isinstance(ahead, bool) and ahead >= 1),
+               f"expert_prefetch_lookahead={ahead!r} must be an integer >= 1 (or None)")
+        _check(self.expert_prefetch_async is None or isinstance(self.expert_prefetch_async, bool),
+               f"expert_prefetch_async={self.expert_prefetch_async!r} must be True, False or None")
         if not self.expert_offload:
             given = [name for name in ("gpu_expert_budget_gb", "expert_cache_slots", "expert_prefetch",
-                                       "expert_prefetch_per_token") if getattr(self, name) is not None]
+                                       "expert_prefetch_per_token", "expert_prefetch_lookahead",
+                                       "expert_prefetch_async") if getattr(self, name) is not None]
             _check(not given, f"{', '.join(given)} only apply with expert_offload=True (--expert-offload)")
         tp = self.tensor_parallel_size
         _check(not (self.expert_offload and isinstance(tp, int) and tp > 1),

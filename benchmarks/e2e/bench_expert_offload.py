@@ -18,8 +18,11 @@ pages filled as if `--context` tokens were cached, one decode step timed per var
   each layer on the copy stream: pre-gating (its recall on dummy weights is what it is: reported),
   and a replayed-routing predictor at recall 1.0 and 0.85 (the issue's target), which returns the
   step's true experts (recorded on the resident model for the same token) with a share replaced by
-  random ones. Offload steps run eagerly (the engine does the same). Per run: step time, hit rate
-  and prediction recall per layer, host->device bytes per token.
+  random ones. Each predictor runs in the modes of `--offload-modes`: lookahead 1 or 2 (the
+  prediction of layer L made before layer L or before layer L - 1), with the host sync (`.tolist()`)
+  or sync-free (`-async`: pinned buffer + event on a side stream, polled; moekv/experts/offload.py).
+  Offload steps run eagerly (the engine does the same). Per run: step time, hit rate and prediction
+  recall per layer, host->device bytes per token, predictions acted on / late (dropped) / waited for.
 
     PYTHONPATH=. python benchmarks/e2e/bench_expert_offload.py --shapes mixtral-8x7b qwen3-30b-a3b \\
         --out benchmarks/results/h200/expert_offload.json
@@ -260,10 +263,22 @@ class ReplayedRouting:
         s = torch.rand(T, self.num_experts, generator=self.gen)
         keep = torch.rand(true.shape, generator=self.gen) < self.recall
         s.scatter_(1, true, torch.where(keep, 2.0, -1.0))
-        return s.to(residual.device)
+        if residual.is_cuda:  # from pinned memory without blocking: a plain .to() would sync the stream
+            return s.pin_memory().to(residual.device, non_blocking=True)
+        return s
 
 
-def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int, device) -> dict:
+OFFLOAD_MODES = {"1": (1, False), "2": (2, False), "1-async": (1, True), "2-async": (2, True)}
+
+
+def mode_name(mode: str) -> str:
+    lookahead, sync_free = OFFLOAD_MODES[mode]
+    parts = ([f"lookahead {lookahead}"] if lookahead != 1 else []) + (["sync-free"] if sync_free else [])
+    return ", ".join(parts)
+
+
+def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int, device,
+                 modes: tuple[str, ...] = tuple(OFFLOAD_MODES)) -> dict:
     t0 = time.time()
     model, cfg = build(shape, layers, device)
     cuda = device.type == "cuda"
@@ -342,17 +357,26 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
         del dst
 
     pregate = ExpertPredictor(model)
-    runs = [("(c) on demand", None), ("(d) pre-gating prefetch", pregate)]
-    replayed = {r: ReplayedRouting(routing, k, E, r) for r in (1.0, 0.85)}
-    runs += [(f"(d) {p.kind}", p) for p in replayed.values()]
-    for name, predictor in runs:
+    predictors = [("(d) pre-gating prefetch", pregate)]
+    for r in (1.0, 0.85):
+        p = ReplayedRouting(routing, k, E, r)
+        predictors.append((f"(d) {p.kind}", p))
+    runs = [("(c) on demand", None, "1")]
+    for mode in modes:  # lookahead 1 with the host sync first: the rows measured before
+        runs += [(name + (f", {mode_name(mode)}" if mode_name(mode) else ""), p, mode) for name, p in predictors]
+    read_stream = torch.cuda.Stream(device) if cuda else None
+    for name, predictor, mode in runs:
+        lookahead, sync_free = OFFLOAD_MODES[mode]
+        if isinstance(predictor, ReplayedRouting):  # the same random replacements in every mode
+            predictor.gen.manual_seed(0)
         caches = {}
         for i, moe in moes.items():
             cache = ExpertCache(i, host[i][0], host[i][1], slots, device, copy_stream)
             cache.fill(list(range(slots)))
             moe.offload = cache
             caches[i] = cache
-        offload = ExpertOffload(caches, predictor)
+        offload = ExpertOffload(caches, predictor, lookahead=lookahead, sync_free=sync_free,
+                                read_stream=read_stream if sync_free else None)
         model.before_layer = offload
         before = (lambda s, p=predictor: setattr(p, "step", s)) if isinstance(predictor, ReplayedRouting) else None
         try:
@@ -368,19 +392,25 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
         same_tokens = all(int(a.argmax()) == int(b.argmax()) for a, b in zip(logits_of, resident_logits))
         st = offload.stats()
         n_tok = warmup + steps
-        row = {"run": name, "step_ms_median": sorted(times)[len(times) // 2], "step_ms_mean": sum(times) / len(times),
+        row = {"run": name, "lookahead": lookahead, "sync_free": sync_free,
+               "step_ms_median": sorted(times)[len(times) // 2], "step_ms_mean": sum(times) / len(times),
                "greedy_tokens_equal_resident": same_tokens, "logits_max_abs_diff_vs_resident": diff,
                "hit_rate": st["hit_rate"], "prediction_recall": st["prediction_recall"],
                "misses_per_token": st["misses"] / n_tok, "bytes_per_token": st["bytes_per_token"],
                "bytes_prefetch_per_token": st["bytes_prefetch"] / n_tok,
                "bytes_demand_per_token": st["bytes_demand"] / n_tok,
                "prefetch_unused": st["prefetch_unused"], "copies_prefetch": st["copies_prefetch"],
+               "evicted_incoming": st["evicted_incoming"],
+               **{key: st[key] for key in ("predictions_made", "predictions_acted", "predictions_late",
+                                           "predictions_waited")},
                "per_layer_hit_rate": {str(i): s["hit_rate"] for i, s in st["layers"].items()},
                "per_layer_recall": {str(i): (int(c.recall_hits) / int(c.recall_pairs) if int(c.recall_pairs) else None)
                                     for i, c in caches.items()}}
         record["runs"].append(row)
         print(f"  {name}: {row['step_ms_median']:.2f} ms/token, hit rate {row['hit_rate']:.3f}, recall "
-              f"{row['prediction_recall']}, {row['bytes_per_token'] / MB:.1f} MB/token", flush=True)
+              f"{row['prediction_recall']}, {row['bytes_per_token'] / MB:.1f} MB/token, predictions acted "
+              f"{st['predictions_acted']} / late {st['predictions_late']} / waited {st['predictions_waited']}",
+              flush=True)
         for moe in moes.values():
             moe.offload = None
         model.before_layer = None
@@ -408,6 +438,9 @@ def main() -> None:
                    help="MB per layer for the L2 prefetch (the middle and last one also for the other variants)")
     p.add_argument("--offload-layers", type=int, nargs="*", default=[4, 8],
                    help="layers of each shape in the offload part (one number per shape, or one for all)")
+    p.add_argument("--offload-modes", nargs="*", default=list(OFFLOAD_MODES), choices=list(OFFLOAD_MODES),
+                   help="prefetch modes of the offload part: lookahead 1 or 2, with the host sync or sync-free "
+                        "('-async'); each with every predictor")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda")
@@ -445,7 +478,8 @@ def main() -> None:
                         print(f"  L2 {r['variant']:>12}: {r.get('tpot_ms', float('nan')):.3f} ms "
                               f"({100 * r.get('vs_off', 0):+.2f}%) {r['times_ms']} {r.get('error', '')}", flush=True)
                 else:
-                    rec = offload_part(shape, layers[shape], args.context, args.steps, args.warmup, device)
+                    rec = offload_part(shape, layers[shape], args.context, args.steps, args.warmup, device,
+                                       tuple(args.offload_modes))
             except Exception as e:
                 import traceback
 

@@ -20,8 +20,29 @@ loaded. Per step:
    experts. A slot is overwritten only after the compute that last read it (an event the copy
    stream waits for).
 
-Reading the routing (and the prediction) on the host costs a device sync per MoE layer, so steps
-with offload run eagerly (no CUDA graphs; the engine says so in its log).
+Two options change when and how a prediction is read (ExpertOffload; not yet measured on a GPU):
+- lookahead N (`expert_prefetch_lookahead`): layer L's experts are predicted from the residual
+  stream entering layer L - (N - 1) (with the predictor of layer L: its router, or its fitted map,
+  applied to an earlier state); 1 is step 1 above, 2 predicts a whole layer earlier, so the copies
+  have the previous layer's MoE and the next attention to hide behind. Layers with no hook N - 1
+  layers before them (the first ones) are predicted at the first layer's hook.
+- sync-free (`expert_prefetch_async`): the prediction (the most-voted experts and their votes,
+  [2, S] on the device) is copied to a pinned host buffer with non_blocking on a side stream that
+  waits for the compute stream through an event (no host sync), and an event is recorded after the
+  copy. The host acts on it (copies the experts in) at the first poll that finds the event done:
+  polls run at every before_layer hook and after each MoE layer has queued its work. At its target
+  layer's hook (the last chance before that layer's attention), a prediction made at an earlier
+  hook is waited for (its copy was queued a layer ago: the host waits for the side stream only)
+  and one made at this same hook (lookahead 1) is dropped if not done (counted as late; its
+  experts are then copied on demand if routed to). The compute stream never waits on the host.
+  Without it, the prediction is read with `.tolist()`, which drains the compute stream.
+
+An expert prefetched for a layer's next MoE computation and not used yet ("incoming": its copy may
+be in flight) is evicted by a miss only when every other slot holds an expert the computation
+needs; the copy stream's order then lands the later copy last.
+
+Reading the routing on the host (the misses) costs a device sync per MoE layer, so steps with
+offload run eagerly (no CUDA graphs; the engine says so in its log).
 """
 from __future__ import annotations
 
@@ -72,9 +93,12 @@ class ExpertCache:
         self.slot_ready = [None] * num_slots  # CUDA: event after the copy into the slot
         self.slot_free = [None] * num_slots  # CUDA: event after the last compute that read the slot
         self.fresh: set[int] = set()  # experts a prefetch brought in, not used yet
+        self.incoming: set[int] = set()  # experts prefetched for the next MoE computation (copy may be in flight)
+        self.after_compute = None  # called once the MoE's work is queued (ExpertOffload.poll)
         self.predicted: torch.Tensor | None = None  # [T, k] this step's predicted top-k, for recall
         # counters since start
         self.hits = self.misses = self.evictions = 0
+        self.evicted_incoming = 0  # incoming experts a miss had to evict (every other slot was needed)
         self.prefetch_hits = self.prefetch_unused = 0  # prefetched experts used / evicted before use
         self.bytes = {"initial": 0, "prefetch": 0, "demand": 0}
         self.copies = {"initial": 0, "prefetch": 0, "demand": 0}
@@ -86,12 +110,17 @@ class ExpertCache:
         return list(self.lru)
 
     def _victim(self, protect: set[int]) -> int:
-        """A free slot, else the slot of the least recently used expert not in protect."""
+        """A free slot, else the slot of the least recently used expert neither in protect nor
+        incoming, else (every other slot protected) of the least recently used incoming one."""
         for slot, expert in enumerate(self.expert_in):
             if expert < 0:
                 return slot
         for expert in self.lru:
+            if expert not in protect and expert not in self.incoming:
+                return self.slot_of[expert]
+        for expert in self.lru:
             if expert not in protect:
+                self.evicted_incoming += 1
                 return self.slot_of[expert]
         raise RuntimeError(f"layer {self.layer_idx}: all {self.num_slots} expert slots are protected")
 
@@ -105,6 +134,7 @@ class ExpertCache:
             if old in self.fresh:
                 self.fresh.discard(old)
                 self.prefetch_unused += 1
+            self.incoming.discard(old)
         if self.copy_stream is not None:
             free = self.slot_free[slot]
             with torch.cuda.stream(self.copy_stream):
@@ -141,6 +171,7 @@ class ExpertCache:
             else:
                 self._load(e, "prefetch", protect)
                 self.fresh.add(e)
+                self.incoming.add(e)
 
     def ensure(self, experts: list[int]) -> None:
         """The experts one MoE computation uses (at most num_slots): count hits and misses, copy the
@@ -156,6 +187,7 @@ class ExpertCache:
                 self.misses += 1
                 self._load(e, "demand", protect)
             self.fresh.discard(e)
+            self.incoming.discard(e)  # used: the compute is ordered after its copy
         if self.copy_stream is not None:
             compute = torch.cuda.current_stream(self.device)
             for e in experts:
@@ -175,7 +207,20 @@ class ExpertCache:
     # -- compute -------------------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """The experts step of fused_moe_ref / fused_moe (x [T, H], weights and expert_ids [T, k])
-        computed on the cache's slots."""
+        computed on the cache's slots; then the prefetches of this computation are no longer
+        incoming, and after_compute runs (the poll of pending predictions)."""
+        out = self._compute(x, weights, expert_ids)
+        self.finish()
+        return out
+
+    def finish(self) -> None:
+        """The MoE computation's work is queued: what was prefetched for it and not used is no longer
+        incoming (a later copy into its slot is ordered after it on the copy stream); poll."""
+        self.incoming.clear()
+        if self.after_compute is not None:
+            self.after_compute()
+
+    def _compute(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         if self.predicted is not None:
             if self.predicted.shape[0] == expert_ids.shape[0]:
                 found = (expert_ids[:, :, None] == self.predicted[:, None, :]).any(-1)
@@ -221,40 +266,140 @@ class ExpertCache:
         return {"slots": self.num_slots, "hits": self.hits, "misses": self.misses,
                 "hit_rate": self.hits / lookups if lookups else 0.0, "evictions": self.evictions,
                 "prefetch_hits": self.prefetch_hits, "prefetch_unused": self.prefetch_unused,
+                "evicted_incoming": self.evicted_incoming,
                 "bytes_initial": self.bytes["initial"], "bytes_prefetch": self.bytes["prefetch"],
                 "bytes_demand": self.bytes["demand"], "copies_prefetch": self.copies["prefetch"],
                 "copies_demand": self.copies["demand"]}
 
 
-class ExpertOffload:
-    """Every MoE layer's ExpertCache, and the prefetch hook the decoder calls before each layer."""
+class PendingPrediction:
+    """A prediction on its way to the host (sync-free mode): the target MoE layer, the hook it was
+    made at, the host buffer ([2, S]: experts, most-voted first, and their votes) and the event
+    after the copy into it (None: already on the host)."""
 
-    def __init__(self, caches: dict, predictor=None, prefetch_per_token: int | None = None) -> None:
+    def __init__(self, target: int, made_at: int, host: torch.Tensor, event=None) -> None:
+        self.target, self.made_at, self.host, self.event = target, made_at, host, event
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def _wanted(packed: list) -> list[int]:
+    """The experts to prefetch from a [2, S] prediction read on the host: those with votes, best first."""
+    order, votes = packed
+    return [e for e, v in zip(order, votes) if v > 0]
+
+
+class ExpertOffload:
+    """Every MoE layer's ExpertCache, and the prefetch hook the decoder calls before each layer.
+
+    lookahead: layer L's experts are predicted at the hook of layer L - (lookahead - 1) (the first
+    MoE layers at the first hook); sync_free: the prediction reaches the host through a pinned
+    buffer and an event on read_stream (CUDA) instead of `.tolist()` (see the module's docstring)."""
+
+    def __init__(self, caches: dict, predictor=None, prefetch_per_token: int | None = None, lookahead: int = 1,
+                 sync_free: bool = False, read_stream=None) -> None:
+        if lookahead < 1:
+            raise ValueError(f"lookahead={lookahead} must be >= 1")
         self.caches = caches  # MoE layer index -> ExpertCache
         self.predictor = predictor  # ExpertPredictor, or None: no prefetch (on-demand copies only)
         self.prefetch_per_token = prefetch_per_token
+        self.lookahead = lookahead
+        self.sync_free = sync_free
+        self.read_stream = read_stream  # CUDA, sync-free: the stream of the device -> host copies
         self.tokens = 0  # tokens through the first MoE layer (for bytes per token)
         self._first = min(caches)
+        # hook layer -> the MoE layers predicted there
+        self.targets_at: dict[int, list[int]] = {}
+        for t in sorted(caches):
+            self.targets_at.setdefault(max(t - (lookahead - 1), 0), []).append(t)
+        self.pending: dict[int, PendingPrediction] = {}  # target layer -> prediction not acted on yet
+        self._buffers: dict[int, torch.Tensor] = {}  # target layer -> pinned [2, S] buffer (CUDA)
+        self.predictions = {"made": 0, "acted": 0, "late": 0, "waited": 0}
+        if predictor is not None and sync_free:
+            for cache in caches.values():
+                cache.after_compute = self.poll
+
+    def _predict(self, target: int, residual: torch.Tensor) -> torch.Tensor:
+        """On the device, no sync: layer target's top-k per token (kept for the recall) and the [2, S]
+        prediction (experts by votes over the step's tokens, most-voted first, and their votes)."""
+        cache = self.caches[target]
+        top_k = self.predictor.top_k
+        n = self.prefetch_per_token or top_k
+        ranked = self.predictor.scores(target, residual).topk(max(n, top_k), dim=-1).indices  # [T, n]
+        cache.predicted = ranked[:, :top_k]
+        flat = ranked[:, :n].reshape(-1)
+        votes = torch.zeros(cache.num_experts, dtype=torch.long, device=flat.device)
+        votes.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host sync (it reads the max)
+        order = votes.argsort(descending=True, stable=True)[:cache.num_slots]
+        return torch.stack([order, votes[order]])
+
+    def _cpu_event(self):
+        """The event of a prediction read on the CPU: None (at once on the host). Tests replace it
+        with one that is not done yet, to run the sync-free bookkeeping on the CPU."""
+        return None
+
+    def _send(self, target: int, made_at: int, packed: torch.Tensor) -> PendingPrediction:
+        """Start the prediction's trip to the host without a sync."""
+        if not packed.is_cuda:
+            return PendingPrediction(target, made_at, packed.clone(), self._cpu_event())
+        buf = self._buffers.get(target)
+        if buf is None or buf.shape != packed.shape:
+            buf = self._buffers[target] = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        stream = self.read_stream
+        stream.wait_stream(torch.cuda.current_stream(packed.device))  # an event, not a host wait
+        with torch.cuda.stream(stream):
+            buf.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        packed.record_stream(stream)
+        return PendingPrediction(target, made_at, buf, event)
+
+    def _act(self, p: PendingPrediction) -> None:
+        self.predictions["acted"] += 1
+        self.caches[p.target].prefetch(_wanted(p.host.tolist()))  # a host tensor: no device sync
+
+    def poll(self, hook: int | None = None) -> None:
+        """Act on the pending predictions whose copy is done. At a hook (hook = the layer about to
+        run) a prediction for that layer is resolved: waited for if made at an earlier hook,
+        dropped (late) if made at this one and not done."""
+        for target, p in list(self.pending.items()):
+            if p.ready():
+                del self.pending[target]
+                self._act(p)
+            elif hook is not None and target <= hook:
+                del self.pending[target]
+                if p.made_at < hook:
+                    self.predictions["waited"] += 1
+                    p.wait()
+                    self._act(p)
+                else:
+                    self.predictions["late"] += 1
 
     def __call__(self, layer_idx: int, x: torch.Tensor, delta: torch.Tensor | None) -> None:
-        """MoEDecoder.before_layer: predict layer layer_idx's experts from the residual entering it
-        and copy them in (before the layer's attention runs)."""
-        cache = self.caches.get(layer_idx)
-        if cache is None:
-            return
+        """MoEDecoder.before_layer: predict the experts of the MoE layers targeted at this hook
+        from the residual entering layer layer_idx, and copy them in (sync-free: once read)."""
         if layer_idx == self._first:
             self.tokens += x.shape[0]
         if self.predictor is None or x.shape[0] == 0:
             return
-        residual = x if delta is None else x + delta
-        top_k = self.predictor.top_k
-        n = self.prefetch_per_token or top_k
-        ranked = self.predictor.scores(layer_idx, residual).topk(max(n, top_k), dim=-1).indices  # [T, n]
-        cache.predicted = ranked[:, :top_k]
-        counts = torch.bincount(ranked[:, :n].reshape(-1), minlength=cache.num_experts)
-        order = counts.argsort(descending=True, stable=True)
-        wanted = order[:int((counts > 0).sum())][:cache.num_slots].tolist()  # host sync on CUDA
-        cache.prefetch(wanted)
+        targets = self.targets_at.get(layer_idx, ())
+        if targets:
+            residual = x if delta is None else x + delta
+        for target in targets:
+            packed = self._predict(target, residual)
+            self.predictions["made"] += 1
+            if self.sync_free:
+                self.pending[target] = self._send(target, layer_idx, packed)
+            else:
+                self.predictions["acted"] += 1
+                self.caches[target].prefetch(_wanted(packed.tolist()))  # host sync on CUDA
+        if self.sync_free:
+            self.poll(layer_idx)
 
     def stats(self) -> dict:
         """Totals over layers (and per layer under 'layers'); reading the recall waits for the device."""
@@ -266,6 +411,9 @@ class ExpertOffload:
         pairs = int(sum(c.recall_pairs for c in self.caches.values()))
         moved = total["bytes_prefetch"] + total["bytes_demand"]
         return {**total, "hit_rate": total["hits"] / lookups if lookups else 0.0,
+                "evicted_incoming": sum(s["evicted_incoming"] for s in per_layer.values()),
+                "lookahead": self.lookahead, "sync_free": self.sync_free,
+                **{f"predictions_{k}": v for k, v in self.predictions.items()},
                 "prediction_recall": int(sum(c.recall_hits for c in self.caches.values())) / pairs if pairs else None,
                 "tokens": self.tokens, "bytes_per_token": moved / self.tokens if self.tokens else 0.0,
                 "slots_per_layer": next(iter(self.caches.values())).num_slots,
@@ -319,9 +467,14 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
     prefetch = config.expert_prefetch is not False
     if prefetch and predictor is None:
         predictor = ExpertPredictor(model)  # pre-gating
-    offload = ExpertOffload(caches, predictor if prefetch else None, config.expert_prefetch_per_token)
+    sync_free = bool(config.expert_prefetch_async)
+    read_stream = torch.cuda.Stream(device) if device.type == "cuda" and sync_free else None
+    offload = ExpertOffload(caches, predictor if prefetch else None, config.expert_prefetch_per_token,
+                            lookahead=config.expert_prefetch_lookahead or 1, sync_free=sync_free,
+                            read_stream=read_stream)
     model.before_layer = offload  # without a predictor it only counts tokens
     log.info("expert offload: %d of %d experts per MoE layer on %s (%.3f GiB), the rest in host memory; "
              "prefetch %s", slots, E, device, slots * nbytes * len(layers) / 2**30,
-             f"on ({predictor.kind})" if prefetch else "off (misses are copied on demand)")
+             f"on ({predictor.kind}, lookahead {offload.lookahead}, {'sync-free' if sync_free else 'host sync'})"
+             if prefetch else "off (misses are copied on demand)")
     return offload

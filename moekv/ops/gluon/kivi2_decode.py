@@ -33,7 +33,8 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.checks import MMA_N
+from moekv.ops.gluon.checks import Staged, check_extras
+from moekv.ops.gluon.checks import check_inputs as check_pages
 from moekv.ops.gluon.kivi2_layout import (
     GROUP,
     HEAD_DIM,
@@ -44,7 +45,7 @@ from moekv.ops.gluon.kivi2_layout import (
     codes_from_fragment,
     key_side_by_channel,
 )
-from moekv.ops.gluon.nuq2_decode import NO_WINDOW, Staged, check_extras, default_num_splits, reduce_on_device
+from moekv.ops.gluon.launch import check_device, gluon_missing, plan_launch, reduce_on_device, register_cap
 
 Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
 # ptxas's register cap: the staged kernel takes ~250 registers uncapped (8 one-warp programs an SM);
@@ -56,18 +57,7 @@ def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.
                  num_splits: int, staged: Staged | None, residual: Residual | None,
                  sliding_window: int | None) -> tuple[int, int, int, int]:
     """(B, Hkv, G, R), or ValueError naming what does not fit."""
-    if q.dim() != 3 or q.shape[2] != HEAD_DIM:
-        raise ValueError(f"kivi2 Gluon decode: q must be [B, Hq, head_dim={HEAD_DIM}], got {tuple(q.shape)}")
-    B, Hq, _ = q.shape
-    Hkv = frag.k_codes.shape[1]
-    G = Hq // Hkv
-    if G * Hkv != Hq or G > MMA_N or G & (G - 1):
-        raise ValueError(f"kivi2 Gluon decode: needs Hq = G * Hkv with G in 1, 2, 4, 8 (Hq={Hq}, Hkv={Hkv})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
-        raise ValueError(f"kivi2 Gluon decode: block_tables [B={B}, pages] and context_lens [B] expected, got "
-                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
-    if num_splits < 1:
-        raise ValueError(f"kivi2 Gluon decode: num_splits={num_splits} must be >= 1")
+    B, Hkv, G = check_pages(q, frag, block_tables, context_lens, num_splits, "kivi2")
     check_extras(staged, sliding_window, B, Hkv)
     R = 0
     if residual is not None:
@@ -214,41 +204,24 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
     num_splits holds the 16-bit tail (and the residual ring). max_registers: ptxas's cap (None: its choice)."""
     B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, staged, residual,
                                 sliding_window)
-    if not q.is_cuda:
-        raise ValueError("kivi2 Gluon decode runs on CUDA devices only (Gluon has no CPU or interpreter backend); "
-                         "kivi2_decode_split_reference computes the same on any device")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"kivi2 Gluon decode: q must be fp16 or bf16, got {q.dtype}")
+    check_device("kivi2", q)
     try:
         from moekv.ops.gluon.kivi2_kernel import kivi2_decode_kernel
     except ImportError as e:  # Triton without Gluon
-        raise RuntimeError(f"kivi2 Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}") from e
-    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None))
-    Hq = q.shape[1]
-    ns_total = num_splits + (staged is not None)
-    part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
-    if staged is not None:
-        k_stage, v_stage, seq_slots = staged
-        st = k_stage.stride()
-    else:  # unused: any tensors stand in
-        k_stage = v_stage = q
-        seq_slots = context_lens
-        st = (0, 0, 0)
+        raise gluon_missing("kivi2", e) from e
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window)
     if R:
         k_ring, v_ring = residual
         rt = k_ring.stride()
     else:
-        k_ring, v_ring, rt = k_stage, v_stage, (0, 0, 0)
-    window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    kivi2_decode_kernel[(B * Hkv, ns_total)](
+        k_ring, v_ring, rt = run.k_stage, run.v_stage, (0, 0, 0)
+    kivi2_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_scale, frag.k_zero, frag.v_scale, frag.v_zero,
-        q.contiguous(), block_tables, block_tables.stride(0), context_lens, seq_slots,
-        k_stage, v_stage, st[0], st[1], st[2], k_ring, v_ring, rt[0], rt[1], rt[2], R,
-        part_o, part_lse, scale * LOG2E, window, num_splits, ns_total,
-        HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1,
-        **({"maxnreg": int(max_registers)} if max_registers else {}))
-    return part_o, part_lse
+        q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
+        run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, rt[0], rt[1], rt[2], R,
+        run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
+        HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1, **register_cap(max_registers))
+    return run.part_o, run.part_lse
 
 
 def kivi2_decode_attention(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor,

@@ -36,11 +36,19 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.checks import check_inputs
+from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
+from moekv.ops.gluon.launch import (  # noqa: F401 (NO_WINDOW, default_num_splits, MAX_SPLITS re-exported)
+    MAX_SPLITS,
+    NO_WINDOW,
+    TARGET_PROGRAMS,
+    check_device,
+    default_num_splits,
+    gluon_missing,
+    plan_launch,
+    reduce_on_device,
+    register_cap,
+)
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS, Nuq2FragmentPages, codes_from_fragment
-
-NO_WINDOW = 1 << 30  # a window longer than any context (moekv.ops.decode.common.NO_WINDOW)
-Staged = tuple  # (k_stage [S, Hkv, 64, 128], v_stage, seq_slots [B])
 
 
 # -- splits -------------------------------------------------------------------------------------------
@@ -163,25 +171,6 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
     return part_o, part_lse
 
 
-def check_extras(staged: Staged | None, sliding_window: int | None, B: int, Hkv: int) -> None:
-    """ValueError when the staged tail or the window does not fit."""
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"nuq2 Gluon decode: sliding_window must be a positive int or None, got {sliding_window!r}")
-    if staged is None:
-        return
-    if len(staged) != 3:
-        raise ValueError("nuq2 Gluon decode: staged must be (k_stage, v_stage, seq_slots)")
-    k_stage, v_stage, seq_slots = staged
-    want = (Hkv, PAGE_TOKENS, HEAD_DIM)
-    if k_stage.dim() != 4 or tuple(k_stage.shape[1:]) != want or v_stage.shape != k_stage.shape:
-        raise ValueError(f"nuq2 Gluon decode: staging tensors must be [S, {Hkv}, {PAGE_TOKENS}, {HEAD_DIM}], got "
-                         f"{tuple(k_stage.shape)} and {tuple(v_stage.shape)}")
-    if k_stage.stride(-1) != 1 or v_stage.stride() != k_stage.stride():
-        raise ValueError("nuq2 Gluon decode: staging tensors need unit channel stride and equal strides")
-    if seq_slots.shape != (B,):
-        raise ValueError(f"nuq2 Gluon decode: seq_slots must be [B={B}], got {tuple(seq_slots.shape)}")
-
-
 def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
     """Merge the splits: [B, Hq, NS, D], [B, Hq, NS] -> [B, Hq, D] (what decode_attention's reduce computes)."""
     w = torch.exp2(part_lse - part_lse.amax(-1, keepdim=True))
@@ -189,19 +178,8 @@ def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tenso
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
-TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at (~3 waves on an H200)
-MAX_SPLITS = 256  # batch 1 at 128k: 256 splits (8 pages each) 49 us, 512 (4 pages) 87 us (docs/journal.md)
 DEFAULT_MAX_REGISTERS = 128  # ptxas's cap: 2-10% faster than none at every measured shape (docs/journal.md)
 DEFAULT_SLOT_CHUNK0 = True  # the first slot chunk unconditionally: 2-10% faster with the cap (docs/journal.md)
-
-
-def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int = 0) -> int:
-    """Splits per (sequence, KV head): about TARGET_PROGRAMS programs, each with at least 2 pages,
-    and with the `extra` split (the staged tail) at most MAX_SPLITS in all: more splits at batch 1
-    cost more in the reduce and per-split setup than they gain in parallelism, and the reduce pads
-    the split count to a power of two (257 partials cost ~40 us more than 256 at 1 x 128k)."""
-    want = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
-    return max(1, min(want, -(-max_pages // 2), MAX_SPLITS - extra))
 
 
 def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
@@ -215,46 +193,22 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
     registers), else chunks only while used slots remain."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1)
     check_extras(staged, sliding_window, B, Hkv)
-    if not q.is_cuda:
-        raise ValueError("nuq2 Gluon decode runs on CUDA devices only (Gluon has no CPU or interpreter backend); "
-                         "nuq2_decode_split_reference computes the same on any device")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"nuq2 Gluon decode: q must be fp16 or bf16, got {q.dtype}")
+    check_device("nuq2", q)
     try:
         from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
     except ImportError as e:  # Triton without Gluon
-        raise RuntimeError(f"nuq2 Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}") from e
-    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None))
-    Hq = q.shape[1]
-    ns_total = num_splits + (staged is not None)
-    part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
-    if staged is not None:
-        k_stage, v_stage, seq_slots = staged
-        st = k_stage.stride()
-    else:  # unused: any tensors stand in
-        k_stage = v_stage = q
-        seq_slots = context_lens
-        st = (0, 0, 0)
-    window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    nuq2_decode_kernel[(B * Hkv, ns_total)](
+        raise gluon_missing("nuq2", e) from e
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window)
+    nuq2_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
         frag.k_mean, frag.k_scale, frag.k_out_idx, frag.k_slot_delta, frag.k_used,
         frag.v_out_idx, frag.v_slot_delta, frag.v_used, frag.k_out_idx.shape[2], frag.v_out_idx.shape[2],
-        q.contiguous(), block_tables, block_tables.stride(0), context_lens, seq_slots,
-        k_stage, v_stage, st[0], st[1], st[2],
-        part_o, part_lse, scale * LOG2E, window, 0, num_splits, ns_total,
+        q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
+        run.k_stage, run.v_stage, *run.stage_strides,
+        run.part_o, run.part_lse, scale * LOG2E, run.window, 0, run.num_splits, run.ns_total,
         HKV=Hkv, G=G, STAGED=staged is not None, CHUNK0=bool(slot_chunk0), num_warps=1,
-        **({"maxnreg": int(max_registers)} if max_registers else {}))
-    return part_o, part_lse
-
-
-def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The paged decode kernel's reduce (the partials have its layout) into out [B, Hq, D]."""
-    from moekv.ops.decode.paged import reduce_partials
-
-    reduce_partials(part_o, part_lse, out, part_o.shape[2], pdl=False)
-    return out
+        **register_cap(max_registers))
+    return run.part_o, run.part_lse
 
 
 def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,

@@ -32,7 +32,7 @@ from moekv.ops.decode.common import LOG2E
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
 from moekv.ops.gluon.int4_layout import GROUP, GROUPS, HEAD_DIM, PAGE_TOKENS, Int4FragmentPages, codes_from_fragment
 from moekv.ops.gluon.launch import check_device, gluon_missing, plan_launch, reduce_on_device, register_cap
-from moekv.ops.gluon.nuq2_decode import _page_range
+from moekv.ops.gluon.splits import masked, quantized_tokens, softmax_partial, split_ranges, staged_scores, window_start
 
 
 def _page_scores(qg: torch.Tensor, frag: Int4FragmentPages, pages: torch.Tensor) -> torch.Tensor:
@@ -87,19 +87,12 @@ def int4_decode_split_reference(q: torch.Tensor, frag: Int4FragmentPages, block_
     part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
     qk2 = scale * LOG2E
     for b, length in enumerate(context_lens.tolist()):
-        quantized, page_lo, num_pages = _page_range(length, staged is not None, sliding_window)
-        first = max(length - sliding_window, 0) if sliding_window is not None else 0
-        per = -(-(num_pages - page_lo) // num_splits)
-        for sp in range(num_splits):
-            p0 = min(page_lo + sp * per, num_pages)
-            p1 = min(p0 + per, num_pages)
-            if p0 == p1:
-                continue
+        quantized = quantized_tokens(length, staged is not None)
+        first = window_start(length, sliding_window)
+        qg = q[b].reshape(Hkv, G, HEAD_DIM)
+        for sp, p0, p1 in split_ranges(quantized, first, num_splits):
             pages = block_tables[b, p0:p1].long()
-            n = p1 - p0
-            s = _page_scores(q[b].reshape(Hkv, G, HEAD_DIM), frag, pages) * qk2  # [n, H, G, P]
-            pos = torch.arange(p0 * PAGE_TOKENS, p1 * PAGE_TOKENS, device=q.device).reshape(n, 1, 1, PAGE_TOKENS)
-            s = s.masked_fill((pos >= quantized) | (pos < first), -math.inf)
+            s = masked(_page_scores(qg, frag, pages) * qk2, p0, p1, quantized, first)  # [n, H, G, P]
             m = s.amax(dim=(0, 3), keepdim=True)  # [1, H, G, 1]
             p = torch.exp2(s - m)
             mass = p.sum(dim=(0, 3))  # [H, G]
@@ -107,18 +100,8 @@ def int4_decode_split_reference(q: torch.Tensor, frag: Int4FragmentPages, block_
             part_o[b, :, sp] = o.reshape(Hq, HEAD_DIM)
             part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
         if staged is not None:
-            k_stage, v_stage, seq_slots = staged
-            slot = int(seq_slots[b])
-            t = torch.arange(quantized, length, device=q.device)
-            k = k_stage[slot][:, : length - quantized].to(dt)  # [H, T, D]
-            v = v_stage[slot][:, : length - quantized].to(dt)
-            s = torch.einsum("hgd,htd->hgt", q[b].reshape(Hkv, G, HEAD_DIM), k) * qk2
-            s = s.masked_fill(t < first, -math.inf)
-            m = s.amax(-1, keepdim=True)
-            p = torch.exp2(s - m)
-            mass = p.sum(-1)
-            part_o[b, :, num_splits] = (torch.einsum("hgt,htd->hgd", p, v) / mass[..., None]).reshape(Hq, HEAD_DIM)
-            part_lse[b, :, num_splits] = (m[..., 0] + torch.log2(mass)).reshape(Hq)
+            part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(
+                *staged_scores(qg, staged, b, quantized, length, first, qk2))
     return part_o, part_lse
 
 

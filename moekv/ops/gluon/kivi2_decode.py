@@ -46,6 +46,7 @@ from moekv.ops.gluon.kivi2_layout import (
     key_side_by_channel,
 )
 from moekv.ops.gluon.launch import check_device, gluon_missing, plan_launch, reduce_on_device, register_cap
+from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, window_start
 
 Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
 # ptxas's register cap: the staged kernel takes ~250 registers uncapped (8 one-warp programs an SM);
@@ -74,13 +75,6 @@ def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.
         if R % GROUP:
             raise ValueError(f"kivi2 Gluon decode: the residual window R={R} must be a multiple of {GROUP}")
     return B, Hkv, G, R
-
-
-def quantized_tokens(length: int, staged: bool, R: int) -> int:
-    """Tokens [0, quantized) are read from pages; the rest is the 16-bit tail (the Triton kernel's rule)."""
-    if not staged:
-        return length
-    return min(((length - 1) // PAGE_TOKENS) * PAGE_TOKENS, max(length - R, 0))
 
 
 # -- the reference (what the kernel computes) ----------------------------------------------------------
@@ -153,21 +147,11 @@ def kivi2_decode_split_reference(q: torch.Tensor, frag: Kivi2FragmentPages, bloc
     qk2 = scale * LOG2E
     for b, length in enumerate(context_lens.tolist()):
         quantized = quantized_tokens(length, staged is not None, R)
-        first = max(length - sliding_window, 0) if sliding_window is not None else 0
-        num_pages = -(-quantized // PAGE_TOKENS)
-        page_lo = num_pages if first >= quantized else min(first // PAGE_TOKENS, num_pages)  # no page token valid
-        per = -(-(num_pages - page_lo) // num_splits)
+        first = window_start(length, sliding_window)
         qb = q[b].reshape(Hkv, G, HEAD_DIM)
-        for sp in range(num_splits):
-            p0 = min(page_lo + sp * per, num_pages)
-            p1 = min(p0 + per, num_pages)
-            if p0 == p1:
-                continue
+        for sp, p0, p1 in split_ranges(quantized, first, num_splits):  # no split when no page token is valid
             pages = block_tables[b, p0:p1].long()
-            n = p1 - p0
-            s = _page_scores(qb, frag, pages, kernel_roundings) * qk2  # [n, H, G, P]
-            pos = torch.arange(p0 * PAGE_TOKENS, p1 * PAGE_TOKENS, device=q.device).reshape(n, 1, 1, PAGE_TOKENS)
-            s = s.masked_fill((pos >= quantized) | (pos < first), -math.inf)
+            s = masked(_page_scores(qb, frag, pages, kernel_roundings) * qk2, p0, p1, quantized, first)  # [n, H, G, P]
             m = s.amax(dim=(0, 3), keepdim=True)  # [1, H, G, 1] (finite: every page holds a valid token)
             p = torch.exp2(s - m)
             mass = p.sum(dim=(0, 3))  # [H, G]

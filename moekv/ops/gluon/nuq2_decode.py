@@ -49,6 +49,7 @@ from moekv.ops.gluon.launch import (  # noqa: F401 (NO_WINDOW, default_num_split
     register_cap,
 )
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS, Nuq2FragmentPages, codes_from_fragment
+from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, staged_scores, window_start
 
 
 # -- splits -------------------------------------------------------------------------------------------
@@ -60,14 +61,6 @@ def split_pages(num_pages: int, num_splits: int, split: int) -> tuple[int, int]:
 
 
 # -- the reference (what the kernel computes) ----------------------------------------------------------
-def _page_range(length: int, staged: bool, window: int | None) -> tuple[int, int, int]:
-    """(quantized tokens, first page, pages) of a sequence: the pages the splits share."""
-    quantized = ((length - 1) // PAGE_TOKENS) * PAGE_TOKENS if staged else length
-    first = max(length - window, 0) if window is not None else 0
-    num_pages = -(-quantized // PAGE_TOKENS)
-    return quantized, min(first // PAGE_TOKENS, num_pages), num_pages
-
-
 def _one_hot_tokens(idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """idx [n, H, S] slot positions t * D + c -> [n, H, S, 64]: 1 at each used slot's token."""
     tok = torch.arange(PAGE_TOKENS, device=idx.device)
@@ -134,19 +127,12 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
         part_lse[b, :, sp] = (m[..., 0] + torch.log2(mass)).reshape(Hq)
 
     for b, length in enumerate(context_lens.tolist()):
-        quantized, page_lo, num_pages = _page_range(length, staged is not None, sliding_window)
-        first = max(length - sliding_window, 0) if sliding_window is not None else 0
-        per = -(-(num_pages - page_lo) // num_splits)
-        for sp in range(num_splits):
-            p0 = min(page_lo + sp * per, num_pages)
-            p1 = min(p0 + per, num_pages)
-            if p0 == p1:
-                continue
+        quantized = quantized_tokens(length, staged is not None)
+        first = window_start(length, sliding_window)
+        for sp, p0, p1 in split_ranges(quantized, first, num_splits):
             pages = block_tables[b, p0:p1].long()
             n = p1 - p0
-            s = _page_scores(q[b], frag, pages, G, outliers) * qk2  # [n, H, G, 64]
-            pos = torch.arange(p0 * PAGE_TOKENS, p1 * PAGE_TOKENS, device=q.device).reshape(n, 1, 1, PAGE_TOKENS)
-            s = s.masked_fill((pos >= quantized) | (pos < first), -math.inf)
+            s = masked(_page_scores(q[b], frag, pages, G, outliers) * qk2, p0, p1, quantized, first)  # [n, H, G, 64]
             s = s.permute(1, 2, 0, 3).reshape(Hkv, G, n * PAGE_TOKENS)
             v = _page_values(frag, pages, dt).permute(1, 0, 2, 3).reshape(Hkv, n * PAGE_TOKENS, HEAD_DIM)
             extra = None
@@ -160,14 +146,8 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
                     return torch.einsum("nhjd,nhjg->hgd", dv_t, p_slots)
             partial(b, sp, s, v, extra)
         if staged is not None:
-            k_stage, v_stage, seq_slots = staged
-            slot = int(seq_slots[b])
-            t = torch.arange(quantized, length, device=q.device)
-            k = k_stage[slot][:, : length - quantized].to(dt)  # [H, T, D]
-            v = v_stage[slot][:, : length - quantized].to(dt)
-            s = torch.einsum("hgd,htd->hgt", q[b].reshape(Hkv, G, HEAD_DIM), k) * qk2
-            s = s.masked_fill(t < first, -math.inf)
-            partial(b, num_splits, s, v)
+            partial(b, num_splits, *staged_scores(q[b].reshape(Hkv, G, HEAD_DIM), staged, b, quantized, length, first,
+                                                  qk2))
     return part_o, part_lse
 
 

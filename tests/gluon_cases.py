@@ -27,12 +27,12 @@ def large_channel_keys(n: int, Hkv: int, g: torch.Generator, shift: float = 0.0)
     return k
 
 
-def pack(fmt, k: torch.Tensor, v: torch.Tensor, edit=None) -> list[torch.Tensor]:
-    """The key and value slabs of pages k, v as fmt quantizes and packs them (edit(fields) may
-    change the fields first)."""
+def pack(fmt, k: torch.Tensor, v: torch.Tensor, edit=None, layer: int | None = None) -> list[torch.Tensor]:
+    """The key and value slabs of pages k, v as fmt quantizes (for `layer`) and packs them
+    (edit(fields) may change the fields first)."""
     slabs = []
     for kind, x in (("key", k), ("value", v)):
-        fields = fmt.quantize(x, kind)
+        fields = fmt.quantize(x, kind, layer)
         if edit is not None:
             edit(fields)
         slabs.append(fmt.layout(kind, P, D).pack(fields))

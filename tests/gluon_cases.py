@@ -116,10 +116,20 @@ def run_sm90_build(script: str, cwd=None) -> list[str]:
     return run.stdout.split()
 
 
-def check_partials(partials, reference, frag, tables, lens_t, q) -> None:
+def gpu_case(build, G: int, lens, seed: int, **options):
+    """A format's `build` on CUDA for GQA group G (Hkv = 8 // G, 4 for G 1) and a bf16 q ->
+    (Hkv, fmt, frag, block_tables, context_lens, k_pages, v_pages, q)."""
+    Hkv = 8 // G if G > 1 else 4
+    built = build(lens, Hkv, seed=seed, device="cuda", **options)
+    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
+    return (Hkv, *built, q)
+
+
+def check_kernel_matches_reference(partials, reference, build, G: int, lens) -> None:
     """A kernel's partials (partials(q, frag, tables, lens, scale, ns)) against its split reference in
     float64, split counts 1, 5, 64 (some splits empty): the same empty splits (-inf), lse within 2e-2,
     the merged output within 3e-3."""
+    _, _, frag, tables, lens_t, _, _, q = gpu_case(build, G, lens, G)
     for ns in (1, 5, 64):
         part_o, part_lse = partials(q, frag, tables, lens_t, D ** -0.5, ns)
         ref_o, ref_lse = reference(q.double(), frag, tables, lens_t, D ** -0.5, ns)
@@ -128,3 +138,24 @@ def check_partials(partials, reference, frag, tables, lens_t, q) -> None:
         assert (part_lse - ref_lse)[full].abs().max() < 2e-2
         assert relative_error(reduce_partials(part_o.double(), part_lse.double()),
                               reduce_partials(ref_o, ref_lse)) < 3e-3
+
+
+def check_decode_matches_dense(attention, build, G: int, **options) -> None:
+    """Kernel + reduce (attention(q, frag, tables, lens, scale, num_splits=4)) against dense attention
+    over the format's own dequantized pages: bf16 out within 1e-2."""
+    _, fmt, frag, tables, lens_t, k_pages, v_pages, q = gpu_case(build, G, [777, 64 * 16, 65], 10 + G, **options)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
+    out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
+    assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+
+
+def check_staged_decode(attention, build, G: int, window) -> None:
+    """The staged bf16 tail as the launch's extra split, and the sliding window, against dense
+    attention over pages + staging (split counts 1, 3 and the default)."""
+    lens = [777, 64 * 16, 65, 64]
+    Hkv, fmt, frag, tables, lens_t, k_pages, v_pages, q = gpu_case(build, G, lens, 20 + G)
+    k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, (k, v, slots), window)
+    for ns in (1, 3, None):
+        out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots), sliding_window=window)
+        assert relative_error(out, ref) < 1e-2, ns

@@ -16,12 +16,13 @@ from tests.gluon_cases import (
     D,
     P,
     behind_tables,
-    check_partials,
+    check_decode_matches_dense,
+    check_kernel_matches_reference,
+    check_staged_decode,
     dense_reference,
     large_channel_keys,
     num_pages,
     pack,
-    relative_error,
     run_sm90_build,
     staging,
 )
@@ -121,10 +122,7 @@ def test_gpu_kernel_matches_reference(G, lens):
     and off page boundaries, GQA 1 / 4 / 8, split counts with empty splits."""
     from moekv.ops.gluon.int4_decode import int4_decode_partials
 
-    Hkv = 8 // G if G > 1 else 4
-    _, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=G, device="cuda")
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    check_partials(int4_decode_partials, int4_decode_split_reference, frag, tables, lens_t, q)
+    check_kernel_matches_reference(int4_decode_partials, int4_decode_split_reference, build, G, lens)
 
 
 @pytest.mark.gpu
@@ -135,14 +133,7 @@ def test_gpu_decode_matches_dense_attention(G, outlier_fraction):
     """Kernel + reduce against dense attention over int4's own dequantized pages (1 and 4 outlier channels)."""
     from moekv.ops.gluon.int4_decode import int4_decode_attention
 
-    Hkv = 8 // G if G > 1 else 4
-    lens = [777, 64 * 16, 65]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=10 + G, device="cuda",
-                                                        outlier_fraction=outlier_fraction)
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
-    out = int4_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
-    assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+    check_decode_matches_dense(int4_decode_attention, build, G, outlier_fraction=outlier_fraction)
 
 
 @pytest.mark.gpu
@@ -154,13 +145,4 @@ def test_gpu_staged_tail_and_window(G, window):
     over pages + staging."""
     from moekv.ops.gluon.int4_decode import int4_decode_attention
 
-    Hkv = 8 // G if G > 1 else 4
-    lens = [777, 64 * 16, 65, 64]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=20 + G, device="cuda")
-    k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, (k, v, slots), window)
-    for ns in (1, 3, None):
-        out = int4_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
-                                    sliding_window=window)
-        assert relative_error(out, ref) < 1e-2, ns
+    check_staged_decode(int4_decode_attention, build, G, window)

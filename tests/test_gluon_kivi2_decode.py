@@ -19,7 +19,8 @@ from tests.gluon_cases import (
     D,
     P,
     behind_tables,
-    check_partials,
+    check_decode_matches_dense,
+    check_kernel_matches_reference,
     large_channel_keys,
     num_pages,
     pack,
@@ -194,10 +195,7 @@ def test_gpu_kernel_matches_reference(G, lens):
     and off page boundaries, GQA 1 / 4 / 8, split counts with empty splits."""
     from moekv.ops.gluon.kivi2_decode import kivi2_decode_partials
 
-    Hkv = 8 // G if G > 1 else 4
-    _, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=G, device="cuda")
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    check_partials(kivi2_decode_partials, kivi2_decode_split_reference, frag, tables, lens_t, q)
+    check_kernel_matches_reference(kivi2_decode_partials, kivi2_decode_split_reference, build, G, lens)
 
 
 @pytest.mark.gpu
@@ -207,13 +205,7 @@ def test_gpu_decode_matches_dense_attention(G):
     """Kernel + reduce against dense attention over kivi2's own dequantized pages."""
     from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
 
-    Hkv = 8 // G if G > 1 else 4
-    lens = [777, 64 * 16, 65]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=10 + G, device="cuda")
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
-    out = kivi2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
-    assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+    check_decode_matches_dense(kivi2_decode_attention, build, G)
 
 
 @pytest.mark.gpu

@@ -20,12 +20,13 @@ from tests.gluon_cases import (
     D,
     P,
     behind_tables,
-    check_partials,
+    check_decode_matches_dense,
+    check_kernel_matches_reference,
+    check_staged_decode,
     dense_reference,
     large_channel_keys,
     num_pages,
     pack,
-    relative_error,
     run_sm90_build,
     staging,
 )
@@ -186,10 +187,7 @@ def test_gpu_kernel_matches_reference(G, lens):
     splits empty)."""
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_partials
 
-    Hkv = 8 // G if G > 1 else 4
-    _, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=G, device="cuda")
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    check_partials(nuq2_decode_partials, nuq2_decode_split_reference, frag, tables, lens_t, q)
+    check_kernel_matches_reference(nuq2_decode_partials, nuq2_decode_split_reference, build, G, lens)
 
 
 @pytest.mark.gpu
@@ -200,13 +198,7 @@ def test_gpu_decode_matches_dense_attention(G, outliers):
     """Kernel + reduce against dense attention over nuq2's own dequantized pages."""
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
 
-    Hkv = 8 // G if G > 1 else 4
-    lens = [777, 64 * 16, 65]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=10 + G, outliers=outliers, device="cuda")
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
-    out = nuq2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
-    assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+    check_decode_matches_dense(nuq2_decode_attention, build, G, outliers=outliers)
 
 
 @pytest.mark.gpu
@@ -218,13 +210,4 @@ def test_gpu_staged_tail_and_window(G, window):
     over pages + staging."""
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
 
-    Hkv = 8 // G if G > 1 else 4
-    lens = [777, 64 * 16, 65, 64]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=20 + G, device="cuda")
-    k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, (k, v, slots), window)
-    for ns in (1, 3, None):
-        out = nuq2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
-                                    sliding_window=window)
-        assert relative_error(out, ref) < 1e-2, ns
+    check_staged_decode(nuq2_decode_attention, build, G, window)

@@ -31,7 +31,7 @@ import torch
 from moekv.ops.decode.common import LOG2E
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
 from moekv.ops.gluon.int4_layout import GROUP, GROUPS, HEAD_DIM, PAGE_TOKENS, Int4FragmentPages, codes_from_fragment
-from moekv.ops.gluon.launch import check_device, gluon_missing, plan_launch, reduce_on_device, register_cap
+from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, reduce_on_device, register_cap
 from moekv.ops.gluon.splits import masked, quantized_tokens, softmax_partial, split_ranges, staged_scores, window_start
 
 
@@ -112,9 +112,7 @@ def int4_decode_partials(q: torch.Tensor, frag: Int4FragmentPages, block_tables:
                          sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice)."""
-    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, "int4")
-    check_extras(staged, sliding_window, B, Hkv)
-    check_device("int4", q)
+    B, Hkv, G = check_launch("int4", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     try:
         from moekv.ops.gluon.int4_kernel import int4_decode_kernel
     except ImportError as e:  # Triton without Gluon

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekv.ops.gluon.checks import Staged
+from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM
 
 NO_WINDOW = 1 << 30  # a window longer than any context (moekv.ops.decode.common.NO_WINDOW)
@@ -32,6 +32,16 @@ def check_device(fmt: str, q: torch.Tensor) -> None:
                          f"{fmt}_decode_split_reference computes the same on any device")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"{fmt} Gluon decode: q must be fp16 or bf16, got {q.dtype}")
+
+
+def check_launch(fmt: str, q: torch.Tensor, frag, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 num_splits: int | None, staged: Staged | None, sliding_window: int | None) -> tuple[int, int, int]:
+    """(B, Hkv, G) of a launch over fmt's fragment pages, or ValueError: the inputs (check_inputs,
+    check_extras), then the device (check_device)."""
+    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, fmt)
+    check_extras(staged, sliding_window, B, Hkv)
+    check_device(fmt, q)
+    return B, Hkv, G
 
 
 def gluon_missing(fmt: str, e: ImportError) -> RuntimeError:

@@ -41,7 +41,7 @@ from moekv.ops.gluon.launch import (  # noqa: F401 (NO_WINDOW, default_num_split
     MAX_SPLITS,
     NO_WINDOW,
     TARGET_PROGRAMS,
-    check_device,
+    check_launch,
     default_num_splits,
     gluon_missing,
     plan_launch,
@@ -171,9 +171,7 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
     num_splits holds the 16-bit tail. max_registers: ptxas's cap (0 / None: its choice); slot_chunk0:
     the first 16 slots of each kind unconditionally (loads not behind the used counts; ~35 more
     registers), else chunks only while used slots remain."""
-    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1)
-    check_extras(staged, sliding_window, B, Hkv)
-    check_device("nuq2", q)
+    B, Hkv, G = check_launch("nuq2", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     try:
         from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
     except ImportError as e:  # Triton without Gluon

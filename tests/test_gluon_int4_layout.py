@@ -17,20 +17,17 @@ from moekv.ops.gluon.int4_layout import (
     from_fragment_order,
     to_fragment_order,
 )
+from tests.gluon_cases import D, P, large_channel_keys, pack
 
-P, D, H = 64, 128, 2
+H = 2
 
 
 def int4_pages(n: int, seed: int, fmt: Int4Format | None = None):
     """n random pages of keys (two large channels) and values, quantized and packed by int4 itself."""
     fmt = fmt or Int4Format(group_size=32)
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(n, H, P, D, generator=g)
-    k[..., 7] *= 8
-    k[..., 91] += 6
-    v = torch.randn(n, H, P, D, generator=g)
-    slabs = [fmt.layout(kind, P, D).pack(fmt.quantize(x, kind)) for kind, x in (("key", k), ("value", v))]
-    return fmt, slabs[0], slabs[1]
+    k = large_channel_keys(n, H, g)
+    return fmt, *pack(fmt, k, torch.randn(n, H, P, D, generator=g))
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])

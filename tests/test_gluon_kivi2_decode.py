@@ -13,9 +13,20 @@ from moekv.kvcache.formats.kivi import KIVI2Format
 from moekv.ops.gluon.kivi2_decode import kivi2_decode_split_reference, quantized_tokens, tail_tokens
 from moekv.ops.gluon.kivi2_layout import to_fragment_order
 from moekv.ops.gluon.nuq2_decode import reduce_partials
-from moekv.ops.reference import decode_attention_ref
-
-P, D = 64, 128
+from tests import gluon_cases
+from tests.gluon_cases import (
+    GPU,
+    D,
+    P,
+    behind_tables,
+    check_decode_matches_dense,
+    check_kernel_matches_reference,
+    large_channel_keys,
+    num_pages,
+    pack,
+    relative_error,
+    run_sm90_build,
+)
 
 
 def build(lens, Hkv, seed, device="cpu"):
@@ -23,22 +34,11 @@ def build(lens, Hkv, seed, device="cpu"):
     lengths `lens` behind a shuffled block table, in fragment order -> (fmt, frag, tables, lens, k_pages, v_pages)."""
     fmt = KIVI2Format()
     g = torch.Generator().manual_seed(seed)
-    pages_per = [-(-n // P) for n in lens]
-    N = sum(pages_per) + 2
-    k = torch.randn(N, Hkv, P, D, generator=g) + 0.5
-    k[..., 7] *= 8
-    k[..., 91] += 6
+    N = num_pages(lens)
+    k = large_channel_keys(N, Hkv, g, shift=0.5)
     v = torch.randn(N, Hkv, P, D, generator=g) - 0.3
     v[..., 40] *= 5
-    slabs = [fmt.layout(kind, P, D).pack(fmt.quantize(x, kind)) for kind, x in (("key", k), ("value", v))]
-    perm = torch.randperm(N, generator=g).to(torch.int32)
-    tables = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(pages_per):
-        tables[b, :n] = perm[at:at + n]
-        at += n
-    frag = to_fragment_order(fmt, slabs[0].to(device), slabs[1].to(device))
-    return fmt, frag, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device), slabs[0], slabs[1]
+    return behind_tables(fmt, pack(fmt, k, v), lens, g, to_fragment_order, device)
 
 
 def tail(B, Hkv, R, seed, device="cpu", dtype=torch.float64):
@@ -57,23 +57,15 @@ def tail(B, Hkv, R, seed, device="cpu", dtype=torch.float64):
 def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged=None, residual=None, sliding_window=None):
     """decode_attention_ref (float64) over each sequence's tokens: [0, quantized) as kivi2 dequantizes
     its pages, the rest from the ring (t >= len - R, row t % R) or the staging page (row t % 64)."""
-    kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key")  # [N, H, P, D]
-    vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value")
     R = residual[0].shape[2] if residual is not None else 0
-    keys, values = [], []
-    for b, n in enumerate(lens.tolist()):
-        ids = tables[b, :-(-n // P)].long().cpu()
-        k = kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n].double()
-        v = vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double()
-        if staged is not None:
-            quantized = quantized_tokens(n, True, R)
-            cpu = lambda t: tuple(x.cpu() for x in t) if t is not None else None  # noqa: E731
-            kt, vt = tail_tokens(cpu(staged), cpu(residual), b, quantized, n, torch.float64)
-            k = torch.cat([k[:quantized], kt.transpose(0, 1)])
-            v = torch.cat([v[:quantized], vt.transpose(0, 1)])
-        keys.append(k)
-        values.append(v)
-    return decode_attention_ref(q.double().cpu(), keys, values, scale, sliding_window)
+    cpu = lambda t: tuple(x.cpu() for x in t) if t is not None else None  # noqa: E731
+
+    def tokens(b, n):
+        quantized = quantized_tokens(n, True, R)
+        kt, vt = tail_tokens(cpu(staged), cpu(residual), b, quantized, n, torch.float64)
+        return quantized, kt.transpose(0, 1), vt.transpose(0, 1)
+
+    return gluon_cases.dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged, sliding_window, tokens)
 
 
 def test_quantized_tokens_is_the_triton_kernels_rule():
@@ -115,10 +107,6 @@ def test_tail_ring_and_sliding_window(R, window):
         o, lse = kivi2_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, residual=ring,
                                               sliding_window=window)
         assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), ns
-
-
-def relative_error(out, ref):
-    return float((out.double().cpu() - ref.cpu()).norm() / ref.cpu().norm())
 
 
 def test_kernel_roundings_stay_small():
@@ -193,22 +181,9 @@ def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
     checked trivial at compile time; no shared memory, the MMAs and the magic-number subtraction present,
     no local memory (spills) inside the loops. In a fresh interpreter (other CPU tests set
     TRITON_INTERPRET=1 for the session)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", SM90_BUILD], env=env, capture_output=True, text=True,
-                         timeout=600, check=False, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["1", "0", "True", "True", "True", "4", "0", "True", "True", "True",
-                                  "8", "0", "True", "True", "True"], run.stdout
-
-
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+    words = run_sm90_build(SM90_BUILD, cwd=tmp_path)
+    assert words == ["1", "0", "True", "True", "True", "4", "0", "True", "True", "True",
+                     "8", "0", "True", "True", "True"], words
 
 
 @pytest.mark.gpu
@@ -220,17 +195,7 @@ def test_gpu_kernel_matches_reference(G, lens):
     and off page boundaries, GQA 1 / 4 / 8, split counts with empty splits."""
     from moekv.ops.gluon.kivi2_decode import kivi2_decode_partials
 
-    Hkv = 8 // G if G > 1 else 4
-    _, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=G, device="cuda")
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    for ns in (1, 5, 64):
-        part_o, part_lse = kivi2_decode_partials(q, frag, tables, lens_t, D ** -0.5, ns)
-        ref_o, ref_lse = kivi2_decode_split_reference(q.double(), frag, tables, lens_t, D ** -0.5, ns)
-        full = ref_lse > -float("inf")
-        assert torch.equal(part_lse.isfinite().cpu(), full.cpu()), "empty splits must be -inf, others finite"
-        assert (part_lse - ref_lse)[full].abs().max() < 2e-2
-        assert relative_error(reduce_partials(part_o.double(), part_lse.double()),
-                              reduce_partials(ref_o, ref_lse)) < 3e-3
+    check_kernel_matches_reference(kivi2_decode_partials, kivi2_decode_split_reference, build, G, lens)
 
 
 @pytest.mark.gpu
@@ -240,13 +205,7 @@ def test_gpu_decode_matches_dense_attention(G):
     """Kernel + reduce against dense attention over kivi2's own dequantized pages."""
     from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
 
-    Hkv = 8 // G if G > 1 else 4
-    lens = [777, 64 * 16, 65]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=10 + G, device="cuda")
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
-    out = kivi2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
-    assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+    check_decode_matches_dense(kivi2_decode_attention, build, G)
 
 
 @pytest.mark.gpu

@@ -15,8 +15,21 @@ from moekv.ops.gluon.nuq2_decode import (
 )
 from moekv.ops.gluon.nuq2_layout import dequantize_fragment, to_fragment_order
 from moekv.ops.reference import decode_attention_ref
-
-P, D = 64, 128
+from tests.gluon_cases import (
+    GPU,
+    D,
+    P,
+    behind_tables,
+    check_decode_matches_dense,
+    check_kernel_matches_reference,
+    check_staged_decode,
+    dense_reference,
+    large_channel_keys,
+    num_pages,
+    pack,
+    run_sm90_build,
+    staging,
+)
 
 
 def build(lens, Hkv, seed, outliers=True, device="cpu", heavy=True):
@@ -24,58 +37,14 @@ def build(lens, Hkv, seed, outliers=True, device="cpu", heavy=True):
     fragment order -> (fmt, frag, block_tables, context_lens, k_pages, v_pages)."""
     fmt = NUQ2Format(codebook="page", quantize_kernel=False)
     g = torch.Generator().manual_seed(seed)
-    pages_per = [-(-n // P) for n in lens]
-    N = sum(pages_per) + 2
-    k = torch.randn(N, Hkv, P, D, generator=g)
-    k[..., 7] *= 8
-    k[..., 91] += 6
+    N = num_pages(lens)
+    k = large_channel_keys(N, Hkv, g)
     v = torch.randn(N, Hkv, P, D, generator=g)
     if heavy:
         k.view(-1)[torch.randint(0, k.numel(), (N * 6,), generator=g)] *= 12
         v.view(-1)[torch.randint(0, v.numel(), (N * 4,), generator=g)] *= 10
-    slabs = []
-    for kind, x in (("key", k), ("value", v)):
-        fields = fmt.quantize(x, kind)
-        if not outliers:
-            fields["out_idx"].fill_(0xFFFF)
-        slabs.append(fmt.layout(kind, P, D).pack(fields))
-    perm = torch.randperm(N, generator=g).to(torch.int32)
-    tables = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(pages_per):
-        tables[b, :n] = perm[at:at + n]
-        at += n
-    frag = to_fragment_order(fmt, slabs[0].to(device), slabs[1].to(device))
-    return fmt, frag, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device), slabs[0], slabs[1]
-
-
-def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged=None, sliding_window=None):
-    """decode_attention_ref over each sequence's pages as nuq2 dequantizes them (float64); with
-    staged = (k_stage, v_stage, seq_slots), tokens from ((len - 1) // 64) * 64 on from the staging."""
-    kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key")  # [N, H, P, D]
-    vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value")
-    keys, values = [], []
-    for b, n in enumerate(lens.tolist()):
-        ids = tables[b, :-(-n // P)].long().cpu()
-        k = kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n].double()
-        v = vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double()
-        if staged is not None:
-            quantized = (n - 1) // P * P
-            slot = int(staged[2][b])
-            k = torch.cat([k[:quantized], staged[0][slot].cpu().double().transpose(0, 1)[: n - quantized]])
-            v = torch.cat([v[:quantized], staged[1][slot].cpu().double().transpose(0, 1)[: n - quantized]])
-        keys.append(k)
-        values.append(v)
-    return decode_attention_ref(q.double().cpu(), keys, values, scale, sliding_window)
-
-
-def staging(B, Hkv, seed, device="cpu", dtype=torch.float64):
-    """Random 16-bit staging pages [B + 1, Hkv, 64, 128] (one spare) and a permuted slot per sequence."""
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype)
-    v = torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype)
-    slots = torch.randperm(B + 1, generator=g)[:B]
-    return k.to(device), v.to(device), slots.to(device)
+    no_slots = None if outliers else (lambda fields: fields["out_idx"].fill_(0xFFFF))
+    return behind_tables(fmt, pack(fmt, k, v, no_slots), lens, g, to_fragment_order, device)
 
 
 @pytest.mark.parametrize("G, num_splits", [(1, 3), (4, 1), (4, 8), (8, 3)])
@@ -202,27 +171,10 @@ def test_kernel_module_compiles_for_sm90_without_a_gpu():
     not convert trivially, inline PTX or shapes that do not fit fail here, not on the device. In a
     fresh interpreter: other CPU tests set TRITON_INTERPRET=1 for the session
     (tests/triton_kernels.py), which leaves triton.language's own helpers uncompilable."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", SM90_BUILD], env=env, capture_output=True, text=True,
-                         timeout=600, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
+    words = run_sm90_build(SM90_BUILD)
     # per group: no shared memory (registers only), MMA and prmt present, no local memory (spills)
-    assert run.stdout.split() == ["1", "0", "True", "True", "False", "4", "0", "True", "True", "False",
-                                  "8", "0", "True", "True", "False"], run.stdout
-
-
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
-
-
-def relative_error(out, ref):
-    return float((out.double().cpu() - ref).norm() / ref.norm())
+    assert words == ["1", "0", "True", "True", "False", "4", "0", "True", "True", "False",
+                     "8", "0", "True", "True", "False"], words
 
 
 @pytest.mark.gpu
@@ -235,17 +187,7 @@ def test_gpu_kernel_matches_reference(G, lens):
     splits empty)."""
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_partials
 
-    Hkv = 8 // G if G > 1 else 4
-    _, frag, tables, lens_t, _, _ = build(lens, Hkv, seed=G, device="cuda")
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    for ns in (1, 5, 64):
-        part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens_t, D ** -0.5, ns)
-        ref_o, ref_lse = nuq2_decode_split_reference(q.double(), frag, tables, lens_t, D ** -0.5, ns)
-        full = ref_lse > -float("inf")
-        assert torch.equal(part_lse.isfinite().cpu(), full.cpu()), "empty splits must be -inf, others finite"
-        assert (part_lse - ref_lse)[full].abs().max() < 2e-2
-        assert relative_error(reduce_partials(part_o.double(), part_lse.double()),
-                              reduce_partials(ref_o, ref_lse).cpu()) < 3e-3
+    check_kernel_matches_reference(nuq2_decode_partials, nuq2_decode_split_reference, build, G, lens)
 
 
 @pytest.mark.gpu
@@ -256,13 +198,7 @@ def test_gpu_decode_matches_dense_attention(G, outliers):
     """Kernel + reduce against dense attention over nuq2's own dequantized pages."""
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
 
-    Hkv = 8 // G if G > 1 else 4
-    lens = [777, 64 * 16, 65]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=10 + G, outliers=outliers, device="cuda")
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
-    out = nuq2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
-    assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+    check_decode_matches_dense(nuq2_decode_attention, build, G, outliers=outliers)
 
 
 @pytest.mark.gpu
@@ -274,13 +210,4 @@ def test_gpu_staged_tail_and_window(G, window):
     over pages + staging."""
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
 
-    Hkv = 8 // G if G > 1 else 4
-    lens = [777, 64 * 16, 65, 64]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=20 + G, device="cuda")
-    k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, (k, v, slots), window)
-    for ns in (1, 3, None):
-        out = nuq2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
-                                    sliding_window=window)
-        assert relative_error(out, ref) < 1e-2, ns
+    check_staged_decode(nuq2_decode_attention, build, G, window)

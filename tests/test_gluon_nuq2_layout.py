@@ -16,8 +16,9 @@ from moekv.ops.gluon.nuq2_layout import (
     from_fragment_order,
     to_fragment_order,
 )
+from tests.gluon_cases import D, P, large_channel_keys, pack
 
-P, D, H = 64, 128, 2
+H = 2
 
 
 def nuq2_pages(n: int, seed: int, fmt: NUQ2Format | None = None):
@@ -25,14 +26,11 @@ def nuq2_pages(n: int, seed: int, fmt: NUQ2Format | None = None):
     packed by nuq2 itself -> (fmt, k slabs, v slabs)."""
     fmt = fmt or NUQ2Format(codebook="page", quantize_kernel=False)
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(n, H, P, D, generator=g)
-    k[..., 7] *= 8
-    k[..., 91] += 6
+    k = large_channel_keys(n, H, g)
     k.view(-1)[torch.randint(0, k.numel(), (n * 5,), generator=g)] *= 12  # outlier slots in use
     v = torch.randn(n, H, P, D, generator=g)
     v.view(-1)[torch.randint(0, v.numel(), (n * 3,), generator=g)] *= 10
-    slabs = [fmt.layout(kind, P, D).pack(fmt.quantize(x, kind, layer=0)) for kind, x in (("key", k), ("value", v))]
-    return fmt, slabs[0], slabs[1]
+    return fmt, *pack(fmt, k, v, layer=0)
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, gluon_pages_wanted, per_shape
+from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
 
 LEVELS = 15  # 4-bit codes 0..15
 FP16_MAX = 65504.0
@@ -30,7 +30,7 @@ GROUP_SIZES = (32, 64)
 MAX_HEAD_DIM = 256  # outlier indices are uint8
 
 
-class Int4Format(PagedQuantFormat):
+class Int4Format(FragmentPagedFormat):
     name = "int4"
 
     def __init__(self, group_size: int = 32, outlier_fraction: float = 0.01) -> None:
@@ -111,56 +111,19 @@ class Int4Format(PagedQuantFormat):
                                   f"head_dim {head_dim}, group_size {self.group_size}, "
                                   f"{self.num_outliers(head_dim)} outlier channels")
 
-    def page_bytes(self, num_kv_heads, block_size, head_dim) -> int:
-        if self.fragment_pages(block_size, head_dim):
-            from moekv.ops.gluon.int4_layout import fragment_bytes_per_page_head
+    fragment_marker = "k_out_delta"
 
-            return num_kv_heads * fragment_bytes_per_page_head(self)
-        return super().page_bytes(num_kv_heads, block_size, head_dim)
+    def fragment_layout(self):
+        from moekv.ops.gluon import int4_layout
 
-    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype):
-        fragment = self.fragment_pages(block_size, head_dim, device)
-        cache = super().allocate(0 if fragment else num_blocks, num_kv_heads, block_size, head_dim, device,
-                                 max_num_seqs, dtype)
-        if fragment:  # the fragment-order tables instead of the slab pools
-            from moekv.ops.gluon.int4_layout import allocate_fragment_tables
+        return int4_layout
 
-            del cache.tensors["k_pages"], cache.tensors["v_pages"]
-            cache.tensors.update(allocate_fragment_tables(self, num_blocks, num_kv_heads, device))
-        return cache
+    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
+        from moekv.ops.gluon.int4_decode import int4_decode_attention
 
-    def store_slabs(self, cache, name, page_ids, slabs) -> None:
-        if "k_out_delta" not in cache.tensors:
-            return super().store_slabs(cache, name, page_ids, slabs)
-        from moekv.ops.gluon.int4_layout import kind_to_fragment
+        return int4_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
+                                     staged=staged, sliding_window=sliding_window)
 
-        for field, t in kind_to_fragment(self, "key" if name == "k" else "value", slabs).items():
-            cache[field][page_ids] = t
-
-    def dequantize_pages(self, cache, kind, page_ids):
-        if "k_out_delta" not in cache.tensors:
-            return super().dequantize_pages(cache, kind, page_ids)
-        from moekv.ops.gluon.int4_layout import dequantize_fragment, fragment_view
-
-        return dequantize_fragment(fragment_view(cache, page_ids), kind)
-
-    def attend(self, q, cache, ctx, scale, sliding_window):
-        """Pages in fragment order: decode-only steps on CUDA take the Gluon kernel (the staged newest
-        page as its extra split), everything else the reference path; slabs: the base class's."""
-        if "k_out_delta" not in cache.tensors:
-            return super().attend(q, cache, ctx, scale, sliding_window)
-        from moekv.kvcache.formats.base import _is_decode_only
-
-        G = q.shape[1] // cache["k_codes"].shape[1]
-        if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in (1, 2, 4, 8)
-                and _is_decode_only(q, ctx)):
-            from moekv.ops.gluon.int4_decode import int4_decode_attention
-            from moekv.ops.gluon.int4_layout import fragment_view
-
-            return int4_decode_attention(q, fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                         staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
-                                         sliding_window=sliding_window)
-        return self.attend_reference(q, cache, ctx, scale, sliding_window)
 
 def _outlier_channels(x: torch.Tensor, count: int) -> torch.Tensor:
     """x [n, Hkv, P, D] -> the `count` channels of largest |x| over the page's tokens [n, Hkv, O],

@@ -27,7 +27,7 @@ import torch
 
 from moekv.kvcache.formats.base import (
     Field,
-    PagedQuantFormat,
+    FragmentPagedFormat,
     PageLayout,
     RopeWriteTarget,
     can_stage_with_fills,
@@ -40,7 +40,7 @@ LEVELS = 3  # 2-bit codes 0..3
 FP16_MAX = 65504.0
 
 
-class KIVI2Format(PagedQuantFormat):
+class KIVI2Format(FragmentPagedFormat):
     name = "kivi2"
     default_residual = 128  # KIVI's R (EngineConfig.kv_residual passes it through the registry)
 
@@ -130,58 +130,22 @@ class KIVI2Format(PagedQuantFormat):
         return gluon_pages_wanted(covered, device, "kivi2's Gluon kernel covers block_size 64, head_dim 128 and "
                                   f"group 32, got block_size {block_size}, head_dim {head_dim}, group {self.group}")
 
-    def page_bytes(self, num_kv_heads, block_size, head_dim) -> int:
-        if self.fragment_pages(block_size, head_dim):
-            from moekv.ops.gluon.kivi2_layout import fragment_bytes_per_page_head
+    def fragment_layout(self):
+        from moekv.ops.gluon import kivi2_layout
 
-            return num_kv_heads * fragment_bytes_per_page_head(self)
-        return super().page_bytes(num_kv_heads, block_size, head_dim)
+        return kivi2_layout
 
-    def store_slabs(self, cache, name, page_ids, slabs) -> None:
-        if "k_codes" not in cache.tensors:
-            return super().store_slabs(cache, name, page_ids, slabs)
-        from moekv.ops.gluon.kivi2_layout import kind_to_fragment
+    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
+        """The staged newest page and the residual ring as the kernel's extra split."""
+        from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
 
-        for field, t in kind_to_fragment(self, "key" if name == "k" else "value", slabs).items():
-            cache[field][page_ids] = t
-
-    def dequantize_pages(self, cache, kind, page_ids):
-        if "k_codes" not in cache.tensors:
-            return super().dequantize_pages(cache, kind, page_ids)
-        from moekv.ops.gluon.kivi2_layout import dequantize_fragment, fragment_view
-
-        return dequantize_fragment(fragment_view(cache, page_ids), kind)
-
-    def attend(self, q, cache, ctx, scale, sliding_window):
-        """Pages in fragment order: decode-only steps on CUDA take the Gluon kernel (the staged newest
-        page and the residual ring as its extra split), everything else the reference path; slabs: the
-        base class's."""
-        if "k_codes" not in cache.tensors:
-            return super().attend(q, cache, ctx, scale, sliding_window)
-        from moekv.kvcache.formats.base import _is_decode_only
-
-        G = q.shape[1] // cache["k_codes"].shape[1]
-        if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in (1, 2, 4, 8)
-                and _is_decode_only(q, ctx)):
-            from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
-            from moekv.ops.gluon.kivi2_layout import fragment_view
-
-            ring = (cache["k_residual"], cache["v_residual"]) if self.residual else None
-            return kivi2_decode_attention(q, fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                          staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
-                                          residual=ring, sliding_window=sliding_window)
-        return self.attend_reference(q, cache, ctx, scale, sliding_window)
+        ring = (cache["k_residual"], cache["v_residual"]) if self.residual else None
+        return kivi2_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
+                                      staged=staged, residual=ring, sliding_window=sliding_window)
 
     # -- residual ring ---------------------------------------------------------------------------
     def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype):
-        fragment = self.fragment_pages(block_size, head_dim, device)
-        cache = super().allocate(0 if fragment else num_blocks, num_kv_heads, block_size, head_dim, device,
-                                 max_num_seqs, dtype)
-        if fragment:  # the fragment-order tables instead of the slab pools
-            from moekv.ops.gluon.kivi2_layout import allocate_fragment_tables
-
-            del cache.tensors["k_pages"], cache.tensors["v_pages"]
-            cache.tensors.update(allocate_fragment_tables(self, num_blocks, num_kv_heads, device))
+        cache = super().allocate(num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype)
         ring_dtype = cache["k_staging"].dtype
         for name in ("k", "v"):
             # [max_num_seqs, Hkv, R, D]: position p of a sequence sits at row p % R

@@ -36,7 +36,7 @@ from moekv.kvcache.formats.base import (  # noqa: F401 (DECODE_KERNEL_ENV, DEFAU
     DECODE_KERNEL_ENV,
     DEFAULT_DECODE_KERNEL,
     Field,
-    PagedQuantFormat,
+    FragmentPagedFormat,
     PageLayout,
     gluon_pages_wanted,
     per_shape,
@@ -190,7 +190,7 @@ def fit_centroids(pages: torch.Tensor, kind: str, tau: float = 3.5) -> torch.Ten
     return lloyd_1d(flat, ~outlier_mask(flat, tau), iters=30, weight=fit_weight(flat, kind)).to(torch.float16)
 
 
-class NUQ2Format(PagedQuantFormat):
+class NUQ2Format(FragmentPagedFormat):
     name = "nuq2"
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
@@ -306,57 +306,24 @@ class NUQ2Format(PagedQuantFormat):
         return gluon_pages_wanted(covered, device, "nuq2's Gluon kernel covers block_size 64, head_dim 128 and "
                                   f"fp16 codebooks, got block_size {block_size}, head_dim {head_dim}")
 
-    def page_bytes(self, num_kv_heads, block_size, head_dim) -> int:
-        if self.fragment_pages(block_size, head_dim):
-            from moekv.ops.gluon.nuq2_layout import fragment_bytes_per_page_head
+    fragment_marker = "k_slot_delta"
 
-            return num_kv_heads * fragment_bytes_per_page_head(self)
-        return super().page_bytes(num_kv_heads, block_size, head_dim)
+    def fragment_layout(self):
+        from moekv.ops.gluon import nuq2_layout
 
-    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype):
-        fragment = self.fragment_pages(block_size, head_dim, device)
-        cache = super().allocate(0 if fragment else num_blocks, num_kv_heads, block_size, head_dim, device,
-                                 max_num_seqs, dtype)
-        if fragment:  # the fragment-order tables instead of the slab pools
-            from moekv.ops.gluon.nuq2_layout import allocate_fragment_tables
+        return nuq2_layout
 
-            del cache.tensors["k_pages"], cache.tensors["v_pages"]
-            cache.tensors.update(allocate_fragment_tables(self, num_blocks, num_kv_heads, device))
-        return cache
+    def fragment_view(self, cache, page_ids=None):
+        return self.fragment_layout().fragment_view(cache, self.calibrated, page_ids)
 
-    def store_slabs(self, cache, name, page_ids, slabs) -> None:
-        if "k_slot_delta" not in cache.tensors:
-            return super().store_slabs(cache, name, page_ids, slabs)
-        from moekv.ops.gluon.nuq2_layout import kind_to_fragment
+    def to_fragment(self, cache, kind, slabs):
+        return self.fragment_layout().kind_to_fragment(self, kind, slabs, cache.layer)
 
-        for field, t in kind_to_fragment(self, "key" if name == "k" else "value", slabs, cache.layer).items():
-            cache[field][page_ids] = t
+    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
+        from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
 
-    def dequantize_pages(self, cache, kind, page_ids):
-        if "k_slot_delta" not in cache.tensors:
-            return super().dequantize_pages(cache, kind, page_ids)
-        from moekv.ops.gluon.nuq2_layout import dequantize_fragment, fragment_view
-
-        return dequantize_fragment(fragment_view(cache, self.calibrated, page_ids), kind)
-
-    def attend(self, q, cache, ctx, scale, sliding_window):
-        """Pages in fragment order: decode-only steps on CUDA take the Gluon kernel (the staged
-        newest page as its extra split), everything else the reference path; slabs: the base class's."""
-        if "k_slot_delta" not in cache.tensors:
-            return super().attend(q, cache, ctx, scale, sliding_window)
-        from moekv.kvcache.formats.base import _is_decode_only
-
-        G = q.shape[1] // cache["k_codes"].shape[1]
-        if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in (1, 2, 4, 8)
-                and _is_decode_only(q, ctx)):
-            from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
-            from moekv.ops.gluon.nuq2_layout import fragment_view
-
-            return nuq2_decode_attention(q, fragment_view(cache, self.calibrated), ctx.block_tables,
-                                         ctx.context_lens, scale,
-                                         staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
-                                         sliding_window=sliding_window)
-        return self.attend_reference(q, cache, ctx, scale, sliding_window)
+        return nuq2_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
+                                     staged=staged, sliding_window=sliding_window)
 
     # -- quantize / dequantize -----------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):

@@ -29,27 +29,10 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.checks import MMA_N
+from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
 from moekv.ops.gluon.int4_layout import GROUP, GROUPS, HEAD_DIM, PAGE_TOKENS, Int4FragmentPages, codes_from_fragment
-from moekv.ops.gluon.nuq2_decode import NO_WINDOW, Staged, _page_range, check_extras
-
-
-def check_inputs(q: torch.Tensor, frag: Int4FragmentPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 num_splits: int) -> tuple[int, int, int]:
-    """(B, Hkv, G), or ValueError naming what does not fit."""
-    if q.dim() != 3 or q.shape[2] != HEAD_DIM:
-        raise ValueError(f"int4 Gluon decode: q must be [B, Hq, head_dim={HEAD_DIM}], got {tuple(q.shape)}")
-    B, Hq, _ = q.shape
-    Hkv = frag.k_codes.shape[1]
-    G = Hq // Hkv
-    if G * Hkv != Hq or G > MMA_N or G & (G - 1):
-        raise ValueError(f"int4 Gluon decode: needs Hq = G * Hkv with G in 1, 2, 4, 8 (Hq={Hq}, Hkv={Hkv})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
-        raise ValueError(f"int4 Gluon decode: block_tables [B={B}, pages] and context_lens [B] expected, got "
-                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
-    if num_splits < 1:
-        raise ValueError(f"int4 Gluon decode: num_splits={num_splits} must be >= 1")
-    return B, Hkv, G
+from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, reduce_on_device, register_cap
+from moekv.ops.gluon.splits import masked, quantized_tokens, softmax_partial, split_ranges, staged_scores, window_start
 
 
 def _page_scores(qg: torch.Tensor, frag: Int4FragmentPages, pages: torch.Tensor) -> torch.Tensor:
@@ -96,7 +79,7 @@ def int4_decode_split_reference(q: torch.Tensor, frag: Int4FragmentPages, block_
                                 sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype; with
     `staged`, split num_splits holds the 16-bit tail."""
-    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits)
+    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits, "int4")
     check_extras(staged, sliding_window, B, Hkv)
     Hq, dt = q.shape[1], q.dtype
     ns_total = num_splits + (staged is not None)
@@ -104,19 +87,12 @@ def int4_decode_split_reference(q: torch.Tensor, frag: Int4FragmentPages, block_
     part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
     qk2 = scale * LOG2E
     for b, length in enumerate(context_lens.tolist()):
-        quantized, page_lo, num_pages = _page_range(length, staged is not None, sliding_window)
-        first = max(length - sliding_window, 0) if sliding_window is not None else 0
-        per = -(-(num_pages - page_lo) // num_splits)
-        for sp in range(num_splits):
-            p0 = min(page_lo + sp * per, num_pages)
-            p1 = min(p0 + per, num_pages)
-            if p0 == p1:
-                continue
+        quantized = quantized_tokens(length, staged is not None)
+        first = window_start(length, sliding_window)
+        qg = q[b].reshape(Hkv, G, HEAD_DIM)
+        for sp, p0, p1 in split_ranges(quantized, first, num_splits):
             pages = block_tables[b, p0:p1].long()
-            n = p1 - p0
-            s = _page_scores(q[b].reshape(Hkv, G, HEAD_DIM), frag, pages) * qk2  # [n, H, G, P]
-            pos = torch.arange(p0 * PAGE_TOKENS, p1 * PAGE_TOKENS, device=q.device).reshape(n, 1, 1, PAGE_TOKENS)
-            s = s.masked_fill((pos >= quantized) | (pos < first), -math.inf)
+            s = masked(_page_scores(qg, frag, pages) * qk2, p0, p1, quantized, first)  # [n, H, G, P]
             m = s.amax(dim=(0, 3), keepdim=True)  # [1, H, G, 1]
             p = torch.exp2(s - m)
             mass = p.sum(dim=(0, 3))  # [H, G]
@@ -124,72 +100,32 @@ def int4_decode_split_reference(q: torch.Tensor, frag: Int4FragmentPages, block_
             part_o[b, :, sp] = o.reshape(Hq, HEAD_DIM)
             part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
         if staged is not None:
-            k_stage, v_stage, seq_slots = staged
-            slot = int(seq_slots[b])
-            t = torch.arange(quantized, length, device=q.device)
-            k = k_stage[slot][:, : length - quantized].to(dt)  # [H, T, D]
-            v = v_stage[slot][:, : length - quantized].to(dt)
-            s = torch.einsum("hgd,htd->hgt", q[b].reshape(Hkv, G, HEAD_DIM), k) * qk2
-            s = s.masked_fill(t < first, -math.inf)
-            m = s.amax(-1, keepdim=True)
-            p = torch.exp2(s - m)
-            mass = p.sum(-1)
-            part_o[b, :, num_splits] = (torch.einsum("hgt,htd->hgd", p, v) / mass[..., None]).reshape(Hq, HEAD_DIM)
-            part_lse[b, :, num_splits] = (m[..., 0] + torch.log2(mass)).reshape(Hq)
+            part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(
+                *staged_scores(qg, staged, b, quantized, length, first, qk2))
     return part_o, part_lse
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
-TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at
-MAX_SPLITS = 256
-
-
-def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int = 0) -> int:
-    """Splits per (sequence, KV head): about TARGET_PROGRAMS programs, at least 2 pages each, at most
-    MAX_SPLITS with the `extra` (staged) split (the nuq2 kernel's rule)."""
-    want = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
-    return max(1, min(want, -(-max_pages // 2), MAX_SPLITS - extra))
-
-
 def int4_decode_partials(q: torch.Tensor, frag: Int4FragmentPages, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                          max_registers: int | None = None, staged: Staged | None = None,
                          sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice)."""
-    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1)
-    check_extras(staged, sliding_window, B, Hkv)
-    if not q.is_cuda:
-        raise ValueError("int4 Gluon decode runs on CUDA devices only (Gluon has no CPU or interpreter backend); "
-                         "int4_decode_split_reference computes the same on any device")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"int4 Gluon decode: q must be fp16 or bf16, got {q.dtype}")
+    B, Hkv, G = check_launch("int4", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     try:
         from moekv.ops.gluon.int4_kernel import int4_decode_kernel
     except ImportError as e:  # Triton without Gluon
-        raise RuntimeError(f"int4 Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}") from e
-    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None))
-    Hq = q.shape[1]
-    ns_total = num_splits + (staged is not None)
-    part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
-    if staged is not None:
-        k_stage, v_stage, seq_slots = staged
-        st = k_stage.stride()
-    else:  # unused: any tensors stand in
-        k_stage = v_stage = q
-        seq_slots = context_lens
-        st = (0, 0, 0)
-    window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    int4_decode_kernel[(B * Hkv, ns_total)](
+        raise gluon_missing("int4", e) from e
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window)
+    int4_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_scale, frag.k_zero, frag.v_scale, frag.v_zero,
         frag.k_out_idx, frag.k_out_delta, frag.v_out_idx, frag.v_out_delta,
-        q.contiguous(), block_tables, block_tables.stride(0), context_lens, seq_slots,
-        k_stage, v_stage, st[0], st[1], st[2],
-        part_o, part_lse, scale * LOG2E, window, num_splits, ns_total,
-        HKV=Hkv, G=G, NO=frag.num_outliers, STAGED=staged is not None, num_warps=1,
-        **({"maxnreg": int(max_registers)} if max_registers else {}))
-    return part_o, part_lse
+        q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
+        run.k_stage, run.v_stage, *run.stage_strides,
+        run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
+        HKV=Hkv, G=G, NO=frag.num_outliers, STAGED=staged is not None, num_warps=1, **register_cap(max_registers))
+    return run.part_o, run.part_lse
 
 
 def int4_decode_attention(q: torch.Tensor, frag: Int4FragmentPages, block_tables: torch.Tensor,
@@ -199,8 +135,6 @@ def int4_decode_attention(q: torch.Tensor, frag: Int4FragmentPages, block_tables
     """Decode attention of q [B, Hq, 128] over int4 pages in fragment order (and, with `staged`, the
     16-bit tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the reduce, two launches, no host
     sync. CUDA only."""
-    from moekv.ops.gluon.nuq2_decode import reduce_on_device
-
     part_o, part_lse = int4_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
                                             staged, sliding_window)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

@@ -22,7 +22,14 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from moekv.ops.gluon.nuq2_kernel import _as_b_operand, _split_range, _staged_tile, _store_lse, _store_tail_partial
+from moekv.ops.gluon.nuq2_kernel import (
+    _as_b_operand,
+    _sequence,
+    _split_range,
+    _staged_tile,
+    _store_lse,
+    _store_tail_partial,
+)
 
 PAGE = gl.constexpr(64)
 WORDS = gl.constexpr(1024)  # int32 words of codes per page-head
@@ -193,15 +200,7 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
     LSV: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
                                                    [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], [], [], [64, 4])
 
-    bh = gl.program_id(0)
-    split = gl.program_id(1)
-    b = bh // HKV
-    h = bh % HKV
-    length = gl.load(context_lens + b)
-    quantized = length
-    if STAGED:
-        quantized = ((length - 1) // PAGE) * PAGE  # the newest page, even when full, is in staging
-    first = gl.maximum(length - window, 0)  # the sliding window's oldest token
+    b, h, split, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)
     p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G

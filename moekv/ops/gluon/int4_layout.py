@@ -34,10 +34,11 @@ Side tables (per page-head; int4's own values, nothing re-quantized):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
+
+from moekv.ops.gluon.tables import allocate_tables, check_version, pick_pages, slab_fields, table_bytes
 
 INT4_FRAGMENT_VERSION = 1
 PAGE_TOKENS = 64
@@ -176,13 +177,7 @@ def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Ten
     """One kind's int4 slabs [N, H, slab] uint8 -> its fragment-order tables, named as
     Int4FragmentPages' fields. No host sync (usable inside captured steps)."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
-    _check_kind(kind)
-    name = "k" if kind == "key" else "v"
-    layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)
-    if slabs.dtype != torch.uint8 or slabs.dim() != 3 or slabs.shape[2] != layout.slab_bytes:
-        raise ValueError(f"int4 fragment order: {name}_pages must be uint8 [N, H, {layout.slab_bytes}], "
-                         f"got {slabs.dtype} {tuple(slabs.shape)}")
-    f = layout.unpack(slabs)
+    name, f = slab_fields("int4 fragment order", fmt, kind, slabs)
     packed = f["codes"]  # [N, H, P, D/2]
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)  # even channel in the low nibble
     idx = f["outlier_idx"].to(torch.int32).contiguous()
@@ -202,9 +197,7 @@ def to_fragment_order(fmt, k_pages: torch.Tensor, v_pages: torch.Tensor) -> Int4
 def from_fragment_order(fmt, frag: Int4FragmentPages) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of to_fragment_order: (k_pages, v_pages) int4 slabs [N, H, slab] uint8."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
-    if frag.version != INT4_FRAGMENT_VERSION:
-        raise ValueError(f"int4 fragment order: pages of version {frag.version}, this code reads "
-                         f"{INT4_FRAGMENT_VERSION}")
+    check_version("int4 fragment order", frag.version, INT4_FRAGMENT_VERSION)
     slabs = []
     for name, kind in (("k", "key"), ("v", "value")):
         codes = codes_from_fragment(getattr(frag, f"{name}_codes"), kind).to(torch.uint8)
@@ -246,8 +239,7 @@ def fragment_table_shapes(fmt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def fragment_bytes_per_page_head(fmt) -> int:
-    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-               for shape, dt in fragment_table_shapes(fmt).values())
+    return table_bytes(fragment_table_shapes(fmt))
 
 
 def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
@@ -255,11 +247,9 @@ def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
     """Empty fragment-order pools [num_blocks, num_kv_heads, ...] (zero codes, scales, zeros, deltas;
     outlier channel 0)."""
     prepare_device(device)
-    return {name: torch.zeros(num_blocks, num_kv_heads, *shape, dtype=dt, device=device)
-            for name, (shape, dt) in fragment_table_shapes(fmt).items()}
+    return allocate_tables(fragment_table_shapes(fmt), num_blocks, num_kv_heads, device)
 
 
 def fragment_view(tensors, page_ids: torch.Tensor | None = None) -> Int4FragmentPages:
     """Int4FragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
-    pick = (lambda t: t) if page_ids is None else (lambda t: t[page_ids])
-    return Int4FragmentPages(**{name: pick(tensors[name]) for name in FRAGMENT_FIELDS})
+    return Int4FragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids))

@@ -33,7 +33,8 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.checks import MMA_N
+from moekv.ops.gluon.checks import Staged, check_extras
+from moekv.ops.gluon.checks import check_inputs as check_pages
 from moekv.ops.gluon.kivi2_layout import (
     GROUP,
     HEAD_DIM,
@@ -44,7 +45,8 @@ from moekv.ops.gluon.kivi2_layout import (
     codes_from_fragment,
     key_side_by_channel,
 )
-from moekv.ops.gluon.nuq2_decode import NO_WINDOW, Staged, check_extras, default_num_splits, reduce_on_device
+from moekv.ops.gluon.launch import check_device, gluon_missing, plan_launch, reduce_on_device, register_cap
+from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, window_start
 
 Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
 # ptxas's register cap: the staged kernel takes ~250 registers uncapped (8 one-warp programs an SM);
@@ -56,18 +58,7 @@ def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.
                  num_splits: int, staged: Staged | None, residual: Residual | None,
                  sliding_window: int | None) -> tuple[int, int, int, int]:
     """(B, Hkv, G, R), or ValueError naming what does not fit."""
-    if q.dim() != 3 or q.shape[2] != HEAD_DIM:
-        raise ValueError(f"kivi2 Gluon decode: q must be [B, Hq, head_dim={HEAD_DIM}], got {tuple(q.shape)}")
-    B, Hq, _ = q.shape
-    Hkv = frag.k_codes.shape[1]
-    G = Hq // Hkv
-    if G * Hkv != Hq or G > MMA_N or G & (G - 1):
-        raise ValueError(f"kivi2 Gluon decode: needs Hq = G * Hkv with G in 1, 2, 4, 8 (Hq={Hq}, Hkv={Hkv})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
-        raise ValueError(f"kivi2 Gluon decode: block_tables [B={B}, pages] and context_lens [B] expected, got "
-                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
-    if num_splits < 1:
-        raise ValueError(f"kivi2 Gluon decode: num_splits={num_splits} must be >= 1")
+    B, Hkv, G = check_pages(q, frag, block_tables, context_lens, num_splits, "kivi2")
     check_extras(staged, sliding_window, B, Hkv)
     R = 0
     if residual is not None:
@@ -84,13 +75,6 @@ def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.
         if R % GROUP:
             raise ValueError(f"kivi2 Gluon decode: the residual window R={R} must be a multiple of {GROUP}")
     return B, Hkv, G, R
-
-
-def quantized_tokens(length: int, staged: bool, R: int) -> int:
-    """Tokens [0, quantized) are read from pages; the rest is the 16-bit tail (the Triton kernel's rule)."""
-    if not staged:
-        return length
-    return min(((length - 1) // PAGE_TOKENS) * PAGE_TOKENS, max(length - R, 0))
 
 
 # -- the reference (what the kernel computes) ----------------------------------------------------------
@@ -163,21 +147,11 @@ def kivi2_decode_split_reference(q: torch.Tensor, frag: Kivi2FragmentPages, bloc
     qk2 = scale * LOG2E
     for b, length in enumerate(context_lens.tolist()):
         quantized = quantized_tokens(length, staged is not None, R)
-        first = max(length - sliding_window, 0) if sliding_window is not None else 0
-        num_pages = -(-quantized // PAGE_TOKENS)
-        page_lo = num_pages if first >= quantized else min(first // PAGE_TOKENS, num_pages)  # no page token valid
-        per = -(-(num_pages - page_lo) // num_splits)
+        first = window_start(length, sliding_window)
         qb = q[b].reshape(Hkv, G, HEAD_DIM)
-        for sp in range(num_splits):
-            p0 = min(page_lo + sp * per, num_pages)
-            p1 = min(p0 + per, num_pages)
-            if p0 == p1:
-                continue
+        for sp, p0, p1 in split_ranges(quantized, first, num_splits):  # no split when no page token is valid
             pages = block_tables[b, p0:p1].long()
-            n = p1 - p0
-            s = _page_scores(qb, frag, pages, kernel_roundings) * qk2  # [n, H, G, P]
-            pos = torch.arange(p0 * PAGE_TOKENS, p1 * PAGE_TOKENS, device=q.device).reshape(n, 1, 1, PAGE_TOKENS)
-            s = s.masked_fill((pos >= quantized) | (pos < first), -math.inf)
+            s = masked(_page_scores(qb, frag, pages, kernel_roundings) * qk2, p0, p1, quantized, first)  # [n, H, G, P]
             m = s.amax(dim=(0, 3), keepdim=True)  # [1, H, G, 1] (finite: every page holds a valid token)
             p = torch.exp2(s - m)
             mass = p.sum(dim=(0, 3))  # [H, G]
@@ -214,41 +188,24 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
     num_splits holds the 16-bit tail (and the residual ring). max_registers: ptxas's cap (None: its choice)."""
     B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, staged, residual,
                                 sliding_window)
-    if not q.is_cuda:
-        raise ValueError("kivi2 Gluon decode runs on CUDA devices only (Gluon has no CPU or interpreter backend); "
-                         "kivi2_decode_split_reference computes the same on any device")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"kivi2 Gluon decode: q must be fp16 or bf16, got {q.dtype}")
+    check_device("kivi2", q)
     try:
         from moekv.ops.gluon.kivi2_kernel import kivi2_decode_kernel
     except ImportError as e:  # Triton without Gluon
-        raise RuntimeError(f"kivi2 Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}") from e
-    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None))
-    Hq = q.shape[1]
-    ns_total = num_splits + (staged is not None)
-    part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
-    if staged is not None:
-        k_stage, v_stage, seq_slots = staged
-        st = k_stage.stride()
-    else:  # unused: any tensors stand in
-        k_stage = v_stage = q
-        seq_slots = context_lens
-        st = (0, 0, 0)
+        raise gluon_missing("kivi2", e) from e
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window)
     if R:
         k_ring, v_ring = residual
         rt = k_ring.stride()
     else:
-        k_ring, v_ring, rt = k_stage, v_stage, (0, 0, 0)
-    window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    kivi2_decode_kernel[(B * Hkv, ns_total)](
+        k_ring, v_ring, rt = run.k_stage, run.v_stage, (0, 0, 0)
+    kivi2_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_scale, frag.k_zero, frag.v_scale, frag.v_zero,
-        q.contiguous(), block_tables, block_tables.stride(0), context_lens, seq_slots,
-        k_stage, v_stage, st[0], st[1], st[2], k_ring, v_ring, rt[0], rt[1], rt[2], R,
-        part_o, part_lse, scale * LOG2E, window, num_splits, ns_total,
-        HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1,
-        **({"maxnreg": int(max_registers)} if max_registers else {}))
-    return part_o, part_lse
+        q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
+        run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, rt[0], rt[1], rt[2], R,
+        run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
+        HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1, **register_cap(max_registers))
+    return run.part_o, run.part_lse
 
 
 def kivi2_decode_attention(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor,

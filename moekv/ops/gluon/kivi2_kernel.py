@@ -32,8 +32,8 @@ from triton.experimental.gluon import language as gl
 from moekv.ops.gluon.int4_kernel import _by_group, _store_groups
 from moekv.ops.gluon.nuq2_kernel import (
     _as_b_operand,
-    _program,
     _q_operand,
+    _sequence,
     _softmax_step,
     _split_range,
     _store_lse,
@@ -208,12 +208,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     LSV: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [1, 0], [8, 0], [16, 0]],
                                                    [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], [], [], [32, 4])
 
-    bh, split = _program()
-    b = bh // HKV
-    h = bh % HKV
-    length = gl.load(context_lens + b)
-    first = gl.maximum(length - window, 0)  # the sliding window's oldest token
-    quantized = length
+    b, h, split, length, quantized, first = _sequence(context_lens, window, HKV, False)  # quantized = length
     if STAGED:  # the tail: the newest page (even when full) and the residual ring's R tokens
         quantized = gl.minimum(((length - 1) // PAGE) * PAGE, gl.maximum(length - R, 0))
     # no page at all when the window starts at or after `quantized` (quantized need not be a page

@@ -35,13 +35,13 @@ Covered: block_size 64, head_dim 128, group 32 (KIVI's G; G = 64 keeps the slab 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
 
 from moekv.ops.gluon import nuq2_layout
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, WORDS_PER_PAGE, _bits
+from moekv.ops.gluon.tables import allocate_tables, check_version, pick_pages, slab_fields, table_bytes
 
 KIVI2_FRAGMENT_VERSION = 1
 GROUP = 32  # tokens per key group and channels per value group the order is defined for
@@ -145,13 +145,7 @@ def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Ten
     """One kind's kivi2 slabs [N, H, slab] uint8 -> its fragment-order tables, named as
     Kivi2FragmentPages' fields. No host sync and no copy from the host (usable inside captured steps)."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
-    _check_kind(kind)
-    name = "k" if kind == "key" else "v"
-    layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)
-    if slabs.dtype != torch.uint8 or slabs.dim() != 3 or slabs.shape[2] != layout.slab_bytes:
-        raise ValueError(f"kivi2 fragment order: {name}_pages must be uint8 [N, H, {layout.slab_bytes}], "
-                         f"got {slabs.dtype} {tuple(slabs.shape)}")
-    f = layout.unpack(slabs)
+    name, f = slab_fields("kivi2 fragment order", fmt, kind, slabs)
     packed = f["codes"]  # [N, H, P, D/4]: channel 4j + i in bits 2i of byte j (kivi2's slabs)
     codes = torch.stack([(packed >> (2 * i)) & 3 for i in range(4)], dim=-1).flatten(-2)
     side = key_side_to_thread_order if kind == "key" else torch.Tensor.contiguous
@@ -168,9 +162,7 @@ def to_fragment_order(fmt, k_pages: torch.Tensor, v_pages: torch.Tensor) -> Kivi
 def from_fragment_order(fmt, frag: Kivi2FragmentPages) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of to_fragment_order: (k_pages, v_pages) kivi2 slabs [N, H, slab] uint8."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
-    if frag.version != KIVI2_FRAGMENT_VERSION:
-        raise ValueError(f"kivi2 fragment order: pages of version {frag.version}, this code reads "
-                         f"{KIVI2_FRAGMENT_VERSION}")
+    check_version("kivi2 fragment order", frag.version, KIVI2_FRAGMENT_VERSION)
     slabs = []
     for name, kind in (("k", "key"), ("v", "value")):
         codes = codes_from_fragment(getattr(frag, f"{name}_codes"), kind).to(torch.uint8)
@@ -210,19 +202,16 @@ def fragment_table_shapes(fmt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def fragment_bytes_per_page_head(fmt) -> int:
-    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-               for shape, dt in fragment_table_shapes(fmt).values())
+    return table_bytes(fragment_table_shapes(fmt))
 
 
 def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
                              device: torch.device) -> dict[str, torch.Tensor]:
     """Empty fragment-order pools [num_blocks, num_kv_heads, ...] (zero codes, scales and zeros)."""
     prepare_device(device)
-    return {name: torch.zeros(num_blocks, num_kv_heads, *shape, dtype=dt, device=device)
-            for name, (shape, dt) in fragment_table_shapes(fmt).items()}
+    return allocate_tables(fragment_table_shapes(fmt), num_blocks, num_kv_heads, device)
 
 
 def fragment_view(tensors, page_ids: torch.Tensor | None = None) -> Kivi2FragmentPages:
     """Kivi2FragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
-    pick = (lambda t: t) if page_ids is None else (lambda t: t[page_ids])
-    return Kivi2FragmentPages(**{name: pick(tensors[name]) for name in FRAGMENT_FIELDS})
+    return Kivi2FragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids))

@@ -36,11 +36,20 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.checks import check_inputs
+from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
+from moekv.ops.gluon.launch import (  # noqa: F401 (NO_WINDOW, default_num_splits, MAX_SPLITS re-exported)
+    MAX_SPLITS,
+    NO_WINDOW,
+    TARGET_PROGRAMS,
+    check_launch,
+    default_num_splits,
+    gluon_missing,
+    plan_launch,
+    reduce_on_device,
+    register_cap,
+)
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS, Nuq2FragmentPages, codes_from_fragment
-
-NO_WINDOW = 1 << 30  # a window longer than any context (moekv.ops.decode.common.NO_WINDOW)
-Staged = tuple  # (k_stage [S, Hkv, 64, 128], v_stage, seq_slots [B])
+from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, staged_scores, window_start
 
 
 # -- splits -------------------------------------------------------------------------------------------
@@ -52,14 +61,6 @@ def split_pages(num_pages: int, num_splits: int, split: int) -> tuple[int, int]:
 
 
 # -- the reference (what the kernel computes) ----------------------------------------------------------
-def _page_range(length: int, staged: bool, window: int | None) -> tuple[int, int, int]:
-    """(quantized tokens, first page, pages) of a sequence: the pages the splits share."""
-    quantized = ((length - 1) // PAGE_TOKENS) * PAGE_TOKENS if staged else length
-    first = max(length - window, 0) if window is not None else 0
-    num_pages = -(-quantized // PAGE_TOKENS)
-    return quantized, min(first // PAGE_TOKENS, num_pages), num_pages
-
-
 def _one_hot_tokens(idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """idx [n, H, S] slot positions t * D + c -> [n, H, S, 64]: 1 at each used slot's token."""
     tok = torch.arange(PAGE_TOKENS, device=idx.device)
@@ -126,19 +127,12 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
         part_lse[b, :, sp] = (m[..., 0] + torch.log2(mass)).reshape(Hq)
 
     for b, length in enumerate(context_lens.tolist()):
-        quantized, page_lo, num_pages = _page_range(length, staged is not None, sliding_window)
-        first = max(length - sliding_window, 0) if sliding_window is not None else 0
-        per = -(-(num_pages - page_lo) // num_splits)
-        for sp in range(num_splits):
-            p0 = min(page_lo + sp * per, num_pages)
-            p1 = min(p0 + per, num_pages)
-            if p0 == p1:
-                continue
+        quantized = quantized_tokens(length, staged is not None)
+        first = window_start(length, sliding_window)
+        for sp, p0, p1 in split_ranges(quantized, first, num_splits):
             pages = block_tables[b, p0:p1].long()
             n = p1 - p0
-            s = _page_scores(q[b], frag, pages, G, outliers) * qk2  # [n, H, G, 64]
-            pos = torch.arange(p0 * PAGE_TOKENS, p1 * PAGE_TOKENS, device=q.device).reshape(n, 1, 1, PAGE_TOKENS)
-            s = s.masked_fill((pos >= quantized) | (pos < first), -math.inf)
+            s = masked(_page_scores(q[b], frag, pages, G, outliers) * qk2, p0, p1, quantized, first)  # [n, H, G, 64]
             s = s.permute(1, 2, 0, 3).reshape(Hkv, G, n * PAGE_TOKENS)
             v = _page_values(frag, pages, dt).permute(1, 0, 2, 3).reshape(Hkv, n * PAGE_TOKENS, HEAD_DIM)
             extra = None
@@ -152,34 +146,9 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
                     return torch.einsum("nhjd,nhjg->hgd", dv_t, p_slots)
             partial(b, sp, s, v, extra)
         if staged is not None:
-            k_stage, v_stage, seq_slots = staged
-            slot = int(seq_slots[b])
-            t = torch.arange(quantized, length, device=q.device)
-            k = k_stage[slot][:, : length - quantized].to(dt)  # [H, T, D]
-            v = v_stage[slot][:, : length - quantized].to(dt)
-            s = torch.einsum("hgd,htd->hgt", q[b].reshape(Hkv, G, HEAD_DIM), k) * qk2
-            s = s.masked_fill(t < first, -math.inf)
-            partial(b, num_splits, s, v)
+            partial(b, num_splits, *staged_scores(q[b].reshape(Hkv, G, HEAD_DIM), staged, b, quantized, length, first,
+                                                  qk2))
     return part_o, part_lse
-
-
-def check_extras(staged: Staged | None, sliding_window: int | None, B: int, Hkv: int) -> None:
-    """ValueError when the staged tail or the window does not fit."""
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"nuq2 Gluon decode: sliding_window must be a positive int or None, got {sliding_window!r}")
-    if staged is None:
-        return
-    if len(staged) != 3:
-        raise ValueError("nuq2 Gluon decode: staged must be (k_stage, v_stage, seq_slots)")
-    k_stage, v_stage, seq_slots = staged
-    want = (Hkv, PAGE_TOKENS, HEAD_DIM)
-    if k_stage.dim() != 4 or tuple(k_stage.shape[1:]) != want or v_stage.shape != k_stage.shape:
-        raise ValueError(f"nuq2 Gluon decode: staging tensors must be [S, {Hkv}, {PAGE_TOKENS}, {HEAD_DIM}], got "
-                         f"{tuple(k_stage.shape)} and {tuple(v_stage.shape)}")
-    if k_stage.stride(-1) != 1 or v_stage.stride() != k_stage.stride():
-        raise ValueError("nuq2 Gluon decode: staging tensors need unit channel stride and equal strides")
-    if seq_slots.shape != (B,):
-        raise ValueError(f"nuq2 Gluon decode: seq_slots must be [B={B}], got {tuple(seq_slots.shape)}")
 
 
 def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
@@ -189,19 +158,8 @@ def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tenso
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
-TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at (~3 waves on an H200)
-MAX_SPLITS = 256  # batch 1 at 128k: 256 splits (8 pages each) 49 us, 512 (4 pages) 87 us (docs/journal.md)
 DEFAULT_MAX_REGISTERS = 128  # ptxas's cap: 2-10% faster than none at every measured shape (docs/journal.md)
 DEFAULT_SLOT_CHUNK0 = True  # the first slot chunk unconditionally: 2-10% faster with the cap (docs/journal.md)
-
-
-def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int = 0) -> int:
-    """Splits per (sequence, KV head): about TARGET_PROGRAMS programs, each with at least 2 pages,
-    and with the `extra` split (the staged tail) at most MAX_SPLITS in all: more splits at batch 1
-    cost more in the reduce and per-split setup than they gain in parallelism, and the reduce pads
-    the split count to a power of two (257 partials cost ~40 us more than 256 at 1 x 128k)."""
-    want = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
-    return max(1, min(want, -(-max_pages // 2), MAX_SPLITS - extra))
 
 
 def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
@@ -213,48 +171,22 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
     num_splits holds the 16-bit tail. max_registers: ptxas's cap (0 / None: its choice); slot_chunk0:
     the first 16 slots of each kind unconditionally (loads not behind the used counts; ~35 more
     registers), else chunks only while used slots remain."""
-    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1)
-    check_extras(staged, sliding_window, B, Hkv)
-    if not q.is_cuda:
-        raise ValueError("nuq2 Gluon decode runs on CUDA devices only (Gluon has no CPU or interpreter backend); "
-                         "nuq2_decode_split_reference computes the same on any device")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"nuq2 Gluon decode: q must be fp16 or bf16, got {q.dtype}")
+    B, Hkv, G = check_launch("nuq2", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     try:
         from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
     except ImportError as e:  # Triton without Gluon
-        raise RuntimeError(f"nuq2 Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}") from e
-    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None))
-    Hq = q.shape[1]
-    ns_total = num_splits + (staged is not None)
-    part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
-    if staged is not None:
-        k_stage, v_stage, seq_slots = staged
-        st = k_stage.stride()
-    else:  # unused: any tensors stand in
-        k_stage = v_stage = q
-        seq_slots = context_lens
-        st = (0, 0, 0)
-    window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    nuq2_decode_kernel[(B * Hkv, ns_total)](
+        raise gluon_missing("nuq2", e) from e
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window)
+    nuq2_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
         frag.k_mean, frag.k_scale, frag.k_out_idx, frag.k_slot_delta, frag.k_used,
         frag.v_out_idx, frag.v_slot_delta, frag.v_used, frag.k_out_idx.shape[2], frag.v_out_idx.shape[2],
-        q.contiguous(), block_tables, block_tables.stride(0), context_lens, seq_slots,
-        k_stage, v_stage, st[0], st[1], st[2],
-        part_o, part_lse, scale * LOG2E, window, 0, num_splits, ns_total,
+        q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
+        run.k_stage, run.v_stage, *run.stage_strides,
+        run.part_o, run.part_lse, scale * LOG2E, run.window, 0, run.num_splits, run.ns_total,
         HKV=Hkv, G=G, STAGED=staged is not None, CHUNK0=bool(slot_chunk0), num_warps=1,
-        **({"maxnreg": int(max_registers)} if max_registers else {}))
-    return part_o, part_lse
-
-
-def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The paged decode kernel's reduce (the partials have its layout) into out [B, Hq, D]."""
-    from moekv.ops.decode.paged import reduce_partials
-
-    reduce_partials(part_o, part_lse, out, part_o.shape[2], pdl=False)
-    return out
+        **register_cap(max_registers))
+    return run.part_o, run.part_lse
 
 
 def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,

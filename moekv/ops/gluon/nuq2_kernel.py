@@ -298,6 +298,22 @@ def _program():
 
 
 @gluon.jit
+def _sequence(context_lens, window, HKV: gl.constexpr, STAGED: gl.constexpr):
+    """(b, h, split, length, quantized, first) of this program: its sequence, KV head and split, the
+    sequence's length, the tokens read from pages (STAGED: the newest page, even when full, is in
+    staging) and the sliding window's oldest token (window: a huge value for none)."""
+    bh, split = _program()
+    b = bh // HKV
+    h = bh % HKV
+    length = gl.load(context_lens + b)
+    quantized = length
+    if STAGED:
+        quantized = ((length - 1) // PAGE) * PAGE
+    first = gl.maximum(length - window, 0)
+    return b, h, split, length, quantized, first
+
+
+@gluon.jit
 def _tail_aranges(LA: gl.constexpr, MMA: gl.constexpr):
     """The 16-bit tail's index vectors: tokens and channels of K [16, 128] and V^T [128, 16] in the
     A-operand layout, tokens of S^T [16, 8], and S^T's zero accumulator."""
@@ -388,20 +404,8 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     LV2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LV4))
     QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
 
-    bh = gl.program_id(0)
-    split = gl.program_id(1)
-    b = bh // HKV
-    h = bh % HKV
-    length = gl.load(context_lens + b)
-    quantized = length
-    if STAGED:
-        quantized = ((length - 1) // PAGE) * PAGE  # the newest page, even when full, is in staging
-    first = gl.maximum(length - window, 0)  # the sliding window's oldest token
-    num_pages = gl.cdiv(quantized, PAGE)  # staged: quantized is a multiple of PAGE
-    page_lo = gl.minimum(first // PAGE, num_pages)
-    per = gl.cdiv(num_pages - page_lo, num_splits)
-    p0 = gl.minimum(page_lo + split * per, num_pages)
-    p1 = gl.minimum(p0 + per, num_pages)
+    b, h, split, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)
+    p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)  # staged: quantized is a multiple of PAGE
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 

@@ -39,11 +39,11 @@ loop adds the slots with one-hot products on the tensor cores (nuq2_kernel.py).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
 
+from moekv.ops.gluon.tables import allocate_tables, check_version, pick_pages, slab_fields, table_bytes
 from moekv.ops.nuq2_codes import NO_OUTLIER, pack_codes, unpack_codes
 
 NUQ2_FRAGMENT_VERSION = 1
@@ -233,13 +233,7 @@ def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor, layer: int | None = No
     tables, named as Nuq2FragmentPages' fields ('k_codes', ..., 'k_used', 'k_slot_delta'). No host
     sync: the engine calls it on the pages a decode step fills, inside captured steps."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
-    _check_kind(kind)
-    name = "k" if kind == "key" else "v"
-    layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)
-    if slabs.dtype != torch.uint8 or slabs.dim() != 3 or slabs.shape[2] != layout.slab_bytes:
-        raise ValueError(f"nuq2 fragment order: {name}_pages must be uint8 [N, H, {layout.slab_bytes}], "
-                         f"got {slabs.dtype} {tuple(slabs.shape)}")
-    f = layout.unpack(slabs)
+    name, f = slab_fields("nuq2 fragment order", fmt, kind, slabs)
     n, heads = slabs.shape[:2]
     codes = unpack_codes(f["codes"])  # [N, H, P, D]
     out = {f"{name}_codes": codes_to_fragment(codes, kind)}
@@ -273,9 +267,7 @@ def to_fragment_order(fmt, k_pages: torch.Tensor, v_pages: torch.Tensor,
 def from_fragment_order(fmt, frag: Nuq2FragmentPages) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of to_fragment_order: (k_pages, v_pages) nuq2 slabs [N, H, slab] uint8."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
-    if frag.version != NUQ2_FRAGMENT_VERSION:
-        raise ValueError(f"nuq2 fragment order: pages of version {frag.version}, "
-                         f"this code reads {NUQ2_FRAGMENT_VERSION}")
+    check_version("nuq2 fragment order", frag.version, NUQ2_FRAGMENT_VERSION)
     slabs = []
     for name, kind in (("k", "key"), ("v", "value")):
         layout = fmt.layout(kind, PAGE_TOKENS, HEAD_DIM)
@@ -333,24 +325,19 @@ def fragment_table_shapes(fmt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def fragment_bytes_per_page_head(fmt) -> int:
-    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-               for shape, dt in fragment_table_shapes(fmt).values())
+    return table_bytes(fragment_table_shapes(fmt))
 
 
 def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
                              device: torch.device) -> dict[str, torch.Tensor]:
     """Empty fragment-order pools [num_blocks, num_kv_heads, ...]: zero codes, unused slots."""
     prepare_device(device)
-    out = {}
-    for name, (shape, dt) in fragment_table_shapes(fmt).items():
-        t = torch.zeros(num_blocks, num_kv_heads, *shape, dtype=dt, device=device)
-        if name.endswith("_out_idx"):
-            t.fill_(NO_OUTLIER)
-        out[name] = t
+    out = allocate_tables(fragment_table_shapes(fmt), num_blocks, num_kv_heads, device)
+    for name in ("k_out_idx", "v_out_idx"):
+        out[name].fill_(NO_OUTLIER)
     return out
 
 
 def fragment_view(tensors, calibrated: bool, page_ids: torch.Tensor | None = None) -> Nuq2FragmentPages:
     """Nuq2FragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
-    pick = (lambda t: t) if page_ids is None else (lambda t: t[page_ids])
-    return Nuq2FragmentPages(**{name: pick(tensors[name]) for name in FRAGMENT_FIELDS}, calibrated=calibrated)
+    return Nuq2FragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids), calibrated=calibrated)

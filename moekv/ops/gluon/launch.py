@@ -1,0 +1,98 @@
+"""What the Gluon decode launchers (nuq2, int4, kivi2) share: the default split count, the device
+checks, the partial buffers and the staged tail's kernel arguments, and the reduce. Each format's
+launcher (moekv/ops/gluon/<format>_decode.py) adds its own kernel's tables and constants; the input
+checks are in checks.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
+from moekv.ops.gluon.nuq2_layout import HEAD_DIM
+
+NO_WINDOW = 1 << 30  # a window longer than any context (moekv.ops.decode.common.NO_WINDOW)
+TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at (~3 waves on an H200)
+MAX_SPLITS = 256  # batch 1 at 128k: 256 splits (8 pages each) 49 us, 512 (4 pages) 87 us (docs/journal.md)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int = 0) -> int:
+    """Splits per (sequence, KV head): about TARGET_PROGRAMS programs, each with at least 2 pages,
+    and with the `extra` split (the staged tail) at most MAX_SPLITS in all: more splits at batch 1
+    cost more in the reduce and per-split setup than they gain in parallelism, and the reduce pads
+    the split count to a power of two (257 partials cost ~40 us more than 256 at 1 x 128k)."""
+    want = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
+    return max(1, min(want, -(-max_pages // 2), MAX_SPLITS - extra))
+
+
+def check_device(fmt: str, q: torch.Tensor) -> None:
+    """ValueError unless q can go to a Gluon kernel: a CUDA tensor in fp16 or bf16."""
+    if not q.is_cuda:
+        raise ValueError(f"{fmt} Gluon decode runs on CUDA devices only (Gluon has no CPU or interpreter backend); "
+                         f"{fmt}_decode_split_reference computes the same on any device")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{fmt} Gluon decode: q must be fp16 or bf16, got {q.dtype}")
+
+
+def check_launch(fmt: str, q: torch.Tensor, frag, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 num_splits: int | None, staged: Staged | None, sliding_window: int | None) -> tuple[int, int, int]:
+    """(B, Hkv, G) of a launch over fmt's fragment pages, or ValueError: the inputs (check_inputs,
+    check_extras), then the device (check_device)."""
+    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, fmt)
+    check_extras(staged, sliding_window, B, Hkv)
+    check_device(fmt, q)
+    return B, Hkv, G
+
+
+def gluon_missing(fmt: str, e: ImportError) -> RuntimeError:
+    """The error a launcher raises when its kernel module does not import (Triton without Gluon)."""
+    return RuntimeError(f"{fmt} Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}")
+
+
+@dataclass
+class Launch:
+    """A launch's split count, grid, partial buffers and staged-tail arguments."""
+    num_splits: int
+    ns_total: int  # num_splits + the staged split
+    grid: tuple[int, int]  # (B * Hkv, ns_total)
+    part_o: torch.Tensor  # fp32 [B, Hq, ns_total, 128]
+    part_lse: torch.Tensor  # fp32 [B, Hq, ns_total]
+    seq_slots: torch.Tensor
+    k_stage: torch.Tensor
+    v_stage: torch.Tensor
+    stage_strides: tuple[int, int, int]
+    window: int  # NO_WINDOW for none
+
+
+def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                num_splits: int | None, staged: Staged | None, sliding_window: int | None) -> Launch:
+    """The split count (default_num_splits when None), the fp32 partials and the staged tail's
+    arguments (without a tail, q and context_lens stand in: the kernel does not read them)."""
+    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None))
+    ns_total = num_splits + (staged is not None)
+    Hq = q.shape[1]
+    part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
+    if staged is not None:
+        k_stage, v_stage, seq_slots = staged
+        st = k_stage.stride()
+    else:  # unused: any tensors stand in
+        k_stage = v_stage = q
+        seq_slots = context_lens
+        st = (0, 0, 0)
+    window = NO_WINDOW if sliding_window is None else int(sliding_window)
+    return Launch(num_splits, ns_total, (B * Hkv, ns_total), part_o, part_lse, seq_slots, k_stage, v_stage,
+                  tuple(st[:3]), window)
+
+
+def register_cap(max_registers: int | None) -> dict:
+    """The launch option capping ptxas's registers ({} for its own choice)."""
+    return {"maxnreg": int(max_registers)} if max_registers else {}
+
+
+def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The paged decode kernel's reduce (the partials have its layout) into out [B, Hq, D]."""
+    from moekv.ops.decode.paged import reduce_partials
+
+    reduce_partials(part_o, part_lse, out, part_o.shape[2], pdl=False)
+    return out

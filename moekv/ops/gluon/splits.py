@@ -1,0 +1,68 @@
+"""How the Gluon kernels' split references (nuq2, int4, kivi2 *_decode_split_reference) walk a
+sequence, as the kernels do: tokens [0, quantized) from pages, the rest from the 16-bit tail; the
+window's oldest token; the splits' contiguous page ranges (pages wholly before the window skipped);
+a page range's invalid positions; the staged tail's scores; one split's softmax partial."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS
+
+
+def quantized_tokens(length: int, staged: bool, R: int = 0) -> int:
+    """Tokens [0, quantized) are read from pages; the rest is the 16-bit tail: the newest page (even
+    when full) and, with a residual ring of R tokens (kivi2), the newest R (the Triton kernels' rule)."""
+    if not staged:
+        return length
+    return min(((length - 1) // PAGE_TOKENS) * PAGE_TOKENS, max(length - R, 0))
+
+
+def window_start(length: int, sliding_window: int | None) -> int:
+    """The oldest token the sliding window keeps (0 without one)."""
+    return max(length - sliding_window, 0) if sliding_window is not None else 0
+
+
+def split_ranges(quantized: int, first: int, num_splits: int) -> list[tuple[int, int, int]]:
+    """(split, p0, p1) of the splits that hold pages: the pages of tokens [first, quantized) cut into
+    num_splits contiguous shares (none when no page token is valid)."""
+    num_pages = -(-quantized // PAGE_TOKENS)
+    page_lo = num_pages if first >= quantized else min(first // PAGE_TOKENS, num_pages)
+    per = -(-(num_pages - page_lo) // num_splits)
+    ranges = []
+    for sp in range(num_splits):
+        p0 = min(page_lo + sp * per, num_pages)
+        p1 = min(p0 + per, num_pages)
+        if p0 < p1:
+            ranges.append((sp, p0, p1))
+    return ranges
+
+
+def masked(s: torch.Tensor, p0: int, p1: int, quantized: int, first: int) -> torch.Tensor:
+    """Scores s [n, H, G, 64] of pages p0..p1 with the positions outside [first, quantized) at -inf."""
+    pos = torch.arange(p0 * PAGE_TOKENS, p1 * PAGE_TOKENS, device=s.device).reshape(p1 - p0, 1, 1, PAGE_TOKENS)
+    return s.masked_fill((pos >= quantized) | (pos < first), -math.inf)
+
+
+def staged_scores(qg: torch.Tensor, staged, b: int, quantized: int, length: int, first: int,
+                  qk2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence b's staged tail [quantized, length) (rows of its staging page): base-2 scores
+    [H, G, T] (before the window at -inf) and values [H, T, D], in qg's dtype; qg [H, G, D]."""
+    k_stage, v_stage, seq_slots = staged
+    slot = int(seq_slots[b])
+    t = torch.arange(quantized, length, device=qg.device)
+    k = k_stage[slot][:, : length - quantized].to(qg.dtype)  # [H, T, D]
+    v = v_stage[slot][:, : length - quantized].to(qg.dtype)
+    s = torch.einsum("hgd,htd->hgt", qg, k) * qk2
+    return s.masked_fill(t < first, -math.inf), v
+
+
+def softmax_partial(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One split's partial from base-2 scores s [H, G, T] and values v [H, T, D]: o [H * G, D]
+    normalised and lse [H * G] (log2 of the softmax mass)."""
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp2(s - m)
+    mass = p.sum(-1)
+    o = torch.einsum("hgt,htd->hgd", p, v) / mass[..., None]
+    return o.reshape(-1, HEAD_DIM), (m[..., 0] + torch.log2(mass)).reshape(-1)

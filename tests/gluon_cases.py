@@ -1,0 +1,161 @@
+"""What the Gluon decode tests of nuq2, int4 and kivi2 (tests/test_gluon_*.py) share: random pages
+packed by a format itself behind a shuffled block table, the float64 dense-attention oracle over a
+format's own dequantized pages (+ the 16-bit tail), staging pages, the sm_90 offline build in a
+fresh interpreter, and the GPU comparison of a kernel's partials with its split reference."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekv.ops.gluon.nuq2_decode import reduce_partials
+from moekv.ops.reference import decode_attention_ref
+
+P, D = 64, 128
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+
+
+def large_channel_keys(n: int, Hkv: int, g: torch.Generator, shift: float = 0.0) -> torch.Tensor:
+    """Random keys [n, Hkv, 64, 128] + shift with two large channels (7 scaled, 91 offset)."""
+    k = torch.randn(n, Hkv, P, D, generator=g) + shift
+    k[..., 7] *= 8
+    k[..., 91] += 6
+    return k
+
+
+def pack(fmt, k: torch.Tensor, v: torch.Tensor, edit=None, layer: int | None = None) -> list[torch.Tensor]:
+    """The key and value slabs of pages k, v as fmt quantizes (for `layer`) and packs them
+    (edit(fields) may change the fields first)."""
+    slabs = []
+    for kind, x in (("key", k), ("value", v)):
+        fields = fmt.quantize(x, kind, layer)
+        if edit is not None:
+            edit(fields)
+        slabs.append(fmt.layout(kind, P, D).pack(fields))
+    return slabs
+
+
+def behind_tables(fmt, slabs, lens, g: torch.Generator, to_fragment_order, device="cpu"):
+    """Slabs [N, ...] behind a block table shuffled by g, the pages in fragment order ->
+    (fmt, frag, block_tables, context_lens, k_pages, v_pages)."""
+    pages_per = [-(-n // P) for n in lens]
+    N = slabs[0].shape[0]
+    perm = torch.randperm(N, generator=g).to(torch.int32)
+    tables = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages_per):
+        tables[b, :n] = perm[at:at + n]
+        at += n
+    frag = to_fragment_order(fmt, slabs[0].to(device), slabs[1].to(device))
+    return fmt, frag, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device), slabs[0], slabs[1]
+
+
+def num_pages(lens) -> int:
+    """Pages for sequences of lengths lens, and two spare."""
+    return sum(-(-n // P) for n in lens) + 2
+
+
+def staged_tail(staged, b: int, quantized: int, n: int):
+    """Sequence b's tokens [quantized, n) from its staging page (row t % 64): (k, v) [T, Hkv, D] float64."""
+    slot = int(staged[2][b])
+    return (staged[0][slot].cpu().double().transpose(0, 1)[: n - quantized],
+            staged[1][slot].cpu().double().transpose(0, 1)[: n - quantized])
+
+
+def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged=None, sliding_window=None, tail=None):
+    """decode_attention_ref (float64) over each sequence's pages as fmt dequantizes them; with staged =
+    (k_stage, v_stage, seq_slots), tokens from tail(b, n) -> (quantized, k, v) on from the tail (by
+    default the staging page from ((n - 1) // 64) * 64 on)."""
+    kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key")  # [N, H, P, D]
+    vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value")
+    keys, values = [], []
+    for b, n in enumerate(lens.tolist()):
+        ids = tables[b, :-(-n // P)].long().cpu()
+        k = kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n].double()
+        v = vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double()
+        if staged is not None:
+            if tail is None:
+                quantized = (n - 1) // P * P
+                kt, vt = staged_tail(staged, b, quantized, n)
+            else:
+                quantized, kt, vt = tail(b, n)
+            k = torch.cat([k[:quantized], kt])
+            v = torch.cat([v[:quantized], vt])
+        keys.append(k)
+        values.append(v)
+    return decode_attention_ref(q.double().cpu(), keys, values, scale, sliding_window)
+
+
+def staging(B, Hkv, seed, device="cpu", dtype=torch.float64):
+    """Random 16-bit staging pages [B + 1, Hkv, 64, 128] (one spare) and a permuted slot per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype)
+    v = torch.randn(B + 1, Hkv, P, D, generator=g).to(dtype)
+    slots = torch.randperm(B + 1, generator=g)[:B]
+    return k.to(device), v.to(device), slots.to(device)
+
+
+def relative_error(out, ref) -> float:
+    return float((out.double().cpu() - ref.cpu()).norm() / ref.cpu().norm())
+
+
+def run_sm90_build(script: str, cwd=None) -> list[str]:
+    """Run a build script (Triton's compile for GPUTarget('cuda', 90, 32)) in a fresh interpreter
+    without TRITON_INTERPRET (other CPU tests set it for the session, which leaves triton.language's
+    own helpers uncompilable) -> its printed words; skips where Triton has no Gluon."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=600, check=False, cwd=cwd)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.split()
+
+
+def gpu_case(build, G: int, lens, seed: int, **options):
+    """A format's `build` on CUDA for GQA group G (Hkv = 8 // G, 4 for G 1) and a bf16 q ->
+    (Hkv, fmt, frag, block_tables, context_lens, k_pages, v_pages, q)."""
+    Hkv = 8 // G if G > 1 else 4
+    built = build(lens, Hkv, seed=seed, device="cuda", **options)
+    q = torch.randn(len(lens), Hkv * G, D, device="cuda", dtype=torch.bfloat16)
+    return (Hkv, *built, q)
+
+
+def check_kernel_matches_reference(partials, reference, build, G: int, lens) -> None:
+    """A kernel's partials (partials(q, frag, tables, lens, scale, ns)) against its split reference in
+    float64, split counts 1, 5, 64 (some splits empty): the same empty splits (-inf), lse within 2e-2,
+    the merged output within 3e-3."""
+    _, _, frag, tables, lens_t, _, _, q = gpu_case(build, G, lens, G)
+    for ns in (1, 5, 64):
+        part_o, part_lse = partials(q, frag, tables, lens_t, D ** -0.5, ns)
+        ref_o, ref_lse = reference(q.double(), frag, tables, lens_t, D ** -0.5, ns)
+        full = ref_lse > -float("inf")
+        assert torch.equal(part_lse.isfinite().cpu(), full.cpu()), "empty splits must be -inf, others finite"
+        assert (part_lse - ref_lse)[full].abs().max() < 2e-2
+        assert relative_error(reduce_partials(part_o.double(), part_lse.double()),
+                              reduce_partials(ref_o, ref_lse)) < 3e-3
+
+
+def check_decode_matches_dense(attention, build, G: int, **options) -> None:
+    """Kernel + reduce (attention(q, frag, tables, lens, scale, num_splits=4)) against dense attention
+    over the format's own dequantized pages: bf16 out within 1e-2."""
+    _, fmt, frag, tables, lens_t, k_pages, v_pages, q = gpu_case(build, G, [777, 64 * 16, 65], 10 + G, **options)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5)
+    out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
+    assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+
+
+def check_staged_decode(attention, build, G: int, window) -> None:
+    """The staged bf16 tail as the launch's extra split, and the sliding window, against dense
+    attention over pages + staging (split counts 1, 3 and the default)."""
+    lens = [777, 64 * 16, 65, 64]
+    Hkv, fmt, frag, tables, lens_t, k_pages, v_pages, q = gpu_case(build, G, lens, 20 + G)
+    k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, (k, v, slots), window)
+    for ns in (1, 3, None):
+        out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots), sliding_window=window)
+        assert relative_error(out, ref) < 1e-2, ns

@@ -1,0 +1,196 @@
+"""int4, kivi2 and nuq2 pools in their Gluon kernels' fragment order (MOEKV_DECODE_KERNEL;
+base.FragmentPagedFormat): pages converted when written hold exactly what the slab pools hold, read
+back and attend the same (CPU: the reference path over both, kivi2's residual ring included); on a GPU
+(marked gpu) the engine's attend takes the Gluon kernel and matches the reference path, and a captured
+fill step converts its pages as the eager one does."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from moekv.context import Context
+from moekv.kvcache.formats import get_kv_format
+
+H, P, D = 2, 64, 128
+# format -> (get_kv_format's options, spiky keys (a few elements x10), what shows the pages' side tables at work)
+FORMATS = {
+    "int4": ({"group_size": 32}, True,
+             lambda pool: float(pool["k_out_delta"][:6].abs().max()) > 1),  # outlier channels: what codes do not
+    "nuq2": ({"codebook": "page"}, True, lambda pool: int(pool["k_used"].sum()) > 0),  # outlier slots in use
+    "kivi2": ({}, False, lambda pool: "k_residual" in pool.tensors),  # the ring beside the fragment tables
+}
+# an uncovered shape's format and the message naming what the kernel covers (beyond block_size/head_dim)
+UNCOVERED = {"int4": ({"group_size": 64}, "group_size 32"), "kivi2": ({"group_size": 64}, "group 32")}
+# (format, kivi2's residual window R): the attention cases
+ATTEND = [("int4", None), ("nuq2", None), ("kivi2", 0), ("kivi2", 128)]
+
+
+def decode_ctx(context_lens, slots, tables, device="cpu"):
+    B = len(context_lens)
+    return Context(
+        positions=torch.tensor([n - 1 for n in context_lens], device=device),
+        slot_mapping=torch.zeros(B, dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=device),
+        logits_indices=torch.arange(B, device=device),
+        seq_slots=torch.tensor(slots, device=device),
+        max_query_len=1,
+        fills_no_page=True,
+    )
+
+
+def layout(name):
+    return importlib.import_module(f"moekv.ops.gluon.{name}_layout")
+
+
+def filled_pools(monkeypatch, name, choice, device="cpu", dtype=torch.float32, residual=None):
+    """A pool of format `name` (MOEKV_DECODE_KERNEL=choice) whose pages 0..5 were filled from staging
+    by quantize_filled_pages, staging (and kivi2's residual ring, R = residual or its default) refilled
+    with random tokens per sequence."""
+    monkeypatch.setenv("MOEKV_DECODE_KERNEL", choice)
+    options, spiky, _ = FORMATS[name]
+    fmt = get_kv_format(name, dtype, **options, **({} if residual is None else {"residual": residual}))
+    cache = fmt.allocate(8, H, P, D, torch.device(device), 3, dtype)
+    g = torch.Generator().manual_seed(0)
+    for fill_pages in ([0, 3, 5], [1, 4, 2]):  # two steps of three fills each
+        for kv in ("k", "v"):
+            x = torch.randn(3, H, P, D, generator=g)
+            if kv == "k":
+                x[..., 5] += 4
+                if spiky:
+                    x.view(-1)[torch.randint(0, x.numel(), (40,), generator=g)] *= 10
+            cache[f"{kv}_staging"].copy_(x.to(dtype))
+        ctx = decode_ctx([P, P, P], [0, 1, 2], [[0], [1], [2]], device)
+        ctx.fill_slots = torch.tensor([0, 1, 2], device=device)
+        ctx.fill_pages = torch.tensor(fill_pages, device=device)
+        fmt.quantize_filled_pages([cache], ctx)
+    for kv in ("k", "v"):
+        cache[f"{kv}_staging"].copy_(torch.randn(3, H, P, D, generator=g).to(dtype))
+        if f"{kv}_residual" in cache.tensors and cache[f"{kv}_residual"].shape[2]:
+            ring = cache[f"{kv}_residual"]
+            ring.copy_(torch.randn(ring.shape, generator=g).to(dtype) + 0.5)
+    return fmt, cache
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal tensors, 1-byte types (fp8) compared as bytes."""
+    return torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                       b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_fragment_pools_hold_what_slab_pools_hold(monkeypatch, name):
+    fmt_s, slabs = filled_pools(monkeypatch, name, "triton")
+    fmt_f, frag = filled_pools(monkeypatch, name, "gluon")
+    fields = layout(name).FRAGMENT_FIELDS
+    assert "k_pages" in slabs.tensors and "k_pages" not in frag.tensors
+    assert all(field in frag.tensors for field in fields)
+    want = layout(name).to_fragment_order(fmt_s, slabs["k_pages"][:6], slabs["v_pages"][:6])
+    for field in fields:
+        assert same_bits(frag[field][:6], getattr(want, field)), field
+    assert FORMATS[name][2](frag)
+    ids = torch.tensor([5, 0, 2])
+    for kind in ("key", "value"):
+        assert torch.equal(fmt_f.dequantize_pages(frag, kind, ids), fmt_s.dequantize_pages(slabs, kind, ids)), kind
+
+
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("name, residual", ATTEND)
+def test_fragment_pools_attend_as_slab_pools(monkeypatch, name, residual, window):
+    """Decode attention (CPU: the reference path) over pages + the staged newest page (+ kivi2's
+    residual ring): the same output from both pools."""
+    fmt_s, slabs = filled_pools(monkeypatch, name, "triton", residual=residual)
+    fmt_f, frag = filled_pools(monkeypatch, name, "gluon", residual=residual)
+    ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]])
+    q = torch.randn(3, 4 * H, D, generator=torch.Generator().manual_seed(1))
+    out_s = fmt_s.attend(q, slabs, ctx, D ** -0.5, window)
+    out_f = fmt_f.attend(q, frag, ctx, D ** -0.5, window)
+    torch.testing.assert_close(out_f, out_s, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_fragment_pool_accounting_and_choice(monkeypatch, name):
+    options = FORMATS[name][0]
+    fmt = get_kv_format(name, torch.float32, **options)
+    if name == "kivi2":  # the same bytes as the slabs, reordered
+        monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
+        assert fmt.page_bytes(H, P, D) == H * layout(name).fragment_bytes_per_page_head(fmt)
+    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "gluon")
+    assert fmt.page_bytes(H, P, D) == H * layout(name).fragment_bytes_per_page_head(fmt)
+    cache = fmt.allocate(4, H, P, D, torch.device("cpu"), 2, torch.float32)
+    side = sum(t.numel() * t.element_size() for n, t in cache.tensors.items() if n.endswith(("_staging", "_residual")))
+    assert cache.nbytes() - side == 4 * fmt.page_bytes(H, P, D)
+    with pytest.raises(ValueError, match="block_size 64, head_dim 128"):
+        fmt.allocate(4, H, 32, D, torch.device("cpu"), 2, torch.float32)
+    if name in UNCOVERED:
+        other, message = UNCOVERED[name]
+        with pytest.raises(ValueError, match=message):
+            get_kv_format(name, torch.float32, **other).allocate(4, H, P, D, torch.device("cpu"), 2, torch.float32)
+    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "auto")
+    assert not fmt.fragment_pages(P, D, "cpu")  # auto: sm_90 CUDA devices only
+    assert not fmt.fragment_pages(32, D)
+    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
+    assert not fmt.fragment_pages(P, D)
+    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="MOEKV_DECODE_KERNEL"):
+        fmt.fragment_pages(P, D)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("name, residual", ATTEND)
+def test_gpu_engine_attend_takes_the_gluon_kernel(monkeypatch, name, residual, window):
+    """On CUDA a decode step over a fragment-order pool runs the Gluon kernel (staged tail, and
+    kivi2's ring, as its extra split): it matches the reference path over the same pool and the
+    Triton kernel over slabs."""
+    gluon_decode = importlib.import_module(f"moekv.ops.gluon.{name}_decode")
+    fmt_f, frag = filled_pools(monkeypatch, name, "gluon", "cuda", torch.bfloat16, residual)
+    fmt_s, slabs = filled_pools(monkeypatch, name, "triton", "cuda", torch.bfloat16, residual)
+    ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
+    q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    entry = f"{name}_decode_attention"
+    real = getattr(gluon_decode, entry)
+    monkeypatch.setattr(gluon_decode, entry, lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = fmt_f.attend(q, frag, ctx, D ** -0.5, window)
+    assert calls, "the Gluon kernel did not run"
+    ref = fmt_f.attend_reference(q, frag, ctx, D ** -0.5, window)
+    triton_out = fmt_s.attend(q, slabs, ctx, D ** -0.5, window)
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    assert rel(out, ref) < 1e-2 and rel(triton_out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_gpu_captured_fill_step_converts_its_pages(monkeypatch, name):
+    """A decode step that fills pages is captured in a CUDA graph by the engine: the conversion into
+    fragment order must not copy from the host or sync. Replayed, it writes what the eager step wrote."""
+    fmt, cache = filled_pools(monkeypatch, name, "gluon", "cuda", torch.bfloat16)
+    fields = layout(name).FRAGMENT_FIELDS
+    ctx = decode_ctx([P, P], [0, 1], [[6], [7]], "cuda")
+    ctx.fill_slots = torch.tensor([0, 1], device="cuda")
+    ctx.fill_pages = torch.tensor([6, 7], device="cuda")
+    fmt.quantize_filled_pages([cache], ctx)  # eager: the reference, and the kernels compiled
+    eager = {field: cache[field][6:8].clone() for field in fields}
+    for field in fields:
+        cache[field][6:8].zero_()
+    ctx.graph_step = True
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fmt.quantize_filled_pages([cache], ctx)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        fmt.quantize_filled_pages([cache], ctx)
+    for field in fields:
+        cache[field][6:8].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for field in fields:
+        assert same_bits(cache[field][6:8], eager[field]), field

@@ -1,8 +1,16 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from tests.checkpoints import ARCHS, build_checkpoint
+
+# Without CUDA the Triton kernels run under its interpreter, which must be chosen before any test
+# module imports triton (the Gluon modules import it eagerly); tests/triton_kernels.py relies on it.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

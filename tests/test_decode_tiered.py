@@ -14,7 +14,7 @@ from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa:
 # the interpreter switch above must be set before any moekv module decorates a kernel
 # isort: split
 
-from moekv.context import Context  # noqa: E402
+from moekv.context import Context, HostLists  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW  # noqa: E402
 
@@ -51,9 +51,10 @@ def run_and_compare(fmt, cache, ctx, group, q_dtype=torch.float32, window=None, 
     scale = head_dim ** -0.5
     ref = reference(fmt, cache, ctx, q, scale, window)
     st = cache.state
-    # the reference path's mass, from zero
+    # the reference path's mass, from zero (it adds to the device accumulator too: folded here)
     st.mass = [0.0] * len(st.mass)
     fmt.attend_reference(q, cache, ctx, scale, window)
+    fmt._fold_mass(cache)
     ref_mass = torch.tensor(st.mass, dtype=torch.float64)
     st.mass = [0.0] * len(st.mass)
     out = fmt.attend_kernel(q, cache, ctx, scale, window, **launch)
@@ -133,6 +134,64 @@ def test_rerank_folds_kernel_mass():
     assert sum(st.tier[p] == TIER_LOW for p in pages) == 7
     assert fmt.page_mass(cache, pages[4]) == 2.5  # halved after the ranking
     mirrors_match(cache)
+
+
+def test_decode_read_counters_match_what_the_reference_path_reads():
+    """count_decode_reads counts, from the tier map, what each decode row reads: against the bits
+    and elements the reference path's gather counts from the slabs it actually reads, in the same
+    step; full pages in FP8 against the tier map; rows with more than one query left out."""
+    fmt, cache, ctx = tiered_cache([150, 64, 37], 2, 32, 16, torch.float32, seed=5, demote_every=2)
+    st = cache.state
+    host = ctx.host_lists()
+    fmt.count_decode_reads = True
+    fmt.reset_read_counters()
+    fmt._count_decode_reads(cache, host)
+    q = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    fmt.attend_reference(q, cache, ctx, 32 ** -0.5, None)
+    assert 0 < fmt.decode_bits_read == fmt.bits_read and fmt.decode_elements_read == fmt.elements_read
+    full = [p for b, n in enumerate(host.context_lens) for p in host.block_tables[b][:n // 16]]
+    assert fmt.decode_pages == len(full) == 9 + 4 + 2
+    assert fmt.decode_fp8_pages == sum(st.tier[p] == TIER_FP8 for p in full)
+    assert 0 < fmt.decode_fp8_pages < fmt.decode_pages  # both tiers are read
+    assert fmt.measured_decode_bits_per_element == fmt.measured_bits_per_element
+    # a step where row 0 runs 5 queries (a prefill chunk): only rows 1 and 2 count
+    fmt.reset_read_counters()
+    mixed = HostLists(host.context_lens, [0, 5, 6, 7], host.seq_slots, host.block_tables)
+    fmt._count_decode_reads(cache, mixed)
+    assert fmt.decode_pages == 4 + 2
+    # off by default: _count_step counts nothing then
+    fmt.count_decode_reads = False
+    fmt.reset_read_counters()
+    fmt._count_step(cache, host)
+    assert fmt.decode_elements_read == 0 and fmt.measured_decode_bits_per_element is None
+
+
+def test_reference_path_reads_nothing_back_per_sequence(monkeypatch):
+    """The reference path's attention mass goes to the device accumulator (folded when the ranking
+    reads it): no Tensor.tolist / .item in attend_reference, each one a sync per sequence and layer
+    on CUDA. The folded mass is what key_mass gives each page."""
+    fmt, cache, ctx = tiered_cache([150, 64, 37], 2, 32, 16, torch.float32, seed=6)
+    st = cache.state
+    host = ctx.host_lists()
+    ctx.host = host
+    q = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    fmt._fold_mass(cache)
+    st.mass = [0.0] * len(st.mass)
+    reads = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _o=original, **k: reads.append(1) or _o(t, *a, **k))
+    fmt.attend_reference(q, cache, ctx, 32 ** -0.5, None)
+    monkeypatch.undo()
+    assert reads == [] and st.mass_pending
+    fmt._fold_mass(cache)
+    for b, n in enumerate(host.context_lens):
+        k = fmt.gather(cache, ctx, b, n, "key").double()
+        scores = torch.einsum("hd,lhd->hl", q[b].double().view(2, 4, 32).reshape(8, 32),
+                              k.repeat_interleave(4, dim=1)) * 32 ** -0.5
+        want = scores.softmax(-1).sum(0)[:n // 16 * 16].view(-1, 16).sum(-1)
+        got = torch.tensor([st.mass[p] / st.mass_weight for p in host.block_tables[b][:n // 16]], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), b
 
 
 def test_dispatch_cpu_keeps_reference(monkeypatch):

@@ -17,7 +17,7 @@ TAKEN = {
     "vq": ("calibration",),
     "kivi2": ("residual", "kivi_residual", "group_size"),
     "tiered": ("rerank_interval", "tier1_fraction", "outlier_sigma", "calibration", "codebook", "fp8_pool_fraction",
-               "fused_decode"),
+               "fused_decode", "rank_window", "rank_after_prompt"),
 }
 
 

@@ -114,10 +114,23 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,
-                 fused_decode: bool = True) -> None:
+                 fused_decode: bool = True, rank_window: int = 0, rank_after_prompt: bool = False) -> None:
         # The fused two-tier decode kernel (checked against the reference on the H200,
         # benchmarks/results/h200/gpu_tests.log); fused_decode=False keeps the reference path.
         self.fused_decode = fused_decode
+        # rank_window > 0: of a prompt chunk's queries only the last rank_window add attention mass
+        # (an observation window, as SnapKV ranks a prompt's keys: the end of the prompt, which holds
+        # the question, says what the answer will read; every query of the chunk weighs the filler's
+        # local attention). 0: every query of the chunk. Decode rows always add theirs.
+        # rank_after_prompt: a re-ranking demotes only the pages of sequences that decode in that
+        # step; a sequence in the middle of its prompt keeps its pages until its first decode step,
+        # when the whole prompt's mass (its end included) ranks them. Demotion is final, so ranking a
+        # prompt before its end is read can demote the pages its end will ask for (issue 23's
+        # passkeys on domain-moe). False: every sequence of the step, prompt chunks included.
+        if isinstance(rank_window, bool) or not isinstance(rank_window, int) or rank_window < 0:
+            raise ValueError(f"rank_window={rank_window!r} must be an integer >= 0 (0: every query)")
+        self.rank_window = rank_window
+        self.rank_after_prompt = rank_after_prompt
         self.hi = FP8Format()
         self.lo = NUQ2Format(outlier_sigma=outlier_sigma, calibration=calibration, codebook=codebook)
         self.rerank_interval = rerank_interval
@@ -456,7 +469,9 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         st = cache.state
         self._fold_mass(cache)
         block_size = cache["k_staging"].shape[2]
-        full_pages = [host.block_tables[b][:length // block_size] for b, length in enumerate(host.context_lens)]
+        starts = host.query_start
+        full_pages = [host.block_tables[b][:length // block_size] for b, length in enumerate(host.context_lens)
+                      if not self.rank_after_prompt or starts[b + 1] - starts[b] == 1]
         self._demote(cache, rerank_demotions(full_pages, st.tier, st.mass, self.tier1_fraction))
         # the weight doubles (a pass over every page of the pool, ~2 ms a layer at 21k pages, only
         # when the weight grows large)
@@ -556,7 +571,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             k = self.gather(cache, ctx, b, length, "key")
             num_full = length // P
             if num_full:
-                mass = key_mass(q[starts[b]:starts[b + 1]], k, scale, sliding_window, num_full * P)
+                lo = starts[b] if not self.rank_window else max(starts[b], starts[b + 1] - self.rank_window)
+                mass = key_mass(q[lo:starts[b + 1]], k, scale, sliding_window, num_full * P)
                 # into the device accumulator the fused kernel adds to, folded into the host scores
                 # when they are read (_fold_mass): no device-to-host copy per sequence and layer (on
                 # CUDA each one was a sync, 128 a step at 32 sequences: see the journal, issue 23)

@@ -194,6 +194,58 @@ def test_reference_path_reads_nothing_back_per_sequence(monkeypatch):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), b
 
 
+@pytest.mark.parametrize("after_prompt", [False, True])
+def test_rank_after_prompt_leaves_a_prompt_in_progress_alone(after_prompt):
+    """rank_after_prompt: a re-ranking demotes the pages of the sequences that decode in the step
+    (one query) and leaves those of a sequence in the middle of its prompt in FP8; without it, both."""
+    fmt, cache, ctx = tiered_cache([160, 160], 1, 32, 16, torch.float32, seed=7, demote_every=0,
+                                   tier1_fraction=0.1, fp8_pool_fraction=1.0, rank_after_prompt=after_prompt)
+    st = cache.state
+    host = ctx.host_lists()
+    tables = [host.block_tables[b][:10] for b in range(2)]
+    for table in tables:
+        st.mass_dev[table[4]] = 5.0
+    st.mass_pending = True
+    fmt._rerank(cache, HostLists(host.context_lens, [0, 5, 6], host.seq_slots, host.block_tables))  # row 0: 5 queries
+    low = [sum(st.tier[p] == TIER_LOW for p in table) for table in tables]
+    assert low == ([0, 7] if after_prompt else [7, 7])
+    assert all(st.tier[table[4]] == TIER_FP8 for table in tables)
+    mirrors_match(cache)
+
+
+@pytest.mark.parametrize("window", [0, 8, 100])
+def test_rank_window_takes_the_mass_of_the_chunks_last_queries(window):
+    """rank_window=N: a prompt chunk's attention mass comes from its last N queries only (all of them
+    for 0, or N above the chunk), against the probabilities of those queries in float64."""
+    import dataclasses
+
+    fmt, cache, ctx = tiered_cache([150], 2, 32, 16, torch.float32, seed=8, demote_every=2, rank_window=window)
+    st = cache.state
+    num_q, H, D = 40, 8, 32
+    chunk = dataclasses.replace(ctx, query_start_loc=torch.tensor([0, num_q], dtype=torch.int32, device=DEVICE),
+                                max_query_len=num_q, host=None)
+    q = torch.randn(num_q, H, D, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    fmt._fold_mass(cache)
+    st.mass = [0.0] * len(st.mass)
+    fmt.attend_reference(q, cache, chunk, D ** -0.5, None)
+    fmt._fold_mass(cache)
+    k = fmt.gather(cache, chunk, 0, 150, "key").double().repeat_interleave(4, dim=1)  # [L, H, D]
+    used = num_q if window == 0 else min(window, num_q)
+    q_pos = torch.arange(150 - used, 150)
+    scores = torch.einsum("thd,lhd->thl", q[num_q - used:].double(), k) * D ** -0.5
+    scores.masked_fill_(torch.arange(150)[None, None, :] > q_pos[:, None, None], float("-inf"))
+    want = scores.softmax(-1).sum((0, 1))[:144].view(9, 16).sum(-1)
+    pages = chunk.host_lists().block_tables[0][:9]
+    got = torch.tensor([st.mass[p] / st.mass_weight for p in pages], dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rank_window_must_be_a_count():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="rank_window"):
+            get_kv_format("tiered", torch.float32, codebook="page", rank_window=bad)
+
+
 def test_dispatch_cpu_keeps_reference(monkeypatch):
     assert get_kv_format("tiered").fused_decode is True  # the default since its H200 run
     fmt = get_kv_format("tiered", torch.float32, codebook="page")

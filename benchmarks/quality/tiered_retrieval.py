@@ -71,9 +71,10 @@ def needle_pages(fmt, seq, caches, needle_position: int, needle_tokens: int, blo
 
 
 def run_format(spec: str, model: Path, filler: Path, length: int, depths, trials: int, seed: int,
-               max_num_seqs: int) -> dict:
+               max_num_seqs: int, device: str = "cpu") -> dict:
     name, options = parse_format(spec)
-    llm = LLM(model=str(model), device="cpu", dtype="float32", kv_cache_dtype=name, max_model_len=length,
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    llm = LLM(model=str(model), device=device, dtype=dtype, kv_cache_dtype=name, max_model_len=length,
               max_num_seqs=max_num_seqs, **options)
     engine = llm.engine
     tok = engine.tokenizer
@@ -146,17 +147,20 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=10, help="keys per (length, depth) cell")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bf16 weights)")
     p.add_argument("--filler", default=None, help="filler text (default: the model's held-out prose)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     model = Path(args.model)
     filler = Path(args.filler or model / "heldout" / "prose.txt")
-    record = {"what": "tiered vs bf16 passkey retrieval on the CPU, float32 (benchmarks/quality/tiered_retrieval.py)",
-              "model": model.name, "device": "cpu", "dtype": "float32", "filler": filler.name,
+    record = {"what": "tiered vs bf16 passkey retrieval (benchmarks/quality/tiered_retrieval.py)",
+              "model": model.name, "device": args.device, "dtype": "float32" if args.device == "cpu" else "bfloat16",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "filler": filler.name,
               "args": {k: v for k, v in vars(args).items() if k not in ("out", "model")}, "runs": []}
     for length in args.lengths:
         for spec in args.formats:
-            r = run_format(spec, model, filler, length, args.depths, args.trials, args.seed, args.max_num_seqs)
+            r = run_format(spec, model, filler, length, args.depths, args.trials, args.seed, args.max_num_seqs,
+                           args.device)
             record["runs"].append(r)
             extra = "" if "bits_read_decode" not in r else (
                 f"; decode read {r['bits_read_decode']:.3f} bits, FP8 share {r['fp8_share_decode']:.3f}, "

@@ -131,8 +131,9 @@ def run_format(spec: str, model: Path, filler: Path, length: int, depths, trials
                    "bits_stored_full_pages": fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size,
                                                                   cfg.head_dim),
                    "rerank_interval": fmt.rerank_interval, "tier1_fraction": fmt.tier1_fraction}
+        # (prompt, layer) pairs whose needle lies in full pages (not in the staged tail): all of them in FP8?
         flags = [all(p["fp8"] for p in layer["pages"]) for r in prompts if "needle_at_first_decode" in r
-                 for layer in r["needle_at_first_decode"]]
+                 for layer in r["needle_at_first_decode"] if layer["pages"]]
         result["needle_all_fp8_share"] = sum(flags) / len(flags) if flags else None
     result["prompts"] = prompts
     return result

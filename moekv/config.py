@@ -154,6 +154,10 @@ class EngineConfig:
         choices=("auto", "page", "calibrated"))
     kv_rerank_interval: int = option("tiered: decode steps between re-rankings", 32)
     kv_tier1_fraction: float = option("tiered: share of pages kept in FP8", 0.15)
+    kv_rank_window: int = option(
+        "tiered: only the last N queries of each prompt chunk add to the page ranking's attention mass (0: all)", 0)
+    kv_rank_after_prompt: bool = option(
+        "tiered: rank (and demote) a sequence's pages only once it decodes, by its whole prompt's mass", False)
     kv_residual: int = option("kivi2: newest tokens kept in 16-bit (a multiple of 32)", 128)
     # routing (moekv/routing)
     routing: str = option(
@@ -236,6 +240,8 @@ class EngineConfig:
         _check(self.kv_codebook in ("auto", "page", "calibrated"),
                f"kv_codebook={self.kv_codebook!r} is not supported; accepted: 'auto', 'page', 'calibrated'")
         _check(self.kv_outlier_sigma > 0, f"kv_outlier_sigma={self.kv_outlier_sigma!r} must be > 0")
+        _check(isinstance(self.kv_rank_window, int) and not isinstance(self.kv_rank_window, bool)
+               and self.kv_rank_window >= 0, f"kv_rank_window={self.kv_rank_window!r} must be an integer >= 0")
         _check(isinstance(self.kv_rerank_interval, int) and self.kv_rerank_interval >= 1,
                f"kv_rerank_interval={self.kv_rerank_interval!r} must be an integer >= 1")
         _check(0.0 <= self.kv_tier1_fraction <= 1.0, f"kv_tier1_fraction={self.kv_tier1_fraction!r} must be in [0, 1]")
@@ -365,7 +371,8 @@ class EngineConfig:
         return {"group_size": self.kv_group_size, "outlier_sigma": self.kv_outlier_sigma,
                 "calibration": self.kv_calibration, "codebook": self.kv_codebook,
                 "rerank_interval": self.kv_rerank_interval,
-                "tier1_fraction": self.kv_tier1_fraction, "residual": self.kv_residual}
+                "tier1_fraction": self.kv_tier1_fraction, "rank_window": self.kv_rank_window,
+                "rank_after_prompt": self.kv_rank_after_prompt, "residual": self.kv_residual}
 
     def _check_kv_options(self) -> None:
         """A kv_* option set away from its default for a format that does not take it was meant for

@@ -14,7 +14,7 @@ from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa:
 # the interpreter switch above must be set before any moekv module decorates a kernel
 # isort: split
 
-from moekv.context import Context  # noqa: E402
+from moekv.context import Context, HostLists  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW  # noqa: E402
 
@@ -51,9 +51,10 @@ def run_and_compare(fmt, cache, ctx, group, q_dtype=torch.float32, window=None, 
     scale = head_dim ** -0.5
     ref = reference(fmt, cache, ctx, q, scale, window)
     st = cache.state
-    # the reference path's mass, from zero
+    # the reference path's mass, from zero (it adds to the device accumulator too: folded here)
     st.mass = [0.0] * len(st.mass)
     fmt.attend_reference(q, cache, ctx, scale, window)
+    fmt._fold_mass(cache)
     ref_mass = torch.tensor(st.mass, dtype=torch.float64)
     st.mass = [0.0] * len(st.mass)
     out = fmt.attend_kernel(q, cache, ctx, scale, window, **launch)
@@ -133,6 +134,116 @@ def test_rerank_folds_kernel_mass():
     assert sum(st.tier[p] == TIER_LOW for p in pages) == 7
     assert fmt.page_mass(cache, pages[4]) == 2.5  # halved after the ranking
     mirrors_match(cache)
+
+
+def test_decode_read_counters_match_what_the_reference_path_reads():
+    """count_decode_reads counts, from the tier map, what each decode row reads: against the bits
+    and elements the reference path's gather counts from the slabs it actually reads, in the same
+    step; full pages in FP8 against the tier map; rows with more than one query left out."""
+    fmt, cache, ctx = tiered_cache([150, 64, 37], 2, 32, 16, torch.float32, seed=5, demote_every=2)
+    st = cache.state
+    host = ctx.host_lists()
+    fmt.count_decode_reads = True
+    fmt.reset_read_counters()
+    fmt._count_decode_reads(cache, host)
+    q = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    fmt.attend_reference(q, cache, ctx, 32 ** -0.5, None)
+    assert 0 < fmt.decode_bits_read == fmt.bits_read and fmt.decode_elements_read == fmt.elements_read
+    full = [p for b, n in enumerate(host.context_lens) for p in host.block_tables[b][:n // 16]]
+    assert fmt.decode_pages == len(full) == 9 + 4 + 2
+    assert fmt.decode_fp8_pages == sum(st.tier[p] == TIER_FP8 for p in full)
+    assert 0 < fmt.decode_fp8_pages < fmt.decode_pages  # both tiers are read
+    assert fmt.measured_decode_bits_per_element == fmt.measured_bits_per_element
+    # a step where row 0 runs 5 queries (a prefill chunk): only rows 1 and 2 count
+    fmt.reset_read_counters()
+    mixed = HostLists(host.context_lens, [0, 5, 6, 7], host.seq_slots, host.block_tables)
+    fmt._count_decode_reads(cache, mixed)
+    assert fmt.decode_pages == 4 + 2
+    # off by default: _count_step counts nothing then
+    fmt.count_decode_reads = False
+    fmt.reset_read_counters()
+    fmt._count_step(cache, host)
+    assert fmt.decode_elements_read == 0 and fmt.measured_decode_bits_per_element is None
+
+
+def test_reference_path_reads_nothing_back_per_sequence(monkeypatch):
+    """The reference path's attention mass goes to the device accumulator (folded when the ranking
+    reads it): no Tensor.tolist / .item in attend_reference, each one a sync per sequence and layer
+    on CUDA. The folded mass is what key_mass gives each page."""
+    fmt, cache, ctx = tiered_cache([150, 64, 37], 2, 32, 16, torch.float32, seed=6)
+    st = cache.state
+    host = ctx.host_lists()
+    ctx.host = host
+    q = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    fmt._fold_mass(cache)
+    st.mass = [0.0] * len(st.mass)
+    reads = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _o=original, **k: reads.append(1) or _o(t, *a, **k))
+    fmt.attend_reference(q, cache, ctx, 32 ** -0.5, None)
+    monkeypatch.undo()
+    assert reads == [] and st.mass_pending
+    fmt._fold_mass(cache)
+    for b, n in enumerate(host.context_lens):
+        k = fmt.gather(cache, ctx, b, n, "key").double()
+        scores = torch.einsum("hd,lhd->hl", q[b].double().view(2, 4, 32).reshape(8, 32),
+                              k.repeat_interleave(4, dim=1)) * 32 ** -0.5
+        want = scores.softmax(-1).sum(0)[:n // 16 * 16].view(-1, 16).sum(-1)
+        got = torch.tensor([st.mass[p] / st.mass_weight for p in host.block_tables[b][:n // 16]], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), b
+
+
+@pytest.mark.parametrize("after_prompt", [False, True])
+def test_rank_after_prompt_leaves_a_prompt_in_progress_alone(after_prompt):
+    """rank_after_prompt: a re-ranking demotes the pages of the sequences that decode in the step
+    (one query) and leaves those of a sequence in the middle of its prompt in FP8; without it, both."""
+    fmt, cache, ctx = tiered_cache([160, 160], 1, 32, 16, torch.float32, seed=7, demote_every=0,
+                                   tier1_fraction=0.1, fp8_pool_fraction=1.0, rank_after_prompt=after_prompt)
+    st = cache.state
+    host = ctx.host_lists()
+    tables = [host.block_tables[b][:10] for b in range(2)]
+    for table in tables:
+        st.mass_dev[table[4]] = 5.0
+    st.mass_pending = True
+    fmt._rerank(cache, HostLists(host.context_lens, [0, 5, 6], host.seq_slots, host.block_tables))  # row 0: 5 queries
+    low = [sum(st.tier[p] == TIER_LOW for p in table) for table in tables]
+    assert low == ([0, 7] if after_prompt else [7, 7])
+    assert all(st.tier[table[4]] == TIER_FP8 for table in tables)
+    mirrors_match(cache)
+
+
+@pytest.mark.parametrize("window", [0, 8, 100])
+def test_rank_window_takes_the_mass_of_the_chunks_last_queries(window):
+    """rank_window=N: a prompt chunk's attention mass comes from its last N queries only (all of them
+    for 0, or N above the chunk), against the probabilities of those queries in float64."""
+    import dataclasses
+
+    fmt, cache, ctx = tiered_cache([150], 2, 32, 16, torch.float32, seed=8, demote_every=2, rank_window=window)
+    st = cache.state
+    num_q, H, D = 40, 8, 32
+    chunk = dataclasses.replace(ctx, query_start_loc=torch.tensor([0, num_q], dtype=torch.int32, device=DEVICE),
+                                max_query_len=num_q, host=None)
+    q = torch.randn(num_q, H, D, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    fmt._fold_mass(cache)
+    st.mass = [0.0] * len(st.mass)
+    fmt.attend_reference(q, cache, chunk, D ** -0.5, None)
+    fmt._fold_mass(cache)
+    k = fmt.gather(cache, chunk, 0, 150, "key").double().repeat_interleave(4, dim=1)  # [L, H, D]
+    used = num_q if window == 0 else min(window, num_q)
+    q_pos = torch.arange(150 - used, 150)
+    scores = torch.einsum("thd,lhd->thl", q[num_q - used:].double(), k) * D ** -0.5
+    scores.masked_fill_(torch.arange(150)[None, None, :] > q_pos[:, None, None], float("-inf"))
+    want = scores.softmax(-1).sum((0, 1))[:144].view(9, 16).sum(-1)
+    pages = chunk.host_lists().block_tables[0][:9]
+    got = torch.tensor([st.mass[p] / st.mass_weight for p in pages], dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rank_window_must_be_a_count():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="rank_window"):
+            get_kv_format("tiered", torch.float32, codebook="page", rank_window=bad)
 
 
 def test_dispatch_cpu_keeps_reference(monkeypatch):

@@ -17,7 +17,7 @@ TAKEN = {
     "vq": ("calibration",),
     "kivi2": ("residual", "kivi_residual", "group_size"),
     "tiered": ("rerank_interval", "tier1_fraction", "outlier_sigma", "calibration", "codebook", "fp8_pool_fraction",
-               "fused_decode"),
+               "fused_decode", "rank_window", "rank_after_prompt"),
 }
 
 
@@ -52,7 +52,8 @@ def test_every_accepted_option_builds_the_format(name, tmp_path):
     calibration = random_calibration(tmp_path, num_kv_heads=2, head_dim=32)
     values = {"group_size": 64, "outlier_fraction": 0.02, "outlier_sigma": 3.0, "calibration": calibration,
               "codebook": "page", "quantize_kernel": False, "residual": 64, "kivi_residual": 64, "rerank_interval": 8,
-              "tier1_fraction": 0.2, "fp8_pool_fraction": 0.5, "fused_decode": False}
+              "tier1_fraction": 0.2, "fp8_pool_fraction": 0.5, "fused_decode": False, "rank_window": 64,
+              "rank_after_prompt": True}
     fmt = get_kv_format(name, torch.bfloat16, **{key: values[key] for key in TAKEN[name]})
     assert fmt.name == (name if name != "auto" else "bf16")
 

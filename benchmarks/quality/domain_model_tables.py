@@ -9,10 +9,13 @@ A format is a kv_cache_dtype with engine options after colons: `nuq2:kv_codebook
 per-page codebooks instead of the shipped calibration's), `tiered:kv_rerank_interval=1` (re-ranked
 before every decode step, so the passkey's answer tokens read the tiers the ranking chose). In
 --ppl-mode prefill no decode step runs, so tiered serves every page from its FP8 tier (its row is
-FP8's); --ppl-mode decode-tail takes --tail-windows windows of 4096 tokens per domain, prefills
-all but the last --tail-tokens of each and feeds those one per decode step (all windows in one batch),
-so every scored token sees ~4k tokens of context read as generation reads it (tiered re-ranking
-every --kv-rerank-interval steps); the bits tiered read are measured over those steps.
+FP8's); on CUDA, tiered with calibrated nuq2 codebooks (a checkpoint's kv_calibration/ is found on
+its own) has no fused decode kernel and decodes through the reference path, one sequence at a time:
+give `tiered:kv_codebook=page` there. --ppl-mode decode-tail takes --tail-windows windows of 4096
+tokens per domain, prefills all but the last --tail-tokens of each and feeds those one per decode
+step (all windows in one batch), so every scored token sees ~4k tokens of context read as generation
+reads it (tiered re-ranking every --kv-rerank-interval steps); the bits tiered's decode rows read are
+counted over those steps.
 One engine per format; results are written after each format, so a cut run keeps what it finished.
 """
 from __future__ import annotations
@@ -61,8 +64,9 @@ def decode_tail_ppl(llm, domains: dict[str, Path], window: int, scored: int, per
         for i in range(min(per_domain, len(ids) // window)):
             prompts.append(ids[i * window:(i + 1) * window])
             owners.append(name)
-    if hasattr(fmt, "bits_read"):  # tiered: count what the decode steps read
-        fmt.bits_read, fmt.elements_read = 0.0, 0
+    if hasattr(fmt, "count_decode_reads"):  # tiered: count what the decode steps read (fused kernel included)
+        fmt.reset_read_counters()
+        fmt.count_decode_reads = True
     start = time.perf_counter()
     first = window - 1 - scored  # logits row r predicts token r + 1; rows from `first` on come from decode steps
     logits = llm.score([{"prompt_token_ids": ids} for ids in prompts], decode_from=[first] * len(prompts))
@@ -75,7 +79,7 @@ def decode_tail_ppl(llm, domains: dict[str, Path], window: int, scored: int, per
     seconds = time.perf_counter() - start
     cfg = engine.model_config
     bits = fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size, cfg.head_dim)
-    read = getattr(fmt, "measured_bits_per_element", None)
+    read = getattr(fmt, "measured_decode_bits_per_element", None)
     at_window = fmt.bits_per_element_at(window, cfg.num_kv_heads, engine.config.block_size, cfg.head_dim)
 
     def result(nll: float, count: int, text: str) -> PerplexityResult:

@@ -85,7 +85,9 @@ class RetrievalResult:
     kv_cache_dtype: str
     bits_per_element: float  # full pages, as `eval ppl` reports it
     bits_per_element_at_length: dict[str, float]  # one sequence of each length, staging included
-    bits_per_element_read: float | None  # what attention read (formats whose mix changes at run time)
+    # what the answers' decode steps read (formats whose mix changes at run time: tiered); the
+    # prompts' prefill reads are not in it
+    bits_per_element_read: float | None
     seconds: float
     text: str
     filler_tokens: int
@@ -148,8 +150,9 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
 
     cases = build_cases(encode, filler, lengths, depths, trials, seed, answer_tokens)
     fmt = engine.runner.kv_format
-    if hasattr(fmt, "bits_read"):  # formats whose bits depend on the run (tiered) measure them
-        fmt.bits_read, fmt.elements_read = 0.0, 0
+    if hasattr(fmt, "count_decode_reads"):  # formats whose bits depend on the run (tiered): what decoding read
+        fmt.reset_read_counters()
+        fmt.count_decode_reads = True
     if progress:
         import sys
         print(f"retrieval: {len(cases)} prompts ({len(lengths)} lengths x {len(depths)} depths x {trials} "
@@ -169,7 +172,7 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
         bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, bs, cfg.head_dim),
         bits_per_element_at_length={str(n): fmt.bits_per_element_at(n, cfg.num_kv_heads, bs, cfg.head_dim)
                                     for n in lengths},
-        bits_per_element_read=getattr(fmt, "measured_bits_per_element", None),
+        bits_per_element_read=getattr(fmt, "measured_decode_bits_per_element", None),
         seconds=seconds, text=str(text), filler_tokens=len(filler), answers=per_prompt)
 
 

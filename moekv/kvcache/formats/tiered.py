@@ -114,18 +114,43 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,
-                 fused_decode: bool = True) -> None:
+                 fused_decode: bool = True, rank_window: int = 0, rank_after_prompt: bool = False) -> None:
         # The fused two-tier decode kernel (checked against the reference on the H200,
         # benchmarks/results/h200/gpu_tests.log); fused_decode=False keeps the reference path.
         self.fused_decode = fused_decode
+        # rank_window > 0: of a prompt chunk's queries only the last rank_window add attention mass
+        # (an observation window, as SnapKV ranks a prompt's keys: the end of the prompt, which holds
+        # the question, says what the answer will read; every query of the chunk weighs the filler's
+        # local attention). 0: every query of the chunk. Decode rows always add theirs.
+        # rank_after_prompt: a re-ranking demotes only the pages of sequences that decode in that
+        # step; a sequence in the middle of its prompt keeps its pages until its first decode step,
+        # when the whole prompt's mass (its end included) ranks them. Demotion is final, so ranking a
+        # prompt before its end is read can demote the pages its end will ask for (issue 23's
+        # passkeys on domain-moe). False: every sequence of the step, prompt chunks included.
+        if isinstance(rank_window, bool) or not isinstance(rank_window, int) or rank_window < 0:
+            raise ValueError(f"rank_window={rank_window!r} must be an integer >= 0 (0: every query)")
+        self.rank_window = rank_window
+        self.rank_after_prompt = rank_after_prompt
         self.hi = FP8Format()
         self.lo = NUQ2Format(outlier_sigma=outlier_sigma, calibration=calibration, codebook=codebook)
         self.rerank_interval = rerank_interval
         self.tier1_fraction = tier1_fraction
         self.fp8_pool_fraction = fp8_pool_fraction if fp8_pool_fraction is not None else min(1.0, tier1_fraction + 0.1)
-        # attention's view of what it read: bits and elements (for reports)
+        # attention's view of what it read: bits and elements (for reports). The reference path
+        # counts every read it makes (prefill chunks included); the fused kernel counts nothing
         self.bits_read = 0.0
         self.elements_read = 0
+        # with count_decode_reads (evaluations turn it on): what decode rows (one query) read, counted
+        # on the host from the tier map when each step is counted (after its re-rank, before it
+        # attends), the same on every path, fused kernel included: the figure a bandwidth-bound decode
+        # step pays. decode_pages / decode_fp8_pages: the full pages those rows read, and how many of
+        # them were in FP8. Off by default: a pass over every row's pages in every layer and step
+        # (~0.5 ms a step at 32 x 4k on a CPU core), host time a replayed step would wait for
+        self.count_decode_reads = False
+        self.decode_bits_read = 0.0
+        self.decode_elements_read = 0
+        self.decode_pages = 0
+        self.decode_fp8_pages = 0
 
     # -- accounting ------------------------------------------------------------------------------
     def prefix_caching_unsupported(self) -> str | None:
@@ -153,6 +178,20 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     def measured_bits_per_element(self) -> float | None:
         return self.bits_read / self.elements_read if self.elements_read else None
 
+    @property
+    def measured_decode_bits_per_element(self) -> float | None:
+        """Bits per element the decode rows read (full pages in their tiers, the staged tail at 16)."""
+        return self.decode_bits_read / self.decode_elements_read if self.decode_elements_read else None
+
+    @property
+    def measured_decode_fp8_share(self) -> float | None:
+        """The share of the full pages decode rows read that were in FP8."""
+        return self.decode_fp8_pages / self.decode_pages if self.decode_pages else None
+
+    def reset_read_counters(self) -> None:
+        self.bits_read, self.elements_read = 0.0, 0
+        self.decode_bits_read, self.decode_elements_read, self.decode_pages, self.decode_fp8_pages = 0.0, 0, 0, 0
+
     def stats(self, caches) -> dict[str, float]:
         """The share of stored pages in each tier (averaged over layers) and, once attention has read
         any, the bits per element it read. From another thread the tier lists may be a step stale."""
@@ -160,6 +199,9 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         out = {"tier_share_fp8": fp8, "tier_share_low": low}
         if self.measured_bits_per_element is not None:
             out["bits_read"] = self.measured_bits_per_element
+        if self.measured_decode_bits_per_element is not None:
+            out["bits_read_decode"] = self.measured_decode_bits_per_element
+            out["fp8_share_decode"] = self.measured_decode_fp8_share
         return out
 
     # -- pools -----------------------------------------------------------------------------------
@@ -254,6 +296,30 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         cache.state.steps += 1
         if is_rerank_step(cache.state.steps, self.rerank_interval):
             self._rerank(cache, host)
+        if self.count_decode_reads:
+            self._count_decode_reads(cache, host)
+
+    def _count_decode_reads(self, cache, host: HostLists) -> None:
+        """Add what this step's decode rows will read to the decode counters: each full page in its
+        tier (FP8 or nuq2 slabs, keys and values) and the staged tail at 16 bits."""
+        st = cache.state
+        _, num_kv_heads, P, D = cache["k_staging"].shape
+        hi = lo = 0
+        for kind in ("key", "value"):
+            h, lo_bytes = self._slabs(kind, P, D)
+            hi, lo = hi + 8 * num_kv_heads * h, lo + 8 * num_kv_heads * lo_bytes
+        page_elements = 2 * num_kv_heads * P * D
+        starts, tier = host.query_start, st.tier
+        for b, length in enumerate(host.context_lens):
+            if starts[b + 1] - starts[b] != 1:
+                continue
+            num_full = length // P
+            fp8 = [tier[page] for page in host.block_tables[b][:num_full]].count(TIER_FP8)
+            tail = 2 * num_kv_heads * D * (length - num_full * P)
+            self.decode_bits_read += fp8 * hi + (num_full - fp8) * lo + 16 * tail
+            self.decode_elements_read += num_full * page_elements + tail
+            self.decode_pages += num_full
+            self.decode_fp8_pages += fp8
 
     # -- CUDA graphs -------------------------------------------------------------------------------
     def after_graph_replay(self, caches) -> None:
@@ -403,15 +469,17 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         st = cache.state
         self._fold_mass(cache)
         block_size = cache["k_staging"].shape[2]
-        full_pages = [host.block_tables[b][:length // block_size] for b, length in enumerate(host.context_lens)]
+        starts = host.query_start
+        full_pages = [host.block_tables[b][:length // block_size] for b, length in enumerate(host.context_lens)
+                      if not self.rank_after_prompt or starts[b + 1] - starts[b] == 1]
         self._demote(cache, rerank_demotions(full_pages, st.tier, st.mass, self.tier1_fraction))
         # the weight doubles (a pass over every page of the pool, ~2 ms a layer at 21k pages, only
         # when the weight grows large)
         st.mass, st.mass_weight = decayed_weight(st.mass, st.mass_weight)
 
-    @staticmethod
-    def page_mass(cache, page: int) -> float:
-        """A page's decayed attention mass (what the ranking compares)."""
+    def page_mass(self, cache, page: int) -> float:
+        """A page's decayed attention mass (what the ranking compares), pending mass folded in."""
+        self._fold_mass(cache)
         return cache.state.mass[page] / cache.state.mass_weight
 
     # -- reading ---------------------------------------------------------------------------------
@@ -503,10 +571,14 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             k = self.gather(cache, ctx, b, length, "key")
             num_full = length // P
             if num_full:
-                mass = key_mass(q[starts[b]:starts[b + 1]], k, scale, sliding_window, num_full * P)
-                weight = st.mass_weight
-                for page, m in zip(host.block_tables[b][:num_full], mass.reshape(num_full, P).sum(-1).tolist()):
-                    st.mass[page] += m * weight
+                lo = starts[b] if not self.rank_window else max(starts[b], starts[b + 1] - self.rank_window)
+                mass = key_mass(q[lo:starts[b + 1]], k, scale, sliding_window, num_full * P)
+                # into the device accumulator the fused kernel adds to, folded into the host scores
+                # when they are read (_fold_mass): no device-to-host copy per sequence and layer (on
+                # CUDA each one was a sync, 128 a step at 32 sequences: see the journal, issue 23)
+                pages = to_device(host.block_tables[b][:num_full], torch.long, st.mass_dev.device)
+                st.mass_dev.index_add_(0, pages, mass.reshape(num_full, P).sum(-1))
+                st.mass_pending = True
             return k, self.gather(cache, ctx, b, length, "value")
 
         return dense_attention(q, ctx, gather_and_rank, scale, sliding_window)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -32,23 +33,8 @@ from moekv.eval.retrieval import DEFAULT_ANSWER_TOKENS, build_cases
 from moekv.kvcache.formats.tiered_policy import TIER_FP8
 from moekv.sampling_params import SamplingParams
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "domain-moe"
-
-
-def parse_format(spec: str) -> tuple[str, dict]:
-    """'tiered:kv_rerank_interval=1' -> ('tiered', {'kv_rerank_interval': 1})."""
-    name, *opts = spec.split(":")
-    options = {}
-    for opt in opts:
-        key, _, value = opt.partition("=")
-        for cast in (int, float):
-            try:
-                value = cast(value)
-                break
-            except ValueError:
-                continue
-        options[key] = value
-    return name, options
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from domain_model_tables import MODEL, parse_format  # noqa: E402  ('format:kv_option=value' specs)
 
 
 def needle_pages(fmt, seq, caches, needle_position: int, needle_tokens: int, block_size: int) -> list[dict]:

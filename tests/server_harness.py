@@ -1,7 +1,6 @@
 """Run `moekv serve`'s app on a loopback port in a background thread (uvicorn), for tests."""
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
@@ -17,17 +16,6 @@ from moekv.server.guard import make_server
 from moekv.server.options import ServerOptions
 
 NO_EOS = {"ignore_eos": True}  # vLLM's extra field: token counts become exact
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    """Client, server and engine share the CI's 2 cores: keep torch from oversubscribing them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def assert_pool_empty(srv: "ServerThread") -> None:
@@ -53,6 +41,9 @@ class ServerThread:
         self.model_name = model_name
 
     def __enter__(self) -> "ServerThread":
+        # client, server and engine share the CI's 2 cores: keep torch from oversubscribing them
+        self.torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -69,6 +60,7 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        torch.set_num_threads(self.torch_threads)
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Wait until the engine holds no request (aborts travel through the engine thread)."""

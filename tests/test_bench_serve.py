@@ -10,12 +10,12 @@ import pytest
 from moekv.cli import main
 from moekv.config import default_model_path
 from moekv.server.bench import RequestResult, summarize
-from tests.server_harness import ServerThread, one_torch_thread, scrape
+from tests.server_harness import ServerThread, scrape
 
 
 @pytest.fixture(scope="module")
 def server():
-    with one_torch_thread(), ServerThread(default_model_path(), max_queue=64, max_model_len=128,
+    with ServerThread(default_model_path(), max_queue=64, max_model_len=128,
                                           max_num_seqs=8) as srv:
         yield srv
 
@@ -79,7 +79,7 @@ def test_bench_serve_sends_the_api_key(capsys, monkeypatch):
     monkeypatch.delenv("MOEKV_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     options = ServerOptions(api_key="bench-key", shutdown_timeout=5)
-    with one_torch_thread(), ServerThread(default_model_path(), max_model_len=64, max_num_seqs=4,
+    with ServerThread(default_model_path(), max_model_len=64, max_num_seqs=4,
                                           options=options) as srv:
         base = ["bench", "serve", "--url", srv.url, "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
                 "--no-progress", "--json"]

@@ -12,7 +12,7 @@ import torch
 
 from moekv import LLM
 from moekv.config import default_model_path
-from tests.server_harness import ServerThread, one_torch_thread
+from tests.server_harness import ServerThread
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,11 +34,10 @@ def test_lm_eval_loglikelihoods_equal_llm_score():
     if not all((data_dir / name).is_file() for name in check.HELDOUT_FILES):
         pytest.skip(f"the tiny model's training books are not in {data_dir} (shared/ is not beside the checkout)")
     items = check.cloze_items(check.heldout_text(data_dir), 16)
-    with one_torch_thread():  # client, server and oracle share the CI's 2 cores
-        with ServerThread(TINY, max_model_len=256) as srv, tempfile.TemporaryDirectory() as tmp:
-            results = check.run_lm_eval(srv.url, Path(TINY), check.write_task(Path(tmp), items))
-        pairs = check.lm_eval_pairs(results)
-        expected = check.score_pairs(LLM(TINY, dtype="float32", max_model_len=256), [(c, x) for c, x, _ in pairs])
+    with ServerThread(TINY, max_model_len=256) as srv, tempfile.TemporaryDirectory() as tmp:
+        results = check.run_lm_eval(srv.url, Path(TINY), check.write_task(Path(tmp), items))
+    pairs = check.lm_eval_pairs(results)
+    expected = check.score_pairs(LLM(TINY, dtype="float32", max_model_len=256), [(c, x) for c, x, _ in pairs])
     assert len(pairs) == sum(len(it["choices"]) for it in items)  # one request per choice, none lost
     assert [(c, x) for c, x, _ in pairs] == [(it["context"], ch) for it in items for ch in it["choices"]]
     got = torch.tensor([ll for _, _, ll in pairs], dtype=torch.float64)

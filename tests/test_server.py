@@ -17,15 +17,9 @@ import torch
 
 from moekv import LLM, SamplingParams
 from moekv.config import default_model_path
-from tests.server_harness import NO_EOS, ServerThread, assert_pool_empty, one_torch_thread, scrape
+from tests.server_harness import NO_EOS, ServerThread, assert_pool_empty, scrape
 
 TINY = default_model_path()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with one_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moekv.config import default_model_path
-from tests.server_harness import ServerThread, one_torch_thread
+from tests.server_harness import ServerThread
 
 FUZZ = settings(max_examples=50, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -74,7 +74,7 @@ def bodies(path: str):
 
 @pytest.fixture(scope="module")
 def server():
-    with one_torch_thread(), ServerThread(default_model_path(), max_model_len=64, max_num_seqs=8,
+    with ServerThread(default_model_path(), max_model_len=64, max_num_seqs=8,
                                           max_queue=16) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as client:
             srv.client = client

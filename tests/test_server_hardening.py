@@ -20,15 +20,9 @@ import pytest
 
 from moekv.config import default_model_path
 from moekv.server.options import ServerOptions
-from tests.server_harness import NO_EOS, ServerThread, assert_pool_empty, one_torch_thread
+from tests.server_harness import NO_EOS, ServerThread, assert_pool_empty
 
 TINY = default_model_path()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with one_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -36,9 +36,9 @@ timeout 100 python -m moekv.cli calibrate --model models/domain-moe --text calib
 el calibrated
 tar cf $OUT/calib.tar -C models/domain-moe kv_calibration
 B=benchmarks/quality/domain_model_tables.py
-timeout 170 python $B --device $DEV "${TAB_X[@]}" --formats bf16 fp8_e4m3 int4 nuq2 tiered:kv_rerank_interval=1 --out $OUT/tables_a.json
+timeout 170 python $B --device $DEV "${TAB_X[@]}" --formats bf16 fp8_e4m3 int4 nuq2 tiered:kv_rerank_interval=1:kv_codebook=page --out $OUT/tables_a.json
 el tables_a
-timeout 90 python $B --device $DEV "${DEC_X[@]}" --ppl-mode decode-tail --no-retrieval --formats bf16 tiered fp8_e4m3 --out $OUT/tables_decode.json
+timeout 90 python $B --device $DEV "${DEC_X[@]}" --ppl-mode decode-tail --no-retrieval --formats bf16 tiered:kv_codebook=page fp8_e4m3 --out $OUT/tables_decode.json
 el tables_decode
 python $B --device $DEV "${TAB_X[@]}" --formats kivi2 nuq2:kv_codebook=page vq --out $OUT/tables_b.json
 el done

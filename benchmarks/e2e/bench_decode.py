@@ -132,10 +132,8 @@ def fill_pages(fmt, cache, cfg, block_size: int, device) -> None:
     for name, kind in (("k", "key"), ("v", "value")):
         x = torch.randn(1, H, block_size, D, generator=gen, device=device)
         slab = fmt.layout(kind, block_size, D).pack(fmt.quantize(x, kind, cache.layer))  # [1, H, bytes]
-        if "k_slot_delta" in cache.tensors:  # nuq2 pools in the Gluon kernel's fragment order
-            from moekv.ops.gluon.nuq2_layout import kind_to_fragment
-
-            for field, t in kind_to_fragment(fmt, kind, slab, cache.layer).items():
+        if getattr(fmt, "is_fragment_pool", lambda c: False)(cache):  # pools in a Gluon kernel's fragment order
+            for field, t in fmt.to_fragment(cache, kind, slab).items():
                 cache[field].copy_(t.expand_as(cache[field]))
         else:
             cache[f"{name}_pages"].copy_(slab.expand_as(cache[f"{name}_pages"]))

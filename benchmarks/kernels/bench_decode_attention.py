@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 import traceback
@@ -68,6 +69,7 @@ sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format  # noqa: E402
+from moekv.kvcache.formats.base import DECODE_KERNEL_ENV, decode_kernel  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -420,24 +422,16 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     order, KVFormat.attend -> moekv/ops/gluon/{nuq2,int4,kivi2}_decode.py, the staged tail (kivi2: and its
     residual ring) as the launch's extra split, the default split count), timed and checked as the Triton
     rows are: row `<label>_gluon`."""
-    import os
-
     from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages
 
     name, options = FORMATS[label]
     row = {"format": f"{label}_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
-    saved = os.environ.get("MOEKV_DECODE_KERNEL")
-    os.environ["MOEKV_DECODE_KERNEL"] = "gluon"
     try:
-        fmt = get_kv_format(name, torch.bfloat16, **options)
-        cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
+        with decode_kernel("gluon"):
+            fmt = get_kv_format(name, torch.bfloat16, **options)
+            cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "skipped", "reason": f"no Gluon pools here: {type(e).__name__}: {e}"}
-    finally:
-        if saved is None:
-            os.environ.pop("MOEKV_DECODE_KERNEL", None)
-        else:
-            os.environ["MOEKV_DECODE_KERNEL"] = saved
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     scale = HEAD_DIM ** -0.5
     pages = context // args.block_size if context % args.block_size else context // args.block_size - 1
@@ -693,6 +687,7 @@ def main() -> None:
                    else QUICK_SHAPES if args.quick else SHAPES)
     args.configs = ([DEFAULT_CONFIG] if args.quick else CONFIGS if args.configs is None
                     else [CONFIGS[i] for i in args.configs])
+    os.environ[DECODE_KERNEL_ENV] = "triton"  # the Triton rows read slab pools; bench_gluon's switch to "gluon"
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     started = time.time()

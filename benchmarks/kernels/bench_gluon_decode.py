@@ -38,6 +38,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from moekv.kvcache.formats.base import decode_kernel  # noqa: E402
 from moekv.kvcache.formats.nuq2 import NUQ2Format  # noqa: E402
 from moekv.ops.gluon.nuq2_decode import (  # noqa: E402
     default_num_splits,
@@ -120,7 +121,8 @@ def triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale) -> dic
     from moekv.ops.decode.paged import paged_decode_attention
 
     batch = q.shape[0]
-    cache = fmt.allocate(repeat.shape[0], HKV, P, D, q.device, batch, torch.bfloat16)
+    with decode_kernel("triton"):  # the Triton kernel reads slab pools
+        cache = fmt.allocate(repeat.shape[0], HKV, P, D, q.device, batch, torch.bfloat16)
     cache["k_pages"].copy_(k_slabs[repeat])
     cache["v_pages"].copy_(v_slabs[repeat])
     cache["k_staging"].normal_()

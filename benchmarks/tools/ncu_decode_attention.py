@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
 from bench_decode_attention import FORMATS, HEAD_DIM, NUM_HEADS, build_cache  # noqa: E402
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.kvcache.formats.base import decode_kernel  # noqa: E402
 from moekv.ops.decode.paged import paged_decode_attention  # noqa: E402
 
 
@@ -43,9 +44,10 @@ def main() -> None:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     name, options = FORMATS[args.format]
-    fmt = get_kv_format(name, torch.bfloat16, **options)
-    spec = fmt.decode_spec(args.block_size, HEAD_DIM)
-    cache, ctx = build_cache(fmt, args.batch, args.context, args.block_size, device, gen)
+    with decode_kernel("triton"):  # profiles the Triton kernel: slab pools
+        fmt = get_kv_format(name, torch.bfloat16, **options)
+        spec = fmt.decode_spec(args.block_size, HEAD_DIM)
+        cache, ctx = build_cache(fmt, args.batch, args.context, args.block_size, device, gen)
     q = torch.randn(args.batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     for _ in range(args.repeats):
         paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, HEAD_DIM ** -0.5, None,

@@ -9,8 +9,10 @@ reads directly. Bits per element count every byte of the slab, padding included.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -593,17 +595,30 @@ class FragmentPagedFormat(PagedQuantFormat):
 
 
 DECODE_KERNEL_ENV = "MOEKV_DECODE_KERNEL"  # auto | triton | gluon: whether pools feed the Gluon decode kernels
-DEFAULT_DECODE_KERNEL = "triton"  # until the Gluon path has run through the whole GPU suite (docs/journal.md)
+DEFAULT_DECODE_KERNEL = "auto"  # the Gluon kernels on sm_90 for the shapes they cover, Triton elsewhere
+
+
+@contextlib.contextmanager
+def decode_kernel(choice: str):
+    """MOEKV_DECODE_KERNEL set to `choice` while the block runs (pools allocated inside it take that
+    layout), restored after: for benchmarks that time both kernels in one process."""
+    saved = os.environ.get(DECODE_KERNEL_ENV)
+    os.environ[DECODE_KERNEL_ENV] = choice
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(DECODE_KERNEL_ENV, None)
+        else:
+            os.environ[DECODE_KERNEL_ENV] = saved
 
 
 def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: str) -> bool:
     """Whether a format's pools of a shape keep their pages in a Gluon decode kernel's fragment order
-    (moekv/ops/gluon/), by MOEKV_DECODE_KERNEL: 'triton' (slabs, the Triton kernel; the default,
-    DEFAULT_DECODE_KERNEL), 'gluon' (fragment order wherever the shape is `covered`, CPU included: there
-    the reference path reads it; a ValueError naming `what` the kernel covers otherwise), 'auto'
-    (fragment order on sm_90 CUDA devices with Gluon for covered shapes; slabs elsewhere)."""
-    import os
-
+    (moekv/ops/gluon/), by MOEKV_DECODE_KERNEL: 'triton' (slabs, the Triton kernel), 'gluon' (fragment
+    order wherever the shape is `covered`, CPU included: there the reference path reads it; a ValueError
+    naming `what` the kernel covers otherwise), 'auto' (fragment order on sm_90 CUDA devices with Gluon
+    for covered shapes; slabs elsewhere; the default)."""
     choice = os.environ.get(DECODE_KERNEL_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in ("auto", "triton", "gluon"):
         raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected 'auto', 'triton' or 'gluon'")

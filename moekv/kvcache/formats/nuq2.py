@@ -296,10 +296,10 @@ class NUQ2Format(FragmentPagedFormat):
         """Whether pools of this shape keep their pages in the Gluon decode kernel's fragment order
         (moekv/ops/gluon/nuq2_layout.py: converted from the slabs when pages are written) instead
         of slabs, so that decode steps take the Gluon kernel. MOEKV_DECODE_KERNEL picks: 'triton'
-        (slabs, the Triton kernel; the default, DEFAULT_DECODE_KERNEL), 'gluon' (fragment order
+        (slabs, the Triton kernel), 'gluon' (fragment order
         wherever the shape is covered, CPU included: there the reference path reads it), 'auto'
         (fragment order on sm_90 CUDA devices with Gluon, for the covered shape: block_size 64,
-        head_dim 128, fp16 codebooks; slabs elsewhere)."""
+        head_dim 128, fp16 codebooks; slabs elsewhere; the default, DEFAULT_DECODE_KERNEL)."""
         covered = (block_size, head_dim) == (64, 128) and not (
             self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
                                     if name.endswith(".centroids")))

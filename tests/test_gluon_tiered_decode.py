@@ -117,6 +117,23 @@ def test_fp8_fragment_order_puts_each_code_in_its_fragment_lane(kind):
 
 
 @pytest.mark.parametrize("kind", ["key", "value"])
+def test_kernel_reshapes_give_the_step_tiles(kind):
+    """The logical reshape/permute of tiered_kernel._fp8_page (the same dims, in torch) turns step i's
+    [4 rows, 128 words, 4 bytes] of the order into K [16, 128] (tokens 16 i ..) / V^T [128, 16]: what
+    the kernel computes depends on this and the layouts only (convert_layout is an identity; the
+    offline build asserts it moves no data)."""
+    x = torch.arange(P * D)
+    frag = x[ELEMENT_OF_BYTE[kind]]
+    for i in range(4):
+        t = frag[i * 2048:(i + 1) * 2048].reshape(2, 2, 8, 4, 2, 2, 2, 2)  # f1 f0 g q4 y3 y2 y1 y0
+        rows = x.reshape(P, D)[16 * i:16 * i + 16]
+        if kind == "key":
+            assert torch.equal(t.permute(6, 2, 0, 1, 4, 5, 3, 7).reshape(16, 128), rows)
+        else:
+            assert torch.equal(t.permute(0, 1, 4, 6, 2, 5, 3, 7).reshape(128, 16), rows.T)
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
 def test_fp8_fragment_round_trip(kind):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 2, P, D, generator=g) * 3

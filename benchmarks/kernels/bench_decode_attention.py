@@ -564,6 +564,11 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
         row.update(status="kernel" if err <= tolerance(row["ref_max_abs"]) else "wrong", ms=ms,
                    speedup=base["ms"] / ms, gbps=nbytes / ms * 1e-6, max_abs_err=err,
                    nomass_ms=timer(run_nomass, args.cudagraph), eager_ms=timer(run, cudagraph=False))
+        caps = {}  # the same launch (mass included) under other ptxas caps: a side study of the default 128
+        for cap in GLUON_TIERED_REGISTER_CAPS:
+            launch = lambda cap=cap: fmt.attend_gluon(q, cache, ctx, scale, None, max_registers=cap)  # noqa: E731
+            caps[str(cap or "none")] = timer(launch, args.cudagraph)
+        row["max_registers_ms"] = caps
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -574,6 +579,7 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     return row
 
 
+GLUON_TIERED_REGISTER_CAPS = (168, 0)  # tiered's: 185 registers uncapped (0), 168 no spills, 128 (default) 192 B stack
 GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
 GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an SM), 240-247 uncapped (0), 200 spills
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)

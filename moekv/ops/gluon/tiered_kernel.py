@@ -35,8 +35,8 @@ STEP_WORDS = gl.constexpr(512)  # int32 words of FP8 codes per 16-token step (4 
 
 @gluon.jit
 def _e4m3_quads(x, like):
-    """x: int32 words of 4 e4m3 codes broadcast over 4 consecutive elements (like: any int32 tensor of
-    the broadcast shape) -> the 4 codes as fp16, byte k of the word in element k (exact)."""
+    """x [4, 128, 1]: int32 words of 4 e4m3 codes, broadcast to like's shape [4, 128, 4] (4 consecutive
+    register elements: one word) -> the 4 codes as fp16, byte k of the word in element k (exact)."""
     return gl.inline_asm_elementwise(
         asm="""{
         .reg .b16 lo, hi;
@@ -44,7 +44,7 @@ def _e4m3_quads(x, like):
         cvt.rn.f16x2.e4m3x2 $0, lo;
         cvt.rn.f16x2.e4m3x2 $1, hi;
         }""",
-        constraints="=r,=r,r,r,r,r,r,r,r,r", args=[x, like], dtype=gl.float16, is_pure=True, pack=4)
+        constraints="=r,=r,r,r,r,r", args=[gl.broadcast(x, like)[0]], dtype=gl.float16, is_pure=True, pack=4)
 
 
 @gluon.jit

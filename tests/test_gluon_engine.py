@@ -297,3 +297,29 @@ def test_gpu_tiered_engine_attend_takes_the_gluon_kernel(monkeypatch, window):
     assert rel(out, ref) < 1e-2 and rel(triton_out, ref) < 1e-2
     assert float((mass - frag.state.mass_dev).abs().max()) < 2e-2 * q.shape[1]
     assert float((mass - slabs.state.mass_dev).abs().max()) < 2e-2 * q.shape[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+def test_gpu_tiered_gluon_step_replays_in_a_cuda_graph(monkeypatch):
+    """The engine replays tiered's decode steps: the Gluon launch, the reduce and the mass into the
+    accumulator captured once give the eager step's output, and each replay adds the same mass."""
+    fmt, cache = tiered_pools(monkeypatch, "gluon", "cuda", torch.bfloat16)
+    ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
+    q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
+    eager = fmt.attend(q, cache, ctx, D ** -0.5, None).clone()
+    once = cache.state.mass_dev.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fmt.attend(q, cache, ctx, D ** -0.5, None)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = fmt.attend(q, cache, ctx, D ** -0.5, None)
+    cache.state.mass_dev.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    torch.testing.assert_close(cache.state.mass_dev, 2 * once, rtol=1e-5, atol=1e-6)

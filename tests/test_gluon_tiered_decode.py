@@ -239,12 +239,13 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i
        "part_o": "*fp32", "part_lse": "*fp32", "tile_sum": "*fp32", "tile_max": "*fp32", "max_tiles": "i32",
        "qk_scale": "fp32", "window": "i32", "zero": "i32", "num_splits": "i32", "ns_total": "i32",
        "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr", "EMIT_MASS": "constexpr",
-       "FW": "constexpr", "F_KS": "constexpr", "F_VS": "constexpr"}
+       "FW": "constexpr", "F_KS": "constexpr", "F_VS": "constexpr", "FP8_PREFETCH": "constexpr"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-for G, staged, mass in ((1, True, True), (4, True, True), (8, False, False)):
+for G, staged, mass, prefetch in ((1, True, True, False), (4, True, True, False), (8, False, False, False),
+                                  (4, True, True, True)):
     src = GluonASTSource(tiered_decode_kernel, signature=sig,
                          constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": True, "EMIT_MASS": mass,
-                                     "FW": 2080, "F_KS": 8192, "F_VS": 8192},
+                                     "FW": 2080, "F_KS": 8192, "F_VS": 8192, "FP8_PREFETCH": prefetch},
                          attrs={(i,): [["tt.divisibility", 16]] for i in list(range(12)) + list(range(14, 20))})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=128))
     ptx = k.asm["ptx"]
@@ -259,13 +260,15 @@ for G, staged, mass in ((1, True, True), (4, True, True), (8, False, False)):
 
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with Triton's ptxas, groups 1, 4 and 8, with and
-    without the staged tail and the mass: every assert_trivial layout conversion (nuq2's and the FP8
-    tiles') holds, no shared memory, the FP8 codes arrive by 128-bit loads (the nuq2 codes' 16 and
-    the FP8 step's 8) and convert two an instruction (F2FP.F16.E4M3.UNPACK_B)."""
+    without the staged tail and the mass, and with the FP8 steps' prefetch: every assert_trivial layout
+    conversion (nuq2's and the FP8 tiles') holds, no shared memory, the FP8 codes arrive by 128-bit
+    loads (the nuq2 codes' 16 and the FP8 step's 8) and convert two an instruction
+    (F2FP.F16.E4M3.UNPACK_B)."""
     words = run_sm90_build(SM90_BUILD)
     assert words == ["1", "0", "True", "True", "False", "True", "True",
                      "4", "0", "True", "True", "False", "True", "True",
-                     "8", "0", "True", "True", "False", "True", "True"], words
+                     "8", "0", "True", "True", "False", "True", "True",
+                     "4", "0", "True", "True", "False", "True", "True"], words
 
 
 # -- on a GPU ------------------------------------------------------------------------------------------
@@ -301,6 +304,24 @@ def test_gpu_kernel_matches_reference(G, lens, fp8_share):
                          torch.where(written, t_max.double(), -math.inf), inputs["context_lens"])
         ref_mass = page_mass(ref_lse, ref_sum, ref_max, inputs["context_lens"])
         assert (mass - ref_mass).abs().max() < 2e-3 * max(1.0, float(ref_mass.abs().max()))
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("lens", [[64 * 3 + 20], [1000, 64 * 9, 129, 3000]])
+def test_gpu_fp8_prefetch_matches_reference(lens):
+    """The FP8 steps' prefetch variant (fp8_prefetch, not the default): the same partials and masses
+    as the split reference, windows that skip steps of an FP8 page included."""
+    from moekv.ops.gluon.tiered_decode import tiered_decode_attention
+
+    Hkv, inputs, pages, q = gpu_inputs(lens, 4, seed=31, fp8_share=0.6)
+    k, v, slots = staging(len(lens), Hkv, seed=4, device="cuda", dtype=torch.bfloat16)
+    for window in (None, 40, 64 * 2 + 50):
+        ref, ref_mass = dense(pages, inputs, q, D ** -0.5, (k, v, slots), window)
+        out, mass = tiered_decode_attention(q, **inputs, scale=D ** -0.5, staged=(k, v, slots),
+                                            sliding_window=window, fp8_prefetch=True)
+        assert relative_error(out, ref) < 1e-2, window
+        assert (mass.double().cpu() - ref_mass).abs().max() < 1e-2 * q.shape[1]
 
 
 @pytest.mark.gpu

@@ -514,12 +514,14 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     """tiered through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: its pools in the Gluon
     kernel's orders, TieredFormat.attend -> moekv/ops/gluon/tiered_decode.py: FP8 and nuq2 pages and
     the staged tail in one launch, then the reduce and the per-page mass into the device accumulator),
-    on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass."""
+    on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass;
+    side studies: max_registers_ms (other ptxas caps), fp8_prefetch_ms (the other FP8 step loop, with
+    its error against the reference in fp8_prefetch_err)."""
     import os
 
     from moekv.kvcache.formats.tiered import TIER_FP8
     from moekv.ops.gluon import nuq2_layout
-    from moekv.ops.gluon.tiered_decode import tiered_decode_attention
+    from moekv.ops.gluon.tiered_decode import DEFAULT_FP8_PREFETCH, tiered_decode_attention
 
     P = args.block_size
     row = {"format": "tiered_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
@@ -569,6 +571,10 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
             launch = lambda cap=cap: fmt.attend_gluon(q, cache, ctx, scale, None, max_registers=cap)  # noqa: E731
             caps[str(cap or "none")] = timer(launch, args.cudagraph)
         row["max_registers_ms"] = caps
+        other = lambda: fmt.attend_gluon(q, cache, ctx, scale, None, fp8_prefetch=not DEFAULT_FP8_PREFETCH)  # noqa: E731
+        err_other = (other()[:1].float() - ref).abs().max().item()
+        row.update(fp8_prefetch_ms={str(not DEFAULT_FP8_PREFETCH): timer(other, args.cudagraph)},
+                   fp8_prefetch_err=err_other)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")

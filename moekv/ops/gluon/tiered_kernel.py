@@ -48,45 +48,73 @@ def _e4m3_quads(x, like):
 
 
 @gluon.jit
+def _fp8_step(kx, vx, like, t, k_scale, v_scale, q_t, m_i, l_pg, acc, qk_scale, n_valid, n_first,
+              LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+    """16 tokens t of an FP8 page: codes kx, vx int32 [4, 128, 1] (a step's 4 rows of the FP8 fragment
+    order), row scales [16] -> (m, l_pg, acc) after them (online softmax, tokens [n_first, n_valid))."""
+    # K [16, 128]: [4 rows, 128 words, 4 bytes] = (f1 f0, g q4 y3 y2, y1 y0) -> (y1 g | f1 f0 y3 y2 q4 y0)
+    kf = gl.reshape(_e4m3_quads(kx, like), [2, 2, 8, 4, 2, 2, 2, 2])
+    kf = gl.permute(kf, [6, 2, 0, 1, 4, 5, 3, 7])
+    ka = gl.convert_layout(gl.reshape(kf, [16, 128]), LA, assert_trivial=True)
+    s = gl.nvidia.ampere.mma_v2(ka, q_t, gl.zeros([16, 8], gl.float32, layout=MMA))  # S^T [16, 8]
+    s = s * gl.expand_dims(k_scale * qk_scale, 1)
+    valid = gl.expand_dims((t < n_valid) & (t >= n_first), 1)
+    s = gl.where(valid, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 0))
+    l_pg = l_pg * alpha + gl.sum(p, axis=0)
+    v_max = gl.maximum(gl.max(v_scale, axis=0), 1e-30)
+    pb = _as_b_operand((p * gl.expand_dims(v_scale / v_max, 1)).to(gl.float16), 16, LB)
+    # V^T [128, 16]: (f1 f0, g q4 y3 y2, y1 y0) -> (f1 f0 y3 y1 g | y2 q4 y0)
+    vf = gl.reshape(_e4m3_quads(vx, like), [2, 2, 8, 4, 2, 2, 2, 2])
+    vf = gl.permute(vf, [0, 1, 4, 6, 2, 5, 3, 7])
+    va = gl.convert_layout(gl.reshape(vf, [128, 16]), LA, assert_trivial=True)
+    acc = acc * gl.expand_dims(alpha, 0) + gl.nvidia.ampere.mma_v2(va, pb, gl.zeros([128, 8], gl.float32,
+                                                                                     layout=MMA)) * v_max
+    return m_new, l_pg, acc
+
+
+@gluon.jit
 def _fp8_page(kf_w, vf_w, kf_h, vf_h, word0, half0, F_KS: gl.constexpr, F_VS: gl.constexpr, q_t, m_i, acc,
               qk_scale, n_valid, n_first, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr,
-              L3: gl.constexpr):
+              L3: gl.constexpr, FP8_PREFETCH: gl.constexpr):
     """One FP8 page (codes in FP8 fragment order at word0 of the int32 views, row scales at half0 +
-    F_KS / F_VS of the fp16 views), tokens [n_first, n_valid) counted, 16 a step -> (m, the page's
-    probabilities relative to m, acc)."""
+    F_KS / F_VS of the fp16 views), tokens [n_first, n_valid) counted, 16 a step (steps without one
+    skipped) -> (m, the page's probabilities relative to m, acc). FP8_PREFETCH: the next step's codes
+    load while this step computes (register double buffering: loop-carried, so ptxas cannot sink the
+    loads to their use, as it does without, below the key half), at 32 more registers."""
     rr = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     ww = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     off = rr[:, None] * 128 + ww[None, :]  # [4, 128]: row r at word 128 r (2-D: the words' order vectorizes)
     like = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
     tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    s0 = gl.zeros([16, 8], gl.float32, layout=MMA)
-    o0 = gl.zeros([128, 8], gl.float32, layout=MMA)
     l_pg = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-    for i in range(gl.maximum(n_first, 0) // 16, gl.minimum((n_valid + 15) // 16, 4)):  # steps holding a token
-        kx = gl.expand_dims(gl.load(kf_w + word0 + i * STEP_WORDS + off), 2)  # [4, 128, 1]
-        vx = gl.expand_dims(gl.load(vf_w + word0 + i * STEP_WORDS + off), 2)
-        t = i * 16 + tok
-        k_scale = gl.load(kf_h + half0 + F_KS // 2 + t).to(gl.float32)
-        v_scale = gl.load(vf_h + half0 + F_VS // 2 + t).to(gl.float32)
-        # K [16, 128]: [4 rows, 128 words, 4 bytes] = (f1 f0, g q4 y3 y2, y1 y0) -> (y1 g | f1 f0 y3 y2 q4 y0)
-        kf = gl.reshape(_e4m3_quads(kx, like), [2, 2, 8, 4, 2, 2, 2, 2])
-        kf = gl.permute(kf, [6, 2, 0, 1, 4, 5, 3, 7])
-        ka = gl.convert_layout(gl.reshape(kf, [16, 128]), LA, assert_trivial=True)
-        s = gl.nvidia.ampere.mma_v2(ka, q_t, s0) * gl.expand_dims(k_scale * qk_scale, 1)  # S^T [16, 8]
-        valid = gl.expand_dims((t < n_valid) & (t >= n_first), 1)
-        s = gl.where(valid, s, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 0))
-        l_pg = l_pg * alpha + gl.sum(p, axis=0)
-        v_max = gl.maximum(gl.max(v_scale, axis=0), 1e-30)
-        pb = _as_b_operand((p * gl.expand_dims(v_scale / v_max, 1)).to(gl.float16), 16, LB)
-        # V^T [128, 16]: (f1 f0, g q4 y3 y2, y1 y0) -> (f1 f0 y3 y1 g | y2 q4 y0)
-        vf = gl.reshape(_e4m3_quads(vx, like), [2, 2, 8, 4, 2, 2, 2, 2])
-        vf = gl.permute(vf, [0, 1, 4, 6, 2, 5, 3, 7])
-        va = gl.convert_layout(gl.reshape(vf, [128, 16]), LA, assert_trivial=True)
-        acc = acc * gl.expand_dims(alpha, 0) + gl.nvidia.ampere.mma_v2(va, pb, o0) * v_max
-        m_i = m_new
+    lo = gl.maximum(n_first, 0) // 16
+    hi = gl.minimum((n_valid + 15) // 16, 4)  # steps [lo, hi) hold a counted token (the page holds one)
+    if FP8_PREFETCH:
+        kx = gl.load(kf_w + word0 + lo * STEP_WORDS + off)
+        vx = gl.load(vf_w + word0 + lo * STEP_WORDS + off)
+        for i in range(lo, hi):
+            more = (off < STEP_WORDS) & (i + 1 < hi)
+            kx_n = gl.load(kf_w + word0 + (i + 1) * STEP_WORDS + off, mask=more, other=0)
+            vx_n = gl.load(vf_w + word0 + (i + 1) * STEP_WORDS + off, mask=more, other=0)
+            t = i * 16 + tok
+            k_scale = gl.load(kf_h + half0 + F_KS // 2 + t).to(gl.float32)
+            v_scale = gl.load(vf_h + half0 + F_VS // 2 + t).to(gl.float32)
+            m_i, l_pg, acc = _fp8_step(gl.expand_dims(kx, 2), gl.expand_dims(vx, 2), like, t, k_scale, v_scale,
+                                       q_t, m_i, l_pg, acc, qk_scale, n_valid, n_first, LA, LB, MMA)
+            kx = kx_n
+            vx = vx_n
+    else:
+        for i in range(lo, hi):
+            kx = gl.expand_dims(gl.load(kf_w + word0 + i * STEP_WORDS + off), 2)  # [4, 128, 1]
+            vx = gl.expand_dims(gl.load(vf_w + word0 + i * STEP_WORDS + off), 2)
+            t = i * 16 + tok
+            k_scale = gl.load(kf_h + half0 + F_KS // 2 + t).to(gl.float32)
+            v_scale = gl.load(vf_h + half0 + F_VS // 2 + t).to(gl.float32)
+            m_i, l_pg, acc = _fp8_step(kx, vx, like, t, k_scale, v_scale, q_t, m_i, l_pg, acc, qk_scale, n_valid,
+                                       n_first, LA, LB, MMA)
     return m_i, l_pg, acc
 
 
@@ -114,7 +142,8 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                          k_stage, v_stage, stride_ss, stride_sh, stride_st,
                          part_o, part_lse, tile_sum, tile_max, max_tiles, qk_scale, window, zero, num_splits, ns_total,
                          HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
-                         EMIT_MASS: gl.constexpr, FW: gl.constexpr, F_KS: gl.constexpr, F_VS: gl.constexpr):
+                         EMIT_MASS: gl.constexpr, FW: gl.constexpr, F_KS: gl.constexpr, F_VS: gl.constexpr,
+                         FP8_PREFETCH: gl.constexpr = False):
     """The low tier: nuq2_decode_kernel's tables (k_codes ... SV) over all N logical pages. The FP8
     tier: kf_w, vf_w int32 and kf_h, vf_h fp16 views of the FP8 pools [F, HKV, slab] (FW int32 words a
     slab, codes in FP8 fragment order, row scales at byte offsets F_KS / F_VS); page_tier [N] int32
@@ -188,7 +217,7 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 slot = gl.load(page_slot + pid).to(gl.int64) * HKV + h
                 m_new, l_pg, acc = _fp8_page(kf_w, vf_w, kf_h, vf_h, slot * FW, slot * (2 * FW), F_KS, F_VS, q_t,
                                              m_i, acc, qk_scale, length - pg * PAGE, first - pg * PAGE,
-                                             LA, LB, MMA, L3)
+                                             LA, LB, MMA, L3, FP8_PREFETCH)
                 kx_n = gl.load(k_codes + page_n * WORDS + k_off, mask=(k_off < WORDS) & low_n, other=0)
                 vx_n = gl.load(v_codes + page_n * WORDS + v_off, mask=(v_off < WORDS) & low_n, other=0)
             else:

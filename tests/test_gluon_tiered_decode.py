@@ -67,7 +67,9 @@ def build(lens, Hkv, seed, fp8_share=0.3, device="cpu"):
     def to(t):
         return t.to(device)
 
-    return dict(frag=to_fragment_order(nuq2, k_low.to(device), v_low.to(device)) if device != "cpu" else frag,
+    if device != "cpu":
+        frag = to_fragment_order(nuq2, k_low.to(device), v_low.to(device))
+    return dict(fp8_fmt=FP8, frag=frag,
                 k_fp8=to(slabs_to_fragment(FP8, "key", k_fp8)), v_fp8=to(slabs_to_fragment(FP8, "value", v_fp8)),
                 page_tier=to(tier), page_slot=to(slot), block_tables=to(tables),
                 context_lens=to(torch.tensor(lens, dtype=torch.int32))), (kd, vd)

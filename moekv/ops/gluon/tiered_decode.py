@@ -90,11 +90,10 @@ def tiered_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp
                                   staged: Staged | None = None, sliding_window: int | None = None):
     """The Gluon kernel's partials and page masses, split by split, in q's dtype -> (part_o [B, Hq,
     NS (+1), D], part_lse [B, Hq, NS (+1)], tile_sum, tile_max [B, Hq, max_pages]); tile entries of
-    pages no split reads are 0 and -inf. fp8_fmt: the FP8 tier's format (FP8Format() by default)."""
+    pages no split reads are 0 and -inf. fp8_fmt: the FP8 tier's format (TieredFormat.hi; required,
+    a keyword: ops do not import the formats)."""
     if fp8_fmt is None:
-        from moekv.kvcache.formats.fp8 import FP8Format
-
-        fp8_fmt = FP8Format()
+        raise ValueError("tiered Gluon decode: fp8_fmt (the FP8 tier's format, TieredFormat.hi) is required")
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits, "tiered")
     check_extras(staged, sliding_window, B, Hkv)
     _check_tiers(frag, k_fp8, v_fp8, page_tier, page_slot)
@@ -164,9 +163,7 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
     Tile entries of pages no split reads are not written. fp8_prefetch: an FP8 page's next 16-token
     step loads while this one computes (tiered_kernel._fp8_page)."""
     if fp8_fmt is None:
-        from moekv.kvcache.formats.fp8 import FP8Format
-
-        fp8_fmt = FP8Format()
+        raise ValueError("tiered Gluon decode: fp8_fmt (the FP8 tier's format, TieredFormat.hi) is required")
     B, Hkv, G = check_launch("tiered", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     _check_tiers(frag, k_fp8, v_fp8, page_tier, page_slot)
     if k_fp8.dtype != torch.uint8 or k_fp8.shape[2] % 4 or not (k_fp8.is_contiguous() and v_fp8.is_contiguous()):

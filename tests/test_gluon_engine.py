@@ -1,6 +1,7 @@
 """int4, kivi2 and nuq2 pools in their Gluon kernels' fragment order (MOEKV_DECODE_KERNEL;
-base.FragmentPagedFormat): pages converted when written hold exactly what the slab pools hold, read
-back and attend the same (CPU: the reference path over both, kivi2's residual ring included); on a GPU
+base.FragmentPagedFormat), and tiered's (its FP8 codes reordered, its low tier in nuq2's tables):
+pages converted when written hold exactly what the slab pools hold, read back and attend the same
+(CPU: the reference path over both, kivi2's residual ring and tiered's page masses included); on a GPU
 (marked gpu) the engine's attend takes the Gluon kernel and matches the reference path, and a captured
 fill step converts its pages as the eager one does."""
 from __future__ import annotations
@@ -194,3 +195,131 @@ def test_gpu_captured_fill_step_converts_its_pages(monkeypatch, name):
     torch.cuda.synchronize()
     for field in fields:
         assert same_bits(cache[field][6:8], eager[field]), field
+
+
+# -- tiered: its FP8 slabs in FP8 fragment order, its low tier in nuq2's fragment tables ------------------
+def tiered_pools(monkeypatch, choice, device="cpu", dtype=torch.float32):
+    """A tiered pool (MOEKV_DECODE_KERNEL=choice) whose pages 0..5 were stored in FP8 and pages 1, 3, 4
+    then demoted to nuq2; staging refilled with random tokens per sequence."""
+    monkeypatch.setenv("MOEKV_DECODE_KERNEL", choice)
+    fmt = get_kv_format("tiered", dtype, codebook="page")
+    cache = fmt.allocate(8, H, P, D, torch.device(device), 3, dtype)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(6, H, P, D, generator=g)
+    k[..., 5] += 4
+    k.view(-1)[torch.randint(0, k.numel(), (60,), generator=g)] *= 10
+    v = torch.randn(6, H, P, D, generator=g)
+    fmt._store_pages(cache, [(p, {"k": k[p].to(device), "v": v[p].to(device)}, [p]) for p in range(6)])
+    fmt._demote(cache, [1, 3, 4])
+    for kv in ("k", "v"):
+        cache[f"{kv}_staging"].copy_(torch.randn(3, H, P, D, generator=g).to(dtype))
+    return fmt, cache
+
+
+def test_tiered_fragment_pools_hold_what_slab_pools_hold(monkeypatch):
+    from moekv.ops.gluon.nuq2_layout import FRAGMENT_FIELDS, to_fragment_order
+    from moekv.ops.gluon.tiered_layout import slabs_from_fragment
+
+    fmt_s, slabs = tiered_pools(monkeypatch, "triton")
+    fmt_f, frag = tiered_pools(monkeypatch, "gluon")
+    assert "k_low" in slabs.tensors and "k_low" not in frag.tensors and fmt_f.is_fragment_pool(frag)
+    assert slabs.state.tier == frag.state.tier and slabs.state.fp8_slot == frag.state.fp8_slot
+    for name, kind in (("k", "key"), ("v", "value")):
+        assert not torch.equal(frag[f"{name}_fp8"], slabs[f"{name}_fp8"])  # reordered ...
+        assert torch.equal(slabs_from_fragment(fmt_f.hi, kind, frag[f"{name}_fp8"]), slabs[f"{name}_fp8"])  # ... only
+    low = torch.tensor([1, 3, 4])
+    want = to_fragment_order(fmt_s.lo, slabs["k_low"][low], slabs["v_low"][low])
+    for field in FRAGMENT_FIELDS:
+        assert same_bits(frag[field][low], getattr(want, field)), field
+    assert int(frag["k_used"][low].sum()) > 0  # outlier slots in use
+    pages = list(range(6))
+    for kind in ("key", "value"):
+        assert torch.equal(fmt_f._gather_pages(frag, pages, kind), fmt_s._gather_pages(slabs, pages, kind))
+
+
+@pytest.mark.parametrize("window", [None, 70])
+def test_tiered_fragment_pools_attend_as_slab_pools(monkeypatch, window):
+    """CPU: the reference path over both pools gives the same output and the same page masses."""
+    fmt_s, slabs = tiered_pools(monkeypatch, "triton")
+    fmt_f, frag = tiered_pools(monkeypatch, "gluon")
+    ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]])
+    q = torch.randn(3, 4 * H, D, generator=torch.Generator().manual_seed(1))
+    out_s = fmt_s.attend(q, slabs, ctx, D ** -0.5, window)
+    out_f = fmt_f.attend(q, frag, ctx, D ** -0.5, window)
+    torch.testing.assert_close(out_f, out_s, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(frag.state.mass_dev, slabs.state.mass_dev, rtol=1e-6, atol=1e-6)
+    assert float(frag.state.mass_dev.sum()) > 0
+
+
+def test_tiered_fragment_pool_accounting_and_choice(monkeypatch):
+    from moekv.ops.gluon import nuq2_layout
+
+    fmt = get_kv_format("tiered", torch.float32, codebook="page")
+    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
+    slab_bytes = fmt.page_bytes(H, P, D)
+    assert not fmt.fragment_pages(P, D)
+    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "gluon")
+    lo = sum(fmt.lo.layout(kind, P, D).slab_bytes for kind in ("key", "value"))
+    assert fmt.page_bytes(H, P, D) - slab_bytes == pytest.approx(
+        H * (nuq2_layout.fragment_bytes_per_page_head(fmt.lo) - lo), abs=1)  # nuq2's fragment tables, FP8 the same
+    cache = fmt.allocate(4, H, P, D, torch.device("cpu"), 2, torch.float32)
+    assert all(field in cache.tensors for field in nuq2_layout.FRAGMENT_FIELDS)
+    assert bool((cache["k_out_idx"] == 0xFFFF).all())  # unused slots
+    with pytest.raises(ValueError, match="block_size 64, head_dim 128"):
+        fmt.allocate(4, H, 32, D, torch.device("cpu"), 2, torch.float32)
+    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "auto")
+    assert not fmt.fragment_pages(P, D, "cpu")  # auto: sm_90 CUDA devices only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+@pytest.mark.parametrize("window", [None, 100])
+def test_gpu_tiered_engine_attend_takes_the_gluon_kernel(monkeypatch, window):
+    """On CUDA a decode step over a tiered pool in fragment order runs the Gluon kernel (FP8 and nuq2
+    pages, the staged tail): output and page masses match the reference path over the same pool, and
+    the Triton kernel over slabs."""
+    from moekv.ops.gluon import tiered_decode
+
+    fmt_f, frag = tiered_pools(monkeypatch, "gluon", "cuda", torch.bfloat16)
+    fmt_s, slabs = tiered_pools(monkeypatch, "triton", "cuda", torch.bfloat16)
+    ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
+    q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    real = tiered_decode.tiered_decode_attention
+    monkeypatch.setattr(tiered_decode, "tiered_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = fmt_f.attend(q, frag, ctx, D ** -0.5, window)
+    assert calls, "the Gluon kernel did not run"
+    mass = frag.state.mass_dev.clone()
+    frag.state.mass_dev.zero_()
+    ref = fmt_f.attend_reference(q, frag, ctx, D ** -0.5, window)
+    triton_out = fmt_s.attend(q, slabs, ctx, D ** -0.5, window)
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    assert rel(out, ref) < 1e-2 and rel(triton_out, ref) < 1e-2
+    assert float((mass - frag.state.mass_dev).abs().max()) < 2e-2 * q.shape[1]
+    assert float((mass - slabs.state.mass_dev).abs().max()) < 2e-2 * q.shape[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+def test_gpu_tiered_gluon_step_replays_in_a_cuda_graph(monkeypatch):
+    """The engine replays tiered's decode steps: the Gluon launch, the reduce and the mass into the
+    accumulator captured once give the eager step's output, and each replay adds the same mass."""
+    fmt, cache = tiered_pools(monkeypatch, "gluon", "cuda", torch.bfloat16)
+    ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
+    q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
+    eager = fmt.attend(q, cache, ctx, D ** -0.5, None).clone()
+    once = cache.state.mass_dev.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fmt.attend(q, cache, ctx, D ** -0.5, None)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = fmt.attend(q, cache, ctx, D ** -0.5, None)
+    cache.state.mass_dev.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    torch.testing.assert_close(cache.state.mass_dev, 2 * once, rtol=1e-5, atol=1e-6)

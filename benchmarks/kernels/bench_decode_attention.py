@@ -16,8 +16,9 @@ reference on the first sequence.
         # smoke run: two small shapes, default launch only
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 nuq2 nuq2_eager nuq2_noslots --shapes 16x32768 \
         --out /tmp/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side (a side study)
-    python benchmarks/kernels/bench_decode_attention.py --formats nuq2 int4 kivi2 --kernel triton gluon
-        # the Triton and Gluon kernels side by side (rows nuq2, nuq2_gluon, int4, int4_gluon, kivi2, kivi2_gluon)
+    python benchmarks/kernels/bench_decode_attention.py --formats nuq2 int4 kivi2 tiered --kernel triton gluon
+        # the Triton and Gluon kernels side by side (rows nuq2, nuq2_gluon, int4, int4_gluon, kivi2, kivi2_gluon,
+        # tiered, tiered_gluon: bench_tiered_gluon)
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer
         # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
@@ -503,6 +504,82 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     return row
 
 
+def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> dict:
+    """tiered through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: its pools in the Gluon
+    kernel's orders, TieredFormat.attend -> moekv/ops/gluon/tiered_decode.py: FP8 and nuq2 pages and
+    the staged tail in one launch, then the reduce and the per-page mass into the device accumulator),
+    on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass;
+    side studies: max_registers_ms (other ptxas caps), fp8_prefetch_ms (the other FP8 step loop, with
+    its error against the reference in fp8_prefetch_err)."""
+    import os
+
+    from moekv.kvcache.formats.tiered import TIER_FP8
+    from moekv.ops.gluon import nuq2_layout
+    from moekv.ops.gluon.tiered_decode import DEFAULT_FP8_PREFETCH, tiered_decode_attention
+
+    P = args.block_size
+    row = {"format": "tiered_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
+    saved = os.environ.get("MOEKV_DECODE_KERNEL")
+    os.environ["MOEKV_DECODE_KERNEL"] = "gluon"
+    try:
+        fmt = get_kv_format("tiered", torch.bfloat16, codebook="page")
+        cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
+    except Exception as e:  # noqa: BLE001
+        return {**row, "status": "skipped", "reason": f"no Gluon pools here: {type(e).__name__}: {e}"}
+    finally:
+        if saved is None:
+            os.environ.pop("MOEKV_DECODE_KERNEL", None)
+        else:
+            os.environ["MOEKV_DECODE_KERNEL"] = saved
+    st = cache.state
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    scale = HEAD_DIM ** -0.5
+    full = context // P
+    n_fp8 = sum(st.tier[p] == TIER_FP8 for p in ctx.block_tables[:, :full].flatten().tolist())
+    fp8_slab = sum(fmt.hi.layout(kind, P, HEAD_DIM).slab_bytes for kind in ("key", "value"))
+    used = float(cache["k_used"].float().mean() + cache["v_used"].float().mean())
+    low = nuq2_layout.Nuq2FragmentPages.code_bytes_per_page_head(None) + 8 * used
+    tail = batch * NUM_KV_HEADS * (context - full * P) * HEAD_DIM * 2 * 2  # the staged bf16 tail, K and V
+    nbytes = int(NUM_KV_HEADS * (n_fp8 * fp8_slab + (batch * full - n_fp8) * low) + tail
+                 + 2 * batch * NUM_HEADS * HEAD_DIM * 2)
+    row.update(bytes=nbytes, floor_ms=nbytes / bandwidth * 1e3, fp8_page_share=n_fp8 / max(1, batch * full),
+               used_slots_per_page_head=used, mass_bytes=batch * NUM_HEADS * ctx.block_tables.shape[1] * 8)
+    ref = reference_output(fmt, cache, ctx, q, context)
+    row["ref_max_abs"] = ref.abs().max().item()
+    frag = nuq2_layout.fragment_view(cache, False)
+    staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
+    run = lambda: fmt.attend(q, cache, ctx, scale, None)  # noqa: E731
+    run_nomass = lambda: tiered_decode_attention(q, frag, cache["k_fp8"], cache["v_fp8"], st.tier_dev,  # noqa: E731
+                                                 st.slot_dev, ctx.block_tables, ctx.context_lens, scale,
+                                                 fp8_fmt=fmt.hi, staged=staged, emit_mass=False)[0]
+    try:
+        out = run()
+        torch.cuda.synchronize()
+        ms = timer(run, args.cudagraph)
+        err = (out[:1].float() - ref).abs().max().item()
+        row.update(status="kernel" if err <= tolerance(row["ref_max_abs"]) else "wrong", ms=ms,
+                   speedup=base["ms"] / ms, gbps=nbytes / ms * 1e-6, max_abs_err=err,
+                   nomass_ms=timer(run_nomass, args.cudagraph), eager_ms=timer(run, cudagraph=False))
+        caps = {}  # the same launch (mass included) under other ptxas caps: a side study of the default 128
+        for cap in GLUON_TIERED_REGISTER_CAPS:
+            launch = lambda cap=cap: fmt.attend_gluon(q, cache, ctx, scale, None, max_registers=cap)  # noqa: E731
+            caps[str(cap or "none")] = timer(launch, args.cudagraph)
+        row["max_registers_ms"] = caps
+        other = lambda: fmt.attend_gluon(q, cache, ctx, scale, None, fp8_prefetch=not DEFAULT_FP8_PREFETCH)  # noqa: E731
+        err_other = (other()[:1].float() - ref).abs().max().item()
+        row.update(fp8_prefetch_ms={str(not DEFAULT_FP8_PREFETCH): timer(other, args.cudagraph)},
+                   fp8_prefetch_err=err_other)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc(file=sys.stderr)
+        row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    st.mass_dev.zero_()
+    st.mass_pending = False
+    cache = ctx = q = frag = staged = None  # free the pools (rebound, not del: run closes over them)
+    torch.cuda.empty_cache()
+    return row
+
+
+GLUON_TIERED_REGISTER_CAPS = (168, 0)  # tiered's: 185 registers uncapped (0), 168 no spills, 128 (default) 192 B stack
 GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
 GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an SM), 240-247 uncapped (0), 200 spills
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
@@ -521,11 +598,23 @@ def build_tiered_cache(fmt, batch: int, context: int, block_size: int, device, g
     unique = min(UNIQUE_PAGES, num_blocks)
     k, v = random_kv(unique, block_size, device, gen)
     num_fp8 = cache["k_fp8"].shape[0]
+    fragment = fmt.is_fragment_pool(cache)  # the Gluon kernel's orders (MOEKV_DECODE_KERNEL=gluon)
     for name, kind, x in (("k", "key", k), ("v", "value", v)):
         for sub, pool in ((fmt.hi, "fp8"), (fmt.lo, "low")):
             slab = sub.layout(kind, block_size, HEAD_DIM).pack(sub.quantize(x, kind, cache.layer))
-            n = cache[f"{name}_{pool}"].shape[0]
-            cache[f"{name}_{pool}"].copy_(slab[torch.arange(n, device=device) % unique])
+            n = num_fp8 if pool == "fp8" else num_blocks
+            rows = torch.arange(n, device=device) % unique
+            if not fragment:
+                cache[f"{name}_{pool}"].copy_(slab[rows])
+            elif pool == "fp8":
+                from moekv.ops.gluon.tiered_layout import slabs_to_fragment
+
+                cache[f"{name}_fp8"].copy_(slabs_to_fragment(fmt.hi, kind, slab)[rows])
+            else:  # the unique pages converted once, their tables repeated
+                from moekv.ops.gluon.nuq2_layout import kind_to_fragment
+
+                for field, t in kind_to_fragment(fmt.lo, kind, slab, cache.layer).items():
+                    cache[field].copy_(t[rows])
     for name in ("k_staging", "v_staging"):
         cache[name].normal_(generator=gen)
         if context % block_size:
@@ -713,13 +802,16 @@ def main() -> None:
                 rows.append(row)
                 print_row(row)
         for label in args.formats:
-            gluon = FORMATS[label][0] in ("nuq2", "int4", "kivi2") and label not in NUQ2_VARIANTS and label != "tiered"
+            gluon = FORMATS[label][0] in ("nuq2", "int4", "kivi2", "tiered") and label not in NUQ2_VARIANTS
             if "triton" in args.kernel or not gluon:
                 row = bench_format(label, batch, context, args, device, gen, bandwidth, base)
                 rows.append(row)
                 print_row(row)
             if "gluon" in args.kernel and gluon:
-                rows.append(bench_gluon(label, batch, context, args, device, gen, bandwidth, base))
+                if label == "tiered":
+                    rows.append(bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base))
+                else:
+                    rows.append(bench_gluon(label, batch, context, args, device, gen, bandwidth, base))
                 print_row(rows[-1])
             write_record(args, bandwidth, started, peers, rows)  # after each row: a cut-off run keeps what it measured
     write_record(args, bandwidth, started, peers, rows)

@@ -45,6 +45,7 @@ from moekv.kvcache.formats.base import (
     check_finite,
     dense_attention,
     flag_nonfinite,
+    gluon_pages_wanted,
     stage_decode_tokens,
     stage_tokens,
     staging_tensors,
@@ -168,7 +169,66 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         for kind in ("key", "value"):
             hi, lo = self._slabs(kind, block_size, head_dim)
             total += lo + self.fp8_pool_fraction * hi
+        if self.fragment_pages(block_size, head_dim):  # the low tier in nuq2's fragment tables instead of slabs
+            from moekv.ops.gluon import nuq2_layout
+
+            total += nuq2_layout.fragment_bytes_per_page_head(self.lo) - sum(
+                self._slabs(kind, block_size, head_dim)[1] for kind in ("key", "value"))
         return math.ceil(num_kv_heads * total)
+
+    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/tiered_*.py) ----------------------------
+    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
+        """Whether pools of this shape keep their pages in the Gluon tiered kernel's orders (the low
+        tier in nuq2's fragment tables, moekv/ops/gluon/nuq2_layout.py; the FP8 slabs with their codes
+        in FP8 fragment order, tiered_layout.py), so that decode steps take that kernel:
+        MOEKV_DECODE_KERNEL as for the other formats (base.gluon_pages_wanted). Covered: block_size 64,
+        head_dim 128, page codebooks (calibrated ones keep slabs and the reference path)."""
+        covered = (block_size, head_dim) == (64, 128) and not self.lo.calibrated
+        return gluon_pages_wanted(covered, device, "tiered's Gluon kernel covers block_size 64, head_dim 128 and "
+                                  f"page codebooks (kv_codebook='page'), got block_size {block_size}, head_dim "
+                                  f"{head_dim}{', calibrated codebooks' if self.lo.calibrated else ''}")
+
+    def is_fragment_pool(self, cache) -> bool:
+        return "k_slot_delta" in cache.tensors
+
+    def _put_low(self, cache, name: str, kind: str, index: torch.Tensor, slabs: torch.Tensor) -> None:
+        """Freshly quantized nuq2 slabs [n, Hkv, slab] of `name` into the low tier at pages `index`."""
+        if not self.is_fragment_pool(cache):
+            cache[f"{name}_low"][index] = slabs
+            return
+        from moekv.ops.gluon.nuq2_layout import kind_to_fragment
+
+        for field, t in kind_to_fragment(self.lo, kind, slabs, cache.layer).items():
+            cache[field][index] = t
+
+    def _put_fp8(self, cache, name: str, kind: str, index: torch.Tensor, slabs: torch.Tensor) -> None:
+        """Freshly quantized fp8_e4m3 slabs into the FP8 pool at slots `index`."""
+        if self.is_fragment_pool(cache):
+            from moekv.ops.gluon.tiered_layout import slabs_to_fragment
+
+            slabs = slabs_to_fragment(self.hi, kind, slabs)
+        cache[f"{name}_fp8"][index] = slabs
+
+    def _fp8_pages(self, cache, kind: str, slots: torch.Tensor) -> torch.Tensor:
+        """FP8 slots dequantized: [n, Hkv, P, D] fp32."""
+        name = "k" if kind == "key" else "v"
+        slabs = cache[f"{name}_fp8"][slots]
+        if self.is_fragment_pool(cache):
+            from moekv.ops.gluon.tiered_layout import dequantize_fragment_slabs
+
+            return dequantize_fragment_slabs(self.hi, kind, slabs)
+        P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
+        return self.hi.dequantize(self.hi.layout(kind, P, D).unpack(slabs), kind, cache.layer)
+
+    def _low_pages(self, cache, kind: str, pages: torch.Tensor) -> torch.Tensor:
+        """Low-tier pages dequantized: [n, Hkv, P, D] fp32."""
+        if self.is_fragment_pool(cache):
+            from moekv.ops.gluon import nuq2_layout
+
+            return nuq2_layout.dequantize_fragment(nuq2_layout.fragment_view(cache, False, pages), kind)
+        name = "k" if kind == "key" else "v"
+        P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
+        return self.lo.dequantize(self.lo.layout(kind, P, D).unpack(cache[f"{name}_low"][pages]), kind, cache.layer)
 
     def check_layout(self, num_kv_heads, block_size, head_dim) -> None:
         self.hi.check_layout(num_kv_heads, block_size, head_dim)
@@ -208,11 +268,18 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype) -> LayerKVCache:
         num_fp8 = max(min(num_blocks, 3 * max_num_seqs), math.ceil(self.fp8_pool_fraction * num_blocks))
         t = staging_tensors(max_num_seqs, num_kv_heads, block_size, head_dim, dtype, device)
+        fragment = self.fragment_pages(block_size, head_dim, device)
         for kind, name in (("key", "k"), ("value", "v")):
             hi, lo = self._slabs(kind, block_size, head_dim)
             # one slot more: the scratch slot the padded fills of a replayed step write to
             t[f"{name}_fp8"] = torch.zeros(num_fp8 + 1, num_kv_heads, hi, dtype=torch.uint8, device=device)
-            t[f"{name}_low"] = torch.zeros(num_blocks, num_kv_heads, lo, dtype=torch.uint8, device=device)
+            if not fragment:
+                t[f"{name}_low"] = torch.zeros(num_blocks, num_kv_heads, lo, dtype=torch.uint8, device=device)
+        if fragment:  # nuq2's fragment tables for the low tier; FP8 codes in fragment order (zeros stay zeros)
+            from moekv.ops.gluon import nuq2_layout, tiered_layout
+
+            t.update(nuq2_layout.allocate_fragment_tables(self.lo, num_blocks, num_kv_heads, device))
+            tiered_layout.prepare_device(device)
         return LayerKVCache(t, nonfinite=torch.zeros((), dtype=torch.bool, device=device),
                             state=TieredState.empty(num_blocks, num_fp8, max_num_seqs, device))
 
@@ -378,7 +445,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         for name, kind in (("k", "key"), ("v", "value")):
             x = cache[f"{name}_staging"][ctx.fill_slots]  # [F, Hkv, P, D]
             flag_nonfinite(cache, x)
-            cache[f"{name}_fp8"][dest] = self.hi.quantize_packed(x, kind, cache.layer)
+            self._put_fp8(cache, name, kind, dest, self.hi.quantize_packed(x, kind, cache.layer))
 
     def _store_filled_staging(self, cache, ctx: Context) -> None:
         """After a decode step's tokens are staged: store the staging pages they completed."""
@@ -413,15 +480,15 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         # the demoted pages' FP8 slabs are read before this batch's pages take over their slots
         self._reencode_low(cache, [p for p, _ in demoted], [slot for _, slot in demoted])
         device = cache["k_staging"].device
-        for tier, fmt, rows, kvs in (("fp8", self.hi, [slot for _, slot in to_fp8.values()],
-                                      [kv for kv, _ in to_fp8.values()]),
-                                     ("low", self.lo, list(to_low), list(to_low.values()))):
+        for put, fmt, rows, kvs in ((self._put_fp8, self.hi, [slot for _, slot in to_fp8.values()],
+                                     [kv for kv, _ in to_fp8.values()]),
+                                    (self._put_low, self.lo, list(to_low), list(to_low.values()))):
             if not rows:
                 continue
             index = to_device(rows, torch.long, device)
             for name, kind in (("k", "key"), ("v", "value")):
                 x = torch.stack([kv[name] for kv in kvs])  # [n, Hkv, P, D]
-                cache[f"{name}_{tier}"][index] = fmt.quantize_packed(x, kind, cache.layer)
+                put(cache, name, kind, index, fmt.quantize_packed(x, kind, cache.layer))
         self._sync_pages(cache, [p for p, _ in demoted] + list(to_fp8) + list(to_low))
 
     def _choose_tiers(self, cache, pages: list[tuple[int, list[int]]]):
@@ -442,11 +509,9 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         device = cache["k_staging"].device
         slot_idx = to_device(slots, torch.long, device)
         page_idx = to_device(pages, torch.long, device)
-        P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
         for name, kind in (("k", "key"), ("v", "value")):
-            slabs = cache[f"{name}_fp8"][slot_idx]  # [n, Hkv, bytes]
-            x = self.hi.dequantize(self.hi.layout(kind, P, D).unpack(slabs), kind, cache.layer)
-            cache[f"{name}_low"][page_idx] = self.lo.quantize_packed(x, kind, cache.layer)
+            x = self._fp8_pages(cache, kind, slot_idx)
+            self._put_low(cache, name, kind, page_idx, self.lo.quantize_packed(x, kind, cache.layer))
 
     def _demote(self, cache, pages: list[int]) -> None:
         """Re-encode FP8 pages into nuq2 (in their low-pool slots) and free their FP8 slots, all of
@@ -486,18 +551,16 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     def _gather_pages(self, cache, pages: list[int], kind: str) -> torch.Tensor:
         """Dequantize logical pages from whichever tier holds them -> [n, Hkv, P, D] fp32."""
         st = cache.state
-        name = "k" if kind == "key" else "v"
         P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
-        out = torch.empty(len(pages), cache["k_staging"].shape[1], P, D, device=cache["k_staging"].device)
-        for tier, fmt, pool in ((TIER_FP8, self.hi, "fp8"), (TIER_LOW, self.lo, "low")):
+        Hkv = cache["k_staging"].shape[1]
+        out = torch.empty(len(pages), Hkv, P, D, device=cache["k_staging"].device)
+        for tier, read, slab in ((TIER_FP8, self._fp8_pages, 0), (TIER_LOW, self._low_pages, 1)):
             idx = [i for i, p in enumerate(pages) if st.tier[p] == tier]
             if not idx:
                 continue
             rows = [st.fp8_slot[pages[i]] if tier == TIER_FP8 else pages[i] for i in idx]
-            slabs = cache[f"{name}_{pool}"][to_device(rows, torch.long, out.device)]
-            layout = fmt.layout(kind, P, D)
-            out[to_device(idx, torch.long, out.device)] = fmt.dequantize(layout.unpack(slabs), kind, cache.layer)
-            self.bits_read += 8 * slabs.numel()
+            out[to_device(idx, torch.long, out.device)] = read(cache, kind, to_device(rows, torch.long, out.device))
+            self.bits_read += 8 * len(idx) * Hkv * self._slabs(kind, P, D)[slab]  # the slabs' bytes
             self.elements_read += len(idx) * out.shape[1] * P * D
         return out
 
@@ -538,11 +601,30 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
                 and not self.lo.calibrated and _kernel_shape_ok(P, q.shape[-1]) and _is_decode_only(q, ctx))
 
     def attend(self, q, cache, ctx, scale, sliding_window):
-        """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel); otherwise
-        (CPU, prefill) attend_reference."""
+        """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel: the Gluon one
+        when the pools are in fragment order, attend_gluon); otherwise (CPU, prefill) attend_reference."""
         if self.use_kernel(q, ctx, cache):
-            return self.attend_kernel(q, cache, ctx, scale, sliding_window)
+            if not self.is_fragment_pool(cache):
+                return self.attend_kernel(q, cache, ctx, scale, sliding_window)
+            if q.shape[1] // cache["k_staging"].shape[1] in (1, 2, 4, 8):  # the Gluon kernel's groups
+                return self.attend_gluon(q, cache, ctx, scale, sliding_window)
         return self.attend_reference(q, cache, ctx, scale, sliding_window)
+
+    def attend_gluon(self, q, cache, ctx, scale, sliding_window, **launch):
+        """One query per sequence through moekv/ops/gluon/tiered_decode.py (pools in fragment order):
+        both tiers and the staged tail in one launch, the per-page mass into the device accumulator
+        as attend_kernel's. launch: num_splits, max_registers."""
+        from moekv.ops.gluon import nuq2_layout
+        from moekv.ops.gluon.tiered_decode import tiered_decode_attention
+
+        st = cache.state
+        out, _ = tiered_decode_attention(q, nuq2_layout.fragment_view(cache, False), cache["k_fp8"], cache["v_fp8"],
+                                         st.tier_dev, st.slot_dev, ctx.block_tables, ctx.context_lens, scale,
+                                         fp8_fmt=self.hi,
+                                         staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
+                                         sliding_window=sliding_window, mass_into=st.mass_dev, **launch)
+        st.mass_pending = True
+        return out
 
     def attend_kernel(self, q, cache, ctx, scale, sliding_window, **launch):
         """One query per sequence through moekv/ops/decode/tiered.py: both tiers in one launch; the

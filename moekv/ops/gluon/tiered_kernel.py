@@ -1,0 +1,263 @@
+"""The Gluon kernel of tiered decode attention: FP8 pages and nuq2 pages in one launch, per-page
+attention mass out (see tiered_decode.py for the reference and the launcher, tiered_layout.py and
+nuq2_layout.py for the two fragment orders it reads).
+
+nuq2_kernel.py's design (one warp per program (b * Hkv + h, split), one 64-token page per tile,
+swap-AB mma_v2 products, split-K partials, the staged 16-bit tail as one more split, sliding windows)
+with a uniform branch per page on `page_tier` (1 FP8, else nuq2):
+  nuq2 page: nuq2_kernel._page_tile as it is (codes looked up into the A operand, the keys' affine
+    folded into q, outlier slots as one-hot products); the next page's codes load while this page
+    computes (register double buffering), masked off when the next page is FP8 (no bytes read);
+  FP8 page: 4 steps of 16 tokens (K [16, 128] and V^T [128, 16] as A operands, as the staged tail is
+    read: a whole page's fp16 tiles would not fit in registers beside the prefetched nuq2 codes);
+    per step 4 + 4 128-bit loads a thread, e4m3 -> fp16 by cvt.rn.f16x2.e4m3x2 (two codes an
+    instruction, exact), S^T = K @ q^T scaled per token by the key row scales, online softmax, and
+    O^T += (V^T @ (P^T * v_scale / v_max)) * v_max (the value row scales on P's rows, normalised by
+    the step's largest so fp16 P keeps its precision: moekv/ops/decode/tiered.py does the same).
+Attention mass (EMIT_MASS): per page, per query head, the sum of the page's probabilities relative to
+the split's running max after it, sum_n 2^(s_n - m), and that m (tile_sum, tile_max [B, Hq, max_pages]);
+the page's probabilities are accumulated from 0 for each page (exact, not a difference of running
+sums). moekv/ops/decode/tiered.py's _reduce_and_mass_kernel (TPP = 1: a tile is a page) turns them
+into each page's share with the head's final log2-sum-exp.
+Staged tail: tiered stores a page when it fills, so only the partly filled newest page is staged:
+tokens from (len // 64) * 64 on (nuq2's Gluon kernel: from ((len - 1) // 64) * 64 on).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from moekv.ops.gluon.nuq2_kernel import PAGE, ROWS, WORDS, _as_b_operand, _page_tile, _split_range, _staged_tile
+
+TIER_FP8 = gl.constexpr(1)  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
+STEP_WORDS = gl.constexpr(512)  # int32 words of FP8 codes per 16-token step (4 rows of 512 bytes)
+
+
+@gluon.jit
+def _e4m3_quads(x, like):
+    """x [4, 128, 1]: int32 words of 4 e4m3 codes, broadcast to like's shape [4, 128, 4] (4 consecutive
+    register elements: one word) -> the 4 codes as fp16, byte k of the word in element k (exact)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r,r,r,r", args=[gl.broadcast(x, like)[0]], dtype=gl.float16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _fp8_step(kx, vx, like, t, k_scale, v_scale, q_t, m_i, l_pg, acc, qk_scale, n_valid, n_first,
+              LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+    """16 tokens t of an FP8 page: codes kx, vx int32 [4, 128, 1] (a step's 4 rows of the FP8 fragment
+    order), row scales [16] -> (m, l_pg, acc) after them (online softmax, tokens [n_first, n_valid))."""
+    # K [16, 128]: [4 rows, 128 words, 4 bytes] = (f1 f0, g q4 y3 y2, y1 y0) -> (y1 g | f1 f0 y3 y2 q4 y0)
+    kf = gl.reshape(_e4m3_quads(kx, like), [2, 2, 8, 4, 2, 2, 2, 2])
+    kf = gl.permute(kf, [6, 2, 0, 1, 4, 5, 3, 7])
+    ka = gl.convert_layout(gl.reshape(kf, [16, 128]), LA, assert_trivial=True)
+    s = gl.nvidia.ampere.mma_v2(ka, q_t, gl.zeros([16, 8], gl.float32, layout=MMA))  # S^T [16, 8]
+    s = s * gl.expand_dims(k_scale * qk_scale, 1)
+    valid = gl.expand_dims((t < n_valid) & (t >= n_first), 1)
+    s = gl.where(valid, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 0))
+    l_pg = l_pg * alpha + gl.sum(p, axis=0)
+    v_max = gl.maximum(gl.max(v_scale, axis=0), 1e-30)
+    pb = _as_b_operand((p * gl.expand_dims(v_scale / v_max, 1)).to(gl.float16), 16, LB)
+    # V^T [128, 16]: (f1 f0, g q4 y3 y2, y1 y0) -> (f1 f0 y3 y1 g | y2 q4 y0)
+    vf = gl.reshape(_e4m3_quads(vx, like), [2, 2, 8, 4, 2, 2, 2, 2])
+    vf = gl.permute(vf, [0, 1, 4, 6, 2, 5, 3, 7])
+    va = gl.convert_layout(gl.reshape(vf, [128, 16]), LA, assert_trivial=True)
+    acc = acc * gl.expand_dims(alpha, 0) + gl.nvidia.ampere.mma_v2(va, pb, gl.zeros([128, 8], gl.float32,
+                                                                                     layout=MMA)) * v_max
+    return m_new, l_pg, acc
+
+
+@gluon.jit
+def _fp8_page(kf_w, vf_w, kf_h, vf_h, word0, half0, F_KS: gl.constexpr, F_VS: gl.constexpr, q_t, m_i, acc,
+              qk_scale, n_valid, n_first, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr,
+              L3: gl.constexpr, FP8_PREFETCH: gl.constexpr):
+    """One FP8 page (codes in FP8 fragment order at word0 of the int32 views, row scales at half0 +
+    F_KS / F_VS of the fp16 views), tokens [n_first, n_valid) counted, 16 a step (steps without one
+    skipped) -> (m, the page's probabilities relative to m, acc). FP8_PREFETCH: the next step's codes
+    load while this step computes (register double buffering: loop-carried, so ptxas cannot sink the
+    loads to their use, as it does without, below the key half), at 32 more registers."""
+    rr = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    ww = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    off = rr[:, None] * 128 + ww[None, :]  # [4, 128]: row r at word 128 r (2-D: the words' order vectorizes)
+    like = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
+    tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    l_pg = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+    lo = gl.maximum(n_first, 0) // 16
+    hi = gl.minimum((n_valid + 15) // 16, 4)  # steps [lo, hi) hold a counted token (the page holds one)
+    if FP8_PREFETCH:
+        kx = gl.load(kf_w + word0 + lo * STEP_WORDS + off)
+        vx = gl.load(vf_w + word0 + lo * STEP_WORDS + off)
+        for i in range(lo, hi):
+            more = (off < STEP_WORDS) & (i + 1 < hi)
+            kx_n = gl.load(kf_w + word0 + (i + 1) * STEP_WORDS + off, mask=more, other=0)
+            vx_n = gl.load(vf_w + word0 + (i + 1) * STEP_WORDS + off, mask=more, other=0)
+            t = i * 16 + tok
+            k_scale = gl.load(kf_h + half0 + F_KS // 2 + t).to(gl.float32)
+            v_scale = gl.load(vf_h + half0 + F_VS // 2 + t).to(gl.float32)
+            m_i, l_pg, acc = _fp8_step(gl.expand_dims(kx, 2), gl.expand_dims(vx, 2), like, t, k_scale, v_scale,
+                                       q_t, m_i, l_pg, acc, qk_scale, n_valid, n_first, LA, LB, MMA)
+            kx = kx_n
+            vx = vx_n
+    else:
+        for i in range(lo, hi):
+            kx = gl.expand_dims(gl.load(kf_w + word0 + i * STEP_WORDS + off), 2)  # [4, 128, 1]
+            vx = gl.expand_dims(gl.load(vf_w + word0 + i * STEP_WORDS + off), 2)
+            t = i * 16 + tok
+            k_scale = gl.load(kf_h + half0 + F_KS // 2 + t).to(gl.float32)
+            v_scale = gl.load(vf_h + half0 + F_VS // 2 + t).to(gl.float32)
+            m_i, l_pg, acc = _fp8_step(kx, vx, like, t, k_scale, v_scale, q_t, m_i, l_pg, acc, qk_scale, n_valid,
+                                       n_first, LA, LB, MMA)
+    return m_i, l_pg, acc
+
+
+@gluon.jit
+def _tiered_sequence(context_lens, window, HKV: gl.constexpr, STAGED: gl.constexpr):
+    """(b, h, split, length, quantized, first): as nuq2_kernel._sequence, with tiered's staging rule
+    (STAGED: the partly filled newest page only, tokens from (len // 64) * 64 on)."""
+    bh = gl.program_id(0)
+    split = gl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    length = gl.load(context_lens + b)
+    quantized = length
+    if STAGED:
+        quantized = (length // PAGE) * PAGE
+    first = gl.maximum(length - window, 0)
+    return b, h, split, length, quantized, first
+
+
+@gluon.jit
+def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
+                         k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
+                         kf_w, vf_w, kf_h, vf_h, page_tier, page_slot,
+                         q_ptr, block_tables, stride_bt, context_lens, seq_slots,
+                         k_stage, v_stage, stride_ss, stride_sh, stride_st,
+                         part_o, part_lse, tile_sum, tile_max, max_tiles, qk_scale, window, zero, num_splits, ns_total,
+                         HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
+                         EMIT_MASS: gl.constexpr, FW: gl.constexpr, F_KS: gl.constexpr, F_VS: gl.constexpr,
+                         FP8_PREFETCH: gl.constexpr = False):
+    """The low tier: nuq2_decode_kernel's tables (k_codes ... SV) over all N logical pages. The FP8
+    tier: kf_w, vf_w int32 and kf_h, vf_h fp16 views of the FP8 pools [F, HKV, slab] (FW int32 words a
+    slab, codes in FP8 fragment order, row scales at byte offsets F_KS / F_VS); page_tier [N] int32
+    (1: FP8), page_slot [N] int32 (the FP8 slot). q, block_tables, context_lens, staging and partials
+    as nuq2_decode_kernel's (STAGED: tokens from (len // 64) * 64 on are staged); tile_sum, tile_max
+    fp32 [B, HKV * G, max_tiles] (EMIT_MASS: one entry per page)."""
+    D: gl.constexpr = 128
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    LK4: gl.constexpr = gl.BlockedLayout([ROWS, 4, 4, 4], [1, 32, 1, 1], [1, 1, 1, 1], [2, 1, 3, 0])
+    LV4: gl.constexpr = gl.BlockedLayout([ROWS, 4, 4, 4], [1, 32, 1, 1], [1, 1, 1, 1], [2, 1, 0, 3])
+    LK2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LK4))
+    LV2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LV4))
+    # FP8 code tiles [4 rows, 128 words, 4 bytes (broadcast)], register order (byte, word, row)
+    L3: gl.constexpr = gl.BlockedLayout([4, 4, 4], [1, 32, 1], [1, 1, 1], [2, 1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
+
+    b, h, split, length, quantized, first = _tiered_sequence(context_lens, window, HKV, STAGED)
+    p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
+    bt_row = block_tables + b.to(gl.int64) * stride_bt
+    head0 = b.to(gl.int64) * (HKV * G) + h * G
+    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+
+    m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc = gl.zeros([D, 8], gl.float32, layout=MMA)
+
+    if split < num_splits:
+        qd = gl.arange(0, D, layout=gl.SliceLayout(1, QL))
+        qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
+        q_t = gl.load(q_ptr + (head0 + qn[None, :]) * D + qd[:, None],
+                      mask=(qn[None, :] < G) & (qd[:, None] < D), other=0.0).to(gl.float32)
+        q_t = gl.convert_layout(q_t.to(gl.float16), LB)
+        chan = gl.arange(0, D, layout=gl.SliceLayout(1, LB))
+        chan_a = gl.arange(0, D, layout=gl.SliceLayout(0, LA))
+
+        kr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LK2))
+        kw = gl.arange(0, 128, layout=gl.SliceLayout(0, LK2))
+        k_off = kr[:, None] * 128 + kw[None, :]
+        vr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LV2))
+        vw = gl.arange(0, 128, layout=gl.SliceLayout(0, LV2))
+        v_off = ((vr % 2) * 256 + (vr // 2) * 128)[:, None] + vw[None, :]
+        shift_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, LK4)))) * 2
+        shift_k = gl.expand_dims(gl.expand_dims(gl.expand_dims(shift_k, 0), 0), 0)
+        shift_k = shift_k + gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.zeros([4], gl.int32, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, LK4)))), 0), 0), 3)
+        shift_v = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, LV4)))) * 2
+        shift_v = gl.expand_dims(gl.expand_dims(gl.expand_dims(shift_v, 0), 0), 0)
+        shift_v = shift_v + gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.zeros([4], gl.int32, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, LV4)))), 0), 0), 3)
+
+        s0 = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
+        l0 = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+        mean_template = gl.zeros([PAGE, D], gl.float16, layout=LA)
+
+        # register double buffering of the nuq2 codes (loads masked off for FP8 pages)
+        last = gl.maximum(p1 - 1, 0)
+        pid = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64)
+        tier = gl.load(page_tier + pid)
+        page = pid * HKV + h
+        kx = gl.load(k_codes + page * WORDS + k_off, mask=(k_off < WORDS) & (tier != TIER_FP8), other=0)
+        vx = gl.load(v_codes + page * WORDS + v_off, mask=(v_off < WORDS) & (tier != TIER_FP8), other=0)
+        for pg in range(p0, p1):
+            pid_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64)
+            tier_n = gl.load(page_tier + pid_n)
+            page_n = pid_n * HKV + h
+            low_n = tier_n != TIER_FP8
+            if tier == TIER_FP8:
+                # the next page's nuq2 codes load after this page (not beside it: no registers to spare)
+                slot = gl.load(page_slot + pid).to(gl.int64) * HKV + h
+                m_new, l_pg, acc = _fp8_page(kf_w, vf_w, kf_h, vf_h, slot * FW, slot * (2 * FW), F_KS, F_VS, q_t,
+                                             m_i, acc, qk_scale, length - pg * PAGE, first - pg * PAGE,
+                                             LA, LB, MMA, L3, FP8_PREFETCH)
+                kx_n = gl.load(k_codes + page_n * WORDS + k_off, mask=(k_off < WORDS) & low_n, other=0)
+                vx_n = gl.load(v_codes + page_n * WORDS + v_off, mask=(v_off < WORDS) & low_n, other=0)
+            else:
+                kx_n = gl.load(k_codes + page_n * WORDS + k_off, mask=(k_off < WORDS) & low_n, other=0)
+                vx_n = gl.load(v_codes + page_n * WORDS + v_off, mask=(v_off < WORDS) & low_n, other=0)
+                scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
+                mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
+                mean_rows = gl.broadcast(mean, mean_template)[0]
+                q_scaled = q_t * scale
+                bias = gl.nvidia.ampere.mma_v2(mean_rows, q_t, s0)
+                nk = gl.load(k_used + page)
+                nv = gl.load(v_used + page)
+                m_new, l_pg, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k,
+                                              shift_v, q_scaled, bias, m_i, l0, acc, qk_scale, length - pg * PAGE,
+                                              first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
+                                              v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G,
+                                              CHUNK0, LA, LB, MMA)
+            l_i = l_i * gl.exp2(m_i - m_new) + l_pg
+            m_i = m_new
+            if EMIT_MASS:  # the page's probabilities relative to the running max after it, and that max
+                at = (head0 + on) * max_tiles + pg
+                gl.store(tile_sum + at, l_pg, mask=on < G)
+                gl.store(tile_max + at, m_i, mask=on < G)
+            kx = kx_n
+            vx = vx_n
+            pid = pid_n
+            tier = tier_n
+            page = page_n
+    elif STAGED:
+        slot = gl.load(seq_slots + b).to(gl.int64)
+        base = slot * stride_ss + h * stride_sh
+        m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+                                     qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
+
+    nonempty = l_i > 0
+    l_safe = gl.where(nonempty, l_i, 1.0)
+    o = acc / gl.expand_dims(l_safe, 0)
+    lse = gl.where(nonempty, m_i + gl.log2(l_safe), -float("inf"))
+    od = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    row = (head0 + on) * ns_total + split
+    gl.store(part_o + gl.expand_dims(row, 0) * D + gl.expand_dims(od, 1), o,
+             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < D, 1))
+    gl.store(part_lse + row, lse, mask=on < G)

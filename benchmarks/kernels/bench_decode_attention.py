@@ -519,18 +519,12 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
 
     P = args.block_size
     row = {"format": "tiered_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
-    saved = os.environ.get("MOEKV_DECODE_KERNEL")
-    os.environ["MOEKV_DECODE_KERNEL"] = "gluon"
     try:
-        fmt = get_kv_format("tiered", torch.bfloat16, codebook="page")
-        cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
+        with decode_kernel("gluon"):
+            fmt = get_kv_format("tiered", torch.bfloat16, codebook="page")
+            cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "skipped", "reason": f"no Gluon pools here: {type(e).__name__}: {e}"}
-    finally:
-        if saved is None:
-            os.environ.pop("MOEKV_DECODE_KERNEL", None)
-        else:
-            os.environ["MOEKV_DECODE_KERNEL"] = saved
     st = cache.state
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     scale = HEAD_DIM ** -0.5

@@ -511,7 +511,6 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass;
     side studies: max_registers_ms (other ptxas caps), fp8_prefetch_ms (the other FP8 step loop, with
     its error against the reference in fp8_prefetch_err)."""
-    import os
 
     from moekv.kvcache.formats.tiered import TIER_FP8
     from moekv.ops.gluon import nuq2_layout

@@ -25,9 +25,10 @@ from moekv.engine.cuda_graphs import EMULATE_GRAPHS_ENV
 from moekv.layers.parallel import ExpertParallel, StaticDispatch, TPGroup
 from moekv.ops.reference import fused_moe_ref
 
-PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [12, 13, 14]}]
-# different lengths: batch 2 (bucket 2), then batch 1 (bucket 1); logprobs compare the decode logits
-PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3) for n in (9, 5)]
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [12, 13, 14]},
+           {"prompt_token_ids": [40, 41, 42, 43, 44]}]
+# different lengths: batch 3 (bucket 4: one padding row), 2, then 1; logprobs compare the decode logits
+PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3) for n in (9, 7, 5)]
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, block_size=16, num_kv_blocks=48, max_num_seqs=4)
 
 
@@ -165,13 +166,13 @@ def test_two_ranks_replay_the_variants_rank0_picks(mixtral_ckpt, monkeypatch, on
     ref_tokens, ref_logprobs = one_process
     assert tokens == ref_tokens
     _assert_same_logprobs(logprobs, ref_logprobs)
-    # rank 0 picked batch buckets 2 then 1 (no fill lists for fp32 pages: fill bucket 0); rank 1 captured
-    # and replayed the same variants in the same order
+    # after the prefill (eager) rank 0 picked batch bucket 4 for 4 decode steps (until the 5-token request
+    # ends), bucket 2 for 2, then bucket 1 for 2 (fp32 pages: no fill lists, fill bucket 0); rank 1
+    # captured and replayed the same variants in the same order
     r0, r1 = ranks
-    assert r0["captured"] == r1["captured"] == [(1, 0), (2, 0)]
-    assert r0["replayed"] == r1["replayed"] and len(r0["replayed"]) == sum(p.max_tokens for p in PARAMS) - 2 - 1
-    assert r0["replayed"][0] == (2, 0) and r0["replayed"][-1] == (1, 0)
-    assert r0["num_captures"] == r1["num_captures"] == 2
+    assert r0["captured"] == r1["captured"] == [(1, 0), (2, 0), (4, 0)]
+    assert r0["replayed"] == r1["replayed"] == [(4, 0)] * 4 + [(2, 0)] * 2 + [(1, 0)] * 2
+    assert r0["num_captures"] == r1["num_captures"] == 3
     if async_scheduling:
         assert follow_on > 0  # follow-on steps replayed, their tokens broadcast before the replay
     if expert_parallel:
@@ -213,7 +214,7 @@ def test_a_rank_that_fails_a_replayed_step(mixtral_ckpt, monkeypatch, one_proces
             tokens, _ = _outputs(llm)
             assert tokens == one_process[0]
             ranks = engine.runner.parallel_graph_stats()
-            assert ranks[0]["captured"] == ranks[1]["captured"] == [(1, 0), (2, 0)]  # recaptured
+            assert ranks[0]["captured"] == ranks[1]["captured"] == [(1, 0), (2, 0), (4, 0)]  # recaptured
         assert engine.block_manager.num_used_blocks == 0
     finally:
         engine.shutdown()
@@ -259,7 +260,7 @@ def test_world_size_one_parallel_path_on_the_cpu(mixtral_ckpt, monkeypatch, one_
 
 GPU_ENGINE = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=4, block_size=16, kv_cache_dtype="bf16",
                   num_kv_blocks=64)
-GPU_PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (40, 30)]
+GPU_PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (40, 30, 20)]
 
 
 def _gpu_outputs(llm):
@@ -297,14 +298,14 @@ def test_world_size_one_nccl_graphs_match_eager(hd32_ckpt, monkeypatch, expert_p
         assert graphs is not None and graphs.use_graphs and runner.parallel.backend == "nccl"
         out = _gpu_outputs(llm)
         assert runner.graphs is graphs, "the graph path failed (see the log)"
-        assert graphs.num_replays > 20 and {b for b, _ in graphs.graphs} == {2, 1}
+        assert graphs.num_replays > 20 and {b for b, _ in graphs.graphs} == {4, 2, 1}
         stats = runner.graph_stats()
     finally:
         llm.engine.shutdown()
     exact = _assert_graph_tokens_match_eager(ref, out)
     if expert_parallel:
         assert stats["static_ep_bytes"] == 0  # one rank: nothing crosses, nothing counted
-    print(f"\nworld size 1, NCCL graphs vs eager ({'tp+ep' if expert_parallel else 'tp'}): {exact}/2 identical, "
+    print(f"\nworld size 1, NCCL graphs vs eager ({'tp+ep' if expert_parallel else 'tp'}): {exact}/3 identical, "
           f"{graphs.num_replays} replays")
 
 
@@ -335,7 +336,7 @@ def test_two_gpus_nccl_graphs_match_eager(hd32_ckpt, expert_parallel):
         llm.engine.shutdown()
     exact = _assert_graph_tokens_match_eager(ref, out)
     assert ranks[0]["replayed"] == ranks[1]["replayed"] and len(ranks[0]["replayed"]) > 20
-    assert ranks[0]["captured"] == ranks[1]["captured"] == [(1, 0), (2, 0)]
+    assert ranks[0]["captured"] == ranks[1]["captured"] == [(1, 0), (2, 0), (4, 0)]
     if expert_parallel and exact == len(ref):  # the same tokens routed: the same bytes
         assert got_bytes == ref_bytes and sum(r["static_ep_bytes"] for r in ranks) > 0
-    print(f"\n2 GPUs, NCCL graphs vs eager ({'tp+ep' if expert_parallel else 'tp'}): {exact}/2 identical")
+    print(f"\n2 GPUs, NCCL graphs vs eager ({'tp+ep' if expert_parallel else 'tp'}): {exact}/3 identical")

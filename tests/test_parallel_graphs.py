@@ -183,6 +183,26 @@ def test_two_ranks_replay_the_variants_rank0_picks(mixtral_ckpt, monkeypatch, on
         assert eager_two_ranks[0] == ref_tokens
 
 
+def test_two_ranks_replay_page_filling_steps(hd32_ckpt, monkeypatch):
+    """fp8 pages (quantized from the step's fill lists inside the captured step): replayed steps that
+    fill a page take a fill-bucket variant on both ranks, with the one-process tokens and logprobs."""
+    kwargs = dict(ENGINE, kv_cache_dtype="fp8_e4m3")
+    ref_tokens, ref_logprobs = _outputs(LLM(model=str(hd32_ckpt), **kwargs))
+    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    llm = LLM(model=str(hd32_ckpt), **kwargs, tensor_parallel_size=2, enable_expert_parallel=True,
+              distributed_timeout=60)
+    try:
+        assert llm.engine.runner.graphs.fill_variants
+        tokens, logprobs = _outputs(llm)
+        r0, r1 = llm.engine.runner.parallel_graph_stats()
+    finally:
+        llm.engine.shutdown()
+    assert tokens == ref_tokens
+    _assert_same_logprobs(logprobs, ref_logprobs)
+    assert r0["replayed"] == r1["replayed"] and len(r0["replayed"]) == 8
+    assert any(fills for _, fills in r0["replayed"]), "no replayed step filled a page: a weak test"
+
+
 def test_a_rank_that_fails_a_replayed_step(mixtral_ckpt, monkeypatch, one_process):
     """A failure on rank 1 in a replayed step, before the replay (loading its inputs: no rank
     replays) and inside it (the emulated replay's layer; the other rank's collective times out):

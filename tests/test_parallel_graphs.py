@@ -186,7 +186,7 @@ def test_two_ranks_replay_the_variants_rank0_picks(mixtral_ckpt, monkeypatch, on
 def test_two_ranks_replay_page_filling_steps(hd32_ckpt, monkeypatch):
     """fp8 pages (quantized from the step's fill lists inside the captured step): replayed steps that
     fill a page take a fill-bucket variant on both ranks, with the one-process tokens and logprobs."""
-    kwargs = dict(ENGINE, kv_cache_dtype="fp8_e4m3")
+    kwargs = dict(ENGINE, kv_cache_dtype="fp8_e4m3", block_size=8)  # decodes reach contexts 8 and 16
     ref_tokens, ref_logprobs = _outputs(LLM(model=str(hd32_ckpt), **kwargs))
     monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
     llm = LLM(model=str(hd32_ckpt), **kwargs, tensor_parallel_size=2, enable_expert_parallel=True,

@@ -682,7 +682,17 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Stop the worker ranks, if any."""
         if self.parallel is not None and self.rank == 0:
+            self.release_graphs()
             self.parallel.shutdown()
+
+    def release_graphs(self) -> None:
+        """Before a rank leaves its groups: finish the device's work and drop the captured graphs, so
+        that no graph holding the compute group's collectives outlives the group (destroying a NCCL
+        group after capture is reported to hang in some torch versions: pytorch#115388)."""
+        if self.graphs is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.graphs.reset()
 
     def _plan(self, out: SchedulerOutput) -> StepPlan:
         """The host-side inputs of a scheduled step."""

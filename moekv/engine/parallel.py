@@ -383,6 +383,7 @@ def serve_commands(group: ParallelGroup, runner) -> None:
         except Exception:  # rank 0 is gone
             return
         if command == "shutdown":
+            runner.release_graphs()
             break
         if command == "step":
             error = None

@@ -1,5 +1,5 @@
 """benchmarks/e2e/bench_parallel_cost.py's CPU rehearsal: the parallel code path at world size 1
-(the engine's ParallelGroup on gloo, shard_model, ExpertParallel dispatch) gives the single-device
+(the engine's ParallelGroup on gloo, shard_model, ExpertParallel dispatch, dynamic and static) gives the single-device
 path's logits exactly, and every variant of every point is timed."""
 from __future__ import annotations
 
@@ -22,6 +22,6 @@ def test_smoke_run_matches_single_path(tmp_path):
     for row in record["rows"]:
         assert "skipped" not in row, row
         assert row["protocol_ms"] > 0
-        for variant in ("single", "tp", "tp+ep"):
+        for variant in ("single", "tp", "tp+ep", "tp+ep-static"):
             assert row[variant]["tpot_eager_ms"] > 0
             assert row[variant]["max_abs_logit_diff_vs_single"] == 0.0

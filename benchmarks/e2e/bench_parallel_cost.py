@@ -12,7 +12,9 @@ layers' `tp` / `ep` attributes only (the weights are the same tensors):
 - `tp`: attention, dense MLPs and experts with their all-reduce on the compute group (the path of
   tensor_parallel_size > 1 without expert parallelism);
 - `tp+ep`: as `tp`, the experts through ExpertParallel with token dispatch (placement: every
-  expert on rank 0), the path of enable_expert_parallel.
+  expert on rank 0), the path of enable_expert_parallel;
+- `tp+ep-static`: as `tp+ep` with the shape-static dispatch (StaticDispatch active: all_to_all_single
+  of fixed [world, T, H] buffers), the path a captured decode step of an N > 1 engine takes.
 
 Each variant is timed eagerly and captured in a CUDA graph (its NCCL all-reduces inside the graph),
 interleaved over `--rounds` rounds (the median of the rounds' medians is reported). Each row also
@@ -45,7 +47,7 @@ from bench_decode import SHAPES, capture_graph, install_filled_caches, kv_bytes_
 from moekv.engine.parallel import ParallelGroup, StepInputs, shard_model  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.layers.moe import SparseMoE  # noqa: E402
-from moekv.layers.parallel import shard_moe  # noqa: E402
+from moekv.layers.parallel import StaticDispatch, shard_moe  # noqa: E402
 from moekv.models import mixtral  # noqa: E402
 from moekv.models.loader import empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
@@ -55,7 +57,7 @@ SMOKE_SHAPE = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_att
                    max_position_embeddings=4096, rms_norm_eps=1e-5)
 POINTS = [(1, 4096), (32, 32768)]
 SMOKE_POINTS = [(1, 64), (4, 256)]
-VARIANTS = ("single", "tp", "tp+ep")
+VARIANTS = ("single", "tp", "tp+ep", "tp+ep-static")
 ACTIVATION_RESERVE = 6 << 30
 
 
@@ -82,19 +84,23 @@ class Variants:
         self.model, self.tp = model, group.tp
         shard_model(model, cfg, group.tp, None)  # world size 1: every head, every expert's whole width
         self.ep = {}
+        device = next(model.parameters()).device
+        self.static = StaticDispatch(device)  # its rows: set to the batch by run_point
         for i, layer in enumerate(model.layers):
             if isinstance(layer.mlp, SparseMoE):  # every expert on rank 0, tokens dispatched
                 shard_moe(layer.mlp, group.tp, torch.zeros(cfg.num_experts, dtype=torch.long), dispatch=True)
-                self.ep[i] = layer.mlp.ep.to(next(model.parameters()).device)
+                self.ep[i] = layer.mlp.ep.to(device)
+                self.ep[i].static = self.static
                 layer.mlp.ep = None
 
     def use(self, name: str) -> None:
         tp = None if name == "single" else self.tp
+        self.static.active = name == "tp+ep-static"
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.tp = tp
             layer.mlp.tp = tp
             if i in self.ep:
-                layer.mlp.ep = self.ep[i] if name == "tp+ep" else None
+                layer.mlp.ep = self.ep[i] if name.startswith("tp+ep") else None
 
 
 def median(xs: list[float]) -> float:
@@ -126,6 +132,7 @@ def run_point(model, cfg, variants: Variants, group: ParallelGroup, fmt_name: st
         return row
     ctx = install_filled_caches(model, cfg, fmt, batch, context, block_size, device)
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=device, generator=torch.Generator(device).manual_seed(0))
+    variants.static.count_rows(batch)  # every row real (tp+ep-static)
     use_graphs = device.type == "cuda"
     logits, graphs, eager, replay = {}, {}, {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
 
@@ -236,7 +243,7 @@ def main() -> None:
                 r = row[v]
                 graph = f"graph {r['tpot_graph_ms']:8.3f} ms" if "tpot_graph_ms" in r else (
                     "graph -" + (f" [{row.get('graph_error_' + v)}]" if row.get("graph_error_" + v) else ""))
-                print(f"{head} {v:>6}: eager {r['tpot_eager_ms']:8.3f} ms  {graph}  "
+                print(f"{head} {v:>12}: eager {r['tpot_eager_ms']:8.3f} ms  {graph}  "
                       f"max|dlogit| {r['max_abs_logit_diff_vs_single']:.3g}", flush=True)
             print(f"{head} command round (broadcast + status) {row['protocol_ms']:.3f} ms", flush=True)
     record = {

@@ -27,7 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import time
 
         start = time.perf_counter()
-        n = engine.runner.graphs.capture_all()
+        n = engine.runner.capture_decode_graphs()
         print(f"moekv serve: captured {n} decode-step CUDA graphs in {time.perf_counter() - start:.1f} s", flush=True)
     app = build_app(engine, model_name=args.served_model_name, max_queue=args.max_queue, options=options)
     name = app.state.moekv.model_name

@@ -29,10 +29,24 @@ The captured Context says
 the replay skips implements GraphStepHooks (tiered: its FP8 slots, step count, re-ranking, and the
 flag that the mass accumulator holds new mass): the runner calls its `prepare_graph_step` before
 each replay and `after_graph_replay` after it.
+
+Several ranks (tensor_parallel_size > 1): every rank holds a DecodeGraphs of the same buckets, and
+its graphs hold the step's collectives (NCCL inside the graph; expert-parallel dispatch through the
+shape-static path, layers/parallel.py StaticDispatch). Ranks never capture or replay on their own:
+rank 0 commands each capture and each replay (engine/parallel.py, `GraphStep`), so every rank
+captures the same (bucket, fill bucket) at the same time and replays the same graph in the same
+step. The pieces are split for that: `load_step` (the step's inputs into the static buffers: the
+part that can fail on the host), `replay` (the captured step: the graph, or with use_graphs=False
+the same static-buffer step function run eagerly, which is what the CPU tests exercise), and
+`capture(..., upload=False)` + `upload` (the first launch runs the collectives, so it waits until
+every rank has captured).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +57,15 @@ from moekv.context import Context, filling_rows
 log = logging.getLogger("moekv")
 
 GRAPH_DTYPES = (torch.float16, torch.bfloat16)  # the fused decode kernel's query dtypes
+# tests: on a device without CUDA graphs, run the graph path anyway, each "replay" being the same
+# static-buffer step run eagerly (use_graphs=False); read by every rank, so that rank 0 and the
+# workers it spawns take the same path (tests/test_parallel_graphs.py)
+EMULATE_GRAPHS_ENV = "MOEKV_EMULATE_CUDA_GRAPHS"
+
+
+def emulate_graphs() -> bool:
+    """Whether MOEKV_EMULATE_CUDA_GRAPHS=1 asks for the emulated graph path (tests, CPU)."""
+    return os.environ.get(EMULATE_GRAPHS_ENV, "0") == "1"
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -162,8 +185,11 @@ class DecodeGraphs:
 
     def __init__(self, model, device: torch.device, max_num_seqs: int, max_pages_per_seq: int, block_size: int,
                  scratch_page: int, scratch_slot: int, use_graphs: bool = True, fill_variants: bool = False,
-                 after_forward=None, counted_rows=None) -> None:
+                 after_forward=None, counted_rows=None, step_scope=None) -> None:
         self.model = model
+        # step_scope(): a context manager around the model's forward in the captured step (several
+        # ranks: the expert-parallel layers' static dispatch is active inside it)
+        self.step_scope = step_scope
         self.after_forward = after_forward  # after_forward(ctx): the step's work after its last layer
         # counted_rows(n): tells the model's in-graph counters (routing locality) that only the first n
         # rows of the next steps are real (warm-up and capture: none; a replay: its batch, not the padding)
@@ -198,6 +224,8 @@ class DecodeGraphs:
         self.pool = None
         self.num_captures = 0
         self.num_replays = 0
+        # (bucket, fill bucket) of the latest replays, in order (tests: every rank replayed the same)
+        self.replayed: deque[tuple[int, int]] = deque(maxlen=1024)
 
     def context(self, bucket: int, fills: int = 0) -> Context:
         """The static buffers as a Context; fills > 0: the first `fills` entries of the fill lists
@@ -236,22 +264,32 @@ class DecodeGraphs:
             dst[:b].copy_(torch.from_numpy(src), non_blocking=True)
 
     def _step(self, bucket: int, fills: int = 0) -> torch.Tensor:
+        """The captured step: the model over the static buffers -> logits [bucket, V] fp32."""
         ctx = self.context(bucket, fills)
-        hidden = self.model(self.input_ids[:bucket], ctx)
+        with self.step_scope() if self.step_scope is not None else contextlib.nullcontext():
+            hidden = self.model(self.input_ids[:bucket], ctx)
         if self.after_forward is not None:
             self.after_forward(ctx)
         return self.model.compute_logits(hidden)  # [bucket, V] fp32
 
-    def capture(self, bucket: int, fills: int = 0) -> None:
+    def capture(self, bucket: int, fills: int = 0, upload: bool = True) -> None:
         """Warm up on a side stream (Triton compiles, the allocator settles), then capture. Every
         row is a padding row meanwhile (and every fill the scratch slot into the scratch page), so
-        warm-up and capture touch only the scratch page/slot."""
+        warm-up and capture touch only the scratch page/slot. upload=False leaves the graph's first
+        launch to `upload` (several ranks: it runs the collectives, so only once every rank has
+        captured). With use_graphs=False (emulated) the warm-up step runs once and nothing is
+        captured: the variant is recorded, and `replay` runs the step function."""
         if (bucket, fills) in self.graphs:
             return
         self.load(self.pad([], [], [], [], [], [], bucket))
         self.load_fills([], [], fills)
         if self.counted_rows is not None:
             self.counted_rows(0)
+        if not self.use_graphs:
+            self._step(bucket, fills)
+            self.graphs[(bucket, fills)] = (None, None)
+            self.num_captures += 1
+            return
         with torch.cuda.device(self.device):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -265,12 +303,25 @@ class DecodeGraphs:
             # thread_local: a server's other threads may touch CUDA (metrics) while this one captures
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self._step(bucket, fills)
-            # a graph's first launch also uploads it to the device: do that here, on the padding
-            # rows still in the buffers, not inside the first step that needs the graph
-            graph.replay()
         self.graphs[(bucket, fills)] = (graph, logits)
         self.num_captures += 1
         log.info("captured the decode step for batch bucket %d, %d page fills", bucket, fills)
+        if upload:
+            self.upload(bucket, fills)
+
+    def upload(self, bucket: int, fills: int = 0) -> None:
+        """A graph's first launch also uploads it to the device: done on the padding rows still in the
+        buffers (after capture), not inside the first step that needs the graph."""
+        graph, _ = self.graphs[(bucket, fills)]
+        if graph is not None:
+            with torch.cuda.device(self.device):
+                graph.replay()
+
+    def reset(self) -> None:
+        """Forget every graph (several ranks: the compute group they captured was rebuilt after a failed
+        step, so their collectives would run on a destroyed communicator); recaptured on use."""
+        self.graphs.clear()
+        self.pool = None
 
     def variants(self) -> list[tuple[int, int]]:
         """Every (batch bucket, fill bucket) a step may need, largest batch first."""
@@ -287,13 +338,16 @@ class DecodeGraphs:
             self.capture(bucket, fills)
         return len(self.graphs) - before
 
-    def capture_for(self, batch: int, num_fills: int) -> tuple[int, int]:
-        """The (batch bucket, fill bucket) of a step of `batch` sequences filling `num_fills` pages,
-        its graph captured if it is not yet (with use_graphs)."""
+    def variant_for(self, batch: int, num_fills: int) -> tuple[int, int]:
+        """The (batch bucket, fill bucket) of a step of `batch` sequences filling `num_fills` pages."""
         bucket = bucket_for(batch, self.buckets)
         if bucket is None:
             raise ValueError(f"batch {batch} is larger than the largest bucket {self.max_batch}")
-        fills = self.fill_bucket(num_fills, bucket)
+        return bucket, self.fill_bucket(num_fills, bucket)
+
+    def capture_for(self, batch: int, num_fills: int) -> tuple[int, int]:
+        """variant_for, its graph captured if it is not yet (with use_graphs)."""
+        bucket, fills = self.variant_for(batch, num_fills)
         if self.use_graphs:
             self.capture(bucket, fills)
         return bucket, fills
@@ -309,13 +363,26 @@ class DecodeGraphs:
         step before, not yet on the host), in place of input_ids."""
         batch = len(input_ids)
         bucket, fills = self.capture_for(batch, len(fill_slots))
+        self.load_step(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, fill_slots,
+                       fill_pages, bucket, fills, input_ids_device)
+        return self.replay(bucket, fills, batch)
+
+    def load_step(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+                  block_tables: list[list[int]], context_lens: list[int], seq_slots: list[int],
+                  fill_slots: list[int], fill_pages: list[int], bucket: int, fills: int,
+                  input_ids_device: torch.Tensor | None = None) -> None:
+        """A step's inputs into the static buffers of variant (bucket, fills), padded."""
         self.load(self.pad(input_ids, positions, slot_mapping, block_tables, context_lens, seq_slots, bucket))
         if fills:
             self.load_fills(fill_slots, fill_pages, fills)
         if input_ids_device is not None:  # device to device, queued after the step that samples them
-            self.input_ids[:batch].copy_(input_ids_device)
+            self.input_ids[:len(input_ids)].copy_(input_ids_device)
         if self.counted_rows is not None:
-            self.counted_rows(batch)
+            self.counted_rows(len(input_ids))
+
+    def replay(self, bucket: int, fills: int, batch: int) -> torch.Tensor:
+        """Run the captured step of variant (bucket, fills) on the static buffers (load_step first) ->
+        the first `batch` rows of its logits. use_graphs=False: the same step function, eagerly."""
         if self.use_graphs:
             graph, logits = self.graphs[(bucket, fills)]
             with torch.cuda.device(self.device):
@@ -323,4 +390,5 @@ class DecodeGraphs:
         else:
             logits = self._step(bucket, fills)
         self.num_replays += 1
+        self.replayed.append((bucket, fills))
         return logits[:batch]

@@ -9,6 +9,7 @@ CUDA-graph replay write and read only there (engine/cuda_graphs.py).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -16,9 +17,17 @@ import torch
 
 from moekv.config import EngineConfig, parse_dtype
 from moekv.context import Context, HostLists, MixedSplit, filling_rows, to_device
-from moekv.engine.cuda_graphs import DecodeGraphs, decode_fills, graphs_unsupported_reason, step_fits_graph
+from moekv.engine.cuda_graphs import (
+    DecodeGraphs,
+    decode_fills,
+    emulate_graphs,
+    graphs_unsupported_reason,
+    step_fits_graph,
+)
 from moekv.engine.parallel import (
+    GraphStep,
     ParallelGroup,
+    ParallelStepError,
     StepInputs,
     expert_parallel_bytes,
     inject_fault,
@@ -32,7 +41,7 @@ from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import get_kv_format
 from moekv.kvcache.formats.base import GraphStepHooks, nonfinite_verdict, raise_nonfinite
-from moekv.layers.parallel import shard_plan
+from moekv.layers.parallel import StaticDispatch, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.loader import Shard, install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
@@ -251,23 +260,69 @@ class ModelRunner:
         # staging slot (partly filled newest page) of each running sequence
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._slots: dict[str, int] = {}
-        # CUDA graphs of the decode step (None: every step runs eagerly, for the reason logged)
+        # several ranks: expert-parallel layers dispatch shape-statically inside a captured decode step
+        self.static_dispatch: StaticDispatch | None = None
+        if self.parallel is not None:
+            eps = [moe.ep for moe in moe_layers(self.model).values() if moe.ep is not None and moe.ep.dispatch]
+            if eps:
+                self.static_dispatch = StaticDispatch(self.device)
+                for ep in eps:
+                    ep.static = self.static_dispatch
+            self.parallel.on_rebuild.append(self._drop_graphs)
+        self._fail_next_graph_load = False  # tests (inject_fault "graph_load")
+        # CUDA graphs of the decode step (None: every step runs eagerly, for the reason logged).
+        # MOEKV_EMULATE_CUDA_GRAPHS=1 (tests): the graph path without graphs, each replay the same
+        # static-buffer step run eagerly, on any device and dtype
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
         self.graphs: DecodeGraphs | None = None
-        reason = graphs_unsupported_reason(self.device, config.enforce_eager, self.kv_format, self.dtype,
-                                           self.block_size, model_cfg.head_dim)
+        emulated = emulate_graphs()
+        if config.enforce_eager:
+            reason = "enforce_eager=True"
+        elif emulated:
+            reason = None if self.kv_format.graph_support.replays_decode else (
+                f"kv_cache_dtype={self.kv_format.name!r} runs decode steps eagerly")
+        else:
+            reason = graphs_unsupported_reason(self.device, config.enforce_eager, self.kv_format, self.dtype,
+                                               self.block_size, model_cfg.head_dim)
         if reason is None and self.experts is not None:
             reason = "expert_offload=True reads each MoE layer's routing on the host (cache misses, prefetch)"
-        if reason is None and self.parallel is not None:
-            reason = "tensor_parallel_size > 1 (collectives are not captured yet)"
+        if reason is None and self.parallel is not None and isinstance(self.kv_format, GraphStepHooks):
+            reason = (f"kv_cache_dtype={self.kv_format.name!r} does host-side work around each replayed step on "
+                      "each rank, which the ranks do not coordinate yet (tensor_parallel_size > 1)")
         if reason is None:
+            counted = self._count_rows if self.locality is not None or self.static_dispatch is not None else None
             self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
                                        self.block_size, self.scratch_page, self.scratch_slot,
+                                       use_graphs=not emulated,
                                        fill_variants=self.kv_format.graph_support.lists_fills,
-                                       after_forward=self.quantize_filled_pages,
-                                       counted_rows=None if self.locality is None else self.locality.count_rows)
+                                       after_forward=self.quantize_filled_pages, counted_rows=counted,
+                                       step_scope=None if self.static_dispatch is None else self._static_step)
         elif self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", reason)
+
+    def _count_rows(self, rows: int) -> None:
+        """Before a captured step (capture: 0, replay: its batch): how many leading rows are real, for the
+        in-graph counters (routing locality, expert-parallel bytes)."""
+        if self.locality is not None:
+            self.locality.count_rows(rows)
+        if self.static_dispatch is not None:
+            self.static_dispatch.count_rows(rows)
+
+    @contextlib.contextmanager
+    def _static_step(self):
+        """Inside a captured (or emulated) decode step: expert-parallel dispatch is shape-static."""
+        self.static_dispatch.active = True
+        try:
+            yield
+        finally:
+            self.static_dispatch.active = False
+
+    def _drop_graphs(self) -> None:
+        """The compute group was rebuilt (a failed step): graphs captured on the old one are void."""
+        if self.graphs is not None and self.graphs.graphs:
+            log.info("rank %d: compute group rebuilt; dropping %d captured decode graphs", self.rank,
+                     len(self.graphs.graphs))
+            self.graphs.reset()
 
     # -- KV pool sizing ----------------------------------------------------------------------
     @property
@@ -474,6 +529,131 @@ class ModelRunner:
         self.quantize_filled_pages(ctx)
         return hidden, ctx
 
+    # -- decode graphs over several ranks (rank 0 commands, every rank runs) ---------------------
+    def _parallel_graph_step(self, plan: StepPlan, block_tables: list[list[int]], fill_slots: list[int],
+                             fill_pages: list[int]) -> torch.Tensor | None:
+        """Rank 0: the decode step replayed on every rank from the graph of the variant its batch
+        needs (captured on every rank first if it is not yet) -> logits [B, V] fp32; None: the
+        capture failed and graphs are off, run the step eagerly."""
+        bucket, fills = self.graphs.variant_for(len(plan.input_ids), len(fill_slots))
+        if (bucket, fills) not in self.graphs.graphs and not self._capture_everywhere(bucket, fills):
+            return None
+        step = GraphStep(bucket, fills, plan.input_ids, plan.positions, plan.slots, block_tables, plan.context_lens,
+                         plan.seq_slots, fill_slots, fill_pages, tokens_on_device=plan.input_ids_device is not None)
+        with self.parallel.lock:
+            self.parallel.send("graph_step", step)
+            return self.run_graph_step(step, plan.input_ids_device)
+
+    def _capture_everywhere(self, bucket: int, fills: int) -> bool:
+        """Rank 0: every rank captures variant (bucket, fills); False when a rank failed to (graphs
+        are then off on every rank)."""
+        with self.parallel.lock:
+            self.parallel.send("capture_graph", (bucket, fills))
+            try:
+                self.capture_graph(bucket, fills)
+            except ParallelStepError:
+                if self.parallel.broken is not None:
+                    raise
+                log.exception("capturing the decode step failed on a rank; decode steps run eagerly from now on")
+                return False
+        return True
+
+    def capture_graph(self, bucket: int, fills: int) -> None:
+        """Every rank, on rank 0's command: capture variant (bucket, fills), report, then launch it once
+        (the upload runs its collectives: only once every rank has captured). A failure anywhere turns
+        graphs off on every rank (ParallelStepError)."""
+        error = None
+        try:
+            if self.graphs is None:
+                raise RuntimeError(f"rank {self.rank} runs decode steps eagerly (no graphs)")
+            self.graphs.capture(bucket, fills, upload=False)
+        except Exception as e:
+            error = e
+        try:
+            self.parallel.finish_step(error)
+        except ParallelStepError:
+            self.graphs = None
+            raise
+        try:
+            self.graphs.upload(bucket, fills)
+        except Exception as e:
+            self._replay_failed(e)
+
+    def run_graph_step(self, step: GraphStep, input_ids_device: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every rank, on rank 0's command: load the step's inputs into the static buffers (rank 0's
+        sampled tokens broadcast for a follow-on step), report, and replay the variant only if every
+        rank is ready: a collective inside a graph waits without a timeout. -> the step's logits
+        [B, V] fp32 (a view of the graph's output). With emulated graphs (the CPU) the replay is the
+        same step function run eagerly, whose collectives time out: a second status round follows."""
+        graphs, batch, error = self.graphs, len(step.input_ids), None
+        try:
+            if self._fail_next_graph_load:
+                self._fail_next_graph_load = False
+                raise RuntimeError(f"injected fault loading a graph step on rank {self.rank}")
+            if graphs is None or (step.bucket, step.fills) not in graphs.graphs:
+                raise RuntimeError(f"rank {self.rank} has no graph of batch bucket {step.bucket}, "
+                                   f"{step.fills} page fills")
+            graphs.load_step(step.input_ids, step.positions, step.slots, step.block_tables, step.context_lens,
+                             step.seq_slots, step.fill_slots, step.fill_pages, step.bucket, step.fills,
+                             input_ids_device)
+            if step.tokens_on_device:  # rank 0's sampled tokens (already in its buffer) to every rank
+                self.parallel.tp.broadcast(graphs.input_ids[:batch])
+        except Exception as e:
+            error = e
+        self.parallel.finish_step(error)  # raises on every rank if one is not ready: nobody replays
+        if graphs.use_graphs:
+            try:
+                return graphs.replay(step.bucket, step.fills, batch)
+            except Exception as e:
+                self._replay_failed(e)
+        logits = None
+        try:
+            logits = graphs.replay(step.bucket, step.fills, batch)
+        except Exception as e:
+            error = e
+        self.parallel.finish_step(error)
+        return logits
+
+    def _replay_failed(self, e: Exception):
+        """A graph launch raised on this rank: the other ranks' captured collectives wait for it with no
+        timeout, so the ranks cannot go on."""
+        self.parallel.broken = f"rank {self.rank} failed to launch a captured decode step ({type(e).__name__}: {e})"
+        raise ParallelStepError(self.parallel.broken) from e
+
+    def capture_decode_graphs(self, progress: bool = True) -> int:
+        """Capture every decode-graph variant now (`moekv serve` at start-up), on every rank when
+        there are several; -> how many were new."""
+        if self.graphs is None:
+            return 0
+        if self.parallel is None:
+            return self.graphs.capture_all(progress)
+        from tqdm import tqdm
+
+        new = 0
+        for bucket, fills in tqdm(self.graphs.variants(), desc="capturing decode graphs", disable=not progress):
+            if self.graphs is None or (bucket, fills) in self.graphs.graphs:
+                continue
+            if not self._capture_everywhere(bucket, fills):
+                break
+            new += 1
+        return new
+
+    def graph_stats(self) -> dict:
+        """This rank's decode graphs: variants captured, the latest replays in order, captures so far,
+        and the expert-parallel bytes its static (replayed) steps counted."""
+        g = self.graphs
+        static = sum(int(m.ep.static_bytes.item()) for m in moe_layers(self.model).values() if m.ep is not None)
+        return {"captured": None if g is None else sorted(g.graphs), "replayed": [] if g is None else list(g.replayed),
+                "num_captures": 0 if g is None else g.num_captures, "static_ep_bytes": static}
+
+    def parallel_graph_stats(self) -> list[dict]:
+        """Rank 0: every rank's graph_stats (tests)."""
+        if self.parallel is None:
+            return [self.graph_stats()]
+        with self.parallel.lock:
+            self.parallel.send("graph_stats")
+            return self.parallel.gather(self.graph_stats())
+
     def expert_parallel_bytes(self) -> dict[int, list[int]] | None:
         """Expert-parallel traffic so far, summed over the ranks: MoE layer -> [bytes sent, bytes
         received] (None without expert parallelism)."""
@@ -484,18 +664,35 @@ class ModelRunner:
             per_rank = self.parallel.gather(expert_parallel_bytes(self.model))
         return {i: [sum(r[i][0] for r in per_rank), sum(r[i][1] for r in per_rank)] for i in per_rank[0]}
 
-    def inject_fault(self, rank: int, layer_idx: int) -> None:
-        """Tests: the next step's forward raises in layer `layer_idx` on `rank`."""
+    def inject_fault(self, rank: int, layer_idx: int | str) -> None:
+        """Tests: the next step's forward raises in layer `layer_idx` on `rank`; layer_idx "graph_load":
+        the next replayed step's input load raises there instead (before any collective)."""
         if rank == 0:
-            inject_fault(self.model, layer_idx, 0)
+            self.inject_local_fault(layer_idx)
         else:
             with self.parallel.lock:
                 self.parallel.send("inject_fault", (rank, layer_idx))
 
+    def inject_local_fault(self, layer_idx: int | str) -> None:
+        if layer_idx == "graph_load":
+            self._fail_next_graph_load = True
+        else:
+            inject_fault(self.model, layer_idx, self.rank)
+
     def shutdown(self) -> None:
         """Stop the worker ranks, if any."""
         if self.parallel is not None and self.rank == 0:
+            self.release_graphs()
             self.parallel.shutdown()
+
+    def release_graphs(self) -> None:
+        """Before a rank leaves its groups: finish the device's work and drop the captured graphs, so
+        that no graph holding the compute group's collectives outlives the group (destroying a NCCL
+        group after capture is reported to hang in some torch versions: pytorch#115388)."""
+        if self.graphs is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.graphs.reset()
 
     def _plan(self, out: SchedulerOutput) -> StepPlan:
         """The host-side inputs of a scheduled step."""
@@ -543,7 +740,12 @@ class ModelRunner:
         if decode_only and self.kv_format.graph_support.lists_fills:
             fill_slots, fill_pages = decode_fills(context_lens, seq_slots, block_tables, bs)
         logits, nonfinite = None, None
-        if (self.graphs is not None and self.step_uses_graph(num_tokens, context_lens, logits_rows)
+        if self.parallel is not None and self.step_uses_graph(num_tokens, context_lens, logits_rows):
+            # every rank replays the variant rank 0 picks (ParallelStepError: the step failed on a rank)
+            logits = self._parallel_graph_step(plan, block_tables, fill_slots, fill_pages)  # [B, V] fp32
+            if logits is not None and fill_slots:
+                nonfinite = nonfinite_verdict(self.kv_caches)  # (rank 0's pages)
+        elif (self.graphs is not None and self.step_uses_graph(num_tokens, context_lens, logits_rows)
                 and self._prepare_graph_step(plan, fill_pages, block_tables)):
             try:
                 logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, block_tables, context_lens,

@@ -20,6 +20,22 @@ Three torch.distributed groups, all over the same N ranks:
   times out; then every rank reports, the compute group is rebuilt, and rank 0 raises
   ParallelStepError naming the rank and its error (the engine fails the step's requests and
   frees their pages; freed pages are released on every rank with the next step).
+
+Decode steps replayed from CUDA graphs (engine/cuda_graphs.py) hold the step's collectives inside
+the graphs, so the ranks must capture and replay in lockstep, on rank 0's command:
+- "capture_graph" (bucket, fill bucket): every rank captures that variant (its warm-up runs the
+  collectives eagerly, with their timeouts), reports on the status group, and only then launches
+  it once (the upload, which runs the captured collectives): a rank that failed to capture never
+  leaves the others waiting inside a graph. A failed capture turns graphs off on every rank.
+- "graph_step" (`GraphStep`: the variant and the step's unpadded inputs): every rank copies the
+  inputs into its static buffers (and, for a follow-on step, receives rank 0's sampled tokens by
+  an eager broadcast), reports on the status group, and only if every rank is ready replays the
+  variant's graph. A collective captured in a graph has no timeout, so the status round comes
+  before the replay; a replay itself runs no Python that could fail between collectives. On the
+  CPU (emulated graphs, tests) the "replay" is the same static-buffer step run eagerly, whose
+  collectives do time out, and a second status round follows it, as for an eager step.
+A rebuilt compute group (after a failed step) invalidates every captured graph on every rank
+(their collectives name the old communicator): they are dropped and recaptured on use.
 """
 from __future__ import annotations
 
@@ -69,6 +85,25 @@ class StepInputs:
     # which the host has not seen (input_ids holds placeholders); rank 0 broadcasts them on the
     # compute group inside the step
     tokens_on_device: bool = False
+
+
+@dataclass
+class GraphStep:
+    """Rank 0's command to replay one decode step from a graph: the variant (batch bucket, fill
+    bucket) every rank replays, and the step's unpadded inputs (B sequences) each rank loads into
+    its static buffers first (cuda_graphs.DecodeGraphs.load_step)."""
+
+    bucket: int
+    fills: int
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]
+    context_lens: list[int]
+    seq_slots: list[int]
+    fill_slots: list[int]
+    fill_pages: list[int]
+    tokens_on_device: bool = False  # a follow-on step: rank 0 broadcasts its sampled tokens first
 
 
 def _free_port() -> int:
@@ -138,6 +173,10 @@ class ParallelGroup:
         self.lock = threading.RLock()  # one command (and its collectives) at a time
         self.broken: str | None = None
         self._closed = False
+        # times the compute group was rebuilt; on_rebuild: called after each rebuild (the runner drops
+        # the CUDA graphs that captured the old group's collectives)
+        self.generation = 0
+        self.on_rebuild: list = []
 
     # -- rank 0 ------------------------------------------------------------------------------
     @classmethod
@@ -219,6 +258,9 @@ class ParallelGroup:
             dist.destroy_process_group(old)
         except Exception:  # already torn down by the failure
             pass
+        self.generation += 1
+        for hook in self.on_rebuild:
+            hook()
         # the cause first: a rank whose own error is not a collective that waited for it
         failed.sort(key=lambda rm: "timed out" in rm[1].lower() or "timeout" in rm[1].lower())
         r, m = failed[0]
@@ -324,7 +366,7 @@ def expert_parallel_bytes(model) -> dict[int, tuple[int, int]]:
             if isinstance(layer.mlp, SparseMoE) and layer.mlp.ep is not None}
 
 
-def inject_fault(model, layer_idx: int, rank: int) -> None:
+def inject_fault(model, layer_idx: int, rank: int) -> None:  # (ModelRunner.inject_local_fault calls it)
     """Tests: the next forward through layer `layer_idx` raises on this rank (once)."""
     def hook(module, args):
         handle.remove()
@@ -341,6 +383,7 @@ def serve_commands(group: ParallelGroup, runner) -> None:
         except Exception:  # rank 0 is gone
             return
         if command == "shutdown":
+            runner.release_graphs()
             break
         if command == "step":
             error = None
@@ -353,11 +396,25 @@ def serve_commands(group: ParallelGroup, runner) -> None:
             except ParallelStepError:
                 if group.broken is not None:  # rank 0 (or another rank) is gone
                     return
+        elif command in ("graph_step", "capture_graph"):
+            try:
+                if command == "graph_step":
+                    runner.run_graph_step(payload)
+                else:
+                    runner.capture_graph(*payload)
+            except ParallelStepError:
+                if group.broken is not None:  # rank 0 (or another rank) is gone, or a replay failed here
+                    return
+            except Exception:  # not reported to the others: rank 0 finds this rank gone at its next command
+                log.exception("rank %d: the graph command %r failed", group.rank, command)
+                return
         elif command == "release_pages":
             runner.release_pages(payload)
         elif command == "ep_bytes":
             group.gather(expert_parallel_bytes(runner.model))
+        elif command == "graph_stats":
+            group.gather(runner.graph_stats())
         elif command == "inject_fault":
             if payload[0] == group.rank:
-                inject_fault(runner.model, payload[1], group.rank)
+                runner.inject_local_fault(payload[1])
     group.leave()

@@ -10,8 +10,16 @@ experts (a placement: which rank holds each expert) and the router runs replicat
 tokens either all stay on every rank (each rank adds its experts' share, summed by the layer's
 all-reduce) or are dispatched: each token is owned by the rank of its top-1 expert, which sends
 its hidden state to every other rank holding one of its experts and receives their weighted
-outputs back (point-to-point sends: gloo has no all_to_all). The bytes each rank sends are
-counted per layer.
+outputs back (point-to-point sends of exactly the routed rows: gloo has no all_to_all of uneven
+lists). The bytes each rank sends are counted per layer.
+
+Inside a captured decode step (a CUDA graph, or the same static-buffer step run eagerly on the CPU)
+no collective may depend on data-dependent sizes or host syncs, so there the dispatch is static
+(`StaticDispatch`): two all_to_all_single exchanges of fixed [world, T, H] buffers (T = the
+bucket's tokens: a token visits each rank at most once), the rows of tokens that do not visit a
+peer zeroed, and the routed rows counted on the device (only the step's real rows, not its
+padding: the count is what the dynamic dispatch would have sent, so the counters do not depend on
+which path ran).
 """
 from __future__ import annotations
 
@@ -227,6 +235,20 @@ def run_local_experts(x, w13, w2, weights, local_ids):
     return local_experts_ref(x, w13, w2, weights, local_ids)
 
 
+class StaticDispatch:
+    """Shared by a model's ExpertParallel layers: whether the step now running is a static one
+    (a captured or emulated decode step: `active`), and how many of its leading rows are real
+    (`rows`, a device scalar set before each step, read by the captured step at replay)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.active = False
+        self.rows = torch.zeros((), dtype=torch.long, device=device)
+
+    def count_rows(self, rows: int) -> None:
+        """The next static steps' first `rows` rows are real (stream-ordered before them)."""
+        self.rows.fill_(rows)
+
+
 class ExpertParallel:
     """One MoE layer's experts over the ranks of a group (device_of_expert [E]: the rank of each).
 
@@ -235,7 +257,9 @@ class ExpertParallel:
     owner sends the token's hidden state to each other rank holding one of its experts, which sends
     back its experts' weighted sum; the owner's rows hold the token's routed output, the other
     ranks' rows zero (the layer's all-reduce then gives every rank the whole output).
-    bytes_sent / bytes_received count what this rank put on and took off the wire (int64 counters)."""
+    bytes_sent / bytes_received count the routed rows this rank sent and received: host ints for
+    the eager (dynamic) steps plus a device counter for the static ones (`static`: a
+    StaticDispatch shared by the model's layers; while it is active the dispatch is shape-static)."""
 
     def __init__(self, tp: TPGroup, device_of_expert: torch.Tensor, dispatch: bool) -> None:
         self.tp, self.dispatch = tp, dispatch
@@ -243,12 +267,24 @@ class ExpertParallel:
         local = torch.nonzero(device_of_expert == tp.rank).flatten()
         self.local_of_expert = torch.full_like(device_of_expert, -1)
         self.local_of_expert[local] = torch.arange(len(local))
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.dynamic_bytes = 0  # eager steps (host int)
+        # static steps: bytes of the routed real rows, counted on the device (a graph replays the count);
+        # sent and received are equal, as in the dynamic path (each row sent to a helper comes back)
+        self.static_bytes = torch.zeros((), dtype=torch.long)
+        self.static: StaticDispatch | None = None
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.dynamic_bytes + int(self.static_bytes.item())  # (a device read: stats only)
+
+    @property
+    def bytes_received(self) -> int:
+        return self.bytes_sent  # pairs are symmetric: each sent row comes back
 
     def to(self, device: torch.device) -> "ExpertParallel":
         self.device_of_expert = self.device_of_expert.to(device)
         self.local_of_expert = self.local_of_expert.to(device)
+        self.static_bytes = self.static_bytes.to(device)
         return self
 
     def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -256,6 +292,8 @@ class ExpertParallel:
         local_ids = self.local_of_expert[expert_ids]  # [T, k], -1 where another rank holds the expert
         if not self.dispatch:
             return run_local_experts(x, w13, w2, weights, local_ids)
+        if self.static is not None and self.static.active:
+            return self.static_dispatch(x, w13, w2, weights, expert_ids, local_ids, self.static.rows)
         rank, world = self.tp.rank, self.tp.world_size
         dev = self.device_of_expert[expert_ids]  # [T, k]
         owner = dev[:, 0]
@@ -278,9 +316,55 @@ class ExpertParallel:
         for d, idx in sends.items():
             out.index_add_(0, idx, back[d])
         n_sent = sum(len(i) for i in sends.values()) + sum(len(i) for i in recvs.values())
-        self.bytes_sent += n_sent * row_bytes
-        self.bytes_received += n_sent * row_bytes  # pairs are symmetric: each sent row comes back
+        self.dynamic_bytes += n_sent * row_bytes
         return out
+
+    def static_dispatch(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                        expert_ids: torch.Tensor, local_ids: torch.Tensor, real_rows: torch.Tensor) -> torch.Tensor:
+        """The dispatch with every shape fixed by x's [T, H] (no host sync, no data-dependent size):
+        what __call__'s dynamic path computes, for the first `real_rows` rows (a device scalar; the
+        rest are a graph bucket's padding rows: not sent, not counted, their output not used).
+
+        Each exchange is one all_to_all_single of a [world, T, H] buffer: block d holds, at row t,
+        token t's row for rank d, zero where token t does not visit d (the capacity per peer is T:
+        a token visits each rank at most once). Helpers compute on T rows (a token's row from its
+        owner), the owner adds each peer's reply in rank order, as the dynamic path does."""
+        rank, world = self.tp.rank, self.tp.world_size
+        T, H = x.shape
+        ranks = torch.arange(world, device=x.device)
+        dev = self.device_of_expert[expert_ids]  # [T, k]
+        owner = dev[:, 0]
+        used = torch.zeros(T, world, dtype=torch.bool, device=x.device)
+        used.scatter_(1, dev, True)
+        real = torch.arange(T, device=x.device) < real_rows  # [T]
+        mine = owner == rank
+        # send[d, t]: token t, owned here, visits rank d (d != rank); helps[t]: token t, owned by
+        # another rank, visits this one
+        send = (mine & real)[None, :] & used.T & (ranks != rank)[:, None]  # [W, T]
+        helps = ~mine & used[:, rank] & real  # [T]
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        outbox = torch.where(send[..., None], x[None], zero).contiguous()  # [W, T, H]
+        inbox = torch.empty(outbox.shape, dtype=x.dtype, device=x.device)
+        self._all_to_all(inbox, outbox)
+        # the routed output of the tokens this rank owns: its own experts' share ...
+        out = run_local_experts(x, w13, w2, weights, torch.where(mine[:, None], local_ids, -1))
+        # ... and this rank's experts' share of the tokens other ranks sent: row t from its owner
+        rows = inbox.gather(0, owner.view(1, T, 1).expand(1, T, H)).squeeze(0)  # [T, H]
+        reply = run_local_experts(rows, w13, w2, weights, torch.where(helps[:, None], local_ids, -1))
+        to_owner = (owner[None, :] == ranks[:, None]) & helps[None, :]  # [W, T]
+        replies = torch.where(to_owner[..., None], reply[None], zero).contiguous()
+        back = torch.empty(replies.shape, dtype=x.dtype, device=x.device)
+        self._all_to_all(back, replies)
+        for d in range(world):
+            if d != rank:
+                out = out + torch.where(send[d, :, None], back[d], zero)
+        self.static_bytes += (send.sum() + helps.sum()) * (H * x.element_size())
+        return out
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Block d of input ([W, T, H]) to rank d; block s of output from rank s."""
+        W, T, H = input.shape
+        dist.all_to_all_single(output.view(W * T, H), input.view(W * T, H), group=self.tp.group)
 
     def _exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor]) -> None:
         """Send outgoing[peer] to each peer and receive incoming[peer] from it (empty ones skipped)."""

@@ -105,7 +105,8 @@ def fill_tiered(fmt, cache, cfg, block_size: int, batch: int, pages_per_seq: int
         x = torch.randn(1, H, block_size, D, generator=gen, device=device)
         for tier_fmt, pool in ((fmt.hi, "fp8"), (fmt.lo, "low")):
             slab = tier_fmt.layout(kind, block_size, D).pack(tier_fmt.quantize(x, kind, cache.layer))
-            cache[f"{name}_{pool}"].copy_(slab.expand_as(cache[f"{name}_{pool}"]))
+            for field, t in tiered_page_tables(fmt, cache, pool, kind, slab).items():
+                cache[field].copy_(t.expand_as(cache[field]))
     st = cache.state
     stride = max(1, round(1 / fmt.tier1_fraction)) if fmt.tier1_fraction > 0 else pages_per_seq
     full = pages_per_seq - 1  # pages of sequence b: b * pages_per_seq + [0, pages_per_seq), the last staged
@@ -119,6 +120,21 @@ def fill_tiered(fmt, cache, cfg, block_size: int, batch: int, pages_per_seq: int
                 st.tier[page] = TIER_LOW
             stored.append(page)
     fmt._sync_pages(cache, stored)
+
+
+def tiered_page_tables(fmt, cache, pool: str, kind: str, slab) -> dict:
+    """One tier's freshly packed slab [1, H, bytes] as the tensors of `cache` it fills: the slab itself,
+    or, in pools of the Gluon tiered kernel, the FP8 codes reordered and the low tier's fragment tables."""
+    name = "k" if kind == "key" else "v"
+    if not fmt.is_fragment_pool(cache):
+        return {f"{name}_{pool}": slab}
+    if pool == "fp8":
+        from moekv.ops.gluon.tiered_layout import slabs_to_fragment
+
+        return {f"{name}_fp8": slabs_to_fragment(fmt.hi, kind, slab)}
+    from moekv.ops.gluon.nuq2_layout import kind_to_fragment
+
+    return kind_to_fragment(fmt.lo, kind, slab, cache.layer)
 
 
 def fill_pages(fmt, cache, cfg, block_size: int, device) -> None:

@@ -21,11 +21,14 @@ if [ -n "$SMOKE" ]; then DEV=cpu; PK_MIN=0; TRAIN_X=(--smoke --device cpu); CAL_
 T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
 mkdir -p /tmp/d && tar xJf data.tar.xz -C /tmp/d && el untarred
 # 16 passes over every domain (the cap); the short first length is held until the passkey answer loss
-# is below 0.3 nats (at most 60% of the run): the 2026-12-02 third-session attempt moved on at step 300
-# and never learned the passkey (0/300)
+# is below 0.3 nats (at most 60% of the run), at the peak lr after a 96-step warmup (as in the shipped
+# run's first 500 steps, where its lookup formed); the cosine runs over what is left after the gate.
+# Copy rows: random spans of the 256 most frequent training ids with their own loss term (weight 1).
+# The two 2026-12 retrains drew spans over all 4,095 ids inside the plain LM mean (~2% of the targets)
+# and decayed the lr while the gate held: copy loss at ln 4096 all run, passkey 0/300 (journal 2026-12-04)
 python scripts/train_domain_moe.py --data /tmp/d/data --out /tmp/run --token-budget 157286400 --time-budget-s 200 \
     --curriculum 512:0.3,1024:0.2,2048:0.2,4096:0.3 --curriculum-gate 0.3 --curriculum-gate-max 0.6 \
-    --eval-every-tokens 16e6 "${TRAIN_X[@]}"
+    --warmup 0.08 --hold-lr-until-gate --copy-vocab 256 --copy-loss-weight 1 --eval-every-tokens 16e6 "${TRAIN_X[@]}"
 el trained
 cp /tmp/run/model.safetensors.part* $OUT/ && (cd /tmp/run && tar cf $OUT/run.tar config.json train_log.jsonl eval.json loss_curve.png)
 python -c "import json, sys; e = json.load(open('/tmp/run/eval.json')); a = e['passkey']['by_length']; \

@@ -6,7 +6,11 @@ domain, held-out text). Each training row is one domain's text (so experts can s
 domain); on top of plain language modelling, two kinds of rows teach retrieval:
   copy rows     (--copy-frac)     a span of 64-256 RANDOM tokens is written into the row and repeated
                                   later: the repeat is predictable only by copying (induction heads),
-                                  never from memory; the first span is left out of the loss (noise);
+                                  never from memory; the first span is left out of the loss (noise).
+                                  The tokens come from the --copy-vocab most frequent training ids
+                                  (over all 4,095 ids, each id is too rare a target for the copy map
+                                  to form: the 2026-12 retrains' copy loss sat at ln 4096), and the
+                                  copied span's mean loss is an extra term (--copy-loss-weight);
   passkey rows  (--passkey-frac)  moekv.eval.needle.build_prompt at a random length and depth with
                                   filler from a random training domain, followed by the key; the key
                                   tokens get an extra loss term (--answer-loss-weight).
@@ -46,6 +50,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hold the curriculum's first length until the logged passkey answer loss is below NATS "
                         "(or --curriculum-gate-max of progress has passed); the later lengths then share what is left")
     o.add_argument("--curriculum-gate-max", type=float, default=0.6, help="progress at which the gate opens anyway")
+    o.add_argument("--hold-lr-until-gate", action="store_true",
+                   help="with --curriculum-gate: the peak lr while the gate is closed, the cosine over what is left "
+                        "after it opens (the shipped run's lookup formed at steps 360-440 at lr 1.97e-3)")
     o.add_argument("--max-steps", type=int, default=None, help="default: --token-budget / --tokens-per-step")
     o.add_argument("--time-budget-s", type=float, default=1e9,
                    help="a safety cap on training time: the schedule ends early when it is reached")
@@ -109,6 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--passkey-frac", type=float, default=0.25)
     d.add_argument("--answer-loss-weight", type=float, default=1.0,
                    help="extra loss term: mean loss of the passkey answer tokens times this")
+    d.add_argument("--copy-loss-weight", type=float, default=1.0,
+                   help="extra loss term: mean loss of the copied spans' tokens times this (in the plain LM mean "
+                        "they are ~2%% of the targets); 0: the LM mean only (the rows before 2026-12-04)")
+    d.add_argument("--copy-vocab", type=int, default=256,
+                   help="random copy spans draw from this many most frequent training token ids; 0: from every id "
+                        "1..vocab-1 (the rows before 2026-12-04, under which no copying formed)")
     r = p.add_argument_group("run")
     r.add_argument("--seed", type=int, default=1234)
     r.add_argument("--device", default="auto")
@@ -191,10 +205,15 @@ def gated_seq_len(plan: list[tuple[int, float]], progress: float, opened_at: flo
     return seq_len_at([(length, f / scale) for length, f in rest], x)
 
 
-def lr_at(progress: float, args: argparse.Namespace) -> float:
+def lr_at(progress: float, args: argparse.Namespace, decay_from: float | None = 0.0) -> float:
+    """Warmup, then cosine to lr * min_lr_ratio over progress max(warmup, decay_from)..1; decay_from None:
+    the peak lr (a curriculum gate still closed, with --hold-lr-until-gate)."""
     if progress < args.warmup:
         return args.lr * max(progress / args.warmup, 0.01)
-    x = min(1.0, (progress - args.warmup) / max(1e-9, 1.0 - args.warmup))
+    if decay_from is None:
+        return args.lr
+    start = max(args.warmup, decay_from)
+    x = min(1.0, max(0.0, progress - start) / max(1e-9, 1.0 - start))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * x)))
 
 
@@ -207,12 +226,13 @@ def window(stream: np.ndarray, length: int, rng: random.Random) -> list[int]:
 
 
 def copy_row(stream: np.ndarray, length: int, rng: random.Random, vocab_size: int,
-             source: str = "random") -> tuple[list[int], list[int], list[int]]:
+             source: str = "random", pool: Sequence[int] | None = None) -> tuple[list[int], list[int], list[int]]:
     """A window of `stream` whose span [a, a+s) is repeated over [b, b+s), b >= a+s.
 
-    source "random": the span is s random token ids (1..vocab_size-1), written at both places, so the
-    repeat can only be predicted by copying; "text": the window's own text at [a, a+s) (the shipped
-    model's rows, whose spans the model could recall from memory instead).
+    source "random": the span is s random token ids, written at both places, so the repeat can only be
+    predicted by copying; drawn from `pool` (ids, e.g. `copy_pool`'s frequent ones) or, with no pool,
+    from 1..vocab_size-1; "text": the window's own text at [a, a+s) (the shipped model's rows, whose
+    spans the model could recall from memory instead).
     Returns (ids, copied positions [b, b+s), noise positions: [a, a+s) for random spans (targets no
     model can predict), none for text).
     """
@@ -225,10 +245,26 @@ def copy_row(stream: np.ndarray, length: int, rng: random.Random, vocab_size: in
         return ids, list(range(b, b + s)), []
     if source != "random":
         raise ValueError(f"copy source {source!r}: use 'random' or 'text'")
-    span = [rng.randrange(1, vocab_size) for _ in range(s)]
+    if pool is None:
+        span = [rng.randrange(1, vocab_size) for _ in range(s)]
+    else:
+        span = [pool[rng.randrange(len(pool))] for _ in range(s)]
     ids[a : a + s] = span
     ids[b : b + s] = span
     return ids, list(range(b, b + s)), list(range(a, a + s))
+
+
+def copy_pool(streams: dict, vocab_size: int, n: int, exclude: Sequence[int] = (0,)) -> list[int] | None:
+    """The `n` most frequent token ids over the training streams (ids in `exclude` left out), ties by id;
+    None for n <= 0 (copy spans then draw from the whole vocabulary)."""
+    if n <= 0:
+        return None
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for stream in streams.values():
+        counts += np.bincount(np.asarray(stream, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+    counts[list(exclude)] = -1
+    order = np.lexsort((np.arange(vocab_size), -counts))  # count descending, then id ascending
+    return [int(i) for i in order[: min(n, vocab_size - len(set(exclude)))]]
 
 
 def domain_mixture(sizes: dict[str, int], budget: float, max_passes: float,
@@ -303,7 +339,7 @@ def passkey_row(encode, stream: np.ndarray, length: int, rng: random.Random) -> 
 
 
 def make_batch(streams: dict, encode, length: int, n_rows: int, weights: dict[str, float], args,
-               rng: random.Random, vocab_size: int):
+               rng: random.Random, vocab_size: int, pool: Sequence[int] | None = None):
     """(ids (n_rows, length) long, copy mask, answer mask, noise mask, domain index per row).
 
     Noise positions (copy rows' random first span) are left out of the LM loss.
@@ -323,7 +359,7 @@ def make_batch(streams: dict, encode, length: int, n_rows: int, weights: dict[st
             row, pos = passkey_row(encode, streams[name], length, rng)
             answer_mask[i, pos] = True
         elif u < args.passkey_frac + args.copy_frac:
-            row, pos, noise = copy_row(streams[name], length, rng, vocab_size, args.copy_source)
+            row, pos, noise = copy_row(streams[name], length, rng, vocab_size, args.copy_source, pool)
             copy_mask[i, pos] = True
             noise_mask[i, noise] = True
         else:
@@ -629,6 +665,7 @@ def main(argv: list[str] | None = None) -> dict:
     next_eval = args.eval_every_tokens
     last: dict | None = None
     vocab_size = tok.get_vocab_size()
+    pool = copy_pool(streams, vocab_size, args.copy_vocab, (eot_id,))
     acc = dict.fromkeys(("lm", "copy", "ans", "bal", "n", "copy_n", "ans_n"), 0.0)
     eval_lengths = [int(x) for x in args.eval_lengths.split(",")]
     seq_len = args.curriculum_plan[0][0]
@@ -643,11 +680,11 @@ def main(argv: list[str] | None = None) -> dict:
             log({"kind": "gate", "step": step, "tokens": tokens, "progress": progress, "reason": "max"})
         seq_len = gated_seq_len(args.curriculum_plan, progress, gate_opened_at)
         n_rows = max(1, args.tokens_per_step // seq_len)
-        lr = lr_at(progress, args)
+        lr = lr_at(progress, args, gate_opened_at if args.hold_lr_until_gate else 0.0)
         for g in opt.param_groups:
             g["lr"] = lr
         ids, copy_mask, ans_mask, noise_mask, _ = make_batch(streams, encode, seq_len, n_rows, weights, args, rng,
-                                                             vocab_size)
+                                                             vocab_size, pool)
         ids = ids.to(device, non_blocking=True)
         copy_mask = copy_mask.to(device)[:, 1:]
         ans_mask = ans_mask.to(device)[:, 1:]
@@ -660,14 +697,15 @@ def main(argv: list[str] | None = None) -> dict:
         n_ans = ans_mask.sum()
         ans = (per_tok * ans_mask).sum() / n_ans.clamp(min=1)
         bal = balance_loss(out.router_logits, args.num_experts, args.experts_per_tok)
-        loss = lm + args.answer_loss_weight * ans + args.aux_loss_coef * bal
+        n_copy = copy_mask.sum()
+        cp = (per_tok * copy_mask).sum() / n_copy.clamp(min=1)
+        loss = lm + args.answer_loss_weight * ans + args.copy_loss_weight * cp + args.aux_loss_coef * bal
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         step += 1
         tokens += ids.numel()
-        n_copy = copy_mask.sum()
         # accumulate on the device: no host sync between log lines
         acc["lm"] += lm.detach()
         acc["bal"] += bal.detach()

@@ -123,6 +123,23 @@ def test_copy_row_repeats_a_random_span_and_marks_the_first_as_noise():
         assert set(outside) == {7}
 
 
+def test_copy_pool_is_the_most_frequent_ids_and_pooled_rows_draw_only_from_it():
+    streams = {"a": np.array([5] * 50 + [9] * 30 + [0] * 100 + [3] * 30 + [7] * 2, dtype=np.uint16),
+               "b": np.array([9] * 25 + [11] * 10, dtype=np.uint16)}
+    # counts: 9 -> 55, 5 -> 50, 3 -> 30, 11 -> 10, 7 -> 2; id 0 (<|endoftext|>) excluded however frequent
+    assert train.copy_pool(streams, 16, 3) == [9, 5, 3]
+    assert train.copy_pool(streams, 16, 0) is None  # 0: spans over the whole vocabulary (the old rows)
+    assert 0 not in train.copy_pool(streams, 16, 16) and len(train.copy_pool(streams, 16, 16)) == 15
+    stream = np.full(50_000, 7, dtype=np.uint16)
+    rng = random.Random(5)
+    pool = [100, 200, 300, 400]
+    for length in (128, 512, 4096):
+        ids, pos, noise = train.copy_row(stream, length, rng, vocab_size=4096, pool=pool)
+        first, copied = [ids[i] for i in noise], [ids[i] for i in pos]
+        assert first == copied and set(first) <= set(pool) and len(set(first)) > 1
+        assert {t for i, t in enumerate(ids) if i not in set(pos) | set(noise)} == {7}
+
+
 def test_copy_row_from_text_repeats_an_earlier_span():
     stream = np.arange(50_000, dtype=np.uint16)  # all distinct, so a repeat can only come from the copy
     rng = random.Random(2)
@@ -215,6 +232,18 @@ def test_gated_curriculum_holds_the_first_length_then_shares_the_rest():
     assert got == {0.59: 512, 0.61: 1024, 0.71: 1024, 0.72: 2048, 0.82: 2048, 0.84: 4096, 0.999: 4096}
     # opened before the first phase's planned end: the plan as written
     assert [train.gated_seq_len(plan, p, 0.1) for p in (0.2, 0.35, 0.6, 0.8)] == [512, 1024, 2048, 4096]
+
+
+def test_lr_holds_its_peak_while_the_gate_is_closed_then_decays_over_the_rest():
+    args = train.parse_args(["--data", "x", "--out", "y", "--curriculum-gate", "0.3", "--hold-lr-until-gate"])
+    assert args.hold_lr_until_gate and args.warmup == 0.03
+    assert train.lr_at(0.015, args, None) == pytest.approx(1e-3)  # warmup as before
+    assert train.lr_at(0.5, args, None) == args.lr  # gate closed: the peak
+    assert train.lr_at(0.5, args, 0.5) == pytest.approx(args.lr)  # opened now: the cosine starts
+    assert train.lr_at(0.75, args, 0.5) == pytest.approx(args.lr * 0.55)  # half-way: (1 + 0.1) / 2
+    assert train.lr_at(1.0, args, 0.5) == pytest.approx(args.lr * 0.1)
+    # without the hold (decay_from 0): the plain cosine from the warmup's end
+    assert train.lr_at(0.515, args, 0.0) == pytest.approx(args.lr * 0.55)
 
 
 @pytest.mark.slow

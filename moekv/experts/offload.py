@@ -455,6 +455,7 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
     predictor = None
     if config.expert_predictor is not None:
         predictor = ExpertPredictor.load(config.expert_predictor, model)
+        predictor.check_engine_use("expert_offload=True")
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     caches = {}
     for i, moe in layers.items():

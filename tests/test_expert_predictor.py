@@ -243,3 +243,29 @@ def test_mlp_fit_recovers_a_nonlinear_map(model, tmp_path):
     back.check_engine_use("expert_offload=True")  # no previous-token input: usable by the engine
     r = torch.randn(64, H, generator=gen)
     assert (back.predict(i, r) == pred.predict(i, r)).float().mean() > 0.95  # fp16 hidden layer in the file
+
+
+def test_engine_offload_takes_an_mlp_file_and_refuses_a_previous_token_one(model, tmp_path):
+    """An mlp file (no previous-token input) runs in the offload engine with the resident engine's
+    tokens; a previous-token file is refused there with the reason (the engine keeps no
+    per-sequence previous residual)."""
+    from moekv import LLM, SamplingParams
+
+    H, k = model.config.hidden_size, model.config.top_k
+    gen = torch.Generator().manual_seed(6)
+    paths = {}
+    for name, kw in (("mlp", dict(map="mlp", hidden=8, epochs=1)), ("prev", dict(previous_token=True))):
+        fit = PredictorFit(model, **kw)
+        for j, moe in moe_layers(model).items():
+            r, starts = _sequences(gen, 4, 32, H)
+            h = model.layers[j].post_attention_layernorm(r)
+            fit.add(j, r, h, torch.topk(h @ moe.gate.T, k, -1).indices, starts)
+        paths[name] = fit.finish(alphas=(1e-3,))[0].save(tmp_path / f"{name}.safetensors")
+    kw = dict(model=TINY, dtype="float32", max_model_len=128)
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = ["It was a dark and stormy night"]
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, sp)]
+    llm = LLM(**kw, expert_offload=True, expert_cache_slots=4, expert_predictor=paths["mlp"])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    with pytest.raises(ValueError, match="previous token"):
+        LLM(**kw, expert_offload=True, expert_cache_slots=4, expert_predictor=paths["prev"])

@@ -269,3 +269,24 @@ def test_engine_offload_takes_an_mlp_file_and_refuses_a_previous_token_one(model
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
     with pytest.raises(ValueError, match="previous token"):
         LLM(**kw, expert_offload=True, expert_cache_slots=4, expert_predictor=paths["prev"])
+
+
+def test_calibrate_mlp_previous_token_cli_then_eval(tmp_path, capsys):
+    """calibrate-experts --map mlp --previous-token writes a file that eval experts reads, feeding
+    it each window's previous rows (the first window's token 0 gets zeros)."""
+    from moekv.cli import main
+
+    out = tmp_path / "pred.safetensors"
+    assert main(["calibrate-experts", "--text", str(TEXT), "--out", str(out), "--max-tokens", "1024",
+                 "--window", "128", "--map", "mlp", "--hidden", "8", "--epochs", "2", "--previous-token",
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    pred = ExpertPredictor.load(out, load_model(TINY, torch.float32, torch.device("cpu")))
+    assert pred.needs_previous and pred.meta["map"] == "mlp" and pred.meta["hidden"] == 8
+    assert main(["eval", "experts", "--text", str(TINY / "README.md"), "--max-tokens", "256", "--window", "128",
+                 "--max-model-len", "128", "--expert-predictor", str(out), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for s in record["per_layer"].values():
+        assert s["tokens"] == 256
+        assert 0.0 <= s["recall_fitted"] <= s["recall_fitted_at_2k"] <= 1.0
+    assert record["mean"]["recall_fitted"] > 0.3  # far above chance (1/8)

@@ -245,10 +245,10 @@ def test_mlp_fit_recovers_a_nonlinear_map(model, tmp_path):
     assert (back.predict(i, r) == pred.predict(i, r)).float().mean() > 0.95  # fp16 hidden layer in the file
 
 
-def test_engine_offload_takes_an_mlp_file_and_refuses_a_previous_token_one(model, tmp_path):
-    """An mlp file (no previous-token input) runs in the offload engine with the resident engine's
-    tokens; a previous-token file is refused there with the reason (the engine keeps no
-    per-sequence previous residual)."""
+def test_engine_offload_takes_mlp_and_previous_token_files(model, tmp_path):
+    """An mlp file and a previous-token file run in the offload engine with the resident engine's
+    tokens (the previous residual kept per sequence slot); a previous-token file is refused with
+    lookahead 2 (it reads the previous residual entering the layer it predicts)."""
     from moekv import LLM, SamplingParams
 
     H, k = model.config.hidden_size, model.config.top_k
@@ -263,12 +263,46 @@ def test_engine_offload_takes_an_mlp_file_and_refuses_a_previous_token_one(model
         paths[name] = fit.finish(alphas=(1e-3,))[0].save(tmp_path / f"{name}.safetensors")
     kw = dict(model=TINY, dtype="float32", max_model_len=128)
     sp = SamplingParams(max_tokens=6, temperature=0.0)
-    prompts = ["It was a dark and stormy night"]
+    prompts = ["It was a dark and stormy night", "The cat sat"]
     want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, sp)]
-    llm = LLM(**kw, expert_offload=True, expert_cache_slots=4, expert_predictor=paths["mlp"])
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
-    with pytest.raises(ValueError, match="previous token"):
-        LLM(**kw, expert_offload=True, expert_cache_slots=4, expert_predictor=paths["prev"])
+    for name in ("mlp", "prev"):
+        llm = LLM(**kw, expert_offload=True, expert_cache_slots=4, expert_predictor=paths[name])
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+        offload = llm.engine.runner.experts
+        assert (offload.previous is not None) == (name == "prev")
+        if name == "prev":  # every MoE layer kept rows for both sequences' slots
+            assert set(offload.previous.positions) == set(moe_layers(model))
+            assert all(len(kept) == 2 for kept in offload.previous.positions.values())
+        assert offload.stats()["predictions_made"] > 0
+    with pytest.raises(ValueError, match="lookahead"):
+        LLM(**kw, expert_offload=True, expert_cache_slots=4, expert_prefetch_lookahead=2,
+            expert_predictor=paths["prev"])
+
+
+def test_previous_residual_kept_per_slot_by_hand():
+    """offload.PreviousResidual over four steps: a prefill of two sequences, their decodes, a new
+    sequence in a reused slot (position 0: zeros), and a sequence starting past position 0 in a slot
+    whose kept row is not its previous token's (zeros, not the other sequence's row)."""
+    from types import SimpleNamespace
+
+    from moekv.context import HostLists
+    from moekv.experts.offload import PreviousResidual
+
+    def ctx(lens, qs, slots):
+        return SimpleNamespace(host=HostLists(lens, qs, slots, [[0]] * len(slots)))
+
+    pr = PreviousResidual()
+    z = torch.zeros(2)
+    r1 = torch.arange(10.0).reshape(5, 2)  # A: slot 0, 3 tokens; B: slot 2, 2 tokens
+    got = pr.previous(3, r1, ctx([3, 2], [0, 3, 5], [0, 2]))
+    assert torch.equal(got, torch.stack([z, r1[0], r1[1], z, r1[3]]))
+    r2 = torch.tensor([[10.0, 11], [12, 13]])  # decodes of A and B
+    assert torch.equal(pr.previous(3, r2, ctx([4, 3], [0, 1, 2], [0, 2])), torch.stack([r1[2], r1[4]]))
+    r3 = torch.tensor([[20.0, 21], [22, 23]])  # C, new in slot 0 at position 0; B decodes
+    assert torch.equal(pr.previous(3, r3, ctx([1, 4], [0, 1, 2], [0, 2])), torch.stack([z, r2[1]]))
+    r4 = torch.tensor([[30.0, 31], [32, 33]])  # D in slot 2 from position 5 (B's kept row is position 3)
+    assert torch.equal(pr.previous(3, r4, ctx([7], [0, 2], [2])), torch.stack([z, r4[0]]))
+    assert pr.previous(1, r2, ctx([4, 3], [0, 1, 2], [0, 2])).abs().sum() == 0  # layers are kept apart
 
 
 def test_calibrate_mlp_previous_token_cli_then_eval(tmp_path, capsys):

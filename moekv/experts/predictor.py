@@ -13,8 +13,8 @@ score (`predict` takes the top n):
   chosen on held-out calibration sequences. With `previous_token`, x also holds rms of the residual
   entering layer L at the sequence's previous token (zeros at a sequence's first token): I = 2H.
   That row was computed before this token's step (decode) or sits beside it in the step (prefill),
-  so it is known before layer L's attention; only the `eval experts` path supplies it today (the
-  engine's offload and L2 prefetch refuse such a file: they keep no per-sequence state).
+  so it is known before layer L's attention; `eval experts` and expert offload (lookahead 1, one
+  kept row per sequence slot and layer) supply it; the L2 prefetch refuses such a file.
   The file also holds each layer's routing frequency on the calibration text (what an expert cache
   keeps resident from the start).
 
@@ -124,12 +124,13 @@ class ExpertPredictor:
         return any(f.previous_token for f in self.fitted.values())
 
     def check_engine_use(self, option: str) -> None:
-        """The engine's prefetch paths pass only the step's residual: a map that reads the previous
-        token's residual is refused there (it would see zeros at every decode step)."""
+        """The L2 prefetch passes only the step's residual: a map that reads the previous token's
+        residual is refused there (it would see zeros at every decode step); expert offload keeps
+        it per sequence (offload.PreviousResidual)."""
         if self.needs_previous:
             raise ValueError(f"{option}: expert_predictor={self.source!r} reads the previous token's residual "
-                             "(calibrate-experts --previous-token), which the engine does not keep per sequence "
-                             "yet; fit one without --previous-token for the engine")
+                             "(calibrate-experts --previous-token), which this path does not keep per sequence "
+                             "yet (expert offload does); fit one without --previous-token for it")
 
     # -- prediction ------------------------------------------------------------------------------
     @torch.no_grad()

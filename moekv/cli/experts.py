@@ -16,7 +16,8 @@ def cmd_calibrate_experts(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, dtype="float32" if args.device == "cpu" else "auto", device=args.device,
               max_model_len=args.window, max_num_batched_tokens=max(2048, 8 * (args.window or 512)))
     predictor, summary = calibrate_experts(llm, args.text, max_tokens=args.max_tokens, window=args.window,
-                                           progress=not args.quiet)
+                                           progress=not args.quiet, map=args.map, hidden=args.hidden,
+                                           previous_token=args.previous_token, epochs=args.epochs)
     out = predictor.save(args.out)
     print(f"wrote {out} ({summary['tokens']} tokens); held-out top-{llm.engine.model_config.top_k} recall per layer:")
     print(f"{'layer':>5} {'pre-gating':>10} {'fitted':>8} {'alpha':>8}")
@@ -36,6 +37,14 @@ def add_calibrate_experts_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="file to write (safetensors)")
     p.add_argument("--max-tokens", type=int, default=65536, help="tokens in all (split evenly over the files)")
     p.add_argument("--window", type=int, default=None, help="tokens per prefill window (default: the model's context)")
+    p.add_argument("--map", default="linear", choices=["linear", "mlp"],
+                   help="per-layer map: linear (ridge least squares) or mlp (linear + one GELU layer, "
+                        "trained to the router's softmax)")
+    p.add_argument("--hidden", type=int, default=64, help="--map mlp: width of the hidden layer")
+    p.add_argument("--epochs", type=int, default=12, help="--map mlp: training epochs (best held-out one kept)")
+    p.add_argument("--previous-token", action="store_true",
+                   help="the map also reads the previous token's residual entering the layer "
+                        "(`eval experts` only: the engine's prefetch refuses such a file)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_calibrate_experts)

@@ -251,6 +251,7 @@ def install_l2_prefetch(model, config, device: torch.device) -> ExpertL2Prefetch
         raise ValueError("expert_l2_prefetch=True but the model has no MoE layer")
     if config.expert_predictor is not None:
         predictor = ExpertPredictor.load(config.expert_predictor, model)
+        predictor.check_engine_use("expert_l2_prefetch=True")
     else:
         predictor = ExpertPredictor(model)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size

@@ -21,10 +21,12 @@ class observed:
         self.layers = moe_layers(model)
         self._residual: dict[int, torch.Tensor] = {}
         self._handles = []
+        self.ctx = None  # the step's Context (positions, sequence boundaries) while a step runs
 
     def _pre_hook(self, layer_idx: int):
         def hook(module, args):
             x, delta = args[0], args[1]
+            self.ctx = args[2] if len(args) > 2 else None
             self._residual[layer_idx] = x if delta is None else x + delta
         return hook
 
@@ -43,3 +45,15 @@ class observed:
             h.remove()
         self._handles.clear()
         self._residual.clear()
+        self.ctx = None
+
+
+def sequence_starts(ctx, num_rows: int, device=None) -> torch.Tensor | None:
+    """bool [T]: True at the first row of each sequence of the step (from ctx.query_start_loc);
+    None without a Context."""
+    if ctx is None:
+        return None
+    qsl = ctx.host.query_start if ctx.host is not None else ctx.query_start_loc.tolist()
+    starts = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    starts[[q for q in qsl[:-1] if q < num_rows]] = True
+    return starts

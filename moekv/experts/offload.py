@@ -294,6 +294,53 @@ def _wanted(packed: list) -> list[int]:
     return [e for e, v in zip(order, votes) if v > 0]
 
 
+class PreviousResidual:
+    """The previous token's residual entering each MoE layer, per sequence slot, for predictors
+    that read it (`calibrate-experts --previous-token`). At each step, for layer L: a sequence's
+    rows after its first in the step take the row before them; its first row takes the row kept
+    for its slot at the last step if that row is the one just before it (same slot, position one
+    less), else zeros (a new sequence, or a slot whose row belongs to another one); then each
+    sequence's newest row is kept for the next step. Host lists only (eager steps): no device sync."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] = {}  # layer -> [slots, H], the kept rows
+        self.positions: dict[int, dict[int, int]] = {}  # layer -> slot -> position of its kept row
+
+    def previous(self, layer_idx: int, residual: torch.Tensor, ctx) -> torch.Tensor:
+        from moekv.context import to_device
+        from moekv.experts.predictor import previous_rows
+
+        hl = ctx.host if ctx.host is not None else ctx.host_lists()
+        qs, slots, lens = hl.query_start, hl.seq_slots, hl.context_lens
+        T = residual.shape[0]
+        seqs = [b for b in range(len(slots)) if qs[b + 1] > qs[b]]
+        starts = torch.zeros(T, dtype=torch.bool)
+        starts[[qs[b] for b in seqs if qs[b] < T]] = True
+        prev = previous_rows(residual, starts.to(residual.device))
+        kept = self.positions.setdefault(layer_idx, {})
+        buf = self.rows.get(layer_idx)
+        carry = [(qs[b], slots[b]) for b in seqs if lens[b] - (qs[b + 1] - qs[b]) > 0
+                 and kept.get(slots[b]) == lens[b] - (qs[b + 1] - qs[b]) - 1]
+        dev = residual.device
+        if carry and buf is not None:
+            rows = to_device([r for r, _ in carry], torch.long, dev)
+            prev[rows] = buf[to_device([s for _, s in carry], torch.long, dev)]
+        need = max(slots) + 1 if slots else 0
+        if buf is None or buf.shape[0] < need or buf.dtype != residual.dtype or buf.device != dev:
+            grown = torch.zeros(max(need, 1), residual.shape[1], dtype=residual.dtype, device=dev)
+            if buf is not None and buf.dtype == residual.dtype and buf.device == dev:
+                grown[:buf.shape[0]] = buf
+            else:
+                kept.clear()
+            buf = self.rows[layer_idx] = grown
+        if seqs:
+            buf[to_device([slots[b] for b in seqs], torch.long, dev)] = \
+                residual[to_device([qs[b + 1] - 1 for b in seqs], torch.long, dev)]
+            for b in seqs:
+                kept[slots[b]] = lens[b] - 1
+        return prev
+
+
 class ExpertOffload:
     """Every MoE layer's ExpertCache, and the prefetch hook the decoder calls before each layer.
 
@@ -318,19 +365,28 @@ class ExpertOffload:
         for t in sorted(caches):
             self.targets_at.setdefault(max(t - (lookahead - 1), 0), []).append(t)
         self.pending: dict[int, PendingPrediction] = {}  # target layer -> prediction not acted on yet
+        self.model = None  # the MoEDecoder (its step_ctx: the step's sequences, for previous-token maps)
+        self.previous = None
+        if predictor is not None and getattr(predictor, "needs_previous", False):
+            if lookahead != 1:
+                raise ValueError(f"expert_prefetch_lookahead={lookahead}: the expert predictor reads the previous "
+                                 "token's residual entering the layer it predicts, which only lookahead 1 has")
+            self.previous = PreviousResidual()
         self._buffers: dict[int, torch.Tensor] = {}  # target layer -> pinned [2, S] buffer (CUDA)
         self.predictions = {"made": 0, "acted": 0, "late": 0, "waited": 0}
         if predictor is not None and sync_free:
             for cache in caches.values():
                 cache.after_compute = self.poll
 
-    def _predict(self, target: int, residual: torch.Tensor) -> torch.Tensor:
+    def _predict(self, target: int, residual: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
         """On the device, no sync: layer target's top-k per token (kept for the recall) and the [2, S]
         prediction (experts by votes over the step's tokens, most-voted first, and their votes)."""
         cache = self.caches[target]
         top_k = self.predictor.top_k
         n = self.prefetch_per_token or top_k
-        ranked = self.predictor.scores(target, residual).topk(max(n, top_k), dim=-1).indices  # [T, n]
+        scores = (self.predictor.scores(target, residual) if previous is None  # stand-ins take no `previous`
+                  else self.predictor.scores(target, residual, previous=previous))
+        ranked = scores.topk(max(n, top_k), dim=-1).indices  # [T, n]
         cache.predicted = ranked[:, :top_k]
         flat = ranked[:, :n].reshape(-1)
         votes = torch.zeros(cache.num_experts, dtype=torch.long, device=flat.device)
@@ -391,7 +447,11 @@ class ExpertOffload:
         if targets:
             residual = x if delta is None else x + delta
         for target in targets:
-            packed = self._predict(target, residual)
+            prev = None
+            if self.previous is not None:
+                ctx = getattr(self.model, "step_ctx", None)
+                prev = None if ctx is None else self.previous.previous(target, residual, ctx)
+            packed = self._predict(target, residual, prev)
             self.predictions["made"] += 1
             if self.sync_free:
                 self.pending[target] = self._send(target, layer_idx, packed)
@@ -472,6 +532,7 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
     offload = ExpertOffload(caches, predictor if prefetch else None, config.expert_prefetch_per_token,
                             lookahead=config.expert_prefetch_lookahead or 1, sync_free=sync_free,
                             read_stream=read_stream)
+    offload.model = model
     model.before_layer = offload  # without a predictor it only counts tokens
     log.info("expert offload: %d of %d experts per MoE layer on %s (%.3f GiB), the rest in host memory; "
              "prefetch %s", slots, E, device, slots * nbytes * len(layers) / 2**30,

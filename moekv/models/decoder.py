@@ -52,6 +52,9 @@ class MoEDecoder(nn.Module):
         self.before_layer = None
         # called as after_layers() once the last layer has run (joins the L2 prefetch's side stream)
         self.after_layers = None
+        # the running step's Context while a before_layer hook is installed (the hook reads the
+        # step's sequences from it: expert offload's previous-token prediction)
+        self.step_ctx = None
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -60,6 +63,8 @@ class MoEDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: Context) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, H] (normalised)."""
         x, delta = F.embedding(input_ids, self.embed_tokens), None
+        if self.before_layer is not None:
+            self.step_ctx = ctx
         for i, layer in enumerate(self.layers):
             if self.before_layer is not None:
                 self.before_layer(i, x, delta)

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from moekv.eval.perplexity import read_text_tokens
-from moekv.experts.observe import observed
-from moekv.experts.predictor import DEFAULT_ALPHAS, ExpertPredictor, PredictorFit, recall
+from moekv.experts.observe import observed, sequence_starts
+from moekv.experts.predictor import DEFAULT_ALPHAS, ExpertPredictor, PredictorFit, previous_rows, recall
 
 
 def run_windows(llm, token_ids: list[int], window: int, progress: bool = True, batch_windows: int = 8,
@@ -36,20 +36,23 @@ def calibration_tokens(tokenizer, paths: list[str | Path], max_tokens: int) -> l
 
 @torch.no_grad()
 def calibrate_experts(llm, paths: list[str | Path], max_tokens: int = 65536, window: int | None = None,
-                      alphas=DEFAULT_ALPHAS, progress: bool = True) -> tuple[ExpertPredictor, dict]:
-    """Fit one [H + 1, E] map per MoE layer (ridge toward pre-gating, strength chosen on every
-    10th token held out) on the model's own routing of the calibration text."""
+                      alphas=DEFAULT_ALPHAS, progress: bool = True, map: str = "linear", hidden: int = 64,
+                      previous_token: bool = False, epochs: int = 12) -> tuple[ExpertPredictor, dict]:
+    """Fit one map per MoE layer on the model's own routing of the calibration text: linear
+    ([H + 1, E], ridge toward pre-gating, strength chosen on every 10th token held out) or, with
+    map="mlp" / previous_token, see PredictorFit (every 8th window held out)."""
     if not paths:
         raise ValueError("calibrate-experts needs at least one --text file")
     model = llm.engine.runner.model
     window = window or llm.engine.max_model_len
     ids = calibration_tokens(llm.tokenizer, paths, max_tokens)
-    fit = PredictorFit(model)
+    fit = PredictorFit(model, map=map, hidden=hidden, previous_token=previous_token, epochs=epochs)
 
     def on_layer(layer_idx, residual, hidden, weights, expert_ids):
-        fit.add(layer_idx, residual, hidden, expert_ids)
+        starts = sequence_starts(obs.ctx, residual.shape[0]) if fit.keep_rows else None
+        fit.add(layer_idx, residual, hidden, expert_ids, starts)
 
-    with observed(model, on_layer):
+    with observed(model, on_layer) as obs:
         run_windows(llm, ids, window, progress, desc="calibration")
     meta = {"texts": [str(p) for p in paths], "tokens": len(ids), "window": window}
     predictor, summary = fit.finish(alphas, meta)
@@ -94,14 +97,17 @@ def evaluate_expert_prediction(llm, text: str | Path, predictor: ExpertPredictor
         st.add("recall_pregate", recall(ranked[:, :k], expert_ids))
         st.add("recall_pregate_at_2k", recall(ranked[:, :2 * k], expert_ids))
         if predictor is not None:
-            ranked = predictor.scores(layer_idx, residual).argsort(-1, descending=True)
+            prev = None
+            if predictor.needs_previous:  # each window's previous rows (zeros at its first token)
+                prev = previous_rows(residual, sequence_starts(obs.ctx, residual.shape[0], residual.device))
+            ranked = predictor.scores(layer_idx, residual, previous=prev).argsort(-1, descending=True)
             st.add("recall_fitted", recall(ranked[:, :k], expert_ids))
             st.add("recall_fitted_at_2k", recall(ranked[:, :2 * k], expert_ids))
             freq = predictor.frequency(layer_idx)
             hot = freq.topk(k).indices.to(expert_ids.device).expand(expert_ids.shape[0], k)
             st.add("recall_static_hot", recall(hot, expert_ids))
 
-    with observed(model, on_layer):
+    with observed(model, on_layer) as obs:
         run_windows(llm, ids, window, progress, desc="evaluation")
     per_layer = {str(i): s.summary() for i, s in sorted(stats.items())}
     keys = [key for key in next(iter(per_layer.values())) if key.startswith("recall")]

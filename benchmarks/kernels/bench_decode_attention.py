@@ -418,6 +418,18 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     return row
 
 
+def timed_and_checked(row: dict, run, ref, base: dict, nbytes: int, args) -> None:
+    """One Gluon row: `run` once, checked against `ref` (the first sequence's dense attention), then
+    timed replayed and eager; the fields into `row`."""
+    out = run()
+    torch.cuda.synchronize()
+    ms = timer(run, args.cudagraph)
+    err = (out[:1].float() - ref).abs().max().item()
+    row.update(status="kernel" if err <= tolerance(row["ref_max_abs"]) else "wrong", ms=ms,
+               speedup=base["ms"] / ms, gbps=nbytes / ms * 1e-6, max_abs_err=err,
+               eager_ms=timer(run, cudagraph=False))
+
+
 def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> dict:
     """nuq2, int4 or kivi2 through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: pools in fragment
     order, KVFormat.attend -> moekv/ops/gluon/{nuq2,int4,kivi2}_decode.py, the staged tail (kivi2: and its
@@ -463,13 +475,7 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     row["ref_max_abs"] = ref.abs().max().item()
     run = lambda: fmt.attend(q, cache, ctx, scale, None)  # noqa: E731
     try:
-        out = run()
-        torch.cuda.synchronize()
-        ms = timer(run, args.cudagraph)
-        err = (out[:1].float() - ref).abs().max().item()
-        row.update(status="kernel" if err <= tolerance(row["ref_max_abs"]) else "wrong", ms=ms,
-                   speedup=base["ms"] / ms, gbps=nbytes / ms * 1e-6, max_abs_err=err,
-                   eager_ms=timer(run, cudagraph=False))
+        timed_and_checked(row, run, ref, base, nbytes, args)
         if "k_out_delta" in cache.tensors:  # int4: the same launch under ptxas register caps (a side study)
             from moekv.ops.gluon.int4_decode import int4_decode_attention
             from moekv.ops.gluon.int4_layout import fragment_view
@@ -546,13 +552,8 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
                                                  st.slot_dev, ctx.block_tables, ctx.context_lens, scale,
                                                  fp8_fmt=fmt.hi, staged=staged, emit_mass=False)[0]
     try:
-        out = run()
-        torch.cuda.synchronize()
-        ms = timer(run, args.cudagraph)
-        err = (out[:1].float() - ref).abs().max().item()
-        row.update(status="kernel" if err <= tolerance(row["ref_max_abs"]) else "wrong", ms=ms,
-                   speedup=base["ms"] / ms, gbps=nbytes / ms * 1e-6, max_abs_err=err,
-                   nomass_ms=timer(run_nomass, args.cudagraph), eager_ms=timer(run, cudagraph=False))
+        timed_and_checked(row, run, ref, base, nbytes, args)
+        row["nomass_ms"] = timer(run_nomass, args.cudagraph)
         caps = {}  # the same launch (mass included) under other ptxas caps: a side study of the default 128
         for cap in GLUON_TIERED_REGISTER_CAPS:
             launch = lambda cap=cap: fmt.attend_gluon(q, cache, ctx, scale, None, max_registers=cap)  # noqa: E731

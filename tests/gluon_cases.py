@@ -39,17 +39,23 @@ def pack(fmt, k: torch.Tensor, v: torch.Tensor, edit=None, layer: int | None = N
     return slabs
 
 
-def behind_tables(fmt, slabs, lens, g: torch.Generator, to_fragment_order, device="cpu"):
-    """Slabs [N, ...] behind a block table shuffled by g, the pages in fragment order ->
-    (fmt, frag, block_tables, context_lens, k_pages, v_pages)."""
+def shuffled_tables(num_pages: int, lens, g: torch.Generator) -> torch.Tensor:
+    """Block tables [B, max pages] int32 for sequences of `lens` tokens over pages 0..num_pages-1
+    drawn without repetition in an order shuffled by g (unused entries 0)."""
     pages_per = [-(-n // P) for n in lens]
-    N = slabs[0].shape[0]
-    perm = torch.randperm(N, generator=g).to(torch.int32)
+    perm = torch.randperm(num_pages, generator=g).to(torch.int32)
     tables = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
     at = 0
     for b, n in enumerate(pages_per):
         tables[b, :n] = perm[at:at + n]
         at += n
+    return tables
+
+
+def behind_tables(fmt, slabs, lens, g: torch.Generator, to_fragment_order, device="cpu"):
+    """Slabs [N, ...] behind a block table shuffled by g, the pages in fragment order ->
+    (fmt, frag, block_tables, context_lens, k_pages, v_pages)."""
+    tables = shuffled_tables(slabs[0].shape[0], lens, g)
     frag = to_fragment_order(fmt, slabs[0].to(device), slabs[1].to(device))
     return fmt, frag, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device), slabs[0], slabs[1]
 

@@ -25,7 +25,17 @@ from moekv.ops.gluon.tiered_layout import (
     slabs_to_fragment,
 )
 from moekv.ops.reference import decode_attention_ref
-from tests.gluon_cases import GPU, D, P, large_channel_keys, pack, relative_error, run_sm90_build, staging
+from tests.gluon_cases import (
+    GPU,
+    D,
+    P,
+    large_channel_keys,
+    pack,
+    relative_error,
+    run_sm90_build,
+    shuffled_tables,
+    staging,
+)
 
 FP8 = FP8Format()
 
@@ -58,12 +68,7 @@ def build(lens, Hkv, seed, fp8_share=0.3, device="cpu"):
     k8d = FP8.dequantize(FP8.layout("key", P, D).unpack(k_fp8), "key")
     v8d = FP8.dequantize(FP8.layout("value", P, D).unpack(v_fp8), "value")
     kd[fp8_pages], vd[fp8_pages] = k8d[slot[fp8_pages].long()], v8d[slot[fp8_pages].long()]
-    perm = torch.randperm(N, generator=g).to(torch.int32)
-    tables = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(pages_per):
-        tables[b, :n] = perm[at:at + n]
-        at += n
+    tables = shuffled_tables(N, lens, g)
     def to(t):
         return t.to(device)
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.kvcache.formats.base import FragmentPagedFormat  # noqa: E402
 from moekv.models import mixtral  # noqa: E402
 from moekv.models.loader import empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
@@ -105,7 +106,7 @@ def fill_tiered(fmt, cache, cfg, block_size: int, batch: int, pages_per_seq: int
         x = torch.randn(1, H, block_size, D, generator=gen, device=device)
         for tier_fmt, pool in ((fmt.hi, "fp8"), (fmt.lo, "low")):
             slab = tier_fmt.layout(kind, block_size, D).pack(tier_fmt.quantize(x, kind, cache.layer))
-            for field, t in tiered_page_tables(fmt, cache, pool, kind, slab).items():
+            for field, t in fmt.tier_tables(cache, pool, kind, slab).items():
                 cache[field].copy_(t.expand_as(cache[field]))
     st = cache.state
     stride = max(1, round(1 / fmt.tier1_fraction)) if fmt.tier1_fraction > 0 else pages_per_seq
@@ -122,21 +123,6 @@ def fill_tiered(fmt, cache, cfg, block_size: int, batch: int, pages_per_seq: int
     fmt._sync_pages(cache, stored)
 
 
-def tiered_page_tables(fmt, cache, pool: str, kind: str, slab) -> dict:
-    """One tier's freshly packed slab [1, H, bytes] as the tensors of `cache` it fills: the slab itself,
-    or, in pools of the Gluon tiered kernel, the FP8 codes reordered and the low tier's fragment tables."""
-    name = "k" if kind == "key" else "v"
-    if not fmt.is_fragment_pool(cache):
-        return {f"{name}_{pool}": slab}
-    if pool == "fp8":
-        from moekv.ops.gluon.tiered_layout import slabs_to_fragment
-
-        return {f"{name}_fp8": slabs_to_fragment(fmt.hi, kind, slab)}
-    from moekv.ops.gluon.nuq2_layout import kind_to_fragment
-
-    return kind_to_fragment(fmt.lo, kind, slab, cache.layer)
-
-
 def fill_pages(fmt, cache, cfg, block_size: int, device) -> None:
     """Every page of the pool holds the same valid page: one random page quantized by the format."""
     gen = torch.Generator(device).manual_seed(1)
@@ -148,7 +134,7 @@ def fill_pages(fmt, cache, cfg, block_size: int, device) -> None:
     for name, kind in (("k", "key"), ("v", "value")):
         x = torch.randn(1, H, block_size, D, generator=gen, device=device)
         slab = fmt.layout(kind, block_size, D).pack(fmt.quantize(x, kind, cache.layer))  # [1, H, bytes]
-        if getattr(fmt, "is_fragment_pool", lambda c: False)(cache):  # pools in a Gluon kernel's fragment order
+        if isinstance(fmt, FragmentPagedFormat) and fmt.is_fragment_pool(cache):  # a Gluon kernel's fragment order
             for field, t in fmt.to_fragment(cache, kind, slab).items():
                 cache[field].copy_(t.expand_as(cache[field]))
         else:

@@ -70,7 +70,7 @@ sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import DECODE_KERNEL_ENV, decode_kernel  # noqa: E402
+from moekv.kvcache.formats.base import DECODE_KERNEL_ENV, FragmentPagedFormat, decode_kernel  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -168,20 +168,8 @@ def build_cache(fmt, batch: int, context: int, block_size: int, device, gen):
     else:
         for name, kind, x in (("k", "key", k), ("v", "value", v)):
             slab = fmt.layout(kind, block_size, HEAD_DIM).pack(fmt.quantize(x, kind, cache.layer))
-            if "k_slot_delta" in cache.tensors:  # nuq2 pools in the Gluon kernel's fragment order
-                from moekv.ops.gluon.nuq2_layout import kind_to_fragment
-
-                for field, t in kind_to_fragment(fmt, kind, slab, cache.layer).items():
-                    cache[field].copy_(t[repeat])
-            elif "k_out_delta" in cache.tensors:  # int4 pools in the Gluon kernel's fragment order
-                from moekv.ops.gluon.int4_layout import kind_to_fragment as int4_to_fragment
-
-                for field, t in int4_to_fragment(fmt, kind, slab).items():
-                    cache[field].copy_(t[repeat])
-            elif "k_codes" in cache.tensors:  # kivi2 pools in the Gluon kernel's fragment order
-                from moekv.ops.gluon.kivi2_layout import kind_to_fragment as kivi2_to_fragment
-
-                for field, t in kivi2_to_fragment(fmt, kind, slab).items():
+            if isinstance(fmt, FragmentPagedFormat) and fmt.is_fragment_pool(cache):  # a Gluon kernel's order
+                for field, t in fmt.to_fragment(cache, kind, slab).items():
                     cache[field].copy_(t[repeat])
             else:
                 cache[f"{name}_pages"].copy_(slab[repeat])
@@ -592,23 +580,13 @@ def build_tiered_cache(fmt, batch: int, context: int, block_size: int, device, g
     unique = min(UNIQUE_PAGES, num_blocks)
     k, v = random_kv(unique, block_size, device, gen)
     num_fp8 = cache["k_fp8"].shape[0]
-    fragment = fmt.is_fragment_pool(cache)  # the Gluon kernel's orders (MOEKV_DECODE_KERNEL=gluon)
     for name, kind, x in (("k", "key", k), ("v", "value", v)):
         for sub, pool in ((fmt.hi, "fp8"), (fmt.lo, "low")):
             slab = sub.layout(kind, block_size, HEAD_DIM).pack(sub.quantize(x, kind, cache.layer))
             n = num_fp8 if pool == "fp8" else num_blocks
             rows = torch.arange(n, device=device) % unique
-            if not fragment:
-                cache[f"{name}_{pool}"].copy_(slab[rows])
-            elif pool == "fp8":
-                from moekv.ops.gluon.tiered_layout import slabs_to_fragment
-
-                cache[f"{name}_fp8"].copy_(slabs_to_fragment(fmt.hi, kind, slab)[rows])
-            else:  # the unique pages converted once, their tables repeated
-                from moekv.ops.gluon.nuq2_layout import kind_to_fragment
-
-                for field, t in kind_to_fragment(fmt.lo, kind, slab, cache.layer).items():
-                    cache[field].copy_(t[rows])
+            for field, t in fmt.tier_tables(cache, pool, kind, slab).items():  # the unique pages converted once
+                cache[field].copy_(t[rows])
     for name in ("k_staging", "v_staging"):
         cache[name].normal_(generator=gen)
         if context % block_size:

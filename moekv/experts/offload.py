@@ -308,15 +308,13 @@ class PreviousResidual:
 
     def previous(self, layer_idx: int, residual: torch.Tensor, ctx) -> torch.Tensor:
         from moekv.context import to_device
+        from moekv.experts.observe import sequence_starts
         from moekv.experts.predictor import previous_rows
 
         hl = ctx.host if ctx.host is not None else ctx.host_lists()
         qs, slots, lens = hl.query_start, hl.seq_slots, hl.context_lens
-        T = residual.shape[0]
         seqs = [b for b in range(len(slots)) if qs[b + 1] > qs[b]]
-        starts = torch.zeros(T, dtype=torch.bool)
-        starts[[qs[b] for b in seqs if qs[b] < T]] = True
-        prev = previous_rows(residual, starts.to(residual.device))
+        prev = previous_rows(residual, sequence_starts(ctx, residual.shape[0], residual.device))
         kept = self.positions.setdefault(layer_idx, {})
         buf = self.rows.get(layer_idx)
         carry = [(qs[b], slots[b]) for b in seqs if lens[b] - (qs[b + 1] - qs[b]) > 0

@@ -194,23 +194,25 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     def is_fragment_pool(self, cache) -> bool:
         return "k_slot_delta" in cache.tensors
 
-    def _put_low(self, cache, name: str, kind: str, index: torch.Tensor, slabs: torch.Tensor) -> None:
-        """Freshly quantized nuq2 slabs [n, Hkv, slab] of `name` into the low tier at pages `index`."""
+    def tier_tables(self, cache, pool: str, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Freshly packed slabs [n, Hkv, slab] of one tier (`pool`: 'fp8' or 'low') as the rows of the
+        cache tensors they fill: the slabs themselves, or in a fragment-order pool the FP8 codes
+        reordered (tiered_layout.py) and the low tier's nuq2 fragment tables (nuq2_layout.py)."""
+        name = "k" if kind == "key" else "v"
         if not self.is_fragment_pool(cache):
-            cache[f"{name}_low"][index] = slabs
-            return
-        from moekv.ops.gluon.nuq2_layout import kind_to_fragment
-
-        for field, t in kind_to_fragment(self.lo, kind, slabs, cache.layer).items():
-            cache[field][index] = t
-
-    def _put_fp8(self, cache, name: str, kind: str, index: torch.Tensor, slabs: torch.Tensor) -> None:
-        """Freshly quantized fp8_e4m3 slabs into the FP8 pool at slots `index`."""
-        if self.is_fragment_pool(cache):
+            return {f"{name}_{pool}": slabs}
+        if pool == "fp8":
             from moekv.ops.gluon.tiered_layout import slabs_to_fragment
 
-            slabs = slabs_to_fragment(self.hi, kind, slabs)
-        cache[f"{name}_fp8"][index] = slabs
+            return {f"{name}_fp8": slabs_to_fragment(self.hi, kind, slabs)}
+        from moekv.ops.gluon.nuq2_layout import kind_to_fragment
+
+        return kind_to_fragment(self.lo, kind, slabs, cache.layer)
+
+    def _put(self, cache, pool: str, kind: str, index: torch.Tensor, slabs: torch.Tensor) -> None:
+        """Freshly packed slabs of one tier into its pool at rows `index` (FP8 slots or low-tier pages)."""
+        for field, t in self.tier_tables(cache, pool, kind, slabs).items():
+            cache[field][index] = t
 
     def _fp8_pages(self, cache, kind: str, slots: torch.Tensor) -> torch.Tensor:
         """FP8 slots dequantized: [n, Hkv, P, D] fp32."""
@@ -448,7 +450,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         for name, kind in (("k", "key"), ("v", "value")):
             x = cache[f"{name}_staging"][ctx.fill_slots]  # [F, Hkv, P, D]
             flag_nonfinite(cache, x)
-            self._put_fp8(cache, name, kind, dest, self.hi.quantize_packed(x, kind, cache.layer))
+            self._put(cache, "fp8", kind, dest, self.hi.quantize_packed(x, kind, cache.layer))
 
     def _store_filled_staging(self, cache, ctx: Context) -> None:
         """After a decode step's tokens are staged: store the staging pages they completed."""
@@ -483,15 +485,15 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         # the demoted pages' FP8 slabs are read before this batch's pages take over their slots
         self._reencode_low(cache, [p for p, _ in demoted], [slot for _, slot in demoted])
         device = cache["k_staging"].device
-        for put, fmt, rows, kvs in ((self._put_fp8, self.hi, [slot for _, slot in to_fp8.values()],
-                                     [kv for kv, _ in to_fp8.values()]),
-                                    (self._put_low, self.lo, list(to_low), list(to_low.values()))):
+        for pool, fmt, rows, kvs in (("fp8", self.hi, [slot for _, slot in to_fp8.values()],
+                                      [kv for kv, _ in to_fp8.values()]),
+                                     ("low", self.lo, list(to_low), list(to_low.values()))):
             if not rows:
                 continue
             index = to_device(rows, torch.long, device)
             for name, kind in (("k", "key"), ("v", "value")):
                 x = torch.stack([kv[name] for kv in kvs])  # [n, Hkv, P, D]
-                put(cache, name, kind, index, fmt.quantize_packed(x, kind, cache.layer))
+                self._put(cache, pool, kind, index, fmt.quantize_packed(x, kind, cache.layer))
         self._sync_pages(cache, [p for p, _ in demoted] + list(to_fp8) + list(to_low))
 
     def _choose_tiers(self, cache, pages: list[tuple[int, list[int]]]):
@@ -514,7 +516,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         page_idx = to_device(pages, torch.long, device)
         for name, kind in (("k", "key"), ("v", "value")):
             x = self._fp8_pages(cache, kind, slot_idx)
-            self._put_low(cache, name, kind, page_idx, self.lo.quantize_packed(x, kind, cache.layer))
+            self._put(cache, "low", kind, page_idx, self.lo.quantize_packed(x, kind, cache.layer))
 
     def _demote(self, cache, pages: list[int]) -> None:
         """Re-encode FP8 pages into nuq2 (in their low-pool slots) and free their FP8 slots, all of

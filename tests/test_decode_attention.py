@@ -34,11 +34,7 @@ decode_launch, nuq2_tiles, paged = (decode[f"moekv.ops.decode.{name}"] for name 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.fixture(autouse=True)
-def slab_pools(monkeypatch):
-    """This module tests the Triton kernels, which read slab pools: on an sm_90 GPU the default ('auto')
-    would put covered shapes in a Gluon kernel's fragment order (tested in tests/test_gluon_*.py)."""
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
+pytestmark = pytest.mark.usefixtures("triton_slab_pools")
 
 
 # label -> (kv_cache_dtype, options)

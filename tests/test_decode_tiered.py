@@ -22,6 +22,8 @@ decode = dict(zip(DECODE_MODULES, kernel_modules(*DECODE_MODULES)))
 decode_launch, dt = decode["moekv.ops.decode.launch"], decode["moekv.ops.decode.tiered"]
 from tests.test_decode_attention import DEVICE, build_cache, reference  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("triton_slab_pools")
+
 
 def tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=0, demote_every=2, **options):
     """A tiered cache written through fmt.write, then every `demote_every`-th full page (not the

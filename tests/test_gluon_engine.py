@@ -273,7 +273,7 @@ def test_tiered_fragment_pool_accounting_and_choice(monkeypatch):
 
 def test_auto_on_an_sm90_device_picks_the_validated_kernels(monkeypatch):
     """The default, 'auto', on an sm_90 GPU (its queries faked here): fragment order for the covered
-    shapes of int4, kivi2 and nuq2, slabs for other shapes and for tiered (opt-in with 'gluon')."""
+    shapes of int4, kivi2, nuq2 and tiered (page codebooks), slabs for other shapes and calibrated tiered."""
     pytest.importorskip("triton.experimental.gluon")
     monkeypatch.delenv("MOEKV_DECODE_KERNEL", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -283,7 +283,8 @@ def test_auto_on_an_sm90_device_picks_the_validated_kernels(monkeypatch):
         assert fmt.fragment_pages(P, D, "cuda"), name
         assert not fmt.fragment_pages(32, D, "cuda"), name
     tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
-    assert not tiered.fragment_pages(P, D, "cuda")
+    assert tiered.fragment_pages(P, D, "cuda")
+    assert not tiered.fragment_pages(32, D, "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert not get_kv_format("int4", torch.bfloat16).fragment_pages(P, D, "cuda")  # not sm_90
     monkeypatch.setenv("MOEKV_DECODE_KERNEL", "gluon")

@@ -613,13 +613,12 @@ def decode_kernel(choice: str):
             os.environ[DECODE_KERNEL_ENV] = saved
 
 
-def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: str, in_auto: bool = True) -> bool:
+def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: str) -> bool:
     """Whether a format's pools of a shape keep their pages in a Gluon decode kernel's fragment order
     (moekv/ops/gluon/), by MOEKV_DECODE_KERNEL: 'triton' (slabs, the Triton kernel), 'gluon' (fragment
     order wherever the shape is `covered`, CPU included: there the reference path reads it; a ValueError
     naming `what` the kernel covers otherwise), 'auto' (fragment order on sm_90 CUDA devices with Gluon
-    for covered shapes; slabs elsewhere; the default). `in_auto=False`: a kernel that 'auto' does not
-    choose yet (only 'gluon' does)."""
+    for covered shapes; slabs elsewhere; the default)."""
     choice = os.environ.get(DECODE_KERNEL_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in ("auto", "triton", "gluon"):
         raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected 'auto', 'triton' or 'gluon'")
@@ -629,7 +628,7 @@ def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: s
         if not covered:
             raise ValueError(f"{DECODE_KERNEL_ENV}=gluon: {what}")
         return True
-    if not in_auto or not covered or not torch.cuda.is_available():
+    if not covered or not torch.cuda.is_available():
         return False
     device = torch.device("cuda") if device is None else torch.device(device)
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):

@@ -12,8 +12,8 @@ domain); on top of plain language modelling, two kinds of rows teach retrieval:
                                   to form: the 2026-12 retrains' copy loss sat at ln 4096), and the
                                   copied span's mean loss is an extra term (--copy-loss-weight);
   passkey rows  (--passkey-frac)  moekv.eval.needle.build_prompt at a random length and depth with
-                                  filler from a random training domain, followed by the key; the key
-                                  tokens get an extra loss term (--answer-loss-weight).
+                                  filler from a random training domain, followed by the key and '.';
+                                  those tokens get an extra loss term (--answer-loss-weight).
 Domain mixture (--domain-weights auto): rows are drawn from the domains in proportion to their
 training tokens, and no domain is seen more than --max-passes times over the run's token budget
 (--token-budget, which also sets the step count); if the budget would pass the cap, the capped
@@ -319,7 +319,9 @@ def extend_math(stream: np.ndarray, encode, eot_id: int, n_tokens: int, seed: in
 def passkey_row(encode, stream: np.ndarray, length: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """build_prompt at a random prompt length and depth, then the key and '.', then filler up to `length`.
 
-    Returns (ids, answer positions): the positions of the key's tokens in ids.
+    Returns (ids, answer positions): the positions of the key's tokens and of the '.' that ends the
+    answer (learning where the key stops: a model that retrieves the key but runs on with more digits
+    fails `answer_is_correct`, as the 2026-12-04 candidate did).
     """
     key = random_key(rng)
     answer = encode(key)
@@ -331,7 +333,7 @@ def passkey_row(encode, stream: np.ndarray, length: int, rng: random.Random) -> 
     filler = window(stream, length, rng)
     prompt = build_prompt(encode, filler, prompt_len, depth, key)
     ids = prompt.ids + answer + tail
-    positions = list(range(len(prompt.ids), len(prompt.ids) + len(answer)))
+    positions = list(range(len(prompt.ids), len(prompt.ids) + len(answer) + 1))  # the key, then tail[0]
     rest = length - len(ids)
     if rest > 0:
         ids += window(stream, rest, rng)

@@ -92,7 +92,7 @@ def _char_encode(s: str) -> list[int]:
     return [ord(c) for c in s]
 
 
-def test_passkey_row_holds_one_needle_and_the_answer_right_after_the_question():
+def test_passkey_row_holds_one_needle_and_the_answer_and_its_stop_right_after_the_question():
     stream = np.array([ord("a") + i % 26 for i in range(20_000)], dtype=np.uint16)  # letters only
     rng = random.Random(1)
     for length in (512, 1024, 4096):
@@ -100,10 +100,10 @@ def test_passkey_row_holds_one_needle_and_the_answer_right_after_the_question():
             ids, pos = train.passkey_row(_char_encode, stream, length, rng)
             assert len(ids) == length
             text = "".join(map(chr, ids))
-            key = text[pos[0] : pos[-1] + 1]
-            assert len(pos) == 5 and key.isdigit() and key[0] != "0"
-            assert pos == list(range(pos[0], pos[0] + 5))
-            assert text[: pos[0]].endswith(QUESTION) and text[pos[-1] + 1 :].startswith(".\n")
+            key = text[pos[0] : pos[-1]]  # the answer is the key and the '.' that ends it
+            assert len(pos) == 6 and key.isdigit() and key[0] != "0"
+            assert pos == list(range(pos[0], pos[0] + 6))
+            assert text[: pos[0]].endswith(QUESTION) and text[pos[-1] :].startswith(".\n")
             assert text.count(NEEDLE_TEMPLATE.format(key=key)) == 1 and text.count(QUESTION) == 1
             assert text.index(NEEDLE_TEMPLATE.format(key=key)) < pos[0]
 
@@ -208,7 +208,7 @@ def test_batch_masks_and_curriculum():
                                                                  random.Random(3), vocab_size=4096)
     assert ids.shape == copy_mask.shape == ans_mask.shape == noise_mask.shape == (40, 512)
     assert not (copy_mask & ans_mask).any() and not (noise_mask & copy_mask).any()
-    assert set(ans_mask.sum(1).tolist()) <= {0, 5} and ans_mask.any() and copy_mask.any()
+    assert set(ans_mask.sum(1).tolist()) <= {0, 6} and ans_mask.any() and copy_mask.any()  # five key digits and the "."
     assert (copy_mask.sum(1) == noise_mask.sum(1)).all()  # each copy row: one noise span, one copy of it
     assert {train.DOMAINS[d] for d in dom} == set(train.DOMAINS)
     only_code = {"prose": 0.0, "drama": 0.0, "code": 1.0, "math": 0.0}

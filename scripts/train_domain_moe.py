@@ -529,7 +529,8 @@ def plot_curve(log_path: Path, png: Path) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     x = [r["tokens"] / 1e6 for r in train]
     ax[0].plot(x, [r["lm_loss"] for r in train], label="train LM loss (all rows)")
-    ax[0].plot(x, [r["copy_loss"] for r in train], label="loss on copied spans", alpha=0.7)
+    if any(r["copy_loss"] for r in train):  # 0 throughout: a run without copy rows
+        ax[0].plot(x, [r["copy_loss"] for r in train], label="loss on copied spans", alpha=0.7)
     ax[0].plot(x, [r["answer_loss"] for r in train], label="loss on passkey answers", alpha=0.7)
     held = [r for r in rows if r.get("kind") == "heldout"]
     for name in DOMAINS:

@@ -9,6 +9,10 @@ the first launches (compilation, warm caches) and record one:
         --section WarpStateStats --section SchedulerStats --section Occupancy \
         python benchmarks/tools/ncu_decode_attention.py --format int4 --batch 16 --context 32768
 
+`--kernel gluon` runs the engine's Gluon path instead (MOEKV_DECODE_KERNEL=gluon: a fragment-order pool and
+KVFormat.attend, as bench_decode_attention's `<format>_gluon` rows; tiered on that bench's ~15% FP8 cache);
+its kernels are named `<format>_decode_kernel` (`--kernel-name regex:decode_kernel`).
+
 Not a benchmark (no timing here): bench_decode_attention.py times the same launches.
 """
 from __future__ import annotations
@@ -23,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
 
-from bench_decode_attention import FORMATS, HEAD_DIM, NUM_HEADS, build_cache  # noqa: E402
+from bench_decode_attention import FORMATS, HEAD_DIM, NUM_HEADS, build_cache, build_tiered_cache  # noqa: E402
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import decode_kernel  # noqa: E402
@@ -32,7 +36,9 @@ from moekv.ops.decode.paged import paged_decode_attention  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--format", required=True, choices=[f for f in FORMATS if f not in ("tiered", "vq")])
+    p.add_argument("--format", required=True, choices=[f for f in FORMATS if f != "vq"],
+                   help="tiered: --kernel gluon only (the Triton tiered kernel is not paged_decode_attention)")
+    p.add_argument("--kernel", choices=("triton", "gluon"), default="triton")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=64)
@@ -44,16 +50,36 @@ def main() -> None:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     name, options = FORMATS[args.format]
-    with decode_kernel("triton"):  # profiles the Triton kernel: slab pools
+    if args.kernel == "gluon":
+        run = gluon_attend(name, options, args, device, gen)
+    elif name == "tiered":
+        p.error("tiered: its Triton kernel is not profiled here; use --kernel gluon")
+    else:
+        run = triton_paged(name, options, args, device, gen)
+    for _ in range(args.repeats):
+        run()
+        torch.cuda.synchronize()
+    print(f"{args.format} ({args.kernel}): {args.repeats} launches at batch {args.batch}, context {args.context}")
+
+
+def triton_paged(name, options, args, device, gen):
+    with decode_kernel("triton"):  # the Triton kernel reads slab pools
         fmt = get_kv_format(name, torch.bfloat16, **options)
         spec = fmt.decode_spec(args.block_size, HEAD_DIM)
         cache, ctx = build_cache(fmt, args.batch, args.context, args.block_size, device, gen)
     q = torch.randn(args.batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
-    for _ in range(args.repeats):
-        paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, HEAD_DIM ** -0.5, None,
-                               spec, block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages)
-        torch.cuda.synchronize()
-    print(f"{args.format}: {args.repeats} launches at batch {args.batch}, context {args.context}")
+    return lambda: paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
+                                          HEAD_DIM ** -0.5, None, spec, block_n=args.block_n,
+                                          num_warps=args.num_warps, num_stages=args.num_stages)
+
+
+def gluon_attend(name, options, args, device, gen):
+    with decode_kernel("gluon"):  # fragment-order pools: KVFormat.attend takes the Gluon kernel
+        fmt = get_kv_format(name, torch.bfloat16, **options)
+        build = build_tiered_cache if name == "tiered" else build_cache
+        cache, ctx = build(fmt, args.batch, args.context, args.block_size, device, gen)
+    q = torch.randn(args.batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    return lambda: fmt.attend(q, cache, ctx, HEAD_DIM ** -0.5, None)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ step (all windows in one batch), so every scored token sees ~4k tokens of contex
 reads it (tiered re-ranking every --kv-rerank-interval steps); the bits tiered's decode rows read are
 counted over those steps.
 One engine per format; results are written after each format, so a cut run keeps what it finished.
+`--plot PNG` draws perplexity change and retrieval at the longest length against bits per element from
+--out (a file of several runs under `runs` too); with `--replot` it only draws, running nothing:
+
+    python benchmarks/quality/domain_model_tables.py --replot --out RESULT.json --plot RESULT.png
 """
 from __future__ import annotations
 
@@ -109,7 +113,14 @@ def main() -> None:
     p.add_argument("--ppl-stride", type=int, default=None, help="scored tokens per window (default: half of it)")
     p.add_argument("--no-retrieval", action="store_true", help="perplexity only")
     p.add_argument("--out", required=True)
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw the formats of --out into PNG")
+    p.add_argument("--replot", action="store_true", help="only draw --plot from an existing --out")
     args = p.parse_args()
+    if args.replot:
+        if not args.plot:
+            p.error("--replot needs --plot PNG")
+        plot(json.loads(Path(args.out).read_text()), Path(args.plot))
+        return
 
     model = Path(args.model)
     filler = args.filler or model / "heldout" / "prose.txt"
@@ -144,6 +155,49 @@ def main() -> None:
               f"({time.perf_counter() - start:.0f} s)", flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1))
         del llm
+    if args.plot:
+        plot(record, Path(args.plot))
+
+
+def plot(record: dict, png: Path) -> None:
+    """Two panels over the prefill rows of `record` (one run, or several under `runs`): total perplexity
+    change against bf16 and retrieval accuracy at the longest length, each against bits per element
+    stored at that length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = record.get("runs", [record])
+    rows = {fmt: r for run in runs for fmt, r in run["formats"].items() if r["ppl"]["total"]["mode"] == "prefill"}
+    base = rows["bf16"]["ppl"]["total"]["ppl"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (fmt, r) in enumerate(rows.items()):
+        color = f"C{i}"  # one colour a format in both panels
+        name, options = parse_format(fmt)
+        label = name + (" (page codebooks)" if name == "nuq2" and options.get("kv_codebook") == "page" else "")
+        total = r["ppl"]["total"]
+        bits = total["bits_per_element_at_window"]
+        if fmt != "bf16":  # the baseline: 0% on a log axis
+            change = 100 * (total["ppl"] / base - 1)
+            left.scatter(bits, change, color=color)
+            left.annotate(label, (bits, change), fontsize=8, xytext=(4, 3), textcoords="offset points")
+        ret = r["retrieval"]
+        if ret:
+            longest = str(max(int(k) for k in ret["accuracy_by_length"]))
+            right.scatter(bits, 100 * ret["accuracy_by_length"][longest], color=color)
+            right.annotate(label, (bits, 100 * ret["accuracy_by_length"][longest]), fontsize=8,
+                           xytext=(4, 3), textcoords="offset points")
+    left.set_yscale("log")
+    left.set_xlabel("bits per element stored (at 4k, staged page included)")
+    left.set_ylabel("perplexity change vs bf16, all domains (%)")
+    right.set_xlabel("bits per element stored (at 4k, staged page included)")
+    right.set_ylabel("passkeys right at the longest length (%)")
+    right.set_ylim(0, 105)
+    fig.suptitle(f"KV formats on {record.get('model', runs[0].get('model'))}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 2. `moekv eval experts --json` on each domain's held-out text (models/domain-moe/heldout/), with and
    without the fitted file: top-k and top-2k recall per MoE layer.
 
-    OMP_NUM_THREADS=2 python benchmarks/quality/expert_prediction_domain.py
+    OMP_NUM_THREADS=1 python benchmarks/quality/expert_prediction_domain.py
     # the MLP map over 32,768 tokens a domain, with and without the previous token's residual (issue 28)
     OMP_NUM_THREADS=1 python benchmarks/quality/expert_prediction_domain.py --calib-tokens 131072 --map mlp \
         --predictor benchmarks/results/cpu/domain-moe.experts-mlp.safetensors \

@@ -11,7 +11,7 @@
    hierarchical with one uniform margin per run (--margins).
 4. JSON and a markdown table.
 
-    OMP_NUM_THREADS=2 python benchmarks/quality/domain_routing.py --skip-default   # ~20 min on 2 busy cores
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/quality/domain_routing.py   # ~7 min on a shared 2-core machine
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens per domain")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--margins", type=lambda s: [float(x) for x in s.split(",") if x],
-                   default=[4.0, 3.0, 2.0, 1.0, 0.0, -math.inf],
+                   default=[4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.0, -math.inf],
                    help="comma-separated uniform margins (one for every layer) to evaluate too, e.g. --margins=0,-inf "
                         "(-inf: one cluster per token)")
     p.add_argument("--calib-chars", type=int, default=60_000)

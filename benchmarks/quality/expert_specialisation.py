@@ -10,13 +10,14 @@ information between domain and expert (bits; 0 = no specialisation, at most log2
 domain's share in its own 4 most-used experts (uniform: 4/E). JSON and a heat-map PNG (one panel per
 layer, domains as rows, experts as columns).
 
-    OMP_NUM_THREADS=2 python benchmarks/quality/expert_specialisation.py
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/quality/expert_specialisation.py   # ~1 min
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -91,7 +92,9 @@ def main() -> None:
               "routing": "flat", "num_experts": E, "top_k": cfg.top_k, "domains": list(DOMAINS),
               "tokens": tokens, "window": args.window, "seconds": time.perf_counter() - t0,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "OMP_NUM_THREADS=2 python benchmarks/quality/expert_specialisation.py", "layers": {}}
+              "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python "
+                         f"benchmarks/quality/expert_specialisation.py {' '.join(sys.argv[1:])}".strip(),
+              "layers": {}}
     for i in layers:
         c = counts[i]
         share = c / c.sum(1, keepdim=True)

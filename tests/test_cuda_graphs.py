@@ -4,7 +4,7 @@ CPU: the host-side logic — buckets, padding rows on the scratch page and slot,
 formats may take the graph path, the pool's scratch page — and the padded static-buffer step run
 eagerly (use_graphs=False), which must give the tokens of the ordinary eager path.
 GPU (`gpu` marker): real capture and replay against enforce_eager=True, for every graph-safe format
-(tiered: with and without re-ranking, whose steps stay eager).
+(tiered: with and without re-ranking; its re-ranking steps replay too).
 """
 from __future__ import annotations
 

@@ -328,6 +328,71 @@ def test_the_fill_slots_return_to_scratch_after_the_replay_that_used_them():
     assert (st.fill_fp8_dev == st.scratch_fp8).all() and not st.fill_slots_loaded
 
 
+def _filling_step_cache(fmt):
+    """A pool of 8 FP8 slots, full: sequence 0 (pages 0-4 full, page 20 filling now) and sequence 1
+    (pages 5-7 full, page 21 partly), each page a mass of its own; and the step's decode tokens."""
+    import torch
+
+    from moekv.context import Context, HostLists
+
+    H, P, D = 2, 16, 32
+    g = torch.Generator().manual_seed(11)
+    cache = fmt.allocate(32, H, P, D, torch.device("cpu"), 2, torch.float32)
+    st = cache.state
+    assert st.scratch_fp8 == 8
+    tables, lens = [[0, 1, 2, 3, 4, 20], [5, 6, 7, 21]], [6 * P, 3 * P + 5]
+    fmt._store_pages(cache, [(p, {"k": torch.randn(H, P, D, generator=g), "v": torch.randn(H, P, D, generator=g)},
+                              t[:t.index(p) + 1]) for t in tables for p in t if p < 8])
+    assert not st.free_fp8
+    for page, mass in enumerate([3.0, 0.5, 2.0, 1.0, 4.0, 5.0, 0.2, 6.0]):
+        st.mass[page] = mass
+    cache["k_staging"].copy_(torch.randn(cache["k_staging"].shape, generator=g))
+    cache["v_staging"].copy_(torch.randn(cache["v_staging"].shape, generator=g))
+    k, v = torch.randn(2, H, D, generator=g), torch.randn(2, H, D, generator=g)
+    padded = [t + [0] * (6 - len(t)) for t in tables]
+    host = HostLists(lens, [0, 1, 2], [0, 1], padded)
+    ctx = Context(positions=torch.tensor([n - 1 for n in lens]), slot_mapping=torch.zeros(2, dtype=torch.long),
+                  block_tables=torch.tensor(padded, dtype=torch.int32),
+                  context_lens=torch.tensor(lens, dtype=torch.int32),
+                  query_start_loc=torch.arange(3, dtype=torch.int32), logits_indices=torch.arange(2),
+                  seq_slots=torch.arange(2), max_query_len=1, fills_no_page=False, host=host)
+    return cache, k, v, ctx
+
+
+@pytest.mark.parametrize("rerank_interval", [1, 10 ** 6], ids=["re-ranks", "no-rerank"])
+def test_a_prepared_step_that_runs_eagerly_ends_as_the_eager_step(rerank_interval):
+    """Several ranks: a rank's format prepares a replay (the fill's FP8 slot chosen, the coldest page
+    demoted for it, the step counted and, here, re-ranked) that another rank turns down, so the step
+    runs eagerly on every rank. After graph_step_not_replayed the fill-slot buffer holds the scratch
+    slot again, and the eager write of the same step (counting nothing again, storing the fill anew)
+    leaves exactly what the eager step alone leaves: tiers, slots, free list, masses, step count and
+    every pool."""
+    import torch
+
+    from moekv.kvcache.formats import get_kv_format
+
+    fmt = get_kv_format("tiered", torch.float32, codebook="page", rerank_interval=rerank_interval)
+    want, k, v, ctx = _filling_step_cache(fmt)
+    fmt.write(want, k, v, ctx)  # the eager step alone
+    got, k, v, ctx = _filling_step_cache(fmt)
+    assert fmt.prepare_graph_step([got], ctx.host, [20], [0])
+    st = got.state
+    assert st.fill_slots_loaded and st.fill_fp8_dev[0].item() != st.scratch_fp8 and st.counted_ahead
+    fmt.graph_step_not_replayed([got])
+    assert (st.fill_fp8_dev == st.scratch_fp8).all() and not st.fill_slots_loaded
+    assert st.counted_ahead  # the step stays counted: its eager write must not count it again
+    fmt.write(got, k, v, ctx)
+    assert not st.counted_ahead and st.steps == want.state.steps == 1
+    assert st.tier[20] == TIER_FP8 and st.tier[6] == TIER_LOW  # the fill took the coldest page's slot
+    if rerank_interval == 1:
+        assert [st.tier[p] for p in (1, 2, 3)] == [TIER_LOW] * 3, "the re-ranking demoted nothing: a weak test"
+    for key in ("tier", "fp8_slot", "free_fp8", "mass", "mass_weight"):
+        assert getattr(st, key) == getattr(want.state, key), key
+    for name in want.tensors:
+        assert torch.equal(got[name], want[name]), name
+    assert torch.equal(st.tier_dev, want.state.tier_dev) and torch.equal(st.slot_dev, want.state.slot_dev)
+
+
 def test_rerank_halves_masses_through_the_weight_of_later_mass():
     """Re-ranking halves every page's mass by doubling the weight of the mass added after it (no
     pass over the pool). Against masses halved one by one: the same decayed masses, before and

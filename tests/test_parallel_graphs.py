@@ -6,8 +6,10 @@ ranks on the emulated graph path (MOEKV_EMULATE_CUDA_GRAPHS=1: every rank takes 
 "replay" being the same static-buffer step function run eagerly, which is what a CUDA graph captures)
 gives the one-process tokens and logprobs, every rank replays the variants rank 0 picked in the same
 order, the byte counters equal an eager 2-rank engine's, and a rank that fails a replayed step fails
-its requests and frees their pages. GPU (`gpu` marker): NCCL inside real graphs, at world size 1
-(the parallel path forced) and 2.
+its requests and frees their pages; tiered (host-side work on every rank before each replay) replays
+its page-filling and re-ranking steps with the eager 2-rank engine's results, and a step one rank
+turns down runs eagerly on both. GPU (`gpu` marker): NCCL inside real graphs, at world size 1 (the
+parallel path forced) and 2 (tiered too).
 """
 from __future__ import annotations
 
@@ -240,6 +242,121 @@ def test_a_rank_that_fails_a_replayed_step(mixtral_ckpt, monkeypatch, one_proces
         engine.shutdown()
 
 
+# -- tiered: each rank's host-side work before a replay, one verdict for all ranks ---------------------
+# tiered keeps its page state per rank (its KV heads' masses and tiers); before each replay every rank's
+# format chooses its fills' FP8 slots, counts the step and re-ranks every 3 steps (prepare_graph_step).
+# Prompts of 15, 31 and 47 tokens: decode steps 1 and 17 fill a page in each sequence (fill bucket 4);
+# step 17 is the engine's 18th, a re-ranking step; the small tier-1 share demotes pages at re-ranking
+TIERED = dict(ENGINE, kv_cache_dtype="tiered", kv_codebook="page", kv_rerank_interval=3, kv_tier1_fraction=0.05)
+TIERED_PROMPTS = [{"prompt_token_ids": [(5 * i + 7 * j) % 300 + 2 for i in range(n)]}
+                  for j, n in enumerate((15, 31, 47))]
+TIERED_PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3) for n in (50, 40, 30)]
+TIERED_DECODE_STEPS = 49  # (the longest request's tokens after the prefill's)
+
+
+def _tiered_outputs(outs):
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiered_eager(hd32_ckpt):
+    """The oracle, once per expert_parallel (ask before setting the graph emulation): the eager 2-rank
+    engine's tokens, logprobs and each rank's per-layer step counts. Not one process's: a rank ranks
+    pages by its own KV heads' masses, so once pages are demoted the 2-rank engine is another
+    (per-rank) ranking (here the first sequence leaves one process's tokens at its 39th)."""
+    cache = {}
+
+    def get(expert_parallel: bool):
+        if expert_parallel not in cache:
+            llm = LLM(model=str(hd32_ckpt), **TIERED, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+                      distributed_timeout=60)
+            try:
+                assert llm.engine.runner.graphs is None
+                tokens, logprobs = _tiered_outputs(llm.generate(TIERED_PROMPTS, TIERED_PARAMS))
+                steps = [r["format_steps"] for r in llm.engine.runner.parallel_graph_stats()]
+            finally:
+                llm.engine.shutdown()
+            cache[expert_parallel] = tokens, logprobs, steps
+        return cache[expert_parallel]
+
+    return get
+
+
+@pytest.mark.parametrize("expert_parallel, async_scheduling", [(True, False), (False, True)],
+                         ids=["tp2+ep", "tp2-async"])
+def test_two_ranks_replay_tiered_decode_steps(hd32_ckpt, monkeypatch, tiered_eager, expert_parallel,
+                                              async_scheduling):
+    """tiered over 2 ranks takes the graph path for every decode step, those that fill pages and those
+    that re-rank too (each rank's format prepares its own pools before the replay): the eager 2-rank
+    engine's tokens and logprobs, both ranks replay the same variants, and
+    every layer on every rank counts each step once, as the eager engine's do."""
+    ref_tokens, ref_logprobs, ref_steps = tiered_eager(expert_parallel)
+    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    llm = LLM(model=str(hd32_ckpt), **TIERED, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              async_scheduling=async_scheduling, distributed_timeout=60)
+    try:
+        assert llm.engine.runner.graphs.fill_variants
+        tokens, logprobs = _tiered_outputs(llm.generate(TIERED_PROMPTS, TIERED_PARAMS))
+        ranks = llm.engine.runner.parallel_graph_stats()
+        follow_on = llm.engine.num_follow_on_steps
+    finally:
+        llm.engine.shutdown()
+    assert tokens == ref_tokens
+    _assert_same_logprobs(logprobs, ref_logprobs)
+    r0, r1 = ranks
+    assert r0["replayed"] == r1["replayed"] and len(r0["replayed"]) == TIERED_DECODE_STEPS  # every decode step
+    assert r0["replayed"][0] == (4, 4), "the first decode step (3 page fills) did not replay"
+    assert [r["format_steps"] for r in ranks] == ref_steps == [[TIERED_DECODE_STEPS + 1] * 2] * 2
+    if async_scheduling:
+        assert follow_on > 0
+
+
+def test_a_rank_that_turns_a_replayed_tiered_step_down(hd32_ckpt, monkeypatch, tiered_eager):
+    """One rank turns a replayed step down (as its format's prepare_graph_step does when a fill would
+    have to go straight to nuq2: forced here, on rank 1 at decode step 1, which fills 3 pages, and on
+    rank 0 at decode step 17, which fills 3 pages and re-ranks): no rank replays it, every rank runs it
+    eagerly (the other rank's format had prepared it: its eager step counts nothing again and stores its
+    fills anew), and every other decode step replays. The eager 2-rank engine's tokens, logprobs and
+    per-layer step counts on each rank."""
+    ref_tokens, ref_logprobs, ref_steps = tiered_eager(True)
+    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    llm = LLM(model=str(hd32_ckpt), **TIERED, tensor_parallel_size=2, enable_expert_parallel=True,
+              distributed_timeout=60)
+    engine = llm.engine
+    refuse = {1: 1, 17: 0}  # decode step -> the rank that turns it down
+    try:
+        graphs = engine.runner.graphs
+        ids = [engine.add_request(None, prompt, params, output_kind="final")
+               for prompt, params in zip(TIERED_PROMPTS, TIERED_PARAMS)]
+        outs, replays, step = {}, [], 0
+        while engine.has_unfinished_requests():
+            if step in refuse:
+                engine.runner.inject_fault(rank=refuse[step], layer_idx="graph_verdict")
+            before = graphs.num_replays
+            for o in engine.step():
+                assert o.error is None, o.error
+                outs[o.request_id] = o
+            replays.append(graphs.num_replays - before)
+            if step == 1:  # rank 0's format had prepared the step rank 1 turned down; the eager step took it
+                for st in (c.state for c in engine.runner.kv_caches):
+                    assert not st.counted_ahead and not st.fill_slots_loaded
+                    assert (st.fill_fp8_dev == st.scratch_fp8).all()  # what a capture's warm-up may write
+            step += 1
+        ranks = engine.runner.parallel_graph_stats()
+    finally:
+        engine.shutdown()
+    # the prefill (eager), the two steps turned down (eager on both ranks), every other decode step replayed
+    assert replays == [0 if s == 0 or s in refuse else 1 for s in range(TIERED_DECODE_STEPS + 1)]
+    assert engine.runner.graphs is graphs  # graphs stay on
+    r0, r1 = ranks
+    assert r0["replayed"] == r1["replayed"] and len(r0["replayed"]) == TIERED_DECODE_STEPS - len(refuse)
+    tokens, logprobs = _tiered_outputs([outs[i] for i in ids])
+    assert tokens == ref_tokens
+    _assert_same_logprobs(logprobs, ref_logprobs)
+    # counted once each on every rank, the prepared-then-eager steps included
+    assert [r["format_steps"] for r in ranks] == ref_steps
+
+
 # -- GPU: NCCL inside the graphs ---------------------------------------------------------------------
 def _forced_parallel_engine(ckpt, monkeypatch, device: str, expert_parallel: bool, **kwargs):
     """An engine at tensor_parallel_size=1 whose runner takes the parallel path anyway: a world of
@@ -360,3 +477,40 @@ def test_two_gpus_nccl_graphs_match_eager(hd32_ckpt, expert_parallel):
     if expert_parallel and exact == len(ref):  # the same tokens routed: the same bytes
         assert got_bytes == ref_bytes and sum(r["static_ep_bytes"] for r in ranks) > 0
     print(f"\n2 GPUs, NCCL graphs vs eager ({'tp+ep' if expert_parallel else 'tp'}): {exact}/3 identical")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL between two ranks in graphs)")
+def test_two_gpus_tiered_graphs_match_eager(hd32_ckpt):
+    """tiered on 2 GPUs: every rank prepares its own pools before each replay (FP8 slots for the fills,
+    re-ranking every 8 steps) and the replayed steps hold the NCCL collectives. Against the same 2-rank
+    engine with enforce_eager=True: both ranks replay the same variants (page-filling ones included),
+    each layer on each rank counts the same steps, and tokens and logprobs by the one-GPU tiered graph
+    test's rule (the two runs rank masses of differently padded batches: mean logprob difference < 0.1
+    while the tokens agree)."""
+    from tests.test_cuda_graphs import _tiered_logprob_diffs
+
+    kwargs = dict(GPU_ENGINE, device="cuda", tensor_parallel_size=2, enable_expert_parallel=True,
+                  distributed_timeout=120, kv_cache_dtype="tiered", kv_codebook="page", kv_rerank_interval=8)
+    eager = LLM(model=str(hd32_ckpt), enforce_eager=True, **kwargs)
+    try:
+        ref = _gpu_outputs(eager)
+        ref_steps = [r["format_steps"] for r in eager.engine.runner.parallel_graph_stats()]
+    finally:
+        eager.engine.shutdown()
+    llm = LLM(model=str(hd32_ckpt), **kwargs)
+    try:
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.use_graphs
+        out = _gpu_outputs(llm)
+        assert llm.engine.runner.graphs is graphs, "the graph path failed (see the log)"
+        ranks = llm.engine.runner.parallel_graph_stats()
+    finally:
+        llm.engine.shutdown()
+    diffs = _tiered_logprob_diffs(ref, out, 8)
+    assert ranks[0]["replayed"] == ranks[1]["replayed"] and len(ranks[0]["replayed"]) > 20
+    assert any(fills for _, fills in ranks[0]["replayed"]), "no replayed step filled a page: a weak test"
+    assert [r["format_steps"] for r in ranks] == ref_steps
+    exact = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, out))
+    print(f"\n2 GPUs, tiered NCCL graphs vs eager: {exact}/3 identical, {len(ranks[0]['replayed'])} replays, "
+          f"mean |logprob difference| {sum(diffs) / len(diffs):.4f} over {len(diffs)} tokens")

@@ -35,11 +35,13 @@ its graphs hold the step's collectives (NCCL inside the graph; expert-parallel d
 shape-static path, layers/parallel.py StaticDispatch). Ranks never capture or replay on their own:
 rank 0 commands each capture and each replay (engine/parallel.py, `GraphStep`), so every rank
 captures the same (bucket, fill bucket) at the same time and replays the same graph in the same
-step. The pieces are split for that: `load_step` (the step's inputs into the static buffers: the
-part that can fail on the host), `replay` (the captured step: the graph, or with use_graphs=False
-the same static-buffer step function run eagerly, which is what the CPU tests exercise), and
-`capture(..., upload=False)` + `upload` (the first launch runs the collectives, so it waits until
-every rank has captured).
+step. A format's GraphStepHooks run on every rank, each on its own pools, before the status round
+that precedes a replay; the round carries each rank's verdict, and if one rank's format turns the
+step down every rank runs it eagerly (ModelRunner.run_graph_step). The pieces are split for that:
+`load_step` (the step's inputs into the static buffers: the part that can fail on the host),
+`replay` (the captured step: the graph, or with use_graphs=False the same static-buffer step
+function run eagerly, which is what the CPU tests exercise), and `capture(..., upload=False)` +
+`upload` (the first launch runs the collectives, so it waits until every rank has captured).
 """
 from __future__ import annotations
 

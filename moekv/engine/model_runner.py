@@ -270,6 +270,7 @@ class ModelRunner:
                     ep.static = self.static_dispatch
             self.parallel.on_rebuild.append(self._drop_graphs)
         self._fail_next_graph_load = False  # tests (inject_fault "graph_load")
+        self._refuse_next_graph_step = False  # tests (inject_fault "graph_verdict")
         # CUDA graphs of the decode step (None: every step runs eagerly, for the reason logged).
         # MOEKV_EMULATE_CUDA_GRAPHS=1 (tests): the graph path without graphs, each replay the same
         # static-buffer step run eagerly, on any device and dtype
@@ -286,9 +287,6 @@ class ModelRunner:
                                                self.block_size, model_cfg.head_dim)
         if reason is None and self.experts is not None:
             reason = "expert_offload=True reads each MoE layer's routing on the host (cache misses, prefetch)"
-        if reason is None and self.parallel is not None and isinstance(self.kv_format, GraphStepHooks):
-            reason = (f"kv_cache_dtype={self.kv_format.name!r} does host-side work around each replayed step on "
-                      "each rank, which the ranks do not coordinate yet (tensor_parallel_size > 1)")
         if reason is None:
             counted = self._count_rows if self.locality is not None or self.static_dispatch is not None else None
             self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
@@ -426,13 +424,30 @@ class ModelRunner:
                 log.exception("capturing the decode step failed; decode steps run eagerly from now on")
                 self.graphs = None
                 return False
+        return self._format_prepares(context_lens, plan.query_start, plan.seq_slots, block_tables, fill_pages)
+
+    def _format_prepares(self, context_lens: list[int], query_start: list[int], seq_slots: list[int],
+                         block_tables: list[list[int]], fill_pages: list[int]) -> bool:
+        """The KV format's verdict on replaying a decode step, its host-side work for the replay done
+        when True (GraphStepHooks.prepare_graph_step; several ranks: each on its own pools); True for
+        a format without hooks."""
+        if not isinstance(self.kv_format, GraphStepHooks):
+            return True
         # the first page of each fill's sequence (decode_fills' rows, in its order)
         first_pages = ([block_tables[b][0] for b in filling_rows(context_lens, self.block_size)]
                        if fill_pages else [])
-        host = HostLists(context_lens, plan.query_start, plan.seq_slots, block_tables)
-        if not isinstance(self.kv_format, GraphStepHooks):
-            return True
+        host = HostLists(context_lens, query_start, seq_slots, block_tables)
         return self.kv_format.prepare_graph_step(self.kv_caches, host, fill_pages, first_pages)
+
+    def _graph_step_not_replayed(self) -> None:
+        """The format prepared a replay that does not happen (the step runs eagerly, or fails)."""
+        if isinstance(self.kv_format, GraphStepHooks):
+            self.kv_format.graph_step_not_replayed(self.kv_caches)
+
+    def _graph_step_replayed(self) -> None:
+        """The format's host-side effects of a replayed step."""
+        if isinstance(self.kv_format, GraphStepHooks):
+            self.kv_format.after_graph_replay(self.kv_caches)
 
     def _model_is_observed(self) -> bool:
         """A K/V observer (calibration) or a router tap runs Python inside the step: a replay would skip it.
@@ -533,8 +548,9 @@ class ModelRunner:
     def _parallel_graph_step(self, plan: StepPlan, block_tables: list[list[int]], fill_slots: list[int],
                              fill_pages: list[int]) -> torch.Tensor | None:
         """Rank 0: the decode step replayed on every rank from the graph of the variant its batch
-        needs (captured on every rank first if it is not yet) -> logits [B, V] fp32; None: the
-        capture failed and graphs are off, run the step eagerly."""
+        needs (captured on every rank first if it is not yet) -> logits [B, V] fp32; None: run the
+        step eagerly (the capture failed and graphs are off, or a rank's KV format turned the step
+        down: run_graph_step)."""
         bucket, fills = self.graphs.variant_for(len(plan.input_ids), len(fill_slots))
         if (bucket, fills) not in self.graphs.graphs and not self._capture_everywhere(bucket, fills):
             return None
@@ -581,11 +597,17 @@ class ModelRunner:
 
     def run_graph_step(self, step: GraphStep, input_ids_device: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every rank, on rank 0's command: load the step's inputs into the static buffers (rank 0's
-        sampled tokens broadcast for a follow-on step), report, and replay the variant only if every
-        rank is ready: a collective inside a graph waits without a timeout. -> the step's logits
-        [B, V] fp32 (a view of the graph's output). With emulated graphs (the CPU) the replay is the
-        same step function run eagerly, whose collectives time out: a second status round follows."""
+        sampled tokens broadcast for a follow-on step), let the KV format do its host-side work for
+        the replay (prepare_graph_step: each rank on its own pools, tiered's FP8 slots, step count and
+        re-ranking), report with the format's verdict, and replay the variant only if every rank is
+        ready: a collective inside a graph waits without a timeout. -> the step's logits [B, V] fp32
+        (a view of the graph's output); None, on every rank alike, when some rank's format turned the
+        step down: nobody replays, and rank 0 sends the step eagerly next (a format that had prepared
+        keeps what it did, graph_step_not_replayed: its eager step does not redo it). With emulated
+        graphs (the CPU) the replay is the same step function run eagerly, whose collectives time
+        out: a second status round follows."""
         graphs, batch, error = self.graphs, len(step.input_ids), None
+        ready = prepared = False  # this rank's verdict; whether its format did the step's host-side work
         try:
             if self._fail_next_graph_load:
                 self._fail_next_graph_load = False
@@ -598,20 +620,41 @@ class ModelRunner:
                              input_ids_device)
             if step.tokens_on_device:  # rank 0's sampled tokens (already in its buffer) to every rank
                 self.parallel.tp.broadcast(graphs.input_ids[:batch])
+            if self._refuse_next_graph_step:  # tests: as a format turning the step down, nothing changed
+                self._refuse_next_graph_step = False
+            else:
+                ready = prepared = self._format_prepares(step.context_lens, list(range(batch + 1)), step.seq_slots,
+                                                         step.block_tables, step.fill_pages)
         except Exception as e:
             error = e
-        self.parallel.finish_step(error)  # raises on every rank if one is not ready: nobody replays
+        try:  # raises on every rank if one is not ready: nobody replays
+            replay = self.parallel.finish_step(error, ready)
+        except ParallelStepError:
+            if prepared:
+                self._graph_step_not_replayed()
+            raise
+        if not replay:  # a rank's format turned the step down: every rank runs it eagerly
+            if prepared:
+                self._graph_step_not_replayed()
+            return None
         if graphs.use_graphs:
             try:
-                return graphs.replay(step.bucket, step.fills, batch)
+                logits = graphs.replay(step.bucket, step.fills, batch)
             except Exception as e:
                 self._replay_failed(e)
+            self._graph_step_replayed()
+            return logits
         logits = None
         try:
             logits = graphs.replay(step.bucket, step.fills, batch)
         except Exception as e:
             error = e
-        self.parallel.finish_step(error)
+        try:
+            self.parallel.finish_step(error)
+        except ParallelStepError:
+            self._graph_step_not_replayed()
+            raise
+        self._graph_step_replayed()
         return logits
 
     def _replay_failed(self, e: Exception):
@@ -640,11 +683,14 @@ class ModelRunner:
 
     def graph_stats(self) -> dict:
         """This rank's decode graphs: variants captured, the latest replays in order, captures so far,
-        and the expert-parallel bytes its static (replayed) steps counted."""
+        the expert-parallel bytes its static (replayed) steps counted, and the steps each layer's KV
+        format counted (a format with a step count, tiered: replayed steps count in prepare_graph_step;
+        None for the others)."""
         g = self.graphs
         static = sum(int(m.ep.static_bytes.item()) for m in moe_layers(self.model).values() if m.ep is not None)
         return {"captured": None if g is None else sorted(g.graphs), "replayed": [] if g is None else list(g.replayed),
-                "num_captures": 0 if g is None else g.num_captures, "static_ep_bytes": static}
+                "num_captures": 0 if g is None else g.num_captures, "static_ep_bytes": static,
+                "format_steps": [getattr(c.state, "steps", None) for c in self.kv_caches]}
 
     def parallel_graph_stats(self) -> list[dict]:
         """Rank 0: every rank's graph_stats (tests)."""
@@ -666,7 +712,9 @@ class ModelRunner:
 
     def inject_fault(self, rank: int, layer_idx: int | str) -> None:
         """Tests: the next step's forward raises in layer `layer_idx` on `rank`; layer_idx "graph_load":
-        the next replayed step's input load raises there instead (before any collective)."""
+        the next replayed step's input load raises there instead (before any collective);
+        "graph_verdict": no fault, but that rank turns the next replayed step down, as a KV format
+        whose prepare_graph_step returns False (every rank then runs the step eagerly)."""
         if rank == 0:
             self.inject_local_fault(layer_idx)
         else:
@@ -676,6 +724,8 @@ class ModelRunner:
     def inject_local_fault(self, layer_idx: int | str) -> None:
         if layer_idx == "graph_load":
             self._fail_next_graph_load = True
+        elif layer_idx == "graph_verdict":
+            self._refuse_next_graph_step = True
         else:
             inject_fault(self.model, layer_idx, self.rank)
 
@@ -755,11 +805,11 @@ class ModelRunner:
                 log.exception("replaying the decode step from a CUDA graph failed; "
                               "decode steps run eagerly from now on")
                 self.graphs = None
+                self._graph_step_not_replayed()
             if logits is not None:  # replayed: the format's host-side bookkeeping for the step
                 if fill_slots:  # what check_finite would have raised in an eager step, read in wait()
                     nonfinite = nonfinite_verdict(self.kv_caches)
-                if isinstance(self.kv_format, GraphStepHooks):
-                    self.kv_format.after_graph_replay(self.kv_caches)
+                self._graph_step_replayed()
         if logits is None:
             max_pages = max(len(table) for table in block_tables)
             tables = [table + [0] * (max_pages - len(table)) for table in block_tables]

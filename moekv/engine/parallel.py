@@ -29,9 +29,13 @@ the graphs, so the ranks must capture and replay in lockstep, on rank 0's comman
   leaves the others waiting inside a graph. A failed capture turns graphs off on every rank.
 - "graph_step" (`GraphStep`: the variant and the step's unpadded inputs): every rank copies the
   inputs into its static buffers (and, for a follow-on step, receives rank 0's sampled tokens by
-  an eager broadcast), reports on the status group, and only if every rank is ready replays the
-  variant's graph. A collective captured in a graph has no timeout, so the status round comes
-  before the replay; a replay itself runs no Python that could fail between collectives. On the
+  an eager broadcast), lets its KV format do the step's host-side work (GraphStepHooks: tiered's
+  FP8 slots for the fills, step count, re-ranking, each rank on its own KV heads), reports on the
+  status group with its format's verdict, and only if every rank is ready replays the variant's
+  graph. A rank whose format turned the step down makes every rank skip the replay: rank 0 then
+  sends the same step as an eager "step" (a format that had prepared keeps what it did; its eager
+  step does not count again). A collective captured in a graph has no timeout, so the status round
+  comes before the replay; a replay itself runs no Python that could fail between collectives. On the
   CPU (emulated graphs, tests) the "replay" is the same static-buffer step run eagerly, whose
   collectives do time out, and a second status round follows it, as for an eager step.
 A rebuilt compute group (after a failed step) invalidates every captured graph on every rank
@@ -239,19 +243,21 @@ class ParallelGroup:
         return box[0]
 
     # -- every rank --------------------------------------------------------------------------
-    def finish_step(self, error: BaseException | None) -> None:
+    def finish_step(self, error: BaseException | None, ready: bool = True) -> bool:
         """Every rank says whether its forward raised; if any did, the compute group is rebuilt
-        (a rank may have stopped between collectives) and ParallelStepError is raised on every rank."""
+        (a rank may have stopped between collectives) and ParallelStepError is raised on every rank.
+        ready: this rank's verdict on what comes next (a replayed step: its KV format can do the
+        step's host-side work); -> whether every rank was ready, the same answer on every rank."""
         msg = None if error is None else f"{type(error).__name__}: {error}"
-        msgs = [None] * self.world_size
+        reports = [None] * self.world_size
         try:
-            dist.all_gather_object(msgs, msg, group=self.status_group)
+            dist.all_gather_object(reports, (msg, bool(ready)), group=self.status_group)
         except Exception as e:  # a rank is gone: nothing more can be run
             self.broken = f"a rank did not report the step's status ({type(e).__name__}: {e})"
             raise ParallelStepError(self.broken) from error
-        failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+        failed = [(r, m) for r, (m, _) in enumerate(reports) if m is not None]
         if not failed:
-            return
+            return all(ok for _, ok in reports)
         old = self.tp.group
         self.tp.group = dist.new_group(backend=self.backend, timeout=self.timeout)
         try:

@@ -208,6 +208,12 @@ class GraphStepHooks(ABC):
         """A decode step was replayed: apply the host-side effects its eager `write` / `attend`
         would have had (every layer's cache in `caches`)."""
 
+    def graph_step_not_replayed(self, caches: list[LayerKVCache]) -> None:
+        """prepare_graph_step returned True, but the step is not replayed after all: it runs eagerly
+        instead (several ranks: another rank's format turned it down; one device: the replay
+        failed), or it fails. Put back what only the replay would have used; the eager step must
+        then do the rest without repeating what prepare_graph_step did. Nothing by default."""
+
     def stats(self, caches: list[LayerKVCache]) -> dict[str, float]:
         """The format's own figures over every layer's cache (exported as metrics); none by default."""
         return {}

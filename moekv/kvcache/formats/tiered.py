@@ -24,7 +24,9 @@ put in a device buffer that the captured `write` reads; then the step is counted
 `rerank_interval` steps, the layers re-rank, as the eager `write` would (its re-ranking uses the
 masses of the steps before, not this one's: the same in both). In a graph step (ctx.graph_step)
 `write` does neither; after each replay the runner calls after_graph_replay, which flags the
-accumulator, as the eager `attend_kernel` would have.
+accumulator, as the eager `attend_kernel` would have. With several ranks each rank does this on its
+own pools (its KV heads' masses and tiers); if one rank's prepare_graph_step says False, every rank
+runs the step eagerly, and a rank that had prepared it calls graph_step_not_replayed first.
 """
 from __future__ import annotations
 
@@ -396,6 +398,18 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             c.state.counted_ahead = False  # prepare_graph_step's count stands: the replay ran
             c.state.mass_pending = True  # attend_kernel's flag: the replay added to mass_dev
             if c.state.fill_slots_loaded:  # back to the scratch slot (queued after the replay)
+                c.state.fill_fp8_dev.fill_(c.state.scratch_fp8)
+                c.state.fill_slots_loaded = False
+
+    def graph_step_not_replayed(self, caches) -> None:
+        """The step prepare_graph_step prepared runs eagerly instead (or fails): the fill slots go back
+        to the scratch slot (a later capture's warm-up writes its padded fills there, which must not
+        be a real page's slot). The rest stands, and the eager `write` of the same step is consistent
+        with it: it counts nothing (counted_ahead) and stores the fills again, releasing the FP8 slots
+        prepared for them and taking free ones (no demotion: the prepared demotions made the room),
+        so the tiers it attends are those the eager step alone would have left."""
+        for c in caches:
+            if c.state.fill_slots_loaded:
                 c.state.fill_fp8_dev.fill_(c.state.scratch_fp8)
                 c.state.fill_slots_loaded = False
 

@@ -27,9 +27,8 @@ mkdir -p /tmp/d && tar xJf data.tar.xz -C /tmp/d && el untarred
 # first length is held until the passkey answer loss is below 0.3 nats (at most 60% of the run), at the
 # peak lr after a 96-step warmup (as in the shipped run's first 500 steps, where its lookup formed); the
 # cosine runs over what is left after the gate. 35% passkey rows whose answer includes the '.' after
-# the key; no copy rows: random-span copy rows taught nothing in three runs (copy loss at ln of the
-# span vocabulary all run), and the 2026-12-04 candidate retrieved ~60% of keys but never stopped after
-# the fifth digit (journal 2026-12-04, second session)
+# the key (without it a model retrieves the key but runs on with more digits); no copy rows: random
+# spans do not teach this model size to copy (the loss on their repeats stays at a uniform guess)
 python scripts/train_domain_moe.py --data /tmp/d/data --out /tmp/run --token-budget 196608000 --time-budget-s 260 \
     --max-passes 20 --curriculum 512:0.3,1024:0.2,2048:0.2,4096:0.3 --curriculum-gate 0.3 \
     --curriculum-gate-max 0.6 --warmup 0.064 --hold-lr-until-gate --copy-frac 0 --passkey-frac 0.35 \

@@ -320,8 +320,8 @@ def passkey_row(encode, stream: np.ndarray, length: int, rng: random.Random) -> 
     """build_prompt at a random prompt length and depth, then the key and '.', then filler up to `length`.
 
     Returns (ids, answer positions): the positions of the key's tokens and of the '.' that ends the
-    answer (learning where the key stops: a model that retrieves the key but runs on with more digits
-    fails `answer_is_correct`, as the 2026-12-04 candidate did).
+    answer (where the key stops: a model that retrieves the key but runs on with more digits fails
+    `answer_is_correct`).
     """
     key = random_key(rng)
     answer = encode(key)

@@ -446,6 +446,27 @@ def test_world_size_one_nccl_graphs_match_eager(hd32_ckpt, monkeypatch, expert_p
           f"{graphs.num_replays} replays")
 
 
+def _eager_then_graphs(ckpt, kwargs, figure):
+    """The same 2-rank engine built with enforce_eager=True, then with graphs, each generating
+    _gpu_outputs -> (eager outputs, figure(eager engine), graph outputs, every rank's graph_stats,
+    figure(graph engine)); fails if the graph engine fell back to eager on the way."""
+    eager = LLM(model=str(ckpt), enforce_eager=True, **kwargs)
+    try:
+        ref, ref_figure = _gpu_outputs(eager), figure(eager.engine)
+    finally:
+        eager.engine.shutdown()
+    llm = LLM(model=str(ckpt), **kwargs)
+    try:
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.use_graphs
+        out = _gpu_outputs(llm)
+        assert llm.engine.runner.graphs is graphs, "the graph path failed (see the log)"
+        ranks, got_figure = llm.engine.runner.parallel_graph_stats(), figure(llm.engine)
+    finally:
+        llm.engine.shutdown()
+    return ref, ref_figure, out, ranks, got_figure
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL between two ranks in graphs)")
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2+ep"])
@@ -455,22 +476,8 @@ def test_two_gpus_nccl_graphs_match_eager(hd32_ckpt, expert_parallel):
     both ranks in the same order, and (EP) the same bytes counted."""
     kwargs = dict(device="cuda", tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
                   distributed_timeout=120, **GPU_ENGINE)
-    eager = LLM(model=str(hd32_ckpt), enforce_eager=True, **kwargs)
-    try:
-        ref = _gpu_outputs(eager)
-        ref_bytes = eager.engine.stats().ep_bytes_sent
-    finally:
-        eager.engine.shutdown()
-    llm = LLM(model=str(hd32_ckpt), **kwargs)
-    try:
-        graphs = llm.engine.runner.graphs
-        assert graphs is not None and graphs.use_graphs
-        out = _gpu_outputs(llm)
-        assert llm.engine.runner.graphs is graphs, "the graph path failed (see the log)"
-        ranks = llm.engine.runner.parallel_graph_stats()
-        got_bytes = llm.engine.stats().ep_bytes_sent
-    finally:
-        llm.engine.shutdown()
+    ref, ref_bytes, out, ranks, got_bytes = _eager_then_graphs(hd32_ckpt, kwargs,
+                                                               lambda engine: engine.stats().ep_bytes_sent)
     exact = _assert_graph_tokens_match_eager(ref, out)
     assert ranks[0]["replayed"] == ranks[1]["replayed"] and len(ranks[0]["replayed"]) > 20
     assert ranks[0]["captured"] == ranks[1]["captured"] == [(1, 0), (2, 0), (4, 0)]
@@ -492,21 +499,8 @@ def test_two_gpus_tiered_graphs_match_eager(hd32_ckpt):
 
     kwargs = dict(GPU_ENGINE, device="cuda", tensor_parallel_size=2, enable_expert_parallel=True,
                   distributed_timeout=120, kv_cache_dtype="tiered", kv_codebook="page", kv_rerank_interval=8)
-    eager = LLM(model=str(hd32_ckpt), enforce_eager=True, **kwargs)
-    try:
-        ref = _gpu_outputs(eager)
-        ref_steps = [r["format_steps"] for r in eager.engine.runner.parallel_graph_stats()]
-    finally:
-        eager.engine.shutdown()
-    llm = LLM(model=str(hd32_ckpt), **kwargs)
-    try:
-        graphs = llm.engine.runner.graphs
-        assert graphs is not None and graphs.use_graphs
-        out = _gpu_outputs(llm)
-        assert llm.engine.runner.graphs is graphs, "the graph path failed (see the log)"
-        ranks = llm.engine.runner.parallel_graph_stats()
-    finally:
-        llm.engine.shutdown()
+    ref, ref_steps, out, ranks, _ = _eager_then_graphs(
+        hd32_ckpt, kwargs, lambda engine: [r["format_steps"] for r in engine.runner.parallel_graph_stats()])
     diffs = _tiered_logprob_diffs(ref, out, 8)
     assert ranks[0]["replayed"] == ranks[1]["replayed"] and len(ranks[0]["replayed"]) > 20
     assert any(fills for _, fills in ranks[0]["replayed"]), "no replayed step filled a page: a weak test"

@@ -393,25 +393,28 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             self.decode_fp8_pages += fp8
 
     # -- CUDA graphs -------------------------------------------------------------------------------
-    def after_graph_replay(self, caches) -> None:
-        for c in caches:
-            c.state.counted_ahead = False  # prepare_graph_step's count stands: the replay ran
-            c.state.mass_pending = True  # attend_kernel's flag: the replay added to mass_dev
-            if c.state.fill_slots_loaded:  # back to the scratch slot (queued after the replay)
-                c.state.fill_fp8_dev.fill_(c.state.scratch_fp8)
-                c.state.fill_slots_loaded = False
-
-    def graph_step_not_replayed(self, caches) -> None:
-        """The step prepare_graph_step prepared runs eagerly instead (or fails): the fill slots go back
-        to the scratch slot (a later capture's warm-up writes its padded fills there, which must not
-        be a real page's slot). The rest stands, and the eager `write` of the same step is consistent
-        with it: it counts nothing (counted_ahead) and stores the fills again, releasing the FP8 slots
-        prepared for them and taking free ones (no demotion: the prepared demotions made the room),
-        so the tiers it attends are those the eager step alone would have left."""
+    @staticmethod
+    def _release_fill_slots(caches) -> None:
+        """The fill-slot buffer back to the scratch slot (queued after any replay), so a later capture's
+        warm-up, which writes its padded fills there, cannot write into a real page's slot."""
         for c in caches:
             if c.state.fill_slots_loaded:
                 c.state.fill_fp8_dev.fill_(c.state.scratch_fp8)
                 c.state.fill_slots_loaded = False
+
+    def after_graph_replay(self, caches) -> None:
+        for c in caches:
+            c.state.counted_ahead = False  # prepare_graph_step's count stands: the replay ran
+            c.state.mass_pending = True  # attend_kernel's flag: the replay added to mass_dev
+        self._release_fill_slots(caches)
+
+    def graph_step_not_replayed(self, caches) -> None:
+        """The step prepare_graph_step prepared runs eagerly instead (or fails): the fill slots go back
+        to the scratch slot. The rest stands, and the eager `write` of the same step is consistent
+        with it: it counts nothing (counted_ahead) and stores the fills again, releasing the FP8 slots
+        prepared for them and taking free ones (no demotion: the prepared demotions made the room),
+        so the tiers it attends are those the eager step alone would have left."""
+        self._release_fill_slots(caches)
 
     def prepare_graph_step(self, caches, host: HostLists, fill_pages: list[int], first_pages: list[int]) -> bool:
         """Before a replayed step, what its eager `write` would do on the host, in the same order:

@@ -18,6 +18,7 @@ from tests.gluon_cases import (
     behind_tables,
     check_decode_matches_dense,
     check_kernel_matches_reference,
+    check_prefetch_changes_nothing,
     check_staged_decode,
     dense_reference,
     large_channel_keys,
@@ -87,19 +88,23 @@ SM90_BUILD = """
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+from moekv.ops.gluon.int4_decode import DEFAULT_PREFETCH
 from moekv.ops.gluon.int4_kernel import int4_decode_kernel
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp16", "v_scale": "*fp16",
        "v_zero": "*fp16", "k_oidx": "*i32", "k_odelta": "*fp32", "v_oidx": "*i32", "v_odelta": "*fp32",
        "q_ptr": "*bf16", "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64",
        "k_stage": "*bf16", "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32",
        "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32",
-       "ns_total": "i32", "HKV": "constexpr", "G": "constexpr", "NO": "constexpr", "STAGED": "constexpr"}
+       "ns_total": "i32", "HKV": "constexpr", "G": "constexpr", "NO": "constexpr", "STAGED": "constexpr",
+       "PREFETCH": "constexpr"}
 for G, NO, staged in ((1, 1, True), (4, 1, False), (8, 4, True)):
-    src = GluonASTSource(int4_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "NO": NO, "STAGED": staged},
+    src = GluonASTSource(int4_decode_kernel, signature=sig,
+                         constexprs={"HKV": 8, "G": G, "NO": NO, "STAGED": staged, "PREFETCH": DEFAULT_PREFETCH},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
     ptx = k.asm["ptx"]
-    print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in ptx, "sub.f16x2" in ptx, ".local" in ptx)
+    print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in ptx, "sub.f16x2" in ptx, ".local" in ptx,
+          "prefetch.global.L1" in ptx)
 """
 
 
@@ -108,9 +113,10 @@ def test_kernel_module_compiles_for_sm90_without_a_gpu():
     four outlier channels): every tile's layout conversion is checked trivial at compile time. In a
     fresh interpreter (other CPU tests set TRITON_INTERPRET=1 for the session)."""
     words = run_sm90_build(SM90_BUILD)
-    # per build: no shared memory, MMA and the fp16 subtraction present, no local memory (spills)
-    assert words == ["1", "0", "True", "True", "False", "4", "0", "True", "True", "False",
-                     "8", "0", "True", "True", "False"], words
+    # per build: no shared memory, MMA and the fp16 subtraction present, no local memory (spills), the
+    # next page asked of L1 (the default prefetch)
+    assert words == ["1", "0", "True", "True", "False", "True", "4", "0", "True", "True", "False", "True",
+                     "8", "0", "True", "True", "False", "True"], words
 
 
 @pytest.mark.gpu
@@ -123,6 +129,16 @@ def test_gpu_kernel_matches_reference(G, lens):
     from moekv.ops.gluon.int4_decode import int4_decode_partials
 
     check_kernel_matches_reference(int4_decode_partials, int4_decode_split_reference, build, G, lens)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("G", [1, 4])
+def test_gpu_prefetch_changes_nothing(G):
+    """Prefetching the next page (L2 or L1) gives the same partials bit for bit as none."""
+    from moekv.ops.gluon.int4_decode import int4_decode_partials
+
+    check_prefetch_changes_nothing(int4_decode_partials, build, G)
 
 
 @pytest.mark.gpu

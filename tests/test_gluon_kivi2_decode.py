@@ -21,6 +21,7 @@ from tests.gluon_cases import (
     behind_tables,
     check_decode_matches_dense,
     check_kernel_matches_reference,
+    check_prefetch_changes_nothing,
     large_channel_keys,
     num_pages,
     pack,
@@ -149,7 +150,7 @@ import triton
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekv.ops.gluon.kivi2_decode import DEFAULT_MAX_REGISTERS
+from moekv.ops.gluon.kivi2_decode import DEFAULT_MAX_REGISTERS, DEFAULT_PREFETCH
 from moekv.ops.gluon.kivi2_kernel import kivi2_decode_kernel
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp16", "v_scale": "*fp16",
@@ -158,9 +159,10 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp1
        "stride_st": "i32", "k_ring": "*bf16", "v_ring": "*bf16", "stride_rs": "i32", "stride_rh": "i32",
        "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32",
        "num_splits": "i32", "ns_total": "i32", "HKV": "constexpr", "G": "constexpr",
-       "STAGED": "constexpr"}
+       "STAGED": "constexpr", "PREFETCH": "constexpr"}
 for G, staged in ((1, True), (4, False), (8, True)):
-    src = GluonASTSource(kivi2_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "STAGED": staged},
+    src = GluonASTSource(kivi2_decode_kernel, signature=sig,
+                         constexprs={"HKV": 8, "G": G, "STAGED": staged, "PREFETCH": DEFAULT_PREFETCH},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=DEFAULT_MAX_REGISTERS))
     ptx = k.asm["ptx"]
@@ -196,6 +198,16 @@ def test_gpu_kernel_matches_reference(G, lens):
     from moekv.ops.gluon.kivi2_decode import kivi2_decode_partials
 
     check_kernel_matches_reference(kivi2_decode_partials, kivi2_decode_split_reference, build, G, lens)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("G", [1, 4])
+def test_gpu_prefetch_changes_nothing(G):
+    """Prefetching the next page (L2 or L1) gives the same partials bit for bit as none."""
+    from moekv.ops.gluon.kivi2_decode import kivi2_decode_partials
+
+    check_prefetch_changes_nothing(kivi2_decode_partials, build, G)
 
 
 @pytest.mark.gpu

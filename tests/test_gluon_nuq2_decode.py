@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moekv.kvcache.formats.nuq2 import NUQ2Format
+from moekv.ops.gluon.launch import programs_per_sm
 from moekv.ops.gluon.nuq2_decode import (
     default_num_splits,
     nuq2_decode_split_reference,
@@ -22,6 +23,7 @@ from tests.gluon_cases import (
     behind_tables,
     check_decode_matches_dense,
     check_kernel_matches_reference,
+    check_prefetch_changes_nothing,
     check_staged_decode,
     dense_reference,
     large_channel_keys,
@@ -119,6 +121,18 @@ def test_default_split_rule():
     assert default_num_splits(16, 8, 512) == 32  # about 4096 programs
     assert default_num_splits(64, 8, 512) == 8
     assert default_num_splits(1, 8, 2048, extra=1) == 255  # with the staged split: 256 partials in all
+    # whole waves (an H200's 132 SMs): a launch of between one and two waves is cut to one, leaving a
+    # slot for the staged split's short programs
+    assert default_num_splits(1, 8, 2048, extra=1, wave=132 * 12) == 197  # 1576 of 1584 slots
+    assert default_num_splits(1, 8, 2048, extra=0, wave=132 * 12) == 198
+    assert default_num_splits(1, 8, 2048, extra=1, wave=132 * 16) == 255  # already one wave
+    assert default_num_splits(16, 8, 512, extra=1, wave=132 * 12) == 32  # 2.6 waves: kept
+    assert default_num_splits(1, 8, 64, extra=1, wave=132 * 12) == 32  # under one wave: kept
+    assert default_num_splits(1, 8, 2048, extra=1, wave=132 * 8) == 131
+
+
+def test_programs_per_sm_follow_the_register_cap():
+    assert [programs_per_sm(c) for c in (None, 0, 255, 184, 168, 128, 64, 16)] == [8, 8, 8, 11, 12, 16, 32, 32]
 
 
 def test_bad_inputs_are_refused():
@@ -147,6 +161,7 @@ SM90_BUILD = """
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+from moekv.ops.gluon.nuq2_decode import DEFAULT_PREFETCH
 from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i32", "k_mean": "*fp8e4nv",
        "k_scale": "*fp8e4nv", "k_idx": "*i32", "k_delta": "*fp32", "k_used": "*i32", "v_idx": "*i32",
@@ -154,10 +169,12 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i
        "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16",
        "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "part_o": "*fp32", "part_lse": "*fp32",
        "qk_scale": "fp32", "window": "i32", "zero": "i32", "num_splits": "i32", "ns_total": "i32",
-       "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr"}
+       "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr",
+       "PREFETCH": "constexpr"}
 for G, staged, chunk0 in ((1, True, False), (4, False, True), (8, True, False)):
     src = GluonASTSource(nuq2_decode_kernel, signature=sig,
-                         constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": chunk0},
+                         constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": chunk0,
+                                     "PREFETCH": DEFAULT_PREFETCH},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
     ptx = k.asm["ptx"]
@@ -188,6 +205,16 @@ def test_gpu_kernel_matches_reference(G, lens):
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_partials
 
     check_kernel_matches_reference(nuq2_decode_partials, nuq2_decode_split_reference, build, G, lens)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("G", [1, 4])
+def test_gpu_prefetch_changes_nothing(G):
+    """Prefetching the next page (L2 or L1) gives the same partials bit for bit as none."""
+    from moekv.ops.gluon.nuq2_decode import nuq2_decode_partials
+
+    check_prefetch_changes_nothing(nuq2_decode_partials, build, G)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,13 @@ import torch
 from moekv.ops.decode.common import LOG2E
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
 from moekv.ops.gluon.int4_layout import GROUP, GROUPS, HEAD_DIM, PAGE_TOKENS, Int4FragmentPages, codes_from_fragment
-from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, reduce_on_device, register_cap
+from moekv.ops.gluon.launch import (
+    check_launch,
+    gluon_missing,
+    plan_launch,
+    reduce_on_device,
+    register_cap,
+)
 from moekv.ops.gluon.splits import masked, quantized_tokens, softmax_partial, split_ranges, staged_scores, window_start
 
 
@@ -106,10 +112,16 @@ def int4_decode_split_reference(q: torch.Tensor, frag: Int4FragmentPages, block_
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
+# the kernel's PREFETCH (prefetch.py): into L1, 10-12% faster than none at (16, 32k), (64, 32k) and
+# (1, 128k) (docs/journal.md)
+DEFAULT_PREFETCH = 1
+
+
 def int4_decode_partials(q: torch.Tensor, frag: Int4FragmentPages, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                          max_registers: int | None = None, staged: Staged | None = None,
-                         sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         sliding_window: int | None = None,
+                         prefetch: int = DEFAULT_PREFETCH) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice)."""
     B, Hkv, G = check_launch("int4", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
@@ -117,24 +129,26 @@ def int4_decode_partials(q: torch.Tensor, frag: Int4FragmentPages, block_tables:
         from moekv.ops.gluon.int4_kernel import int4_decode_kernel
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("int4", e) from e
-    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window)
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
     int4_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_scale, frag.k_zero, frag.v_scale, frag.v_zero,
         frag.k_out_idx, frag.k_out_delta, frag.v_out_idx, frag.v_out_delta,
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
         run.k_stage, run.v_stage, *run.stage_strides,
         run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
-        HKV=Hkv, G=G, NO=frag.num_outliers, STAGED=staged is not None, num_warps=1, **register_cap(max_registers))
+        HKV=Hkv, G=G, NO=frag.num_outliers, STAGED=staged is not None, PREFETCH=prefetch, num_warps=1,
+        **register_cap(max_registers))
     return run.part_o, run.part_lse
 
 
 def int4_decode_attention(q: torch.Tensor, frag: Int4FragmentPages, block_tables: torch.Tensor,
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                           max_registers: int | None = None, staged: Staged | None = None,
-                          sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                          sliding_window: int | None = None, out: torch.Tensor | None = None,
+                          prefetch: int = DEFAULT_PREFETCH) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over int4 pages in fragment order (and, with `staged`, the
     16-bit tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the reduce, two launches, no host
     sync. CUDA only."""
     part_o, part_lse = int4_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                            staged, sliding_window)
+                                            staged, sliding_window, prefetch)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

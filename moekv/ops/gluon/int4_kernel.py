@@ -30,6 +30,7 @@ from moekv.ops.gluon.nuq2_kernel import (
     _store_lse,
     _store_tail_partial,
 )
+from moekv.ops.gluon.prefetch import lanes, opaque, prefetch
 
 PAGE = gl.constexpr(64)
 WORDS = gl.constexpr(1024)  # int32 words of codes per page-head
@@ -176,17 +177,34 @@ def _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G: gl.cons
 
 
 @gluon.jit
+def _prefetch_page(page, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_odelta, v_odelta, NO: gl.constexpr,
+                   LEVEL: gl.constexpr):
+    """Asks for page-head `page` (prefetch.py): its 4 kB of key and of value codes, a 128-byte line a
+    lane; its four 512-byte side tables, 8 lanes a table; its outlier deltas (at most 1 kB a kind), 16
+    lanes a kind (opaque lanes: the addresses are rebuilt where they are used)."""
+    ln = opaque(lanes())
+    prefetch(k_codes + page * WORDS + ln * 32, LEVEL)
+    prefetch(v_codes + page * WORDS + ln * 32, LEVEL)
+    side = gl.where(ln < 8, k_scale, gl.where(ln < 16, k_zero, gl.where(ln < 24, v_scale, v_zero)))
+    prefetch(side + page * SIDE + (ln % 8) * 32, LEVEL)
+    if NO > 0:
+        prefetch(gl.where(ln < 16, k_odelta, v_odelta) + page * (PAGE * NO) + (ln % 16) * 16, LEVEL)
+
+
+@gluon.jit
 def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oidx, k_odelta, v_oidx, v_odelta,
                        q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                        k_stage, v_stage, stride_ss, stride_sh, stride_st,
                        part_o, part_lse, qk_scale, window, num_splits, ns_total,
-                       HKV: gl.constexpr, G: gl.constexpr, NO: gl.constexpr, STAGED: gl.constexpr):
+                       HKV: gl.constexpr, G: gl.constexpr, NO: gl.constexpr, STAGED: gl.constexpr,
+                       PREFETCH: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 1024] (fragment order); k_scale, k_zero, v_scale, v_zero fp16
     [N, HKV, 64, 4]; k_oidx, v_oidx int32 [N, HKV, NO]; k_odelta, v_odelta fp32 [N, HKV, 64, NO];
     q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from ((len - 1) // 64) * 64 on are in
     k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split num_splits (nuq2's staged
     tile); window: the sliding window (a huge value for none); part_o fp32 [B, HKV * G, ns_total, 128],
-    part_lse fp32 [B, HKV * G, ns_total]."""
+    part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next page's codes, side tables and outlier deltas
+    asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -235,8 +253,14 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
         acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
         zacc = gl.zeros([16, 8], gl.float32, layout=MMA)  # rows 0..3: sum_t zero[t, g] P[t, n]
 
+        last = gl.maximum(p1 - 1, 0)
+        page_n = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64) * HKV + h
         for pg in range(p0, p1):
-            page = gl.load(bt_row + pg).to(gl.int64) * HKV + h
+            page = page_n
+            page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
+            if PREFETCH:
+                _prefetch_page(page_n, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_odelta, v_odelta, NO,
+                               PREFETCH)
             s = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
             sk0, sk1, sk2, sk3 = _by_group(k_scale, page, rk, ck, gl.SliceLayout(1, MMA))
             zk0, zk1, zk2, zk3 = _by_group(k_zero, page, rk, ck, gl.SliceLayout(1, MMA))

@@ -40,6 +40,7 @@ from moekv.ops.gluon.nuq2_kernel import (
     _store_tail_partial,
     _tail_aranges,
 )
+from moekv.ops.gluon.prefetch import lanes, opaque, prefetch
 
 PAGE = gl.constexpr(64)
 HALF = gl.constexpr(32)  # tokens of a key group: half a page
@@ -183,18 +184,29 @@ def _tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr
 
 
 @gluon.jit
+def _prefetch_page(page, k_scale, k_zero, v_scale, v_zero, LEVEL: gl.constexpr):
+    """Asks for page-head `page`'s four side tables (512 bytes each, the same stride; prefetch.py): 8
+    lanes a table, 64 bytes apart (opaque lanes: the addresses are rebuilt where they are used, no
+    register held across the page's work)."""
+    ln = opaque(lanes())
+    base = gl.where(ln < 8, k_scale, gl.where(ln < 16, k_zero, gl.where(ln < 24, v_scale, v_zero)))
+    prefetch(base + page * KSIDE + (ln % 8) * 32, LEVEL)
+
+
+@gluon.jit
 def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
                         q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                         k_stage, v_stage, stride_ss, stride_sh, stride_st,
                         k_ring, v_ring, stride_rs, stride_rh, stride_rt, R,
                         part_o, part_lse, qk_scale, window, num_splits, ns_total,
-                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr):
+                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, PREFETCH: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512] (fragment order); k_scale, k_zero fp16 [N, HKV, 2, 128];
     v_scale, v_zero fp16 [N, HKV, 64, 4]; q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens
     from kivi2_decode.quantized_tokens on are the 16-bit tail, read by split num_splits: k_stage /
     v_stage [S, HKV, 64, 128] and (R > 0) the rings k_ring / v_ring [S, HKV, R, 128] at slot
     seq_slots[b]; window: the sliding window (a huge value for none); part_o fp32 [B, HKV * G,
-    ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]."""
+    ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next page's side tables asked
+    of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -259,6 +271,8 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
         vx1 = gl.load(v_codes + page * WORDS + 256 + k_off)
         for pg in range(p0, p1):
             page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
+            if PREFETCH:
+                _prefetch_page(page_n, k_scale, k_zero, v_scale, v_zero, PREFETCH)
             kx0_n = gl.load(k_codes + page_n * WORDS + k_off)
             kx1_n = gl.load(k_codes + page_n * WORDS + 256 + k_off)
             vx0_n = gl.load(v_codes + page_n * WORDS + k_off)

@@ -8,21 +8,40 @@ from dataclasses import dataclass
 
 import torch
 
+from moekv.ops.decode.launch import sm_count
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM
 
 NO_WINDOW = 1 << 30  # a window longer than any context (moekv.ops.decode.common.NO_WINDOW)
 TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at (~3 waves on an H200)
 MAX_SPLITS = 256  # batch 1 at 128k: 256 splits (8 pages each) 49 us, 512 (4 pages) 87 us (docs/journal.md)
+REGISTERS_PER_SM = 65536
+MAX_PROGRAMS_PER_SM = 32  # resident blocks an SM holds (sm_80 .. sm_90)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int = 0) -> int:
+def programs_per_sm(max_registers: int | None) -> int:
+    """One-warp programs an SM holds at a register cap (None: ptxas's own choice, taken as 255: every
+    Gluon decode kernel reaches it uncapped)."""
+    regs = -(-(max_registers or 255) // 8) * 8  # a warp's registers are allocated in units of 256
+    return max(1, min(MAX_PROGRAMS_PER_SM, REGISTERS_PER_SM // (32 * regs)))
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int = 0, wave: int | None = None) -> int:
     """Splits per (sequence, KV head): about TARGET_PROGRAMS programs, each with at least 2 pages,
     and with the `extra` split (the staged tail) at most MAX_SPLITS in all: more splits at batch 1
     cost more in the reduce and per-split setup than they gain in parallelism, and the reduce pads
-    the split count to a power of two (257 partials cost ~40 us more than 256 at 1 x 128k)."""
-    want = -(-TARGET_PROGRAMS // max(1, batch * num_kv_heads))
-    return max(1, min(want, -(-max_pages // 2), MAX_SPLITS - extra))
+    the split count to a power of two (257 partials cost ~40 us more than 256 at 1 x 128k).
+    wave: programs the GPU runs at once (SMs x programs_per_sm). A launch of between one and two waves
+    is cut to one: a partial second wave runs its programs after the first on an almost empty GPU
+    (kivi2 at 1 x 128k: 255 splits 64.7 us, 197 splits 49.8 us). With a staged split its short
+    programs need a free slot in that wave: the paged ones take at most wave - 1 (198 splits, exactly
+    one wave of paged programs: 62.8 us)."""
+    rows = max(1, batch * num_kv_heads)
+    want = -(-TARGET_PROGRAMS // rows)
+    splits = max(1, min(want, -(-max_pages // 2), MAX_SPLITS - extra))
+    if wave and wave < rows * splits < 2 * wave:
+        splits = max(1, (wave - (1 if extra else 0)) // rows)
+    return splits
 
 
 def check_device(fmt: str, q: torch.Tensor) -> None:
@@ -65,10 +84,13 @@ class Launch:
 
 
 def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                num_splits: int | None, staged: Staged | None, sliding_window: int | None) -> Launch:
-    """The split count (default_num_splits when None), the fp32 partials and the staged tail's
-    arguments (without a tail, q and context_lens stand in: the kernel does not read them)."""
-    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None))
+                num_splits: int | None, staged: Staged | None, sliding_window: int | None,
+                max_registers: int | None = None) -> Launch:
+    """The split count (default_num_splits when None, whole waves of the device at the kernel's
+    register cap), the fp32 partials and the staged tail's arguments (without a tail, q and
+    context_lens stand in: the kernel does not read them)."""
+    wave = sm_count(q.device) * programs_per_sm(max_registers)
+    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None), wave)
     ns_total = num_splits + (staged is not None)
     Hq = q.shape[1]
     part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)

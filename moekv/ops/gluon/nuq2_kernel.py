@@ -37,6 +37,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from moekv.ops.gluon.prefetch import address, lanes, opaque, prefetch
+
 PAGE = gl.constexpr(64)
 ROWS = gl.constexpr(4)  # 512-byte rows of codes per page-head (keys: 16 tokens each)
 WORDS = gl.constexpr(512)  # int32 words of codes per page-head
@@ -380,18 +382,40 @@ def _staged_tile(k_row, v_row, stride_st, q_ptr, head0, m_i, l_i, acc, qk_scale,
 
 
 @gluon.jit
+def _prefetch_page(page, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
+                   LEVEL: gl.constexpr):
+    """Asks for page-head `page`'s side tables (prefetch.py), one line a lane: its fp8 scale and mean,
+    codebooks and used counts (a line each), slot positions and deltas (5 lines a table: SK, SV <= 128
+    slots). The lane addresses are rebuilt from the kernel's arguments each time (opaque lanes: kept in
+    the loop, where they cost ~30 instructions a page and no register across the page's work)."""
+    ln = opaque(lanes())
+    row = (ln - 6) % 5 * 128
+    base = gl.where(ln == 0, address(k_scale), gl.where(ln == 1, address(k_mean), gl.where(
+        ln == 2, address(k_tables), gl.where(ln == 3, address(v_tables), gl.where(
+            ln == 4, address(k_used), gl.where(ln == 5, address(v_used), gl.where(
+                ln < 11, address(k_idx) + row, gl.where(ln < 16, address(k_delta) + row, gl.where(
+                    ln < 21, address(v_idx) + row, gl.where(ln < 26, address(v_delta) + row,
+                                                            address(k_scale)))))))))))
+    stride = gl.where(ln < 2, 128, gl.where(ln < 4, 8, gl.where(ln < 6, 4, gl.where(
+        ln < 16, SK * 4, gl.where(ln < 26, SV * 4, 128)))))
+    prefetch(base + page * stride, LEVEL)
+
+
+@gluon.jit
 def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                        k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
                        q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                        k_stage, v_stage, stride_ss, stride_sh, stride_st,
                        part_o, part_lse, qk_scale, window, zero, num_splits, ns_total,
-                       HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr):
+                       HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
+                       PREFETCH: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512]; k_tables, v_tables int32 [N, HKV, 2] (the fp16
     centroids); k_mean, k_scale fp8 [N, HKV, 128]; k_idx / v_idx int32 [N, HKV, SK / SV] (slot
     positions, used first), k_delta / v_delta fp32 (their deltas), k_used / v_used int32 [N, HKV];
     q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from ((len - 1) // 64) * 64 on are in
     k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split num_splits;
-    part_o fp32 [B, HKV * G, ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]."""
+    part_o fp32 [B, HKV * G, ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next
+    page's side tables asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not)."""
     D: gl.constexpr = 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -449,6 +473,9 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         vx = gl.load(v_codes + page * WORDS + v_off)
         for pg in range(p0, p1):
             page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
+            if PREFETCH:
+                _prefetch_page(page_n, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta,
+                               v_used, SK, SV, PREFETCH)
             kx_n = gl.load(k_codes + page_n * WORDS + k_off)
             vx_n = gl.load(v_codes + page_n * WORDS + v_off)
             scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)

@@ -172,7 +172,7 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
         from moekv.ops.gluon.tiered_kernel import tiered_decode_kernel
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("tiered", e) from e
-    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window)
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
     max_pages = block_tables.shape[1]
     if emit_mass:
         tile_sum = torch.empty(B, q.shape[1], max_pages, dtype=torch.float32, device=q.device)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_paths import repo_path, repo_relative
 
 from moekv import LLM
 from moekv.eval.perplexity import PerplexityResult, nll_from_logits, perplexity_domains, text_files
@@ -126,7 +127,7 @@ def main() -> None:
     filler = args.filler or model / "heldout" / "prose.txt"
     domains = text_files(model / "heldout")
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    record = {"model": str(model.name), "device": args.device, "dtype": dtype, "filler": str(filler),
+    record = {"model": str(model.name), "device": args.device, "dtype": dtype, "filler": repo_path(filler),
               "command": "python benchmarks/quality/domain_model_tables.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "model")),
               "formats": {}}
@@ -153,7 +154,7 @@ def main() -> None:
               + ", ".join(f"{n} {r.ppl:.3f}" for n, r in per_domain.items())
               + f"; {total.bits_per_element:.2f} bits stored, read {total.bits_per_element_read} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
-        Path(args.out).write_text(json.dumps(record, indent=1))
+        Path(args.out).write_text(json.dumps(repo_relative(record), indent=1))
         del llm
     if args.plot:
         plot(record, Path(args.plot))

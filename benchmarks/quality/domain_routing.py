@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from prepare_domain_data import fix_cp1252, math_corpus, split_modules, strip_gutenberg  # noqa: E402
+from result_paths import repo_path, repo_relative  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 MODEL = REPO / "models" / "domain-moe"
@@ -92,7 +93,7 @@ def main() -> None:
     p.add_argument("--skip-cluster", action="store_true", help="reuse --map-out")
     args = p.parse_args()
     random.seed(0)
-    result = {"model": str(args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model),
+    result = {"model": repo_path(args.model),
               "clusters": args.clusters, "max_tokens": args.max_tokens, "window": args.window,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "domains": {}}
     if args.skip_cluster and args.out.exists():  # keep the clustering run's report
@@ -114,7 +115,7 @@ def main() -> None:
         for m in args.margins:
             rows[f"margin {m:g}"] = eval_routing(text, args, hier + [f"--cluster-admit-margin={m}"])
         result["domains"][domain] = rows
-        args.out.write_text(json.dumps(result, indent=1, default=str))
+        args.out.write_text(json.dumps(repo_relative(result), indent=1, default=str))
     print_table(result)
 
 

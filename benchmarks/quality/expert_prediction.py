@@ -27,6 +27,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from result_paths import repo_path  # noqa: E402
+
 from moekv import LLM, SamplingParams  # noqa: E402
 from moekv.config import default_model_path  # noqa: E402
 from moekv.eval.perplexity import read_text_tokens  # noqa: E402
@@ -88,10 +90,8 @@ def main() -> int:
     record = {
         "device": f"cpu ({platform.processor() or platform.machine()})", "torch": torch.__version__,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0]).relative_to(REPO))
-                                                                 if Path(sys.argv[0]).is_absolute() else sys.argv[0],
-                                                                 *sys.argv[1:]]),
-        "predictor": str(PREDICTOR.relative_to(REPO)),
+        "command": "python " + " ".join(shlex.quote(a) for a in [repo_path(sys.argv[0]), *sys.argv[1:]]),
+        "predictor": repo_path(PREDICTOR),
         "recall": recall, "offload": {"prompts": args.prompts, "prompt_tokens": 64, "generated_per_prompt":
                                       args.generate, "batch": 1, "runs": runs},
     }

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks" / "quality"))
 
 from domain_routing import DOMAINS, MODEL, OUT_DIR, calibration_files, run  # noqa: E402
+from result_paths import repo_path, repo_relative  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
              *(["--previous-token"] if args.previous_token else []), "--quiet"], "calibrate-experts")
     record = {"date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
               "model": "models/domain-moe", "calib_tokens": args.calib_tokens, "heldout_tokens": args.max_tokens,
-              "window": args.window, "predictor": str(args.predictor.relative_to(REPO)), "map": args.map,
+              "window": args.window, "predictor": repo_path(args.predictor), "map": args.map,
               "hidden": args.hidden if args.map == "mlp" else None, "previous_token": args.previous_token,
               "domains": {}}
     for domain in DOMAINS:
@@ -62,7 +63,7 @@ def main() -> None:
                    "--window", str(args.window), "--expert-predictor", str(args.predictor), "--json"],
                   f"eval experts {domain}")
         record["domains"][domain] = json.loads(out.strip().splitlines()[-1])
-    args.out.write_text(json.dumps(record, indent=2))
+    args.out.write_text(json.dumps(repo_relative(record), indent=2))
     print(f"{'domain':>6} {'layer':>5} {'pregate':>8} {'fitted':>8} {'fit@2k':>8}")
     for domain, r in record["domains"].items():
         for i, s in r["per_layer"].items():

@@ -27,6 +27,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from result_paths import repo_path  # noqa: E402
+
 from moekv import LLM  # noqa: E402
 from moekv.eval.perplexity import read_text_tokens  # noqa: E402
 from moekv.models.loader import moe_layers  # noqa: E402
@@ -88,7 +90,7 @@ def main() -> None:
             for n, chunk in enumerate(chunks):
                 llm.score([{"prompt_token_ids": chunk}])
                 print(f"[{time.perf_counter() - t0:6.0f} s] {domain}: window {n + 1}/{len(chunks)}", flush=True)
-    result = {"model": str(args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model),
+    result = {"model": repo_path(args.model),
               "routing": "flat", "num_experts": E, "top_k": cfg.top_k, "domains": list(DOMAINS),
               "tokens": tokens, "window": args.window, "seconds": time.perf_counter() - t0,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -124,8 +126,7 @@ def add_cluster_shares(result: dict, map_path: Path | None) -> None:
     from moekv.routing.cluster_map import ClusterMap
 
     cmap = ClusterMap.load(map_path)
-    out = {"map": str(Path(map_path).resolve().relative_to(REPO)) if Path(map_path).resolve().is_relative_to(REPO)
-           else str(map_path), "layers": {}}
+    out = {"map": repo_path(map_path), "layers": {}}
     for i in sorted(cmap.layers):
         experts = cmap.layers[i].experts.tolist()
         share = result["layers"][str(i)]["assignment_share"]

@@ -32,6 +32,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from result_paths import repo_path, repo_relative  # noqa: E402
+
 from moekv import LLM  # noqa: E402
 from moekv.cli.eval import _finite  # noqa: E402
 from moekv.config import default_model_path  # noqa: E402
@@ -179,7 +181,7 @@ def main() -> None:
         r["ppl_change"] = r["ppl"] / held_out_rows[0]["ppl"] - 1
     mean_clusters = rows[1].get("clusters_per_token", float("nan"))
     result = {
-        "model": str(args.model), "text": str(wikitext), "tokens": flat["tokens"], "clusters": args.clusters,
+        "model": repo_path(args.model), "text": str(wikitext), "tokens": flat["tokens"], "clusters": args.clusters,
         "calibration": {"books": BOOKS, "cluster_tokens": len(cluster_ids), "quality_tokens": len(quality_ids),
                         "ppl_budget": args.ppl_budget, "seconds": cluster_seconds,
                         "expected_locality": summary["expected_locality"],
@@ -196,7 +198,7 @@ def main() -> None:
                            "rows": held_out_rows},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(_finite(result), indent=1) + "\n")
+    args.out.write_text(json.dumps(_finite(repo_relative(result)), indent=1) + "\n")
     print_table(result)
     print_held_out(result)
     plot(result, args.out.with_suffix(".png"))

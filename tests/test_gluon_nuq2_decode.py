@@ -121,9 +121,10 @@ def test_default_split_rule():
     assert default_num_splits(16, 8, 512) == 32  # about 4096 programs
     assert default_num_splits(64, 8, 512) == 8
     assert default_num_splits(1, 8, 2048, extra=1) == 255  # with the staged split: 256 partials in all
-    # whole waves (an H200's 132 SMs): a launch of between one and two waves is cut to one, leaving a
-    # slot for the staged split's short programs
-    assert default_num_splits(1, 8, 2048, extra=1, wave=132 * 12) == 197  # 1576 of 1584 slots
+    # whole waves (an H200's 132 SMs): a launch of between one and two waves, the staged split's
+    # programs counted, is cut to one
+    assert default_num_splits(1, 8, 2048, extra=1, wave=132 * 12) == 197  # 1576 + 8 staged: 1584 slots
+    assert default_num_splits(1, 8, 396, extra=1, wave=1584) == 197  # 198 + 1 splits: 1592 programs
     assert default_num_splits(1, 8, 2048, extra=0, wave=132 * 12) == 198
     assert default_num_splits(1, 8, 2048, extra=1, wave=132 * 16) == 255  # already one wave
     assert default_num_splits(16, 8, 512, extra=1, wave=132 * 12) == 32  # 2.6 waves: kept

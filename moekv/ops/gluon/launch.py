@@ -32,15 +32,14 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int
     cost more in the reduce and per-split setup than they gain in parallelism, and the reduce pads
     the split count to a power of two (257 partials cost ~40 us more than 256 at 1 x 128k).
     wave: programs the GPU runs at once (SMs x programs_per_sm). A launch of between one and two waves
-    is cut to one: a partial second wave runs its programs after the first on an almost empty GPU
-    (kivi2 at 1 x 128k: 255 splits 64.7 us, 197 splits 49.8 us). With a staged split its short
-    programs need a free slot in that wave: the paged ones take at most wave - 1 (198 splits, exactly
-    one wave of paged programs: 62.8 us)."""
+    (the staged split's programs counted) is cut to one: a partial second wave runs its programs after
+    the first on an almost empty GPU (kivi2 at 1 x 128k: 255 splits 64.7 us, 197 splits 49.8 us; 198
+    splits, whose 8 staged programs wait for a whole paged one to end, 62.8 us)."""
     rows = max(1, batch * num_kv_heads)
     want = -(-TARGET_PROGRAMS // rows)
     splits = max(1, min(want, -(-max_pages // 2), MAX_SPLITS - extra))
-    if wave and wave < rows * splits < 2 * wave:
-        splits = max(1, (wave - (1 if extra else 0)) // rows)
+    if wave and wave < rows * (splits + extra) < 2 * wave:
+        splits = max(1, wave // rows - extra)
     return splits
 
 

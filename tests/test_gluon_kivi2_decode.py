@@ -150,7 +150,7 @@ import triton
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekv.ops.gluon.kivi2_decode import DEFAULT_HALVES, DEFAULT_MAX_REGISTERS, DEFAULT_PREFETCH
+from moekv.ops.gluon.kivi2_decode import DEFAULT_MAX_REGISTERS, DEFAULT_PREFETCH
 from moekv.ops.gluon.kivi2_kernel import kivi2_decode_kernel
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp16", "v_scale": "*fp16",
@@ -159,11 +159,10 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp1
        "stride_st": "i32", "k_ring": "*bf16", "v_ring": "*bf16", "stride_rs": "i32", "stride_rh": "i32",
        "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32",
        "num_splits": "i32", "ns_total": "i32", "HKV": "constexpr", "G": "constexpr",
-       "STAGED": "constexpr", "PREFETCH": "constexpr", "HALVES": "constexpr"}
+       "STAGED": "constexpr", "PREFETCH": "constexpr"}
 for G, staged in ((1, True), (4, False), (8, True)):
     src = GluonASTSource(kivi2_decode_kernel, signature=sig,
-                         constexprs={"HKV": 8, "G": G, "STAGED": staged, "PREFETCH": DEFAULT_PREFETCH,
-                                     "HALVES": DEFAULT_HALVES},
+                         constexprs={"HKV": 8, "G": G, "STAGED": staged, "PREFETCH": DEFAULT_PREFETCH},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=DEFAULT_MAX_REGISTERS))
     ptx = k.asm["ptx"]
@@ -223,19 +222,13 @@ def test_gpu_decode_matches_dense_attention(G):
 
 @pytest.mark.gpu
 @GPU
-@pytest.mark.parametrize("halves", [False, True], ids=["pages", "halves"])
 @pytest.mark.parametrize("R", [0, 128])
 @pytest.mark.parametrize("window", [None, 1, 100, 150, 64 * 5 + 3])
 @pytest.mark.parametrize("G", [1, 4, 8])
-def test_gpu_tail_ring_and_window(G, window, R, halves):
+def test_gpu_tail_ring_and_window(G, window, R):
     """The bf16 tail (staging page and residual ring) as the launch's extra split, and sliding windows,
-    against dense attention over pages + tail; whole pages a program and half pages (a half may hold no
-    valid token: the newest page's, the window's first)."""
-    from functools import partial
-
-    from moekv.ops.gluon import kivi2_decode
-
-    kivi2_decode_attention = partial(kivi2_decode.kivi2_decode_attention, halves=halves)
+    against dense attention over pages + tail."""
+    from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
 
     Hkv = 8 // G if G > 1 else 4
     lens = [1000, 777, 64 * 16, 65, 64, 130, 5]

@@ -92,10 +92,9 @@ def run_shape(label, batch, context, args, device, gen, base, sms) -> dict:
     pages = ctx.block_tables.shape[1]
     default = default_num_splits(batch, bda.NUM_KV_HEADS, pages, 1)
 
-    def launch(prefetch, cap, splits, halves=False):
-        extra = {"halves": True} if halves else {}  # kivi2's half-page programs (kivi2_decode.py)
+    def launch(prefetch, cap, splits):
         return lambda: attention(q, block_tables=ctx.block_tables, context_lens=ctx.context_lens, scale=scale,
-                                 num_splits=splits, max_registers=cap, prefetch=prefetch, **kw, **extra)
+                                 num_splits=splits, max_registers=cap, prefetch=prefetch, **kw)
 
     row = {"format": f"{label}_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"],
            "default_splits": default, "launches": []}
@@ -106,24 +105,13 @@ def run_shape(label, batch, context, args, device, gen, base, sms) -> dict:
             row["launches"].append(r)
             print(f"  {label} ({batch}, {context}) prefetch {prefetch} cap {cap} splits {default}: "
                   f"{r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
-    if label == "kivi2":
-        for cap in args.halves_caps:  # half-page programs: page splits = half the default's
-            r = {"prefetch": args.prefetch[-1], "max_registers": cap, "num_splits": None, "halves": True,
-                 **time_launch(launch(args.prefetch[-1], cap, None, True), ref, tol)}
-            row["launches"].append(r)
-            print(f"  {label} ({batch}, {context}) halves, prefetch {r['prefetch']} cap {cap}: "
-                  f"{r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
     best = min((r for r in row["launches"] if r["status"] == "kernel"), key=lambda r: r["ms"], default=None)
-    if best is not None and args.split_sweep:
-        halves = best.get("halves", False)
+    if best is not None:
         for splits in split_candidates(batch, pages, best["max_registers"], sms, default):
             if splits == default:
                 continue
-            if halves:  # page splits: each is two programs
-                splits = max(1, splits // 2)
             r = {"prefetch": best["prefetch"], "max_registers": best["max_registers"], "num_splits": splits,
-                 "halves": halves, **time_launch(launch(best["prefetch"], best["max_registers"], splits, halves),
-                                                 ref, tol)}
+                 **time_launch(launch(best["prefetch"], best["max_registers"], splits), ref, tol)}
             row["launches"].append(r)
             print(f"  {label} ({batch}, {context}) prefetch {r['prefetch']} cap {r['max_registers']} splits "
                   f"{splits}: {r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
@@ -143,10 +131,6 @@ def main() -> None:
     ap.add_argument("--formats", nargs="*", default=["kivi2", "int4", "nuq2"], choices=list(CAPS))
     ap.add_argument("--shapes", nargs="*", default=None, help="BATCHxCONTEXT, e.g. 16x32768")
     ap.add_argument("--prefetch", nargs="*", type=int, default=[0, 2, 1], help="PREFETCH levels (0 none, 2 L2, 1 L1)")
-    ap.add_argument("--halves-caps", nargs="*", type=int, default=[],
-                    help="kivi2 only: also time its half-page programs under these register caps")
-    ap.add_argument("--no-split-sweep", dest="split_sweep", action="store_false",
-                    help="only the default split count")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "gluon_launch.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():

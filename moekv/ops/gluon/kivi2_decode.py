@@ -33,7 +33,6 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.decode.launch import sm_count
 from moekv.ops.gluon.checks import Staged, check_extras
 from moekv.ops.gluon.checks import check_inputs as check_pages
 from moekv.ops.gluon.kivi2_layout import (
@@ -48,10 +47,8 @@ from moekv.ops.gluon.kivi2_layout import (
 )
 from moekv.ops.gluon.launch import (
     check_device,
-    default_num_splits,
     gluon_missing,
     plan_launch,
-    programs_per_sm,
     reduce_on_device,
     register_cap,
 )
@@ -64,9 +61,6 @@ DEFAULT_MAX_REGISTERS = 168
 # the kernel's PREFETCH (prefetch.py): into L2, 10-14% faster than none at (16, 32k), (64, 32k) and
 # (1, 128k) (docs/journal.md)
 DEFAULT_PREFETCH = 2
-# each page split read by two programs, one a 32-token half of every page (fewer registers a program,
-# more programs an SM; the split count given is then the page splits')
-DEFAULT_HALVES = False
 
 
 def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -198,8 +192,7 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                           max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                           residual: Residual | None = None, sliding_window: int | None = None,
-                          prefetch: int = DEFAULT_PREFETCH,
-                          halves: bool = DEFAULT_HALVES) -> tuple[torch.Tensor, torch.Tensor]:
+                          prefetch: int = DEFAULT_PREFETCH) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail (and the residual ring). max_registers: ptxas's cap (None: its choice)."""
     B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, staged, residual,
@@ -209,11 +202,6 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
         from moekv.ops.gluon.kivi2_kernel import kivi2_decode_kernel
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("kivi2", e) from e
-    if halves:  # two programs a page split, one for each 32-token half of its pages: an even split count
-        if num_splits is None:
-            wave = sm_count(q.device) * programs_per_sm(max_registers)
-            num_splits = max(1, default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None), wave) // 2)
-        num_splits = 2 * num_splits
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
     if R:
         k_ring, v_ring = residual
@@ -225,8 +213,7 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
         run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, rt[0], rt[1], rt[2], R,
         run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
-        HKV=Hkv, G=G, STAGED=staged is not None, PREFETCH=prefetch, HALVES=bool(halves), num_warps=1,
-        **register_cap(max_registers))
+        HKV=Hkv, G=G, STAGED=staged is not None, PREFETCH=prefetch, num_warps=1, **register_cap(max_registers))
     return run.part_o, run.part_lse
 
 
@@ -234,11 +221,10 @@ def kivi2_decode_attention(q: torch.Tensor, frag: Kivi2FragmentPages, block_tabl
                            context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                            residual: Residual | None = None, sliding_window: int | None = None,
-                           out: torch.Tensor | None = None, prefetch: int = DEFAULT_PREFETCH,
-                           halves: bool = DEFAULT_HALVES) -> torch.Tensor:
+                           out: torch.Tensor | None = None, prefetch: int = DEFAULT_PREFETCH) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over kivi2 pages in fragment order (and, with `staged`, the
     16-bit tail: staging page and residual ring) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
     reduce, two launches, no host sync. CUDA only."""
     part_o, part_lse = kivi2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                             staged, residual, sliding_window, prefetch, halves)
+                                             staged, residual, sliding_window, prefetch)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

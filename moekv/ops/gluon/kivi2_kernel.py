@@ -122,7 +122,7 @@ def _key_side_row(ptr, side_off, SL: gl.constexpr):
 
 
 @gluon.jit
-def _half_scores(kx, e16, k_scale, k_zero, page, hf, q_t, side_off, z_template, s0,
+def _half_scores(kx, e16, k_scale, k_zero, page, hf: gl.constexpr, q_t, side_off, z_template, s0,
                  LA: gl.constexpr, LB: gl.constexpr):
     """S^T_h [32, 8] = K_h @ (ks[h] * q)^T + (q . kz[h]) in every row."""
     ks = _key_side_row(k_scale + page * KSIDE + hf * 128, side_off, gl.SliceLayout(1, LB))
@@ -132,7 +132,7 @@ def _half_scores(kx, e16, k_scale, k_zero, page, hf, q_t, side_off, z_template, 
 
 
 @gluon.jit
-def _half_values(acc0, acc1, acc2, acc3, zx, vx, e16v, v_scale, v_zero, page, hf, pb,
+def _half_values(acc0, acc1, acc2, acc3, zx, vx, e16v, v_scale, v_zero, page, hf: gl.constexpr, pb,
                  rv, cv, za_r, za_t, LW: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
     """O^T_g += V^T_{g,h} @ (vs[h, g] * P_h^T) for the 4 groups (word u of a lane = group u);
     zx += vz_h^T @ P_h^T."""
@@ -194,49 +194,12 @@ def _prefetch_page(page, k_scale, k_zero, v_scale, v_zero, LEVEL: gl.constexpr):
 
 
 @gluon.jit
-def _half_page_loop(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, bt_row, page, last, hs, p0, p1, h,
-                    quantized, first, qk_scale, q_t, side_off, z_template, s0, z16, k_off, e16, e16v, rv, cv, za_r,
-                    za_t, tok, m_i, l_i, acc0, acc1, acc2, acc3, zacc, HKV: gl.constexpr, PREFETCH: gl.constexpr,
-                    LW: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
-    """HALVES: half hs (32 tokens, one key group) of each page p0..p1, one half a step: the page loop
-    with half the work and half the registers a step, so that more warps fit an SM. A half may hold no
-    valid token (the newest page's second half, the window's first page): its maximum stays -inf."""
-    kx = gl.load(k_codes + page * WORDS + hs * 256 + k_off)
-    vx = gl.load(v_codes + page * WORDS + hs * 256 + k_off)
-    for pg in range(p0, p1):
-        page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
-        if PREFETCH:
-            _prefetch_page(page_n, k_scale, k_zero, v_scale, v_zero, PREFETCH)
-        kx_n = gl.load(k_codes + page_n * WORDS + hs * 256 + k_off)
-        vx_n = gl.load(v_codes + page_n * WORDS + hs * 256 + k_off)
-        s = _half_scores(kx, e16, k_scale, k_zero, page, hs, q_t, side_off, z_template, s0, LA, LB) * qk_scale
-        pos = pg * PAGE + hs * HALF + tok
-        s = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), s, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: exp2 of -inf, not of NaN
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, 0))
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
-        a2 = gl.expand_dims(alpha, 0)
-        acc0, acc1, acc2, acc3, zx = _half_values(acc0 * a2, acc1 * a2, acc2 * a2, acc3 * a2, z16, vx, e16v, v_scale,
-                                                  v_zero, page, hs, _as_b_operand(p.to(gl.float16), HALF, LB), rv,
-                                                  cv, za_r, za_t, LW, LA, LB)
-        zacc = zacc * a2 + zx
-        kx = kx_n
-        vx = vx_n
-        page = page_n
-    return m_i, l_i, acc0, acc1, acc2, acc3, zacc
-
-
-@gluon.jit
 def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
                         q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                         k_stage, v_stage, stride_ss, stride_sh, stride_st,
                         k_ring, v_ring, stride_rs, stride_rh, stride_rt, R,
                         part_o, part_lse, qk_scale, window, num_splits, ns_total,
-                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, PREFETCH: gl.constexpr,
-                        HALVES: gl.constexpr):
+                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, PREFETCH: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512] (fragment order); k_scale, k_zero fp16 [N, HKV, 2, 128];
     v_scale, v_zero fp16 [N, HKV, 64, 4]; q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens
     from kivi2_decode.quantized_tokens on are the 16-bit tail, read by split num_splits: k_stage /
@@ -262,12 +225,8 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
         quantized = gl.minimum(((length - 1) // PAGE) * PAGE, gl.maximum(length - R, 0))
     # no page at all when the window starts at or after `quantized` (quantized need not be a page
     # boundary here: its page would hold no valid token, and a page of nothing valid has no maximum)
-    if HALVES:  # program column `split` reads half split % 2 of page split split // 2's pages
-        p0, p1 = _split_range(gl.where(first >= quantized, quantized + PAGE - 1, first), quantized, split // 2,
-                              num_splits // 2, PAGE)
-    else:
-        p0, p1 = _split_range(gl.where(first >= quantized, quantized + PAGE - 1, first), quantized, split,
-                              num_splits, PAGE)
+    p0, p1 = _split_range(gl.where(first >= quantized, quantized + PAGE - 1, first), quantized, split, num_splits,
+                          PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
@@ -306,57 +265,49 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
         # register double buffering: the next page's codes load while this page computes
         last = gl.maximum(p1 - 1, 0)
         page = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64) * HKV + h
-        if HALVES:
-            m_i, l_i, acc0, acc1, acc2, acc3, zacc = _half_page_loop(
-                k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, bt_row, page, last, split % 2, p0, p1, h,
-                quantized, first, qk_scale, q_t, side_off, z_template, s0, z16, k_off, e16, e16v, rv, cv, za_r, za_t,
-                tok, m_i, l_i, acc0, acc1, acc2, acc3, zacc, HKV, PREFETCH, LW, LA, LB)
-        else:
-            kx0 = gl.load(k_codes + page * WORDS + k_off)
-            kx1 = gl.load(k_codes + page * WORDS + 256 + k_off)
-            vx0 = gl.load(v_codes + page * WORDS + k_off)
-            vx1 = gl.load(v_codes + page * WORDS + 256 + k_off)
-            for pg in range(p0, p1):
-                page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
-                if PREFETCH:
-                    _prefetch_page(page_n, k_scale, k_zero, v_scale, v_zero, PREFETCH)
-                kx0_n = gl.load(k_codes + page_n * WORDS + k_off)
-                kx1_n = gl.load(k_codes + page_n * WORDS + 256 + k_off)
-                vx0_n = gl.load(v_codes + page_n * WORDS + k_off)
-                vx1_n = gl.load(v_codes + page_n * WORDS + 256 + k_off)
+        kx0 = gl.load(k_codes + page * WORDS + k_off)
+        kx1 = gl.load(k_codes + page * WORDS + 256 + k_off)
+        vx0 = gl.load(v_codes + page * WORDS + k_off)
+        vx1 = gl.load(v_codes + page * WORDS + 256 + k_off)
+        for pg in range(p0, p1):
+            page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
+            if PREFETCH:
+                _prefetch_page(page_n, k_scale, k_zero, v_scale, v_zero, PREFETCH)
+            kx0_n = gl.load(k_codes + page_n * WORDS + k_off)
+            kx1_n = gl.load(k_codes + page_n * WORDS + 256 + k_off)
+            vx0_n = gl.load(v_codes + page_n * WORDS + k_off)
+            vx1_n = gl.load(v_codes + page_n * WORDS + 256 + k_off)
 
-                sa = _half_scores(kx0, e16, k_scale, k_zero, page, 0, q_t, side_off, z_template, s0, LA, LB)
-                sb = _half_scores(kx1, e16, k_scale, k_zero, page, 1, q_t, side_off, z_template, s0, LA, LB)
-                sa = sa * qk_scale
-                sb = sb * qk_scale
-                pos = pg * PAGE + tok
-                sa = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sa, -float("inf"))
-                pos = pos + HALF
-                sb = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sb, -float("inf"))
-                m_new = gl.maximum(m_i, gl.maximum(gl.max(sa, axis=0), gl.max(sb, axis=0)))  # finite: a valid token
-                alpha = gl.exp2(m_i - m_new)
-                pa = gl.exp2(sa - gl.expand_dims(m_new, 0))
-                pb_ = gl.exp2(sb - gl.expand_dims(m_new, 0))
-                l_i = l_i * alpha + gl.sum(pa, axis=0) + gl.sum(pb_, axis=0)
-                m_i = m_new
-                a2 = gl.expand_dims(alpha, 0)
-                acc0 = acc0 * a2
-                acc1 = acc1 * a2
-                acc2 = acc2 * a2
-                acc3 = acc3 * a2
-                zx = z16
-                acc0, acc1, acc2, acc3, zx = _half_values(
-                    acc0, acc1, acc2, acc3, zx, vx0, e16v, v_scale, v_zero, page, 0,
-                    _as_b_operand(pa.to(gl.float16), HALF, LB), rv, cv, za_r, za_t, LW, LA, LB)
-                acc0, acc1, acc2, acc3, zx = _half_values(
-                    acc0, acc1, acc2, acc3, zx, vx1, e16v, v_scale, v_zero, page, 1,
-                    _as_b_operand(pb_.to(gl.float16), HALF, LB), rv, cv, za_r, za_t, LW, LA, LB)
-                zacc = zacc * a2 + zx
-                kx0 = kx0_n
-                kx1 = kx1_n
-                vx0 = vx0_n
-                vx1 = vx1_n
-                page = page_n
+            sa = _half_scores(kx0, e16, k_scale, k_zero, page, 0, q_t, side_off, z_template, s0, LA, LB) * qk_scale
+            sb = _half_scores(kx1, e16, k_scale, k_zero, page, 1, q_t, side_off, z_template, s0, LA, LB) * qk_scale
+            pos = pg * PAGE + tok
+            sa = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sa, -float("inf"))
+            pos = pos + HALF
+            sb = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sb, -float("inf"))
+            m_new = gl.maximum(m_i, gl.maximum(gl.max(sa, axis=0), gl.max(sb, axis=0)))  # finite: a valid token
+            alpha = gl.exp2(m_i - m_new)
+            pa = gl.exp2(sa - gl.expand_dims(m_new, 0))
+            pb_ = gl.exp2(sb - gl.expand_dims(m_new, 0))
+            l_i = l_i * alpha + gl.sum(pa, axis=0) + gl.sum(pb_, axis=0)
+            m_i = m_new
+            a2 = gl.expand_dims(alpha, 0)
+            acc0 = acc0 * a2
+            acc1 = acc1 * a2
+            acc2 = acc2 * a2
+            acc3 = acc3 * a2
+            zx = z16
+            acc0, acc1, acc2, acc3, zx = _half_values(acc0, acc1, acc2, acc3, zx, vx0, e16v, v_scale, v_zero, page, 0,
+                                                      _as_b_operand(pa.to(gl.float16), HALF, LB), rv, cv, za_r, za_t,
+                                                      LW, LA, LB)
+            acc0, acc1, acc2, acc3, zx = _half_values(acc0, acc1, acc2, acc3, zx, vx1, e16v, v_scale, v_zero, page, 1,
+                                                      _as_b_operand(pb_.to(gl.float16), HALF, LB), rv, cv, za_r, za_t,
+                                                      LW, LA, LB)
+            zacc = zacc * a2 + zx
+            kx0 = kx0_n
+            kx1 = kx1_n
+            vx0 = vx0_n
+            vx1 = vx1_n
+            page = page_n
         # the split's partial: normalised output (0 when empty; its lse after the branches)
         _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)
     elif STAGED:  # the 16-bit tail: staging page and residual ring (plain K and V^T, O^T [128, 8])

@@ -150,7 +150,7 @@ import triton
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekv.ops.gluon.kivi2_decode import DEFAULT_MAX_REGISTERS, DEFAULT_PREFETCH
+from moekv.ops.gluon.kivi2_decode import DEFAULT_MAX_REGISTERS, DEFAULT_PREFETCH, DEFAULT_SIDE_SMEM
 from moekv.ops.gluon.kivi2_kernel import kivi2_decode_kernel
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp16", "v_scale": "*fp16",
@@ -159,10 +159,11 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp1
        "stride_st": "i32", "k_ring": "*bf16", "v_ring": "*bf16", "stride_rs": "i32", "stride_rh": "i32",
        "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32",
        "num_splits": "i32", "ns_total": "i32", "HKV": "constexpr", "G": "constexpr",
-       "STAGED": "constexpr", "PREFETCH": "constexpr"}
+       "STAGED": "constexpr", "PREFETCH": "constexpr", "SIDE_SMEM": "constexpr"}
 for G, staged in ((1, True), (4, False), (8, True)):
     src = GluonASTSource(kivi2_decode_kernel, signature=sig,
-                         constexprs={"HKV": 8, "G": G, "STAGED": staged, "PREFETCH": DEFAULT_PREFETCH},
+                         constexprs={"HKV": 8, "G": G, "STAGED": staged, "PREFETCH": DEFAULT_PREFETCH,
+                                     "SIDE_SMEM": DEFAULT_SIDE_SMEM},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=DEFAULT_MAX_REGISTERS))
     ptx = k.asm["ptx"]

@@ -92,9 +92,9 @@ def run_shape(label, batch, context, args, device, gen, base, sms) -> dict:
     pages = ctx.block_tables.shape[1]
     default = default_num_splits(batch, bda.NUM_KV_HEADS, pages, 1)
 
-    def launch(prefetch, cap, splits):
+    def launch(prefetch, cap, splits, **extra):
         return lambda: attention(q, block_tables=ctx.block_tables, context_lens=ctx.context_lens, scale=scale,
-                                 num_splits=splits, max_registers=cap, prefetch=prefetch, **kw)
+                                 num_splits=splits, max_registers=cap, prefetch=prefetch, **kw, **extra)
 
     row = {"format": f"{label}_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"],
            "default_splits": default, "launches": []}
@@ -105,13 +105,23 @@ def run_shape(label, batch, context, args, device, gen, base, sms) -> dict:
             row["launches"].append(r)
             print(f"  {label} ({batch}, {context}) prefetch {prefetch} cap {cap} splits {default}: "
                   f"{r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
+    if label == "kivi2":  # the side tables through shared memory (cp.async) or from global memory
+        for side_smem in args.kivi2_side_smem:
+            for prefetch in args.prefetch:
+                r = {"prefetch": prefetch, "max_registers": CAPS[label][0], "num_splits": default,
+                     "side_smem": side_smem,
+                     **time_launch(launch(prefetch, CAPS[label][0], None, side_smem=side_smem), ref, tol)}
+                row["launches"].append(r)
+                print(f"  {label} ({batch}, {context}) side_smem {side_smem} prefetch {prefetch}: "
+                      f"{r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
     best = min((r for r in row["launches"] if r["status"] == "kernel"), key=lambda r: r["ms"], default=None)
-    if best is not None:
+    if best is not None and args.split_sweep:
         for splits in split_candidates(batch, pages, best["max_registers"], sms, default):
             if splits == default:
                 continue
-            r = {"prefetch": best["prefetch"], "max_registers": best["max_registers"], "num_splits": splits,
-                 **time_launch(launch(best["prefetch"], best["max_registers"], splits), ref, tol)}
+            extra = {"side_smem": best["side_smem"]} if "side_smem" in best else {}
+            r = {"prefetch": best["prefetch"], "max_registers": best["max_registers"], "num_splits": splits, **extra,
+                 **time_launch(launch(best["prefetch"], best["max_registers"], splits, **extra), ref, tol)}
             row["launches"].append(r)
             print(f"  {label} ({batch}, {context}) prefetch {r['prefetch']} cap {r['max_registers']} splits "
                   f"{splits}: {r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
@@ -131,6 +141,9 @@ def main() -> None:
     ap.add_argument("--formats", nargs="*", default=["kivi2", "int4", "nuq2"], choices=list(CAPS))
     ap.add_argument("--shapes", nargs="*", default=None, help="BATCHxCONTEXT, e.g. 16x32768")
     ap.add_argument("--prefetch", nargs="*", type=int, default=[0, 2, 1], help="PREFETCH levels (0 none, 2 L2, 1 L1)")
+    ap.add_argument("--kivi2-side-smem", nargs="*", type=int, default=[], choices=(0, 1),
+                    help="kivi2 only: also time its side tables through shared memory (1) or not (0), explicitly")
+    ap.add_argument("--no-split-sweep", dest="split_sweep", action="store_false", help="only the default split count")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "gluon_launch.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():

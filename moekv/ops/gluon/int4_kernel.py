@@ -107,7 +107,13 @@ def _by_group(ptr, page, rows, cols, SL: gl.constexpr):
     """A page-head's fp16 [64 tokens, 4 groups] table (scales or zeros), each row one 8-byte load,
     split into its 4 groups' [64] columns in the slice layout SL (the rows' layout of the consumer).
     rows: the tokens read (kivi2 reads [32]-token halves of its [64, 4] value tables)."""
-    x = gl.load(ptr + page * SIDE + gl.expand_dims(rows, 1) * 4 + gl.expand_dims(cols, 0))
+    return _split_groups(gl.load(ptr + page * SIDE + gl.expand_dims(rows, 1) * 4 + gl.expand_dims(cols, 0)), SL)
+
+
+@gluon.jit
+def _split_groups(x, SL: gl.constexpr):
+    """A [tokens, 4 groups] side table (a row's 4 groups in one thread) -> its 4 columns in the slice
+    layout SL."""
     x = gl.reshape(x, [x.shape[0], 2, 2])  # group = 2 hi + lo
     lo, hi = gl.split(x)
     g0, g2 = gl.split(lo)

@@ -61,6 +61,8 @@ DEFAULT_MAX_REGISTERS = 168
 # the kernel's PREFETCH (prefetch.py): into L2, 10-14% faster than none at (16, 32k), (64, 32k) and
 # (1, 128k) (docs/journal.md)
 DEFAULT_PREFETCH = 2
+# the kernel's SIDE_SMEM: the side tables a page ahead through shared memory (cp.async)
+DEFAULT_SIDE_SMEM = True
 
 
 def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -192,7 +194,8 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                           max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                           residual: Residual | None = None, sliding_window: int | None = None,
-                          prefetch: int = DEFAULT_PREFETCH) -> tuple[torch.Tensor, torch.Tensor]:
+                          prefetch: int = DEFAULT_PREFETCH,
+                          side_smem: bool = DEFAULT_SIDE_SMEM) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail (and the residual ring). max_registers: ptxas's cap (None: its choice)."""
     B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, staged, residual,
@@ -213,7 +216,8 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
         run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, rt[0], rt[1], rt[2], R,
         run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
-        HKV=Hkv, G=G, STAGED=staged is not None, PREFETCH=prefetch, num_warps=1, **register_cap(max_registers))
+        HKV=Hkv, G=G, STAGED=staged is not None, PREFETCH=prefetch, SIDE_SMEM=bool(side_smem), num_warps=1,
+        **register_cap(max_registers))
     return run.part_o, run.part_lse
 
 
@@ -221,10 +225,11 @@ def kivi2_decode_attention(q: torch.Tensor, frag: Kivi2FragmentPages, block_tabl
                            context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                            residual: Residual | None = None, sliding_window: int | None = None,
-                           out: torch.Tensor | None = None, prefetch: int = DEFAULT_PREFETCH) -> torch.Tensor:
+                           out: torch.Tensor | None = None, prefetch: int = DEFAULT_PREFETCH,
+                           side_smem: bool = DEFAULT_SIDE_SMEM) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over kivi2 pages in fragment order (and, with `staged`, the
     16-bit tail: staging page and residual ring) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
     reduce, two launches, no host sync. CUDA only."""
     part_o, part_lse = kivi2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                             staged, residual, sliding_window, prefetch)
+                                             staged, residual, sliding_window, prefetch, side_smem)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from moekv.ops.gluon.int4_kernel import _by_group, _store_groups
+from moekv.ops.gluon.int4_kernel import _by_group, _split_groups, _store_groups
 from moekv.ops.gluon.nuq2_kernel import (
     _as_b_operand,
     _q_operand,
@@ -122,21 +123,40 @@ def _key_side_row(ptr, side_off, SL: gl.constexpr):
 
 
 @gluon.jit
+def _key_side_row_smem(row, SL: gl.constexpr, LQ: gl.constexpr):
+    """_key_side_row from a staged copy: `row` the half's 128 entries in shared memory."""
+    x = gl.permute(gl.reshape(row.reshape([4, 32]).load(LQ), [4, 16, 2]), [1, 0, 2])  # i, q4, e
+    return gl.convert_layout(gl.reshape(x, [128]), SL, assert_trivial=True)
+
+
+@gluon.jit
 def _half_scores(kx, e16, k_scale, k_zero, page, hf: gl.constexpr, q_t, side_off, z_template, s0,
-                 LA: gl.constexpr, LB: gl.constexpr):
-    """S^T_h [32, 8] = K_h @ (ks[h] * q)^T + (q . kz[h]) in every row."""
-    ks = _key_side_row(k_scale + page * KSIDE + hf * 128, side_off, gl.SliceLayout(1, LB))
-    kz = _key_side_row(k_zero + page * KSIDE + hf * 128, side_off, gl.SliceLayout(0, LA))
+                 LA: gl.constexpr, LB: gl.constexpr, ks_side=None, kz_side=None, row=0, LQ: gl.constexpr = None):
+    """S^T_h [32, 8] = K_h @ (ks[h] * q)^T + (q . kz[h]) in every row; with ks_side and kz_side (the key
+    scale and zero rows staged in shared memory, [4 (stage, half), 128] each) ks and kz come from their
+    rows `row` + hf."""
+    if ks_side is None:
+        ks = _key_side_row(k_scale + page * KSIDE + hf * 128, side_off, gl.SliceLayout(1, LB))
+        kz = _key_side_row(k_zero + page * KSIDE + hf * 128, side_off, gl.SliceLayout(0, LA))
+    else:
+        ks = _key_side_row_smem(ks_side.index(row + hf), gl.SliceLayout(1, LB), LQ)
+        kz = _key_side_row_smem(kz_side.index(row + hf), gl.SliceLayout(0, LA), LQ)
     bias = gl.nvidia.ampere.mma_v2(gl.broadcast(gl.expand_dims(kz, 0), z_template)[0], q_t, s0)
     return gl.nvidia.ampere.mma_v2(_key_half(kx, e16, LA), q_t * gl.expand_dims(ks, 1), bias)
 
 
 @gluon.jit
 def _half_values(acc0, acc1, acc2, acc3, zx, vx, e16v, v_scale, v_zero, page, hf: gl.constexpr, pb,
-                 rv, cv, za_r, za_t, LW: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
+                 rv, cv, za_r, za_t, LW: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, vs_side=None,
+                 row=0, LSV: gl.constexpr = None):
     """O^T_g += V^T_{g,h} @ (vs[h, g] * P_h^T) for the 4 groups (word u of a lane = group u);
-    zx += vz_h^T @ P_h^T."""
-    sv0, sv1, sv2, sv3 = _by_group(v_scale + hf * (HALF * 4), page, rv, cv, gl.SliceLayout(1, LB))
+    zx += vz_h^T @ P_h^T. With vs_side (the value scales staged in shared memory), vs from its row
+    `row` + hf."""
+    if vs_side is None:
+        sv0, sv1, sv2, sv3 = _by_group(v_scale + hf * (HALF * 4), page, rv, cv, gl.SliceLayout(1, LB))
+    else:
+        sv0, sv1, sv2, sv3 = _split_groups(vs_side.index(row + hf).reshape([HALF, 4]).load(LSV),
+                                           gl.SliceLayout(1, LB))
     f0_0, f0_1 = gl.split(gl.reshape(vx, [2, 32, 2, 2]))  # word 4 lane + 2 f1 + f0
     w0, w2 = gl.split(f0_0)
     w1, w3 = gl.split(f0_1)
@@ -194,19 +214,35 @@ def _prefetch_page(page, k_scale, k_zero, v_scale, v_zero, LEVEL: gl.constexpr):
 
 
 @gluon.jit
+def _stage_side_tables(ks_side, kz_side, vs_side, stage, page, k_scale, k_zero, v_scale):
+    """cp.async of page-head `page`'s key scales, key zeros and value scales (512 bytes each) into rows
+    2 stage and 2 stage + 1 (its two halves) of shared memory [4, 128]: 8 bytes a lane a row, one commit
+    group."""
+    c = gl.arange(0, 128, layout=gl.BlockedLayout([4], [32], [1], [0]))
+    for hf in gl.static_range(2):
+        async_copy.async_copy_global_to_shared(ks_side.index(2 * stage + hf), k_scale + page * KSIDE + hf * 128 + c)
+        async_copy.async_copy_global_to_shared(kz_side.index(2 * stage + hf), k_zero + page * KSIDE + hf * 128 + c)
+        async_copy.async_copy_global_to_shared(vs_side.index(2 * stage + hf), v_scale + page * VSIDE + hf * 128 + c)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
                         q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                         k_stage, v_stage, stride_ss, stride_sh, stride_st,
                         k_ring, v_ring, stride_rs, stride_rh, stride_rt, R,
                         part_o, part_lse, qk_scale, window, num_splits, ns_total,
-                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, PREFETCH: gl.constexpr):
+                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, PREFETCH: gl.constexpr,
+                        SIDE_SMEM: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512] (fragment order); k_scale, k_zero fp16 [N, HKV, 2, 128];
     v_scale, v_zero fp16 [N, HKV, 64, 4]; q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens
     from kivi2_decode.quantized_tokens on are the 16-bit tail, read by split num_splits: k_stage /
     v_stage [S, HKV, 64, 128] and (R > 0) the rings k_ring / v_ring [S, HKV, R, 128] at slot
     seq_slots[b]; window: the sliding window (a huge value for none); part_o fp32 [B, HKV * G,
     ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next page's side tables asked
-    of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not)."""
+    of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not); SIDE_SMEM: the next page's key
+    scales and zeros and value scales copied into shared memory by cp.async while a page computes (two
+    stages), the page reading them from there."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -269,17 +305,37 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
         kx1 = gl.load(k_codes + page * WORDS + 256 + k_off)
         vx0 = gl.load(v_codes + page * WORDS + k_off)
         vx1 = gl.load(v_codes + page * WORDS + 256 + k_off)
+        if SIDE_SMEM:  # the side tables double-buffered in shared memory by cp.async, a page ahead
+            SIDE_L: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [0])
+            ks_side = gl.allocate_shared_memory(gl.float16, [4, 128], SIDE_L)  # row 2 stage + half
+            kz_side = gl.allocate_shared_memory(gl.float16, [4, 128], SIDE_L)
+            vs_side = gl.allocate_shared_memory(gl.float16, [4, 128], SIDE_L)
+            _stage_side_tables(ks_side, kz_side, vs_side, p0 % 2, page, k_scale, k_zero, v_scale)
         for pg in range(p0, p1):
             page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
             if PREFETCH:
                 _prefetch_page(page_n, k_scale, k_zero, v_scale, v_zero, PREFETCH)
+            if SIDE_SMEM:
+                async_copy.wait_group(0)  # this page's tables (this lane's copies) ...
+                gl.thread_barrier()  # ... and every lane's; every lane is done with the other stage
+                _stage_side_tables(ks_side, kz_side, vs_side, (pg + 1) % 2, page_n, k_scale, k_zero, v_scale)
+                cur = (pg % 2) * 2  # this page's rows
+            else:
+                ks_side = None
+                kz_side = None
+                vs_side = None
+                cur = 0
             kx0_n = gl.load(k_codes + page_n * WORDS + k_off)
             kx1_n = gl.load(k_codes + page_n * WORDS + 256 + k_off)
             vx0_n = gl.load(v_codes + page_n * WORDS + k_off)
             vx1_n = gl.load(v_codes + page_n * WORDS + 256 + k_off)
 
-            sa = _half_scores(kx0, e16, k_scale, k_zero, page, 0, q_t, side_off, z_template, s0, LA, LB) * qk_scale
-            sb = _half_scores(kx1, e16, k_scale, k_zero, page, 1, q_t, side_off, z_template, s0, LA, LB) * qk_scale
+            sa = _half_scores(kx0, e16, k_scale, k_zero, page, 0, q_t, side_off, z_template, s0, LA, LB,
+                              ks_side, kz_side, cur, LQ)
+            sb = _half_scores(kx1, e16, k_scale, k_zero, page, 1, q_t, side_off, z_template, s0, LA, LB,
+                              ks_side, kz_side, cur, LQ)
+            sa = sa * qk_scale
+            sb = sb * qk_scale
             pos = pg * PAGE + tok
             sa = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sa, -float("inf"))
             pos = pos + HALF
@@ -296,18 +352,20 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
             acc2 = acc2 * a2
             acc3 = acc3 * a2
             zx = z16
-            acc0, acc1, acc2, acc3, zx = _half_values(acc0, acc1, acc2, acc3, zx, vx0, e16v, v_scale, v_zero, page, 0,
-                                                      _as_b_operand(pa.to(gl.float16), HALF, LB), rv, cv, za_r, za_t,
-                                                      LW, LA, LB)
-            acc0, acc1, acc2, acc3, zx = _half_values(acc0, acc1, acc2, acc3, zx, vx1, e16v, v_scale, v_zero, page, 1,
-                                                      _as_b_operand(pb_.to(gl.float16), HALF, LB), rv, cv, za_r, za_t,
-                                                      LW, LA, LB)
+            acc0, acc1, acc2, acc3, zx = _half_values(
+                acc0, acc1, acc2, acc3, zx, vx0, e16v, v_scale, v_zero, page, 0,
+                _as_b_operand(pa.to(gl.float16), HALF, LB), rv, cv, za_r, za_t, LW, LA, LB, vs_side, cur, LSV)
+            acc0, acc1, acc2, acc3, zx = _half_values(
+                acc0, acc1, acc2, acc3, zx, vx1, e16v, v_scale, v_zero, page, 1,
+                _as_b_operand(pb_.to(gl.float16), HALF, LB), rv, cv, za_r, za_t, LW, LA, LB, vs_side, cur, LSV)
             zacc = zacc * a2 + zx
             kx0 = kx0_n
             kx1 = kx1_n
             vx0 = vx0_n
             vx1 = vx1_n
             page = page_n
+        if SIDE_SMEM:
+            async_copy.wait_group(0)  # the last page's copy (of a page it does not read)
         # the split's partial: normalised output (0 when empty; its lse after the branches)
         _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)
     elif STAGED:  # the 16-bit tail: staging page and residual ring (plain K and V^T, O^T [128, 8])

@@ -32,17 +32,11 @@ import bench_decode_attention as bda  # noqa: E402
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import DECODE_KERNEL_ENV, decode_kernel  # noqa: E402
-from moekv.ops.gluon.launch import MAX_SPLITS, default_num_splits  # noqa: E402
+from moekv.ops.gluon.launch import MAX_SPLITS, default_num_splits, programs_per_sm  # noqa: E402
 
 SHAPES = [(16, 32768), (64, 32768), (1, 131072), (1, 4096)]
 # ptxas register caps per format (None: its own choice): the launcher's default first
 CAPS = {"int4": [None, 168], "kivi2": [168, 184], "nuq2": [128, 160]}
-REGISTERS_PER_SM = 65536
-
-
-def programs_per_sm(cap: int | None) -> int:
-    """One-warp programs an SM holds at a register cap (None: ptxas's choice, ~255 for these kernels)."""
-    return min(32, REGISTERS_PER_SM // (32 * (cap or 256)))
 
 
 def split_candidates(batch: int, pages: int, cap: int | None, sms: int, default: int) -> list[int]:
@@ -90,25 +84,27 @@ def run_shape(label, batch, context, args, device, gen, base, sms) -> dict:
     tol = bda.tolerance(ref.abs().max().item())
     attention, kw = launcher(label, fmt, cache, ctx)
     pages = ctx.block_tables.shape[1]
-    default = default_num_splits(batch, bda.NUM_KV_HEADS, pages, 1)
+
+    def default(cap):  # what the launcher picks with num_splits=None (launch.plan_launch)
+        return default_num_splits(batch, bda.NUM_KV_HEADS, pages, 1, sms * programs_per_sm(cap))
 
     def launch(prefetch, cap, splits, **extra):
         return lambda: attention(q, block_tables=ctx.block_tables, context_lens=ctx.context_lens, scale=scale,
                                  num_splits=splits, max_registers=cap, prefetch=prefetch, **kw, **extra)
 
     row = {"format": f"{label}_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"],
-           "default_splits": default, "launches": []}
+           "default_splits": default(CAPS[label][0]), "launches": []}
     for prefetch in args.prefetch:
         for cap in CAPS[label]:
-            r = {"prefetch": prefetch, "max_registers": cap, "num_splits": default,
+            r = {"prefetch": prefetch, "max_registers": cap, "num_splits": default(cap),
                  **time_launch(launch(prefetch, cap, None), ref, tol)}
             row["launches"].append(r)
-            print(f"  {label} ({batch}, {context}) prefetch {prefetch} cap {cap} splits {default}: "
+            print(f"  {label} ({batch}, {context}) prefetch {prefetch} cap {cap} splits {r['num_splits']}: "
                   f"{r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
     if label == "kivi2":  # the side tables through shared memory (cp.async) or from global memory
         for side_smem in args.kivi2_side_smem:
             for prefetch in args.prefetch:
-                r = {"prefetch": prefetch, "max_registers": CAPS[label][0], "num_splits": default,
+                r = {"prefetch": prefetch, "max_registers": CAPS[label][0], "num_splits": default(CAPS[label][0]),
                      "side_smem": side_smem,
                      **time_launch(launch(prefetch, CAPS[label][0], None, side_smem=side_smem), ref, tol)}
                 row["launches"].append(r)
@@ -116,8 +112,8 @@ def run_shape(label, batch, context, args, device, gen, base, sms) -> dict:
                       f"{r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
     best = min((r for r in row["launches"] if r["status"] == "kernel"), key=lambda r: r["ms"], default=None)
     if best is not None and args.split_sweep:
-        for splits in split_candidates(batch, pages, best["max_registers"], sms, default):
-            if splits == default:
+        for splits in split_candidates(batch, pages, best["max_registers"], sms, best["num_splits"]):
+            if splits == best["num_splits"]:
                 continue
             extra = {"side_smem": best["side_smem"]} if "side_smem" in best else {}
             r = {"prefetch": best["prefetch"], "max_registers": best["max_registers"], "num_splits": splits, **extra,

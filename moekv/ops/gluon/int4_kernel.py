@@ -30,7 +30,7 @@ from moekv.ops.gluon.nuq2_kernel import (
     _store_lse,
     _store_tail_partial,
 )
-from moekv.ops.gluon.prefetch import lanes, opaque, prefetch
+from moekv.ops.gluon.prefetch import lanes, opaque, prefetch, prefetch_four_tables
 
 PAGE = gl.constexpr(64)
 WORDS = gl.constexpr(1024)  # int32 words of codes per page-head
@@ -191,8 +191,7 @@ def _prefetch_page(page, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_o
     ln = opaque(lanes())
     prefetch(k_codes + page * WORDS + ln * 32, LEVEL)
     prefetch(v_codes + page * WORDS + ln * 32, LEVEL)
-    side = gl.where(ln < 8, k_scale, gl.where(ln < 16, k_zero, gl.where(ln < 24, v_scale, v_zero)))
-    prefetch(side + page * SIDE + (ln % 8) * 32, LEVEL)
+    prefetch_four_tables(page, k_scale, k_zero, v_scale, v_zero, SIDE, LEVEL)
     if NO > 0:
         prefetch(gl.where(ln < 16, k_odelta, v_odelta) + page * (PAGE * NO) + (ln % 16) * 16, LEVEL)
 

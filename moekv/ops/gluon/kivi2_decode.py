@@ -45,13 +45,7 @@ from moekv.ops.gluon.kivi2_layout import (
     codes_from_fragment,
     key_side_by_channel,
 )
-from moekv.ops.gluon.launch import (
-    check_device,
-    gluon_missing,
-    plan_launch,
-    reduce_on_device,
-    register_cap,
-)
+from moekv.ops.gluon.launch import check_device, gluon_missing, plan_launch, reduce_on_device, register_cap
 from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, window_start
 
 Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)

@@ -41,7 +41,7 @@ from moekv.ops.gluon.nuq2_kernel import (
     _store_tail_partial,
     _tail_aranges,
 )
-from moekv.ops.gluon.prefetch import lanes, opaque, prefetch
+from moekv.ops.gluon.prefetch import prefetch_four_tables
 
 PAGE = gl.constexpr(64)
 HALF = gl.constexpr(32)  # tokens of a key group: half a page
@@ -204,16 +204,6 @@ def _tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr
 
 
 @gluon.jit
-def _prefetch_page(page, k_scale, k_zero, v_scale, v_zero, LEVEL: gl.constexpr):
-    """Asks for page-head `page`'s four side tables (512 bytes each, the same stride; prefetch.py): 8
-    lanes a table, 64 bytes apart (opaque lanes: the addresses are rebuilt where they are used, no
-    register held across the page's work)."""
-    ln = opaque(lanes())
-    base = gl.where(ln < 8, k_scale, gl.where(ln < 16, k_zero, gl.where(ln < 24, v_scale, v_zero)))
-    prefetch(base + page * KSIDE + (ln % 8) * 32, LEVEL)
-
-
-@gluon.jit
 def _stage_side_tables(ks_side, kz_side, vs_side, stage, page, k_scale, k_zero, v_scale):
     """cp.async of page-head `page`'s key scales, key zeros and value scales (512 bytes each) into rows
     2 stage and 2 stage + 1 (its two halves) of shared memory [4, 128]: 8 bytes a lane a row, one commit
@@ -314,7 +304,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
         for pg in range(p0, p1):
             page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
             if PREFETCH:
-                _prefetch_page(page_n, k_scale, k_zero, v_scale, v_zero, PREFETCH)
+                prefetch_four_tables(page_n, k_scale, k_zero, v_scale, v_zero, KSIDE, PREFETCH)
             if SIDE_SMEM:
                 async_copy.wait_group(0)  # this page's tables (this lane's copies) ...
                 gl.thread_barrier()  # ... and every lane's; every lane is done with the other stage

@@ -2,8 +2,9 @@
 tables (scales, zeros, means, codebooks, slot lists; int4's codes too, which it does not double-buffer
 in registers) are asked of the memory system, so that the next page's own loads hit a cache instead of
 each waiting a DRAM latency. Nothing waits for a prefetch and it writes no register: one instruction
-a lane's line and two registers of loop-invariant lane addresses. The kernels' PREFETCH constexpr
-picks the level: 0 none, 2 into L2, 1 into L1 (and L2)."""
+covers a line a lane. The lane addresses are rebuilt where they are used behind `opaque` (hoisted out
+of the page loop they held registers across it and made kivi2 and nuq2 spill). The kernels' PREFETCH
+constexpr picks the level: 0 none, 2 into L2, 1 into L1 (and L2)."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -41,3 +42,12 @@ def prefetch(addr, LEVEL: gl.constexpr):
     else:
         gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addr], dtype=gl.int32, is_pure=False,
                                   pack=1)
+
+
+@gluon.jit
+def prefetch_four_tables(page, t0, t1, t2, t3, STRIDE: gl.constexpr, LEVEL: gl.constexpr):
+    """Page-head `page`'s rows of four tables of the same 16-bit type and page stride STRIDE (at most
+    256 elements: 512 bytes), 8 lanes a table, 64 bytes apart (int4's and kivi2's scales and zeros)."""
+    ln = opaque(lanes())
+    base = gl.where(ln < 8, t0, gl.where(ln < 16, t1, gl.where(ln < 24, t2, t3)))
+    prefetch(base + page * STRIDE + (ln % 8) * 32, LEVEL)

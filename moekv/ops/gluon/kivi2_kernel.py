@@ -301,6 +301,10 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
             kz_side = gl.allocate_shared_memory(gl.float16, [4, 128], SIDE_L)
             vs_side = gl.allocate_shared_memory(gl.float16, [4, 128], SIDE_L)
             _stage_side_tables(ks_side, kz_side, vs_side, p0 % 2, page, k_scale, k_zero, v_scale)
+        else:  # the side tables from global memory at each page
+            ks_side = None
+            kz_side = None
+            vs_side = None
         for pg in range(p0, p1):
             page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
             if PREFETCH:
@@ -309,12 +313,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
                 async_copy.wait_group(0)  # this page's tables (this lane's copies) ...
                 gl.thread_barrier()  # ... and every lane's; every lane is done with the other stage
                 _stage_side_tables(ks_side, kz_side, vs_side, (pg + 1) % 2, page_n, k_scale, k_zero, v_scale)
-                cur = (pg % 2) * 2  # this page's rows
-            else:
-                ks_side = None
-                kz_side = None
-                vs_side = None
-                cur = 0
+            cur = (pg % 2) * 2  # this page's rows of the staged side tables (SIDE_SMEM)
             kx0_n = gl.load(k_codes + page_n * WORDS + k_off)
             kx1_n = gl.load(k_codes + page_n * WORDS + 256 + k_off)
             vx0_n = gl.load(v_codes + page_n * WORDS + k_off)

@@ -12,6 +12,7 @@ checked against the reference (a wrong one is kept with status "wrong" and does 
 
     python benchmarks/kernels/bench_gluon_launch.py --out $OUT/gluon_launch.json
     python benchmarks/kernels/bench_gluon_launch.py --formats kivi2 --shapes 16x32768 --prefetch 0 2
+    python benchmarks/kernels/bench_gluon_launch.py --formats int4 --prefetch 1 --caps none 168 --variants smem=1
 """
 from __future__ import annotations
 
@@ -94,32 +95,33 @@ def run_shape(label, batch, context, args, device, gen, base, sms) -> dict:
 
     row = {"format": f"{label}_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"],
            "default_splits": default(CAPS[label][0]), "launches": []}
+    caps = CAPS[label] if args.caps is None else args.caps
     for prefetch in args.prefetch:
-        for cap in CAPS[label]:
+        for cap in caps:
             r = {"prefetch": prefetch, "max_registers": cap, "num_splits": default(cap),
                  **time_launch(launch(prefetch, cap, None), ref, tol)}
             row["launches"].append(r)
             print(f"  {label} ({batch}, {context}) prefetch {prefetch} cap {cap} splits {r['num_splits']}: "
                   f"{r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
-    if label == "kivi2":  # the side tables through shared memory (cp.async) or from global memory
-        for side_smem in args.kivi2_side_smem:
-            for prefetch in args.prefetch:
-                r = {"prefetch": prefetch, "max_registers": CAPS[label][0], "num_splits": default(CAPS[label][0]),
-                     "side_smem": side_smem,
-                     **time_launch(launch(prefetch, CAPS[label][0], None, side_smem=side_smem), ref, tol)}
+    for variant in args.variants:  # launcher options timed explicitly (e.g. smem=1), at each prefetch and cap
+        for prefetch in args.prefetch:
+            for cap in caps:
+                r = {"prefetch": prefetch, "max_registers": cap, "num_splits": default(cap), "options": variant,
+                     **time_launch(launch(prefetch, cap, None, **variant), ref, tol)}
                 row["launches"].append(r)
-                print(f"  {label} ({batch}, {context}) side_smem {side_smem} prefetch {prefetch}: "
+                print(f"  {label} ({batch}, {context}) {variant} prefetch {prefetch} cap {cap}: "
                       f"{r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
     best = min((r for r in row["launches"] if r["status"] == "kernel"), key=lambda r: r["ms"], default=None)
     if best is not None and args.split_sweep:
         for splits in split_candidates(batch, pages, best["max_registers"], sms, best["num_splits"]):
             if splits == best["num_splits"]:
                 continue
-            extra = {"side_smem": best["side_smem"]} if "side_smem" in best else {}
-            r = {"prefetch": best["prefetch"], "max_registers": best["max_registers"], "num_splits": splits, **extra,
+            extra = best.get("options", {})
+            r = {"prefetch": best["prefetch"], "max_registers": best["max_registers"], "num_splits": splits,
+                 "options": extra,
                  **time_launch(launch(best["prefetch"], best["max_registers"], splits, **extra), ref, tol)}
             row["launches"].append(r)
-            print(f"  {label} ({batch}, {context}) prefetch {r['prefetch']} cap {r['max_registers']} splits "
+            print(f"  {label} ({batch}, {context}) {extra} prefetch {r['prefetch']} cap {r['max_registers']} splits "
                   f"{splits}: {r['ms'] * 1e3:.1f} us ({base['ms'] / r['ms']:.2f}x) {r['status']}", flush=True)
     good = [r for r in row["launches"] if r["status"] == "kernel"]
     dflt = row["launches"][0]
@@ -132,13 +134,26 @@ def run_shape(label, batch, context, args, device, gen, base, sms) -> dict:
     return row
 
 
+def options(text: str) -> dict:
+    """KEY=INT[,KEY=INT] -> {KEY: INT}: one set of launcher options."""
+    return {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+
+
+def cap_arg(text: str) -> int | None:
+    return None if text == "none" else int(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="*", default=["kivi2", "int4", "nuq2"], choices=list(CAPS))
     ap.add_argument("--shapes", nargs="*", default=None, help="BATCHxCONTEXT, e.g. 16x32768")
     ap.add_argument("--prefetch", nargs="*", type=int, default=[0, 2, 1], help="PREFETCH levels (0 none, 2 L2, 1 L1)")
-    ap.add_argument("--kivi2-side-smem", nargs="*", type=int, default=[], choices=(0, 1),
-                    help="kivi2 only: also time its side tables through shared memory (1) or not (0), explicitly")
+    ap.add_argument("--variants", nargs="*", type=options, default=[],
+                    help="launcher options to time besides the defaults, one set each: KEY=INT[,KEY=INT] (e.g. "
+                         "smem=1 for int4 and nuq2's codes and side tables through shared memory, "
+                         "side_smem=1,codes_smem=1 for kivi2's)")
+    ap.add_argument("--caps", nargs="*", type=cap_arg, default=None,
+                    help="register caps to time (none: ptxas's choice); default: the format's CAPS")
     ap.add_argument("--no-split-sweep", dest="split_sweep", action="store_false", help="only the default split count")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "gluon_launch.json")
     args = ap.parse_args()

@@ -165,13 +165,24 @@ def check_decode_matches_dense(attention, build, G: int, **options) -> None:
     assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
 
 
-def check_staged_decode(attention, build, G: int, window) -> None:
+def check_same_partials(partials, build, G: int, base: dict, variants: list[dict]) -> None:
+    """The kernel's partials under each launch variant (e.g. smem=True) are those under `base`, bit for
+    bit: the variants move data differently, not the arithmetic."""
+    _, _, frag, tables, lens_t, _, _, q = gpu_case(build, G, [1000, 64 * 9, 129, 3000], 20 + G)
+    ref_o, ref_lse = partials(q, frag, tables, lens_t, D ** -0.5, 5, **base)
+    for options in variants:
+        part_o, part_lse = partials(q, frag, tables, lens_t, D ** -0.5, 5, **options)
+        assert torch.equal(part_o, ref_o) and torch.equal(part_lse, ref_lse), options
+
+
+def check_staged_decode(attention, build, G: int, window, **options) -> None:
     """The staged bf16 tail as the launch's extra split, and the sliding window, against dense
-    attention over pages + staging (split counts 1, 3 and the default)."""
+    attention over pages + staging (split counts 1, 3 and the default; options: the launcher's)."""
     lens = [777, 64 * 16, 65, 64]
     Hkv, fmt, frag, tables, lens_t, k_pages, v_pages, q = gpu_case(build, G, lens, 20 + G)
     k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
     ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, (k, v, slots), window)
     for ns in (1, 3, None):
-        out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots), sliding_window=window)
+        out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots), sliding_window=window,
+                        **options)
         assert relative_error(out, ref) < 1e-2, ns

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moekv.kvcache.formats.int4 import Int4Format
-from moekv.ops.gluon.int4_decode import int4_decode_split_reference
+from moekv.ops.gluon.int4_decode import DEFAULT_SMEM, int4_decode_split_reference
 from moekv.ops.gluon.int4_layout import to_fragment_order
 from moekv.ops.gluon.nuq2_decode import reduce_partials
 from tests.gluon_cases import (
@@ -19,6 +19,7 @@ from tests.gluon_cases import (
     check_decode_matches_dense,
     check_kernel_matches_reference,
     check_prefetch_changes_nothing,
+    check_same_partials,
     check_staged_decode,
     dense_reference,
     large_channel_keys,
@@ -88,7 +89,7 @@ SM90_BUILD = """
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekv.ops.gluon.int4_decode import DEFAULT_PREFETCH
+from moekv.ops.gluon.int4_decode import DEFAULT_PREFETCH, DEFAULT_SMEM
 from moekv.ops.gluon.int4_kernel import int4_decode_kernel
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp16", "v_scale": "*fp16",
        "v_zero": "*fp16", "k_oidx": "*i32", "k_odelta": "*fp32", "v_oidx": "*i32", "v_odelta": "*fp32",
@@ -96,27 +97,35 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp1
        "k_stage": "*bf16", "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32",
        "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32",
        "ns_total": "i32", "HKV": "constexpr", "G": "constexpr", "NO": "constexpr", "STAGED": "constexpr",
-       "PREFETCH": "constexpr"}
-for G, NO, staged in ((1, 1, True), (4, 1, False), (8, 4, True)):
+       "PREFETCH": "constexpr", "SMEM": "constexpr"}
+for G, NO, staged, smem, prefetch in ((1, 1, True, DEFAULT_SMEM, DEFAULT_PREFETCH), (4, 1, False, False, 1),
+                                      (8, 4, True, False, 1), (4, 3, True, True, 2)):
     src = GluonASTSource(int4_decode_kernel, signature=sig,
-                         constexprs={"HKV": 8, "G": G, "NO": NO, "STAGED": staged, "PREFETCH": DEFAULT_PREFETCH},
+                         constexprs={"HKV": 8, "G": G, "NO": NO, "STAGED": staged, "PREFETCH": prefetch,
+                                     "SMEM": smem},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
     ptx = k.asm["ptx"]
     print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in ptx, "sub.f16x2" in ptx, ".local" in ptx,
-          "prefetch.global.L1" in ptx)
+          "prefetch.global.L1" in ptx or "prefetch.global.L2" in ptx, ptx.count("cp.async.cg.shared.global"))
 """
 
 
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; one and
-    four outlier channels): every tile's layout conversion is checked trivial at compile time. In a
-    fresh interpreter (other CPU tests set TRITON_INTERPRET=1 for the session)."""
+    one, three and four outlier channels; pages from global memory or through shared memory): every
+    tile's layout conversion is checked trivial at compile time. In a fresh interpreter (other CPU
+    tests set TRITON_INTERPRET=1 for the session)."""
     words = run_sm90_build(SM90_BUILD)
-    # per build: no shared memory, MMA and the fp16 subtraction present, no local memory (spills), the
-    # next page asked of L1 (the default prefetch)
-    assert words == ["1", "0", "True", "True", "False", "True", "4", "0", "True", "True", "False", "True",
-                     "8", "0", "True", "True", "False", "True"], words
+    # per build: shared memory (SMEM: two stages of 8 kB of codes and three 512-byte tables), MMA and
+    # the fp16 subtraction present, no local memory (spills), the next page asked of a cache, and the
+    # cp.async copies in the PTX (a page's staging: 8 + 8 of codes and 3 of tables, 16 bytes a lane, at
+    # two places: before the loop and in it)
+    builds = [words[i:i + 7] for i in range(0, len(words), 7)]
+    staged_smem = [str(2 * (8192 + 3 * 512)), "True", "True", "False", "True", "38"]
+    unstaged = ["0", "True", "True", "False", "True", "0"]
+    assert builds == [["1", *(staged_smem if DEFAULT_SMEM else unstaged)], ["4", *unstaged], ["8", *unstaged],
+                      ["4", *staged_smem]], words
 
 
 @pytest.mark.gpu
@@ -143,6 +152,18 @@ def test_gpu_prefetch_changes_nothing(G):
 
 @pytest.mark.gpu
 @GPU
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_smem_changes_nothing(G):
+    """Codes and side tables through shared memory (SMEM), with and without the prefetch of the rest,
+    give the same partials bit for bit as global loads."""
+    from moekv.ops.gluon.int4_decode import int4_decode_partials
+
+    check_same_partials(int4_decode_partials, build, G, {"smem": False, "prefetch": 0},
+                        [{"smem": True, "prefetch": 0}, {"smem": True, "prefetch": 2}, {"smem": True, "prefetch": 1}])
+
+
+@pytest.mark.gpu
+@GPU
 @pytest.mark.parametrize("outlier_fraction", [0.01, 0.03])
 @pytest.mark.parametrize("G", [1, 4, 8])
 def test_gpu_decode_matches_dense_attention(G, outlier_fraction):
@@ -154,11 +175,12 @@ def test_gpu_decode_matches_dense_attention(G, outlier_fraction):
 
 @pytest.mark.gpu
 @GPU
+@pytest.mark.parametrize("smem", [False, True])
 @pytest.mark.parametrize("window", [None, 1, 100, 64 * 5 + 3])
 @pytest.mark.parametrize("G", [1, 4, 8])
-def test_gpu_staged_tail_and_window(G, window):
+def test_gpu_staged_tail_and_window(G, window, smem):
     """The staged bf16 tail as the launch's extra split, and sliding windows, against dense attention
-    over pages + staging."""
+    over pages + staging; pages from global memory or through shared memory (SMEM)."""
     from moekv.ops.gluon.int4_decode import int4_decode_attention
 
-    check_staged_decode(int4_decode_attention, build, G, window)
+    check_staged_decode(int4_decode_attention, build, G, window, smem=smem)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from moekv.ops.gluon.nuq2_kernel import (
     _as_b_operand,
@@ -30,7 +31,7 @@ from moekv.ops.gluon.nuq2_kernel import (
     _store_lse,
     _store_tail_partial,
 )
-from moekv.ops.gluon.prefetch import lanes, opaque, prefetch, prefetch_four_tables
+from moekv.ops.gluon.prefetch import address, lanes, opaque, prefetch, prefetch_four_tables
 
 PAGE = gl.constexpr(64)
 WORDS = gl.constexpr(1024)  # int32 words of codes per page-head
@@ -123,11 +124,29 @@ def _split_groups(x, SL: gl.constexpr):
 
 
 @gluon.jit
-def _group_scores(s, k_codes, page, g: gl.constexpr, off, e3, qb, qs, sk, zk, LA: gl.constexpr,
-                  MMA: gl.constexpr):
-    """s += scale_g * (K_g @ q_g^T) + zero_g * qsum_g, from the biased codes: (1024 + K_g) @ q_g^T is
-    exact products summed in fp32, and scale_g * 1024 * qsum_g leaves with the zeros' term."""
-    ka = _key_tile(gl.load(k_codes + page * WORDS + g * 256 + off), e3, LA)
+def _staged_groups(table, stage, L: gl.constexpr, SL: gl.constexpr):
+    """_by_group from a staged copy: stage `stage` of a [2, 256] table in shared memory (a flat [64, 4]),
+    read in layout L."""
+    return _split_groups(table.index(stage).reshape([PAGE, 4]).load(L), SL)
+
+
+@gluon.jit
+def _group_words(codes, page, g: gl.constexpr, off, stage, L2: gl.constexpr):
+    """Group g's two rows of a page-head's code words [2, 128] in L2 (off: their offsets): from global
+    memory, or (stage: the page's [8, 128] words in shared memory) from there."""
+    if stage is None:
+        x = gl.load(codes + page * WORDS + g * 256 + off)
+    else:
+        x = stage.slice(2 * g, 2).load(L2)
+    return x
+
+
+@gluon.jit
+def _group_scores(s, kx, e3, qb, qs, sk, zk, LA: gl.constexpr, MMA: gl.constexpr):
+    """s += scale_g * (K_g @ q_g^T) + zero_g * qsum_g (kx: the group's code words), from the biased
+    codes: (1024 + K_g) @ q_g^T is exact products summed in fp32, and scale_g * 1024 * qsum_g leaves with
+    the zeros' term."""
+    ka = _key_tile(kx, e3, LA)
     part = gl.nvidia.ampere.mma_v2(ka, qb, gl.zeros([PAGE, 8], gl.float32, layout=MMA))
     sk = sk.to(gl.float32)
     zk = zk.to(gl.float32) - 1024.0 * sk
@@ -135,9 +154,9 @@ def _group_scores(s, k_codes, page, g: gl.constexpr, off, e3, qb, qs, sk, zk, LA
 
 
 @gluon.jit
-def _group_values(acc, v_codes, page, g: gl.constexpr, off, e3, pb, sv, LA: gl.constexpr):
-    """O^T_g += V^T_g @ (scale_g * P^T)."""
-    va = _value_tile(gl.load(v_codes + page * WORDS + g * 256 + off), e3, LA)
+def _group_values(acc, vx, e3, pb, sv, LA: gl.constexpr):
+    """O^T_g += V^T_g @ (scale_g * P^T) (vx: the group's code words)."""
+    va = _value_tile(vx, e3, LA)
     return gl.nvidia.ampere.mma_v2(va, pb * gl.expand_dims(sv, 1), acc)
 
 
@@ -197,19 +216,52 @@ def _prefetch_page(page, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_o
 
 
 @gluon.jit
+def _prefetch_unstaged(page, v_zero, k_oidx, k_odelta, v_oidx, v_odelta, NO: gl.constexpr, LEVEL: gl.constexpr):
+    """Asks for what SMEM does not stage of page-head `page`: its value zeros (512 bytes), outlier
+    deltas (256 NO bytes a kind) and outlier channels, 8 lanes a table, a line a lane (lanes past a
+    table's end ask again for its first lines)."""
+    ln = opaque(lanes())
+    base = gl.where(ln < 8, address(v_zero) + page * (SIDE * 2), gl.where(
+        ln < 16, address(k_odelta) + page * (PAGE * NO * 4), gl.where(
+            ln < 24, address(v_odelta) + page * (PAGE * NO * 4), gl.where(
+                ln % 2 == 0, address(k_oidx) + page * (NO * 4), address(v_oidx) + page * (NO * 4)))))
+    span = gl.where(ln < 8, SIDE * 2, gl.where(ln < 24, PAGE * NO * 4, 128))
+    prefetch(base + (ln % 8) * 128 % span, LEVEL)
+
+
+@gluon.jit
+def _stage_page(k_sm, v_sm, ks_sm, kz_sm, vs_sm, stage, page, k_codes, v_codes, k_scale, k_zero, v_scale):
+    """cp.async of page-head `page`'s key and value codes ([8, 128] words each) and its key scales, key
+    zeros and value scales ([64, 4] fp16 each, flat) into shared-memory stage `stage`: 16 bytes a lane a
+    copy, one commit group."""
+    CL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
+    off = (gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, CL)), 1) * 128
+           + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, CL)), 0))
+    async_copy.async_copy_global_to_shared(k_sm.index(stage), k_codes + page * WORDS + off)
+    async_copy.async_copy_global_to_shared(v_sm.index(stage), v_codes + page * WORDS + off)
+    toff = gl.arange(0, SIDE, layout=gl.BlockedLayout([8], [32], [1], [0]))  # a table flat: 16 bytes a lane
+    async_copy.async_copy_global_to_shared(ks_sm.index(stage), k_scale + page * SIDE + toff)
+    async_copy.async_copy_global_to_shared(kz_sm.index(stage), k_zero + page * SIDE + toff)
+    async_copy.async_copy_global_to_shared(vs_sm.index(stage), v_scale + page * SIDE + toff)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oidx, k_odelta, v_oidx, v_odelta,
                        q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                        k_stage, v_stage, stride_ss, stride_sh, stride_st,
                        part_o, part_lse, qk_scale, window, num_splits, ns_total,
                        HKV: gl.constexpr, G: gl.constexpr, NO: gl.constexpr, STAGED: gl.constexpr,
-                       PREFETCH: gl.constexpr):
+                       PREFETCH: gl.constexpr, SMEM: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 1024] (fragment order); k_scale, k_zero, v_scale, v_zero fp16
     [N, HKV, 64, 4]; k_oidx, v_oidx int32 [N, HKV, NO]; k_odelta, v_odelta fp32 [N, HKV, 64, NO];
     q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from ((len - 1) // 64) * 64 on are in
     k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split num_splits (nuq2's staged
     tile); window: the sliding window (a huge value for none); part_o fp32 [B, HKV * G, ns_total, 128],
     part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next page's codes, side tables and outlier deltas
-    asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not)."""
+    asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not); SMEM: the next page's codes,
+    key scales and zeros and value scales copied into shared memory by cp.async while a page computes
+    (two stages), the page reading them from there (PREFETCH then asks only for the rest)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -260,19 +312,46 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
 
         last = gl.maximum(p1 - 1, 0)
         page_n = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64) * HKV + h
+        if SMEM:  # codes and three side tables double-buffered in shared memory by cp.async, a page ahead
+            NOSWIZZLE: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stage's rank
+            k_sm = gl.allocate_shared_memory(gl.int32, [2, 8, 128], NOSWIZZLE)
+            v_sm = gl.allocate_shared_memory(gl.int32, [2, 8, 128], NOSWIZZLE)
+            FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            ks_sm = gl.allocate_shared_memory(gl.float16, [2, SIDE], FLAT)  # [64, 4] tables, flat
+            kz_sm = gl.allocate_shared_memory(gl.float16, [2, SIDE], FLAT)
+            vs_sm = gl.allocate_shared_memory(gl.float16, [2, SIDE], FLAT)
+            _stage_page(k_sm, v_sm, ks_sm, kz_sm, vs_sm, p0 % 2, page_n, k_codes, v_codes, k_scale, k_zero, v_scale)
         for pg in range(p0, p1):
             page = page_n
             page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
-            if PREFETCH:
-                _prefetch_page(page_n, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_odelta, v_odelta, NO,
-                               PREFETCH)
+            if SMEM:
+                async_copy.wait_group(0)  # this page's copies (this lane's) ...
+                gl.thread_barrier()  # ... and every lane's; every lane is done with the other stage
+                _stage_page(k_sm, v_sm, ks_sm, kz_sm, vs_sm, (pg + 1) % 2, page_n, k_codes, v_codes, k_scale,
+                            k_zero, v_scale)
+                if PREFETCH:
+                    _prefetch_unstaged(page_n, v_zero, k_oidx, k_odelta, v_oidx, v_odelta, NO, PREFETCH)
+                ks = k_sm.index(pg % 2)
+                vs = v_sm.index(pg % 2)
+                sk0, sk1, sk2, sk3 = _staged_groups(ks_sm, pg % 2, LSK, gl.SliceLayout(1, MMA))
+                zk0, zk1, zk2, zk3 = _staged_groups(kz_sm, pg % 2, LSK, gl.SliceLayout(1, MMA))
+            else:  # from global memory (ks, vs: no staged codes)
+                ks = None
+                vs = None
+                if PREFETCH:
+                    _prefetch_page(page_n, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_odelta, v_odelta,
+                                   NO, PREFETCH)
+                sk0, sk1, sk2, sk3 = _by_group(k_scale, page, rk, ck, gl.SliceLayout(1, MMA))
+                zk0, zk1, zk2, zk3 = _by_group(k_zero, page, rk, ck, gl.SliceLayout(1, MMA))
             s = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
-            sk0, sk1, sk2, sk3 = _by_group(k_scale, page, rk, ck, gl.SliceLayout(1, MMA))
-            zk0, zk1, zk2, zk3 = _by_group(k_zero, page, rk, ck, gl.SliceLayout(1, MMA))
-            s = _group_scores(s, k_codes, page, 0, off, e3, qb0, qs0, sk0, zk0, LA, MMA)
-            s = _group_scores(s, k_codes, page, 1, off, e3, qb1, qs1, sk1, zk1, LA, MMA)
-            s = _group_scores(s, k_codes, page, 2, off, e3, qb2, qs2, sk2, zk2, LA, MMA)
-            s = _group_scores(s, k_codes, page, 3, off, e3, qb3, qs3, sk3, zk3, LA, MMA)
+            s = _group_scores(s, _group_words(k_codes, page, 0, off, ks, L2), e3, qb0, qs0, sk0, zk0, LA,
+                              MMA)
+            s = _group_scores(s, _group_words(k_codes, page, 1, off, ks, L2), e3, qb1, qs1, sk1, zk1, LA,
+                              MMA)
+            s = _group_scores(s, _group_words(k_codes, page, 2, off, ks, L2), e3, qb2, qs2, sk2, zk2, LA,
+                              MMA)
+            s = _group_scores(s, _group_words(k_codes, page, 3, off, ks, L2), e3, qb3, qs3, sk3, zk3, LA,
+                              MMA)
             for o in gl.static_range(NO):  # outlier channels: delta_k[t] * q[n, c_o]
                 c_o = gl.load(k_oidx + page * NO + o)
                 q_o = gl.load(q_ptr + (head0 + on) * 128 + c_o, mask=on < G, other=0.0).to(gl.float32)
@@ -290,11 +369,14 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
             a2 = gl.expand_dims(alpha, 0)
             pb = _as_b_operand(p.to(gl.float16), PAGE, LB)
 
-            sv0, sv1, sv2, sv3 = _by_group(v_scale, page, rv, cv, gl.SliceLayout(1, LB))
-            acc0 = _group_values(acc0 * a2, v_codes, page, 0, off, e3, pb, sv0, LA)
-            acc1 = _group_values(acc1 * a2, v_codes, page, 1, off, e3, pb, sv1, LA)
-            acc2 = _group_values(acc2 * a2, v_codes, page, 2, off, e3, pb, sv2, LA)
-            acc3 = _group_values(acc3 * a2, v_codes, page, 3, off, e3, pb, sv3, LA)
+            if SMEM:
+                sv0, sv1, sv2, sv3 = _staged_groups(vs_sm, pg % 2, LSV, gl.SliceLayout(1, LB))
+            else:
+                sv0, sv1, sv2, sv3 = _by_group(v_scale, page, rv, cv, gl.SliceLayout(1, LB))
+            acc0 = _group_values(acc0 * a2, _group_words(v_codes, page, 0, off, vs, L2), e3, pb, sv0, LA)
+            acc1 = _group_values(acc1 * a2, _group_words(v_codes, page, 1, off, vs, L2), e3, pb, sv1, LA)
+            acc2 = _group_values(acc2 * a2, _group_words(v_codes, page, 2, off, vs, L2), e3, pb, sv2, LA)
+            acc3 = _group_values(acc3 * a2, _group_words(v_codes, page, 3, off, vs, L2), e3, pb, sv3, LA)
 
             # the side tile [16, 64]: rows 0..3 the values' zeros (zero^T), rows 4..4+NO the outliers' deltas
             zt = gl.load(v_zero + page * SIDE + gl.expand_dims(za_t, 0) * 4 + gl.expand_dims(za_r, 1),
@@ -311,6 +393,8 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
                 acc1 = _add_at_channel(acc1, 1, chan, c_o, x_o)
                 acc2 = _add_at_channel(acc2, 2, chan, c_o, x_o)
                 acc3 = _add_at_channel(acc3, 3, chan, c_o, x_o)
+        if SMEM:
+            async_copy.wait_group(0)  # the last page's copy (of a page it does not read)
         # the split's partial: normalised output (0 when empty; its lse after the branches)
         _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)
     elif STAGED:  # the 16-bit tail: nuq2's staged tile (plain K and V^T, O^T [128, 8])

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from moekv.kvcache.formats.kivi import KIVI2Format
-from moekv.ops.gluon.kivi2_decode import kivi2_decode_split_reference, quantized_tokens, tail_tokens
+from moekv.ops.gluon.kivi2_decode import (
+    kivi2_decode_split_reference,
+    quantized_tokens,
+    tail_tokens,
+)
 from moekv.ops.gluon.kivi2_layout import to_fragment_order
 from moekv.ops.gluon.nuq2_decode import reduce_partials
 from tests import gluon_cases
@@ -22,6 +26,7 @@ from tests.gluon_cases import (
     check_decode_matches_dense,
     check_kernel_matches_reference,
     check_prefetch_changes_nothing,
+    check_same_partials,
     large_channel_keys,
     num_pages,
     pack,
@@ -159,11 +164,11 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp1
        "stride_st": "i32", "k_ring": "*bf16", "v_ring": "*bf16", "stride_rs": "i32", "stride_rh": "i32",
        "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32",
        "num_splits": "i32", "ns_total": "i32", "HKV": "constexpr", "G": "constexpr",
-       "STAGED": "constexpr", "PREFETCH": "constexpr", "SIDE_SMEM": "constexpr"}
-for G, staged in ((1, True), (4, False), (8, True)):
+       "STAGED": "constexpr", "PREFETCH": "constexpr", "SIDE_SMEM": "constexpr", "CODES_SMEM": "constexpr"}
+for G, staged, codes_smem in ((1, True, False), (4, False, False), (8, True, False), (4, True, True), (8, True, True)):
     src = GluonASTSource(kivi2_decode_kernel, signature=sig,
                          constexprs={"HKV": 8, "G": G, "STAGED": staged, "PREFETCH": DEFAULT_PREFETCH,
-                                     "SIDE_SMEM": DEFAULT_SIDE_SMEM},
+                                     "SIDE_SMEM": DEFAULT_SIDE_SMEM, "CODES_SMEM": codes_smem},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=DEFAULT_MAX_REGISTERS))
     ptx = k.asm["ptx"]
@@ -174,20 +179,25 @@ for G, staged in ((1, True), (4, False), (8, True)):
     loops = [(int(t.group(1), 16), a) for a, op, line in ops
              if op == "BRA" and (t := re.search(r"BRA\\s+(0x[0-9a-f]+)", line)) and int(t.group(1), 16) < a]
     spilled = sum(op in ("LDL", "STL") and lo <= a <= hi for a, op, _ in ops for lo, hi in loops) > 4
-    print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in ptx, "sub.f16x2" in ptx, bool(loops) and not spilled)
+    print(G, codes_smem, k.metadata.shared, "mma.sync.aligned.m16n8k16" in ptx, "sub.f16x2" in ptx,
+          bool(loops) and not spilled)
 """
 
 
 def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; with
-    and without the tail split) under the default register cap: every tile's layout conversion is
-    checked trivial at compile time; 3 kB of shared memory (the side tables' two stages, SIDE_SMEM), the
-    MMAs and the magic-number subtraction present, at most 4 spill instructions inside the loops (G 8:
-    two stores and two loads a page, in L1). In a fresh interpreter (other CPU tests set
-    TRITON_INTERPRET=1 for the session)."""
+    and without the tail split; codes in registers or through shared memory) under the default register
+    cap: every tile's layout conversion is checked trivial at compile time; shared memory: 3 kB for the
+    side tables' two stages (SIDE_SMEM), 8 kB more for the codes' (CODES_SMEM); the MMAs and the
+    magic-number subtraction present, at most 4 spill instructions inside the loops (G 8: two stores and
+    two loads a page, in L1). In a fresh interpreter (other CPU tests set TRITON_INTERPRET=1 for the
+    session)."""
     words = run_sm90_build(SM90_BUILD, cwd=tmp_path)
-    assert words == ["1", "3072", "True", "True", "True", "4", "3072", "True", "True", "True",
-                     "8", "3072", "True", "True", "True"], words
+    builds = [words[i:i + 6] for i in range(0, len(words), 6)]
+    shared = {"False": "3072", "True": str(3072 + 8192)}
+    rest = ["True", "True", "True"]
+    assert builds == [[g, c, shared[c], *rest] for g, c in (("1", "False"), ("4", "False"), ("8", "False"),
+                                                            ("4", "True"), ("8", "True"))], words
 
 
 @pytest.mark.gpu
@@ -215,6 +225,19 @@ def test_gpu_prefetch_changes_nothing(G):
 @pytest.mark.gpu
 @GPU
 @pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_shared_memory_staging_changes_nothing(G):
+    """Side tables, and codes, through shared memory (SIDE_SMEM, CODES_SMEM) give the same partials bit for
+    bit as global loads."""
+    from moekv.ops.gluon.kivi2_decode import kivi2_decode_partials
+
+    check_same_partials(kivi2_decode_partials, build, G, {"side_smem": False, "codes_smem": False},
+                        [{"side_smem": True, "codes_smem": False}, {"side_smem": False, "codes_smem": True},
+                         {"side_smem": True, "codes_smem": True, "max_registers": 128}])
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("G", [1, 4, 8])
 def test_gpu_decode_matches_dense_attention(G):
     """Kernel + reduce against dense attention over kivi2's own dequantized pages."""
     from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
@@ -224,12 +247,13 @@ def test_gpu_decode_matches_dense_attention(G):
 
 @pytest.mark.gpu
 @GPU
+@pytest.mark.parametrize("codes_smem", [False, True])
 @pytest.mark.parametrize("R", [0, 128])
 @pytest.mark.parametrize("window", [None, 1, 100, 150, 64 * 5 + 3])
 @pytest.mark.parametrize("G", [1, 4, 8])
-def test_gpu_tail_ring_and_window(G, window, R):
+def test_gpu_tail_ring_and_window(G, window, R, codes_smem):
     """The bf16 tail (staging page and residual ring) as the launch's extra split, and sliding windows,
-    against dense attention over pages + tail."""
+    against dense attention over pages + tail; codes in registers or through shared memory."""
     from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
 
     Hkv = 8 // G if G > 1 else 4
@@ -241,5 +265,5 @@ def test_gpu_tail_ring_and_window(G, window, R):
     ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, staged, residual, window)
     for ns in (1, 3, None):
         out = kivi2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=staged,
-                                     residual=residual, sliding_window=window)
+                                     residual=residual, sliding_window=window, codes_smem=codes_smem)
         assert relative_error(out, ref) < 1e-2, ns

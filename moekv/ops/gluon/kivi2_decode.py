@@ -33,6 +33,7 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
+from moekv.ops.decode.launch import sm_count
 from moekv.ops.gluon.checks import Staged, check_extras
 from moekv.ops.gluon.checks import check_inputs as check_pages
 from moekv.ops.gluon.kivi2_layout import (
@@ -45,7 +46,14 @@ from moekv.ops.gluon.kivi2_layout import (
     codes_from_fragment,
     key_side_by_channel,
 )
-from moekv.ops.gluon.launch import check_device, gluon_missing, plan_launch, reduce_on_device, register_cap
+from moekv.ops.gluon.launch import (
+    check_device,
+    gluon_missing,
+    plan_launch,
+    programs_per_sm,
+    reduce_on_device,
+    register_cap,
+)
 from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, window_start
 
 Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
@@ -57,6 +65,10 @@ DEFAULT_MAX_REGISTERS = 168
 DEFAULT_PREFETCH = 2
 # the kernel's SIDE_SMEM: the side tables a page ahead through shared memory (cp.async)
 DEFAULT_SIDE_SMEM = True
+# CODES_SMEM: the codes too through shared memory, instead of the register double buffer. None: when
+# the launch fills a wave of the GPU with page programs; there it is 2-3% faster, while small launches
+# (batch 1 to 4 at 4k-16k) lose ~2 us a launch to it (docs/journal.md)
+DEFAULT_CODES_SMEM = None
 
 
 def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -188,8 +200,8 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                           max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                           residual: Residual | None = None, sliding_window: int | None = None,
-                          prefetch: int = DEFAULT_PREFETCH,
-                          side_smem: bool = DEFAULT_SIDE_SMEM) -> tuple[torch.Tensor, torch.Tensor]:
+                          prefetch: int = DEFAULT_PREFETCH, side_smem: bool = DEFAULT_SIDE_SMEM,
+                          codes_smem: bool | None = DEFAULT_CODES_SMEM) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail (and the residual ring). max_registers: ptxas's cap (None: its choice)."""
     B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, staged, residual,
@@ -200,6 +212,8 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("kivi2", e) from e
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
+    if codes_smem is None:
+        codes_smem = B * Hkv * run.num_splits >= sm_count(q.device) * programs_per_sm(max_registers)
     if R:
         k_ring, v_ring = residual
         rt = k_ring.stride()
@@ -210,7 +224,8 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
         run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, rt[0], rt[1], rt[2], R,
         run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
-        HKV=Hkv, G=G, STAGED=staged is not None, PREFETCH=prefetch, SIDE_SMEM=bool(side_smem), num_warps=1,
+        HKV=Hkv, G=G, STAGED=staged is not None, PREFETCH=prefetch, SIDE_SMEM=bool(side_smem),
+        CODES_SMEM=bool(codes_smem), num_warps=1,
         **register_cap(max_registers))
     return run.part_o, run.part_lse
 
@@ -220,10 +235,11 @@ def kivi2_decode_attention(q: torch.Tensor, frag: Kivi2FragmentPages, block_tabl
                            max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                            residual: Residual | None = None, sliding_window: int | None = None,
                            out: torch.Tensor | None = None, prefetch: int = DEFAULT_PREFETCH,
-                           side_smem: bool = DEFAULT_SIDE_SMEM) -> torch.Tensor:
+                           side_smem: bool = DEFAULT_SIDE_SMEM,
+                           codes_smem: bool | None = DEFAULT_CODES_SMEM) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over kivi2 pages in fragment order (and, with `staged`, the
     16-bit tail: staging page and residual ring) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
     reduce, two launches, no host sync. CUDA only."""
     part_o, part_lse = kivi2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                             staged, residual, sliding_window, prefetch, side_smem)
+                                             staged, residual, sliding_window, prefetch, side_smem, codes_smem)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

@@ -206,14 +206,24 @@ def _tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr
 @gluon.jit
 def _stage_side_tables(ks_side, kz_side, vs_side, stage, page, k_scale, k_zero, v_scale):
     """cp.async of page-head `page`'s key scales, key zeros and value scales (512 bytes each) into rows
-    2 stage and 2 stage + 1 (its two halves) of shared memory [4, 128]: 8 bytes a lane a row, one commit
-    group."""
+    2 stage and 2 stage + 1 (its two halves) of shared memory [4, 128]: 8 bytes a lane a row (the
+    caller commits the group)."""
     c = gl.arange(0, 128, layout=gl.BlockedLayout([4], [32], [1], [0]))
     for hf in gl.static_range(2):
         async_copy.async_copy_global_to_shared(ks_side.index(2 * stage + hf), k_scale + page * KSIDE + hf * 128 + c)
         async_copy.async_copy_global_to_shared(kz_side.index(2 * stage + hf), k_zero + page * KSIDE + hf * 128 + c)
         async_copy.async_copy_global_to_shared(vs_side.index(2 * stage + hf), v_scale + page * VSIDE + hf * 128 + c)
-    async_copy.commit_group()
+
+
+@gluon.jit
+def _stage_codes(k_sm, v_sm, stage, page, k_codes, v_codes):
+    """cp.async of page-head `page`'s key and value codes ([4, 128] words each) into shared-memory stage
+    `stage`: 16 bytes a lane a row (the caller commits the group)."""
+    CL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
+    off = (gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, CL)), 1) * 128
+           + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, CL)), 0))
+    async_copy.async_copy_global_to_shared(k_sm.index(stage), k_codes + page * WORDS + off)
+    async_copy.async_copy_global_to_shared(v_sm.index(stage), v_codes + page * WORDS + off)
 
 
 @gluon.jit
@@ -223,7 +233,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
                         k_ring, v_ring, stride_rs, stride_rh, stride_rt, R,
                         part_o, part_lse, qk_scale, window, num_splits, ns_total,
                         HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, PREFETCH: gl.constexpr,
-                        SIDE_SMEM: gl.constexpr):
+                        SIDE_SMEM: gl.constexpr, CODES_SMEM: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512] (fragment order); k_scale, k_zero fp16 [N, HKV, 2, 128];
     v_scale, v_zero fp16 [N, HKV, 64, 4]; q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens
     from kivi2_decode.quantized_tokens on are the 16-bit tail, read by split num_splits: k_stage /
@@ -232,7 +242,8 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next page's side tables asked
     of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not); SIDE_SMEM: the next page's key
     scales and zeros and value scales copied into shared memory by cp.async while a page computes (two
-    stages), the page reading them from there."""
+    stages), the page reading them from there; CODES_SMEM: its codes too, instead of the register
+    double buffer."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -288,13 +299,18 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
         acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
         zacc = gl.zeros([16, 8], gl.float32, layout=MMA)  # rows 0..3: sum_t vz[t, g] P[t, n]
 
-        # register double buffering: the next page's codes load while this page computes
         last = gl.maximum(p1 - 1, 0)
         page = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64) * HKV + h
-        kx0 = gl.load(k_codes + page * WORDS + k_off)
-        kx1 = gl.load(k_codes + page * WORDS + 256 + k_off)
-        vx0 = gl.load(v_codes + page * WORDS + k_off)
-        vx1 = gl.load(v_codes + page * WORDS + 256 + k_off)
+        if CODES_SMEM:  # the codes double-buffered in shared memory by cp.async, a page ahead
+            CODES_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stage's rank
+            k_sm = gl.allocate_shared_memory(gl.int32, [2, 4, 128], CODES_L)
+            v_sm = gl.allocate_shared_memory(gl.int32, [2, 4, 128], CODES_L)
+            _stage_codes(k_sm, v_sm, p0 % 2, page, k_codes, v_codes)
+        else:  # in registers: the next page's codes load while this page computes
+            kx0 = gl.load(k_codes + page * WORDS + k_off)
+            kx1 = gl.load(k_codes + page * WORDS + 256 + k_off)
+            vx0 = gl.load(v_codes + page * WORDS + k_off)
+            vx1 = gl.load(v_codes + page * WORDS + 256 + k_off)
         if SIDE_SMEM:  # the side tables double-buffered in shared memory by cp.async, a page ahead
             SIDE_L: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [0])
             ks_side = gl.allocate_shared_memory(gl.float16, [4, 128], SIDE_L)  # row 2 stage + half
@@ -305,19 +321,31 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
             ks_side = None
             kz_side = None
             vs_side = None
+        if SIDE_SMEM or CODES_SMEM:
+            async_copy.commit_group()
         for pg in range(p0, p1):
             page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
             if PREFETCH:
                 prefetch_four_tables(page_n, k_scale, k_zero, v_scale, v_zero, KSIDE, PREFETCH)
-            if SIDE_SMEM:
-                async_copy.wait_group(0)  # this page's tables (this lane's copies) ...
+            if SIDE_SMEM or CODES_SMEM:
+                async_copy.wait_group(0)  # this page's copies (this lane's) ...
                 gl.thread_barrier()  # ... and every lane's; every lane is done with the other stage
-                _stage_side_tables(ks_side, kz_side, vs_side, (pg + 1) % 2, page_n, k_scale, k_zero, v_scale)
+                if CODES_SMEM:
+                    _stage_codes(k_sm, v_sm, (pg + 1) % 2, page_n, k_codes, v_codes)
+                if SIDE_SMEM:
+                    _stage_side_tables(ks_side, kz_side, vs_side, (pg + 1) % 2, page_n, k_scale, k_zero, v_scale)
+                async_copy.commit_group()
             cur = (pg % 2) * 2  # this page's rows of the staged side tables (SIDE_SMEM)
-            kx0_n = gl.load(k_codes + page_n * WORDS + k_off)
-            kx1_n = gl.load(k_codes + page_n * WORDS + 256 + k_off)
-            vx0_n = gl.load(v_codes + page_n * WORDS + k_off)
-            vx1_n = gl.load(v_codes + page_n * WORDS + 256 + k_off)
+            if CODES_SMEM:
+                kx0 = k_sm.index(pg % 2).slice(0, 2).load(LK2)
+                kx1 = k_sm.index(pg % 2).slice(2, 2).load(LK2)
+                vx0 = v_sm.index(pg % 2).slice(0, 2).load(LK2)
+                vx1 = v_sm.index(pg % 2).slice(2, 2).load(LK2)
+            else:
+                kx0_n = gl.load(k_codes + page_n * WORDS + k_off)
+                kx1_n = gl.load(k_codes + page_n * WORDS + 256 + k_off)
+                vx0_n = gl.load(v_codes + page_n * WORDS + k_off)
+                vx1_n = gl.load(v_codes + page_n * WORDS + 256 + k_off)
 
             sa = _half_scores(kx0, e16, k_scale, k_zero, page, 0, q_t, side_off, z_template, s0, LA, LB,
                               ks_side, kz_side, cur, LQ)
@@ -348,12 +376,13 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
                 acc0, acc1, acc2, acc3, zx, vx1, e16v, v_scale, v_zero, page, 1,
                 _as_b_operand(pb_.to(gl.float16), HALF, LB), rv, cv, za_r, za_t, LW, LA, LB, vs_side, cur, LSV)
             zacc = zacc * a2 + zx
-            kx0 = kx0_n
-            kx1 = kx1_n
-            vx0 = vx0_n
-            vx1 = vx1_n
+            if not CODES_SMEM:
+                kx0 = kx0_n
+                kx1 = kx1_n
+                vx0 = vx0_n
+                vx1 = vx1_n
             page = page_n
-        if SIDE_SMEM:
+        if SIDE_SMEM or CODES_SMEM:
             async_copy.wait_group(0)  # the last page's copy (of a page it does not read)
         # the split's partial: normalised output (0 when empty; its lse after the branches)
         _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)

@@ -4,6 +4,8 @@ keys' channel affine folded into q, the outlier slots folded in as one-hot produ
 pages, in float64. On a GPU (marked gpu): the Gluon kernel against that reference and dense attention."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ from tests.gluon_cases import (
     check_prefetch_changes_nothing,
     check_staged_decode,
     dense_reference,
+    gpu_case,
     large_channel_keys,
     num_pages,
     pack,
@@ -47,6 +50,16 @@ def build(lens, Hkv, seed, outliers=True, device="cpu", heavy=True):
         v.view(-1)[torch.randint(0, v.numel(), (N * 4,), generator=g)] *= 10
     no_slots = None if outliers else (lambda fields: fields["out_idx"].fill_(0xFFFF))
     return behind_tables(fmt, pack(fmt, k, v, no_slots), lens, g, to_fragment_order, device)
+
+
+def fewer_slots(frag, sk: int, sv: int):
+    """frag with only the first sk key and sv value slots of each page-head (used ones come first:
+    the used counts clipped to them)."""
+    return dataclasses.replace(
+        frag, k_out_idx=frag.k_out_idx[..., :sk].contiguous(), k_out_val=frag.k_out_val[..., :sk].contiguous(),
+        k_slot_delta=frag.k_slot_delta[..., :sk].contiguous(), k_used=frag.k_used.clamp(max=sk),
+        v_out_idx=frag.v_out_idx[..., :sv].contiguous(), v_out_val=frag.v_out_val[..., :sv].contiguous(),
+        v_slot_delta=frag.v_slot_delta[..., :sv].contiguous(), v_used=frag.v_used.clamp(max=sv))
 
 
 @pytest.mark.parametrize("G, num_splits", [(1, 3), (4, 1), (4, 8), (8, 3)])
@@ -159,6 +172,8 @@ def test_bad_inputs_are_refused():
 
 
 SM90_BUILD = """
+import os, re, subprocess, tempfile
+import triton
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -171,28 +186,43 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i
        "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "part_o": "*fp32", "part_lse": "*fp32",
        "qk_scale": "fp32", "window": "i32", "zero": "i32", "num_splits": "i32", "ns_total": "i32",
        "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr",
-       "PREFETCH": "constexpr"}
-for G, staged, chunk0 in ((1, True, False), (4, False, True), (8, True, False)):
+       "PREFETCH": "constexpr", "SMEM": "constexpr"}
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for G, staged, chunk0, smem, cap in ((1, True, False, False, None), (4, False, True, False, None),
+                                     (8, True, False, False, None), (4, False, True, True, 128),
+                                     (8, True, True, True, None)):
     src = GluonASTSource(nuq2_decode_kernel, signature=sig,
                          constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": chunk0,
-                                     "PREFETCH": DEFAULT_PREFETCH},
+                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
-    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
     ptx = k.asm["ptx"]
     print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in ptx, "prmt.b32" in ptx, ".local" in ptx)
+    if smem:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        print("cp.async.cg.shared.global" in ptx, "cp.async.wait_group" in ptx, sass.count("LDGSTS.E.BYPASS.128"),
+              sass.count("LDS.128"), re.search(r"\\b(LDL|STL)\\b", sass) is not None)
 """
 
 
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships, for groups of 1, 4
-    and 8, with and without the staged tail and the unconditional first slot chunk: layouts that do
+    and 8, with and without the staged tail, the unconditional first slot chunk and the shared-memory
+    stages (SMEM): layouts that do
     not convert trivially, inline PTX or shapes that do not fit fail here, not on the device. In a
     fresh interpreter: other CPU tests set TRITON_INTERPRET=1 for the session
     (tests/triton_kernels.py), which leaves triton.language's own helpers uncompilable."""
     words = run_sm90_build(SM90_BUILD)
-    # per group: no shared memory (registers only), MMA and prmt present, no local memory (spills)
+    # per build: shared memory (none: registers only; SMEM: two stages of 2 x 2 kB of codes, 256 bytes
+    # of scale and mean, 256 of slots and 32 of words), MMA and prmt present, no local memory in the
+    # PTX; SMEM: cp.async (16 bytes a lane for the codes: 8 a page, 8 before the loop) and its wait,
+    # the 8 code rows read by 128-bit LDS, no spills (at the launcher's cap of 128 without the tail)
+    smem = [str(2 * (2 * 2048 + 256 + 256 + 32)), "True", "True", "False", "True", "True", "16", "8", "False"]
     assert words == ["1", "0", "True", "True", "False", "4", "0", "True", "True", "False",
-                     "8", "0", "True", "True", "False"], words
+                     "8", "0", "True", "True", "False", "4", *smem, "8", *smem], words
 
 
 @pytest.mark.gpu
@@ -216,6 +246,36 @@ def test_gpu_prefetch_changes_nothing(G):
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_partials
 
     check_prefetch_changes_nothing(nuq2_decode_partials, build, G)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("outliers", [True, False])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_smem_changes_nothing(G, outliers):
+    """The next page's codes and side data through shared memory (SMEM) give the partials of the
+    register / global path bit for bit: lengths on and off page boundaries, some splits empty, pages
+    with and without slots, fewer than 16 slots a page-head (the copies zero-filled past them) or none,
+    the staged tail, sliding windows, without the register cap, with the prefetch, without the
+    unconditional first slot chunk."""
+    from moekv.ops.gluon.nuq2_decode import nuq2_decode_partials
+
+    lens = [64, 1000, 64 * 9, 129, 3000]
+    Hkv, _, frag, tables, lens_t, _, _, q = gpu_case(build, G, lens, 40 + G, outliers=outliers)
+    staged = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    cases = [(frag, {"num_splits": ns}) for ns in (1, 5, 64)] + [
+        (frag, {"num_splits": 3, "staged": staged}),
+        (frag, {"num_splits": 5, "staged": staged, "sliding_window": 100}),
+        (frag, {"num_splits": 2, "sliding_window": 64 * 5 + 3}),
+        (frag, {"num_splits": 5, "max_registers": None}),
+        (frag, {"num_splits": 5, "prefetch": 2}),
+        (frag, {"num_splits": 5, "slot_chunk0": False}),
+        (fewer_slots(frag, 8, 4), {"num_splits": 5, "staged": staged}),
+        (fewer_slots(frag, 0, 0), {"num_splits": 5})]
+    for f, options in cases:
+        ref_o, ref_lse = nuq2_decode_partials(q, f, tables, lens_t, D ** -0.5, smem=False, **options)
+        part_o, part_lse = nuq2_decode_partials(q, f, tables, lens_t, D ** -0.5, smem=True, **options)
+        assert torch.equal(part_o, ref_o) and torch.equal(part_lse, ref_lse), (f.k_out_idx.shape[2], options)
 
 
 @pytest.mark.gpu

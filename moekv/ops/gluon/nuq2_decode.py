@@ -158,22 +158,30 @@ def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tenso
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
-DEFAULT_MAX_REGISTERS = 128  # ptxas's cap: 2-10% faster than none at every measured shape (docs/journal.md)
+# ptxas's cap: with SMEM 160 and 128 time the same at (16, 32k), (64, 32k) and (1, 4k); 160 is 7% faster at
+# (1, 128k) (12 programs an SM: one wave of 197 splits); none is 2-10% slower (docs/journal.md)
+DEFAULT_MAX_REGISTERS = 160
 # the kernel's PREFETCH (prefetch.py): none; into L1 or L2 was 0-3% slower (its page is bound by its
 # instructions, docs/journal.md)
 DEFAULT_PREFETCH = 0
 DEFAULT_SLOT_CHUNK0 = True  # the first slot chunk unconditionally: 2-10% faster with the cap (docs/journal.md)
+# the kernel's SMEM: the next page's codes and side data staged in shared memory by cp.async (two
+# stages) instead of the codes' register double buffer and the side data's loads at the page's start:
+# 8-9% faster at (16, 32k), (64, 32k) and (1, 128k), 1 us at (1, 4k) (docs/journal.md)
+DEFAULT_SMEM = True
 
 
 def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                          max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                          sliding_window: int | None = None, slot_chunk0: bool = DEFAULT_SLOT_CHUNK0,
-                         prefetch: int = DEFAULT_PREFETCH) -> tuple[torch.Tensor, torch.Tensor]:
+                         prefetch: int = DEFAULT_PREFETCH, smem: bool = DEFAULT_SMEM
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail. max_registers: ptxas's cap (0 / None: its choice); slot_chunk0:
     the first 16 slots of each kind unconditionally (loads not behind the used counts; ~35 more
-    registers), else chunks only while used slots remain."""
+    registers), else chunks only while used slots remain; smem: the next page's codes and side data
+    through shared memory (cp.async, two stages; ~9 kB a program), the same partials bit for bit."""
     B, Hkv, G = check_launch("nuq2", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     try:
         from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
@@ -187,8 +195,8 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
         run.k_stage, run.v_stage, *run.stage_strides,
         run.part_o, run.part_lse, scale * LOG2E, run.window, 0, run.num_splits, run.ns_total,
-        HKV=Hkv, G=G, STAGED=staged is not None, CHUNK0=bool(slot_chunk0), PREFETCH=prefetch, num_warps=1,
-        **register_cap(max_registers))
+        HKV=Hkv, G=G, STAGED=staged is not None, CHUNK0=bool(slot_chunk0), PREFETCH=prefetch, SMEM=bool(smem),
+        num_warps=1, **register_cap(max_registers))
     return run.part_o, run.part_lse
 
 
@@ -196,10 +204,11 @@ def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                           max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                           sliding_window: int | None = None, out: torch.Tensor | None = None,
-                          slot_chunk0: bool = DEFAULT_SLOT_CHUNK0, prefetch: int = DEFAULT_PREFETCH) -> torch.Tensor:
+                          slot_chunk0: bool = DEFAULT_SLOT_CHUNK0, prefetch: int = DEFAULT_PREFETCH,
+                          smem: bool = DEFAULT_SMEM) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order (outlier slots included,
     exact) and, with `staged`, the 16-bit tail -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
     reduce, two launches, no host sync. CUDA only."""
     part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                            staged, sliding_window, slot_chunk0, prefetch)
+                                            staged, sliding_window, slot_chunk0, prefetch, smem)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

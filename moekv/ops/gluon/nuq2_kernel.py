@@ -29,6 +29,9 @@ The staged 16-bit tail (the newest page, in the engine's bf16 staging tensor) is
 same launch (STAGED): its program runs one tile of plain 16-bit K and V^T through the same softmax.
 A sliding window (`window`, a huge value for none) starts the page range at the page holding the
 window's first token and masks the tokens before it.
+SMEM (a launch option): the next page's codes and side data go by cp.async into the other of two
+shared-memory stages while a page computes (instead of the codes' register double buffer and the
+side data's loads at the page's start); the page reads its stage (code rows by 128-bit LDS).
 Gluon compiles for NVIDIA GPUs only: importing this module needs triton.experimental.gluon (Triton
 3.6), launching it a CUDA device of compute capability >= 8.0.
 """
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from moekv.ops.gluon.prefetch import address, lanes, opaque, prefetch
 
@@ -196,6 +200,23 @@ def _key_slot_chunk_load(k_idx, k_delta, c0, lim, q_ptr, head0, G: gl.constexpr,
 
 
 @gluon.jit
+def _key_slot_chunk0_smem(idx_row, delta_row, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
+                          LB: gl.constexpr):
+    """_key_slot_chunk_load's first chunk from a staged copy: idx_row, delta_row the page's first 16
+    key slot positions and deltas (int32 bits) in shared memory, zero-filled past lim; only the
+    tokens need their `other` (65535) re-applied, the zeros are the global loads' own."""
+    ja = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
+    jb = gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
+    nb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
+    tok_j = gl.where(ja < lim, idx_row.load(gl.SliceLayout(0, LA)), 65535) >> 7
+    idx_b = idx_row.load(gl.SliceLayout(1, LB))
+    kd = delta_row.load(gl.SliceLayout(1, LB)).to(gl.float32, bitcast=True)
+    qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b & 127, 1),
+                 mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
+    return tok_j, qv * gl.expand_dims(kd * (1.0 / HOT), 1)
+
+
+@gluon.jit
 def _key_slot_chunk(s, tok_j, w, LA: gl.constexpr):
     """S^T [64, 8] += OneHot_K [64, 16] @ W [16, 8], W as an fp16 hi + lo pair (two MMAs)."""
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, LA))
@@ -221,6 +242,16 @@ def _value_slot_chunk_load(v_idx, v_delta, c0, lim, LA: gl.constexpr, MMA: gl.co
 
 
 @gluon.jit
+def _value_slot_chunk0_smem(idx_row, delta_row, lim, LA: gl.constexpr, MMA: gl.constexpr):
+    """_value_slot_chunk_load's first chunk from a staged copy (as _key_slot_chunk0_smem)."""
+    jr = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
+    tok_j = gl.where(jr < lim, idx_row.load(gl.SliceLayout(1, LA)), 65535) >> 7
+    chan_j = idx_row.load(gl.SliceLayout(0, LA)) & 127
+    dv = delta_row.load(gl.SliceLayout(1, MMA)).to(gl.float32, bitcast=True) * (1.0 / (HOT * HOT))
+    return tok_j, chan_j, dv
+
+
+@gluon.jit
 def _value_slot_chunk(acc, pb, tok_j, chan_j, dv, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
     """O^T [128, 8] += OneHot_C [128, 16] @ (dv * (OneHot_V [16, 64] @ P^T)): P at the slots' tokens,
     scaled by their deltas (rows of a [16, 8] tile), placed at their channels."""
@@ -236,17 +267,37 @@ def _value_slot_chunk(acc, pb, tok_j, chan_j, dv, LA: gl.constexpr, LB: gl.const
 
 
 @gluon.jit
+def _word_pair(words, i: gl.constexpr):
+    """Words i and i + 1 of a staged row in shared memory as two scalars (one 8-byte read a thread)."""
+    L2: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+    pair = words.slice(i, 2).load(L2)
+    at = gl.arange(0, 2, layout=L2)
+    return gl.sum(gl.where(at == 0, pair, 0), axis=0), gl.sum(gl.where(at == 1, pair, 0), axis=0)
+
+
+@gluon.jit
 def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i, acc, qk_scale,
                n_valid, n_first, k_idx, k_delta, nk, SK, v_idx, v_delta, nv, SV, q_ptr, head0, G: gl.constexpr,
-               CHUNK0: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+               CHUNK0: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr, k_rows=None,
+               v_rows=None, slots=None, words=None, LK2: gl.constexpr = None, LV2: gl.constexpr = None):
     """One page: scores (+ key slots), online softmax, P @ V (+ value slots) into acc (O^T [128, 8]).
     Tokens [n_first, n_valid) of the page count. Slots run in chunks of 16 while used ones remain;
     CHUNK0: the first chunk of each kind runs unconditionally (unused slots add exact zeros; its loads
-    do not wait for the used counts, at ~35 more registers a thread)."""
-    k_lo = _per_lane(gl.load(k_table), zero)
-    k_hi = _per_lane(gl.load(k_table + 1), zero)
-    v_lo = _per_lane(gl.load(v_table), zero)
-    v_hi = _per_lane(gl.load(v_table + 1), zero)
+    do not wait for the used counts, at ~35 more registers a thread).
+    From a shared-memory stage (k_rows given; kx, vx, k_table, v_table unused): the code rows from
+    k_rows, v_rows [4, 128] int32, the codebook words and used counts from `words` [8] (the nk,
+    nv arguments unused) and the first slot chunk from `slots` [64] (as _stage_page puts them), each read where it
+    is needed (code rows in layouts LK2, LV2)."""
+    if k_rows is None:
+        k_lo = _per_lane(gl.load(k_table), zero)
+        k_hi = _per_lane(gl.load(k_table + 1), zero)
+        v_lo = _per_lane(gl.load(v_table), zero)
+        v_hi = _per_lane(gl.load(v_table + 1), zero)
+    else:
+        k_lo, k_hi = _word_pair(words, 0)
+        k_lo = _per_lane(k_lo, zero)
+        k_hi = _per_lane(k_hi, zero)
+        kx = k_rows.load(LK2)
 
     # K: [4 rows, 512 bytes] -> [4, 512, 4] fp16 -> K [64, 128] in the A-operand layout
     kf = _centroid_pairs(gl.expand_dims(gl.expand_dims(kx, 2), 3), shift_k, k_lo, k_hi)
@@ -256,8 +307,13 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     ka = gl.convert_layout(kf, LA, assert_trivial=True)
     s = gl.nvidia.ampere.mma_v2(ka, q_scaled, bias)  # S^T [64, 8], from bias [64, 8] (q . mean per head)
     if CHUNK0:
-        k_tok, w = _key_slot_chunk_load(k_idx, k_delta, 0, SK, q_ptr, head0, G, LA, LB)
+        if k_rows is None:
+            k_tok, w = _key_slot_chunk_load(k_idx, k_delta, 0, SK, q_ptr, head0, G, LA, LB)
+        else:
+            k_tok, w = _key_slot_chunk0_smem(slots.slice(0, 16), slots.slice(32, 16), SK, q_ptr, head0, G, LA, LB)
         s = _key_slot_chunk(s, k_tok, w, LA)
+    if k_rows is not None:
+        nk = _word_pair(words, 4)[0]
     for c0 in range(16 if CHUNK0 else 0, nk, 16):
         k_tok, w = _key_slot_chunk_load(k_idx, k_delta, c0, nk, q_ptr, head0, G, LA, LB)
         s = _key_slot_chunk(s, k_tok, w, LA)
@@ -267,6 +323,11 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     m_new, l_i, acc, pb = _softmax_step(s, valid, m_i, l_i, acc, qk_scale, gl.float16, LB)
 
     # V: [4 rows, 512 bytes] -> V^T [128, 64] in the A-operand layout
+    if k_rows is not None:
+        v_lo, v_hi = _word_pair(words, 2)
+        v_lo = _per_lane(v_lo, zero)
+        v_hi = _per_lane(v_hi, zero)
+        vx = v_rows.load(LV2)
     vf = _centroid_pairs(gl.expand_dims(gl.expand_dims(vx, 2), 3), shift_v, v_lo, v_hi)
     vf = gl.reshape(vf, [2, 2, 8, 4, 2, 2, 2, 2, 2, 2])  # rh, blk, g, q4, y3, y2, y1, y0, f1, f0
     vf = gl.permute(vf, [8, 9, 0, 6, 2, 1, 4, 5, 3, 7])  # f1, f0, rh, y1, g | blk, y3, y2, q4, y0
@@ -274,8 +335,13 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     va = gl.convert_layout(vf, LA, assert_trivial=True)
     acc = gl.nvidia.ampere.mma_v2(va, pb, acc)  # O^T [128, 8]
     if CHUNK0:
-        v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, 0, SV, LA, MMA)
+        if k_rows is None:
+            v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, 0, SV, LA, MMA)
+        else:
+            v_tok, v_chan, dv = _value_slot_chunk0_smem(slots.slice(16, 16), slots.slice(48, 16), SV, LA, MMA)
         acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
+    if k_rows is not None:
+        nv = _word_pair(words, 4)[1]
     for c0 in range(16 if CHUNK0 else 0, nv, 16):
         v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, c0, nv, LA, MMA)
         acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
@@ -402,20 +468,53 @@ def _prefetch_page(page, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_
 
 
 @gluon.jit
+def _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, stage, page, k_codes, v_codes, k_off, v_off,
+                k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
+                CHUNK0: gl.constexpr):
+    """cp.async of page-head `page`'s codes and side data into shared-memory stage `stage`, one commit
+    group: its code rows (values in v_off's row order) at 16 bytes a lane a row, its fp8 scale and
+    mean rows at 8 bytes a lane, (CHUNK0) its first 16 slots (k_idx, v_idx, k_delta, v_delta; those at
+    or past SK / SV zero-filled, nothing read past the page-head's slots) and the words (k lo, k hi,
+    v lo, v hi, k used, v used) at 4 bytes a lane."""
+    async_copy.async_copy_global_to_shared(k_smem.index(stage), k_codes + page * WORDS + k_off)
+    async_copy.async_copy_global_to_shared(v_smem.index(stage), v_codes + page * WORDS + v_off)
+    c = gl.arange(0, 256, layout=gl.BlockedLayout([8], [32], [1], [0]))
+    async_copy.async_copy_global_to_shared(chan_smem.index(stage),
+                                           gl.where(c < 128, k_scale + page * 128 + c, k_mean + page * 128 + (c - 128)))
+    if CHUNK0:
+        j = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
+        js = j % 16
+        k_bits = k_delta.to(gl.pointer_type(gl.int32), bitcast=True)
+        v_bits = v_delta.to(gl.pointer_type(gl.int32), bitcast=True)
+        row = gl.where(j < 16, k_idx + page * SK, gl.where(j < 32, v_idx + page * SV, gl.where(
+            j < 48, k_bits + page * SK, v_bits + page * SV)))
+        async_copy.async_copy_global_to_shared(slot_smem.index(stage), row + js,
+                                               mask=js < gl.where(j // 16 % 2 == 0, SK, SV))
+    i = gl.arange(0, 8, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    word = gl.where(i < 2, k_tables + page * 2 + i, gl.where(i < 4, v_tables + page * 2 + (i - 2), gl.where(
+        i == 4, k_used + page, v_used + page)))
+    async_copy.async_copy_global_to_shared(word_smem.index(stage), word)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                        k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
                        q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                        k_stage, v_stage, stride_ss, stride_sh, stride_st,
                        part_o, part_lse, qk_scale, window, zero, num_splits, ns_total,
                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
-                       PREFETCH: gl.constexpr):
+                       PREFETCH: gl.constexpr, SMEM: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512]; k_tables, v_tables int32 [N, HKV, 2] (the fp16
     centroids); k_mean, k_scale fp8 [N, HKV, 128]; k_idx / v_idx int32 [N, HKV, SK / SV] (slot
     positions, used first), k_delta / v_delta fp32 (their deltas), k_used / v_used int32 [N, HKV];
     q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from ((len - 1) // 64) * 64 on are in
     k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split num_splits;
     part_o fp32 [B, HKV * G, ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next
-    page's side tables asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not)."""
+    page's side tables asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not); SMEM: the
+    next page's codes and side data (scale, mean, codebooks, used counts, first slot chunk) copied
+    into shared memory by cp.async while a page computes (two stages) instead of the codes' register
+    double buffer and the side data's loads at the page's start, the page reading them from there."""
     D: gl.constexpr = 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -466,35 +565,65 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         s0 = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
         mean_template = gl.zeros([PAGE, D], gl.float16, layout=LA)  # a shape to broadcast the mean to
 
-        # register double buffering: the next page's codes load while this page computes
         last = gl.maximum(p1 - 1, 0)
         page = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64) * HKV + h
-        kx = gl.load(k_codes + page * WORDS + k_off)
-        vx = gl.load(v_codes + page * WORDS + v_off)
+        if SMEM:  # two shared-memory stages, a page ahead: stage pg % 2 holds page pg's
+            ROW_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            k_smem = gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            v_smem = gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            chan_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 2 * D], ROW_L)  # scale, mean
+            slot_smem = gl.allocate_shared_memory(gl.int32, [2, 64], ROW_L)  # k_idx, v_idx, k_delta, v_delta
+            word_smem = gl.allocate_shared_memory(gl.int32, [2, 8], ROW_L)
+            _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, p0 % 2, page, k_codes, v_codes, k_off,
+                        v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta, v_used,
+                        SK, SV, CHUNK0)
+        else:  # register double buffering: the next page's codes load while this page computes
+            kx = gl.load(k_codes + page * WORDS + k_off)
+            vx = gl.load(v_codes + page * WORDS + v_off)
         for pg in range(p0, p1):
             page_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64) * HKV + h
             if PREFETCH:
                 _prefetch_page(page_n, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta,
                                v_used, SK, SV, PREFETCH)
-            kx_n = gl.load(k_codes + page_n * WORDS + k_off)
-            vx_n = gl.load(v_codes + page_n * WORDS + v_off)
-            scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
-            # q . mean on the tensor cores: every row of the A operand is the page's mean, so every
-            # row of the product is the per-head constant, already in the scores' layout
-            mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
+            if SMEM:
+                async_copy.wait_group(0)  # this page's stage (this lane's copies) ...
+                gl.thread_barrier()  # ... and every lane's; every lane is done with the other stage
+                _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, (pg + 1) % 2, page_n, k_codes, v_codes,
+                            k_off, v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx,
+                            v_delta, v_used, SK, SV, CHUNK0)
+                cur = pg % 2
+                side = chan_smem.index(cur)
+                scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
+                mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
+            else:
+                kx_n = gl.load(k_codes + page_n * WORDS + k_off)
+                vx_n = gl.load(v_codes + page_n * WORDS + v_off)
+                scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
+                mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
+            # q . mean on the tensor cores: every row of the A operand is the page's mean, so every row
+            # of the product is the per-head constant, already in the scores' layout
             mean_rows = gl.broadcast(mean, mean_template)[0]
             q_scaled = q_t * scale  # fp16 x fp16: the one rounding the fp16 operand needs anyway
             bias = gl.nvidia.ampere.mma_v2(mean_rows, q_t, s0)
-            nk = gl.load(k_used + page)
-            nv = gl.load(v_used + page)
-            m_i, l_i, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
-                                       q_scaled, bias, m_i, l_i, acc, qk_scale, length - pg * PAGE,
-                                       first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
-                                       v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G, CHUNK0,
-                                       LA, LB, MMA)
-            kx = kx_n
-            vx = vx_n
+            if SMEM:
+                m_i, l_i, acc = _page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i,
+                                           acc, qk_scale, length - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
+                                           k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
+                                           None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
+                                           v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2)
+            else:
+                nk = gl.load(k_used + page)
+                nv = gl.load(v_used + page)
+                m_i, l_i, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
+                                           q_scaled, bias, m_i, l_i, acc, qk_scale, length - pg * PAGE,
+                                           first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
+                                           v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G, CHUNK0,
+                                           LA, LB, MMA)
+                kx = kx_n
+                vx = vx_n
             page = page_n
+        if SMEM:
+            async_copy.wait_group(0)  # the last page's copy (of a page it does not read)
     elif STAGED:
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh

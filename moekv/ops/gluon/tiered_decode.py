@@ -29,7 +29,7 @@ import torch
 from moekv.ops.decode.common import LOG2E
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
 from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, reduce_on_device, register_cap
-from moekv.ops.gluon.nuq2_decode import DEFAULT_MAX_REGISTERS, DEFAULT_SLOT_CHUNK0
+from moekv.ops.gluon.nuq2_decode import DEFAULT_SLOT_CHUNK0
 from moekv.ops.gluon.nuq2_layout import (
     FRAGMENT_FIELDS,
     HEAD_DIM,
@@ -44,6 +44,8 @@ TIER_FP8 = 1  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
 # an FP8 page's steps without the next step's loads in flight (unmeasured: bench_decode_attention's
 # tiered_gluon row times the other choice, fp8_prefetch_ms)
 DEFAULT_FP8_PREFETCH = False
+
+DEFAULT_MAX_REGISTERS = 128  # ptxas's cap of the tiered kernel (nuq2's page tile with global loads; docs/journal.md)
 
 
 def staged_quantized(length: int, staged: bool) -> int:

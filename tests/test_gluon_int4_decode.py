@@ -4,8 +4,6 @@ deltas) against dense attention over int4's own dequantized pages, in float64, a
 build. On a GPU (marked gpu): the Gluon kernel against that reference and dense attention."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -91,7 +89,7 @@ SM90_BUILD = """
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekv.ops.gluon.int4_decode import DEFAULT_BIASED_VALUES, DEFAULT_PREFETCH, DEFAULT_SMEM
+from moekv.ops.gluon.int4_decode import DEFAULT_PREFETCH, DEFAULT_SMEM
 from moekv.ops.gluon.int4_kernel import int4_decode_kernel
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp16", "v_scale": "*fp16",
        "v_zero": "*fp16", "k_oidx": "*i32", "k_odelta": "*fp32", "v_oidx": "*i32", "v_odelta": "*fp32",
@@ -99,12 +97,12 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_scale": "*fp16", "k_zero": "*fp1
        "k_stage": "*bf16", "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32",
        "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32",
        "ns_total": "i32", "HKV": "constexpr", "G": "constexpr", "NO": "constexpr", "STAGED": "constexpr",
-       "PREFETCH": "constexpr", "SMEM": "constexpr", "BIASED_V": "constexpr"}
+       "PREFETCH": "constexpr", "SMEM": "constexpr"}
 for G, NO, staged, smem, prefetch in ((1, 1, True, DEFAULT_SMEM, DEFAULT_PREFETCH), (4, 1, False, False, 1),
                                       (8, 4, True, False, 1), (4, 3, True, True, 2)):
     src = GluonASTSource(int4_decode_kernel, signature=sig,
                          constexprs={"HKV": 8, "G": G, "NO": NO, "STAGED": staged, "PREFETCH": prefetch,
-                                     "SMEM": smem, "BIASED_V": DEFAULT_BIASED_VALUES},
+                                     "SMEM": smem},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
     ptx = k.asm["ptx"]
@@ -150,19 +148,6 @@ def test_gpu_prefetch_changes_nothing(G):
     from moekv.ops.gluon.int4_decode import int4_decode_partials
 
     check_prefetch_changes_nothing(int4_decode_partials, build, G)
-
-
-@pytest.mark.gpu
-@GPU
-@pytest.mark.parametrize("G", [1, 4, 8])
-@pytest.mark.parametrize("lens", [[64], [4096 + 7], [1000, 64 * 9, 129, 3000]])
-def test_gpu_biased_values_match_reference(G, lens):
-    """With the value codes as 1024 + code and the 1024s taken out by one more MMA a group (BIASED_V),
-    the partials still match the float64 split reference within the same tolerances."""
-    from moekv.ops.gluon.int4_decode import int4_decode_partials
-
-    check_kernel_matches_reference(functools.partial(int4_decode_partials, biased_values=True),
-                                   int4_decode_split_reference, build, G, lens)
 
 
 @pytest.mark.gpu

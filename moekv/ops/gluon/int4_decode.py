@@ -112,16 +112,13 @@ DEFAULT_PREFETCH = 1
 # the kernel's SMEM: the next page's codes, key scales and zeros and value scales through shared memory
 # (cp.async, two stages), 5-6% faster than global loads at (16, 32k), (64, 32k) and (1, 128k)
 DEFAULT_SMEM = True
-# the kernel's BIASED_V: value codes 1024 + code, the 1024s out through one more MMA a group
-DEFAULT_BIASED_VALUES = False
 
 
 def int4_decode_partials(q: torch.Tensor, frag: Int4FragmentPages, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                          max_registers: int | None = None, staged: Staged | None = None,
                          sliding_window: int | None = None, prefetch: int = DEFAULT_PREFETCH,
-                         smem: bool = DEFAULT_SMEM,
-                         biased_values: bool = DEFAULT_BIASED_VALUES) -> tuple[torch.Tensor, torch.Tensor]:
+                         smem: bool = DEFAULT_SMEM) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice)."""
     B, Hkv, G = check_launch("int4", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
@@ -137,7 +134,7 @@ def int4_decode_partials(q: torch.Tensor, frag: Int4FragmentPages, block_tables:
         run.k_stage, run.v_stage, *run.stage_strides,
         run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
         HKV=Hkv, G=G, NO=frag.num_outliers, STAGED=staged is not None, PREFETCH=prefetch, SMEM=smem,
-        BIASED_V=bool(biased_values),        num_warps=1,
+        num_warps=1,
         **register_cap(max_registers))
     return run.part_o, run.part_lse
 
@@ -146,11 +143,10 @@ def int4_decode_attention(q: torch.Tensor, frag: Int4FragmentPages, block_tables
                           context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                           max_registers: int | None = None, staged: Staged | None = None,
                           sliding_window: int | None = None, out: torch.Tensor | None = None,
-                          prefetch: int = DEFAULT_PREFETCH, smem: bool = DEFAULT_SMEM,
-                          biased_values: bool = DEFAULT_BIASED_VALUES) -> torch.Tensor:
+                          prefetch: int = DEFAULT_PREFETCH, smem: bool = DEFAULT_SMEM) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over int4 pages in fragment order (and, with `staged`, the
     16-bit tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the reduce, two launches, no host
     sync. CUDA only."""
     part_o, part_lse = int4_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                            staged, sliding_window, prefetch, smem, biased_values)
+                                            staged, sliding_window, prefetch, smem)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

@@ -95,13 +95,9 @@ def _key_tile(x, e3, LA: gl.constexpr):
 
 
 @gluon.jit
-def _value_tile(x, e3, LA: gl.constexpr, BIASED: gl.constexpr = False):
-    """A group's two rows of value words [2, 128] -> V^T_g [32 channels, 64 tokens] in the A-operand layout
-    (BIASED: 1024 + V^T_g, one instruction a pair fewer)."""
-    if BIASED:
-        f = _nibble_pairs_biased(gl.expand_dims(x, 2), e3)
-    else:
-        f = _nibble_pairs(gl.expand_dims(x, 2), e3)
+def _value_tile(x, e3, LA: gl.constexpr):
+    """A group's two rows of value words [2, 128] -> V^T_g [32 channels, 64 tokens] in the A-operand layout."""
+    f = _nibble_pairs(gl.expand_dims(x, 2), e3)
     f = gl.reshape(f, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # i0, l4, l3, l2, l1, l0, u1, u0, e2, e1, e0
     f = gl.permute(f, [0, 9, 1, 2, 3, 6, 7, 8, 4, 5, 10])  # i0, e1, l4, l3, l2 | u1, u0, e2, l1, l0, e0
     return gl.convert_layout(gl.reshape(f, [32, PAGE]), LA, assert_trivial=True)
@@ -162,18 +158,6 @@ def _group_values(acc, vx, e3, pb, sv, LA: gl.constexpr):
     """O^T_g += V^T_g @ (scale_g * P^T) (vx: the group's code words)."""
     va = _value_tile(vx, e3, LA)
     return gl.nvidia.ampere.mma_v2(va, pb * gl.expand_dims(sv, 1), acc)
-
-
-@gluon.jit
-def _group_values_biased(acc, zacc, vx, e3, pb, sv, g: gl.constexpr, za_r, LA: gl.constexpr):
-    """O^T_g += (1024 + V^T_g) @ B and zacc[g] -= 1024 * (ones @ B), B = scale_g * P^T in fp16: the
-    1024s leave through the same fp16 operand, exactly (products of fp16 with -1024 and 1024 are exact;
-    the fp32 sums carry ~10 bits less headroom). zacc's row g is added to every channel of group g."""
-    b = pb * gl.expand_dims(sv, 1)
-    acc = gl.nvidia.ampere.mma_v2(_value_tile(vx, e3, LA, True), b, acc)
-    minus = gl.where(gl.expand_dims(za_r == g, 1), -1024.0, 0.0)  # [16, 1]: -1024 in row g
-    rows = gl.broadcast(minus, gl.zeros([16, PAGE], gl.float32, layout=LA))[0].to(gl.float16)
-    return acc, gl.nvidia.ampere.mma_v2(rows, b, zacc)
 
 
 @gluon.jit
@@ -268,7 +252,7 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
                        k_stage, v_stage, stride_ss, stride_sh, stride_st,
                        part_o, part_lse, qk_scale, window, num_splits, ns_total,
                        HKV: gl.constexpr, G: gl.constexpr, NO: gl.constexpr, STAGED: gl.constexpr,
-                       PREFETCH: gl.constexpr, SMEM: gl.constexpr, BIASED_V: gl.constexpr):
+                       PREFETCH: gl.constexpr, SMEM: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 1024] (fragment order); k_scale, k_zero, v_scale, v_zero fp16
     [N, HKV, 64, 4]; k_oidx, v_oidx int32 [N, HKV, NO]; k_odelta, v_odelta fp32 [N, HKV, 64, NO];
     q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from ((len - 1) // 64) * 64 on are in
@@ -277,9 +261,7 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
     part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next page's codes, side tables and outlier deltas
     asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not); SMEM: the next page's codes,
     key scales and zeros and value scales copied into shared memory by cp.async while a page computes
-    (two stages), the page reading them from there (PREFETCH then asks only for the rest); BIASED_V: the
-    value codes as 1024 + code (no subtraction), the 1024s taken out by one more MMA a group into the
-    zeros' sums."""
+    (two stages), the page reading them from there (PREFETCH then asks only for the rest)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -391,21 +373,10 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
                 sv0, sv1, sv2, sv3 = _staged_groups(vs_sm, pg % 2, LSV, gl.SliceLayout(1, LB))
             else:
                 sv0, sv1, sv2, sv3 = _by_group(v_scale, page, rv, cv, gl.SliceLayout(1, LB))
-            zacc = zacc * a2
-            if BIASED_V:
-                acc0, zacc = _group_values_biased(acc0 * a2, zacc, _group_words(v_codes, page, 0, off, vs, L2), e3, pb,
-                                                  sv0, 0, za_r, LA)
-                acc1, zacc = _group_values_biased(acc1 * a2, zacc, _group_words(v_codes, page, 1, off, vs, L2), e3, pb,
-                                                  sv1, 1, za_r, LA)
-                acc2, zacc = _group_values_biased(acc2 * a2, zacc, _group_words(v_codes, page, 2, off, vs, L2), e3, pb,
-                                                  sv2, 2, za_r, LA)
-                acc3, zacc = _group_values_biased(acc3 * a2, zacc, _group_words(v_codes, page, 3, off, vs, L2), e3, pb,
-                                                  sv3, 3, za_r, LA)
-            else:
-                acc0 = _group_values(acc0 * a2, _group_words(v_codes, page, 0, off, vs, L2), e3, pb, sv0, LA)
-                acc1 = _group_values(acc1 * a2, _group_words(v_codes, page, 1, off, vs, L2), e3, pb, sv1, LA)
-                acc2 = _group_values(acc2 * a2, _group_words(v_codes, page, 2, off, vs, L2), e3, pb, sv2, LA)
-                acc3 = _group_values(acc3 * a2, _group_words(v_codes, page, 3, off, vs, L2), e3, pb, sv3, LA)
+            acc0 = _group_values(acc0 * a2, _group_words(v_codes, page, 0, off, vs, L2), e3, pb, sv0, LA)
+            acc1 = _group_values(acc1 * a2, _group_words(v_codes, page, 1, off, vs, L2), e3, pb, sv1, LA)
+            acc2 = _group_values(acc2 * a2, _group_words(v_codes, page, 2, off, vs, L2), e3, pb, sv2, LA)
+            acc3 = _group_values(acc3 * a2, _group_words(v_codes, page, 3, off, vs, L2), e3, pb, sv3, LA)
 
             # the side tile [16, 64]: rows 0..3 the values' zeros (zero^T), rows 4..4+NO the outliers' deltas
             zt = gl.load(v_zero + page * SIDE + gl.expand_dims(za_t, 0) * 4 + gl.expand_dims(za_r, 1),
@@ -414,7 +385,7 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
                          mask=gl.expand_dims((za_r >= 4) & (za_r < 4 + NO), 1) & gl.expand_dims(za_t < PAGE, 0),
                          other=0.0).to(gl.float16)
             x = gl.nvidia.ampere.mma_v2(zt + dt, pb, gl.zeros([16, 8], gl.float32, layout=MMA))
-            zacc = zacc + gl.where(gl.expand_dims(zrow < 4, 1), x, 0.0)
+            zacc = zacc * a2 + gl.where(gl.expand_dims(zrow < 4, 1), x, 0.0)
             for o in gl.static_range(NO):  # outlier channel c_o += sum_t delta_v[t] P[t, n], this page's channel
                 x_o = gl.sum(gl.where(gl.expand_dims(zrow == 4 + o, 1), x, 0.0), axis=0)
                 c_o = gl.load(v_oidx + page * NO + o)

@@ -246,13 +246,14 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i
        "part_o": "*fp32", "part_lse": "*fp32", "tile_sum": "*fp32", "tile_max": "*fp32", "max_tiles": "i32",
        "qk_scale": "fp32", "window": "i32", "zero": "i32", "num_splits": "i32", "ns_total": "i32",
        "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr", "EMIT_MASS": "constexpr",
-       "FW": "constexpr", "F_KS": "constexpr", "F_VS": "constexpr", "FP8_PREFETCH": "constexpr"}
+       "FW": "constexpr", "F_KS": "constexpr", "F_VS": "constexpr", "FP8_PREFETCH": "constexpr", "SMEM": "constexpr"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-for G, staged, mass, prefetch in ((1, True, True, False), (4, True, True, False), (8, False, False, False),
-                                  (4, True, True, True)):
+for G, staged, mass, prefetch, smem in ((1, True, True, False, False), (4, True, True, False, False),
+                                        (8, False, False, False, False), (4, True, True, True, False),
+                                        (4, True, True, False, True)):
     src = GluonASTSource(tiered_decode_kernel, signature=sig,
                          constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": True, "EMIT_MASS": mass,
-                                     "FW": 2080, "F_KS": 8192, "F_VS": 8192, "FP8_PREFETCH": prefetch},
+                                     "FW": 2080, "F_KS": 8192, "F_VS": 8192, "FP8_PREFETCH": prefetch, "SMEM": smem},
                          attrs={(i,): [["tt.divisibility", 16]] for i in list(range(12)) + list(range(14, 20))})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=128))
     ptx = k.asm["ptx"]
@@ -261,21 +262,22 @@ for G, staged, mass, prefetch in ((1, True, True, False), (4, True, True, False)
         f.flush()
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in ptx, "cvt.rn.f16x2.e4m3x2" in ptx, ".local" in ptx,
-          sass.count("LDG.E.128") >= 24, sass.count("F2FP.F16.E4M3.UNPACK_B") >= 64)
+          sass.count("LDG.E.128") >= (8 if smem else 24), sass.count("F2FP.F16.E4M3.UNPACK_B") >= 64,
+          sass.count("LDGSTS.E.BYPASS.128"))
 """
 
 
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with Triton's ptxas, groups 1, 4 and 8, with and
-    without the staged tail and the mass, and with the FP8 steps' prefetch: every assert_trivial layout
-    conversion (nuq2's and the FP8 tiles') holds, no shared memory, the FP8 codes arrive by 128-bit
-    loads (the nuq2 codes' 16 and the FP8 step's 8) and convert two an instruction
-    (F2FP.F16.E4M3.UNPACK_B)."""
+    without the staged tail and the mass, with the FP8 steps' prefetch, and with the nuq2 pages through
+    shared memory (SMEM): every assert_trivial layout conversion (nuq2's and the FP8 tiles') holds, no
+    local memory, the FP8 codes arrive by 128-bit loads (and the nuq2 codes: 16 loads, or with SMEM 16
+    128-bit cp.async copies in two places) and convert two an instruction (F2FP.F16.E4M3.UNPACK_B);
+    shared memory only with SMEM (nuq2's two stages)."""
     words = run_sm90_build(SM90_BUILD)
-    assert words == ["1", "0", "True", "True", "False", "True", "True",
-                     "4", "0", "True", "True", "False", "True", "True",
-                     "8", "0", "True", "True", "False", "True", "True",
-                     "4", "0", "True", "True", "False", "True", "True"], words
+    plain = ["0", "True", "True", "False", "True", "True", "0"]
+    assert words == ["1", *plain, "4", *plain, "8", *plain, "4", *plain,
+                     "4", "9280", "True", "True", "False", "True", "True", "16"], words
 
 
 # -- on a GPU ------------------------------------------------------------------------------------------
@@ -311,6 +313,28 @@ def test_gpu_kernel_matches_reference(G, lens, fp8_share):
                          torch.where(written, t_max.double(), -math.inf), inputs["context_lens"])
         ref_mass = page_mass(ref_lse, ref_sum, ref_max, inputs["context_lens"])
         assert (mass - ref_mass).abs().max() < 2e-2 * max(1.0, float(ref_mass.abs().max()))  # as the lse
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("fp8_share", [0.0, 0.3, 1.0])
+def test_gpu_smem_changes_nothing(G, fp8_share):
+    """The nuq2 pages through shared memory (SMEM) give the same partials and page masses bit for bit as
+    global loads: no, some and all pages in FP8, split counts with empty splits, staged tail and windows
+    (the tile entries compared through page_mass: entries of pages no split reads are not written)."""
+    from moekv.ops.gluon.tiered_decode import tiered_decode_partials
+
+    lens = [1000, 64 * 9, 129, 3000]
+    Hkv, inputs, _, q = gpu_inputs(lens, G, seed=40 + G, fp8_share=fp8_share)
+    k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    for ns, window in ((1, None), (5, 100), (64, None), (None, 64 * 5 + 3)):
+        kw = dict(scale=D ** -0.5, num_splits=ns, staged=(k, v, slots), sliding_window=window)
+        ref = tiered_decode_partials(q, **inputs, **kw, smem=False)
+        got = tiered_decode_partials(q, **inputs, **kw, smem=True)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (ns, window)
+        lens_t = inputs["context_lens"]
+        assert torch.equal(page_mass(*got[1:], lens_t, window), page_mass(*ref[1:], lens_t, window)), (ns, window)
 
 
 @pytest.mark.gpu

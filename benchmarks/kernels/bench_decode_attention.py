@@ -504,11 +504,12 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     the staged tail in one launch, then the reduce and the per-page mass into the device accumulator),
     on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass;
     side studies: max_registers_ms (other ptxas caps), fp8_prefetch_ms (the other FP8 step loop, with
-    its error against the reference in fp8_prefetch_err)."""
+    its error against the reference in fp8_prefetch_err), smem_ms (the other choice of staging the nuq2
+    pages in shared memory, its error in smem_err)."""
 
     from moekv.kvcache.formats.tiered import TIER_FP8
     from moekv.ops.gluon import nuq2_layout
-    from moekv.ops.gluon.tiered_decode import DEFAULT_FP8_PREFETCH, tiered_decode_attention
+    from moekv.ops.gluon.tiered_decode import DEFAULT_FP8_PREFETCH, DEFAULT_SMEM, tiered_decode_attention
 
     P = args.block_size
     row = {"format": "tiered_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
@@ -551,6 +552,9 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
         err_other = (other()[:1].float() - ref).abs().max().item()
         row.update(fp8_prefetch_ms={str(not DEFAULT_FP8_PREFETCH): timer(other, args.cudagraph)},
                    fp8_prefetch_err=err_other)
+        other = lambda: fmt.attend_gluon(q, cache, ctx, scale, None, smem=not DEFAULT_SMEM)  # noqa: E731
+        err_other = (other()[:1].float() - ref).abs().max().item()
+        row.update(smem_ms={str(not DEFAULT_SMEM): timer(other, args.cudagraph)}, smem_err=err_other)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")

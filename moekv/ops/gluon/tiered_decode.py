@@ -44,6 +44,9 @@ TIER_FP8 = 1  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
 # an FP8 page's steps without the next step's loads in flight (unmeasured: bench_decode_attention's
 # tiered_gluon row times the other choice, fp8_prefetch_ms)
 DEFAULT_FP8_PREFETCH = False
+# the kernel's SMEM: the next nuq2 page staged in shared memory by cp.async (nuq2's SMEM), FP8 pages not
+# (unmeasured, and its GPU test not yet run: bench_decode_attention's tiered_gluon row times it, smem_ms)
+DEFAULT_SMEM = False
 
 DEFAULT_MAX_REGISTERS = 128  # ptxas's cap of the tiered kernel (nuq2's page tile with global loads; docs/journal.md)
 
@@ -159,7 +162,8 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
                            context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                            fp8_fmt=None, staged: Staged | None = None, sliding_window: int | None = None,
                            emit_mass: bool = True, max_registers: int | None = DEFAULT_MAX_REGISTERS,
-                           slot_chunk0: bool = DEFAULT_SLOT_CHUNK0, fp8_prefetch: bool = DEFAULT_FP8_PREFETCH):
+                           slot_chunk0: bool = DEFAULT_SLOT_CHUNK0, fp8_prefetch: bool = DEFAULT_FP8_PREFETCH,
+                           smem: bool = DEFAULT_SMEM):
     """The Gluon kernel's outputs (part_o, part_lse, tile_sum, tile_max), fp32 (CUDA only); with
     `staged`, split num_splits holds the 16-bit tail; without emit_mass tile_sum / tile_max are None.
     Tile entries of pages no split reads are not written. fp8_prefetch: an FP8 page's next 16-token
@@ -192,7 +196,7 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
         run.part_o, run.part_lse, tile_sum, tile_max, max_pages, scale * LOG2E, run.window, 0, run.num_splits,
         run.ns_total, HKV=Hkv, G=G, STAGED=staged is not None, CHUNK0=bool(slot_chunk0), EMIT_MASS=bool(emit_mass),
         FW=k_fp8.shape[2] // 4, F_KS=scale_offset(fp8_fmt, "key"), F_VS=scale_offset(fp8_fmt, "value"),
-        FP8_PREFETCH=bool(fp8_prefetch), num_warps=1, **register_cap(max_registers))
+        FP8_PREFETCH=bool(fp8_prefetch), SMEM=bool(smem), num_warps=1, **register_cap(max_registers))
     if not emit_mass:
         return run.part_o, run.part_lse, None, None
     return run.part_o, run.part_lse, tile_sum, tile_max
@@ -204,14 +208,14 @@ def tiered_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: tor
                             fp8_fmt=None, staged: Staged | None = None, sliding_window: int | None = None,
                             emit_mass: bool = True, mass_into: torch.Tensor | None = None,
                             out: torch.Tensor | None = None, max_registers: int | None = DEFAULT_MAX_REGISTERS,
-                            fp8_prefetch: bool = DEFAULT_FP8_PREFETCH):
+                            fp8_prefetch: bool = DEFAULT_FP8_PREFETCH, smem: bool = DEFAULT_SMEM):
     """Decode attention of q [B, Hq, 128] over a tiered layer in fragment order -> (out [B, Hq, 128]
     in q's dtype, mass [B, max_pages] fp32 or None): the Gluon kernel, then one launch of the reduce
     and the page mass (moekv/ops/decode/tiered.py's _reduce_and_mass_kernel, a tile per page);
     mass_into: a [N] fp32 accumulator the mass is added to at each page's id instead (then None)."""
     part_o, part_lse, tile_sum, tile_max = tiered_decode_partials(
         q, frag, k_fp8, v_fp8, page_tier, page_slot, block_tables, context_lens, scale, num_splits, fp8_fmt,
-        staged, sliding_window, emit_mass, max_registers, fp8_prefetch=fp8_prefetch)
+        staged, sliding_window, emit_mass, max_registers, fp8_prefetch=fp8_prefetch, smem=smem)
     out = torch.empty_like(q) if out is None else out
     if not emit_mass:
         return reduce_on_device(part_o, part_lse, out), None

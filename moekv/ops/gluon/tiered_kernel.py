@@ -26,8 +26,18 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from moekv.ops.gluon.nuq2_kernel import PAGE, ROWS, WORDS, _as_b_operand, _page_tile, _split_range, _staged_tile
+from moekv.ops.gluon.nuq2_kernel import (
+    PAGE,
+    ROWS,
+    WORDS,
+    _as_b_operand,
+    _page_tile,
+    _split_range,
+    _stage_page,
+    _staged_tile,
+)
 
 TIER_FP8 = gl.constexpr(1)  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
 STEP_WORDS = gl.constexpr(512)  # int32 words of FP8 codes per 16-token step (4 rows of 512 bytes)
@@ -143,13 +153,15 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                          part_o, part_lse, tile_sum, tile_max, max_tiles, qk_scale, window, zero, num_splits, ns_total,
                          HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
                          EMIT_MASS: gl.constexpr, FW: gl.constexpr, F_KS: gl.constexpr, F_VS: gl.constexpr,
-                         FP8_PREFETCH: gl.constexpr = False):
+                         FP8_PREFETCH: gl.constexpr = False, SMEM: gl.constexpr = False):
     """The low tier: nuq2_decode_kernel's tables (k_codes ... SV) over all N logical pages. The FP8
     tier: kf_w, vf_w int32 and kf_h, vf_h fp16 views of the FP8 pools [F, HKV, slab] (FW int32 words a
     slab, codes in FP8 fragment order, row scales at byte offsets F_KS / F_VS); page_tier [N] int32
     (1: FP8), page_slot [N] int32 (the FP8 slot). q, block_tables, context_lens, staging and partials
     as nuq2_decode_kernel's (STAGED: tokens from (len // 64) * 64 on are staged); tile_sum, tile_max
-    fp32 [B, HKV * G, max_tiles] (EMIT_MASS: one entry per page)."""
+    fp32 [B, HKV * G, max_tiles] (EMIT_MASS: one entry per page). SMEM: the next page, when it is a nuq2
+    page, staged in shared memory by cp.async as nuq2_decode_kernel's SMEM does (FP8 pages stay global
+    loads)."""
     D: gl.constexpr = 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -200,26 +212,61 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         l0 = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
         mean_template = gl.zeros([PAGE, D], gl.float16, layout=LA)
 
-        # register double buffering of the nuq2 codes (loads masked off for FP8 pages)
         last = gl.maximum(p1 - 1, 0)
         pid = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64)
         tier = gl.load(page_tier + pid)
         page = pid * HKV + h
-        kx = gl.load(k_codes + page * WORDS + k_off, mask=(k_off < WORDS) & (tier != TIER_FP8), other=0)
-        vx = gl.load(v_codes + page * WORDS + v_off, mask=(v_off < WORDS) & (tier != TIER_FP8), other=0)
+        if SMEM:  # two shared-memory stages of nuq2 pages, a page ahead (nothing staged for FP8 pages)
+            ROW_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            k_smem = gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            v_smem = gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            chan_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 2 * D], ROW_L)
+            slot_smem = gl.allocate_shared_memory(gl.int32, [2, 64], ROW_L)
+            word_smem = gl.allocate_shared_memory(gl.int32, [2, 8], ROW_L)
+            if tier != TIER_FP8:
+                _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, p0 % 2, page, k_codes, v_codes, k_off,
+                            v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta,
+                            v_used, SK, SV, CHUNK0)
+            else:
+                async_copy.commit_group()
+        else:  # register double buffering of the nuq2 codes (loads masked off for FP8 pages)
+            kx = gl.load(k_codes + page * WORDS + k_off, mask=(k_off < WORDS) & (tier != TIER_FP8), other=0)
+            vx = gl.load(v_codes + page * WORDS + v_off, mask=(v_off < WORDS) & (tier != TIER_FP8), other=0)
         for pg in range(p0, p1):
             pid_n = gl.load(bt_row + gl.minimum(pg + 1, last)).to(gl.int64)
             tier_n = gl.load(page_tier + pid_n)
             page_n = pid_n * HKV + h
             low_n = tier_n != TIER_FP8
+            if SMEM:
+                async_copy.wait_group(0)  # this page's stage (this lane's copies) ...
+                gl.thread_barrier()  # ... and every lane's; every lane is done with the other stage
+                if low_n:
+                    _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, (pg + 1) % 2, page_n, k_codes,
+                                v_codes, k_off, v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used,
+                                v_idx, v_delta, v_used, SK, SV, CHUNK0)
+                else:
+                    async_copy.commit_group()
             if tier == TIER_FP8:
-                # the next page's nuq2 codes load after this page (not beside it: no registers to spare)
                 slot = gl.load(page_slot + pid).to(gl.int64) * HKV + h
                 m_new, l_pg, acc = _fp8_page(kf_w, vf_w, kf_h, vf_h, slot * FW, slot * (2 * FW), F_KS, F_VS, q_t,
                                              m_i, acc, qk_scale, length - pg * PAGE, first - pg * PAGE,
                                              LA, LB, MMA, L3, FP8_PREFETCH)
-                kx_n = gl.load(k_codes + page_n * WORDS + k_off, mask=(k_off < WORDS) & low_n, other=0)
-                vx_n = gl.load(v_codes + page_n * WORDS + v_off, mask=(v_off < WORDS) & low_n, other=0)
+                if not SMEM:  # the next page's nuq2 codes load after this page (no registers to spare beside it)
+                    kx_n = gl.load(k_codes + page_n * WORDS + k_off, mask=(k_off < WORDS) & low_n, other=0)
+                    vx_n = gl.load(v_codes + page_n * WORDS + v_off, mask=(v_off < WORDS) & low_n, other=0)
+            elif SMEM:
+                cur = pg % 2
+                side = chan_smem.index(cur)
+                scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
+                mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
+                mean_rows = gl.broadcast(mean, mean_template)[0]
+                q_scaled = q_t * scale
+                bias = gl.nvidia.ampere.mma_v2(mean_rows, q_t, s0)
+                m_new, l_pg, acc = _page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l0,
+                                              acc, qk_scale, length - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
+                                              k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
+                                              None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
+                                              v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2)
             else:
                 kx_n = gl.load(k_codes + page_n * WORDS + k_off, mask=(k_off < WORDS) & low_n, other=0)
                 vx_n = gl.load(v_codes + page_n * WORDS + v_off, mask=(v_off < WORDS) & low_n, other=0)
@@ -241,11 +288,14 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 at = (head0 + on) * max_tiles + pg
                 gl.store(tile_sum + at, l_pg, mask=on < G)
                 gl.store(tile_max + at, m_i, mask=on < G)
-            kx = kx_n
-            vx = vx_n
+            if not SMEM:
+                kx = kx_n
+                vx = vx_n
             pid = pid_n
             tier = tier_n
             page = page_n
+        if SMEM:
+            async_copy.wait_group(0)  # the last page's copy (of a page it does not read)
     elif STAGED:
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh

@@ -33,7 +33,6 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.decode.launch import sm_count
 from moekv.ops.gluon.checks import Staged, check_extras
 from moekv.ops.gluon.checks import check_inputs as check_pages
 from moekv.ops.gluon.kivi2_layout import (
@@ -46,14 +45,7 @@ from moekv.ops.gluon.kivi2_layout import (
     codes_from_fragment,
     key_side_by_channel,
 )
-from moekv.ops.gluon.launch import (
-    check_device,
-    gluon_missing,
-    plan_launch,
-    programs_per_sm,
-    reduce_on_device,
-    register_cap,
-)
+from moekv.ops.gluon.launch import check_device, gluon_missing, plan_launch, reduce_on_device, register_cap
 from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, window_start
 
 Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
@@ -213,7 +205,7 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
         raise gluon_missing("kivi2", e) from e
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
     if codes_smem is None:
-        codes_smem = B * Hkv * run.num_splits >= sm_count(q.device) * programs_per_sm(max_registers)
+        codes_smem = B * Hkv * run.num_splits >= run.wave
     if R:
         k_ring, v_ring = residual
         rt = k_ring.stride()

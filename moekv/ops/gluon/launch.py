@@ -80,6 +80,7 @@ class Launch:
     v_stage: torch.Tensor
     stage_strides: tuple[int, int, int]
     window: int  # NO_WINDOW for none
+    wave: int  # programs the device runs at once at the kernel's register cap (SMs x programs_per_sm)
 
 
 def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -103,7 +104,7 @@ def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, c
         st = (0, 0, 0)
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
     return Launch(num_splits, ns_total, (B * Hkv, ns_total), part_o, part_lse, seq_slots, k_stage, v_stage,
-                  tuple(st[:3]), window)
+                  tuple(st[:3]), window, wave)
 
 
 def register_cap(max_registers: int | None) -> dict:

@@ -498,6 +498,28 @@ def _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, stage, page, k_
 
 
 @gluon.jit
+def _allocate_stages():
+    """The two shared-memory stages _stage_page fills: (codes of keys, of values [2, 4, 128] int32; fp8
+    scale and mean [2, 256]; first slot chunk [2, 64] int32; codebook words and used counts [2, 8])."""
+    ROW_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    CODES_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stage's rank
+    return (gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], CODES_L),
+            gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], CODES_L),
+            gl.allocate_shared_memory(gl.float8e4nv, [2, 256], ROW_L),  # scale, mean
+            gl.allocate_shared_memory(gl.int32, [2, 64], ROW_L),  # k_idx, v_idx, k_delta, v_delta
+            gl.allocate_shared_memory(gl.int32, [2, 8], ROW_L))
+
+
+@gluon.jit
+def _scaled_q_and_bias(q_t, scale, mean, mean_template, s0):
+    """(q * scale, q . mean in every row of the scores): q . mean on the tensor cores, every row of the A
+    operand the page's mean, so every row of the product is the per-head constant, already in the
+    scores' layout; q * scale in fp16 (the one rounding the fp16 operand needs anyway)."""
+    bias = gl.nvidia.ampere.mma_v2(gl.broadcast(mean, mean_template)[0], q_t, s0)
+    return q_t * scale, bias
+
+
+@gluon.jit
 def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                        k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
                        q_ptr, block_tables, stride_bt, context_lens, seq_slots,
@@ -568,12 +590,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         last = gl.maximum(p1 - 1, 0)
         page = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64) * HKV + h
         if SMEM:  # two shared-memory stages, a page ahead: stage pg % 2 holds page pg's
-            ROW_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-            k_smem = gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            v_smem = gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            chan_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 2 * D], ROW_L)  # scale, mean
-            slot_smem = gl.allocate_shared_memory(gl.int32, [2, 64], ROW_L)  # k_idx, v_idx, k_delta, v_delta
-            word_smem = gl.allocate_shared_memory(gl.int32, [2, 8], ROW_L)
+            k_smem, v_smem, chan_smem, slot_smem, word_smem = _allocate_stages()
             _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, p0 % 2, page, k_codes, v_codes, k_off,
                         v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta, v_used,
                         SK, SV, CHUNK0)
@@ -600,11 +617,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 vx_n = gl.load(v_codes + page_n * WORDS + v_off)
                 scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
                 mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
-            # q . mean on the tensor cores: every row of the A operand is the page's mean, so every row
-            # of the product is the per-head constant, already in the scores' layout
-            mean_rows = gl.broadcast(mean, mean_template)[0]
-            q_scaled = q_t * scale  # fp16 x fp16: the one rounding the fp16 operand needs anyway
-            bias = gl.nvidia.ampere.mma_v2(mean_rows, q_t, s0)
+            q_scaled, bias = _scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
             if SMEM:
                 m_i, l_i, acc = _page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i,
                                            acc, qk_scale, length - pg * PAGE, first - pg * PAGE, k_idx + page * SK,

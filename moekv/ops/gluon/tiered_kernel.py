@@ -32,8 +32,10 @@ from moekv.ops.gluon.nuq2_kernel import (
     PAGE,
     ROWS,
     WORDS,
+    _allocate_stages,
     _as_b_operand,
     _page_tile,
+    _scaled_q_and_bias,
     _split_range,
     _stage_page,
     _staged_tile,
@@ -217,12 +219,7 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         tier = gl.load(page_tier + pid)
         page = pid * HKV + h
         if SMEM:  # two shared-memory stages of nuq2 pages, a page ahead (nothing staged for FP8 pages)
-            ROW_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-            k_smem = gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            v_smem = gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-            chan_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 2 * D], ROW_L)
-            slot_smem = gl.allocate_shared_memory(gl.int32, [2, 64], ROW_L)
-            word_smem = gl.allocate_shared_memory(gl.int32, [2, 8], ROW_L)
+            k_smem, v_smem, chan_smem, slot_smem, word_smem = _allocate_stages()
             if tier != TIER_FP8:
                 _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, p0 % 2, page, k_codes, v_codes, k_off,
                             v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta,
@@ -259,9 +256,7 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 side = chan_smem.index(cur)
                 scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
                 mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
-                mean_rows = gl.broadcast(mean, mean_template)[0]
-                q_scaled = q_t * scale
-                bias = gl.nvidia.ampere.mma_v2(mean_rows, q_t, s0)
+                q_scaled, bias = _scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
                 m_new, l_pg, acc = _page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l0,
                                               acc, qk_scale, length - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
                                               k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
@@ -272,9 +267,7 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 vx_n = gl.load(v_codes + page_n * WORDS + v_off, mask=(v_off < WORDS) & low_n, other=0)
                 scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
                 mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
-                mean_rows = gl.broadcast(mean, mean_template)[0]
-                q_scaled = q_t * scale
-                bias = gl.nvidia.ampere.mma_v2(mean_rows, q_t, s0)
+                q_scaled, bias = _scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
                 nk = gl.load(k_used + page)
                 nv = gl.load(v_used + page)
                 m_new, l_pg, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k,

@@ -44,14 +44,20 @@ def test_generate_under_torchrun(mixtral_ckpt, tmp_path):
 
 def test_llm_script_joins_the_programs_process_group(mixtral_ckpt, tmp_path):
     """A script that initialised torch.distributed itself: the engine joins that group; only rank 0
-    gets past LLM(...), and both ranks exit cleanly once it shuts the engine down."""
+    gets past LLM(...), and both ranks exit cleanly once it shuts the engine down. Rank 1 destroys
+    the program's group before its interpreter finalizes (a live gloo group there can abort it)."""
     _, ids = one_process(mixtral_ckpt)
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
-        import json, os
+        import atexit, json, os
         import torch.distributed as dist
         from moekv import LLM, SamplingParams
 
+        def record_group_at_exit():
+            with open(f"exit{{os.environ['RANK']}}.json", "w") as f:
+                json.dump(dist.is_initialized(), f)
+
+        atexit.register(record_group_at_exit)
         dist.init_process_group("gloo")
         llm = LLM(model={str(mixtral_ckpt)!r}, dtype="float32", max_model_len=128, num_kv_blocks=32,
                   tensor_parallel_size=2)
@@ -66,6 +72,8 @@ def test_llm_script_joins_the_programs_process_group(mixtral_ckpt, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "rank0.json").read_text()) == ids
     assert not (tmp_path / "rank1.json").exists()  # rank 1 served inside LLM(...) and left with SystemExit(0)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"exit{rank}.json").read_text()) is False  # no group left at exit
 
 
 def test_launcher_env_and_a_world_size_that_does_not_match(mixtral_ckpt, monkeypatch):

@@ -198,6 +198,7 @@ class ModelRunner:
                 self.parallel = ParallelGroup.join(config, env)
                 if self.parallel.rank != 0:
                     serve_commands(self.parallel, ModelRunner(config, model_cfg, max_model_len, parallel=self.parallel))
+                    self.parallel.leave_process()
                     log.info("rank %d: rank 0 shut the engine down; this process exits", self.parallel.rank)
                     raise SystemExit(0)
         if self.parallel is None:

@@ -307,6 +307,18 @@ class ParallelGroup:
             except Exception:  # already torn down by a failure
                 pass
 
+    def leave_process(self) -> None:
+        """A worker rank whose process exits next (under torchrun: SystemExit out of the engine's
+        constructor): destroy every group, the program's default group too. A gloo group still alive
+        when the interpreter finalizes can abort the process ("terminate called without an active
+        exception"): its worker threads outlive Python; and the program never regains control to
+        destroy it itself. Destroying the default group destroys every other group with it."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # already torn down by a failure
+                pass
+
     @staticmethod
     def _finalize(procs) -> None:
         for p in procs:
@@ -382,7 +394,15 @@ def inject_fault(model, layer_idx: int, rank: int) -> None:  # (ModelRunner.inje
 
 
 def serve_commands(group: ParallelGroup, runner) -> None:
-    """Ranks 1..N-1: run rank 0's commands on `runner` (a ModelRunner) until told to stop."""
+    """Ranks 1..N-1: run rank 0's commands on `runner` (a ModelRunner) until told to stop, or until
+    rank 0 (or another rank) is gone; then leave the engine's groups."""
+    try:
+        _serve(group, runner)
+    finally:
+        group.leave()
+
+
+def _serve(group: ParallelGroup, runner) -> None:
     while True:
         try:
             command, payload = group.receive()
@@ -423,4 +443,3 @@ def serve_commands(group: ParallelGroup, runner) -> None:
         elif command == "inject_fault":
             if payload[0] == group.rank:
                 runner.inject_local_fault(payload[1])
-    group.leave()

@@ -504,12 +504,12 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     the staged tail in one launch, then the reduce and the per-page mass into the device accumulator),
     on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass;
     side studies: max_registers_ms (other ptxas caps), fp8_prefetch_ms (the other FP8 step loop, with
-    its error against the reference in fp8_prefetch_err), smem_ms (the other choice of staging the nuq2
-    pages in shared memory, its error in smem_err)."""
+    its error against the reference in fp8_prefetch_err), smem_ms (the nuq2 pages through global loads
+    and staged in shared memory, each choice explicit, their errors in smem_err)."""
 
     from moekv.kvcache.formats.tiered import TIER_FP8
     from moekv.ops.gluon import nuq2_layout
-    from moekv.ops.gluon.tiered_decode import DEFAULT_FP8_PREFETCH, DEFAULT_SMEM, tiered_decode_attention
+    from moekv.ops.gluon.tiered_decode import DEFAULT_FP8_PREFETCH, tiered_decode_attention
 
     P = args.block_size
     row = {"format": "tiered_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
@@ -552,9 +552,12 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
         err_other = (other()[:1].float() - ref).abs().max().item()
         row.update(fp8_prefetch_ms={str(not DEFAULT_FP8_PREFETCH): timer(other, args.cudagraph)},
                    fp8_prefetch_err=err_other)
-        other = lambda: fmt.attend_gluon(q, cache, ctx, scale, None, smem=not DEFAULT_SMEM)  # noqa: E731
-        err_other = (other()[:1].float() - ref).abs().max().item()
-        row.update(smem_ms={str(not DEFAULT_SMEM): timer(other, args.cudagraph)}, smem_err=err_other)
+        smem_ms, smem_err = {}, {}  # both staging choices explicitly (the default picks one by the launch's size)
+        for smem in (False, True):
+            choice = lambda smem=smem: fmt.attend_gluon(q, cache, ctx, scale, None, smem=smem)  # noqa: E731
+            smem_err[str(smem)] = (choice()[:1].float() - ref).abs().max().item()
+            smem_ms[str(smem)] = timer(choice, args.cudagraph)
+        row.update(smem_ms=smem_ms, smem_err=smem_err)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -855,6 +858,9 @@ def print_row(row: dict) -> None:
         if "max_registers_ms" in row:
             print("            register caps: " + ", ".join(f"{cap} {ms * 1e3:.1f} us"
                                                          for cap, ms in row["max_registers_ms"].items()), flush=True)
+        if "smem_ms" in row:
+            choices = ", ".join(f"{on} {ms * 1e3:.1f} us" for on, ms in row["smem_ms"].items())
+            print(f"            nuq2 pages in shared memory: {choices}", flush=True)
     else:
         print(f"  {row['format']:>9} {row['status']}: {row.get('reason')}", flush=True)
 

@@ -205,7 +205,7 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
         raise gluon_missing("kivi2", e) from e
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
     if codes_smem is None:
-        codes_smem = B * Hkv * run.num_splits >= run.wave
+        codes_smem = run.fills_wave
     if R:
         k_ring, v_ring = residual
         rt = k_ring.stride()

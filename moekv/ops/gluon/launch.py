@@ -82,6 +82,12 @@ class Launch:
     window: int  # NO_WINDOW for none
     wave: int  # programs the device runs at once at the kernel's register cap (SMs x programs_per_sm)
 
+    @property
+    def fills_wave(self) -> bool:
+        """Whether the page programs (the staged split's not counted) fill a wave of the device: the
+        rule of the shared-memory stagings that cost a small launch more than they save."""
+        return self.grid[0] * self.num_splits >= self.wave
+
 
 def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
                 num_splits: int | None, staged: Staged | None, sliding_window: int | None,

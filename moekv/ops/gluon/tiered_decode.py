@@ -44,9 +44,10 @@ TIER_FP8 = 1  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
 # an FP8 page's steps without the next step's loads in flight (unmeasured: bench_decode_attention's
 # tiered_gluon row times the other choice, fp8_prefetch_ms)
 DEFAULT_FP8_PREFETCH = False
-# the kernel's SMEM: the next nuq2 page staged in shared memory by cp.async (nuq2's SMEM), FP8 pages not
-# (unmeasured, and its GPU test not yet run: bench_decode_attention's tiered_gluon row times it, smem_ms)
-DEFAULT_SMEM = False
+# the kernel's SMEM: the next nuq2 page staged in shared memory by cp.async (nuq2's SMEM), FP8 pages not.
+# None: when the launch fills a wave of the GPU with page programs; there it is 10-16% faster, while a
+# small launch (batch 1 at 4k) loses ~1 us to it (docs/journal.md)
+DEFAULT_SMEM = None
 
 DEFAULT_MAX_REGISTERS = 128  # ptxas's cap of the tiered kernel (nuq2's page tile with global loads; docs/journal.md)
 
@@ -163,7 +164,7 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
                            fp8_fmt=None, staged: Staged | None = None, sliding_window: int | None = None,
                            emit_mass: bool = True, max_registers: int | None = DEFAULT_MAX_REGISTERS,
                            slot_chunk0: bool = DEFAULT_SLOT_CHUNK0, fp8_prefetch: bool = DEFAULT_FP8_PREFETCH,
-                           smem: bool = DEFAULT_SMEM):
+                           smem: bool | None = DEFAULT_SMEM):
     """The Gluon kernel's outputs (part_o, part_lse, tile_sum, tile_max), fp32 (CUDA only); with
     `staged`, split num_splits holds the 16-bit tail; without emit_mass tile_sum / tile_max are None.
     Tile entries of pages no split reads are not written. fp8_prefetch: an FP8 page's next 16-token
@@ -179,6 +180,8 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("tiered", e) from e
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
+    if smem is None:
+        smem = run.fills_wave
     max_pages = block_tables.shape[1]
     if emit_mass:
         tile_sum = torch.empty(B, q.shape[1], max_pages, dtype=torch.float32, device=q.device)
@@ -208,7 +211,7 @@ def tiered_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: tor
                             fp8_fmt=None, staged: Staged | None = None, sliding_window: int | None = None,
                             emit_mass: bool = True, mass_into: torch.Tensor | None = None,
                             out: torch.Tensor | None = None, max_registers: int | None = DEFAULT_MAX_REGISTERS,
-                            fp8_prefetch: bool = DEFAULT_FP8_PREFETCH, smem: bool = DEFAULT_SMEM):
+                            fp8_prefetch: bool = DEFAULT_FP8_PREFETCH, smem: bool | None = DEFAULT_SMEM):
     """Decode attention of q [B, Hq, 128] over a tiered layer in fragment order -> (out [B, Hq, 128]
     in q's dtype, mass [B, max_pages] fp32 or None): the Gluon kernel, then one launch of the reduce
     and the page mass (moekv/ops/decode/tiered.py's _reduce_and_mass_kernel, a tile per page);

@@ -503,8 +503,9 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     kernel's orders, TieredFormat.attend -> moekv/ops/gluon/tiered_decode.py: FP8 and nuq2 pages and
     the staged tail in one launch, then the reduce and the per-page mass into the device accumulator),
     on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass;
-    side studies: max_registers_ms (other ptxas caps), fp8_prefetch_ms (the other FP8 step loop, with
-    its error against the reference in fp8_prefetch_err), smem_ms (the nuq2 pages through global loads
+    side studies: max_registers_ms (other ptxas caps; smem_max_registers_ms with the nuq2 pages in
+    shared memory), fp8_prefetch_ms (the other FP8 step loop, with its error against the reference in
+    fp8_prefetch_err), smem_ms (the nuq2 pages through global loads
     and staged in shared memory, each choice explicit, their errors in smem_err)."""
 
     from moekv.kvcache.formats.tiered import TIER_FP8
@@ -543,11 +544,16 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     try:
         timed_and_checked(row, run, ref, base, nbytes, args)
         row["nomass_ms"] = timer(run_nomass, args.cudagraph)
-        caps = {}  # the same launch (mass included) under other ptxas caps: a side study of the default 128
+        # the same launch (mass included) under other ptxas caps: a side study of the default 128, with the
+        # default staging choice and with the nuq2 pages in shared memory
+        caps, smem_caps = {}, {}
         for cap in GLUON_TIERED_REGISTER_CAPS:
             launch = lambda cap=cap: fmt.attend_gluon(q, cache, ctx, scale, None, max_registers=cap)  # noqa: E731
             caps[str(cap or "none")] = timer(launch, args.cudagraph)
-        row["max_registers_ms"] = caps
+            staging = lambda cap=cap: fmt.attend_gluon(q, cache, ctx, scale, None, max_registers=cap,  # noqa: E731
+                                                       smem=True)
+            smem_caps[str(cap or "none")] = timer(staging, args.cudagraph)
+        row.update(max_registers_ms=caps, smem_max_registers_ms=smem_caps)
         other = lambda: fmt.attend_gluon(q, cache, ctx, scale, None, fp8_prefetch=not DEFAULT_FP8_PREFETCH)  # noqa: E731
         err_other = (other()[:1].float() - ref).abs().max().item()
         row.update(fp8_prefetch_ms={str(not DEFAULT_FP8_PREFETCH): timer(other, args.cudagraph)},
@@ -858,6 +864,9 @@ def print_row(row: dict) -> None:
         if "max_registers_ms" in row:
             print("            register caps: " + ", ".join(f"{cap} {ms * 1e3:.1f} us"
                                                          for cap, ms in row["max_registers_ms"].items()), flush=True)
+        if "smem_max_registers_ms" in row:
+            print("            register caps, nuq2 pages in shared memory: " + ", ".join(
+                f"{cap} {ms * 1e3:.1f} us" for cap, ms in row["smem_max_registers_ms"].items()), flush=True)
         if "smem_ms" in row:
             choices = ", ".join(f"{on} {ms * 1e3:.1f} us" for on, ms in row["smem_ms"].items())
             print(f"            nuq2 pages in shared memory: {choices}", flush=True)

@@ -146,8 +146,9 @@ def test_default_split_rule():
 
 
 def test_shared_memory_stagings_wait_for_a_whole_wave(monkeypatch):
-    """Launch.fills_wave, the rule of kivi2's CODES_SMEM and tiered's SMEM: page programs (the staged
-    split's not counted) of at least one wave of an H200 (132 SMs x 16 programs at cap 128)."""
+    """Launch.fills_wave, the rule of kivi2's CODES_SMEM and tiered's SMEM: the launch's programs (the
+    staged split's included) leave no room in a wave of an H200 (132 SMs x 16 programs at cap 128)
+    for one more split."""
     from moekv.ops.gluon import launch
 
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
@@ -158,13 +159,12 @@ def test_shared_memory_stagings_wait_for_a_whole_wave(monkeypatch):
         lens = torch.full((batch,), pages * 64, dtype=torch.int32)
         return launch.plan_launch(q.expand(batch, 32, 128), batch, 8, bt, lens, num_splits, (q, q, lens), None, 128)
 
-    assert plan(1, 64).wave == 2112 and not plan(1, 64).fills_wave  # batch 1 at 4k: 8 x 32 programs
-    assert plan(16, 512).num_splits == 32 and plan(16, 512).fills_wave  # (16, 32k): 4096 + 128 staged
+    assert plan(1, 64).wave == 2112 and not plan(1, 64).fills_wave  # batch 1 at 4k: 8 x 33 programs
+    assert plan(16, 512).num_splits == 32 and plan(16, 512).fills_wave  # (16, 32k): 128 x 33 programs
     assert plan(64, 512).fills_wave  # (64, 32k)
-    assert not plan(1, 2048).fills_wave  # (1, 128k): 8 x 255 page programs
-    assert plan(1, 2048, num_splits=264).fills_wave and not plan(1, 2048, num_splits=263).fills_wave
-    # a launch the split rule cuts to one wave falls just short of it: (8, 32k) 64 x 32 page programs
-    assert plan(8, 512).num_splits == 32 and not plan(8, 512).fills_wave
+    assert plan(8, 512).num_splits == 32 and plan(8, 512).fills_wave  # (8, 32k): cut to one wave, 64 x 33
+    assert plan(1, 2048).num_splits == 255 and not plan(1, 2048).fills_wave  # (1, 128k): 2048 programs
+    assert plan(1, 2048, num_splits=263).fills_wave and not plan(1, 2048, num_splits=262).fills_wave
 
 
 def test_programs_per_sm_follow_the_register_cap():

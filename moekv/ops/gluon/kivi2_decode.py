@@ -58,8 +58,8 @@ DEFAULT_PREFETCH = 2
 # the kernel's SIDE_SMEM: the side tables a page ahead through shared memory (cp.async)
 DEFAULT_SIDE_SMEM = True
 # CODES_SMEM: the codes too through shared memory, instead of the register double buffer. None: when
-# the launch fills a wave of the GPU with page programs; there it is 2-3% faster, while small launches
-# (batch 1 to 4 at 4k-16k) lose ~2 us a launch to it (docs/journal.md)
+# the launch fills a wave of the GPU (Launch.fills_wave); there it is 2-3% faster ((1, 128k) cut to one
+# wave too), while small launches (batch 1 to 4 at 4k-16k) lose ~2 us a launch to it (docs/journal.md)
 DEFAULT_CODES_SMEM = None
 
 

@@ -84,9 +84,10 @@ class Launch:
 
     @property
     def fills_wave(self) -> bool:
-        """Whether the page programs (the staged split's not counted) fill a wave of the device: the
-        rule of the shared-memory stagings that cost a small launch more than they save."""
-        return self.grid[0] * self.num_splits >= self.wave
+        """Whether the launch fills a wave of the device: its programs (the staged split's included)
+        leave no room for one more split. The rule of the shared-memory stagings, which cost a small
+        launch more than they save; a launch the split rule cuts to one wave counts as full."""
+        return self.grid[0] * (self.ns_total + 1) > self.wave
 
 
 def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor,

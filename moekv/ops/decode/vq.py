@@ -22,7 +22,7 @@ holds, tok_scale[t] * (val - u[t, c]) (times chan_scale[c] for keys), enters the
 q[:, c] * delta (keys) or the output as p[:, t] * delta at column c (values), 16 slots per one-hot
 product, only for the chunks of 16 slots in use (quantize fills the slots in order).
 
-The lookup is a gather from the codebook (L1/L2 resident: 32 KB per head for D = 128): one
+The lookup is a gather from the codebook (L1/L2 resident: 64 KB per head for D = 128): one
 16-byte load per SUB = 8 elements.
 """
 from __future__ import annotations

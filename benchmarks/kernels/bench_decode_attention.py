@@ -505,8 +505,8 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass;
     side studies: max_registers_ms (other ptxas caps; smem_max_registers_ms with the nuq2 pages in
     shared memory), fp8_prefetch_ms (the other FP8 step loop, with its error against the reference in
-    fp8_prefetch_err), smem_ms (the nuq2 pages through global loads
-    and staged in shared memory, each choice explicit, their errors in smem_err)."""
+    fp8_prefetch_err), smem_ms (the nuq2 pages through global loads and staged in shared memory,
+    each choice explicit, their errors in smem_err)."""
 
     from moekv.kvcache.formats.tiered import TIER_FP8
     from moekv.ops.gluon import nuq2_layout
@@ -541,29 +541,31 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     run_nomass = lambda: tiered_decode_attention(q, frag, cache["k_fp8"], cache["v_fp8"], st.tier_dev,  # noqa: E731
                                                  st.slot_dev, ctx.block_tables, ctx.context_lens, scale,
                                                  fp8_fmt=fmt.hi, staged=staged, emit_mass=False)[0]
+
+    def gluon(**launch):  # the engine's launch (mass included) with other launch options
+        return lambda: fmt.attend_gluon(q, cache, ctx, scale, None, **launch)
+
+    def error(launch) -> float:
+        return (launch()[:1].float() - ref).abs().max().item()
+
     try:
         timed_and_checked(row, run, ref, base, nbytes, args)
         row["nomass_ms"] = timer(run_nomass, args.cudagraph)
-        # the same launch (mass included) under other ptxas caps: a side study of the default 128, with the
-        # default staging choice and with the nuq2 pages in shared memory
-        caps, smem_caps = {}, {}
-        for cap in GLUON_TIERED_REGISTER_CAPS:
-            launch = lambda cap=cap: fmt.attend_gluon(q, cache, ctx, scale, None, max_registers=cap)  # noqa: E731
-            caps[str(cap or "none")] = timer(launch, args.cudagraph)
-            staging = lambda cap=cap: fmt.attend_gluon(q, cache, ctx, scale, None, max_registers=cap,  # noqa: E731
-                                                       smem=True)
-            smem_caps[str(cap or "none")] = timer(staging, args.cudagraph)
+
+        # side study of the default cap 128: other ptxas caps, with the default staging choice and with
+        # the nuq2 pages in shared memory
+        caps = {str(cap or "none"): timer(gluon(max_registers=cap), args.cudagraph)
+                for cap in GLUON_TIERED_REGISTER_CAPS}
+        smem_caps = {str(cap or "none"): timer(gluon(max_registers=cap, smem=True), args.cudagraph)
+                     for cap in GLUON_TIERED_REGISTER_CAPS}
         row.update(max_registers_ms=caps, smem_max_registers_ms=smem_caps)
-        other = lambda: fmt.attend_gluon(q, cache, ctx, scale, None, fp8_prefetch=not DEFAULT_FP8_PREFETCH)  # noqa: E731
-        err_other = (other()[:1].float() - ref).abs().max().item()
-        row.update(fp8_prefetch_ms={str(not DEFAULT_FP8_PREFETCH): timer(other, args.cudagraph)},
-                   fp8_prefetch_err=err_other)
-        smem_ms, smem_err = {}, {}  # both staging choices explicitly (the default picks one by the launch's size)
-        for smem in (False, True):
-            choice = lambda smem=smem: fmt.attend_gluon(q, cache, ctx, scale, None, smem=smem)  # noqa: E731
-            smem_err[str(smem)] = (choice()[:1].float() - ref).abs().max().item()
-            smem_ms[str(smem)] = timer(choice, args.cudagraph)
-        row.update(smem_ms=smem_ms, smem_err=smem_err)
+        other = gluon(fp8_prefetch=not DEFAULT_FP8_PREFETCH)
+        row.update(fp8_prefetch_err=error(other),
+                   fp8_prefetch_ms={str(not DEFAULT_FP8_PREFETCH): timer(other, args.cudagraph)})
+        # both staging choices explicitly (the default picks one by the launch's size)
+        choices = {str(smem): gluon(smem=smem) for smem in (False, True)}
+        row.update(smem_err={k: error(launch) for k, launch in choices.items()},
+                   smem_ms={k: timer(launch, args.cudagraph) for k, launch in choices.items()})
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -861,15 +863,12 @@ def print_row(row: dict) -> None:
         print(f"  {row['format']:>9} {row['status']:>9}: {row['ms'] * 1e3:9.1f} us  x{row['speedup']:.2f} vs sdpa  "
               f"{row['gbps']:6.0f} GB/s  floor {row['floor_ms'] * 1e3:8.1f} us  err {row.get('max_abs_err')}",
               flush=True)
-        if "max_registers_ms" in row:
-            print("            register caps: " + ", ".join(f"{cap} {ms * 1e3:.1f} us"
-                                                         for cap, ms in row["max_registers_ms"].items()), flush=True)
-        if "smem_max_registers_ms" in row:
-            print("            register caps, nuq2 pages in shared memory: " + ", ".join(
-                f"{cap} {ms * 1e3:.1f} us" for cap, ms in row["smem_max_registers_ms"].items()), flush=True)
-        if "smem_ms" in row:
-            choices = ", ".join(f"{on} {ms * 1e3:.1f} us" for on, ms in row["smem_ms"].items())
-            print(f"            nuq2 pages in shared memory: {choices}", flush=True)
+        for key, label in (("max_registers_ms", "register caps"),
+                           ("smem_max_registers_ms", "register caps, nuq2 pages in shared memory"),
+                           ("smem_ms", "nuq2 pages in shared memory")):
+            if key in row:
+                times = ", ".join(f"{option} {ms * 1e3:.1f} us" for option, ms in row[key].items())
+                print(f"            {label}: {times}", flush=True)
     else:
         print(f"  {row['format']:>9} {row['status']}: {row.get('reason')}", flush=True)
 

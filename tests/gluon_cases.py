@@ -72,12 +72,13 @@ def staged_tail(staged, b: int, quantized: int, n: int):
             staged[1][slot].cpu().double().transpose(0, 1)[: n - quantized])
 
 
-def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged=None, sliding_window=None, tail=None):
-    """decode_attention_ref (float64) over each sequence's pages as fmt dequantizes them; with staged =
-    (k_stage, v_stage, seq_slots), tokens from tail(b, n) -> (quantized, k, v) on from the tail (by
-    default the staging page from ((n - 1) // 64) * 64 on)."""
-    kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key")  # [N, H, P, D]
-    vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value")
+def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged=None, sliding_window=None, tail=None,
+                    layer=None):
+    """decode_attention_ref (float64) over each sequence's pages as fmt dequantizes them (for `layer`);
+    with staged = (k_stage, v_stage, seq_slots), tokens from tail(b, n) -> (quantized, k, v) on from the
+    tail (by default the staging page from ((n - 1) // 64) * 64 on)."""
+    kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key", layer)  # [N, H, P, D]
+    vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value", layer)
     keys, values = [], []
     for b, n in enumerate(lens.tolist()):
         ids = tables[b, :-(-n // P)].long().cpu()

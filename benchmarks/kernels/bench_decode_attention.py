@@ -18,7 +18,7 @@ reference on the first sequence.
         --out /tmp/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side (a side study)
     python benchmarks/kernels/bench_decode_attention.py --formats nuq2 int4 kivi2 tiered --kernel triton gluon
         # the Triton and Gluon kernels side by side (rows nuq2, nuq2_gluon, int4, int4_gluon, kivi2, kivi2_gluon,
-        # tiered, tiered_gluon: bench_tiered_gluon)
+        # tiered, tiered_gluon: bench_tiered_gluon; vq_gluon: bench_vq_gluon)
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer
         # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
@@ -498,6 +498,47 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     return row
 
 
+GLUON_VQ_REGISTER_CAPS = (128, 168)  # vq's: ptxas's own choice by default (185 registers, 8 programs an SM)
+
+
+def bench_vq_gluon(batch, context, args, device, gen, bandwidth, base) -> dict:
+    """vq through its Gluon kernel (moekv/ops/gluon/vq_decode.py; the engine's pools stay slabs: the
+    slab pool is converted to fragment order once, outside the timing), the staged tail as the launch's
+    extra split, the default split count, timed and checked as the other rows: row `vq_gluon`;
+    max_registers_ms: the same launch under ptxas register caps."""
+    from moekv.ops.gluon.vq_decode import vq_decode_attention
+    from moekv.ops.gluon.vq_layout import VQFragmentPages, to_fragment_order
+
+    row = {"format": "vq_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
+    fmt = get_kv_format("vq", torch.bfloat16, calibration=args.vq_calibration)
+    cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
+    frag = to_fragment_order(fmt, cache["k_pages"], cache["v_pages"], cache.layer or 0)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    scale = HEAD_DIM ** -0.5
+    pages = (context - 1) // args.block_size  # the newest page is staged in bf16
+    tail_tokens = context - pages * args.block_size
+    nbytes = int(batch * NUM_KV_HEADS * (pages * VQFragmentPages.kernel_bytes_per_page_head()
+                                         + tail_tokens * HEAD_DIM * 4) + 2 * batch * NUM_HEADS * HEAD_DIM * 2)
+    row.update(bits_per_element=round(fmt.bits_per_element(NUM_KV_HEADS, args.block_size, HEAD_DIM), 4),
+               bytes=nbytes, floor_ms=nbytes / bandwidth * 1e3)
+    ref = reference_output(fmt, cache, ctx, q, context)
+    row["ref_max_abs"] = ref.abs().max().item()
+    staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
+
+    def launch(cap=None):
+        return lambda: vq_decode_attention(q, frag, ctx.block_tables, ctx.context_lens, scale, max_registers=cap,
+                                           staged=staged)
+    try:
+        timed_and_checked(row, launch(), ref, base, nbytes, args)
+        row["max_registers_ms"] = {str(cap): timer(launch(cap), args.cudagraph) for cap in GLUON_VQ_REGISTER_CAPS}
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc(file=sys.stderr)
+        row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    cache = ctx = q = frag = None  # free the pools (rebound, not del: launch closes over them)
+    torch.cuda.empty_cache()
+    return row
+
+
 def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> dict:
     """tiered through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: its pools in the Gluon
     kernel's orders, TieredFormat.attend -> moekv/ops/gluon/tiered_decode.py: FP8 and nuq2 pages and
@@ -740,8 +781,8 @@ def main() -> None:
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
     p.add_argument("--kernel", nargs="+", choices=("triton", "gluon"), default=["triton"],
-                   help="nuq2's, int4's and kivi2's decode kernels to time: triton (slab pools, moekv/ops/decode) "
-                        "and/or gluon (pools in fragment order, moekv/ops/gluon; rows <format>_gluon)")
+                   help="the decode kernels to time (nuq2, int4, kivi2, tiered, vq): triton (slab pools, "
+                        "moekv/ops/decode) and/or gluon (fragment order, moekv/ops/gluon; rows <format>_gluon)")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
                    help="other libraries timed after each shape's SDPA row "
                         "(flashinfer: benchmarks/kernels/flashinfer_peer.py)")
@@ -789,7 +830,7 @@ def main() -> None:
                 rows.append(row)
                 print_row(row)
         for label in args.formats:
-            gluon = FORMATS[label][0] in ("nuq2", "int4", "kivi2", "tiered") and label not in NUQ2_VARIANTS
+            gluon = FORMATS[label][0] in ("nuq2", "int4", "kivi2", "tiered", "vq") and label not in NUQ2_VARIANTS
             if "triton" in args.kernel or not gluon:
                 row = bench_format(label, batch, context, args, device, gen, bandwidth, base)
                 rows.append(row)
@@ -797,6 +838,8 @@ def main() -> None:
             if "gluon" in args.kernel and gluon:
                 if label == "tiered":
                     rows.append(bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base))
+                elif label == "vq":
+                    rows.append(bench_vq_gluon(batch, context, args, device, gen, bandwidth, base))
                 else:
                     rows.append(bench_gluon(label, batch, context, args, device, gen, bandwidth, base))
                 print_row(rows[-1])

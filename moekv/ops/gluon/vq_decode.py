@@ -1,0 +1,127 @@
+"""Split-K paged decode attention over vq pages in fragment order, with a Gluon kernel.
+
+vq stores keys k[t, c] = u[t, c] * tok_scale[t] * chan_scale[c] + mean[c] and values v[t, c] = u[t, c]
+* tok_scale[t], u the codewords (rows of 256-entry codebooks of 8 channels, per layer, kv head and
+channel group) of a token's 16 codes (moekv/kvcache/formats/vq.py). Per 64-token page the Gluon
+kernel (vq_kernel.py) computes, exactly as this module's reference does:
+
+  scores   s[t] = tok_scale_k[t] * (u_k[t] . (q * chan_scale)) + q . mean     (the channel affine in q)
+  values   O += sum_t (p[t] * tok_scale_v[t]) u_v[t]                           (the token scale into P)
+
+with the codewords read straight from the codebooks into the MMA fragments. The fp16 roundings are
+those of q itself, of q * chan_scale and of p * tok_scale (`kernel_roundings=True` emulates them);
+the products are summed in fp32. Online softmax in base 2; each split writes its partial (o, lse) as
+moekv/ops/decode/paged.py's reduce reads them. The staged 16-bit tail (the newest page, tokens from
+((len - 1) // 64) * 64 on) is one more split of the same launch, and sliding windows skip the pages
+before the window and mask inside the first one, as nuq2's Gluon kernel does.
+
+Shapes: q [B, Hq, 128]; block_tables [B, max_pages] int32; context_lens [B]; G = Hq / Hkv in {1, 2, 4,
+8}; staged = (k_stage, v_stage, seq_slots) [S, Hkv, 64, 128] 16-bit and [B].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moekv.ops.decode.common import LOG2E
+from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
+from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, reduce_on_device, register_cap
+from moekv.ops.gluon.splits import masked, quantized_tokens, softmax_partial, split_ranges, staged_scores, window_start
+from moekv.ops.gluon.vq_layout import HEAD_DIM, VQFragmentPages, codewords, mean_by_channel
+
+# ptxas's register cap (None: its own choice); not yet tuned on a GPU
+DEFAULT_MAX_REGISTERS = None
+
+
+def _f16(x: torch.Tensor, on: bool) -> torch.Tensor:
+    """x rounded to fp16 and back (the kernel's operand roundings) when `on`."""
+    return x.to(torch.float16).to(x.dtype) if on else x
+
+
+def _page_scores(qg: torch.Tensor, frag: VQFragmentPages, pages: torch.Tensor, rnd: bool) -> torch.Tensor:
+    """qg [H, G, D] -> scores [n, H, G, 64] by the kernel's algebra, in qg's dtype."""
+    dt = qg.dtype
+    u = codewords(frag, "key", pages).to(dt)  # [n, H, P, D]
+    q16 = _f16(qg, rnd)
+    q_cs = _f16(q16 * frag.k_chan_scale.to(dt)[:, None, :], rnd)  # [H, G, D]
+    ts = frag.k_tok_scale[pages].to(dt)  # [n, H, P]
+    bias = torch.einsum("nhd,hgd->nhg", mean_by_channel(frag.k_mean[pages]).to(dt), q16)
+    return torch.einsum("nhtd,hgd->nhgt", u, q_cs) * ts[:, :, None, :] + bias[..., None]
+
+
+def _page_values(p: torch.Tensor, frag: VQFragmentPages, pages: torch.Tensor, rnd: bool) -> torch.Tensor:
+    """p [n, H, G, 64] (softmax numerators, 0 at masked tokens) -> sum over the pages of (p * tok_scale)
+    @ u_v: [H, G, D]."""
+    u = codewords(frag, "value", pages).to(p.dtype)  # [n, H, P, D]
+    ts = frag.v_tok_scale[pages].to(p.dtype)[:, :, None, :]  # [n, H, 1, P]
+    p_scaled = _f16(p * torch.where(p > 0, ts, 0), rnd)
+    return torch.einsum("nhgt,nhtd->hgd", p_scaled, u)
+
+
+def vq_decode_split_reference(q: torch.Tensor, frag: VQFragmentPages, block_tables: torch.Tensor,
+                              context_lens: torch.Tensor, scale: float, num_splits: int,
+                              staged: Staged | None = None, sliding_window: int | None = None,
+                              kernel_roundings: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype; with
+    `staged`, split num_splits holds the 16-bit tail. kernel_roundings: round the operands as the
+    kernel does (fp16 q, q * chan_scale and p * tok_scale)."""
+    B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits, "vq")
+    check_extras(staged, sliding_window, B, Hkv)
+    Hq, dt = q.shape[1], q.dtype
+    ns_total = num_splits + (staged is not None)
+    part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
+    part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
+    qk2 = scale * LOG2E
+    for b, length in enumerate(context_lens.tolist()):
+        quantized = quantized_tokens(length, staged is not None)
+        first = window_start(length, sliding_window)
+        qb = q[b].reshape(Hkv, G, HEAD_DIM)
+        for sp, p0, p1 in split_ranges(quantized, first, num_splits):
+            pages = block_tables[b, p0:p1].long()
+            s = masked(_page_scores(qb, frag, pages, kernel_roundings) * qk2, p0, p1, quantized, first)
+            m = s.amax(dim=(0, 3), keepdim=True)  # [1, H, G, 1] (finite: every page holds a valid token)
+            p = torch.exp2(s - m)
+            mass = p.sum(dim=(0, 3))  # [H, G]
+            o = _page_values(p, frag, pages, kernel_roundings) / mass[..., None]
+            part_o[b, :, sp] = o.reshape(Hq, HEAD_DIM)
+            part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
+        if staged is not None and max(quantized, first) < length:
+            s, v = staged_scores(qb, staged, b, quantized, length, first, qk2)
+            part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(s, v)
+    return part_o, part_lse
+
+
+# -- the GPU path ------------------------------------------------------------------------------------
+def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                       max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
+                       sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
+    num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice)."""
+    B, Hkv, G = check_launch("vq", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
+    try:
+        from moekv.ops.gluon.vq_kernel import vq_decode_kernel
+    except ImportError as e:  # Triton without Gluon
+        raise gluon_missing("vq", e) from e
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
+    vq_decode_kernel[run.grid](
+        frag.k_codes, frag.v_codes, frag.k_tok_scale, frag.v_tok_scale, frag.k_mean, frag.k_codebook,
+        frag.k_chan_scale, frag.v_codebook,
+        q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
+        run.k_stage, run.v_stage, *run.stage_strides,
+        run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
+        HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1, **register_cap(max_registers))
+    return run.part_o, run.part_lse
+
+
+def vq_decode_attention(q: torch.Tensor, frag: VQFragmentPages, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                        max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
+                        sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of q [B, Hq, 128] over vq pages in fragment order (and, with `staged`, the 16-bit
+    tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the reduce, two launches, no host sync.
+    CUDA only."""
+    part_o, part_lse = vq_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
+                                          staged, sliding_window)
+    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

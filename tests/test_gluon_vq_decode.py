@@ -1,0 +1,179 @@
+"""The vq Gluon decode path (moekv/ops/gluon/vq_decode.py). On CPU: its split reference (the keys'
+channel scale folded into q, their token scale onto the scores and their page mean as q . mean; the
+values' token scale into P) against dense attention over vq's own dequantized pages in float64, with
+the staged 16-bit tail and sliding windows; the kernel's fp16 roundings emulated; the kernel's sm_90
+build. On a GPU (marked gpu): the Gluon kernel against that reference and dense attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekv.kvcache.formats.vq import VQFormat, random_calibration
+from moekv.ops.gluon.nuq2_decode import reduce_partials
+from moekv.ops.gluon.vq_decode import vq_decode_split_reference
+from moekv.ops.gluon.vq_layout import to_fragment_order
+from tests.gluon_cases import (
+    GPU,
+    D,
+    P,
+    behind_tables,
+    check_kernel_matches_reference,
+    dense_reference,
+    gpu_case,
+    large_channel_keys,
+    num_pages,
+    pack,
+    relative_error,
+    run_sm90_build,
+    staging,
+)
+
+_FORMATS: dict[int, VQFormat] = {}
+
+
+def vq_format(Hkv: int) -> VQFormat:
+    """A vq format on a random calibration for Hkv heads (made once per head count)."""
+    if Hkv not in _FORMATS:
+        import tempfile
+
+        _FORMATS[Hkv] = VQFormat(random_calibration(tempfile.mkdtemp(prefix="vq_gluon_"), Hkv, D))
+    return _FORMATS[Hkv]
+
+
+def build(lens, Hkv, seed, device="cpu"):
+    """Random vq pages (keys with two large channels) for sequences of lengths `lens` behind a shuffled
+    block table, in fragment order -> (fmt, frag, tables, lens, k_pages, v_pages)."""
+    fmt = vq_format(Hkv)
+    g = torch.Generator().manual_seed(seed)
+    N = num_pages(lens)
+    k = large_channel_keys(N, Hkv, g, shift=0.5)
+    v = torch.randn(N, Hkv, P, D, generator=g) - 0.3
+    return behind_tables(fmt, pack(fmt, k, v, layer=0), lens, g, to_fragment_order, device)
+
+
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_reference_is_dense_attention(G, num_splits):
+    """The split reference's algebra (float64) equals dense attention over vq's dequantized pages:
+    lengths on and off page boundaries, empty splits."""
+    Hkv = 8 // G if G > 1 else 4
+    lens = [777, 64 * 5, 65, 1]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G + num_splits)
+    q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    part_o, part_lse = vq_decode_split_reference(q, frag, tables, lens_t, D ** -0.5, num_splits)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5, layer=0)
+    assert relative_error(reduce_partials(part_o, part_lse), ref) < 1e-6  # the dense pages are dequantized in float32
+
+
+@pytest.mark.parametrize("window", [None, 1, 100, 64 * 5 + 3])
+def test_reference_with_staged_tail_and_window(window):
+    """The staged tail (the newest page, bf16) as the extra split, and sliding windows, in float64."""
+    G, Hkv = 4, 2
+    lens = [777, 64 * 16, 65, 64, 5]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=7)
+    staged = staging(len(lens), Hkv, seed=3)
+    q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for ns in (1, 4):
+        part_o, part_lse = vq_decode_split_reference(q, frag, tables, lens_t, D ** -0.5, ns, staged, window)
+        ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5, staged, window, layer=0)
+        assert relative_error(reduce_partials(part_o, part_lse), ref) < 1e-6, ns
+
+
+def test_kernel_roundings_stay_small():
+    """The kernel's fp16 operands (q, q * chan_scale, p * tok_scale) emulated in float32: within the
+    GPU tests' 3e-3 of float64 dense attention, and not exact (the emulation does round)."""
+    G, Hkv = 4, 2
+    lens = [1000, 64 * 9, 129]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=11)
+    q = torch.randn(len(lens), Hkv * G, D, generator=torch.Generator().manual_seed(5))
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5, layer=0)
+    part_o, part_lse = vq_decode_split_reference(q, frag, tables, lens_t, D ** -0.5, 5, kernel_roundings=True)
+    err = relative_error(reduce_partials(part_o.double(), part_lse.double()), ref)
+    assert 1e-6 < err < 3e-3, err
+
+
+SM90_BUILD = """
+import re, subprocess
+from pathlib import Path
+import triton
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekv.ops.gluon.vq_kernel import vq_decode_kernel
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tok_scale": "*fp16", "v_tok_scale": "*fp16", "k_mean": "*fp8e4nv",
+       "k_codebook": "*fp16", "k_chan_scale": "*fp32", "v_codebook": "*fp16", "q_ptr": "*bf16",
+       "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64", "k_stage": "*bf16",
+       "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "part_o": "*fp32",
+       "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32", "ns_total": "i32",
+       "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr"}
+for G, staged in ((1, True), (4, False), (8, True)):
+    src = GluonASTSource(vq_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "STAGED": staged},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in range(8)})
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+    Path("k.cubin").write_bytes(k.asm["cubin"])
+    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", "k.cubin"], capture_output=True, text=True).stdout
+    ops = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
+           if (m := re.match(r"\\s+/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_.]+)", line))]
+    loops = [(int(t.group(1), 16), a) for a, op, line in ops
+             if op == "BRA" and (t := re.search(r"BRA\\s+(0x[0-9a-f]+)", line)) and int(t.group(1), 16) < a]
+    lo, hi = loops[0]  # the page loop (the tail's comes after it)
+    gathers = sum(op == "LDG.E.128" and lo <= a <= hi for a, op, _ in ops)
+    local = sum(op.startswith(("LDL", "STL")) and lo <= a <= hi for a, op, _ in ops)
+    print(G, staged, k.metadata.shared, gathers, local)
+"""
+
+
+def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; with and
+    without the tail split): no shared memory (the tiles' layout conversions move registers within a
+    thread only), 68 128-bit loads in the page loop (64 codeword gathers and 4 code loads) and no spill
+    there. In a fresh interpreter (other CPU tests set TRITON_INTERPRET=1 for the session)."""
+    words = run_sm90_build(SM90_BUILD, cwd=tmp_path)
+    builds = [words[i:i + 5] for i in range(0, len(words), 5)]
+    assert builds == [[g, s, "0", "68", "0"] for g, s in (("1", "True"), ("4", "False"), ("8", "True"))], words
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("lens", [[64], [4096 + 7], [1000, 64 * 9, 129, 3000]])
+def test_gpu_kernel_matches_reference(G, lens):
+    """The Gluon kernel's partials against the split reference (float64): batch 1 and 4, lengths on and
+    off page boundaries, GQA 1 / 4 / 8, split counts with empty splits."""
+    from moekv.ops.gluon.vq_decode import vq_decode_partials
+
+    check_kernel_matches_reference(vq_decode_partials, vq_decode_split_reference, build, G, lens)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_decode_matches_dense_attention(G):
+    """Kernel + reduce against dense attention over vq's own dequantized pages."""
+    from moekv.ops.gluon.vq_decode import vq_decode_attention
+
+    _, fmt, frag, tables, lens_t, k_pages, v_pages, q = gpu_case(build, G, [777, 64 * 16, 65], 10 + G)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, layer=0)
+    out = vq_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=4)
+    assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("window", [None, 1, 100, 150, 64 * 5 + 3])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_staged_tail_and_window(G, window):
+    """The staged bf16 tail as the launch's extra split, and sliding windows, against dense attention
+    over pages + staging (split counts 1, 3 and the default)."""
+    from moekv.ops.gluon.vq_decode import vq_decode_attention
+
+    lens = [777, 64 * 16, 65, 64]
+    Hkv, fmt, frag, tables, lens_t, k_pages, v_pages, q = gpu_case(build, G, lens, 20 + G)
+    k, v, slots = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, (k, v, slots), window,
+                          layer=0)
+    for ns in (1, 3, None):
+        out = vq_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
+                                  sliding_window=window)
+        assert relative_error(out, ref) < 1e-2, ns

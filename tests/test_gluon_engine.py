@@ -1,4 +1,4 @@
-"""int4, kivi2 and nuq2 pools in their Gluon kernels' fragment order (MOEKV_DECODE_KERNEL;
+"""int4, kivi2, nuq2 and vq pools in their Gluon kernels' fragment order (MOEKV_DECODE_KERNEL;
 base.FragmentPagedFormat), and tiered's (its FP8 codes reordered, its low tier in nuq2's tables):
 pages converted when written hold exactly what the slab pools hold, read back and attend the same
 (CPU: the reference path over both, kivi2's residual ring and tiered's page masses included); on a GPU
@@ -6,7 +6,9 @@ pages converted when written hold exactly what the slab pools hold, read back an
 fill step converts its pages as the eager one does."""
 from __future__ import annotations
 
+import functools
 import importlib
+import tempfile
 
 import pytest
 import torch
@@ -21,11 +23,25 @@ FORMATS = {
              lambda pool: float(pool["k_out_delta"][:6].abs().max()) > 1),  # outlier channels: what codes do not
     "nuq2": ({"codebook": "page"}, True, lambda pool: int(pool["k_used"].sum()) > 0),  # outlier slots in use
     "kivi2": ({}, False, lambda pool: "k_residual" in pool.tensors),  # the ring beside the fragment tables
+    "vq": ({}, False, lambda pool: pool["k_tok_scale"].float().abs().sum() > 0),  # token scales written
 }
 # an uncovered shape's format and the message naming what the kernel covers (beyond block_size/head_dim)
 UNCOVERED = {"int4": ({"group_size": 64}, "group_size 32"), "kivi2": ({"group_size": 64}, "group 32")}
 # (format, kivi2's residual window R): the attention cases
-ATTEND = [("int4", None), ("nuq2", None), ("kivi2", 0), ("kivi2", 128)]
+ATTEND = [("int4", None), ("nuq2", None), ("kivi2", 0), ("kivi2", 128), ("vq", None)]
+
+
+@functools.cache
+def vq_calibration() -> str:
+    """A random vq calibration for H kv heads (made once per session)."""
+    from moekv.kvcache.formats.vq import random_calibration
+
+    return str(random_calibration(tempfile.mkdtemp(prefix="vq_engine_"), H, D))
+
+
+def format_options(name: str) -> dict:
+    """get_kv_format's options of FORMATS[name] (vq: its calibration)."""
+    return {**FORMATS[name][0], **({"calibration": vq_calibration()} if name == "vq" else {})}
 
 
 def decode_ctx(context_lens, slots, tables, device="cpu"):
@@ -52,7 +68,7 @@ def filled_pools(monkeypatch, name, choice, device="cpu", dtype=torch.float32, r
     by quantize_filled_pages, staging (and kivi2's residual ring, R = residual or its default) refilled
     with random tokens per sequence."""
     monkeypatch.setenv("MOEKV_DECODE_KERNEL", choice)
-    options, spiky, _ = FORMATS[name]
+    options, spiky = format_options(name), FORMATS[name][1]
     fmt = get_kv_format(name, dtype, **options, **({} if residual is None else {"residual": residual}))
     cache = fmt.allocate(8, H, P, D, torch.device(device), 3, dtype)
     g = torch.Generator().manual_seed(0)
@@ -114,7 +130,7 @@ def test_fragment_pools_attend_as_slab_pools(monkeypatch, name, residual, window
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_fragment_pool_accounting_and_choice(monkeypatch, name):
-    options = FORMATS[name][0]
+    options = format_options(name)
     fmt = get_kv_format(name, torch.float32, **options)
     if name == "kivi2":  # the same bytes as the slabs, reordered
         monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
@@ -273,12 +289,12 @@ def test_tiered_fragment_pool_accounting_and_choice(monkeypatch):
 
 def test_auto_on_an_sm90_device_picks_the_validated_kernels(monkeypatch):
     """The default, 'auto', on an sm_90 GPU (its queries faked here): fragment order for the covered
-    shapes of int4, kivi2, nuq2 and tiered (page codebooks), slabs for other shapes and calibrated tiered."""
+    shapes of int4, kivi2, nuq2, vq and tiered (page codebooks), slabs for other shapes and calibrated tiered."""
     pytest.importorskip("triton.experimental.gluon")
     monkeypatch.delenv("MOEKV_DECODE_KERNEL", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    for name, options in (("int4", {}), ("kivi2", {}), ("nuq2", {"codebook": "page"})):
+    for name, options in (("int4", {}), ("kivi2", {}), ("nuq2", {"codebook": "page"}), ("vq", format_options("vq"))):
         fmt = get_kv_format(name, torch.bfloat16, **options)
         assert fmt.fragment_pages(P, D, "cuda"), name
         assert not fmt.fragment_pages(32, D, "cuda"), name

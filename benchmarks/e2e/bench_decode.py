@@ -46,7 +46,7 @@ SHAPES = {
                   num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
 }
 POINTS = [(1, 4096), (16, 4096), (64, 4096), (32, 32768)]
-FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "tiered"]
+FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "vq", "tiered"]  # vq on a random calibration
 ACTIVATION_RESERVE = 6 << 30  # bytes kept free for activations, graphs and the allocator
 
 
@@ -224,9 +224,20 @@ def measure_bandwidth(device) -> float:
     return 2 * (1 << 31) / (ms / 1e3)
 
 
+def vq_calibration(cfg) -> str:
+    """A random vq calibration for the model's shape (codebooks fitted on Gaussian pages, the same for
+    every layer: moekv.kvcache.formats.vq.random_calibration; the speed does not depend on them)."""
+    import tempfile
+
+    from moekv.kvcache.formats.vq import random_calibration
+
+    return str(random_calibration(tempfile.mkdtemp(prefix="vqcal"), cfg.num_kv_heads, cfg.head_dim,
+                                  num_layers=cfg.num_layers))
+
+
 def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandwidth: float,
-              free_bytes: int, iters: int, block_size: int | None = None) -> dict:
-    fmt = get_kv_format(fmt_name, torch.bfloat16)
+              free_bytes: int, iters: int, block_size: int | None = None, options: dict | None = None) -> dict:
+    fmt = get_kv_format(fmt_name, torch.bfloat16, **(options or {}))
     block_size = block_size or page_size(fmt_name)
     row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size}
     per_token = kv_bytes_per_token(fmt, cfg, block_size)
@@ -347,10 +358,11 @@ def main() -> None:
     print(f"weights {total_weights / 2**30:.1f} GiB; {free_bytes / 2**30:.1f} GiB left for the KV cache", flush=True)
     rows = []
     for fmt_name in args.formats:
+        options = {"calibration": vq_calibration(cfg)} if fmt_name == "vq" else {}
         for batch, context in points:
             try:
                 row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters,
-                                args.block_size)
+                                args.block_size, options)
             except Exception as e:  # one failing point must not lose the others
                 row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
                        "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}

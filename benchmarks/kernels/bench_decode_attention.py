@@ -18,7 +18,7 @@ reference on the first sequence.
         --out /tmp/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side (a side study)
     python benchmarks/kernels/bench_decode_attention.py --formats nuq2 int4 kivi2 tiered --kernel triton gluon
         # the Triton and Gluon kernels side by side (rows nuq2, nuq2_gluon, int4, int4_gluon, kivi2, kivi2_gluon,
-        # tiered, tiered_gluon: bench_tiered_gluon; vq_gluon: bench_vq_gluon)
+        # tiered, tiered_gluon: bench_tiered_gluon; vq, vq_gluon)
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer
         # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
@@ -419,13 +419,15 @@ def timed_and_checked(row: dict, run, ref, base: dict, nbytes: int, args) -> Non
 
 
 def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> dict:
-    """nuq2, int4 or kivi2 through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: pools in fragment
-    order, KVFormat.attend -> moekv/ops/gluon/{nuq2,int4,kivi2}_decode.py, the staged tail (kivi2: and its
+    """nuq2, int4, kivi2 or vq through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: pools in fragment
+    order, KVFormat.attend -> moekv/ops/gluon/{nuq2,int4,kivi2,vq}_decode.py, the staged tail (kivi2: and its
     residual ring) as the launch's extra split, the default split count), timed and checked as the Triton
     rows are: row `<label>_gluon`."""
     from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages
 
     name, options = FORMATS[label]
+    if name == "vq":
+        options = {**options, "calibration": args.vq_calibration}
     row = {"format": f"{label}_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
     try:
         with decode_kernel("gluon"):
@@ -446,6 +448,11 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
         used = None
         first_page = torch.zeros(1, dtype=torch.long, device=device)
         per_page_head = fragment_view(cache, first_page).kernel_bytes_per_page_head()
+    elif "k_tok_scale" in cache.tensors:  # vq: codes, token scales and key means (the codebooks mostly from L2)
+        from moekv.ops.gluon.vq_layout import VQFragmentPages
+
+        used = None
+        per_page_head = VQFragmentPages.kernel_bytes_per_page_head()
     else:  # kivi2: codes, scales and zeros; the tail is the residual ring's R tokens (or the staged page's)
         from moekv.ops.gluon.kivi2_decode import quantized_tokens
         from moekv.ops.gluon.kivi2_layout import Kivi2FragmentPages
@@ -476,6 +483,17 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
                                                                scale, max_registers=cap, staged=staged)
                 caps[str(cap)] = timer(launch, args.cudagraph)
             row["max_registers_ms"] = caps
+        elif "k_tok_scale" in cache.tensors:  # vq: ptxas's own choice and caps
+            from moekv.ops.gluon.vq_decode import vq_decode_attention
+
+            frag = fmt.fragment_view(cache)
+            staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
+            caps = {}
+            for cap in GLUON_VQ_REGISTER_CAPS:
+                launch = lambda cap=cap: vq_decode_attention(q, frag, ctx.block_tables, ctx.context_lens,  # noqa: E731
+                                                             scale, max_registers=cap, staged=staged)
+                caps[str(cap)] = timer(launch, args.cudagraph)
+            row["max_registers_ms"] = caps
         elif "k_codes" in cache.tensors and "k_slot_delta" not in cache.tensors:  # kivi2: the default cap and others
             from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
             from moekv.ops.gluon.kivi2_layout import fragment_view
@@ -494,47 +512,6 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
         traceback.print_exc(file=sys.stderr)
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     cache = ctx = q = None  # free the pools (rebound, not del: run closes over them)
-    torch.cuda.empty_cache()
-    return row
-
-
-GLUON_VQ_REGISTER_CAPS = (128, 168)  # vq's: ptxas's own choice by default (185 registers, 8 programs an SM)
-
-
-def bench_vq_gluon(batch, context, args, device, gen, bandwidth, base) -> dict:
-    """vq through its Gluon kernel (moekv/ops/gluon/vq_decode.py; the engine's pools stay slabs: the
-    slab pool is converted to fragment order once, outside the timing), the staged tail as the launch's
-    extra split, the default split count, timed and checked as the other rows: row `vq_gluon`;
-    max_registers_ms: the same launch under ptxas register caps."""
-    from moekv.ops.gluon.vq_decode import vq_decode_attention
-    from moekv.ops.gluon.vq_layout import VQFragmentPages, to_fragment_order
-
-    row = {"format": "vq_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
-    fmt = get_kv_format("vq", torch.bfloat16, calibration=args.vq_calibration)
-    cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
-    frag = to_fragment_order(fmt, cache["k_pages"], cache["v_pages"], cache.layer or 0)
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
-    scale = HEAD_DIM ** -0.5
-    pages = (context - 1) // args.block_size  # the newest page is staged in bf16
-    tail_tokens = context - pages * args.block_size
-    nbytes = int(batch * NUM_KV_HEADS * (pages * VQFragmentPages.kernel_bytes_per_page_head()
-                                         + tail_tokens * HEAD_DIM * 4) + 2 * batch * NUM_HEADS * HEAD_DIM * 2)
-    row.update(bits_per_element=round(fmt.bits_per_element(NUM_KV_HEADS, args.block_size, HEAD_DIM), 4),
-               bytes=nbytes, floor_ms=nbytes / bandwidth * 1e3)
-    ref = reference_output(fmt, cache, ctx, q, context)
-    row["ref_max_abs"] = ref.abs().max().item()
-    staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
-
-    def launch(cap=None):
-        return lambda: vq_decode_attention(q, frag, ctx.block_tables, ctx.context_lens, scale, max_registers=cap,
-                                           staged=staged)
-    try:
-        timed_and_checked(row, launch(), ref, base, nbytes, args)
-        row["max_registers_ms"] = {str(cap): timer(launch(cap), args.cudagraph) for cap in GLUON_VQ_REGISTER_CAPS}
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc(file=sys.stderr)
-        row.update(status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-    cache = ctx = q = frag = None  # free the pools (rebound, not del: launch closes over them)
     torch.cuda.empty_cache()
     return row
 
@@ -619,6 +596,7 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
 
 GLUON_TIERED_REGISTER_CAPS = (168, 0)  # tiered's: 185 registers uncapped (0), 168 no spills, 128 (default) 192 B stack
 GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
+GLUON_VQ_REGISTER_CAPS = (128, 168)  # vq's: ptxas's own choice by default (185 registers, 8 programs an SM)
 GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an SM), 240-247 uncapped (0), 200 spills
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 
@@ -838,8 +816,6 @@ def main() -> None:
             if "gluon" in args.kernel and gluon:
                 if label == "tiered":
                     rows.append(bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base))
-                elif label == "vq":
-                    rows.append(bench_vq_gluon(batch, context, args, device, gen, bandwidth, base))
                 else:
                     rows.append(bench_gluon(label, batch, context, args, device, gen, bandwidth, base))
                 print_row(rows[-1])

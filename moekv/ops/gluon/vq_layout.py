@@ -36,7 +36,16 @@ from dataclasses import dataclass, fields
 import torch
 
 from moekv.ops.gluon.nuq2_layout import _bits
-from moekv.ops.gluon.tables import HEAD_DIM, PAGE_TOKENS, check_kind, check_version, slab_fields
+from moekv.ops.gluon.tables import (
+    HEAD_DIM,
+    PAGE_TOKENS,
+    allocate_tables,
+    check_kind,
+    check_version,
+    pick_pages,
+    slab_fields,
+    table_bytes,
+)
 
 VQ_FRAGMENT_VERSION = 1
 SUB = 8  # channels per code
@@ -140,17 +149,29 @@ def check_shape(fmt, block_size: int, head_dim: int) -> None:
                          f"{head_dim}, {fmt.sub_dim} and {slots} slots")
 
 
+def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One kind's vq slabs [N, H, slab] uint8 -> its fragment-order page tables, named as
+    VQFragmentPages' fields (k_codes, k_tok_scale, k_mean; v_codes, v_tok_scale). No host sync and no
+    copy from the host (the engine converts the pages a captured decode step fills)."""
+    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
+    name, f = slab_fields("vq fragment order", fmt, kind, slabs)
+    out = {f"{name}_codes": codes_to_fragment(f["codes"], kind), f"{name}_tok_scale": f["tok_scale"].contiguous()}
+    if kind == "key":
+        out["k_mean"] = mean_to_columns(f["chan_mean"])
+    return out
+
+
+def layer_tables(fmt, layer: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The layer's calibration tables as VQFragmentPages' fields, on `device`."""
+    k_codebook, chan_scale, v_codebook = fmt.decode_tables(layer, device)
+    return {"k_codebook": k_codebook, "k_chan_scale": chan_scale, "v_codebook": v_codebook}
+
+
 def to_fragment_order(fmt, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int = 0) -> VQFragmentPages:
     """vq slabs k_pages, v_pages [N, H, slab] uint8 (block_size 64, head_dim 128) of `layer` -> the
     same pages in fragment order, with the layer's calibration tables on the pages' device."""
-    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
-    _, k = slab_fields("vq fragment order", fmt, "key", k_pages)
-    _, v = slab_fields("vq fragment order", fmt, "value", v_pages)
-    k_codebook, chan_scale, v_codebook = fmt.decode_tables(layer, k_pages.device)
-    return VQFragmentPages(k_codes=codes_to_fragment(k["codes"], "key"), v_codes=codes_to_fragment(v["codes"], "value"),
-                           k_tok_scale=k["tok_scale"].contiguous(), v_tok_scale=v["tok_scale"].contiguous(),
-                           k_mean=mean_to_columns(k["chan_mean"]), k_codebook=k_codebook, k_chan_scale=chan_scale,
-                           v_codebook=v_codebook)
+    return VQFragmentPages(**kind_to_fragment(fmt, "key", k_pages), **kind_to_fragment(fmt, "value", v_pages),
+                           **layer_tables(fmt, layer, k_pages.device))
 
 
 def from_fragment_order(fmt, frag: VQFragmentPages) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,3 +204,34 @@ def dequantize_fragment(frag: VQFragmentPages, kind: str) -> torch.Tensor:
     if kind == "key":
         x = x * frag.k_chan_scale.float()[None, :, None, :] + mean_by_channel(frag.k_mean).float()[:, :, None, :]
     return x
+
+
+FRAGMENT_FIELDS = ("k_codes", "v_codes", "k_tok_scale", "v_tok_scale", "k_mean")  # a pool's page tables
+
+
+def fragment_table_shapes(fmt) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per (page, kv head): each fragment table's trailing shape and dtype (what an engine pool holds)."""
+    check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
+    return {"k_codes": ((CODE_WORDS,), torch.int32), "v_codes": ((CODE_WORDS,), torch.int32),
+            "k_tok_scale": ((PAGE_TOKENS,), torch.float16), "v_tok_scale": ((PAGE_TOKENS,), torch.float16),
+            "k_mean": ((HEAD_DIM,), torch.float8_e4m3fn)}
+
+
+def fragment_bytes_per_page_head(fmt) -> int:
+    return table_bytes(fragment_table_shapes(fmt))
+
+
+def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
+                             device: torch.device) -> dict[str, torch.Tensor]:
+    """Empty fragment-order pools [num_blocks, num_kv_heads, ...] (zero codes and scales)."""
+    for table in ("element", "byte"):  # the reorder's index tables on the device before any capture
+        for kind in ("key", "value"):
+            _on(device, table, kind)
+    _on(device, "column")
+    return allocate_tables(fragment_table_shapes(fmt), num_blocks, num_kv_heads, device)
+
+
+def fragment_view(tensors, tables: dict[str, torch.Tensor], page_ids: torch.Tensor | None = None) -> VQFragmentPages:
+    """VQFragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only, with the
+    layer's calibration tables (layer_tables)."""
+    return VQFragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids), **tables)

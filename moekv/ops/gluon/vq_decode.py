@@ -30,8 +30,11 @@ from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, red
 from moekv.ops.gluon.splits import masked, quantized_tokens, softmax_partial, split_ranges, staged_scores, window_start
 from moekv.ops.gluon.vq_layout import HEAD_DIM, VQFragmentPages, codewords, mean_by_channel
 
-# ptxas's register cap (None: its own choice); not yet tuned on a GPU
-DEFAULT_MAX_REGISTERS = None
+# ptxas's register cap: 128 (16 one-warp programs an SM, ~150 spill instructions in the page loop, to L1)
+# was 3% and 7% faster than uncapped (185 registers) at (16, 32k) and (64, 32k) on an H100, 2% at (1, 128k):
+# the codeword gathers are latency-bound and more programs hide more of it (168: 19% faster at (1, 128k),
+# 1-4% slower at batch 16 and 64; docs/journal.md)
+DEFAULT_MAX_REGISTERS = 128
 
 
 def _f16(x: torch.Tensor, on: bool) -> torch.Tensor:

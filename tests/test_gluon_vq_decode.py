@@ -5,6 +5,8 @@ the staged 16-bit tail and sliding windows; the kernel's fp16 roundings emulated
 build. On a GPU (marked gpu): the Gluon kernel against that reference and dense attention."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -106,7 +108,7 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tok_scale": "*fp16", "v_tok_scal
        "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64", "k_stage": "*bf16",
        "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "part_o": "*fp32",
        "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32", "ns_total": "i32",
-       "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr"}
+       "split0": "i32", "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr"}
 for G, staged in ((1, True), (4, False), (8, True)):
     src = GluonASTSource(vq_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "STAGED": staged},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(8)})
@@ -134,16 +136,61 @@ def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
     assert builds == [[g, s, "0", "68", "0"] for g, s in (("1", "True"), ("4", "False"), ("8", "True"))], words
 
 
+SMEM_BUILD = """
+import re, subprocess
+from pathlib import Path
+import triton
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekv.ops.gluon.vq_smem_kernel import vq_smem_decode_kernel
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tok_scale": "*fp16", "v_tok_scale": "*fp16", "k_mean": "*fp8e4nv",
+       "k_codebook": "*fp16", "k_chan_scale": "*fp32", "v_codebook": "*fp16", "q_ptr": "*bf16",
+       "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32", "part_o": "*fp32", "part_lse": "*fp32",
+       "qk_scale": "fp32", "window": "i32", "num_splits": "i32", "ns_total": "i32", "HKV": "constexpr",
+       "G": "constexpr", "W": "constexpr", "STAGED": "constexpr"}
+for G, W, cap in ((1, 8, 0), (8, 8, 0), (4, 16, 128)):
+    src = GluonASTSource(vq_smem_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "W": W, "STAGED": True},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in range(8)})
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=W, **({"maxnreg": cap} if cap else {})))
+    Path("k.cubin").write_bytes(k.asm["cubin"])
+    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", "k.cubin"], capture_output=True, text=True).stdout
+    ops = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines()
+           if (m := re.match(r"\\s+/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_.]+)", line))]
+    loops = [(int(t.group(1), 16), a) for line in sass.splitlines()
+             if (t := re.search(r"/\\*([0-9a-f]{4,})\\*/.*BRA\\s+(?:\\w+\\s+)?(0x[0-9a-f]+)", line))
+             for a in [int(t.group(1), 16)] if int(t.group(2), 16) < a]
+    print(G, W, k.metadata.shared, sum(op == "LDS.128" for _, op in ops), sum(op == "LDG.E.128" for _, op in ops),
+          len(loops))
+"""
+
+
+def test_shared_codebook_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The shared-codebook kernel builds for sm_90 (8 warps uncapped, 16 warps at 128 registers): its only
+    shared memory is the head's two codebooks (128 kB: the codeword reads address it from the dynamic
+    shared memory's base, so nothing else may sit before it), the 64 codeword reads of a page are
+    LDS.128 and the global 128-bit loads only the codes' 4 a page (and their first page's 4)."""
+    words = run_sm90_build(SMEM_BUILD, cwd=tmp_path)
+    builds = [words[i:i + 6] for i in range(0, len(words), 6)]
+    assert [b[:4] for b in builds] == [["1", "8", "131072", "64"], ["8", "8", "131072", "64"],
+                                       ["4", "16", "131072", "64"]], words
+    assert all(b[4] == "8" and b[5] == "1" for b in builds), words
+
+
 @pytest.mark.gpu
 @GPU
+@pytest.mark.parametrize("codebooks", ["global", "shared"])
 @pytest.mark.parametrize("G", [1, 4, 8])
 @pytest.mark.parametrize("lens", [[64], [4096 + 7], [1000, 64 * 9, 129, 3000]])
-def test_gpu_kernel_matches_reference(G, lens):
+def test_gpu_kernel_matches_reference(G, lens, codebooks):
     """The Gluon kernel's partials against the split reference (float64): batch 1 and 4, lengths on and
-    off page boundaries, GQA 1 / 4 / 8, split counts with empty splits."""
+    off page boundaries, GQA 1 / 4 / 8, split counts with empty splits (and, shared codebooks, CTAs
+    whose warps run past the splits)."""
     from moekv.ops.gluon.vq_decode import vq_decode_partials
 
-    check_kernel_matches_reference(vq_decode_partials, vq_decode_split_reference, build, G, lens)
+    partials = functools.partial(vq_decode_partials, codebooks=codebooks)
+    check_kernel_matches_reference(partials, vq_decode_split_reference, build, G, lens)
 
 
 @pytest.mark.gpu
@@ -161,11 +208,13 @@ def test_gpu_decode_matches_dense_attention(G):
 
 @pytest.mark.gpu
 @GPU
+@pytest.mark.parametrize("codebooks", ["global", "shared"])
 @pytest.mark.parametrize("window", [None, 1, 100, 150, 64 * 5 + 3])
 @pytest.mark.parametrize("G", [1, 4, 8])
-def test_gpu_staged_tail_and_window(G, window):
-    """The staged bf16 tail as the launch's extra split, and sliding windows, against dense attention
-    over pages + staging (split counts 1, 3 and the default)."""
+def test_gpu_staged_tail_and_window(G, window, codebooks):
+    """The staged bf16 tail as the launch's extra split (shared codebooks: the one-warp kernel's second
+    launch), and sliding windows, against dense attention over pages + staging (split counts 1, 3 and
+    the default)."""
     from moekv.ops.gluon.vq_decode import vq_decode_attention
 
     lens = [777, 64 * 16, 65, 64]
@@ -175,5 +224,5 @@ def test_gpu_staged_tail_and_window(G, window):
                           layer=0)
     for ns in (1, 3, None):
         out = vq_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
-                                  sliding_window=window)
+                                  sliding_window=window, codebooks=codebooks)
         assert relative_error(out, ref) < 1e-2, ns

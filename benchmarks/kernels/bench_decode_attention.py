@@ -488,12 +488,16 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
 
             frag = fmt.fragment_view(cache)
             staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
-            caps = {}
-            for cap in GLUON_VQ_REGISTER_CAPS:
-                launch = lambda cap=cap: vq_decode_attention(q, frag, ctx.block_tables, ctx.context_lens,  # noqa: E731
-                                                             scale, max_registers=cap or None, staged=staged)
-                caps[str(cap or "none")] = timer(launch, args.cudagraph)
-            row["max_registers_ms"] = caps
+            def launch(**options):
+                return lambda: vq_decode_attention(q, frag, ctx.block_tables, ctx.context_lens, scale, staged=staged,
+                                                   **options)
+            row["max_registers_ms"] = {str(cap or "none"): timer(launch(max_registers=cap or None), args.cudagraph)
+                                       for cap in GLUON_VQ_REGISTER_CAPS}
+            row["codebooks_ms"], row["codebooks_err"] = {}, {}
+            for name, options in GLUON_VQ_CODEBOOKS.items():  # where the codewords are read from
+                out = launch(**options)()
+                row["codebooks_err"][name] = (out[:1].float() - ref).abs().max().item()
+                row["codebooks_ms"][name] = timer(launch(**options), args.cudagraph)
         elif "k_codes" in cache.tensors and "k_slot_delta" not in cache.tensors:  # kivi2: the default cap and others
             from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
             from moekv.ops.gluon.kivi2_layout import fragment_view
@@ -597,6 +601,10 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
 GLUON_TIERED_REGISTER_CAPS = (168, 0)  # tiered's: 185 registers uncapped (0), 168 no spills, 128 (default) 192 B stack
 GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
 GLUON_VQ_REGISTER_CAPS = (0, 168)  # vq's: 128 by default (16 programs an SM), 185 uncapped (0)
+# vq's codebooks: global (one-warp programs, L1/L2 gathers) or shared by the warps of a CTA (vq_smem_kernel)
+GLUON_VQ_CODEBOOKS = {"global": {"codebooks": "global"}, "shared_w8": {"codebooks": "shared", "warps": 8},
+                      "shared_w16_cap128": {"codebooks": "shared", "warps": 16, "max_registers": 128},
+                      "shared_w4": {"codebooks": "shared", "warps": 4}}
 GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an SM), 240-247 uncapped (0), 200 spills
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 
@@ -884,9 +892,12 @@ def print_row(row: dict) -> None:
               flush=True)
         for key, label in (("max_registers_ms", "register caps"),
                            ("smem_max_registers_ms", "register caps, nuq2 pages in shared memory"),
-                           ("smem_ms", "nuq2 pages in shared memory")):
+                           ("smem_ms", "nuq2 pages in shared memory"), ("codebooks_ms", "vq codebooks"),
+                           ("codebooks_err", "vq codebooks' errors")):
             if key in row:
-                times = ", ".join(f"{option} {ms * 1e3:.1f} us" for option, ms in row[key].items())
+                shown = "{:.2g}" if key.endswith("_err") else "{:.1f} us"  # errors as they are, times in us
+                scale = 1 if key.endswith("_err") else 1e3
+                times = ", ".join(f"{option} {shown.format(x * scale)}" for option, x in row[key].items())
                 print(f"            {label}: {times}", flush=True)
     else:
         print(f"  {row['format']:>9} {row['status']}: {row.get('reason')}", flush=True)

@@ -25,8 +25,16 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
+from moekv.ops.decode.launch import sm_count
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
-from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, reduce_on_device, register_cap
+from moekv.ops.gluon.launch import (
+    check_launch,
+    default_num_splits,
+    gluon_missing,
+    plan_launch,
+    reduce_on_device,
+    register_cap,
+)
 from moekv.ops.gluon.splits import masked, quantized_tokens, softmax_partial, split_ranges, staged_scores, window_start
 from moekv.ops.gluon.vq_layout import HEAD_DIM, VQFragmentPages, codewords, mean_by_channel
 
@@ -35,6 +43,12 @@ from moekv.ops.gluon.vq_layout import HEAD_DIM, VQFragmentPages, codewords, mean
 # the codeword gathers are latency-bound and more programs hide more of it (168: 19% faster at (1, 128k),
 # 1-4% slower at batch 16 and 64; docs/journal.md)
 DEFAULT_MAX_REGISTERS = 128
+SHARED_MAX_REGISTERS = None  # the shared-codebook kernel: one CTA an SM (its codebooks), room for 255 a thread
+KERNEL_DEFAULT = -1  # max_registers: the chosen kernel's default cap
+# where the kernel reads the codebooks: 'global' (vq_kernel) or 'shared' (vq_smem_kernel, CTAs of
+# DEFAULT_WARPS warps sharing a head's codebooks)
+DEFAULT_CODEBOOKS = "global"
+DEFAULT_WARPS = 8
 
 
 def _f16(x: torch.Tensor, on: bool) -> torch.Tensor:
@@ -96,35 +110,61 @@ def vq_decode_split_reference(q: torch.Tensor, frag: VQFragmentPages, block_tabl
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
+def shared_splits(B: int, Hkv: int, max_pages: int, staged: bool, device, warps: int) -> int:
+    """The split count of the shared-codebook kernel: default_num_splits with one CTA of `warps` warps an
+    SM (its 128 kB of codebooks), rounded up to whole CTAs."""
+    splits = default_num_splits(B, Hkv, max_pages, int(staged), sm_count(device) * warps)
+    return -(-splits // warps) * warps
+
+
 def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                       max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
-                       sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
-    num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice)."""
+                       max_registers: int | None = KERNEL_DEFAULT, staged: Staged | None = None,
+                       sliding_window: int | None = None, codebooks: str = DEFAULT_CODEBOOKS,
+                       warps: int = DEFAULT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernels' partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
+    num_splits holds the 16-bit tail. max_registers: ptxas's cap for the pages' kernel (None: its choice;
+    KERNEL_DEFAULT: DEFAULT_MAX_REGISTERS or SHARED_MAX_REGISTERS). codebooks:
+    'global' (vq_kernel: one-warp programs gathering codewords through L1/L2) or 'shared'
+    (vq_smem_kernel: CTAs of `warps` warps sharing the head's codebooks in shared memory, the tail
+    split by vq_kernel in a second launch)."""
     B, Hkv, G = check_launch("vq", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
+    if codebooks not in ("global", "shared"):
+        raise ValueError(f"vq Gluon decode: codebooks={codebooks!r}, expected 'global' or 'shared'")
     try:
         from moekv.ops.gluon.vq_kernel import vq_decode_kernel
+        from moekv.ops.gluon.vq_smem_kernel import vq_smem_decode_kernel
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("vq", e) from e
+    shared = codebooks == "shared"
+    if max_registers == KERNEL_DEFAULT:
+        max_registers = SHARED_MAX_REGISTERS if shared else DEFAULT_MAX_REGISTERS
+    if shared and num_splits is None:
+        num_splits = shared_splits(B, Hkv, block_tables.shape[1], staged is not None, q.device, warps)
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
-    vq_decode_kernel[run.grid](
-        frag.k_codes, frag.v_codes, frag.k_tok_scale, frag.v_tok_scale, frag.k_mean, frag.k_codebook,
-        frag.k_chan_scale, frag.v_codebook,
-        q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
-        run.k_stage, run.v_stage, *run.stage_strides,
-        run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
-        HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1, **register_cap(max_registers))
+    tables = (frag.k_codes, frag.v_codes, frag.k_tok_scale, frag.v_tok_scale, frag.k_mean, frag.k_codebook,
+              frag.k_chan_scale, frag.v_codebook, q.contiguous(), block_tables, block_tables.stride(0), context_lens)
+    if shared:
+        vq_smem_decode_kernel[(B * Hkv, -(-run.num_splits // warps))](
+            *tables, run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
+            HKV=Hkv, G=G, W=warps, STAGED=staged is not None, num_warps=warps, **register_cap(max_registers))
+    if not shared or staged is not None:  # the one-warp kernel: every split, or the tail split alone
+        grid = (B * Hkv, 1) if shared else run.grid
+        vq_decode_kernel[grid](
+            *tables, run.seq_slots, run.k_stage, run.v_stage, *run.stage_strides,
+            run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
+            run.num_splits if shared else 0, HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1,
+            **register_cap(DEFAULT_MAX_REGISTERS if shared else max_registers))
     return run.part_o, run.part_lse
 
 
 def vq_decode_attention(q: torch.Tensor, frag: VQFragmentPages, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                        max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
-                        sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                        max_registers: int | None = KERNEL_DEFAULT, staged: Staged | None = None,
+                        sliding_window: int | None = None, out: torch.Tensor | None = None,
+                        codebooks: str = DEFAULT_CODEBOOKS, warps: int = DEFAULT_WARPS) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over vq pages in fragment order (and, with `staged`, the 16-bit
-    tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the reduce, two launches, no host sync.
-    CUDA only."""
+    tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel(s) and the reduce, no host sync. CUDA only."""
     part_o, part_lse = vq_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                          staged, sliding_window)
+                                          staged, sliding_window, codebooks, warps)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)

@@ -80,14 +80,14 @@ def _token_scale(ptr, tok, ok):
 def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codebook, k_chan_scale, v_codebook,
                      q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                      k_stage, v_stage, stride_ss, stride_sh, stride_st,
-                     part_o, part_lse, qk_scale, window, num_splits, ns_total,
+                     part_o, part_lse, qk_scale, window, num_splits, ns_total, split0,
                      HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 256] (fragment order); k_tok_scale, v_tok_scale fp16 [N, HKV, 64];
     k_mean fp8 [N, HKV, 128] (by K column); k_codebook, v_codebook fp16 [HKV, 16, 256, 8]; k_chan_scale
     fp32 [HKV, 128] (by channel); q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from
     ((len - 1) // 64) * 64 on are in k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by
     split num_splits; part_o fp32 [B, HKV * G, ns_total, 128] (by channel), part_lse fp32 [B, HKV * G,
-    ns_total]."""
+    ns_total]; split0: program (bh, s) runs split split0 + s (vq_smem_kernel's launches run the tail alone)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -100,6 +100,7 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
     QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
 
     b, h, split, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)
+    split = split + split0
     p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G

@@ -94,6 +94,20 @@ def test_kernel_roundings_stay_small():
     assert 1e-6 < err < 3e-3, err
 
 
+def test_shared_codebooks_where_the_one_warp_launch_fills_a_wave(monkeypatch):
+    """The default place of the codebooks (shared_codebooks_pay): shared where the one-warp kernel's
+    launch would fill a wave of an H100/H200 (132 SMs x 16 programs at cap 128), global elsewhere; and the
+    shared kernel's split count in whole CTAs of 8 warps."""
+    from moekv.ops.gluon import vq_decode
+
+    monkeypatch.setattr(vq_decode, "sm_count", lambda device: 132)
+    pay = functools.partial(vq_decode.shared_codebooks_pay, Hkv=8, staged=True, device="cpu")
+    assert pay(16, max_pages=512) and pay(64, max_pages=512) and pay(8, max_pages=512)  # measured 2.5x faster
+    assert not pay(1, max_pages=2048) and not pay(1, max_pages=64)  # (1, 128k): the same; (1, 4k): 1.8x slower
+    splits = [vq_decode.shared_splits(B, 8, pages, True, "cpu", 8) for B, pages in ((16, 512), (1, 2048), (1, 64))]
+    assert all(s % 8 == 0 for s in splits) and splits[0] == 32, splits
+
+
 SM90_BUILD = """
 import re, subprocess
 from pathlib import Path

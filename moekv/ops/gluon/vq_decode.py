@@ -32,6 +32,7 @@ from moekv.ops.gluon.launch import (
     default_num_splits,
     gluon_missing,
     plan_launch,
+    programs_per_sm,
     reduce_on_device,
     register_cap,
 )
@@ -45,9 +46,12 @@ from moekv.ops.gluon.vq_layout import HEAD_DIM, VQFragmentPages, codewords, mean
 DEFAULT_MAX_REGISTERS = 128
 SHARED_MAX_REGISTERS = None  # the shared-codebook kernel: one CTA an SM (its codebooks), room for 255 a thread
 KERNEL_DEFAULT = -1  # max_registers: the chosen kernel's default cap
-# where the kernel reads the codebooks: 'global' (vq_kernel) or 'shared' (vq_smem_kernel, CTAs of
-# DEFAULT_WARPS warps sharing a head's codebooks)
-DEFAULT_CODEBOOKS = "global"
+# where the kernel reads the codebooks: 'global' (vq_kernel), 'shared' (vq_smem_kernel, CTAs of
+# DEFAULT_WARPS warps sharing a head's codebooks) or None: shared where the one-warp launch would fill a
+# wave of the GPU. On an H100, shared against global: (16, 32k) 272 against 678 us, (64, 32k) 951 against
+# 2651; (1, 128k) 144 against 140 and (1, 4k) 24.4 against 13.4 (a CTA's 128 kB copy is not paid back by
+# a launch of ~1 CTA an SM; docs/journal.md). 16 warps at 128 registers: within 2% of 8 at batch 16 and 64.
+DEFAULT_CODEBOOKS = None
 DEFAULT_WARPS = 8
 
 
@@ -117,20 +121,31 @@ def shared_splits(B: int, Hkv: int, max_pages: int, staged: bool, device, warps:
     return -(-splits // warps) * warps
 
 
+def shared_codebooks_pay(B: int, Hkv: int, max_pages: int, staged: bool, device) -> bool:
+    """Whether the shared-codebook kernel is the default: the one-warp kernel's default launch (its
+    split count at DEFAULT_MAX_REGISTERS) fills a wave of the device (Launch.fills_wave's rule)."""
+    wave = sm_count(device) * programs_per_sm(DEFAULT_MAX_REGISTERS)
+    splits = default_num_splits(B, Hkv, max_pages, int(staged), wave)
+    return B * Hkv * (splits + int(staged) + 1) > wave
+
+
 def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                        max_registers: int | None = KERNEL_DEFAULT, staged: Staged | None = None,
-                       sliding_window: int | None = None, codebooks: str = DEFAULT_CODEBOOKS,
+                       sliding_window: int | None = None, codebooks: str | None = DEFAULT_CODEBOOKS,
                        warps: int = DEFAULT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernels' partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail. max_registers: ptxas's cap for the pages' kernel (None: its choice;
     KERNEL_DEFAULT: DEFAULT_MAX_REGISTERS or SHARED_MAX_REGISTERS). codebooks:
     'global' (vq_kernel: one-warp programs gathering codewords through L1/L2) or 'shared'
     (vq_smem_kernel: CTAs of `warps` warps sharing the head's codebooks in shared memory, the tail
-    split by vq_kernel in a second launch)."""
+    split by vq_kernel in a second launch); None: shared where shared_codebooks_pay."""
     B, Hkv, G = check_launch("vq", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
+    if codebooks is None:
+        codebooks = "shared" if shared_codebooks_pay(B, Hkv, block_tables.shape[1], staged is not None,
+                                                     q.device) else "global"
     if codebooks not in ("global", "shared"):
-        raise ValueError(f"vq Gluon decode: codebooks={codebooks!r}, expected 'global' or 'shared'")
+        raise ValueError(f"vq Gluon decode: codebooks={codebooks!r}, expected 'global', 'shared' or None")
     try:
         from moekv.ops.gluon.vq_kernel import vq_decode_kernel
         from moekv.ops.gluon.vq_smem_kernel import vq_smem_decode_kernel
@@ -162,7 +177,7 @@ def vq_decode_attention(q: torch.Tensor, frag: VQFragmentPages, block_tables: to
                         context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                         max_registers: int | None = KERNEL_DEFAULT, staged: Staged | None = None,
                         sliding_window: int | None = None, out: torch.Tensor | None = None,
-                        codebooks: str = DEFAULT_CODEBOOKS, warps: int = DEFAULT_WARPS) -> torch.Tensor:
+                        codebooks: str | None = DEFAULT_CODEBOOKS, warps: int = DEFAULT_WARPS) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over vq pages in fragment order (and, with `staged`, the 16-bit
     tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel(s) and the reduce, no host sync. CUDA only."""
     part_o, part_lse = vq_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,

@@ -24,15 +24,13 @@ split of the same launch (nuq2's staged tile); sliding windows skip pages and ma
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from moekv.ops.decode.common import LOG2E
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
 from moekv.ops.gluon.int4_layout import GROUP, GROUPS, HEAD_DIM, PAGE_TOKENS, Int4FragmentPages, codes_from_fragment
 from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, reduce_on_device, register_cap
-from moekv.ops.gluon.splits import masked, quantized_tokens, softmax_partial, split_ranges, staged_scores, window_start
+from moekv.ops.gluon.splits import split_reference
 
 
 def _page_scores(qg: torch.Tensor, frag: Int4FragmentPages, pages: torch.Tensor) -> torch.Tensor:
@@ -81,28 +79,9 @@ def int4_decode_split_reference(q: torch.Tensor, frag: Int4FragmentPages, block_
     `staged`, split num_splits holds the 16-bit tail."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits, "int4")
     check_extras(staged, sliding_window, B, Hkv)
-    Hq, dt = q.shape[1], q.dtype
-    ns_total = num_splits + (staged is not None)
-    part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
-    part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
-    qk2 = scale * LOG2E
-    for b, length in enumerate(context_lens.tolist()):
-        quantized = quantized_tokens(length, staged is not None)
-        first = window_start(length, sliding_window)
-        qg = q[b].reshape(Hkv, G, HEAD_DIM)
-        for sp, p0, p1 in split_ranges(quantized, first, num_splits):
-            pages = block_tables[b, p0:p1].long()
-            s = masked(_page_scores(qg, frag, pages) * qk2, p0, p1, quantized, first)  # [n, H, G, P]
-            m = s.amax(dim=(0, 3), keepdim=True)  # [1, H, G, 1]
-            p = torch.exp2(s - m)
-            mass = p.sum(dim=(0, 3))  # [H, G]
-            o = _page_values(p, frag, pages) / mass[..., None]
-            part_o[b, :, sp] = o.reshape(Hq, HEAD_DIM)
-            part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
-        if staged is not None:
-            part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(
-                *staged_scores(qg, staged, b, quantized, length, first, qk2))
-    return part_o, part_lse
+    return split_reference(q, Hkv, block_tables, context_lens, scale, num_splits, staged, sliding_window,
+                           lambda qg, pages: _page_scores(qg, frag, pages),
+                           lambda p, pages: _page_values(p, frag, pages))
 
 
 # -- the GPU path ------------------------------------------------------------------------------------

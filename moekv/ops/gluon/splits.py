@@ -1,13 +1,16 @@
 """How the Gluon kernels' split references (nuq2, int4, kivi2 *_decode_split_reference) walk a
 sequence, as the kernels do: tokens [0, quantized) from pages, the rest from the 16-bit tail; the
 window's oldest token; the splits' contiguous page ranges (pages wholly before the window skipped);
-a page range's invalid positions; the staged tail's scores; one split's softmax partial."""
+a page range's invalid positions; the staged tail's scores; one split's softmax partial; and the whole
+split walk of a format whose pages reduce to a scores and a values function (`split_reference`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
+from moekv.ops.decode.common import LOG2E
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS
 
 
@@ -66,3 +69,37 @@ def softmax_partial(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tor
     mass = p.sum(-1)
     o = torch.einsum("hgt,htd->hgd", p, v) / mass[..., None]
     return o.reshape(-1, HEAD_DIM), (m[..., 0] + torch.log2(mass)).reshape(-1)
+
+
+def split_reference(q: torch.Tensor, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    num_splits: int, staged, sliding_window: int | None,
+                    page_scores: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    page_values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype, for a format
+    whose pages give page_scores(qg [H, G, D], pages) -> scores [n, H, G, 64] (before the softmax scale)
+    and page_values(p [n, H, G, 64], pages) -> sum over the pages of P @ V [H, G, D]; with `staged`,
+    split num_splits holds the 16-bit tail (the staging page's tokens from `quantized_tokens` on). The
+    inputs are checked by the caller."""
+    B, Hq = q.shape[:2]
+    dt = q.dtype
+    ns_total = num_splits + (staged is not None)
+    part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
+    part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
+    qk2 = scale * LOG2E
+    for b, length in enumerate(context_lens.tolist()):
+        quantized = quantized_tokens(length, staged is not None)
+        first = window_start(length, sliding_window)
+        qg = q[b].reshape(Hkv, Hq // Hkv, HEAD_DIM)
+        for sp, p0, p1 in split_ranges(quantized, first, num_splits):
+            pages = block_tables[b, p0:p1].long()
+            s = masked(page_scores(qg, pages) * qk2, p0, p1, quantized, first)  # [n, H, G, P]
+            m = s.amax(dim=(0, 3), keepdim=True)  # [1, H, G, 1] (finite: every page holds a valid token)
+            p = torch.exp2(s - m)
+            mass = p.sum(dim=(0, 3))  # [H, G]
+            part_o[b, :, sp] = (page_values(p, pages) / mass[..., None]).reshape(Hq, HEAD_DIM)
+            part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
+        if staged is not None:
+            part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(
+                *staged_scores(qg, staged, b, quantized, length, first, qk2))
+    return part_o, part_lse

@@ -20,8 +20,6 @@ Shapes: q [B, Hq, 128]; block_tables [B, max_pages] int32; context_lens [B]; G =
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from moekv.ops.decode.common import LOG2E
@@ -36,8 +34,8 @@ from moekv.ops.gluon.launch import (
     reduce_on_device,
     register_cap,
 )
-from moekv.ops.gluon.splits import masked, quantized_tokens, softmax_partial, split_ranges, staged_scores, window_start
-from moekv.ops.gluon.vq_layout import HEAD_DIM, VQFragmentPages, codewords, mean_by_channel
+from moekv.ops.gluon.splits import split_reference
+from moekv.ops.gluon.vq_layout import VQFragmentPages, codewords, mean_by_channel
 
 # ptxas's register cap: 128 (16 one-warp programs an SM, ~150 spill instructions in the page loop, to L1)
 # was 3% and 7% faster than uncapped (185 registers) at (16, 32k) and (64, 32k) on an H100, 2% at (1, 128k):
@@ -89,28 +87,9 @@ def vq_decode_split_reference(q: torch.Tensor, frag: VQFragmentPages, block_tabl
     kernel does (fp16 q, q * chan_scale and p * tok_scale)."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits, "vq")
     check_extras(staged, sliding_window, B, Hkv)
-    Hq, dt = q.shape[1], q.dtype
-    ns_total = num_splits + (staged is not None)
-    part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
-    part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
-    qk2 = scale * LOG2E
-    for b, length in enumerate(context_lens.tolist()):
-        quantized = quantized_tokens(length, staged is not None)
-        first = window_start(length, sliding_window)
-        qb = q[b].reshape(Hkv, G, HEAD_DIM)
-        for sp, p0, p1 in split_ranges(quantized, first, num_splits):
-            pages = block_tables[b, p0:p1].long()
-            s = masked(_page_scores(qb, frag, pages, kernel_roundings) * qk2, p0, p1, quantized, first)
-            m = s.amax(dim=(0, 3), keepdim=True)  # [1, H, G, 1] (finite: every page holds a valid token)
-            p = torch.exp2(s - m)
-            mass = p.sum(dim=(0, 3))  # [H, G]
-            o = _page_values(p, frag, pages, kernel_roundings) / mass[..., None]
-            part_o[b, :, sp] = o.reshape(Hq, HEAD_DIM)
-            part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
-        if staged is not None and max(quantized, first) < length:
-            s, v = staged_scores(qb, staged, b, quantized, length, first, qk2)
-            part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(s, v)
-    return part_o, part_lse
+    return split_reference(q, Hkv, block_tables, context_lens, scale, num_splits, staged, sliding_window,
+                           lambda qg, pages: _page_scores(qg, frag, pages, kernel_roundings),
+                           lambda p, pages: _page_values(p, frag, pages, kernel_roundings))
 
 
 # -- the GPU path ------------------------------------------------------------------------------------

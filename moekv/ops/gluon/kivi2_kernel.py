@@ -35,6 +35,7 @@ from moekv.ops.gluon.nuq2_kernel import (
     _as_b_operand,
     _q_operand,
     _sequence,
+    _softmax_halves,
     _softmax_step,
     _split_range,
     _store_lse,
@@ -357,12 +358,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
             sa = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sa, -float("inf"))
             pos = pos + HALF
             sb = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sb, -float("inf"))
-            m_new = gl.maximum(m_i, gl.maximum(gl.max(sa, axis=0), gl.max(sb, axis=0)))  # finite: a valid token
-            alpha = gl.exp2(m_i - m_new)
-            pa = gl.exp2(sa - gl.expand_dims(m_new, 0))
-            pb_ = gl.exp2(sb - gl.expand_dims(m_new, 0))
-            l_i = l_i * alpha + gl.sum(pa, axis=0) + gl.sum(pb_, axis=0)
-            m_i = m_new
+            m_i, l_i, alpha, pa, pb_ = _softmax_halves(sa, sb, m_i, l_i)  # every page holds a valid token
             a2 = gl.expand_dims(alpha, 0)
             acc0 = acc0 * a2
             acc1 = acc1 * a2

@@ -110,6 +110,22 @@ def _softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT: gl.constexpr, LB: gl.co
     return m_new, l_i, acc, _as_b_operand(p.to(DT), s.shape[0], LB)
 
 
+@gluon.jit
+def _softmax_halves(sa, sb, m_i, l_i, AXIS: gl.constexpr = 0, MAY_BE_EMPTY: gl.constexpr = False):
+    """Online softmax over a page's two half tiles of scores (tokens along AXIS, already masked with
+    -inf): (m, l, alpha, pa, pb), alpha the factor that rescales the accumulators. MAY_BE_EMPTY: the
+    tiles may hold no valid token while m is still -inf (a warp past its split's pages); the exponents
+    are then taken against 0, not -inf (which would make them NaN)."""
+    m_new = gl.maximum(m_i, gl.maximum(gl.max(sa, axis=AXIS), gl.max(sb, axis=AXIS)))
+    m_use = m_new
+    if MAY_BE_EMPTY:
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    pa = gl.exp2(sa - gl.expand_dims(m_use, AXIS))
+    pb = gl.exp2(sb - gl.expand_dims(m_use, AXIS))
+    return m_new, l_i * alpha + gl.sum(pa, axis=AXIS) + gl.sum(pb, axis=AXIS), alpha, pa, pb
+
+
 HOT = gl.constexpr(2.0)  # the one-hot tiles' 1: fp16 2.0 is one bit (0x4000); the other operand is halved
 
 

@@ -25,6 +25,7 @@ from triton.experimental.gluon import language as gl
 from moekv.ops.gluon.nuq2_kernel import (
     _as_b_operand,
     _sequence,
+    _softmax_halves,
     _split_range,
     _staged_tile,
     _store_lse,
@@ -167,12 +168,7 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
             sb = (sb * gl.expand_dims(ts_b, 1) + bias) * qk_scale
             sa = gl.where(gl.expand_dims(ok_a, 1), sa, -float("inf"))
             sb = gl.where(gl.expand_dims(ok_b, 1), sb, -float("inf"))
-            m_new = gl.maximum(m_i, gl.maximum(gl.max(sa, axis=0), gl.max(sb, axis=0)))  # finite: a valid token
-            alpha = gl.exp2(m_i - m_new)
-            pa = gl.exp2(sa - gl.expand_dims(m_new, 0))
-            pb = gl.exp2(sb - gl.expand_dims(m_new, 0))
-            l_i = l_i * alpha + gl.sum(pa, axis=0) + gl.sum(pb, axis=0)
-            m_i = m_new
+            m_i, l_i, alpha, pa, pb = _softmax_halves(sa, sb, m_i, l_i)  # every page holds a valid token
             acc = acc * gl.expand_dims(alpha, 0)
             vs_a = _token_scale(v_tok_scale + page * PAGE, tok, ok_a)
             vs_b = _token_scale(v_tok_scale + page * PAGE + HALF, tok, ok_b)

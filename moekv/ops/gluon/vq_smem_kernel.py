@@ -22,7 +22,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from moekv.ops.gluon.nuq2_kernel import _transpose_8x8
+from moekv.ops.gluon.nuq2_kernel import _sequence, _softmax_halves, _transpose_8x8
 from moekv.ops.gluon.vq_kernel import BOOK, HALF, PAGE, WORDS
 
 ENTRIES = gl.constexpr(16 * 256)  # codewords a kv head and kind (16 B each)
@@ -129,15 +129,7 @@ def vq_smem_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8]: per warp and query head
 
     book = gl.allocate_shared_memory(gl.float16, [2 * ENTRIES, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    bh = gl.program_id(0)
-    j = gl.program_id(1)
-    b = bh // HKV
-    h = bh % HKV
-    length = gl.load(context_lens + b)
-    quantized = length
-    if STAGED:
-        quantized = ((length - 1) // PAGE) * PAGE
-    first = gl.maximum(length - window, 0)
+    b, h, j, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)  # j: the CTA's group of splits
     num_pages = gl.cdiv(quantized, PAGE)
     page_lo = gl.minimum(first // PAGE, num_pages)
     per = gl.cdiv(num_pages - page_lo, num_splits)
@@ -210,13 +202,7 @@ def vq_smem_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_
         sb = (sb * gl.expand_dims(ts_b, 2) + bias) * qk_scale
         sa = gl.where(gl.expand_dims(ok_a, 2), sa, -float("inf"))
         sb = gl.where(gl.expand_dims(ok_b, 2), sb, -float("inf"))
-        m_new = gl.maximum(m_i, gl.maximum(gl.max(sa, axis=1), gl.max(sb, axis=1)))  # [W, 8]
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a warp that has seen no valid token yet
-        alpha = gl.exp2(m_i - m_use)
-        pa = gl.exp2(sa - gl.expand_dims(m_use, 1))
-        pb = gl.exp2(sb - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(pa, axis=1) + gl.sum(pb, axis=1)
-        m_i = m_new
+        m_i, l_i, alpha, pa, pb = _softmax_halves(sa, sb, m_i, l_i, 1, True)  # [W, 8]; a warp may be past its pages
         acc = acc * gl.expand_dims(alpha, 1)
         vs_row = v_tok_scale + gl.expand_dims(page, 1) * PAGE + tok
         vs_a = gl.where(ok_a, gl.load(vs_row).to(gl.float32), 0.0)

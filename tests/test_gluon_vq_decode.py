@@ -108,31 +108,42 @@ def test_shared_codebooks_where_the_one_warp_launch_fills_a_wave(monkeypatch):
     assert all(s % 8 == 0 for s in splits) and splits[0] == 32, splits
 
 
-SM90_BUILD = """
+BUILD_PRELUDE = """
 import re, subprocess
 from pathlib import Path
 import triton
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekv.ops.gluon.vq_kernel import vq_decode_kernel
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tok_scale": "*fp16", "v_tok_scale": "*fp16", "k_mean": "*fp8e4nv",
-       "k_codebook": "*fp16", "k_chan_scale": "*fp32", "v_codebook": "*fp16", "q_ptr": "*bf16",
-       "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64", "k_stage": "*bf16",
-       "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "part_o": "*fp32",
-       "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32", "ns_total": "i32",
-       "split0": "i32", "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr"}
-for G, staged in ((1, True), (4, False), (8, True)):
-    src = GluonASTSource(vq_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "STAGED": staged},
+TABLES = {"k_codes": "*i32", "v_codes": "*i32", "k_tok_scale": "*fp16", "v_tok_scale": "*fp16",
+          "k_mean": "*fp8e4nv", "k_codebook": "*fp16", "k_chan_scale": "*fp32", "v_codebook": "*fp16",
+          "q_ptr": "*bf16", "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32"}
+
+
+def build(kernel, sig, constexprs, **options):
+    \"\"\"(compiled kernel, its SASS ops [(address, opcode, line)], its loops [(start, end)]) for sm_90.\"\"\"
+    src = GluonASTSource(kernel, signature=sig, constexprs=constexprs,
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(8)})
-    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     Path("k.cubin").write_bytes(k.asm["cubin"])
     sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", "k.cubin"], capture_output=True, text=True).stdout
     ops = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
            if (m := re.match(r"\\s+/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_.]+)", line))]
     loops = [(int(t.group(1), 16), a) for a, op, line in ops
-             if op == "BRA" and (t := re.search(r"BRA\\s+(0x[0-9a-f]+)", line)) and int(t.group(1), 16) < a]
+             if op.startswith("BRA") and (t := re.search(r"BRA\\s+(?:\\w+\\s+)?(0x[0-9a-f]+)", line))
+             and int(t.group(1), 16) < a]
+    return k, ops, loops
+"""
+
+SM90_BUILD = BUILD_PRELUDE + """
+from moekv.ops.gluon.vq_kernel import vq_decode_kernel
+sig = {**TABLES, "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32",
+       "stride_st": "i32", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32",
+       "num_splits": "i32", "ns_total": "i32", "split0": "i32", "HKV": "constexpr", "G": "constexpr",
+       "STAGED": "constexpr"}
+for G, staged in ((1, True), (4, False), (8, True)):
+    k, ops, loops = build(vq_decode_kernel, sig, {"HKV": 8, "G": G, "STAGED": staged}, num_warps=1)
     lo, hi = loops[0]  # the page loop (the tail's comes after it)
     gathers = sum(op == "LDG.E.128" and lo <= a <= hi for a, op, _ in ops)
     local = sum(op.startswith(("LDL", "STL")) and lo <= a <= hi for a, op, _ in ops)
@@ -150,33 +161,15 @@ def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
     assert builds == [[g, s, "0", "68", "0"] for g, s in (("1", "True"), ("4", "False"), ("8", "True"))], words
 
 
-SMEM_BUILD = """
-import re, subprocess
-from pathlib import Path
-import triton
-from triton import compile
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+SMEM_BUILD = BUILD_PRELUDE + """
 from moekv.ops.gluon.vq_smem_kernel import vq_smem_decode_kernel
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tok_scale": "*fp16", "v_tok_scale": "*fp16", "k_mean": "*fp8e4nv",
-       "k_codebook": "*fp16", "k_chan_scale": "*fp32", "v_codebook": "*fp16", "q_ptr": "*bf16",
-       "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32", "part_o": "*fp32", "part_lse": "*fp32",
-       "qk_scale": "fp32", "window": "i32", "num_splits": "i32", "ns_total": "i32", "HKV": "constexpr",
-       "G": "constexpr", "W": "constexpr", "STAGED": "constexpr"}
+sig = {**TABLES, "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32",
+       "ns_total": "i32", "HKV": "constexpr", "G": "constexpr", "W": "constexpr", "STAGED": "constexpr"}
 for G, W, cap in ((1, 8, 0), (8, 8, 0), (4, 16, 128)):
-    src = GluonASTSource(vq_smem_decode_kernel, signature=sig, constexprs={"HKV": 8, "G": G, "W": W, "STAGED": True},
-                         attrs={(i,): [["tt.divisibility", 16]] for i in range(8)})
-    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=W, **({"maxnreg": cap} if cap else {})))
-    Path("k.cubin").write_bytes(k.asm["cubin"])
-    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", "k.cubin"], capture_output=True, text=True).stdout
-    ops = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines()
-           if (m := re.match(r"\\s+/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_.]+)", line))]
-    loops = [(int(t.group(1), 16), a) for line in sass.splitlines()
-             if (t := re.search(r"/\\*([0-9a-f]{4,})\\*/.*BRA\\s+(?:\\w+\\s+)?(0x[0-9a-f]+)", line))
-             for a in [int(t.group(1), 16)] if int(t.group(2), 16) < a]
-    print(G, W, k.metadata.shared, sum(op == "LDS.128" for _, op in ops), sum(op == "LDG.E.128" for _, op in ops),
-          len(loops))
+    k, ops, loops = build(vq_smem_decode_kernel, sig, {"HKV": 8, "G": G, "W": W, "STAGED": True}, num_warps=W,
+                          **({"maxnreg": cap} if cap else {}))
+    print(G, W, k.metadata.shared, sum(op == "LDS.128" for _, op, _ in ops),
+          sum(op == "LDG.E.128" for _, op, _ in ops), len(loops))
 """
 
 

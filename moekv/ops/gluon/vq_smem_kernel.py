@@ -164,6 +164,9 @@ def vq_smem_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_
     mean_col = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, LA))), 0)  # [1, 128]
     s0 = gl.zeros([W, HALF, 8], gl.float32, layout=MMA)
     mean_template = gl.zeros([W, HALF, 128], gl.float16, layout=LA)
+    # each warp's page index is loaded once per layout that uses it (an L1 hit) rather than converted
+    # between them: a conversion may take shared-memory scratch, which the codeword reads' fixed offset
+    # 0 does not allow
     L_W: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LW))  # [W] for the code words
     L_R: gl.constexpr = gl.SliceLayout(1, ROWS)  # [W] for the scores' rows
     L_M: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, LA))  # [W] for the mean

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moekv.kvcache.formats.vq import VQFormat, random_calibration
+from moekv.ops.gluon.launch import MAX_SPLITS
 from moekv.ops.gluon.nuq2_decode import reduce_partials
 from moekv.ops.gluon.vq_decode import vq_decode_split_reference
 from moekv.ops.gluon.vq_layout import to_fragment_order
@@ -97,15 +98,23 @@ def test_kernel_roundings_stay_small():
 def test_shared_codebooks_where_the_one_warp_launch_fills_a_wave(monkeypatch):
     """The default place of the codebooks (shared_codebooks_pay): shared where the one-warp kernel's
     launch would fill a wave of an H100/H200 (132 SMs x 16 programs at cap 128), global elsewhere; and the
-    shared kernel's split count in whole CTAs of 8 warps."""
+    shared kernel's split count in whole CTAs of 8 warps, within MAX_SPLITS and one wave where the
+    one-warp rule asks for one."""
     from moekv.ops.gluon import vq_decode
 
     monkeypatch.setattr(vq_decode, "sm_count", lambda device: 132)
     pay = functools.partial(vq_decode.shared_codebooks_pay, Hkv=8, staged=True, device="cpu")
     assert pay(16, max_pages=512) and pay(64, max_pages=512) and pay(8, max_pages=512)  # measured 2.5x faster
     assert not pay(1, max_pages=2048) and not pay(1, max_pages=64)  # (1, 128k): the same; (1, 4k): 1.8x slower
-    splits = [vq_decode.shared_splits(B, 8, pages, True, "cpu", 8) for B, pages in ((16, 512), (1, 2048), (1, 64))]
+    ctas = vq_decode.shared_ctas_per_sm(8, vq_decode.SHARED_MAX_REGISTERS)
+    assert ctas == 2 and vq_decode.shared_ctas_per_sm(8, None) == 1 and vq_decode.shared_ctas_per_sm(4, 168) == 3
+    splits = [vq_decode.shared_splits(B, 8, pages, True, "cpu", 8, ctas)
+              for B, pages in ((16, 512), (1, 2048), (1, 64))]
     assert all(s % 8 == 0 for s in splits) and splits[0] == 32, splits
+    # (1, 128k): the tail's split fits MAX_SPLITS, and the 8 heads' CTAs (splits / 8 each) one wave
+    assert splits[1] + 1 <= MAX_SPLITS and 8 * (splits[1] // 8) <= 132 * ctas, splits
+    # one CTA an SM: 131 splits round down to 16 CTAs of the 132 a wave holds, not up to 17 (a second wave)
+    assert vq_decode.shared_splits(1, 8, 2048, True, "cpu", 8, 1) == 128
 
 
 BUILD_PRELUDE = """
@@ -117,7 +126,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TABLES = {"k_codes": "*i32", "v_codes": "*i32", "k_tok_scale": "*fp16", "v_tok_scale": "*fp16",
-          "k_mean": "*fp8e4nv", "k_codebook": "*fp16", "k_chan_scale": "*fp32", "v_codebook": "*fp16",
+          "k_mean": "*fp8e4nv", "k_codebook": "*fp8e4nv", "k_chan_scale": "*fp32", "v_codebook": "*fp8e4nv",
           "q_ptr": "*bf16", "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32"}
 
 
@@ -145,44 +154,48 @@ sig = {**TABLES, "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16", "s
 for G, staged in ((1, True), (4, False), (8, True)):
     k, ops, loops = build(vq_decode_kernel, sig, {"HKV": 8, "G": G, "STAGED": staged}, num_warps=1)
     lo, hi = loops[0]  # the page loop (the tail's comes after it)
-    gathers = sum(op == "LDG.E.128" and lo <= a <= hi for a, op, _ in ops)
+    gathers = sum(op == "LDG.E.64" and lo <= a <= hi for a, op, _ in ops)
+    codes = sum(op == "LDG.E.128" and lo <= a <= hi for a, op, _ in ops)
     local = sum(op.startswith(("LDL", "STL")) and lo <= a <= hi for a, op, _ in ops)
-    print(G, staged, k.metadata.shared, gathers, local)
+    print(G, staged, k.metadata.shared, gathers, codes, local)
 """
 
 
 def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; with and
     without the tail split): no shared memory (the tiles' layout conversions move registers within a
-    thread only), 68 128-bit loads in the page loop (64 codeword gathers and 4 code loads) and no spill
+    thread only), in the page loop 64 8-byte codeword gathers and 4 128-bit code loads, and no spill
     there. In a fresh interpreter (other CPU tests set TRITON_INTERPRET=1 for the session)."""
     words = run_sm90_build(SM90_BUILD, cwd=tmp_path)
-    builds = [words[i:i + 5] for i in range(0, len(words), 5)]
-    assert builds == [[g, s, "0", "68", "0"] for g, s in (("1", "True"), ("4", "False"), ("8", "True"))], words
+    builds = [words[i:i + 6] for i in range(0, len(words), 6)]
+    assert builds == [[g, s, "0", "64", "4", "0"] for g, s in (("1", "True"), ("4", "False"), ("8", "True"))], words
 
 
 SMEM_BUILD = BUILD_PRELUDE + """
 from moekv.ops.gluon.vq_smem_kernel import vq_smem_decode_kernel
 sig = {**TABLES, "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32",
        "ns_total": "i32", "HKV": "constexpr", "G": "constexpr", "W": "constexpr", "STAGED": "constexpr"}
-for G, W, cap in ((1, 8, 0), (8, 8, 0), (4, 16, 128)):
+for G, W, cap in ((1, 8, 128), (8, 8, 0), (4, 16, 128)):
     k, ops, loops = build(vq_smem_decode_kernel, sig, {"HKV": 8, "G": G, "W": W, "STAGED": True}, num_warps=W,
                           **({"maxnreg": cap} if cap else {}))
-    print(G, W, k.metadata.shared, sum(op == "LDS.128" for _, op, _ in ops),
-          sum(op == "LDG.E.128" for _, op, _ in ops), len(loops))
+    print(G, W, k.metadata.shared, sum(op == "LDS.64" for _, op, _ in ops),
+          sum(op == "LDG.E.128" for _, op, _ in ops), len(loops),
+          sum(op.startswith(("LDL", "STL")) and loops[0][0] <= a <= loops[0][1] for a, op, _ in ops))
 """
 
 
 def test_shared_codebook_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    """The shared-codebook kernel builds for sm_90 (8 warps uncapped, 16 warps at 128 registers): its only
-    shared memory is the head's two codebooks (128 kB: the codeword reads address it from the dynamic
-    shared memory's base, so nothing else may sit before it), the 64 codeword reads of a page are
-    LDS.128 and the global 128-bit loads only the codes' 4 a page (and their first page's 4)."""
+    """The shared-codebook kernel builds for sm_90 (8 warps at the default 128 registers and uncapped, 16
+    warps at 128): its only shared memory is the head's two e4m3 codebooks (64 kB: the codeword reads
+    address it from the dynamic shared memory's base, so nothing else may sit before it), the 64
+    codeword reads of a page are LDS.64, the global 128-bit loads only the codes' 4 a page (and their
+    first page's 4), and the 128-register cap spills little in the page loop (none uncapped)."""
     words = run_sm90_build(SMEM_BUILD, cwd=tmp_path)
-    builds = [words[i:i + 6] for i in range(0, len(words), 6)]
-    assert [b[:4] for b in builds] == [["1", "8", "131072", "64"], ["8", "8", "131072", "64"],
-                                       ["4", "16", "131072", "64"]], words
+    builds = [words[i:i + 7] for i in range(0, len(words), 7)]
+    assert [b[:4] for b in builds] == [["1", "8", "65536", "64"], ["8", "8", "65536", "64"],
+                                       ["4", "16", "65536", "64"]], words
     assert all(b[4] == "8" and b[5] == "1" for b in builds), words
+    assert builds[1][6] == "0" and all(int(b[6]) <= 24 for b in builds), words
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ clear error without it), and calibrate -> engine end to end on a tiny checkpoint
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +49,26 @@ def vq_calibration(tmp_path_factory):
                       str(folder / "kv_calibration.safetensors"))
         return str(folder)
     return make
+
+
+def test_codewords_are_e4m3_values(vq_calibration, tmp_path):
+    """fit_codebook stores e4m3 values (in fp16), and the format rounds a file's codebooks that are not
+    (an older calibration's) to e4m3 when it loads them, so every kernel reads the same codewords and
+    the Gluon ones can hold them in 8 bytes exactly."""
+    from safetensors.torch import load_file
+
+    on_grid = lambda t: torch.equal(t.float(), t.float().to(torch.float8_e4m3fn).float())  # noqa: E731
+    fitted = load_file(str(Path(vq_calibration(32)) / "kv_calibration.safetensors"))
+    assert on_grid(fitted["vq.layer0.key.codebook"]) and on_grid(fitted["vq.layer0.value.codebook"])
+    off_grid = {**fitted, "vq.layer0.value.codebook": fitted["vq.layer0.value.codebook"] * 1.03}
+    assert not on_grid(off_grid["vq.layer0.value.codebook"])
+    save_file(off_grid, str(tmp_path / "kv_calibration.safetensors"))
+    book = VQFormat(tmp_path).codebook("value", 0)
+    assert on_grid(book) and torch.equal(book, off_grid["vq.layer0.value.codebook"].float()
+                                         .to(torch.float8_e4m3fn).float())
+    k16, _, v16 = VQFormat(tmp_path).decode_tables(0, "cpu")
+    k8, _, v8 = VQFormat(tmp_path).decode_tables(0, "cpu", torch.float8_e4m3fn)
+    assert torch.equal(k16.float(), k8.float()) and torch.equal(v16.float(), v8.float())
 
 
 # -- calibration is required --------------------------------------------------------------------------

@@ -483,7 +483,7 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
                                                                scale, max_registers=cap, staged=staged)
                 caps[str(cap)] = timer(launch, args.cudagraph)
             row["max_registers_ms"] = caps
-        elif "k_tok_scale" in cache.tensors:  # vq: ptxas's own choice and caps
+        elif "k_tok_scale" in cache.tensors:  # vq: where the codebooks are read, warps a CTA, register caps
             from moekv.ops.gluon.vq_decode import vq_decode_attention
 
             frag = fmt.fragment_view(cache)
@@ -491,8 +491,6 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
             def launch(**options):
                 return lambda: vq_decode_attention(q, frag, ctx.block_tables, ctx.context_lens, scale, staged=staged,
                                                    **options)
-            row["max_registers_ms"] = {str(cap or "none"): timer(launch(max_registers=cap or None), args.cudagraph)
-                                       for cap in GLUON_VQ_REGISTER_CAPS}
             row["codebooks_ms"], row["codebooks_err"] = {}, {}
             for name, options in GLUON_VQ_CODEBOOKS.items():  # where the codewords are read from
                 out = launch(**options)()
@@ -600,11 +598,13 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
 
 GLUON_TIERED_REGISTER_CAPS = (168, 0)  # tiered's: 185 registers uncapped (0), 168 no spills, 128 (default) 192 B stack
 GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
-GLUON_VQ_REGISTER_CAPS = (0, 168)  # vq's: 128 by default (16 programs an SM), 185 uncapped (0)
-# vq's codebooks: global (one-warp programs, L1/L2 gathers) or shared by the warps of a CTA (vq_smem_kernel)
+# vq's codebooks: global (one-warp programs, L1/L2 gathers, cap 128) or shared by the warps of a CTA
+# (vq_smem_kernel: 8 warps at cap 128, two CTAs an SM, by default; uncapped one; 4 warps at 168, three;
+# 16 warps at 128, one)
 GLUON_VQ_CODEBOOKS = {"global": {"codebooks": "global"}, "shared_w8": {"codebooks": "shared", "warps": 8},
-                      "shared_w16_cap128": {"codebooks": "shared", "warps": 16, "max_registers": 128},
-                      "shared_w4": {"codebooks": "shared", "warps": 4}}
+                      "shared_w8_uncapped": {"codebooks": "shared", "warps": 8, "max_registers": None},
+                      "shared_w4_cap168": {"codebooks": "shared", "warps": 4, "max_registers": 168},
+                      "shared_w16": {"codebooks": "shared", "warps": 16}}
 GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an SM), 240-247 uncapped (0), 200 spills
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 

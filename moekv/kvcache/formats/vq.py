@@ -1,11 +1,13 @@
 """vq: vector quantization of K/V below 2 bits per element, with codebooks learned on calibration text.
 
-Each token's head vector is cut into subvectors of d = 8 consecutive channels; each subvector is
-one uint8 code into a 256-entry codebook of its (layer, K/V, kv head, channel group), learned
-offline by `moekv calibrate` (the codebooks are shared by all pages, so they are not page bytes:
-8/d = 1 bit per element for the codes). Before the lookup a vector is brought to unit RMS by a
-per-(token, head) fp16 scale; keys are first centred by the page's per-channel means and divided
-by calibrated per-channel scales, because a few key channels carry large, position-dependent
+Each token's head vector is cut into subvectors of d = 8 consecutive channels; each subvector is one
+uint8 code into a 256-entry codebook of its (layer, K/V, kv head, channel group), learned offline by
+`moekv calibrate` (the codebooks are shared by all pages, so they are not page bytes: 8/d = 1 bit per
+element for the codes). Codewords are e4m3 (FP8) values, whatever precision a calibration file stores
+them in: the Gluon kernels read a head's codebooks from shared memory, and 8 bytes a codeword instead of
+16 halve those reads and let two CTAs share an SM. Before the lookup a vector is brought to unit RMS by
+a per-(token, head) fp16 scale; keys are first centred by the page's per-channel means and divided by
+calibrated per-channel scales, because a few key channels carry large, position-dependent
 (post-RoPE) offsets that would otherwise spend the whole codebook. Bytes that the 128-byte padding
 of a slab leaves free hold the elements with the largest VQ error in FP8, with uint16 positions.
 
@@ -105,10 +107,15 @@ def reserved_codewords(d: int) -> torch.Tensor:
     return torch.stack([torch.zeros(d), torch.ones(d), -torch.ones(d)])
 
 
+def e4m3_codewords(book: torch.Tensor) -> torch.Tensor:
+    """Codebooks as the format uses them: each entry rounded to e4m3 (saturating at +-448), in fp32."""
+    return book.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+
+
 def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None, d: int, iters: int,
                  max_vectors: int, generator: torch.Generator) -> torch.Tensor:
-    """Calibration: fp16 codebooks [H, D/d, 256, d] from pages [n, H, P, D], fitted on what the
-    format will quantize (normalised exactly as quantize() does)."""
+    """Calibration: codebooks [H, D/d, 256, d] (e4m3 values, stored in fp16) from pages [n, H, P, D],
+    fitted on what the format will quantize (normalised exactly as quantize() does)."""
     u, _ = normalize(pages, kind, chan_scale)
     groups = to_groups(u, d)  # [H, S, N, d]
     H, S, N, _ = groups.shape
@@ -116,7 +123,7 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
     fixed = reserved_codewords(d)  # [3, d]
     books = [torch.cat([fixed, kmeans(g[keep][None], CODEBOOK_SIZE - len(fixed), iters, generator)[0]])
              for g in groups.reshape(H * S, N, d)]  # one group at a time: bounded memory
-    return torch.stack(books).reshape(H, S, CODEBOOK_SIZE, d).to(torch.float16)
+    return e4m3_codewords(torch.stack(books).reshape(H, S, CODEBOOK_SIZE, d)).to(torch.float16)
 
 
 class VQFormat(FragmentPagedFormat):
@@ -129,7 +136,8 @@ class VQFormat(FragmentPagedFormat):
     def __init__(self, calibration: str | Path | None = None) -> None:
         if calibration is None:
             raise ValueError(NEEDS_CALIBRATION)
-        self.tables = load_calibration(calibration, "kv_cache_dtype='vq'")
+        self.tables = {name: e4m3_codewords(t) if name.endswith(".codebook") else t
+                       for name, t in load_calibration(calibration, "kv_cache_dtype='vq'").items()}
         self.calibration = Path(calibration)
         self.sub_dim = self.codebook("key", 0).shape[-1]  # as calibrated (SUB_DIM by default)
         self._on_device: dict = {}  # (name, device) -> fp32 copy; ("decode", layer, device) -> decode tables
@@ -153,16 +161,18 @@ class VQFormat(FragmentPagedFormat):
     def chan_scale(self, layer: int | None, device: torch.device | None = None) -> torch.Tensor:
         return self._table(f"vq.layer{layer}.key.chan_scale", device)  # [H, D]
 
-    def decode_tables(self, layer: int | None, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """What the fused decode kernel reads beside the pages (DecodeSpec.tables), per layer, kept on
-        `device` after the first call: key codebooks [H, D/d, 256, d] fp16, key channel scales
-        [H, D] fp32, value codebooks fp16 (calibrate stores fp16 codebooks: exact)."""
-        key = ("decode", layer, torch.device(device))
+    def decode_tables(self, layer: int | None, device: torch.device,
+                      codebook_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
+        """What the fused decode kernels read beside the pages (DecodeSpec.tables), per layer, kept on
+        `device` after the first call: key codebooks [H, D/d, 256, d], key channel scales [H, D] fp32,
+        value codebooks; the codebooks in codebook_dtype (fp16 for the Triton kernel, float8_e4m3fn
+        for the Gluon ones: both exact, the codewords being e4m3 values)."""
+        key = ("decode", layer, torch.device(device), codebook_dtype)
         if key not in self._on_device:
             self._on_device[key] = (
-                self.codebook("key", layer).to(device, torch.float16).contiguous(),
+                self.codebook("key", layer).to(device, codebook_dtype).contiguous(),
                 self.chan_scale(layer).to(device, torch.float32).contiguous(),
-                self.codebook("value", layer).to(device, torch.float16).contiguous())
+                self.codebook("value", layer).to(device, codebook_dtype).contiguous())
         return self._on_device[key]
 
     def decode_spec(self, block_size, head_dim):

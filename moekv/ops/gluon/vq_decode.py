@@ -26,6 +26,7 @@ from moekv.ops.decode.common import LOG2E
 from moekv.ops.decode.launch import sm_count
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
 from moekv.ops.gluon.launch import (
+    MAX_SPLITS,
     check_launch,
     default_num_splits,
     gluon_missing,
@@ -42,13 +43,17 @@ from moekv.ops.gluon.vq_layout import VQFragmentPages, codewords, mean_by_channe
 # the codeword gathers are latency-bound and more programs hide more of it (168: 19% faster at (1, 128k),
 # 1-4% slower at batch 16 and 64; docs/journal.md)
 DEFAULT_MAX_REGISTERS = 128
-SHARED_MAX_REGISTERS = None  # the shared-codebook kernel: one CTA an SM (its codebooks), room for 255 a thread
+# the shared-codebook kernel's cap: two CTAs of 8 warps an SM (shared memory would hold three: 64 kB of
+# codebooks each); uncapped (~180 registers) one CTA an SM holds 8 warps only
+SHARED_MAX_REGISTERS = 128
 KERNEL_DEFAULT = -1  # max_registers: the chosen kernel's default cap
+SHARED_MEMORY_PER_SM = 228 * 1024  # sm_90 (H100, H200); sm_80's is 164 kB
+CTA_SHARED_BYTES = 64 * 1024 + 1024  # a CTA's codebooks and the 1 kB the driver reserves a CTA
 # where the kernel reads the codebooks: 'global' (vq_kernel), 'shared' (vq_smem_kernel, CTAs of
 # DEFAULT_WARPS warps sharing a head's codebooks) or None: shared where the one-warp launch would fill a
-# wave of the GPU. On an H100, shared against global: (16, 32k) 272 against 678 us, (64, 32k) 951 against
-# 2651; (1, 128k) 144 against 140 and (1, 4k) 24.4 against 13.4 (a CTA's 128 kB copy is not paid back by
-# a launch of ~1 CTA an SM; docs/journal.md). 16 warps at 128 registers: within 2% of 8 at batch 16 and 64.
+# wave of the GPU. On an H100 with fp16 codebooks, shared against global: (16, 32k) 272 against 678 us,
+# (64, 32k) 951 against 2651; (1, 128k) 144 against 140 and (1, 4k) 24.4 against 13.4 (a CTA's copy is not
+# paid back by a launch of ~1 CTA an SM; docs/journal.md).
 DEFAULT_CODEBOOKS = None
 DEFAULT_WARPS = 8
 
@@ -93,11 +98,24 @@ def vq_decode_split_reference(q: torch.Tensor, frag: VQFragmentPages, block_tabl
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
-def shared_splits(B: int, Hkv: int, max_pages: int, staged: bool, device, warps: int) -> int:
-    """The split count of the shared-codebook kernel: default_num_splits with one CTA of `warps` warps an
-    SM (its 128 kB of codebooks), rounded up to whole CTAs."""
-    splits = default_num_splits(B, Hkv, max_pages, int(staged), sm_count(device) * warps)
-    return -(-splits // warps) * warps
+def shared_ctas_per_sm(warps: int, max_registers: int | None) -> int:
+    """CTAs of the shared-codebook kernel an sm_90 SM holds: by shared memory (64 kB of codebooks each)
+    and by registers at the cap."""
+    return max(1, min(SHARED_MEMORY_PER_SM // CTA_SHARED_BYTES, programs_per_sm(max_registers) // warps))
+
+
+def shared_splits(B: int, Hkv: int, max_pages: int, staged: bool, device, warps: int, ctas_per_sm: int) -> int:
+    """The split count of the shared-codebook kernel: default_num_splits over a wave of its CTAs
+    (ctas_per_sm an SM), in whole CTAs: rounded up, or down where rounding up would pass MAX_SPLITS
+    with the tail's split or start a second wave for a few CTAs (at (1, 128k) on an H100 with one CTA
+    an SM: 136 CTAs of 8 splits against the 132 SMs)."""
+    wave = sm_count(device) * ctas_per_sm
+    splits = default_num_splits(B, Hkv, max_pages, int(staged), wave * warps)
+    rows = max(1, B * Hkv)
+    ctas = -(-splits // warps)
+    if ctas > 1 and (ctas * warps + int(staged) > MAX_SPLITS or rows * ctas > wave >= rows * (ctas - 1)):
+        ctas -= 1
+    return ctas * warps
 
 
 def shared_codebooks_pay(B: int, Hkv: int, max_pages: int, staged: bool, device) -> bool:
@@ -134,7 +152,8 @@ def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: tor
     if max_registers == KERNEL_DEFAULT:
         max_registers = SHARED_MAX_REGISTERS if shared else DEFAULT_MAX_REGISTERS
     if shared and num_splits is None:
-        num_splits = shared_splits(B, Hkv, block_tables.shape[1], staged is not None, q.device, warps)
+        num_splits = shared_splits(B, Hkv, block_tables.shape[1], staged is not None, q.device, warps,
+                                   shared_ctas_per_sm(warps, max_registers))
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
     tables = (frag.k_codes, frag.v_codes, frag.k_tok_scale, frag.v_tok_scale, frag.k_mean, frag.k_codebook,
               frag.k_chan_scale, frag.v_codebook, q.contiguous(), block_tables, block_tables.stride(0), context_lens)

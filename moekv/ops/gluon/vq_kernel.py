@@ -6,9 +6,9 @@ One warp per program, program (b * Hkv + h, split): the split's pages of sequenc
 query heads as N (padded to 8), channels in the layout's permuted orders:
     S^T_h [32, 8]  = tok_scale_h * (U_h [32, 128] @ (q * chan_scale)^T [128, 8]) + q . mean
     O^T [128, 8]  += U^T_{v,h} [128, 32] @ (tok_scale_v,h * P_h^T) [32, 8]
-U_h and U^T_{v,h} are A operands gathered from the head's codebooks (global memory, L1/L2 resident: 64
-kB a kind and head): each code is one 16-byte load of its 8-channel codeword straight into the
-registers that hold it (the permutations make a lane's columns whole codewords); codes arrive in one
+U_h and U^T_{v,h} are A operands gathered from the head's codebooks (global memory, L1/L2 resident: 32
+kB a kind and head, e4m3): each code is one 8-byte load of its 8-channel codeword, widened to fp16 in
+the registers that hold it (the permutations make a lane's columns whole codewords); codes arrive in one
 128-bit load per lane per half page, a byte each. Then a reshape/permute to the tile and a layout
 conversion that moves registers within each thread only (keys: whole fp16 pairs; values: a pair is
 two tokens, so halves of two codewords). The keys' per-channel scale multiplies q once per program;
@@ -34,7 +34,7 @@ from moekv.ops.gluon.nuq2_kernel import (
 PAGE = gl.constexpr(64)
 HALF = gl.constexpr(32)
 WORDS = gl.constexpr(256)  # int32 words of codes per page-head and kind
-BOOK = gl.constexpr(16 * 256 * 8)  # fp16 codebook entries per kv head and kind
+BOOK = gl.constexpr(16 * 256 * 8)  # e4m3 codebook entries (bytes) per kv head and kind
 
 
 @gluon.jit
@@ -48,9 +48,9 @@ def _half_codes(words, sh, LC: gl.constexpr):
 
 @gluon.jit
 def _gather(book, codes, group, pos):
-    """Codewords [16, 32, 8] fp16: row `codes` of each code's group (book: the head's codebook)."""
+    """Codewords [16, 32, 8] fp16: row `codes` of each code's group (book: the head's e4m3 codebook)."""
     row = (group * 256 + codes) * 8
-    return gl.load(book + gl.expand_dims(row, 2) + pos)
+    return gl.load(book + gl.expand_dims(row, 2) + pos).to(gl.float16)
 
 
 @gluon.jit
@@ -84,7 +84,7 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
                      part_o, part_lse, qk_scale, window, num_splits, ns_total, split0,
                      HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 256] (fragment order); k_tok_scale, v_tok_scale fp16 [N, HKV, 64];
-    k_mean fp8 [N, HKV, 128] (by K column); k_codebook, v_codebook fp16 [HKV, 16, 256, 8]; k_chan_scale
+    k_mean fp8 [N, HKV, 128] (by K column); k_codebook, v_codebook fp8 e4m3 [HKV, 16, 256, 8]; k_chan_scale
     fp32 [HKV, 128] (by channel); q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from
     ((len - 1) // 64) * 64 on are in k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by
     split num_splits; part_o fp32 [B, HKV * G, ns_total, 128] (by channel), part_lse fp32 [B, HKV * G,
@@ -95,7 +95,7 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
     # a half page's code words [32 lanes, 4 words, 4 bytes (broadcast)], bytes fastest
     LW3: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [1, 1, 1], [2, 1, 0])
     LW: gl.constexpr = gl.SliceLayout(2, LW3)
-    # codeword gathers [16 codes a lane, 32 lanes, 8 channels]: one 16-byte load a code
+    # codeword gathers [16 codes a lane, 32 lanes, 8 channels]: one 8-byte load a code
     LG: gl.constexpr = gl.BlockedLayout([16, 1, 8], [1, 32, 1], [1, 1, 1], [2, 0, 1])
     LC: gl.constexpr = gl.SliceLayout(2, LG)
     QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])

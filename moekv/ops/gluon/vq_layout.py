@@ -3,10 +3,10 @@
 vq stores a (page, kv head) slab as one uint8 code per 8-channel group of a token ([P, D/8]: group j
 = channels 8 j .. 8 j + 7, a row of the head's 256-entry codebook of group j), a per-token fp16 scale
 and, for keys, the page's fp8 channel means (moekv/kvcache/formats/vq.py). The Gluon kernel gathers
-each code's codeword (8 fp16, one 16-byte load) straight into mma_v2 A-operand fragments (one warp,
-K and V^T as the A operand, m16n8k16). An A fragment gives lane 4 g + q4 rows g, g + 8 and the column
-pairs (2 q4, 2 q4 + 1), (2 q4 + 8, 2 q4 + 9) of every 16 x 16 tile, so the tiles' rows and columns
-are a permutation of the head's channels chosen for whole codewords:
+each code's codeword (8 e4m3 bytes, one 8-byte load, widened to fp16) straight into mma_v2 A-operand
+fragments (one warp, K and V^T as the A operand, m16n8k16). An A fragment gives lane 4 g + q4 rows
+g, g + 8 and the column pairs (2 q4, 2 q4 + 1), (2 q4 + 8, 2 q4 + 9) of every 16 x 16 tile, so the
+tiles' rows and columns are a permutation of the head's channels chosen for whole codewords:
 
   keys (K [64 tokens, 128 columns]): column f = 16 kk + 8 hh + 2 q4 + e holds channel
       KEY_CHANNEL_OF_COLUMN[f] = 32 q4 + 4 kk + 2 hh + e: lane q4's 32 columns are the 4 groups 4 q4 ..
@@ -23,11 +23,11 @@ q4 reads bytes [32 L, 32 L + 32), the first 16 for tokens 0..31 and the last 16 
   keys    R = 8 mt + 4 i + m          token 32 h + 16 mt + 8 i + g, group 4 q4 + m
   values  R = 8 kk + 4 hh + 2 e + a   token 32 h + 16 kk + 8 hh + 2 q4 + e, group 2 g + a
 
-Side tables per page-head: k_tok_scale, v_tok_scale fp16 [64] (by token) and k_mean fp8 [128] in
-column order (position f holds the mean of channel KEY_CHANNEL_OF_COLUMN[f]). The calibration tables
-(per layer and kv head, shared by all pages) ride along unchanged: k_codebook, v_codebook fp16 [H, 16,
-256, 8] and the keys' k_chan_scale fp32 [H, 128] by channel. Covered: block_size 64, head_dim 128,
-8-channel codes, no outlier slots (vq's slab padding leaves none at this shape).
+Side tables per page-head: k_tok_scale, v_tok_scale fp16 [64] (by token) and k_mean fp8 [128] in column
+order (position f holds the mean of channel KEY_CHANNEL_OF_COLUMN[f]). The calibration tables (per layer
+and kv head, shared by all pages) ride along: k_codebook, v_codebook fp8 e4m3 [H, 16, 256, 8] (vq's
+codewords are e4m3 values) and the keys' k_chan_scale fp32 [H, 128] by channel. Covered: block_size 64,
+head_dim 128, 8-channel codes, no outlier slots (vq's slab padding leaves none at this shape).
 """
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ SUB = 8  # channels per code
 GROUPS = HEAD_DIM // SUB  # 16 codes a token
 CODE_BYTES = PAGE_TOKENS * GROUPS  # 1024 a page-head and kind
 CODE_WORDS = CODE_BYTES // 4
+CODEBOOK_DTYPE = torch.float8_e4m3fn  # vq's codewords are e4m3 values: 8 bytes a codeword, exact
 
 
 def _element_of_byte(kind: str) -> torch.Tensor:
@@ -124,9 +125,9 @@ class VQFragmentPages:
     k_tok_scale: torch.Tensor  # fp16 [N, H, 64]
     v_tok_scale: torch.Tensor  # fp16 [N, H, 64]
     k_mean: torch.Tensor  # fp8 [N, H, 128], by K column
-    k_codebook: torch.Tensor  # fp16 [H, 16, 256, 8]
+    k_codebook: torch.Tensor  # fp8 e4m3 [H, 16, 256, 8]
     k_chan_scale: torch.Tensor  # fp32 [H, 128], by channel
-    v_codebook: torch.Tensor  # fp16 [H, 16, 256, 8]
+    v_codebook: torch.Tensor  # fp8 e4m3 [H, 16, 256, 8]
     version: int = VQ_FRAGMENT_VERSION
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -163,7 +164,7 @@ def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Ten
 
 def layer_tables(fmt, layer: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The layer's calibration tables as VQFragmentPages' fields, on `device`."""
-    k_codebook, chan_scale, v_codebook = fmt.decode_tables(layer, device)
+    k_codebook, chan_scale, v_codebook = fmt.decode_tables(layer, device, CODEBOOK_DTYPE)
     return {"k_codebook": k_codebook, "k_chan_scale": chan_scale, "v_codebook": v_codebook}
 
 

@@ -2,19 +2,20 @@
 kernel this one shares its algebra, fragment order and tile chains with, and vq_decode.py for the
 reference).
 
-Why: a codeword gather from global memory costs the L1 one wavefront per distinct 128-byte line, ~32
-for a warp's 32 random codewords (~40 cycles an instruction measured on an H100), while a random
-16-byte read of shared memory costs its bank conflicts, ~10-12 wavefronts. A head's codebooks are 128
-kB (64 kB a kind), too much for a one-warp program, so a CTA of W warps shares one copy: CTA (b * Hkv
-+ h, j) copies head h's codebooks into shared memory once (cp.async), then warp w runs split
-j * W + w of sequence b exactly as vq_kernel's program would, every tensor carrying a leading
-dimension of W laid over the warps (rank-3 mma_v2: one batch element a warp). The warps of a CTA
-share the page count of a split, so the page loop is uniform and a warp past its split's pages masks
-them. Gluon has no gather from shared memory at computed addresses: the codeword reads are inline
-`ld.shared.v4.b32` at Triton's dynamic shared memory (`global_smem`) plus the codeword's offset,
-valid because the codebook buffer is the kernel's only shared memory (its offset 0; the sm_90 build
-test checks the size). The staged 16-bit tail is not here: vq_kernel's program computes it in a
-second launch (vq_decode.vq_decode_partials).
+Why: a codeword gather from global memory costs the L1 one wavefront per distinct 128-byte line, ~32 for
+a warp's 32 random codewords (~40 cycles an instruction measured on an H100), while a random read of
+shared memory costs its bank conflicts: ~10-12 wavefronts for 16-byte codewords, ~6 for the 8-byte e4m3
+ones read here (two phases of 16 lanes over 16 bank pairs). A head's codebooks are 64 kB (32 kB a kind),
+too much for a one-warp program, so a CTA of W warps shares one copy (two or three CTAs an SM): CTA (b *
+Hkv + h, j) copies head h's codebooks into shared memory once (cp.async), then warp w runs split j * W +
+w of sequence b exactly as vq_kernel's program would, every tensor carrying a leading dimension of W
+laid over the warps (rank-3 mma_v2: one batch element a warp). The warps of a CTA share the page count
+of a split, so the page loop is uniform and a warp past its split's pages masks them. Gluon has no
+gather from shared memory at computed addresses: the codeword reads are inline `ld.shared.v2.b32` at
+Triton's dynamic shared memory (`global_smem`) plus the codeword's offset, valid because the codebook
+buffer is the kernel's only shared memory (its offset 0; the sm_90 build test checks the size). Each
+read widens its 8 e4m3 bytes to fp16 in the same asm (cvt.rn.f16x2.e4m3x2). The staged 16-bit tail is
+not here: vq_kernel's program computes it in a second launch (vq_decode.vq_decode_partials).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from moekv.ops.gluon.nuq2_kernel import _sequence, _softmax_halves, _transpose_8x8
 from moekv.ops.gluon.vq_kernel import BOOK, HALF, PAGE, WORDS
 
-ENTRIES = gl.constexpr(16 * 256)  # codewords a kv head and kind (16 B each)
+ENTRIES = gl.constexpr(16 * 256)  # codewords a kv head and kind (8 B each)
+CODEWORD = gl.constexpr(8)  # bytes
 
 
 @gluon.jit
@@ -36,26 +38,31 @@ def _shared_base(x):
 
 
 @gluon.jit
-def _lds128(addr):
-    """fp16 [..., 8]: the 16 bytes at shared address addr (broadcast over the last dimension, 8 contiguous
-    elements a thread), one ld.shared.v4.b32."""
-    return gl.inline_asm_elementwise(asm="ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                     constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r", args=[addr], dtype=gl.float16,
-                                     is_pure=False, pack=8)
+def _lds_e4m3x8(addr):
+    """fp16 [..., 8]: the 8 e4m3 bytes at shared address addr (broadcast over the last dimension, 8
+    contiguous elements a thread), one ld.shared.v2.b32 and four cvt.rn.f16x2.e4m3x2 (byte i -> half i)."""
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .b32 lo, hi; .reg .b16 l0, l1, h0, h1; ld.shared.v2.b32 {lo, hi}, [$4]; "
+            "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; cvt.rn.f16x2.e4m3x2 $0, l0; cvt.rn.f16x2.e4m3x2 $1, l1; "
+            "cvt.rn.f16x2.e4m3x2 $2, h0; cvt.rn.f16x2.e4m3x2 $3, h1; }",
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r", args=[addr], dtype=gl.float16, is_pure=False, pack=8)
 
 
 @gluon.jit
 def _fill_codebooks(book, k_codebook, v_codebook, h, W: gl.constexpr):
-    """cp.async of head h's key then value codebooks into book [2 * 4096, 8] fp16 (rows kind * 4096 +
-    group * 256 + code), 16 bytes a thread a step; waits for every thread's copies."""
+    """cp.async of head h's key then value codebooks (e4m3) into book [4096, 16] (two codewords a row:
+    byte 8 (kind * 4096 + group * 256 + code) holds a codeword's first), 16 bytes a thread a step;
+    waits for every thread's copies."""
     CH: gl.constexpr = 32 * W
-    CL: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [W, 1], [1, 0])
-    rows = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(1, CL)), 1) * 8
-    cols = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CL)), 0)
-    for c in gl.static_range(ENTRIES // CH):
-        async_copy.async_copy_global_to_shared(book.slice(c * CH, CH), k_codebook + h * BOOK + c * CH * 8 + rows + cols)
-        async_copy.async_copy_global_to_shared(book.slice(ENTRIES + c * CH, CH),
-                                               v_codebook + h * BOOK + c * CH * 8 + rows + cols)
+    ROWS: gl.constexpr = ENTRIES // 2  # rows a kind
+    CL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [W, 1], [1, 0])
+    rows = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(1, CL)), 1) * 16
+    cols = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, CL)), 0)
+    for c in gl.static_range(ROWS // CH):
+        async_copy.async_copy_global_to_shared(book.slice(c * CH, CH),
+                                               k_codebook + h * BOOK + c * CH * 16 + rows + cols)
+        async_copy.async_copy_global_to_shared(book.slice(ROWS + c * CH, CH),
+                                               v_codebook + h * BOOK + c * CH * 16 + rows + cols)
     async_copy.commit_group()
     async_copy.wait_group(0)
     gl.thread_barrier()
@@ -84,7 +91,7 @@ def _codes(words, sh, LC: gl.constexpr):
 @gluon.jit
 def _key_half(base, words, sh, group, pos, LC: gl.constexpr, LA: gl.constexpr):
     """U_h [W, 32 tokens, 128 columns] of each warp's half page of keys, from the shared codebooks."""
-    u = _lds128(gl.expand_dims(base + (group * 256 + _codes(words, sh, LC)) * 16, 3) + pos)  # [W, 16, 32, 8]
+    u = _lds_e4m3x8(gl.expand_dims(base + (group * 256 + _codes(words, sh, LC)) * CODEWORD, 3) + pos)  # [W, 16, 32, 8]
     W: gl.constexpr = u.shape[0]
     u = gl.reshape(u, [W, 2, 2, 4, 8, 4, 2, 2, 2])  # w | mt, i, m | g, q4 | k1, hh, e
     u = gl.permute(u, [0, 1, 2, 4, 3, 6, 7, 5, 8])  # w | mt, i, g | m, k1, hh, q4, e
@@ -94,7 +101,7 @@ def _key_half(base, words, sh, group, pos, LC: gl.constexpr, LA: gl.constexpr):
 @gluon.jit
 def _value_half(base, words, sh, group, pos, LC: gl.constexpr, LA: gl.constexpr):
     """U^T_{v,h} [W, 128 rows, 32 tokens] of each warp's half page of values (ENTRIES on: the value codebook)."""
-    u = _lds128(gl.expand_dims(base + (ENTRIES + group * 256 + _codes(words, sh, LC)) * 16, 3) + pos)
+    u = _lds_e4m3x8(gl.expand_dims(base + (ENTRIES + group * 256 + _codes(words, sh, LC)) * CODEWORD, 3) + pos)
     W: gl.constexpr = u.shape[0]
     u = gl.reshape(u, [W, 2, 2, 2, 2, 8, 4, 8])  # w | kk, hh, e, a | g, q4 | b
     u = gl.permute(u, [0, 7, 4, 5, 1, 2, 6, 3])  # w | b, a, g | kk, hh, q4, e
@@ -128,7 +135,7 @@ def vq_smem_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_
     ROWS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, tokens] of the scores
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8]: per warp and query head
 
-    book = gl.allocate_shared_memory(gl.float16, [2 * ENTRIES, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    book = gl.allocate_shared_memory(gl.float8e4nv, [ENTRIES, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     b, h, j, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)  # j: the CTA's group of splits
     num_pages = gl.cdiv(quantized, PAGE)
     page_lo = gl.minimum(first // PAGE, num_pages)

@@ -71,6 +71,16 @@ def test_codewords_are_e4m3_values(vq_calibration, tmp_path):
     assert torch.equal(k16.float(), k8.float()) and torch.equal(v16.float(), v8.float())
 
 
+def test_random_calibration_saves_every_layer(tmp_path):
+    """random_calibration's layers hold the same codebooks in tensors of their own (safetensors refuses
+    tensors that share memory: a 32-layer one for the end-to-end benchmark failed to save)."""
+    from moekv.kvcache.formats.vq import random_calibration
+
+    fmt = VQFormat(random_calibration(tmp_path, 2, 32, num_layers=3, iters=1, max_vectors=256))
+    assert torch.equal(fmt.codebook("key", 0), fmt.codebook("key", 2))
+    assert torch.equal(fmt.chan_scale(0), fmt.chan_scale(2))
+
+
 # -- calibration is required --------------------------------------------------------------------------
 def test_without_calibration_the_error_says_what_to_run():
     with pytest.raises(ValueError) as e:

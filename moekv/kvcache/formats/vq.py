@@ -296,8 +296,8 @@ def random_calibration(folder: str | Path, num_kv_heads: int, head_dim: int, num
     k_book = fit_codebook(keys, "key", scale, SUB_DIM, iters, max_vectors, g)
     v_book = fit_codebook(pages, "value", None, SUB_DIM, iters, max_vectors, g)
     tables = {}
-    for layer in range(num_layers):
-        tables[f"vq.layer{layer}.key.chan_scale"] = scale
-        tables[f"vq.layer{layer}.key.codebook"] = k_book
-        tables[f"vq.layer{layer}.value.codebook"] = v_book
+    for layer in range(num_layers):  # a copy each: safetensors refuses tensors that share memory
+        tables[f"vq.layer{layer}.key.chan_scale"] = scale.clone()
+        tables[f"vq.layer{layer}.key.codebook"] = k_book.clone()
+        tables[f"vq.layer{layer}.value.codebook"] = v_book.clone()
     return save_calibration(folder, tables)

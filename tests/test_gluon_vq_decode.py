@@ -95,24 +95,26 @@ def test_kernel_roundings_stay_small():
     assert 1e-6 < err < 3e-3, err
 
 
-def test_shared_codebooks_where_the_one_warp_launch_fills_a_wave(monkeypatch):
-    """The default place of the codebooks (shared_codebooks_pay): shared where the one-warp kernel's
-    launch would fill a wave of an H100/H200 (132 SMs x 16 programs at cap 128), global elsewhere; and the
-    shared kernel's split count in whole CTAs of 8 warps, within MAX_SPLITS and one wave where the
-    one-warp rule asks for one."""
+def test_shared_codebooks_where_they_pay(monkeypatch):
+    """The default place of the codebooks (shared_codebooks_pay) on an H100/H200 (132 SMs): shared where
+    the one-warp kernel's launch would fill a wave (16 programs an SM at cap 128) or a CTA's splits read
+    more page bytes than its 64 kB codebook copy, global elsewhere; and the shared kernel's split count
+    in whole CTAs (three of 4 warps an SM at cap 168), within MAX_SPLITS and one wave where the one-warp
+    rule asks for one."""
     from moekv.ops.gluon import vq_decode
 
     monkeypatch.setattr(vq_decode, "sm_count", lambda device: 132)
     pay = functools.partial(vq_decode.shared_codebooks_pay, Hkv=8, staged=True, device="cpu")
-    assert pay(16, max_pages=512) and pay(64, max_pages=512) and pay(8, max_pages=512)  # measured 2.5x faster
-    assert not pay(1, max_pages=2048) and not pay(1, max_pages=64)  # (1, 128k): the same; (1, 4k): 1.8x slower
-    ctas = vq_decode.shared_ctas_per_sm(8, vq_decode.SHARED_MAX_REGISTERS)
-    assert ctas == 2 and vq_decode.shared_ctas_per_sm(8, None) == 1 and vq_decode.shared_ctas_per_sm(4, 168) == 3
-    splits = [vq_decode.shared_splits(B, 8, pages, True, "cpu", 8, ctas)
-              for B, pages in ((16, 512), (1, 2048), (1, 64))]
+    assert pay(16, max_pages=512) and pay(64, max_pages=512) and pay(8, max_pages=512)  # 2.1-2.3x faster (H200)
+    assert pay(32, max_pages=64)  # (32, 4k): the one-warp launch fills a wave
+    assert pay(1, max_pages=2048)  # (1, 128k): 11 pages a split; 65 against 79-98 us
+    assert not pay(1, max_pages=64)  # (1, 4k): 2 pages a split; 18.0 against 12.4 us
+    ctas = vq_decode.shared_ctas_per_sm(vq_decode.DEFAULT_WARPS, vq_decode.SHARED_MAX_REGISTERS)
+    assert ctas == 3 and vq_decode.shared_ctas_per_sm(8, None) == 1 and vq_decode.shared_ctas_per_sm(8, 128) == 2
+    splits = [vq_decode.shared_splits(B, 8, pages, True, "cpu", 8, 2) for B, pages in ((16, 512), (1, 2048), (1, 64))]
     assert all(s % 8 == 0 for s in splits) and splits[0] == 32, splits
     # (1, 128k): the tail's split fits MAX_SPLITS, and the 8 heads' CTAs (splits / 8 each) one wave
-    assert splits[1] + 1 <= MAX_SPLITS and 8 * (splits[1] // 8) <= 132 * ctas, splits
+    assert splits[1] + 1 <= MAX_SPLITS and 8 * (splits[1] // 8) <= 132 * 2, splits
     # one CTA an SM: 131 splits round down to 16 CTAs of the 132 a wave holds, not up to 17 (a second wave)
     assert vq_decode.shared_splits(1, 8, 2048, True, "cpu", 8, 1) == 128
 
@@ -175,7 +177,7 @@ SMEM_BUILD = BUILD_PRELUDE + """
 from moekv.ops.gluon.vq_smem_kernel import vq_smem_decode_kernel
 sig = {**TABLES, "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32",
        "ns_total": "i32", "HKV": "constexpr", "G": "constexpr", "W": "constexpr", "STAGED": "constexpr"}
-for G, W, cap in ((1, 8, 128), (8, 8, 0), (4, 16, 128)):
+for G, W, cap in ((1, 4, 168), (8, 8, 0), (4, 16, 128)):
     k, ops, loops = build(vq_smem_decode_kernel, sig, {"HKV": 8, "G": G, "W": W, "STAGED": True}, num_warps=W,
                           **({"maxnreg": cap} if cap else {}))
     print(G, W, k.metadata.shared, sum(op == "LDS.64" for _, op, _ in ops),
@@ -185,14 +187,14 @@ for G, W, cap in ((1, 8, 128), (8, 8, 0), (4, 16, 128)):
 
 
 def test_shared_codebook_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    """The shared-codebook kernel builds for sm_90 (8 warps at the default 128 registers and uncapped, 16
-    warps at 128): its only shared memory is the head's two e4m3 codebooks (64 kB: the codeword reads
-    address it from the dynamic shared memory's base, so nothing else may sit before it), the 64
-    codeword reads of a page are LDS.64, the global 128-bit loads only the codes' 4 a page (and their
-    first page's 4), and the 128-register cap spills little in the page loop (none uncapped)."""
+    """The shared-codebook kernel builds for sm_90 (4 warps at the default 168 registers, 8 uncapped, 16 at
+    128): its only shared memory is the head's two e4m3 codebooks (64 kB: the codeword reads address it
+    from the dynamic shared memory's base, so nothing else may sit before it), the 64 codeword reads of
+    a page are LDS.64, the global 128-bit loads only the codes' 4 a page (and their first page's 4), and
+    the caps spill little in the page loop (none uncapped)."""
     words = run_sm90_build(SMEM_BUILD, cwd=tmp_path)
     builds = [words[i:i + 7] for i in range(0, len(words), 7)]
-    assert [b[:4] for b in builds] == [["1", "8", "65536", "64"], ["8", "8", "65536", "64"],
+    assert [b[:4] for b in builds] == [["1", "4", "65536", "64"], ["8", "8", "65536", "64"],
                                        ["4", "16", "65536", "64"]], words
     assert all(b[4] == "8" and b[5] == "1" for b in builds), words
     assert builds[1][6] == "0" and all(int(b[6]) <= 24 for b in builds), words

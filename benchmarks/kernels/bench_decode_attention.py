@@ -599,12 +599,12 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
 GLUON_TIERED_REGISTER_CAPS = (168, 0)  # tiered's: 185 registers uncapped (0), 168 no spills, 128 (default) 192 B stack
 GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
 # vq's codebooks: global (one-warp programs, L1/L2 gathers, cap 128) or shared by the warps of a CTA
-# (vq_smem_kernel: 8 warps at cap 128, two CTAs an SM, by default; uncapped one; 4 warps at 168, three;
-# 16 warps at 128, one)
-GLUON_VQ_CODEBOOKS = {"global": {"codebooks": "global"}, "shared_w8": {"codebooks": "shared", "warps": 8},
+# (vq_smem_kernel: 4 warps at cap 168, three CTAs an SM, by default; 8 at 128, two; 8 uncapped, one; 16 at
+# 128, one)
+GLUON_VQ_CODEBOOKS = {"global": {"codebooks": "global"}, "shared_w4": {"codebooks": "shared", "warps": 4},
+                      "shared_w8_cap128": {"codebooks": "shared", "warps": 8, "max_registers": 128},
                       "shared_w8_uncapped": {"codebooks": "shared", "warps": 8, "max_registers": None},
-                      "shared_w4_cap168": {"codebooks": "shared", "warps": 4, "max_registers": 168},
-                      "shared_w16": {"codebooks": "shared", "warps": 16}}
+                      "shared_w16_cap128": {"codebooks": "shared", "warps": 16, "max_registers": 128}}
 GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an SM), 240-247 uncapped (0), 200 spills
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 

@@ -43,19 +43,21 @@ from moekv.ops.gluon.vq_layout import VQFragmentPages, codewords, mean_by_channe
 # the codeword gathers are latency-bound and more programs hide more of it (168: 19% faster at (1, 128k),
 # 1-4% slower at batch 16 and 64; docs/journal.md)
 DEFAULT_MAX_REGISTERS = 128
-# the shared-codebook kernel's cap: two CTAs of 8 warps an SM (shared memory would hold three: 64 kB of
-# codebooks each); uncapped (~180 registers) one CTA an SM holds 8 warps only
-SHARED_MAX_REGISTERS = 128
+# the shared-codebook kernel's CTAs: 4 warps at a 168-register cap, three CTAs an SM (what shared memory
+# holds: 64 kB of codebooks each). On an H200 against 8 warps at 128 (two an SM): 5% faster at (16, 32k)
+# and (64, 32k), 13% at (1, 128k), 3% slower at (8, 32k); 16 warps at 128: 3% faster at (16, 32k), 2-16%
+# slower elsewhere (decode_attention_gluon.json's codebooks_ms; docs/journal.md)
+DEFAULT_WARPS = 4
+SHARED_MAX_REGISTERS = 168
 KERNEL_DEFAULT = -1  # max_registers: the chosen kernel's default cap
 SHARED_MEMORY_PER_SM = 228 * 1024  # sm_90 (H100, H200); sm_80's is 164 kB
-CTA_SHARED_BYTES = 64 * 1024 + 1024  # a CTA's codebooks and the 1 kB the driver reserves a CTA
+CODEBOOK_BYTES = 64 * 1024  # a head's key and value codebooks, e4m3
+CTA_SHARED_BYTES = CODEBOOK_BYTES + 1024  # and the 1 kB the driver reserves a CTA
 # where the kernel reads the codebooks: 'global' (vq_kernel), 'shared' (vq_smem_kernel, CTAs of
-# DEFAULT_WARPS warps sharing a head's codebooks) or None: shared where the one-warp launch would fill a
-# wave of the GPU. On an H100 with fp16 codebooks, shared against global: (16, 32k) 272 against 678 us,
-# (64, 32k) 951 against 2651; (1, 128k) 144 against 140 and (1, 4k) 24.4 against 13.4 (a CTA's copy is not
-# paid back by a launch of ~1 CTA an SM; docs/journal.md).
+# DEFAULT_WARPS warps sharing a head's codebooks) or None: shared_codebooks_pay's choice. On an H200,
+# shared against global: (16, 32k) 194 against 412 us, (64, 32k) 662 against 1503, (1, 128k) 65 against
+# 79-98; (1, 4k) 18.0 against 12.4 (docs/journal.md).
 DEFAULT_CODEBOOKS = None
-DEFAULT_WARPS = 8
 
 
 def _f16(x: torch.Tensor, on: bool) -> torch.Tensor:
@@ -118,12 +120,18 @@ def shared_splits(B: int, Hkv: int, max_pages: int, staged: bool, device, warps:
     return ctas * warps
 
 
-def shared_codebooks_pay(B: int, Hkv: int, max_pages: int, staged: bool, device) -> bool:
-    """Whether the shared-codebook kernel is the default: the one-warp kernel's default launch (its
-    split count at DEFAULT_MAX_REGISTERS) fills a wave of the device (Launch.fills_wave's rule)."""
+def shared_codebooks_pay(B: int, Hkv: int, max_pages: int, staged: bool, device, warps: int = DEFAULT_WARPS,
+                         max_registers: int | None = SHARED_MAX_REGISTERS) -> bool:
+    """Whether the shared-codebook kernel is the default: where the one-warp kernel's launch (its split
+    count at DEFAULT_MAX_REGISTERS) would fill a wave of the device (Launch.fills_wave's rule: the CTAs'
+    codebook copies then overlap other CTAs' pages), or where a CTA's splits read at least as many page
+    bytes as the codebooks it copies (at (1, 128k) 11 pages a split; at (1, 4k) two, 19 kB of pages a CTA
+    against its 64 kB copy, where the one-warp kernel is 1.5x faster)."""
     wave = sm_count(device) * programs_per_sm(DEFAULT_MAX_REGISTERS)
-    splits = default_num_splits(B, Hkv, max_pages, int(staged), wave)
-    return B * Hkv * (splits + int(staged) + 1) > wave
+    if B * Hkv * (default_num_splits(B, Hkv, max_pages, int(staged), wave) + int(staged) + 1) > wave:
+        return True
+    splits = shared_splits(B, Hkv, max_pages, staged, device, warps, shared_ctas_per_sm(warps, max_registers))
+    return warps * -(-max_pages // splits) * VQFragmentPages.kernel_bytes_per_page_head() >= CODEBOOK_BYTES
 
 
 def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: torch.Tensor,
@@ -139,8 +147,9 @@ def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: tor
     split by vq_kernel in a second launch); None: shared where shared_codebooks_pay."""
     B, Hkv, G = check_launch("vq", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     if codebooks is None:
+        cap = SHARED_MAX_REGISTERS if max_registers == KERNEL_DEFAULT else max_registers
         codebooks = "shared" if shared_codebooks_pay(B, Hkv, block_tables.shape[1], staged is not None,
-                                                     q.device) else "global"
+                                                     q.device, warps, cap) else "global"
     if codebooks not in ("global", "shared"):
         raise ValueError(f"vq Gluon decode: codebooks={codebooks!r}, expected 'global', 'shared' or None")
     try:

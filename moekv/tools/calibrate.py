@@ -10,7 +10,7 @@ to a bounded number of pages per layer. The result is one safetensors file plus 
 
   out_dir/kv_calibration.safetensors
     vq.layer{l}.key.chan_scale      [Hkv, D]          key channel scales (around page means)
-    vq.layer{l}.{kind}.codebook     [Hkv, D/d, C, d]  fp16, one per head and channel group
+    vq.layer{l}.{kind}.codebook     [Hkv, D/d, C, d]  e4m3 values in fp16, one per head and channel group
     nuq2.layer{l}.{kind}.centroids  [Hkv, 4]          fp16 4-level codebooks
   out_dir/kv_calibration.json       model, text, tokens used, shapes, bytes, date
 """

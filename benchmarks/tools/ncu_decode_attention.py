@@ -11,7 +11,8 @@ the first launches (compilation, warm caches) and record one:
 
 `--kernel gluon` runs the engine's Gluon path instead (MOEKV_DECODE_KERNEL=gluon: a fragment-order pool and
 KVFormat.attend, as bench_decode_attention's `<format>_gluon` rows; tiered on that bench's ~15% FP8 cache);
-its kernels are named `<format>_decode_kernel` (`--kernel-name regex:decode_kernel`).
+its kernels are named `<format>_decode_kernel` (`--kernel-name regex:decode_kernel`; vq's shared-codebook
+kernel `vq_smem_decode_kernel`).
 
 Not a benchmark (no timing here): bench_decode_attention.py times the same launches.
 """
@@ -27,7 +28,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
 
-from bench_decode_attention import FORMATS, HEAD_DIM, NUM_HEADS, build_cache, build_tiered_cache  # noqa: E402
+from bench_decode_attention import (  # noqa: E402
+    FORMATS,
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    build_cache,
+    build_tiered_cache,
+)
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import decode_kernel  # noqa: E402
@@ -36,8 +44,9 @@ from moekv.ops.decode.paged import paged_decode_attention  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--format", required=True, choices=[f for f in FORMATS if f != "vq"],
-                   help="tiered: --kernel gluon only (the Triton tiered kernel is not paged_decode_attention)")
+    p.add_argument("--format", required=True, choices=list(FORMATS),
+                   help="tiered: --kernel gluon only (the Triton tiered kernel is not paged_decode_attention); "
+                        "vq: on a random calibration, as bench_decode_attention's")
     p.add_argument("--kernel", choices=("triton", "gluon"), default="triton")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=32768)
@@ -50,6 +59,13 @@ def main() -> None:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     name, options = FORMATS[args.format]
+    if name == "vq":
+        import tempfile
+
+        from moekv.kvcache.formats.vq import random_calibration
+
+        options = {**options, "calibration": random_calibration(tempfile.mkdtemp(prefix="vqcal"), NUM_KV_HEADS,
+                                                                HEAD_DIM)}
     if args.kernel == "gluon":
         run = gluon_attend(name, options, args, device, gen)
     elif name == "tiered":

@@ -19,6 +19,8 @@ reference on the first sequence.
     python benchmarks/kernels/bench_decode_attention.py --formats nuq2 int4 kivi2 tiered --kernel triton gluon
         # the Triton and Gluon kernels side by side (rows nuq2, nuq2_gluon, int4, int4_gluon, kivi2, kivi2_gluon,
         # tiered, tiered_gluon: bench_tiered_gluon; vq, vq_gluon)
+    python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 tiered --kernel triton gluon \
+        --tiered-fp8-share 1.0   # every tiered page in FP8: the Gluon tiered kernel's FP8 path beside fp8_e4m3's
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer
         # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
@@ -537,7 +539,7 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     try:
         with decode_kernel("gluon"):
             fmt = get_kv_format("tiered", torch.bfloat16, codebook="page")
-            cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
+            cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen, args.tiered_fp8_share)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "skipped", "reason": f"no Gluon pools here: {type(e).__name__}: {e}"}
     st = cache.state
@@ -609,15 +611,25 @@ GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an 
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 
 
-def build_tiered_cache(fmt, batch: int, context: int, block_size: int, device, gen):
-    """A tiered layer with ~15% of each sequence's full pages in FP8 (every page whose index is 3, 10,
-    16, ... of 20: spread over the context) and the rest in nuq2, both pools filled from the same
-    random pages; host state and the kernel's device mirrors as the format keeps them."""
+def fp8_page(i: int, share: float) -> bool:
+    """Whether a sequence's i-th full page is in FP8 in the tiered benchmark's cache: at the default
+    share the pages whose index is 3, 10, 16, ... of 20 (spread over the context), at another share
+    every page where i * share passes a whole number (1.0: every page)."""
+    if share == TIERED_FP8_SHARE:
+        return (i % 20) in (3, 10, 16)
+    return int((i + 1) * share) > int(i * share)
+
+
+def build_tiered_cache(fmt, batch: int, context: int, block_size: int, device, gen,
+                       fp8_share: float = TIERED_FP8_SHARE):
+    """A tiered layer with fp8_share of each sequence's full pages in FP8 (fp8_page) and the rest in
+    nuq2, both pools filled from the same random pages; host state and the kernel's device mirrors as
+    the format keeps them."""
     from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW
 
     pages_per_seq = -(-context // block_size)
     num_blocks = batch * pages_per_seq + 1
-    fmt.fp8_pool_fraction = TIERED_FP8_SHARE + 0.05
+    fmt.fp8_pool_fraction = min(1.0, fp8_share + 0.05)
     cache = fmt.allocate(num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM, device, batch, torch.bfloat16)
     unique = min(UNIQUE_PAGES, num_blocks)
     k, v = random_kv(unique, block_size, device, gen)
@@ -640,8 +652,7 @@ def build_tiered_cache(fmt, batch: int, context: int, block_size: int, device, g
     full = context // block_size
     for row in tables[:, :full].tolist():
         for i, page in enumerate(row):
-            fp8 = (i % 20) in (3, 10, 16)
-            if fp8 and st.free_fp8:
+            if fp8_page(i, fp8_share) and st.free_fp8:
                 st.tier[page], st.fp8_slot[page] = TIER_FP8, st.free_fp8.pop()
             else:
                 st.tier[page] = TIER_LOW
@@ -661,7 +672,7 @@ def bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base) -
     from moekv.ops.decode.tiered import tiered_decode_attention
 
     P = args.block_size
-    cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen)
+    cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen, args.tiered_fp8_share)
     st = cache.state
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     scale = HEAD_DIM ** -0.5
@@ -764,6 +775,10 @@ def main() -> None:
     p.add_argument("--write-config", action="store_true",
                    help="write each format's best launch over the shapes (prefetch, swap_ab, and the register cap "
                         "and split factor where the run set them) into moekv/ops/configs/ (moekv/ops/tuning.py)")
+    p.add_argument("--tiered-fp8-share", type=float, default=TIERED_FP8_SHARE,
+                   help="share of full pages in FP8 in tiered's cache, both kernels (1.0: every page, so "
+                        "tiered_gluon's nomass_ms is what the Gluon tiered kernel's FP8 path would cost as an "
+                        "fp8_e4m3 kernel)")
     p.add_argument("--vq-calibration", type=Path, default=None,
                    help="calibration folder for vq (default: a random one fitted at start, see the docstring)")
     p.add_argument("--kernel", nargs="+", choices=("triton", "gluon"), default=["triton"],

@@ -67,6 +67,14 @@ def gluon_missing(fmt: str, e: ImportError) -> RuntimeError:
     return RuntimeError(f"{fmt} Gluon decode needs triton.experimental.gluon (Triton >= 3.6): {e}")
 
 
+def fills_wave(rows: int, ns_total: int, wave: int) -> bool:
+    """Whether a launch of rows x ns_total one-warp programs (the staged split's included) fills a wave of
+    the device: it leaves no room for one more split. The rule of the shared-memory stagings (and of vq's
+    shared codebooks), which cost a small launch more than they save; a launch the split rule cuts to one
+    wave counts as full."""
+    return rows * (ns_total + 1) > wave
+
+
 @dataclass
 class Launch:
     """A launch's split count, grid, partial buffers and staged-tail arguments."""
@@ -84,10 +92,8 @@ class Launch:
 
     @property
     def fills_wave(self) -> bool:
-        """Whether the launch fills a wave of the device: its programs (the staged split's included)
-        leave no room for one more split. The rule of the shared-memory stagings, which cost a small
-        launch more than they save; a launch the split rule cuts to one wave counts as full."""
-        return self.grid[0] * (self.ns_total + 1) > self.wave
+        """fills_wave of this launch's grid (the shared-memory stagings' rule)."""
+        return fills_wave(self.grid[0], self.ns_total, self.wave)
 
 
 def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -29,6 +29,7 @@ from moekv.ops.gluon.launch import (
     MAX_SPLITS,
     check_launch,
     default_num_splits,
+    fills_wave,
     gluon_missing,
     plan_launch,
     programs_per_sm,
@@ -123,12 +124,12 @@ def shared_splits(B: int, Hkv: int, max_pages: int, staged: bool, device, warps:
 def shared_codebooks_pay(B: int, Hkv: int, max_pages: int, staged: bool, device, warps: int = DEFAULT_WARPS,
                          max_registers: int | None = SHARED_MAX_REGISTERS) -> bool:
     """Whether the shared-codebook kernel is the default: where the one-warp kernel's launch (its split
-    count at DEFAULT_MAX_REGISTERS) would fill a wave of the device (Launch.fills_wave's rule: the CTAs'
+    count at DEFAULT_MAX_REGISTERS) would fill a wave of the device (launch.fills_wave: the CTAs'
     codebook copies then overlap other CTAs' pages), or where a CTA's splits read at least as many page
     bytes as the codebooks it copies (at (1, 128k) 11 pages a split; at (1, 4k) two, 19 kB of pages a CTA
     against its 64 kB copy, where the one-warp kernel is 1.5x faster)."""
     wave = sm_count(device) * programs_per_sm(DEFAULT_MAX_REGISTERS)
-    if B * Hkv * (default_num_splits(B, Hkv, max_pages, int(staged), wave) + int(staged) + 1) > wave:
+    if fills_wave(B * Hkv, default_num_splits(B, Hkv, max_pages, int(staged), wave) + int(staged), wave):
         return True
     splits = shared_splits(B, Hkv, max_pages, staged, device, warps, shared_ctas_per_sm(warps, max_registers))
     return warps * -(-max_pages // splits) * VQFragmentPages.kernel_bytes_per_page_head() >= CODEBOOK_BYTES

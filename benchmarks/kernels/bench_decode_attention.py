@@ -611,6 +611,16 @@ GLUON_KIVI2_REGISTER_CAPS = (0, 200)  # kivi2's: 168 by default (12 programs an 
 TIERED_FP8_SHARE = 0.15  # pages in FP8 in the tiered benchmark's cache (its default tier1_fraction)
 
 
+def random_vq_calibration() -> Path:
+    """A vq calibration fitted on Gaussian pages of this benchmark's heads (random_calibration), in a
+    fresh temporary folder named vqcal* (the result file records it as random by that name)."""
+    import tempfile
+
+    from moekv.kvcache.formats.vq import random_calibration
+
+    return random_calibration(Path(tempfile.mkdtemp(prefix="vqcal")), NUM_KV_HEADS, HEAD_DIM)
+
+
 def fp8_page(i: int, share: float) -> bool:
     """Whether a sequence's i-th full page is in FP8 in the tiered benchmark's cache: at the default
     share the pages whose index is 3, 10, 16, ... of 20 (spread over the context), at another share
@@ -791,12 +801,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention: needs a CUDA device")
     if args.vq_calibration is None and any(FORMATS[f][0] == "vq" for f in args.formats if f in FORMATS):
-        import tempfile
-
-        from moekv.kvcache.formats.vq import random_calibration
-
         t0 = time.time()
-        args.vq_calibration = random_calibration(Path(tempfile.mkdtemp(prefix="vqcal")), NUM_KV_HEADS, HEAD_DIM)
+        args.vq_calibration = random_vq_calibration()
         print(f"vq: random calibration fitted in {time.time() - t0:.1f} s ({args.vq_calibration})", flush=True)
     args.swap_ab = [None if v == "spec" else v == "1" for v in (args.swap_ab or ["spec"])]
     args.max_registers = [{"spec": None, "none": 0}.get(v) if v in ("spec", "none") else int(v)

@@ -32,9 +32,9 @@ from bench_decode_attention import (  # noqa: E402
     FORMATS,
     HEAD_DIM,
     NUM_HEADS,
-    NUM_KV_HEADS,
     build_cache,
     build_tiered_cache,
+    random_vq_calibration,
 )
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
@@ -60,12 +60,7 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     name, options = FORMATS[args.format]
     if name == "vq":
-        import tempfile
-
-        from moekv.kvcache.formats.vq import random_calibration
-
-        options = {**options, "calibration": random_calibration(tempfile.mkdtemp(prefix="vqcal"), NUM_KV_HEADS,
-                                                                HEAD_DIM)}
+        options = {**options, "calibration": random_vq_calibration()}
     if args.kernel == "gluon":
         run = gluon_attend(name, options, args, device, gen)
     elif name == "tiered":

@@ -1,4 +1,4 @@
-"""How the Gluon kernels' split references (nuq2, int4, kivi2 *_decode_split_reference) walk a
+"""How the Gluon kernels' split references (the *_decode_split_reference of nuq2, int4, kivi2, vq, tiered) walk a
 sequence, as the kernels do: tokens [0, quantized) from pages, the rest from the 16-bit tail; the
 window's oldest token; the splits' contiguous page ranges (pages wholly before the window skipped);
 a page range's invalid positions; the staged tail's scores; one split's softmax partial; and the whole

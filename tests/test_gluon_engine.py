@@ -1,4 +1,4 @@
-"""int4, kivi2, nuq2 and vq pools in their Gluon kernels' fragment order (MOEKV_DECODE_KERNEL;
+"""int4, kivi2, nuq2, vq and fp8_e4m3 pools in their Gluon kernels' fragment order (MOEKV_DECODE_KERNEL;
 base.FragmentPagedFormat), and tiered's (its FP8 codes reordered, its low tier in nuq2's tables):
 pages converted when written hold exactly what the slab pools hold, read back and attend the same
 (CPU: the reference path over both, kivi2's residual ring and tiered's page masses included); on a GPU
@@ -24,11 +24,12 @@ FORMATS = {
     "nuq2": ({"codebook": "page"}, True, lambda pool: int(pool["k_used"].sum()) > 0),  # outlier slots in use
     "kivi2": ({}, False, lambda pool: "k_residual" in pool.tensors),  # the ring beside the fragment tables
     "vq": ({}, False, lambda pool: pool["k_tok_scale"].float().abs().sum() > 0),  # token scales written
+    "fp8_e4m3": ({}, True, lambda pool: bool(pool["k_slabs"][:6, :, P * D:].any())),  # row scales in the slabs
 }
 # an uncovered shape's format and the message naming what the kernel covers (beyond block_size/head_dim)
 UNCOVERED = {"int4": ({"group_size": 64}, "group_size 32"), "kivi2": ({"group_size": 64}, "group 32")}
 # (format, kivi2's residual window R): the attention cases
-ATTEND = [("int4", None), ("nuq2", None), ("kivi2", 0), ("kivi2", 128), ("vq", None)]
+ATTEND = [("int4", None), ("nuq2", None), ("kivi2", 0), ("kivi2", 128), ("vq", None), ("fp8_e4m3", None)]
 
 
 @functools.cache
@@ -60,7 +61,7 @@ def decode_ctx(context_lens, slots, tables, device="cpu"):
 
 
 def layout(name):
-    return importlib.import_module(f"moekv.ops.gluon.{name}_layout")
+    return importlib.import_module(f"moekv.ops.gluon.{name.removesuffix('_e4m3')}_layout")
 
 
 def filled_pools(monkeypatch, name, choice, device="cpu", dtype=torch.float32, residual=None):
@@ -132,7 +133,7 @@ def test_fragment_pools_attend_as_slab_pools(monkeypatch, name, residual, window
 def test_fragment_pool_accounting_and_choice(monkeypatch, name):
     options = format_options(name)
     fmt = get_kv_format(name, torch.float32, **options)
-    if name == "kivi2":  # the same bytes as the slabs, reordered
+    if name in ("kivi2", "fp8_e4m3"):  # the same bytes as the slabs, reordered
         monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
         assert fmt.page_bytes(H, P, D) == H * layout(name).fragment_bytes_per_page_head(fmt)
     monkeypatch.setenv("MOEKV_DECODE_KERNEL", "gluon")
@@ -164,13 +165,14 @@ def test_gpu_engine_attend_takes_the_gluon_kernel(monkeypatch, name, residual, w
     """On CUDA a decode step over a fragment-order pool runs the Gluon kernel (staged tail, and
     kivi2's ring, as its extra split): it matches the reference path over the same pool and the
     Triton kernel over slabs."""
-    gluon_decode = importlib.import_module(f"moekv.ops.gluon.{name}_decode")
+    kernel = name.removesuffix("_e4m3")  # fp8_e4m3's modules are fp8_*
+    gluon_decode = importlib.import_module(f"moekv.ops.gluon.{kernel}_decode")
     fmt_f, frag = filled_pools(monkeypatch, name, "gluon", "cuda", torch.bfloat16, residual)
     fmt_s, slabs = filled_pools(monkeypatch, name, "triton", "cuda", torch.bfloat16, residual)
     ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
     q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
     calls = []
-    entry = f"{name}_decode_attention"
+    entry = f"{kernel}_decode_attention"
     real = getattr(gluon_decode, entry)
     monkeypatch.setattr(gluon_decode, entry, lambda *a, **k: calls.append(1) or real(*a, **k))
     out = fmt_f.attend(q, frag, ctx, D ** -0.5, window)
@@ -233,8 +235,8 @@ def tiered_pools(monkeypatch, choice, device="cpu", dtype=torch.float32):
 
 
 def test_tiered_fragment_pools_hold_what_slab_pools_hold(monkeypatch):
+    from moekv.ops.gluon.fp8_layout import slabs_from_fragment
     from moekv.ops.gluon.nuq2_layout import FRAGMENT_FIELDS, to_fragment_order
-    from moekv.ops.gluon.tiered_layout import slabs_from_fragment
 
     fmt_s, slabs = tiered_pools(monkeypatch, "triton")
     fmt_f, frag = tiered_pools(monkeypatch, "gluon")
@@ -289,7 +291,10 @@ def test_tiered_fragment_pool_accounting_and_choice(monkeypatch):
 
 def test_auto_on_an_sm90_device_picks_the_validated_kernels(monkeypatch):
     """The default, 'auto', on an sm_90 GPU (its queries faked here): fragment order for the covered
-    shapes of int4, kivi2, nuq2, vq and tiered (page codebooks), slabs for other shapes and calibrated tiered."""
+    shapes of int4, kivi2, nuq2, vq and tiered (page codebooks), slabs for other shapes and calibrated tiered;
+    fp8_e4m3 only while its Gluon kernel is its default (fp8.GLUON_BY_DEFAULT)."""
+    from moekv.kvcache.formats.fp8 import GLUON_BY_DEFAULT
+
     pytest.importorskip("triton.experimental.gluon")
     monkeypatch.delenv("MOEKV_DECODE_KERNEL", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -298,6 +303,7 @@ def test_auto_on_an_sm90_device_picks_the_validated_kernels(monkeypatch):
         fmt = get_kv_format(name, torch.bfloat16, **options)
         assert fmt.fragment_pages(P, D, "cuda"), name
         assert not fmt.fragment_pages(32, D, "cuda"), name
+    assert get_kv_format("fp8_e4m3", torch.bfloat16).fragment_pages(P, D, "cuda") == GLUON_BY_DEFAULT
     tiered = get_kv_format("tiered", torch.bfloat16, codebook="page")
     assert tiered.fragment_pages(P, D, "cuda")
     assert not tiered.fragment_pages(32, D, "cuda")

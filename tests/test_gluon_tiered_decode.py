@@ -1,4 +1,4 @@
-"""tiered's Gluon decode path (moekv/ops/gluon/tiered_decode.py, tiered_kernel.py, tiered_layout.py).
+"""tiered's Gluon decode path (moekv/ops/gluon/tiered_decode.py, tiered_kernel.py, fp8_layout.py).
 On CPU: the FP8 fragment order (a bijection that puts every code in the lane whose mma A fragment
 holds it, and back), the split reference (FP8 and nuq2 pages behind one block table, the per-page
 attention mass, the staged 16-bit tail of tiered's rule, sliding windows) against dense attention
@@ -13,10 +13,7 @@ import torch
 
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
-from moekv.ops.gluon.nuq2_decode import reduce_partials
-from moekv.ops.gluon.nuq2_layout import to_fragment_order
-from moekv.ops.gluon.tiered_decode import page_mass, tiered_decode_split_reference
-from moekv.ops.gluon.tiered_layout import (
+from moekv.ops.gluon.fp8_layout import (
     CODE_BYTES,
     ELEMENT_OF_BYTE,
     FP8_FRAGMENT_VERSION,
@@ -24,6 +21,9 @@ from moekv.ops.gluon.tiered_layout import (
     slabs_from_fragment,
     slabs_to_fragment,
 )
+from moekv.ops.gluon.nuq2_decode import reduce_partials
+from moekv.ops.gluon.nuq2_layout import to_fragment_order
+from moekv.ops.gluon.tiered_decode import page_mass, tiered_decode_split_reference
 from moekv.ops.reference import decode_attention_ref
 from tests.gluon_cases import (
     GPU,

@@ -18,9 +18,9 @@ reference on the first sequence.
         --out /tmp/decode_attention_nuq2_variants.json   # nuq2 kernel variants side by side (a side study)
     python benchmarks/kernels/bench_decode_attention.py --formats nuq2 int4 kivi2 tiered --kernel triton gluon
         # the Triton and Gluon kernels side by side (rows nuq2, nuq2_gluon, int4, int4_gluon, kivi2, kivi2_gluon,
-        # tiered, tiered_gluon: bench_tiered_gluon; vq, vq_gluon)
+        # tiered, tiered_gluon: bench_tiered_gluon; vq, vq_gluon; fp8_e4m3, fp8_e4m3_gluon)
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 tiered --kernel triton gluon \
-        --tiered-fp8-share 1.0   # every tiered page in FP8: the Gluon tiered kernel's FP8 path beside fp8_e4m3's
+        --tiered-fp8-share 1.0   # every tiered page in FP8: fp8_e4m3's Triton and Gluon kernels, tiered's FP8 path
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer
         # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
@@ -421,8 +421,8 @@ def timed_and_checked(row: dict, run, ref, base: dict, nbytes: int, args) -> Non
 
 
 def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> dict:
-    """nuq2, int4, kivi2 or vq through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: pools in fragment
-    order, KVFormat.attend -> moekv/ops/gluon/{nuq2,int4,kivi2,vq}_decode.py, the staged tail (kivi2: and its
+    """nuq2, int4, kivi2, vq or fp8_e4m3 through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: pools in
+    fragment order, KVFormat.attend -> moekv/ops/gluon/<format>_decode.py, the staged tail (kivi2: and its
     residual ring) as the launch's extra split, the default split count), timed and checked as the Triton
     rows are: row `<label>_gluon`."""
     from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages
@@ -450,6 +450,11 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
         used = None
         first_page = torch.zeros(1, dtype=torch.long, device=device)
         per_page_head = fragment_view(cache, first_page).kernel_bytes_per_page_head()
+    elif "k_slabs" in cache.tensors:  # fp8_e4m3: its slabs (codes and row scales), in fragment order
+        from moekv.ops.gluon.fp8_layout import fragment_bytes_per_page_head
+
+        used = None
+        per_page_head = fragment_bytes_per_page_head(fmt)
     elif "k_tok_scale" in cache.tensors:  # vq: codes, token scales and key means (the codebooks mostly from L2)
         from moekv.ops.gluon.vq_layout import VQFragmentPages
 
@@ -485,6 +490,14 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
                                                                scale, max_registers=cap, staged=staged)
                 caps[str(cap)] = timer(launch, args.cudagraph)
             row["max_registers_ms"] = caps
+        elif "k_slabs" in cache.tensors:  # fp8_e4m3: the other choice of the steps' prefetch
+            from moekv.ops.gluon.fp8_decode import DEFAULT_PREFETCH, fp8_decode_attention
+
+            frag = fmt.fragment_view(cache)
+            staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
+            row["prefetch_ms"] = {str(not DEFAULT_PREFETCH): timer(
+                lambda: fp8_decode_attention(q, frag, ctx.block_tables, ctx.context_lens, scale, staged=staged,
+                                             prefetch=not DEFAULT_PREFETCH), args.cudagraph)}
         elif "k_tok_scale" in cache.tensors:  # vq: where the codebooks are read, warps a CTA, register caps
             from moekv.ops.gluon.vq_decode import vq_decode_attention
 
@@ -598,6 +611,7 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     return row
 
 
+GLUON_FORMATS = ("nuq2", "int4", "kivi2", "tiered", "vq", "fp8_e4m3")  # formats with a Gluon kernel (--kernel gluon)
 GLUON_TIERED_REGISTER_CAPS = (168, 0)  # tiered's: 185 registers uncapped (0), 168 no spills, 128 (default) 192 B stack
 GLUON_INT4_REGISTER_CAPS = (200, 168)  # int4's Gluon kernel: 255 registers uncapped (8 programs an SM)
 # vq's codebooks: global (one-warp programs, L1/L2 gathers, cap 128) or shared by the warps of a CTA
@@ -837,7 +851,7 @@ def main() -> None:
                 rows.append(row)
                 print_row(row)
         for label in args.formats:
-            gluon = FORMATS[label][0] in ("nuq2", "int4", "kivi2", "tiered", "vq") and label not in NUQ2_VARIANTS
+            gluon = FORMATS[label][0] in GLUON_FORMATS and label not in NUQ2_VARIANTS
             if "triton" in args.kernel or not gluon:
                 row = bench_format(label, batch, context, args, device, gen, bandwidth, base)
                 rows.append(row)

@@ -592,7 +592,7 @@ class FragmentPagedFormat(PagedQuantFormat):
         slabs: the base class's."""
         if not self.is_fragment_pool(cache):
             return super().attend(q, cache, ctx, scale, sliding_window)
-        G = q.shape[1] // cache["k_codes"].shape[1]
+        G = q.shape[1] // cache["k_staging"].shape[1]
         if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in (1, 2, 4, 8)
                 and _is_decode_only(q, ctx)):
             return self.gluon_decode(q, cache, ctx, scale, sliding_window,
@@ -619,12 +619,13 @@ def decode_kernel(choice: str):
             os.environ[DECODE_KERNEL_ENV] = saved
 
 
-def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: str) -> bool:
+def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: str, by_default: bool = True) -> bool:
     """Whether a format's pools of a shape keep their pages in a Gluon decode kernel's fragment order
     (moekv/ops/gluon/), by MOEKV_DECODE_KERNEL: 'triton' (slabs, the Triton kernel), 'gluon' (fragment
     order wherever the shape is `covered`, CPU included: there the reference path reads it; a ValueError
     naming `what` the kernel covers otherwise), 'auto' (fragment order on sm_90 CUDA devices with Gluon
-    for covered shapes; slabs elsewhere; the default)."""
+    for covered shapes of a format whose Gluon kernel is its default, `by_default`; slabs elsewhere; the
+    default)."""
     choice = os.environ.get(DECODE_KERNEL_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
     if choice not in ("auto", "triton", "gluon"):
         raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected 'auto', 'triton' or 'gluon'")
@@ -634,7 +635,7 @@ def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: s
         if not covered:
             raise ValueError(f"{DECODE_KERNEL_ENV}=gluon: {what}")
         return True
-    if not covered or not torch.cuda.is_available():
+    if not (covered and by_default) or not torch.cuda.is_available():
         return False
     device = torch.device("cuda") if device is None else torch.device(device)
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):

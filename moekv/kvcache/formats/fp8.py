@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, PagedQuantFormat, PageLayout, per_shape
+from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 
 
-class FP8Format(PagedQuantFormat):
+# whether MOEKV_DECODE_KERNEL=auto gives fp8_e4m3 pools the Gluon kernel's fragment order on sm_90
+# ('gluon' always does for covered shapes): not until a benchmark shows it beating the Triton kernel
+GLUON_BY_DEFAULT = False
+
+
+class FP8Format(FragmentPagedFormat):
     name = "fp8_e4m3"
 
     @per_shape
@@ -44,3 +49,28 @@ class FP8Format(PagedQuantFormat):
         from moekv.ops.decode.fp8 import fp8_spec
 
         return fp8_spec(self, block_size, head_dim)
+
+    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/fp8_layout.py) ---------------------------
+    fragment_marker = "k_slabs"
+
+    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
+        """Whether pools of this shape keep their slabs with the codes in the Gluon fp8 kernel's fragment
+        order (fp8_layout.py): MOEKV_DECODE_KERNEL 'gluon', or 'auto' on sm_90 once GLUON_BY_DEFAULT
+        (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128."""
+        covered = (block_size, head_dim) == (64, 128)
+        return gluon_pages_wanted(covered, device, "fp8_e4m3's Gluon kernel covers block_size 64, head_dim 128, "
+                                  f"got {block_size} and {head_dim}", by_default=GLUON_BY_DEFAULT)
+
+    def fragment_layout(self):
+        from moekv.ops.gluon import fp8_layout
+
+        return fp8_layout
+
+    def fragment_view(self, cache, page_ids=None):
+        return self.fragment_layout().fragment_view(self, cache, page_ids)
+
+    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
+        from moekv.ops.gluon.fp8_decode import fp8_decode_attention
+
+        return fp8_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
+                                    staged=staged, sliding_window=sliding_window)

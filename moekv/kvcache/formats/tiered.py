@@ -182,7 +182,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
         """Whether pools of this shape keep their pages in the Gluon tiered kernel's orders (the low
         tier in nuq2's fragment tables, moekv/ops/gluon/nuq2_layout.py; the FP8 slabs with their codes
-        in FP8 fragment order, tiered_layout.py), so that decode steps take that kernel:
+        in FP8 fragment order, fp8_layout.py), so that decode steps take that kernel:
         MOEKV_DECODE_KERNEL 'auto' on sm_90 or 'gluon' (base.gluon_pages_wanted). Covered: block_size 64,
         head_dim 128, page codebooks (calibrated ones keep slabs and the reference path)."""
         covered = (block_size, head_dim) == (64, 128) and not self.lo.calibrated
@@ -196,12 +196,12 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     def tier_tables(self, cache, pool: str, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Freshly packed slabs [n, Hkv, slab] of one tier (`pool`: 'fp8' or 'low') as the rows of the
         cache tensors they fill: the slabs themselves, or in a fragment-order pool the FP8 codes
-        reordered (tiered_layout.py) and the low tier's nuq2 fragment tables (nuq2_layout.py)."""
+        reordered (fp8_layout.py) and the low tier's nuq2 fragment tables (nuq2_layout.py)."""
         name = "k" if kind == "key" else "v"
         if not self.is_fragment_pool(cache):
             return {f"{name}_{pool}": slabs}
         if pool == "fp8":
-            from moekv.ops.gluon.tiered_layout import slabs_to_fragment
+            from moekv.ops.gluon.fp8_layout import slabs_to_fragment
 
             return {f"{name}_fp8": slabs_to_fragment(self.hi, kind, slabs)}
         from moekv.ops.gluon.nuq2_layout import kind_to_fragment
@@ -218,7 +218,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         name = "k" if kind == "key" else "v"
         slabs = cache[f"{name}_fp8"][slots]
         if self.is_fragment_pool(cache):
-            from moekv.ops.gluon.tiered_layout import dequantize_fragment_slabs
+            from moekv.ops.gluon.fp8_layout import dequantize_fragment_slabs
 
             return dequantize_fragment_slabs(self.hi, kind, slabs)
         P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
@@ -280,10 +280,10 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             if not fragment:
                 t[f"{name}_low"] = torch.zeros(num_blocks, num_kv_heads, lo, dtype=torch.uint8, device=device)
         if fragment:  # nuq2's fragment tables for the low tier; FP8 codes in fragment order (zeros stay zeros)
-            from moekv.ops.gluon import nuq2_layout, tiered_layout
+            from moekv.ops.gluon import fp8_layout, nuq2_layout
 
             t.update(nuq2_layout.allocate_fragment_tables(self.lo, num_blocks, num_kv_heads, device))
-            tiered_layout.prepare_device(device)
+            fp8_layout.prepare_device(device)
         return LayerKVCache(t, nonfinite=torch.zeros((), dtype=torch.bool, device=device),
                             state=TieredState.empty(num_blocks, num_fp8, max_num_seqs, device))
 

@@ -12,11 +12,11 @@ Staged = tuple  # (k_stage [S, Hkv, 64, 128], v_stage, seq_slots [B])
 def check_inputs(q: torch.Tensor, frag, block_tables: torch.Tensor, context_lens: torch.Tensor, num_splits: int,
                  fmt: str = "nuq2") -> tuple[int, int, int]:
     """(B, Hkv, G), or ValueError naming what does not fit; frag: a format's fragment pages (their
-    k_codes [N, Hkv, ...]), fmt: its name in the messages."""
+    num_kv_heads, or k_codes [N, Hkv, ...]), fmt: its name in the messages."""
     if q.dim() != 3 or q.shape[2] != HEAD_DIM:
         raise ValueError(f"{fmt} Gluon decode: q must be [B, Hq, head_dim={HEAD_DIM}], got {tuple(q.shape)}")
     B, Hq, _ = q.shape
-    Hkv = frag.k_codes.shape[1]
+    Hkv = frag.num_kv_heads if hasattr(frag, "num_kv_heads") else frag.k_codes.shape[1]
     G = Hq // Hkv
     if G * Hkv != Hq or G > MMA_N or G & (G - 1):
         raise ValueError(f"{fmt} Gluon decode: needs Hq = G * Hkv with G in 1, 2, 4, 8 (Hq={Hq}, Hkv={Hkv})")

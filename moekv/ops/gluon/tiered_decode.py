@@ -5,7 +5,7 @@ A tiered layer maps each logical page (the block manager's id, what block_tables
 (`page_tier` [N] int32: 1 FP8, 2 nuq2, 0 none) and, for FP8, a slot in the FP8 pool (`page_slot`
 [N]). In fragment order the low tier is nuq2's fragment tables over all N logical pages
 (nuq2_layout.Nuq2FragmentPages, page codebooks) and the FP8 tier fp8_e4m3 slabs [F, Hkv, slab] with
-their codes in FP8 fragment order (tiered_layout.py). The kernel (tiered_kernel.py) branches per page
+their codes in FP8 fragment order (fp8_layout.py). The kernel (tiered_kernel.py) branches per page
 on the tier: nuq2 pages as nuq2's Gluon kernel computes them, FP8 pages as e4m3 codes converted in
 registers with their row scales; the staged tail (tiered stages only the partly filled newest page:
 tokens from (len // 64) * 64 on) is one more split, and sliding windows skip and mask as nuq2's do.
@@ -28,6 +28,7 @@ import torch
 
 from moekv.ops.decode.common import LOG2E
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
+from moekv.ops.gluon.fp8_layout import dequantize_fragment_slabs, scale_offset
 from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, reduce_on_device, register_cap
 from moekv.ops.gluon.nuq2_decode import DEFAULT_SLOT_CHUNK0
 from moekv.ops.gluon.nuq2_layout import (
@@ -38,7 +39,6 @@ from moekv.ops.gluon.nuq2_layout import (
     dequantize_fragment,
 )
 from moekv.ops.gluon.splits import masked, split_ranges, staged_scores, window_start
-from moekv.ops.gluon.tiered_layout import dequantize_fragment_slabs, scale_offset
 
 TIER_FP8 = 1  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
 # an FP8 page's steps without the next step's loads in flight (unmeasured: bench_decode_attention's

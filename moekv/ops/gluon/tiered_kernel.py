@@ -1,5 +1,5 @@
 """The Gluon kernel of tiered decode attention: FP8 pages and nuq2 pages in one launch, per-page
-attention mass out (see tiered_decode.py for the reference and the launcher, tiered_layout.py and
+attention mass out (see tiered_decode.py for the reference and the launcher, fp8_layout.py and
 nuq2_layout.py for the two fragment orders it reads).
 
 nuq2_kernel.py's design (one warp per program (b * Hkv + h, split), one 64-token page per tile,

@@ -37,7 +37,7 @@ from moekv.ops.gluon.launch import (
     register_cap,
 )
 from moekv.ops.gluon.splits import split_reference
-from moekv.ops.gluon.vq_layout import VQFragmentPages, codewords, mean_by_channel
+from moekv.ops.gluon.vq_layout import CODEWORDS, GROUPS, SUB, VQFragmentPages, codewords, mean_by_channel
 
 # ptxas's register cap: 128 (16 one-warp programs an SM, ~150 spill instructions in the page loop, to L1)
 # was 3% and 7% faster than uncapped (185 registers) at (16, 32k) and (64, 32k) on an H100, 2% at (1, 128k):
@@ -52,7 +52,7 @@ DEFAULT_WARPS = 4
 SHARED_MAX_REGISTERS = 168
 KERNEL_DEFAULT = -1  # max_registers: the chosen kernel's default cap
 SHARED_MEMORY_PER_SM = 228 * 1024  # sm_90 (H100, H200); sm_80's is 164 kB
-CODEBOOK_BYTES = 64 * 1024  # a head's key and value codebooks, e4m3
+CODEBOOK_BYTES = 2 * GROUPS * CODEWORDS * SUB  # a head's key and value codebooks, e4m3: 64 kB
 CTA_SHARED_BYTES = CODEBOOK_BYTES + 1024  # and the 1 kB the driver reserves a CTA
 # where the kernel reads the codebooks: 'global' (vq_kernel), 'shared' (vq_smem_kernel, CTAs of
 # DEFAULT_WARPS warps sharing a head's codebooks) or None: shared_codebooks_pay's choice. On an H200,
@@ -122,16 +122,18 @@ def shared_splits(B: int, Hkv: int, max_pages: int, staged: bool, device, warps:
 
 
 def shared_codebooks_pay(B: int, Hkv: int, max_pages: int, staged: bool, device, warps: int = DEFAULT_WARPS,
-                         max_registers: int | None = SHARED_MAX_REGISTERS) -> bool:
+                         max_registers: int | None = SHARED_MAX_REGISTERS, splits: int | None = None) -> bool:
     """Whether the shared-codebook kernel is the default: where the one-warp kernel's launch (its split
     count at DEFAULT_MAX_REGISTERS) would fill a wave of the device (launch.fills_wave: the CTAs'
     codebook copies then overlap other CTAs' pages), or where a CTA's splits read at least as many page
     bytes as the codebooks it copies (at (1, 128k) 11 pages a split; at (1, 4k) two, 19 kB of pages a CTA
-    against its 64 kB copy, where the one-warp kernel is 1.5x faster)."""
+    against its 64 kB copy, where the one-warp kernel is 1.5x faster). splits: the shared kernel's split
+    count if the caller has it (shared_splits)."""
     wave = sm_count(device) * programs_per_sm(DEFAULT_MAX_REGISTERS)
     if fills_wave(B * Hkv, default_num_splits(B, Hkv, max_pages, int(staged), wave) + int(staged), wave):
         return True
-    splits = shared_splits(B, Hkv, max_pages, staged, device, warps, shared_ctas_per_sm(warps, max_registers))
+    if splits is None:
+        splits = shared_splits(B, Hkv, max_pages, staged, device, warps, shared_ctas_per_sm(warps, max_registers))
     return warps * -(-max_pages // splits) * VQFragmentPages.kernel_bytes_per_page_head() >= CODEBOOK_BYTES
 
 
@@ -147,10 +149,14 @@ def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: tor
     (vq_smem_kernel: CTAs of `warps` warps sharing the head's codebooks in shared memory, the tail
     split by vq_kernel in a second launch); None: shared where shared_codebooks_pay."""
     B, Hkv, G = check_launch("vq", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
+    shared_cap = SHARED_MAX_REGISTERS if max_registers == KERNEL_DEFAULT else max_registers
+    shared_ns = num_splits
+    if codebooks != "global" and num_splits is None:  # the shared kernel's split count, also what its choice weighs
+        shared_ns = shared_splits(B, Hkv, block_tables.shape[1], staged is not None, q.device, warps,
+                                  shared_ctas_per_sm(warps, shared_cap))
     if codebooks is None:
-        cap = SHARED_MAX_REGISTERS if max_registers == KERNEL_DEFAULT else max_registers
-        codebooks = "shared" if shared_codebooks_pay(B, Hkv, block_tables.shape[1], staged is not None,
-                                                     q.device, warps, cap) else "global"
+        codebooks = "shared" if shared_codebooks_pay(B, Hkv, block_tables.shape[1], staged is not None, q.device,
+                                                     warps, shared_cap, shared_ns) else "global"
     if codebooks not in ("global", "shared"):
         raise ValueError(f"vq Gluon decode: codebooks={codebooks!r}, expected 'global', 'shared' or None")
     try:
@@ -161,9 +167,8 @@ def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: tor
     shared = codebooks == "shared"
     if max_registers == KERNEL_DEFAULT:
         max_registers = SHARED_MAX_REGISTERS if shared else DEFAULT_MAX_REGISTERS
-    if shared and num_splits is None:
-        num_splits = shared_splits(B, Hkv, block_tables.shape[1], staged is not None, q.device, warps,
-                                   shared_ctas_per_sm(warps, max_registers))
+    if shared:
+        num_splits = shared_ns
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
     tables = (frag.k_codes, frag.v_codes, frag.k_tok_scale, frag.v_tok_scale, frag.k_mean, frag.k_codebook,
               frag.k_chan_scale, frag.v_codebook, q.contiguous(), block_tables, block_tables.stride(0), context_lens)

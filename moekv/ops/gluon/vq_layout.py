@@ -53,6 +53,7 @@ GROUPS = HEAD_DIM // SUB  # 16 codes a token
 CODE_BYTES = PAGE_TOKENS * GROUPS  # 1024 a page-head and kind
 CODE_WORDS = CODE_BYTES // 4
 CODEBOOK_DTYPE = torch.float8_e4m3fn  # vq's codewords are e4m3 values: 8 bytes a codeword, exact
+CODEWORDS = 256  # entries of a channel group's codebook (a uint8 code)
 
 
 def _element_of_byte(kind: str) -> torch.Tensor:

@@ -28,6 +28,7 @@ decode = dict(zip(DECODE_MODULES, kernel_modules(*DECODE_MODULES)))
 common, paged = decode["moekv.ops.decode.common"], decode["moekv.ops.decode.paged"]
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.usefixtures("triton_slab_pools")  # the Triton vq kernel reads slab pools
 
 
 def _keys(pages: torch.Tensor) -> torch.Tensor:

@@ -169,7 +169,7 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
     """The Gluon kernel's outputs (part_o, part_lse, tile_sum, tile_max), fp32 (CUDA only); with
     `staged`, split num_splits holds the 16-bit tail; without emit_mass tile_sum / tile_max are None.
     Tile entries of pages no split reads are not written. fp8_prefetch: an FP8 page's next 16-token
-    step loads while this one computes (tiered_kernel._fp8_page); smem: the nuq2 pages staged in shared
+    step loads while this one computes (fp8_kernel._fp8_page); smem: the nuq2 pages staged in shared
     memory (None: when the launch fills a wave, Launch.fills_wave)."""
     if fp8_fmt is None:
         raise ValueError("tiered Gluon decode: fp8_fmt (the FP8 tier's format, TieredFormat.hi) is required")

@@ -8,12 +8,9 @@ with a uniform branch per page on `page_tier` (1 FP8, else nuq2):
   nuq2 page: nuq2_kernel._page_tile as it is (codes looked up into the A operand, the keys' affine
     folded into q, outlier slots as one-hot products); the next page's codes load while this page
     computes (register double buffering), masked off when the next page is FP8 (no bytes read);
-  FP8 page: 4 steps of 16 tokens (K [16, 128] and V^T [128, 16] as A operands, as the staged tail is
-    read: a whole page's fp16 tiles would not fit in registers beside the prefetched nuq2 codes);
-    per step 4 + 4 128-bit loads a thread, e4m3 -> fp16 by cvt.rn.f16x2.e4m3x2 (two codes an
-    instruction, exact), S^T = K @ q^T scaled per token by the key row scales, online softmax, and
-    O^T += (V^T @ (P^T * v_scale / v_max)) * v_max (the value row scales on P's rows, normalised by
-    the step's largest so fp16 P keeps its precision: moekv/ops/decode/tiered.py does the same).
+  FP8 page: fp8_kernel._fp8_page, 4 steps of 16 tokens (K [16, 128] and V^T [128, 16] as A operands,
+    as the staged tail is read: a whole page's fp16 tiles would not fit in registers beside the
+    prefetched nuq2 codes), e4m3 converted in registers, the row scales on the scores and on P.
 Attention mass (EMIT_MASS): per page, per query head, the sum of the page's probabilities relative to
 the split's running max after it, sum_n 2^(s_n - m), and that m (tile_sum, tile_max [B, Hq, max_pages]);
 the page's probabilities are accumulated from 0 for each page (exact, not a difference of running
@@ -28,12 +25,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from moekv.ops.gluon.fp8_kernel import _fp8_page
 from moekv.ops.gluon.nuq2_kernel import (
     PAGE,
     ROWS,
     WORDS,
     _allocate_stages,
-    _as_b_operand,
     _page_tile,
     _scaled_q_and_bias,
     _split_range,
@@ -42,92 +39,6 @@ from moekv.ops.gluon.nuq2_kernel import (
 )
 
 TIER_FP8 = gl.constexpr(1)  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
-STEP_WORDS = gl.constexpr(512)  # int32 words of FP8 codes per 16-token step (4 rows of 512 bytes)
-
-
-@gluon.jit
-def _e4m3_quads(x, like):
-    """x [4, 128, 1]: int32 words of 4 e4m3 codes, broadcast to like's shape [4, 128, 4] (4 consecutive
-    register elements: one word) -> the 4 codes as fp16, byte k of the word in element k (exact)."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        constraints="=r,=r,r,r,r,r", args=[gl.broadcast(x, like)[0]], dtype=gl.float16, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _fp8_step(kx, vx, like, t, k_scale, v_scale, q_t, m_i, l_pg, acc, qk_scale, n_valid, n_first,
-              LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
-    """16 tokens t of an FP8 page: codes kx, vx int32 [4, 128, 1] (a step's 4 rows of the FP8 fragment
-    order), row scales [16] -> (m, l_pg, acc) after them (online softmax, tokens [n_first, n_valid))."""
-    # K [16, 128]: [4 rows, 128 words, 4 bytes] = (f1 f0, g q4 y3 y2, y1 y0) -> (y1 g | f1 f0 y3 y2 q4 y0)
-    kf = gl.reshape(_e4m3_quads(kx, like), [2, 2, 8, 4, 2, 2, 2, 2])
-    kf = gl.permute(kf, [6, 2, 0, 1, 4, 5, 3, 7])
-    ka = gl.convert_layout(gl.reshape(kf, [16, 128]), LA, assert_trivial=True)
-    s = gl.nvidia.ampere.mma_v2(ka, q_t, gl.zeros([16, 8], gl.float32, layout=MMA))  # S^T [16, 8]
-    s = s * gl.expand_dims(k_scale * qk_scale, 1)
-    valid = gl.expand_dims((t < n_valid) & (t >= n_first), 1)
-    s = gl.where(valid, s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - gl.expand_dims(m_new, 0))
-    l_pg = l_pg * alpha + gl.sum(p, axis=0)
-    v_max = gl.maximum(gl.max(v_scale, axis=0), 1e-30)
-    pb = _as_b_operand((p * gl.expand_dims(v_scale / v_max, 1)).to(gl.float16), 16, LB)
-    # V^T [128, 16]: (f1 f0, g q4 y3 y2, y1 y0) -> (f1 f0 y3 y1 g | y2 q4 y0)
-    vf = gl.reshape(_e4m3_quads(vx, like), [2, 2, 8, 4, 2, 2, 2, 2])
-    vf = gl.permute(vf, [0, 1, 4, 6, 2, 5, 3, 7])
-    va = gl.convert_layout(gl.reshape(vf, [128, 16]), LA, assert_trivial=True)
-    acc = acc * gl.expand_dims(alpha, 0) + gl.nvidia.ampere.mma_v2(va, pb, gl.zeros([128, 8], gl.float32,
-                                                                                     layout=MMA)) * v_max
-    return m_new, l_pg, acc
-
-
-@gluon.jit
-def _fp8_page(kf_w, vf_w, kf_h, vf_h, word0, half0, F_KS: gl.constexpr, F_VS: gl.constexpr, q_t, m_i, acc,
-              qk_scale, n_valid, n_first, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr,
-              L3: gl.constexpr, FP8_PREFETCH: gl.constexpr):
-    """One FP8 page (codes in FP8 fragment order at word0 of the int32 views, row scales at half0 +
-    F_KS / F_VS of the fp16 views), tokens [n_first, n_valid) counted, 16 a step (steps without one
-    skipped) -> (m, the page's probabilities relative to m, acc). FP8_PREFETCH: the next step's codes
-    load while this step computes (register double buffering: loop-carried, so ptxas cannot sink the
-    loads to their use, as it does without, below the key half), at 32 more registers."""
-    rr = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    ww = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    off = rr[:, None] * 128 + ww[None, :]  # [4, 128]: row r at word 128 r (2-D: the words' order vectorizes)
-    like = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
-    tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    l_pg = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-    lo = gl.maximum(n_first, 0) // 16
-    hi = gl.minimum((n_valid + 15) // 16, 4)  # steps [lo, hi) hold a counted token (the page holds one)
-    if FP8_PREFETCH:
-        kx = gl.load(kf_w + word0 + lo * STEP_WORDS + off)
-        vx = gl.load(vf_w + word0 + lo * STEP_WORDS + off)
-        for i in range(lo, hi):
-            more = (off < STEP_WORDS) & (i + 1 < hi)
-            kx_n = gl.load(kf_w + word0 + (i + 1) * STEP_WORDS + off, mask=more, other=0)
-            vx_n = gl.load(vf_w + word0 + (i + 1) * STEP_WORDS + off, mask=more, other=0)
-            t = i * 16 + tok
-            k_scale = gl.load(kf_h + half0 + F_KS // 2 + t).to(gl.float32)
-            v_scale = gl.load(vf_h + half0 + F_VS // 2 + t).to(gl.float32)
-            m_i, l_pg, acc = _fp8_step(gl.expand_dims(kx, 2), gl.expand_dims(vx, 2), like, t, k_scale, v_scale,
-                                       q_t, m_i, l_pg, acc, qk_scale, n_valid, n_first, LA, LB, MMA)
-            kx = kx_n
-            vx = vx_n
-    else:
-        for i in range(lo, hi):
-            kx = gl.expand_dims(gl.load(kf_w + word0 + i * STEP_WORDS + off), 2)  # [4, 128, 1]
-            vx = gl.expand_dims(gl.load(vf_w + word0 + i * STEP_WORDS + off), 2)
-            t = i * 16 + tok
-            k_scale = gl.load(kf_h + half0 + F_KS // 2 + t).to(gl.float32)
-            v_scale = gl.load(vf_h + half0 + F_VS // 2 + t).to(gl.float32)
-            m_i, l_pg, acc = _fp8_step(kx, vx, like, t, k_scale, v_scale, q_t, m_i, l_pg, acc, qk_scale, n_valid,
-                                       n_first, LA, LB, MMA)
-    return m_i, l_pg, acc
 
 
 @gluon.jit

@@ -61,6 +61,17 @@ def fp8_decode_split_reference(q: torch.Tensor, frag: FP8FragmentPages, block_ta
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
+def fp8_pool_args(what: str, fmt, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], dict]:
+    """What a kernel reading FP8 pages (_fp8_page: this module's kernel, tiered's) takes of pools k, v
+    [N, H, slab] uint8 of fmt's slabs: their int32 and fp16 views (kf_w, vf_w, kf_h, vf_h) and the
+    constexprs FW (int32 words a slab), F_KS, F_VS (the row scales' byte offsets); ValueError naming
+    `what` unless the pools are contiguous uint8 with slabs of whole words."""
+    if k.dtype != torch.uint8 or k.shape[2] % 4 or not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError(f"{what}: FP8 pools must be contiguous uint8 with slabs of whole words")
+    views = (k.view(torch.int32), v.view(torch.int32), k.view(torch.float16), v.view(torch.float16))
+    return views, {"FW": k.shape[2] // 4, "F_KS": scale_offset(fmt, "key"), "F_VS": scale_offset(fmt, "value")}
+
+
 def fp8_decode_partials(q: torch.Tensor, frag: FP8FragmentPages, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                         max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
@@ -69,21 +80,17 @@ def fp8_decode_partials(q: torch.Tensor, frag: FP8FragmentPages, block_tables: t
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
     num_splits holds the 16-bit tail. max_registers: ptxas's cap (None: its choice)."""
     B, Hkv, G = check_launch("fp8_e4m3", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
-    k, v = frag.k_slabs, frag.v_slabs
-    if k.dtype != torch.uint8 or k.shape[2] % 4 or not (k.is_contiguous() and v.is_contiguous()):
-        raise ValueError("fp8_e4m3 Gluon decode: pools must be contiguous uint8 with slabs of whole words")
+    pools, pool_constants = fp8_pool_args("fp8_e4m3 Gluon decode", frag.fmt, frag.k_slabs, frag.v_slabs)
     try:
         from moekv.ops.gluon.fp8_kernel import fp8_decode_kernel
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("fp8_e4m3", e) from e
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
     fp8_decode_kernel[run.grid](
-        k.view(torch.int32), v.view(torch.int32), k.view(torch.float16), v.view(torch.float16),
-        q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
+        *pools, q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
         run.k_stage, run.v_stage, *run.stage_strides,
         run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
-        HKV=Hkv, G=G, STAGED=staged is not None, FW=k.shape[2] // 4, F_KS=scale_offset(frag.fmt, "key"),
-        F_VS=scale_offset(frag.fmt, "value"), FP8_PREFETCH=bool(prefetch), num_warps=1,
+        HKV=Hkv, G=G, STAGED=staged is not None, FP8_PREFETCH=bool(prefetch), num_warps=1, **pool_constants,
         **register_cap(max_registers))
     return run.part_o, run.part_lse
 

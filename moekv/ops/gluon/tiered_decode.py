@@ -28,7 +28,8 @@ import torch
 
 from moekv.ops.decode.common import LOG2E
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
-from moekv.ops.gluon.fp8_layout import dequantize_fragment_slabs, scale_offset
+from moekv.ops.gluon.fp8_decode import fp8_pool_args
+from moekv.ops.gluon.fp8_layout import dequantize_fragment_slabs
 from moekv.ops.gluon.launch import check_launch, gluon_missing, plan_launch, reduce_on_device, register_cap
 from moekv.ops.gluon.nuq2_decode import DEFAULT_SLOT_CHUNK0
 from moekv.ops.gluon.nuq2_layout import (
@@ -175,8 +176,7 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
         raise ValueError("tiered Gluon decode: fp8_fmt (the FP8 tier's format, TieredFormat.hi) is required")
     B, Hkv, G = check_launch("tiered", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     _check_tiers(frag, k_fp8, v_fp8, page_tier, page_slot)
-    if k_fp8.dtype != torch.uint8 or k_fp8.shape[2] % 4 or not (k_fp8.is_contiguous() and v_fp8.is_contiguous()):
-        raise ValueError("tiered Gluon decode: FP8 pools must be contiguous uint8 with slabs of whole words")
+    fp8_pools, fp8_constants = fp8_pool_args("tiered Gluon decode", fp8_fmt, k_fp8, v_fp8)
     try:
         from moekv.ops.gluon.tiered_kernel import tiered_decode_kernel
     except ImportError as e:  # Triton without Gluon
@@ -194,14 +194,12 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
         frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
         frag.k_mean, frag.k_scale, frag.k_out_idx, frag.k_slot_delta, frag.k_used,
         frag.v_out_idx, frag.v_slot_delta, frag.v_used, frag.k_out_idx.shape[2], frag.v_out_idx.shape[2],
-        k_fp8.view(torch.int32), v_fp8.view(torch.int32), k_fp8.view(torch.float16), v_fp8.view(torch.float16),
-        page_tier, page_slot,
+        *fp8_pools, page_tier, page_slot,
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
         run.k_stage, run.v_stage, *run.stage_strides,
         run.part_o, run.part_lse, tile_sum, tile_max, max_pages, scale * LOG2E, run.window, 0, run.num_splits,
         run.ns_total, HKV=Hkv, G=G, STAGED=staged is not None, CHUNK0=bool(slot_chunk0), EMIT_MASS=bool(emit_mass),
-        FW=k_fp8.shape[2] // 4, F_KS=scale_offset(fp8_fmt, "key"), F_VS=scale_offset(fp8_fmt, "value"),
-        FP8_PREFETCH=bool(fp8_prefetch), SMEM=bool(smem), num_warps=1, **register_cap(max_registers))
+        **fp8_constants, FP8_PREFETCH=bool(fp8_prefetch), SMEM=bool(smem), num_warps=1, **register_cap(max_registers))
     if not emit_mass:
         return run.part_o, run.part_lse, None, None
     return run.part_o, run.part_lse, tile_sum, tile_max

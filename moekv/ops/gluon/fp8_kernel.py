@@ -16,7 +16,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from moekv.ops.gluon.nuq2_kernel import PAGE, _as_b_operand, _sequence, _split_range, _staged_tile
+from moekv.ops.gluon.nuq2_kernel import PAGE, _as_b_operand, _sequence, _split_range, _staged_tile, _store_split
 
 STEP_WORDS = gl.constexpr(512)  # int32 words of FP8 codes per 16-token step (4 rows of 512 bytes)
 
@@ -127,7 +127,6 @@ def fp8_decode_kernel(kf_w, vf_w, kf_h, vf_h, q_ptr, block_tables, stride_bt, co
     p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
-    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
 
     m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -152,12 +151,4 @@ def fp8_decode_kernel(kf_w, vf_w, kf_h, vf_h, q_ptr, block_tables, stride_bt, co
         m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                      qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
 
-    nonempty = l_i > 0
-    l_safe = gl.where(nonempty, l_i, 1.0)
-    o = acc / gl.expand_dims(l_safe, 0)
-    lse = gl.where(nonempty, m_i + gl.log2(l_safe), -float("inf"))
-    od = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    row = (head0 + on) * ns_total + split
-    gl.store(part_o + gl.expand_dims(row, 0) * D + gl.expand_dims(od, 1), o,
-             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < D, 1))
-    gl.store(part_lse + row, lse, mask=on < G)
+    _store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)

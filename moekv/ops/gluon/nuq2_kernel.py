@@ -418,6 +418,22 @@ def _store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G: gl.constexp
 
 
 @gluon.jit
+def _store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G: gl.constexpr, MMA: gl.constexpr):
+    """Split `split`'s partial: O^T [128, 8] normalised and log2 of its mass (0 and -inf when empty) at
+    the partials' rows of the G heads from head0 (ns_total partials a head)."""
+    nonempty = l_i > 0
+    l_safe = gl.where(nonempty, l_i, 1.0)
+    o = acc / gl.expand_dims(l_safe, 0)
+    lse = gl.where(nonempty, m_i + gl.log2(l_safe), -float("inf"))
+    od = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    row = (head0 + on) * ns_total + split  # [8]
+    gl.store(part_o + gl.expand_dims(row, 0) * 128 + gl.expand_dims(od, 1), o,
+             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < 128, 1))
+    gl.store(part_lse + row, lse, mask=on < G)
+
+
+@gluon.jit
 def _store_lse(part_lse, m_i, l_i, row, on, G: gl.constexpr):
     """log2 of a split's softmax mass (-inf when empty) at the partials' rows `row` of the G heads."""
     nonempty = l_i > 0
@@ -659,14 +675,4 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                      qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
 
-    # the split's partial: normalised output and log2 of its mass (0 and -inf when empty)
-    nonempty = l_i > 0
-    l_safe = gl.where(nonempty, l_i, 1.0)
-    o = acc / gl.expand_dims(l_safe, 0)
-    lse = gl.where(nonempty, m_i + gl.log2(l_safe), -float("inf"))
-    od = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    row = (head0 + on) * ns_total + split  # [8]
-    gl.store(part_o + gl.expand_dims(row, 0) * D + gl.expand_dims(od, 1), o,
-             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < D, 1))
-    gl.store(part_lse + row, lse, mask=on < G)
+    _store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)

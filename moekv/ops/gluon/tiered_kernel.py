@@ -36,6 +36,7 @@ from moekv.ops.gluon.nuq2_kernel import (
     _split_range,
     _stage_page,
     _staged_tile,
+    _store_split,
 )
 
 TIER_FP8 = gl.constexpr(1)  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
@@ -206,12 +207,4 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                      qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
 
-    nonempty = l_i > 0
-    l_safe = gl.where(nonempty, l_i, 1.0)
-    o = acc / gl.expand_dims(l_safe, 0)
-    lse = gl.where(nonempty, m_i + gl.log2(l_safe), -float("inf"))
-    od = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    row = (head0 + on) * ns_total + split
-    gl.store(part_o + gl.expand_dims(row, 0) * D + gl.expand_dims(od, 1), o,
-             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < D, 1))
-    gl.store(part_lse + row, lse, mask=on < G)
+    _store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)

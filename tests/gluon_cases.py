@@ -97,6 +97,36 @@ def dense_reference(fmt, k_pages, v_pages, q, tables, lens, scale, staged=None, 
     return decode_attention_ref(q.double().cpu(), keys, values, scale, sliding_window)
 
 
+def check_split_reference(reference, build, G: int, tol: float, dense=dense_reference, **options):
+    """A format's split reference (reference(q, frag, tables, lens, scale, num_splits)) in float64 against
+    dense attention over the format's own dequantized pages (dense: dense_reference or a format's own
+    with its signature), pages only: split counts 1, 3, 16 (some splits empty), lengths on and off page
+    boundaries; options go to build -> the built frag."""
+    Hkv = 8 // G if G > 1 else 2
+    lens = [700, 64 * 3, 65, 1]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G, **options)
+    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
+    ref = dense(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5)
+    for ns in (1, 3, 16):
+        o, lse = reference(q, frag, tables, lens_t, D ** -0.5, ns)
+        assert torch.allclose(reduce_partials(o, lse), ref, atol=tol, rtol=tol), ns
+    return frag
+
+
+def check_staged_reference(reference, build, window, tol: float) -> None:
+    """The staged 16-bit tail as split num_splits (the newest page, even when full, from staging) and the
+    sliding window, in a format's split reference (float64) against dense attention over pages + staging."""
+    Hkv, G = 2, 4
+    lens = [777, 64 * 16, 65, 64]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=5)
+    staged = staging(len(lens), Hkv, seed=8)
+    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1, staged, window)
+    for ns in (1, 3, 7):
+        o, lse = reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, sliding_window=window)
+        assert torch.allclose(reduce_partials(o, lse), ref, atol=tol, rtol=tol), ns
+
+
 def staging(B, Hkv, seed, device="cpu", dtype=torch.float64):
     """Random 16-bit staging pages [B + 1, Hkv, 64, 128] (one spare) and a permuted slot per sequence."""
     g = torch.Generator().manual_seed(seed)

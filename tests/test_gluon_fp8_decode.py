@@ -17,7 +17,6 @@ from moekv.ops.gluon.fp8_layout import (
     fragment_bytes_per_page_head,
     to_fragment_order,
 )
-from moekv.ops.gluon.nuq2_decode import reduce_partials
 from tests.gluon_cases import (
     GPU,
     D,
@@ -26,13 +25,13 @@ from tests.gluon_cases import (
     check_decode_matches_dense,
     check_kernel_matches_reference,
     check_same_partials,
+    check_split_reference,
     check_staged_decode,
-    dense_reference,
+    check_staged_reference,
     large_channel_keys,
     num_pages,
     pack,
     run_sm90_build,
-    staging,
 )
 
 
@@ -65,29 +64,14 @@ def test_fragment_pages_dequantize_as_the_slabs():
 def test_split_reference_equals_dense_attention(G):
     """The reference's splits (float64) against dense attention over fp8_e4m3's dequantized pages:
     several split counts (some splits empty), lengths on and off page boundaries."""
-    Hkv = 8 // G if G > 1 else 2
-    lens = [700, 64 * 3, 65, 1]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G)
-    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5)
-    for ns in (1, 3, 16):
-        o, lse = fp8_decode_split_reference(q, frag, tables, lens_t, D ** -0.5, ns)
-        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-9, rtol=1e-9), ns
+    check_split_reference(fp8_decode_split_reference, build, G, 1e-9)
 
 
 @pytest.mark.parametrize("window", [None, 1, 100, 64 * 5 + 3])
 def test_staged_tail_and_sliding_window(window):
     """The staged 16-bit tail as split num_splits (the newest page, even when full, from staging) and
     sliding windows, against dense attention over pages + staging."""
-    Hkv, G = 2, 4
-    lens = [777, 64 * 16, 65, 64]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=5)
-    staged = staging(len(lens), Hkv, seed=8)
-    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1, staged, window)
-    for ns in (1, 3, 7):
-        o, lse = fp8_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, sliding_window=window)
-        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-9, rtol=1e-9), ns
+    check_staged_reference(fp8_decode_split_reference, build, window, 1e-9)
 
 
 def test_bad_inputs_are_refused():

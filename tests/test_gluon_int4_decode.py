@@ -10,7 +10,6 @@ import torch
 from moekv.kvcache.formats.int4 import Int4Format
 from moekv.ops.gluon.int4_decode import DEFAULT_SMEM, int4_decode_split_reference
 from moekv.ops.gluon.int4_layout import to_fragment_order
-from moekv.ops.gluon.nuq2_decode import reduce_partials
 from tests.gluon_cases import (
     GPU,
     D,
@@ -20,13 +19,13 @@ from tests.gluon_cases import (
     check_kernel_matches_reference,
     check_prefetch_changes_nothing,
     check_same_partials,
+    check_split_reference,
     check_staged_decode,
-    dense_reference,
+    check_staged_reference,
     large_channel_keys,
     num_pages,
     pack,
     run_sm90_build,
-    staging,
 )
 
 
@@ -48,30 +47,15 @@ def test_split_reference_equals_dense_attention(G, outlier_fraction):
     """The kernel's algebra (float64) against dense attention over int4's dequantized pages: several
     split counts (some splits empty), lengths on and off page boundaries, 1 and 4 outlier channels.
     (int4's dequantize computes in float32: ~1e-10 apart; a wrong term would be ~1e-3 or more.)"""
-    Hkv = 8 // G if G > 1 else 2
-    lens = [700, 64 * 3, 65, 1]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G, outlier_fraction=outlier_fraction)
+    frag = check_split_reference(int4_decode_split_reference, build, G, 1e-8, outlier_fraction=outlier_fraction)
     assert frag.num_outliers == (1 if outlier_fraction == 0.01 else 4)
-    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5)
-    for ns in (1, 3, 16):
-        o, lse = int4_decode_split_reference(q, frag, tables, lens_t, D ** -0.5, ns)
-        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), ns
 
 
 @pytest.mark.parametrize("window", [None, 1, 100, 64 * 5 + 3])
 def test_staged_tail_and_sliding_window(window):
     """The staged 16-bit tail as split num_splits (the newest page, even when full, from staging) and
     sliding windows, against dense attention over pages + staging."""
-    Hkv, G = 2, 4
-    lens = [777, 64 * 16, 65, 64]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=5)
-    staged = staging(len(lens), Hkv, seed=8)
-    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1, staged, window)
-    for ns in (1, 3, 7):
-        o, lse = int4_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, sliding_window=window)
-        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), ns
+    check_staged_reference(int4_decode_split_reference, build, window, 1e-8)
 
 
 def test_bad_inputs_are_refused():

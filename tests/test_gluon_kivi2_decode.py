@@ -27,6 +27,7 @@ from tests.gluon_cases import (
     check_kernel_matches_reference,
     check_prefetch_changes_nothing,
     check_same_partials,
+    check_split_reference,
     large_channel_keys,
     num_pages,
     pack,
@@ -88,14 +89,7 @@ def test_split_reference_equals_dense_attention(G):
     """The kernel's algebra (float64) against dense attention over kivi2's dequantized pages, pages only:
     several split counts (some splits empty), lengths on and off page boundaries. (kivi2's dequantize
     computes in float32: ~1e-10 apart; a wrong term would be ~1e-3 or more.)"""
-    Hkv = 8 // G if G > 1 else 2
-    lens = [700, 64 * 3, 65, 1]
-    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G)
-    q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
-    ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, D ** -0.5)
-    for ns in (1, 3, 16):
-        o, lse = kivi2_decode_split_reference(q, frag, tables, lens_t, D ** -0.5, ns)
-        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), ns
+    check_split_reference(kivi2_decode_split_reference, build, G, 1e-8, dense=dense_reference)
 
 
 @pytest.mark.parametrize("R", [0, 32, 128])

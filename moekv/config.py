@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from moekv.kvcache.formats.names import KV_FORMAT_NAMES
+from moekv import envs
+from moekv.kvcache.formats.names import DECODE_KERNELS, DEFAULT_DECODE_KERNEL, KV_FORMAT_NAMES, check_decode_kernel
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.routing.modes import ROUTING_MODES
 
@@ -77,6 +78,14 @@ class EngineConfig:
     load_format: 'auto' / 'safetensors' read the checkpoint's weights; 'dummy' draws random ones of
         config.json's shape on the device instead (as vLLM's flag: benchmarks of a model whose
         weights are not on the machine; config.json and tokenizer.json are still read).
+    decode_kernel: which decode attention kernel the compressed formats' pools are laid out for, and
+        with it their bytes per page and how many tokens fit (the format object carries it): 'auto' =
+        the Gluon kernels (moekv/ops/gluon/) on an sm_90 GPU for the shapes they cover (int4, kivi2,
+        nuq2, vq, tiered with page codebooks; 64-token pages, head_dim 128), pages in their fragment
+        order, the Triton kernels over slab pages elsewhere; 'triton' = slab pages everywhere; 'gluon' =
+        fragment order for a format with a Gluon kernel (fp8_e4m3's too) wherever it covers the shape,
+        the CPU included (where the reference path reads it), and a ValueError where it does not (the
+        plain formats have none and are the same under every choice).
     max_model_len: prompt + generated tokens of one sequence; None = the model's
         max_position_embeddings.
     block_size: tokens per KV page; None = 16 for the 16/32-bit formats and 64 for the compressed
@@ -120,6 +129,10 @@ class EngineConfig:
     device: str = option("cpu | cuda", "cpu")
     kv_cache_dtype: str = option(
         "KV format: " + " | ".join(KV_FORMAT_NAMES), "auto")
+    decode_kernel: str = option(
+        "decode attention kernel the KV pages are laid out for: auto (the Gluon kernels on sm_90 for the shapes they "
+        "cover, else Triton) | triton (slab pages) | gluon (fragment order wherever covered)", DEFAULT_DECODE_KERNEL,
+        choices=DECODE_KERNELS)
     max_model_len: int | None = option("prompt + generated tokens of one sequence (default: the model's limit)")
     block_size: int | None = option("tokens per KV page (default: 16 for bf16/fp16/fp32, 64 for compressed formats)")
     max_num_seqs: int = option("sequences in one batch", 64)
@@ -221,6 +234,8 @@ class EngineConfig:
                    f"device={self.device!r} was asked for but torch sees no CUDA device; use device='cpu'")
         _check(self.kv_cache_dtype in KV_FORMAT_NAMES,
                f"kv_cache_dtype={self.kv_cache_dtype!r} is unknown; accepted: {list(KV_FORMAT_NAMES)}")
+        check_decode_kernel(self.decode_kernel)
+        envs.check_decode_kernel_unset()
         _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
                f"max_model_len={self.max_model_len!r} must be an integer >= 2 (or None for the model's limit)")
         if self.block_size is None:

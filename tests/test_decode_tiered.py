@@ -15,20 +15,17 @@ from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa:
 # isort: split
 
 from moekv.context import Context, HostLists  # noqa: E402
-from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW  # noqa: E402
 
 decode = dict(zip(DECODE_MODULES, kernel_modules(*DECODE_MODULES)))
 decode_launch, dt = decode["moekv.ops.decode.launch"], decode["moekv.ops.decode.tiered"]
-from tests.test_decode_attention import DEVICE, build_cache, reference  # noqa: E402
-
-pytestmark = pytest.mark.usefixtures("triton_slab_pools")
+from tests.test_decode_attention import DEVICE, build_cache, reference, slab_format  # noqa: E402
 
 
 def tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=0, demote_every=2, **options):
     """A tiered cache written through fmt.write, then every `demote_every`-th full page (not the
     first of its sequence) demoted to nuq2 (none for 0), so that both tiers hold pages of each sequence."""
-    fmt = get_kv_format("tiered", kv_dtype, codebook="page", fused_decode=True, **options)
+    fmt = slab_format("tiered", kv_dtype, codebook="page", fused_decode=True, **options)
     cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed)
     st = cache.state
     for b, n in enumerate(lens):
@@ -245,12 +242,12 @@ def test_rank_window_takes_the_mass_of_the_chunks_last_queries(window):
 def test_rank_window_must_be_a_count():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="rank_window"):
-            get_kv_format("tiered", torch.float32, codebook="page", rank_window=bad)
+            slab_format("tiered", torch.float32, codebook="page", rank_window=bad)
 
 
 def test_dispatch_cpu_keeps_reference(monkeypatch):
-    assert get_kv_format("tiered").fused_decode is True  # the default since its H200 run
-    fmt = get_kv_format("tiered", torch.float32, codebook="page")
+    assert slab_format("tiered").fused_decode is True  # the default since its H200 run
+    fmt = slab_format("tiered", torch.float32, codebook="page")
     cache, ctx = build_cache(fmt, [40], 1, 32, 16, torch.float32, device=torch.device("cpu"))  # CPU on any machine
     q = torch.randn(1, 2, 32)
     assert not fmt.use_kernel(q, ctx, cache)
@@ -308,7 +305,7 @@ def test_replayed_step_mass_matches_eager():
 
 def tiered_mix(lens, hkv, head_dim, block_size, kv_dtype, seed=0, fp8_every=7):
     """~1/fp8_every of each sequence's full pages (and its first) in FP8, the rest in nuq2."""
-    fmt = get_kv_format("tiered", kv_dtype, codebook="page", fused_decode=True, fp8_pool_fraction=1.0)
+    fmt = slab_format("tiered", kv_dtype, codebook="page", fused_decode=True, fp8_pool_fraction=1.0)
     cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed)
     for b, n in enumerate(lens):
         for i, page in enumerate(ctx.block_tables[b, :n // block_size].tolist()):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moekv import LLM, SamplingParams
-from moekv.engine.cuda_graphs import EMULATE_GRAPHS_ENV
+from moekv.envs import EMULATE_CUDA_GRAPHS_ENV
 from moekv.layers.parallel import ExpertParallel, StaticDispatch, TPGroup
 from moekv.ops.reference import fused_moe_ref
 
@@ -153,7 +153,7 @@ def eager_two_ranks(mixtral_ckpt):
                          ids=["tp2+ep", "tp2-async"])
 def test_two_ranks_replay_the_variants_rank0_picks(mixtral_ckpt, monkeypatch, one_process, eager_two_ranks,
                                                    expert_parallel, async_scheduling):
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")  # (inherited by the spawned rank)
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")  # (inherited by the spawned rank)
     llm = LLM(model=str(mixtral_ckpt), **ENGINE, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
               async_scheduling=async_scheduling, distributed_timeout=60)
     try:
@@ -190,7 +190,7 @@ def test_two_ranks_replay_page_filling_steps(hd32_ckpt, monkeypatch):
     fill a page take a fill-bucket variant on both ranks, with the one-process tokens and logprobs."""
     kwargs = dict(ENGINE, kv_cache_dtype="fp8_e4m3", block_size=8)  # decodes reach contexts 8 and 16
     ref_tokens, ref_logprobs = _outputs(LLM(model=str(hd32_ckpt), **kwargs))
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = LLM(model=str(hd32_ckpt), **kwargs, tensor_parallel_size=2, enable_expert_parallel=True,
               distributed_timeout=60)
     try:
@@ -211,7 +211,7 @@ def test_a_rank_that_fails_a_replayed_step(mixtral_ckpt, monkeypatch, one_proces
     both fail the step's requests with the rank's error and free their pages; the graphs are
     dropped with the rebuilt compute group, recaptured on every rank, and the engine serves the
     one-process tokens again."""
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = LLM(model=str(mixtral_ckpt), **ENGINE, tensor_parallel_size=2, enable_expert_parallel=True,
               distributed_timeout=3)
     engine = llm.engine
@@ -291,7 +291,7 @@ def test_two_ranks_replay_tiered_decode_steps(hd32_ckpt, monkeypatch, tiered_eag
     engine's tokens and logprobs, both ranks replay the same variants, and
     every layer on every rank counts each step once, as the eager engine's do."""
     ref_tokens, ref_logprobs, ref_steps = tiered_eager(expert_parallel)
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = LLM(model=str(hd32_ckpt), **TIERED, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
               async_scheduling=async_scheduling, distributed_timeout=60)
     try:
@@ -319,7 +319,7 @@ def test_a_rank_that_turns_a_replayed_tiered_step_down(hd32_ckpt, monkeypatch, t
     fills anew), and every other decode step replays. The eager 2-rank engine's tokens, logprobs and
     per-layer step counts on each rank."""
     ref_tokens, ref_logprobs, ref_steps = tiered_eager(True)
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = LLM(model=str(hd32_ckpt), **TIERED, tensor_parallel_size=2, enable_expert_parallel=True,
               distributed_timeout=60)
     engine = llm.engine
@@ -380,7 +380,7 @@ def _forced_parallel_engine(ckpt, monkeypatch, device: str, expert_parallel: boo
 def test_world_size_one_parallel_path_on_the_cpu(mixtral_ckpt, monkeypatch, one_process, expert_parallel):
     """The GPU test below, on the CPU: the forced parallel path at world size 1 on the emulated graph
     path (gloo) gives the one-process tokens and logprobs."""
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = _forced_parallel_engine(mixtral_ckpt, monkeypatch, "cpu", expert_parallel,
                                   **{k: v for k, v in ENGINE.items() if k != "device"})
     try:

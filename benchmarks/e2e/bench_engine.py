@@ -201,13 +201,12 @@ def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, ban
     graphs = runner.graphs
     bucket = batch if graphs is None else next(b for b in graphs.buckets if b >= batch)
     capture_every_variant(graphs, bucket)
-    from moekv.kvcache.formats import get_kv_format
     from moekv.models import mixtral
     from moekv.models.model_config import apply_routing_fields
 
     mcfg = apply_routing_fields(mixtral.config_from_hf(cfg), cfg)
     _, weights_read = weight_bytes_per_step(mcfg, batch)
-    fmt = get_kv_format(fmt_name, torch.bfloat16)
+    fmt = runner.kv_format  # the engine's own, so the floor reads its pools' layout
     rows = []
     for i, mode in enumerate(modes):
         if mode is not None:

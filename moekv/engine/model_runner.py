@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moekv import envs
 from moekv.config import EngineConfig, parse_dtype
 from moekv.context import Context, HostLists, MixedSplit, filling_rows, to_device
 from moekv.engine.cuda_graphs import (
     DecodeGraphs,
     decode_fills,
-    emulate_graphs,
     graphs_unsupported_reason,
     step_fits_graph,
 )
@@ -178,7 +178,8 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.device = config.torch_device
         self.dtype = resolve_dtype(config, model_cfg)
-        self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype, **config.kv_format_options())
+        self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype, decode_kernel=config.decode_kernel,
+                                       **config.kv_format_options())
         if config.enable_prefix_caching:
             reason = self.kv_format.prefix_caching_unsupported()
             if reason is not None:
@@ -273,11 +274,11 @@ class ModelRunner:
         self._fail_next_graph_load = False  # tests (inject_fault "graph_load")
         self._refuse_next_graph_step = False  # tests (inject_fault "graph_verdict")
         # CUDA graphs of the decode step (None: every step runs eagerly, for the reason logged).
-        # MOEKV_EMULATE_CUDA_GRAPHS=1 (tests): the graph path without graphs, each replay the same
+        # MOEKV_EMULATE_CUDA_GRAPHS=1 (moekv/envs.py; tests): the graph path without graphs, each replay the same
         # static-buffer step run eagerly, on any device and dtype
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
         self.graphs: DecodeGraphs | None = None
-        emulated = emulate_graphs()
+        emulated = envs.emulate_cuda_graphs()
         if config.enforce_eager:
             reason = "enforce_eager=True"
         elif emulated:

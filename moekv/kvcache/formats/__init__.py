@@ -2,7 +2,9 @@
 plus how it writes a step's K/V into pages and how attention reads them back.
 
 Options reach a format as keyword arguments of its constructor, and only those: an option a format
-does not take is an error naming the ones it does (kv_format_options), never silently ignored."""
+does not take is an error naming the ones it does (kv_format_options), never silently ignored. The
+decode kernel its pools are laid out for (decode_kernel: EngineConfig.decode_kernel) is not an
+option: every format takes it, and the registry gives it to the format it builds."""
 from __future__ import annotations
 
 import importlib
@@ -11,8 +13,15 @@ from typing import Any
 
 import torch
 
-from moekv.kvcache.formats.base import GraphStepHooks, GraphSupport, KVFormat, LayerKVCache, PagedQuantFormat
-from moekv.kvcache.formats.names import KV_FORMAT_NAMES
+from moekv import envs
+from moekv.kvcache.formats.base import (
+    GraphStepHooks,
+    GraphSupport,
+    KVFormat,
+    LayerKVCache,
+    PagedQuantFormat,
+)
+from moekv.kvcache.formats.names import DECODE_KERNELS, DEFAULT_DECODE_KERNEL, KV_FORMAT_NAMES, check_decode_kernel
 from moekv.kvcache.formats.plain import PlainKVFormat
 
 # plain formats, by the dtype they store ("auto": the model's); they take no options
@@ -56,18 +65,22 @@ def kv_options_for(name: str, options: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in options.items() if key in taken}
 
 
-def get_kv_format(name: str, model_dtype: torch.dtype = torch.bfloat16, **options: Any) -> KVFormat:
-    """The format called `name`, built with `options` (group_size, outlier_sigma, calibration, ...);
-    ValueError for an unknown name or an option the format does not take."""
+def get_kv_format(name: str, model_dtype: torch.dtype = torch.bfloat16, *,
+                  decode_kernel: str = DEFAULT_DECODE_KERNEL, **options: Any) -> KVFormat:
+    """The format called `name`, built with `options` (group_size, outlier_sigma, calibration, ...), its
+    pools laid out for `decode_kernel` (DECODE_KERNELS: 'auto', 'triton', 'gluon'); ValueError for an
+    unknown name or kernel, or an option the format does not take."""
+    envs.check_decode_kernel_unset()
+    check_decode_kernel(decode_kernel)
     taken = kv_format_options(name)
     unknown = sorted(set(options) - set(taken))
     if unknown:
         raise ValueError(f"kv_cache_dtype={name!r} does not take the option(s) {unknown}; "
                          f"it takes: {list(taken) if taken else 'no options'}")
-    if name in _PLAIN:
-        return PlainKVFormat(_PLAIN[name] or model_dtype)
-    return _format_class(name)(**options)
+    fmt = PlainKVFormat(_PLAIN[name] or model_dtype) if name in _PLAIN else _format_class(name)(**options)
+    fmt.decode_kernel = decode_kernel
+    return fmt
 
 
-__all__ = ["KV_FORMAT_NAMES", "GraphStepHooks", "GraphSupport", "KVFormat", "LayerKVCache", "PagedQuantFormat",
-           "get_kv_format", "kv_format_options", "kv_options_for"]
+__all__ = ["DECODE_KERNELS", "KV_FORMAT_NAMES", "GraphStepHooks", "GraphSupport", "KVFormat", "LayerKVCache",
+           "PagedQuantFormat", "get_kv_format", "kv_format_options", "kv_options_for"]

@@ -9,16 +9,15 @@ reads directly. Bits per element count every byte of the slab, padding included.
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from moekv.context import Context, HostLists, to_device
+from moekv.kvcache.formats.names import DEFAULT_DECODE_KERNEL, check_decode_kernel
 from moekv.ops.reference import causal_attention_ref
 
 PAGE_ALIGN_BYTES = 128  # pages start on 128-byte lines so kernels can issue full-line loads
@@ -95,6 +94,10 @@ class KVFormat(ABC):
     name: str
     needs_calibration: bool = False
     graph_support: GraphSupport = GraphSupport.EAGER_ONLY
+    # the decode kernel its pools are laid out for (names.DECODE_KERNELS; EngineConfig.decode_kernel),
+    # given by the registry when it builds the format (get_kv_format) and fixed from then on: page_bytes
+    # and allocate read it, so pools of one format object all take one layout
+    decode_kernel: str = DEFAULT_DECODE_KERNEL
 
     @abstractmethod
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
@@ -600,40 +603,20 @@ class FragmentPagedFormat(PagedQuantFormat):
         return self.attend_reference(q, cache, ctx, scale, sliding_window)
 
 
-DECODE_KERNEL_ENV = "MOEKV_DECODE_KERNEL"  # auto | triton | gluon: whether pools feed the Gluon decode kernels
-DEFAULT_DECODE_KERNEL = "auto"  # the Gluon kernels on sm_90 for the shapes they cover, Triton elsewhere
-
-
-@contextlib.contextmanager
-def decode_kernel(choice: str):
-    """MOEKV_DECODE_KERNEL set to `choice` while the block runs (pools allocated inside it take that
-    layout), restored after: for benchmarks that time both kernels in one process."""
-    saved = os.environ.get(DECODE_KERNEL_ENV)
-    os.environ[DECODE_KERNEL_ENV] = choice
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(DECODE_KERNEL_ENV, None)
-        else:
-            os.environ[DECODE_KERNEL_ENV] = saved
-
-
-def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: str, by_default: bool = True) -> bool:
+def gluon_pages_wanted(choice: str, covered: bool, device: torch.device | str | None, what: str,
+                       by_default: bool = True) -> bool:
     """Whether a format's pools of a shape keep their pages in a Gluon decode kernel's fragment order
-    (moekv/ops/gluon/), by MOEKV_DECODE_KERNEL: 'triton' (slabs, the Triton kernel), 'gluon' (fragment
-    order wherever the shape is `covered`, CPU included: there the reference path reads it; a ValueError
-    naming `what` the kernel covers otherwise), 'auto' (fragment order on sm_90 CUDA devices with Gluon
-    for covered shapes of a format whose Gluon kernel is its default, `by_default`; slabs elsewhere; the
-    default)."""
-    choice = os.environ.get(DECODE_KERNEL_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
-    if choice not in ("auto", "triton", "gluon"):
-        raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected 'auto', 'triton' or 'gluon'")
+    (moekv/ops/gluon/), by the format's decode_kernel `choice`: 'triton' (slabs, the Triton kernel),
+    'gluon' (fragment order wherever the shape is `covered`, CPU included: there the reference path
+    reads it; a ValueError naming `what` the kernel covers otherwise), 'auto' (fragment order on sm_90
+    CUDA devices with Gluon for covered shapes of a format whose Gluon kernel is its default,
+    `by_default`; slabs elsewhere; the default)."""
+    check_decode_kernel(choice)
     if choice == "triton":
         return False
     if choice == "gluon":
         if not covered:
-            raise ValueError(f"{DECODE_KERNEL_ENV}=gluon: {what}")
+            raise ValueError(f"decode_kernel='gluon': {what}")
         return True
     if not (covered and by_default) or not torch.cuda.is_available():
         return False

@@ -101,12 +101,13 @@ class Int4Format(FragmentPagedFormat):
     # -- the Gluon decode kernel's page layout (moekv/ops/gluon/int4_layout.py) --------------------------
     def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
         """Whether pools of this shape keep their pages in the Gluon int4 kernel's fragment order
-        (converted from the slabs when pages are written), by MOEKV_DECODE_KERNEL
+        (converted from the slabs when pages are written), by the format's decode_kernel
         (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128, group_size 32, 1-4 outlier
         channels."""
         covered = ((block_size, head_dim, self.group_size) == (64, 128, 32)
                    and 1 <= self.num_outliers(head_dim) <= 4)
-        return gluon_pages_wanted(covered, device, "int4's Gluon kernel covers block_size 64, head_dim 128, "
+        return gluon_pages_wanted(self.decode_kernel, covered, device,
+                                  "int4's Gluon kernel covers block_size 64, head_dim 128, "
                                   f"group_size 32 and 1-4 outlier channels, got block_size {block_size}, "
                                   f"head_dim {head_dim}, group_size {self.group_size}, "
                                   f"{self.num_outliers(head_dim)} outlier channels")

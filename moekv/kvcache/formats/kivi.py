@@ -124,10 +124,11 @@ class KIVI2Format(FragmentPagedFormat):
     # -- the Gluon decode kernel's page layout (moekv/ops/gluon/kivi2_layout.py) -------------------------
     def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
         """Whether pools of this shape keep their pages in the Gluon kivi2 kernel's fragment order
-        (converted from the slabs when pages are written), by MOEKV_DECODE_KERNEL
+        (converted from the slabs when pages are written), by the format's decode_kernel
         (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128, group 32."""
         covered = (block_size, head_dim, self.group) == (64, 128, 32)
-        return gluon_pages_wanted(covered, device, "kivi2's Gluon kernel covers block_size 64, head_dim 128 and "
+        return gluon_pages_wanted(self.decode_kernel, covered, device,
+                                  "kivi2's Gluon kernel covers block_size 64, head_dim 128 and "
                                   f"group 32, got block_size {block_size}, head_dim {head_dim}, group {self.group}")
 
     def fragment_layout(self):

@@ -183,10 +183,11 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         """Whether pools of this shape keep their pages in the Gluon tiered kernel's orders (the low
         tier in nuq2's fragment tables, moekv/ops/gluon/nuq2_layout.py; the FP8 slabs with their codes
         in FP8 fragment order, fp8_layout.py), so that decode steps take that kernel:
-        MOEKV_DECODE_KERNEL 'auto' on sm_90 or 'gluon' (base.gluon_pages_wanted). Covered: block_size 64,
+        decode_kernel 'auto' on sm_90 or 'gluon' (base.gluon_pages_wanted). Covered: block_size 64,
         head_dim 128, page codebooks (calibrated ones keep slabs and the reference path)."""
         covered = (block_size, head_dim) == (64, 128) and not self.lo.calibrated
-        return gluon_pages_wanted(covered, device, "tiered's Gluon kernel covers block_size 64, head_dim 128 and "
+        return gluon_pages_wanted(self.decode_kernel, covered, device,
+                                  "tiered's Gluon kernel covers block_size 64, head_dim 128 and "
                                   f"page codebooks (kv_codebook='page'), got block_size {block_size}, head_dim "
                                   f"{head_dim}{', calibrated codebooks' if self.lo.calibrated else ''}")
 

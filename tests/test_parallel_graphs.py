@@ -13,7 +13,6 @@ parallel path forced) and 2 (tiered too).
 """
 from __future__ import annotations
 
-import functools
 import socket
 import time
 
@@ -363,7 +362,7 @@ def _forced_parallel_engine(ckpt, monkeypatch, device: str, expert_parallel: boo
     one rank (gloo commands, NCCL compute group on CUDA), every layer cut by shard_model (which
     keeps it whole) and, with expert_parallel, every expert on rank 0 behind the dispatching
     ExpertParallel (what bench_parallel_cost.py's tp+ep variant measures)."""
-    from moekv.engine import llm_engine, model_runner
+    from moekv.engine import model_runner
     from moekv.engine.parallel import ParallelGroup
 
     if expert_parallel:
@@ -372,7 +371,7 @@ def _forced_parallel_engine(ckpt, monkeypatch, device: str, expert_parallel: boo
 
         monkeypatch.setattr(model_runner, "placement_of", every_expert_on_rank0)
     group = ParallelGroup(0, 1, f"tcp://127.0.0.1:{_free_port()}", torch.device(device), 60)
-    monkeypatch.setattr(llm_engine, "ModelRunner", functools.partial(model_runner.ModelRunner, parallel=group))
+    monkeypatch.setattr(model_runner, "start_ranks", lambda *args: group)
     return LLM(model=str(ckpt), device=device, **kwargs)
 
 

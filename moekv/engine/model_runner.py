@@ -30,7 +30,6 @@ from moekv.engine.parallel import (
     ParallelStepError,
     StepInputs,
     expert_parallel_bytes,
-    inject_fault,
     placement_of,
     shard_kv_tables,
     shard_model,
@@ -309,8 +308,6 @@ class ModelRunner:
                 for ep in eps:
                     ep.static = self.static_dispatch
             self.parallel.on_rebuild.append(self._drop_graphs)
-        self._fail_next_graph_load = False  # tests (inject_fault "graph_load")
-        self._refuse_next_graph_step = False  # tests (inject_fault "graph_verdict")
         # MOEKV_EMULATE_CUDA_GRAPHS=1 (tests): the graph path without graphs, each replay the same
         # static-buffer step run eagerly, on any device and dtype
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
@@ -648,9 +645,6 @@ class ModelRunner:
         graphs, batch, error = self.graphs, len(step.input_ids), None
         ready = prepared = False  # this rank's verdict; whether its format did the step's host-side work
         try:
-            if self._fail_next_graph_load:
-                self._fail_next_graph_load = False
-                raise RuntimeError(f"injected fault loading a graph step on rank {self.rank}")
             if graphs is None or (step.bucket, step.fills) not in graphs.graphs:
                 raise RuntimeError(f"rank {self.rank} has no graph of batch bucket {step.bucket}, "
                                    f"{step.fills} page fills")
@@ -659,11 +653,8 @@ class ModelRunner:
                              input_ids_device)
             if step.tokens_on_device:  # rank 0's sampled tokens (already in its buffer) to every rank
                 self.parallel.tp.broadcast(graphs.input_ids[:batch])
-            if self._refuse_next_graph_step:  # tests: as a format turning the step down, nothing changed
-                self._refuse_next_graph_step = False
-            else:
-                ready = prepared = self._format_prepares(step.context_lens, list(range(batch + 1)), step.seq_slots,
-                                                         step.block_tables, step.fill_pages)
+            ready = prepared = self._format_prepares(step.context_lens, list(range(batch + 1)), step.seq_slots,
+                                                     step.block_tables, step.fill_pages)
         except Exception as e:
             error = e
         try:  # raises on every rank if one is not ready: nobody replays
@@ -749,24 +740,14 @@ class ModelRunner:
             per_rank = self.parallel.gather(expert_parallel_bytes(self.model))
         return {i: [sum(r[i][0] for r in per_rank), sum(r[i][1] for r in per_rank)] for i in per_rank[0]}
 
-    def inject_fault(self, rank: int, layer_idx: int | str) -> None:
-        """Tests: the next step's forward raises in layer `layer_idx` on `rank`; layer_idx "graph_load":
-        the next replayed step's input load raises there instead (before any collective);
-        "graph_verdict": no fault, but that rank turns the next replayed step down, as a KV format
-        whose prepare_graph_step returns False (every rank then runs the step eagerly)."""
-        if rank == 0:
-            self.inject_local_fault(layer_idx)
+    def call_on_rank(self, rank: int, fn) -> None:
+        """The test seam (tests/faults.py injects faults through it): fn(runner) on rank `rank`'s
+        runner, between steps; fn must pickle (it travels to a worker rank as a command)."""
+        if rank == self.rank:
+            fn(self)
         else:
             with self.parallel.lock:
-                self.parallel.send("inject_fault", (rank, layer_idx))
-
-    def inject_local_fault(self, layer_idx: int | str) -> None:
-        if layer_idx == "graph_load":
-            self._fail_next_graph_load = True
-        elif layer_idx == "graph_verdict":
-            self._refuse_next_graph_step = True
-        else:
-            inject_fault(self.model, layer_idx, self.rank)
+                self.parallel.send("call", (rank, fn))
 
     def shutdown(self) -> None:
         """Stop the worker ranks, if any."""

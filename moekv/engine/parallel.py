@@ -424,15 +424,6 @@ def expert_parallel_bytes(model) -> dict[int, tuple[int, int]]:
             if isinstance(layer.mlp, SparseMoE) and layer.mlp.ep is not None}
 
 
-def inject_fault(model, layer_idx: int, rank: int) -> None:  # (ModelRunner.inject_local_fault calls it)
-    """Tests: the next forward through layer `layer_idx` raises on this rank (once)."""
-    def hook(module, args):
-        handle.remove()
-        raise RuntimeError(f"injected fault in layer {layer_idx} on rank {rank}")
-
-    handle = model.layers[layer_idx].mlp.register_forward_pre_hook(hook)
-
-
 def serve_commands(group: ParallelGroup, runner) -> None:
     """Ranks 1..N-1: run rank 0's commands on `runner` (a ModelRunner) until told to stop, or until
     rank 0 (or another rank) is gone; then leave the engine's groups."""
@@ -480,6 +471,6 @@ def _serve(group: ParallelGroup, runner) -> None:
             group.gather(expert_parallel_bytes(runner.model))
         elif command == "graph_stats":
             group.gather(runner.graph_stats())
-        elif command == "inject_fault":
+        elif command == "call":  # ModelRunner.call_on_rank (tests)
             if payload[0] == group.rank:
-                runner.inject_local_fault(payload[1])
+                payload[1](runner)

@@ -47,7 +47,7 @@ from bench_decode import capture_graph, install_filled_caches, measure_bandwidth
 
 from moekv.experts.l2_prefetch import ExpertL2Prefetch, l2_prefetch_budget  # noqa: E402
 from moekv.experts.observe import observed  # noqa: E402
-from moekv.experts.offload import ExpertCache, ExpertOffload  # noqa: E402
+from moekv.experts.offload import ExpertCache, ExpertOffload, OffloadedExperts  # noqa: E402
 from moekv.experts.predictor import ExpertPredictor, recall  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.models import mixtral  # noqa: E402
@@ -373,7 +373,7 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
         for i, moe in moes.items():
             cache = ExpertCache(i, host[i][0], host[i][1], slots, device, copy_stream)
             cache.fill(list(range(slots)))
-            moe.offload = cache
+            moe.experts = OffloadedExperts(cache)
             caches[i] = cache
         offload = ExpertOffload(caches, predictor, lookahead=lookahead, sync_free=sync_free,
                                 read_stream=read_stream if sync_free else None)
@@ -385,7 +385,7 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
             record["runs"].append({"run": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(f"  {name}: failed {e}", flush=True)
             for moe in moes.values():
-                moe.offload = None
+                moe.experts = None  # (its experts left the device: no executor until the next run's cache)
             model.before_layer = None
             continue
         diff = max(float((a - b).abs().max()) for a, b in zip(logits_of, resident_logits))
@@ -412,7 +412,7 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
               f"{st['predictions_acted']} / late {st['predictions_late']} / waited {st['predictions_waited']}",
               flush=True)
         for moe in moes.values():
-            moe.offload = None
+            moe.experts = None  # (its experts left the device: no executor until the next run's cache)
         model.before_layer = None
         del caches, offload
         free()

@@ -83,15 +83,16 @@ class Variants:
     def __init__(self, model, cfg, group: ParallelGroup) -> None:
         self.model, self.tp = model, group.tp
         shard_model(model, cfg, group.tp, None)  # world size 1: every head, every expert's whole width
-        self.ep = {}
+        self.ep, self.local = {}, {}  # each MoE layer's two expert executors
         device = next(model.parameters()).device
         self.static = StaticDispatch(device)  # its rows: set to the batch by run_point
         for i, layer in enumerate(model.layers):
             if isinstance(layer.mlp, SparseMoE):  # every expert on rank 0, tokens dispatched
+                self.local[i] = layer.mlp.experts
                 shard_moe(layer.mlp, group.tp, torch.zeros(cfg.num_experts, dtype=torch.long), dispatch=True)
-                self.ep[i] = layer.mlp.ep.to(device)
+                self.ep[i] = layer.mlp.experts.to(device)
                 self.ep[i].static = self.static
-                layer.mlp.ep = None
+                layer.mlp.experts = self.local[i]
 
     def use(self, name: str) -> None:
         tp = None if name == "single" else self.tp
@@ -100,7 +101,7 @@ class Variants:
             layer.self_attn.tp = tp
             layer.mlp.tp = tp
             if i in self.ep:
-                layer.mlp.ep = self.ep[i] if name.startswith("tp+ep") else None
+                layer.mlp.experts = self.ep[i] if name.startswith("tp+ep") else self.local[i]
 
 
 def median(xs: list[float]) -> float:

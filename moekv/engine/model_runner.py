@@ -30,6 +30,7 @@ from moekv.engine.parallel import (
     ParallelStepError,
     StepInputs,
     expert_parallel_bytes,
+    expert_parallel_layers,
     placement_of,
     shard_kv_tables,
     shard_model,
@@ -237,9 +238,8 @@ class ModelRunner:
         layout of this rank's KV heads."""
         model_cfg = self.model_cfg
         if self.parallel is not None:
-            for moe in moe_layers(self.model).values():
-                if moe.ep is not None:
-                    moe.ep.to(self.device)
+            for ep in expert_parallel_layers(self.model).values():
+                ep.to(self.device)
             _, kv_heads = kv_heads_of_rank(model_cfg.num_heads, model_cfg.num_kv_heads, self.parallel.rank,
                                            self.parallel.world_size)
             shard_kv_tables(self.kv_format, kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
@@ -302,7 +302,7 @@ class ModelRunner:
         config, model_cfg = self.config, self.model_cfg
         self.static_dispatch: StaticDispatch | None = None
         if self.parallel is not None:
-            eps = [moe.ep for moe in moe_layers(self.model).values() if moe.ep is not None and moe.ep.dispatch]
+            eps = [ep for ep in expert_parallel_layers(self.model).values() if ep.dispatch]
             if eps:
                 self.static_dispatch = StaticDispatch(self.device)
                 for ep in eps:
@@ -717,7 +717,7 @@ class ModelRunner:
         format counted (a format with a step count, tiered: replayed steps count in prepare_graph_step;
         None for the others)."""
         g = self.graphs
-        static = sum(int(m.ep.static_bytes.item()) for m in moe_layers(self.model).values() if m.ep is not None)
+        static = sum(int(ep.static_bytes.item()) for ep in expert_parallel_layers(self.model).values())
         return {"captured": None if g is None else sorted(g.graphs), "replayed": [] if g is None else list(g.replayed),
                 "num_captures": 0 if g is None else g.num_captures, "static_ep_bytes": static,
                 "format_steps": [getattr(c.state, "steps", None) for c in self.kv_caches]}

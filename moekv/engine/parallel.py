@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moekv.layers.mlp import GatedMLP
-from moekv.layers.parallel import TPGroup, check_tp_shapes, shard_attention, shard_mlp, shard_moe
+from moekv.layers.parallel import ExpertParallel, TPGroup, check_tp_shapes, shard_attention, shard_mlp, shard_moe
 
 log = logging.getLogger("moekv")
 
@@ -416,12 +416,17 @@ def shard_kv_tables(kv_format, kv_heads: range, num_kv_heads: int) -> None:
         todo += [v for v in vars(fmt).values() if hasattr(v, "attend") and hasattr(v, "allocate")]
 
 
-def expert_parallel_bytes(model) -> dict[int, tuple[int, int]]:
-    """This rank's expert-parallel traffic so far: MoE layer -> (bytes sent, bytes received)."""
+def expert_parallel_layers(model) -> dict[int, ExpertParallel]:
+    """MoE layer -> its ExpertParallel, for the layers whose experts are spread over the ranks."""
     from moekv.layers.moe import SparseMoE
 
-    return {i: (layer.mlp.ep.bytes_sent, layer.mlp.ep.bytes_received) for i, layer in enumerate(model.layers)
-            if isinstance(layer.mlp, SparseMoE) and layer.mlp.ep is not None}
+    return {i: layer.mlp.experts for i, layer in enumerate(model.layers)
+            if isinstance(layer.mlp, SparseMoE) and isinstance(layer.mlp.experts, ExpertParallel)}
+
+
+def expert_parallel_bytes(model) -> dict[int, tuple[int, int]]:
+    """This rank's expert-parallel traffic so far: MoE layer -> (bytes sent, bytes received)."""
+    return {i: (ep.bytes_sent, ep.bytes_received) for i, ep in expert_parallel_layers(model).items()}
 
 
 def serve_commands(group: ParallelGroup, runner) -> None:

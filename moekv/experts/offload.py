@@ -11,7 +11,7 @@ loaded. Per step:
    predicted experts that are not resident into slots (evicting the least recently used experts
    that are not predicted), on a separate copy stream on CUDA, so the copies overlap layer L's
    attention; on the CPU the "copy" is a plain copy_ with the same bookkeeping;
-2. in layer L's MoE (SparseMoE.offload), the routed experts are looked up: a resident expert is a
+2. in layer L's MoE (its executor, OffloadedExperts), the routed experts are looked up: a resident expert is a
    hit, a missing one is copied on demand (a miss); the compute stream waits for the copies of the
    slots it uses (CUDA events), and the experts run on the slots through the expert -> slot map
    (the same kernels: `fused_moe` on CUDA with slot ids; on the CPU a loop over experts in the
@@ -478,6 +478,18 @@ class ExpertOffload:
                 "prefetch": self.predictor is not None, "layers": per_layer}
 
 
+class OffloadedExperts:
+    """An MoE layer's ExpertExecutor (layers/moe.py) with expert offload: its experts computed on its
+    ExpertCache's slots (the module's own w13 / w2 are the host copies; the cache reads them itself)."""
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.cache = cache
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                 expert_ids: torch.Tensor) -> torch.Tensor:
+        return self.cache(x, weights, expert_ids)
+
+
 def install_expert_offload(model, model_cfg, config, device: torch.device) -> ExpertOffload:
     """Move the model (loaded on the CPU) to `device` except its experts, which stay on the host
     (pinned when device is CUDA) behind one ExpertCache per MoE layer; install the caches in the
@@ -520,7 +532,7 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
         freq = predictor.frequency(i) if predictor is not None else None
         hot = freq.argsort(descending=True, stable=True).tolist() if freq is not None else list(range(E))
         cache.fill(hot)
-        moe.offload = cache
+        moe.experts = OffloadedExperts(cache)
         caches[i] = cache
     prefetch = config.expert_prefetch is not False
     if prefetch and predictor is None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -8,6 +10,39 @@ from moekv.layers.mlp import GatedMLP
 from moekv.models.model_config import ModelConfig
 from moekv.ops.reference import fused_moe_ref
 from moekv.routing.base import Router, RouterLogits, RoutingObserver
+
+
+class ExpertExecutor(Protocol):
+    """How an MoE layer computes its routed experts, chosen once when the layer is built or its
+    experts move (models/loader.empty_model: the local kind for the model's device; then expert
+    parallelism's ExpertParallel, layers/parallel.py, or expert offload's OffloadedExperts,
+    experts/offload.py): (x [T, H], w13 [E, 2I, H], w2 [E, H, I] as the module holds them,
+    weights [T, k], expert_ids [T, k]) -> this rank's routed output [T, H]."""
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                 expert_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class ReferenceExperts:
+    """Every expert on this device, through the plain-PyTorch reference (the CPU path)."""
+
+    def __call__(self, x, w13, w2, weights, expert_ids):
+        return fused_moe_ref(x, w13, w2, weights, expert_ids)
+
+
+class FusedExperts:
+    """Every expert on this device, through the Triton grouped GEMM / decode GEMV (ops/fused_moe.py),
+    capturable in CUDA graphs."""
+
+    def __call__(self, x, w13, w2, weights, expert_ids):
+        from moekv.ops.fused_moe import fused_moe
+
+        return fused_moe(x, w13, w2, weights, expert_ids)
+
+
+def local_experts(device: torch.device) -> ExpertExecutor:
+    """The executor of a layer whose experts all live on `device`: the kernel on CUDA, the reference elsewhere."""
+    return FusedExperts() if device.type == "cuda" else ReferenceExperts()
 
 
 class SparseMoE(nn.Module):
@@ -23,15 +58,13 @@ class SparseMoE(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
         self.router: Router | None = None  # installed by the loader (models/loader.install_routers)
         self.observer: RoutingObserver | None = None  # the engine's counter of routing decisions, if any
-        # expert offload (moekv/experts/offload.py): the experts run on an on-device expert cache
-        self.offload = None
+        self.experts: ExpertExecutor | None = None  # installed by the loader (models/loader.empty_model)
         self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
                               if cfg.shared_expert_intermediate_size else None)
         self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
-        # tensor / expert parallel (layers/parallel.py): this rank's share of the output, all-reduced;
-        # ep: the rank's whole experts (an ExpertParallel), else a slice of every expert
+        # tensor parallel (layers/parallel.py): this rank's share of the output (a slice of every
+        # expert, or with expert parallelism its whole experts), all-reduced
         self.tp = None
-        self.ep = None
 
     @property
     def router_fuses_norm(self) -> bool:
@@ -43,6 +76,8 @@ class SparseMoE(nn.Module):
         norm (a router with a coarse gate computes both from one read of x)."""
         if self.router is None:
             raise RuntimeError("this MoE layer has no router: models/loader.install_routers installs one")
+        if self.experts is None:
+            raise RuntimeError("this MoE layer has no expert executor: models/loader.empty_model installs one")
         cluster_scores = None
         if norm is not None:
             x, cluster_scores = self.router.norm_and_coarse(x, norm)  # [T, H], [T, C] or None
@@ -51,15 +86,7 @@ class SparseMoE(nn.Module):
         weights, expert_ids = self.router(x, router_logits)  # [T, k], [T, k]
         if self.observer is not None:
             self.observer(weights, expert_ids)
-        if self.offload is not None:  # experts in host memory, computed on the cache's slots
-            out = self.offload(x, weights, expert_ids)
-        elif self.ep is not None:  # this rank's experts (expert parallel)
-            out = self.ep(x, self.w13, self.w2, weights, expert_ids)
-        elif x.is_cuda:  # Triton grouped GEMM / decode GEMV, capturable in CUDA graphs; CPU keeps the reference
-            from moekv.ops.fused_moe import fused_moe
-            out = fused_moe(x, self.w13, self.w2, weights, expert_ids)
-        else:
-            out = fused_moe_ref(x, self.w13, self.w2, weights, expert_ids)
+        out = self.experts(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -168,7 +168,7 @@ def shard_moe(moe, tp: TPGroup, device_of_expert: torch.Tensor | None, dispatch:
         local = torch.nonzero(device_of_expert == tp.rank).flatten()
         moe.w13 = _rows(moe.w13, local)
         moe.w2 = _rows(moe.w2, local)
-        moe.ep = ExpertParallel(tp, device_of_expert, dispatch)
+        moe.experts = ExpertParallel(tp, device_of_expert, dispatch)
     moe.tp = tp
 
 
@@ -250,7 +250,8 @@ class StaticDispatch:
 
 
 class ExpertParallel:
-    """One MoE layer's experts over the ranks of a group (device_of_expert [E]: the rank of each).
+    """One MoE layer's experts over the ranks of a group (device_of_expert [E]: the rank of each): the
+    layer's ExpertExecutor (layers/moe.py) with expert parallelism.
 
     dispatch False: every rank runs its experts on all the step's tokens, and the layer's
     all-reduce sums the shares. dispatch True: each token is owned by its top-1 expert's rank; the

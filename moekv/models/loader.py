@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from moekv.layers.moe import SparseMoE
+from moekv.layers.moe import SparseMoE, local_experts
 from moekv.models import mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
 from moekv.models.load_formats import LOAD_FORMATS
@@ -179,6 +179,8 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     the meta device first, so a model in bf16 never exists in fp32 (Mixtral-8x7B would need 187 GB).
     cut: a rank's Shard.cut, applied before anything is allocated."""
     model = _meta_model(cfg, dtype)
+    for moe in moe_layers(model).values():  # the rank's cut may choose another (expert parallelism)
+        moe.experts = local_experts(device)
     if cut is not None:
         cut(model)
     model = model.to_empty(device=device)

@@ -266,7 +266,7 @@ class ModelRunner:
         if config.cluster_map is not None and self.rank == 0:
             self.locality = LocalityCounter(Placement.from_clusters(ClusterMap.load(config.cluster_map)), self.device)
             for i, moe in moe_layers(self.model).items():
-                moe.observer = self.locality.observer(i)
+                moe.hooks.observer = self.locality.observer(i)
 
     def _allocate(self, max_model_len: int) -> None:
         """Phase 4, allocate: one KV pool per attention layer, sized from the memory budget (the
@@ -281,13 +281,13 @@ class ModelRunner:
         self.scratch_page = self.num_blocks  # + 1 page per pool, never handed out (padded graph rows)
         self.scratch_slot = config.max_num_seqs  # + 1 staging slot, likewise
         self.kv_caches = []
-        for attn in self.model.attention_layers:
-            attn.kv_format = self.kv_format
-            attn.kv_cache = self.kv_format.allocate(self.num_blocks + 1, self.num_kv_heads, self.block_size,
-                                                    model_cfg.head_dim, self.device, config.max_num_seqs + 1,
-                                                    self.dtype)
-            attn.kv_cache.layer = attn.layer_idx
-            self.kv_caches.append(attn.kv_cache)
+        for i, hooks in enumerate(self.model.hooks.layers):
+            hooks.kv_format = self.kv_format
+            hooks.kv_cache = self.kv_format.allocate(self.num_blocks + 1, self.num_kv_heads, self.block_size,
+                                                     model_cfg.head_dim, self.device, config.max_num_seqs + 1,
+                                                     self.dtype)
+            hooks.kv_cache.layer = i
+            self.kv_caches.append(hooks.kv_cache)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
         # staging slot (partly filled newest page) of each running sequence
@@ -488,10 +488,10 @@ class ModelRunner:
     def _model_is_observed(self) -> bool:
         """A K/V observer (calibration) or a router tap runs Python inside the step: a replay would skip it.
         (The engine's own routing counters are device ops that a graph captures: they do not count.)"""
-        if any(attn.kv_observer is not None for attn in self.model.attention_layers):
+        hooks = self.model.hooks.layers
+        if any(h.kv_observer is not None for h in hooks):
             return True
-        return any(getattr(getattr(getattr(layer, "mlp", None), "router", None), "runs_python", False)
-                   for layer in getattr(self.model, "layers", ()))
+        return any(getattr(h.router, "runs_python", False) for h in hooks)
 
     def execute(self, out: SchedulerOutput, blocked_ids: dict[str, list[int]]) -> list[SeqStepResult]:
         """launch, then wait: the step's results with their samples."""

@@ -396,7 +396,7 @@ def shard_model(model, model_cfg, tp: TPGroup, placement: dict[int, torch.Tensor
             shard_moe(layer.mlp, tp, None if placement is None else placement[i], dispatch=True)
         elif isinstance(layer.mlp, GatedMLP):
             shard_mlp(layer.mlp, tp)
-            layer.mlp.tp = tp
+            layer.hooks.tp = tp
 
 
 def shard_kv_tables(kv_format, kv_heads: range, num_kv_heads: int) -> None:
@@ -420,8 +420,8 @@ def expert_parallel_layers(model) -> dict[int, ExpertParallel]:
     """MoE layer -> its ExpertParallel, for the layers whose experts are spread over the ranks."""
     from moekv.layers.moe import SparseMoE
 
-    return {i: layer.mlp.experts for i, layer in enumerate(model.layers)
-            if isinstance(layer.mlp, SparseMoE) and isinstance(layer.mlp.experts, ExpertParallel)}
+    return {i: layer.hooks.experts for i, layer in enumerate(model.layers)
+            if isinstance(layer.mlp, SparseMoE) and isinstance(layer.hooks.experts, ExpertParallel)}
 
 
 def expert_parallel_bytes(model) -> dict[int, tuple[int, int]]:

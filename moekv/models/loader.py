@@ -180,7 +180,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     cut: a rank's Shard.cut, applied before anything is allocated."""
     model = _meta_model(cfg, dtype)
     for moe in moe_layers(model).values():  # the rank's cut may choose another (expert parallelism)
-        moe.experts = local_experts(device)
+        moe.hooks.experts = local_experts(device)
     if cut is not None:
         cut(model)
     model = model.to_empty(device=device)
@@ -212,11 +212,11 @@ def install_routers(model: MoEDecoder, model_cfg: ModelConfig, routing: str = "a
         per_token = min(clusters_per_token or cmap.clusters_per_token or cmap.num_clusters, cmap.num_clusters)
         for i, moe in layers.items():
             margin = cmap.layers[i].admit_margin if admit_margin is None else admit_margin
-            moe.router = HierarchicalRouter(cmap.layers[i], moe.gate, model_cfg.top_k, model_cfg.norm_topk_prob,
+            moe.hooks.router = HierarchicalRouter(cmap.layers[i], moe.gate, model_cfg.top_k, model_cfg.norm_topk_prob,
                                             per_token, margin, model_cfg.scoring_func, model_cfg.routed_scaling_factor)
         return mode
     for moe in layers.values():
-        moe.router = (group_limited_router(model_cfg, n_group, topk_group) if mode == "group_limited"
+        moe.hooks.router = (group_limited_router(model_cfg, n_group, topk_group) if mode == "group_limited"
                       else checkpoint_router(model_cfg))
     return mode
 

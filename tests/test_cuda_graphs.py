@@ -385,11 +385,11 @@ def test_graph_path_skips_steps_that_need_prompt_logits_or_observers(mixtral_ckp
     assert calls, "decode steps after the prompt still replay (prompt logprobs are done by then)"
     calls.clear()
     attn = llm.engine.runner.model.attention_layers[0]
-    attn.kv_observer = lambda *a: None
+    attn.hooks.kv_observer = lambda *a: None
     try:
         llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=6, temperature=0.0))
     finally:
-        attn.kv_observer = None
+        attn.hooks.kv_observer = None
     assert not calls  # a Python observer inside the step: eager
 
 

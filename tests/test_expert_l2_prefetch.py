@@ -101,12 +101,12 @@ def test_hook_plan_on_a_cpu_model_matches_the_split():
 
 
 def test_decoder_calls_after_attention_once_per_layer():
-    """The late launch point: DecoderLayer.after_attention gets each layer's attention output."""
+    """The late launch point: LayerHooks.after_attention gets each layer's attention output."""
     llm = LLM(model=TINY, dtype="float32", max_model_len=64)
     model = llm.engine.runner.model
     seen = []
     for i, layer in enumerate(model.layers):
-        layer.after_attention = lambda attn, i=i: seen.append((i, tuple(attn.shape)))
+        layer.hooks.after_attention = lambda attn, i=i: seen.append((i, tuple(attn.shape)))
     llm.generate(["It was a dark"], SamplingParams(max_tokens=2, temperature=0.0))
     H, n = model.config.hidden_size, len(model.layers)
     assert [i for i, _ in seen] == list(range(n)) * (len(seen) // n) and len(seen) >= 2 * n
@@ -149,7 +149,7 @@ def test_cuda_l2_prefetch_keeps_tokens_and_logits_in_graphs(mb, when):
               expert_l2_prefetch_mb=mb)
     hook = llm.engine.runner.l2_prefetch
     assert llm.engine.runner.graphs is not None and hook is not None
-    assert llm.engine.runner.model.before_layer is hook
+    assert llm.engine.runner.model.hooks.before_layer is hook
     hook.when = when  # before any graph is captured
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == want
     assert hook.launches > 0 and hook.bytes_issued > 0 and hook._pending is None

@@ -13,7 +13,6 @@ parallel path forced) and 2 (tiered too).
 """
 from __future__ import annotations
 
-import functools
 import socket
 import time
 
@@ -26,6 +25,7 @@ from moekv import LLM, SamplingParams
 from moekv.envs import EMULATE_CUDA_GRAPHS_ENV
 from moekv.layers.parallel import ExpertParallel, StaticDispatch, TPGroup
 from moekv.ops.reference import fused_moe_ref
+from tests.faults import inject_fault
 
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [12, 13, 14]},
            {"prompt_token_ids": [40, 41, 42, 43, 44]}]
@@ -224,7 +224,7 @@ def test_a_rank_that_fails_a_replayed_step(mixtral_ckpt, monkeypatch, one_proces
                 assert all(o.error is None for o in engine.step())
             assert engine.runner.graphs.num_replays > 0 and engine.block_manager.num_used_blocks > 0
             generation = engine.runner.parallel.generation
-            engine.runner.inject_fault(rank=1, layer_idx=fault)
+            inject_fault(engine.runner, rank=1, fault=fault)
             outs = engine.step()
             assert sorted(o.request_id for o in outs) == sorted(ids)
             for o in outs:
@@ -331,7 +331,7 @@ def test_a_rank_that_turns_a_replayed_tiered_step_down(hd32_ckpt, monkeypatch, t
         outs, replays, step = {}, [], 0
         while engine.has_unfinished_requests():
             if step in refuse:
-                engine.runner.inject_fault(rank=refuse[step], layer_idx="graph_verdict")
+                inject_fault(engine.runner, rank=refuse[step], fault="graph_verdict")
             before = graphs.num_replays
             for o in engine.step():
                 assert o.error is None, o.error
@@ -363,7 +363,7 @@ def _forced_parallel_engine(ckpt, monkeypatch, device: str, expert_parallel: boo
     one rank (gloo commands, NCCL compute group on CUDA), every layer cut by shard_model (which
     keeps it whole) and, with expert_parallel, every expert on rank 0 behind the dispatching
     ExpertParallel (what bench_parallel_cost.py's tp+ep variant measures)."""
-    from moekv.engine import llm_engine, model_runner
+    from moekv.engine import model_runner
     from moekv.engine.parallel import ParallelGroup
 
     if expert_parallel:
@@ -372,7 +372,7 @@ def _forced_parallel_engine(ckpt, monkeypatch, device: str, expert_parallel: boo
 
         monkeypatch.setattr(model_runner, "placement_of", every_expert_on_rank0)
     group = ParallelGroup(0, 1, f"tcp://127.0.0.1:{_free_port()}", torch.device(device), 60)
-    monkeypatch.setattr(llm_engine, "ModelRunner", functools.partial(model_runner.ModelRunner, parallel=group))
+    monkeypatch.setattr(model_runner, "start_ranks", lambda *args: group)
     return LLM(model=str(ckpt), device=device, **kwargs)
 
 

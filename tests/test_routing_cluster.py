@@ -152,7 +152,7 @@ def test_hierarchical_engine_never_computes_full_logits_and_all_clusters_equal_f
     flat = LLM(mixtral_ckpt, dtype="float32", max_model_len=64).score(PROMPT)[0]
     wide = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, routing="hierarchical", cluster_map=path,
                cluster_admit_margin=math.inf)
-    assert isinstance(wide.engine.runner.model.layers[0].mlp.router, HierarchicalRouter)
+    assert isinstance(wide.engine.runner.model.layers[0].hooks.router, HierarchicalRouter)
     from moekv.routing.logits import RouterLogits
 
     def no_full(self):

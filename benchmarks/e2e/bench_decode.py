@@ -170,8 +170,9 @@ def install_filled_caches(model, cfg, fmt, batch: int, context: int, block_size:
     room for the next); returns the decode Context of the step that follows."""
     pages = batch * (context // block_size + 1)
     for attn in model.attention_layers:
-        attn.kv_format = fmt
-        attn.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch, torch.bfloat16)
+        attn.hooks.kv_format = fmt
+        attn.hooks.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch,
+                                           torch.bfloat16)
         attn.kv_cache.layer = attn.layer_idx
         if fmt.name == "tiered":
             fill_tiered(fmt, attn.kv_cache, cfg, block_size, batch, context // block_size + 1, device)
@@ -283,7 +284,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
                floor_ms=1e3 * (weights_read + kv_read) / bandwidth)
     row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
     for attn in model.attention_layers:
-        attn.kv_cache = None
+        attn.hooks.kv_cache = None
     torch.cuda.empty_cache()
     return row
 
@@ -365,7 +366,7 @@ def main() -> None:
                 row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
                        "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}
                 for attn in model.attention_layers:
-                    attn.kv_cache = None
+                    attn.hooks.kv_cache = None
                 torch.cuda.empty_cache()
             rows.append(row)
             if "skipped" in row:

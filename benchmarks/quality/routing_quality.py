@@ -80,7 +80,7 @@ def evaluate(label: str, text: Path, args, kind: str, **llm_kwargs) -> dict:
     llm = LLM(model=args.model, dtype="float32", max_model_len=512, max_num_batched_tokens=4096, **llm_kwargs)
     if install is not None:
         for i, moe in moe_layers(llm.engine.runner.model).items():
-            moe.router = install(i, moe)
+            moe.hooks.router = install(i, moe)
     rec = evaluate_routing(llm, text, max_tokens=args.max_tokens, mode="prefill",
                            cluster_map=llm_kwargs.get("cluster_map") or args.map_path, progress=False)
     rec.update(label=label, kind=kind, seconds=time.perf_counter() - start,

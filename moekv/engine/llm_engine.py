@@ -17,7 +17,7 @@ from typing import Any
 
 from moekv.config import EngineConfig
 from moekv.engine.block_manager import BlockManager
-from moekv.engine.model_runner import ModelRunner, PendingStep
+from moekv.engine.model_runner import PendingStep, start_runner
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import OUTPUT_KINDS, Sequence
 from moekv.models.loader import load_model_config, read_json
@@ -77,7 +77,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={limit}; accepted: 2..{limit}")
         self.max_model_len = config.max_model_len or limit
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.runner = start_runner(config, self.model_config, self.max_model_len)
         # the prefix cache's chain root: what besides the tokens decides a page's bytes
         salt = repr((str(model_dir.resolve()), str(self.runner.dtype), config.kv_cache_dtype,
                      sorted((k, str(v)) for k, v in config.kv_format_options().items()))).encode()

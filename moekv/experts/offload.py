@@ -6,12 +6,12 @@ host-side map expert -> slot, and LRU order over the resident experts. At start 
 often routed to on the calibration text (the predictor file's frequencies; else experts 0..S-1) are
 loaded. Per step:
 
-1. before layer L runs (MoEDecoder.before_layer), `ExpertOffload.__call__` predicts layer L's
+1. before layer L runs (DecoderHooks.before_layer), `ExpertOffload.__call__` predicts layer L's
    experts from the residual stream entering layer L (moekv/experts/predictor.py) and copies the
    predicted experts that are not resident into slots (evicting the least recently used experts
    that are not predicted), on a separate copy stream on CUDA, so the copies overlap layer L's
    attention; on the CPU the "copy" is a plain copy_ with the same bookkeeping;
-2. in layer L's MoE (SparseMoE.offload), the routed experts are looked up: a resident expert is a
+2. in layer L's MoE (its executor, OffloadedExperts), the routed experts are looked up: a resident expert is a
    hit, a missing one is copied on demand (a miss); the compute stream waits for the copies of the
    slots it uses (CUDA events), and the experts run on the slots through the expert -> slot map
    (the same kernels: `fused_moe` on CUDA with slot ids; on the CPU a loop over experts in the
@@ -435,7 +435,7 @@ class ExpertOffload:
                     self.predictions["late"] += 1
 
     def __call__(self, layer_idx: int, x: torch.Tensor, delta: torch.Tensor | None) -> None:
-        """MoEDecoder.before_layer: predict the experts of the MoE layers targeted at this hook
+        """DecoderHooks.before_layer: predict the experts of the MoE layers targeted at this hook
         from the residual entering layer layer_idx, and copy them in (sync-free: once read)."""
         if layer_idx == self._first:
             self.tokens += x.shape[0]
@@ -476,6 +476,18 @@ class ExpertOffload:
                 "tokens": self.tokens, "bytes_per_token": moved / self.tokens if self.tokens else 0.0,
                 "slots_per_layer": next(iter(self.caches.values())).num_slots,
                 "prefetch": self.predictor is not None, "layers": per_layer}
+
+
+class OffloadedExperts:
+    """An MoE layer's ExpertExecutor (layers/moe.py) with expert offload: its experts computed on its
+    ExpertCache's slots (the module's own w13 / w2 are the host copies; the cache reads them itself)."""
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.cache = cache
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                 expert_ids: torch.Tensor) -> torch.Tensor:
+        return self.cache(x, weights, expert_ids)
 
 
 def install_expert_offload(model, model_cfg, config, device: torch.device) -> ExpertOffload:
@@ -520,7 +532,7 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
         freq = predictor.frequency(i) if predictor is not None else None
         hot = freq.argsort(descending=True, stable=True).tolist() if freq is not None else list(range(E))
         cache.fill(hot)
-        moe.offload = cache
+        moe.hooks.experts = OffloadedExperts(cache)
         caches[i] = cache
     prefetch = config.expert_prefetch is not False
     if prefetch and predictor is None:
@@ -531,7 +543,7 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
                             lookahead=config.expert_prefetch_lookahead or 1, sync_free=sync_free,
                             read_stream=read_stream)
     offload.model = model
-    model.before_layer = offload  # without a predictor it only counts tokens
+    model.hooks.before_layer = offload  # without a predictor it only counts tokens
     log.info("expert offload: %d of %d experts per MoE layer on %s (%.3f GiB), the rest in host memory; "
              "prefetch %s", slots, E, device, slots * nbytes * len(layers) / 2**30,
              f"on ({predictor.kind}, lookahead {offload.lookahead}, {'sync-free' if sync_free else 'host sync'})"

@@ -2,7 +2,7 @@
 
 kivi2 stores a (page, kv head) slab as 2-bit codes [P, D/4] (channel 4j + i in bits 2i of byte j)
 with fp16 scale and zero tables: keys per channel over groups of 32 tokens ([P/32, D]), values per
-token over groups of 32 channels ([P, D/32]) (moekv/kvcache/formats/kivi.py). The Gluon kernel turns
+token over groups of 32 channels ([P, D/32]) (moekv/kvcache/formats/kivi2.py). The Gluon kernel turns
 the codes into fp16 in registers straight into mma_v2 A-operand fragments (one warp, K and V^T as
 the A operand, m16n8k16), so each page-head's codes (P = 64 tokens, D = 128 channels, 2048 bytes)
 are reordered into the order the consuming thread holds them.

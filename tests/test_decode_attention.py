@@ -24,7 +24,7 @@ from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa:
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import _is_decode_only  # noqa: E402
+from moekv.kvcache.formats.base import is_decode_only  # noqa: E402
 from moekv.kvcache.formats.nuq2 import fit_centroids  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
@@ -296,12 +296,12 @@ def test_dispatch(nuq2_calibration, monkeypatch):
     cache, ctx = build_cache(fmt, [40, 9], 2, 64, 16, torch.bfloat16, device=torch.device("cpu"))
     q = torch.randn(2, 8, 64)
     assert torch.equal(fmt.attend(q, cache, ctx, 0.125, None), fmt.attend_reference(q, cache, ctx, 0.125, None))
-    assert _is_decode_only(q, ctx)
+    assert is_decode_only(q, ctx)
     ctx.max_query_len = None
-    assert _is_decode_only(q, ctx)  # found from query_start_loc
+    assert is_decode_only(q, ctx)  # found from query_start_loc
     ctx.query_start_loc = torch.tensor([0, 0, 2], dtype=torch.int32)
-    assert not _is_decode_only(q, ctx)
-    assert not _is_decode_only(q[:1], ctx)
+    assert not is_decode_only(q, ctx)
+    assert not is_decode_only(q[:1], ctx)
 
 
 # -- nuq2: outlier slots in use ---------------------------------------------------------------------------

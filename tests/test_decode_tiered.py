@@ -355,7 +355,7 @@ def test_gpu_tiered_realistic(block_n, swap_ab):
 @pytest.mark.parametrize("accumulate", [False, True], ids=["returned", "accumulated"])
 @pytest.mark.parametrize("max_pages, tpp, block", [(70, 2, 16), (5, 1, 64)])
 def test_reduce_and_mass_kernel_matches_the_formulas(max_pages, tpp, block, accumulate):
-    """_reduce_and_mass_kernel against both sums written in PyTorch (float64). Outputs: each head's
+    """reduce_and_mass_kernel against both sums written in PyTorch (float64). Outputs: each head's
     splits merged by their log2-sum-exp. Mass: heads' final log2-sum-exp over the splits, tile
     masses, summed over heads and the tiles of each full page; 0 for the partly filled page and past
     the context; more pages than one program's block. Tiles the decode kernel does not write (before
@@ -387,7 +387,7 @@ def test_reduce_and_mass_kernel_matches_the_formulas(max_pages, tpp, block, accu
     mass = dev(earlier.clone()) if accumulate else torch.empty(B, max_pages, device=DEVICE)
     out = torch.empty(B, Hq, D, device=DEVICE)
     block_pages = min(32, dt.mass_block_pages(Hq, tpp))  # more pages than one program's block
-    dt._reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
+    dt.reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
         dev(part_o), dev(part_lse), out, out.stride(0), out.stride(1),
         dev(tile_sum), dev(tile_max), mass, dev(context), dev(ids), ids.stride(0), window,
         ns, max_pages * tpp, max_pages, Hq, 8, D, tpp, P, block, block_pages, accumulate)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekv.kvcache.formats.kivi import KIVI2Format
+from moekv.kvcache.formats.kivi2 import KIVI2Format
 from moekv.ops.gluon.kivi2_decode import (
     kivi2_decode_split_reference,
     quantized_tokens,

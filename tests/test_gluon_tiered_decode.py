@@ -125,7 +125,7 @@ def test_fp8_fragment_order_puts_each_code_in_its_fragment_lane(kind):
 
 @pytest.mark.parametrize("kind", ["key", "value"])
 def test_kernel_reshapes_give_the_step_tiles(kind):
-    """The logical reshape/permute of fp8_kernel._fp8_page (the same dims, in torch) turns step i's
+    """The logical reshape/permute of fp8_kernel.fp8_page (the same dims, in torch) turns step i's
     [4 rows, 128 words, 4 bytes] of the order into K [16, 128] (tokens 16 i ..) / V^T [128, 16]: what
     the kernel computes depends on this and the layouts only (convert_layout is an identity; the
     offline build asserts it moves no data)."""

@@ -33,7 +33,7 @@ _COMPRESSED: dict[str, tuple[str, str]] = {
     "int4": ("int4", "Int4Format"),
     "nuq2": ("nuq2", "NUQ2Format"),
     "vq": ("vq", "VQFormat"),
-    "kivi2": ("kivi", "KIVI2Format"),
+    "kivi2": ("kivi2", "KIVI2Format"),
     "tiered": ("tiered", "TieredFormat"),
 }
 if (*_PLAIN, *_COMPRESSED) != KV_FORMAT_NAMES:  # the configuration checks names against names.py's list

@@ -158,7 +158,7 @@ class KVFormat(ABC):
         Decode-only steps on CUDA go to the fused paged decode kernel when the format describes
         its pages to it (`decode_spec`); everything else (CPU, prefill) takes `attend_reference`.
         """
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _is_decode_only(q, ctx):
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and is_decode_only(q, ctx):
             staging = cache.tensors.get("k_staging")
             pages = cache["k_pages"] if "k_pages" in cache.tensors else None
             block_size = staging.shape[2] if staging is not None else (pages.shape[2] if pages is not None else 0)
@@ -597,7 +597,7 @@ class FragmentPagedFormat(PagedQuantFormat):
             return super().attend(q, cache, ctx, scale, sliding_window)
         G = q.shape[1] // cache["k_staging"].shape[1]
         if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in (1, 2, 4, 8)
-                and _is_decode_only(q, ctx)):
+                and is_decode_only(q, ctx)):
             return self.gluon_decode(q, cache, ctx, scale, sliding_window,
                                      (cache["k_staging"], cache["v_staging"], ctx.seq_slots))
         return self.attend_reference(q, cache, ctx, scale, sliding_window)
@@ -628,7 +628,7 @@ def gluon_pages_wanted(choice: str, covered: bool, device: torch.device | str | 
     return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
-def _is_decode_only(q: torch.Tensor, ctx: Context) -> bool:
+def is_decode_only(q: torch.Tensor, ctx: Context) -> bool:
     """One query token per sequence (every query_lens == 1)."""
     if q.shape[0] != ctx.num_seqs:
         return False

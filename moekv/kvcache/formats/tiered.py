@@ -42,12 +42,12 @@ from moekv.kvcache.formats.base import (
     LayerKVCache,
     PagedQuantFormat,
     RopeWriteTarget,
-    _is_decode_only,
     can_stage_vectorized,
     check_finite,
     dense_attention,
     flag_nonfinite,
     gluon_pages_wanted,
+    is_decode_only,
     stage_decode_tokens,
     stage_tokens,
     staging_tensors,
@@ -618,7 +618,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         kernel (pages of a multiple of 16 tokens, a power-of-two head_dim >= 16: what its tiles need)."""
         P = cache["k_staging"].shape[2] if cache is not None else 16
         return (self.fused_decode and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-                and not self.lo.calibrated and _kernel_shape_ok(P, q.shape[-1]) and _is_decode_only(q, ctx))
+                and not self.lo.calibrated and _kernel_shape_ok(P, q.shape[-1]) and is_decode_only(q, ctx))
 
     def attend(self, q, cache, ctx, scale, sliding_window):
         """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel: the Gluon one

@@ -117,9 +117,9 @@ class KIVI2Format(FragmentPagedFormat):
         return groups.reshape(n, heads, P, D)
 
     def decode_spec(self, block_size, head_dim):
-        from moekv.ops.decode.kivi import kivi_spec  # the tile readers take G (32 or 64) as a parameter
+        from moekv.ops.decode.kivi2 import kivi2_spec  # the tile readers take G (32 or 64) as a parameter
 
-        return kivi_spec(self, block_size, head_dim)
+        return kivi2_spec(self, block_size, head_dim)
 
     # -- the Gluon decode kernel's page layout (moekv/ops/gluon/kivi2_layout.py) -------------------------
     def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:

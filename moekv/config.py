@@ -28,8 +28,8 @@ DEVICES = ("cpu", "cuda")
 
 
 def default_model_path() -> Path:
-    """The small model the repository ships (models/tiny-moe), used when no --model is given."""
-    return Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
+    """The small model the repository ships (models/domain-moe), used when no --model is given."""
+    return Path(__file__).resolve().parent.parent / "models" / "domain-moe"
 
 
 PLAIN_KV_FORMATS = ("auto", "bf16", "fp16", "fp32")
@@ -124,7 +124,7 @@ class EngineConfig:
     """
 
     model: str | Path = option(
-        "Hugging Face checkpoint folder (default: the bundled models/tiny-moe)", default_factory=default_model_path)
+        "Hugging Face checkpoint folder (default: the bundled models/domain-moe)", default_factory=default_model_path)
     dtype: str = option("auto | float32 | bfloat16 | float16", "auto")
     device: str = option("cpu | cuda", "cpu")
     kv_cache_dtype: str = option(

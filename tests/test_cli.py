@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 
 
 def run_cli(*args):
@@ -43,11 +44,45 @@ def test_engine_runs_without_importing_transformers(mixtral_ckpt):
 
 
 def test_default_model_generates_english(tmp_path):
-    """No --model: the bundled tiny model answers with words."""
-    r = run_cli("generate", "--prompt", "It was a dark and stormy night", "--max-tokens", "24", "--quiet")
+    """No --model: the bundled model answers with words, and with its generation_config.json's sampling
+    settings it does not loop (greedy, it repeats "he was in a fat" three times in 48 tokens)."""
+    r = run_cli("generate", "--prompt", "It was a dark and stormy night", "--max-tokens", "48", "--quiet")
     assert r.returncode == 0, r.stderr
     words = r.stdout.split()
-    assert len(words) >= 8 and sum(w.strip(".,!?;:'\"").isalpha() for w in words) >= len(words) // 2
+    assert len(words) >= 16 and sum(w.strip(".,!?;:'\"“”’").isalpha() for w in words) >= len(words) // 2
+    lowered = [w.strip(".,!?;:'\"“”’").lower() for w in words]
+    trigrams = Counter(zip(lowered, lowered[1:], lowered[2:]))
+    assert max(trigrams.values()) <= 2, trigrams.most_common(3)
+
+
+def test_generate_sampling_flags_default_to_generation_config(mixtral_ckpt, monkeypatch):
+    """--temperature, --top-p, --top-k and --repetition-penalty: a flag given wins, then the checkpoint's
+    generation_config.json, then greedy without penalty (as the server and LLM default to the file too)."""
+    from moekv.cli import build_parser, engine_config_from
+    from moekv.cli.generate import _generate
+    from moekv.engine.llm_engine import LLMEngine
+
+    parser = build_parser()
+    base = ["generate", "--model", str(mixtral_ckpt), "--prompt", "x", "--max-tokens", "2", "--quiet"]
+    engine = LLMEngine(engine_config_from(parser.parse_args(base)))
+    seen = []
+    add = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda rid, prompt, params, **kw: (seen.append(params),
+                                                                                 add(rid, prompt, params, **kw))[1])
+
+    def fields_for(generation_config, *flags):
+        engine.generation_config = generation_config
+        assert _generate(engine, parser.parse_args([*base, *flags])) == 0
+        p = seen.pop()
+        return p.temperature, p.top_p, p.top_k, p.repetition_penalty
+
+    sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
+    assert fields_for({}) == (0.0, 1.0, -1, 1.0)
+    assert fields_for({"do_sample": False, "top_p": 0.5}) == (0.0, 0.5, -1, 1.0)
+    assert fields_for(sampling) == (0.7, 0.9, 50, 1.1)
+    assert fields_for(sampling, "--temperature", "0", "--top-k", "5") == (0.0, 0.9, 5, 1.1)
+    flags = ("--temperature", "1.2", "--top-p", "0.8", "--repetition-penalty", "1.3")
+    assert fields_for({}, *flags) == (1.2, 0.8, -1, 1.3)
 
 
 def test_async_scheduling_flag_reaches_the_engine_config(mixtral_ckpt):
@@ -77,14 +112,17 @@ def test_every_engine_config_field_has_a_flag_with_its_default():
     from moekv.cli.engine_args import engine_config_from, flag_name
     from moekv.config import EngineConfig, field_default
 
+    # generate runs one prompt, so its pool holds one sequence (the only default a command changes)
+    own = {"generate": {"max_num_seqs": 1}}
     for command in (["generate", "--prompt", "x"], ["serve"], ["eval", "ppl", "--text", "t"],
                     ["eval", "routing", "--text", "t"], ["eval", "retrieval", "--text", "t"]):
         args = build_parser().parse_args(command)
+        changed = own.get(command[0], {})
         for f in dataclasses.fields(EngineConfig):
-            default = field_default(f)
+            default = changed.get(f.name, field_default(f))
             assert getattr(args, f.name) == (str(default) if isinstance(default, Path) else default), \
                 (command[0], flag_name(f))
-        assert engine_config_from(args) == EngineConfig()
+        assert engine_config_from(args) == EngineConfig(**changed)
     flags = {flag_name(f) for f in dataclasses.fields(EngineConfig)}
     assert {"--kv-cache-dtype", "--max-model-len", "--block-size", "--enforce-eager", "--async-scheduling",
             "--cluster-map", "--load-format"} <= flags

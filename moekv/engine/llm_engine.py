@@ -104,8 +104,9 @@ class LLMEngine:
                                                                           cfg.head_dim)
 
     # -- requests ----------------------------------------------------------------------------
-    def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams seeded from the checkpoint's generation_config.json, as vLLM does."""
+    def generation_defaults(self) -> dict[str, Any]:
+        """The SamplingParams fields the checkpoint's generation_config.json sets (do_sample false:
+        temperature 0), by SamplingParams' names; fields it does not name are left out."""
         g = self.generation_config
         kwargs: dict[str, Any] = {}
         if g.get("do_sample") is False:
@@ -114,7 +115,11 @@ class LLMEngine:
                          ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens")):
             if g.get(src) is not None and dst not in kwargs:
                 kwargs[dst] = g[src]
-        return SamplingParams(**kwargs)
+        return kwargs
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams seeded from the checkpoint's generation_config.json, as vLLM does."""
+        return SamplingParams(**self.generation_defaults())
 
     def encode_text(self, text: str, add_special_tokens: bool = True, name: str = "prompt") -> list[int]:
         """Token ids of a text prompt. Refused before tokenizing (ValueError naming `name`): invalid

@@ -83,10 +83,10 @@ def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS,
 def fit_weight(z: torch.Tensor, kind: str) -> torch.Tensor | None:
     """Keys: weight each normalised element by 1 + |z|^3 in the k-means. Plain k-means shrinks
     the extremes toward the mean (each centroid is its cluster's mean), and the extremes of keys
-    make the largest attention logits: on tiny-moe (held-out books, 4k tokens, keys nuq2, values
-    FP8) plain k-means flattened attention (entropy +0.2 nats) and cost +6.8% perplexity at a
-    lower MSE than KIVI's keys (+1.0%); weights z^2: +2.3%, 1+z^2: +2.8%, 1+|z|^3: +1.3%,
-    1+z^4: +1.4%, 1+z^6: +9%. Values: plain k-means (+0.25%; weighting them hurt)."""
+    make the largest attention logits: on tiny-moe (a retired head_dim-32 test model; held-out
+    books, 4k tokens, keys nuq2, values FP8) plain k-means flattened attention (entropy +0.2 nats)
+    and cost +6.8% perplexity at a lower MSE than KIVI's keys (+1.0%); weights z^2: +2.3%, 1+z^2:
+    +2.8%, 1+|z|^3: +1.3%, 1+z^4: +1.4%, 1+z^6: +9%. Values: plain k-means (+0.25%; weighting them hurt)."""
     return 1.0 + z.abs().pow(3) if kind == "key" else None
 
 

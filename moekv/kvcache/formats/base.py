@@ -98,6 +98,9 @@ class KVFormat(ABC):
     # given by the registry when it builds the format (get_kv_format) and fixed from then on: page_bytes
     # and allocate read it, so pools of one format object all take one layout
     decode_kernel: str = DEFAULT_DECODE_KERNEL
+    # the options it takes from the engine's configuration (options.KVOption: EngineConfig's kv_<name>,
+    # the flag --kv-<name>), each a keyword of its constructor
+    engine_options: tuple = ()
 
     @abstractmethod
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:

@@ -61,33 +61,38 @@ def test_async_scheduling_flag_reaches_the_engine_config(mixtral_ckpt):
     seen = {}
     for flags, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
         args = parser.parse_args(["generate", "--model", str(mixtral_ckpt), "--prompt", "x", *flags])
-        seen[tuple(flags)] = engine_config_from(args).async_scheduling
+        seen[tuple(flags)] = engine_config_from(args).scheduler.async_scheduling
         assert seen[tuple(flags)] is want, flags
     assert not EngineConfig(model=mixtral_ckpt).async_scheduling_enabled  # the CPU's default
     assert EngineConfig(model=mixtral_ckpt, async_scheduling=True).async_scheduling_enabled
 
 
 def test_every_engine_config_field_has_a_flag_with_its_default():
-    """The engine flags are EngineConfig's fields: each one a flag, with the field's default, and the
-    parsed defaults build the default EngineConfig."""
+    """The engine flags are EngineConfig's flat fields (its own, every group's, every KV format's
+    options): each one a flag, with the field's default, and the parsed defaults build the default
+    EngineConfig."""
     import dataclasses
     from pathlib import Path
 
     from moekv.cli import build_parser
     from moekv.cli.engine_args import engine_config_from, flag_name
-    from moekv.config import EngineConfig, field_default
+    from moekv.config import EngineConfig, config_groups, flat_fields
+    from moekv.kvcache.formats import engine_options
 
     for command in (["generate", "--prompt", "x"], ["serve"], ["eval", "ppl", "--text", "t"],
                     ["eval", "routing", "--text", "t"], ["eval", "retrieval", "--text", "t"]):
         args = build_parser().parse_args(command)
-        for f in dataclasses.fields(EngineConfig):
-            default = field_default(f)
-            assert getattr(args, f.name) == (str(default) if isinstance(default, Path) else default), \
+        for f in flat_fields():
+            assert getattr(args, f.name) == (str(f.default) if isinstance(f.default, Path) else f.default), \
                 (command[0], flag_name(f))
         assert engine_config_from(args) == EngineConfig()
-    flags = {flag_name(f) for f in dataclasses.fields(EngineConfig)}
+    names = {f.name for f in flat_fields()}
+    for group, cls in config_groups().items():  # every field of every group, but the formats' options' holder
+        assert {f.name for f in dataclasses.fields(cls)} - {"kv_options"} <= names, group
+    assert {option.field for option in engine_options().values()} <= names
+    flags = {flag_name(f) for f in flat_fields()}
     assert {"--kv-cache-dtype", "--max-model-len", "--block-size", "--enforce-eager", "--async-scheduling",
-            "--cluster-map", "--load-format"} <= flags
+            "--cluster-map", "--load-format", "--kv-group-size", "--kv-rank-after-prompt"} <= flags
 
 
 def test_engine_flags_reach_the_engine_config():
@@ -97,8 +102,9 @@ def test_engine_flags_reach_the_engine_config():
                                       "tiered", "--enforce-eager", "--no-async-scheduling", "--engine-seed", "7",
                                       "--kv-tier1-fraction", "0.25", "--load-format", "dummy"])
     cfg = engine_config_from(args)
-    assert (cfg.max_model_len, cfg.block_size, cfg.kv_cache_dtype, cfg.enforce_eager, cfg.async_scheduling,
-            cfg.seed, cfg.kv_tier1_fraction, cfg.load_format) == (64, 32, "tiered", True, False, 7, 0.25, "dummy")
+    assert (cfg.max_model_len, cfg.cache.block_size, cfg.cache.kv_cache_dtype, cfg.enforce_eager,
+            cfg.scheduler.async_scheduling, cfg.seed, cfg.cache.kv_options["tier1_fraction"], cfg.load_format) == (
+                64, 32, "tiered", True, False, 7, 0.25, "dummy")
 
 
 def test_kv_format_names_match_the_registry():

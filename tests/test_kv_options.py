@@ -106,6 +106,7 @@ def test_engine_config_validates_the_same_twice():
     for name in KV_FORMAT_NAMES:
         config = EngineConfig(kv_cache_dtype=name)
         again = EngineConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
-        assert again.kv_format_options() == config.kv_format_options(), name
-        assert dataclasses.replace(config).kv_cache_dtype == name
+        assert again == config and again.kv_format_options() == config.kv_format_options(), name
+        assert dataclasses.replace(config).cache.kv_cache_dtype == name
+        assert dataclasses.replace(config.cache) == config.cache
     assert EngineConfig(kv_cache_dtype="vq").kv_format_options()["calibration"].name == "kv_calibration"

@@ -220,7 +220,8 @@ def _with_emulated_graphs(llm):
     """Route the runner's graph path through the padded static buffers, run eagerly (the CPU has no
     graphs); record each such step's context lengths."""
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.device, llm.engine.config.max_num_seqs, runner.max_pages_per_seq,
+    graphs = DecodeGraphs(runner.model, runner.device, llm.engine.config.scheduler.max_num_seqs,
+                          runner.max_pages_per_seq,
                           runner.block_size, runner.scratch_page, runner.scratch_slot, use_graphs=False,
                           fill_variants=runner.kv_format.graph_support.lists_fills,
                           after_forward=runner.quantize_filled_pages)

@@ -51,7 +51,7 @@ def test_default_model_generates_english(tmp_path):
 
 
 def test_async_scheduling_flag_reaches_the_engine_config(mixtral_ckpt):
-    """--async-scheduling / --no-async-scheduling set EngineConfig.async_scheduling; without either it
+    """--async-scheduling / --no-async-scheduling set EngineConfig.scheduler.async_scheduling; without either it
     is None, which means on for CUDA (the GPU tests of test_cuda_graphs run with that default) and off on
     the CPU."""
     from moekv.cli import build_parser, engine_config_from

@@ -1,4 +1,4 @@
-"""The decode kernel a format's pools are laid out for is configuration (EngineConfig.decode_kernel,
+"""The decode kernel a format's pools are laid out for is configuration (EngineConfig.cache.decode_kernel,
 --decode-kernel), carried by the format object: validated, reaching the format the engine builds, each
 format object keeping its own layout beside others in one process, and MOEKV_DECODE_KERNEL in the
 environment refused rather than read. The CPU has no Gluon kernels: there 'auto' keeps slabs and

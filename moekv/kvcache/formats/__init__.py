@@ -3,7 +3,7 @@ plus how it writes a step's K/V into pages and how attention reads them back.
 
 Options reach a format as keyword arguments of its constructor, and only those: an option a format
 does not take is an error naming the ones it does (kv_format_options), never silently ignored. The
-decode kernel its pools are laid out for (decode_kernel: EngineConfig.decode_kernel) is not an
+decode kernel its pools are laid out for (decode_kernel: EngineConfig.cache.decode_kernel) is not an
 option: every format takes it, and the registry gives it to the format it builds. The options a
 format takes from the engine's configuration (kv_<name>) it declares itself (KVFormat.engine_options,
 options.KVOption); engine_options gathers them for the configuration and the command line."""

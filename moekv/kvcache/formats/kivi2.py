@@ -43,7 +43,7 @@ FP16_MAX = 65504.0
 
 class KIVI2Format(FragmentPagedFormat):
     name = "kivi2"
-    default_residual = 128  # KIVI's R (EngineConfig.kv_residual passes it through the registry)
+    default_residual = 128  # KIVI's R (EngineConfig(kv_residual=...) passes it through the registry)
     engine_options = (
         KVOption("residual", default_residual, "kivi2: newest tokens kept in 16-bit (a multiple of 32)",
                  lambda r: None if isinstance(r, int) and not isinstance(r, bool) and r >= 0 and r % GROUP == 0

@@ -71,6 +71,13 @@ def kv_format_options(name: str) -> tuple[str, ...]:
     return tuple(inspect.signature(_format_class(name)).parameters)
 
 
+def format_class(name: str) -> type[KVFormat]:
+    """The class of format `name` (PlainKVFormat for the plain ones), for what it says about itself
+    before it is built: graph_support, needs_calibration, engine_options, the optional hooks it has."""
+    _check_name(name)
+    return PlainKVFormat if name in _PLAIN else _format_class(name)
+
+
 def compressed_formats() -> tuple[str, ...]:
     """The formats that quantize their pages (every one but the plain 16/32-bit formats), in registry order."""
     return tuple(_COMPRESSED)
@@ -133,5 +140,6 @@ def get_kv_format(name: str, model_dtype: torch.dtype = torch.bfloat16, *,
 
 
 __all__ = ["DECODE_KERNELS", "KV_FORMAT_NAMES", "GraphStepHooks", "GraphSupport", "KVFormat", "KVOption",
-           "LayerKVCache", "PagedQuantFormat", "compressed_formats", "engine_options", "format_engine_options",
+           "LayerKVCache", "PagedQuantFormat", "compressed_formats", "engine_options", "format_class",
+           "format_engine_options",
            "get_kv_format", "kv_format_options", "kv_options_for"]

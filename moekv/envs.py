@@ -5,12 +5,17 @@ computes: what a run computes (its KV format, the decode kernel its pools are la
 its configuration, EngineConfig and the command-line flags made from it. The rest of the code calls
 these functions rather than reading os.environ.
 
+A launcher's (torchrun's) RANK / WORLD_SIZE / LOCAL_RANK / ... are read here too (launcher_env): they
+say where this process sits among the ranks of a tensor-parallel engine, not how it computes; the
+configuration reads them to check the GPUs a rank needs, engine/parallel.py to join the ranks.
+
 The server's API key (MOEKV_API_KEY) is read by moekv/server/options.py, beside the option it is
 the default of: a credential, not a kernel switch, and it changes what the server accepts.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 PDL_ENV = "MOEKV_PDL"
 NUQ2_QUANTIZE_KERNEL_ENV = "MOEKV_NUQ2_QUANTIZE_KERNEL"
@@ -53,3 +58,28 @@ def check_decode_kernel_unset() -> None:
                          f"with it the KV pool's page layout) is a setting of the engine: pass --decode-kernel "
                          f"{choice} (EngineConfig / LLM(decode_kernel=...), get_kv_format(..., decode_kernel=...)) "
                          f"and unset {DECODE_KERNEL_ENV}")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """This process's place as a launcher (torchrun) gave it: env:// variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def launcher_env() -> LaunchEnv | None:
+    """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE when a launcher (torchrun) started this process
+    with torch.distributed's env:// rendezvous (MASTER_ADDR and MASTER_PORT set too); None otherwise."""
+    env = os.environ
+    if not all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    except ValueError as e:
+        raise ValueError(f"torchrun's environment is not numeric: {e}") from None
+    return LaunchEnv(rank, world, local_rank, local_world)

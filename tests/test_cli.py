@@ -86,7 +86,7 @@ def test_generate_sampling_flags_default_to_generation_config(mixtral_ckpt, monk
 
 
 def test_async_scheduling_flag_reaches_the_engine_config(mixtral_ckpt):
-    """--async-scheduling / --no-async-scheduling set EngineConfig.async_scheduling; without either it
+    """--async-scheduling / --no-async-scheduling set EngineConfig.scheduler.async_scheduling; without either it
     is None, which means on for CUDA (the GPU tests of test_cuda_graphs run with that default) and off on
     the CPU."""
     from moekv.cli import build_parser, engine_config_from
@@ -96,21 +96,23 @@ def test_async_scheduling_flag_reaches_the_engine_config(mixtral_ckpt):
     seen = {}
     for flags, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
         args = parser.parse_args(["generate", "--model", str(mixtral_ckpt), "--prompt", "x", *flags])
-        seen[tuple(flags)] = engine_config_from(args).async_scheduling
+        seen[tuple(flags)] = engine_config_from(args).scheduler.async_scheduling
         assert seen[tuple(flags)] is want, flags
     assert not EngineConfig(model=mixtral_ckpt).async_scheduling_enabled  # the CPU's default
     assert EngineConfig(model=mixtral_ckpt, async_scheduling=True).async_scheduling_enabled
 
 
 def test_every_engine_config_field_has_a_flag_with_its_default():
-    """The engine flags are EngineConfig's fields: each one a flag, with the field's default, and the
-    parsed defaults build the default EngineConfig."""
+    """The engine flags are EngineConfig's flat fields (its own, every group's, every KV format's
+    options): each one a flag, with the field's default, and the parsed defaults build the default
+    EngineConfig."""
     import dataclasses
     from pathlib import Path
 
     from moekv.cli import build_parser
     from moekv.cli.engine_args import engine_config_from, flag_name
-    from moekv.config import EngineConfig, field_default
+    from moekv.config import EngineConfig, config_groups, flat_fields
+    from moekv.kvcache.formats import engine_options
 
     # generate runs one prompt, so its pool holds one sequence (the only default a command changes)
     own = {"generate": {"max_num_seqs": 1}}
@@ -118,14 +120,18 @@ def test_every_engine_config_field_has_a_flag_with_its_default():
                     ["eval", "routing", "--text", "t"], ["eval", "retrieval", "--text", "t"]):
         args = build_parser().parse_args(command)
         changed = own.get(command[0], {})
-        for f in dataclasses.fields(EngineConfig):
-            default = changed.get(f.name, field_default(f))
+        for f in flat_fields():
+            default = changed.get(f.name, f.default)
             assert getattr(args, f.name) == (str(default) if isinstance(default, Path) else default), \
                 (command[0], flag_name(f))
         assert engine_config_from(args) == EngineConfig(**changed)
-    flags = {flag_name(f) for f in dataclasses.fields(EngineConfig)}
+    names = {f.name for f in flat_fields()}
+    for group, cls in config_groups().items():  # every field of every group, but the formats' options' holder
+        assert {f.name for f in dataclasses.fields(cls)} - {"kv_options"} <= names, group
+    assert {option.field for option in engine_options().values()} <= names
+    flags = {flag_name(f) for f in flat_fields()}
     assert {"--kv-cache-dtype", "--max-model-len", "--block-size", "--enforce-eager", "--async-scheduling",
-            "--cluster-map", "--load-format"} <= flags
+            "--cluster-map", "--load-format", "--kv-group-size", "--kv-rank-after-prompt"} <= flags
 
 
 def test_engine_flags_reach_the_engine_config():
@@ -135,8 +141,9 @@ def test_engine_flags_reach_the_engine_config():
                                       "tiered", "--enforce-eager", "--no-async-scheduling", "--engine-seed", "7",
                                       "--kv-tier1-fraction", "0.25", "--load-format", "dummy"])
     cfg = engine_config_from(args)
-    assert (cfg.max_model_len, cfg.block_size, cfg.kv_cache_dtype, cfg.enforce_eager, cfg.async_scheduling,
-            cfg.seed, cfg.kv_tier1_fraction, cfg.load_format) == (64, 32, "tiered", True, False, 7, 0.25, "dummy")
+    assert (cfg.max_model_len, cfg.cache.block_size, cfg.cache.kv_cache_dtype, cfg.enforce_eager,
+            cfg.scheduler.async_scheduling, cfg.seed, cfg.cache.kv_options["tier1_fraction"], cfg.load_format) == (
+                64, 32, "tiered", True, False, 7, 0.25, "dummy")
 
 
 def test_kv_format_names_match_the_registry():

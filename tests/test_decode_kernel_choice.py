@@ -1,4 +1,4 @@
-"""The decode kernel a format's pools are laid out for is configuration (EngineConfig.decode_kernel,
+"""The decode kernel a format's pools are laid out for is configuration (EngineConfig.cache.decode_kernel,
 --decode-kernel), carried by the format object: validated, reaching the format the engine builds, each
 format object keeping its own layout beside others in one process, and MOEKV_DECODE_KERNEL in the
 environment refused rather than read. The CPU has no Gluon kernels: there 'auto' keeps slabs and
@@ -18,9 +18,9 @@ CPU = torch.device("cpu")
 
 def test_engine_config_validates_decode_kernel():
     assert DECODE_KERNELS == ("auto", "triton", "gluon")
-    assert EngineConfig().decode_kernel == "auto"
+    assert EngineConfig().cache.decode_kernel == "auto"
     for choice in DECODE_KERNELS:
-        assert EngineConfig(decode_kernel=choice).decode_kernel == choice
+        assert EngineConfig(decode_kernel=choice).cache.decode_kernel == choice
     for bad in ("cuda", "Triton", ""):
         with pytest.raises(ValueError) as e:
             EngineConfig(decode_kernel=bad)
@@ -32,8 +32,8 @@ def test_the_flag_is_made_from_the_field():
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--decode-kernel", "triton"])
-    assert engine_config_from(args).decode_kernel == "triton"
-    assert engine_config_from(parser.parse_args(["serve"])).decode_kernel == "auto"
+    assert engine_config_from(args).cache.decode_kernel == "triton"
+    assert engine_config_from(parser.parse_args(["serve"])).cache.decode_kernel == "auto"
     with pytest.raises(SystemExit):  # argparse's choices, from the field's metadata
         parser.parse_args(["serve", "--decode-kernel", "cuda"])
 

@@ -178,3 +178,10 @@ def test_each_format_s_gluon_files_import_only_the_shared_ones_and_their_own():
             if name not in GLUON_SHARED and name.split("_")[0] not in {fmt} | GLUON_ALSO.get(fmt, set()):
                 bad.append(f"{module} -> {target}")
     assert not bad, "\n".join(bad)
+
+
+def test_config_imports_nothing_of_the_engine():
+    """moekv/config.py is read by everything that builds an engine and by the command line's --help:
+    it imports no moekv.engine module (the torchrun environment it checks comes from moekv.envs)."""
+    bad = sorted(t for t in import_graph()["moekv.config"] if t == "moekv.engine" or t.startswith("moekv.engine."))
+    assert not bad, bad

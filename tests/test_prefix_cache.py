@@ -15,6 +15,8 @@ from moekv.engine.block_manager import BlockManager, chain_hashes
 from moekv.engine.llm_engine import LLMEngine
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import Sequence
+from moekv.kvcache.formats import compressed_formats
+from tests.kv_formats import formats_sharing_pages
 
 SYSTEM = "You are a helpful assistant. Answer briefly and truthfully, in plain words. " * 3
 TURNS = ["What is the capital of France?", "Name three colors.", "Count to five.", "Who wrote Hamlet?"]
@@ -81,10 +83,10 @@ def run_scenario(fmt: str, enable: bool, max_tokens: int = 6, **kwargs) -> tuple
     return tokens, engine
 
 
-# formats whose pages can be shared; kivi2 only without its per-sequence residual window
-SHAREABLE = [("fp32", {}), ("bf16", {}), ("fp8_e4m3", {"block_size": 32}), ("int4", {"block_size": 32}),
-             ("nuq2", {"block_size": 32}), ("vq", {"block_size": 32}),
-             ("kivi2", {"block_size": 32, "kv_residual": 0})]
+# formats whose pages can be shared (the registry's, filtered); kivi2 only without its per-sequence
+# residual window; the compressed ones on pages of 32 tokens, so that the prompts fill some
+SHAREABLE = [(name, {**({"block_size": 32} if name in compressed_formats() else {}), **kwargs})
+             for name, kwargs in formats_sharing_pages()]
 
 
 @pytest.mark.parametrize("fmt, kwargs", SHAREABLE, ids=[f for f, _ in SHAREABLE])

@@ -313,7 +313,8 @@ def test_cli_has_routing_flags():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--routing", "group_limited", "--n-group", "4",
                                       "--topk-group", "2", "--clusters-per-token", "2"])
     cfg = engine_config_from(args)
-    assert (cfg.routing, cfg.n_group, cfg.topk_group, cfg.clusters_per_token) == ("group_limited", 4, 2, 2)
+    assert (cfg.router.routing, cfg.router.n_group, cfg.router.topk_group, cfg.router.clusters_per_token) == (
+        "group_limited", 4, 2, 2)
 
 
 def test_every_router_meets_the_protocol_the_moe_layer_uses(mixtral_ckpt):

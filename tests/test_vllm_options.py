@@ -128,10 +128,10 @@ def test_cli_flags_of_the_new_options(tmp_path):
     args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--tokenizer", str(MODEL / "tokenizer.json"),
                                       "--gpu-memory-utilization", "0.5"])
     cfg = engine_config_from(args)
-    assert (cfg.enable_prefix_caching, cfg.tokenizer, cfg.skip_tokenizer_init, cfg.gpu_memory_utilization) == (
-        True, MODEL / "tokenizer.json", False, 0.5)
+    assert (cfg.cache.enable_prefix_caching, cfg.tokenizer, cfg.skip_tokenizer_init,
+            cfg.cache.gpu_memory_utilization) == (True, MODEL / "tokenizer.json", False, 0.5)
     cfg = engine_config_from(build_parser().parse_args(["serve", "--skip-tokenizer-init"]))
-    assert cfg.skip_tokenizer_init and cfg.tokenizer is None and not cfg.enable_prefix_caching
+    assert cfg.skip_tokenizer_init and cfg.tokenizer is None and not cfg.cache.enable_prefix_caching
 
 
 def test_generate_command_per_request_seed(capsys):

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
-from moekv.kvcache.formats import DECODE_KERNELS, get_kv_format  # noqa: E402
+from moekv.kvcache.formats import DECODE_KERNELS, compressed_formats, get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import FragmentPagedFormat  # noqa: E402
 from moekv.models import mixtral  # noqa: E402
 from moekv.models.loader import empty_model, init_dummy_weights, install_routers  # noqa: E402
@@ -46,7 +46,7 @@ SHAPES = {
                   num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
 }
 POINTS = [(1, 4096), (16, 4096), (64, 4096), (32, 32768)]
-FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "vq", "tiered"]  # vq on a random calibration
+FORMATS = ["bf16", *compressed_formats()]  # every registered format; vq on a random calibration
 ACTIVATION_RESERVE = 6 << 30  # bytes kept free for activations, graphs and the allocator
 
 

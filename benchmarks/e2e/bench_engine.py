@@ -49,8 +49,10 @@ sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 from bench_decode import SHAPES, hf_config, kv_bytes_per_token, measure_bandwidth, weight_bytes_per_step  # noqa: E402
 
 from moekv import LLM, SamplingParams  # noqa: E402
+from moekv.kvcache.formats import compressed_formats, format_class  # noqa: E402
 
-FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "tiered"]
+# every registered format that runs without a calibration folder
+FORMATS = ["bf16", *(name for name in compressed_formats() if not format_class(name).needs_calibration)]
 POINTS = [(1, 4096), (16, 4096), (64, 4096)]
 
 

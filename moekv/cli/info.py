@@ -10,7 +10,7 @@ from moekv.kvcache.formats.names import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 
 def cmd_info(args: argparse.Namespace) -> int:
     from moekv import envs
-    from moekv.config import PLAIN_KV_FORMATS, shipped_kv_calibration
+    from moekv.config import default_block_size, shipped_kv_calibration
     from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format, kv_options_for
     from moekv.models.loader import load_model_config
 
@@ -39,8 +39,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for name in KV_FORMAT_NAMES:
         if name == "auto":
             continue
-        # the engine's default page: 16 tokens for the plain formats, 64 for the compressed ones
-        block_size = args.block_size or (16 if name in PLAIN_KV_FORMATS else 64)
+        block_size = args.block_size or default_block_size(name)  # the engine's default page
         try:
             options = dict(group_size=args.kv_group_size,
                            calibration=args.kv_calibration or shipped_kv_calibration(args.model))

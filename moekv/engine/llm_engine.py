@@ -79,11 +79,12 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.runner = start_runner(config, self.model_config, self.max_model_len)
         # the prefix cache's chain root: what besides the tokens decides a page's bytes
-        salt = repr((str(model_dir.resolve()), str(self.runner.dtype), config.kv_cache_dtype,
+        salt = repr((str(model_dir.resolve()), str(self.runner.dtype), config.cache.kv_cache_dtype,
                      sorted((k, str(v)) for k, v in config.kv_format_options().items()))).encode()
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching, cache_salt=salt)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          enable_prefix_caching=config.cache.enable_prefix_caching, cache_salt=salt)
+        self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs,
+                                   config.scheduler.max_num_batched_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         gen_eos = self.generation_config.get("eos_token_id")
         self.eos_token_ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])

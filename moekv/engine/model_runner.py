@@ -170,15 +170,15 @@ def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
 
 
 def kv_format_for(config: EngineConfig, dtype: torch.dtype) -> KVFormat:
-    """The KV format config.kv_cache_dtype names, with its kv_* options; refused when prefix caching
+    """The KV format config.cache.kv_cache_dtype names, with its kv_* options; refused when prefix caching
     is on and the format cannot share pages."""
-    kv_format = get_kv_format(config.kv_cache_dtype, dtype, decode_kernel=config.decode_kernel,
+    kv_format = get_kv_format(config.cache.kv_cache_dtype, dtype, decode_kernel=config.cache.decode_kernel,
                               **config.kv_format_options())
-    if config.enable_prefix_caching:
+    if config.cache.enable_prefix_caching:
         reason = kv_format.prefix_caching_unsupported()
         if reason is not None:
             raise ValueError(f"enable_prefix_caching=True does not work with kv_cache_dtype="
-                             f"{config.kv_cache_dtype!r}: {reason}")
+                             f"{config.cache.kv_cache_dtype!r}: {reason}")
     return kv_format
 
 
@@ -196,11 +196,11 @@ class ModelRunner:
                  parallel: ParallelGroup | None = None, kv_format: KVFormat | None = None) -> None:
         """One rank's runner, built in phases: load the weights, shard what the rank keeps, install
         the engine's behaviours in the layers, allocate the KV pools, set up decode-graph capture.
-        parallel: this rank's group when config.tensor_parallel_size > 1 (the ranks are started
+        parallel: this rank's group when config.parallel.tensor_parallel_size > 1 (the ranks are started
         first: start_runner, engine/parallel.start_ranks); kv_format: the format when the caller
         built it already (kv_format_for)."""
-        if parallel is None and config.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs this rank's group: "
+        if parallel is None and config.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs this rank's group: "
                              "start the ranks first (start_runner)")
         self.config = config
         self.model_cfg = model_cfg
@@ -224,7 +224,7 @@ class ModelRunner:
         # expert parallel: MoE layer -> [E] rank of each expert (None: experts are not spread)
         self.expert_placement: dict[int, torch.Tensor] | None = None
         if self.parallel is None:
-            load_device = torch.device("cpu") if config.expert_offload else self.device
+            load_device = torch.device("cpu") if config.experts.expert_offload else self.device
             return load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
         tp = self.parallel.tp
         placement = placement_of(config, model_cfg, [i for i, moe in enumerate(model_cfg.moe_layers) if moe])
@@ -245,7 +245,7 @@ class ModelRunner:
                                            self.parallel.world_size)
             shard_kv_tables(self.kv_format, kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
         self.num_kv_heads = self.model.attention_layers[0].num_kv_heads  # this rank's
-        self.kv_format.check_layout(self.num_kv_heads, self.config.block_size, model_cfg.head_dim)
+        self.kv_format.check_layout(self.num_kv_heads, self.config.cache.block_size, model_cfg.head_dim)
 
     def _install(self) -> None:
         """Phase 3, install: the engine's behaviours in the layers: expert offload (before the
@@ -253,19 +253,20 @@ class ModelRunner:
         with a cluster map the routing-locality counters (on the device, before any graph is captured)."""
         config, model_cfg = self.config, self.model_cfg
         self.experts = None  # ExpertOffload: expert caches, prefetch and their counters
-        if config.expert_offload:
+        if config.experts.expert_offload:
             from moekv.experts.offload import install_expert_offload
 
             self.experts = install_expert_offload(self.model, model_cfg, config, self.device)
-        self.routing = install_routers(self.model, model_cfg, **config.routing_options())
+        self.routing = install_routers(self.model, model_cfg, **config.router.routing_options())
         self.l2_prefetch = None  # ExpertL2Prefetch: predicted experts into L2 beside the attention
-        if config.expert_l2_prefetch:
+        if config.experts.expert_l2_prefetch:
             from moekv.experts.l2_prefetch import install_l2_prefetch
 
             self.l2_prefetch = install_l2_prefetch(self.model, config, self.device)
         self.locality: LocalityCounter | None = None
-        if config.cluster_map is not None and self.rank == 0:
-            self.locality = LocalityCounter(Placement.from_clusters(ClusterMap.load(config.cluster_map)), self.device)
+        if config.router.cluster_map is not None and self.rank == 0:
+            cmap = ClusterMap.load(config.router.cluster_map)
+            self.locality = LocalityCounter(Placement.from_clusters(cmap), self.device)
             for i, moe in moe_layers(self.model).items():
                 moe.hooks.observer = self.locality.observer(i)
 
@@ -273,26 +274,26 @@ class ModelRunner:
         """Phase 4, allocate: one KV pool per attention layer, sized from the memory budget (the
         smallest any rank can hold), plus the per-sequence state: staging slots and generators."""
         config, model_cfg = self.config, self.model_cfg
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         # mixed steps' decodes take the fused decode kernel (on CUDA; the CPU's path is the same reference)
         self.split_mixed_steps = self.device.type == "cuda"
         self.num_blocks = self._plan_num_blocks(max_model_len)  # pages the block manager hands out
         if self.parallel is not None:  # the same pool on every rank: the smallest one
             self.num_blocks = min(self.parallel.gather(self.num_blocks))
         self.scratch_page = self.num_blocks  # + 1 page per pool, never handed out (padded graph rows)
-        self.scratch_slot = config.max_num_seqs  # + 1 staging slot, likewise
+        self.scratch_slot = config.scheduler.max_num_seqs  # + 1 staging slot, likewise
         self.kv_caches = []
         for i, hooks in enumerate(self.model.hooks.layers):
             hooks.kv_format = self.kv_format
             hooks.kv_cache = self.kv_format.allocate(self.num_blocks + 1, self.num_kv_heads, self.block_size,
-                                                     model_cfg.head_dim, self.device, config.max_num_seqs + 1,
+                                                     model_cfg.head_dim, self.device, config.scheduler.max_num_seqs + 1,
                                                      self.dtype)
             hooks.kv_cache.layer = i
             self.kv_caches.append(hooks.kv_cache)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
         # staging slot (partly filled newest page) of each running sequence
-        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._free_slots = list(range(config.scheduler.max_num_seqs - 1, -1, -1))
         self._slots: dict[str, int] = {}
 
     def _set_up_capture(self, max_model_len: int) -> None:
@@ -326,7 +327,7 @@ class ModelRunner:
             reason = "expert_offload=True reads each MoE layer's routing on the host (cache misses, prefetch)"
         if reason is None:
             counted = self._count_rows if self.locality is not None or self.static_dispatch is not None else None
-            self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
+            self.graphs = DecodeGraphs(self.model, self.device, config.scheduler.max_num_seqs, self.max_pages_per_seq,
                                        self.block_size, self.scratch_page, self.scratch_slot,
                                        use_graphs=not emulated,
                                        fill_variants=self.kv_format.graph_support.lists_fills,
@@ -369,23 +370,23 @@ class ModelRunner:
         """Pages the block manager may hand out; the scratch page comes on top of an explicit
         num_kv_blocks, and out of a memory budget."""
         blocks_per_seq = -(-max_model_len // self.block_size)
-        if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
+        if self.config.cache.num_kv_blocks is not None:
+            num_blocks = self.config.cache.num_kv_blocks
             source = f"num_kv_blocks={num_blocks}"
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             # keep (1 - utilization) of the card free for activations and the allocator's slack
             total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            budget = free - (1 - self.config.cache.gpu_memory_utilization) * total
             num_blocks = max(int(max(budget, 0) // self.kv_bytes_per_block) - 1, 0)
-            source = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            source = f"gpu_memory_utilization={self.config.cache.gpu_memory_utilization}"
         else:
-            num_blocks = max(int(self.config.kv_cache_memory_gb * 2**30 // self.kv_bytes_per_block) - 1, 0)
-            source = f"kv_cache_memory_gb={self.config.kv_cache_memory_gb}"
-        if self.config.num_kv_blocks is None:
+            num_blocks = max(int(self.config.cache.kv_cache_memory_gb * 2**30 // self.kv_bytes_per_block) - 1, 0)
+            source = f"kv_cache_memory_gb={self.config.cache.kv_cache_memory_gb}"
+        if self.config.cache.num_kv_blocks is None:
             # no point holding more than every sequence at full length (and a second engine in the
             # same process still finds room on the card)
-            num_blocks = min(num_blocks, blocks_per_seq * self.config.max_num_seqs)
+            num_blocks = min(num_blocks, blocks_per_seq * self.config.scheduler.max_num_seqs)
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"the KV pool ({source}) holds {num_blocks} pages of {self.block_size} tokens, but one sequence "

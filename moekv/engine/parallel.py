@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moekv.envs import LaunchEnv, launcher_env
 from moekv.layers.mlp import GatedMLP
 from moekv.layers.parallel import ExpertParallel, TPGroup, check_tp_shapes, shard_attention, shard_mlp, shard_moe
 
@@ -123,31 +124,6 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-@dataclass(frozen=True)
-class LaunchEnv:
-    """This process's place as a launcher (torchrun) gave it: env:// variables."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-
-def launcher_env() -> LaunchEnv | None:
-    """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE when a launcher (torchrun) started this process
-    with torch.distributed's env:// rendezvous (MASTER_ADDR and MASTER_PORT set too); None otherwise."""
-    env = os.environ
-    if not all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return None
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", rank))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    except ValueError as e:
-        raise ValueError(f"torchrun's environment is not numeric: {e}") from None
-    return LaunchEnv(rank, world, local_rank, local_world)
-
-
 class ParallelGroup:
     """This process's place among the ranks, its groups, and (rank 0) the worker processes."""
 
@@ -191,7 +167,7 @@ class ParallelGroup:
         if _ACTIVE:
             raise RuntimeError("this process already runs an engine with tensor_parallel_size > 1; shut it down "
                                "first (LLMEngine.shutdown()): torch.distributed allows one group per process")
-        world = config.tensor_parallel_size
+        world = config.parallel.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=worker_main, args=(r, world, init_method, config, max_model_len, make_runner),
@@ -199,7 +175,7 @@ class ParallelGroup:
         for p in procs:
             p.start()
         try:
-            group = cls(0, world, init_method, config.torch_device, config.distributed_timeout)
+            group = cls(0, world, init_method, config.torch_device, config.parallel.distributed_timeout)
         except BaseException:
             for p in procs:
                 p.kill()
@@ -212,14 +188,14 @@ class ParallelGroup:
     @classmethod
     def join(cls, config, env: LaunchEnv) -> "ParallelGroup":
         """Every rank of a launcher's (torchrun's) processes: join the others (env:// rendezvous)."""
-        world = config.tensor_parallel_size
+        world = config.parallel.tensor_parallel_size
         if env.world_size != world:
             raise ValueError(f"tensor_parallel_size={world}, but the launcher (torchrun) started WORLD_SIZE="
                              f"{env.world_size} processes: give --nproc-per-node x --nnodes = {world}")
         if _ACTIVE:
             raise RuntimeError("this process already runs an engine with tensor_parallel_size > 1; shut it down "
                                "first (LLMEngine.shutdown()): torch.distributed allows one group per process")
-        group = cls(env.rank, world, "env://", config.torch_device, config.distributed_timeout, env.local_rank)
+        group = cls(env.rank, world, "env://", config.torch_device, config.parallel.distributed_timeout, env.local_rank)
         if env.rank == 0:
             _ACTIVE.append(group)
         return group
@@ -333,9 +309,9 @@ def start_ranks(config, model_cfg, max_model_len: int, make_runner) -> ParallelG
     0 starts ranks 1..N-1 (ParallelGroup.launch, worker_main); under torchrun every rank joins, and
     a worker rank serves rank 0 here and exits (serve_worker_rank). make_runner(config, model_cfg,
     max_model_len, parallel=group) builds a rank's runner (a ModelRunner; picklable for spawn)."""
-    if config.tensor_parallel_size == 1:
+    if config.parallel.tensor_parallel_size == 1:
         return None
-    check_tp_shapes(model_cfg, config.tensor_parallel_size, config.enable_expert_parallel)
+    check_tp_shapes(model_cfg, config.parallel.tensor_parallel_size, config.parallel.enable_expert_parallel)
     env = launcher_env()
     if env is None:  # the engine starts ranks 1..N-1 itself
         return ParallelGroup.launch(config, max_model_len, make_runner)
@@ -352,7 +328,7 @@ def worker_main(rank: int, world: int, init_method: str, config, max_model_len: 
 
     if config.torch_device.type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    group = ParallelGroup(rank, world, init_method, config.torch_device, config.distributed_timeout)
+    group = ParallelGroup(rank, world, init_method, config.torch_device, config.parallel.distributed_timeout)
     serve_commands(group, make_runner(config, load_model_config(config.model), max_model_len, parallel=group))
 
 
@@ -370,14 +346,14 @@ def placement_of(config, model_cfg, moe_layer_ids: list[int]) -> dict[int, torch
     """Expert parallel: the rank of every expert of each MoE layer ([E] int64). With a cluster map,
     its clusters spread over the ranks (cluster c on rank c mod N, as routing/placement.py counts);
     otherwise contiguous slices of E / N experts. None without expert parallelism."""
-    world = config.tensor_parallel_size
-    if not config.enable_expert_parallel or world == 1:
+    world = config.parallel.tensor_parallel_size
+    if not config.parallel.enable_expert_parallel or world == 1:
         return None
-    if config.cluster_map is not None:
+    if config.router.cluster_map is not None:
         from moekv.routing.cluster_map import ClusterMap
         from moekv.routing.placement import Placement
 
-        cmap = ClusterMap.load(config.cluster_map)
+        cmap = ClusterMap.load(config.router.cluster_map)
         if cmap.num_clusters % world:
             raise ValueError(f"tensor_parallel_size={world} must divide the cluster map's {cmap.num_clusters} "
                              "clusters (each rank holds whole clusters)")

@@ -51,8 +51,8 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     cfg = engine.model_config
     model = engine.runner.model
     layers = moe_layers(model)
-    if cluster_map is None and engine.config.cluster_map is not None:
-        cluster_map = engine.config.cluster_map
+    if cluster_map is None and engine.config.router.cluster_map is not None:
+        cluster_map = engine.config.router.cluster_map
     if cluster_map is not None and not isinstance(cluster_map, ClusterMap):
         cluster_map = ClusterMap.load(cluster_map)
     if cluster_map is not None:

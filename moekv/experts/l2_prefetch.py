@@ -240,8 +240,8 @@ class ExpertL2Prefetch:
 
 
 def install_l2_prefetch(model, config, device: torch.device) -> ExpertL2Prefetch:
-    """The L2 prefetch hook in the decoder (config.expert_l2_prefetch), with the budget from the
-    device's L2 size and config.expert_l2_prefetch_mb."""
+    """The L2 prefetch hook in the decoder (config.experts.expert_l2_prefetch), with the budget from the
+    device's L2 size and config.experts.expert_l2_prefetch_mb."""
     from moekv.experts.predictor import ExpertPredictor
     from moekv.models.loader import moe_layers
 
@@ -249,13 +249,13 @@ def install_l2_prefetch(model, config, device: torch.device) -> ExpertL2Prefetch
         raise ValueError(f"expert_l2_prefetch=True needs a CUDA device; device={device}")
     if not moe_layers(model):
         raise ValueError("expert_l2_prefetch=True but the model has no MoE layer")
-    if config.expert_predictor is not None:
-        predictor = ExpertPredictor.load(config.expert_predictor, model)
+    if config.experts.expert_predictor is not None:
+        predictor = ExpertPredictor.load(config.experts.expert_predictor, model)
         predictor.check_engine_use("expert_l2_prefetch=True")
     else:
         predictor = ExpertPredictor(model)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    mb = config.expert_l2_prefetch_mb
+    mb = config.experts.expert_l2_prefetch_mb
     budget = l2_prefetch_budget(l2, None if mb is None else int(mb * 1e6))
     hook = ExpertL2Prefetch(model, predictor, budget, device)
     model.hooks.before_layer = hook

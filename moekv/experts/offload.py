@@ -493,7 +493,7 @@ class OffloadedExperts:
 def install_expert_offload(model, model_cfg, config, device: torch.device) -> ExpertOffload:
     """Move the model (loaded on the CPU) to `device` except its experts, which stay on the host
     (pinned when device is CUDA) behind one ExpertCache per MoE layer; install the caches in the
-    MoE layers and, unless config.expert_prefetch is False, the prefetch hook in the decoder."""
+    MoE layers and, unless config.experts.expert_prefetch is False, the prefetch hook in the decoder."""
     from moekv.experts.predictor import ExpertPredictor
     from moekv.models.loader import moe_layers
 
@@ -503,10 +503,10 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
     first = next(iter(layers.values()))
     nbytes = expert_nbytes(first)
     E = model_cfg.num_experts
-    if config.expert_cache_slots is not None:
-        slots = min(config.expert_cache_slots, E)
+    if config.experts.expert_cache_slots is not None:
+        slots = min(config.experts.expert_cache_slots, E)
     else:
-        budget = config.gpu_expert_budget_gb
+        budget = config.experts.gpu_expert_budget_gb
         if budget is None:
             budget = len(layers) * E * nbytes / 2 / 2**30  # half of the experts
         slots = slots_for_budget(budget, nbytes, len(layers), E)
@@ -523,8 +523,8 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
             w2 = torch.nn.Parameter(w2.data.pin_memory(), requires_grad=False)
         moe.w13, moe.w2 = w13, w2  # the host copy (what `moekv eval routing` and tools read)
     predictor = None
-    if config.expert_predictor is not None:
-        predictor = ExpertPredictor.load(config.expert_predictor, model)
+    if config.experts.expert_predictor is not None:
+        predictor = ExpertPredictor.load(config.experts.expert_predictor, model)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     caches = {}
     for i, moe in layers.items():
@@ -534,13 +534,13 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
         cache.fill(hot)
         moe.hooks.experts = OffloadedExperts(cache)
         caches[i] = cache
-    prefetch = config.expert_prefetch is not False
+    prefetch = config.experts.expert_prefetch is not False
     if prefetch and predictor is None:
         predictor = ExpertPredictor(model)  # pre-gating
-    sync_free = bool(config.expert_prefetch_async)
+    sync_free = bool(config.experts.expert_prefetch_async)
     read_stream = torch.cuda.Stream(device) if device.type == "cuda" and sync_free else None
-    offload = ExpertOffload(caches, predictor if prefetch else None, config.expert_prefetch_per_token,
-                            lookahead=config.expert_prefetch_lookahead or 1, sync_free=sync_free,
+    offload = ExpertOffload(caches, predictor if prefetch else None, config.experts.expert_prefetch_per_token,
+                            lookahead=config.experts.expert_prefetch_lookahead or 1, sync_free=sync_free,
                             read_stream=read_stream)
     offload.model = model
     model.hooks.before_layer = offload  # without a predictor it only counts tokens

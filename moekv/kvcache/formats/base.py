@@ -94,10 +94,13 @@ class KVFormat(ABC):
     name: str
     needs_calibration: bool = False
     graph_support: GraphSupport = GraphSupport.EAGER_ONLY
-    # the decode kernel its pools are laid out for (names.DECODE_KERNELS; EngineConfig.decode_kernel),
+    # the decode kernel its pools are laid out for (names.DECODE_KERNELS; EngineConfig.cache.decode_kernel),
     # given by the registry when it builds the format (get_kv_format) and fixed from then on: page_bytes
     # and allocate read it, so pools of one format object all take one layout
     decode_kernel: str = DEFAULT_DECODE_KERNEL
+    # the options it takes from the engine's configuration (options.KVOption: EngineConfig's kv_<name>,
+    # the flag --kv-<name>), each a keyword of its constructor
+    engine_options: tuple = ()
 
     @abstractmethod
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:

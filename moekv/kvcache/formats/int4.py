@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
+from moekv.kvcache.formats.options import KVOption, one_of
 
 LEVELS = 15  # 4-bit codes 0..15
 FP16_MAX = 65504.0
@@ -32,6 +33,7 @@ MAX_HEAD_DIM = 256  # outlier indices are uint8
 
 class Int4Format(FragmentPagedFormat):
     name = "int4"
+    engine_options = (KVOption("group_size", 32, "int4: channels per scale group", one_of(*GROUP_SIZES)),)
 
     def __init__(self, group_size: int = 32, outlier_fraction: float = 0.01) -> None:
         if group_size not in GROUP_SIZES:

@@ -34,6 +34,7 @@ from moekv.kvcache.formats.base import (
     gluon_pages_wanted,
     per_shape,
 )
+from moekv.kvcache.formats.options import KVOption, one_of
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
@@ -42,7 +43,14 @@ FP16_MAX = 65504.0
 
 class KIVI2Format(FragmentPagedFormat):
     name = "kivi2"
-    default_residual = 128  # KIVI's R (EngineConfig.kv_residual passes it through the registry)
+    default_residual = 128  # KIVI's R (EngineConfig(kv_residual=...) passes it through the registry)
+    engine_options = (
+        KVOption("residual", default_residual, "kivi2: newest tokens kept in 16-bit (a multiple of 32)",
+                 lambda r: None if isinstance(r, int) and not isinstance(r, bool) and r >= 0 and r % GROUP == 0
+                 else f"must be a multiple of {GROUP} (0 = no full-precision window)"),
+        KVOption("group_size", GROUP,
+                 "kivi2: tokens (keys) and channels (values) per group (32 or 64)", one_of(32, 64)),
+    )
 
     def __init__(self, residual: int | None = None, kivi_residual: int | None = None, group_size: int = GROUP) -> None:
         if group_size not in (32, 64):

@@ -39,6 +39,7 @@ from moekv.kvcache.formats.base import (
     gluon_pages_wanted,
     per_shape,
 )
+from moekv.kvcache.formats.options import CALIBRATION, KVOption, one_of, positive
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -188,8 +189,18 @@ def fit_centroids(pages: torch.Tensor, kind: str, tau: float = 3.5) -> torch.Ten
     return lloyd_1d(flat, ~outlier_mask(flat, tau), iters=30, weight=fit_weight(flat, kind)).to(torch.float16)
 
 
+CODEBOOKS = ("auto", "page", "calibrated")
+
+
 class NUQ2Format(FragmentPagedFormat):
     name = "nuq2"
+    engine_options = (
+        KVOption("outlier_sigma", 3.5, "nuq2: outlier threshold in std devs", positive),
+        CALIBRATION,
+        KVOption("codebook", "auto",
+                 "nuq2/tiered: per-page k-means, calibrated codebooks, or auto (calibrated when available)",
+                 one_of(*CODEBOOKS), choices=CODEBOOKS),
+    )
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
                  codebook: str = "auto", quantize_kernel: bool | None = None) -> None:

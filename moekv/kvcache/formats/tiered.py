@@ -54,6 +54,7 @@ from moekv.kvcache.formats.base import (
 )
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
+from moekv.kvcache.formats.options import KVOption, fraction, integer_at_least
 from moekv.kvcache.formats.tiered_policy import (
     TIER_FP8,
     TIER_LOW,
@@ -114,6 +115,16 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     # demote another page): in a replayed step the slots are chosen before it (prepare_graph_step)
     # and read from a device buffer by the captured write, which stores the listed fills itself
     graph_support = GraphSupport.DECODE_WITH_LISTED_FILLS
+    # its low tier's options are nuq2's
+    engine_options = (
+        KVOption("rerank_interval", 32, "tiered: decode steps between re-rankings", integer_at_least(1)),
+        KVOption("tier1_fraction", 0.15, "tiered: share of pages kept in FP8", fraction),
+        *NUQ2Format.engine_options,
+        KVOption("rank_window", 0, "tiered: only the last N queries of each prompt chunk add to the page ranking's "
+                 "attention mass (0: all)", integer_at_least(0)),
+        KVOption("rank_after_prompt", False,
+                 "tiered: rank (and demote) a sequence's pages only once it decodes, by its whole prompt's mass"),
+    )
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,

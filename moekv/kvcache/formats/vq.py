@@ -35,6 +35,7 @@ from moekv.kvcache.formats.nuq2 import (
     pick_largest,
     store_outliers,
 )
+from moekv.kvcache.formats.options import CALIBRATION
 
 CODEBOOK_SIZE = 256  # uint8 codes
 SUB_DIM = 8  # channels per code: 1 bit/element for the codes (d = 4 would be 2 bits before any scale)
@@ -129,6 +130,7 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
 class VQFormat(FragmentPagedFormat):
     name = "vq"
     needs_calibration = True
+    engine_options = (CALIBRATION,)
     # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
     # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer

@@ -21,13 +21,15 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def attend_mixed(attend, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
+                 sliding_window: int | None, step_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of a mixed step (ctx.mixed): the one-token queries and the longer ones each
-    through `attend` (a format's) with their own Context, then back in the step's order."""
+    through `attend` (a format's) with their own Context, then back in the step's order. The
+    step's k, v (step_kv) go with the prefill rows; one-token queries read the cache only."""
     split = ctx.mixed
     out = torch.empty_like(q)
     out[split.decode_rows] = attend(q[split.decode_rows], cache, split.decode, scale, sliding_window)
-    out[split.prefill_rows] = attend(q[split.prefill_rows], cache, split.prefill, scale, sliding_window)
+    prefill_kv = None if step_kv is None else tuple(x[split.prefill_rows] for x in step_kv)
+    out[split.prefill_rows] = attend(q[split.prefill_rows], cache, split.prefill, scale, sliding_window, prefill_kv)
     return out
 
 
@@ -36,7 +38,8 @@ class Attention(nn.Module):
 
     The model runner binds `kv_format` and `kv_cache` after allocating the pools; each step the
     new tokens' K/V are written to their pages first, then every query attends over its
-    sequence's pages (so prefill and decode read the cache the same way).
+    sequence's context: the cache, and for a prefill chunk its own tokens' K/V as computed this
+    step, which the format's `attend` takes beside the cache (KVFormat.attend's step_kv).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
@@ -66,6 +69,10 @@ class Attention(nn.Module):
         # RoPE + K/V store in one kernel (ops/rope_kv_write.py) where the format allows it:
         # None = on CUDA only (CPU keeps the references); True / False force it (tests)
         self.fuse_rope_write: bool | None = None
+        # False: prefill chunks read their own tokens back from the cache as decode does (no step_kv),
+        # so outputs do not depend on where chunks or a cached prefix end and every read goes through
+        # the pages (tests of page bookkeeping); True: they attend to them as computed
+        self.exact_prefill = True
         # tensor parallel (layers/parallel.py): this rank's heads only; o_proj's output is all-reduced
         self.tp = None
 
@@ -91,15 +98,19 @@ class Attention(nn.Module):
 
             q = rope_kv_write(ctx.positions, q, k, v, self.rotary.theta, target.k_dest, target.v_dest, target.index,
                               target.staged, target.k_ring, target.v_ring)
+            # k stays unrotated here, so no step_kv: compressed formats fuse the store in one-token
+            # steps only, which read the cache alone; plain ones read pages that hold the K/V as computed
+            step_kv = None
         else:
             q, k = self.rotary(ctx.positions, q, k)
             if self.kv_observer is not None:
                 self.kv_observer(self.layer_idx, k, v)
             self.kv_format.write(self.kv_cache, k, v, ctx)
+            step_kv = (k, v) if self.exact_prefill else None
         if ctx.mixed is not None:  # decodes beside prefill chunks: each part on its own (the decodes' kernel)
-            o = attend_mixed(self.kv_format.attend, q, self.kv_cache, ctx, self.scale, self.sliding_window)
+            o = attend_mixed(self.kv_format.attend, q, self.kv_cache, ctx, self.scale, self.sliding_window, step_kv)
         else:
-            o = self.kv_format.attend(q, self.kv_cache, ctx, self.scale, self.sliding_window)
+            o = self.kv_format.attend(q, self.kv_cache, ctx, self.scale, self.sliding_window, step_kv)
         if self.tp is None:
             return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
         out = self.tp.all_reduce(_project(o.reshape(T, self.q_size), self.o_proj, None))  # partial sums

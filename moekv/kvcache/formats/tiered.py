@@ -669,18 +669,15 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         probabilities summed over heads and queries, a chunk of queries at a time, scoring only the
         keys each chunk can see, so the mass costs a fraction of the attention)."""
         st = cache.state
-        P, Hkv, D = cache["k_staging"].shape[2], cache["k_staging"].shape[1], cache["k_staging"].shape[3]
+        P = cache["k_staging"].shape[2]
         host = ctx.host_lists()
         starts = host.query_start
+        # bits_read counts what gather reads from the cache (a chunk's own K/V, taken from step_kv, not)
         read = with_step_kv(lambda b, n: (self.gather(cache, ctx, b, n, "key"), self.gather(cache, ctx, b, n, "value")),
                             ctx, step_kv)
 
         def gather_and_rank(b, length):
             k, v = read(b, length)
-            if step_kv is not None and starts[b + 1] - starts[b] > 1:  # the chunk's own K/V, read at 16 bits
-                exact = 2 * (starts[b + 1] - starts[b]) * Hkv * D
-                self.bits_read += 16 * exact
-                self.elements_read += exact
             num_full = length // P
             if num_full:
                 lo = starts[b] if not self.rank_window else max(starts[b], starts[b + 1] - self.rank_window)

@@ -16,6 +16,7 @@ from moekv.engine.llm_engine import LLMEngine
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import compressed_formats
+from moekv.layers.attention import Attention
 from tests.kv_formats import formats_sharing_pages
 
 SYSTEM = "You are a helpful assistant. Answer briefly and truthfully, in plain words. " * 3
@@ -50,15 +51,31 @@ def calibrated(fmt: str, kwargs: dict, calibration: str) -> dict:
     return dict(kwargs, kv_calibration=calibration) if fmt in ("nuq2", "vq") else kwargs
 
 
-def run_scenario(fmt: str, enable: bool, max_tokens: int = 6, **kwargs) -> tuple[dict[str, list[int]], LLMEngine]:
+PROMPTS = [SYSTEM + turn for turn in TURNS] + [SYSTEM + TURNS[0]]
+
+
+def read_prompts_through_the_cache(llm: LLM) -> None:
+    """Every attention layer reads a prefill chunk's own tokens back from the cache, as decode does
+    (LayerHooks.exact_prefill): outputs then do not depend on where chunks or a cached prefix end."""
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, Attention):
+            module.hooks.exact_prefill = False
+
+
+def run_scenario(fmt: str, enable: bool, max_tokens: int = 6, through_cache: bool = False,
+                 **kwargs) -> tuple[dict[str, list[int]], LLMEngine, dict[str, int]]:
     """One request alone; two more once it finished; a fourth arriving while those two run; a fifth
-    equal to the first. Greedy; returns each request's tokens and the engine."""
+    equal to the first. Greedy; returns each request's tokens, the engine and each request's cached
+    prompt tokens. through_cache: read_prompts_through_the_cache."""
     kwargs = {"max_model_len": 256, "max_num_seqs": 4, **kwargs}
     llm = LLM(dtype="float32", kv_cache_dtype=fmt, enable_prefix_caching=enable, **kwargs)
+    if through_cache:
+        read_prompts_through_the_cache(llm)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [SYSTEM + turn for turn in TURNS] + [SYSTEM + TURNS[0]]
+    prompts = PROMPTS
     tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
 
     def drain(until_finished: int | None = None) -> None:
         steps = 0
@@ -67,6 +84,7 @@ def run_scenario(fmt: str, enable: bool, max_tokens: int = 6, **kwargs) -> tuple
                 assert out.error is None
                 if out.finished:
                     tokens[out.request_id] = out.outputs[0].token_ids
+                    cached[out.request_id] = out.num_cached_tokens
             steps += 1
             if until_finished is not None and steps == until_finished:
                 return
@@ -80,7 +98,7 @@ def run_scenario(fmt: str, enable: bool, max_tokens: int = 6, **kwargs) -> tuple
     engine.add_request("r4", prompts[4], params)
     drain()
     engine.block_manager.check_invariants([])  # every page free or cached, none owned
-    return tokens, engine
+    return tokens, engine, cached
 
 
 # formats whose pages can be shared (the registry's, filtered); kivi2 only without its per-sequence
@@ -91,13 +109,36 @@ SHAREABLE = [(name, {**({"block_size": 32} if name in compressed_formats() else 
 
 @pytest.mark.parametrize("fmt, kwargs", SHAREABLE, ids=[f for f, _ in SHAREABLE])
 def test_greedy_outputs_identical_with_and_without_prefix_caching(fmt, kwargs, calibration):
-    """Same tokens for every request, with pages really shared (hits > 0) only in the cached run."""
+    """Same tokens for every request, with pages really shared (hits > 0) only in the cached run, as
+    long as both runs read prompts through the cache: then every read of the shared pages is checked."""
     kwargs = calibrated(fmt, kwargs, calibration)
-    want, plain = run_scenario(fmt, False, **kwargs)
-    got, cached = run_scenario(fmt, True, **kwargs)
+    want, plain, _ = run_scenario(fmt, False, through_cache=True, **kwargs)
+    got, cached, _ = run_scenario(fmt, True, through_cache=True, **kwargs)
     assert got == want
     assert plain.stats().prefix_cache_hits == 0 and plain.stats().prefix_cache_queries == 0
     assert cached.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("fmt, kwargs", SHAREABLE, ids=[f for f, _ in SHAREABLE])
+def test_a_cached_prefix_reads_as_an_earlier_prefill_chunk(fmt, kwargs, calibration):
+    """A prefill chunk attends to its own tokens as computed and to earlier ones as the cache holds
+    them, so a request starting from cached pages gives the tokens of computing its prompt alone in
+    two chunks split where those pages end (a token budget of that many tokens), not of one chunk."""
+    kwargs = calibrated(fmt, kwargs, calibration)
+    got, cached, hits = run_scenario(fmt, True, **kwargs)
+    assert cached.stats().prefix_cache_hits > 0 and any(hits.values())
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engines: dict[int, LLM] = {}
+    for i, prompt in enumerate(PROMPTS):
+        split = hits[f"r{i}"]
+        if split not in engines:
+            budget = {"max_num_batched_tokens": split} if split else {}
+            engines[split] = LLM(dtype="float32", kv_cache_dtype=fmt, max_model_len=256, max_num_seqs=4,
+                                 **budget, **kwargs)
+        ids = engines[split].engine.encode_text(prompt)
+        assert split == 0 or len(ids) - split <= split  # the rest in one chunk
+        want = engines[split].generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+        assert got[f"r{i}"] == want, f"r{i} (cached {split})"
 
 
 @pytest.mark.parametrize("fmt, kwargs, same_tokens", [("fp32", {}, True), ("int4", {"block_size": 16}, True),
@@ -105,6 +146,7 @@ def test_greedy_outputs_identical_with_and_without_prefix_caching(fmt, kwargs, c
 def test_chunked_prefill_and_preemption_with_prefix_caching(fmt, kwargs, same_tokens, calibration):
     """A small token budget (prefill chunks after the cached pages) and a pool too small for every
     request at once (preemptions, evictions): still the tokens of the uncached run, every page back.
+    Chunks end in different places in the two runs, so both read prompts through the cache.
 
     nuq2: every page back, not the same tokens. A preempted sequence's recompute (and a prompt's
     remainder after cache hits) computes its keys and values in other chunk shapes, equal only to
@@ -113,8 +155,8 @@ def test_chunked_prefill_and_preemption_with_prefix_caching(fmt, kwargs, same_to
     on the 512-token one before it, at other token budgets) preemption alone, without prefix
     caching, changes nuq2's greedy tokens."""
     kwargs = dict(calibrated(fmt, kwargs, calibration), max_num_batched_tokens=40, max_model_len=96, num_kv_blocks=7)
-    want, plain = run_scenario(fmt, False, max_tokens=12, **kwargs)
-    got, engine = run_scenario(fmt, True, max_tokens=12, **kwargs)
+    want, plain, _ = run_scenario(fmt, False, max_tokens=12, through_cache=True, **kwargs)
+    got, engine, _ = run_scenario(fmt, True, max_tokens=12, through_cache=True, **kwargs)
     lengths = {r: len(t) for r, t in got.items()}
     assert got == want if same_tokens else lengths == {r: len(t) for r, t in want.items()} == dict.fromkeys(want, 12)
     assert engine.stats().prefix_cache_hits > 0

@@ -105,8 +105,9 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
     mode "decode": each window's context is prefilled, then its scored tokens are fed one per step
     as generation feeds them, so every prediction reads the cache exactly as decoding would (the
     newest partial page in staging, older pages compressed). mode "prefill": the whole window is
-    one prefill (faster; for compressed formats slightly pessimistic, since even the page holding
-    the query is read compressed).
+    one prefill (faster; for compressed formats optimistic: a prefill chunk attends to its own
+    tokens' K/V as computed, so a one-chunk window reads nothing compressed, though the pages are
+    written compressed for later steps).
     """
     if mode not in ("decode", "prefill"):
         raise ValueError(f"mode={mode!r} is not accepted; use 'decode' or 'prefill'")

@@ -22,13 +22,15 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def attend_mixed(attend, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
+                 sliding_window: int | None, step_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of a mixed step (ctx.mixed): the one-token queries and the longer ones each
-    through `attend` (a format's) with their own Context, then back in the step's order."""
+    through `attend` (a format's) with their own Context, then back in the step's order. The
+    step's k, v (step_kv) go with the prefill rows; one-token queries read the cache only."""
     split = ctx.mixed
     out = torch.empty_like(q)
     out[split.decode_rows] = attend(q[split.decode_rows], cache, split.decode, scale, sliding_window)
-    out[split.prefill_rows] = attend(q[split.prefill_rows], cache, split.prefill, scale, sliding_window)
+    prefill_kv = None if step_kv is None else tuple(x[split.prefill_rows] for x in step_kv)
+    out[split.prefill_rows] = attend(q[split.prefill_rows], cache, split.prefill, scale, sliding_window, prefill_kv)
     return out
 
 
@@ -38,7 +40,9 @@ class Attention(nn.Module):
     Its KV format and pool are its layer's hooks (layers/hooks.LayerHooks: the model runner binds
     them after allocating the pools, with the K/V observer, the fused-write switch and the
     tensor-parallel group); each step the new tokens' K/V are written to their pages first, then
-    every query attends over its sequence's pages (so prefill and decode read the cache the same way).
+    every query attends over its sequence's context: the cache, and for a prefill chunk its own
+    tokens' K/V as computed this step, which the format's `attend` takes beside the cache
+    (KVFormat.attend's step_kv).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, hooks: LayerHooks | None = None) -> None:
@@ -92,15 +96,19 @@ class Attention(nn.Module):
 
             q = rope_kv_write(ctx.positions, q, k, v, self.rotary.theta, target.k_dest, target.v_dest, target.index,
                               target.staged, target.k_ring, target.v_ring)
+            # k stays unrotated here, so no step_kv: compressed formats fuse the store in one-token
+            # steps only, which read the cache alone; plain ones read pages that hold the K/V as computed
+            step_kv = None
         else:
             q, k = self.rotary(ctx.positions, q, k)
             if hooks.kv_observer is not None:
                 hooks.kv_observer(self.layer_idx, k, v)
             fmt.write(cache, k, v, ctx)
+            step_kv = (k, v) if hooks.exact_prefill else None
         if ctx.mixed is not None:  # decodes beside prefill chunks: each part on its own (the decodes' kernel)
-            o = attend_mixed(fmt.attend, q, cache, ctx, self.scale, self.sliding_window)
+            o = attend_mixed(fmt.attend, q, cache, ctx, self.scale, self.sliding_window, step_kv)
         else:
-            o = fmt.attend(q, cache, ctx, self.scale, self.sliding_window)
+            o = fmt.attend(q, cache, ctx, self.scale, self.sliding_window, step_kv)
         if hooks.tp is None:
             return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
         out = hooks.tp.all_reduce(_project(o.reshape(T, self.q_size), self.o_proj, None))  # partial sums

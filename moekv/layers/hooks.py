@@ -38,6 +38,10 @@ class LayerHooks:
     # RoPE + K/V store in one kernel (ops/rope_kv_write.py) where the format allows it: None = on CUDA
     # only (the CPU keeps the references); True / False force it (tests)
     fuse_rope_write: bool | None = None
+    # True: a prefill chunk attends to its own tokens' K/V as computed (and earlier tokens as stored);
+    # False: it reads its own tokens back from the cache as decode does, so outputs do not depend on
+    # where chunks or a cached prefix end (tests of page bookkeeping)
+    exact_prefill: bool = True
     # MoE: the router (models/loader.install_routers; routing/tap.py wraps it), the engine's counter of
     # its decisions (the runner's install phase), the ExpertExecutor (models/loader.empty_model, then
     # layers/parallel.shard_moe or experts/offload.install_expert_offload)

@@ -20,6 +20,9 @@ from moekv.context import Context, HostLists, to_device
 from moekv.kvcache.formats.names import DEFAULT_DECODE_KERNEL, check_decode_kernel
 from moekv.ops.reference import causal_attention_ref
 
+# a step's k, v [T, Hkv, D] as the attention layer computed them (k after RoPE): KVFormat.attend
+StepKV = tuple[torch.Tensor, torch.Tensor]
+
 PAGE_ALIGN_BYTES = 128  # pages start on 128-byte lines so kernels can issue full-line loads
 FIELD_ALIGN_BYTES = 16  # fields inside a slab start on 16-byte boundaries (vector loads)
 
@@ -155,8 +158,14 @@ class KVFormat(ABC):
         the format does with them, in every layer's cache (`caches`). Nothing by default."""
 
     def attend(self, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
-               sliding_window: int | None) -> torch.Tensor:
+               sliding_window: int | None, step_kv: StepKV | None = None) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over each sequence's cached context -> [T, Hq, D].
+
+        step_kv: the step's k, v [T, Hkv, D] as the layer computed them (k after RoPE), which
+        `write` has just stored. A sequence with several queries in the step (a prefill chunk)
+        attends to its own positions of this step through them, exact, and to its earlier
+        positions as the cache holds them (`with_step_kv`); a one-token query reads its token
+        from the cache, as decode does. None: every position from the cache.
 
         Decode-only steps on CUDA go to the fused paged decode kernel when the format describes
         its pages to it (`decode_spec`); everything else (CPU, prefill) takes `attend_reference`.
@@ -171,10 +180,10 @@ class KVFormat(ABC):
 
                 return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
                                               scale, sliding_window, spec)
-        return self.attend_reference(q, cache, ctx, scale, sliding_window)
+        return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv)
 
     def attend_reference(self, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
-                         sliding_window: int | None) -> torch.Tensor:
+                         sliding_window: int | None, step_kv: StepKV | None = None) -> torch.Tensor:
         """The plain-PyTorch path of `attend` (CPU, prefill, and the oracle of the fused kernels)."""
         raise NotImplementedError(f"{type(self).__name__} implements neither attend nor attend_reference")
 
@@ -505,29 +514,31 @@ class PagedQuantFormat(KVFormat):
                 self.store_slabs(c, name, ctx.fill_pages, slab)
 
     def gather(self, cache, ctx: Context, b: int, length: int, kind: str) -> torch.Tensor:
-        """Sequence b's first `length` tokens of K or V, dequantized (its newest page, in staging,
-        as it is): [length, Hkv, D] fp32."""
+        """Sequence b's first `length` (1 <= length <= context_lens[b]) tokens of K or V, dequantized
+        (its newest page, in staging, as it is): [length, Hkv, D] fp32."""
         name = "k" if kind == "key" else "v"
         staging = cache[f"{name}_staging"]
         block_size, head_dim = staging.shape[2], staging.shape[3]
         # the sequence's newest page is read from staging even when full (a decode step quantizes
-        # the pages it fills after every layer has attended: quantize_filled_pages)
+        # the pages it fills after every layer has attended: quantize_filled_pages); the pages
+        # before it are full and quantized
         host = ctx.host_lists()
         newest = (host.context_lens[b] - 1) // block_size
-        num_full = min(length // block_size, newest)
+        num_pages = min(-(-length // block_size), newest)
         parts = []
-        if num_full:
-            page_ids = ctx.block_tables[b, :num_full].long()
+        if num_pages:
+            page_ids = ctx.block_tables[b, :num_pages].long()
             x = self.dequantize_pages(cache, kind, page_ids)  # [n, Hkv, P, D]
-            parts.append(x.permute(0, 2, 1, 3).reshape(num_full * block_size, -1, head_dim))
-        tail = length - num_full * block_size
-        if tail:
+            parts.append(x.permute(0, 2, 1, 3).reshape(num_pages * block_size, -1, head_dim)[:length])
+        tail = length - num_pages * block_size
+        if tail > 0:
             parts.append(staging[host.seq_slots[b], :, :tail].transpose(0, 1).float())
         return torch.cat(parts)
 
-    def attend_reference(self, q, cache, ctx, scale, sliding_window):
-        return dense_attention(q, ctx, lambda b, n: (self.gather(cache, ctx, b, n, "key"),
-                                                     self.gather(cache, ctx, b, n, "value")),
+    def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None):
+        return dense_attention(q, ctx, with_step_kv(lambda b, n: (self.gather(cache, ctx, b, n, "key"),
+                                                                  self.gather(cache, ctx, b, n, "value")),
+                                                    ctx, step_kv),
                                scale, sliding_window)
 
 
@@ -592,18 +603,18 @@ class FragmentPagedFormat(PagedQuantFormat):
             return super().dequantize_pages(cache, kind, page_ids)
         return self.fragment_layout().dequantize_fragment(self.fragment_view(cache, page_ids), kind)
 
-    def attend(self, q, cache, ctx, scale, sliding_window):
+    def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None):
         """Pages in fragment order: decode-only steps on CUDA take the Gluon kernel (the staged newest
         page, and a format's own 16-bit tail, as its extra split), everything else the reference path;
         slabs: the base class's."""
         if not self.is_fragment_pool(cache):
-            return super().attend(q, cache, ctx, scale, sliding_window)
+            return super().attend(q, cache, ctx, scale, sliding_window, step_kv)
         G = q.shape[1] // cache["k_staging"].shape[1]
         if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in (1, 2, 4, 8)
                 and is_decode_only(q, ctx)):
             return self.gluon_decode(q, cache, ctx, scale, sliding_window,
                                      (cache["k_staging"], cache["v_staging"], ctx.seq_slots))
-        return self.attend_reference(q, cache, ctx, scale, sliding_window)
+        return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv)
 
 
 def gluon_pages_wanted(choice: str, covered: bool, device: torch.device | str | None, what: str,
@@ -638,6 +649,36 @@ def is_decode_only(q: torch.Tensor, ctx: Context) -> bool:
     if ctx.max_query_len is not None:
         return ctx.max_query_len == 1
     return bool((ctx.query_start_loc[1:] - ctx.query_start_loc[:-1] == 1).all())
+
+
+def with_step_kv(gather, ctx: Context, step_kv: StepKV | None):
+    """`gather(b, length) -> (k, v) [length, Hkv, D]` over the cache, with each prefill chunk's own
+    positions taken from the step's k, v as computed (step_kv, [T, Hkv, D]: see KVFormat.attend).
+
+    A sequence with Tq > 1 queries reads its first length - Tq positions from the cache as stored
+    (earlier chunks: dequantized pages, the staged page, a format's 16-bit window) and its last Tq,
+    which this step computed, exactly: a compressed cache quantizes a chunk's pages when it writes
+    them, and attending to those quantized copies would let a prompt's tokens see low-bit versions
+    of their neighbours, an error that compounds through the layers into the K/V later layers
+    store. A one-token query (decode) reads its token from the cache, as the fused decode kernels
+    do. With step_kv None: `gather` itself."""
+    if step_kv is None:
+        return gather
+    k_step, v_step = step_kv
+    starts = ctx.host_lists().query_start
+
+    def read(b: int, length: int):
+        lo, hi = starts[b], starts[b + 1]
+        if hi - lo < 2:
+            return gather(b, length)
+        first = length - (hi - lo)  # the sequence's tokens cached before this step
+        k_new, v_new = k_step[lo:hi], v_step[lo:hi]
+        if first == 0:
+            return k_new, v_new
+        k_old, v_old = gather(b, first)
+        return torch.cat([k_old, k_new.to(k_old.dtype)]), torch.cat([v_old, v_new.to(v_old.dtype)])
+
+    return read
 
 
 def dense_attention(q: torch.Tensor, ctx: Context, gather, scale: float, sliding_window: int | None) -> torch.Tensor:

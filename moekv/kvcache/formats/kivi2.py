@@ -9,7 +9,8 @@
 
 Pages are quantized as soon as they are full, as in every paged format; the residual window lives
 beside them in a per-sequence 16-bit ring of R tokens (`k_residual`, `v_residual`), and `gather`
-substitutes the ring's tokens for the dequantized ones. The ring's bytes are counted in
+substitutes the ring's tokens for the dequantized ones (a prefill chunk reads its own tokens as
+computed, the ring only for earlier ones: base.with_step_kv). The ring's bytes are counted in
 `staging_bytes_per_seq`. The group G is KIVI's 32 by default; the engine's kv_group_size sets
 it (32 or 64: G = 64 halves the scales and zeros, 2.5 bits/element instead of 3, which puts
 kivi2 at nuq2's bits for a like-for-like comparison). R must be a multiple of G, so the ring is
@@ -191,17 +192,14 @@ class KIVI2Format(FragmentPagedFormat):
         return RopeWriteTarget(cache["k_staging"], cache["v_staging"], ctx.seq_slots, True, *rings)
 
     def gather(self, cache, ctx, b, length, kind):
-        window = min(length, self.residual)
-        if window == 0:
+        # the ring holds the sequence's newest R positions, [context_len - R, context_len): those of
+        # the first `length` read from it, the older ones from the pages (and the staged page)
+        start = max(0, ctx.host_lists().context_lens[b] - self.residual)
+        if self.residual == 0 or start >= length:
             return super().gather(cache, ctx, b, length, kind)
-        # dequantize only what holds tokens older than the window: whole pages, or up to `length`
-        # when the oldest window token sits in the staged partial page (base gather reads it there)
-        block_size = cache["k_staging"].shape[2]
-        older = length - window
-        covered = min(length, -(-older // block_size) * block_size)
-        parts = [super().gather(cache, ctx, b, covered, kind)[:older]] if older else []
+        parts = [super().gather(cache, ctx, b, start, kind)] if start else []
         ring = cache[("k" if kind == "key" else "v") + "_residual"][ctx.host_lists().seq_slots[b]]  # [Hkv, R, D]
-        rows = torch.arange(older, length, device=ring.device) % self.residual  # [window]
+        rows = torch.arange(start, length, device=ring.device) % self.residual  # [length - start]
         parts.append(ring[:, rows].transpose(0, 1).float())
         return torch.cat(parts)  # [length, Hkv, D] fp32
 

@@ -51,6 +51,7 @@ from moekv.kvcache.formats.base import (
     stage_decode_tokens,
     stage_tokens,
     staging_tensors,
+    with_step_kv,
 )
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
@@ -596,16 +597,19 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         return out
 
     def gather(self, cache, ctx, b, length, kind):
+        """Sequence b's first `length` (1 <= length <= context_lens[b]) tokens of K or V: full pages
+        from their tiers (`write` stores a page before the layer attends, the newest one too), the
+        partial newest page from staging. [length, Hkv, D] fp32."""
         P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
-        num_full = length // P
-        parts = []
         host = ctx.host_lists()
+        num_full = min(-(-length // P), host.context_lens[b] // P)
+        parts = []
         if num_full:
             pages = host.block_tables[b][:num_full]
             x = self._gather_pages(cache, pages, kind)
-            parts.append(x.permute(0, 2, 1, 3).reshape(num_full * P, -1, D))
+            parts.append(x.permute(0, 2, 1, 3).reshape(num_full * P, -1, D)[:length])
         tail = length - num_full * P
-        if tail:
+        if tail > 0:
             name = "k" if kind == "key" else "v"
             parts.append(cache[f"{name}_staging"][host.seq_slots[b], :, :tail].transpose(0, 1).float())
             self.bits_read += 16 * tail * cache["k_staging"].shape[1] * D
@@ -631,7 +635,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         return (self.fused_decode and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
                 and not self.lo.calibrated and _kernel_shape_ok(P, q.shape[-1]) and is_decode_only(q, ctx))
 
-    def attend(self, q, cache, ctx, scale, sliding_window):
+    def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None):
         """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel: the Gluon one
         when the pools are in fragment order, attend_gluon); otherwise (CPU, prefill) attend_reference."""
         if self.use_kernel(q, ctx, cache):
@@ -639,7 +643,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
                 return self.attend_kernel(q, cache, ctx, scale, sliding_window)
             if q.shape[1] // cache["k_staging"].shape[1] in (1, 2, 4, 8):  # the Gluon kernel's groups
                 return self.attend_gluon(q, cache, ctx, scale, sliding_window)
-        return self.attend_reference(q, cache, ctx, scale, sliding_window)
+        return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv)
 
     def attend_gluon(self, q, cache, ctx, scale, sliding_window, **launch):
         """One query per sequence through moekv/ops/gluon/tiered_decode.py (pools in fragment order):
@@ -670,18 +674,22 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         st.mass_pending = True  # host-side: a replay skips it (after_graph_replay sets it)
         return out
 
-    def attend_reference(self, q, cache, ctx, scale, sliding_window):
+    def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None):
         """Attention as every format's reference path computes it (dense_attention: SDPA over the
-        dequantized context, flash on CUDA), and each full page's attention mass beside it
-        (key_mass: the probabilities summed over heads and queries, a chunk of queries at a time,
-        scoring only the keys each chunk can see, so the mass costs a fraction of the attention)."""
+        dequantized context, flash on CUDA; a prefill chunk's own tokens exact, base.with_step_kv),
+        and each full page's attention mass beside it, over the keys attention read (key_mass: the
+        probabilities summed over heads and queries, a chunk of queries at a time, scoring only the
+        keys each chunk can see, so the mass costs a fraction of the attention)."""
         st = cache.state
         P = cache["k_staging"].shape[2]
         host = ctx.host_lists()
         starts = host.query_start
+        # bits_read counts what gather reads from the cache (a chunk's own K/V, taken from step_kv, not)
+        read = with_step_kv(lambda b, n: (self.gather(cache, ctx, b, n, "key"), self.gather(cache, ctx, b, n, "value")),
+                            ctx, step_kv)
 
         def gather_and_rank(b, length):
-            k = self.gather(cache, ctx, b, length, "key")
+            k, v = read(b, length)
             num_full = length // P
             if num_full:
                 lo = starts[b] if not self.rank_window else max(starts[b], starts[b + 1] - self.rank_window)
@@ -692,7 +700,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
                 pages = to_device(host.block_tables[b][:num_full], torch.long, st.mass_dev.device)
                 st.mass_dev.index_add_(0, pages, mass.reshape(num_full, P).sum(-1))
                 st.mass_pending = True
-            return k, self.gather(cache, ctx, b, length, "value")
+            return k, v
 
         return dense_attention(q, ctx, gather_and_rank, scale, sliding_window)
 

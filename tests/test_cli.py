@@ -5,11 +5,14 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "moekv.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_streams_text(mixtral_ckpt):
     r = run_cli("generate", "--model", str(mixtral_ckpt), "--prompt", "It was the best", "--max-tokens", "8",
                 "--ignore-eos")
@@ -18,6 +21,7 @@ def test_generate_streams_text(mixtral_ckpt):
     assert "8 tokens in" in r.stderr and "finish_reason=length" in r.stderr
 
 
+@pytest.mark.slow
 def test_info_prints_counts_and_kv_bytes(mixtral_ckpt):
     r = run_cli("info", "--model", str(mixtral_ckpt))
     assert r.returncode == 0, r.stderr
@@ -27,6 +31,7 @@ def test_info_prints_counts_and_kv_bytes(mixtral_ckpt):
     assert "active per token" in r.stdout
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_clear_line(mixtral_ckpt, tmp_path):
     r = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
     assert r.returncode == 2 and "model folder not found" in r.stderr and "Traceback" not in r.stderr
@@ -34,6 +39,7 @@ def test_bad_input_is_one_clear_line(mixtral_ckpt, tmp_path):
     assert r.returncode == 2 and "kv_cache_dtype='int3' is unknown" in r.stderr
 
 
+@pytest.mark.slow
 def test_engine_runs_without_importing_transformers(mixtral_ckpt):
     """Loading and generating must not pull in transformers (a dev dependency only)."""
     code = ("import sys; from moekv import LLM, SamplingParams; "
@@ -43,6 +49,7 @@ def test_engine_runs_without_importing_transformers(mixtral_ckpt):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_default_model_generates_english(tmp_path):
     """No --model: the bundled model answers with words, and with its generation_config.json's sampling
     settings it does not loop (greedy, it repeats "he was in a fat" three times in 48 tokens)."""
@@ -153,6 +160,7 @@ def test_kv_format_names_match_the_registry():
     assert (*_PLAIN, *_COMPRESSED) == KV_FORMAT_NAMES
 
 
+@pytest.mark.slow
 def test_info_rows_name_their_page_size_and_eval_refuses_stride_0(mixtral_ckpt, tmp_path):
     r = run_cli("info", "--model", str(mixtral_ckpt))
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if "bytes/token" in line}

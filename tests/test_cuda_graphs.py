@@ -577,12 +577,12 @@ def test_tiered_fused_decode_matches_reference_in_the_engine(hd32_ckpt, monkeypa
 
     monkeypatch.setattr(TieredFormat, "attend_kernel", counting)
     fused = LLM(hd32_ckpt, **kwargs)
-    fused.engine.runner.model.attention_layers[0].kv_format.rerank_interval = rerank_interval
+    fused.engine.runner.model.attention_layers[0].hooks.kv_format.rerank_interval = rerank_interval
     out = fused.generate(prompts, params)
     assert calls, "the fused kernel was not used"
     monkeypatch.setattr(TieredFormat, "use_kernel", lambda *a, **k: False)
     ref_llm = LLM(hd32_ckpt, **kwargs)
-    ref_llm.engine.runner.model.attention_layers[0].kv_format.rerank_interval = rerank_interval
+    ref_llm.engine.runner.model.attention_layers[0].hooks.kv_format.rerank_interval = rerank_interval
     ref = ref_llm.generate(prompts, params)
     diffs = _tiered_logprob_diffs(ref, out, rerank_interval)
     exact = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, out))

@@ -157,6 +157,7 @@ GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", list(FORMATS))
 @pytest.mark.parametrize("case", range(len(GRID)))
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
@@ -170,6 +171,7 @@ def test_kernel_matches_reference(label, case, swap_ab):
     check(label, out, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["fp8_e4m3", "int4_g32", "kivi2_r32", "nuq2", "bf16"])
 def test_the_last_split_reads_the_tail(label):
     """The 16-bit tail (staging page, kivi2's ring) is read by the last split after its pages, in
@@ -196,6 +198,7 @@ def test_the_last_split_reads_the_tail(label):
     assert (outs[False] - outs[True]).abs().max().item() <= tolerance(label, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32", "kivi2_g64", "nuq2"])
 def test_pages_of_16_and_sliding_window(label):
     block_size = 32 if label.startswith("kivi2") else 16
@@ -205,6 +208,7 @@ def test_pages_of_16_and_sliding_window(label):
         check(label, out, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_n", [16, 32, 64])
 def test_nuq2_head_dim_16(block_n):
     """head_dim 16 takes the join-free unpack (moekv/ops/decode/codes.py JOIN_FREE_BELOW: a join into a 16-wide
@@ -232,6 +236,7 @@ def _zero_kv(T, g, num_kv_heads=2, head_dim=64):
     return torch.zeros(T, num_kv_heads, head_dim), torch.zeros(T, num_kv_heads, head_dim)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", list(FORMATS))
 def test_structured_inputs(label):
     out, ref, _, _ = run_case(label, [130, 64], 2, 4, 64, 32, 3, kv=_outlier_kv, seed=5)
@@ -337,6 +342,7 @@ NUQ2_GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(NUQ2_GRID)))
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
 def test_nuq2_outlier_slots(case, swap_ab):
@@ -354,6 +360,7 @@ def test_nuq2_outlier_slots(case, swap_ab):
     assert _used_slots(fmt, cache, "value", block_size, 64) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(NUQ2_GRID)))
 def test_nuq2_slot_modes(case):
     """The kernel variants the benchmark times: 'eager' (the first slot code) and 'first' (chunk 0
@@ -449,6 +456,7 @@ NUQ2_CAL_GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", range(len(NUQ2_CAL_GRID)))
 def test_nuq2_calibrated_codebooks(case, q_dtype, nuq2_calibration):
@@ -475,6 +483,7 @@ def test_nuq2_calibrated_codebooks(case, q_dtype, nuq2_calibration):
     assert (other.double() - ref).abs().max() > 10 * tolerance("nuq2", ref, q_dtype)
 
 
+@pytest.mark.slow
 def test_nuq2_calibrated_slot_modes(nuq2_calibration):
     """'eager' and 'first' slot code with calibrated codebooks are exact too; 'off' is not (the slots matter)."""
     lens, hkv, group, head_dim, block_size, splits, block_n = NUQ2_CAL_GRID[3]

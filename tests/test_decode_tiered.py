@@ -76,6 +76,7 @@ GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(GRID)))
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
 def test_tiered_kernel_matches_reference(case, swap_ab):

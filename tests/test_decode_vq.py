@@ -112,6 +112,7 @@ GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(GRID)))
 def test_kernel_matches_reference(calibration, case):
     lens, hkv, group, D, P, splits, block_n = GRID[case]

@@ -208,6 +208,7 @@ def test_previous_token_fit_recovers_a_map_of_two_rows(model):
         pred.check_engine_use("expert_offload=True")
 
 
+@pytest.mark.slow
 def test_mlp_fit_recovers_a_nonlinear_map(model, tmp_path):
     """Router logits that are a known linear + GELU-layer map of the normalised residual: the mlp
     fit (trained to the router's softmax) gets much closer to them than the linear one (8k rows,

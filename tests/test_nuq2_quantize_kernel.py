@@ -116,6 +116,7 @@ def dict_of(idx, val):
     return torch.stack([idx[order], val[order].int()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P,D", [(16, 32), (32, 64), (64, 128), (16, 16)])
 @pytest.mark.parametrize("kind", ["key", "value"])
 def test_kernel_matches_the_reference_quantize(kind, P, D):
@@ -143,6 +144,7 @@ def test_kernel_matches_the_reference_with_a_calibrated_codebook(kind, tmp_path)
     check_fields(fmt, layout, got, want, kind)
 
 
+@pytest.mark.slow
 def test_more_eligible_outliers_than_slots_keeps_the_largest():
     """Heavy tails: far more elements beyond tau than slots; the slots must hold the largest."""
     fmt = NUQ2Format()
@@ -172,6 +174,7 @@ def tied_spikes(kind, seed):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["key", "value"])
 def test_tied_deviations_fill_exactly_the_slots(kind):
     """The kernel breaks ties at the slot threshold by position, the reference's top-k its own

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from moekv import LLM, SamplingParams
 from tests.faults import inject_fault
 
@@ -11,6 +13,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [12, 13, 14]}]
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_fails_the_step_and_the_engine_recovers(mixtral_ckpt):
     llm = LLM(model=str(mixtral_ckpt), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=48,
               tensor_parallel_size=2, enable_expert_parallel=True, distributed_timeout=3)

@@ -73,6 +73,7 @@ def _dispatch_worker(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2])
 def test_static_dispatch_equals_dynamic_dispatch_and_one_process(world):
     ctx = mp.get_context("spawn")
@@ -151,6 +152,7 @@ def eager_two_ranks(mixtral_ckpt):
 
 @pytest.mark.parametrize("expert_parallel, async_scheduling", [(True, False), (False, True)],
                          ids=["tp2+ep", "tp2-async"])
+@pytest.mark.slow
 def test_two_ranks_replay_the_variants_rank0_picks(mixtral_ckpt, monkeypatch, one_process, eager_two_ranks,
                                                    expert_parallel, async_scheduling):
     monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")  # (inherited by the spawned rank)
@@ -205,6 +207,7 @@ def test_two_ranks_replay_page_filling_steps(hd32_ckpt, monkeypatch):
     assert any(fills for _, fills in r0["replayed"]), "no replayed step filled a page: a weak test"
 
 
+@pytest.mark.slow
 def test_a_rank_that_fails_a_replayed_step(mixtral_ckpt, monkeypatch, one_process):
     """A failure on rank 1 in a replayed step, before the replay (loading its inputs: no rank
     replays) and inside it (the emulated replay's layer; the other rank's collective times out):
@@ -284,6 +287,7 @@ def tiered_eager(hd32_ckpt):
 
 @pytest.mark.parametrize("expert_parallel, async_scheduling", [(True, False), (False, True)],
                          ids=["tp2+ep", "tp2-async"])
+@pytest.mark.slow
 def test_two_ranks_replay_tiered_decode_steps(hd32_ckpt, monkeypatch, tiered_eager, expert_parallel,
                                               async_scheduling):
     """tiered over 2 ranks takes the graph path for every decode step, those that fill pages and those
@@ -311,6 +315,7 @@ def test_two_ranks_replay_tiered_decode_steps(hd32_ckpt, monkeypatch, tiered_eag
         assert follow_on > 0
 
 
+@pytest.mark.slow
 def test_a_rank_that_turns_a_replayed_tiered_step_down(hd32_ckpt, monkeypatch, tiered_eager):
     """One rank turns a replayed step down (as its format's prepare_graph_step does when a fill would
     have to go straight to nuq2: forced here, on rank 1 at decode step 1, which fills 3 pages, and on

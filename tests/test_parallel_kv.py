@@ -2,6 +2,7 @@
 so the shipped model with a calibration gives the one-process tokens and logits."""
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -15,6 +16,7 @@ PROMPTS = ["It was a dark and stormy night; the rain fell in torrents, except at
            "fiercely agitating the scanty flame of the lamps", "The sea"]
 
 
+@pytest.mark.slow
 def test_vq_calibrated_tables_split_by_kv_head(tmp_path):
     cfg = load_model_config(default_model_path())
     calibration = random_calibration(tmp_path, cfg.num_kv_heads, cfg.head_dim, num_layers=cfg.num_layers, iters=2,

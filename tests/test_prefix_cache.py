@@ -107,6 +107,7 @@ SHAREABLE = [(name, {**({"block_size": 32} if name in compressed_formats() else 
              for name, kwargs in formats_sharing_pages()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, kwargs", SHAREABLE, ids=[f for f, _ in SHAREABLE])
 def test_greedy_outputs_identical_with_and_without_prefix_caching(fmt, kwargs, calibration):
     """Same tokens for every request, with pages really shared (hits > 0) only in the cached run, as
@@ -143,6 +144,7 @@ def test_a_cached_prefix_reads_as_an_earlier_prefill_chunk(fmt, kwargs, calibrat
 
 @pytest.mark.parametrize("fmt, kwargs, same_tokens", [("fp32", {}, True), ("int4", {"block_size": 16}, True),
                                                       ("nuq2", {"block_size": 16}, False)])
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption_with_prefix_caching(fmt, kwargs, same_tokens, calibration):
     """A small token budget (prefill chunks after the cached pages) and a pool too small for every
     request at once (preemptions, evictions): still the tokens of the uncached run, every page back.

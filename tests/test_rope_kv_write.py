@@ -56,6 +56,7 @@ DECODE = dict(positions=[7, 33, 0], slots=[7, 2 * 16 + 1, 5 * 16])
 
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                 (torch.float32, torch.float16)])
+@pytest.mark.slow
 @pytest.mark.parametrize("D, Hq, Hkv", [(32, 4, 4), (64, 8, 2), (128, 4, 1)])
 @pytest.mark.parametrize("step", [PREFILL, DECODE], ids=["prefill", "decode"])
 def test_plain_pages_match_the_unfused_write(step, D, Hq, Hkv, dtype, cache_dtype):

@@ -191,6 +191,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "moekv.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_cluster_and_eval_routing(mixtral_ckpt, text_file, tmp_path):
     out = tmp_path / "map.safetensors"
     r = run_cli("cluster", "--model", str(mixtral_ckpt), "--text", str(text_file), "--clusters", "2", "--out",

@@ -305,6 +305,7 @@ def test_tiered_format_reports_its_tiers():
     assert m["moekv:kv_cache_bits_per_element_read"] > 0
 
 
+@pytest.mark.slow
 def test_serve_command_starts_and_answers():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -97,6 +97,7 @@ def test_keep_alive_connection_gets_a_fresh_header_deadline(server):
 
 
 # -- 1. SIGTERM with stalled clients ends within the drain time ------------------------------
+@pytest.mark.slow
 def test_sigterm_closes_stalled_clients_within_the_shutdown_timeout():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -339,6 +340,7 @@ def test_api_key_with_the_official_client(metrics_require_key):
         assert_healthy(srv)
 
 
+@pytest.mark.slow
 def test_api_key_from_the_environment_and_bad_options(monkeypatch):
     monkeypatch.setenv("MOEKV_API_KEY", "from-env")
     assert ServerOptions.with_env_key().api_key == "from-env"

@@ -1,8 +1,8 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, replayed with the step's inputs.
 
 At batch 1 a decode step is hundreds of small kernels; launched one by one from Python, the gaps
-between them cost more than the kernels (bench_decode: a Mixtral-8x7B-shaped step 24 ms eager,
-8.4 ms replayed on an H200). A graph fixes every tensor's address and shape, so:
+between them cost more than the kernels (bench_decode's tpot_eager_ms against tpot_ms:
+docs/performance.md, "End to end"). A graph fixes every tensor's address and shape, so:
 
 - the batch is padded to the next bucket (1, 2, 4, ..., max_num_seqs); padded rows are made
   harmless: token 0 at position 0 with a context of 1 on a *scratch page* (one page past the
@@ -23,7 +23,8 @@ Page-filling steps: plain pages take the token through slot_mapping as in any st
 quantize filled pages (`graph_support.lists_fills`) get the step's fills as (staging slot, page)
 lists in the Context; each batch bucket then keeps one graph per fill bucket (0, 1, 2, 4, ... up to
 the batch bucket), the fill lists padded with (scratch slot, scratch page). At batch 64 with
-64-token pages, about 63% of decode steps fill a page somewhere: without this they all ran eagerly.
+64-token pages, about 63% of decode steps fill a page somewhere: without this they would all run
+eagerly (docs/decisions.md, "Page-filling decode steps replay").
 The captured Context says
 `graph_step=True`, so formats keep to device work there; a format with host-side bookkeeping that
 the replay skips implements GraphStepHooks (tiered: its FP8 slots, step count, re-ranking, and the

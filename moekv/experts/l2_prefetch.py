@@ -18,9 +18,10 @@ beside the post-attention norm, router and top-k) or as soon as the prediction i
 after the last layer), so every fork is joined inside the step and the whole thing is captured in
 the decode step's CUDA graph.
 
-Measured on the H200 (docs/experts.md): 1-6% SLOWER at batch 1 at every budget and launch point
-(Mixtral-8x7B and Qwen3-30B-A3B shapes): the expert GEMV already runs at the HBM copy rate and the
-side stream's kernels slow the compute stream's small ones. Hence off by default. w2 is not
+On the H200 it is SLOWER at batch 1 at every budget and launch point (Mixtral-8x7B and Qwen3-30B-A3B
+shapes; docs/experts.md, docs/decisions.md "Expert L2 prefetch off by default"): the expert GEMV
+already runs at the HBM copy rate and the side stream's kernels slow the compute stream's small ones.
+Hence off by default. w2 is not
 prefetched: the w13 GEMV streams more than the L2 holds between the prefetch and w2's GEMV.
 
 Bytes per layer and step (`l2_prefetch_budget`): at most half the L2 (the attention's KV pages and
@@ -41,7 +42,7 @@ log = logging.getLogger("moekv")
 LINE_BYTES = 128
 L2_SHARE = 0.5  # most of the L2 one layer's prefetch may take
 DEFAULT_WINDOW_S = 10e-6  # the overlap the default budget assumes (a decode attention at 4k context)
-DEFAULT_BANDWIDTH = 4.0e12  # bytes/s HBM delivers to the prefetch in that window (H200: ~4.3 measured)
+DEFAULT_BANDWIDTH = 4.0e12  # bytes/s HBM delivers to the prefetch in that window (under an H200's copy rate)
 MAX_PAIRS = 16  # (token, expert) pairs above which a step prefetches nothing (fused_moe's GEMV bound)
 BLOCK_LINES = 1024  # lines per program of the prefetch kernel
 BULK_LINES = 32  # lines (4 KiB) per bulk prefetch instruction

@@ -20,7 +20,8 @@ loaded. Per step:
    experts. A slot is overwritten only after the compute that last read it (an event the copy
    stream waits for).
 
-Two options change when and how a prediction is read (ExpertOffload; not yet measured on a GPU):
+Two options change when and how a prediction is read (ExpertOffload; lookahead 2 and sync-free are off by
+default: docs/decisions.md, "Offload prediction: sync-free and two layers ahead are options, not defaults"):
 - lookahead N (`expert_prefetch_lookahead`): layer L's experts are predicted from the residual
   stream entering layer L - (N - 1) (with the predictor of layer L: its router, or its fitted map,
   applied to an earlier state); 1 is step 1 above, 2 predicts a whole layer earlier, so the copies

@@ -1,13 +1,12 @@
 """Projections of a few tokens (decode) in one launch: out [T, N] = x [T, K] @ weight [N, K].T (+ bias).
 
 At batch 1 the attention projections are pure weight streaming (the qkv and o weights of a
-Mixtral-8x7B layer are 84 MB), and cuBLAS runs them at ~65-75% of HBM bandwidth on the H200
-(its o projection also adds a split-K reduce launch). Used for one token only (MAX_TOKENS). Here
-program (token, n-block) streams a
-[BLOCK_N, K] slab of the weight; tokens vary fastest in the grid, so the programs that share a slab
-run together and all but the first read it from L2. Products accumulate element-wise in a
-[BLOCK_N, BLOCK_K] fp32 tile reduced once at the end, as the MoE decode GEMV does; the bias is
-added in fp32 before the one rounding to x's dtype.
+Mixtral-8x7B layer are 84 MB), and cuBLAS runs them below HBM bandwidth (its o projection also adds
+a split-K reduce launch; docs/decisions.md, "Small kernels of a batch-1 step"). Used for one token
+only (MAX_TOKENS). Here program (token, n-block) streams a [BLOCK_N, K] slab of the weight; tokens
+vary fastest in the grid, so the programs that share a slab run together and all but the first read
+it from L2. Products accumulate element-wise in a [BLOCK_N, BLOCK_K] fp32 tile reduced once at the
+end, as the MoE decode GEMV does; the bias is added in fp32 before the one rounding to x's dtype.
 
 Reference: `F.linear(x, weight, bias)`. Shape legend: T = tokens, N = output features, K = input features.
 """
@@ -21,15 +20,17 @@ import triton.language as tl
 
 from moekv.ops.pdl import launch_options, pdl_enabled, prefetch_cols, prefetch_lines, prefetch_rows_l2, wait_for_inputs
 
-MAX_TOKENS = 1  # measured on the H200: at 4 tokens cuBLAS' tensor-core GEMM is 2x faster (each slab re-read from L2)
+# at more tokens cuBLAS' tensor-core GEMM is faster (here each slab is re-read from L2 per token;
+# docs/decisions.md, "Small kernels of a batch-1 step")
+MAX_TOKENS = 1
 
 
 @dataclass(frozen=True)
 class GemvShape:
     """Launch shape. Default: 4 whole rows per program (for K <= 4096: one load each, no loop), the
-    best of benchmarks/sweep_decode_b1.py on the H200 (-0.18 ms a step against 16 x 512 tiles
-    looped over K: a program's loop waits a memory latency per step, so fewer, longer programs
-    leave HBM idle)."""
+    best of benchmarks/e2e/sweep_decode_b1.py (docs/decisions.md, "Small kernels of a batch-1 step"):
+    with tiles looped over K a program waits a memory latency per step, so fewer, longer programs leave
+    HBM idle."""
     block_n: int = 4
     block_k: int = 4096
     num_warps: int = 8

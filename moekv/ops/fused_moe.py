@@ -300,8 +300,8 @@ def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, 
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Program (token, n-block): out[token, n-block] = sum over the token's k slots of weight * the
     slot expert's rows . h[pair], written once in the output dtype: no fp32 partials, no sum and
-    no cast launch after it. Measured slower than the split version on the H200 at T=1 (fewer
-    loads in flight; docs/journal.md): kept as an option (GemvConfig.fold_slots), off."""
+    no cast launch after it. Slower than the split version at T=1 (fewer loads in flight; docs/decisions.md,
+    "The MoE decode GEMV reduces to row sums"): kept as an option (GemvConfig.fold_slots), off."""
     pid = tl.program_id(0)
     token = pid % num_tokens
     pid_n = pid // num_tokens
@@ -365,9 +365,8 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     # reduce products to row sums every K step instead of one fp32 [block_n, block_k] tile reduced
-    # at the end (the tile held 247 registers a thread at 16 x 512). H200, Mixtral-8x7B experts,
-    # T=1 (results/h200/moe_row_sums.json): 8 x 1024 with row sums 0.168 ms, 0.99 of the floor,
-    # against 0.176 for 16 x 512 tiles (0.95); 16 x 512 with row sums was slower (0.80)
+    # at the end (the tile held 247 registers a thread at 16 x 512): 8 x 1024 with row sums reads at the
+    # copy floor (docs/decisions.md, "The MoE decode GEMV reduces to row sums")
     row_sums: bool = True
 
 

@@ -2,9 +2,9 @@
 
 `NUQ2Format.quantize` (the reference, moekv/kvcache/formats/nuq2.py) spends ~60 small torch
 kernels on a batch of pages: robust moments, a top-k of the outliers, a sort for the k-means start,
-eight Lloyd iterations of masked sums. Inside a CUDA-graph decode step that fills pages (batch 64:
-every step fills one or two), that cost ~15-18 ms a step on the H200; in prefill it was most of a
-nuq2 chunk's time. Here a program holds its page-head's P x D elements in registers and does it
+eight Lloyd iterations of masked sums, inside a CUDA-graph decode step that fills pages (batch 64:
+every step fills one or two) and in every prefill chunk (docs/decisions.md, "nuq2 pages quantized by
+one Triton kernel"). Here a program holds its page-head's P x D elements in registers and does it
 all, then writes the packed slab (codes, FP8 channel moments, fp16 centroids, FP8 outliers) at the
 layout's offsets, so nothing is packed afterwards.
 

@@ -16,10 +16,10 @@ Rules that keep this race-free (every kernel named here follows them):
   down GEMV reads its expert ids (written by the top-k kernel, two launches back) before waiting.
 
 On by default on CUDA devices of compute capability >= 9.0 (MOEKV_PDL=0 turns it off: moekv/envs.py);
-the flags are constexprs, so kernels built without it (and the CPU interpreter) carry none of this. Measured on
-the H200 (benchmarks/sweep_decode_b1.py): batch-1 step 7.30 -> 7.19 ms without prefetch; prefetching
-the first 1 or 2 K tiles made it slower (7.38 / 7.40 ms), the whole slab much slower (+0.5 ms:
-the prefetches of every resident program thrash the 50 MB L2 and compete with the kernel before).
+the flags are constexprs, so kernels built without it (and the CPU interpreter) carry none of this. It
+shortens a batch-1 step without L2 prefetch; prefetching the first K tiles or the whole slab made the step
+slower (the prefetches of every resident program thrash the 50 MB L2 and compete with the kernel before):
+docs/decisions.md, "Small kernels of a batch-1 step", benchmarks/e2e/sweep_decode_b1.py.
 """
 from __future__ import annotations
 

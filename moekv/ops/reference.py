@@ -183,16 +183,16 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         mask = k_pos <= q_pos  # [Tq, L]
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-    # on CUDA not cuDNN's attention: it builds a graph for every new sequence length
+    # on CUDA not cuDNN's attention: it builds a graph for every sequence length it has not seen
     with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale)
     return o[0].transpose(0, 1)
 
 
 # SDPA backends for prefill on CUDA. PyTorch prefers cuDNN's attention on Hopper, which builds (and
-# caches) an execution graph for each new query/key length: a few hundred ms each (sglang#4650
-# measured ~400 ms), paid by every prompt of a length not seen before. Flash and memory-efficient
-# attention have no such step.
+# caches) an execution graph for each query/key length it has not seen: a few hundred ms each (sglang#4650;
+# docs/decisions.md, "Prefill attention: 4-D SDPA inputs, no cuDNN backend"), paid by every prompt of an
+# unseen length. Flash and memory-efficient attention have no such step.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

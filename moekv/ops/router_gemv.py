@@ -1,8 +1,8 @@
 """Router logits for small batches in one launch: logits [T, E] = hidden [T, H] @ gate [E, H].T.
 
-At decode (T = 1) cuBLAS runs this 8 x 4096 product as a split-K GEMM plus a reduce kernel (~6 us
-per MoE layer measured on an H200, for 64 KB of weights); one Triton program per (token, block of
-expert) streams its gate row once and writes the logit in the hidden state's dtype, fp32
+At decode (T = 1) cuBLAS runs this 8 x 4096 product as a split-K GEMM plus a reduce kernel, two
+launches for 64 KB of weights (docs/decisions.md, "Small kernels of a batch-1 step"); one Triton
+program per (token, block of expert) streams its gate row once and writes the logit in the hidden state's dtype, fp32
 accumulation, as F.linear does. One expert per program and the whole row in one load: wider
 programs would run the product on a few SMs as a chain of dependent loads.
 Reference: `F.linear(hidden, gate)` (`RouterLogits.full`).

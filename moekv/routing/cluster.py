@@ -143,7 +143,8 @@ def assignment_stats(expert_ids: torch.Tensor, device_of_expert: torch.Tensor) -
 
 
 # candidate admission margins (nats of coarse score) measured per layer; 3 and 4 because on domain-moe the
-# +1% budget kept every cluster at 2 and below, while uniform margins 3 and 4 cost under +1% there
+# +1% budget kept every cluster at 2 and below, while uniform margins 3 and 4 fit it (docs/decisions.md,
+# "Hierarchical routing: margins 3 and 4 among the candidates")
 MARGINS = (-math.inf, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, math.inf)
 
 

@@ -276,8 +276,8 @@ def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, b
                   max_registers: int | None = None, tail_in_last: bool = True) -> tuple:
     """What the compiled decode kernel (and so its programs per SM) depends on. A spec is rebuilt
     for every call and its tables may be a new closure, so the key is built from its parts; the
-    readers' hooks are module-level functions, keyed by id (hashing a JITFunction costs ~1 us, and
-    this runs for every layer of an eager step)."""
+    readers' hooks are module-level functions, keyed by id (hashing a JITFunction is slow, and this
+    runs for every layer of an eager step)."""
     hooks = tuple(id(f) for r in (spec.key, spec.value) for f in (r.fn, r.outlier_fn, r.fold_fn, r.fix_fn))
     readers = tuple((r.params, r.outliers, r.planes, r.row_scaled) for r in (spec.key, spec.value))
     return (hooks, readers, spec.dot_dtype, spec.staged, spec.residual, tuple(t.dtype for t in tables), q.dtype,

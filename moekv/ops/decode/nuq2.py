@@ -460,7 +460,8 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
     """slots: how the kernel applies the outlier slots. 'lazy' (the default): only the chunks of 16
     slots in use, each behind one uniform branch; 'first': the first chunk on every tile without a
     branch (with 3.5-sigma outliers nearly every page uses it; its loads then need not wait for the
-    used-chunk count), the others as 'lazy' (a candidate, not yet timed); 'eager': every chunk's loads
+    used-chunk count), the others as 'lazy' (faster, but it spills: docs/decisions.md, "nuq2's outlier
+    slots behind a count of the chunks in use"); 'eager': every chunk's loads
     on every tile, a baseline to time against; 'off': not at all, a bound on what the slots cost
     (wrong wherever a slot is used: for benchmarks only).
 

@@ -339,8 +339,9 @@ def reduce_and_mass_kernel(part_o, part_lse, out, stride_ob, stride_oh,
                             ACCUMULATE: tl.constexpr):
     """Grid (B, NUM_HEADS + mass programs). Program (b, j < NUM_HEADS) merges head j's splits
     (reduce_head); program (b, NUM_HEADS + k) writes the mass of pages [k*BLOCK_PAGES, ...) of
-    sequence b (page_mass_block). One launch instead of two: at batch 1 the second launch was a
-    step of each layer's dependency chain (~4 us, 32 layers)."""
+    sequence b (page_mass_block). One launch instead of two: at batch 1 a second launch is one more
+    step of each layer's dependency chain (docs/decisions.md, "tiered: the split merge and the page
+    mass in one launch")."""
     b = tl.program_id(0)
     j = tl.program_id(1)
     if j < NUM_HEADS:
@@ -361,8 +362,8 @@ def page_mass_block(part_lse, tile_sum, tile_max, mass, context_lens, block_tabl
     its splits; 0 for the partly filled page and pages past the context. Only the tiles the decode
     kernel wrote are read (full pages from the window's first tile on: tile_sum and tile_max are not
     initialised). ACCUMULATE: add it to mass[block_tables[b, i]] instead (the format's per-page
-    accumulator, [N]). All heads at once: a loop over them waited a memory latency per head (32 at
-    Mixtral's shape, ~23 us a launch at batch 1, more than the decode kernel itself)."""
+    accumulator, [N]). All heads at once: a loop over them waits a memory latency per head (32 at
+    Mixtral's shape), which at batch 1 takes longer than the decode kernel itself."""
     pages = block * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
     length = tl.load(context_lens + b)
     full = length // P

@@ -31,8 +31,8 @@ from moekv.ops.gluon.splits import split_reference
 # ptxas's register cap: tiered's FP8 page path fits 128 without spills (16 one-warp programs an SM)
 DEFAULT_MAX_REGISTERS = 128
 # an FP8 page's next 16-token step loaded while this one computes (fp8_kernel.fp8_page's
-# FP8_PREFETCH): 1-4% slower than without at (16, 32k) and (64, 32k), the same at (1, 128k) (H100,
-# docs/journal.md); bench_decode_attention's fp8_e4m3_gluon row times the other choice (prefetch_ms)
+# FP8_PREFETCH): off, it did not pay (docs/decisions.md, "fp8_e4m3 keeps its Triton kernel");
+# bench_decode_attention's fp8_e4m3_gluon row times the other choice (prefetch_ms)
 DEFAULT_PREFETCH = False
 
 

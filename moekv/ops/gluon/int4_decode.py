@@ -85,11 +85,11 @@ def int4_decode_split_reference(q: torch.Tensor, frag: Int4FragmentPages, block_
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
-# the kernel's PREFETCH (prefetch.py): into L1, 10-12% faster than none at (16, 32k), (64, 32k) and
-# (1, 128k) (docs/journal.md)
+# the kernel's PREFETCH (prefetch.py): into L1 (docs/decisions.md, "Prefetch and whole waves for the Gluon launches")
 DEFAULT_PREFETCH = 1
 # the kernel's SMEM: the next page's codes, key scales and zeros and value scales through shared memory
-# (cp.async, two stages), 5-6% faster than global loads at (16, 32k), (64, 32k) and (1, 128k)
+# (cp.async, two stages) instead of global loads at the page's top (docs/decisions.md, "Pages through
+# shared memory where the launch fills the GPU")
 DEFAULT_SMEM = True
 
 

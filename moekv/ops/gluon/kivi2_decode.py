@@ -50,16 +50,16 @@ from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, windo
 
 Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
 # ptxas's register cap: the staged kernel takes ~250 registers uncapped (8 one-warp programs an SM);
-# 168 holds 12, with no spill inside the loops at G 1 / 4 / 8 (sm_90 builds, docs/journal.md)
+# 168 holds 12, with no spill inside the loops at G 1 / 4 / 8 (sm_90 builds)
 DEFAULT_MAX_REGISTERS = 168
-# the kernel's PREFETCH (prefetch.py): into L2, 10-14% faster than none at (16, 32k), (64, 32k) and
-# (1, 128k) (docs/journal.md)
+# the kernel's PREFETCH (prefetch.py): into L2 (docs/decisions.md, "Prefetch and whole waves for the Gluon launches")
 DEFAULT_PREFETCH = 2
 # the kernel's SIDE_SMEM: the side tables a page ahead through shared memory (cp.async)
 DEFAULT_SIDE_SMEM = True
 # CODES_SMEM: the codes too through shared memory, instead of the register double buffer. None: when
-# the launch fills a wave of the GPU (Launch.fills_wave); there it is 2-3% faster ((1, 128k) cut to one
-# wave too), while small launches (batch 1 to 4 at 4k-16k) lose ~2 us a launch to it (docs/journal.md)
+# the launch fills a wave of the GPU (Launch.fills_wave, a launch cut to one wave counted); small launches
+# (batch 1 to 4 at 4k-16k) lose to it (docs/decisions.md, "Pages through shared memory where the launch
+# fills the GPU")
 DEFAULT_CODES_SMEM = None
 
 

@@ -14,7 +14,9 @@ from moekv.ops.gluon.tables import HEAD_DIM
 
 NO_WINDOW = 1 << 30  # a window longer than any context (moekv.ops.decode.common.NO_WINDOW)
 TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at (~3 waves on an H200)
-MAX_SPLITS = 256  # batch 1 at 128k: 256 splits (8 pages each) 49 us, 512 (4 pages) 87 us (docs/journal.md)
+# more splits at batch 1 cost more in the reduce and per-split setup than they gain in parallelism
+# (docs/decisions.md, "nuq2's outlier slots folded into the tile loop as one-hot MMAs")
+MAX_SPLITS = 256
 REGISTERS_PER_SM = 65536
 MAX_PROGRAMS_PER_SM = 32  # resident blocks an SM holds (sm_80 .. sm_90)
 
@@ -30,11 +32,11 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int
     """Splits per (sequence, KV head): about TARGET_PROGRAMS programs, each with at least 2 pages,
     and with the `extra` split (the staged tail) at most MAX_SPLITS in all: more splits at batch 1
     cost more in the reduce and per-split setup than they gain in parallelism, and the reduce pads
-    the split count to a power of two (257 partials cost ~40 us more than 256 at 1 x 128k).
+    the split count to a power of two (257 partials are reduced as 512).
     wave: programs the GPU runs at once (SMs x programs_per_sm). A launch of between one and two waves
     (the staged split's programs counted) is cut to one: a partial second wave runs its programs after
-    the first on an almost empty GPU (kivi2 at 1 x 128k: 255 splits 64.7 us, 197 splits 49.8 us; 198
-    splits, whose 8 staged programs wait for a whole paged one to end, 62.8 us)."""
+    the first on an almost empty GPU, and staged programs left out of the wave wait for a whole paged
+    one to end (docs/decisions.md, "Prefetch and whole waves for the Gluon launches")."""
     rows = max(1, batch * num_kv_heads)
     want = -(-TARGET_PROGRAMS // rows)
     splits = max(1, min(want, -(-max_pages // 2), MAX_SPLITS - extra))

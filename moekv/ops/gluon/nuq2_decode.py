@@ -158,16 +158,19 @@ def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tenso
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
-# ptxas's cap: with SMEM 160 and 128 time the same at (16, 32k), (64, 32k) and (1, 4k); 160 is 7% faster at
-# (1, 128k) (12 programs an SM: one wave of 197 splits); none is 2-10% slower (docs/journal.md)
+# ptxas's cap: with SMEM 160 ties 128 and wins at (1, 128k) (12 programs an SM: one wave of 197 splits:
+# docs/decisions.md, "Pages through shared memory where the launch fills the GPU"); no cap is slower (more
+# programs an SM hide more latency: "nuq2's outlier slots folded into the tile loop as one-hot MMAs")
 DEFAULT_MAX_REGISTERS = 160
-# the kernel's PREFETCH (prefetch.py): none; into L1 or L2 was 0-3% slower (its page is bound by its
-# instructions, docs/journal.md)
+# the kernel's PREFETCH (prefetch.py): none; its page is bound by its instructions, so a prefetch costs more
+# than it hides (docs/decisions.md, "Prefetch and whole waves for the Gluon launches")
 DEFAULT_PREFETCH = 0
-DEFAULT_SLOT_CHUNK0 = True  # the first slot chunk unconditionally: 2-10% faster with the cap (docs/journal.md)
+# the first slot chunk unconditionally: its loads do not wait for the used counts (docs/decisions.md,
+# "nuq2's outlier slots folded into the tile loop as one-hot MMAs")
+DEFAULT_SLOT_CHUNK0 = True
 # the kernel's SMEM: the next page's codes and side data staged in shared memory by cp.async (two
-# stages) instead of the codes' register double buffer and the side data's loads at the page's start:
-# 8-9% faster at (16, 32k), (64, 32k) and (1, 128k), 1 us at (1, 4k) (docs/journal.md)
+# stages) instead of the codes' register double buffer and the side data's loads at the page's start
+# (docs/decisions.md, "Pages through shared memory where the launch fills the GPU")
 DEFAULT_SMEM = True
 
 

@@ -46,12 +46,13 @@ from moekv.ops.tiers import TIER_FP8
 # tiered_gluon row times the other choice, fp8_prefetch_ms)
 DEFAULT_FP8_PREFETCH = False
 # the kernel's SMEM: the next nuq2 page staged in shared memory by cp.async (nuq2's SMEM), FP8 pages not.
-# None: when the launch fills a wave of the GPU (Launch.fills_wave); there it is 8-16% faster (H100: (8,
-# 32k), (16, 32k), (64, 32k)), at (1, 128k) the same, and a small launch (batch 1 at 4k) loses ~1 us to it
-# (docs/journal.md)
+# None: when the launch fills a wave of the GPU (Launch.fills_wave); a small launch (batch 1 at 4k) loses to
+# it (docs/decisions.md, "Pages through shared memory where the launch fills the GPU")
 DEFAULT_SMEM = None
 
-DEFAULT_MAX_REGISTERS = 128  # ptxas's cap of the tiered kernel (nuq2's page tile with global loads; docs/journal.md)
+# ptxas's cap of the tiered kernel (nuq2's page tile with global loads; docs/decisions.md, "Pages through
+# shared memory where the launch fills the GPU")
+DEFAULT_MAX_REGISTERS = 128
 
 
 def staged_quantized(length: int, staged: bool) -> int:

@@ -40,14 +40,12 @@ from moekv.ops.gluon.splits import split_reference
 from moekv.ops.gluon.vq_layout import CODEWORDS, GROUPS, SUB, VQFragmentPages, codewords, mean_by_channel
 
 # ptxas's register cap: 128 (16 one-warp programs an SM, ~150 spill instructions in the page loop, to L1)
-# was 3% and 7% faster than uncapped (185 registers) at (16, 32k) and (64, 32k) on an H100, 2% at (1, 128k):
-# the codeword gathers are latency-bound and more programs hide more of it (168: 19% faster at (1, 128k),
-# 1-4% slower at batch 16 and 64; docs/journal.md)
+# against 185 registers uncapped: the codeword gathers are latency-bound and more programs hide more of it
+# (docs/decisions.md, "vq: codebooks in shared memory, e4m3 codewords, CTAs of 4 warps")
 DEFAULT_MAX_REGISTERS = 128
 # the shared-codebook kernel's CTAs: 4 warps at a 168-register cap, three CTAs an SM (what shared memory
-# holds: 64 kB of codebooks each). On an H200 against 8 warps at 128 (two an SM): 5% faster at (16, 32k)
-# and (64, 32k), 13% at (1, 128k), 3% slower at (8, 32k); 16 warps at 128: 3% faster at (16, 32k), 2-16%
-# slower elsewhere (decode_attention_gluon.json's codebooks_ms; docs/journal.md)
+# holds: 64 kB of codebooks each), against 8 warps at 128 (two an SM) and 16 warps at 128 (one): the
+# fastest or near it at most shapes (docs/performance.md, vq's launch study)
 DEFAULT_WARPS = 4
 SHARED_MAX_REGISTERS = 168
 KERNEL_DEFAULT = -1  # max_registers: the chosen kernel's default cap
@@ -55,9 +53,9 @@ SHARED_MEMORY_PER_SM = 228 * 1024  # sm_90 (H100, H200); sm_80's is 164 kB
 CODEBOOK_BYTES = 2 * GROUPS * CODEWORDS * SUB  # a head's key and value codebooks, e4m3: 64 kB
 CTA_SHARED_BYTES = CODEBOOK_BYTES + 1024  # and the 1 kB the driver reserves a CTA
 # where the kernel reads the codebooks: 'global' (vq_kernel), 'shared' (vq_smem_kernel, CTAs of
-# DEFAULT_WARPS warps sharing a head's codebooks) or None: shared_codebooks_pay's choice. On an H200,
-# shared against global: (16, 32k) 194 against 412 us, (64, 32k) 662 against 1503, (1, 128k) 65 against
-# 79-98; (1, 4k) 18.0 against 12.4 (docs/journal.md).
+# DEFAULT_WARPS warps sharing a head's codebooks) or None: shared_codebooks_pay's choice. Shared wins where
+# a launch fills the GPU or a CTA reads more pages than codebooks, global at batch 1 and short contexts
+# (docs/decisions.md, "vq: codebooks in shared memory, e4m3 codewords, CTAs of 4 warps").
 DEFAULT_CODEBOOKS = None
 
 
@@ -127,7 +125,7 @@ def shared_codebooks_pay(B: int, Hkv: int, max_pages: int, staged: bool, device,
     count at DEFAULT_MAX_REGISTERS) would fill a wave of the device (launch.fills_wave: the CTAs'
     codebook copies then overlap other CTAs' pages), or where a CTA's splits read at least as many page
     bytes as the codebooks it copies (at (1, 128k) 11 pages a split; at (1, 4k) two, 19 kB of pages a CTA
-    against its 64 kB copy, where the one-warp kernel is 1.5x faster). splits: the shared kernel's split
+    against its 64 kB copy, where the one-warp kernel is faster). splits: the shared kernel's split
     count if the caller has it (shared_splits)."""
     wave = sm_count(device) * programs_per_sm(DEFAULT_MAX_REGISTERS)
     if fills_wave(B * Hkv, default_num_splits(B, Hkv, max_pages, int(staged), wave) + int(staged), wave):

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""CPU check of the copy rows' learnability (issue 23, journal 2026-12-04): train_domain_moe's Mixtral at a
-toy size, trained only on repeated random spans, with the span tokens drawn from a pool of P ids.
+"""CPU check of the copy rows' learnability (issue 23; docs/decisions.md, "domain-moe's training recipe"):
+train_domain_moe's Mixtral at a toy size, trained only on repeated random spans, with the span tokens
+drawn from a pool of P ids.
 
 Rows of 128 tokens: noise ids 1..4095, a span of 32 pool ids at `a`, the same span at `b`; the loss is
 the mean over the repeat after its first token (the targets copying predicts). --offset fixed puts the

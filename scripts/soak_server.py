@@ -5,7 +5,7 @@ held once idle, the server's RSS before and after, and how long SIGTERM took.
     python scripts/soak_server.py --duration 120 --json soak.json
 
 Starts its own server (the bundled tiny model unless --model; extra server flags after `--`).
-Not a unit test: it runs for minutes and its figures go to docs/journal.md.
+Not a unit test: it runs for minutes; --json writes its figures.
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ domain); on top of plain language modelling, two kinds of rows teach retrieval:
                                   never from memory; the first span is left out of the loss (noise).
                                   The tokens come from the --copy-vocab most frequent training ids
                                   (over all 4,095 ids, each id is too rare a target for the copy map
-                                  to form: the 2026-12 retrains' copy loss sat at ln 4096), and the
+                                  to form: the copy loss stays at ln 4096, docs/decisions.md
+                                  "domain-moe's training recipe"), and the
                                   copied span's mean loss is an extra term (--copy-loss-weight);
   passkey rows  (--passkey-frac)  moekv.eval.needle.build_prompt at a random length and depth with
                                   filler from a random training domain, followed by the key and '.';
@@ -119,10 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra loss term: mean loss of the passkey answer tokens times this")
     d.add_argument("--copy-loss-weight", type=float, default=1.0,
                    help="extra loss term: mean loss of the copied spans' tokens times this (in the plain LM mean "
-                        "they are ~2%% of the targets); 0: the LM mean only (the rows before 2026-12-04)")
+                        "they are ~2%% of the targets); 0: the LM mean only")
     d.add_argument("--copy-vocab", type=int, default=256,
                    help="random copy spans draw from this many most frequent training token ids; 0: from every id "
-                        "1..vocab-1 (the rows before 2026-12-04, under which no copying formed)")
+                        "1..vocab-1 (under which no copying formed)")
     r = p.add_argument_group("run")
     r.add_argument("--seed", type=int, default=1234)
     r.add_argument("--device", default="auto")

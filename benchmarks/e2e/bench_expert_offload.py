@@ -362,7 +362,7 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
         p = ReplayedRouting(routing, k, E, r)
         predictors.append((f"(d) {p.kind}", p))
     runs = [("(c) on demand", None, "1")]
-    for mode in modes:  # lookahead 1 with the host sync first: the rows measured before
+    for mode in modes:  # by default "1" first (lookahead 1 with the host sync: the engine's default)
         runs += [(name + (f", {mode_name(mode)}" if mode_name(mode) else ""), p, mode) for name, p in predictors]
     read_stream = torch.cuda.Stream(device) if cuda else None
     for name, predictor, mode in runs:

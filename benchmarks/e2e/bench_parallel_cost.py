@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What the parallel code path costs on one device: decode TPOT of the Mixtral-8x7B shape (random
-bf16 weights) through today's single-device path and through the tensor/expert-parallel path at
+bf16 weights) through the single-device path and through the tensor/expert-parallel path at
 world size 1, in the same run and on the same weights.
 
 The model is built once and cut by the engine's own code (`engine/parallel.py` ParallelGroup at
@@ -8,7 +8,7 @@ world size 1: the gloo command group and the compute group, NCCL on CUDA; `shard
 world size 1 keeps every weight. Three variants then run the same decode step, switched by the
 layers' `tp` / `ep` attributes only (the weights are the same tensors):
 
-- `single`: tp = ep = None, the path every tensor_parallel_size=1 engine takes today;
+- `single`: tp = ep = None, the path every tensor_parallel_size=1 engine takes;
 - `tp`: attention, dense MLPs and experts with their all-reduce on the compute group (the path of
   tensor_parallel_size > 1 without expert parallelism);
 - `tp+ep`: as `tp`, the experts through ExpertParallel with token dispatch (placement: every

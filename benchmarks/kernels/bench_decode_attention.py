@@ -37,7 +37,7 @@ listed in wrong_launches and does not compete; status "wrong" if none is right).
 the first outlier-slot code, nuq2_first the first chunk of 16 slots on every tile without a branch
 (a candidate layout), nuq2_noslots no slot corrections at all (status "bound": a lower
 bound on the slots' cost, its error is reported but does not disqualify it). Formats without
-a fused kernel yet appear with status "reference" (their plain-PyTorch path, timed at the smallest
+a fused kernel appear with status "reference" (their plain-PyTorch path, timed at the smallest
 shape only) or "skipped" and the reason. tiered runs its own kernel (moekv/ops/decode/tiered.py) on a
 cache with ~15% of pages in FP8 and the rest in nuq2 (bench_tiered: ms includes the per-page mass
 output, nomass_ms is the kernel alone). vq runs on a random calibration
@@ -50,7 +50,7 @@ benchmarks/kernels/flashinfer_peer.py) as a second peer after each shape's SDPA 
 flashinfer_fp8_e4m3 (status "peer"; FP8 with per-tensor K and V scales), its CUDA-core and
 tensor-core kernels tried (configs), timed and checked as the formats are, jit_s the wall seconds of
 the first plan + run (its JIT build with nvcc). flashinfer-python 0.5.0 and the dependencies the device
-image lacks are carried to the device as wheels (docs/journal.md); without them the rows say
+image lacks are carried to the device as wheels (scripts/gpu_wheels.sh); without them the rows say
 "skipped" and why.
 """
 from __future__ import annotations
@@ -97,9 +97,8 @@ INEXACT = {"nuq2_noslots"}  # bounds, not formats: wrong wherever a slot is used
 # launch shapes tried per (format, shape): (block_n, num_warps, num_stages, splits factor over
 # num_splits_for, inline PTX, L2 prefetch distance in tiles). The first is the launcher's default:
 # the spec's prefetch and the launcher's splits (splits factor None: decode_attention.wave_splits by
-# the compiled kernel's programs per SM); a negative splits factor -n is exactly n splits. 8 warps
-# dropped: 1.4-2x slower than 4 at every point of the 2026-11-29 runs
-# (git history of results/h200/decode_attention.json)
+# the compiled kernel's programs per SM); a negative splits factor -n is exactly n splits. No 8-warp
+# launches: slower than 4 at every point (docs/decisions.md, "Decode attention: the Triton kernels")
 CONFIGS = [(64, 4, 2, None, True, None), (64, 4, 2, 1, True, 0), (64, 4, 2, 1, True, 1), (64, 4, 2, 1, True, 2),
            (64, 4, 3, 1, True, 2), (128, 4, 2, 1, True, 0), (64, 4, 2, 2, True, 0), (64, 4, 2, 1, False, 0),
            (64, 4, 2, None, True, 0)]
@@ -320,7 +319,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
         return bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base)
     if spec is None:
         if (batch, context) != min(args.shapes):
-            return {**row, "status": "skipped", "reason": "no fused decode kernel yet; its reference path is timed "
+            return {**row, "status": "skipped", "reason": "no fused decode kernel; its reference path is timed "
                                                           "at the smallest shape only"}
         # the reference path (Python per sequence): a sanity figure, not a speed one
         try:
@@ -330,7 +329,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
             ms = timer(lambda: fmt.attend(q, cache, ctx, scale, None), cudagraph=False)
             return {**row, "status": "reference", "ms": ms, "eager_ms": ms, "speedup": base["ms"] / ms,
                     "bytes": nbytes, "gbps": nbytes / ms * 1e-6, "floor_ms": nbytes / bandwidth * 1e3,
-                    "reason": "no fused decode kernel yet: plain-PyTorch path, Python per sequence"}
+                    "reason": "no fused decode kernel: plain-PyTorch path, Python per sequence"}
         except Exception as e:  # noqa: BLE001 - a format still in progress must not stop the run
             return {**row, "status": "skipped", "reason": f"reference path failed: {type(e).__name__}: {e}"}
     cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)

@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
-"""The Gluon nuq2 decode kernel against torch SDPA (bf16, flash) and today's Triton nuq2 kernel, in one run.
+"""The Gluon nuq2 decode kernel against torch SDPA (bf16, flash) and the Triton nuq2 kernel, in one run.
 
 32 query / 8 KV heads, head_dim 128, pages of 64, one query per sequence, (batch, context) in
 (1, 4096), (16, 32768), (64, 32768), (1, 131072). 512 distinct random pages (keys with two outlier
 channels and a few huge elements, so that outlier slots are used), quantized by nuq2 on the GPU,
 repeated over the pool behind a shuffled block table; the Gluon path reads them in fragment order
-(moekv/ops/gluon/nuq2_layout.py), today's kernel (moekv.ops.decode_attention.paged_decode_attention
+(moekv/ops/gluon/nuq2_layout.py), the Triton kernel (moekv.ops.decode_attention.paged_decode_attention
 with nuq2's DecodeSpec) as nuq2 slabs plus its bf16 staging page.
 
 Correctness first: at every shape, sequence 0 through the whole Gluon path (kernel with the outlier
 slots folded in, reduce) against dense attention over nuq2's dequantized pages (fp32). Then times
 (median of triton.testing.do_bench_cudagraph, CUDA-graph replay; plain do_bench beside it as
-eager_ms): SDPA, today's kernel at its default launch (newest page from bf16 staging), the Gluon
+eager_ms): SDPA, the Triton kernel at its default launch (newest page from bf16 staging), the Gluon
 kernel + reduce at a few split counts and register caps (best reported, all kept), and the Gluon path
 with the staged bf16 tail as its extra split (gluon_staged_ms: what the engine launches, the same
-work as today's kernel). Beside each: bytes read and the byte floor (bytes / the bandwidth of a 4 GiB
+work as the Triton kernel). Beside each: bytes read and the byte floor (bytes / the bandwidth of a 4 GiB
 device copy measured in the same run). Before the shapes: what converting freshly quantized pages
 into fragment order costs beside quantizing them (the engine does it at quantize-on-write time).
 
@@ -62,7 +62,7 @@ REGISTER_CAPS = [0, 128]  # ptxas's choice (162-203 with the slot fold) and a ca
 def bench(fn) -> float:
     """Median ms of fn replayed from a CUDA graph: at batch 1 an eager launch's host overhead (the
     Gluon launcher's argument handling, SDPA's dispatch) exceeds the GPU time and varies with the
-    host's load (eager timings of one shape moved 2-3x between runs)."""
+    host's load from run to run."""
     import triton.testing
 
     fn()  # compile outside the capture
@@ -115,7 +115,7 @@ def sdpa_ms(batch, context, device, gen) -> float:
 
 
 def triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale) -> dict:
-    """Today's fused nuq2 kernel at its default launch (last page from bf16 staging, as the engine does)."""
+    """The Triton nuq2 kernel at its default launch (last page from bf16 staging, as the engine does)."""
     from moekv.ops.decode.launch import LAST_LAUNCH
     from moekv.ops.decode.paged import paged_decode_attention
 

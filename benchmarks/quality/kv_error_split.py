@@ -6,7 +6,7 @@ The model runs in `transformers` (float32) with an attention function that passe
 values of every layer through a moekv format's quantize -> dequantize, page by page (64-token pages by
 default; a window's every full page, as a prefill of a long prompt stores them). With `--pre-rope` the
 keys are quantized before the rotary embedding is applied to them (the model's `apply_rotary_pos_emb`
-is wrapped), which moekv's kernels cannot read today: it measures what storing keys that way would buy.
+is wrapped), which moekv's kernels do not read: it measures what storing keys that way would buy.
 Perplexity is scored on the second half of each window (the first half is context), against the same
 windows unquantized.
 

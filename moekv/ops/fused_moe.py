@@ -319,7 +319,7 @@ def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, 
 def _sum_partials_kernel(y_ptr, out_ptr, stride_ys, stride_yt, stride_yk, stride_ot, H: tl.constexpr,
                          SPLITS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t, h-block] = sum of token t's fp32 partial rows y[s, t, slot] over k-splits and slots,
-    cast to the output dtype: one launch for what was a reduce and a cast."""
+    cast to the output dtype: one launch instead of a reduce and a cast."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H

@@ -1,7 +1,7 @@
 """RMSNorm in one launch, alone or after the residual add (the PyTorch reference, `rms_norm_ref`,
 is six kernels: at batch 1 each decode step runs 65 norms, and in a CUDA graph every launch still
 has its fixed cost). `add_rms_norm` adds a sublayer's output to the residual stream and normalises the
-sum in the same pass (the add was a launch of its own, 64 per step at batch 1).
+sum in the same pass (the add alone would be a launch of its own, 64 per step at batch 1).
 
 Semantics are `rms_norm_ref`'s (`add_rms_norm_ref`'s) exactly: normalise in fp32, round to the
 input dtype, multiply by the weight in that dtype. One program per row holds the whole row (BLOCK_H >= H) in registers.

@@ -6,8 +6,8 @@ torch.cuda.get_device_name with every run of characters other than letters and d
 underscore ("NVIDIA H200" -> "NVIDIA_H200").
 
 Fallback: a device without a file of its own (and a machine without a GPU, where the kernels run under
-the interpreter) gets DEFAULT_DEVICE's file, the numbers the kernels were tuned with, so that behaviour
-is what it was on every device until someone sweeps that device.
+the interpreter) gets DEFAULT_DEVICE's file, the numbers the kernels were tuned with, so every device
+launches as the tuned one does until someone sweeps that device.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from moekv.ops.decode.slots import (
 # layer's centroids as DecodeSpec.tables (T0 keys, T1 values: [Hkv, 4] fp16, each hook gets its
 # KV head's row) and CENT_OFF = NUQ2_TABLE_CENTROIDS (a constexpr) makes the readers load the four
 # from there, the same for every token of the head. With page codebooks the T arguments are not
-# passed (their defaults are None) and the code is what it was.
+# passed (their defaults are None) and the centroids are read from the slab.
 NUQ2_TABLE_CENTROIDS = -1  # CENT_OFF: the centroids are the hook's table (T0 keys, T1 values), not a slab field
 
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from moekv import LLM, SamplingParams
-from moekv.kvcache.formats.base import FIELD_ALIGN_BYTES, PAGE_ALIGN_BYTES
+from moekv.kvcache.formats.interface import PAGE_ALIGN_BYTES
+from moekv.kvcache.formats.paged import FIELD_ALIGN_BYTES
 from moekv.kvcache.formats.vq import VQFormat, fit_codebook, fit_key_channel_scale
 from moekv.kvcache.roundtrip import roundtrip
 from moekv.tools.calibrate import calibrate

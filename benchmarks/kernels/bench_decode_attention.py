@@ -71,7 +71,7 @@ sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import FragmentPagedFormat  # noqa: E402
+from moekv.kvcache.formats.fragment import FragmentPagedFormat  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128

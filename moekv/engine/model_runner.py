@@ -38,8 +38,7 @@ from moekv.engine.parallel import (
 )
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
-from moekv.kvcache.formats import KVFormat, get_kv_format
-from moekv.kvcache.formats.base import GraphStepHooks, nonfinite_verdict, raise_nonfinite
+from moekv.kvcache.formats import GraphStepHooks, KVFormat, get_kv_format, nonfinite_verdict, raise_nonfinite
 from moekv.layers.parallel import StaticDispatch, kv_heads_of_rank, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.decoder import MoEDecoder

@@ -17,13 +17,9 @@ from typing import Any
 import torch
 
 from moekv import envs
-from moekv.kvcache.formats.base import (
-    GraphStepHooks,
-    GraphSupport,
-    KVFormat,
-    LayerKVCache,
-    PagedQuantFormat,
-)
+from moekv.kvcache.formats.dense import dense_attention, is_decode_only
+from moekv.kvcache.formats.fragment import FragmentPagedFormat
+from moekv.kvcache.formats.interface import GraphStepHooks, GraphSupport, KVFormat, LayerKVCache
 from moekv.kvcache.formats.names import (
     DECODE_KERNELS,
     DEFAULT_DECODE_KERNEL,
@@ -32,6 +28,7 @@ from moekv.kvcache.formats.names import (
     check_decode_kernel,
 )
 from moekv.kvcache.formats.options import KVOption
+from moekv.kvcache.formats.paged import Field, PagedQuantFormat, PageLayout, nonfinite_verdict, raise_nonfinite
 from moekv.kvcache.formats.plain import PlainKVFormat
 
 # plain formats, by the dtype they store ("auto": the model's); they take no options
@@ -139,7 +136,7 @@ def get_kv_format(name: str, model_dtype: torch.dtype = torch.bfloat16, *,
     return fmt
 
 
-__all__ = ["DECODE_KERNELS", "KV_FORMAT_NAMES", "GraphStepHooks", "GraphSupport", "KVFormat", "KVOption",
-           "LayerKVCache", "PagedQuantFormat", "compressed_formats", "engine_options", "format_class",
-           "format_engine_options",
-           "get_kv_format", "kv_format_options", "kv_options_for"]
+__all__ = ["DECODE_KERNELS", "KV_FORMAT_NAMES", "Field", "FragmentPagedFormat", "GraphStepHooks", "GraphSupport",
+           "KVFormat", "KVOption", "LayerKVCache", "PageLayout", "PagedQuantFormat", "compressed_formats",
+           "dense_attention", "engine_options", "format_class", "format_engine_options", "get_kv_format",
+           "is_decode_only", "kv_format_options", "kv_options_for", "nonfinite_verdict", "raise_nonfinite"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, gluon_pages_wanted
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, gluon_pages_wanted
 from moekv.kvcache.formats.options import KVOption, one_of
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 
 LEVELS = 15  # 4-bit codes 0..15
 FP16_MAX = 65504.0

@@ -10,7 +10,7 @@
 Pages are quantized as soon as they are full, as in every paged format; the residual window lives
 beside them in a per-sequence 16-bit ring of R tokens (`k_residual`, `v_residual`), and `gather`
 substitutes the ring's tokens for the dequantized ones (a prefill chunk reads its own tokens as
-computed, the ring only for earlier ones: base.with_step_kv). The ring's bytes are counted in
+computed, the ring only for earlier ones: dense.with_step_kv). The ring's bytes are counted in
 `staging_bytes_per_seq`. The group G is KIVI's 32 by default; the engine's kv_group_size sets
 it (32 or 64: G = 64 halves the scales and zeros, 2.5 bits/element instead of 3, which puts
 kivi2 at nuq2's bits for a like-for-like comparison). R must be a multiple of G, so the ring is
@@ -26,16 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import (
-    Field,
-    FragmentPagedFormat,
-    PageLayout,
-    RopeWriteTarget,
-    can_stage_with_fills,
-    gluon_pages_wanted,
-    per_shape,
-)
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, gluon_pages_wanted
+from moekv.kvcache.formats.interface import RopeWriteTarget
 from moekv.kvcache.formats.options import KVOption, one_of
+from moekv.kvcache.formats.paged import Field, PageLayout, can_stage_with_fills, per_shape
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3

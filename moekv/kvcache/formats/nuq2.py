@@ -32,14 +32,9 @@ import torch
 
 from moekv import envs
 from moekv.kvcache.calibration_io import load_calibration
-from moekv.kvcache.formats.base import (
-    Field,
-    FragmentPagedFormat,
-    PageLayout,
-    gluon_pages_wanted,
-    per_shape,
-)
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, gluon_pages_wanted
 from moekv.kvcache.formats.options import CALIBRATION, KVOption, one_of, positive
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite E4M3 value

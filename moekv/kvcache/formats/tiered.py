@@ -36,26 +36,21 @@ from dataclasses import dataclass
 import torch
 
 from moekv.context import Context, HostLists, filling_rows, to_device
-from moekv.kvcache.formats.base import (
-    GraphStepHooks,
-    GraphSupport,
-    LayerKVCache,
+from moekv.kvcache.formats.dense import dense_attention, is_decode_only, with_step_kv
+from moekv.kvcache.formats.fp8 import FP8Format
+from moekv.kvcache.formats.fragment import gluon_pages_wanted
+from moekv.kvcache.formats.interface import GraphStepHooks, GraphSupport, LayerKVCache, RopeWriteTarget
+from moekv.kvcache.formats.nuq2 import NUQ2Format
+from moekv.kvcache.formats.options import KVOption, fraction, integer_at_least
+from moekv.kvcache.formats.paged import (
     PagedQuantFormat,
-    RopeWriteTarget,
     can_stage_vectorized,
     check_finite,
-    dense_attention,
     flag_nonfinite,
-    gluon_pages_wanted,
-    is_decode_only,
     stage_decode_tokens,
     stage_tokens,
     staging_tensors,
-    with_step_kv,
 )
-from moekv.kvcache.formats.fp8 import FP8Format
-from moekv.kvcache.formats.nuq2 import NUQ2Format
-from moekv.kvcache.formats.options import KVOption, fraction, integer_at_least
 from moekv.kvcache.formats.tiered_policy import (
     TIER_FP8,
     TIER_LOW,
@@ -676,7 +671,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None):
         """Attention as every format's reference path computes it (dense_attention: SDPA over the
-        dequantized context, flash on CUDA; a prefill chunk's own tokens exact, base.with_step_kv),
+        dequantized context, flash on CUDA; a prefill chunk's own tokens exact, dense.with_step_kv),
         and each full page's attention mass beside it, over the keys attention read (key_mass: the
         probabilities summed over heads and queries, a chunk of queries at a time, scoring only the
         keys each chunk can see, so the mass costs a fraction of the attention)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from moekv.kvcache.calibration_io import load_calibration, save_calibration
-from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, gluon_pages_wanted
 from moekv.kvcache.formats.nuq2 import (
     FP8_MAX,
     NO_OUTLIER,
@@ -36,6 +36,7 @@ from moekv.kvcache.formats.nuq2 import (
     store_outliers,
 )
 from moekv.kvcache.formats.options import CALIBRATION
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 
 CODEBOOK_SIZE = 256  # uint8 codes
 SUB_DIM = 8  # channels per code: 1 bit/element for the codes (d = 4 would be 2 bits before any scale)

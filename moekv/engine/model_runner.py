@@ -32,7 +32,6 @@ from moekv.engine.parallel import (
     expert_parallel_bytes,
     expert_parallel_layers,
     placement_of,
-    shard_kv_tables,
     shard_model,
     start_ranks,
 )
@@ -242,7 +241,7 @@ class ModelRunner:
                 ep.to(self.device)
             _, kv_heads = kv_heads_of_rank(model_cfg.num_heads, model_cfg.num_kv_heads, self.parallel.rank,
                                            self.parallel.world_size)
-            shard_kv_tables(self.kv_format, kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
+            self.kv_format.shard_tables(kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
         self.num_kv_heads = self.model.attention_layers[0].num_kv_heads  # this rank's
         self.kv_format.check_layout(self.num_kv_heads, self.config.cache.block_size, model_cfg.head_dim)
 

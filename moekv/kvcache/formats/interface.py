@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +22,49 @@ from moekv.kvcache.formats.dense import StepKV, is_decode_only
 from moekv.kvcache.formats.names import DEFAULT_DECODE_KERNEL
 
 PAGE_ALIGN_BYTES = 128  # pages start on 128-byte lines so kernels can issue full-line loads
+
+
+@dataclass(frozen=True)
+class StatisticGauge:
+    """How the server exports one of a format's run_statistics keys: the gauge moekv:<metric>
+    (help text `doc`), with `labels` (name, value) beside the model's name. Keys of one format may
+    share a metric with different labels (tiered's tier shares: one gauge, a label per tier)."""
+
+    metric: str
+    doc: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class ReadCounts:
+    """Bits and elements attention read (KVFormat.read_counts); counts of several runs add up."""
+
+    bits: float
+    elements: int
+
+    @property
+    def bits_per_element(self) -> float | None:
+        return self.bits / self.elements if self.elements else None
+
+    def __add__(self, other: ReadCounts) -> ReadCounts:
+        return ReadCounts(self.bits + other.bits, self.elements + other.elements)
+
+
+@dataclass(frozen=True)
+class CalibrationFitter:
+    """The learned tables `moekv calibrate` fits for a format (KVFormat.calibration_fitter).
+
+    fit(pages, layer, kind, generator, **options) -> {table name: tensor}: one layer's tables for
+    one kind ('key' / 'value') from that layer's sampled pages [n, Hkv, P, D] fp32 (post-RoPE K or
+    V, P the calibration's block_size); names start with '<format>.layer<layer>.'; the tool calls it
+    for every (layer, kind) in order and hands every fitter the same seeded generator.
+    options: the keyword options fit takes, with their defaults (the tool's `<format>_<option>`
+    arguments override them). summary(tables, options, seed) -> what the calibration record says
+    about this format's tables (a JSON object), or None."""
+
+    fit: Callable[..., dict[str, torch.Tensor]]
+    options: dict[str, Any] = field(default_factory=dict)
+    summary: Callable[[dict[str, torch.Tensor], dict[str, Any], int], dict] | None = None
 
 
 @dataclass
@@ -194,10 +239,38 @@ class KVFormat(ABC):
             return "has no fused decode kernel at this shape (reference path)"
         return None
 
-    def stats(self, caches: list[LayerKVCache]) -> dict[str, float]:
-        """Figures that depend on the run (tiered: the share of pages in each tier), for metrics;
-        none by default. May be read from another thread: a step stale at worst."""
+    # -- optional capabilities: each default means "this format has none" ------------------------
+    def run_statistics(self, caches: list[LayerKVCache]) -> dict[str, float]:
+        """Figures that depend on the run, over every layer's cache (tiered: the share of pages in
+        each tier), by name: the engine's stats (EngineStats.kv_format) and the server's metrics
+        (statistic_gauges) export them. None by default. May be read from another thread: a step
+        stale at worst."""
         return {}
+
+    # how the server exports run_statistics' keys: key -> StatisticGauge (a named, labelled gauge);
+    # a key not listed here becomes moekv:kv_format_stat{name=<key>}
+    statistic_gauges: dict[str, StatisticGauge] = {}
+
+    def read_counts(self, decode: bool = False) -> ReadCounts | None:
+        """What attention has read since reset_read_counters, for a format whose bits read depend on
+        the run (tiered: which tier each page is in); decode: only the decode rows' reads, counted
+        while count_decode_reads is on. None (the default): attention reads bits_per_element."""
+        return None
+
+    def reset_read_counters(self) -> None:
+        """Start read_counts afresh. Nothing by default."""
+
+    def count_decode_reads(self, on: bool = True) -> None:
+        """Count what decode rows read (read_counts(decode=True)) from now on, or stop: host time in
+        every step, so it is off until an evaluation asks. Nothing by default."""
+
+    def shard_tables(self, kv_heads: range, num_kv_heads: int) -> None:
+        """Tensor parallelism: cut the tables this format keeps per KV head (calibrated codebooks,
+        [num_kv_heads, ...] each) to the heads `kv_heads` this rank keeps, before any pool is
+        allocated; a format built of others forwards to them. Nothing by default."""
+
+    # the tables `moekv calibrate` fits for this format (CalibrationFitter), or None: nothing to fit
+    calibration_fitter: CalibrationFitter | None = None
 
 
 class GraphStepHooks(ABC):
@@ -223,9 +296,5 @@ class GraphStepHooks(ABC):
         instead (several ranks: another rank's format turned it down; one device: the replay
         failed), or it fails. Put back what only the replay would have used; the eager step must
         then do the rest without repeating what prepare_graph_step did. Nothing by default."""
-
-    def stats(self, caches: list[LayerKVCache]) -> dict[str, float]:
-        """The format's own figures over every layer's cache (exported as metrics); none by default."""
-        return {}
 
 

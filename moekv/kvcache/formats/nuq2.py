@@ -31,8 +31,9 @@ from typing import Callable
 import torch
 
 from moekv import envs
-from moekv.kvcache.calibration_io import load_calibration
+from moekv.kvcache.calibration_io import load_calibration, shard_head_tables
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, gluon_pages_wanted
+from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.options import CALIBRATION, KVOption, one_of, positive
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
@@ -184,6 +185,11 @@ def fit_centroids(pages: torch.Tensor, kind: str, tau: float = 3.5) -> torch.Ten
     return lloyd_1d(flat, ~outlier_mask(flat, tau), iters=30, weight=fit_weight(flat, kind)).to(torch.float16)
 
 
+def fit_tables(pages: torch.Tensor, layer: int, kind: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """`moekv calibrate`'s fit (NUQ2Format.calibration_fitter): the layer's codebooks of one kind."""
+    return {f"nuq2.layer{layer}.{kind}.centroids": fit_centroids(pages, kind)}  # [Hkv, 4] fp16
+
+
 CODEBOOKS = ("auto", "page", "calibrated")
 
 
@@ -226,6 +232,11 @@ class NUQ2Format(FragmentPagedFormat):
     @property
     def layer_independent_quantize(self) -> bool:
         return not self.calibrated  # calibrated codebooks are per layer
+
+    calibration_fitter = CalibrationFitter(fit_tables)
+
+    def shard_tables(self, kv_heads, num_kv_heads) -> None:
+        shard_head_tables(self.tables, kv_heads, num_kv_heads)  # the calibrated codebooks, [Hkv, 4] each
 
     # -- layout --------------------------------------------------------------------------------------
     def _fields(self, kind: str, P: int, D: int, slots: int) -> list[Field]:

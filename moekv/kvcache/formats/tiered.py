@@ -39,7 +39,14 @@ from moekv.context import Context, HostLists, filling_rows, to_device
 from moekv.kvcache.formats.dense import dense_attention, is_decode_only, with_step_kv
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.fragment import gluon_pages_wanted
-from moekv.kvcache.formats.interface import GraphStepHooks, GraphSupport, LayerKVCache, RopeWriteTarget
+from moekv.kvcache.formats.interface import (
+    GraphStepHooks,
+    GraphSupport,
+    LayerKVCache,
+    ReadCounts,
+    RopeWriteTarget,
+    StatisticGauge,
+)
 from moekv.kvcache.formats.nuq2 import NUQ2Format
 from moekv.kvcache.formats.options import KVOption, fraction, integer_at_least
 from moekv.kvcache.formats.paged import (
@@ -61,6 +68,8 @@ from moekv.kvcache.formats.tiered_policy import (
     rerank_demotions,
     tier_shares,
 )
+
+_TIER_DOC = "tiered format: share of encoded (full) pages in each tier, mean over layers."
 
 
 @dataclass
@@ -150,13 +159,13 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         # counts every read it makes (prefill chunks included); the fused kernel counts nothing
         self.bits_read = 0.0
         self.elements_read = 0
-        # with count_decode_reads (evaluations turn it on): what decode rows (one query) read, counted
-        # on the host from the tier map when each step is counted (after its re-rank, before it
-        # attends), the same on every path, fused kernel included: the figure a bandwidth-bound decode
-        # step pays. decode_pages / decode_fp8_pages: the full pages those rows read, and how many of
-        # them were in FP8. Off by default: a pass over every row's pages in every layer and step
-        # (~0.5 ms a step at 32 x 4k on a CPU core), host time a replayed step would wait for
-        self.count_decode_reads = False
+        # while counting_decode_reads (count_decode_reads: evaluations turn it on): what decode rows
+        # (one query) read, counted on the host from the tier map when each step is counted (after its
+        # re-rank, before it attends), the same on every path, fused kernel included: the figure a
+        # bandwidth-bound decode step pays. decode_pages / decode_fp8_pages: the full pages those rows
+        # read, and how many of them were in FP8. Off by default: a pass over every row's pages in
+        # every layer and step, host time a replayed step would wait for (docs/decisions.md)
+        self.counting_decode_reads = False
         self.decode_bits_read = 0.0
         self.decode_elements_read = 0
         self.decode_pages = 0
@@ -264,7 +273,26 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         self.bits_read, self.elements_read = 0.0, 0
         self.decode_bits_read, self.decode_elements_read, self.decode_pages, self.decode_fp8_pages = 0.0, 0, 0, 0
 
-    def stats(self, caches) -> dict[str, float]:
+    def read_counts(self, decode: bool = False) -> ReadCounts | None:
+        if decode:
+            return ReadCounts(self.decode_bits_read, self.decode_elements_read)
+        return ReadCounts(self.bits_read, self.elements_read)
+
+    def count_decode_reads(self, on: bool = True) -> None:
+        self.counting_decode_reads = on
+
+    def shard_tables(self, kv_heads, num_kv_heads) -> None:
+        self.hi.shard_tables(kv_heads, num_kv_heads)
+        self.lo.shard_tables(kv_heads, num_kv_heads)
+
+    statistic_gauges = {
+        "tier_share_fp8": StatisticGauge("kv_cache_tier_fraction", _TIER_DOC, (("tier", "fp8"),)),
+        "tier_share_low": StatisticGauge("kv_cache_tier_fraction", _TIER_DOC, (("tier", "nuq2"),)),
+        "bits_read": StatisticGauge("kv_cache_bits_per_element_read",
+                                    "tiered format: bits per element attention has read so far."),
+    }
+
+    def run_statistics(self, caches) -> dict[str, float]:
         """The share of stored pages in each tier (averaged over layers) and, once attention has read
         any, the bits per element it read. From another thread the tier lists may be a step stale."""
         fp8, low = tier_shares([list(c.state.tier) for c in caches])
@@ -375,7 +403,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         cache.state.steps += 1
         if is_rerank_step(cache.state.steps, self.rerank_interval):
             self._rerank(cache, host)
-        if self.count_decode_reads:
+        if self.counting_decode_reads:
             self._count_decode_reads(cache, host)
 
     def _count_decode_reads(self, cache, host: HostLists) -> None:

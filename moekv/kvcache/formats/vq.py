@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from moekv.kvcache.calibration_io import load_calibration, save_calibration
+from moekv.kvcache.calibration_io import load_calibration, save_calibration, shard_head_tables
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, gluon_pages_wanted
+from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.nuq2 import (
     FP8_MAX,
     NO_OUTLIER,
@@ -128,6 +129,25 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
     return e4m3_codewords(torch.stack(books).reshape(H, S, CODEBOOK_SIZE, d)).to(torch.float16)
 
 
+def fit_tables(pages: torch.Tensor, layer: int, kind: str, generator: torch.Generator, sub_dim: int, iters: int,
+               max_vectors: int) -> dict[str, torch.Tensor]:
+    """`moekv calibrate`'s fit (VQFormat.calibration_fitter): the layer's codebooks of one kind (channels
+    per subvector, Lloyd iterations, vectors per codebook), and for keys their channel scales first."""
+    tables, chan_scale = {}, None
+    if kind == "key":
+        chan_scale = tables[f"vq.layer{layer}.key.chan_scale"] = fit_key_channel_scale(pages)  # [Hkv, D]
+    tables[f"vq.layer{layer}.{kind}.codebook"] = fit_codebook(  # [Hkv, D/d, C, d] e4m3 values in fp16
+        pages, kind, chan_scale, sub_dim, iters, max_vectors, generator)
+    return tables
+
+
+def calibration_summary(tables: dict[str, torch.Tensor], options: dict, seed: int) -> dict:
+    """What the calibration record says about vq's tables: the fit's options and the codebooks' bytes."""
+    return {**options, "codebook_size": CODEBOOK_SIZE, "seed": seed,
+            "codebook_bytes_fp16": sum(t.numel() * t.element_size() for n, t in tables.items()
+                                       if n.endswith(".codebook"))}
+
+
 class VQFormat(FragmentPagedFormat):
     name = "vq"
     needs_calibration = True
@@ -135,6 +155,9 @@ class VQFormat(FragmentPagedFormat):
     # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
     # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
+
+    calibration_fitter = CalibrationFitter(fit_tables, {"sub_dim": SUB_DIM, "iters": 16, "max_vectors": 16384},
+                                           calibration_summary)
 
     def __init__(self, calibration: str | Path | None = None) -> None:
         if calibration is None:
@@ -146,6 +169,9 @@ class VQFormat(FragmentPagedFormat):
         self._on_device: dict = {}  # (name, device) -> fp32 copy; ("decode", layer, device) -> decode tables
 
     # -- calibration tables ------------------------------------------------------------------------
+    def shard_tables(self, kv_heads, num_kv_heads) -> None:
+        shard_head_tables(self.tables, kv_heads, num_kv_heads)  # codebooks and key channel scales, per KV head
+
     def _table(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         if name not in self.tables:
             raise ValueError(f"kv_cache_dtype='vq': the calibration in {str(self.calibration)!r} has no {name!r} "

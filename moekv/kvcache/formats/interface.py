@@ -272,6 +272,19 @@ class KVFormat(ABC):
     # the tables `moekv calibrate` fits for this format (CalibrationFitter), or None: nothing to fit
     calibration_fitter: CalibrationFitter | None = None
 
+    # the Gluon decode kernel its pools can be laid out for (fragment.GluonKernel, declared in the
+    # format's file), or None: no Gluon kernel, slab pools and the Triton kernel whatever decode_kernel says
+    gluon_kernel = None
+
+    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
+        """Whether pools of this shape (on `device`) keep their pages in the Gluon kernel's fragment
+        order, as decode_kernel chooses (GluonKernel.wanted); False without a Gluon kernel."""
+        return self.gluon_kernel is not None and self.gluon_kernel.wanted(self, block_size, head_dim, device)
+
+    def is_fragment_pool(self, cache: LayerKVCache) -> bool:
+        """Whether this pool keeps its pages in the Gluon kernel's fragment order."""
+        return self.gluon_kernel is not None and self.gluon_kernel.marker in cache.tensors
+
 
 class GraphStepHooks(ABC):
     """Opt-in for a format that keeps host-side state a replayed decode step must not skip: a CUDA

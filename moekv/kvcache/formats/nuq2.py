@@ -32,7 +32,7 @@ import torch
 
 from moekv import envs
 from moekv.kvcache.calibration_io import load_calibration, shard_head_tables
-from moekv.kvcache.formats.fragment import FragmentPagedFormat, gluon_pages_wanted
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.options import CALIBRATION, KVOption, one_of, positive
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
@@ -190,11 +190,22 @@ def fit_tables(pages: torch.Tensor, layer: int, kind: str, generator: torch.Gene
     return {f"nuq2.layer{layer}.{kind}.centroids": fit_centroids(pages, kind)}  # [Hkv, 4] fp16
 
 
+def _gluon_covers(fmt: NUQ2Format, block_size: int, head_dim: int) -> str | None:
+    if (block_size, head_dim) == (64, 128) and not fmt.codebooks_not_fp16():
+        return None
+    return ("nuq2's Gluon kernel covers block_size 64, head_dim 128 and fp16 codebooks, "
+            f"got block_size {block_size}, head_dim {head_dim}")
+
+
 CODEBOOKS = ("auto", "page", "calibrated")
 
 
 class NUQ2Format(FragmentPagedFormat):
     name = "nuq2"
+    # its pages converted from the slabs into the kernel's fragment order when written (nuq2_layout.py);
+    # 'auto' takes it on sm_90 for the covered shape
+    gluon_kernel = GluonKernel("moekv.ops.gluon.nuq2_layout", "moekv.ops.gluon.nuq2_decode:nuq2_decode_attention",
+                               _gluon_covers, marker="k_slot_delta")
     engine_options = (
         KVOption("outlier_sigma", 3.5, "nuq2: outlier threshold in std devs", positive),
         CALIBRATION,
@@ -293,53 +304,23 @@ class NUQ2Format(FragmentPagedFormat):
                                              for kind in ("key", "value"))
         return self._decode_tables[key]
 
+    def codebooks_not_fp16(self) -> bool:
+        """Calibrated codebooks stored in another dtype than fp16 (what `moekv calibrate` writes is
+        fp16), which the kernels' fp16 lookups cannot read as they are."""
+        return self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
+                                       if name.endswith(".centroids"))
+
     def decode_spec(self, block_size, head_dim):
         """The fused decode kernel (centroid lookup, the keys' channel affine folded into q, outlier
         slots as per-tile corrections; moekv/ops/decode/nuq2.py). Calibrated codebooks live outside
         the slab: the readers take each layer's from `decode_tables` (DecodeSpec.tables); codebooks
         not stored in fp16 (what `moekv calibrate` writes) keep the reference path, since the
         kernel's lookup is fp16."""
-        if self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
-                                   if name.endswith(".centroids")):
+        if self.codebooks_not_fp16():
             return None
         from moekv.ops.decode.nuq2 import nuq2_spec
 
         return nuq2_spec(self, block_size, head_dim)
-
-    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/) ---------------------------------------
-    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
-        """Whether pools of this shape keep their pages in the Gluon decode kernel's fragment order
-        (moekv/ops/gluon/nuq2_layout.py: converted from the slabs when pages are written) instead
-        of slabs, so that decode steps take the Gluon kernel. The format's decode_kernel picks: 'triton'
-        (slabs, the Triton kernel), 'gluon' (fragment order wherever the shape is covered, CPU
-        included: there the reference path reads it), 'auto' (fragment order on sm_90 CUDA devices with
-        Gluon, for the covered shape: block_size 64, head_dim 128, fp16 codebooks; slabs elsewhere; the
-        default)."""
-        covered = (block_size, head_dim) == (64, 128) and not (
-            self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
-                                    if name.endswith(".centroids")))
-        return gluon_pages_wanted(self.decode_kernel, covered, device,
-                                  "nuq2's Gluon kernel covers block_size 64, head_dim 128 and "
-                                  f"fp16 codebooks, got block_size {block_size}, head_dim {head_dim}")
-
-    fragment_marker = "k_slot_delta"
-
-    def fragment_layout(self):
-        from moekv.ops.gluon import nuq2_layout
-
-        return nuq2_layout
-
-    def fragment_view(self, cache, page_ids=None):
-        return self.fragment_layout().fragment_view(cache, self.calibrated, page_ids)
-
-    def to_fragment(self, cache, kind, slabs):
-        return self.fragment_layout().kind_to_fragment(self, kind, slabs, cache.layer)
-
-    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
-        from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
-
-        return nuq2_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                     staged=staged, sliding_window=sliding_window)
 
     # -- quantize / dequantize -----------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):

@@ -38,7 +38,7 @@ import torch
 from moekv.context import Context, HostLists, filling_rows, to_device
 from moekv.kvcache.formats.dense import dense_attention, is_decode_only, with_step_kv
 from moekv.kvcache.formats.fp8 import FP8Format
-from moekv.kvcache.formats.fragment import gluon_pages_wanted
+from moekv.kvcache.formats.fragment import GluonKernel
 from moekv.kvcache.formats.interface import (
     GraphStepHooks,
     GraphSupport,
@@ -113,8 +113,20 @@ class TieredState:
                    scratch_fp8=num_fp8)
 
 
+def _gluon_covers(fmt: TieredFormat, block_size: int, head_dim: int) -> str | None:
+    if (block_size, head_dim) == (64, 128) and not fmt.lo.calibrated:  # calibrated: slabs and the reference path
+        return None
+    return ("tiered's Gluon kernel covers block_size 64, head_dim 128 and page codebooks (kv_codebook='page'), "
+            f"got block_size {block_size}, head_dim {head_dim}{', calibrated codebooks' if fmt.lo.calibrated else ''}")
+
+
 class TieredFormat(PagedQuantFormat, GraphStepHooks):
     name = "tiered"
+    # the Gluon tiered kernel (moekv/ops/gluon/tiered_decode.py): both tiers and the staged tail in one
+    # launch, over pools whose low tier is in nuq2's fragment tables (see "the Gluon decode kernel's
+    # pools" below); 'auto' takes it on sm_90 for the covered shape
+    gluon_kernel = GluonKernel("moekv.ops.gluon.nuq2_layout", "moekv.ops.gluon.tiered_decode:tiered_decode_attention",
+                               _gluon_covers, marker="k_slot_delta")
     # decode steps are device-only; the host-side step count, re-ranking and mass flag are kept by
     # the GraphStepHooks. A page that fills takes an FP8 slot from a host-side free list (and may
     # demote another page): in a replayed step the slots are chosen before it (prepare_graph_step)
@@ -188,28 +200,14 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             hi, lo = self._slabs(kind, block_size, head_dim)
             total += lo + self.fp8_pool_fraction * hi
         if self.fragment_pages(block_size, head_dim):  # the low tier in nuq2's fragment tables instead of slabs
-            from moekv.ops.gluon import nuq2_layout
-
-            total += nuq2_layout.fragment_bytes_per_page_head(self.lo) - sum(
+            total += self.gluon_kernel.layout_module().fragment_bytes_per_page_head(self.lo) - sum(
                 self._slabs(kind, block_size, head_dim)[1] for kind in ("key", "value"))
         return math.ceil(num_kv_heads * total)
 
-    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/tiered_*.py) ----------------------------
-    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
-        """Whether pools of this shape keep their pages in the Gluon tiered kernel's orders (the low
-        tier in nuq2's fragment tables, moekv/ops/gluon/nuq2_layout.py; the FP8 slabs with their codes
-        in FP8 fragment order, fp8_layout.py), so that decode steps take that kernel:
-        decode_kernel 'auto' on sm_90 or 'gluon' (base.gluon_pages_wanted). Covered: block_size 64,
-        head_dim 128, page codebooks (calibrated ones keep slabs and the reference path)."""
-        covered = (block_size, head_dim) == (64, 128) and not self.lo.calibrated
-        return gluon_pages_wanted(self.decode_kernel, covered, device,
-                                  "tiered's Gluon kernel covers block_size 64, head_dim 128 and "
-                                  f"page codebooks (kv_codebook='page'), got block_size {block_size}, head_dim "
-                                  f"{head_dim}{', calibrated codebooks' if self.lo.calibrated else ''}")
-
-    def is_fragment_pool(self, cache) -> bool:
-        return "k_slot_delta" in cache.tensors
-
+    # -- the Gluon decode kernel's pools (gluon_kernel) ------------------------------------------------
+    # Its own code, not FragmentPagedFormat's, reads them: the pools hold two tiers, the low one in
+    # nuq2's fragment tables (gluon_kernel's layout, applied to self.lo) and the FP8 one as slabs in FP8
+    # slots whose codes take fp8_layout's fragment order (slabs_to_fragment), not fp8's own page tables
     def tier_tables(self, cache, pool: str, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Freshly packed slabs [n, Hkv, slab] of one tier (`pool`: 'fp8' or 'low') as the rows of the
         cache tensors they fill: the slabs themselves, or in a fragment-order pool the FP8 codes
@@ -221,9 +219,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             from moekv.ops.gluon.fp8_layout import slabs_to_fragment
 
             return {f"{name}_fp8": slabs_to_fragment(self.hi, kind, slabs)}
-        from moekv.ops.gluon.nuq2_layout import kind_to_fragment
-
-        return kind_to_fragment(self.lo, kind, slabs, cache.layer)
+        return self.gluon_kernel.layout_module().kind_to_fragment(self.lo, kind, slabs, cache.layer)
 
     def _put(self, cache, pool: str, kind: str, index: torch.Tensor, slabs: torch.Tensor) -> None:
         """Freshly packed slabs of one tier into its pool at rows `index` (FP8 slots or low-tier pages)."""
@@ -244,9 +240,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     def _low_pages(self, cache, kind: str, pages: torch.Tensor) -> torch.Tensor:
         """Low-tier pages dequantized: [n, Hkv, P, D] fp32."""
         if self.is_fragment_pool(cache):
-            from moekv.ops.gluon import nuq2_layout
-
-            return nuq2_layout.dequantize_fragment(nuq2_layout.fragment_view(cache, False, pages), kind)
+            layout = self.gluon_kernel.layout_module()
+            return layout.dequantize_fragment(layout.fragment_view(self.lo, cache, pages), kind)
         name = "k" if kind == "key" else "v"
         P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
         return self.lo.dequantize(self.lo.layout(kind, P, D).unpack(cache[f"{name}_low"][pages]), kind, cache.layer)
@@ -316,9 +311,10 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             if not fragment:
                 t[f"{name}_low"] = torch.zeros(num_blocks, num_kv_heads, lo, dtype=torch.uint8, device=device)
         if fragment:  # nuq2's fragment tables for the low tier; FP8 codes in fragment order (zeros stay zeros)
-            from moekv.ops.gluon import fp8_layout, nuq2_layout
+            from moekv.ops.gluon import fp8_layout
 
-            t.update(nuq2_layout.allocate_fragment_tables(self.lo, num_blocks, num_kv_heads, device))
+            t.update(self.gluon_kernel.layout_module().allocate_fragment_tables(self.lo, num_blocks, num_kv_heads,
+                                                                                device))
             fp8_layout.prepare_device(device)
         return LayerKVCache(t, nonfinite=torch.zeros((), dtype=torch.bool, device=device),
                             state=TieredState.empty(num_blocks, num_fp8, max_num_seqs, device))
@@ -672,15 +668,12 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         """One query per sequence through moekv/ops/gluon/tiered_decode.py (pools in fragment order):
         both tiers and the staged tail in one launch, the per-page mass into the device accumulator
         as attend_kernel's. launch: num_splits, max_registers."""
-        from moekv.ops.gluon import nuq2_layout
-        from moekv.ops.gluon.tiered_decode import tiered_decode_attention
-
+        low = self.gluon_kernel.layout_module().fragment_view(self.lo, cache)
         st = cache.state
-        out, _ = tiered_decode_attention(q, nuq2_layout.fragment_view(cache, False), cache["k_fp8"], cache["v_fp8"],
-                                         st.tier_dev, st.slot_dev, ctx.block_tables, ctx.context_lens, scale,
-                                         fp8_fmt=self.hi,
-                                         staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
-                                         sliding_window=sliding_window, mass_into=st.mass_dev, **launch)
+        out, _ = self.gluon_kernel.decode_entry()(q, low, cache["k_fp8"], cache["v_fp8"], st.tier_dev, st.slot_dev,
+                                                  ctx.block_tables, ctx.context_lens, scale, fp8_fmt=self.hi,
+                                                  staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
+                                                  sliding_window=sliding_window, mass_into=st.mass_dev, **launch)
         st.mass_pending = True
         return out
 

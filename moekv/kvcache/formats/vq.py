@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from moekv.kvcache.calibration_io import load_calibration, save_calibration, shard_head_tables
-from moekv.kvcache.formats.fragment import FragmentPagedFormat, gluon_pages_wanted
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.nuq2 import (
     FP8_MAX,
@@ -148,8 +148,20 @@ def calibration_summary(tables: dict[str, torch.Tensor], options: dict, seed: in
                                        if n.endswith(".codebook"))}
 
 
+def _gluon_covers(fmt: VQFormat, block_size: int, head_dim: int) -> str | None:
+    slots = max(fmt.outlier_slots(kind, block_size, head_dim) for kind in ("key", "value"))
+    if (block_size, head_dim, fmt.sub_dim, slots) == (64, 128, 8, 0):  # no outlier slots fit the slabs there
+        return None
+    return ("vq's Gluon kernel covers block_size 64, head_dim 128 and 8-channel codes, "
+            f"got block_size {block_size}, head_dim {head_dim}, {fmt.sub_dim}-channel codes")
+
+
 class VQFormat(FragmentPagedFormat):
     name = "vq"
+    # its pages converted from the slabs into the kernel's fragment order when written; the view of a
+    # pool carries its layer's codebooks and key channel scales (vq_layout.py)
+    gluon_kernel = GluonKernel("moekv.ops.gluon.vq_layout", "moekv.ops.gluon.vq_decode:vq_decode_attention",
+                               _gluon_covers)
     needs_calibration = True
     engine_options = (CALIBRATION,)
     # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
@@ -211,36 +223,6 @@ class VQFormat(FragmentPagedFormat):
         from moekv.ops.decode.vq import vq_spec
 
         return vq_spec(self, block_size, head_dim)
-
-    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/vq_layout.py) ---------------------------
-    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
-        """Whether pools of this shape keep their pages in the Gluon vq kernel's fragment order
-        (converted from the slabs when pages are written), by the format's decode_kernel
-        (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128, 8-channel codes (no outlier
-        slots fit the slabs there)."""
-        slots = max(self.outlier_slots(kind, block_size, head_dim) for kind in ("key", "value"))
-        covered = (block_size, head_dim, self.sub_dim, slots) == (64, 128, 8, 0)
-        return gluon_pages_wanted(self.decode_kernel, covered, device,
-                                  "vq's Gluon kernel covers block_size 64, head_dim 128 and "
-                                  f"8-channel codes, got block_size {block_size}, head_dim {head_dim}, "
-                                  f"{self.sub_dim}-channel codes")
-
-    def fragment_layout(self):
-        from moekv.ops.gluon import vq_layout
-
-        return vq_layout
-
-    def fragment_view(self, cache, page_ids=None):
-        """The pool's fragment tables with the cache's layer's codebooks and key channel scales."""
-        layout = self.fragment_layout()
-        device = cache["k_codes"].device
-        return layout.fragment_view(cache, layout.layer_tables(self, cache.layer or 0, device), page_ids)
-
-    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
-        from moekv.ops.gluon.vq_decode import vq_decode_attention
-
-        return vq_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                   staged=staged, sliding_window=sliding_window)
 
     def codebook_bytes(self) -> int:
         """Bytes of every codebook and channel scale (shared by all pages, outside the page bits)."""

@@ -11,9 +11,9 @@ Per (page, kv head) slab, P = block_size tokens, D = head_dim channels, N = P*D 
 
 Keys are centred and scaled per channel over the page's tokens (robust moments, stored in FP8:
 the same error as fp16 at half the bytes); values are coded as they are (a per-token value scale
-cost 128 B per page-head and moved the value error by 0.3%). An element is an outlier when its
-normalised value lies more than tau (outlier_sigma) robust standard deviations from its
-page-head's mean; the S slots keep the largest such deviations, which leave the k-means fit (the
+cost more bytes than the error it saved: docs/decisions.md, "nuq2's slab"). An element is an
+outlier when its normalised value lies more than tau (outlier_sigma) robust standard deviations
+from its page-head's mean; the S slots keep the largest such deviations, which leave the k-means fit (the
 code under a slotted element is whatever it is: the slot overrides it). S is at least 0.5% of N
 for keys and grows to fill the 128-byte padding the slab pays for anyway; values get only the
 padding's slots.
@@ -40,8 +40,8 @@ from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 NUM_CENTROIDS = 4
-KEY_MIN_OUTLIER_FRACTION = 0.005  # keys' tails cost the most (measured); values take padding only
-KMEANS_ITERS = 8  # 1-D Lloyd from quantiles converges in a few; 20 moved the error by 0.2%
+KEY_MIN_OUTLIER_FRACTION = 0.005  # keys' tails cost the most; values take padding only (docs/decisions.md)
+KMEANS_ITERS = 8  # 1-D Lloyd from quantiles converges in a few; more barely moved the error (docs/decisions.md)
 
 
 def assign(z: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS,
     for _ in range(iters):
         code = assign(z, c)
         # each cluster's sums by a masked reduction: a scatter_add into 4 bins per row serialises
-        # on atomics (on the H200 it was 29% of a nuq2 prefill step's device time)
+        # on atomics (docs/decisions.md: the formats' host work in bulk)
         members = [code == k for k in range(NUM_CENTROIDS)]
         sums = torch.stack([torch.where(m, zw, 0.0).sum(-1) for m in members], dim=-1)  # [B, 4]
         cnts = torch.stack([torch.where(m, w, 0.0).sum(-1) for m in members], dim=-1)
@@ -80,10 +80,9 @@ def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS,
 def fit_weight(z: torch.Tensor, kind: str) -> torch.Tensor | None:
     """Keys: weight each normalised element by 1 + |z|^3 in the k-means. Plain k-means shrinks
     the extremes toward the mean (each centroid is its cluster's mean), and the extremes of keys
-    make the largest attention logits: on tiny-moe (a retired head_dim-32 test model; held-out
-    books, 4k tokens, keys nuq2, values FP8) plain k-means flattened attention (entropy +0.2 nats)
-    and cost +6.8% perplexity at a lower MSE than KIVI's keys (+1.0%); weights z^2: +2.3%, 1+z^2:
-    +2.8%, 1+|z|^3: +1.3%, 1+z^4: +1.4%, 1+z^6: +9%. Values: plain k-means (+0.25%; weighting them hurt)."""
+    make the largest attention logits: unweighted, attention flattened and perplexity rose well
+    beyond KIVI's keys at a lower MSE; of the weights tried 1 + |z|^3 lost the least. Values: plain
+    k-means (weighting them hurt). The figures: docs/decisions.md, "nuq2's key centroids"."""
     return 1.0 + z.abs().pow(3) if kind == "key" else None
 
 

@@ -28,9 +28,9 @@ FIELD_ALIGN_BYTES = 16  # fields inside a slab start on 16-byte boundaries (vect
 
 def per_shape(method):
     """Memoize a format's method of (kind, block_size, head_dim) -- its layout, its outlier slot
-    count -- per instance: they depend on the shape and options fixed at construction, and some
-    cost ~1 ms to build (nuq2 and vq fit their slots to the slab's padding by trying each count),
-    which eager steps paid in every layer (tiered's re-ranking steps: ~0.15 s of host time)."""
+    count -- per instance: they depend on the shape and options fixed at construction, and some are
+    costly to build (nuq2 and vq fit their slots to the slab's padding by trying each count), which
+    eager steps would pay in every layer (docs/decisions.md: the formats' host work in bulk)."""
     @functools.wraps(method)
     def memoized(self, kind: str, block_size: int, head_dim: int):
         memo = self.__dict__.setdefault(f"_per_shape_{method.__name__}", {})

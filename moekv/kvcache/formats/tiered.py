@@ -519,8 +519,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
         The tiers are chosen page by page on the host; the device work follows in bulk. With the
         FP8 pool full, as it is from the first quarter of a long prompt on, each page of a prefill
-        demotes one: per page, that was a flush, a fold of the masses (a sync), a scan of every FP8
-        page and a one-page re-encode (16 x 4k on the H200: ~25 s)."""
+        demotes one: per page, that would be a flush, a fold of the masses (a sync), a scan of every
+        FP8 page and a one-page re-encode (docs/decisions.md: the formats' host work in bulk)."""
         self.release_pages(cache, [page for page, _, _ in pages])  # a recomputed page starts over
         for name, kind in (("k", "key"), ("v", "value")):
             check_finite(torch.stack([kv[name] for _, kv, _ in pages]), kind + "s")
@@ -566,8 +566,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def _demote(self, cache, pages: list[int]) -> None:
         """Re-encode FP8 pages into nuq2 (in their low-pool slots) and free their FP8 slots, all of
-        them in one batch (a re-ranking at 4k context demotes ~50 pages a layer: one at a time, the
-        first re-ranking of a 4k-token sequence took 21 s on the H200)."""
+        them in one batch (a re-ranking at a long context demotes tens of pages a layer, each a
+        re-encode of its own one at a time: docs/decisions.md, the formats' host work in bulk)."""
         if not pages:
             return
         st = cache.state
@@ -589,8 +589,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         full_pages = [host.block_tables[b][:length // block_size] for b, length in enumerate(host.context_lens)
                       if not self.rank_after_prompt or starts[b + 1] - starts[b] == 1]
         self._demote(cache, rerank_demotions(full_pages, st.tier, st.mass, self.tier1_fraction))
-        # the weight doubles (a pass over every page of the pool, ~2 ms a layer at 21k pages, only
-        # when the weight grows large)
+        # the weight doubles instead of every mass halving: a pass over every page of the pool only when
+        # the weight grows large (docs/decisions.md: the formats' host work in bulk)
         st.mass, st.mass_weight = decayed_weight(st.mass, st.mass_weight)
 
     def page_mass(self, cache, page: int) -> float:
@@ -712,7 +712,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
                 mass = key_mass(q[lo:starts[b + 1]], k, scale, sliding_window, num_full * P)
                 # into the device accumulator the fused kernel adds to, folded into the host scores
                 # when they are read (_fold_mass): no device-to-host copy per sequence and layer (on
-                # CUDA each one was a sync, 128 a step at 32 sequences: see the journal, issue 23)
+                # CUDA each would be a sync: docs/decisions.md, the formats' host work in bulk)
                 pages = to_device(host.block_tables[b][:num_full], torch.long, st.mass_dev.device)
                 st.mass_dev.index_add_(0, pages, mass.reshape(num_full, P).sum(-1))
                 st.mass_pending = True

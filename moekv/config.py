@@ -34,6 +34,7 @@ from moekv.kvcache.formats.names import (
     KV_FORMAT_NAMES,
     PLAIN_KV_FORMAT_NAMES,
     check_decode_kernel,
+    kv_format_names,
 )
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.routing.modes import ROUTING_MODES
@@ -139,8 +140,8 @@ class CacheConfig:
     kv_options: dict[str, Any] = field(default_factory=dict, metadata={"kv_options": True})
 
     def __post_init__(self) -> None:
-        _check(self.kv_cache_dtype in KV_FORMAT_NAMES,
-               f"kv_cache_dtype={self.kv_cache_dtype!r} is unknown; accepted: {list(KV_FORMAT_NAMES)}")
+        _check(self.kv_cache_dtype in kv_format_names(),
+               f"kv_cache_dtype={self.kv_cache_dtype!r} is unknown; accepted: {list(kv_format_names())}")
         check_decode_kernel(self.decode_kernel)
         envs.check_decode_kernel_unset()
         if self.block_size is None:

@@ -24,7 +24,7 @@ from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa:
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import is_decode_only  # noqa: E402
+from moekv.kvcache.formats.dense import is_decode_only  # noqa: E402
 from moekv.kvcache.formats.nuq2 import fit_centroids  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 

@@ -143,7 +143,7 @@ def test_decode_read_counters_match_what_the_reference_path_reads():
     fmt, cache, ctx = tiered_cache([150, 64, 37], 2, 32, 16, torch.float32, seed=5, demote_every=2)
     st = cache.state
     host = ctx.host_lists()
-    fmt.count_decode_reads = True
+    fmt.count_decode_reads(True)
     fmt.reset_read_counters()
     fmt._count_decode_reads(cache, host)
     q = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -154,13 +154,14 @@ def test_decode_read_counters_match_what_the_reference_path_reads():
     assert fmt.decode_fp8_pages == sum(st.tier[p] == TIER_FP8 for p in full)
     assert 0 < fmt.decode_fp8_pages < fmt.decode_pages  # both tiers are read
     assert fmt.measured_decode_bits_per_element == fmt.measured_bits_per_element
+    assert fmt.read_counts(decode=True).bits_per_element == fmt.read_counts().bits_per_element  # the capability
     # a step where row 0 runs 5 queries (a prefill chunk): only rows 1 and 2 count
     fmt.reset_read_counters()
     mixed = HostLists(host.context_lens, [0, 5, 6, 7], host.seq_slots, host.block_tables)
     fmt._count_decode_reads(cache, mixed)
     assert fmt.decode_pages == 4 + 2
     # off by default: _count_step counts nothing then
-    fmt.count_decode_reads = False
+    fmt.count_decode_reads(False)
     fmt.reset_read_counters()
     fmt._count_step(cache, host)
     assert fmt.decode_elements_read == 0 and fmt.measured_decode_bits_per_element is None

@@ -1,5 +1,5 @@
 """int4, kivi2, nuq2, vq and fp8_e4m3 pools in their Gluon kernels' fragment order (the format's
-decode_kernel; base.FragmentPagedFormat), and tiered's (its FP8 codes reordered, its low tier in nuq2's tables):
+decode_kernel; fragment.FragmentPagedFormat), and tiered's (its FP8 codes reordered, its low tier in nuq2's tables):
 pages converted when written hold exactly what the slab pools hold, read back and attend the same
 (CPU: the reference path over both, kivi2's residual ring and tiered's page masses included); on a GPU
 (marked gpu) the engine's attend takes the Gluon kernel and matches the reference path, and a captured

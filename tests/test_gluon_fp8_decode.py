@@ -79,7 +79,7 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="G in 1, 2, 4, 8"):
         fp8_decode_split_reference(torch.randn(1, 6, D), frag, tables, lens_t, 0.1, 1)
     with pytest.raises(ValueError, match="block_size 64"):
-        FP8Format().fragment_layout().check_shape(FP8Format(), 16, D)
+        FP8Format.gluon_kernel.layout_module().check_shape(FP8Format(), 16, D)
     with pytest.raises(ValueError, match="CUDA"):
         from moekv.ops.gluon.fp8_decode import fp8_decode_partials
 

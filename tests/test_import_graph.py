@@ -185,3 +185,20 @@ def test_config_imports_nothing_of_the_engine():
     it imports no moekv.engine module (the torchrun environment it checks comes from moekv.envs)."""
     bad = sorted(t for t in import_graph()["moekv.config"] if t == "moekv.engine" or t.startswith("moekv.engine."))
     assert not bad, bad
+
+
+# the shared rooms of moekv/kvcache/formats/, in the order they may import each other: each imports
+# only rooms before it (dense <- interface <- paged <- fragment), so the interface never depends on
+# the machinery behind it
+FORMAT_ROOMS = ("dense", "interface", "paged", "fragment")
+
+
+def test_the_format_rooms_import_one_way():
+    graph = import_graph()
+    bad = []
+    for i, room in enumerate(FORMAT_ROOMS):
+        later = {f"moekv.kvcache.formats.{r}" for r in FORMAT_ROOMS[i:]}
+        bad += [f"{room} -> {t}" for t in sorted(graph[f"moekv.kvcache.formats.{room}"])
+                if t in later or (t.startswith("moekv.kvcache.formats.") and t.rpartition(".")[2] not in
+                                  FORMAT_ROOMS + ("names", "options"))]
+    assert not bad, "\n".join(bad)

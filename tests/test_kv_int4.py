@@ -7,7 +7,8 @@ import torch
 from moekv import LLM, SamplingParams
 from moekv.kvcache import roundtrip
 from moekv.kvcache.formats import get_kv_format
-from moekv.kvcache.formats.base import FIELD_ALIGN_BYTES, PAGE_ALIGN_BYTES
+from moekv.kvcache.formats.interface import PAGE_ALIGN_BYTES
+from moekv.kvcache.formats.paged import FIELD_ALIGN_BYTES
 from tests.checkpoints import check_batch_matches_alone
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

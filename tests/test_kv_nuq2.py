@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from moekv import LLM, SamplingParams
-from moekv.kvcache.formats.base import FIELD_ALIGN_BYTES, PAGE_ALIGN_BYTES, PageLayout
+from moekv.kvcache.formats.interface import PAGE_ALIGN_BYTES
 from moekv.kvcache.formats.nuq2 import NO_OUTLIER, NUQ2Format, fit_centroids, pack_codes, unpack_codes
+from moekv.kvcache.formats.paged import FIELD_ALIGN_BYTES, PageLayout
 from moekv.kvcache.roundtrip import roundtrip
 
 FP8_REL = 2.0 ** -4  # E4M3 keeps 3 mantissa bits: rounding moves a value by at most 1/16 of it

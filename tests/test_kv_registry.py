@@ -1,6 +1,6 @@
 """The registry is the one list of KV formats: a format added to it (and its options, declared in
 its own file) reaches the configuration, the command line and the cross-format tests with no other
-edit. Shown with throwaway formats patched into the registry."""
+edit. Shown with throwaway formats registered (formats.register_format) or patched into it."""
 from __future__ import annotations
 
 import argparse
@@ -30,19 +30,12 @@ class Int4WithLevel(Int4Format):
 
 
 @pytest.fixture
-def registered(monkeypatch):
-    """int4_level in the registry (and in names.py's list, which the configuration checks names against)."""
-    names = (*formats.KV_FORMAT_NAMES, "int4_level")
-    monkeypatch.setattr(formats, "KV_FORMAT_NAMES", names)
-    monkeypatch.setattr(config, "KV_FORMAT_NAMES", names)
-    monkeypatch.setitem(formats._COMPRESSED, "int4_level", ("int4", "Int4Format"))
-    format_class = formats._format_class
-    monkeypatch.setattr(formats, "_format_class",
-                        lambda name: Int4WithLevel if name == "int4_level" else format_class(name))
-    formats.engine_options.cache_clear()
-    config.flat_fields.cache_clear()
+def registered():
+    """int4_level in the registry (formats.register_format), for this test only."""
+    formats.register_format("int4_level", Int4WithLevel)
+    config.flat_fields.cache_clear()  # the command line's flags include the formats' options
     yield
-    formats.engine_options.cache_clear()
+    formats.unregister_format("int4_level")
     config.flat_fields.cache_clear()
 
 

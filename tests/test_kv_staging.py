@@ -9,7 +9,7 @@ import torch
 from moekv.context import Context
 from moekv.engine.cuda_graphs import decode_fills
 from moekv.kvcache.formats import get_kv_format
-from moekv.kvcache.formats.base import nonfinite_verdict, raise_nonfinite
+from moekv.kvcache.formats.paged import nonfinite_verdict, raise_nonfinite
 from tests.kv_formats import format_options, self_contained_compressed
 
 

@@ -138,13 +138,13 @@ def test_stats_of_the_tiered_format():
 
     fmt = get_kv_format("tiered", torch.float32, codebook="page")
     caches = [fmt.allocate(8, 2, 16, 32, torch.device("cpu"), 2, torch.float32) for _ in range(2)]
-    assert fmt.stats(caches) == {"tier_share_fp8": 0.0, "tier_share_low": 0.0}  # nothing read yet
+    assert fmt.run_statistics(caches) == {"tier_share_fp8": 0.0, "tier_share_low": 0.0}  # nothing read yet
     caches[0].state.tier[:3] = [TIER_FP8, TIER_LOW, TIER_LOW]
     caches[1].state.tier[:1] = [TIER_FP8]
     fmt.bits_read, fmt.elements_read = 3000.0, 1000
-    stats = fmt.stats(caches)
+    stats = fmt.run_statistics(caches)
     assert stats["tier_share_fp8"] == pytest.approx((1 / 3 + 1) / 2)
     assert stats["tier_share_low"] == pytest.approx(1 / 3)
     assert stats["bits_read"] == 3.0
-    assert get_kv_format("int4").stats(caches) == {}  # formats without run-dependent figures
+    assert get_kv_format("int4").run_statistics(caches) == {}  # formats without run-dependent figures
     assert not math.isnan(sum(stats.values()))

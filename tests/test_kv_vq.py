@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from moekv import LLM, SamplingParams
-from moekv.kvcache.formats.base import FIELD_ALIGN_BYTES, PAGE_ALIGN_BYTES
+from moekv.kvcache.formats.interface import PAGE_ALIGN_BYTES
+from moekv.kvcache.formats.paged import FIELD_ALIGN_BYTES
 from moekv.kvcache.formats.vq import VQFormat, fit_codebook, fit_key_channel_scale
 from moekv.kvcache.roundtrip import roundtrip
 from moekv.tools.calibrate import calibrate
@@ -225,6 +226,16 @@ def test_calibrate_writes_tables_and_record(calibrated, mixtral_ckpt):
     assert record["tokens_used"] > 32 and record["model"].endswith(mixtral_ckpt.name)
     # 2 layers x K/V x 2 heads x 2 groups x 256 codewords x 8 channels x fp16
     assert record["vq"]["codebook_bytes_fp16"] == 2 * 2 * 2 * 2 * 256 * 8 * 2
+    assert record["formats"] == ["nuq2", "vq"]  # the registry's formats that declare a calibration fitter
+    assert record["vq"]["iters"] == 4 and record["vq"]["sub_dim"] == 8  # vq_iters reached vq's fitter
+
+
+def test_calibrate_refuses_an_option_no_fitter_takes():
+    from moekv.tools.calibrate import fitter_options
+
+    assert fitter_options({"vq_iters": 3})["vq"] == {"sub_dim": 8, "iters": 3, "max_vectors": 16384}
+    with pytest.raises(TypeError, match=r"no fitter takes vq_iterz=3; accepted: \['vq_sub_dim'"):
+        fitter_options({"vq_iterz": 3})
 
 
 @pytest.mark.parametrize("block_size", [32, 64])

@@ -14,7 +14,8 @@ from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (befo
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import LayerKVCache, stage_decode_tokens  # noqa: E402
+from moekv.kvcache.formats.interface import LayerKVCache
+from moekv.kvcache.formats.paged import stage_decode_tokens  # noqa: E402
 from moekv.layers.attention import Attention  # noqa: E402
 from moekv.models.model_config import ModelConfig  # noqa: E402
 from moekv.ops.reference import apply_rotary_ref, rope_kv_write_ref, rotary_cos_sin_ref, write_kv_pages_ref  # noqa: E402

@@ -71,7 +71,7 @@ sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import FragmentPagedFormat  # noqa: E402
+from moekv.kvcache.formats.fragment import FragmentPagedFormat  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -442,11 +442,9 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
         used = float(cache["k_used"].float().mean() + cache["v_used"].float().mean())  # slots a page-head reads
         per_page_head = Nuq2FragmentPages.code_bytes_per_page_head(None) + 8 * used
     elif "k_out_delta" in cache.tensors:  # int4: codes, scales, zeros, outlier channels and deltas
-        from moekv.ops.gluon.int4_layout import fragment_view
-
         used = None
         first_page = torch.zeros(1, dtype=torch.long, device=device)
-        per_page_head = fragment_view(cache, first_page).kernel_bytes_per_page_head()
+        per_page_head = fmt.fragment_view(cache, first_page).kernel_bytes_per_page_head()
     elif "k_slabs" in cache.tensors:  # fp8_e4m3: its slabs (codes and row scales), in fragment order
         from moekv.ops.gluon.fp8_layout import fragment_bytes_per_page_head
 
@@ -477,9 +475,8 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
         timed_and_checked(row, run, ref, base, nbytes, args)
         if "k_out_delta" in cache.tensors:  # int4: the same launch under ptxas register caps (a side study)
             from moekv.ops.gluon.int4_decode import int4_decode_attention
-            from moekv.ops.gluon.int4_layout import fragment_view
 
-            frag = fragment_view(cache)
+            frag = fmt.fragment_view(cache)
             staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
             caps = {}
             for cap in GLUON_INT4_REGISTER_CAPS:
@@ -510,9 +507,8 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
                 row["codebooks_ms"][name] = timer(launch(**options), args.cudagraph)
         elif "k_codes" in cache.tensors and "k_slot_delta" not in cache.tensors:  # kivi2: the default cap and others
             from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
-            from moekv.ops.gluon.kivi2_layout import fragment_view
 
-            frag = fragment_view(cache)
+            frag = fmt.fragment_view(cache)
             staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
             ring = (cache["k_residual"], cache["v_residual"]) if fmt.residual else None
             caps = {}
@@ -566,7 +562,7 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
                used_slots_per_page_head=used, mass_bytes=batch * NUM_HEADS * ctx.block_tables.shape[1] * 8)
     ref = reference_output(fmt, cache, ctx, q, context)
     row["ref_max_abs"] = ref.abs().max().item()
-    frag = nuq2_layout.fragment_view(cache, False)
+    frag = nuq2_layout.fragment_view(fmt.lo, cache)
     staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
     run = lambda: fmt.attend(q, cache, ctx, scale, None)  # noqa: E731
     run_nomass = lambda: tiered_decode_attention(q, frag, cache["k_fp8"], cache["v_fp8"], st.tier_dev,  # noqa: E731

@@ -69,9 +69,8 @@ def decode_tail_ppl(llm, domains: dict[str, Path], window: int, scored: int, per
         for i in range(min(per_domain, len(ids) // window)):
             prompts.append(ids[i * window:(i + 1) * window])
             owners.append(name)
-    if hasattr(fmt, "count_decode_reads"):  # tiered: count what the decode steps read (fused kernel included)
-        fmt.reset_read_counters()
-        fmt.count_decode_reads = True
+    fmt.reset_read_counters()  # tiered: count what the decode steps read (fused kernel included)
+    fmt.count_decode_reads(True)
     start = time.perf_counter()
     first = window - 1 - scored  # logits row r predicts token r + 1; rows from `first` on come from decode steps
     logits = llm.score([{"prompt_token_ids": ids} for ids in prompts], decode_from=[first] * len(prompts))
@@ -84,7 +83,7 @@ def decode_tail_ppl(llm, domains: dict[str, Path], window: int, scored: int, per
     seconds = time.perf_counter() - start
     cfg = engine.model_config
     bits = fmt.bits_per_element(cfg.num_kv_heads, engine.config.cache.block_size, cfg.head_dim)
-    read = getattr(fmt, "measured_decode_bits_per_element", None)
+    read = counts.bits_per_element if (counts := fmt.read_counts(decode=True)) is not None else None
     at_window = fmt.bits_per_element_at(window, cfg.num_kv_heads, engine.config.cache.block_size, cfg.head_dim)
 
     def result(nll: float, count: int, text: str) -> PerplexityResult:

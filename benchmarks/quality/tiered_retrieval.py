@@ -30,6 +30,7 @@ import torch
 from moekv import LLM
 from moekv.eval.needle import NEEDLE_TEMPLATE, answer_is_correct
 from moekv.eval.retrieval import DEFAULT_ANSWER_TOKENS, build_cases
+from moekv.kvcache.formats.tiered import TieredFormat
 from moekv.kvcache.formats.tiered_policy import TIER_FP8
 from moekv.sampling_params import SamplingParams
 
@@ -69,10 +70,10 @@ def run_format(spec: str, model: Path, filler: Path, length: int, depths, trials
     cases = build_cases(encode, filler_ids, [length], depths, trials, seed, DEFAULT_ANSWER_TOKENS)
     needle_tokens = len(encode(NEEDLE_TEMPLATE.format(key=cases[0].key)))
     fmt = engine.runner.kv_format
-    tiered = hasattr(fmt, "decode_bits_read")
+    tiered = isinstance(fmt, TieredFormat)
     if tiered:
         fmt.reset_read_counters()
-        fmt.count_decode_reads = True
+        fmt.count_decode_reads(True)
     caches = engine.runner.kv_caches if tiered else []
     params = SamplingParams(max_tokens=DEFAULT_ANSWER_TOKENS, temperature=0.0)
     for i, case in enumerate(cases):

@@ -1,5 +1,5 @@
-"""`moekv calibrate`: fit the KV formats' learned tables (vq codebooks, key channel scales, nuq2
-codebooks) on a text file, for `--kv-cache-dtype vq|nuq2 --kv-calibration DIR`."""
+"""`moekv calibrate`: fit the KV formats' learned tables (codebooks, key channel scales) on a text file,
+for every format that declares a calibration fitter, read back with `--kv-calibration DIR`."""
 from __future__ import annotations
 
 import argparse
@@ -15,14 +15,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     out = calibrate(args.model, args.text, args.out, max_tokens=args.max_tokens, window=args.window,
                     block_size=args.block_size, seed=args.seed, progress=not args.quiet, device=args.device)
     record = json.loads((out / RECORD_FILE).read_text())
-    print(f"wrote {out} ({record['tokens_used']} tokens of {args.text}; tables {record['total_bytes']:,} bytes, "
-          f"vq codebooks {record['vq']['codebook_bytes_fp16']:,} bytes); use it with --kv-calibration {out}")
+    print(f"wrote {out} ({record['tokens_used']} tokens of {args.text}; tables of {', '.join(record['formats'])}: "
+          f"{record['total_bytes']:,} bytes); use it with --kv-calibration {out}")
     return 0
 
 
 def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     """Register `calibrate` on the `moekv` sub-command parsers."""
-    p = subparsers.add_parser("calibrate", help="fit KV-cache codebooks and scales on calibration text (vq, nuq2)")
+    p = subparsers.add_parser("calibrate", help="fit KV-cache codebooks and scales on calibration text "
+                                                "(for the formats that take --kv-calibration)")
     p.add_argument("--model", default=str(default_model_path()),
                    help="Hugging Face checkpoint folder (default: the bundled models/domain-moe)")
     p.add_argument("--text", required=True, help="UTF-8 calibration text (never the text you evaluate on)")

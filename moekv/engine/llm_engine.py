@@ -53,7 +53,7 @@ class EngineStats:
     # read from the device (None / empty when not asked for, or not counted)
     routing_locality: float | None = None  # with a cluster map: share of assignments on the top-1 expert's device
     routing_fan_out: float | None = None  # ... and mean devices a token's experts occupy
-    kv_format: dict[str, float] = field(default_factory=dict)  # the KV format's own figures (KVFormat.stats)
+    kv_format: dict[str, float] = field(default_factory=dict)  # the KV format's own figures (KVFormat.run_statistics)
     # prefix caching (vLLM's counters, in tokens): prompt tokens looked up, and of those found cached
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -250,7 +250,7 @@ class LLMEngine:
             if runner.locality is not None:
                 routing = runner.locality.snapshot()
                 snapshot.routing_locality, snapshot.routing_fan_out = routing["locality"], routing["fan_out"]
-            snapshot.kv_format = runner.kv_format.stats(runner.kv_caches)
+            snapshot.kv_format = runner.kv_format.run_statistics(runner.kv_caches)
             if runner.experts is not None:
                 snapshot.expert_offload = runner.experts.stats()
             ep = runner.expert_parallel_bytes()

@@ -32,14 +32,12 @@ from moekv.engine.parallel import (
     expert_parallel_bytes,
     expert_parallel_layers,
     placement_of,
-    shard_kv_tables,
     shard_model,
     start_ranks,
 )
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
-from moekv.kvcache.formats import KVFormat, get_kv_format
-from moekv.kvcache.formats.base import GraphStepHooks, nonfinite_verdict, raise_nonfinite
+from moekv.kvcache.formats import GraphStepHooks, KVFormat, get_kv_format, nonfinite_verdict, raise_nonfinite
 from moekv.layers.parallel import StaticDispatch, kv_heads_of_rank, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.decoder import MoEDecoder
@@ -243,7 +241,7 @@ class ModelRunner:
                 ep.to(self.device)
             _, kv_heads = kv_heads_of_rank(model_cfg.num_heads, model_cfg.num_kv_heads, self.parallel.rank,
                                            self.parallel.world_size)
-            shard_kv_tables(self.kv_format, kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
+            self.kv_format.shard_tables(kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
         self.num_kv_heads = self.model.attention_layers[0].num_kv_heads  # this rank's
         self.kv_format.check_layout(self.num_kv_heads, self.config.cache.block_size, model_cfg.head_dim)
 

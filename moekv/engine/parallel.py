@@ -375,23 +375,6 @@ def shard_model(model, model_cfg, tp: TPGroup, placement: dict[int, torch.Tensor
             layer.hooks.tp = tp
 
 
-def shard_kv_tables(kv_format, kv_heads: range, num_kv_heads: int) -> None:
-    """A calibrated KV format's tables (vq codebooks, nuq2 centroids: [num_kv_heads, ...] each) cut to
-    the KV heads this rank keeps, in the format and the formats inside it (tiered's tiers)."""
-    seen, todo = set(), [kv_format]
-    while todo:
-        fmt = todo.pop()
-        if id(fmt) in seen:
-            continue
-        seen.add(id(fmt))
-        tables = getattr(fmt, "tables", None)
-        if isinstance(tables, dict):
-            for name, t in list(tables.items()):
-                if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == num_kv_heads:
-                    tables[name] = t[kv_heads.start:kv_heads.stop].contiguous()
-        todo += [v for v in vars(fmt).values() if hasattr(v, "attend") and hasattr(v, "allocate")]
-
-
 def expert_parallel_layers(model) -> dict[int, ExpertParallel]:
     """MoE layer -> its ExpertParallel, for the layers whose experts are spread over the ranks."""
     from moekv.layers.moe import SparseMoE

@@ -118,8 +118,7 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
         raise ValueError(f"window={window} exceeds the engine's max_model_len={engine.max_model_len}")
     ids = read_text_tokens(engine.tokenizer, text_path, max_tokens)
     fmt = engine.runner.kv_format
-    if hasattr(fmt, "bits_read"):  # formats whose bits depend on the run (tiered) measure them
-        fmt.bits_read, fmt.elements_read = 0.0, 0
+    fmt.reset_read_counters()  # a format whose bits read depend on the run (tiered) counts them: read_counts
     start = time.perf_counter()
     def logits_fn(chunks, first_rows):
         prompts = [{"prompt_token_ids": c} for c in chunks]
@@ -134,7 +133,7 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
         ppl=math.exp(total / count), nll=total / count, tokens=count, window=window, stride=stride, mode=mode,
         kv_cache_dtype=fmt.name, seconds=seconds, text=str(text_path),
         bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, engine.config.cache.block_size, cfg.head_dim),
-        bits_per_element_read=getattr(fmt, "measured_bits_per_element", None),
+        bits_per_element_read=read.bits_per_element if (read := fmt.read_counts()) is not None else None,
         bits_per_element_at_window=fmt.bits_per_element_at(window, cfg.num_kv_heads, engine.config.cache.block_size,
                                                            cfg.head_dim))
 
@@ -168,12 +167,13 @@ def perplexity_domains(llm, texts: dict[str, str | Path], **kwargs) -> tuple[dic
     seconds: the sum). kwargs go to perplexity()."""
     if not texts:
         raise ValueError("give at least one text")
-    results, bits_read, elements_read = {}, 0.0, 0
+    results, read = {}, None
     fmt = llm.engine.runner.kv_format
     for name, path in texts.items():
         results[name] = perplexity(llm, path, **kwargs)
-        if hasattr(fmt, "bits_read"):  # reset by each perplexity() call: add them up here
-            bits_read, elements_read = bits_read + fmt.bits_read, elements_read + fmt.elements_read
+        counts = fmt.read_counts()  # reset by each perplexity() call: add them up here
+        if counts is not None:
+            read = counts if read is None else read + counts
     first = next(iter(results.values()))
     tokens = sum(r.tokens for r in results.values())
     nll = sum(r.nll * r.tokens for r in results.values()) / tokens
@@ -181,7 +181,7 @@ def perplexity_domains(llm, texts: dict[str, str | Path], **kwargs) -> tuple[dic
         ppl=math.exp(nll), nll=nll, tokens=tokens, window=first.window, stride=first.stride,
         kv_cache_dtype=first.kv_cache_dtype, bits_per_element=first.bits_per_element, mode=first.mode,
         seconds=sum(r.seconds for r in results.values()), text=", ".join(results),
-        bits_per_element_read=bits_read / elements_read if elements_read else None,
+        bits_per_element_read=read.bits_per_element if read is not None else None,
         bits_per_element_at_window=first.bits_per_element_at_window)
     return results, total
 

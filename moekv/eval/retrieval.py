@@ -150,9 +150,9 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
 
     cases = build_cases(encode, filler, lengths, depths, trials, seed, answer_tokens)
     fmt = engine.runner.kv_format
-    if hasattr(fmt, "count_decode_reads"):  # formats whose bits depend on the run (tiered): what decoding read
-        fmt.reset_read_counters()
-        fmt.count_decode_reads = True
+    # a format whose bits read depend on the run (tiered) counts what decoding read: read_counts(decode=True)
+    fmt.reset_read_counters()
+    fmt.count_decode_reads(True)
     if progress:
         import sys
         print(f"retrieval: {len(cases)} prompts ({len(lengths)} lengths x {len(depths)} depths x {trials} "
@@ -172,7 +172,7 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
         bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, bs, cfg.head_dim),
         bits_per_element_at_length={str(n): fmt.bits_per_element_at(n, cfg.num_kv_heads, bs, cfg.head_dim)
                                     for n in lengths},
-        bits_per_element_read=getattr(fmt, "measured_decode_bits_per_element", None),
+        bits_per_element_read=read.bits_per_element if (read := fmt.read_counts(decode=True)) is not None else None,
         seconds=seconds, text=str(text), filler_tokens=len(filler), answers=per_prompt)
 
 

@@ -38,3 +38,11 @@ def save_calibration(folder: str | Path, tables: dict[str, torch.Tensor], record
     if record is not None:
         (folder / RECORD_FILE).write_text(json.dumps(record, indent=2))
     return folder
+
+
+def shard_head_tables(tables: dict[str, torch.Tensor], kv_heads: range, num_kv_heads: int) -> None:
+    """Cut, in place, the tables of `tables` kept per KV head ([num_kv_heads, ...]) to the heads
+    `kv_heads` (a tensor-parallel rank's); tables of other shapes stay whole."""
+    for name, t in list(tables.items()):
+        if t.dim() >= 1 and t.shape[0] == num_kv_heads:
+            tables[name] = t[kv_heads.start:kv_heads.stop].contiguous()

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from moekv.kvcache.formats import get_kv_format
-from moekv.kvcache.formats.base import PagedQuantFormat, check_finite
+from moekv.kvcache.formats.paged import PagedQuantFormat, check_finite
 
 
 def roundtrip(name: str, x: torch.Tensor, kind: str = "key", block_size: int = 16, layer: int = 0,

@@ -1,18 +1,20 @@
 """Prometheus metrics of one server, named like vLLM's (`vllm:` -> `moekv:`), plus moekv's own:
-the KV format and its bits per element, the tier occupancy of the tiered format, routing
-locality and fan-out when the engine has a cluster map, and the expert cache's hits, misses,
-host->device bytes and prediction recall when it offloads experts.
+the KV format and its bits per element, the format's own run statistics (tiered: the tier
+occupancy and the bits attention read), routing locality and fan-out when the engine has a
+cluster map, and the expert cache's hits, misses, host->device bytes and prediction recall when it
+offloads experts.
 
 Each server gets its own CollectorRegistry (not prometheus_client's global one), so several
 servers can live in one process (tests start more than one). Request timings are observed in
 the engine thread as outputs come out of a step; gauges are set after every step from the
 engine's host-side figures, and at scrape time from the ones it keeps on the device (routing
-locality) or in its KV pools (tier shares): everything is read through `engine.stats()`.
+locality) or in its KV pools (the format's statistics): everything is read through `engine.stats()`.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from moekv.kvcache.formats import format_class
 from moekv.outputs import RequestOutput
 
 # vLLM's buckets, so dashboards built for it read ours the same way
@@ -55,14 +57,18 @@ class ServerMetrics:
         self.kv_info = gauge("kv_cache_config_info", "KV cache configuration (value 1; see labels).",
                              ("kv_cache_dtype", "block_size", "num_blocks", "bits_per_element"))
         stats = engine.stats()
-        # series that only some KV formats have (tiered: tier shares and bits read), by the figures they report
-        self.tier_share = self.bits_read = None
-        if any(key.startswith("tier_share_") for key in stats.kv_format):
-            self.tier_share = gauge("kv_cache_tier_fraction",
-                                    "tiered format: share of encoded (full) pages in each tier, mean over layers.",
-                                    ("tier",))
-            self.bits_read = gauge("kv_cache_bits_per_element_read",
-                                   "tiered format: bits per element attention has read so far.")
+        # the KV format's run statistics (KVFormat.run_statistics), one gauge per metric its class
+        # declares (statistic_gauges: key -> metric and labels); keys it does not declare go to
+        # kv_format_stat{name=<key>}, made when the first one is reported
+        by_metric: dict[str, Gauge] = {}
+        self._format_gauges: dict[str, tuple[Gauge, dict[str, str]]] = {}
+        for key, declared in format_class(stats.kv_cache_dtype).statistic_gauges.items():
+            if declared.metric not in by_metric:
+                by_metric[declared.metric] = gauge(declared.metric, declared.doc,
+                                                   tuple(label for label, _ in declared.labels))
+            self._format_gauges[key] = (by_metric[declared.metric], dict(declared.labels))
+        self._format_stat: Gauge | None = None
+        self._gauge = gauge
         self.locality = self.fan_out = None
         if stats.routing_locality is not None:  # the engine counts routing under its cluster map
             self.locality = gauge(
@@ -150,6 +156,16 @@ class ServerMetrics:
                 metric.inc(now - self._last[key])
                 self._last[key] = now
 
+    def _format_series(self, key: str):
+        """The series of one of the KV format's run statistics: its declared gauge, or kv_format_stat's."""
+        if key in self._format_gauges:
+            made, labels = self._format_gauges[key]
+            return made.labels(model_name=self._model_name, **labels) if labels else made
+        if self._format_stat is None:
+            self._format_stat = self._gauge("kv_format_stat", "A figure of the KV format's run "
+                                            "(KVFormat.run_statistics) it declares no gauge for, by name.", ("name",))
+        return self._format_stat.labels(model_name=self._model_name, name=key)
+
     # -- scrape (event loop) -------------------------------------------------------------------
     def render(self, engine) -> bytes:
         stats = engine.stats()  # the device-side figures are read at scrape time only
@@ -166,11 +182,8 @@ class ServerMetrics:
                     metric.inc(now[key] - self._expert_last[key])
                     self._expert_last[key] = now[key]
             self.expert_bytes_per_token.set(e["bytes_per_token"])
-        if self.tier_share is not None:
-            for tier, key in (("fp8", "tier_share_fp8"), ("nuq2", "tier_share_low")):
-                self.tier_share.labels(model_name=self._model_name, tier=tier).set(stats.kv_format.get(key, 0.0))
-            if "bits_read" in stats.kv_format:
-                self.bits_read.set(stats.kv_format["bits_read"])
+        for key, value in stats.kv_format.items():
+            self._format_series(key).set(value)
         if self.ep_sent is not None:
             for j, (now, metric) in enumerate(((stats.ep_bytes_sent, self.ep_sent),
                                                (stats.ep_bytes_received, self.ep_received))):

@@ -1,5 +1,7 @@
-"""Registry of KV formats. A format is one file here: a spec (bytes per page, bits per element)
-plus how it writes a step's K/V into pages and how attention reads them back.
+"""Registry of KV formats. A format is one file here, plus its line in names.py: a spec (bytes per
+page, bits per element), how it writes a step's K/V into pages and how attention reads them back,
+and the optional capabilities it declares (interface.KVFormat: run statistics, read counts, sharding
+of per-head tables, a calibration fitter, a Gluon decode kernel), which default to none.
 
 Options reach a format as keyword arguments of its constructor, and only those: an option a format
 does not take is an error naming the ones it does (kv_format_options), never silently ignored. The
@@ -17,21 +19,29 @@ from typing import Any
 import torch
 
 from moekv import envs
-from moekv.kvcache.formats.base import (
+from moekv.kvcache.formats.dense import dense_attention, is_decode_only
+from moekv.kvcache.formats.fragment import FragmentPagedFormat
+from moekv.kvcache.formats.interface import (
+    CalibrationFitter,
     GraphStepHooks,
     GraphSupport,
     KVFormat,
     LayerKVCache,
-    PagedQuantFormat,
+    ReadCounts,
+    StatisticGauge,
 )
 from moekv.kvcache.formats.names import (
+    COMPRESSED_KV_FORMATS,
     DECODE_KERNELS,
     DEFAULT_DECODE_KERNEL,
     KV_FORMAT_NAMES,
     PLAIN_KV_FORMAT_NAMES,
+    REGISTERED_KV_FORMATS,
     check_decode_kernel,
+    kv_format_names,
 )
 from moekv.kvcache.formats.options import KVOption
+from moekv.kvcache.formats.paged import Field, PagedQuantFormat, PageLayout, nonfinite_verdict, raise_nonfinite
 from moekv.kvcache.formats.plain import PlainKVFormat
 
 # plain formats, by the dtype they store ("auto": the model's); they take no options
@@ -41,26 +51,36 @@ if tuple(_PLAIN) != PLAIN_KV_FORMAT_NAMES:
     raise ImportError(f"kvcache/formats/names.py lists the plain formats {PLAIN_KV_FORMAT_NAMES}, "
                       f"the registry {(*_PLAIN,)}")
 # compressed formats: (module in this package, class), imported when first asked for (keeps start-up light)
-_COMPRESSED: dict[str, tuple[str, str]] = {
-    "fp8_e4m3": ("fp8", "FP8Format"),
-    "int4": ("int4", "Int4Format"),
-    "nuq2": ("nuq2", "NUQ2Format"),
-    "vq": ("vq", "VQFormat"),
-    "kivi2": ("kivi2", "KIVI2Format"),
-    "tiered": ("tiered", "TieredFormat"),
-}
-if (*_PLAIN, *_COMPRESSED) != KV_FORMAT_NAMES:  # the configuration checks names against names.py's list
-    raise ImportError(f"kvcache/formats/names.py lists {KV_FORMAT_NAMES}, the registry has {(*_PLAIN, *_COMPRESSED)}")
+_COMPRESSED = COMPRESSED_KV_FORMATS
 
 
 def _check_name(name: str) -> None:
-    if name not in KV_FORMAT_NAMES:
-        raise ValueError(f"kv_cache_dtype={name!r} is unknown; accepted: {list(KV_FORMAT_NAMES)}")
+    if name not in kv_format_names():
+        raise ValueError(f"kv_cache_dtype={name!r} is unknown; accepted: {list(kv_format_names())}")
 
 
 def _format_class(name: str) -> type[KVFormat]:
+    if name in REGISTERED_KV_FORMATS:
+        return REGISTERED_KV_FORMATS[name]
     module, cls = _COMPRESSED[name]
     return getattr(importlib.import_module(f"moekv.kvcache.formats.{module}"), cls)
+
+
+def register_format(name: str, cls: type[KVFormat]) -> None:
+    """Add the compressed format `cls` under `name` while the process runs: for tests, which show with
+    a throwaway format that the configuration, the command line and the cross-format tests take a
+    format from the registry (a shipped format is a line in names.py instead). unregister_format
+    takes it back."""
+    if name in kv_format_names():
+        raise ValueError(f"kv_cache_dtype={name!r} is already registered")
+    REGISTERED_KV_FORMATS[name] = cls
+    engine_options.cache_clear()
+
+
+def unregister_format(name: str) -> None:
+    """Take back a format register_format added."""
+    del REGISTERED_KV_FORMATS[name]
+    engine_options.cache_clear()
 
 
 def kv_format_options(name: str) -> tuple[str, ...]:
@@ -80,7 +100,14 @@ def format_class(name: str) -> type[KVFormat]:
 
 def compressed_formats() -> tuple[str, ...]:
     """The formats that quantize their pages (every one but the plain 16/32-bit formats), in registry order."""
-    return tuple(_COMPRESSED)
+    return (*_COMPRESSED, *REGISTERED_KV_FORMATS)
+
+
+def calibration_fitters() -> dict[str, CalibrationFitter]:
+    """The formats that fit calibration tables (`moekv calibrate`), by name: their class's
+    calibration_fitter, in registry order."""
+    return {name: format_class(name).calibration_fitter for name in compressed_formats()
+            if format_class(name).calibration_fitter is not None}
 
 
 def format_engine_options(name: str) -> tuple[KVOption, ...]:
@@ -96,7 +123,7 @@ def engine_options() -> dict[str, KVOption]:
     declare the same default and choices; their help texts are joined. The check stays each
     format's own (format_engine_options)."""
     merged: dict[str, KVOption] = {}
-    for name in _COMPRESSED:
+    for name in compressed_formats():
         taken = kv_format_options(name)
         for option in format_engine_options(name):
             if option.name not in taken:
@@ -139,7 +166,9 @@ def get_kv_format(name: str, model_dtype: torch.dtype = torch.bfloat16, *,
     return fmt
 
 
-__all__ = ["DECODE_KERNELS", "KV_FORMAT_NAMES", "GraphStepHooks", "GraphSupport", "KVFormat", "KVOption",
-           "LayerKVCache", "PagedQuantFormat", "compressed_formats", "engine_options", "format_class",
-           "format_engine_options",
-           "get_kv_format", "kv_format_options", "kv_options_for"]
+__all__ = ["DECODE_KERNELS", "KV_FORMAT_NAMES", "CalibrationFitter", "Field", "FragmentPagedFormat",
+           "GraphStepHooks", "GraphSupport", "KVFormat", "KVOption", "LayerKVCache", "PageLayout",
+           "PagedQuantFormat", "ReadCounts", "StatisticGauge", "calibration_fitters", "compressed_formats",
+           "dense_attention", "engine_options", "format_class", "format_engine_options", "get_kv_format",
+           "is_decode_only", "kv_format_options", "kv_options_for", "nonfinite_verdict", "raise_nonfinite",
+           "register_format", "unregister_format"]

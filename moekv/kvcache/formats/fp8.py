@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 
@@ -21,8 +22,17 @@ FP8_MAX = 448.0  # largest finite E4M3 value
 GLUON_BY_DEFAULT = False
 
 
+def _gluon_covers(fmt, block_size: int, head_dim: int) -> str | None:
+    if (block_size, head_dim) == (64, 128):
+        return None
+    return f"fp8_e4m3's Gluon kernel covers block_size 64, head_dim 128, got {block_size} and {head_dim}"
+
+
 class FP8Format(FragmentPagedFormat):
     name = "fp8_e4m3"
+    # the Gluon kernel's pools keep the slabs with their codes in fragment order (fp8_layout.py)
+    gluon_kernel = GluonKernel("moekv.ops.gluon.fp8_layout", "moekv.ops.gluon.fp8_decode:fp8_decode_attention",
+                               _gluon_covers, default_on=GLUON_BY_DEFAULT, marker="k_slabs")
 
     @per_shape
     def layout(self, kind, block_size, head_dim) -> PageLayout:
@@ -49,29 +59,3 @@ class FP8Format(FragmentPagedFormat):
         from moekv.ops.decode.fp8 import fp8_spec
 
         return fp8_spec(self, block_size, head_dim)
-
-    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/fp8_layout.py) ---------------------------
-    fragment_marker = "k_slabs"
-
-    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
-        """Whether pools of this shape keep their slabs with the codes in the Gluon fp8 kernel's fragment
-        order (fp8_layout.py): decode_kernel 'gluon', or 'auto' on sm_90 once GLUON_BY_DEFAULT
-        (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128."""
-        covered = (block_size, head_dim) == (64, 128)
-        return gluon_pages_wanted(self.decode_kernel, covered, device,
-                                  "fp8_e4m3's Gluon kernel covers block_size 64, head_dim 128, "
-                                  f"got {block_size} and {head_dim}", by_default=GLUON_BY_DEFAULT)
-
-    def fragment_layout(self):
-        from moekv.ops.gluon import fp8_layout
-
-        return fp8_layout
-
-    def fragment_view(self, cache, page_ids=None):
-        return self.fragment_layout().fragment_view(self, cache, page_ids)
-
-    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
-        from moekv.ops.gluon.fp8_decode import fp8_decode_attention
-
-        return fp8_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                    staged=staged, sliding_window=sliding_window)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.options import KVOption, one_of
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 
 LEVELS = 15  # 4-bit codes 0..15
 FP16_MAX = 65504.0
@@ -31,8 +32,19 @@ GROUP_SIZES = (32, 64)
 MAX_HEAD_DIM = 256  # outlier indices are uint8
 
 
+def _gluon_covers(fmt: Int4Format, block_size: int, head_dim: int) -> str | None:
+    if (block_size, head_dim, fmt.group_size) == (64, 128, 32) and 1 <= fmt.num_outliers(head_dim) <= 4:
+        return None
+    return ("int4's Gluon kernel covers block_size 64, head_dim 128, group_size 32 and 1-4 outlier channels, "
+            f"got block_size {block_size}, head_dim {head_dim}, group_size {fmt.group_size}, "
+            f"{fmt.num_outliers(head_dim)} outlier channels")
+
+
 class Int4Format(FragmentPagedFormat):
     name = "int4"
+    # its pages converted from the slabs into the kernel's fragment order when written (int4_layout.py)
+    gluon_kernel = GluonKernel("moekv.ops.gluon.int4_layout", "moekv.ops.gluon.int4_decode:int4_decode_attention",
+                               _gluon_covers, marker="k_out_delta")
     engine_options = (KVOption("group_size", 32, "int4: channels per scale group", one_of(*GROUP_SIZES)),)
 
     def __init__(self, group_size: int = 32, outlier_fraction: float = 0.01) -> None:
@@ -98,34 +110,6 @@ class Int4Format(FragmentPagedFormat):
         from moekv.ops.decode.int4 import int4_spec
 
         return int4_spec(self, block_size, head_dim)
-
-
-    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/int4_layout.py) --------------------------
-    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
-        """Whether pools of this shape keep their pages in the Gluon int4 kernel's fragment order
-        (converted from the slabs when pages are written), by the format's decode_kernel
-        (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128, group_size 32, 1-4 outlier
-        channels."""
-        covered = ((block_size, head_dim, self.group_size) == (64, 128, 32)
-                   and 1 <= self.num_outliers(head_dim) <= 4)
-        return gluon_pages_wanted(self.decode_kernel, covered, device,
-                                  "int4's Gluon kernel covers block_size 64, head_dim 128, "
-                                  f"group_size 32 and 1-4 outlier channels, got block_size {block_size}, "
-                                  f"head_dim {head_dim}, group_size {self.group_size}, "
-                                  f"{self.num_outliers(head_dim)} outlier channels")
-
-    fragment_marker = "k_out_delta"
-
-    def fragment_layout(self):
-        from moekv.ops.gluon import int4_layout
-
-        return int4_layout
-
-    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
-        from moekv.ops.gluon.int4_decode import int4_decode_attention
-
-        return int4_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                     staged=staged, sliding_window=sliding_window)
 
 
 def _outlier_channels(x: torch.Tensor, count: int) -> torch.Tensor:

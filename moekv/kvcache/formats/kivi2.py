@@ -10,7 +10,7 @@
 Pages are quantized as soon as they are full, as in every paged format; the residual window lives
 beside them in a per-sequence 16-bit ring of R tokens (`k_residual`, `v_residual`), and `gather`
 substitutes the ring's tokens for the dequantized ones (a prefill chunk reads its own tokens as
-computed, the ring only for earlier ones: base.with_step_kv). The ring's bytes are counted in
+computed, the ring only for earlier ones: dense.with_step_kv). The ring's bytes are counted in
 `staging_bytes_per_seq`. The group G is KIVI's 32 by default; the engine's kv_group_size sets
 it (32 or 64: G = 64 halves the scales and zeros, 2.5 bits/element instead of 3, which puts
 kivi2 at nuq2's bits for a like-for-like comparison). R must be a multiple of G, so the ring is
@@ -26,24 +26,33 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import (
-    Field,
-    FragmentPagedFormat,
-    PageLayout,
-    RopeWriteTarget,
-    can_stage_with_fills,
-    gluon_pages_wanted,
-    per_shape,
-)
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
+from moekv.kvcache.formats.interface import RopeWriteTarget
 from moekv.kvcache.formats.options import KVOption, one_of
+from moekv.kvcache.formats.paged import Field, PageLayout, can_stage_with_fills, per_shape
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
 FP16_MAX = 65504.0
 
 
+def _gluon_covers(fmt: KIVI2Format, block_size: int, head_dim: int) -> str | None:
+    if (block_size, head_dim, fmt.group) == (64, 128, 32):
+        return None
+    return ("kivi2's Gluon kernel covers block_size 64, head_dim 128 and group 32, "
+            f"got block_size {block_size}, head_dim {head_dim}, group {fmt.group}")
+
+
+def _gluon_ring(fmt: KIVI2Format, cache) -> dict:
+    """The residual ring, read by the Gluon kernel beside the staged newest page as its extra split."""
+    return {"residual": (cache["k_residual"], cache["v_residual"]) if fmt.residual else None}
+
+
 class KIVI2Format(FragmentPagedFormat):
     name = "kivi2"
+    # its pages converted from the slabs into the kernel's fragment order when written (kivi2_layout.py)
+    gluon_kernel = GluonKernel("moekv.ops.gluon.kivi2_layout", "moekv.ops.gluon.kivi2_decode:kivi2_decode_attention",
+                               _gluon_covers, decode_options=_gluon_ring)
     default_residual = 128  # KIVI's R (EngineConfig(kv_residual=...) passes it through the registry)
     engine_options = (
         KVOption("residual", default_residual, "kivi2: newest tokens kept in 16-bit (a multiple of 32)",
@@ -129,29 +138,6 @@ class KIVI2Format(FragmentPagedFormat):
         from moekv.ops.decode.kivi2 import kivi2_spec  # the tile readers take G (32 or 64) as a parameter
 
         return kivi2_spec(self, block_size, head_dim)
-
-    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/kivi2_layout.py) -------------------------
-    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
-        """Whether pools of this shape keep their pages in the Gluon kivi2 kernel's fragment order
-        (converted from the slabs when pages are written), by the format's decode_kernel
-        (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128, group 32."""
-        covered = (block_size, head_dim, self.group) == (64, 128, 32)
-        return gluon_pages_wanted(self.decode_kernel, covered, device,
-                                  "kivi2's Gluon kernel covers block_size 64, head_dim 128 and "
-                                  f"group 32, got block_size {block_size}, head_dim {head_dim}, group {self.group}")
-
-    def fragment_layout(self):
-        from moekv.ops.gluon import kivi2_layout
-
-        return kivi2_layout
-
-    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
-        """The staged newest page and the residual ring as the kernel's extra split."""
-        from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
-
-        ring = (cache["k_residual"], cache["v_residual"]) if self.residual else None
-        return kivi2_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                      staged=staged, residual=ring, sliding_window=sliding_window)
 
     # -- residual ring ---------------------------------------------------------------------------
     def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype):

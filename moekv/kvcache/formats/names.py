@@ -4,7 +4,25 @@ check a name without loading any format."""
 
 # the plain formats store K and V in a 16/32-bit float ("auto": the model's dtype); the others compress them
 PLAIN_KV_FORMAT_NAMES = ("auto", "bf16", "fp16", "fp32")
-KV_FORMAT_NAMES = (*PLAIN_KV_FORMAT_NAMES, "fp8_e4m3", "int4", "nuq2", "vq", "kivi2", "tiered")
+# the compressed formats: name -> (module in moekv/kvcache/formats/, its class), imported when first asked
+# for. A compressed format is its own file plus its line here
+COMPRESSED_KV_FORMATS: dict[str, tuple[str, str]] = {
+    "fp8_e4m3": ("fp8", "FP8Format"),
+    "int4": ("int4", "Int4Format"),
+    "nuq2": ("nuq2", "NUQ2Format"),
+    "vq": ("vq", "VQFormat"),
+    "kivi2": ("kivi2", "KIVI2Format"),
+    "tiered": ("tiered", "TieredFormat"),
+}
+KV_FORMAT_NAMES = (*PLAIN_KV_FORMAT_NAMES, *COMPRESSED_KV_FORMATS)
+# compressed formats registered while the process runs (the registry's register_format, for tests'
+# throwaway formats): name -> class
+REGISTERED_KV_FORMATS: dict[str, type] = {}
+
+
+def kv_format_names() -> tuple[str, ...]:
+    """Every name the configuration accepts: KV_FORMAT_NAMES, then the formats registered at run time."""
+    return (*KV_FORMAT_NAMES, *REGISTERED_KV_FORMATS)
 # EngineConfig.cache.decode_kernel / get_kv_format(decode_kernel=...): 'auto' the Gluon kernels on sm_90 for
 # the shapes they cover (and formats whose Gluon kernel is their default), the Triton kernels elsewhere;
 # 'triton' slab pools everywhere; 'gluon' fragment order wherever a Gluon kernel covers the shape

@@ -11,9 +11,9 @@ Per (page, kv head) slab, P = block_size tokens, D = head_dim channels, N = P*D 
 
 Keys are centred and scaled per channel over the page's tokens (robust moments, stored in FP8:
 the same error as fp16 at half the bytes); values are coded as they are (a per-token value scale
-cost 128 B per page-head and moved the value error by 0.3%). An element is an outlier when its
-normalised value lies more than tau (outlier_sigma) robust standard deviations from its
-page-head's mean; the S slots keep the largest such deviations, which leave the k-means fit (the
+cost more bytes than the error it saved: docs/decisions.md, "nuq2's slab"). An element is an
+outlier when its normalised value lies more than tau (outlier_sigma) robust standard deviations
+from its page-head's mean; the S slots keep the largest such deviations, which leave the k-means fit (the
 code under a slotted element is whatever it is: the slot overrides it). S is at least 0.5% of N
 for keys and grows to fill the 128-byte padding the slab pays for anyway; values get only the
 padding's slots.
@@ -31,21 +31,17 @@ from typing import Callable
 import torch
 
 from moekv import envs
-from moekv.kvcache.calibration_io import load_calibration
-from moekv.kvcache.formats.base import (
-    Field,
-    FragmentPagedFormat,
-    PageLayout,
-    gluon_pages_wanted,
-    per_shape,
-)
+from moekv.kvcache.calibration_io import load_calibration, shard_head_tables
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
+from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.options import CALIBRATION, KVOption, one_of, positive
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 NUM_CENTROIDS = 4
-KEY_MIN_OUTLIER_FRACTION = 0.005  # keys' tails cost the most (measured); values take padding only
-KMEANS_ITERS = 8  # 1-D Lloyd from quantiles converges in a few; 20 moved the error by 0.2%
+KEY_MIN_OUTLIER_FRACTION = 0.005  # keys' tails cost the most; values take padding only (docs/decisions.md)
+KMEANS_ITERS = 8  # 1-D Lloyd from quantiles converges in a few; more barely moved the error (docs/decisions.md)
 
 
 def assign(z: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -73,7 +69,7 @@ def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS,
     for _ in range(iters):
         code = assign(z, c)
         # each cluster's sums by a masked reduction: a scatter_add into 4 bins per row serialises
-        # on atomics (on the H200 it was 29% of a nuq2 prefill step's device time)
+        # on atomics (docs/decisions.md: the formats' host work in bulk)
         members = [code == k for k in range(NUM_CENTROIDS)]
         sums = torch.stack([torch.where(m, zw, 0.0).sum(-1) for m in members], dim=-1)  # [B, 4]
         cnts = torch.stack([torch.where(m, w, 0.0).sum(-1) for m in members], dim=-1)
@@ -84,10 +80,9 @@ def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS,
 def fit_weight(z: torch.Tensor, kind: str) -> torch.Tensor | None:
     """Keys: weight each normalised element by 1 + |z|^3 in the k-means. Plain k-means shrinks
     the extremes toward the mean (each centroid is its cluster's mean), and the extremes of keys
-    make the largest attention logits: on tiny-moe (a retired head_dim-32 test model; held-out
-    books, 4k tokens, keys nuq2, values FP8) plain k-means flattened attention (entropy +0.2 nats)
-    and cost +6.8% perplexity at a lower MSE than KIVI's keys (+1.0%); weights z^2: +2.3%, 1+z^2:
-    +2.8%, 1+|z|^3: +1.3%, 1+z^4: +1.4%, 1+z^6: +9%. Values: plain k-means (+0.25%; weighting them hurt)."""
+    make the largest attention logits: unweighted, attention flattened and perplexity rose well
+    beyond KIVI's keys at a lower MSE; of the weights tried 1 + |z|^3 lost the least. Values: plain
+    k-means (weighting them hurt). The figures: docs/decisions.md, "nuq2's key centroids"."""
     return 1.0 + z.abs().pow(3) if kind == "key" else None
 
 
@@ -189,11 +184,27 @@ def fit_centroids(pages: torch.Tensor, kind: str, tau: float = 3.5) -> torch.Ten
     return lloyd_1d(flat, ~outlier_mask(flat, tau), iters=30, weight=fit_weight(flat, kind)).to(torch.float16)
 
 
+def fit_tables(pages: torch.Tensor, layer: int, kind: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """`moekv calibrate`'s fit (NUQ2Format.calibration_fitter): the layer's codebooks of one kind."""
+    return {f"nuq2.layer{layer}.{kind}.centroids": fit_centroids(pages, kind)}  # [Hkv, 4] fp16
+
+
+def _gluon_covers(fmt: NUQ2Format, block_size: int, head_dim: int) -> str | None:
+    if (block_size, head_dim) == (64, 128) and not fmt.codebooks_not_fp16():
+        return None
+    return ("nuq2's Gluon kernel covers block_size 64, head_dim 128 and fp16 codebooks, "
+            f"got block_size {block_size}, head_dim {head_dim}")
+
+
 CODEBOOKS = ("auto", "page", "calibrated")
 
 
 class NUQ2Format(FragmentPagedFormat):
     name = "nuq2"
+    # its pages converted from the slabs into the kernel's fragment order when written (nuq2_layout.py);
+    # 'auto' takes it on sm_90 for the covered shape
+    gluon_kernel = GluonKernel("moekv.ops.gluon.nuq2_layout", "moekv.ops.gluon.nuq2_decode:nuq2_decode_attention",
+                               _gluon_covers, marker="k_slot_delta")
     engine_options = (
         KVOption("outlier_sigma", 3.5, "nuq2: outlier threshold in std devs", positive),
         CALIBRATION,
@@ -231,6 +242,11 @@ class NUQ2Format(FragmentPagedFormat):
     @property
     def layer_independent_quantize(self) -> bool:
         return not self.calibrated  # calibrated codebooks are per layer
+
+    calibration_fitter = CalibrationFitter(fit_tables)
+
+    def shard_tables(self, kv_heads, num_kv_heads) -> None:
+        shard_head_tables(self.tables, kv_heads, num_kv_heads)  # the calibrated codebooks, [Hkv, 4] each
 
     # -- layout --------------------------------------------------------------------------------------
     def _fields(self, kind: str, P: int, D: int, slots: int) -> list[Field]:
@@ -287,53 +303,23 @@ class NUQ2Format(FragmentPagedFormat):
                                              for kind in ("key", "value"))
         return self._decode_tables[key]
 
+    def codebooks_not_fp16(self) -> bool:
+        """Calibrated codebooks stored in another dtype than fp16 (what `moekv calibrate` writes is
+        fp16), which the kernels' fp16 lookups cannot read as they are."""
+        return self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
+                                       if name.endswith(".centroids"))
+
     def decode_spec(self, block_size, head_dim):
         """The fused decode kernel (centroid lookup, the keys' channel affine folded into q, outlier
         slots as per-tile corrections; moekv/ops/decode/nuq2.py). Calibrated codebooks live outside
         the slab: the readers take each layer's from `decode_tables` (DecodeSpec.tables); codebooks
         not stored in fp16 (what `moekv calibrate` writes) keep the reference path, since the
         kernel's lookup is fp16."""
-        if self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
-                                   if name.endswith(".centroids")):
+        if self.codebooks_not_fp16():
             return None
         from moekv.ops.decode.nuq2 import nuq2_spec
 
         return nuq2_spec(self, block_size, head_dim)
-
-    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/) ---------------------------------------
-    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
-        """Whether pools of this shape keep their pages in the Gluon decode kernel's fragment order
-        (moekv/ops/gluon/nuq2_layout.py: converted from the slabs when pages are written) instead
-        of slabs, so that decode steps take the Gluon kernel. The format's decode_kernel picks: 'triton'
-        (slabs, the Triton kernel), 'gluon' (fragment order wherever the shape is covered, CPU
-        included: there the reference path reads it), 'auto' (fragment order on sm_90 CUDA devices with
-        Gluon, for the covered shape: block_size 64, head_dim 128, fp16 codebooks; slabs elsewhere; the
-        default)."""
-        covered = (block_size, head_dim) == (64, 128) and not (
-            self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
-                                    if name.endswith(".centroids")))
-        return gluon_pages_wanted(self.decode_kernel, covered, device,
-                                  "nuq2's Gluon kernel covers block_size 64, head_dim 128 and "
-                                  f"fp16 codebooks, got block_size {block_size}, head_dim {head_dim}")
-
-    fragment_marker = "k_slot_delta"
-
-    def fragment_layout(self):
-        from moekv.ops.gluon import nuq2_layout
-
-        return nuq2_layout
-
-    def fragment_view(self, cache, page_ids=None):
-        return self.fragment_layout().fragment_view(cache, self.calibrated, page_ids)
-
-    def to_fragment(self, cache, kind, slabs):
-        return self.fragment_layout().kind_to_fragment(self, kind, slabs, cache.layer)
-
-    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
-        from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
-
-        return nuq2_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                     staged=staged, sliding_window=sliding_window)
 
     # -- quantize / dequantize -----------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):

@@ -3,14 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.formats.base import (
-    PAGE_ALIGN_BYTES,
-    GraphSupport,
-    KVFormat,
-    LayerKVCache,
-    RopeWriteTarget,
-    dense_attention,
-)
+from moekv.kvcache.formats.dense import dense_attention
+from moekv.kvcache.formats.interface import PAGE_ALIGN_BYTES, GraphSupport, KVFormat, LayerKVCache, RopeWriteTarget
 from moekv.ops.reference import gather_kv_ref, write_kv_pages_ref
 
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

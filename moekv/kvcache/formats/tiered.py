@@ -36,26 +36,28 @@ from dataclasses import dataclass
 import torch
 
 from moekv.context import Context, HostLists, filling_rows, to_device
-from moekv.kvcache.formats.base import (
+from moekv.kvcache.formats.dense import dense_attention, is_decode_only, with_step_kv
+from moekv.kvcache.formats.fp8 import FP8Format
+from moekv.kvcache.formats.fragment import GluonKernel
+from moekv.kvcache.formats.interface import (
     GraphStepHooks,
     GraphSupport,
     LayerKVCache,
-    PagedQuantFormat,
+    ReadCounts,
     RopeWriteTarget,
+    StatisticGauge,
+)
+from moekv.kvcache.formats.nuq2 import NUQ2Format
+from moekv.kvcache.formats.options import KVOption, fraction, integer_at_least
+from moekv.kvcache.formats.paged import (
+    PagedQuantFormat,
     can_stage_vectorized,
     check_finite,
-    dense_attention,
     flag_nonfinite,
-    gluon_pages_wanted,
-    is_decode_only,
     stage_decode_tokens,
     stage_tokens,
     staging_tensors,
-    with_step_kv,
 )
-from moekv.kvcache.formats.fp8 import FP8Format
-from moekv.kvcache.formats.nuq2 import NUQ2Format
-from moekv.kvcache.formats.options import KVOption, fraction, integer_at_least
 from moekv.kvcache.formats.tiered_policy import (
     TIER_FP8,
     TIER_LOW,
@@ -66,6 +68,8 @@ from moekv.kvcache.formats.tiered_policy import (
     rerank_demotions,
     tier_shares,
 )
+
+_TIER_DOC = "tiered format: share of encoded (full) pages in each tier, mean over layers."
 
 
 @dataclass
@@ -109,8 +113,20 @@ class TieredState:
                    scratch_fp8=num_fp8)
 
 
+def _gluon_covers(fmt: TieredFormat, block_size: int, head_dim: int) -> str | None:
+    if (block_size, head_dim) == (64, 128) and not fmt.lo.calibrated:  # calibrated: slabs and the reference path
+        return None
+    return ("tiered's Gluon kernel covers block_size 64, head_dim 128 and page codebooks (kv_codebook='page'), "
+            f"got block_size {block_size}, head_dim {head_dim}{', calibrated codebooks' if fmt.lo.calibrated else ''}")
+
+
 class TieredFormat(PagedQuantFormat, GraphStepHooks):
     name = "tiered"
+    # the Gluon tiered kernel (moekv/ops/gluon/tiered_decode.py): both tiers and the staged tail in one
+    # launch, over pools whose low tier is in nuq2's fragment tables (see "the Gluon decode kernel's
+    # pools" below); 'auto' takes it on sm_90 for the covered shape
+    gluon_kernel = GluonKernel("moekv.ops.gluon.nuq2_layout", "moekv.ops.gluon.tiered_decode:tiered_decode_attention",
+                               _gluon_covers, marker="k_slot_delta")
     # decode steps are device-only; the host-side step count, re-ranking and mass flag are kept by
     # the GraphStepHooks. A page that fills takes an FP8 slot from a host-side free list (and may
     # demote another page): in a replayed step the slots are chosen before it (prepare_graph_step)
@@ -155,13 +171,13 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         # counts every read it makes (prefill chunks included); the fused kernel counts nothing
         self.bits_read = 0.0
         self.elements_read = 0
-        # with count_decode_reads (evaluations turn it on): what decode rows (one query) read, counted
-        # on the host from the tier map when each step is counted (after its re-rank, before it
-        # attends), the same on every path, fused kernel included: the figure a bandwidth-bound decode
-        # step pays. decode_pages / decode_fp8_pages: the full pages those rows read, and how many of
-        # them were in FP8. Off by default: a pass over every row's pages in every layer and step
-        # (~0.5 ms a step at 32 x 4k on a CPU core), host time a replayed step would wait for
-        self.count_decode_reads = False
+        # while counting_decode_reads (count_decode_reads: evaluations turn it on): what decode rows
+        # (one query) read, counted on the host from the tier map when each step is counted (after its
+        # re-rank, before it attends), the same on every path, fused kernel included: the figure a
+        # bandwidth-bound decode step pays. decode_pages / decode_fp8_pages: the full pages those rows
+        # read, and how many of them were in FP8. Off by default: a pass over every row's pages in
+        # every layer and step, host time a replayed step would wait for (docs/decisions.md)
+        self.counting_decode_reads = False
         self.decode_bits_read = 0.0
         self.decode_elements_read = 0
         self.decode_pages = 0
@@ -184,28 +200,14 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             hi, lo = self._slabs(kind, block_size, head_dim)
             total += lo + self.fp8_pool_fraction * hi
         if self.fragment_pages(block_size, head_dim):  # the low tier in nuq2's fragment tables instead of slabs
-            from moekv.ops.gluon import nuq2_layout
-
-            total += nuq2_layout.fragment_bytes_per_page_head(self.lo) - sum(
+            total += self.gluon_kernel.layout_module().fragment_bytes_per_page_head(self.lo) - sum(
                 self._slabs(kind, block_size, head_dim)[1] for kind in ("key", "value"))
         return math.ceil(num_kv_heads * total)
 
-    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/tiered_*.py) ----------------------------
-    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
-        """Whether pools of this shape keep their pages in the Gluon tiered kernel's orders (the low
-        tier in nuq2's fragment tables, moekv/ops/gluon/nuq2_layout.py; the FP8 slabs with their codes
-        in FP8 fragment order, fp8_layout.py), so that decode steps take that kernel:
-        decode_kernel 'auto' on sm_90 or 'gluon' (base.gluon_pages_wanted). Covered: block_size 64,
-        head_dim 128, page codebooks (calibrated ones keep slabs and the reference path)."""
-        covered = (block_size, head_dim) == (64, 128) and not self.lo.calibrated
-        return gluon_pages_wanted(self.decode_kernel, covered, device,
-                                  "tiered's Gluon kernel covers block_size 64, head_dim 128 and "
-                                  f"page codebooks (kv_codebook='page'), got block_size {block_size}, head_dim "
-                                  f"{head_dim}{', calibrated codebooks' if self.lo.calibrated else ''}")
-
-    def is_fragment_pool(self, cache) -> bool:
-        return "k_slot_delta" in cache.tensors
-
+    # -- the Gluon decode kernel's pools (gluon_kernel) ------------------------------------------------
+    # Its own code, not FragmentPagedFormat's, reads them: the pools hold two tiers, the low one in
+    # nuq2's fragment tables (gluon_kernel's layout, applied to self.lo) and the FP8 one as slabs in FP8
+    # slots whose codes take fp8_layout's fragment order (slabs_to_fragment), not fp8's own page tables
     def tier_tables(self, cache, pool: str, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Freshly packed slabs [n, Hkv, slab] of one tier (`pool`: 'fp8' or 'low') as the rows of the
         cache tensors they fill: the slabs themselves, or in a fragment-order pool the FP8 codes
@@ -217,9 +219,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             from moekv.ops.gluon.fp8_layout import slabs_to_fragment
 
             return {f"{name}_fp8": slabs_to_fragment(self.hi, kind, slabs)}
-        from moekv.ops.gluon.nuq2_layout import kind_to_fragment
-
-        return kind_to_fragment(self.lo, kind, slabs, cache.layer)
+        return self.gluon_kernel.layout_module().kind_to_fragment(self.lo, kind, slabs, cache.layer)
 
     def _put(self, cache, pool: str, kind: str, index: torch.Tensor, slabs: torch.Tensor) -> None:
         """Freshly packed slabs of one tier into its pool at rows `index` (FP8 slots or low-tier pages)."""
@@ -240,9 +240,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     def _low_pages(self, cache, kind: str, pages: torch.Tensor) -> torch.Tensor:
         """Low-tier pages dequantized: [n, Hkv, P, D] fp32."""
         if self.is_fragment_pool(cache):
-            from moekv.ops.gluon import nuq2_layout
-
-            return nuq2_layout.dequantize_fragment(nuq2_layout.fragment_view(cache, False, pages), kind)
+            layout = self.gluon_kernel.layout_module()
+            return layout.dequantize_fragment(layout.fragment_view(self.lo, cache, pages), kind)
         name = "k" if kind == "key" else "v"
         P, D = cache["k_staging"].shape[2], cache["k_staging"].shape[3]
         return self.lo.dequantize(self.lo.layout(kind, P, D).unpack(cache[f"{name}_low"][pages]), kind, cache.layer)
@@ -269,7 +268,26 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         self.bits_read, self.elements_read = 0.0, 0
         self.decode_bits_read, self.decode_elements_read, self.decode_pages, self.decode_fp8_pages = 0.0, 0, 0, 0
 
-    def stats(self, caches) -> dict[str, float]:
+    def read_counts(self, decode: bool = False) -> ReadCounts | None:
+        if decode:
+            return ReadCounts(self.decode_bits_read, self.decode_elements_read)
+        return ReadCounts(self.bits_read, self.elements_read)
+
+    def count_decode_reads(self, on: bool = True) -> None:
+        self.counting_decode_reads = on
+
+    def shard_tables(self, kv_heads, num_kv_heads) -> None:
+        self.hi.shard_tables(kv_heads, num_kv_heads)
+        self.lo.shard_tables(kv_heads, num_kv_heads)
+
+    statistic_gauges = {
+        "tier_share_fp8": StatisticGauge("kv_cache_tier_fraction", _TIER_DOC, (("tier", "fp8"),)),
+        "tier_share_low": StatisticGauge("kv_cache_tier_fraction", _TIER_DOC, (("tier", "nuq2"),)),
+        "bits_read": StatisticGauge("kv_cache_bits_per_element_read",
+                                    "tiered format: bits per element attention has read so far."),
+    }
+
+    def run_statistics(self, caches) -> dict[str, float]:
         """The share of stored pages in each tier (averaged over layers) and, once attention has read
         any, the bits per element it read. From another thread the tier lists may be a step stale."""
         fp8, low = tier_shares([list(c.state.tier) for c in caches])
@@ -293,9 +311,10 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
             if not fragment:
                 t[f"{name}_low"] = torch.zeros(num_blocks, num_kv_heads, lo, dtype=torch.uint8, device=device)
         if fragment:  # nuq2's fragment tables for the low tier; FP8 codes in fragment order (zeros stay zeros)
-            from moekv.ops.gluon import fp8_layout, nuq2_layout
+            from moekv.ops.gluon import fp8_layout
 
-            t.update(nuq2_layout.allocate_fragment_tables(self.lo, num_blocks, num_kv_heads, device))
+            t.update(self.gluon_kernel.layout_module().allocate_fragment_tables(self.lo, num_blocks, num_kv_heads,
+                                                                                device))
             fp8_layout.prepare_device(device)
         return LayerKVCache(t, nonfinite=torch.zeros((), dtype=torch.bool, device=device),
                             state=TieredState.empty(num_blocks, num_fp8, max_num_seqs, device))
@@ -380,7 +399,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         cache.state.steps += 1
         if is_rerank_step(cache.state.steps, self.rerank_interval):
             self._rerank(cache, host)
-        if self.count_decode_reads:
+        if self.counting_decode_reads:
             self._count_decode_reads(cache, host)
 
     def _count_decode_reads(self, cache, host: HostLists) -> None:
@@ -500,8 +519,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
         The tiers are chosen page by page on the host; the device work follows in bulk. With the
         FP8 pool full, as it is from the first quarter of a long prompt on, each page of a prefill
-        demotes one: per page, that was a flush, a fold of the masses (a sync), a scan of every FP8
-        page and a one-page re-encode (16 x 4k on the H200: ~25 s)."""
+        demotes one: per page, that would be a flush, a fold of the masses (a sync), a scan of every
+        FP8 page and a one-page re-encode (docs/decisions.md: the formats' host work in bulk)."""
         self.release_pages(cache, [page for page, _, _ in pages])  # a recomputed page starts over
         for name, kind in (("k", "key"), ("v", "value")):
             check_finite(torch.stack([kv[name] for _, kv, _ in pages]), kind + "s")
@@ -547,8 +566,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def _demote(self, cache, pages: list[int]) -> None:
         """Re-encode FP8 pages into nuq2 (in their low-pool slots) and free their FP8 slots, all of
-        them in one batch (a re-ranking at 4k context demotes ~50 pages a layer: one at a time, the
-        first re-ranking of a 4k-token sequence took 21 s on the H200)."""
+        them in one batch (a re-ranking at a long context demotes tens of pages a layer, each a
+        re-encode of its own one at a time: docs/decisions.md, the formats' host work in bulk)."""
         if not pages:
             return
         st = cache.state
@@ -570,8 +589,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         full_pages = [host.block_tables[b][:length // block_size] for b, length in enumerate(host.context_lens)
                       if not self.rank_after_prompt or starts[b + 1] - starts[b] == 1]
         self._demote(cache, rerank_demotions(full_pages, st.tier, st.mass, self.tier1_fraction))
-        # the weight doubles (a pass over every page of the pool, ~2 ms a layer at 21k pages, only
-        # when the weight grows large)
+        # the weight doubles instead of every mass halving: a pass over every page of the pool only when
+        # the weight grows large (docs/decisions.md: the formats' host work in bulk)
         st.mass, st.mass_weight = decayed_weight(st.mass, st.mass_weight)
 
     def page_mass(self, cache, page: int) -> float:
@@ -649,15 +668,12 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         """One query per sequence through moekv/ops/gluon/tiered_decode.py (pools in fragment order):
         both tiers and the staged tail in one launch, the per-page mass into the device accumulator
         as attend_kernel's. launch: num_splits, max_registers."""
-        from moekv.ops.gluon import nuq2_layout
-        from moekv.ops.gluon.tiered_decode import tiered_decode_attention
-
+        low = self.gluon_kernel.layout_module().fragment_view(self.lo, cache)
         st = cache.state
-        out, _ = tiered_decode_attention(q, nuq2_layout.fragment_view(cache, False), cache["k_fp8"], cache["v_fp8"],
-                                         st.tier_dev, st.slot_dev, ctx.block_tables, ctx.context_lens, scale,
-                                         fp8_fmt=self.hi,
-                                         staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
-                                         sliding_window=sliding_window, mass_into=st.mass_dev, **launch)
+        out, _ = self.gluon_kernel.decode_entry()(q, low, cache["k_fp8"], cache["v_fp8"], st.tier_dev, st.slot_dev,
+                                                  ctx.block_tables, ctx.context_lens, scale, fp8_fmt=self.hi,
+                                                  staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
+                                                  sliding_window=sliding_window, mass_into=st.mass_dev, **launch)
         st.mass_pending = True
         return out
 
@@ -676,7 +692,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None):
         """Attention as every format's reference path computes it (dense_attention: SDPA over the
-        dequantized context, flash on CUDA; a prefill chunk's own tokens exact, base.with_step_kv),
+        dequantized context, flash on CUDA; a prefill chunk's own tokens exact, dense.with_step_kv),
         and each full page's attention mass beside it, over the keys attention read (key_mass: the
         probabilities summed over heads and queries, a chunk of queries at a time, scoring only the
         keys each chunk can see, so the mass costs a fraction of the attention)."""
@@ -696,7 +712,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
                 mass = key_mass(q[lo:starts[b + 1]], k, scale, sliding_window, num_full * P)
                 # into the device accumulator the fused kernel adds to, folded into the host scores
                 # when they are read (_fold_mass): no device-to-host copy per sequence and layer (on
-                # CUDA each one was a sync, 128 a step at 32 sequences: see the journal, issue 23)
+                # CUDA each would be a sync: docs/decisions.md, the formats' host work in bulk)
                 pages = to_device(host.block_tables[b][:num_full], torch.long, st.mass_dev.device)
                 st.mass_dev.index_add_(0, pages, mass.reshape(num_full, P).sum(-1))
                 st.mass_pending = True

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from moekv.kvcache.calibration_io import load_calibration, save_calibration
-from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
+from moekv.kvcache.calibration_io import load_calibration, save_calibration, shard_head_tables
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
+from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.nuq2 import (
     FP8_MAX,
     NO_OUTLIER,
@@ -36,6 +37,7 @@ from moekv.kvcache.formats.nuq2 import (
     store_outliers,
 )
 from moekv.kvcache.formats.options import CALIBRATION
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 
 CODEBOOK_SIZE = 256  # uint8 codes
 SUB_DIM = 8  # channels per code: 1 bit/element for the codes (d = 4 would be 2 bits before any scale)
@@ -127,13 +129,47 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
     return e4m3_codewords(torch.stack(books).reshape(H, S, CODEBOOK_SIZE, d)).to(torch.float16)
 
 
+def fit_tables(pages: torch.Tensor, layer: int, kind: str, generator: torch.Generator, sub_dim: int, iters: int,
+               max_vectors: int) -> dict[str, torch.Tensor]:
+    """`moekv calibrate`'s fit (VQFormat.calibration_fitter): the layer's codebooks of one kind (channels
+    per subvector, Lloyd iterations, vectors per codebook), and for keys their channel scales first."""
+    tables, chan_scale = {}, None
+    if kind == "key":
+        chan_scale = tables[f"vq.layer{layer}.key.chan_scale"] = fit_key_channel_scale(pages)  # [Hkv, D]
+    tables[f"vq.layer{layer}.{kind}.codebook"] = fit_codebook(  # [Hkv, D/d, C, d] e4m3 values in fp16
+        pages, kind, chan_scale, sub_dim, iters, max_vectors, generator)
+    return tables
+
+
+def calibration_summary(tables: dict[str, torch.Tensor], options: dict, seed: int) -> dict:
+    """What the calibration record says about vq's tables: the fit's options and the codebooks' bytes."""
+    return {**options, "codebook_size": CODEBOOK_SIZE, "seed": seed,
+            "codebook_bytes_fp16": sum(t.numel() * t.element_size() for n, t in tables.items()
+                                       if n.endswith(".codebook"))}
+
+
+def _gluon_covers(fmt: VQFormat, block_size: int, head_dim: int) -> str | None:
+    slots = max(fmt.outlier_slots(kind, block_size, head_dim) for kind in ("key", "value"))
+    if (block_size, head_dim, fmt.sub_dim, slots) == (64, 128, 8, 0):  # no outlier slots fit the slabs there
+        return None
+    return ("vq's Gluon kernel covers block_size 64, head_dim 128 and 8-channel codes, "
+            f"got block_size {block_size}, head_dim {head_dim}, {fmt.sub_dim}-channel codes")
+
+
 class VQFormat(FragmentPagedFormat):
     name = "vq"
+    # its pages converted from the slabs into the kernel's fragment order when written; the view of a
+    # pool carries its layer's codebooks and key channel scales (vq_layout.py)
+    gluon_kernel = GluonKernel("moekv.ops.gluon.vq_layout", "moekv.ops.gluon.vq_decode:vq_decode_attention",
+                               _gluon_covers)
     needs_calibration = True
     engine_options = (CALIBRATION,)
     # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
     # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
+
+    calibration_fitter = CalibrationFitter(fit_tables, {"sub_dim": SUB_DIM, "iters": 16, "max_vectors": 16384},
+                                           calibration_summary)
 
     def __init__(self, calibration: str | Path | None = None) -> None:
         if calibration is None:
@@ -145,6 +181,9 @@ class VQFormat(FragmentPagedFormat):
         self._on_device: dict = {}  # (name, device) -> fp32 copy; ("decode", layer, device) -> decode tables
 
     # -- calibration tables ------------------------------------------------------------------------
+    def shard_tables(self, kv_heads, num_kv_heads) -> None:
+        shard_head_tables(self.tables, kv_heads, num_kv_heads)  # codebooks and key channel scales, per KV head
+
     def _table(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         if name not in self.tables:
             raise ValueError(f"kv_cache_dtype='vq': the calibration in {str(self.calibration)!r} has no {name!r} "
@@ -184,36 +223,6 @@ class VQFormat(FragmentPagedFormat):
         from moekv.ops.decode.vq import vq_spec
 
         return vq_spec(self, block_size, head_dim)
-
-    # -- the Gluon decode kernel's page layout (moekv/ops/gluon/vq_layout.py) ---------------------------
-    def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
-        """Whether pools of this shape keep their pages in the Gluon vq kernel's fragment order
-        (converted from the slabs when pages are written), by the format's decode_kernel
-        (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128, 8-channel codes (no outlier
-        slots fit the slabs there)."""
-        slots = max(self.outlier_slots(kind, block_size, head_dim) for kind in ("key", "value"))
-        covered = (block_size, head_dim, self.sub_dim, slots) == (64, 128, 8, 0)
-        return gluon_pages_wanted(self.decode_kernel, covered, device,
-                                  "vq's Gluon kernel covers block_size 64, head_dim 128 and "
-                                  f"8-channel codes, got block_size {block_size}, head_dim {head_dim}, "
-                                  f"{self.sub_dim}-channel codes")
-
-    def fragment_layout(self):
-        from moekv.ops.gluon import vq_layout
-
-        return vq_layout
-
-    def fragment_view(self, cache, page_ids=None):
-        """The pool's fragment tables with the cache's layer's codebooks and key channel scales."""
-        layout = self.fragment_layout()
-        device = cache["k_codes"].device
-        return layout.fragment_view(cache, layout.layer_tables(self, cache.layer or 0, device), page_ids)
-
-    def gluon_decode(self, q, cache, ctx, scale, sliding_window, staged):
-        from moekv.ops.gluon.vq_decode import vq_decode_attention
-
-        return vq_decode_attention(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                   staged=staged, sliding_window=sliding_window)
 
     def codebook_bytes(self) -> int:
         """Bytes of every codebook and channel scale (shared by all pages, outside the page bits)."""

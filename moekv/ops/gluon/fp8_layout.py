@@ -163,12 +163,12 @@ def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int, device: to
                             for name, kind in (("k", "key"), ("v", "value"))}, num_blocks, num_kv_heads, device)
 
 
-def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
+def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor, layer: int | None = None) -> dict[str, torch.Tensor]:
     """One kind's fp8_e4m3 slabs [N, H, slab] -> its pool's rows in fragment order. No host sync."""
     return {("k" if kind == "key" else "v") + "_slabs": slabs_to_fragment(fmt, kind, slabs)}
 
 
-def fragment_view(fmt, tensors, page_ids: torch.Tensor | None = None) -> FP8FragmentPages:
+def fragment_view(fmt, tensors, page_ids: torch.Tensor | None = None, layer: int | None = None) -> FP8FragmentPages:
     """FP8FragmentPages of fmt over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
     return FP8FragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids), fmt=fmt)
 

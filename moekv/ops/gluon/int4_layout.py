@@ -179,7 +179,7 @@ def check_shape(fmt, block_size: int, head_dim: int) -> None:
                          f"{fmt.num_outliers(head_dim)}")
 
 
-def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
+def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor, layer: int | None = None) -> dict[str, torch.Tensor]:
     """One kind's int4 slabs [N, H, slab] uint8 -> its fragment-order tables, named as
     Int4FragmentPages' fields. No host sync (usable inside captured steps)."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
@@ -256,6 +256,6 @@ def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
     return allocate_tables(fragment_table_shapes(fmt), num_blocks, num_kv_heads, device)
 
 
-def fragment_view(tensors, page_ids: torch.Tensor | None = None) -> Int4FragmentPages:
+def fragment_view(fmt, tensors, page_ids: torch.Tensor | None = None, layer: int | None = None) -> Int4FragmentPages:
     """Int4FragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
     return Int4FragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids))

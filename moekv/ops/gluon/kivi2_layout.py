@@ -146,7 +146,7 @@ def check_shape(fmt, block_size: int, head_dim: int) -> None:
                          f"and {fmt.group}")
 
 
-def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
+def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor, layer: int | None = None) -> dict[str, torch.Tensor]:
     """One kind's kivi2 slabs [N, H, slab] uint8 -> its fragment-order tables, named as
     Kivi2FragmentPages' fields. No host sync and no copy from the host (usable inside captured steps)."""
     check_shape(fmt, PAGE_TOKENS, HEAD_DIM)
@@ -217,6 +217,6 @@ def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
     return allocate_tables(fragment_table_shapes(fmt), num_blocks, num_kv_heads, device)
 
 
-def fragment_view(tensors, page_ids: torch.Tensor | None = None) -> Kivi2FragmentPages:
+def fragment_view(fmt, tensors, page_ids: torch.Tensor | None = None, layer: int | None = None) -> Kivi2FragmentPages:
     """Kivi2FragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
     return Kivi2FragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids))

@@ -304,6 +304,6 @@ def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
     return out
 
 
-def fragment_view(tensors, calibrated: bool, page_ids: torch.Tensor | None = None) -> Nuq2FragmentPages:
-    """Nuq2FragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
-    return Nuq2FragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids), calibrated=calibrated)
+def fragment_view(fmt, tensors, page_ids: torch.Tensor | None = None, layer: int | None = None) -> Nuq2FragmentPages:
+    """Nuq2FragmentPages of fmt over a pool's tables (a LayerKVCache or dict), all pages or page_ids only."""
+    return Nuq2FragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids), calibrated=fmt.calibrated)

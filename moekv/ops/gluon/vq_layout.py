@@ -151,7 +151,7 @@ def check_shape(fmt, block_size: int, head_dim: int) -> None:
                          f"{head_dim}, {fmt.sub_dim} and {slots} slots")
 
 
-def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
+def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor, layer: int | None = None) -> dict[str, torch.Tensor]:
     """One kind's vq slabs [N, H, slab] uint8 -> its fragment-order page tables, named as
     VQFragmentPages' fields (k_codes, k_tok_scale, k_mean; v_codes, v_tok_scale). No host sync and no
     copy from the host (the engine converts the pages a captured decode step fills)."""
@@ -233,7 +233,8 @@ def allocate_fragment_tables(fmt, num_blocks: int, num_kv_heads: int,
     return allocate_tables(fragment_table_shapes(fmt), num_blocks, num_kv_heads, device)
 
 
-def fragment_view(tensors, tables: dict[str, torch.Tensor], page_ids: torch.Tensor | None = None) -> VQFragmentPages:
-    """VQFragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only, with the
-    layer's calibration tables (layer_tables)."""
+def fragment_view(fmt, tensors, page_ids: torch.Tensor | None = None, layer: int | None = None) -> VQFragmentPages:
+    """VQFragmentPages over a pool's tables (a LayerKVCache or dict), all pages or page_ids only, with
+    `layer`'s calibration tables (layer_tables) on the pool's device."""
+    tables = layer_tables(fmt, layer or 0, tensors["k_codes"].device)
     return VQFragmentPages(**pick_pages(tensors, FRAGMENT_FIELDS, page_ids), **tables)

@@ -20,7 +20,8 @@ class EngineStepError(RuntimeError):
 class LLM:
     """llm = LLM(model=PATH, dtype=..., device=..., kv_cache_dtype=..., max_model_len=..., ...)
 
-    Keyword arguments are the fields of EngineConfig.
+    Keyword arguments are EngineConfig's, flat (its own fields and every group's, kv_cache_dtype,
+    max_num_seqs, kv_group_size, ...) or whole groups (cache=CacheConfig(...)).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

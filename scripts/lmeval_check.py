@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Run lm-evaluation-harness (`local-completions`, log-likelihood requests through echo + logprobs)
-against `moekv serve`, offline, on a small cloze task built from the tiny model's held-out text, and
+against `moekv serve`, offline, on a small cloze task built from the model's held-out text, and
 check that every log-likelihood it got equals the one LLM.score gives for the same (context,
 continuation) pair.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TASK = "moekv_heldout_cloze"
-HELDOUT_FILES = ["pg2600.txt", "tinyshakespeare.txt"]  # two of the tiny model's training books
+HELDOUT_FILES = ["prose.txt", "drama.txt"]  # in the model folder's heldout/ (models/domain-moe ships them)
 
 
 def offline_env() -> None:
@@ -36,16 +36,9 @@ def offline_env() -> None:
         os.environ[var] = "1"
 
 
-def heldout_text(data_dir: Path) -> str:
-    """The held-out split (last 5%) of HELDOUT_FILES, cut as scripts/train_tiny_moe.py cuts it."""
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    from train_tiny_moe import split_holdout, strip_gutenberg
-
-    texts = []
-    for name in HELDOUT_FILES:
-        raw = (data_dir / name).read_text(encoding="utf-8").replace("\r\n", "\n")
-        texts.append(split_holdout(strip_gutenberg(raw), 0.05)[1])
-    return "\n".join(texts)
+def heldout_text(heldout_dir: Path) -> str:
+    """HELDOUT_FILES of heldout_dir (text the model never saw in training), one after the other."""
+    return "\n".join((heldout_dir / name).read_text(encoding="utf-8") for name in HELDOUT_FILES)
 
 
 def cloze_items(text: str, n: int, n_choices: int = 4, seed: int = 0) -> list[dict]:
@@ -171,7 +164,7 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=Path(default_model_path()))
-    p.add_argument("--data-dir", type=Path, default=REPO_ROOT.parent / "shared" / "data" / "text")
+    p.add_argument("--heldout-dir", type=Path, help="folder of HELDOUT_FILES (default: the model's heldout/)")
     p.add_argument("--items", type=int, default=32)
     p.add_argument("--url", help="a running `moekv serve` serving --model as 'tiny' (default: start one)")
     p.add_argument("--port", type=int, default=8791)
@@ -180,7 +173,7 @@ def main() -> int:
                    help="only write the task (YAML + JSONL) to DIR, for `lm_eval --include_path DIR`")
     args = p.parse_args()
 
-    items = cloze_items(heldout_text(args.data_dir), args.items)
+    items = cloze_items(heldout_text(args.heldout_dir or args.model / "heldout"), args.items)
     if args.write_task:
         print(f"wrote {write_task(args.write_task.resolve(), items)}/{TASK}.yaml ({len(items)} items)")
         return 0

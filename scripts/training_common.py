@@ -1,7 +1,6 @@
-"""What both training-data scripts share: Gutenberg stripping, the byte-level BPE, its files and chat template.
+"""Gutenberg stripping, the byte-level BPE, its files and chat template, for the training data.
 
-Imported by scripts/train_tiny_moe.py and scripts/prepare_domain_data.py (run as scripts, so this
-folder is on sys.path).
+Imported by scripts/prepare_domain_data.py (run as a script, so this folder is on sys.path).
 """
 from __future__ import annotations
 

@@ -13,14 +13,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-@pytest.fixture
-def triton_slab_pools(monkeypatch):
-    """For modules that test the Triton decode kernels, which read slab pools: on an sm_90 GPU the
-    default ('auto') puts covered shapes in a Gluon kernel's fragment order (tested in
-    tests/test_gluon_*.py)."""
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
-
-
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """arch name -> folder of a tiny random checkpoint saved by transformers."""

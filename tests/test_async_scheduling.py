@@ -60,6 +60,7 @@ def mixed_requests(sync_llm):
     return prompts, params
 
 
+@pytest.mark.slow
 def test_async_gives_what_the_synchronous_engine_gives(sync_llm, async_llm):
     prompts, params = mixed_requests(sync_llm)
     want = sync_llm.generate(prompts, params)

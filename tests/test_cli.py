@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
+
+import pytest
 
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "moekv.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_streams_text(mixtral_ckpt):
     r = run_cli("generate", "--model", str(mixtral_ckpt), "--prompt", "It was the best", "--max-tokens", "8",
                 "--ignore-eos")
@@ -17,6 +21,7 @@ def test_generate_streams_text(mixtral_ckpt):
     assert "8 tokens in" in r.stderr and "finish_reason=length" in r.stderr
 
 
+@pytest.mark.slow
 def test_info_prints_counts_and_kv_bytes(mixtral_ckpt):
     r = run_cli("info", "--model", str(mixtral_ckpt))
     assert r.returncode == 0, r.stderr
@@ -26,6 +31,7 @@ def test_info_prints_counts_and_kv_bytes(mixtral_ckpt):
     assert "active per token" in r.stdout
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_clear_line(mixtral_ckpt, tmp_path):
     r = run_cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
     assert r.returncode == 2 and "model folder not found" in r.stderr and "Traceback" not in r.stderr
@@ -33,6 +39,7 @@ def test_bad_input_is_one_clear_line(mixtral_ckpt, tmp_path):
     assert r.returncode == 2 and "kv_cache_dtype='int3' is unknown" in r.stderr
 
 
+@pytest.mark.slow
 def test_engine_runs_without_importing_transformers(mixtral_ckpt):
     """Loading and generating must not pull in transformers (a dev dependency only)."""
     code = ("import sys; from moekv import LLM, SamplingParams; "
@@ -42,16 +49,51 @@ def test_engine_runs_without_importing_transformers(mixtral_ckpt):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_default_model_generates_english(tmp_path):
-    """No --model: the bundled tiny model answers with words."""
-    r = run_cli("generate", "--prompt", "It was a dark and stormy night", "--max-tokens", "24", "--quiet")
+    """No --model: the bundled model answers with words, and with its generation_config.json's sampling
+    settings it does not loop (greedy, it repeats "he was in a fat" three times in 48 tokens)."""
+    r = run_cli("generate", "--prompt", "It was a dark and stormy night", "--max-tokens", "48", "--quiet")
     assert r.returncode == 0, r.stderr
     words = r.stdout.split()
-    assert len(words) >= 8 and sum(w.strip(".,!?;:'\"").isalpha() for w in words) >= len(words) // 2
+    assert len(words) >= 16 and sum(w.strip(".,!?;:'\"“”’").isalpha() for w in words) >= len(words) // 2
+    lowered = [w.strip(".,!?;:'\"“”’").lower() for w in words]
+    trigrams = Counter(zip(lowered, lowered[1:], lowered[2:]))
+    assert max(trigrams.values()) <= 2, trigrams.most_common(3)
+
+
+def test_generate_sampling_flags_default_to_generation_config(mixtral_ckpt, monkeypatch):
+    """--temperature, --top-p, --top-k and --repetition-penalty: a flag given wins, then the checkpoint's
+    generation_config.json, then greedy without penalty (as the server and LLM default to the file too)."""
+    from moekv.cli import build_parser, engine_config_from
+    from moekv.cli.generate import _generate
+    from moekv.engine.llm_engine import LLMEngine
+
+    parser = build_parser()
+    base = ["generate", "--model", str(mixtral_ckpt), "--prompt", "x", "--max-tokens", "2", "--quiet"]
+    engine = LLMEngine(engine_config_from(parser.parse_args(base)))
+    seen = []
+    add = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda rid, prompt, params, **kw: (seen.append(params),
+                                                                                 add(rid, prompt, params, **kw))[1])
+
+    def fields_for(generation_config, *flags):
+        engine.generation_config = generation_config
+        assert _generate(engine, parser.parse_args([*base, *flags])) == 0
+        p = seen.pop()
+        return p.temperature, p.top_p, p.top_k, p.repetition_penalty
+
+    sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
+    assert fields_for({}) == (0.0, 1.0, -1, 1.0)
+    assert fields_for({"do_sample": False, "top_p": 0.5}) == (0.0, 0.5, -1, 1.0)
+    assert fields_for(sampling) == (0.7, 0.9, 50, 1.1)
+    assert fields_for(sampling, "--temperature", "0", "--top-k", "5") == (0.0, 0.9, 5, 1.1)
+    flags = ("--temperature", "1.2", "--top-p", "0.8", "--repetition-penalty", "1.3")
+    assert fields_for({}, *flags) == (1.2, 0.8, -1, 1.3)
 
 
 def test_async_scheduling_flag_reaches_the_engine_config(mixtral_ckpt):
-    """--async-scheduling / --no-async-scheduling set EngineConfig.async_scheduling; without either it
+    """--async-scheduling / --no-async-scheduling set EngineConfig.scheduler.async_scheduling; without either it
     is None, which means on for CUDA (the GPU tests of test_cuda_graphs run with that default) and off on
     the CPU."""
     from moekv.cli import build_parser, engine_config_from
@@ -61,33 +103,42 @@ def test_async_scheduling_flag_reaches_the_engine_config(mixtral_ckpt):
     seen = {}
     for flags, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
         args = parser.parse_args(["generate", "--model", str(mixtral_ckpt), "--prompt", "x", *flags])
-        seen[tuple(flags)] = engine_config_from(args).async_scheduling
+        seen[tuple(flags)] = engine_config_from(args).scheduler.async_scheduling
         assert seen[tuple(flags)] is want, flags
     assert not EngineConfig(model=mixtral_ckpt).async_scheduling_enabled  # the CPU's default
     assert EngineConfig(model=mixtral_ckpt, async_scheduling=True).async_scheduling_enabled
 
 
 def test_every_engine_config_field_has_a_flag_with_its_default():
-    """The engine flags are EngineConfig's fields: each one a flag, with the field's default, and the
-    parsed defaults build the default EngineConfig."""
+    """The engine flags are EngineConfig's flat fields (its own, every group's, every KV format's
+    options): each one a flag, with the field's default, and the parsed defaults build the default
+    EngineConfig."""
     import dataclasses
     from pathlib import Path
 
     from moekv.cli import build_parser
     from moekv.cli.engine_args import engine_config_from, flag_name
-    from moekv.config import EngineConfig, field_default
+    from moekv.config import EngineConfig, config_groups, flat_fields
+    from moekv.kvcache.formats import engine_options
 
+    # generate runs one prompt, so its pool holds one sequence (the only default a command changes)
+    own = {"generate": {"max_num_seqs": 1}}
     for command in (["generate", "--prompt", "x"], ["serve"], ["eval", "ppl", "--text", "t"],
                     ["eval", "routing", "--text", "t"], ["eval", "retrieval", "--text", "t"]):
         args = build_parser().parse_args(command)
-        for f in dataclasses.fields(EngineConfig):
-            default = field_default(f)
+        changed = own.get(command[0], {})
+        for f in flat_fields():
+            default = changed.get(f.name, f.default)
             assert getattr(args, f.name) == (str(default) if isinstance(default, Path) else default), \
                 (command[0], flag_name(f))
-        assert engine_config_from(args) == EngineConfig()
-    flags = {flag_name(f) for f in dataclasses.fields(EngineConfig)}
+        assert engine_config_from(args) == EngineConfig(**changed)
+    names = {f.name for f in flat_fields()}
+    for group, cls in config_groups().items():  # every field of every group, but the formats' options' holder
+        assert {f.name for f in dataclasses.fields(cls)} - {"kv_options"} <= names, group
+    assert {option.field for option in engine_options().values()} <= names
+    flags = {flag_name(f) for f in flat_fields()}
     assert {"--kv-cache-dtype", "--max-model-len", "--block-size", "--enforce-eager", "--async-scheduling",
-            "--cluster-map", "--load-format"} <= flags
+            "--cluster-map", "--load-format", "--kv-group-size", "--kv-rank-after-prompt"} <= flags
 
 
 def test_engine_flags_reach_the_engine_config():
@@ -97,8 +148,9 @@ def test_engine_flags_reach_the_engine_config():
                                       "tiered", "--enforce-eager", "--no-async-scheduling", "--engine-seed", "7",
                                       "--kv-tier1-fraction", "0.25", "--load-format", "dummy"])
     cfg = engine_config_from(args)
-    assert (cfg.max_model_len, cfg.block_size, cfg.kv_cache_dtype, cfg.enforce_eager, cfg.async_scheduling,
-            cfg.seed, cfg.kv_tier1_fraction, cfg.load_format) == (64, 32, "tiered", True, False, 7, 0.25, "dummy")
+    assert (cfg.max_model_len, cfg.cache.block_size, cfg.cache.kv_cache_dtype, cfg.enforce_eager,
+            cfg.scheduler.async_scheduling, cfg.seed, cfg.cache.kv_options["tier1_fraction"], cfg.load_format) == (
+                64, 32, "tiered", True, False, 7, 0.25, "dummy")
 
 
 def test_kv_format_names_match_the_registry():
@@ -108,6 +160,7 @@ def test_kv_format_names_match_the_registry():
     assert (*_PLAIN, *_COMPRESSED) == KV_FORMAT_NAMES
 
 
+@pytest.mark.slow
 def test_info_rows_name_their_page_size_and_eval_refuses_stride_0(mixtral_ckpt, tmp_path):
     r = run_cli("info", "--model", str(mixtral_ckpt))
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if "bytes/token" in line}

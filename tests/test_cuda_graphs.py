@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moekv import LLM, SamplingParams
+from moekv.config import default_block_size
 from moekv.engine.block_manager import BlockManager
 from moekv.engine.cuda_graphs import (
     DecodeGraphs,
@@ -25,11 +26,14 @@ from moekv.engine.cuda_graphs import (
     pad_decode_inputs,
     step_fits_graph,
 )
-from moekv.kvcache.formats import get_kv_format
+from moekv.kvcache.formats import compressed_formats, get_kv_format
 from moekv.kvcache.formats.tiered import TIER_LOW
+from tests.kv_formats import engine_kwargs_for, format_options, self_contained_compressed
 
 CUDA = torch.device("cuda")  # only its .type is read by graphs_unsupported_reason
-GRAPH_FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2"]
+# every format that replays its decode steps without tables or host-side step state (vq's tables
+# and tiered's re-ranking have tests of their own below)
+GRAPH_FORMATS = ["bf16", *self_contained_compressed()]
 PROMPTS = [[5, 17, 33, 90, 4], [9, 8, 7, 250, 3, 3, 31, 64, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54],
            [100 + i for i in range(41)]]
 
@@ -117,10 +121,10 @@ def test_which_steps_fit_a_graph():
 
 @pytest.mark.parametrize("name", GRAPH_FORMATS)
 def test_graph_safe_formats(name):
-    fmt = get_kv_format(name, torch.bfloat16, **({"codebook": "page"} if name in ("nuq2", "tiered") else {}))
-    block_size = 16 if name == "bf16" else 64
+    fmt = get_kv_format(name, torch.bfloat16, **format_options(name))
+    block_size = default_block_size(name)
     assert fmt.graph_support.replays_decode and fmt.graph_support.replays_fills
-    assert fmt.graph_support.lists_fills == (name != "bf16")  # paged formats quantize the fills themselves
+    assert fmt.graph_support.lists_fills == (name in compressed_formats())  # paged formats quantize the fills
     assert graphs_unsupported_reason(CUDA, False, fmt, torch.bfloat16, block_size, 32) is None
     assert "enforce_eager" in graphs_unsupported_reason(CUDA, True, fmt, torch.bfloat16, block_size, 32)
     assert "CUDA" in graphs_unsupported_reason(torch.device("cpu"), False, fmt, torch.bfloat16, block_size, 32)
@@ -220,7 +224,8 @@ def _with_emulated_graphs(llm):
     """Route the runner's graph path through the padded static buffers, run eagerly (the CPU has no
     graphs); record each such step's context lengths."""
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.device, llm.engine.config.max_num_seqs, runner.max_pages_per_seq,
+    graphs = DecodeGraphs(runner.model, runner.device, llm.engine.config.scheduler.max_num_seqs,
+                          runner.max_pages_per_seq,
                           runner.block_size, runner.scratch_page, runner.scratch_slot, use_graphs=False,
                           fill_variants=runner.kv_format.graph_support.lists_fills,
                           after_forward=runner.quantize_filled_pages)
@@ -236,15 +241,13 @@ def _with_emulated_graphs(llm):
     return graphs, calls
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3", "int4", "kivi2", "nuq2"])
+@pytest.mark.parametrize("fmt", ["fp32", *self_contained_compressed()])
 def test_padded_static_step_matches_eager_on_cpu(hd32_ckpt, fmt):
     """The graph path's padded rows (and padded page fills) must not disturb the real ones: the
     static-buffer step (run eagerly on the CPU) gives the eager path's tokens, takes decode steps
     that fill pages too (quantized from the static fill lists), and leaves every page free."""
     block_size = 16 if fmt == "fp32" else 32
-    kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_dtype=fmt, block_size=block_size)
-    if fmt == "kivi2":
-        kwargs["kv_residual"] = 32
+    kwargs = engine_kwargs_for(fmt, dtype="float32", max_model_len=128, max_num_seqs=4, block_size=block_size)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 9, 6)]
     prompts = [{"prompt_token_ids": p[:n]} for p, n in zip(PROMPTS, (5, 23, 30))]
     eager = LLM(hd32_ckpt, **kwargs)
@@ -385,11 +388,11 @@ def test_graph_path_skips_steps_that_need_prompt_logits_or_observers(mixtral_ckp
     assert calls, "decode steps after the prompt still replay (prompt logprobs are done by then)"
     calls.clear()
     attn = llm.engine.runner.model.attention_layers[0]
-    attn.kv_observer = lambda *a: None
+    attn.hooks.kv_observer = lambda *a: None
     try:
         llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=6, temperature=0.0))
     finally:
-        attn.kv_observer = None
+        attn.hooks.kv_observer = None
     assert not calls  # a Python observer inside the step: eager
 
 
@@ -574,12 +577,12 @@ def test_tiered_fused_decode_matches_reference_in_the_engine(hd32_ckpt, monkeypa
 
     monkeypatch.setattr(TieredFormat, "attend_kernel", counting)
     fused = LLM(hd32_ckpt, **kwargs)
-    fused.engine.runner.model.attention_layers[0].kv_format.rerank_interval = rerank_interval
+    fused.engine.runner.model.attention_layers[0].hooks.kv_format.rerank_interval = rerank_interval
     out = fused.generate(prompts, params)
     assert calls, "the fused kernel was not used"
     monkeypatch.setattr(TieredFormat, "use_kernel", lambda *a, **k: False)
     ref_llm = LLM(hd32_ckpt, **kwargs)
-    ref_llm.engine.runner.model.attention_layers[0].kv_format.rerank_interval = rerank_interval
+    ref_llm.engine.runner.model.attention_layers[0].hooks.kv_format.rerank_interval = rerank_interval
     ref = ref_llm.generate(prompts, params)
     diffs = _tiered_logprob_diffs(ref, out, rerank_interval)
     exact = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, out))

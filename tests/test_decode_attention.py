@@ -24,7 +24,7 @@ from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa:
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import _is_decode_only  # noqa: E402
+from moekv.kvcache.formats.base import is_decode_only  # noqa: E402
 from moekv.kvcache.formats.nuq2 import fit_centroids  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
@@ -34,7 +34,12 @@ decode_launch, nuq2_tiles, paged = (decode[f"moekv.ops.decode.{name}"] for name 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-pytestmark = pytest.mark.usefixtures("triton_slab_pools")
+def slab_format(name: str, model_dtype: torch.dtype = torch.bfloat16, **options):
+    """The registry's format `name` with slab pools (decode_kernel='triton'): these tests (and
+    test_decode_vq.py's, test_decode_tiered.py's) check the Triton decode kernels, which read slabs,
+    where 'auto' on an sm_90 GPU would put covered shapes in a Gluon kernel's fragment order (tested in
+    tests/test_gluon_*.py)."""
+    return get_kv_format(name, model_dtype, decode_kernel="triton", **options)
 
 
 # label -> (kv_cache_dtype, options)
@@ -110,7 +115,7 @@ def run_case(label, lens, num_kv_heads, group, head_dim, block_size, num_splits,
     block_size = page_size(label, block_size)
     name, options = FORMATS[label]
     kv_dtype = torch.float16 if label == "fp16" else torch.bfloat16
-    fmt = get_kv_format(name, kv_dtype, **options)
+    fmt = slab_format(name, kv_dtype, **options)
     cache, ctx = build_cache(fmt, lens, num_kv_heads, head_dim, block_size, kv_dtype, seed=seed, kv=kv)
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(DEVICE, q_dtype)
@@ -152,6 +157,7 @@ GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", list(FORMATS))
 @pytest.mark.parametrize("case", range(len(GRID)))
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
@@ -165,6 +171,7 @@ def test_kernel_matches_reference(label, case, swap_ab):
     check(label, out, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["fp8_e4m3", "int4_g32", "kivi2_r32", "nuq2", "bf16"])
 def test_the_last_split_reads_the_tail(label):
     """The 16-bit tail (staging page, kivi2's ring) is read by the last split after its pages, in
@@ -174,7 +181,7 @@ def test_the_last_split_reads_the_tail(label):
     some sequences have tiles."""
     lens, hkv, group, head_dim, block_size, splits, block_n = [150, 64, 7], 2, 4, 64, 32, 3, 32
     name, options = FORMATS[label]
-    fmt = get_kv_format(name, torch.bfloat16, **options)
+    fmt = slab_format(name, torch.bfloat16, **options)
     cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, torch.bfloat16, seed=3)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     spec = fmt.decode_spec(block_size, head_dim)
@@ -191,6 +198,7 @@ def test_the_last_split_reads_the_tail(label):
     assert (outs[False] - outs[True]).abs().max().item() <= tolerance(label, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32", "kivi2_g64", "nuq2"])
 def test_pages_of_16_and_sliding_window(label):
     block_size = 32 if label.startswith("kivi2") else 16
@@ -200,6 +208,7 @@ def test_pages_of_16_and_sliding_window(label):
         check(label, out, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_n", [16, 32, 64])
 def test_nuq2_head_dim_16(block_n):
     """head_dim 16 takes the join-free unpack (moekv/ops/decode/codes.py JOIN_FREE_BELOW: a join into a 16-wide
@@ -208,7 +217,7 @@ def test_nuq2_head_dim_16(block_n):
     kv = lambda T, g: _heavy_kv(T, g, 2, 16)  # noqa: E731
     out, ref, cache, _ = run_case("nuq2", [83, 16, 30], 2, 4, 16, 16, 2, kv=kv, seed=5, block_n=block_n)
     check("nuq2", out, ref)
-    assert _used_slots(get_kv_format("nuq2", codebook="page"), cache, "key", 16, 16) > 0
+    assert _used_slots(slab_format("nuq2", codebook="page"), cache, "key", 16, 16) > 0
 
 
 def _outlier_kv(T, g, num_kv_heads=2, head_dim=64):
@@ -227,6 +236,7 @@ def _zero_kv(T, g, num_kv_heads=2, head_dim=64):
     return torch.zeros(T, num_kv_heads, head_dim), torch.zeros(T, num_kv_heads, head_dim)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", list(FORMATS))
 def test_structured_inputs(label):
     out, ref, _, _ = run_case(label, [130, 64], 2, 4, 64, 32, 3, kv=_outlier_kv, seed=5)
@@ -246,8 +256,8 @@ def test_16bit_queries(label):
 def test_default_splits_follow_the_spec():
     """The launcher's splits are num_splits_for's times the format's split_factor (fp8: 2, the rest 1),
     never more than one tile each."""
-    bf16 = get_kv_format("bf16").decode_spec(64, 128)
-    fp8 = get_kv_format("fp8_e4m3").decode_spec(64, 128)
+    bf16 = slab_format("bf16").decode_spec(64, 128)
+    fp8 = slab_format("fp8_e4m3").decode_spec(64, 128)
     assert bf16.split_factor == 1 and fp8.split_factor == 2
     for batch, context in [(1, 4096), (16, 32768), (64, 32768)]:
         base = decode_launch.num_splits_for(batch, 8, context, 64, 132)
@@ -261,14 +271,14 @@ def test_dispatch(nuq2_calibration, monkeypatch):
     """CPU and prefill keep the reference path; CUDA decode steps go to the kernel where a format
     has a DecodeSpec; fp32 pages and unkernelised formats have none. nuq2 with calibrated codebooks
     has one (its centroids as DecodeSpec.tables) and still takes the reference path on CPU."""
-    assert get_kv_format("fp32").decode_spec(16, 64) is None
-    assert get_kv_format("tiered").decode_spec(16, 64) is None
-    calibrated = get_kv_format("nuq2", calibration=nuq2_calibration(2, 64))
+    assert slab_format("fp32").decode_spec(16, 64) is None
+    assert slab_format("tiered").decode_spec(16, 64) is None
+    calibrated = slab_format("nuq2", calibration=nuq2_calibration(2, 64))
     assert calibrated.calibrated
     spec = calibrated.decode_spec(16, 64)
     assert spec is not None and callable(spec.tables)
     assert spec.key.params[0] == spec.value.params[0] == nuq2_tiles.NUQ2_TABLE_CENTROIDS
-    assert get_kv_format("nuq2", codebook="page").decode_spec(16, 64).tables == ()  # page codebooks: unchanged
+    assert slab_format("nuq2", codebook="page").decode_spec(16, 64).tables == ()  # page codebooks: unchanged
     cache, ctx = build_cache(calibrated, [40, 9], 2, 64, 16, torch.bfloat16, device=torch.device("cpu"), layer=1)
     k_tab, v_tab = spec.tables(cache)  # layer 1's, [Hkv, 4] fp16, one copy per (layer, device)
     assert k_tab.dtype == torch.float16 and k_tab.shape == (2, 4) and k_tab.is_contiguous()
@@ -280,23 +290,23 @@ def test_dispatch(nuq2_calibration, monkeypatch):
     assert torch.equal(calibrated.attend(q, cache, ctx, 0.125, None),
                        calibrated.attend_reference(q, cache, ctx, 0.125, None))
     monkeypatch.undo()
-    fp32_books = get_kv_format("nuq2", calibration=nuq2_calibration(2, 64))
+    fp32_books = slab_format("nuq2", calibration=nuq2_calibration(2, 64))
     fp32_books.tables = {k: v.float() for k, v in fp32_books.tables.items()}
     assert fp32_books.decode_spec(16, 64) is None  # the kernel's lookup is fp16: not exact for these
     for label in FORMATS:
         name, options = FORMATS[label]
         block_size = page_size(label, 32 if name == "kivi2" else 16)
-        assert get_kv_format(name, **options).decode_spec(block_size, 64) is not None
-    fmt = get_kv_format("fp8_e4m3")
+        assert slab_format(name, **options).decode_spec(block_size, 64) is not None
+    fmt = slab_format("fp8_e4m3")
     cache, ctx = build_cache(fmt, [40, 9], 2, 64, 16, torch.bfloat16, device=torch.device("cpu"))
     q = torch.randn(2, 8, 64)
     assert torch.equal(fmt.attend(q, cache, ctx, 0.125, None), fmt.attend_reference(q, cache, ctx, 0.125, None))
-    assert _is_decode_only(q, ctx)
+    assert is_decode_only(q, ctx)
     ctx.max_query_len = None
-    assert _is_decode_only(q, ctx)  # found from query_start_loc
+    assert is_decode_only(q, ctx)  # found from query_start_loc
     ctx.query_start_loc = torch.tensor([0, 0, 2], dtype=torch.int32)
-    assert not _is_decode_only(q, ctx)
-    assert not _is_decode_only(q[:1], ctx)
+    assert not is_decode_only(q, ctx)
+    assert not is_decode_only(q[:1], ctx)
 
 
 # -- nuq2: outlier slots in use ---------------------------------------------------------------------------
@@ -332,6 +342,7 @@ NUQ2_GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(NUQ2_GRID)))
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
 def test_nuq2_outlier_slots(case, swap_ab):
@@ -343,12 +354,13 @@ def test_nuq2_outlier_slots(case, swap_ab):
     out, ref, cache, _ = run_case("nuq2", lens, hkv, group, 64, block_size, splits, kv=kv, seed=case,
                                   block_n=block_n, swap_ab=swap_ab)
     check("nuq2", out, ref)
-    fmt = get_kv_format("nuq2", codebook="page")
+    fmt = slab_format("nuq2", codebook="page")
     slots = fmt.outlier_slots("key", block_size, 64)
     assert slots > 16 and _used_slots(fmt, cache, "key", block_size, 64) == slots  # every chunk in use
     assert _used_slots(fmt, cache, "value", block_size, 64) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(NUQ2_GRID)))
 def test_nuq2_slot_modes(case):
     """The kernel variants the benchmark times: 'eager' (the first slot code) and 'first' (chunk 0
@@ -357,7 +369,7 @@ def test_nuq2_slot_modes(case):
     use: every branch skipped) and 'first' (its unconditional chunk 0 holds no used slot)."""
     lens, hkv, group, block_size, splits, block_n = NUQ2_GRID[case]
     kv = lambda T, g: _heavy_kv(T, g, hkv, 64)  # noqa: E731
-    fmt = get_kv_format("nuq2", codebook="page")
+    fmt = slab_format("nuq2", codebook="page")
     cache, ctx = build_cache(fmt, lens, hkv, 64, block_size, torch.bfloat16, seed=case, kv=kv)
     q = torch.randn(len(lens), hkv * group, 64, generator=torch.Generator().manual_seed(case + 1)).to(DEVICE)
     scale = 64 ** -0.5
@@ -420,7 +432,7 @@ def run_calibrated(calibration, lens, hkv, group, head_dim, block_size, splits, 
                    seed=0, layer=1, kv_dtype=torch.bfloat16, **launch):
     """Calibrated nuq2 pages of `layer` (heavy-tailed: the keys' outlier slots in use), the kernel
     and the float64 reference. Returns (out, ref, fmt, cache, ctx, q, spec)."""
-    fmt = get_kv_format("nuq2", kv_dtype, calibration=calibration, codebook="calibrated")
+    fmt = slab_format("nuq2", kv_dtype, calibration=calibration, codebook="calibrated")
     kv = lambda T, g: _heavy_kv(T, g, hkv, head_dim)  # noqa: E731
     cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed, kv=kv, layer=layer)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
@@ -444,6 +456,7 @@ NUQ2_CAL_GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", range(len(NUQ2_CAL_GRID)))
 def test_nuq2_calibrated_codebooks(case, q_dtype, nuq2_calibration):
@@ -470,6 +483,7 @@ def test_nuq2_calibrated_codebooks(case, q_dtype, nuq2_calibration):
     assert (other.double() - ref).abs().max() > 10 * tolerance("nuq2", ref, q_dtype)
 
 
+@pytest.mark.slow
 def test_nuq2_calibrated_slot_modes(nuq2_calibration):
     """'eager' and 'first' slot code with calibrated codebooks are exact too; 'off' is not (the slots matter)."""
     lens, hkv, group, head_dim, block_size, splits, block_n = NUQ2_CAL_GRID[3]
@@ -532,7 +546,7 @@ def test_gpu_realistic_shapes(label, block_size, monkeypatch):
         pytest.skip("kivi2 pages hold whole 32-token groups")
     name, options = FORMATS[label]
     kv_dtype = torch.float16 if label == "fp16" else torch.bfloat16
-    fmt = get_kv_format(name, kv_dtype, **options)
+    fmt = slab_format(name, kv_dtype, **options)
     lens = [4096 + 7, 1000, 16384, 129]
     cache, ctx = build_cache(fmt, lens, 8, 128, block_size, kv_dtype, seed=11)
     q = torch.randn(len(lens), 32, 128, device=DEVICE, dtype=torch.bfloat16)
@@ -552,7 +566,7 @@ def test_gpu_nuq2_calibrated(block_size, nuq2_calibration, monkeypatch):
     PTX lookup from the table and plain Triton), the default one (pages of 16), and the engine's
     path through format.attend (a window too)."""
     calibration = nuq2_calibration(8, 128)
-    fmt = get_kv_format("nuq2", torch.bfloat16, calibration=calibration, codebook="calibrated")
+    fmt = slab_format("nuq2", torch.bfloat16, calibration=calibration, codebook="calibrated")
     lens = [4096 + 7, 1000, 16384, 129]
     kv = lambda T, g: _heavy_kv(T, g, 8, 128)  # noqa: E731
     cache, ctx = build_cache(fmt, lens, 8, 128, block_size, torch.bfloat16, seed=11, kv=kv, layer=1)
@@ -617,14 +631,14 @@ def test_register_caps_only_where_measured():
     keep ptxas's choice, except fp8 (no spills there). vq needs a calibration: its cap is read from
     the same function its spec calls."""
     for name, options, cap in (("int4", {}, 96), ("nuq2", {"codebook": "page"}, 168), ("fp8_e4m3", {}, 80)):
-        fmt = get_kv_format(name, torch.bfloat16, **options)
+        fmt = slab_format(name, torch.bfloat16, **options)
         assert fmt.decode_spec(64, 128).max_registers == cap, name
         assert fmt.decode_spec(128, 128).max_registers == cap, name
         assert fmt.decode_spec(16, 128).max_registers == (80 if name == "fp8_e4m3" else None), name
     assert decode_launch.register_cap("vq", 64) == 96 and decode_launch.register_cap("vq", 16) is None
     assert decode_launch.register_cap("tiered", 64) == 168  # its launcher's
     assert decode_launch.register_cap("tiered", 16) is None
-    assert get_kv_format("bf16", torch.bfloat16).decode_spec(16, 128).max_registers is None
+    assert slab_format("bf16", torch.bfloat16).decode_spec(16, 128).max_registers is None
 
 
 def test_choose_launch_drops_a_spilling_default_cap_on_short_splits():
@@ -714,7 +728,7 @@ def test_occupancy_key_tells_compiled_kernels_apart():
     pool = torch.zeros(4, 2, 100, dtype=torch.uint8)
     keys = {}
     for name, options in (("nuq2", {"codebook": "page"}), ("int4", {}), ("fp8_e4m3", {})):
-        fmt = get_kv_format(name, torch.bfloat16, **options)
+        fmt = slab_format(name, torch.bfloat16, **options)
         a, b = fmt.decode_spec(32, 64), fmt.decode_spec(32, 64)
         assert a is not b
         ka = decode_launch.occupancy_key(a, (), q, pool, pool, 4, 32, 64, 4, 2, True, 2, a.swap_ab)

@@ -15,20 +15,17 @@ from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa:
 # isort: split
 
 from moekv.context import Context, HostLists  # noqa: E402
-from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.tiered import TIER_FP8, TIER_LOW  # noqa: E402
 
 decode = dict(zip(DECODE_MODULES, kernel_modules(*DECODE_MODULES)))
 decode_launch, dt = decode["moekv.ops.decode.launch"], decode["moekv.ops.decode.tiered"]
-from tests.test_decode_attention import DEVICE, build_cache, reference  # noqa: E402
-
-pytestmark = pytest.mark.usefixtures("triton_slab_pools")
+from tests.test_decode_attention import DEVICE, build_cache, reference, slab_format  # noqa: E402
 
 
 def tiered_cache(lens, hkv, head_dim, block_size, kv_dtype, seed=0, demote_every=2, **options):
     """A tiered cache written through fmt.write, then every `demote_every`-th full page (not the
     first of its sequence) demoted to nuq2 (none for 0), so that both tiers hold pages of each sequence."""
-    fmt = get_kv_format("tiered", kv_dtype, codebook="page", fused_decode=True, **options)
+    fmt = slab_format("tiered", kv_dtype, codebook="page", fused_decode=True, **options)
     cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed)
     st = cache.state
     for b, n in enumerate(lens):
@@ -79,6 +76,7 @@ GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(GRID)))
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
 def test_tiered_kernel_matches_reference(case, swap_ab):
@@ -245,12 +243,12 @@ def test_rank_window_takes_the_mass_of_the_chunks_last_queries(window):
 def test_rank_window_must_be_a_count():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="rank_window"):
-            get_kv_format("tiered", torch.float32, codebook="page", rank_window=bad)
+            slab_format("tiered", torch.float32, codebook="page", rank_window=bad)
 
 
 def test_dispatch_cpu_keeps_reference(monkeypatch):
-    assert get_kv_format("tiered").fused_decode is True  # the default since its H200 run
-    fmt = get_kv_format("tiered", torch.float32, codebook="page")
+    assert slab_format("tiered").fused_decode is True  # the default since its H200 run
+    fmt = slab_format("tiered", torch.float32, codebook="page")
     cache, ctx = build_cache(fmt, [40], 1, 32, 16, torch.float32, device=torch.device("cpu"))  # CPU on any machine
     q = torch.randn(1, 2, 32)
     assert not fmt.use_kernel(q, ctx, cache)
@@ -308,7 +306,7 @@ def test_replayed_step_mass_matches_eager():
 
 def tiered_mix(lens, hkv, head_dim, block_size, kv_dtype, seed=0, fp8_every=7):
     """~1/fp8_every of each sequence's full pages (and its first) in FP8, the rest in nuq2."""
-    fmt = get_kv_format("tiered", kv_dtype, codebook="page", fused_decode=True, fp8_pool_fraction=1.0)
+    fmt = slab_format("tiered", kv_dtype, codebook="page", fused_decode=True, fp8_pool_fraction=1.0)
     cache, ctx = build_cache(fmt, lens, hkv, head_dim, block_size, kv_dtype, seed=seed)
     for b, n in enumerate(lens):
         for i, page in enumerate(ctx.block_tables[b, :n // block_size].tolist()):
@@ -358,7 +356,7 @@ def test_gpu_tiered_realistic(block_n, swap_ab):
 @pytest.mark.parametrize("accumulate", [False, True], ids=["returned", "accumulated"])
 @pytest.mark.parametrize("max_pages, tpp, block", [(70, 2, 16), (5, 1, 64)])
 def test_reduce_and_mass_kernel_matches_the_formulas(max_pages, tpp, block, accumulate):
-    """_reduce_and_mass_kernel against both sums written in PyTorch (float64). Outputs: each head's
+    """reduce_and_mass_kernel against both sums written in PyTorch (float64). Outputs: each head's
     splits merged by their log2-sum-exp. Mass: heads' final log2-sum-exp over the splits, tile
     masses, summed over heads and the tiles of each full page; 0 for the partly filled page and past
     the context; more pages than one program's block. Tiles the decode kernel does not write (before
@@ -390,7 +388,7 @@ def test_reduce_and_mass_kernel_matches_the_formulas(max_pages, tpp, block, accu
     mass = dev(earlier.clone()) if accumulate else torch.empty(B, max_pages, device=DEVICE)
     out = torch.empty(B, Hq, D, device=DEVICE)
     block_pages = min(32, dt.mass_block_pages(Hq, tpp))  # more pages than one program's block
-    dt._reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
+    dt.reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
         dev(part_o), dev(part_lse), out, out.stride(0), out.stride(1),
         dev(tile_sum), dev(tile_max), mass, dev(context), dev(ids), ids.stride(0), window,
         ns, max_pages * tpp, max_pages, Hq, 8, D, tpp, P, block, block_pages, accumulate)

@@ -96,7 +96,7 @@ def test_the_configs_ship_as_package_data():
 
 @pytest.mark.parametrize("fmt_name, module, builder", [
     ("bf16", "plain", "plain_spec"), ("fp16", "plain", "plain_spec"), ("fp8_e4m3", "fp8", "fp8_spec"),
-    ("int4", "int4", "int4_spec"), ("kivi2", "kivi", "kivi_spec"), ("nuq2", "nuq2", "nuq2_spec"),
+    ("int4", "int4", "int4_spec"), ("kivi2", "kivi2", "kivi2_spec"), ("nuq2", "nuq2", "nuq2_spec"),
     ("vq", "vq", "vq_spec")])
 def test_each_format_reads_its_pages_through_its_own_module(fmt_name, module, builder):
     """The spec builder lives in moekv/ops/decode/<module>.py beside its tile readers."""

@@ -21,14 +21,13 @@ from tests.triton_kernels import DECODE_MODULES, kernel_modules, triton  # noqa:
 from safetensors.torch import save_file  # noqa: E402
 
 from moekv.kvcache.calibration_io import CALIBRATION_FILE  # noqa: E402
-from moekv.kvcache.formats.vq import VQFormat, fit_codebook, fit_key_channel_scale  # noqa: E402
-from tests.test_decode_attention import build_cache, reference  # noqa: E402 (shared cache recipe, oracle)
+from moekv.kvcache.formats.vq import fit_codebook, fit_key_channel_scale  # noqa: E402
+from tests.test_decode_attention import build_cache, reference, slab_format  # noqa: E402 (shared recipe, oracle)
 
 decode = dict(zip(DECODE_MODULES, kernel_modules(*DECODE_MODULES)))
 common, paged = decode["moekv.ops.decode.common"], decode["moekv.ops.decode.paged"]
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.usefixtures("triton_slab_pools")  # the Triton vq kernel reads slab pools
 
 
 def _keys(pages: torch.Tensor) -> torch.Tensor:
@@ -74,7 +73,7 @@ def vq_kv(kv=None, hkv=None, D=None):
 
 def run_case(calibration, lens, hkv, group, D, P, splits, block_n, window=None, layer=0, seed=0, kv=None,
              q_dtype=torch.float32, kv_dtype=torch.bfloat16):
-    fmt = VQFormat(calibration=calibration(hkv, D))
+    fmt = slab_format("vq", calibration=calibration(hkv, D))
     cache, ctx = build_cache(fmt, lens, hkv, D, P, kv_dtype, layer=layer, seed=seed, kv=vq_kv(kv, hkv, D))
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), hkv * group, D, generator=g).to(DEVICE, q_dtype)
@@ -95,9 +94,9 @@ def check(out, ref, q_dtype=torch.float32):
 
 def test_slots_exist_at_the_test_shapes(calibration):
     """The cases below exercise the outlier corrections: these shapes leave slots in the padding."""
-    fmt = VQFormat(calibration=calibration(2, 32))
+    fmt = slab_format("vq", calibration=calibration(2, 32))
     assert fmt.outlier_slots("key", 32, 32) == 8 and fmt.outlier_slots("value", 32, 32) == 16
-    fmt = VQFormat(calibration=calibration(1, 128))
+    fmt = slab_format("vq", calibration=calibration(1, 128))
     assert fmt.outlier_slots("key", 16, 128) == 32 and fmt.outlier_slots("value", 16, 128) == 32
 
 
@@ -113,6 +112,7 @@ GRID = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(GRID)))
 def test_kernel_matches_reference(calibration, case):
     lens, hkv, group, D, P, splits, block_n = GRID[case]
@@ -128,7 +128,7 @@ def test_layer_tables_and_sliding_window(calibration):
     assert len(fmt._on_device) >= 1  # device copies made once per (layer, device)
     # the same cache read with layer 0's tables is not the reference: the tables do reach the kernel
     tables0 = fmt.decode_tables(0, DEVICE)
-    fmt2 = VQFormat(calibration=calibration(2, 32))
+    fmt2 = slab_format("vq", calibration=calibration(2, 32))
     cache, ctx = build_cache(fmt2, [83, 16], 2, 32, 32, torch.bfloat16, layer=1, seed=3, kv=vq_kv(None, 2, 32))
     q = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     spec = fmt2.decode_spec(32, 32)

@@ -15,9 +15,9 @@ from moekv.routing.cluster_map import ClusterMap
 from moekv.routing.placement import LocalityCounter, Placement, PlacementStats
 from moekv.routing.tap import tapped
 
-TINY = default_model_path()
+MODEL = default_model_path()
 CLUSTER_MAP = (Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu"
-               / "tiny-moe.clusters4.safetensors")
+               / "domain-moe.clusters4.safetensors")
 PROMPT = "The sea was calm and the ship"
 
 
@@ -44,7 +44,7 @@ def test_padding_rows_are_not_counted():
 def test_locality_counts_equal_the_placement_figures_of_the_router_outputs(routing, clusters_per_token):
     """The engine's device counters give the locality and fan-out that PlacementStats computes from
     the routers' own outputs (collected by a tap, independently of the counters) on the same run."""
-    llm = LLM(TINY, dtype="float32", max_model_len=128, routing=routing, cluster_map=str(CLUSTER_MAP),
+    llm = LLM(MODEL, dtype="float32", max_model_len=128, routing=routing, cluster_map=str(CLUSTER_MAP),
               clusters_per_token=clusters_per_token)
     engine = llm.engine
     reference = PlacementStats(Placement.from_clusters(ClusterMap.load(CLUSTER_MAP)))
@@ -66,7 +66,7 @@ def test_locality_counts_equal_the_placement_figures_of_the_router_outputs(routi
 
 
 def test_stats_without_cluster_map_or_format_figures():
-    llm = LLM(TINY, dtype="float32", max_model_len=64)
+    llm = LLM(MODEL, dtype="float32", max_model_len=64)
     llm.generate(["Once upon", "a time"], SamplingParams(max_tokens=3, ignore_eos=True))
     stats = llm.engine.stats()
     assert stats.routing_locality is None and stats.routing_fan_out is None and stats.kv_format == {}
@@ -76,7 +76,7 @@ def test_stats_without_cluster_map_or_format_figures():
 
 
 def test_tiered_format_reports_its_tier_shares():
-    llm = LLM(TINY, dtype="float32", max_model_len=256, kv_cache_dtype="tiered", block_size=32, kv_rerank_interval=4)
+    llm = LLM(MODEL, dtype="float32", max_model_len=256, kv_cache_dtype="tiered", block_size=32, kv_rerank_interval=4)
     llm.generate("word " * 100, SamplingParams(max_tokens=40, ignore_eos=True))
     figures = llm.engine.stats().kv_format
     assert figures["tier_share_fp8"] + figures["tier_share_low"] == pytest.approx(1)
@@ -89,7 +89,7 @@ def test_tiered_format_reports_its_tier_shares():
 def test_cluster_map_engine_replays_cuda_graphs_and_counts_the_replays(routing, clusters_per_token):
     """With a cluster map the counters are captured inside the decode graphs: decode steps are still
     replayed, every real token of every step is counted once, padding rows never."""
-    llm = LLM(TINY, dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=4, routing=routing,
+    llm = LLM(MODEL, dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=4, routing=routing,
               cluster_map=str(CLUSTER_MAP), clusters_per_token=clusters_per_token, async_scheduling=False)
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.locality is not None
@@ -115,10 +115,10 @@ def test_server_with_cluster_map_replays_its_captured_graphs():
     from moekv.engine.llm_engine import LLMEngine
     from tests.server_harness import ServerThread, scrape
 
-    engine = LLMEngine(EngineConfig(model=TINY, dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=4,
+    engine = LLMEngine(EngineConfig(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=4,
                                     cluster_map=CLUSTER_MAP))
     engine.runner.graphs.capture_all(progress=False)  # as `moekv serve` does at start
-    srv = ServerThread(TINY, engine=engine)
+    srv = ServerThread(MODEL, engine=engine)
     with srv:
         before = engine.runner.graphs.num_replays
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "ignore_eos": True})

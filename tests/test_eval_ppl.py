@@ -102,6 +102,7 @@ def test_empty_and_missing_files(llm, tmp_path):
         perplexity(llm, empty, window=64, progress=False)
 
 
+@pytest.mark.slow
 def test_cli_json_last_line(mixtral_ckpt, tmp_path):
     path = tmp_path / "t.txt"
     path.write_text(TEXT)

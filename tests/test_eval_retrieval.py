@@ -1,4 +1,4 @@
-"""`moekv eval retrieval` and per-domain `eval ppl` on the shipped tiny-moe (max_model_len 512).
+"""`moekv eval retrieval` and per-domain `eval ppl` on the shipped domain-moe (max_model_len 512).
 
 The retrieval grid is checked for exact prompt lengths, needle positions and determinism; its accuracy
 against a fake LLM whose answers the test controls and scores with its own rule; the engine path,
@@ -23,7 +23,7 @@ from moekv.eval.perplexity import perplexity
 from moekv.eval.retrieval import build_cases, evaluate_retrieval, plot_heatmap
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "models" / "tiny-moe"
+MODEL = REPO / "models" / "domain-moe"
 WORDS = ("the house was quiet and the old man walked slowly along the river while his daughter read letters "
          "from a friend who lived in the city far away beyond hills of green and grey under a pale sky").split()
 
@@ -42,7 +42,7 @@ def char_encode(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(TINY), dtype="float32", kv_cache_dtype="bf16", max_model_len=512)
+    return LLM(str(MODEL), dtype="float32", kv_cache_dtype="bf16", max_model_len=512)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_ppl_per_domain_equals_each_text_alone(tmp_path, capsys):
     assert main(["eval", "ppl", "--text", str(folder), *flags]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(record["domains"]) == {"prose", "drama"}
-    llm = LLM(str(TINY), dtype="float32", max_model_len=64)
+    llm = LLM(str(MODEL), dtype="float32", max_model_len=64)
     tokens = nll = 0.0
     for name in ("prose", "drama"):
         alone = perplexity(llm, folder / f"{name}.txt", mode="prefill", progress=False)

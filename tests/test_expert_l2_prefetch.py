@@ -16,7 +16,7 @@ from moekv.experts.l2_prefetch import (
     l2_prefetch_lines,
 )
 
-TINY = default_model_path()
+MODEL = default_model_path()
 PROMPTS = ["It was a dark and stormy night", "The sea was calm and the ship", "Elizabeth said to her sister that"]
 MB = 10**6
 
@@ -60,7 +60,7 @@ def test_option_is_refused_off_cuda_and_with_offload():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         EngineConfig(expert_l2_prefetch=True)
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        LLM(model=TINY, dtype="float32", max_model_len=64, expert_l2_prefetch=True)
+        LLM(model=MODEL, dtype="float32", max_model_len=64, expert_l2_prefetch=True)
     with pytest.raises(ValueError, match="only applies with expert_l2_prefetch"):
         EngineConfig(expert_l2_prefetch_mb=8.0)
     with pytest.raises(ValueError, match="expert_l2_prefetch_mb"):
@@ -87,7 +87,7 @@ def test_hook_plan_on_a_cpu_model_matches_the_split():
     """The per-layer plan from the model's own expert sizes (no CUDA needed to plan)."""
     from moekv.experts.l2_prefetch import ExpertL2Prefetch
 
-    llm = LLM(model=TINY, dtype="float32", max_model_len=64)
+    llm = LLM(model=MODEL, dtype="float32", max_model_len=64)
     model = llm.engine.runner.model
     hook = ExpertL2Prefetch.__new__(ExpertL2Prefetch)  # planning only: no stream on the CPU
     from moekv.models.loader import moe_layers
@@ -101,12 +101,12 @@ def test_hook_plan_on_a_cpu_model_matches_the_split():
 
 
 def test_decoder_calls_after_attention_once_per_layer():
-    """The late launch point: DecoderLayer.after_attention gets each layer's attention output."""
-    llm = LLM(model=TINY, dtype="float32", max_model_len=64)
+    """The late launch point: LayerHooks.after_attention gets each layer's attention output."""
+    llm = LLM(model=MODEL, dtype="float32", max_model_len=64)
     model = llm.engine.runner.model
     seen = []
     for i, layer in enumerate(model.layers):
-        layer.after_attention = lambda attn, i=i: seen.append((i, tuple(attn.shape)))
+        layer.hooks.after_attention = lambda attn, i=i: seen.append((i, tuple(attn.shape)))
     llm.generate(["It was a dark"], SamplingParams(max_tokens=2, temperature=0.0))
     H, n = model.config.hidden_size, len(model.layers)
     assert [i for i, _ in seen] == list(range(n)) * (len(seen) // n) and len(seen) >= 2 * n
@@ -142,14 +142,14 @@ def test_cuda_l2_prefetch_keeps_tokens_and_logits_in_graphs(mb, when):
     """The engine with the prefetch (side stream forked and joined inside the captured decode step)
     gives the tokens and logits of the engine without it, and the hook really issued prefetches."""
     sp = SamplingParams(max_tokens=24, temperature=0.0)
-    ref = LLM(model=TINY, dtype="bfloat16", device="cuda", max_model_len=256)
+    ref = LLM(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=256)
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, sp)]
     want_logits = ref.score(PROMPTS)
-    llm = LLM(model=TINY, dtype="bfloat16", device="cuda", max_model_len=256, expert_l2_prefetch=True,
+    llm = LLM(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=256, expert_l2_prefetch=True,
               expert_l2_prefetch_mb=mb)
     hook = llm.engine.runner.l2_prefetch
     assert llm.engine.runner.graphs is not None and hook is not None
-    assert llm.engine.runner.model.before_layer is hook
+    assert llm.engine.runner.model.hooks.before_layer is hook
     hook.when = when  # before any graph is captured
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == want
     assert hook.launches > 0 and hook.bytes_issued > 0 and hook._pending is None

@@ -12,7 +12,9 @@ from moekv.config import EngineConfig, default_model_path
 from moekv.experts.offload import ExpertCache, slots_for_budget
 from moekv.ops.reference import fused_moe_ref
 
-TINY = default_model_path()
+MODEL = default_model_path()
+# one expert of the shipped model in float32: w1, w3 and w2, each intermediate 176 x hidden 256
+EXPERT_BYTES = 3 * 176 * 256 * 4
 PROMPTS = ["It was a dark and stormy night", "The sea was calm and the ship", "Elizabeth said to her sister that"]
 
 
@@ -87,12 +89,12 @@ def test_config_validates_offload_fields(tmp_path):
     with pytest.raises(ValueError, match="expert_predictor"):
         EngineConfig(expert_predictor=tmp_path / "none.safetensors")
     with pytest.raises(ValueError, match="holds no expert"):
-        LLM(model=TINY, dtype="float32", max_model_len=64, expert_offload=True, gpu_expert_budget_gb=1e-6)
+        LLM(model=MODEL, dtype="float32", max_model_len=64, expert_offload=True, gpu_expert_budget_gb=1e-6)
 
 
 @pytest.fixture(scope="module")
 def resident():
-    llm = LLM(model=TINY, dtype="float32", max_model_len=256)
+    llm = LLM(model=MODEL, dtype="float32", max_model_len=256)
     sp = SamplingParams(max_tokens=20, temperature=0.0)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)], llm.score(PROMPTS)
 
@@ -100,7 +102,7 @@ def resident():
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_offload_gives_the_all_resident_tokens_and_logits(resident, prefetch):
     tokens, logits = resident
-    llm = LLM(model=TINY, dtype="float32", max_model_len=256, expert_offload=True, expert_cache_slots=4,
+    llm = LLM(model=MODEL, dtype="float32", max_model_len=256, expert_offload=True, expert_cache_slots=4,
               expert_prefetch=prefetch)
     sp = SamplingParams(max_tokens=20, temperature=0.0)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == tokens
@@ -108,7 +110,7 @@ def test_offload_gives_the_all_resident_tokens_and_logits(resident, prefetch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same ops in the same order on the CPU
     s = llm.engine.runner.experts.stats()
     assert s["slots_per_layer"] == 4 and s["misses"] > 0 and s["evictions"] > 0
-    assert s["bytes_demand"] == s["copies_demand"] * 3 * 192 * 256 * 4
+    assert s["bytes_demand"] == s["copies_demand"] * EXPERT_BYTES
     assert s["hits"] + s["misses"] > 0 and s["tokens"] > 0
     if prefetch:
         assert 0.3 < s["prediction_recall"] <= 1.0 and s["copies_prefetch"] > 0
@@ -120,12 +122,12 @@ def test_offload_gives_the_all_resident_tokens_and_logits(resident, prefetch):
 def test_offload_with_hierarchical_routing_and_a_fitted_predictor():
     """The routers (which copy router rows at install) and a predictor file work with offload: the
     tokens of the resident engine with the same routing."""
-    root = TINY.parent.parent / "benchmarks" / "results" / "cpu"
-    kw = dict(model=TINY, dtype="float32", max_model_len=128, routing="hierarchical",
-              cluster_map=root / "tiny-moe.clusters4.safetensors")
+    root = MODEL.parent.parent / "benchmarks" / "results" / "cpu"
+    kw = dict(model=MODEL, dtype="float32", max_model_len=128, routing="hierarchical",
+              cluster_map=root / "domain-moe.clusters4.safetensors")
     sp = SamplingParams(max_tokens=12, temperature=0.0)
     want = [o.outputs[0].token_ids for o in LLM(**kw).generate(PROMPTS, sp)]
-    llm = LLM(**kw, expert_offload=True, expert_cache_slots=3, expert_predictor=root / "tiny-moe.experts.safetensors")
+    llm = LLM(**kw, expert_offload=True, expert_cache_slots=3, expert_predictor=root / "domain-moe.experts.safetensors")
     offload = llm.engine.runner.experts
     for i, cache in offload.caches.items():  # the file's most frequent experts are loaded first
         freq = offload.predictor.frequency(i)
@@ -138,12 +140,11 @@ def test_offload_with_hierarchical_routing_and_a_fitted_predictor():
 def test_prediction_cuts_demand_copies_and_budget_sets_slots():
     """The same requests at the same budget (given in GiB): prefetching the predicted experts
     leaves fewer misses than copying on demand only."""
-    eb = 3 * 192 * 256 * 4
-    budget = 4 * 4 * eb / 2**30  # 4 of 16 experts in each of the 4 MoE layers
+    budget = 4 * 4 * EXPERT_BYTES / 2**30  # 4 of 16 experts in each of the 4 MoE layers
     sp = SamplingParams(max_tokens=16, temperature=0.0)
     misses = {}
     for prefetch in (True, False):
-        llm = LLM(model=TINY, dtype="float32", max_model_len=256, expert_offload=True, gpu_expert_budget_gb=budget,
+        llm = LLM(model=MODEL, dtype="float32", max_model_len=256, expert_offload=True, gpu_expert_budget_gb=budget,
                   expert_prefetch=prefetch)
         llm.generate(PROMPTS, sp)
         s = llm.engine.runner.experts.stats()
@@ -156,7 +157,7 @@ def test_offload_runs_eagerly_and_says_why(caplog):
     from moekv.engine.model_runner import ModelRunner  # noqa: F401  (the runner logs on the 'moekv' logger)
 
     with caplog.at_level(logging.INFO, logger="moekv"):
-        llm = LLM(model=TINY, dtype="float32", max_model_len=64, expert_offload=True)
+        llm = LLM(model=MODEL, dtype="float32", max_model_len=64, expert_offload=True)
     assert llm.engine.runner.graphs is None
     assert any("expert offload: 8 of 16 experts" in r.getMessage() for r in caplog.records)
 
@@ -167,10 +168,10 @@ def test_cuda_offload_copy_stream_matches_resident():
     """On CUDA: experts pinned on the host, copies on a side stream ordered by events; the tokens
     are those of the all-resident engine (bf16, same kernels on slot ids), with and without prefetch."""
     sp = SamplingParams(max_tokens=24, temperature=0.0)
-    ref = LLM(model=TINY, dtype="bfloat16", device="cuda", max_model_len=256, enforce_eager=True)
+    ref = LLM(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=256, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, sp)]
     for prefetch in (True, False):
-        llm = LLM(model=TINY, dtype="bfloat16", device="cuda", max_model_len=256, expert_offload=True,
+        llm = LLM(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=256, expert_offload=True,
                   expert_cache_slots=4, expert_prefetch=prefetch)
         assert llm.engine.runner.graphs is None
         cache = next(iter(llm.engine.runner.experts.caches.values()))
@@ -382,7 +383,7 @@ def test_offload_lookahead_and_sync_free_give_the_all_resident_tokens(resident, 
     if events == "late":
         monkeypatch.setattr(ExpertOffload, "_cpu_event", lambda self: SecondQuery())
     tokens, logits = resident
-    llm = LLM(model=TINY, dtype="float32", max_model_len=256, expert_offload=True, expert_cache_slots=4,
+    llm = LLM(model=MODEL, dtype="float32", max_model_len=256, expert_offload=True, expert_cache_slots=4,
               expert_prefetch_lookahead=lookahead, expert_prefetch_async=sync_free)
     sp = SamplingParams(max_tokens=20, temperature=0.0)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == tokens
@@ -418,10 +419,10 @@ def test_cuda_sync_free_lookahead_matches_resident():
     """On CUDA: lookahead 1 and 2, with the sync-free read (pinned buffer, event on the read
     stream) and without; the tokens are those of the all-resident engine."""
     sp = SamplingParams(max_tokens=24, temperature=0.0)
-    ref = LLM(model=TINY, dtype="bfloat16", device="cuda", max_model_len=256, enforce_eager=True)
+    ref = LLM(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=256, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, sp)]
     for lookahead, sync_free in ((2, True), (1, True), (2, False)):
-        llm = LLM(model=TINY, dtype="bfloat16", device="cuda", max_model_len=256, expert_offload=True,
+        llm = LLM(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=256, expert_offload=True,
                   expert_cache_slots=4, expert_prefetch_lookahead=lookahead, expert_prefetch_async=sync_free)
         off = llm.engine.runner.experts
         assert (off.read_stream is not None) == sync_free
@@ -438,7 +439,7 @@ def test_cuda_sync_free_hook_never_syncs():
     """The sync-free hook (prediction, device -> pinned copy on the read stream, event, poll and the
     prefetch copies it starts) runs under torch's sync debug mode set to 'error': no host sync.
     The host buffer then holds what the device computed."""
-    llm = LLM(model=TINY, dtype="bfloat16", device="cuda", max_model_len=256, expert_offload=True,
+    llm = LLM(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=256, expert_offload=True,
               expert_cache_slots=4, expert_prefetch_lookahead=2, expert_prefetch_async=True)
     off = llm.engine.runner.experts
     H = llm.engine.runner.model.config.hidden_size

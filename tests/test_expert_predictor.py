@@ -11,13 +11,13 @@ from moekv.config import default_model_path
 from moekv.experts.predictor import ExpertPredictor, PredictorFit, recall
 from moekv.models.loader import load_model, moe_layers
 
-TINY = default_model_path()
-TEXT = TINY.parent.parent / "README.md"  # any English text; not the model's eval text
+MODEL = default_model_path()
+TEXT = MODEL.parent.parent / "README.md"  # any English text; not the model's eval text
 
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model(TINY, torch.float32, torch.device("cpu"))
+    return load_model(MODEL, torch.float32, torch.device("cpu"))
 
 
 def test_recall_by_hand():
@@ -102,7 +102,7 @@ def test_save_load_and_refusals(model, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(ValueError, match="cannot be read"):
         ExpertPredictor.load(tmp_path / "junk.safetensors", model)
-    other = load_model(TINY, torch.float32, torch.device("cpu"))
+    other = load_model(MODEL, torch.float32, torch.device("cpu"))
     with torch.no_grad():
         next(iter(moe_layers(other).values())).gate.mul_(-1)
     with pytest.raises(ValueError, match="router weights differ"):
@@ -146,7 +146,7 @@ def test_calibrate_experts_cli_then_eval(tmp_path, capsys):
                  "--window", "256", "--quiet"]) == 0
     assert out.is_file()
     capsys.readouterr()
-    assert main(["eval", "experts", "--text", str(TINY / "README.md"), "--max-tokens", "256", "--window", "128",
+    assert main(["eval", "experts", "--text", str(MODEL / "README.md"), "--max-tokens", "256", "--window", "128",
                  "--max-model-len", "128", "--expert-predictor", str(out), "--json"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["predictor"] == str(out)
@@ -208,6 +208,7 @@ def test_previous_token_fit_recovers_a_map_of_two_rows(model):
         pred.check_engine_use("expert_offload=True")
 
 
+@pytest.mark.slow
 def test_mlp_fit_recovers_a_nonlinear_map(model, tmp_path):
     """Router logits that are a known linear + GELU-layer map of the normalised residual: the mlp
     fit (trained to the router's softmax) gets much closer to them than the linear one (8k rows,
@@ -261,7 +262,7 @@ def test_engine_offload_takes_mlp_and_previous_token_files(model, tmp_path):
             h = model.layers[j].post_attention_layernorm(r)
             fit.add(j, r, h, torch.topk(h @ moe.gate.T, k, -1).indices, starts)
         paths[name] = fit.finish(alphas=(1e-3,))[0].save(tmp_path / f"{name}.safetensors")
-    kw = dict(model=TINY, dtype="float32", max_model_len=128)
+    kw = dict(model=MODEL, dtype="float32", max_model_len=128)
     sp = SamplingParams(max_tokens=6, temperature=0.0)
     prompts = ["It was a dark and stormy night", "The cat sat"]
     want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, sp)]
@@ -315,9 +316,9 @@ def test_calibrate_mlp_previous_token_cli_then_eval(tmp_path, capsys):
                  "--window", "128", "--map", "mlp", "--hidden", "8", "--epochs", "2", "--previous-token",
                  "--quiet"]) == 0
     capsys.readouterr()
-    pred = ExpertPredictor.load(out, load_model(TINY, torch.float32, torch.device("cpu")))
+    pred = ExpertPredictor.load(out, load_model(MODEL, torch.float32, torch.device("cpu")))
     assert pred.needs_previous and pred.meta["map"] == "mlp" and pred.meta["hidden"] == 8
-    assert main(["eval", "experts", "--text", str(TINY / "README.md"), "--max-tokens", "256", "--window", "128",
+    assert main(["eval", "experts", "--text", str(MODEL / "README.md"), "--max-tokens", "256", "--window", "128",
                  "--max-model-len", "128", "--expert-predictor", str(out), "--json"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for s in record["per_layer"].values():

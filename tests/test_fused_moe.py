@@ -90,6 +90,7 @@ def test_align_matches_reference_and_invariants(T, E, k, block_m, pattern):
 
 
 # -- the kernels ------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("E", [4, 8])
@@ -107,6 +108,7 @@ def test_matches_reference(T, E, k, dtype):
 FOLD_GEMV = fm.GemvConfig(block_n=16, block_k=16, fold_slots=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T,k", [(1, 1), (1, 2), (3, 2), (5, 3)])
 @pytest.mark.parametrize("H,I", [(40, 24), (32, 64)])  # off and on the block sizes
 def test_gemv_with_slots_folded_into_the_down_projection(T, k, H, I):
@@ -118,6 +120,7 @@ def test_gemv_with_slots_folded_into_the_down_projection(T, k, H, I):
 TILE_GEMV = fm.GemvConfig(block_n=16, block_k=16, num_splits=2, row_sums=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T,k", [(1, 2), (3, 2)])
 @pytest.mark.parametrize("H,I", [(40, 24), (32, 64)])  # off and on the block sizes
 def test_gemv_with_a_tile_accumulator(T, k, H, I):
@@ -128,10 +131,12 @@ def test_gemv_with_a_tile_accumulator(T, k, H, I):
 
 @pytest.mark.parametrize("path,cfg", [("gemm", SMALL_GEMM), ("gemv", SMALL_GEMV), ("gemv", fm.GemvConfig(16, 16, 3)),
                                       ("gemv", FOLD_GEMV), ("gemv", TILE_GEMV)])
+@pytest.mark.slow
 def test_all_tokens_to_one_expert(path, cfg):
     check(9, 8, 2, 32, 48, torch.float32, pattern="one", seed=3, path=path, config=cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["gemm", "gemv"])
 def test_default_configs_and_even_shapes(path):
     """Launch shapes chosen by the launcher; H, I multiples of the blocks (the unmasked loops)."""

@@ -1,5 +1,5 @@
-"""int4, kivi2, nuq2, vq and fp8_e4m3 pools in their Gluon kernels' fragment order (MOEKV_DECODE_KERNEL;
-base.FragmentPagedFormat), and tiered's (its FP8 codes reordered, its low tier in nuq2's tables):
+"""int4, kivi2, nuq2, vq and fp8_e4m3 pools in their Gluon kernels' fragment order (the format's
+decode_kernel; base.FragmentPagedFormat), and tiered's (its FP8 codes reordered, its low tier in nuq2's tables):
 pages converted when written hold exactly what the slab pools hold, read back and attend the same
 (CPU: the reference path over both, kivi2's residual ring and tiered's page masses included); on a GPU
 (marked gpu) the engine's attend takes the Gluon kernel and matches the reference path, and a captured
@@ -64,13 +64,13 @@ def layout(name):
     return importlib.import_module(f"moekv.ops.gluon.{name.removesuffix('_e4m3')}_layout")
 
 
-def filled_pools(monkeypatch, name, choice, device="cpu", dtype=torch.float32, residual=None):
-    """A pool of format `name` (MOEKV_DECODE_KERNEL=choice) whose pages 0..5 were filled from staging
+def filled_pools(name, choice, device="cpu", dtype=torch.float32, residual=None):
+    """A pool of format `name` (decode_kernel=choice) whose pages 0..5 were filled from staging
     by quantize_filled_pages, staging (and kivi2's residual ring, R = residual or its default) refilled
     with random tokens per sequence."""
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", choice)
     options, spiky = format_options(name), FORMATS[name][1]
-    fmt = get_kv_format(name, dtype, **options, **({} if residual is None else {"residual": residual}))
+    fmt = get_kv_format(name, dtype, decode_kernel=choice, **options,
+                        **({} if residual is None else {"residual": residual}))
     cache = fmt.allocate(8, H, P, D, torch.device(device), 3, dtype)
     g = torch.Generator().manual_seed(0)
     for fill_pages in ([0, 3, 5], [1, 4, 2]):  # two steps of three fills each
@@ -100,9 +100,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_fragment_pools_hold_what_slab_pools_hold(monkeypatch, name):
-    fmt_s, slabs = filled_pools(monkeypatch, name, "triton")
-    fmt_f, frag = filled_pools(monkeypatch, name, "gluon")
+def test_fragment_pools_hold_what_slab_pools_hold(name):
+    fmt_s, slabs = filled_pools(name, "triton")
+    fmt_f, frag = filled_pools(name, "gluon")
     fields = layout(name).FRAGMENT_FIELDS
     assert "k_pages" in slabs.tensors and "k_pages" not in frag.tensors
     assert all(field in frag.tensors for field in fields)
@@ -117,11 +117,11 @@ def test_fragment_pools_hold_what_slab_pools_hold(monkeypatch, name):
 
 @pytest.mark.parametrize("window", [None, 70])
 @pytest.mark.parametrize("name, residual", ATTEND)
-def test_fragment_pools_attend_as_slab_pools(monkeypatch, name, residual, window):
+def test_fragment_pools_attend_as_slab_pools(name, residual, window):
     """Decode attention (CPU: the reference path) over pages + the staged newest page (+ kivi2's
     residual ring): the same output from both pools."""
-    fmt_s, slabs = filled_pools(monkeypatch, name, "triton", residual=residual)
-    fmt_f, frag = filled_pools(monkeypatch, name, "gluon", residual=residual)
+    fmt_s, slabs = filled_pools(name, "triton", residual=residual)
+    fmt_f, frag = filled_pools(name, "gluon", residual=residual)
     ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]])
     q = torch.randn(3, 4 * H, D, generator=torch.Generator().manual_seed(1))
     out_s = fmt_s.attend(q, slabs, ctx, D ** -0.5, window)
@@ -130,13 +130,12 @@ def test_fragment_pools_attend_as_slab_pools(monkeypatch, name, residual, window
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_fragment_pool_accounting_and_choice(monkeypatch, name):
+def test_fragment_pool_accounting_and_choice(name):
     options = format_options(name)
-    fmt = get_kv_format(name, torch.float32, **options)
+    fmt = get_kv_format(name, torch.float32, decode_kernel="gluon", **options)
+    slab = get_kv_format(name, torch.float32, decode_kernel="triton", **options)
     if name in ("kivi2", "fp8_e4m3"):  # the same bytes as the slabs, reordered
-        monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
-        assert fmt.page_bytes(H, P, D) == H * layout(name).fragment_bytes_per_page_head(fmt)
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "gluon")
+        assert slab.page_bytes(H, P, D) == H * layout(name).fragment_bytes_per_page_head(fmt)
     assert fmt.page_bytes(H, P, D) == H * layout(name).fragment_bytes_per_page_head(fmt)
     cache = fmt.allocate(4, H, P, D, torch.device("cpu"), 2, torch.float32)
     side = sum(t.numel() * t.element_size() for n, t in cache.tensors.items() if n.endswith(("_staging", "_residual")))
@@ -146,15 +145,15 @@ def test_fragment_pool_accounting_and_choice(monkeypatch, name):
     if name in UNCOVERED:
         other, message = UNCOVERED[name]
         with pytest.raises(ValueError, match=message):
-            get_kv_format(name, torch.float32, **other).allocate(4, H, P, D, torch.device("cpu"), 2, torch.float32)
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "auto")
-    assert not fmt.fragment_pages(P, D, "cpu")  # auto: sm_90 CUDA devices only
-    assert not fmt.fragment_pages(32, D)
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
-    assert not fmt.fragment_pages(P, D)
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "cuda")
-    with pytest.raises(ValueError, match="MOEKV_DECODE_KERNEL"):
-        fmt.fragment_pages(P, D)
+            get_kv_format(name, torch.float32, decode_kernel="gluon", **other).allocate(
+                4, H, P, D, torch.device("cpu"), 2, torch.float32)
+    auto = get_kv_format(name, torch.float32, **options)
+    assert auto.decode_kernel == "auto"
+    assert not auto.fragment_pages(P, D, "cpu")  # auto: sm_90 CUDA devices only
+    assert not auto.fragment_pages(32, D)
+    assert not slab.fragment_pages(P, D)
+    with pytest.raises(ValueError, match=r"decode_kernel='cuda' is not supported; accepted: \['auto', 'triton', "):
+        get_kv_format(name, torch.float32, decode_kernel="cuda", **options)
 
 
 @pytest.mark.gpu
@@ -167,8 +166,8 @@ def test_gpu_engine_attend_takes_the_gluon_kernel(monkeypatch, name, residual, w
     Triton kernel over slabs."""
     kernel = name.removesuffix("_e4m3")  # fp8_e4m3's modules are fp8_*
     gluon_decode = importlib.import_module(f"moekv.ops.gluon.{kernel}_decode")
-    fmt_f, frag = filled_pools(monkeypatch, name, "gluon", "cuda", torch.bfloat16, residual)
-    fmt_s, slabs = filled_pools(monkeypatch, name, "triton", "cuda", torch.bfloat16, residual)
+    fmt_f, frag = filled_pools(name, "gluon", "cuda", torch.bfloat16, residual)
+    fmt_s, slabs = filled_pools(name, "triton", "cuda", torch.bfloat16, residual)
     ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
     q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
     calls = []
@@ -186,10 +185,10 @@ def test_gpu_engine_attend_takes_the_gluon_kernel(monkeypatch, name, residual, w
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_gpu_captured_fill_step_converts_its_pages(monkeypatch, name):
+def test_gpu_captured_fill_step_converts_its_pages(name):
     """A decode step that fills pages is captured in a CUDA graph by the engine: the conversion into
     fragment order must not copy from the host or sync. Replayed, it writes what the eager step wrote."""
-    fmt, cache = filled_pools(monkeypatch, name, "gluon", "cuda", torch.bfloat16)
+    fmt, cache = filled_pools(name, "gluon", "cuda", torch.bfloat16)
     fields = layout(name).FRAGMENT_FIELDS
     ctx = decode_ctx([P, P], [0, 1], [[6], [7]], "cuda")
     ctx.fill_slots = torch.tensor([0, 1], device="cuda")
@@ -216,11 +215,10 @@ def test_gpu_captured_fill_step_converts_its_pages(monkeypatch, name):
 
 
 # -- tiered: its FP8 slabs in FP8 fragment order, its low tier in nuq2's fragment tables ------------------
-def tiered_pools(monkeypatch, choice, device="cpu", dtype=torch.float32):
-    """A tiered pool (MOEKV_DECODE_KERNEL=choice) whose pages 0..5 were stored in FP8 and pages 1, 3, 4
+def tiered_pools(choice, device="cpu", dtype=torch.float32):
+    """A tiered pool (decode_kernel=choice) whose pages 0..5 were stored in FP8 and pages 1, 3, 4
     then demoted to nuq2; staging refilled with random tokens per sequence."""
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", choice)
-    fmt = get_kv_format("tiered", dtype, codebook="page")
+    fmt = get_kv_format("tiered", dtype, decode_kernel=choice, codebook="page")
     cache = fmt.allocate(8, H, P, D, torch.device(device), 3, dtype)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(6, H, P, D, generator=g)
@@ -234,12 +232,12 @@ def tiered_pools(monkeypatch, choice, device="cpu", dtype=torch.float32):
     return fmt, cache
 
 
-def test_tiered_fragment_pools_hold_what_slab_pools_hold(monkeypatch):
+def test_tiered_fragment_pools_hold_what_slab_pools_hold():
     from moekv.ops.gluon.fp8_layout import slabs_from_fragment
     from moekv.ops.gluon.nuq2_layout import FRAGMENT_FIELDS, to_fragment_order
 
-    fmt_s, slabs = tiered_pools(monkeypatch, "triton")
-    fmt_f, frag = tiered_pools(monkeypatch, "gluon")
+    fmt_s, slabs = tiered_pools("triton")
+    fmt_f, frag = tiered_pools("gluon")
     assert "k_low" in slabs.tensors and "k_low" not in frag.tensors and fmt_f.is_fragment_pool(frag)
     assert slabs.state.tier == frag.state.tier and slabs.state.fp8_slot == frag.state.fp8_slot
     for name, kind in (("k", "key"), ("v", "value")):
@@ -256,10 +254,10 @@ def test_tiered_fragment_pools_hold_what_slab_pools_hold(monkeypatch):
 
 
 @pytest.mark.parametrize("window", [None, 70])
-def test_tiered_fragment_pools_attend_as_slab_pools(monkeypatch, window):
+def test_tiered_fragment_pools_attend_as_slab_pools(window):
     """CPU: the reference path over both pools gives the same output and the same page masses."""
-    fmt_s, slabs = tiered_pools(monkeypatch, "triton")
-    fmt_f, frag = tiered_pools(monkeypatch, "gluon")
+    fmt_s, slabs = tiered_pools("triton")
+    fmt_f, frag = tiered_pools("gluon")
     ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]])
     q = torch.randn(3, 4 * H, D, generator=torch.Generator().manual_seed(1))
     out_s = fmt_s.attend(q, slabs, ctx, D ** -0.5, window)
@@ -269,14 +267,13 @@ def test_tiered_fragment_pools_attend_as_slab_pools(monkeypatch, window):
     assert float(frag.state.mass_dev.sum()) > 0
 
 
-def test_tiered_fragment_pool_accounting_and_choice(monkeypatch):
+def test_tiered_fragment_pool_accounting_and_choice():
     from moekv.ops.gluon import nuq2_layout
 
-    fmt = get_kv_format("tiered", torch.float32, codebook="page")
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "triton")
-    slab_bytes = fmt.page_bytes(H, P, D)
-    assert not fmt.fragment_pages(P, D)
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "gluon")
+    slab = get_kv_format("tiered", torch.float32, decode_kernel="triton", codebook="page")
+    slab_bytes = slab.page_bytes(H, P, D)
+    assert not slab.fragment_pages(P, D)
+    fmt = get_kv_format("tiered", torch.float32, decode_kernel="gluon", codebook="page")
     lo = sum(fmt.lo.layout(kind, P, D).slab_bytes for kind in ("key", "value"))
     assert fmt.page_bytes(H, P, D) - slab_bytes == pytest.approx(
         H * (nuq2_layout.fragment_bytes_per_page_head(fmt.lo) - lo), abs=1)  # nuq2's fragment tables, FP8 the same
@@ -285,8 +282,7 @@ def test_tiered_fragment_pool_accounting_and_choice(monkeypatch):
     assert bool((cache["k_out_idx"] == 0xFFFF).all())  # unused slots
     with pytest.raises(ValueError, match="block_size 64, head_dim 128"):
         fmt.allocate(4, H, 32, D, torch.device("cpu"), 2, torch.float32)
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "auto")
-    assert not fmt.fragment_pages(P, D, "cpu")  # auto: sm_90 CUDA devices only
+    assert not get_kv_format("tiered", torch.float32, codebook="page").fragment_pages(P, D, "cpu")  # auto: sm_90 only
 
 
 def test_auto_on_an_sm90_device_picks_the_validated_kernels(monkeypatch):
@@ -296,7 +292,6 @@ def test_auto_on_an_sm90_device_picks_the_validated_kernels(monkeypatch):
     from moekv.kvcache.formats.fp8 import GLUON_BY_DEFAULT
 
     pytest.importorskip("triton.experimental.gluon")
-    monkeypatch.delenv("MOEKV_DECODE_KERNEL", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for name, options in (("int4", {}), ("kivi2", {}), ("nuq2", {"codebook": "page"}), ("vq", format_options("vq"))):
@@ -309,8 +304,8 @@ def test_auto_on_an_sm90_device_picks_the_validated_kernels(monkeypatch):
     assert not tiered.fragment_pages(32, D, "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert not get_kv_format("int4", torch.bfloat16).fragment_pages(P, D, "cuda")  # not sm_90
-    monkeypatch.setenv("MOEKV_DECODE_KERNEL", "gluon")
-    assert tiered.fragment_pages(P, D, "cuda")
+    assert not tiered.fragment_pages(P, D, "cuda")
+    assert get_kv_format("tiered", torch.bfloat16, decode_kernel="gluon", codebook="page").fragment_pages(P, D, "cuda")
 
 
 @pytest.mark.gpu
@@ -322,8 +317,8 @@ def test_gpu_tiered_engine_attend_takes_the_gluon_kernel(monkeypatch, window):
     the Triton kernel over slabs."""
     from moekv.ops.gluon import tiered_decode
 
-    fmt_f, frag = tiered_pools(monkeypatch, "gluon", "cuda", torch.bfloat16)
-    fmt_s, slabs = tiered_pools(monkeypatch, "triton", "cuda", torch.bfloat16)
+    fmt_f, frag = tiered_pools("gluon", "cuda", torch.bfloat16)
+    fmt_s, slabs = tiered_pools("triton", "cuda", torch.bfloat16)
     ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
     q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
     calls = []
@@ -343,10 +338,10 @@ def test_gpu_tiered_engine_attend_takes_the_gluon_kernel(monkeypatch, window):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
-def test_gpu_tiered_gluon_step_replays_in_a_cuda_graph(monkeypatch):
+def test_gpu_tiered_gluon_step_replays_in_a_cuda_graph():
     """The engine replays tiered's decode steps: the Gluon launch, the reduce and the mass into the
     accumulator captured once give the eager step's output, and each replay adds the same mass."""
-    fmt, cache = tiered_pools(monkeypatch, "gluon", "cuda", torch.bfloat16)
+    fmt, cache = tiered_pools("gluon", "cuda", torch.bfloat16)
     ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
     q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
     eager = fmt.attend(q, cache, ctx, D ** -0.5, None).clone()

@@ -117,6 +117,7 @@ for G, staged, prefetch in ((1, True, True), (4, True, False), (8, False, True))
 """
 
 
+@pytest.mark.slow
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with Triton's ptxas at its register cap (groups 1, 4
     and 8, with and without the staged tail, with and without the steps' prefetch): every assert_trivial

@@ -95,6 +95,7 @@ for G, NO, staged, smem, prefetch in ((1, 1, True, DEFAULT_SMEM, DEFAULT_PREFETC
 """
 
 
+@pytest.mark.slow
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; one and
     one, three and four outlier channels; pages from global memory or through shared memory): every

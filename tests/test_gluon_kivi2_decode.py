@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekv.kvcache.formats.kivi import KIVI2Format
+from moekv.kvcache.formats.kivi2 import KIVI2Format
 from moekv.ops.gluon.kivi2_decode import (
     kivi2_decode_split_reference,
     quantized_tokens,
@@ -92,6 +92,7 @@ def test_split_reference_equals_dense_attention(G):
     check_split_reference(kivi2_decode_split_reference, build, G, 1e-8, dense=dense_reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("R", [0, 32, 128])
 @pytest.mark.parametrize("window", [None, 1, 100, 150, 64 * 5 + 3])
 def test_tail_ring_and_sliding_window(R, window):
@@ -178,6 +179,7 @@ for G, staged, codes_smem in ((1, True, False), (4, False, False), (8, True, Fal
 """
 
 
+@pytest.mark.slow
 def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; with
     and without the tail split; codes in registers or through shared memory) under the default register

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekv.kvcache.formats.kivi import KIVI2Format
+from moekv.kvcache.formats.kivi2 import KIVI2Format
 from moekv.ops.gluon.kivi2_layout import (
     ELEMENT_OF_SLOT,
     KIVI2_FRAGMENT_VERSION,

@@ -108,6 +108,7 @@ def test_pages_without_slots():
                                rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 1, 50, 64 * 2 + 3, 10_000])
 def test_staged_tail_and_sliding_window(window):
     """The staged 16-bit tail as split num_splits (the newest page, even when full, from staging)
@@ -230,6 +231,7 @@ for G, staged, chunk0, smem, cap in ((1, True, False, False, None), (4, False, T
 """
 
 
+@pytest.mark.slow
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships, for groups of 1, 4
     and 8, with and without the staged tail, the unconditional first slot chunk and the shared-memory

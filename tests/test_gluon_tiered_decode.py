@@ -125,7 +125,7 @@ def test_fp8_fragment_order_puts_each_code_in_its_fragment_lane(kind):
 
 @pytest.mark.parametrize("kind", ["key", "value"])
 def test_kernel_reshapes_give_the_step_tiles(kind):
-    """The logical reshape/permute of fp8_kernel._fp8_page (the same dims, in torch) turns step i's
+    """The logical reshape/permute of fp8_kernel.fp8_page (the same dims, in torch) turns step i's
     [4 rows, 128 words, 4 bytes] of the order into K [16, 128] (tokens 16 i ..) / V^T [128, 16]: what
     the kernel computes depends on this and the layouts only (convert_layout is an identity; the
     offline build asserts it moves no data)."""
@@ -193,6 +193,7 @@ def test_batch_one_and_wrong_tier_shows():
     assert (other - ref).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 1, 50, 64 * 2 + 3, 10_000])
 def test_staged_tail_and_sliding_window(window):
     """tiered's staging rule (tokens from (len // 64) * 64 on: full pages are stored when they fill,
@@ -267,6 +268,7 @@ for G, staged, mass, prefetch, smem in ((1, True, True, False, False), (4, True,
 """
 
 
+@pytest.mark.slow
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with Triton's ptxas, groups 1, 4 and 8, with and
     without the staged tail and the mass, with the FP8 steps' prefetch, and with the nuq2 pages through

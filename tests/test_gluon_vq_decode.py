@@ -54,6 +54,7 @@ def build(lens, Hkv, seed, device="cpu"):
     return behind_tables(fmt, pack(fmt, k, v, layer=0), lens, g, to_fragment_order, device)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("G", [1, 4, 8])
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
 def test_reference_is_dense_attention(G, num_splits):
@@ -68,6 +69,7 @@ def test_reference_is_dense_attention(G, num_splits):
     assert relative_error(reduce_partials(part_o, part_lse), ref) < 1e-6  # the dense pages are dequantized in float32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 1, 100, 64 * 5 + 3])
 def test_reference_with_staged_tail_and_window(window):
     """The staged tail (the newest page, bf16) as the extra split, and sliding windows, in float64."""
@@ -163,6 +165,7 @@ for G, staged in ((1, True), (4, False), (8, True)):
 """
 
 
+@pytest.mark.slow
 def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; with and
     without the tail split): no shared memory (the tiles' layout conversions move registers within a
@@ -186,6 +189,7 @@ for G, W, cap in ((1, 4, 168), (8, 8, 0), (4, 16, 128)):
 """
 
 
+@pytest.mark.slow
 def test_shared_codebook_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     """The shared-codebook kernel builds for sm_90 (4 warps at the default 168 registers, 8 uncapped, 16 at
     128): its only shared memory is the head's two e4m3 codebooks (64 kB: the codeword reads address it

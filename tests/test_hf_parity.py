@@ -38,6 +38,7 @@ def test_logits_match_transformers(arch_pair):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(arch_pair):
     """32 greedy tokens per prompt, in one batch, equal transformers.generate token for token."""
     _, hf, llm = arch_pair
@@ -76,6 +77,7 @@ def domain_moe_pair():
     return hf, llm
 
 
+@pytest.mark.slow
 def test_domain_moe_logits_and_greedy_match_transformers(domain_moe_pair):
     """Held-out code and prose prompts (hundreds of tokens, chunked prefill) score and continue as in transformers."""
     hf, llm = domain_moe_pair

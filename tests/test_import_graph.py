@@ -142,3 +142,46 @@ def test_no_import_cycle():
 def test_low_layers_never_import_the_high_ones():
     bad = layering_violations(import_graph())
     assert not bad, "\n".join(bad)
+
+
+def private_imports() -> list[str]:
+    """`from moekv.x import _name` anywhere in moekv/: a module reaching into another's private names."""
+    bad = []
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moekv"):
+                bad += [f"{module_name(path)}: from {node.module} import {alias.name}" for alias in node.names
+                        if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return bad
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = private_imports()
+    assert not bad, "\n".join(bad)
+
+
+GLUON_SHARED = {"common", "tables", "two_bit", "checks", "launch", "splits", "prefetch"}
+GLUON_ALSO = {"tiered": {"fp8", "nuq2"}}  # tiered = fp8 pages + nuq2 pages
+
+
+def test_each_format_s_gluon_files_import_only_the_shared_ones_and_their_own():
+    """moekv/ops/gluon/<fmt>_*.py import, of moekv.ops.gluon, only the shared modules and their own
+    format's files (tiered: fp8's and nuq2's too)."""
+    graph = import_graph()
+    bad = []
+    for module, targets in sorted(graph.items()):
+        if not module.startswith("moekv.ops.gluon.") or module.rpartition(".")[2] in GLUON_SHARED:
+            continue
+        fmt = module.rpartition(".")[2].split("_")[0]
+        for target in sorted(t for t in targets if t.startswith("moekv.ops.gluon.")):
+            name = target.rpartition(".")[2]
+            if name not in GLUON_SHARED and name.split("_")[0] not in {fmt} | GLUON_ALSO.get(fmt, set()):
+                bad.append(f"{module} -> {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_config_imports_nothing_of_the_engine():
+    """moekv/config.py is read by everything that builds an engine and by the command line's --help:
+    it imports no moekv.engine module (the torchrun environment it checks comes from moekv.envs)."""
+    bad = sorted(t for t in import_graph()["moekv.config"] if t == "moekv.engine" or t.startswith("moekv.engine."))
+    assert not bad, bad

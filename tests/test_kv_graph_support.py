@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from moekv.engine.cuda_graphs import graphs_unsupported_reason, step_fits_graph
-from moekv.kvcache.formats import KV_FORMAT_NAMES, GraphStepHooks, GraphSupport, get_kv_format
+from moekv.kvcache.formats import (
+    KV_FORMAT_NAMES,
+    GraphStepHooks,
+    GraphSupport,
+    compressed_formats,
+    format_class,
+    get_kv_format,
+)
 from moekv.kvcache.formats.plain import PlainKVFormat
 from moekv.kvcache.formats.vq import random_calibration
 
@@ -23,9 +30,9 @@ def test_each_value_says_what_is_replayed():
 
 @pytest.mark.parametrize("name", KV_FORMAT_NAMES)
 def test_the_registered_formats(name, tmp_path):
-    options = {"calibration": random_calibration(tmp_path, 2, 32)} if name == "vq" else {}
+    options = {"calibration": random_calibration(tmp_path, 2, 32)} if format_class(name).needs_calibration else {}
     fmt = get_kv_format(name, torch.bfloat16, **options)
-    plain = name in ("auto", "bf16", "fp16", "fp32")
+    plain = name not in compressed_formats()
     assert fmt.graph_support is (GraphSupport.DECODE_WITH_FILLS if plain else GraphSupport.DECODE_WITH_LISTED_FILLS)
     assert isinstance(fmt, GraphStepHooks) == (name == "tiered")  # the only format with host-side page state
 

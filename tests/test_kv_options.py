@@ -106,6 +106,21 @@ def test_engine_config_validates_the_same_twice():
     for name in KV_FORMAT_NAMES:
         config = EngineConfig(kv_cache_dtype=name)
         again = EngineConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
-        assert again.kv_format_options() == config.kv_format_options(), name
-        assert dataclasses.replace(config).kv_cache_dtype == name
+        assert again == config and again.kv_format_options() == config.kv_format_options(), name
+        assert dataclasses.replace(config).cache.kv_cache_dtype == name
+        assert dataclasses.replace(config.cache) == config.cache
     assert EngineConfig(kv_cache_dtype="vq").kv_format_options()["calibration"].name == "kv_calibration"
+
+
+@pytest.mark.parametrize("name", KV_FORMAT_NAMES)
+def test_declared_engine_options_are_constructor_keywords_with_its_defaults(name):
+    """What a format declares for the engine (engine_options) is what its constructor takes, at the
+    constructor's default where it names one."""
+    import inspect
+
+    from moekv.kvcache.formats import format_class, format_engine_options
+
+    params = inspect.signature(format_class(name)).parameters
+    for option in format_engine_options(name):
+        assert option.name in params, (name, option.name)
+        assert params[option.name].default in (None, option.default), (name, option.name)

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from moekv import LLM
-from moekv.config import PLAIN_KV_FORMATS, default_model_path
+from moekv.config import default_model_path
 from moekv.context import Context
 from moekv.kvcache import roundtrip
-from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format
+from moekv.kvcache.formats import compressed_formats, get_kv_format
 
-COMPRESSED = [name for name in KV_FORMAT_NAMES if name not in PLAIN_KV_FORMATS]
-CALIBRATION = default_model_path() / "kv_calibration"  # tiny-moe's (vq needs one): 2 KV heads, head_dim 32
+COMPRESSED = list(compressed_formats())
+CALIBRATION = default_model_path() / "kv_calibration"  # the shipped model's (vq needs one): 2 KV heads, head_dim 128
 # kivi2: a window shorter than the prompts, so that later chunks read earlier ones from 2-bit pages;
 # tiered: re-ranked at every step, prefill chunks included
 ENGINE_OPTIONS = {"kivi2": {"kv_residual": 32}, "tiered": {"kv_rerank_interval": 1}}
@@ -44,7 +44,7 @@ def test_one_chunk_prefill_gives_the_model_dtype_logits(name):
 
 
 # -- one layer's attention against float64 ---------------------------------------------------------
-H, HQ, P, D = 2, 8, 32, 32  # KV heads, query heads, page size, head_dim (tiny-moe's calibration shape)
+H, HQ, P, D = 2, 4, 32, 128  # KV heads, query heads, page size, head_dim (the shipped calibration's shape)
 
 
 def step(chunks: list[tuple[int, list[int], int, int]]) -> Context:

@@ -10,6 +10,7 @@ from moekv.context import Context
 from moekv.engine.cuda_graphs import decode_fills
 from moekv.kvcache.formats import get_kv_format
 from moekv.kvcache.formats.base import nonfinite_verdict, raise_nonfinite
+from tests.kv_formats import format_options, self_contained_compressed
 
 
 def decode_ctx(context_lens, slots, block_size, fills_no_page):
@@ -28,9 +29,9 @@ def decode_ctx(context_lens, slots, block_size, fills_no_page):
     )
 
 
-@pytest.mark.parametrize("name", ["int4", "nuq2", "kivi2"])
+@pytest.mark.parametrize("name", self_contained_compressed())
 def test_vectorized_decode_write_matches_the_loop(name):
-    fmt = get_kv_format(name, torch.float32, **({"residual": 64} if name == "kivi2" else {}))
+    fmt = get_kv_format(name, torch.float32, **format_options(name, **({"residual": 64} if name == "kivi2" else {})))
     H, P, D = 2, 64, 32
     caches = [fmt.allocate(16, H, P, D, torch.device("cpu"), 4, torch.float32) for _ in range(2)]
     g = torch.Generator().manual_seed(0)
@@ -55,13 +56,13 @@ def fill_ctx(context_lens, slots, block_size, graph_step=False):
     return ctx
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "int4", "nuq2", "kivi2"])
+@pytest.mark.parametrize("name", self_contained_compressed())
 def test_decode_steps_that_fill_pages_match_the_loop(name):
     """Steps where one, two or no sequences complete a page, in two layers: the loop (no fill lists)
     quantizes each filled page inside write, the vectorized path stages only and quantizes every
     layer's filled pages in one batch after the step (quantize_filled_pages); the pages, staging and
     rings must be identical, and the filled pages must hold something."""
-    fmt = get_kv_format(name, torch.float32, **({"residual": 32} if name == "kivi2" else {}))
+    fmt = get_kv_format(name, torch.float32, **format_options(name))
     H, P, D = 2, 32, 32
     loop_caches = [fmt.allocate(16, H, P, D, torch.device("cpu"), 4, torch.float32) for _ in range(2)]
     vec_caches = [fmt.allocate(16, H, P, D, torch.device("cpu"), 4, torch.float32) for _ in range(2)]
@@ -130,12 +131,12 @@ def chunk_ctx(chunks, starts, slots, tables):
     )
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "int4", "nuq2"])
+@pytest.mark.parametrize("name", self_contained_compressed())
 def test_prefill_chunks_store_what_one_token_at_a_time_stores(name):
     """Prefill chunks that start mid-page, span several whole pages, end on a page boundary or not
     (two sequences per step, their pages quantized in one batch) leave the pages and the newest
     page in staging exactly as writing the same tokens one at a time does."""
-    fmt = get_kv_format(name, torch.float32)
+    fmt = get_kv_format(name, torch.float32, **format_options(name))
     H, P, D = 2, 32, 32
     plan = [[5, 64], [59, 33], [96, 1], [1, 30]]  # per step: tokens of sequence 0 and 1 (64: two whole pages)
     total = [sum(step[b] for step in plan) for b in range(2)]

@@ -1,6 +1,6 @@
 """lm-evaluation-harness, a client nobody here wrote, against `moekv serve`: its log-likelihoods
 (local-completions: echo + logprobs) equal LLM.score's on the same (context, continuation) pairs.
-Offline: a local cloze task from the tiny model's held-out text, the model folder's tokenizer."""
+Offline: a local cloze task from the model's held-out text, the model folder's tokenizer."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +16,7 @@ from tests.server_harness import ServerThread
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-TINY = default_model_path()
+MODEL = default_model_path()
 
 
 def load_script():
@@ -30,14 +30,11 @@ def test_lm_eval_loglikelihoods_equal_llm_score():
     pytest.importorskip("lm_eval", reason='lm-evaluation-harness is not installed (pip install "lm_eval[api]"); '
                                           "it is kept out of the dev extras for its weight")
     check = load_script()
-    data_dir = ROOT.parent / "shared" / "data" / "text"
-    if not all((data_dir / name).is_file() for name in check.HELDOUT_FILES):
-        pytest.skip(f"the tiny model's training books are not in {data_dir} (shared/ is not beside the checkout)")
-    items = check.cloze_items(check.heldout_text(data_dir), 16)
-    with ServerThread(TINY, max_model_len=256) as srv, tempfile.TemporaryDirectory() as tmp:
-        results = check.run_lm_eval(srv.url, Path(TINY), check.write_task(Path(tmp), items))
+    items = check.cloze_items(check.heldout_text(MODEL / "heldout"), 16)
+    with ServerThread(MODEL, max_model_len=256) as srv, tempfile.TemporaryDirectory() as tmp:
+        results = check.run_lm_eval(srv.url, Path(MODEL), check.write_task(Path(tmp), items))
     pairs = check.lm_eval_pairs(results)
-    expected = check.score_pairs(LLM(TINY, dtype="float32", max_model_len=256), [(c, x) for c, x, _ in pairs])
+    expected = check.score_pairs(LLM(MODEL, dtype="float32", max_model_len=256), [(c, x) for c, x, _ in pairs])
     assert len(pairs) == sum(len(it["choices"]) for it in items)  # one request per choice, none lost
     assert [(c, x) for c, x, _ in pairs] == [(it["context"], ch) for it in items for ch in it["choices"]]
     got = torch.tensor([ll for _, _, ll in pairs], dtype=torch.float64)

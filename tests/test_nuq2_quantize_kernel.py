@@ -116,6 +116,7 @@ def dict_of(idx, val):
     return torch.stack([idx[order], val[order].int()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("P,D", [(16, 32), (32, 64), (64, 128), (16, 16)])
 @pytest.mark.parametrize("kind", ["key", "value"])
 def test_kernel_matches_the_reference_quantize(kind, P, D):
@@ -143,6 +144,7 @@ def test_kernel_matches_the_reference_with_a_calibrated_codebook(kind, tmp_path)
     check_fields(fmt, layout, got, want, kind)
 
 
+@pytest.mark.slow
 def test_more_eligible_outliers_than_slots_keeps_the_largest():
     """Heavy tails: far more elements beyond tau than slots; the slots must hold the largest."""
     fmt = NUQ2Format()
@@ -172,6 +174,7 @@ def tied_spikes(kind, seed):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["key", "value"])
 def test_tied_deviations_fill_exactly_the_slots(kind):
     """The kernel breaks ties at the slot threshold by position, the reference's top-k its own
@@ -207,7 +210,7 @@ def test_shapes_the_kernel_cannot_take_are_refused_by_name():
     assert not nq.can_quantize(24, 32) and not nq.can_quantize(128, 256) and nq.can_quantize(64, 128)
 
 
-TINY_MOE = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
+MODEL = Path(__file__).resolve().parent.parent / "models" / "domain-moe"
 STORY = ("The old lighthouse keeper climbed the stairs every evening to light the lamp. The ships that "
          "passed the rocks at night never knew his name, but they trusted the light. One winter the storm "
          "came early, and the sea rose higher than anyone in the village could remember. ")
@@ -216,22 +219,28 @@ STORY = ("The old lighthouse keeper climbed the stairs every evening to light th
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("codebook", ["page", "calibrated"])
-def test_the_engine_writes_with_the_kernel_what_the_reference_writes(codebook, monkeypatch):
-    """The trained tiny model on CUDA, nuq2 pages quantized by the kernel (prefill chunks eagerly,
+def test_the_engine_writes_with_the_kernel_what_the_reference_writes(codebook, monkeypatch, tmp_path):
+    """The shipped trained model on CUDA, nuq2 pages quantized by the kernel (prefill chunks eagerly,
     page-filling decode steps inside their CUDA graphs) and by the torch reference: the same
     greedy text, to within the odd code at a centroid midpoint (first 48 tokens equal, logprobs
-    within 0.05 nats over them)."""
+    within 0.05 nats over them). The calibrated codebooks come from `moekv calibrate` on 2,048
+    tokens of the model's held-out prose."""
     from moekv import LLM, SamplingParams
+    from moekv.cli import main
 
+    calibration = None
+    if codebook == "calibrated":
+        calibration = tmp_path / "kv_calibration"
+        assert main(["calibrate", "--model", str(MODEL), "--text", str(MODEL / "heldout" / "prose.txt"),
+                     "--out", str(calibration), "--max-tokens", "2048", "--device", "cuda", "--quiet"]) == 0
     kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=512, max_num_seqs=4, kv_cache_dtype="nuq2",
-                  kv_codebook=codebook, block_size=32,
-                  kv_calibration=str(TINY_MOE / "kv_calibration") if codebook == "calibrated" else None)
+                  kv_codebook=codebook, block_size=32, kv_calibration=str(calibration) if calibration else None)
     prompts = [STORY, STORY[60:] + STORY[:60], "Once upon a time " + STORY]
     params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = {}
     for impl in ("1", "0"):
         monkeypatch.setenv("MOEKV_NUQ2_QUANTIZE_KERNEL", impl)
-        llm = LLM(str(TINY_MOE), **kwargs)
+        llm = LLM(str(MODEL), **kwargs)
         assert llm.engine.runner.kv_format.quantize_kernel == (impl == "1")
         runs[impl] = llm.generate(prompts, params)
         del llm

@@ -28,6 +28,7 @@ def single(checkpoints):
     return {arch: run(path) for arch, path in checkpoints.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2+ep"])
 def test_two_ranks_match_one_process(arch, expert_parallel, checkpoints, single):
@@ -42,6 +43,7 @@ def test_two_ranks_match_one_process(arch, expert_parallel, checkpoints, single)
     assert (stats.ep_bytes_sent is not None and stats.ep_bytes_sent > 0) == expert_parallel
 
 
+@pytest.mark.slow
 def test_four_ranks_replicate_kv_heads(mixtral_ckpt, single):
     """4 ranks over 2 KV heads: each KV head (and its pages) on two ranks, experts 2 per rank."""
     tokens, logits, _ = run(mixtral_ckpt, tensor_parallel_size=4, enable_expert_parallel=True, distributed_timeout=60)

@@ -54,6 +54,7 @@ def hierarchical(mixtral_ckpt, text, cluster_map):
     return routed(mixtral_ckpt, text, routing="hierarchical", cluster_map=cluster_map)
 
 
+@pytest.mark.slow
 def test_real_bytes_equal_the_placement_prediction(flat, hierarchical):
     for record, _ in (flat, hierarchical):
         # the engine's placement is the map's: cluster c on rank c mod 2

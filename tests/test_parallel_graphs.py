@@ -13,7 +13,6 @@ parallel path forced) and 2 (tiered too).
 """
 from __future__ import annotations
 
-import functools
 import socket
 import time
 
@@ -23,9 +22,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moekv import LLM, SamplingParams
-from moekv.engine.cuda_graphs import EMULATE_GRAPHS_ENV
+from moekv.envs import EMULATE_CUDA_GRAPHS_ENV
 from moekv.layers.parallel import ExpertParallel, StaticDispatch, TPGroup
 from moekv.ops.reference import fused_moe_ref
+from tests.faults import inject_fault
 
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [12, 13, 14]},
            {"prompt_token_ids": [40, 41, 42, 43, 44]}]
@@ -73,6 +73,7 @@ def _dispatch_worker(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2])
 def test_static_dispatch_equals_dynamic_dispatch_and_one_process(world):
     ctx = mp.get_context("spawn")
@@ -151,9 +152,10 @@ def eager_two_ranks(mixtral_ckpt):
 
 @pytest.mark.parametrize("expert_parallel, async_scheduling", [(True, False), (False, True)],
                          ids=["tp2+ep", "tp2-async"])
+@pytest.mark.slow
 def test_two_ranks_replay_the_variants_rank0_picks(mixtral_ckpt, monkeypatch, one_process, eager_two_ranks,
                                                    expert_parallel, async_scheduling):
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")  # (inherited by the spawned rank)
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")  # (inherited by the spawned rank)
     llm = LLM(model=str(mixtral_ckpt), **ENGINE, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
               async_scheduling=async_scheduling, distributed_timeout=60)
     try:
@@ -190,7 +192,7 @@ def test_two_ranks_replay_page_filling_steps(hd32_ckpt, monkeypatch):
     fill a page take a fill-bucket variant on both ranks, with the one-process tokens and logprobs."""
     kwargs = dict(ENGINE, kv_cache_dtype="fp8_e4m3", block_size=8)  # decodes reach contexts 8 and 16
     ref_tokens, ref_logprobs = _outputs(LLM(model=str(hd32_ckpt), **kwargs))
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = LLM(model=str(hd32_ckpt), **kwargs, tensor_parallel_size=2, enable_expert_parallel=True,
               distributed_timeout=60)
     try:
@@ -205,13 +207,14 @@ def test_two_ranks_replay_page_filling_steps(hd32_ckpt, monkeypatch):
     assert any(fills for _, fills in r0["replayed"]), "no replayed step filled a page: a weak test"
 
 
+@pytest.mark.slow
 def test_a_rank_that_fails_a_replayed_step(mixtral_ckpt, monkeypatch, one_process):
     """A failure on rank 1 in a replayed step, before the replay (loading its inputs: no rank
     replays) and inside it (the emulated replay's layer; the other rank's collective times out):
     both fail the step's requests with the rank's error and free their pages; the graphs are
     dropped with the rebuilt compute group, recaptured on every rank, and the engine serves the
     one-process tokens again."""
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = LLM(model=str(mixtral_ckpt), **ENGINE, tensor_parallel_size=2, enable_expert_parallel=True,
               distributed_timeout=3)
     engine = llm.engine
@@ -224,7 +227,7 @@ def test_a_rank_that_fails_a_replayed_step(mixtral_ckpt, monkeypatch, one_proces
                 assert all(o.error is None for o in engine.step())
             assert engine.runner.graphs.num_replays > 0 and engine.block_manager.num_used_blocks > 0
             generation = engine.runner.parallel.generation
-            engine.runner.inject_fault(rank=1, layer_idx=fault)
+            inject_fault(engine.runner, rank=1, fault=fault)
             outs = engine.step()
             assert sorted(o.request_id for o in outs) == sorted(ids)
             for o in outs:
@@ -284,6 +287,7 @@ def tiered_eager(hd32_ckpt):
 
 @pytest.mark.parametrize("expert_parallel, async_scheduling", [(True, False), (False, True)],
                          ids=["tp2+ep", "tp2-async"])
+@pytest.mark.slow
 def test_two_ranks_replay_tiered_decode_steps(hd32_ckpt, monkeypatch, tiered_eager, expert_parallel,
                                               async_scheduling):
     """tiered over 2 ranks takes the graph path for every decode step, those that fill pages and those
@@ -291,7 +295,7 @@ def test_two_ranks_replay_tiered_decode_steps(hd32_ckpt, monkeypatch, tiered_eag
     engine's tokens and logprobs, both ranks replay the same variants, and
     every layer on every rank counts each step once, as the eager engine's do."""
     ref_tokens, ref_logprobs, ref_steps = tiered_eager(expert_parallel)
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = LLM(model=str(hd32_ckpt), **TIERED, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
               async_scheduling=async_scheduling, distributed_timeout=60)
     try:
@@ -311,6 +315,7 @@ def test_two_ranks_replay_tiered_decode_steps(hd32_ckpt, monkeypatch, tiered_eag
         assert follow_on > 0
 
 
+@pytest.mark.slow
 def test_a_rank_that_turns_a_replayed_tiered_step_down(hd32_ckpt, monkeypatch, tiered_eager):
     """One rank turns a replayed step down (as its format's prepare_graph_step does when a fill would
     have to go straight to nuq2: forced here, on rank 1 at decode step 1, which fills 3 pages, and on
@@ -319,7 +324,7 @@ def test_a_rank_that_turns_a_replayed_tiered_step_down(hd32_ckpt, monkeypatch, t
     fills anew), and every other decode step replays. The eager 2-rank engine's tokens, logprobs and
     per-layer step counts on each rank."""
     ref_tokens, ref_logprobs, ref_steps = tiered_eager(True)
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = LLM(model=str(hd32_ckpt), **TIERED, tensor_parallel_size=2, enable_expert_parallel=True,
               distributed_timeout=60)
     engine = llm.engine
@@ -331,7 +336,7 @@ def test_a_rank_that_turns_a_replayed_tiered_step_down(hd32_ckpt, monkeypatch, t
         outs, replays, step = {}, [], 0
         while engine.has_unfinished_requests():
             if step in refuse:
-                engine.runner.inject_fault(rank=refuse[step], layer_idx="graph_verdict")
+                inject_fault(engine.runner, rank=refuse[step], fault="graph_verdict")
             before = graphs.num_replays
             for o in engine.step():
                 assert o.error is None, o.error
@@ -363,7 +368,7 @@ def _forced_parallel_engine(ckpt, monkeypatch, device: str, expert_parallel: boo
     one rank (gloo commands, NCCL compute group on CUDA), every layer cut by shard_model (which
     keeps it whole) and, with expert_parallel, every expert on rank 0 behind the dispatching
     ExpertParallel (what bench_parallel_cost.py's tp+ep variant measures)."""
-    from moekv.engine import llm_engine, model_runner
+    from moekv.engine import model_runner
     from moekv.engine.parallel import ParallelGroup
 
     if expert_parallel:
@@ -372,7 +377,7 @@ def _forced_parallel_engine(ckpt, monkeypatch, device: str, expert_parallel: boo
 
         monkeypatch.setattr(model_runner, "placement_of", every_expert_on_rank0)
     group = ParallelGroup(0, 1, f"tcp://127.0.0.1:{_free_port()}", torch.device(device), 60)
-    monkeypatch.setattr(llm_engine, "ModelRunner", functools.partial(model_runner.ModelRunner, parallel=group))
+    monkeypatch.setattr(model_runner, "start_ranks", lambda *args: group)
     return LLM(model=str(ckpt), device=device, **kwargs)
 
 
@@ -380,7 +385,7 @@ def _forced_parallel_engine(ckpt, monkeypatch, device: str, expert_parallel: boo
 def test_world_size_one_parallel_path_on_the_cpu(mixtral_ckpt, monkeypatch, one_process, expert_parallel):
     """The GPU test below, on the CPU: the forced parallel path at world size 1 on the emulated graph
     path (gloo) gives the one-process tokens and logprobs."""
-    monkeypatch.setenv(EMULATE_GRAPHS_ENV, "1")
+    monkeypatch.setenv(EMULATE_CUDA_GRAPHS_ENV, "1")
     llm = _forced_parallel_engine(mixtral_ckpt, monkeypatch, "cpu", expert_parallel,
                                   **{k: v for k, v in ENGINE.items() if k != "device"})
     try:

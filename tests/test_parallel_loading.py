@@ -14,8 +14,8 @@ from moekv.models import loader
 from moekv.models.loader import Shard, load_model, load_model_config
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_MOE = REPO / "models" / "tiny-moe"
-CLUSTERS = REPO / "benchmarks" / "results" / "cpu" / "tiny-moe.clusters4.safetensors"
+MODEL = REPO / "models" / "domain-moe"
+CLUSTERS = REPO / "benchmarks" / "results" / "cpu" / "domain-moe.clusters4.safetensors"
 
 
 class Cfg:
@@ -62,7 +62,7 @@ def test_four_ranks_with_replicated_kv_heads(mixtral_ckpt):
 
 
 def test_cluster_map_placement_reads_only_the_ranks_experts(monkeypatch):
-    """tiny-moe (16 experts a layer) with its 4-cluster map over 2 ranks: rank 1 reads none of rank
+    """domain-moe (16 experts a layer) with its 4-cluster map over 2 ranks: rank 1 reads none of rank
     0's experts' tensors, and gets the parameters the cut whole model has."""
     read = []
     real_open = loader.safe_open
@@ -89,13 +89,13 @@ def test_cluster_map_placement_reads_only_the_ranks_experts(monkeypatch):
             read.append(name)
             return self.inner.get_slice(name)
 
-    whole, _ = both_ways(TINY_MOE, 2, 1, True, CLUSTERS)
+    whole, _ = both_ways(MODEL, 2, 1, True, CLUSTERS)
     monkeypatch.setattr(loader, "safe_open", Recording)
-    cfg = load_model_config(TINY_MOE)
+    cfg = load_model_config(MODEL)
     tp = TPGroup(1, 2)
     placement = placement_of(Cfg(2, True, CLUSTERS), cfg, list(range(cfg.num_layers)))
     shard = Shard(cut=lambda m: shard_model(m, cfg, tp, placement), plan=lambda m: shard_plan(m, cfg, tp, placement))
-    part = load_model(TINY_MOE, torch.float32, torch.device("cpu"), cfg, shard=shard)
+    part = load_model(MODEL, torch.float32, torch.device("cpu"), cfg, shard=shard)
     assert_same(whole, part)
     experts_read = {(int(n.split(".")[2]), int(n.split(".")[5])) for n in read if ".experts." in n}
     mine = {(layer, int(e)) for layer, where in placement.items() for e in torch.nonzero(where == 1).flatten()}
@@ -104,16 +104,16 @@ def test_cluster_map_placement_reads_only_the_ranks_experts(monkeypatch):
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["stacked", "stacked-transposed"])
 def test_stacked_expert_tensors(tmp_path, transposed):
-    """tiny-moe rewritten with its experts stacked per layer (gate_up_proj [E, 2I, H], down_proj
-    [E, H, I], as transformers >= 5 may save them, or with the last two dims swapped; tiny-moe's
+    """domain-moe rewritten with its experts stacked per layer (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I], as transformers >= 5 may save them, or with the last two dims swapped; its
     shapes are not square, so a swap is visible): both ways agree, and the whole model equals the
     one loaded from the shipped per-expert checkpoint."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    shutil.copy(TINY_MOE / "config.json", tmp_path / "config.json")
-    tensors = load_file(str(TINY_MOE / "model.safetensors"))
+    shutil.copy(MODEL / "config.json", tmp_path / "config.json")
+    tensors = load_file(str(MODEL / "model.safetensors"))
     cfg = load_model_config(tmp_path)
     stacked = {k: v for k, v in tensors.items() if ".experts." not in k}
     for layer in range(cfg.num_layers):
@@ -127,7 +127,7 @@ def test_stacked_expert_tensors(tmp_path, transposed):
         stacked[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up.contiguous()
         stacked[f"model.layers.{layer}.mlp.experts.down_proj"] = down.contiguous()
     save_file(stacked, str(tmp_path / "model.safetensors"))
-    reference = load_model(TINY_MOE, torch.float32, torch.device("cpu"))
+    reference = load_model(MODEL, torch.float32, torch.device("cpu"))
     assert_same(reference, load_model(tmp_path, torch.float32, torch.device("cpu")))
     for expert_parallel, cluster_map in ((False, None), (True, None), (True, CLUSTERS)):
         for rank in range(2):

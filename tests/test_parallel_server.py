@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from moekv import LLM, SamplingParams
 from tests.server_harness import scrape
@@ -20,6 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_serve_with_two_ranks_streams(mixtral_ckpt):
     prompt = "The quick brown fox"
     llm = LLM(model=str(mixtral_ckpt), dtype="float32", max_model_len=128)

@@ -32,6 +32,7 @@ def torchrun(args: list[str], cwd) -> subprocess.CompletedProcess:
     return subprocess.run(TORCHRUN + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
 
 
+@pytest.mark.slow
 def test_generate_under_torchrun(mixtral_ckpt, tmp_path):
     text, _ = one_process(mixtral_ckpt)
     proc = torchrun(["-m", "moekv.cli", "generate", "--model", str(mixtral_ckpt), "--dtype", "float32",
@@ -42,6 +43,7 @@ def test_generate_under_torchrun(mixtral_ckpt, tmp_path):
     assert text and proc.stdout.count(text) == 1  # rank 0 printed it, the other rank printed nothing
 
 
+@pytest.mark.slow
 def test_llm_script_joins_the_programs_process_group(mixtral_ckpt, tmp_path):
     """A script that initialised torch.distributed itself: the engine joins that group; only rank 0
     gets past LLM(...), and both ranks exit cleanly once it shuts the engine down. Rank 1 destroys

@@ -56,6 +56,7 @@ DECODE = dict(positions=[7, 33, 0], slots=[7, 2 * 16 + 1, 5 * 16])
 
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                 (torch.float32, torch.float16)])
+@pytest.mark.slow
 @pytest.mark.parametrize("D, Hq, Hkv", [(32, 4, 4), (64, 8, 2), (128, 4, 1)])
 @pytest.mark.parametrize("step", [PREFILL, DECODE], ids=["prefill", "decode"])
 def test_plain_pages_match_the_unfused_write(step, D, Hq, Hkv, dtype, cache_dtype):
@@ -230,12 +231,12 @@ def run_both_ways(fmt_name, dtype, steps, P, observer=False, monkeypatch=None):
         monkeypatch.setattr(rkw, "rope_kv_write", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     for fuse in (True, False):
         attn = make_attention(dtype)
-        attn.fuse_rope_write = fuse
+        attn.hooks.fuse_rope_write = fuse
         fmt = get_kv_format(fmt_name, dtype, **({"residual": 32} if fmt_name == "kivi2" else {}))
-        attn.kv_format, attn.kv_cache = fmt, fmt.allocate(16, 2, P, 32, torch.device(DEVICE), 4, dtype)
+        attn.hooks.kv_format, attn.hooks.kv_cache = fmt, fmt.allocate(16, 2, P, 32, torch.device(DEVICE), 4, dtype)
         seen = []
         if observer:
-            attn.kv_observer = lambda layer, k, v: seen.append(k)
+            attn.hooks.kv_observer = lambda layer, k, v: seen.append(k)
         g = torch.Generator().manual_seed(1)
         outs = [attn(torch.randn(ctx.num_tokens, 64, generator=g).to(dtype).to(DEVICE), ctx) for ctx in steps]
         results.append((outs, attn.kv_cache.tensors, seen))

@@ -292,7 +292,7 @@ def test_checkpoint_with_groups_routes_group_limited_by_default(grouped_ckpt, mi
     prompt = [{"prompt_token_ids": [5, 17, 33, 90, 4, 8, 100, 200, 3, 44, 55, 66]}]
     llm = LLM(grouped_ckpt, dtype="float32", max_model_len=64)
     assert llm.engine.runner.routing == "group_limited"
-    router = llm.engine.runner.model.layers[0].mlp.router
+    router = llm.engine.runner.model.layers[0].hooks.router
     assert isinstance(router, GroupLimitedRouter) and (router.n_group, router.topk_group) == (4, 2)
     grouped = llm.score(prompt)[0]
     flat_llm = LLM(grouped_ckpt, dtype="float32", max_model_len=64, routing="flat")
@@ -313,7 +313,8 @@ def test_cli_has_routing_flags():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--routing", "group_limited", "--n-group", "4",
                                       "--topk-group", "2", "--clusters-per-token", "2"])
     cfg = engine_config_from(args)
-    assert (cfg.routing, cfg.n_group, cfg.topk_group, cfg.clusters_per_token) == ("group_limited", 4, 2, 2)
+    assert (cfg.router.routing, cfg.router.n_group, cfg.router.topk_group, cfg.router.clusters_per_token) == (
+        "group_limited", 4, 2, 2)
 
 
 def test_every_router_meets_the_protocol_the_moe_layer_uses(mixtral_ckpt):
@@ -334,7 +335,7 @@ def test_every_router_meets_the_protocol_the_moe_layer_uses(mixtral_ckpt):
         assert isinstance(router.name, str) and isinstance(router.fuses_norm, bool)
     cfg = load_model_config(mixtral_ckpt)
     model = load_model(mixtral_ckpt, torch.float32, torch.device("cpu"), cfg)
-    assert all(isinstance(moe.router, FlatTopKRouter) for moe in moe_layers(model).values())
+    assert all(isinstance(moe.hooks.router, FlatTopKRouter) for moe in moe_layers(model).values())
     bare = SparseMoE(cfg)
     with pytest.raises(RuntimeError, match="no router"):
         bare(torch.zeros(1, cfg.hidden_size))

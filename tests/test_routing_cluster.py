@@ -152,7 +152,7 @@ def test_hierarchical_engine_never_computes_full_logits_and_all_clusters_equal_f
     flat = LLM(mixtral_ckpt, dtype="float32", max_model_len=64).score(PROMPT)[0]
     wide = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, routing="hierarchical", cluster_map=path,
                cluster_admit_margin=math.inf)
-    assert isinstance(wide.engine.runner.model.layers[0].mlp.router, HierarchicalRouter)
+    assert isinstance(wide.engine.runner.model.layers[0].hooks.router, HierarchicalRouter)
     from moekv.routing.logits import RouterLogits
 
     def no_full(self):
@@ -191,6 +191,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "moekv.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_cluster_and_eval_routing(mixtral_ckpt, text_file, tmp_path):
     out = tmp_path / "map.safetensors"
     r = run_cli("cluster", "--model", str(mixtral_ckpt), "--text", str(text_file), "--clusters", "2", "--out",

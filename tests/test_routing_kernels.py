@@ -45,6 +45,7 @@ def adversarial_logits(T: int, E: int, n_group: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("E,k,n_group,topk_group", [(8, 2, 1, 1), (16, 2, 4, 2), (12, 3, 3, 2), (64, 6, 8, 3),
                                                     (64, 8, 8, 8), (20, 1, 1, 1)])
+@pytest.mark.slow
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_fused_routing_kernel_matches_reference(E, k, n_group, topk_group, scoring):
     g = torch.Generator().manual_seed(E + k)
@@ -78,6 +79,7 @@ def cluster_problem(E: int, C: int, H: int, T: int, seed: int):
     return (hidden.to(DEVICE), scores.to(DEVICE), gate[experts].contiguous().to(DEVICE), experts.to(DEVICE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("E,C,H,k", [(16, 4, 48, 2), (12, 4, 40, 3), (64, 8, 72, 6), (8, 2, 17, 2)])
 @pytest.mark.parametrize("max_clusters,margin", [(1, 0.0), (2, 0.25), (4, 0.0), (4, -0.5), (2, INF), (4, -INF)])
 def test_cluster_routing_kernel_matches_reference(E, C, H, k, max_clusters, margin):

@@ -1,8 +1,9 @@
-"""`moekv serve` on loopback with the bundled tiny model, driven by the official openai client and,
+"""`moekv serve` on loopback with the bundled model, driven by the official openai client and,
 for the error cases, by raw HTTP."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import socket
 import subprocess
@@ -15,23 +16,23 @@ import openai
 import pytest
 import torch
 
-from moekv import LLM, SamplingParams
+from moekv import LLM
 from moekv.config import default_model_path
 from tests.server_harness import NO_EOS, ServerThread, assert_pool_empty, scrape
 
-TINY = default_model_path()
+MODEL = default_model_path()
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(TINY, max_queue=256, max_model_len=256, max_num_seqs=128) as srv:
+    with ServerThread(MODEL, max_queue=256, max_model_len=256, max_num_seqs=128) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def small_server():
     """2 running, 2 waiting, and 5 pages of 16 tokens: two 64-token sequences must preempt."""
-    with ServerThread(TINY, max_queue=2, max_model_len=64, max_num_seqs=2, block_size=16, num_kv_blocks=5) as srv:
+    with ServerThread(MODEL, max_queue=2, max_model_len=64, max_num_seqs=2, block_size=16, num_kv_blocks=5) as srv:
         yield srv
 
 
@@ -42,14 +43,18 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(TINY, dtype="float32", max_model_len=256)
+    return LLM(MODEL, dtype="float32", max_model_len=256)
 
 
 def test_completion_matches_offline_generate(client, offline):
+    """The request's fields over the model's generation_config.json defaults (its repetition_penalty
+    here), as LLM's default SamplingParams take them."""
     r = client.completions.create(model="tiny", prompt="It was a dark and stormy night", max_tokens=12,
                                   temperature=0.0, extra_body=NO_EOS)
-    expected = offline.generate("It was a dark and stormy night", SamplingParams(max_tokens=12, temperature=0.0,
-                                                                                ignore_eos=True))[0]
+    params = dataclasses.replace(offline.get_default_sampling_params(), max_tokens=12, temperature=0.0,
+                                 ignore_eos=True)
+    assert params.repetition_penalty != 1.0  # the default the server must fill in too
+    expected = offline.generate("It was a dark and stormy night", params)[0]
     assert r.choices[0].text == expected.outputs[0].text and r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(expected.prompt_token_ids), 12)
 
@@ -285,7 +290,7 @@ def test_metrics_move_as_requests_run(server, small_server, client):
 
 
 def test_tiered_format_reports_its_tiers():
-    with ServerThread(TINY, max_model_len=256, kv_cache_dtype="tiered", block_size=32, kv_rerank_interval=4) as srv:
+    with ServerThread(MODEL, max_model_len=256, kv_cache_dtype="tiered", block_size=32, kv_rerank_interval=4) as srv:
         with httpx.stream("POST", f"{srv.url}/v1/completions", json={"prompt": "word " * 100, "max_tokens": 60,
                                                                      "stream": True, **NO_EOS}) as r:
             lines = r.iter_lines()
@@ -300,6 +305,7 @@ def test_tiered_format_reports_its_tiers():
     assert m["moekv:kv_cache_bits_per_element_read"] > 0
 
 
+@pytest.mark.slow
 def test_serve_command_starts_and_answers():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -327,14 +333,14 @@ def test_serve_command_starts_and_answers():
 
 
 CLUSTER_MAP = (Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "cpu"
-               / "tiny-moe.clusters4.safetensors")
+               / "domain-moe.clusters4.safetensors")
 
 
 @pytest.mark.parametrize("routing, clusters_per_token", [("hierarchical", 1), ("flat", None)])
 def test_routing_locality_is_exported(routing, clusters_per_token):
     """With a cluster map the server counts every routing decision under the clustered placement:
     one cluster per token is local by construction; the model's own routing is not."""
-    with ServerThread(TINY, max_model_len=128, routing=routing, cluster_map=str(CLUSTER_MAP),
+    with ServerThread(MODEL, max_model_len=128, routing=routing, cluster_map=str(CLUSTER_MAP),
                       clusters_per_token=clusters_per_token) as srv:
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "The sea was", "max_tokens": 8, **NO_EOS})
         assert r.status_code == 200
@@ -348,7 +354,7 @@ def test_routing_locality_is_exported(routing, clusters_per_token):
 def test_expert_offload_metrics_are_exported():
     """With expert offload the server exports the cache's hits and misses, the bytes copied and the
     prediction recall; they agree with the engine's own counters."""
-    with ServerThread(TINY, max_model_len=128, expert_offload=True, expert_cache_slots=4) as srv:
+    with ServerThread(MODEL, max_model_len=128, expert_offload=True, expert_cache_slots=4) as srv:
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "The sea was", "max_tokens": 8, **NO_EOS})
         assert r.status_code == 200
         srv.wait_idle()

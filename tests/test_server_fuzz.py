@@ -100,6 +100,7 @@ def assert_healthy(srv: ServerThread) -> None:
     bm.check_invariants([])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", list(FIELDS))
 def test_generated_bodies_never_get_a_5xx(server, path):
     statuses = []
@@ -115,6 +116,7 @@ def test_generated_bodies_never_get_a_5xx(server, path):
     assert statuses.count(200) >= 5 and sum(s == 400 for s in statuses) >= 5, statuses
 
 
+@pytest.mark.slow
 def test_generated_bytes_never_get_a_5xx(server):
     @FUZZ
     @given(path=st.sampled_from(list(FIELDS)), raw=st.binary(max_size=64) | st.text(max_size=64).map(str.encode))

@@ -22,14 +22,14 @@ from moekv.config import default_model_path
 from moekv.server.options import ServerOptions
 from tests.server_harness import NO_EOS, ServerThread, assert_pool_empty
 
-TINY = default_model_path()
+MODEL = default_model_path()
 
 
 @pytest.fixture(scope="module")
 def server():
     """Short read timeout, small body limit: the limits are reached in milliseconds."""
     options = ServerOptions(read_timeout=0.5, max_request_bytes=20_000, shutdown_timeout=5)
-    with ServerThread(TINY, max_model_len=128, options=options) as srv:
+    with ServerThread(MODEL, max_model_len=128, options=options) as srv:
         yield srv
 
 
@@ -97,6 +97,7 @@ def test_keep_alive_connection_gets_a_fresh_header_deadline(server):
 
 
 # -- 1. SIGTERM with stalled clients ends within the drain time ------------------------------
+@pytest.mark.slow
 def test_sigterm_closes_stalled_clients_within_the_shutdown_timeout():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,7 +167,7 @@ def test_body_over_the_limit_is_a_413(server):
 
 @pytest.fixture(scope="module")
 def big_server():
-    with ServerThread(TINY, max_model_len=128, options=ServerOptions(shutdown_timeout=5)) as srv:  # 16 MiB bodies
+    with ServerThread(MODEL, max_model_len=128, options=ServerOptions(shutdown_timeout=5)) as srv:  # 16 MiB bodies
         yield srv
 
 
@@ -270,7 +271,7 @@ def test_deep_nesting_is_a_400(big_server):
 
 # -- 5. admission counts only what waits beyond the free batch slots ---------------------------
 def test_a_burst_that_fits_the_free_slots_is_never_refused():
-    with ServerThread(TINY, max_queue=4, max_model_len=128, max_num_seqs=8) as srv:
+    with ServerThread(MODEL, max_queue=4, max_model_len=128, max_num_seqs=8) as srv:
         async def burst(k):
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
                 body = {"prompt": "The sea", "max_tokens": 20, **NO_EOS}
@@ -318,7 +319,7 @@ def test_client_leaving_mid_body_logs_nothing(server):
 @pytest.mark.parametrize("metrics_require_key", [False, True])
 def test_api_key_with_the_official_client(metrics_require_key):
     options = ServerOptions(api_key="s3cret-key", metrics_require_key=metrics_require_key, shutdown_timeout=5)
-    with ServerThread(TINY, max_model_len=128, options=options) as srv:
+    with ServerThread(MODEL, max_model_len=128, options=options) as srv:
         right = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret-key", max_retries=0)
         assert right.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].finish_reason
         assert right.models.list().data[0].id == "tiny"
@@ -339,6 +340,7 @@ def test_api_key_with_the_official_client(metrics_require_key):
         assert_healthy(srv)
 
 
+@pytest.mark.slow
 def test_api_key_from_the_environment_and_bad_options(monkeypatch):
     monkeypatch.setenv("MOEKV_API_KEY", "from-env")
     assert ServerOptions.with_env_key().api_key == "from-env"
@@ -357,7 +359,7 @@ def test_api_key_from_the_environment_and_bad_options(monkeypatch):
 
 # -- the connection cap ------------------------------------------------------------------------------
 def test_connections_beyond_the_limit_get_an_openai_503():
-    with ServerThread(TINY, max_model_len=128, options=ServerOptions(limit_concurrency=2, shutdown_timeout=5)) as srv:
+    with ServerThread(MODEL, max_model_len=128, options=ServerOptions(limit_concurrency=2, shutdown_timeout=5)) as srv:
         with connect(srv.url) as a, connect(srv.url) as b:
             a.sendall(b"GET /hea")  # two connections held open
             b.sendall(b"GET /hea")

@@ -11,22 +11,22 @@ import pytest
 from moekv import LLM, EngineConfig, SamplingParams
 from moekv.config import default_model_path
 
-TINY = default_model_path()
+MODEL = default_model_path()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def no_tokenizer_ckpt(tmp_path_factory) -> Path:
-    """The shipped tiny model without tokenizer.json (nor tokenizer_config.json)."""
+    """The shipped model without tokenizer.json (nor tokenizer_config.json)."""
     folder = tmp_path_factory.mktemp("bare")
     for name in ("config.json", "model.safetensors", "generation_config.json"):
-        shutil.copy(TINY / name, folder / name)
+        shutil.copy(MODEL / name, folder / name)
     return folder
 
 
 @pytest.fixture(scope="module")
 def reference() -> LLM:
-    return LLM(TINY, dtype="float32")
+    return LLM(MODEL, dtype="float32", max_model_len=128)
 
 
 def test_tokenizer_option_replaces_the_checkpoints(no_tokenizer_ckpt, reference):
@@ -34,8 +34,8 @@ def test_tokenizer_option_replaces_the_checkpoints(no_tokenizer_ckpt, reference)
     ships it; its chat template comes from the folder it sits in."""
     text = "The quick brown fox jumps over the lazy dog."
     want = reference.generate(text, GREEDY)[0]
-    for tok in (TINY / "tokenizer.json", TINY):
-        llm = LLM(no_tokenizer_ckpt, dtype="float32", tokenizer=str(tok))
+    for tok in (MODEL / "tokenizer.json", MODEL):
+        llm = LLM(no_tokenizer_ckpt, dtype="float32", max_model_len=128, tokenizer=str(tok))
         got = llm.generate(text, GREEDY)[0]
         assert got.prompt_token_ids == want.prompt_token_ids
         assert got.outputs[0].token_ids == want.outputs[0].token_ids and got.outputs[0].text == want.outputs[0].text
@@ -51,7 +51,7 @@ def test_bad_tokenizer_values_are_refused(tmp_path):
     with pytest.raises(ValueError, match="tokenizer='.*nope' is neither a tokenizer.json file nor a folder"):
         EngineConfig(tokenizer=tmp_path / "nope")
     with pytest.raises(ValueError, match="tokenizer=.*skip_tokenizer_init=True contradict"):
-        EngineConfig(tokenizer=TINY, skip_tokenizer_init=True)
+        EngineConfig(tokenizer=MODEL, skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="skip_tokenizer_init=1 must be True or False"):
         EngineConfig(skip_tokenizer_init=1)
 
@@ -59,7 +59,7 @@ def test_bad_tokenizer_values_are_refused(tmp_path):
 def test_skip_tokenizer_init_takes_token_ids_only(no_tokenizer_ckpt, reference):
     """No tokenizer loaded (a folder without tokenizer.json loads): token-id prompts give the tokens
     of an engine with a tokenizer and empty text; text, chat and stop strings are clear ValueErrors."""
-    llm = LLM(no_tokenizer_ckpt, dtype="float32", skip_tokenizer_init=True)
+    llm = LLM(no_tokenizer_ckpt, dtype="float32", max_model_len=128, skip_tokenizer_init=True)
     prompt = {"prompt_token_ids": reference.tokenizer.encode("Once upon a time")}
     want = reference.generate(prompt, GREEDY)[0].outputs[0]
     got = llm.generate(prompt, GREEDY)[0].outputs[0]
@@ -76,7 +76,7 @@ def test_skip_tokenizer_init_takes_token_ids_only(no_tokenizer_ckpt, reference):
 def test_server_without_tokenizer_answers_text_with_a_400(no_tokenizer_ckpt):
     from tests.server_harness import ServerThread
 
-    with ServerThread(no_tokenizer_ckpt, skip_tokenizer_init=True) as srv:
+    with ServerThread(no_tokenizer_ckpt, max_model_len=128, skip_tokenizer_init=True) as srv:
         url = srv.url
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3})
         assert r.status_code == 200, r.text
@@ -98,7 +98,8 @@ def test_engine_seed_sets_unseeded_sampling_only(reference):
     own = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=1234)
 
     def run(engine_seed, params):
-        return LLM(TINY, dtype="float32", seed=engine_seed).generate(prompt, params)[0].outputs[0].token_ids
+        llm = LLM(MODEL, dtype="float32", max_model_len=128, seed=engine_seed)
+        return llm.generate(prompt, params)[0].outputs[0].token_ids
 
     assert run(1, free) == run(1, free)
     assert run(1, free) != run(2, free)
@@ -124,13 +125,13 @@ def test_cli_seed_flags():
 def test_cli_flags_of_the_new_options(tmp_path):
     from moekv.cli import build_parser, engine_config_from
 
-    args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--tokenizer", str(TINY / "tokenizer.json"),
+    args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--tokenizer", str(MODEL / "tokenizer.json"),
                                       "--gpu-memory-utilization", "0.5"])
     cfg = engine_config_from(args)
-    assert (cfg.enable_prefix_caching, cfg.tokenizer, cfg.skip_tokenizer_init, cfg.gpu_memory_utilization) == (
-        True, TINY / "tokenizer.json", False, 0.5)
+    assert (cfg.cache.enable_prefix_caching, cfg.tokenizer, cfg.skip_tokenizer_init,
+            cfg.cache.gpu_memory_utilization) == (True, MODEL / "tokenizer.json", False, 0.5)
     cfg = engine_config_from(build_parser().parse_args(["serve", "--skip-tokenizer-init"]))
-    assert cfg.skip_tokenizer_init and cfg.tokenizer is None and not cfg.enable_prefix_caching
+    assert cfg.skip_tokenizer_init and cfg.tokenizer is None and not cfg.cache.enable_prefix_caching
 
 
 def test_generate_command_per_request_seed(capsys):
@@ -139,7 +140,7 @@ def test_generate_command_per_request_seed(capsys):
 
     def run(*extra):
         assert main(["generate", "--prompt", "Once", "--max-tokens", "12", "--temperature", "1.0", "--ignore-eos",
-                     "--quiet", "--dtype", "float32", *extra]) == 0
+                     "--quiet", "--dtype", "float32", "--max-model-len", "64", *extra]) == 0
         return capsys.readouterr().out
 
     assert run("--seed", "7", "--engine-seed", "1") == run("--seed", "7", "--engine-seed", "2")

@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 SHARED = ("moekv.ops.pdl",)  # Triton helpers most kernel modules import: always reloaded first
 # the decode-attention package, dependencies first (kernel_modules(*DECODE_MODULES) reloads them in this order)
 DECODE_MODULES = tuple(f"moekv.ops.decode.{name}" for name in ("common", "launch", "interpreter", "codes", "slots",
-                                                                 "plain", "fp8", "int4", "kivi", "nuq2", "vq", "paged",
+                                                                 "plain", "fp8", "int4", "kivi2", "nuq2", "vq", "paged",
                                                                  "tiered"))
 
 

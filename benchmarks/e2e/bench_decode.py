@@ -11,7 +11,7 @@ the same run. `transformers` runs the same shape at batch 1 as the naive baselin
 
     PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --shape mixtral-8x7b \\
         --out benchmarks/results/h200/decode.json
-    PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --formats nuq2 --kernel gluon ...
+    PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --formats nuq2 --decode-kernel gluon ...
         # nuq2 through the Gluon decode kernel (pools in fragment order)
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
-from moekv.kvcache.formats import get_kv_format  # noqa: E402
+from moekv.kvcache.formats import DECODE_KERNELS, compressed_formats, get_kv_format  # noqa: E402
 from moekv.kvcache.formats.base import FragmentPagedFormat  # noqa: E402
 from moekv.models import mixtral  # noqa: E402
 from moekv.models.loader import empty_model, init_dummy_weights, install_routers  # noqa: E402
@@ -46,7 +46,7 @@ SHAPES = {
                   num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
 }
 POINTS = [(1, 4096), (16, 4096), (64, 4096), (32, 32768)]
-FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "vq", "tiered"]  # vq on a random calibration
+FORMATS = ["bf16", *compressed_formats()]  # every registered format; vq on a random calibration
 ACTIVATION_RESERVE = 6 << 30  # bytes kept free for activations, graphs and the allocator
 
 
@@ -170,8 +170,9 @@ def install_filled_caches(model, cfg, fmt, batch: int, context: int, block_size:
     room for the next); returns the decode Context of the step that follows."""
     pages = batch * (context // block_size + 1)
     for attn in model.attention_layers:
-        attn.kv_format = fmt
-        attn.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch, torch.bfloat16)
+        attn.hooks.kv_format = fmt
+        attn.hooks.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch,
+                                           torch.bfloat16)
         attn.kv_cache.layer = attn.layer_idx
         if fmt.name == "tiered":
             fill_tiered(fmt, attn.kv_cache, cfg, block_size, batch, context // block_size + 1, device)
@@ -236,8 +237,9 @@ def vq_calibration(cfg) -> str:
 
 
 def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandwidth: float,
-              free_bytes: int, iters: int, block_size: int | None = None, options: dict | None = None) -> dict:
-    fmt = get_kv_format(fmt_name, torch.bfloat16, **(options or {}))
+              free_bytes: int, iters: int, block_size: int | None = None, options: dict | None = None,
+              decode_kernel: str = "auto") -> dict:
+    fmt = get_kv_format(fmt_name, torch.bfloat16, decode_kernel=decode_kernel, **(options or {}))
     block_size = block_size or page_size(fmt_name)
     row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size}
     per_token = kv_bytes_per_token(fmt, cfg, block_size)
@@ -282,7 +284,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
                floor_ms=1e3 * (weights_read + kv_read) / bandwidth)
     row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
     for attn in model.attention_layers:
-        attn.kv_cache = None
+        attn.hooks.kv_cache = None
     torch.cuda.empty_cache()
     return row
 
@@ -336,13 +338,10 @@ def main() -> None:
                    help="tokens per page for every format (default: the engine's, 16 for bf16 and 64 for the rest)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--kernel", choices=("triton", "gluon", "auto"), default=None,
-                   help="nuq2's decode kernel (sets MOEKV_DECODE_KERNEL; default: the engine's default)")
+    p.add_argument("--decode-kernel", "--kernel", choices=DECODE_KERNELS, default="auto",
+                   help="the decode kernel the KV pools are laid out for, as the engine's --decode-kernel "
+                        "(default: auto)")
     args = p.parse_args()
-    if args.kernel:
-        import os
-
-        os.environ["MOEKV_DECODE_KERNEL"] = args.kernel
     if not torch.cuda.is_available():
         sys.exit("bench_decode needs a CUDA device")
     device = torch.device("cuda")
@@ -362,12 +361,12 @@ def main() -> None:
         for batch, context in points:
             try:
                 row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters,
-                                args.block_size, options)
+                                args.block_size, options, args.decode_kernel)
             except Exception as e:  # one failing point must not lose the others
                 row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
                        "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}
                 for attn in model.attention_layers:
-                    attn.kv_cache = None
+                    attn.hooks.kv_cache = None
                 torch.cuda.empty_cache()
             rows.append(row)
             if "skipped" in row:
@@ -388,7 +387,8 @@ def main() -> None:
     record = {
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
-        "shape": args.shape, "hbm_copy_bandwidth_bytes_per_s": bandwidth, "weights_bytes": total_weights,
+        "shape": args.shape, "decode_kernel": args.decode_kernel, "hbm_copy_bandwidth_bytes_per_s": bandwidth,
+        "weights_bytes": total_weights,
         "kv_free_bytes": free_bytes, "seconds": round(time.time() - started, 1), "rows": rows,
     }
     if args.out:

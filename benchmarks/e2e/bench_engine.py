@@ -49,8 +49,10 @@ sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 from bench_decode import SHAPES, hf_config, kv_bytes_per_token, measure_bandwidth, weight_bytes_per_step  # noqa: E402
 
 from moekv import LLM, SamplingParams  # noqa: E402
+from moekv.kvcache.formats import compressed_formats, format_class  # noqa: E402
 
-FORMATS = ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "tiered"]
+# every registered format that runs without a calibration folder
+FORMATS = ["bf16", *(name for name in compressed_formats() if not format_class(name).needs_calibration)]
 POINTS = [(1, 4096), (16, 4096), (64, 4096)]
 
 
@@ -201,13 +203,12 @@ def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, ban
     graphs = runner.graphs
     bucket = batch if graphs is None else next(b for b in graphs.buckets if b >= batch)
     capture_every_variant(graphs, bucket)
-    from moekv.kvcache.formats import get_kv_format
     from moekv.models import mixtral
     from moekv.models.model_config import apply_routing_fields
 
     mcfg = apply_routing_fields(mixtral.config_from_hf(cfg), cfg)
     _, weights_read = weight_bytes_per_step(mcfg, batch)
-    fmt = get_kv_format(fmt_name, torch.bfloat16)
+    fmt = runner.kv_format  # the engine's own, so the floor reads its pools' layout
     rows = []
     for i, mode in enumerate(modes):
         if mode is not None:

@@ -47,7 +47,7 @@ from bench_decode import capture_graph, install_filled_caches, measure_bandwidth
 
 from moekv.experts.l2_prefetch import ExpertL2Prefetch, l2_prefetch_budget  # noqa: E402
 from moekv.experts.observe import observed  # noqa: E402
-from moekv.experts.offload import ExpertCache, ExpertOffload  # noqa: E402
+from moekv.experts.offload import ExpertCache, ExpertOffload, OffloadedExperts  # noqa: E402
 from moekv.experts.predictor import ExpertPredictor, recall  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.models import mixtral  # noqa: E402
@@ -132,7 +132,7 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
             model(torch.randint(0, cfg.vocab_size, (1,), device=device, generator=gen), ctx)
     oracle = FixedRouting(true_ids, cfg.num_experts, cfg.top_k, device)
     hook = ExpertL2Prefetch(model, pregate, l2_prefetch_budget(l2), device)
-    model.before_layer, model.after_layers = hook, hook.after_layers
+    model.hooks.before_layer, model.hooks.after_layers = hook, hook.after_layers
 
     holder = [None]
 
@@ -195,8 +195,8 @@ def l2_part(shape: str, context: int, iters: int, budgets_mb: list[float], devic
               "seconds": round(time.time() - t0, 1)}
     del graphs, outputs, hook
     for attn in model.attention_layers:
-        attn.kv_cache = None
-    model.before_layer = model.after_layers = None
+        attn.hooks.kv_cache = None
+    model.hooks.before_layer = model.hooks.after_layers = None
     free(model)
     return record
 
@@ -373,11 +373,11 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
         for i, moe in moes.items():
             cache = ExpertCache(i, host[i][0], host[i][1], slots, device, copy_stream)
             cache.fill(list(range(slots)))
-            moe.offload = cache
+            moe.hooks.experts = OffloadedExperts(cache)
             caches[i] = cache
         offload = ExpertOffload(caches, predictor, lookahead=lookahead, sync_free=sync_free,
                                 read_stream=read_stream if sync_free else None)
-        model.before_layer = offload
+        model.hooks.before_layer = offload
         before = (lambda s, p=predictor: setattr(p, "step", s)) if isinstance(predictor, ReplayedRouting) else None
         try:
             times = run_steps(before)
@@ -385,8 +385,8 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
             record["runs"].append({"run": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(f"  {name}: failed {e}", flush=True)
             for moe in moes.values():
-                moe.offload = None
-            model.before_layer = None
+                moe.hooks.experts = None  # (its experts left the device: no executor until the next run's cache)
+            model.hooks.before_layer = None
             continue
         diff = max(float((a - b).abs().max()) for a, b in zip(logits_of, resident_logits))
         same_tokens = all(int(a.argmax()) == int(b.argmax()) for a, b in zip(logits_of, resident_logits))
@@ -412,8 +412,8 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
               f"{st['predictions_acted']} / late {st['predictions_late']} / waited {st['predictions_waited']}",
               flush=True)
         for moe in moes.values():
-            moe.offload = None
-        model.before_layer = None
+            moe.hooks.experts = None  # (its experts left the device: no executor until the next run's cache)
+        model.hooks.before_layer = None
         del caches, offload
         free()
     base = next((r for r in record["runs"] if r["run"] == "(c) on demand" and "error" not in r), None)
@@ -422,7 +422,7 @@ def offload_part(shape: str, layers: int, context: int, steps: int, warmup: int,
             if r["run"].startswith("(d)") and "error" not in r:
                 r["speedup_vs_on_demand"] = base["step_ms_median"] / r["step_ms_median"]
     for attn in model.attention_layers:
-        attn.kv_cache = None
+        attn.hooks.kv_cache = None
     record["seconds"] = round(time.time() - t0, 1)
     free(model, host)
     return record

@@ -83,24 +83,24 @@ class Variants:
     def __init__(self, model, cfg, group: ParallelGroup) -> None:
         self.model, self.tp = model, group.tp
         shard_model(model, cfg, group.tp, None)  # world size 1: every head, every expert's whole width
-        self.ep = {}
+        self.ep, self.local = {}, {}  # each MoE layer's two expert executors
         device = next(model.parameters()).device
         self.static = StaticDispatch(device)  # its rows: set to the batch by run_point
         for i, layer in enumerate(model.layers):
             if isinstance(layer.mlp, SparseMoE):  # every expert on rank 0, tokens dispatched
+                self.local[i] = layer.hooks.experts
                 shard_moe(layer.mlp, group.tp, torch.zeros(cfg.num_experts, dtype=torch.long), dispatch=True)
-                self.ep[i] = layer.mlp.ep.to(device)
+                self.ep[i] = layer.hooks.experts.to(device)
                 self.ep[i].static = self.static
-                layer.mlp.ep = None
+                layer.hooks.experts = self.local[i]
 
     def use(self, name: str) -> None:
         tp = None if name == "single" else self.tp
         self.static.active = name == "tp+ep-static"
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.tp = tp
-            layer.mlp.tp = tp
+            layer.hooks.tp = tp
             if i in self.ep:
-                layer.mlp.ep = self.ep[i] if name.startswith("tp+ep") else None
+                layer.hooks.experts = self.ep[i] if name.startswith("tp+ep") else self.local[i]
 
 
 def median(xs: list[float]) -> float:
@@ -177,7 +177,7 @@ def run_point(model, cfg, variants: Variants, group: ParallelGroup, fmt_name: st
     variants.use("single")
     graphs.clear()
     for attn in model.attention_layers:
-        attn.kv_cache = None
+        attn.hooks.kv_cache = None
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -233,7 +233,7 @@ def main() -> None:
                        "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}
                 variants.use("single")
                 for attn in model.attention_layers:
-                    attn.kv_cache = None
+                    attn.hooks.kv_cache = None
             rows.append(row)
             head = f"{fmt_name:>6} B={batch:<3} ctx={context:<6}"
             if "skipped" in row:

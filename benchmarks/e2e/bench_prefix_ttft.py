@@ -11,14 +11,13 @@ same requests on engines built the same way, after a warm-up request whose promp
 with them. Each mode runs `--repeats` times on a fresh engine; the file keeps every run and the
 median of the warm TTFTs of each.
 
-    PYTHONPATH=. python benchmarks/e2e/bench_prefix_ttft.py --system-tokens 384 \\
-        --out benchmarks/results/cpu/prefix_ttft_tiny-moe.json              # CPU, the shipped tiny model
+    PYTHONPATH=. python benchmarks/e2e/bench_prefix_ttft.py --system-tokens 2048 --repeats 3 \\
+        --out benchmarks/results/cpu/prefix_ttft_domain-moe.json            # CPU, the shipped model
     PYTHONPATH=. python benchmarks/e2e/bench_prefix_ttft.py --device cuda --shape mixtral-8x7b \\
         --system-tokens 2048 --out benchmarks/results/h200/prefix_ttft.json  # random weights of the shape
 
-The tiny model's max_model_len is 512, hence a 384-token system prompt on the CPU; `--shape` writes
-a checkpoint folder of that shape (config.json and a word-level tokenizer, as bench_engine.py) and
-loads random weights (load_format="dummy").
+`--shape` writes a checkpoint folder of that shape (config.json and a word-level tokenizer, as
+bench_engine.py) and loads random weights (load_format="dummy").
 """
 from __future__ import annotations
 

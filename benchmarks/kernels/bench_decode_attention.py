@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 import traceback
@@ -72,7 +71,7 @@ sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import DECODE_KERNEL_ENV, FragmentPagedFormat, decode_kernel  # noqa: E402
+from moekv.kvcache.formats.base import FragmentPagedFormat  # noqa: E402
 from moekv.ops.reference import decode_attention_ref, gather_kv_ref  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -300,7 +299,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     if name == "vq" and args.vq_calibration:
         options = {**options, "calibration": args.vq_calibration}
     try:
-        fmt = get_kv_format(name, torch.bfloat16, **options)
+        fmt = get_kv_format(name, torch.bfloat16, decode_kernel="triton", **options)  # the Triton rows read slabs
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "skipped", "reason": f"cannot build the format: {e}"}
     if getattr(fmt, "needs_calibration", False) and "calibration" not in options:
@@ -421,7 +420,7 @@ def timed_and_checked(row: dict, run, ref, base: dict, nbytes: int, args) -> Non
 
 
 def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> dict:
-    """nuq2, int4, kivi2, vq or fp8_e4m3 through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: pools in
+    """nuq2, int4, kivi2, vq or fp8_e4m3 through the engine's Gluon path (decode_kernel='gluon': pools in
     fragment order, KVFormat.attend -> moekv/ops/gluon/<format>_decode.py, the staged tail (kivi2: and its
     residual ring) as the launch's extra split, the default split count), timed and checked as the Triton
     rows are: row `<label>_gluon`."""
@@ -432,9 +431,8 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
         options = {**options, "calibration": args.vq_calibration}
     row = {"format": f"{label}_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
     try:
-        with decode_kernel("gluon"):
-            fmt = get_kv_format(name, torch.bfloat16, **options)
-            cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
+        fmt = get_kv_format(name, torch.bfloat16, decode_kernel="gluon", **options)
+        cache, ctx = build_cache(fmt, batch, context, args.block_size, device, gen)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "skipped", "reason": f"no Gluon pools here: {type(e).__name__}: {e}"}
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
@@ -534,7 +532,7 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
 
 
 def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> dict:
-    """tiered through the engine's Gluon path (MOEKV_DECODE_KERNEL=gluon: its pools in the Gluon
+    """tiered through the engine's Gluon path (decode_kernel='gluon': its pools in the Gluon
     kernel's orders, TieredFormat.attend -> moekv/ops/gluon/tiered_decode.py: FP8 and nuq2 pages and
     the staged tail in one launch, then the reduce and the per-page mass into the device accumulator),
     on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass;
@@ -550,9 +548,8 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     P = args.block_size
     row = {"format": "tiered_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
     try:
-        with decode_kernel("gluon"):
-            fmt = get_kv_format("tiered", torch.bfloat16, codebook="page")
-            cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen, args.tiered_fp8_share)
+        fmt = get_kv_format("tiered", torch.bfloat16, decode_kernel="gluon", codebook="page")
+        cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen, args.tiered_fp8_share)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "skipped", "reason": f"no Gluon pools here: {type(e).__name__}: {e}"}
     st = cache.state
@@ -825,7 +822,6 @@ def main() -> None:
                    else QUICK_SHAPES if args.quick else SHAPES)
     args.configs = ([DEFAULT_CONFIG] if args.quick else CONFIGS if args.configs is None
                     else [CONFIGS[i] for i in args.configs])
-    os.environ[DECODE_KERNEL_ENV] = "triton"  # the Triton rows read slab pools; bench_gluon's switch to "gluon"
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     started = time.time()

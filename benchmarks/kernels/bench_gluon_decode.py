@@ -38,8 +38,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from moekv.kvcache.formats.base import decode_kernel  # noqa: E402
-from moekv.kvcache.formats.nuq2 import NUQ2Format  # noqa: E402
+from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.ops.gluon.nuq2_decode import (  # noqa: E402
     default_num_splits,
     nuq2_decode_attention,
@@ -121,8 +120,7 @@ def triton_nuq2_ms(fmt, k_slabs, v_slabs, repeat, tables, lens, q, scale) -> dic
     from moekv.ops.decode.paged import paged_decode_attention
 
     batch = q.shape[0]
-    with decode_kernel("triton"):  # the Triton kernel reads slab pools
-        cache = fmt.allocate(repeat.shape[0], HKV, P, D, q.device, batch, torch.bfloat16)
+    cache = fmt.allocate(repeat.shape[0], HKV, P, D, q.device, batch, torch.bfloat16)
     cache["k_pages"].copy_(k_slabs[repeat])
     cache["v_pages"].copy_(v_slabs[repeat])
     cache["k_staging"].normal_()
@@ -162,7 +160,8 @@ def check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale) -> dict:
 
 
 def run_shape(batch, context, splits, device, gen, bandwidth, only_gluon=False) -> dict:
-    fmt = NUQ2Format(codebook="page")
+    # slab pools (the Triton row allocates one); the Gluon rows convert the slabs to fragment order themselves
+    fmt = get_kv_format("nuq2", torch.bfloat16, decode_kernel="triton", codebook="page")
     scale = D ** -0.5
     pages_per = -(-context // P)
     num_blocks = batch * pages_per + 1
@@ -249,7 +248,8 @@ def conversion_cost(device, gen) -> dict:
     """What keeping the engine's pools in fragment order costs at quantize-on-write time: the pages a
     decode step fills (n pages of 8 KV heads, all layers' fills in one batch), quantized to slabs by
     nuq2 and converted (kind_to_fragment), K and V, graph-replayed ms."""
-    fmt = NUQ2Format(codebook="page")
+    # slab pools (the Triton row allocates one); the Gluon rows convert the slabs to fragment order themselves
+    fmt = get_kv_format("nuq2", torch.bfloat16, decode_kernel="triton", codebook="page")
     out = {}
     for n in (16, 512):  # e.g. 16 sequences filling a page in one layer; 16 in each of 32 layers
         x = torch.randn(n, HKV, P, D, device=device, generator=gen)

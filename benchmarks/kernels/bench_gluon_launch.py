@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode_attention as bda  # noqa: E402
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import DECODE_KERNEL_ENV, decode_kernel  # noqa: E402
 from moekv.ops.gluon.launch import MAX_SPLITS, default_num_splits, programs_per_sm  # noqa: E402
 
 SHAPES = [(16, 32768), (64, 32768), (1, 131072), (1, 4096)]
@@ -76,9 +75,8 @@ def time_launch(fn, ref, tol) -> dict:
 
 def run_shape(label, batch, context, args, device, gen, base, sms) -> dict:
     name, options = bda.FORMATS[label]
-    with decode_kernel("gluon"):
-        fmt = get_kv_format(name, torch.bfloat16, **options)
-        cache, ctx = bda.build_cache(fmt, batch, context, 64, device, gen)
+    fmt = get_kv_format(name, torch.bfloat16, decode_kernel="gluon", **options)  # pools in fragment order
+    cache, ctx = bda.build_cache(fmt, batch, context, 64, device, gen)
     q = torch.randn(batch, bda.NUM_HEADS, bda.HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     scale = bda.HEAD_DIM ** -0.5
     ref = bda.reference_output(fmt, cache, ctx, q, context)
@@ -160,7 +158,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_gluon_launch: needs a CUDA device")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
-    os.environ[DECODE_KERNEL_ENV] = "gluon"
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -83,9 +83,9 @@ def decode_tail_ppl(llm, domains: dict[str, Path], window: int, scored: int, per
         agg[1] += scored
     seconds = time.perf_counter() - start
     cfg = engine.model_config
-    bits = fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size, cfg.head_dim)
+    bits = fmt.bits_per_element(cfg.num_kv_heads, engine.config.cache.block_size, cfg.head_dim)
     read = getattr(fmt, "measured_decode_bits_per_element", None)
-    at_window = fmt.bits_per_element_at(window, cfg.num_kv_heads, engine.config.block_size, cfg.head_dim)
+    at_window = fmt.bits_per_element_at(window, cfg.num_kv_heads, engine.config.cache.block_size, cfg.head_dim)
 
     def result(nll: float, count: int, text: str) -> PerplexityResult:
         return PerplexityResult(ppl=math.exp(nll / count), nll=nll / count, tokens=count, window=window,

@@ -91,7 +91,7 @@ def run_format(spec: str, model: Path, filler: Path, length: int, depths, trials
                 i = int(rid)
                 if i not in at_first_decode and len(seq.output_token_ids) >= 2:
                     at_first_decode[i] = needle_pages(fmt, seq, caches, cases[i].needle_position, needle_tokens,
-                                                      engine.config.block_size)
+                                                      engine.config.cache.block_size)
     seconds = time.perf_counter() - start
     prompts = []
     for i, case in enumerate(cases):
@@ -107,14 +107,14 @@ def run_format(spec: str, model: Path, filler: Path, length: int, depths, trials
               "correct": sum(r["correct"] for r in prompts),
               "accuracy": sum(r["correct"] for r in prompts) / len(prompts),
               "accuracy_by_depth": {d: sum(v) / len(v) for d, v in by_depth.items()},
-              "block_size": engine.config.block_size, "needle_tokens": needle_tokens, "seconds": seconds,
+              "block_size": engine.config.cache.block_size, "needle_tokens": needle_tokens, "seconds": seconds,
               "threads": torch.get_num_threads()}
     if tiered:
         cfg = engine.model_config
         result |= {"bits_read_decode": fmt.measured_decode_bits_per_element,
                    "fp8_share_decode": fmt.measured_decode_fp8_share,
                    "bits_read_all_reads": fmt.measured_bits_per_element,
-                   "bits_stored_full_pages": fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size,
+                   "bits_stored_full_pages": fmt.bits_per_element(cfg.num_kv_heads, engine.config.cache.block_size,
                                                                   cfg.head_dim),
                    "rerank_interval": fmt.rerank_interval, "tier1_fraction": fmt.tier1_fraction}
         # (prompt, layer) pairs whose needle lies in full pages (not in the staged tail): all of them in FP8?

@@ -9,7 +9,7 @@ the first launches (compilation, warm caches) and record one:
         --section WarpStateStats --section SchedulerStats --section Occupancy \
         python benchmarks/tools/ncu_decode_attention.py --format int4 --batch 16 --context 32768
 
-`--kernel gluon` runs the engine's Gluon path instead (MOEKV_DECODE_KERNEL=gluon: a fragment-order pool and
+`--kernel gluon` runs the engine's Gluon path instead (decode_kernel='gluon': a fragment-order pool and
 KVFormat.attend, as bench_decode_attention's `<format>_gluon` rows; tiered on that bench's ~15% FP8 cache);
 its kernels are named `<format>_decode_kernel` (`--kernel-name regex:decode_kernel`; vq's shared-codebook
 kernel `vq_smem_decode_kernel`).
@@ -38,7 +38,6 @@ from bench_decode_attention import (  # noqa: E402
 )
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
-from moekv.kvcache.formats.base import decode_kernel  # noqa: E402
 from moekv.ops.decode.paged import paged_decode_attention  # noqa: E402
 
 
@@ -74,10 +73,9 @@ def main() -> None:
 
 
 def triton_paged(name, options, args, device, gen):
-    with decode_kernel("triton"):  # the Triton kernel reads slab pools
-        fmt = get_kv_format(name, torch.bfloat16, **options)
-        spec = fmt.decode_spec(args.block_size, HEAD_DIM)
-        cache, ctx = build_cache(fmt, args.batch, args.context, args.block_size, device, gen)
+    fmt = get_kv_format(name, torch.bfloat16, decode_kernel="triton", **options)  # the Triton kernel reads slabs
+    spec = fmt.decode_spec(args.block_size, HEAD_DIM)
+    cache, ctx = build_cache(fmt, args.batch, args.context, args.block_size, device, gen)
     q = torch.randn(args.batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     return lambda: paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
                                           HEAD_DIM ** -0.5, None, spec, block_n=args.block_n,
@@ -85,10 +83,10 @@ def triton_paged(name, options, args, device, gen):
 
 
 def gluon_attend(name, options, args, device, gen):
-    with decode_kernel("gluon"):  # fragment-order pools: KVFormat.attend takes the Gluon kernel
-        fmt = get_kv_format(name, torch.bfloat16, **options)
-        build = build_tiered_cache if name == "tiered" else build_cache
-        cache, ctx = build(fmt, args.batch, args.context, args.block_size, device, gen)
+    # fragment-order pools: KVFormat.attend takes the Gluon kernel
+    fmt = get_kv_format(name, torch.bfloat16, decode_kernel="gluon", **options)
+    build = build_tiered_cache if name == "tiered" else build_cache
+    cache, ctx = build(fmt, args.batch, args.context, args.block_size, device, gen)
     q = torch.randn(args.batch, NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     return lambda: fmt.attend(q, cache, ctx, HEAD_DIM ** -0.5, None)
 

@@ -24,7 +24,7 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     """Register `calibrate` on the `moekv` sub-command parsers."""
     p = subparsers.add_parser("calibrate", help="fit KV-cache codebooks and scales on calibration text (vq, nuq2)")
     p.add_argument("--model", default=str(default_model_path()),
-                   help="Hugging Face checkpoint folder (default: the bundled models/tiny-moe)")
+                   help="Hugging Face checkpoint folder (default: the bundled models/domain-moe)")
     p.add_argument("--text", required=True, help="UTF-8 calibration text (never the text you evaluate on)")
     p.add_argument("--out", required=True, help="folder to write kv_calibration.safetensors and .json into")
     p.add_argument("--max-tokens", type=int, default=65536, help="use at most this many tokens of the text")

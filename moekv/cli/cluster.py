@@ -52,7 +52,7 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     """Register `cluster` on the `moekv` sub-command parsers."""
     p = subparsers.add_parser("cluster", help="cluster each layer's experts offline and write a cluster map")
     p.add_argument("--model", default=str(default_model_path()),
-                   help="Hugging Face checkpoint folder (default: the bundled models/tiny-moe)")
+                   help="Hugging Face checkpoint folder (default: the bundled models/domain-moe)")
     p.add_argument("--text", required=True, nargs="+", help="UTF-8 calibration text file(s) (not your evaluation text)")
     p.add_argument("--clusters", type=int, required=True, help="clusters per layer (must divide the expert count)")
     p.add_argument("--out", default=None, help="cluster map file (default: <model name>.clusters<C>.safetensors)")

@@ -31,7 +31,7 @@ def add_calibrate_experts_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("calibrate-experts",
                               help="fit the expert predictor (per-layer linear maps, routing frequencies) on text")
     p.add_argument("--model", default=str(default_model_path()),
-                   help="Hugging Face checkpoint folder (default: the bundled models/tiny-moe)")
+                   help="Hugging Face checkpoint folder (default: the bundled models/domain-moe)")
     p.add_argument("--text", nargs="+", required=True,
                    help="UTF-8 calibration text(s) (never the text you evaluate on)")
     p.add_argument("--out", required=True, help="file to write (safetensors)")

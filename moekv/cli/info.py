@@ -5,13 +5,16 @@ import argparse
 from pathlib import Path
 
 from moekv.config import default_model_path
+from moekv.kvcache.formats.names import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from moekv.config import PLAIN_KV_FORMATS, shipped_kv_calibration
+    from moekv import envs
+    from moekv.config import default_block_size, shipped_kv_calibration
     from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format, kv_options_for
     from moekv.models.loader import load_model_config
 
+    envs.check_decode_kernel_unset()  # one clear error, not one per format below
     cfg = load_model_config(Path(args.model))
     total, active = cfg.parameter_counts()
     moe_layers = sum(cfg.moe_layers)
@@ -36,12 +39,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     for name in KV_FORMAT_NAMES:
         if name == "auto":
             continue
-        # the engine's default page: 16 tokens for the plain formats, 64 for the compressed ones
-        block_size = args.block_size or (16 if name in PLAIN_KV_FORMATS else 64)
+        block_size = args.block_size or default_block_size(name)  # the engine's default page
         try:
             options = dict(group_size=args.kv_group_size,
                            calibration=args.kv_calibration or shipped_kv_calibration(args.model))
-            fmt = get_kv_format(name, cfg.torch_dtype, **kv_options_for(name, options))
+            fmt = get_kv_format(name, cfg.torch_dtype, decode_kernel=args.decode_kernel,
+                                **kv_options_for(name, options))
             fmt.check_layout(cfg.num_kv_heads, block_size, cfg.head_dim)
         except ValueError as e:  # e.g. needs calibration, or cannot lay out this block size
             print(f"  {name:<10} n/a: {e}")
@@ -61,6 +64,9 @@ def add_info_parser(subparsers) -> argparse.ArgumentParser:
                       help="tokens per page (default: the engine's, 16 for plain formats and 64 for compressed ones)")
     info.add_argument("--kv-group-size", type=int, default=32)
     info.add_argument("--kv-calibration", default=None)
+    info.add_argument("--decode-kernel", choices=DECODE_KERNELS, default=DEFAULT_DECODE_KERNEL,
+                      help="the decode kernel the pages are laid out for, as the engine's --decode-kernel "
+                           "(its layout sets the bytes a page takes)")
     info.set_defaults(func=cmd_info)
 
     return info

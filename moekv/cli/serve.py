@@ -32,7 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, model_name=args.served_model_name, max_queue=args.max_queue, options=options)
     name = app.state.moekv.model_name
     print(f"moekv serve: {name!r} (max_model_len {engine.max_model_len}, KV {engine.runner.kv_format.name}, "
-          f"{engine.block_manager.num_blocks} pages of {engine.config.block_size} tokens) on "
+          f"{engine.block_manager.num_blocks} pages of {engine.config.cache.block_size} tokens) on "
           f"http://{args.host}:{args.port}" + (" (API key required)" if options.api_key else ""),
           flush=True)
     try:

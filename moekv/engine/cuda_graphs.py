@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,17 +58,6 @@ from moekv.context import Context, filling_rows
 log = logging.getLogger("moekv")
 
 GRAPH_DTYPES = (torch.float16, torch.bfloat16)  # the fused decode kernel's query dtypes
-# tests: on a device without CUDA graphs, run the graph path anyway, each "replay" being the same
-# static-buffer step run eagerly (use_graphs=False); read by every rank, so that rank 0 and the
-# workers it spawns take the same path (tests/test_parallel_graphs.py)
-EMULATE_GRAPHS_ENV = "MOEKV_EMULATE_CUDA_GRAPHS"
-
-
-def emulate_graphs() -> bool:
-    """Whether MOEKV_EMULATE_CUDA_GRAPHS=1 asks for the emulated graph path (tests, CPU)."""
-    return os.environ.get(EMULATE_GRAPHS_ENV, "0") == "1"
-
-
 def graph_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes that get a graph: powers of two below max_num_seqs, then max_num_seqs itself."""
     if max_num_seqs < 1:

@@ -17,7 +17,7 @@ from typing import Any
 
 from moekv.config import EngineConfig
 from moekv.engine.block_manager import BlockManager
-from moekv.engine.model_runner import ModelRunner, PendingStep
+from moekv.engine.model_runner import PendingStep, start_runner
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import OUTPUT_KINDS, Sequence
 from moekv.models.loader import load_model_config, read_json
@@ -77,13 +77,14 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={limit}; accepted: 2..{limit}")
         self.max_model_len = config.max_model_len or limit
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.runner = start_runner(config, self.model_config, self.max_model_len)
         # the prefix cache's chain root: what besides the tokens decides a page's bytes
-        salt = repr((str(model_dir.resolve()), str(self.runner.dtype), config.kv_cache_dtype,
+        salt = repr((str(model_dir.resolve()), str(self.runner.dtype), config.cache.kv_cache_dtype,
                      sorted((k, str(v)) for k, v in config.kv_format_options().items()))).encode()
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching, cache_salt=salt)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          enable_prefix_caching=config.cache.enable_prefix_caching, cache_salt=salt)
+        self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs,
+                                   config.scheduler.max_num_batched_tokens)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         gen_eos = self.generation_config.get("eos_token_id")
         self.eos_token_ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
@@ -104,8 +105,9 @@ class LLMEngine:
                                                                           cfg.head_dim)
 
     # -- requests ----------------------------------------------------------------------------
-    def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams seeded from the checkpoint's generation_config.json, as vLLM does."""
+    def generation_defaults(self) -> dict[str, Any]:
+        """The SamplingParams fields the checkpoint's generation_config.json sets (do_sample false:
+        temperature 0), by SamplingParams' names; fields it does not name are left out."""
         g = self.generation_config
         kwargs: dict[str, Any] = {}
         if g.get("do_sample") is False:
@@ -114,7 +116,11 @@ class LLMEngine:
                          ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens")):
             if g.get(src) is not None and dst not in kwargs:
                 kwargs[dst] = g[src]
-        return SamplingParams(**kwargs)
+        return kwargs
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams seeded from the checkpoint's generation_config.json, as vLLM does."""
+        return SamplingParams(**self.generation_defaults())
 
     def encode_text(self, text: str, add_special_tokens: bool = True, name: str = "prompt") -> list[int]:
         """Token ids of a text prompt. Refused before tokenizing (ValueError naming `name`): invalid

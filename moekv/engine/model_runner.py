@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moekv import envs
 from moekv.config import EngineConfig, parse_dtype
 from moekv.context import Context, HostLists, MixedSplit, filling_rows, to_device
 from moekv.engine.cuda_graphs import (
     DecodeGraphs,
     decode_fills,
-    emulate_graphs,
     graphs_unsupported_reason,
     step_fits_graph,
 )
@@ -30,19 +30,19 @@ from moekv.engine.parallel import (
     ParallelStepError,
     StepInputs,
     expert_parallel_bytes,
-    inject_fault,
-    launcher_env,
+    expert_parallel_layers,
     placement_of,
-    serve_commands,
     shard_kv_tables,
     shard_model,
+    start_ranks,
 )
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
-from moekv.kvcache.formats import get_kv_format
+from moekv.kvcache.formats import KVFormat, get_kv_format
 from moekv.kvcache.formats.base import GraphStepHooks, nonfinite_verdict, raise_nonfinite
-from moekv.layers.parallel import StaticDispatch, shard_plan
+from moekv.layers.parallel import StaticDispatch, kv_heads_of_rank, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
+from moekv.models.decoder import MoEDecoder
 from moekv.models.loader import Shard, install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
 from moekv.routing.cluster_map import ClusterMap
@@ -169,115 +169,152 @@ def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
     return model_cfg.torch_dtype if config.torch_device.type == "cuda" else torch.float32
 
 
+def kv_format_for(config: EngineConfig, dtype: torch.dtype) -> KVFormat:
+    """The KV format config.cache.kv_cache_dtype names, with its kv_* options; refused when prefix caching
+    is on and the format cannot share pages."""
+    kv_format = get_kv_format(config.cache.kv_cache_dtype, dtype, decode_kernel=config.cache.decode_kernel,
+                              **config.kv_format_options())
+    if config.cache.enable_prefix_caching:
+        reason = kv_format.prefix_caching_unsupported()
+        if reason is not None:
+            raise ValueError(f"enable_prefix_caching=True does not work with kv_cache_dtype="
+                             f"{config.cache.kv_cache_dtype!r}: {reason}")
+    return kv_format
+
+
+def start_runner(config: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> ModelRunner:
+    """The engine's ModelRunner (rank 0's). With tensor_parallel_size > 1 the other ranks come first
+    (engine/parallel.start_ranks: spawned here, or joined under torchrun, where a worker rank serves
+    rank 0 inside this call and leaves with SystemExit). The KV format is refused before any rank starts."""
+    kv_format = kv_format_for(config, resolve_dtype(config, model_cfg))
+    parallel = start_ranks(config, model_cfg, max_model_len, ModelRunner)
+    return ModelRunner(config, model_cfg, max_model_len, parallel, kv_format)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
-                 parallel: ParallelGroup | None = None) -> None:
-        """parallel: a worker rank's group (engine/parallel.py); rank 0 starts the workers itself
-        when config.tensor_parallel_size > 1."""
+                 parallel: ParallelGroup | None = None, kv_format: KVFormat | None = None) -> None:
+        """One rank's runner, built in phases: load the weights, shard what the rank keeps, install
+        the engine's behaviours in the layers, allocate the KV pools, set up decode-graph capture.
+        parallel: this rank's group when config.parallel.tensor_parallel_size > 1 (the ranks are started
+        first: start_runner, engine/parallel.start_ranks); kv_format: the format when the caller
+        built it already (kv_format_for)."""
+        if parallel is None and config.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs this rank's group: "
+                             "start the ranks first (start_runner)")
         self.config = config
         self.model_cfg = model_cfg
-        self.device = config.torch_device
-        self.dtype = resolve_dtype(config, model_cfg)
-        self.kv_format = get_kv_format(config.kv_cache_dtype, self.dtype, **config.kv_format_options())
-        if config.enable_prefix_caching:
-            reason = self.kv_format.prefix_caching_unsupported()
-            if reason is not None:
-                raise ValueError(f"enable_prefix_caching=True does not work with kv_cache_dtype="
-                                 f"{config.kv_cache_dtype!r}: {reason}")
         self.parallel = parallel
+        self.device = config.torch_device if parallel is None else parallel.device
+        self.dtype = resolve_dtype(config, model_cfg)
+        self.kv_format = kv_format if kv_format is not None else kv_format_for(config, self.dtype)
+        self.model = self._load()
+        self._shard()
+        self._install()
+        self._allocate(max_model_len)
+        self._set_up_capture(max_model_len)
+
+    # -- construction phases -----------------------------------------------------------------
+    def _load(self) -> MoEDecoder:
+        """Phase 1, load: the checkpoint's weights. One rank: the whole model on the device (on the
+        host with expert offload, whose install moves all but the experts). Several: each rank reads
+        only its shard's rows of the checkpoint, straight into its device (shard_model cuts the
+        modules, shard_plan names the rows)."""
+        config, model_cfg = self.config, self.model_cfg
         # expert parallel: MoE layer -> [E] rank of each expert (None: experts are not spread)
         self.expert_placement: dict[int, torch.Tensor] | None = None
-        if parallel is None and config.tensor_parallel_size > 1:
-            from moekv.layers.parallel import check_tp_shapes
-
-            check_tp_shapes(model_cfg, config.tensor_parallel_size, config.enable_expert_parallel)
-            env = launcher_env()
-            if env is None:  # the engine starts ranks 1..N-1 itself
-                self.parallel = ParallelGroup.launch(config, max_model_len, worker_main)
-            else:  # torchrun started every rank: this one joins them, and serves rank 0 unless it is rank 0
-                self.parallel = ParallelGroup.join(config, env)
-                if self.parallel.rank != 0:
-                    serve_commands(self.parallel, ModelRunner(config, model_cfg, max_model_len, parallel=self.parallel))
-                    self.parallel.leave_process()
-                    log.info("rank %d: rank 0 shut the engine down; this process exits", self.parallel.rank)
-                    raise SystemExit(0)
         if self.parallel is None:
-            # with expert offload the model is loaded on the host and all but its experts moved to the device
-            load_device = torch.device("cpu") if config.expert_offload else self.device
-            self.model = load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
-        else:  # every rank reads its shard's rows of the checkpoint, straight into its device
-            self.device = self.parallel.device
-            tp = self.parallel.tp
-            placement = placement_of(config, model_cfg, [i for i, moe in enumerate(model_cfg.moe_layers) if moe])
-            self.expert_placement = placement
-            shard = Shard(cut=lambda m: shard_model(m, model_cfg, tp, placement),
-                          plan=lambda m: shard_plan(m, model_cfg, tp, placement))
-            self.model = load_model(config.model, self.dtype, self.device, model_cfg, config.load_format, shard)
-            for moe in moe_layers(self.model).values():
-                if moe.ep is not None:
-                    moe.ep.to(self.device)
-            from moekv.layers.parallel import kv_heads_of_rank
+            load_device = torch.device("cpu") if config.experts.expert_offload else self.device
+            return load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
+        tp = self.parallel.tp
+        placement = placement_of(config, model_cfg, [i for i, moe in enumerate(model_cfg.moe_layers) if moe])
+        self.expert_placement = placement
+        shard = Shard(cut=lambda m: shard_model(m, model_cfg, tp, placement),
+                      plan=lambda m: shard_plan(m, model_cfg, tp, placement))
+        return load_model(config.model, self.dtype, self.device, model_cfg, config.load_format, shard)
 
+    def _shard(self) -> None:
+        """Phase 2, shard: what a rank's loaded shard still needs (the expert-parallel tables on its
+        device, the calibrated KV tables cut to its KV heads); then the format checks the page
+        layout of this rank's KV heads."""
+        model_cfg = self.model_cfg
+        if self.parallel is not None:
+            for ep in expert_parallel_layers(self.model).values():
+                ep.to(self.device)
             _, kv_heads = kv_heads_of_rank(model_cfg.num_heads, model_cfg.num_kv_heads, self.parallel.rank,
                                            self.parallel.world_size)
             shard_kv_tables(self.kv_format, kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
         self.num_kv_heads = self.model.attention_layers[0].num_kv_heads  # this rank's
-        self.kv_format.check_layout(self.num_kv_heads, config.block_size, model_cfg.head_dim)
+        self.kv_format.check_layout(self.num_kv_heads, self.config.cache.block_size, model_cfg.head_dim)
+
+    def _install(self) -> None:
+        """Phase 3, install: the engine's behaviours in the layers: expert offload (before the
+        routers, which may copy router rows on the device), the routers, the expert L2 prefetch, and
+        with a cluster map the routing-locality counters (on the device, before any graph is captured)."""
+        config, model_cfg = self.config, self.model_cfg
         self.experts = None  # ExpertOffload: expert caches, prefetch and their counters
-        if config.expert_offload:  # (before the routers, which may copy router rows on the device)
+        if config.experts.expert_offload:
             from moekv.experts.offload import install_expert_offload
 
             self.experts = install_expert_offload(self.model, model_cfg, config, self.device)
-        self.routing = install_routers(self.model, model_cfg, **config.routing_options())
+        self.routing = install_routers(self.model, model_cfg, **config.router.routing_options())
         self.l2_prefetch = None  # ExpertL2Prefetch: predicted experts into L2 beside the attention
-        if config.expert_l2_prefetch:
+        if config.experts.expert_l2_prefetch:
             from moekv.experts.l2_prefetch import install_l2_prefetch
 
             self.l2_prefetch = install_l2_prefetch(self.model, config, self.device)
-        # with a cluster map: routing locality counted on the device, before any graph is captured
         self.locality: LocalityCounter | None = None
-        if config.cluster_map is not None and self.rank == 0:
-            self.locality = LocalityCounter(Placement.from_clusters(ClusterMap.load(config.cluster_map)), self.device)
+        if config.router.cluster_map is not None and self.rank == 0:
+            cmap = ClusterMap.load(config.router.cluster_map)
+            self.locality = LocalityCounter(Placement.from_clusters(cmap), self.device)
             for i, moe in moe_layers(self.model).items():
-                moe.observer = self.locality.observer(i)
-        self.block_size = config.block_size
+                moe.hooks.observer = self.locality.observer(i)
+
+    def _allocate(self, max_model_len: int) -> None:
+        """Phase 4, allocate: one KV pool per attention layer, sized from the memory budget (the
+        smallest any rank can hold), plus the per-sequence state: staging slots and generators."""
+        config, model_cfg = self.config, self.model_cfg
+        self.block_size = config.cache.block_size
         # mixed steps' decodes take the fused decode kernel (on CUDA; the CPU's path is the same reference)
         self.split_mixed_steps = self.device.type == "cuda"
         self.num_blocks = self._plan_num_blocks(max_model_len)  # pages the block manager hands out
         if self.parallel is not None:  # the same pool on every rank: the smallest one
             self.num_blocks = min(self.parallel.gather(self.num_blocks))
         self.scratch_page = self.num_blocks  # + 1 page per pool, never handed out (padded graph rows)
-        self.scratch_slot = config.max_num_seqs  # + 1 staging slot, likewise
+        self.scratch_slot = config.scheduler.max_num_seqs  # + 1 staging slot, likewise
         self.kv_caches = []
-        for attn in self.model.attention_layers:
-            attn.kv_format = self.kv_format
-            attn.kv_cache = self.kv_format.allocate(self.num_blocks + 1, self.num_kv_heads, self.block_size,
-                                                    model_cfg.head_dim, self.device, config.max_num_seqs + 1,
-                                                    self.dtype)
-            attn.kv_cache.layer = attn.layer_idx
-            self.kv_caches.append(attn.kv_cache)
+        for i, hooks in enumerate(self.model.hooks.layers):
+            hooks.kv_format = self.kv_format
+            hooks.kv_cache = self.kv_format.allocate(self.num_blocks + 1, self.num_kv_heads, self.block_size,
+                                                     model_cfg.head_dim, self.device, config.scheduler.max_num_seqs + 1,
+                                                     self.dtype)
+            hooks.kv_cache.layer = i
+            self.kv_caches.append(hooks.kv_cache)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
         # staging slot (partly filled newest page) of each running sequence
-        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._free_slots = list(range(config.scheduler.max_num_seqs - 1, -1, -1))
         self._slots: dict[str, int] = {}
-        # several ranks: expert-parallel layers dispatch shape-statically inside a captured decode step
+
+    def _set_up_capture(self, max_model_len: int) -> None:
+        """Phase 5, capture: the decode graphs (captured per batch bucket on first use, or all at once
+        by capture_decode_graphs), or None with the reason logged: every step runs eagerly. With
+        several ranks, expert-parallel layers dispatch shape-statically inside a captured step, and a
+        rebuilt compute group drops the graphs."""
+        config, model_cfg = self.config, self.model_cfg
         self.static_dispatch: StaticDispatch | None = None
         if self.parallel is not None:
-            eps = [moe.ep for moe in moe_layers(self.model).values() if moe.ep is not None and moe.ep.dispatch]
+            eps = [ep for ep in expert_parallel_layers(self.model).values() if ep.dispatch]
             if eps:
                 self.static_dispatch = StaticDispatch(self.device)
                 for ep in eps:
                     ep.static = self.static_dispatch
             self.parallel.on_rebuild.append(self._drop_graphs)
-        self._fail_next_graph_load = False  # tests (inject_fault "graph_load")
-        self._refuse_next_graph_step = False  # tests (inject_fault "graph_verdict")
-        # CUDA graphs of the decode step (None: every step runs eagerly, for the reason logged).
-        # MOEKV_EMULATE_CUDA_GRAPHS=1 (tests): the graph path without graphs, each replay the same
+        # MOEKV_EMULATE_CUDA_GRAPHS=1 (moekv/envs.py; tests): the graph path without graphs, each replay the same
         # static-buffer step run eagerly, on any device and dtype
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
         self.graphs: DecodeGraphs | None = None
-        emulated = emulate_graphs()
+        emulated = envs.emulate_cuda_graphs()
         if config.enforce_eager:
             reason = "enforce_eager=True"
         elif emulated:
@@ -290,7 +327,7 @@ class ModelRunner:
             reason = "expert_offload=True reads each MoE layer's routing on the host (cache misses, prefetch)"
         if reason is None:
             counted = self._count_rows if self.locality is not None or self.static_dispatch is not None else None
-            self.graphs = DecodeGraphs(self.model, self.device, config.max_num_seqs, self.max_pages_per_seq,
+            self.graphs = DecodeGraphs(self.model, self.device, config.scheduler.max_num_seqs, self.max_pages_per_seq,
                                        self.block_size, self.scratch_page, self.scratch_slot,
                                        use_graphs=not emulated,
                                        fill_variants=self.kv_format.graph_support.lists_fills,
@@ -333,23 +370,23 @@ class ModelRunner:
         """Pages the block manager may hand out; the scratch page comes on top of an explicit
         num_kv_blocks, and out of a memory budget."""
         blocks_per_seq = -(-max_model_len // self.block_size)
-        if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
+        if self.config.cache.num_kv_blocks is not None:
+            num_blocks = self.config.cache.num_kv_blocks
             source = f"num_kv_blocks={num_blocks}"
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             # keep (1 - utilization) of the card free for activations and the allocator's slack
             total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            budget = free - (1 - self.config.cache.gpu_memory_utilization) * total
             num_blocks = max(int(max(budget, 0) // self.kv_bytes_per_block) - 1, 0)
-            source = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            source = f"gpu_memory_utilization={self.config.cache.gpu_memory_utilization}"
         else:
-            num_blocks = max(int(self.config.kv_cache_memory_gb * 2**30 // self.kv_bytes_per_block) - 1, 0)
-            source = f"kv_cache_memory_gb={self.config.kv_cache_memory_gb}"
-        if self.config.num_kv_blocks is None:
+            num_blocks = max(int(self.config.cache.kv_cache_memory_gb * 2**30 // self.kv_bytes_per_block) - 1, 0)
+            source = f"kv_cache_memory_gb={self.config.cache.kv_cache_memory_gb}"
+        if self.config.cache.num_kv_blocks is None:
             # no point holding more than every sequence at full length (and a second engine in the
             # same process still finds room on the card)
-            num_blocks = min(num_blocks, blocks_per_seq * self.config.max_num_seqs)
+            num_blocks = min(num_blocks, blocks_per_seq * self.config.scheduler.max_num_seqs)
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"the KV pool ({source}) holds {num_blocks} pages of {self.block_size} tokens, but one sequence "
@@ -453,10 +490,10 @@ class ModelRunner:
     def _model_is_observed(self) -> bool:
         """A K/V observer (calibration) or a router tap runs Python inside the step: a replay would skip it.
         (The engine's own routing counters are device ops that a graph captures: they do not count.)"""
-        if any(attn.kv_observer is not None for attn in self.model.attention_layers):
+        hooks = self.model.hooks.layers
+        if any(h.kv_observer is not None for h in hooks):
             return True
-        return any(getattr(getattr(getattr(layer, "mlp", None), "router", None), "runs_python", False)
-                   for layer in getattr(self.model, "layers", ()))
+        return any(getattr(h.router, "runs_python", False) for h in hooks)
 
     def execute(self, out: SchedulerOutput, blocked_ids: dict[str, list[int]]) -> list[SeqStepResult]:
         """launch, then wait: the step's results with their samples."""
@@ -610,9 +647,6 @@ class ModelRunner:
         graphs, batch, error = self.graphs, len(step.input_ids), None
         ready = prepared = False  # this rank's verdict; whether its format did the step's host-side work
         try:
-            if self._fail_next_graph_load:
-                self._fail_next_graph_load = False
-                raise RuntimeError(f"injected fault loading a graph step on rank {self.rank}")
             if graphs is None or (step.bucket, step.fills) not in graphs.graphs:
                 raise RuntimeError(f"rank {self.rank} has no graph of batch bucket {step.bucket}, "
                                    f"{step.fills} page fills")
@@ -621,11 +655,8 @@ class ModelRunner:
                              input_ids_device)
             if step.tokens_on_device:  # rank 0's sampled tokens (already in its buffer) to every rank
                 self.parallel.tp.broadcast(graphs.input_ids[:batch])
-            if self._refuse_next_graph_step:  # tests: as a format turning the step down, nothing changed
-                self._refuse_next_graph_step = False
-            else:
-                ready = prepared = self._format_prepares(step.context_lens, list(range(batch + 1)), step.seq_slots,
-                                                         step.block_tables, step.fill_pages)
+            ready = prepared = self._format_prepares(step.context_lens, list(range(batch + 1)), step.seq_slots,
+                                                     step.block_tables, step.fill_pages)
         except Exception as e:
             error = e
         try:  # raises on every rank if one is not ready: nobody replays
@@ -688,7 +719,7 @@ class ModelRunner:
         format counted (a format with a step count, tiered: replayed steps count in prepare_graph_step;
         None for the others)."""
         g = self.graphs
-        static = sum(int(m.ep.static_bytes.item()) for m in moe_layers(self.model).values() if m.ep is not None)
+        static = sum(int(ep.static_bytes.item()) for ep in expert_parallel_layers(self.model).values())
         return {"captured": None if g is None else sorted(g.graphs), "replayed": [] if g is None else list(g.replayed),
                 "num_captures": 0 if g is None else g.num_captures, "static_ep_bytes": static,
                 "format_steps": [getattr(c.state, "steps", None) for c in self.kv_caches]}
@@ -711,24 +742,14 @@ class ModelRunner:
             per_rank = self.parallel.gather(expert_parallel_bytes(self.model))
         return {i: [sum(r[i][0] for r in per_rank), sum(r[i][1] for r in per_rank)] for i in per_rank[0]}
 
-    def inject_fault(self, rank: int, layer_idx: int | str) -> None:
-        """Tests: the next step's forward raises in layer `layer_idx` on `rank`; layer_idx "graph_load":
-        the next replayed step's input load raises there instead (before any collective);
-        "graph_verdict": no fault, but that rank turns the next replayed step down, as a KV format
-        whose prepare_graph_step returns False (every rank then runs the step eagerly)."""
-        if rank == 0:
-            self.inject_local_fault(layer_idx)
+    def call_on_rank(self, rank: int, fn) -> None:
+        """The test seam (tests/faults.py injects faults through it): fn(runner) on rank `rank`'s
+        runner, between steps; fn must pickle (it travels to a worker rank as a command)."""
+        if rank == self.rank:
+            fn(self)
         else:
             with self.parallel.lock:
-                self.parallel.send("inject_fault", (rank, layer_idx))
-
-    def inject_local_fault(self, layer_idx: int | str) -> None:
-        if layer_idx == "graph_load":
-            self._fail_next_graph_load = True
-        elif layer_idx == "graph_verdict":
-            self._refuse_next_graph_step = True
-        else:
-            inject_fault(self.model, layer_idx, self.rank)
+                self.parallel.send("call", (rank, fn))
 
     def shutdown(self) -> None:
         """Stop the worker ranks, if any."""
@@ -856,15 +877,3 @@ class ModelRunner:
                            to_host_async(nonfinite) if nonfinite is not None else None,
                            followable=every_row_samples(plan))
 
-
-def worker_main(rank: int, world: int, init_method: str, config: EngineConfig, max_model_len: int) -> None:
-    """Ranks 1..N-1 of a tensor-parallel engine (started by rank 0): load the shard, then run rank 0's
-    commands until told to stop."""
-    import os
-
-    from moekv.models.loader import load_model_config
-
-    if config.torch_device.type == "cpu":  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    group = ParallelGroup(rank, world, init_method, config.torch_device, config.distributed_timeout)
-    serve_commands(group, ModelRunner(config, load_model_config(config.model), max_model_len, parallel=group))

@@ -5,9 +5,9 @@ pools, and then waits for commands.
 
 Under torchrun (or any launcher that sets torch.distributed's env:// variables RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) the engine starts no process: every process runs the same program, the
-one of RANK 0 becomes the engine, the others become workers inside the engine's constructor and
-leave it with SystemExit(0) once rank 0 shuts down (ranks on several hosts; rank r's GPU is
-cuda:LOCAL_RANK). A process group initialised before the engine is joined, not replaced.
+one of RANK 0 becomes the engine, the others become workers while the engine is built
+(start_ranks, serve_worker_rank) and leave with SystemExit(0) once rank 0 shuts down (ranks on
+several hosts; rank r's GPU is cuda:LOCAL_RANK). A process group initialised before the engine is joined, not replaced.
 
 Three torch.distributed groups, all over the same N ranks:
 - commands (gloo, no practical timeout: a worker may wait a long time for the next step): rank 0
@@ -50,13 +50,15 @@ import threading
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moekv.envs import LaunchEnv, launcher_env
 from moekv.layers.mlp import GatedMLP
-from moekv.layers.parallel import TPGroup, shard_attention, shard_mlp, shard_moe
+from moekv.layers.parallel import ExpertParallel, TPGroup, check_tp_shapes, shard_attention, shard_mlp, shard_moe
 
 log = logging.getLogger("moekv")
 
@@ -122,31 +124,6 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-@dataclass(frozen=True)
-class LaunchEnv:
-    """This process's place as a launcher (torchrun) gave it: env:// variables."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-
-def launcher_env() -> LaunchEnv | None:
-    """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE when a launcher (torchrun) started this process
-    with torch.distributed's env:// rendezvous (MASTER_ADDR and MASTER_PORT set too); None otherwise."""
-    env = os.environ
-    if not all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return None
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", rank))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    except ValueError as e:
-        raise ValueError(f"torchrun's environment is not numeric: {e}") from None
-    return LaunchEnv(rank, world, local_rank, local_world)
-
-
 class ParallelGroup:
     """This process's place among the ranks, its groups, and (rank 0) the worker processes."""
 
@@ -184,21 +161,21 @@ class ParallelGroup:
 
     # -- rank 0 ------------------------------------------------------------------------------
     @classmethod
-    def launch(cls, config, max_model_len: int, worker_main) -> "ParallelGroup":
-        """Rank 0: start ranks 1..N-1 (each runs worker_main(rank, world, init_method, config,
-        max_model_len): loads its shard, then serves commands) and join them."""
+    def launch(cls, config, max_model_len: int, make_runner) -> "ParallelGroup":
+        """Rank 0: start ranks 1..N-1 (each runs worker_main: builds its runner with make_runner,
+        then serves commands) and join them."""
         if _ACTIVE:
             raise RuntimeError("this process already runs an engine with tensor_parallel_size > 1; shut it down "
                                "first (LLMEngine.shutdown()): torch.distributed allows one group per process")
-        world = config.tensor_parallel_size
+        world = config.parallel.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=worker_main, args=(r, world, init_method, config, max_model_len),
+        procs = [ctx.Process(target=worker_main, args=(r, world, init_method, config, max_model_len, make_runner),
                              daemon=True, name=f"moekv-rank{r}") for r in range(1, world)]
         for p in procs:
             p.start()
         try:
-            group = cls(0, world, init_method, config.torch_device, config.distributed_timeout)
+            group = cls(0, world, init_method, config.torch_device, config.parallel.distributed_timeout)
         except BaseException:
             for p in procs:
                 p.kill()
@@ -211,14 +188,14 @@ class ParallelGroup:
     @classmethod
     def join(cls, config, env: LaunchEnv) -> "ParallelGroup":
         """Every rank of a launcher's (torchrun's) processes: join the others (env:// rendezvous)."""
-        world = config.tensor_parallel_size
+        world = config.parallel.tensor_parallel_size
         if env.world_size != world:
             raise ValueError(f"tensor_parallel_size={world}, but the launcher (torchrun) started WORLD_SIZE="
                              f"{env.world_size} processes: give --nproc-per-node x --nnodes = {world}")
         if _ACTIVE:
             raise RuntimeError("this process already runs an engine with tensor_parallel_size > 1; shut it down "
                                "first (LLMEngine.shutdown()): torch.distributed allows one group per process")
-        group = cls(env.rank, world, "env://", config.torch_device, config.distributed_timeout, env.local_rank)
+        group = cls(env.rank, world, "env://", config.torch_device, config.parallel.distributed_timeout, env.local_rank)
         if env.rank == 0:
             _ACTIVE.append(group)
         return group
@@ -308,8 +285,8 @@ class ParallelGroup:
                 pass
 
     def leave_process(self) -> None:
-        """A worker rank whose process exits next (under torchrun: SystemExit out of the engine's
-        constructor): destroy every group, the program's default group too. A gloo group still alive
+        """A worker rank whose process exits next (under torchrun: serve_worker_rank's SystemExit out of
+        the engine's construction): destroy every group, the program's default group too. A gloo group still alive
         when the interpreter finalizes can abort the process ("terminate called without an active
         exception"): its worker threads outlive Python; and the program never regains control to
         destroy it itself. Destroying the default group destroys every other group with it."""
@@ -326,18 +303,57 @@ class ParallelGroup:
                 p.kill()
 
 
+def start_ranks(config, model_cfg, max_model_len: int, make_runner) -> ParallelGroup | None:
+    """The ranks of an engine with tensor_parallel_size > 1, before rank 0 builds its runner: -> rank
+    0's group (None with one rank). The model's shapes are checked first. Without a launcher, rank
+    0 starts ranks 1..N-1 (ParallelGroup.launch, worker_main); under torchrun every rank joins, and
+    a worker rank serves rank 0 here and exits (serve_worker_rank). make_runner(config, model_cfg,
+    max_model_len, parallel=group) builds a rank's runner (a ModelRunner; picklable for spawn)."""
+    if config.parallel.tensor_parallel_size == 1:
+        return None
+    check_tp_shapes(model_cfg, config.parallel.tensor_parallel_size, config.parallel.enable_expert_parallel)
+    env = launcher_env()
+    if env is None:  # the engine starts ranks 1..N-1 itself
+        return ParallelGroup.launch(config, max_model_len, make_runner)
+    group = ParallelGroup.join(config, env)  # torchrun started every rank: this one joins them
+    if group.rank != 0:
+        serve_worker_rank(group, make_runner(config, model_cfg, max_model_len, parallel=group))
+    return group
+
+
+def worker_main(rank: int, world: int, init_method: str, config, max_model_len: int, make_runner) -> None:
+    """Ranks 1..N-1 of a tensor-parallel engine started by rank 0 (spawn): load the shard (the
+    runner make_runner builds), then run rank 0's commands until told to stop."""
+    from moekv.models.loader import load_model_config
+
+    if config.torch_device.type == "cpu":  # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    group = ParallelGroup(rank, world, init_method, config.torch_device, config.parallel.distributed_timeout)
+    serve_commands(group, make_runner(config, load_model_config(config.model), max_model_len, parallel=group))
+
+
+def serve_worker_rank(group: ParallelGroup, runner) -> NoReturn:
+    """A worker rank under torchrun, whose process runs the program that builds the engine: serve
+    rank 0's commands on `runner`, then leave every group (the program's default group too) and
+    exit with SystemExit(0): the program never gets past building the engine on this rank."""
+    serve_commands(group, runner)
+    group.leave_process()
+    log.info("rank %d: rank 0 shut the engine down; this process exits", group.rank)
+    raise SystemExit(0)
+
+
 def placement_of(config, model_cfg, moe_layer_ids: list[int]) -> dict[int, torch.Tensor] | None:
     """Expert parallel: the rank of every expert of each MoE layer ([E] int64). With a cluster map,
     its clusters spread over the ranks (cluster c on rank c mod N, as routing/placement.py counts);
     otherwise contiguous slices of E / N experts. None without expert parallelism."""
-    world = config.tensor_parallel_size
-    if not config.enable_expert_parallel or world == 1:
+    world = config.parallel.tensor_parallel_size
+    if not config.parallel.enable_expert_parallel or world == 1:
         return None
-    if config.cluster_map is not None:
+    if config.router.cluster_map is not None:
         from moekv.routing.cluster_map import ClusterMap
         from moekv.routing.placement import Placement
 
-        cmap = ClusterMap.load(config.cluster_map)
+        cmap = ClusterMap.load(config.router.cluster_map)
         if cmap.num_clusters % world:
             raise ValueError(f"tensor_parallel_size={world} must divide the cluster map's {cmap.num_clusters} "
                              "clusters (each rank holds whole clusters)")
@@ -356,7 +372,7 @@ def shard_model(model, model_cfg, tp: TPGroup, placement: dict[int, torch.Tensor
             shard_moe(layer.mlp, tp, None if placement is None else placement[i], dispatch=True)
         elif isinstance(layer.mlp, GatedMLP):
             shard_mlp(layer.mlp, tp)
-            layer.mlp.tp = tp
+            layer.hooks.tp = tp
 
 
 def shard_kv_tables(kv_format, kv_heads: range, num_kv_heads: int) -> None:
@@ -376,21 +392,17 @@ def shard_kv_tables(kv_format, kv_heads: range, num_kv_heads: int) -> None:
         todo += [v for v in vars(fmt).values() if hasattr(v, "attend") and hasattr(v, "allocate")]
 
 
-def expert_parallel_bytes(model) -> dict[int, tuple[int, int]]:
-    """This rank's expert-parallel traffic so far: MoE layer -> (bytes sent, bytes received)."""
+def expert_parallel_layers(model) -> dict[int, ExpertParallel]:
+    """MoE layer -> its ExpertParallel, for the layers whose experts are spread over the ranks."""
     from moekv.layers.moe import SparseMoE
 
-    return {i: (layer.mlp.ep.bytes_sent, layer.mlp.ep.bytes_received) for i, layer in enumerate(model.layers)
-            if isinstance(layer.mlp, SparseMoE) and layer.mlp.ep is not None}
+    return {i: layer.hooks.experts for i, layer in enumerate(model.layers)
+            if isinstance(layer.mlp, SparseMoE) and isinstance(layer.hooks.experts, ExpertParallel)}
 
 
-def inject_fault(model, layer_idx: int, rank: int) -> None:  # (ModelRunner.inject_local_fault calls it)
-    """Tests: the next forward through layer `layer_idx` raises on this rank (once)."""
-    def hook(module, args):
-        handle.remove()
-        raise RuntimeError(f"injected fault in layer {layer_idx} on rank {rank}")
-
-    handle = model.layers[layer_idx].mlp.register_forward_pre_hook(hook)
+def expert_parallel_bytes(model) -> dict[int, tuple[int, int]]:
+    """This rank's expert-parallel traffic so far: MoE layer -> (bytes sent, bytes received)."""
+    return {i: (ep.bytes_sent, ep.bytes_received) for i, ep in expert_parallel_layers(model).items()}
 
 
 def serve_commands(group: ParallelGroup, runner) -> None:
@@ -440,6 +452,6 @@ def _serve(group: ParallelGroup, runner) -> None:
             group.gather(expert_parallel_bytes(runner.model))
         elif command == "graph_stats":
             group.gather(runner.graph_stats())
-        elif command == "inject_fault":
+        elif command == "call":  # ModelRunner.call_on_rank (tests)
             if payload[0] == group.rank:
-                runner.inject_local_fault(payload[1])
+                payload[1](runner)

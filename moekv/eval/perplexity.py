@@ -126,16 +126,16 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
         # decode mode: every scored row comes from a one-token step, as in generation
         return llm.score(prompts, decode_from=first_rows if mode == "decode" else None)
 
-    batch = min(engine.config.max_num_seqs, 32) if mode == "decode" else 8
+    batch = min(engine.config.scheduler.max_num_seqs, 32) if mode == "decode" else 8
     total, count = score_windows(logits_fn, ids, window, stride, progress, batch_windows=batch)
     seconds = time.perf_counter() - start
     cfg = engine.model_config
     return PerplexityResult(
         ppl=math.exp(total / count), nll=total / count, tokens=count, window=window, stride=stride, mode=mode,
         kv_cache_dtype=fmt.name, seconds=seconds, text=str(text_path),
-        bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, engine.config.block_size, cfg.head_dim),
+        bits_per_element=fmt.bits_per_element(cfg.num_kv_heads, engine.config.cache.block_size, cfg.head_dim),
         bits_per_element_read=getattr(fmt, "measured_bits_per_element", None),
-        bits_per_element_at_window=fmt.bits_per_element_at(window, cfg.num_kv_heads, engine.config.block_size,
+        bits_per_element_at_window=fmt.bits_per_element_at(window, cfg.num_kv_heads, engine.config.cache.block_size,
                                                            cfg.head_dim))
 
 

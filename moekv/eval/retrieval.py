@@ -163,7 +163,7 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
     seconds = time.perf_counter() - start
     cells, per_prompt = score_answers(cases, [o.outputs[0].text for o in outs])
     cfg = engine.model_config
-    bs = engine.config.block_size
+    bs = engine.config.cache.block_size
     return RetrievalResult(
         lengths=lengths, depths=depths, trials=trials, seed=seed, answer_tokens=answer_tokens,
         accuracy=sum(r["correct"] for r in per_prompt) / len(per_prompt),

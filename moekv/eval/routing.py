@@ -51,8 +51,8 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     cfg = engine.model_config
     model = engine.runner.model
     layers = moe_layers(model)
-    if cluster_map is None and engine.config.cluster_map is not None:
-        cluster_map = engine.config.cluster_map
+    if cluster_map is None and engine.config.router.cluster_map is not None:
+        cluster_map = engine.config.router.cluster_map
     if cluster_map is not None and not isinstance(cluster_map, ClusterMap):
         cluster_map = ClusterMap.load(cluster_map)
     if cluster_map is not None:
@@ -68,7 +68,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
         placements["engine"] = Placement(engine_placement, runner.parallel.world_size, "engine")
     if cluster_map is not None:
         placements["clustered"] = Placement.from_clusters(cluster_map, num_devices)
-    first = next(iter(layers.values())).router
+    first = next(iter(layers.values())).hooks.router
     n_group = getattr(first, "n_group", 1)
     if n_group > 1:  # group-limited routing: group g on device g mod D (groups are contiguous experts)
         per_group = cfg.num_experts // n_group
@@ -98,7 +98,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
                 ours, ref = ours + shared, ref + shared
             st.err_sq += float((ours - ref).pow(2).sum())
             st.ref_sq += float(ref.pow(2).sum())
-        inner = moe.router.inner
+        inner = moe.hooks.router.inner
         if isinstance(inner, HierarchicalRouter) and router_logits.cluster_scores is not None:
             kept = cluster_routing_ref(hidden, router_logits.cluster_scores, inner.gate_by_cluster,
                                        inner.cluster_experts, inner.top_k, inner.renormalize, inner.clusters_per_token,

@@ -2,7 +2,7 @@
 
 At batch 1 a decode layer alternates latency-bound phases (norms, the attention over the KV pages,
 router and top-k: HBM mostly idle) with the bandwidth-bound expert GEMV. Before layer L runs
-(MoEDecoder.before_layer), `ExpertL2Prefetch` forks a side stream from the compute stream (an
+(DecoderHooks.before_layer), `ExpertL2Prefetch` forks a side stream from the compute stream (an
 event), and there:
 
 1. predicts layer L's experts from the residual stream entering layer L (ExpertPredictor: pre-gating,
@@ -155,7 +155,7 @@ def launch_l2_prefetch(ids: torch.Tensor, w13: torch.Tensor, lines: int, bulk: b
 
 
 class ExpertL2Prefetch:
-    """MoEDecoder.before_layer / after_layers: per MoE layer, predict and prefetch on a side stream."""
+    """DecoderHooks.before_layer / after_layers: per MoE layer, predict and prefetch on a side stream."""
 
     def __init__(self, model, predictor, budget_bytes: int, device: torch.device, per_token: int | None = None,
                  bulk: bool = False, when: str = DEFAULT_WHEN) -> None:
@@ -175,8 +175,8 @@ class ExpertL2Prefetch:
         self._ready = None  # (layer, ids, lines): predicted, prefetch not launched yet (when="router")
         self.launches = 0  # layer prefetches issued (at capture time for captured steps)
         self.bytes_issued = 0
-        for i in self.layers:  # DecoderLayer.after_attention: the "router" launch point
-            model.layers[i].after_attention = self.after_attention
+        for i in self.layers:  # LayerHooks.after_attention: the "router" launch point
+            model.layers[i].hooks.after_attention = self.after_attention
 
     def plan(self, tokens: int, layer_idx: int) -> L2PrefetchPlan:
         moe = self.layers[layer_idx]
@@ -200,7 +200,7 @@ class ExpertL2Prefetch:
         self.bytes_issued += ids.numel() * lines * LINE_BYTES
 
     def __call__(self, layer_idx: int, x: torch.Tensor, delta: torch.Tensor | None) -> None:
-        """MoEDecoder.before_layer: fork, predict layer layer_idx's experts from the residual entering
+        """DecoderHooks.before_layer: fork, predict layer layer_idx's experts from the residual entering
         it, and (when="attention") prefetch them at once."""
         self.join()
         if not self.enabled or layer_idx not in self.layers or x.shape[0] == 0:
@@ -222,7 +222,7 @@ class ExpertL2Prefetch:
         self._pending = (done, x.device, x, delta, residual, ids)
 
     def after_attention(self, attn_out: torch.Tensor) -> None:
-        """DecoderLayer.after_attention (when="router"): the prefetch starts once the attention
+        """LayerHooks.after_attention (when="router"): the prefetch starts once the attention
         (its output projection included) is done, beside the norm, router and top-k."""
         if self._ready is None:
             return
@@ -240,8 +240,8 @@ class ExpertL2Prefetch:
 
 
 def install_l2_prefetch(model, config, device: torch.device) -> ExpertL2Prefetch:
-    """The L2 prefetch hook in the decoder (config.expert_l2_prefetch), with the budget from the
-    device's L2 size and config.expert_l2_prefetch_mb."""
+    """The L2 prefetch hook in the decoder (config.experts.expert_l2_prefetch), with the budget from the
+    device's L2 size and config.experts.expert_l2_prefetch_mb."""
     from moekv.experts.predictor import ExpertPredictor
     from moekv.models.loader import moe_layers
 
@@ -249,17 +249,17 @@ def install_l2_prefetch(model, config, device: torch.device) -> ExpertL2Prefetch
         raise ValueError(f"expert_l2_prefetch=True needs a CUDA device; device={device}")
     if not moe_layers(model):
         raise ValueError("expert_l2_prefetch=True but the model has no MoE layer")
-    if config.expert_predictor is not None:
-        predictor = ExpertPredictor.load(config.expert_predictor, model)
+    if config.experts.expert_predictor is not None:
+        predictor = ExpertPredictor.load(config.experts.expert_predictor, model)
         predictor.check_engine_use("expert_l2_prefetch=True")
     else:
         predictor = ExpertPredictor(model)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    mb = config.expert_l2_prefetch_mb
+    mb = config.experts.expert_l2_prefetch_mb
     budget = l2_prefetch_budget(l2, None if mb is None else int(mb * 1e6))
     hook = ExpertL2Prefetch(model, predictor, budget, device)
-    model.before_layer = hook
-    model.after_layers = hook.after_layers
+    model.hooks.before_layer = hook
+    model.hooks.after_layers = hook.after_layers
     log.info("expert L2 prefetch: %.1f MB per MoE layer and step (L2 %.1f MB), predictor %s, on a side stream",
              budget / 1e6, l2 / 1e6, predictor.kind)
     return hook

@@ -6,12 +6,12 @@ host-side map expert -> slot, and LRU order over the resident experts. At start 
 often routed to on the calibration text (the predictor file's frequencies; else experts 0..S-1) are
 loaded. Per step:
 
-1. before layer L runs (MoEDecoder.before_layer), `ExpertOffload.__call__` predicts layer L's
+1. before layer L runs (DecoderHooks.before_layer), `ExpertOffload.__call__` predicts layer L's
    experts from the residual stream entering layer L (moekv/experts/predictor.py) and copies the
    predicted experts that are not resident into slots (evicting the least recently used experts
    that are not predicted), on a separate copy stream on CUDA, so the copies overlap layer L's
    attention; on the CPU the "copy" is a plain copy_ with the same bookkeeping;
-2. in layer L's MoE (SparseMoE.offload), the routed experts are looked up: a resident expert is a
+2. in layer L's MoE (its executor, OffloadedExperts), the routed experts are looked up: a resident expert is a
    hit, a missing one is copied on demand (a miss); the compute stream waits for the copies of the
    slots it uses (CUDA events), and the experts run on the slots through the expert -> slot map
    (the same kernels: `fused_moe` on CUDA with slot ids; on the CPU a loop over experts in the
@@ -435,7 +435,7 @@ class ExpertOffload:
                     self.predictions["late"] += 1
 
     def __call__(self, layer_idx: int, x: torch.Tensor, delta: torch.Tensor | None) -> None:
-        """MoEDecoder.before_layer: predict the experts of the MoE layers targeted at this hook
+        """DecoderHooks.before_layer: predict the experts of the MoE layers targeted at this hook
         from the residual entering layer layer_idx, and copy them in (sync-free: once read)."""
         if layer_idx == self._first:
             self.tokens += x.shape[0]
@@ -478,10 +478,22 @@ class ExpertOffload:
                 "prefetch": self.predictor is not None, "layers": per_layer}
 
 
+class OffloadedExperts:
+    """An MoE layer's ExpertExecutor (layers/moe.py) with expert offload: its experts computed on its
+    ExpertCache's slots (the module's own w13 / w2 are the host copies; the cache reads them itself)."""
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.cache = cache
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                 expert_ids: torch.Tensor) -> torch.Tensor:
+        return self.cache(x, weights, expert_ids)
+
+
 def install_expert_offload(model, model_cfg, config, device: torch.device) -> ExpertOffload:
     """Move the model (loaded on the CPU) to `device` except its experts, which stay on the host
     (pinned when device is CUDA) behind one ExpertCache per MoE layer; install the caches in the
-    MoE layers and, unless config.expert_prefetch is False, the prefetch hook in the decoder."""
+    MoE layers and, unless config.experts.expert_prefetch is False, the prefetch hook in the decoder."""
     from moekv.experts.predictor import ExpertPredictor
     from moekv.models.loader import moe_layers
 
@@ -491,10 +503,10 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
     first = next(iter(layers.values()))
     nbytes = expert_nbytes(first)
     E = model_cfg.num_experts
-    if config.expert_cache_slots is not None:
-        slots = min(config.expert_cache_slots, E)
+    if config.experts.expert_cache_slots is not None:
+        slots = min(config.experts.expert_cache_slots, E)
     else:
-        budget = config.gpu_expert_budget_gb
+        budget = config.experts.gpu_expert_budget_gb
         if budget is None:
             budget = len(layers) * E * nbytes / 2 / 2**30  # half of the experts
         slots = slots_for_budget(budget, nbytes, len(layers), E)
@@ -511,8 +523,8 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
             w2 = torch.nn.Parameter(w2.data.pin_memory(), requires_grad=False)
         moe.w13, moe.w2 = w13, w2  # the host copy (what `moekv eval routing` and tools read)
     predictor = None
-    if config.expert_predictor is not None:
-        predictor = ExpertPredictor.load(config.expert_predictor, model)
+    if config.experts.expert_predictor is not None:
+        predictor = ExpertPredictor.load(config.experts.expert_predictor, model)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     caches = {}
     for i, moe in layers.items():
@@ -520,18 +532,18 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
         freq = predictor.frequency(i) if predictor is not None else None
         hot = freq.argsort(descending=True, stable=True).tolist() if freq is not None else list(range(E))
         cache.fill(hot)
-        moe.offload = cache
+        moe.hooks.experts = OffloadedExperts(cache)
         caches[i] = cache
-    prefetch = config.expert_prefetch is not False
+    prefetch = config.experts.expert_prefetch is not False
     if prefetch and predictor is None:
         predictor = ExpertPredictor(model)  # pre-gating
-    sync_free = bool(config.expert_prefetch_async)
+    sync_free = bool(config.experts.expert_prefetch_async)
     read_stream = torch.cuda.Stream(device) if device.type == "cuda" and sync_free else None
-    offload = ExpertOffload(caches, predictor if prefetch else None, config.expert_prefetch_per_token,
-                            lookahead=config.expert_prefetch_lookahead or 1, sync_free=sync_free,
+    offload = ExpertOffload(caches, predictor if prefetch else None, config.experts.expert_prefetch_per_token,
+                            lookahead=config.experts.expert_prefetch_lookahead or 1, sync_free=sync_free,
                             read_stream=read_stream)
     offload.model = model
-    model.before_layer = offload  # without a predictor it only counts tokens
+    model.hooks.before_layer = offload  # without a predictor it only counts tokens
     log.info("expert offload: %d of %d experts per MoE layer on %s (%.3f GiB), the rest in host memory; "
              "prefetch %s", slots, E, device, slots * nbytes * len(layers) / 2**30,
              f"on ({predictor.kind}, lookahead {offload.lookahead}, {'sync-free' if sync_free else 'host sync'})"

@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekv.context import Context
-from moekv.kvcache.formats import KVFormat, LayerKVCache
+from moekv.kvcache.formats import LayerKVCache
+from moekv.layers.hooks import LayerHooks
 from moekv.layers.norms import RMSNorm
 from moekv.layers.rotary import RotaryEmbedding
 from moekv.models.model_config import ModelConfig
@@ -36,13 +37,15 @@ def attend_mixed(attend, q: torch.Tensor, cache: LayerKVCache, ctx: Context, sca
 class Attention(nn.Module):
     """GQA self-attention whose K/V live in a paged cache of some KV format.
 
-    The model runner binds `kv_format` and `kv_cache` after allocating the pools; each step the
-    new tokens' K/V are written to their pages first, then every query attends over its
-    sequence's context: the cache, and for a prefill chunk its own tokens' K/V as computed this
-    step, which the format's `attend` takes beside the cache (KVFormat.attend's step_kv).
+    Its KV format and pool are its layer's hooks (layers/hooks.LayerHooks: the model runner binds
+    them after allocating the pools, with the K/V observer, the fused-write switch and the
+    tensor-parallel group); each step the new tokens' K/V are written to their pages first, then
+    every query attends over its sequence's context: the cache, and for a prefill chunk its own
+    tokens' K/V as computed this step, which the format's `attend` takes beside the cache
+    (KVFormat.attend's step_kv).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, hooks: LayerHooks | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -61,20 +64,13 @@ class Attention(nn.Module):
         self.clip_qkv = cfg.clip_qkv
         self.sliding_window = cfg.sliding_window
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
-        self.kv_format: KVFormat | None = None
-        self.kv_cache: LayerKVCache | None = None
-        # Optional callback(layer_idx, k, v) seeing each step's post-RoPE K/V [T, Hkv, D]
-        # before they are stored (calibration collects statistics through it).
-        self.kv_observer = None
-        # RoPE + K/V store in one kernel (ops/rope_kv_write.py) where the format allows it:
-        # None = on CUDA only (CPU keeps the references); True / False force it (tests)
-        self.fuse_rope_write: bool | None = None
-        # False: prefill chunks read their own tokens back from the cache as decode does (no step_kv),
-        # so outputs do not depend on where chunks or a cached prefix end and every read goes through
-        # the pages (tests of page bookkeeping); True: they attend to them as computed
-        self.exact_prefill = True
-        # tensor parallel (layers/parallel.py): this rank's heads only; o_proj's output is all-reduced
-        self.tp = None
+        # with hooks.tp (tensor parallel): this rank's heads only; o_proj's output is all-reduced
+        self.hooks = hooks if hooks is not None else LayerHooks()
+
+    @property
+    def kv_cache(self) -> LayerKVCache | None:
+        """This layer's KV pool (hooks.kv_cache)."""
+        return self.hooks.kv_cache
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         T = x.shape[0]
@@ -89,10 +85,12 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "per_head":  # Qwen3 normalises each head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
+        hooks = self.hooks
+        fmt, cache = hooks.kv_format, hooks.kv_cache
         target = None
-        fuse = x.is_cuda if self.fuse_rope_write is None else self.fuse_rope_write
-        if fuse and self.kv_observer is None:  # an observer needs the rotated k: the unfused path
-            target = self.kv_format.fused_rope_write_target(self.kv_cache, k, ctx)
+        fuse = x.is_cuda if hooks.fuse_rope_write is None else hooks.fuse_rope_write
+        if fuse and hooks.kv_observer is None:  # an observer needs the rotated k: the unfused path
+            target = fmt.fused_rope_write_target(cache, k, ctx)
         if target is not None:
             from moekv.ops.rope_kv_write import rope_kv_write
 
@@ -103,15 +101,15 @@ class Attention(nn.Module):
             step_kv = None
         else:
             q, k = self.rotary(ctx.positions, q, k)
-            if self.kv_observer is not None:
-                self.kv_observer(self.layer_idx, k, v)
-            self.kv_format.write(self.kv_cache, k, v, ctx)
-            step_kv = (k, v) if self.exact_prefill else None
+            if hooks.kv_observer is not None:
+                hooks.kv_observer(self.layer_idx, k, v)
+            fmt.write(cache, k, v, ctx)
+            step_kv = (k, v) if hooks.exact_prefill else None
         if ctx.mixed is not None:  # decodes beside prefill chunks: each part on its own (the decodes' kernel)
-            o = attend_mixed(self.kv_format.attend, q, self.kv_cache, ctx, self.scale, self.sliding_window, step_kv)
+            o = attend_mixed(fmt.attend, q, cache, ctx, self.scale, self.sliding_window, step_kv)
         else:
-            o = self.kv_format.attend(q, self.kv_cache, ctx, self.scale, self.sliding_window, step_kv)
-        if self.tp is None:
+            o = fmt.attend(q, cache, ctx, self.scale, self.sliding_window, step_kv)
+        if hooks.tp is None:
             return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
-        out = self.tp.all_reduce(_project(o.reshape(T, self.q_size), self.o_proj, None))  # partial sums
+        out = hooks.tp.all_reduce(_project(o.reshape(T, self.q_size), self.o_proj, None))  # partial sums
         return out if self.o_bias is None else out + self.o_bias

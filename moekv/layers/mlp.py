@@ -4,18 +4,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moekv.layers.hooks import LayerHooks
 from moekv.ops.reference import silu_and_mul_ref
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matrix [2I, H]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hooks: LayerHooks | None = None) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size))
-        self.tp = None  # tensor parallel (layers/parallel.py): a slice of I per rank, the output all-reduced
+        # its layer's hooks (a shared expert has its own): with hooks.tp, a slice of I per rank, the output all-reduced
+        self.hooks = hooks if hooks is not None else LayerHooks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(silu_and_mul_ref(F.linear(x, self.gate_up_proj)), self.down_proj)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        tp = self.hooks.tp
+        return out if tp is None else tp.all_reduce(out)

@@ -136,7 +136,7 @@ def shard_attention(attn, cfg, tp: TPGroup) -> None:
         replication = max(tp.world_size // cfg.num_kv_heads, 1)
         attn.q_norm = ShardedRMSNorm(attn.q_norm.weight.detach()[q_rows], attn.q_norm.eps, q_size, tp)
         attn.k_norm = ShardedRMSNorm(attn.k_norm.weight.detach()[kv_rows], attn.k_norm.eps, kv_size, tp, replication)
-    attn.tp = tp
+    attn.hooks.tp = tp
 
 
 def _gate_up_rows(intermediate: int, rank: int, world: int) -> torch.Tensor:
@@ -168,8 +168,8 @@ def shard_moe(moe, tp: TPGroup, device_of_expert: torch.Tensor | None, dispatch:
         local = torch.nonzero(device_of_expert == tp.rank).flatten()
         moe.w13 = _rows(moe.w13, local)
         moe.w2 = _rows(moe.w2, local)
-        moe.ep = ExpertParallel(tp, device_of_expert, dispatch)
-    moe.tp = tp
+        moe.hooks.experts = ExpertParallel(tp, device_of_expert, dispatch)
+    moe.hooks.tp = tp
 
 
 def shard_plan(model, cfg, tp: TPGroup,
@@ -250,7 +250,8 @@ class StaticDispatch:
 
 
 class ExpertParallel:
-    """One MoE layer's experts over the ranks of a group (device_of_expert [E]: the rank of each).
+    """One MoE layer's experts over the ranks of a group (device_of_expert [E]: the rank of each): the
+    layer's ExpertExecutor (layers/moe.py) with expert parallelism.
 
     dispatch False: every rank runs its experts on all the step's tokens, and the layer's
     all-reduce sums the shares. dispatch True: each token is owned by its top-1 expert's rank; the

@@ -7,6 +7,7 @@ from torch import nn
 
 from moekv.context import Context
 from moekv.layers.attention import Attention
+from moekv.layers.hooks import DecoderHooks, LayerHooks
 from moekv.layers.mlp import GatedMLP
 from moekv.layers.moe import SparseMoE
 from moekv.layers.norms import RMSNorm
@@ -16,14 +17,15 @@ from moekv.models.model_config import ModelConfig
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        # what the engine plugs into this layer, one object shared by its attention and MLP
+        self.hooks = LayerHooks()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, self.hooks)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe_layers[layer_idx]:
-            self.mlp: nn.Module = SparseMoE(cfg)
+            self.mlp: nn.Module = SparseMoE(cfg, self.hooks)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size)
-        self.after_attention = None  # called as after_attention(attn_out) (moekv/experts/l2_prefetch.py)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size, self.hooks)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; delta: the previous layer's output, still to be added to it (None
@@ -31,8 +33,8 @@ class DecoderLayer(nn.Module):
         next norm, in the same launch."""
         x, h = self.input_layernorm.add_and_norm(x, delta)
         attn = self.self_attn(h, ctx)
-        if self.after_attention is not None:  # the expert L2 prefetch's late launch point
-            self.after_attention(attn)
+        if self.hooks.after_attention is not None:  # the expert L2 prefetch's late launch point
+            self.hooks.after_attention(attn)
         if isinstance(self.mlp, SparseMoE) and self.mlp.router_fuses_norm:  # the norm shares a pass with a coarse gate
             x = x + attn
             return x, self.mlp(x, norm=self.post_attention_layernorm)
@@ -48,10 +50,8 @@ class MoEDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        # called as before_layer(i, x, delta) before layer i runs (expert prefetch: moekv/experts/offload.py)
-        self.before_layer = None
-        # called as after_layers() once the last layer has run (joins the L2 prefetch's side stream)
-        self.after_layers = None
+        # the model-wide hooks (before_layer, after_layers) and every layer's (layers/hooks.py)
+        self.hooks = DecoderHooks([layer.hooks for layer in self.layers])
         # the running step's Context while a before_layer hook is installed (the hook reads the
         # step's sequences from it: expert offload's previous-token prediction)
         self.step_ctx = None
@@ -63,14 +63,15 @@ class MoEDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: Context) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, H] (normalised)."""
         x, delta = F.embedding(input_ids, self.embed_tokens), None
-        if self.before_layer is not None:
+        before_layer, after_layers = self.hooks.before_layer, self.hooks.after_layers
+        if before_layer is not None:
             self.step_ctx = ctx
         for i, layer in enumerate(self.layers):
-            if self.before_layer is not None:
-                self.before_layer(i, x, delta)
+            if before_layer is not None:
+                before_layer(i, x, delta)
             x, delta = layer(x, delta, ctx)
-        if self.after_layers is not None:
-            self.after_layers()
+        if after_layers is not None:
+            after_layers()
         return self.norm.add_and_norm(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from moekv.layers.moe import SparseMoE
+from moekv.layers.moe import SparseMoE, local_experts
 from moekv.models import mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
 from moekv.models.load_formats import LOAD_FORMATS
@@ -179,6 +179,8 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     the meta device first, so a model in bf16 never exists in fp32 (Mixtral-8x7B would need 187 GB).
     cut: a rank's Shard.cut, applied before anything is allocated."""
     model = _meta_model(cfg, dtype)
+    for moe in moe_layers(model).values():  # the rank's cut may choose another (expert parallelism)
+        moe.hooks.experts = local_experts(device)
     if cut is not None:
         cut(model)
     model = model.to_empty(device=device)
@@ -210,11 +212,11 @@ def install_routers(model: MoEDecoder, model_cfg: ModelConfig, routing: str = "a
         per_token = min(clusters_per_token or cmap.clusters_per_token or cmap.num_clusters, cmap.num_clusters)
         for i, moe in layers.items():
             margin = cmap.layers[i].admit_margin if admit_margin is None else admit_margin
-            moe.router = HierarchicalRouter(cmap.layers[i], moe.gate, model_cfg.top_k, model_cfg.norm_topk_prob,
+            moe.hooks.router = HierarchicalRouter(cmap.layers[i], moe.gate, model_cfg.top_k, model_cfg.norm_topk_prob,
                                             per_token, margin, model_cfg.scoring_func, model_cfg.routed_scaling_factor)
         return mode
     for moe in layers.values():
-        moe.router = (group_limited_router(model_cfg, n_group, topk_group) if mode == "group_limited"
+        moe.hooks.router = (group_limited_router(model_cfg, n_group, topk_group) if mode == "group_limited"
                       else checkpoint_router(model_cfg))
     return mode
 

@@ -15,21 +15,22 @@ Rules that keep this race-free (every kernel named here follows them):
   dependent that starts early knows every kernel before its predecessor has completed: the MoE
   down GEMV reads its expert ids (written by the top-k kernel, two launches back) before waiting.
 
-On by default on CUDA devices of compute capability >= 9.0 (MOEKV_PDL=0 turns it off); the flags are
-constexprs, so kernels built without it (and the CPU interpreter) carry none of this. Measured on
+On by default on CUDA devices of compute capability >= 9.0 (MOEKV_PDL=0 turns it off: moekv/envs.py);
+the flags are constexprs, so kernels built without it (and the CPU interpreter) carry none of this. Measured on
 the H200 (benchmarks/sweep_decode_b1.py): batch-1 step 7.30 -> 7.19 ms without prefetch; prefetching
 the first 1 or 2 K tiles made it slower (7.38 / 7.40 ms), the whole slab much slower (+0.5 ms:
 the prefetches of every resident program thrash the 50 MB L2 and compete with the kernel before).
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moekv import envs
 
 LINE_ELEMENTS_16BIT = tl.constexpr(64)  # 16-bit elements per 128-byte line
 
@@ -41,7 +42,7 @@ def _capable(index: int) -> bool:
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` use programmatic dependent launch (Hopper+, unless MOEKV_PDL=0)."""
-    if device.type != "cuda" or os.environ.get("MOEKV_PDL", "1") == "0":
+    if device.type != "cuda" or not envs.pdl():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

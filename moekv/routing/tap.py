@@ -38,11 +38,11 @@ class tapped:
         self.callback = callback
 
     def __enter__(self):
-        self.saved = {i: moe.router for i, moe in self.layers.items()}
+        self.saved = {i: moe.hooks.router for i, moe in self.layers.items()}
         for i, moe in self.layers.items():
-            moe.router = RouterTap(moe.router, self.callback, i)
+            moe.hooks.router = RouterTap(moe.hooks.router, self.callback, i)
         return self
 
     def __exit__(self, *exc) -> None:
         for i, moe in self.layers.items():
-            moe.router = self.saved[i]
+            moe.hooks.router = self.saved[i]

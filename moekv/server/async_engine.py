@@ -62,7 +62,7 @@ class AsyncEngine:
         self._num_inbox_adds = 0
         self._num_waiting = 0  # engine.num_waiting as of the last drain or step
         self._num_running = 0  # ... and engine.num_running
-        self.max_num_seqs = engine.config.max_num_seqs  # batch slots: requests up to it never wait
+        self.max_num_seqs = engine.config.scheduler.max_num_seqs  # batch slots: requests up to it never wait
         self._wakeup = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None

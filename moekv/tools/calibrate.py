@@ -74,14 +74,14 @@ def collect_pages(llm, ids: list[int], window: int, block_size: int, max_pages: 
     per_window = max(1, math.ceil(max_pages / len(starts)))
     sampler = PageSampler(len(layers), block_size, per_window, seed)
     for attn in layers:
-        attn.kv_observer = sampler.observe
+        attn.hooks.kv_observer = sampler.observe
     try:
         for start in tqdm(starts, desc="calibrate: collect K/V", unit="window", disable=not progress):
             llm.score([{"prompt_token_ids": ids[start:start + window]}])
             sampler.end_window()
     finally:
         for attn in layers:
-            attn.kv_observer = None
+            attn.hooks.kv_observer = None
     return sampler
 
 

@@ -93,13 +93,13 @@ def build_cluster_map(llm, token_ids: list[int], num_clusters: int, quality_ids:
         base = windowed_nll(llm, quality_ids, window)
         jobs = [(i, row) for i in table for row in table[i] if row["margin"] != float("inf")]
         for i, row in tqdm(jobs, desc="margin sensitivity", unit="run", disable=not progress):
-            flat_router = moes[i].router
-            moes[i].router = HierarchicalRouter(layers[i], moes[i].gate, cfg.top_k, cfg.norm_topk_prob, per_token,
+            flat_router = moes[i].hooks.router
+            moes[i].hooks.router = HierarchicalRouter(layers[i], moes[i].gate, cfg.top_k, cfg.norm_topk_prob, per_token,
                                                 row["margin"], cfg.scoring_func, cfg.routed_scaling_factor)
             try:
                 row["delta_nll"] = windowed_nll(llm, quality_ids, window) - base
             finally:
-                moes[i].router = flat_router
+                moes[i].hooks.router = flat_router
         chosen = choose_margins(table, ppl_budget)
     else:
         chosen = {i: float("inf") for i in table}

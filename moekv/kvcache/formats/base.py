@@ -9,16 +9,15 @@ reads directly. Bits per element count every byte of the slab, padding included.
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from moekv.context import Context, HostLists, to_device
+from moekv.kvcache.formats.names import DEFAULT_DECODE_KERNEL, check_decode_kernel
 from moekv.ops.reference import causal_attention_ref
 
 # a step's k, v [T, Hkv, D] as the attention layer computed them (k after RoPE): KVFormat.attend
@@ -98,6 +97,13 @@ class KVFormat(ABC):
     name: str
     needs_calibration: bool = False
     graph_support: GraphSupport = GraphSupport.EAGER_ONLY
+    # the decode kernel its pools are laid out for (names.DECODE_KERNELS; EngineConfig.cache.decode_kernel),
+    # given by the registry when it builds the format (get_kv_format) and fixed from then on: page_bytes
+    # and allocate read it, so pools of one format object all take one layout
+    decode_kernel: str = DEFAULT_DECODE_KERNEL
+    # the options it takes from the engine's configuration (options.KVOption: EngineConfig's kv_<name>,
+    # the flag --kv-<name>), each a keyword of its constructor
+    engine_options: tuple = ()
 
     @abstractmethod
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
@@ -164,7 +170,7 @@ class KVFormat(ABC):
         Decode-only steps on CUDA go to the fused paged decode kernel when the format describes
         its pages to it (`decode_spec`); everything else (CPU, prefill) takes `attend_reference`.
         """
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _is_decode_only(q, ctx):
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and is_decode_only(q, ctx):
             staging = cache.tensors.get("k_staging")
             pages = cache["k_pages"] if "k_pages" in cache.tensors else None
             block_size = staging.shape[2] if staging is not None else (pages.shape[2] if pages is not None else 0)
@@ -605,46 +611,26 @@ class FragmentPagedFormat(PagedQuantFormat):
             return super().attend(q, cache, ctx, scale, sliding_window, step_kv)
         G = q.shape[1] // cache["k_staging"].shape[1]
         if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in (1, 2, 4, 8)
-                and _is_decode_only(q, ctx)):
+                and is_decode_only(q, ctx)):
             return self.gluon_decode(q, cache, ctx, scale, sliding_window,
                                      (cache["k_staging"], cache["v_staging"], ctx.seq_slots))
         return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv)
 
 
-DECODE_KERNEL_ENV = "MOEKV_DECODE_KERNEL"  # auto | triton | gluon: whether pools feed the Gluon decode kernels
-DEFAULT_DECODE_KERNEL = "auto"  # the Gluon kernels on sm_90 for the shapes they cover, Triton elsewhere
-
-
-@contextlib.contextmanager
-def decode_kernel(choice: str):
-    """MOEKV_DECODE_KERNEL set to `choice` while the block runs (pools allocated inside it take that
-    layout), restored after: for benchmarks that time both kernels in one process."""
-    saved = os.environ.get(DECODE_KERNEL_ENV)
-    os.environ[DECODE_KERNEL_ENV] = choice
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(DECODE_KERNEL_ENV, None)
-        else:
-            os.environ[DECODE_KERNEL_ENV] = saved
-
-
-def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: str, by_default: bool = True) -> bool:
+def gluon_pages_wanted(choice: str, covered: bool, device: torch.device | str | None, what: str,
+                       by_default: bool = True) -> bool:
     """Whether a format's pools of a shape keep their pages in a Gluon decode kernel's fragment order
-    (moekv/ops/gluon/), by MOEKV_DECODE_KERNEL: 'triton' (slabs, the Triton kernel), 'gluon' (fragment
-    order wherever the shape is `covered`, CPU included: there the reference path reads it; a ValueError
-    naming `what` the kernel covers otherwise), 'auto' (fragment order on sm_90 CUDA devices with Gluon
-    for covered shapes of a format whose Gluon kernel is its default, `by_default`; slabs elsewhere; the
-    default)."""
-    choice = os.environ.get(DECODE_KERNEL_ENV, "").strip().lower() or DEFAULT_DECODE_KERNEL
-    if choice not in ("auto", "triton", "gluon"):
-        raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected 'auto', 'triton' or 'gluon'")
+    (moekv/ops/gluon/), by the format's decode_kernel `choice`: 'triton' (slabs, the Triton kernel),
+    'gluon' (fragment order wherever the shape is `covered`, CPU included: there the reference path
+    reads it; a ValueError naming `what` the kernel covers otherwise), 'auto' (fragment order on sm_90
+    CUDA devices with Gluon for covered shapes of a format whose Gluon kernel is its default,
+    `by_default`; slabs elsewhere; the default)."""
+    check_decode_kernel(choice)
     if choice == "triton":
         return False
     if choice == "gluon":
         if not covered:
-            raise ValueError(f"{DECODE_KERNEL_ENV}=gluon: {what}")
+            raise ValueError(f"decode_kernel='gluon': {what}")
         return True
     if not (covered and by_default) or not torch.cuda.is_available():
         return False
@@ -656,7 +642,7 @@ def gluon_pages_wanted(covered: bool, device: torch.device | str | None, what: s
     return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
-def _is_decode_only(q: torch.Tensor, ctx: Context) -> bool:
+def is_decode_only(q: torch.Tensor, ctx: Context) -> bool:
     """One query token per sequence (every query_lens == 1)."""
     if q.shape[0] != ctx.num_seqs:
         return False

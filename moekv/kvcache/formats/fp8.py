@@ -16,7 +16,7 @@ from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, g
 FP8_MAX = 448.0  # largest finite E4M3 value
 
 
-# whether MOEKV_DECODE_KERNEL=auto gives fp8_e4m3 pools the Gluon kernel's fragment order on sm_90
+# whether decode_kernel='auto' gives fp8_e4m3 pools the Gluon kernel's fragment order on sm_90
 # ('gluon' always does for covered shapes): not until a benchmark shows it beating the Triton kernel
 GLUON_BY_DEFAULT = False
 
@@ -55,10 +55,11 @@ class FP8Format(FragmentPagedFormat):
 
     def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
         """Whether pools of this shape keep their slabs with the codes in the Gluon fp8 kernel's fragment
-        order (fp8_layout.py): MOEKV_DECODE_KERNEL 'gluon', or 'auto' on sm_90 once GLUON_BY_DEFAULT
+        order (fp8_layout.py): decode_kernel 'gluon', or 'auto' on sm_90 once GLUON_BY_DEFAULT
         (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128."""
         covered = (block_size, head_dim) == (64, 128)
-        return gluon_pages_wanted(covered, device, "fp8_e4m3's Gluon kernel covers block_size 64, head_dim 128, "
+        return gluon_pages_wanted(self.decode_kernel, covered, device,
+                                  "fp8_e4m3's Gluon kernel covers block_size 64, head_dim 128, "
                                   f"got {block_size} and {head_dim}", by_default=GLUON_BY_DEFAULT)
 
     def fragment_layout(self):

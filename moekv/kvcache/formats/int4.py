@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from moekv.kvcache.formats.base import Field, FragmentPagedFormat, PageLayout, gluon_pages_wanted, per_shape
+from moekv.kvcache.formats.options import KVOption, one_of
 
 LEVELS = 15  # 4-bit codes 0..15
 FP16_MAX = 65504.0
@@ -32,6 +33,7 @@ MAX_HEAD_DIM = 256  # outlier indices are uint8
 
 class Int4Format(FragmentPagedFormat):
     name = "int4"
+    engine_options = (KVOption("group_size", 32, "int4: channels per scale group", one_of(*GROUP_SIZES)),)
 
     def __init__(self, group_size: int = 32, outlier_fraction: float = 0.01) -> None:
         if group_size not in GROUP_SIZES:
@@ -101,12 +103,13 @@ class Int4Format(FragmentPagedFormat):
     # -- the Gluon decode kernel's page layout (moekv/ops/gluon/int4_layout.py) --------------------------
     def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
         """Whether pools of this shape keep their pages in the Gluon int4 kernel's fragment order
-        (converted from the slabs when pages are written), by MOEKV_DECODE_KERNEL
+        (converted from the slabs when pages are written), by the format's decode_kernel
         (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128, group_size 32, 1-4 outlier
         channels."""
         covered = ((block_size, head_dim, self.group_size) == (64, 128, 32)
                    and 1 <= self.num_outliers(head_dim) <= 4)
-        return gluon_pages_wanted(covered, device, "int4's Gluon kernel covers block_size 64, head_dim 128, "
+        return gluon_pages_wanted(self.decode_kernel, covered, device,
+                                  "int4's Gluon kernel covers block_size 64, head_dim 128, "
                                   f"group_size 32 and 1-4 outlier channels, got block_size {block_size}, "
                                   f"head_dim {head_dim}, group_size {self.group_size}, "
                                   f"{self.num_outliers(head_dim)} outlier channels")

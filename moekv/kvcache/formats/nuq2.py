@@ -25,22 +25,21 @@ slab is codes only: at (64, 32) K 640 B + V 512 B = 2.25 bits/element instead of
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from moekv import envs
 from moekv.kvcache.calibration_io import load_calibration
-from moekv.kvcache.formats.base import (  # noqa: F401 (DECODE_KERNEL_ENV, DEFAULT_DECODE_KERNEL re-exported)
-    DECODE_KERNEL_ENV,
-    DEFAULT_DECODE_KERNEL,
+from moekv.kvcache.formats.base import (
     Field,
     FragmentPagedFormat,
     PageLayout,
     gluon_pages_wanted,
     per_shape,
 )
+from moekv.kvcache.formats.options import CALIBRATION, KVOption, one_of, positive
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -85,10 +84,10 @@ def lloyd_1d(z: torch.Tensor, keep: torch.Tensor, iters: int = KMEANS_ITERS,
 def fit_weight(z: torch.Tensor, kind: str) -> torch.Tensor | None:
     """Keys: weight each normalised element by 1 + |z|^3 in the k-means. Plain k-means shrinks
     the extremes toward the mean (each centroid is its cluster's mean), and the extremes of keys
-    make the largest attention logits: on tiny-moe (held-out books, 4k tokens, keys nuq2, values
-    FP8) plain k-means flattened attention (entropy +0.2 nats) and cost +6.8% perplexity at a
-    lower MSE than KIVI's keys (+1.0%); weights z^2: +2.3%, 1+z^2: +2.8%, 1+|z|^3: +1.3%,
-    1+z^4: +1.4%, 1+z^6: +9%. Values: plain k-means (+0.25%; weighting them hurt)."""
+    make the largest attention logits: on tiny-moe (a retired head_dim-32 test model; held-out
+    books, 4k tokens, keys nuq2, values FP8) plain k-means flattened attention (entropy +0.2 nats)
+    and cost +6.8% perplexity at a lower MSE than KIVI's keys (+1.0%); weights z^2: +2.3%, 1+z^2:
+    +2.8%, 1+|z|^3: +1.3%, 1+z^4: +1.4%, 1+z^6: +9%. Values: plain k-means (+0.25%; weighting them hurt)."""
     return 1.0 + z.abs().pow(3) if kind == "key" else None
 
 
@@ -190,18 +189,28 @@ def fit_centroids(pages: torch.Tensor, kind: str, tau: float = 3.5) -> torch.Ten
     return lloyd_1d(flat, ~outlier_mask(flat, tau), iters=30, weight=fit_weight(flat, kind)).to(torch.float16)
 
 
+CODEBOOKS = ("auto", "page", "calibrated")
+
+
 class NUQ2Format(FragmentPagedFormat):
     name = "nuq2"
+    engine_options = (
+        KVOption("outlier_sigma", 3.5, "nuq2: outlier threshold in std devs", positive),
+        CALIBRATION,
+        KVOption("codebook", "auto",
+                 "nuq2/tiered: per-page k-means, calibrated codebooks, or auto (calibrated when available)",
+                 one_of(*CODEBOOKS), choices=CODEBOOKS),
+    )
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
                  codebook: str = "auto", quantize_kernel: bool | None = None) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
         (calibrated when the calibration folder has nuq2 codebooks, else per page).
         quantize_kernel: quantize pages on CUDA with the fused kernel (moekv/ops/nuq2_quantize.py);
-        None reads MOEKV_NUQ2_QUANTIZE_KERNEL (default on; 0 keeps the torch reference, for
-        benchmarks that compare the two)."""
+        None reads MOEKV_NUQ2_QUANTIZE_KERNEL (moekv/envs.py: default on; 0 keeps the torch
+        reference, for benchmarks that compare the two)."""
         if quantize_kernel is None:
-            quantize_kernel = os.environ.get("MOEKV_NUQ2_QUANTIZE_KERNEL", "1") != "0"
+            quantize_kernel = envs.nuq2_quantize_kernel()
         self.quantize_kernel = bool(quantize_kernel)
         if not outlier_sigma > 0:
             raise ValueError(f"outlier_sigma={outlier_sigma!r} must be > 0")
@@ -295,15 +304,16 @@ class NUQ2Format(FragmentPagedFormat):
     def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
         """Whether pools of this shape keep their pages in the Gluon decode kernel's fragment order
         (moekv/ops/gluon/nuq2_layout.py: converted from the slabs when pages are written) instead
-        of slabs, so that decode steps take the Gluon kernel. MOEKV_DECODE_KERNEL picks: 'triton'
-        (slabs, the Triton kernel), 'gluon' (fragment order
-        wherever the shape is covered, CPU included: there the reference path reads it), 'auto'
-        (fragment order on sm_90 CUDA devices with Gluon, for the covered shape: block_size 64,
-        head_dim 128, fp16 codebooks; slabs elsewhere; the default, DEFAULT_DECODE_KERNEL)."""
+        of slabs, so that decode steps take the Gluon kernel. The format's decode_kernel picks: 'triton'
+        (slabs, the Triton kernel), 'gluon' (fragment order wherever the shape is covered, CPU
+        included: there the reference path reads it), 'auto' (fragment order on sm_90 CUDA devices with
+        Gluon, for the covered shape: block_size 64, head_dim 128, fp16 codebooks; slabs elsewhere; the
+        default)."""
         covered = (block_size, head_dim) == (64, 128) and not (
             self.calibrated and any(t.dtype != torch.float16 for name, t in self.tables.items()
                                     if name.endswith(".centroids")))
-        return gluon_pages_wanted(covered, device, "nuq2's Gluon kernel covers block_size 64, head_dim 128 and "
+        return gluon_pages_wanted(self.decode_kernel, covered, device,
+                                  "nuq2's Gluon kernel covers block_size 64, head_dim 128 and "
                                   f"fp16 codebooks, got block_size {block_size}, head_dim {head_dim}")
 
     fragment_marker = "k_slot_delta"

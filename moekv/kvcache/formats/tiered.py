@@ -42,12 +42,12 @@ from moekv.kvcache.formats.base import (
     LayerKVCache,
     PagedQuantFormat,
     RopeWriteTarget,
-    _is_decode_only,
     can_stage_vectorized,
     check_finite,
     dense_attention,
     flag_nonfinite,
     gluon_pages_wanted,
+    is_decode_only,
     stage_decode_tokens,
     stage_tokens,
     staging_tensors,
@@ -55,6 +55,7 @@ from moekv.kvcache.formats.base import (
 )
 from moekv.kvcache.formats.fp8 import FP8Format
 from moekv.kvcache.formats.nuq2 import NUQ2Format
+from moekv.kvcache.formats.options import KVOption, fraction, integer_at_least
 from moekv.kvcache.formats.tiered_policy import (
     TIER_FP8,
     TIER_LOW,
@@ -115,6 +116,16 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     # demote another page): in a replayed step the slots are chosen before it (prepare_graph_step)
     # and read from a device buffer by the captured write, which stores the listed fills itself
     graph_support = GraphSupport.DECODE_WITH_LISTED_FILLS
+    # its low tier's options are nuq2's
+    engine_options = (
+        KVOption("rerank_interval", 32, "tiered: decode steps between re-rankings", integer_at_least(1)),
+        KVOption("tier1_fraction", 0.15, "tiered: share of pages kept in FP8", fraction),
+        *NUQ2Format.engine_options,
+        KVOption("rank_window", 0, "tiered: only the last N queries of each prompt chunk add to the page ranking's "
+                 "attention mass (0: all)", integer_at_least(0)),
+        KVOption("rank_after_prompt", False,
+                 "tiered: rank (and demote) a sequence's pages only once it decodes, by its whole prompt's mass"),
+    )
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,
@@ -184,10 +195,11 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         """Whether pools of this shape keep their pages in the Gluon tiered kernel's orders (the low
         tier in nuq2's fragment tables, moekv/ops/gluon/nuq2_layout.py; the FP8 slabs with their codes
         in FP8 fragment order, fp8_layout.py), so that decode steps take that kernel:
-        MOEKV_DECODE_KERNEL 'auto' on sm_90 or 'gluon' (base.gluon_pages_wanted). Covered: block_size 64,
+        decode_kernel 'auto' on sm_90 or 'gluon' (base.gluon_pages_wanted). Covered: block_size 64,
         head_dim 128, page codebooks (calibrated ones keep slabs and the reference path)."""
         covered = (block_size, head_dim) == (64, 128) and not self.lo.calibrated
-        return gluon_pages_wanted(covered, device, "tiered's Gluon kernel covers block_size 64, head_dim 128 and "
+        return gluon_pages_wanted(self.decode_kernel, covered, device,
+                                  "tiered's Gluon kernel covers block_size 64, head_dim 128 and "
                                   f"page codebooks (kv_codebook='page'), got block_size {block_size}, head_dim "
                                   f"{head_dim}{', calibrated codebooks' if self.lo.calibrated else ''}")
 
@@ -621,7 +633,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         kernel (pages of a multiple of 16 tokens, a power-of-two head_dim >= 16: what its tiles need)."""
         P = cache["k_staging"].shape[2] if cache is not None else 16
         return (self.fused_decode and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-                and not self.lo.calibrated and _kernel_shape_ok(P, q.shape[-1]) and _is_decode_only(q, ctx))
+                and not self.lo.calibrated and _kernel_shape_ok(P, q.shape[-1]) and is_decode_only(q, ctx))
 
     def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None):
         """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel: the Gluon one

@@ -19,7 +19,8 @@ import heapq
 import math
 from typing import Callable
 
-TIER_NONE, TIER_FP8, TIER_LOW = 0, 1, 2
+from moekv.ops.tiers import TIER_FP8, TIER_LOW, TIER_NONE
+
 MAX_MASS_WEIGHT = 2.0 ** 64  # past it the masses are rescaled, before floats lose the small ones
 
 

@@ -35,6 +35,7 @@ from moekv.kvcache.formats.nuq2 import (
     pick_largest,
     store_outliers,
 )
+from moekv.kvcache.formats.options import CALIBRATION
 
 CODEBOOK_SIZE = 256  # uint8 codes
 SUB_DIM = 8  # channels per code: 1 bit/element for the codes (d = 4 would be 2 bits before any scale)
@@ -129,6 +130,7 @@ def fit_codebook(pages: torch.Tensor, kind: str, chan_scale: torch.Tensor | None
 class VQFormat(FragmentPagedFormat):
     name = "vq"
     needs_calibration = True
+    engine_options = (CALIBRATION,)
     # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
     # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
@@ -186,12 +188,13 @@ class VQFormat(FragmentPagedFormat):
     # -- the Gluon decode kernel's page layout (moekv/ops/gluon/vq_layout.py) ---------------------------
     def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
         """Whether pools of this shape keep their pages in the Gluon vq kernel's fragment order
-        (converted from the slabs when pages are written), by MOEKV_DECODE_KERNEL
+        (converted from the slabs when pages are written), by the format's decode_kernel
         (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128, 8-channel codes (no outlier
         slots fit the slabs there)."""
         slots = max(self.outlier_slots(kind, block_size, head_dim) for kind in ("key", "value"))
         covered = (block_size, head_dim, self.sub_dim, slots) == (64, 128, 8, 0)
-        return gluon_pages_wanted(covered, device, "vq's Gluon kernel covers block_size 64, head_dim 128 and "
+        return gluon_pages_wanted(self.decode_kernel, covered, device,
+                                  "vq's Gluon kernel covers block_size 64, head_dim 128 and "
                                   f"8-channel codes, got block_size {block_size}, head_dim {head_dim}, "
                                   f"{self.sub_dim}-channel codes")
 

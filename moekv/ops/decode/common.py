@@ -3,7 +3,7 @@ of the split-K loop (the products in either orientation, the online-softmax step
 a split's share of the tiles, L2 prefetch, storing a split's partial and merging the partials).
 
 A format reads its pages through tile readers (one module per format beside this one: plain.py, fp8.py,
-int4.py, kivi.py, nuq2.py, vq.py). A tile is BLOCK_N consecutive tokens of one KV head; it spans
+int4.py, kivi2.py, nuq2.py, vq.py). A tile is BLOCK_N consecutive tokens of one KV head; it spans
 NPG = BLOCK_N / min(P, BLOCK_N) pages. A reader loads the tile's bytes from `pool` and dequantizes them
 in registers:
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops import tiers
 from moekv.ops.decode.common import (
     LOG2E,
     NO_WINDOW,
@@ -65,7 +66,7 @@ from moekv.ops.decode.nuq2 import (
 )
 from moekv.ops.decode.paged import reduce_partials, strides
 
-TIER_FP8 = tl.constexpr(1)  # = moekv.kvcache.formats.tiered.TIER_FP8
+TIER_FP8 = tl.constexpr(tiers.TIER_FP8)  # jit code reads a global only as a constexpr
 
 
 @triton.jit
@@ -316,7 +317,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     mass = mass_into if mass_into is not None else torch.empty(B, max_pages, dtype=torch.float32, device=q.device)
     block_pages = mass_block_pages(Hq, P // block_n)
     # one launch: programs [0, Hq) of each sequence merge a head's splits, the rest sum the page mass
-    _reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
+    reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
         part_o, part_lse, out, out.stride(0), out.stride(1),
         tile_sum, tile_max, mass, context_lens, block_tables, block_tables.stride(0), window,
         ns_total, max_tiles, max_pages, Hq, ns_pad, D, P // block_n, P, block_n,
@@ -325,12 +326,12 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
 
 
 def mass_block_pages(num_heads: int, tiles_per_page: int) -> int:
-    """Pages per mass program of _reduce_and_mass_kernel: about 2048 (head, tile) pairs each (16 a thread)."""
+    """Pages per mass program of reduce_and_mass_kernel: about 2048 (head, tile) pairs each (16 a thread)."""
     return max(1, 2048 // (triton.next_power_of_2(num_heads) * tiles_per_page))
 
 
 @triton.jit
-def _reduce_and_mass_kernel(part_o, part_lse, out, stride_ob, stride_oh,
+def reduce_and_mass_kernel(part_o, part_lse, out, stride_ob, stride_oh,
                             tile_sum, tile_max, mass, context_lens, block_tables, stride_bt, window,
                             ns_total, max_tiles, max_pages,
                             NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, TPP: tl.constexpr,

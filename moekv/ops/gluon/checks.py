@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS
+from moekv.ops.gluon.tables import HEAD_DIM, PAGE_TOKENS
 
 MMA_N = 8  # the query heads of a group are the MMA's N (m16n8k16): groups up to 8
 Staged = tuple  # (k_stage [S, Hkv, 64, 128], v_stage, seq_slots [B])

@@ -30,7 +30,7 @@ from moekv.ops.gluon.splits import split_reference
 
 # ptxas's register cap: tiered's FP8 page path fits 128 without spills (16 one-warp programs an SM)
 DEFAULT_MAX_REGISTERS = 128
-# an FP8 page's next 16-token step loaded while this one computes (fp8_kernel._fp8_page's
+# an FP8 page's next 16-token step loaded while this one computes (fp8_kernel.fp8_page's
 # FP8_PREFETCH): 1-4% slower than without at (16, 32k) and (64, 32k), the same at (1, 128k) (H100,
 # docs/journal.md); bench_decode_attention's fp8_e4m3_gluon row times the other choice (prefetch_ms)
 DEFAULT_PREFETCH = False
@@ -62,7 +62,7 @@ def fp8_decode_split_reference(q: torch.Tensor, frag: FP8FragmentPages, block_ta
 
 # -- the GPU path ------------------------------------------------------------------------------------
 def fp8_pool_args(what: str, fmt, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], dict]:
-    """What a kernel reading FP8 pages (_fp8_page: this module's kernel, tiered's) takes of pools k, v
+    """What a kernel reading FP8 pages (fp8_kernel.fp8_page: this module's kernel, tiered's) takes of pools k, v
     [N, H, slab] uint8 of fmt's slabs: their int32 and fp16 views (kf_w, vf_w, kf_h, vf_h) and the
     constexprs FW (int32 words a slab), F_KS, F_VS (the row scales' byte offsets); ValueError naming
     `what` unless the pools are contiguous uint8 with slabs of whole words."""

@@ -1,7 +1,7 @@
 """The Gluon kernel of fp8_e4m3 decode attention (see fp8_decode.py for the reference and the launcher,
 fp8_layout.py for the FP8 fragment order it reads).
 
-An FP8 page (`_fp8_page`, also what tiered_kernel.py reads for tiered's FP8 pages): 4 steps of 16
+An FP8 page (`fp8_page`, also what tiered_kernel.py reads for tiered's FP8 pages): 4 steps of 16
 tokens; per step 4 + 4 128-bit loads a thread, e4m3 -> fp16 by cvt.rn.f16x2.e4m3x2 (two codes an
 instruction, exact) straight into the K [16, 128] and V^T [128, 16] A operands, S^T = K @ q^T scaled
 per token by the key row scales, online softmax, and O^T += (V^T @ (P^T * v_scale / v_max)) * v_max
@@ -16,7 +16,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from moekv.ops.gluon.nuq2_kernel import PAGE, _as_b_operand, _sequence, _split_range, _staged_tile, _store_split
+from moekv.ops.gluon.common import PAGE, as_b_operand, program_sequence, split_range, staged_tile, store_split
 
 STEP_WORDS = gl.constexpr(512)  # int32 words of FP8 codes per 16-token step (4 rows of 512 bytes)
 
@@ -53,7 +53,7 @@ def _fp8_step(kx, vx, like, t, k_scale, v_scale, q_t, m_i, l_pg, acc, qk_scale, 
     p = gl.exp2(s - gl.expand_dims(m_new, 0))
     l_pg = l_pg * alpha + gl.sum(p, axis=0)
     v_max = gl.maximum(gl.max(v_scale, axis=0), 1e-30)
-    pb = _as_b_operand((p * gl.expand_dims(v_scale / v_max, 1)).to(gl.float16), 16, LB)
+    pb = as_b_operand((p * gl.expand_dims(v_scale / v_max, 1)).to(gl.float16), 16, LB)
     # V^T [128, 16]: (f1 f0, g q4 y3 y2, y1 y0) -> (f1 f0 y3 y1 g | y2 q4 y0)
     vf = gl.reshape(_e4m3_quads(vx, like), [2, 2, 8, 4, 2, 2, 2, 2])
     vf = gl.permute(vf, [0, 1, 4, 6, 2, 5, 3, 7])
@@ -64,7 +64,7 @@ def _fp8_step(kx, vx, like, t, k_scale, v_scale, q_t, m_i, l_pg, acc, qk_scale, 
 
 
 @gluon.jit
-def _fp8_page(kf_w, vf_w, kf_h, vf_h, word0, half0, F_KS: gl.constexpr, F_VS: gl.constexpr, q_t, m_i, acc,
+def fp8_page(kf_w, vf_w, kf_h, vf_h, word0, half0, F_KS: gl.constexpr, F_VS: gl.constexpr, q_t, m_i, acc,
               qk_scale, n_valid, n_first, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr,
               L3: gl.constexpr, FP8_PREFETCH: gl.constexpr):
     """One FP8 page (codes in FP8 fragment order at word0 of the int32 views, row scales at half0 +
@@ -123,8 +123,8 @@ def fp8_decode_kernel(kf_w, vf_w, kf_h, vf_h, q_ptr, block_tables, stride_bt, co
     L3: gl.constexpr = gl.BlockedLayout([4, 4, 4], [1, 32, 1], [1, 1, 1], [2, 1, 0])
     QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
 
-    b, h, split, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)
-    p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
+    b, h, split, length, quantized, first = program_sequence(context_lens, window, HKV, STAGED)
+    p0, p1 = split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
@@ -140,7 +140,7 @@ def fp8_decode_kernel(kf_w, vf_w, kf_h, vf_h, q_ptr, block_tables, stride_bt, co
         q_t = gl.convert_layout(q_t.to(gl.float16), LB)
         for pg in range(p0, p1):
             slab = gl.load(bt_row + pg).to(gl.int64) * HKV + h
-            m_new, l_pg, acc = _fp8_page(kf_w, vf_w, kf_h, vf_h, slab * FW, slab * (2 * FW), F_KS, F_VS, q_t, m_i,
+            m_new, l_pg, acc = fp8_page(kf_w, vf_w, kf_h, vf_h, slab * FW, slab * (2 * FW), F_KS, F_VS, q_t, m_i,
                                          acc, qk_scale, quantized - pg * PAGE, first - pg * PAGE, LA, LB, MMA, L3,
                                          FP8_PREFETCH)
             l_i = l_i * gl.exp2(m_i - m_new) + l_pg
@@ -148,7 +148,7 @@ def fp8_decode_kernel(kf_w, vf_w, kf_h, vf_h, q_ptr, block_tables, stride_bt, co
     elif STAGED:
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh
-        m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+        m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                      qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
 
-    _store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)
+    store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)

@@ -27,8 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from moekv.ops.gluon.nuq2_layout import _bits
-from moekv.ops.gluon.tables import HEAD_DIM, PAGE_TOKENS, allocate_tables, check_kind, check_version, pick_pages
+from moekv.ops.gluon.tables import (
+    HEAD_DIM,
+    PAGE_TOKENS,
+    allocate_tables,
+    bit_fields,
+    check_kind,
+    check_version,
+    pick_pages,
+)
 
 FP8_FRAGMENT_VERSION = 1
 CODE_BYTES = PAGE_TOKENS * HEAD_DIM  # e4m3 codes of one page-head, in front of the slab
@@ -37,7 +44,7 @@ STEP_TOKENS = 16  # tokens per step of the kernel's FP8 tile (4 rows of 512 byte
 
 def _element_of_byte(kind: str) -> torch.Tensor:
     """[P * D] long: for byte e of a page-head's FP8 fragment order, the element t * D + c it holds."""
-    i, f1, f0, g, q4, y3, y2, y1, y0 = _bits(CODE_BYTES, 2, 1, 1, 3, 2, 1, 1, 1, 1)
+    i, f1, f0, g, q4, y3, y2, y1, y0 = bit_fields(CODE_BYTES, 2, 1, 1, 3, 2, 1, 1, 1, 1)
     if kind == "key":
         token = 16 * i + 8 * y1 + g
         chan = 64 * f1 + 32 * f0 + 16 * y3 + 8 * y2 + 2 * q4 + y0

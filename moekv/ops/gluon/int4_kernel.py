@@ -23,19 +23,22 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from moekv.ops.gluon.nuq2_kernel import (
-    _as_b_operand,
-    _sequence,
-    _split_range,
-    _staged_tile,
-    _store_lse,
-    _store_tail_partial,
+from moekv.ops.gluon.common import (
+    PAGE,
+    SIDE,
+    as_b_operand,
+    by_group,
+    program_sequence,
+    split_groups,
+    split_range,
+    staged_tile,
+    store_groups,
+    store_lse,
+    store_tail_partial,
 )
 from moekv.ops.gluon.prefetch import address, lanes, opaque, prefetch, prefetch_four_tables
 
-PAGE = gl.constexpr(64)
 WORDS = gl.constexpr(1024)  # int32 words of codes per page-head
-SIDE = gl.constexpr(256)  # fp16 scales (or zeros) per page-head: 64 tokens x 4 groups
 
 
 @gluon.jit
@@ -104,30 +107,10 @@ def _value_tile(x, e3, LA: gl.constexpr):
 
 
 @gluon.jit
-def _by_group(ptr, page, rows, cols, SL: gl.constexpr):
-    """A page-head's fp16 [64 tokens, 4 groups] table (scales or zeros), each row one 8-byte load,
-    split into its 4 groups' [64] columns in the slice layout SL (the rows' layout of the consumer).
-    rows: the tokens read (kivi2 reads [32]-token halves of its [64, 4] value tables)."""
-    return _split_groups(gl.load(ptr + page * SIDE + gl.expand_dims(rows, 1) * 4 + gl.expand_dims(cols, 0)), SL)
-
-
-@gluon.jit
-def _split_groups(x, SL: gl.constexpr):
-    """A [tokens, 4 groups] side table (a row's 4 groups in one thread) -> its 4 columns in the slice
-    layout SL."""
-    x = gl.reshape(x, [x.shape[0], 2, 2])  # group = 2 hi + lo
-    lo, hi = gl.split(x)
-    g0, g2 = gl.split(lo)
-    g1, g3 = gl.split(hi)
-    return (gl.convert_layout(g0, SL), gl.convert_layout(g1, SL), gl.convert_layout(g2, SL),
-            gl.convert_layout(g3, SL))
-
-
-@gluon.jit
 def _staged_groups(table, stage, L: gl.constexpr, SL: gl.constexpr):
-    """_by_group from a staged copy: stage `stage` of a [2, 256] table in shared memory (a flat [64, 4]),
+    """by_group from a staged copy: stage `stage` of a [2, 256] table in shared memory (a flat [64, 4]),
     read in layout L."""
-    return _split_groups(table.index(stage).reshape([PAGE, 4]).load(L), SL)
+    return split_groups(table.index(stage).reshape([PAGE, 4]).load(L), SL)
 
 
 @gluon.jit
@@ -177,28 +160,6 @@ def _add_at_channel(acc, g: gl.constexpr, chan, c_o, x_o):
     """acc (O^T_g [32, 8]) += x_o [8] at row c_o - 32 g when the channel c_o is in group g."""
     hit = gl.expand_dims(chan + g * 32 == c_o, 1)
     return acc + gl.where(hit, gl.expand_dims(x_o, 0), 0.0)
-
-
-@gluon.jit
-def _store_group(part_o, acc, zacc, zrow, g: gl.constexpr, l_safe, row, chan, on, G: gl.constexpr):
-    """The split's normalised output of group g's 32 channels (the group's zero term added)."""
-    z_g = gl.sum(gl.where(gl.expand_dims(zrow == g, 1), zacc, 0.0), axis=0)  # [8]
-    o = (acc + gl.expand_dims(z_g, 0)) / gl.expand_dims(l_safe, 0)
-    gl.store(part_o + gl.expand_dims(row, 0) * 128 + g * 32 + gl.expand_dims(chan, 1), o,
-             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(chan < 32, 1))
-
-
-@gluon.jit
-def _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G: gl.constexpr, MMA: gl.constexpr):
-    """A page split's normalised output (0 when empty) from the 4 groups' O^T_g [32, 8] and the zeros'
-    sums zacc (rows 0..3), at the partials' rows `row` of the G heads."""
-    l_safe = gl.where(l_i > 0, l_i, 1.0)
-    chan = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
-    zrow = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    _store_group(part_o, acc0, zacc, zrow, 0, l_safe, row, chan, on, G)
-    _store_group(part_o, acc1, zacc, zrow, 1, l_safe, row, chan, on, G)
-    _store_group(part_o, acc2, zacc, zrow, 2, l_safe, row, chan, on, G)
-    _store_group(part_o, acc3, zacc, zrow, 3, l_safe, row, chan, on, G)
 
 
 @gluon.jit
@@ -275,8 +236,8 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
     LSV: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
                                                    [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], [], [], [64, 4])
 
-    b, h, split, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)
-    p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
+    b, h, split, length, quantized, first = program_sequence(context_lens, window, HKV, STAGED)
+    p0, p1 = split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
@@ -341,8 +302,8 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
                 if PREFETCH:
                     _prefetch_page(page_n, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_odelta, v_odelta,
                                    NO, PREFETCH)
-                sk0, sk1, sk2, sk3 = _by_group(k_scale, page, rk, ck, gl.SliceLayout(1, MMA))
-                zk0, zk1, zk2, zk3 = _by_group(k_zero, page, rk, ck, gl.SliceLayout(1, MMA))
+                sk0, sk1, sk2, sk3 = by_group(k_scale, page, rk, ck, gl.SliceLayout(1, MMA))
+                zk0, zk1, zk2, zk3 = by_group(k_zero, page, rk, ck, gl.SliceLayout(1, MMA))
             s = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
             s = _group_scores(s, _group_words(k_codes, page, 0, off, ks, L2), e3, qb0, qs0, sk0, zk0, LA,
                               MMA)
@@ -367,12 +328,12 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
             l_i = l_i * alpha + gl.sum(p, axis=0)
             m_i = m_new
             a2 = gl.expand_dims(alpha, 0)
-            pb = _as_b_operand(p.to(gl.float16), PAGE, LB)
+            pb = as_b_operand(p.to(gl.float16), PAGE, LB)
 
             if SMEM:
                 sv0, sv1, sv2, sv3 = _staged_groups(vs_sm, pg % 2, LSV, gl.SliceLayout(1, LB))
             else:
-                sv0, sv1, sv2, sv3 = _by_group(v_scale, page, rv, cv, gl.SliceLayout(1, LB))
+                sv0, sv1, sv2, sv3 = by_group(v_scale, page, rv, cv, gl.SliceLayout(1, LB))
             acc0 = _group_values(acc0 * a2, _group_words(v_codes, page, 0, off, vs, L2), e3, pb, sv0, LA)
             acc1 = _group_values(acc1 * a2, _group_words(v_codes, page, 1, off, vs, L2), e3, pb, sv1, LA)
             acc2 = _group_values(acc2 * a2, _group_words(v_codes, page, 2, off, vs, L2), e3, pb, sv2, LA)
@@ -396,12 +357,12 @@ def int4_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_oid
         if SMEM:
             async_copy.wait_group(0)  # the last page's copy (of a page it does not read)
         # the split's partial: normalised output (0 when empty; its lse after the branches)
-        _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)
+        store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)
     elif STAGED:  # the 16-bit tail: nuq2's staged tile (plain K and V^T, O^T [128, 8])
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh
         acc = gl.zeros([128, 8], gl.float32, layout=MMA)
-        m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+        m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                      qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
-        _store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G, MMA)
-    _store_lse(part_lse, m_i, l_i, row, on, G)
+        store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G, MMA)
+    store_lse(part_lse, m_i, l_i, row, on, G)

@@ -38,11 +38,17 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from moekv.ops.gluon.tables import allocate_tables, check_version, pick_pages, slab_fields, table_bytes
+from moekv.ops.gluon.tables import (
+    HEAD_DIM,
+    PAGE_TOKENS,
+    allocate_tables,
+    check_version,
+    pick_pages,
+    slab_fields,
+    table_bytes,
+)
 
 INT4_FRAGMENT_VERSION = 1
-PAGE_TOKENS = 64
-HEAD_DIM = 128
 GROUP = 32  # the fragment order is defined for int4 with group_size 32
 GROUPS = HEAD_DIM // GROUP
 PAGE_BYTES = PAGE_TOKENS * HEAD_DIM // 2

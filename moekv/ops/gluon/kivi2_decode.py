@@ -3,7 +3,7 @@
 kivi2 stores keys k[t, c] = code * ks[t // 32, c] + kz[t // 32, c] (per channel over groups of 32
 tokens) and values v[t, c] = code * vs[t, c // 32] + vz[t, c // 32] (per token over groups of 32
 channels), 2-bit codes, and keeps the newest R tokens in a 16-bit residual ring beside the pages
-(moekv/kvcache/formats/kivi.py). Per 64-token page, two token halves h = 0, 1 (one key group each),
+(moekv/kvcache/formats/kivi2.py). Per 64-token page, two token halves h = 0, 1 (one key group each),
 the Gluon kernel (kivi2_kernel.py) computes, exactly as this module's reference does:
 
   scores   S^T_h [32, 8] = codes_h [32, 128] @ (ks[h] * q)^T [128, 8]      (the keys' scale folded into q)

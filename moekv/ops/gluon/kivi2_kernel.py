@@ -17,7 +17,7 @@ keys' per-channel scale multiplies q (one fp16 [128, 8] B operand a half); their
 whose A operand holds the half's zero row in every row (q . kz[h] per head, already in the scores'
 layout, seeding the accumulator). The values' per-token scale multiplies P^T per group (fp16), their
 zeros go through one [16, 32] @ P^T MMA a half, accumulated apart and added per group at the end
-(int4's _store_groups).
+(common.store_groups, as int4's).
 The 16-bit tail [quantized, length) (kivi2_decode.quantized_tokens: the residual ring's newest R tokens
 and the staged page's older ones) is one more split of the same launch (STAGED): 16 tokens a step, K
 [16, 128] and V^T [128, 16] loaded straight into the A-operand layout from the ring or the staging.
@@ -30,21 +30,23 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from moekv.ops.gluon.int4_kernel import _by_group, _split_groups, _store_groups
-from moekv.ops.gluon.nuq2_kernel import (
-    _as_b_operand,
-    _q_operand,
-    _sequence,
-    _softmax_halves,
-    _softmax_step,
-    _split_range,
-    _store_lse,
-    _store_tail_partial,
-    _tail_aranges,
+from moekv.ops.gluon.common import (
+    PAGE,
+    as_b_operand,
+    by_group,
+    program_sequence,
+    q_operand,
+    softmax_halves,
+    softmax_step,
+    split_groups,
+    split_range,
+    store_groups,
+    store_lse,
+    store_tail_partial,
+    tail_aranges,
 )
 from moekv.ops.gluon.prefetch import prefetch_four_tables
 
-PAGE = gl.constexpr(64)
 HALF = gl.constexpr(32)  # tokens of a key group: half a page
 WORDS = gl.constexpr(512)  # int32 words of codes per page-head
 KSIDE = gl.constexpr(256)  # fp16 key scales (or zeros) per page-head: 2 token groups x 128 channels
@@ -154,9 +156,9 @@ def _half_values(acc0, acc1, acc2, acc3, zx, vx, e16v, v_scale, v_zero, page, hf
     zx += vz_h^T @ P_h^T. With vs_side (the value scales staged in shared memory), vs from its row
     `row` + hf."""
     if vs_side is None:
-        sv0, sv1, sv2, sv3 = _by_group(v_scale + hf * (HALF * 4), page, rv, cv, gl.SliceLayout(1, LB))
+        sv0, sv1, sv2, sv3 = by_group(v_scale + hf * (HALF * 4), page, rv, cv, gl.SliceLayout(1, LB))
     else:
-        sv0, sv1, sv2, sv3 = _split_groups(vs_side.index(row + hf).reshape([HALF, 4]).load(LSV),
+        sv0, sv1, sv2, sv3 = split_groups(vs_side.index(row + hf).reshape([HALF, 4]).load(LSV),
                                            gl.SliceLayout(1, LB))
     f0_0, f0_1 = gl.split(gl.reshape(vx, [2, 32, 2, 2]))  # word 4 lane + 2 f1 + f0
     w0, w2 = gl.split(f0_0)
@@ -179,8 +181,8 @@ def _tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr
     length - R, else from the staging page (row t % 64). q in its own 16-bit type (bf16 or fp16; the
     ring and staging are converted to it)."""
     DT: gl.constexpr = q_ptr.dtype.element_ty
-    qb = _q_operand(q_ptr, head0, G, LB)
-    tok_r, chan_c, chan_r, tok_c, tok, s0 = _tail_aranges(LA, MMA)
+    qb = q_operand(q_ptr, head0, G, LB)
+    tok_r, chan_c, chan_r, tok_c, tok, s0 = tail_aranges(LA, MMA)
     ring_lo = length - R  # tokens from here on are in the ring
     r_safe = gl.maximum(R, 1)
     for t0 in range(lo, length, 16):  # every chunk's first token is valid
@@ -193,7 +195,7 @@ def _tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr
         s = gl.nvidia.ampere.mma_v2(k, qb, s0)  # S^T [16, 8]
         t = t0 + tok
         valid = gl.expand_dims((t < length) & (t >= lo), 1)
-        m_i, l_i, acc, pb = _softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT, LB)
+        m_i, l_i, acc, pb = softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT, LB)
         tc = t0 + tok_c
         ring_c = gl.expand_dims(tc >= ring_lo, 0)
         v_src = gl.where(ring_c, v_ring + gl.expand_dims(tc % r_safe, 0) * stride_rt,
@@ -258,12 +260,12 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     LSV: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [1, 0], [8, 0], [16, 0]],
                                                    [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], [], [], [32, 4])
 
-    b, h, split, length, quantized, first = _sequence(context_lens, window, HKV, False)  # quantized = length
+    b, h, split, length, quantized, first = program_sequence(context_lens, window, HKV, False)  # quantized = length
     if STAGED:  # the tail: the newest page (even when full) and the residual ring's R tokens
         quantized = gl.minimum(((length - 1) // PAGE) * PAGE, gl.maximum(length - R, 0))
     # no page at all when the window starts at or after `quantized` (quantized need not be a page
     # boundary here: its page would hold no valid token, and a page of nothing valid has no maximum)
-    p0, p1 = _split_range(gl.where(first >= quantized, quantized + PAGE - 1, first), quantized, split, num_splits,
+    p0, p1 = split_range(gl.where(first >= quantized, quantized + PAGE - 1, first), quantized, split, num_splits,
                           PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
@@ -273,7 +275,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
     m_i = l_i - float("inf")
     if split < num_splits:
-        q_t = _q_operand(q_ptr, head0, G, LB).to(gl.float16)  # q^T [128, 8] fp16, padded heads zero
+        q_t = q_operand(q_ptr, head0, G, LB).to(gl.float16)  # q^T [128, 8] fp16, padded heads zero
         # a key scale / zero row [4 q4, 32 (i, e)]: lanes 4 g + q4 read position 32 q4 .. 32 q4 + 31
         LQ: gl.constexpr = gl.BlockedLayout([1, 32], [4, 8], [1, 1], [0, 1])
         side_off = (gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, LQ)), 1) * 32
@@ -358,7 +360,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
             sa = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sa, -float("inf"))
             pos = pos + HALF
             sb = gl.where(gl.expand_dims((pos < quantized) & (pos >= first), 1), sb, -float("inf"))
-            m_i, l_i, alpha, pa, pb_ = _softmax_halves(sa, sb, m_i, l_i)  # every page holds a valid token
+            m_i, l_i, alpha, pa, pb_ = softmax_halves(sa, sb, m_i, l_i)  # every page holds a valid token
             a2 = gl.expand_dims(alpha, 0)
             acc0 = acc0 * a2
             acc1 = acc1 * a2
@@ -367,10 +369,10 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
             zx = z16
             acc0, acc1, acc2, acc3, zx = _half_values(
                 acc0, acc1, acc2, acc3, zx, vx0, e16v, v_scale, v_zero, page, 0,
-                _as_b_operand(pa.to(gl.float16), HALF, LB), rv, cv, za_r, za_t, LW, LA, LB, vs_side, cur, LSV)
+                as_b_operand(pa.to(gl.float16), HALF, LB), rv, cv, za_r, za_t, LW, LA, LB, vs_side, cur, LSV)
             acc0, acc1, acc2, acc3, zx = _half_values(
                 acc0, acc1, acc2, acc3, zx, vx1, e16v, v_scale, v_zero, page, 1,
-                _as_b_operand(pb_.to(gl.float16), HALF, LB), rv, cv, za_r, za_t, LW, LA, LB, vs_side, cur, LSV)
+                as_b_operand(pb_.to(gl.float16), HALF, LB), rv, cv, za_r, za_t, LW, LA, LB, vs_side, cur, LSV)
             zacc = zacc * a2 + zx
             if not CODES_SMEM:
                 kx0 = kx0_n
@@ -381,7 +383,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
         if SIDE_SMEM or CODES_SMEM:
             async_copy.wait_group(0)  # the last page's copy (of a page it does not read)
         # the split's partial: normalised output (0 when empty; its lse after the branches)
-        _store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)
+        store_groups(part_o, acc0, acc1, acc2, acc3, zacc, l_i, row, on, G, MMA)
     elif STAGED:  # the 16-bit tail: staging page and residual ring (plain K and V^T, O^T [128, 8])
         slot = gl.load(seq_slots + b).to(gl.int64)
         acc = gl.zeros([128, 8], gl.float32, layout=MMA)
@@ -389,5 +391,5 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
                                     + h * stride_sh, stride_st, k_ring + slot * stride_rs + h * stride_rh,
                                     v_ring + slot * stride_rs + h * stride_rh, stride_rt, R, q_ptr, head0,
                                     m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length, G, LA, LB, MMA)
-        _store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G, MMA)
-    _store_lse(part_lse, m_i, l_i, row, on, G)
+        store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G, MMA)
+    store_lse(part_lse, m_i, l_i, row, on, G)

@@ -2,7 +2,7 @@
 
 kivi2 stores a (page, kv head) slab as 2-bit codes [P, D/4] (channel 4j + i in bits 2i of byte j)
 with fp16 scale and zero tables: keys per channel over groups of 32 tokens ([P/32, D]), values per
-token over groups of 32 channels ([P, D/32]) (moekv/kvcache/formats/kivi.py). The Gluon kernel turns
+token over groups of 32 channels ([P, D/32]) (moekv/kvcache/formats/kivi2.py). The Gluon kernel turns
 the codes into fp16 in registers straight into mma_v2 A-operand fragments (one warp, K and V^T as
 the A operand, m16n8k16), so each page-head's codes (P = 64 tokens, D = 128 channels, 2048 bytes)
 are reordered into the order the consuming thread holds them.
@@ -39,9 +39,19 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from moekv.ops.gluon import nuq2_layout
-from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, WORDS_PER_PAGE, _bits
-from moekv.ops.gluon.tables import allocate_tables, check_version, pick_pages, slab_fields, table_bytes
+from moekv.ops.gluon import two_bit
+from moekv.ops.gluon.tables import (
+    HEAD_DIM,
+    PAGE_TOKENS,
+    allocate_tables,
+    bit_fields,
+    check_kind,
+    check_version,
+    pick_pages,
+    slab_fields,
+    table_bytes,
+)
+from moekv.ops.gluon.two_bit import PAGE_BYTES, WORDS_PER_PAGE
 
 KIVI2_FRAGMENT_VERSION = 1
 GROUP = 32  # tokens per key group and channels per value group the order is defined for
@@ -51,9 +61,9 @@ VALUE_GROUPS = HEAD_DIM // GROUP  # 4 channel groups a head
 
 def _element_of_slot(kind: str) -> torch.Tensor:
     """[P * D] long: for slot 16 * word + 8 h + j (the code in bits 16 h + 2 j of the word; as bytes:
-    slot = 4 * byte + field, the packing nuq2_layout.codes_to_fragment writes) the element t * D + c."""
+    slot = 4 * byte + field, the packing two_bit.codes_to_fragment writes) the element t * D + c."""
     # word = 128 row + 4 lane + u, lane = 4 g + q4, u = 2 f1 + f0; h = y0; j = 4 y3 + 2 y2 + y1
-    row, g, q4, f1, f0, y0, y3, y2, y1 = _bits(PAGE_TOKENS * HEAD_DIM, 2, 3, 2, 1, 1, 1, 1, 1, 1)
+    row, g, q4, f1, f0, y0, y3, y2, y1 = bit_fields(PAGE_TOKENS * HEAD_DIM, 2, 3, 2, 1, 1, 1, 1, 1, 1)
     if kind == "key":
         token = 16 * row + 8 * y1 + g
         chan = 64 * f1 + 32 * f0 + 16 * y3 + 8 * y2 + 2 * q4 + y0
@@ -67,7 +77,7 @@ def _element_of_slot(kind: str) -> torch.Tensor:
 
 
 ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
-_q4, _i, _e = _bits(HEAD_DIM, 2, 4, 1)
+_q4, _i, _e = bit_fields(HEAD_DIM, 2, 4, 1)
 KEY_SIDE_CHANNEL = 8 * _i + 2 * _q4 + _e  # position p of a stored key scale / zero row -> its channel
 KEY_SIDE_POSITION = torch.argsort(KEY_SIDE_CHANNEL)  # channel -> its position
 _SIDE_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -88,21 +98,21 @@ def key_side_to_thread_order(x: torch.Tensor) -> torch.Tensor:
 def key_side_by_channel(x: torch.Tensor) -> torch.Tensor:
     """The stored [..., 128] (thread order) -> by channel."""
     return x[..., _side_index("position", x.device)]
-nuq2_layout.ORDERS["kivi2"] = (ELEMENT_OF_SLOT, {kind: torch.argsort(e) for kind, e in ELEMENT_OF_SLOT.items()})
+two_bit.register_order("kivi2", ELEMENT_OF_SLOT)
 
 
 def codes_to_fragment(codes: torch.Tensor, kind: str) -> torch.Tensor:
     """codes [..., 64, 128] in 0..3 -> int32 words [..., 512] in kivi2's fragment order."""
-    return nuq2_layout.codes_to_fragment(codes, kind, order="kivi2")
+    return two_bit.codes_to_fragment(codes, kind, "kivi2")
 
 
 def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
     """int32 words [..., 512] in kivi2's fragment order -> codes [..., 64, 128] (int64)."""
-    return nuq2_layout.codes_from_fragment(words, kind, order="kivi2")
+    return two_bit.codes_from_fragment(words, kind, "kivi2")
 
 
 def prepare_device(device: torch.device) -> None:
-    nuq2_layout.prepare_device(device, order="kivi2")
+    two_bit.prepare_device(device, "kivi2")
     _side_index("channel", device)
     _side_index("position", device)
 
@@ -134,11 +144,6 @@ def check_shape(fmt, block_size: int, head_dim: int) -> None:
         raise ValueError(f"kivi2 fragment order (version {KIVI2_FRAGMENT_VERSION}) is defined for block_size "
                          f"{PAGE_TOKENS}, head_dim {HEAD_DIM} and group {GROUP}, got {block_size}, {head_dim} "
                          f"and {fmt.group}")
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in ("key", "value"):
-        raise ValueError(f"kind={kind!r}: expected 'key' or 'value'")
 
 
 def kind_to_fragment(fmt, kind: str, slabs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -176,7 +181,7 @@ def from_fragment_order(fmt, frag: Kivi2FragmentPages) -> tuple[torch.Tensor, to
 
 def dequantize_fragment(frag: Kivi2FragmentPages, kind: str) -> torch.Tensor:
     """Pages [N, H, 64, 128] fp32 from the fragment-ordered tables, as kivi2's dequantize computes them."""
-    _check_kind(kind)
+    check_kind(kind)
     name = "k" if kind == "key" else "v"
     codes = codes_from_fragment(getattr(frag, f"{name}_codes"), kind).float()  # [N, H, P, D]
     n, heads = codes.shape[:2]

@@ -10,7 +10,7 @@ import torch
 
 from moekv.ops.decode.launch import sm_count
 from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
-from moekv.ops.gluon.nuq2_layout import HEAD_DIM
+from moekv.ops.gluon.tables import HEAD_DIM
 
 NO_WINDOW = 1 << 30  # a window longer than any context (moekv.ops.decode.common.NO_WINDOW)
 TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at (~3 waves on an H200)

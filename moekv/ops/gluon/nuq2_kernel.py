@@ -41,9 +41,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from moekv.ops.gluon.common import (
+    PAGE,
+    as_b_operand,
+    program_sequence,
+    softmax_step,
+    split_range,
+    staged_tile,
+    store_split,
+)
 from moekv.ops.gluon.prefetch import address, lanes, opaque, prefetch
 
-PAGE = gl.constexpr(64)
 ROWS = gl.constexpr(4)  # 512-byte rows of codes per page-head (keys: 16 tokens each)
 WORDS = gl.constexpr(512)  # int32 words of codes per page-head
 
@@ -75,55 +83,6 @@ def _per_lane(x, zero):
     return gl.inline_asm_elementwise(
         asm="{ .reg .b32 l; mov.u32 l, %laneid; and.b32 l, l, $2; xor.b32 $0, $1, l; }",
         constraints="=r,r,r", args=[x, zero], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _transpose_8x8(p):
-    """Transpose every 8x8 16-bit block held in mma accumulator order (one 32-bit register a thread)."""
-    return gl.inline_asm_elementwise(
-        asm="movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
-        constraints="=r,r", args=[p], dtype=p.dtype, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _as_b_operand(p, ROWS_: gl.constexpr, LB: gl.constexpr):
-    """A 16-bit [ROWS_, 8] tensor in the accumulator layout -> the same tensor as the B operand
-    (K = ROWS_, N = 8): each 8x8 block transposed in registers, no data between threads."""
-    pt = _transpose_8x8(p)
-    pt = gl.reshape(pt, [ROWS_ // 8, 8, 8])
-    pt = gl.permute(pt, [0, 2, 1])
-    pt = gl.reshape(pt, [ROWS_, 8])
-    return gl.convert_layout(pt, LB, assert_trivial=True)
-
-
-@gluon.jit
-def _softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT: gl.constexpr, LB: gl.constexpr):
-    """Online softmax over one tile's scores S^T [T, 8] (valid [T, 1]): new (m, l), acc rescaled, and
-    P^T as the B operand in dtype DT."""
-    s = s * qk_scale
-    s = gl.where(valid, s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - gl.expand_dims(m_new, 0))
-    l_i = l_i * alpha + gl.sum(p, axis=0)
-    acc = acc * gl.expand_dims(alpha, 0)
-    return m_new, l_i, acc, _as_b_operand(p.to(DT), s.shape[0], LB)
-
-
-@gluon.jit
-def _softmax_halves(sa, sb, m_i, l_i, AXIS: gl.constexpr = 0, MAY_BE_EMPTY: gl.constexpr = False):
-    """Online softmax over a page's two half tiles of scores (tokens along AXIS, already masked with
-    -inf): (m, l, alpha, pa, pb), alpha the factor that rescales the accumulators. MAY_BE_EMPTY: the
-    tiles may hold no valid token while m is still -inf (a warp past its split's pages); the exponents
-    are then taken against 0, not -inf (which would make them NaN)."""
-    m_new = gl.maximum(m_i, gl.maximum(gl.max(sa, axis=AXIS), gl.max(sb, axis=AXIS)))
-    m_use = m_new
-    if MAY_BE_EMPTY:
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    pa = gl.exp2(sa - gl.expand_dims(m_use, AXIS))
-    pb = gl.exp2(sb - gl.expand_dims(m_use, AXIS))
-    return m_new, l_i * alpha + gl.sum(pa, axis=AXIS) + gl.sum(pb, axis=AXIS), alpha, pa, pb
 
 
 HOT = gl.constexpr(2.0)  # the one-hot tiles' 1: fp16 2.0 is one bit (0x4000); the other operand is halved
@@ -276,7 +235,7 @@ def _value_slot_chunk(acc, pb, tok_j, chan_j, dv, LA: gl.constexpr, LB: gl.const
     hot = _hot_cols(gl.broadcast(gl.expand_dims(tok_j, 1), gl.expand_dims(tok, 0))[0],
                     gl.broadcast(gl.expand_dims(tok, 0), gl.expand_dims(tok_j, 1))[0])
     p_slots = gl.nvidia.ampere.mma_v2(hot, pb, gl.zeros([16, 8], gl.float32, layout=MMA))  # P at the slots' tokens
-    psb = _as_b_operand((p_slots * gl.expand_dims(dv, 1)).to(gl.float16), 16, LB)
+    psb = as_b_operand((p_slots * gl.expand_dims(dv, 1)).to(gl.float16), 16, LB)
     hot_c = _hot_rows(gl.broadcast(gl.expand_dims(chan_j, 0), gl.expand_dims(chan, 1))[0],
                       gl.broadcast(gl.expand_dims(chan, 1), gl.expand_dims(chan_j, 0))[0])
     return gl.nvidia.ampere.mma_v2(hot_c, psb, acc)
@@ -292,7 +251,7 @@ def _word_pair(words, i: gl.constexpr):
 
 
 @gluon.jit
-def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i, acc, qk_scale,
+def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i, acc, qk_scale,
                n_valid, n_first, k_idx, k_delta, nk, SK, v_idx, v_delta, nv, SV, q_ptr, head0, G: gl.constexpr,
                CHUNK0: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr, k_rows=None,
                v_rows=None, slots=None, words=None, LK2: gl.constexpr = None, LV2: gl.constexpr = None):
@@ -302,7 +261,7 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
     do not wait for the used counts, at ~35 more registers a thread).
     From a shared-memory stage (k_rows given; kx, vx, k_table, v_table unused): the code rows from
     k_rows, v_rows [4, 128] int32, the codebook words and used counts from `words` [8] (the nk,
-    nv arguments unused) and the first slot chunk from `slots` [64] (as _stage_page puts them), each read where it
+    nv arguments unused) and the first slot chunk from `slots` [64] (as stage_page puts them), each read where it
     is needed (code rows in layouts LK2, LV2)."""
     if k_rows is None:
         k_lo = _per_lane(gl.load(k_table), zero)
@@ -336,7 +295,7 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
 
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))
     valid = gl.expand_dims((tok < n_valid) & (tok >= n_first), 1)
-    m_new, l_i, acc, pb = _softmax_step(s, valid, m_i, l_i, acc, qk_scale, gl.float16, LB)
+    m_new, l_i, acc, pb = softmax_step(s, valid, m_i, l_i, acc, qk_scale, gl.float16, LB)
 
     # V: [4 rows, 512 bytes] -> V^T [128, 64] in the A-operand layout
     if k_rows is not None:
@@ -365,121 +324,6 @@ def _page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias,
 
 
 @gluon.jit
-def _q_operand(q_ptr, head0, G: gl.constexpr, LB: gl.constexpr):
-    """q^T [128, 8] of the group's G heads (padded heads zero) in q's own 16-bit type, as the B operand."""
-    QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
-    qd = gl.arange(0, 128, layout=gl.SliceLayout(1, QL))
-    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, QL))
-    q_t = gl.load(q_ptr + (head0 + qn[None, :]) * 128 + qd[:, None], mask=(qn[None, :] < G) & (qd[:, None] < 128),
-                  other=0.0)
-    return gl.convert_layout(q_t, LB)
-
-
-@gluon.jit
-def _program():
-    """(b * HKV + h, split) of this program: the (sequence, KV head) index and the split."""
-    return gl.program_id(0), gl.program_id(1)
-
-
-@gluon.jit
-def _sequence(context_lens, window, HKV: gl.constexpr, STAGED: gl.constexpr):
-    """(b, h, split, length, quantized, first) of this program: its sequence, KV head and split, the
-    sequence's length, the tokens read from pages (STAGED: the newest page, even when full, is in
-    staging) and the sliding window's oldest token (window: a huge value for none)."""
-    bh, split = _program()
-    b = bh // HKV
-    h = bh % HKV
-    length = gl.load(context_lens + b)
-    quantized = length
-    if STAGED:
-        quantized = ((length - 1) // PAGE) * PAGE
-    first = gl.maximum(length - window, 0)
-    return b, h, split, length, quantized, first
-
-
-@gluon.jit
-def _tail_aranges(LA: gl.constexpr, MMA: gl.constexpr):
-    """The 16-bit tail's index vectors: tokens and channels of K [16, 128] and V^T [128, 16] in the
-    A-operand layout, tokens of S^T [16, 8], and S^T's zero accumulator."""
-    return (gl.arange(0, 16, layout=gl.SliceLayout(1, LA)), gl.arange(0, 128, layout=gl.SliceLayout(0, LA)),
-            gl.arange(0, 128, layout=gl.SliceLayout(1, LA)), gl.arange(0, 16, layout=gl.SliceLayout(0, LA)),
-            gl.arange(0, 16, layout=gl.SliceLayout(1, MMA)), gl.zeros([16, 8], gl.float32, layout=MMA))
-
-
-@gluon.jit
-def _store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G: gl.constexpr, MMA: gl.constexpr):
-    """A tail split's partial: O^T [128, 8] normalised (0 when empty) and log2 of its mass (-inf when
-    empty) at the partials' rows `row` of the G heads."""
-    nonempty = l_i > 0
-    l_safe = gl.where(nonempty, l_i, 1.0)
-    od = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-    gl.store(part_o + gl.expand_dims(row, 0) * 128 + gl.expand_dims(od, 1), acc / gl.expand_dims(l_safe, 0),
-             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < 128, 1))
-
-
-@gluon.jit
-def _store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G: gl.constexpr, MMA: gl.constexpr):
-    """Split `split`'s partial: O^T [128, 8] normalised and log2 of its mass (0 and -inf when empty) at
-    the partials' rows of the G heads from head0 (ns_total partials a head)."""
-    nonempty = l_i > 0
-    l_safe = gl.where(nonempty, l_i, 1.0)
-    o = acc / gl.expand_dims(l_safe, 0)
-    lse = gl.where(nonempty, m_i + gl.log2(l_safe), -float("inf"))
-    od = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-    on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    row = (head0 + on) * ns_total + split  # [8]
-    gl.store(part_o + gl.expand_dims(row, 0) * 128 + gl.expand_dims(od, 1), o,
-             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < 128, 1))
-    gl.store(part_lse + row, lse, mask=on < G)
-
-
-@gluon.jit
-def _store_lse(part_lse, m_i, l_i, row, on, G: gl.constexpr):
-    """log2 of a split's softmax mass (-inf when empty) at the partials' rows `row` of the G heads."""
-    nonempty = l_i > 0
-    lse = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), -float("inf"))
-    gl.store(part_lse + row, lse, mask=on < G)
-
-
-@gluon.jit
-def _split_range(first, quantized, split, num_splits, PAGE_: gl.constexpr):
-    """(p0, p1): split `split`'s share of the pages holding tokens [first, quantized) (first: the
-    sliding window's oldest token; pages from the one holding it), cut into num_splits shares."""
-    num_pages = gl.cdiv(quantized, PAGE_)
-    page_lo = gl.minimum(first // PAGE_, num_pages)
-    per = gl.cdiv(num_pages - page_lo, num_splits)
-    p0 = gl.minimum(page_lo + split * per, num_pages)
-    return p0, gl.minimum(p0 + per, num_pages)
-
-
-@gluon.jit
-def _staged_tile(k_row, v_row, stride_st, q_ptr, head0, m_i, l_i, acc, qk_scale, n_valid, n_first,
-                 G: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
-    """The 16-bit tail: tokens [n_first, n_valid) of the staging page at k_row / v_row (rows
-    stride_st apart), 16 tokens a step (K [16, 128] and V^T [128, 16] loaded straight into the
-    A-operand layout: a whole page's would spill), q in its own 16-bit type (bf16 or fp16; the staging
-    is converted to it)."""
-    DT: gl.constexpr = q_ptr.dtype.element_ty
-    qb = _q_operand(q_ptr, head0, G, LB)
-    tok_r, chan_c, chan_r, tok_c, tok, s0 = _tail_aranges(LA, MMA)
-    for t0 in range(gl.maximum(n_first, 0) // 16 * 16, n_valid, 16):  # no chunk wholly before the window
-        tr = t0 + tok_r
-        kmask = gl.expand_dims((tr < n_valid) & (tr >= n_first), 1) & gl.expand_dims(chan_c < 128, 0)
-        k = gl.load(k_row + gl.expand_dims(tr, 1) * stride_st + gl.expand_dims(chan_c, 0), mask=kmask,
-                    other=0.0).to(DT)
-        s = gl.nvidia.ampere.mma_v2(k, qb, s0)  # S^T [16, 8]
-        t = t0 + tok
-        valid = gl.expand_dims((t < n_valid) & (t >= n_first), 1)
-        m_i, l_i, acc, pb = _softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT, LB)
-        tc = t0 + tok_c
-        vmask = gl.expand_dims(chan_r < 128, 1) & gl.expand_dims((tc < n_valid) & (tc >= n_first), 0)
-        vt = gl.load(v_row + gl.expand_dims(tc, 0) * stride_st + gl.expand_dims(chan_r, 1), mask=vmask,
-                     other=0.0).to(DT)
-        acc = gl.nvidia.ampere.mma_v2(vt, pb, acc)
-    return m_i, l_i, acc
-
-
-@gluon.jit
 def _prefetch_page(page, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
                    LEVEL: gl.constexpr):
     """Asks for page-head `page`'s side tables (prefetch.py), one line a lane: its fp8 scale and mean,
@@ -500,7 +344,7 @@ def _prefetch_page(page, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_
 
 
 @gluon.jit
-def _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, stage, page, k_codes, v_codes, k_off, v_off,
+def stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, stage, page, k_codes, v_codes, k_off, v_off,
                 k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
                 CHUNK0: gl.constexpr):
     """cp.async of page-head `page`'s codes and side data into shared-memory stage `stage`, one commit
@@ -530,8 +374,8 @@ def _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, stage, page, k_
 
 
 @gluon.jit
-def _allocate_stages():
-    """The two shared-memory stages _stage_page fills: (codes of keys, of values [2, 4, 128] int32; fp8
+def allocate_stages():
+    """The two shared-memory stages stage_page fills: (codes of keys, of values [2, 4, 128] int32; fp8
     scale and mean [2, 256]; first slot chunk [2, 64] int32; codebook words and used counts [2, 8])."""
     ROW_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     CODES_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stage's rank
@@ -543,7 +387,7 @@ def _allocate_stages():
 
 
 @gluon.jit
-def _scaled_q_and_bias(q_t, scale, mean, mean_template, s0):
+def scaled_q_and_bias(q_t, scale, mean, mean_template, s0):
     """(q * scale, q . mean in every row of the scores): q . mean on the tensor cores, every row of the A
     operand the page's mean, so every row of the product is the per-head constant, already in the
     scores' layout; q * scale in fp16 (the one rounding the fp16 operand needs anyway)."""
@@ -581,8 +425,8 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     LV2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LV4))
     QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
 
-    b, h, split, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)
-    p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)  # staged: quantized is a multiple of PAGE
+    b, h, split, length, quantized, first = program_sequence(context_lens, window, HKV, STAGED)
+    p0, p1 = split_range(first, quantized, split, num_splits, PAGE)  # staged: quantized is a multiple of PAGE
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
@@ -622,8 +466,8 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         last = gl.maximum(p1 - 1, 0)
         page = gl.load(bt_row + gl.minimum(p0, last)).to(gl.int64) * HKV + h
         if SMEM:  # two shared-memory stages, a page ahead: stage pg % 2 holds page pg's
-            k_smem, v_smem, chan_smem, slot_smem, word_smem = _allocate_stages()
-            _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, p0 % 2, page, k_codes, v_codes, k_off,
+            k_smem, v_smem, chan_smem, slot_smem, word_smem = allocate_stages()
+            stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, p0 % 2, page, k_codes, v_codes, k_off,
                         v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta, v_used,
                         SK, SV, CHUNK0)
         else:  # register double buffering: the next page's codes load while this page computes
@@ -637,7 +481,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
             if SMEM:
                 async_copy.wait_group(0)  # this page's stage (this lane's copies) ...
                 gl.thread_barrier()  # ... and every lane's; every lane is done with the other stage
-                _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, (pg + 1) % 2, page_n, k_codes, v_codes,
+                stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, (pg + 1) % 2, page_n, k_codes, v_codes,
                             k_off, v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx,
                             v_delta, v_used, SK, SV, CHUNK0)
                 cur = pg % 2
@@ -649,9 +493,9 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 vx_n = gl.load(v_codes + page_n * WORDS + v_off)
                 scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
                 mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
-            q_scaled, bias = _scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
+            q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
             if SMEM:
-                m_i, l_i, acc = _page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i,
+                m_i, l_i, acc = page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i,
                                            acc, qk_scale, length - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
                                            k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
                                            None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
@@ -659,7 +503,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
             else:
                 nk = gl.load(k_used + page)
                 nv = gl.load(v_used + page)
-                m_i, l_i, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
+                m_i, l_i, acc = page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
                                            q_scaled, bias, m_i, l_i, acc, qk_scale, length - pg * PAGE,
                                            first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
                                            v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G, CHUNK0,
@@ -672,7 +516,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     elif STAGED:
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh
-        m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+        m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                      qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
 
-    _store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)
+    store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)

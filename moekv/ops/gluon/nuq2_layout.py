@@ -43,36 +43,33 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from moekv.ops.gluon.tables import allocate_tables, check_version, pick_pages, slab_fields, table_bytes
+from moekv.ops.gluon import two_bit
+from moekv.ops.gluon.tables import (
+    HEAD_DIM,
+    PAGE_TOKENS,
+    allocate_tables,
+    bit_fields,
+    check_kind,
+    check_version,
+    pick_pages,
+    slab_fields,
+    table_bytes,
+)
+from moekv.ops.gluon.two_bit import PAGE_BYTES, WORDS_PER_PAGE
 from moekv.ops.nuq2_codes import NO_OUTLIER, pack_codes, unpack_codes
 
 NUQ2_FRAGMENT_VERSION = 1
-PAGE_TOKENS = 64  # the fragment order is defined for pages of 64 tokens ...
-HEAD_DIM = 128  # ... and head_dim 128 (4 rows of 512 bytes a page-head)
-PAGE_BYTES = PAGE_TOKENS * HEAD_DIM // 4
-WORDS_PER_PAGE = PAGE_BYTES // 4
-
-
-def _bits(n: int, *widths: int) -> list[torch.Tensor]:
-    """Split 0..n-1 into bit fields of the given widths, most significant first."""
-    i = torch.arange(n)
-    out = []
-    shift = sum(widths)
-    for w in widths:
-        shift -= w
-        out.append((i >> shift) & ((1 << w) - 1))
-    return out
 
 
 def _element_of_slot(kind: str) -> torch.Tensor:
     """[P * D] long: for slot e = 4 * byte + field of a page-head's fragment order, the element
     t * D + c whose code it holds."""
     if kind == "key":  # byte = (blk, g, q4, y3, y2, y1, y0), then field = (f1, f0)
-        blk, g, q4, y3, y2, y1, y0, f1, f0 = _bits(PAGE_TOKENS * HEAD_DIM, 2, 3, 2, 1, 1, 1, 1, 1, 1)
+        blk, g, q4, y3, y2, y1, y0, f1, f0 = bit_fields(PAGE_TOKENS * HEAD_DIM, 2, 3, 2, 1, 1, 1, 1, 1, 1)
         token = 16 * blk + 8 * y1 + g
         chan = 64 * f1 + 32 * f0 + 16 * y3 + 8 * y2 + 2 * q4 + y0
     elif kind == "value":  # byte = (blk, rh, g, q4, y3, y2, y1, y0), then field = (f1, f0)
-        blk, rh, g, q4, y3, y2, y1, y0, f1, f0 = _bits(PAGE_TOKENS * HEAD_DIM, 1, 1, 3, 2, 1, 1, 1, 1, 1, 1)
+        blk, rh, g, q4, y3, y2, y1, y0, f1, f0 = bit_fields(PAGE_TOKENS * HEAD_DIM, 1, 1, 3, 2, 1, 1, 1, 1, 1, 1)
         token = 32 * blk + 16 * y3 + 8 * y2 + 2 * q4 + y0
         chan = 64 * f1 + 32 * f0 + 16 * rh + 8 * y1 + g
     else:
@@ -82,53 +79,22 @@ def _element_of_slot(kind: str) -> torch.Tensor:
 
 ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
 # the inverse: element t * D + c -> its slot 4 * byte + field
-SLOT_OF_ELEMENT = {kind: torch.argsort(e) for kind, e in ELEMENT_OF_SLOT.items()}
-# 2-bit fragment orders by name (kivi2_layout.py registers its own): (element of slot, slot of element)
-ORDERS = {"nuq2": (ELEMENT_OF_SLOT, SLOT_OF_ELEMENT)}
-_ON_DEVICE: dict[tuple[str, str, str, torch.device], torch.Tensor] = {}
+SLOT_OF_ELEMENT = two_bit.register_order("nuq2", ELEMENT_OF_SLOT)
 
 
-def _index_on(table: str, kind: str, device: torch.device, order: str = "nuq2") -> torch.Tensor:
-    """An order's ELEMENT_OF_SLOT / SLOT_OF_ELEMENT [kind] on `device`, copied once: a copy from the host
-    inside a CUDA graph capture (the engine converts the pages a captured step fills) is refused."""
-    key = (order, table, kind, torch.device(device))
-    if key not in _ON_DEVICE:
-        _ON_DEVICE[key] = ORDERS[order][0 if table == "element" else 1][kind].to(device)
-    return _ON_DEVICE[key]
-
-
-def prepare_device(device: torch.device, order: str = "nuq2") -> None:
+def prepare_device(device: torch.device) -> None:
     """Put the reorder's index tables on `device` now (before any capture that converts pages)."""
-    for kind in ("key", "value"):
-        _index_on("element", kind, device, order)
-        _index_on("slot", kind, device, order)
+    two_bit.prepare_device(device, "nuq2")
 
 
-def _check_kind(kind: str) -> None:
-    if kind not in ELEMENT_OF_SLOT:
-        raise ValueError(f"kind={kind!r}: expected 'key' or 'value'")
+def codes_to_fragment(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """codes [..., 64, 128] in 0..3 -> int32 words [..., 512] in nuq2's fragment order."""
+    return two_bit.codes_to_fragment(codes, kind, "nuq2")
 
 
-def codes_to_fragment(codes: torch.Tensor, kind: str, order: str = "nuq2") -> torch.Tensor:
-    """codes [..., 64, 128] in 0..3 -> int32 words [..., 512] in fragment order (slot 4 * byte + field
-    holds the code of element ORDERS[order][0][kind][slot])."""
-    _check_kind(kind)
-    if codes.shape[-2:] != (PAGE_TOKENS, HEAD_DIM):
-        raise ValueError(f"codes_to_fragment: codes must end in [{PAGE_TOKENS}, {HEAD_DIM}], got {tuple(codes.shape)}")
-    lead = codes.shape[:-2]
-    flat = codes.reshape(*lead, PAGE_TOKENS * HEAD_DIM).to(torch.uint8)
-    slots = flat[..., _index_on("element", kind, codes.device, order)].reshape(*lead, PAGE_BYTES, 4)
-    packed = slots[..., 0] | (slots[..., 1] << 2) | (slots[..., 2] << 4) | (slots[..., 3] << 6)
-    return packed.contiguous().view(torch.int32)
-
-
-def codes_from_fragment(words: torch.Tensor, kind: str, order: str = "nuq2") -> torch.Tensor:
-    """int32 words [..., 512] in fragment order -> codes [..., 64, 128] (int64)."""
-    _check_kind(kind)
-    lead = words.shape[:-1]
-    packed = words.contiguous().view(torch.uint8)  # [..., 2048]
-    slots = torch.stack([(packed >> (2 * f)) & 3 for f in range(4)], dim=-1).reshape(*lead, PAGE_TOKENS * HEAD_DIM)
-    return slots[..., _index_on("slot", kind, words.device, order)].reshape(*lead, PAGE_TOKENS, HEAD_DIM).long()
+def codes_from_fragment(words: torch.Tensor, kind: str) -> torch.Tensor:
+    """int32 words [..., 512] in nuq2's fragment order -> codes [..., 64, 128] (int64)."""
+    return two_bit.codes_from_fragment(words, kind, "nuq2")
 
 
 def used_slots_first(out_idx: torch.Tensor, out_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,7 +133,7 @@ def slot_deltas(codes_words: torch.Tensor, centroids: torch.Tensor, out_idx: tor
     """fp32 [N, H, S]: per outlier slot, what it adds to the codebook term at its element (t, c):
     values z_slot - centroid[code]; keys scale[c] * (z_slot - centroid[code]) (the main term's key is
     mean + scale * centroid). z_slot = out_val * max |centroid| (nuq2.centroid_unit); unused slots 0."""
-    _check_kind(kind)
+    check_kind(kind)
     n, heads = out_idx.shape[:2]
     codes = codes_from_fragment(codes_words, kind).reshape(n, heads, -1)
     return _slot_deltas_from_codes(codes, centroids, out_idx, out_val, kind, k_scale)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS
+from moekv.ops.gluon.tables import HEAD_DIM, PAGE_TOKENS
 
 
 def quantized_tokens(length: int, staged: bool, R: int = 0) -> int:

@@ -1,5 +1,6 @@
-"""What the fragment-order layouts (nuq2, int4, kivi2 *_layout.py) share: reading a kind's slabs,
-the pool tables' bytes, allocation and page views, and the version check."""
+"""What the fragment-order layouts (nuq2, int4, kivi2, fp8_e4m3, vq *_layout.py) share: the page shape
+every order is defined for, bit fields of an index, reading a kind's slabs, the pool tables' bytes,
+allocation and page views, and the version check."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,17 @@ import torch
 
 PAGE_TOKENS = 64  # every fragment order is defined for pages of 64 tokens ...
 HEAD_DIM = 128  # ... and head_dim 128
+
+
+def bit_fields(n: int, *widths: int) -> list[torch.Tensor]:
+    """Split 0..n-1 into bit fields of the given widths, most significant first."""
+    i = torch.arange(n)
+    out = []
+    shift = sum(widths)
+    for w in widths:
+        shift -= w
+        out.append((i >> shift) & ((1 << w) - 1))
+    return out
 
 
 def check_kind(kind: str) -> None:

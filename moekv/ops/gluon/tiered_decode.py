@@ -14,7 +14,7 @@ Mass: per page and query head, tile_sum = sum over the page's tokens of 2^(s - m
 the split's running max after the page (base-2 scores s); with the head's final log2-sum-exp L the
 page's share of that head's attention is tile_sum * 2^(tile_max - L). `page_mass` sums it over the
 query heads of each sequence's full pages (what TieredFormat ranks); on the GPU
-moekv/ops/decode/tiered.py's _reduce_and_mass_kernel does the reduce and this in one launch.
+moekv/ops/decode/tiered.py's reduce_and_mass_kernel does the reduce and this in one launch.
 
 `tiered_decode_split_reference` is the oracle (plain PyTorch over the dequantized fragment tables:
 the same splits, partials and mass); `tiered_decode_attention` runs the kernel and the reduce (CUDA
@@ -40,8 +40,8 @@ from moekv.ops.gluon.nuq2_layout import (
     dequantize_fragment,
 )
 from moekv.ops.gluon.splits import masked, split_ranges, staged_scores, window_start
+from moekv.ops.tiers import TIER_FP8
 
-TIER_FP8 = 1  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
 # an FP8 page's steps without the next step's loads in flight (unmeasured: bench_decode_attention's
 # tiered_gluon row times the other choice, fp8_prefetch_ms)
 DEFAULT_FP8_PREFETCH = False
@@ -145,7 +145,7 @@ def tiered_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp
 def page_mass(part_lse: torch.Tensor, tile_sum: torch.Tensor, tile_max: torch.Tensor, context_lens: torch.Tensor,
               sliding_window: int | None = None) -> torch.Tensor:
     """mass [B, max_pages]: per full page of each sequence (pages from the window's first on), its
-    attention probability summed over the query heads (_reduce_and_mass_kernel's definition); 0 for
+    attention probability summed over the query heads (reduce_and_mass_kernel's definition); 0 for
     the partly filled page, pages before the window and pages past the context."""
     top = part_lse.amax(-1, keepdim=True)
     lse = top[..., 0] + torch.log2(torch.exp2(part_lse - top).sum(-1))  # [B, Hq]
@@ -170,7 +170,7 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
     """The Gluon kernel's outputs (part_o, part_lse, tile_sum, tile_max), fp32 (CUDA only); with
     `staged`, split num_splits holds the 16-bit tail; without emit_mass tile_sum / tile_max are None.
     Tile entries of pages no split reads are not written. fp8_prefetch: an FP8 page's next 16-token
-    step loads while this one computes (fp8_kernel._fp8_page); smem: the nuq2 pages staged in shared
+    step loads while this one computes (fp8_kernel.fp8_page); smem: the nuq2 pages staged in shared
     memory (None: when the launch fills a wave, Launch.fills_wave)."""
     if fp8_fmt is None:
         raise ValueError("tiered Gluon decode: fp8_fmt (the FP8 tier's format, TieredFormat.hi) is required")
@@ -214,7 +214,7 @@ def tiered_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: tor
                             fp8_prefetch: bool = DEFAULT_FP8_PREFETCH, smem: bool | None = DEFAULT_SMEM):
     """Decode attention of q [B, Hq, 128] over a tiered layer in fragment order -> (out [B, Hq, 128]
     in q's dtype, mass [B, max_pages] fp32 or None): the Gluon kernel, then one launch of the reduce
-    and the page mass (moekv/ops/decode/tiered.py's _reduce_and_mass_kernel, a tile per page);
+    and the page mass (moekv/ops/decode/tiered.py's reduce_and_mass_kernel, a tile per page);
     mass_into: a [N] fp32 accumulator the mass is added to at each page's id instead (then None)."""
     part_o, part_lse, tile_sum, tile_max = tiered_decode_partials(
         q, frag, k_fp8, v_fp8, page_tier, page_slot, block_tables, context_lens, scale, num_splits, fp8_fmt,
@@ -225,7 +225,7 @@ def tiered_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: tor
     import triton
 
     from moekv.ops.decode.common import NO_WINDOW
-    from moekv.ops.decode.tiered import _reduce_and_mass_kernel, mass_block_pages
+    from moekv.ops.decode.tiered import mass_block_pages, reduce_and_mass_kernel
 
     B, Hq = q.shape[:2]
     max_pages = block_tables.shape[1]
@@ -233,7 +233,7 @@ def tiered_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: tor
     mass = mass_into if mass_into is not None else torch.empty(B, max_pages, dtype=torch.float32, device=q.device)
     block_pages = mass_block_pages(Hq, 1)
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    _reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
+    reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
         part_o, part_lse, out, out.stride(0), out.stride(1),
         tile_sum, tile_max, mass, context_lens, block_tables, block_tables.stride(0), window,
         ns_total, max_pages, max_pages, Hq, max(2, triton.next_power_of_2(ns_total)), HEAD_DIM, 1, PAGE_TOKENS,

@@ -5,16 +5,16 @@ nuq2_layout.py for the two fragment orders it reads).
 nuq2_kernel.py's design (one warp per program (b * Hkv + h, split), one 64-token page per tile,
 swap-AB mma_v2 products, split-K partials, the staged 16-bit tail as one more split, sliding windows)
 with a uniform branch per page on `page_tier` (1 FP8, else nuq2):
-  nuq2 page: nuq2_kernel._page_tile as it is (codes looked up into the A operand, the keys' affine
+  nuq2 page: nuq2_kernel.page_tile as it is (codes looked up into the A operand, the keys' affine
     folded into q, outlier slots as one-hot products); the next page's codes load while this page
     computes (register double buffering), masked off when the next page is FP8 (no bytes read);
-  FP8 page: fp8_kernel._fp8_page, 4 steps of 16 tokens (K [16, 128] and V^T [128, 16] as A operands,
+  FP8 page: fp8_kernel.fp8_page, 4 steps of 16 tokens (K [16, 128] and V^T [128, 16] as A operands,
     as the staged tail is read: a whole page's fp16 tiles would not fit in registers beside the
     prefetched nuq2 codes), e4m3 converted in registers, the row scales on the scores and on P.
 Attention mass (EMIT_MASS): per page, per query head, the sum of the page's probabilities relative to
 the split's running max after it, sum_n 2^(s_n - m), and that m (tile_sum, tile_max [B, Hq, max_pages]);
 the page's probabilities are accumulated from 0 for each page (exact, not a difference of running
-sums). moekv/ops/decode/tiered.py's _reduce_and_mass_kernel (TPP = 1: a tile is a page) turns them
+sums). moekv/ops/decode/tiered.py's reduce_and_mass_kernel (TPP = 1: a tile is a page) turns them
 into each page's share with the head's final log2-sum-exp.
 Staged tail: tiered stores a page when it fills, so only the partly filled newest page is staged:
 tokens from (len // 64) * 64 on (nuq2's Gluon kernel: from ((len - 1) // 64) * 64 on).
@@ -25,26 +25,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from moekv.ops.gluon.fp8_kernel import _fp8_page
-from moekv.ops.gluon.nuq2_kernel import (
-    PAGE,
-    ROWS,
-    WORDS,
-    _allocate_stages,
-    _page_tile,
-    _scaled_q_and_bias,
-    _split_range,
-    _stage_page,
-    _staged_tile,
-    _store_split,
-)
+from moekv.ops import tiers
+from moekv.ops.gluon.common import PAGE, split_range, staged_tile, store_split
+from moekv.ops.gluon.fp8_kernel import fp8_page
+from moekv.ops.gluon.nuq2_kernel import ROWS, WORDS, allocate_stages, page_tile, scaled_q_and_bias, stage_page
 
-TIER_FP8 = gl.constexpr(1)  # = moekv.kvcache.formats.tiered_policy.TIER_FP8
+TIER_FP8 = gl.constexpr(tiers.TIER_FP8)  # jit code reads a global only as a constexpr
 
 
 @gluon.jit
 def _tiered_sequence(context_lens, window, HKV: gl.constexpr, STAGED: gl.constexpr):
-    """(b, h, split, length, quantized, first): as nuq2_kernel._sequence, with tiered's staging rule
+    """(b, h, split, length, quantized, first): as common.program_sequence, with tiered's staging rule
     (STAGED: the partly filled newest page only, tokens from (len // 64) * 64 on)."""
     bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -89,7 +80,7 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
 
     b, h, split, length, quantized, first = _tiered_sequence(context_lens, window, HKV, STAGED)
-    p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
+    p0, p1 = split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
     on = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
@@ -131,9 +122,9 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         tier = gl.load(page_tier + pid)
         page = pid * HKV + h
         if SMEM:  # two shared-memory stages of nuq2 pages, a page ahead (nothing staged for FP8 pages)
-            k_smem, v_smem, chan_smem, slot_smem, word_smem = _allocate_stages()
+            k_smem, v_smem, chan_smem, slot_smem, word_smem = allocate_stages()
             if tier != TIER_FP8:
-                _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, p0 % 2, page, k_codes, v_codes, k_off,
+                stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, p0 % 2, page, k_codes, v_codes, k_off,
                             v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta,
                             v_used, SK, SV, CHUNK0)
             else:
@@ -150,14 +141,14 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 async_copy.wait_group(0)  # this page's stage (this lane's copies) ...
                 gl.thread_barrier()  # ... and every lane's; every lane is done with the other stage
                 if low_n:
-                    _stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, (pg + 1) % 2, page_n, k_codes,
+                    stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, (pg + 1) % 2, page_n, k_codes,
                                 v_codes, k_off, v_off, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used,
                                 v_idx, v_delta, v_used, SK, SV, CHUNK0)
                 else:
                     async_copy.commit_group()
             if tier == TIER_FP8:
                 slot = gl.load(page_slot + pid).to(gl.int64) * HKV + h
-                m_new, l_pg, acc = _fp8_page(kf_w, vf_w, kf_h, vf_h, slot * FW, slot * (2 * FW), F_KS, F_VS, q_t,
+                m_new, l_pg, acc = fp8_page(kf_w, vf_w, kf_h, vf_h, slot * FW, slot * (2 * FW), F_KS, F_VS, q_t,
                                              m_i, acc, qk_scale, length - pg * PAGE, first - pg * PAGE,
                                              LA, LB, MMA, L3, FP8_PREFETCH)
                 if not SMEM:  # the next page's nuq2 codes load after this page (no registers to spare beside it)
@@ -168,8 +159,8 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 side = chan_smem.index(cur)
                 scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
                 mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
-                q_scaled, bias = _scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
-                m_new, l_pg, acc = _page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l0,
+                q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
+                m_new, l_pg, acc = page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l0,
                                               acc, qk_scale, length - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
                                               k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
                                               None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
@@ -179,10 +170,10 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 vx_n = gl.load(v_codes + page_n * WORDS + v_off, mask=(v_off < WORDS) & low_n, other=0)
                 scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
                 mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
-                q_scaled, bias = _scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
+                q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
                 nk = gl.load(k_used + page)
                 nv = gl.load(v_used + page)
-                m_new, l_pg, acc = _page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k,
+                m_new, l_pg, acc = page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k,
                                               shift_v, q_scaled, bias, m_i, l0, acc, qk_scale, length - pg * PAGE,
                                               first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
                                               v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G,
@@ -204,7 +195,7 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     elif STAGED:
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh
-        m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+        m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                      qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
 
-    _store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)
+    store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)

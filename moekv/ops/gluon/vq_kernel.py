@@ -22,16 +22,16 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from moekv.ops.gluon.nuq2_kernel import (
-    _as_b_operand,
-    _sequence,
-    _softmax_halves,
-    _split_range,
-    _staged_tile,
-    _store_lse,
+from moekv.ops.gluon.common import (
+    PAGE,
+    as_b_operand,
+    program_sequence,
+    softmax_halves,
+    split_range,
+    staged_tile,
+    store_lse,
 )
 
-PAGE = gl.constexpr(64)
 HALF = gl.constexpr(32)
 WORDS = gl.constexpr(256)  # int32 words of codes per page-head and kind
 BOOK = gl.constexpr(16 * 256 * 8)  # e4m3 codebook entries (bytes) per kv head and kind
@@ -100,9 +100,9 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
     LC: gl.constexpr = gl.SliceLayout(2, LG)
     QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
 
-    b, h, split, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)
+    b, h, split, length, quantized, first = program_sequence(context_lens, window, HKV, STAGED)
     split = split + split0
-    p0, p1 = _split_range(first, quantized, split, num_splits, PAGE)
+    p0, p1 = split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
@@ -168,14 +168,14 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
             sb = (sb * gl.expand_dims(ts_b, 1) + bias) * qk_scale
             sa = gl.where(gl.expand_dims(ok_a, 1), sa, -float("inf"))
             sb = gl.where(gl.expand_dims(ok_b, 1), sb, -float("inf"))
-            m_i, l_i, alpha, pa, pb = _softmax_halves(sa, sb, m_i, l_i)  # every page holds a valid token
+            m_i, l_i, alpha, pa, pb = softmax_halves(sa, sb, m_i, l_i)  # every page holds a valid token
             acc = acc * gl.expand_dims(alpha, 0)
             vs_a = _token_scale(v_tok_scale + page * PAGE, tok, ok_a)
             vs_b = _token_scale(v_tok_scale + page * PAGE + HALF, tok, ok_b)
             acc = gl.nvidia.ampere.mma_v2(_value_half(v_book, vx0, sh, v_group, pos, LC, LA),
-                                          _as_b_operand((pa * gl.expand_dims(vs_a, 1)).to(gl.float16), HALF, LB), acc)
+                                          as_b_operand((pa * gl.expand_dims(vs_a, 1)).to(gl.float16), HALF, LB), acc)
             acc = gl.nvidia.ampere.mma_v2(_value_half(v_book, vx1, sh, v_group, pos, LC, LA),
-                                          _as_b_operand((pb * gl.expand_dims(vs_b, 1)).to(gl.float16), HALF, LB), acc)
+                                          as_b_operand((pb * gl.expand_dims(vs_b, 1)).to(gl.float16), HALF, LB), acc)
             kx0 = kx0_n
             kx1 = kx1_n
             vx0 = vx0_n
@@ -184,7 +184,7 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
     elif STAGED:
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh
-        m_i, l_i, acc = _staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+        m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                      qk_scale, length - quantized, first - quantized, G, gl.DotOperandLayout(0, MMA, 2),
                                      gl.DotOperandLayout(1, MMA, 2), MMA)
 
@@ -192,4 +192,4 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
     l_safe = gl.where(l_i > 0, l_i, 1.0)
     gl.store(part_o + gl.expand_dims(row, 0) * 128 + gl.expand_dims(chan_out, 1), acc / gl.expand_dims(l_safe, 0),
              mask=gl.expand_dims(on < G, 0) & gl.expand_dims(od < 128, 1))
-    _store_lse(part_lse, m_i, l_i, row, on, G)
+    store_lse(part_lse, m_i, l_i, row, on, G)

@@ -35,11 +35,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from moekv.ops.gluon.nuq2_layout import _bits
 from moekv.ops.gluon.tables import (
     HEAD_DIM,
     PAGE_TOKENS,
     allocate_tables,
+    bit_fields,
     check_kind,
     check_version,
     pick_pages,
@@ -60,19 +60,19 @@ def _element_of_byte(kind: str) -> torch.Tensor:
     """[1024] long: for byte 32 L + 16 h + R of a page-head's fragment order, the code t * 16 + j it holds."""
     check_kind(kind)
     if kind == "key":
-        g, q4, h, mt, i, m = _bits(CODE_BYTES, 3, 2, 1, 1, 1, 2)
+        g, q4, h, mt, i, m = bit_fields(CODE_BYTES, 3, 2, 1, 1, 1, 2)
         token, group = 32 * h + 16 * mt + 8 * i + g, 4 * q4 + m
     else:
-        g, q4, h, kk, hh, e, a = _bits(CODE_BYTES, 3, 2, 1, 1, 1, 1, 1)
+        g, q4, h, kk, hh, e, a = bit_fields(CODE_BYTES, 3, 2, 1, 1, 1, 1, 1)
         token, group = 32 * h + 16 * kk + 8 * hh + 2 * q4 + e, 2 * g + a
     return token * GROUPS + group
 
 
 ELEMENT_OF_BYTE = {kind: _element_of_byte(kind) for kind in ("key", "value")}
 BYTE_OF_ELEMENT = {kind: torch.argsort(e) for kind, e in ELEMENT_OF_BYTE.items()}
-_kk, _hh, _q4, _e = _bits(HEAD_DIM, 3, 1, 2, 1)
+_kk, _hh, _q4, _e = bit_fields(HEAD_DIM, 3, 1, 2, 1)
 KEY_CHANNEL_OF_COLUMN = 32 * _q4 + 4 * _kk + 2 * _hh + _e  # K's column f -> its channel
-_b, _a, _g = _bits(HEAD_DIM, 3, 1, 3)
+_b, _a, _g = bit_fields(HEAD_DIM, 3, 1, 3)
 VALUE_CHANNEL_OF_ROW = 16 * _g + 8 * _a + _b  # V^T's (and O^T's) row r -> its channel
 _ON_DEVICE: dict[tuple[str, str, torch.device], torch.Tensor] = {}
 

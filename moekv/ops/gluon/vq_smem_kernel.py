@@ -23,8 +23,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from moekv.ops.gluon.nuq2_kernel import _sequence, _softmax_halves, _transpose_8x8
-from moekv.ops.gluon.vq_kernel import BOOK, HALF, PAGE, WORDS
+from moekv.ops.gluon.common import PAGE, program_sequence, softmax_halves, transpose_8x8
+from moekv.ops.gluon.vq_kernel import BOOK, HALF, WORDS
 
 ENTRIES = gl.constexpr(16 * 256)  # codewords a kv head and kind (8 B each)
 CODEWORD = gl.constexpr(8)  # bytes
@@ -110,9 +110,9 @@ def _value_half(base, words, sh, group, pos, LC: gl.constexpr, LA: gl.constexpr)
 
 @gluon.jit
 def _as_b_operand(p, LB: gl.constexpr):
-    """[W, 32, 8] 16-bit in the accumulator layout -> the B operand (nuq2_kernel._as_b_operand a warp each)."""
+    """[W, 32, 8] 16-bit in the accumulator layout -> the B operand (common.as_b_operand a warp each)."""
     W: gl.constexpr = p.shape[0]
-    pt = gl.permute(gl.reshape(_transpose_8x8(p), [W, 4, 8, 8]), [0, 1, 3, 2])
+    pt = gl.permute(gl.reshape(transpose_8x8(p), [W, 4, 8, 8]), [0, 1, 3, 2])
     return gl.convert_layout(gl.reshape(pt, [W, HALF, 8]), LB, assert_trivial=True)
 
 
@@ -136,7 +136,8 @@ def vq_smem_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8]: per warp and query head
 
     book = gl.allocate_shared_memory(gl.float8e4nv, [ENTRIES, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    b, h, j, length, quantized, first = _sequence(context_lens, window, HKV, STAGED)  # j: the CTA's group of splits
+    # j: the CTA's group of splits
+    b, h, j, length, quantized, first = program_sequence(context_lens, window, HKV, STAGED)
     num_pages = gl.cdiv(quantized, PAGE)
     page_lo = gl.minimum(first // PAGE, num_pages)
     per = gl.cdiv(num_pages - page_lo, num_splits)
@@ -212,7 +213,7 @@ def vq_smem_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_
         sb = (sb * gl.expand_dims(ts_b, 2) + bias) * qk_scale
         sa = gl.where(gl.expand_dims(ok_a, 2), sa, -float("inf"))
         sb = gl.where(gl.expand_dims(ok_b, 2), sb, -float("inf"))
-        m_i, l_i, alpha, pa, pb = _softmax_halves(sa, sb, m_i, l_i, 1, True)  # [W, 8]; a warp may be past its pages
+        m_i, l_i, alpha, pa, pb = softmax_halves(sa, sb, m_i, l_i, 1, True)  # [W, 8]; a warp may be past its pages
         acc = acc * gl.expand_dims(alpha, 1)
         vs_row = v_tok_scale + gl.expand_dims(page, 1) * PAGE + tok
         vs_a = gl.where(ok_a, gl.load(vs_row).to(gl.float32), 0.0)

@@ -1,4 +1,4 @@
-"""Tile readers of kivi2 pages (moekv/kvcache/formats/kivi.py) for the paged decode kernel: 2-bit codes, keys
+"""Tile readers of kivi2 pages (moekv/kvcache/formats/kivi2.py) for the paged decode kernel: 2-bit codes, keys
 quantized per channel over groups of tokens, values per token over groups of channels; the newest tokens
 are read from the format's 16-bit residual ring (DecodeSpec.residual)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from moekv.ops.decode.launch import spec_launch
 
 
 @triton.jit
-def kivi_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+def kivi2_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   P: tl.constexpr, ASM: tl.constexpr, SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
                   GROUP: tl.constexpr, P3: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
     """kivi2 key slab: codes [P, D/4] at 0; scale, zero fp16 [P/GROUP, D] (per channel over
@@ -27,7 +27,7 @@ def kivi_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOC
 
 
 @triton.jit
-def kivi_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+def kivi2_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
                     P: tl.constexpr, ASM: tl.constexpr, SCALE_OFF: tl.constexpr, ZERO_OFF: tl.constexpr,
                     GROUP: tl.constexpr, P3: tl.constexpr, P4: tl.constexpr, P5: tl.constexpr):
     """kivi2 value slab: codes [P, D/4] at 0; scale, zero fp16 [P, D/GROUP] (per token over
@@ -36,9 +36,9 @@ def kivi_value_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BL
     return per_token_groups(codes, pool, base, tok, valid, D, BLOCK_N, GROUP, SCALE_OFF, ZERO_OFF), valid
 
 
-def kivi_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
+def kivi2_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     koff = fmt.layout("key", block_size, head_dim).offsets
     voff = fmt.layout("value", block_size, head_dim).offsets
-    return DecodeSpec(key=TileReader(kivi_key_tile, (koff["scale"], koff["zero"], fmt.group)),
-                      value=TileReader(kivi_value_tile, (voff["scale"], voff["zero"], fmt.value_group(head_dim))),
+    return DecodeSpec(key=TileReader(kivi2_key_tile, (koff["scale"], koff["zero"], fmt.group)),
+                      value=TileReader(kivi2_value_tile, (voff["scale"], voff["zero"], fmt.value_group(head_dim))),
                       staged=True, residual=fmt.residual, **spec_launch("kivi2", block_size))

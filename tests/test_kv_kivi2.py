@@ -9,7 +9,7 @@ from moekv import LLM, SamplingParams
 from moekv.context import Context
 from moekv.kvcache import roundtrip
 from moekv.kvcache.formats import get_kv_format
-from moekv.kvcache.formats.kivi import KIVI2Format
+from moekv.kvcache.formats.kivi2 import KIVI2Format
 from tests.checkpoints import check_batch_matches_alone
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -35,6 +35,7 @@ from moekv.kvcache.formats.base import (
     gluon_pages_wanted,
     per_shape,
 )
+from moekv.kvcache.formats.options import KVOption, one_of
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
@@ -43,7 +44,14 @@ FP16_MAX = 65504.0
 
 class KIVI2Format(FragmentPagedFormat):
     name = "kivi2"
-    default_residual = 128  # KIVI's R (EngineConfig.kv_residual passes it through the registry)
+    default_residual = 128  # KIVI's R (EngineConfig(kv_residual=...) passes it through the registry)
+    engine_options = (
+        KVOption("residual", default_residual, "kivi2: newest tokens kept in 16-bit (a multiple of 32)",
+                 lambda r: None if isinstance(r, int) and not isinstance(r, bool) and r >= 0 and r % GROUP == 0
+                 else f"must be a multiple of {GROUP} (0 = no full-precision window)"),
+        KVOption("group_size", GROUP,
+                 "kivi2: tokens (keys) and channels (values) per group (32 or 64)", one_of(32, 64)),
+    )
 
     def __init__(self, residual: int | None = None, kivi_residual: int | None = None, group_size: int = GROUP) -> None:
         if group_size not in (32, 64):
@@ -118,17 +126,18 @@ class KIVI2Format(FragmentPagedFormat):
         return groups.reshape(n, heads, P, D)
 
     def decode_spec(self, block_size, head_dim):
-        from moekv.ops.decode.kivi import kivi_spec  # the tile readers take G (32 or 64) as a parameter
+        from moekv.ops.decode.kivi2 import kivi2_spec  # the tile readers take G (32 or 64) as a parameter
 
-        return kivi_spec(self, block_size, head_dim)
+        return kivi2_spec(self, block_size, head_dim)
 
     # -- the Gluon decode kernel's page layout (moekv/ops/gluon/kivi2_layout.py) -------------------------
     def fragment_pages(self, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
         """Whether pools of this shape keep their pages in the Gluon kivi2 kernel's fragment order
-        (converted from the slabs when pages are written), by MOEKV_DECODE_KERNEL
+        (converted from the slabs when pages are written), by the format's decode_kernel
         (base.gluon_pages_wanted). Covered: block_size 64, head_dim 128, group 32."""
         covered = (block_size, head_dim, self.group) == (64, 128, 32)
-        return gluon_pages_wanted(covered, device, "kivi2's Gluon kernel covers block_size 64, head_dim 128 and "
+        return gluon_pages_wanted(self.decode_kernel, covered, device,
+                                  "kivi2's Gluon kernel covers block_size 64, head_dim 128 and "
                                   f"group 32, got block_size {block_size}, head_dim {head_dim}, group {self.group}")
 
     def fragment_layout(self):

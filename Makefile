@@ -1,13 +1,16 @@
-# Common tasks. CI runs `install` and `test` (see .ci/run); `lint` runs there too.
+# Common tasks. CI runs `install`, `lint`, `test` and `test-slow` (see .ci/run).
 PYTHON ?= python
 
-.PHONY: install test lint fix gpu-test bench-kernels bench-e2e
+.PHONY: install test test-slow lint fix gpu-test bench-kernels bench-e2e
 
 install:            ## the README's install command (CPU build of torch)
 	pip install torch==2.13.0 -e ".[dev]"
 
-test:               ## the whole CPU suite (GPU-marked tests skip without a device)
-	$(PYTHON) -m pytest -q
+test:               ## the fast CPU suite (GPU-marked tests skip without a device)
+	$(PYTHON) -m pytest -q -m "not slow"
+
+test-slow:          ## the tests marked slow (seconds each on a 2-core CPU); CI runs them after `test`
+	$(PYTHON) -m pytest -q -m slow
 
 lint:               ## lint and import order (configured in pyproject.toml)
 	ruff check .

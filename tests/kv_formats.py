@@ -3,7 +3,10 @@ registry and filtered by what a test needs, so that a format added to the regist
 without an edit here: only a format that needs options to run in a small test says so below."""
 from __future__ import annotations
 
+import torch
+
 from moekv.config import EngineConfig
+from moekv.context import Context
 from moekv.kvcache.formats import GraphStepHooks, compressed_formats, format_class, get_kv_format
 
 # engine keywords a format needs in the small tests: kivi2's residual window of 32 tokens (its
@@ -42,3 +45,21 @@ def formats_sharing_pages() -> list[tuple[str, dict]]:
         if fmt.prefix_caching_unsupported() is None:
             out.append((name, {key: value for key, value in kwargs.items() if key != "kv_cache_dtype"}))
     return out
+
+
+def step_context(chunks: list[tuple[int, list[int], int, int]], block_size: int) -> Context:
+    """A step's Context for format-level tests: chunks are (staging slot, block table, first
+    position, end position) of each sequence in the step; block tables padded with page 0."""
+    positions, slots, starts = [], [], [0]
+    for _, table, lo, hi in chunks:
+        pos = torch.arange(lo, hi)
+        positions.append(pos)
+        slots.append(torch.tensor(table)[pos // block_size] * block_size + pos % block_size)
+        starts.append(starts[-1] + hi - lo)
+    width = max(len(t) for _, t, _, _ in chunks)
+    return Context(positions=torch.cat(positions), slot_mapping=torch.cat(slots),
+                   block_tables=torch.tensor([t + [0] * (width - len(t)) for _, t, _, _ in chunks], dtype=torch.int32),
+                   context_lens=torch.tensor([hi for *_, hi in chunks], dtype=torch.int32),
+                   query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                   logits_indices=torch.tensor(starts[1:]) - 1, seq_slots=torch.tensor([c[0] for c in chunks]),
+                   max_query_len=max(hi - lo for *_, lo, hi in chunks))

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from moekv import LLM, SamplingParams
-from moekv.context import Context
 from moekv.kvcache import roundtrip
 from moekv.kvcache.formats import get_kv_format
 from moekv.kvcache.formats.kivi2 import KIVI2Format
 from tests.checkpoints import check_batch_matches_alone
+from tests.kv_formats import step_context
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 90, 4, 8, 100, 200, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13, 14, 15, 16, 20, 21, 22, 23,
@@ -154,22 +154,6 @@ def test_residual_ring_is_counted():
 
 
 # -- the residual window through write/gather ------------------------------------------------------
-def step_context(chunks: list[tuple[int, list[int], int, int]], block_size: int) -> Context:
-    """chunks: (staging slot, block table, first position, end position) of each sequence in the step."""
-    positions, slots, starts = [], [], [0]
-    for _, table, lo, hi in chunks:
-        pos = torch.arange(lo, hi)
-        positions.append(pos)
-        slots.append(torch.tensor(table)[pos // block_size] * block_size + pos % block_size)
-        starts.append(starts[-1] + hi - lo)
-    width = max(len(t) for _, t, _, _ in chunks)
-    return Context(positions=torch.cat(positions), slot_mapping=torch.cat(slots),
-                   block_tables=torch.tensor([t + [0] * (width - len(t)) for _, t, _, _ in chunks], dtype=torch.int32),
-                   context_lens=torch.tensor([hi for *_, hi in chunks], dtype=torch.int32),
-                   query_start_loc=torch.tensor(starts, dtype=torch.int32),
-                   logits_indices=torch.tensor(starts[1:]) - 1, seq_slots=torch.tensor([c[0] for c in chunks]))
-
-
 @pytest.mark.parametrize("block_size, residual", [(32, 0), (32, 32), (32, 64), (64, 32), (64, 96)])
 def test_newest_tokens_are_read_in_16_bit(block_size, residual):
     """Two sequences in slots 2 and 0 are prefilled in chunks, then decode across page boundaries;

@@ -11,6 +11,7 @@ from moekv.config import default_model_path
 from moekv.context import Context
 from moekv.kvcache import roundtrip
 from moekv.kvcache.formats import compressed_formats, get_kv_format
+from tests.kv_formats import step_context
 
 COMPRESSED = list(compressed_formats())
 CALIBRATION = default_model_path() / "kv_calibration"  # the shipped model's (vq needs one): 2 KV heads, head_dim 128
@@ -49,18 +50,7 @@ H, HQ, P, D = 2, 4, 32, 128  # KV heads, query heads, page size, head_dim (the s
 
 def step(chunks: list[tuple[int, list[int], int, int]]) -> Context:
     """chunks: (staging slot, block table, first position, end position) of each sequence in the step."""
-    positions, slots, starts = [], [], [0]
-    for _, table, lo, hi in chunks:
-        pos = torch.arange(lo, hi)
-        positions.append(pos)
-        slots.append(torch.tensor(table)[pos // P] * P + pos % P)
-        starts.append(starts[-1] + hi - lo)
-    return Context(positions=torch.cat(positions), slot_mapping=torch.cat(slots),
-                   block_tables=torch.tensor([t for _, t, _, _ in chunks], dtype=torch.int32),
-                   context_lens=torch.tensor([hi for *_, hi in chunks], dtype=torch.int32),
-                   query_start_loc=torch.tensor(starts, dtype=torch.int32),
-                   logits_indices=torch.tensor(starts[1:]) - 1, seq_slots=torch.tensor([c[0] for c in chunks]),
-                   max_query_len=max(hi - lo for *_, lo, hi in chunks))
+    return step_context(chunks, P)
 
 
 def attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

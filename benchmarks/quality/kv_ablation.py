@@ -11,7 +11,8 @@ reads its cache once a prompt's prefill attends exact K/V:
   window; kivi2 itself always has its R = 128). The K/V that every token computes (prompt exact,
   tail reading the quantized past) is what its page stores, quantized, as generation would.
 - `prefill-quantized` (what kv_error_split.py and the engine's prefill windows measured): every full
-  page is read quantized by every query, the query's own page included.
+  page is read quantized by every query, the query's own page included (kivi2: the window's newest
+  R tokens exact, as one gather of the whole window returns its ring).
 
 One forward pass per window: attention runs in page-sized query blocks, each over the exact and the
 dequantized keys/values of the tokens before the block's end, choosing per (query, key) which one the
@@ -145,7 +146,26 @@ def combined_recipes() -> list[Recipe]:
     ]
 
 
-RECIPE_SETS = {"default": default_recipes, "kivi": kivi_recipes, "combined": combined_recipes}
+def calib_recipes() -> list[Recipe]:
+    vq = dict(key="vq", value="vq")
+    return [
+        N("nuq2 + calibrated plain", calib="plain"),
+        N("nuq2 + calibrated cube", calib="cube"),
+        N("nuq2 + calibrated fisher", calib="fisher"),
+        N("nuq2 + pre-RoPE + calibrated plain", pre_rope=True, calib="plain"),
+        N("nuq2 + pre-RoPE + calibrated fisher", pre_rope=True, calib="fisher"),
+        N("nuq2 + pre-RoPE + sinks 16 + outliers 1% + calibrated fisher", pre_rope=True, sinks=16, outliers=0.01,
+          calib="fisher"),
+        N("vq", **vq),
+        N("vq + pre-RoPE keys", pre_rope=True, **vq),
+        N("vq + Hadamard", rotate=True, **vq),
+        N("vq + Hadamard + sinks 16 + window 64", rotate=True, sinks=16, window=64, **vq),
+        N("vq + pre-RoPE + sinks 16 + window 64", pre_rope=True, sinks=16, window=64, **vq),
+    ]
+
+
+RECIPE_SETS = {"default": default_recipes, "kivi": kivi_recipes, "combined": combined_recipes,
+               "calib": calib_recipes}
 
 
 PROMPT_PAGES: dict = {}  # quantizer signature -> {(signature, layer, window): dequantized prompt pages}
@@ -325,10 +345,10 @@ def exact_mask(mode: str, b0: int, b1: int, T: int, half: int, sinks: int, ring:
     j = torch.arange(b1)[None, :]
     if mode == "exact-prefill":
         m = j >= b0  # the staging page (blocks are pages)
-    else:
-        m = j >= (T // PAGE) * PAGE
-    if ring:
-        m = m | (j > t - ring)
+        if ring:  # the newest tokens before each query
+            m = m | (j > t - ring)
+    else:  # one gather for the whole window: its partial last page and the ring's newest tokens exact
+        m = j >= min((T // PAGE) * PAGE, T - ring)
     if sinks:
         m = m | (j < sinks)
     return m.expand(b1 - b0, b1)
@@ -516,7 +536,34 @@ def calibrate(model, windows: dict[str, list[int]]) -> dict:
                     c = lloyd_1d(flat, ~outlier_mask(flat, 3.5), iters=30, weight=w)
                     out[f"nuq2.layer{layer}.{kind}.centroids"] = c.to(torch.float16)
             tables[(weighting, pre)] = out
+    H, signs = hadamard(captured[0][1][0].shape[-1])
+    for basis in ("post", "pre", "rot"):
+        tables[("vq", basis)] = fit_vq(captured, basis, (H, signs))
     return tables
+
+
+def fit_vq(captured: list, basis: str, rotation: tuple) -> Path:
+    """vq codebooks and key channel scales per layer (moekv.kvcache.formats.vq's fitting) on keys
+    after RoPE ('post'), before it ('pre') or after it and Hadamard-rotated with the values ('rot');
+    written to a temporary calibration folder."""
+    import tempfile
+
+    from moekv.kvcache.calibration_io import save_calibration
+    from moekv.kvcache.formats.vq import SUB_DIM, fit_codebook, fit_key_channel_scale
+
+    g = torch.Generator().manual_seed(0)
+    tables = {}
+    for layer in sorted({c[0] for c in captured}):
+        rows = [c for c in captured if c[0] == layer]
+        for kind, which in (("key", 0 if basis == "pre" else 1), ("value", 2)):
+            x = torch.cat([to_pages(r[1][which]) for r in rows])
+            if basis == "rot":
+                x = (x * rotation[1]) @ rotation[0]
+            scale = fit_key_channel_scale(x) if kind == "key" else None
+            if scale is not None:
+                tables[f"vq.layer{layer}.key.chan_scale"] = scale
+            tables[f"vq.layer{layer}.{kind}.codebook"] = fit_codebook(x, kind, scale, SUB_DIM, 8, 4096, g)
+    return save_calibration(tempfile.mkdtemp(prefix=f"kv_ablation_vq_{basis}_"), tables)
 
 
 def to_pages(x: torch.Tensor) -> torch.Tensor:
@@ -546,7 +593,7 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=2, help="windows per domain")
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--sets", nargs="+", default=["default"], choices=sorted(RECIPE_SETS))
-    p.add_argument("--only", nargs="*", help="labels to run (default: every recipe of the sets)")
+    p.add_argument("--only", nargs="*", help="labels to run, in this order (default: every recipe of the sets)")
     p.add_argument("--out", type=Path, required=True, help="JSON; recipes already in it are kept, not re-run")
     p.add_argument("--table", action="store_true", help="print --out's runs as a markdown table and stop")
     args = p.parse_args()
@@ -577,14 +624,14 @@ def main() -> None:
         args.out.write_text(json.dumps(record, indent=1))
     print("unquantized:", {k: round(v, 3) for k, v in record["unquantized"].items()}, flush=True)
     recipes = [r for s in args.sets for r in RECIPE_SETS[s]()]
-    if args.only:
-        recipes = [r for r in recipes if r.label in args.only]
+    if args.only:  # in the order given
+        recipes = [r for label in args.only for r in recipes if r.label == label]
     done = {(r["label"], r["mode"]) for r in record["runs"]}
     calibration = prompts = None
     for r in recipes:
         if (r.label, r.mode) in done:
             continue
-        if r.calib and calibration is None:
+        if needs_calibration(r) and calibration is None:
             t0 = time.perf_counter()
             calibration = calibrate(model, calibration_windows(tok, args.window // 2))
             print(f"(calibrated in {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -620,10 +667,17 @@ def markdown_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def needs_calibration(r: Recipe) -> bool:
+    return bool(r.calib) or "vq" in (r.key, r.value)
+
+
 def _calib_for(r: Recipe, calibration: dict | None) -> dict | None:
-    if not r.calib:
-        return None
-    return {r.calib: calibration[(r.calib, r.pre_rope)]}
+    out = {}
+    if r.calib:
+        out[r.calib] = calibration[(r.calib, r.pre_rope)]
+    if "vq" in (r.key, r.value):
+        out["vq_folder"] = calibration[("vq", "rot" if r.rotate else "pre" if r.pre_rope else "post")]
+    return out or None
 
 
 if __name__ == "__main__":

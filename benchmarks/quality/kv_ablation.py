@@ -146,6 +146,26 @@ def combined_recipes() -> list[Recipe]:
     ]
 
 
+def window_recipes() -> list[Recipe]:
+    """The recent window with the ingredients that help beside it."""
+    return [
+        N("nuq2 + pre-RoPE + window 128", pre_rope=True, window=128),
+        N("nuq2 + pre-RoPE + window 256", pre_rope=True, window=256),
+        N("nuq2 + pre-RoPE + window 128 + outliers 1%", pre_rope=True, window=128, outliers=0.01),
+        N("nuq2 + pre-RoPE + window 128 + calibrated fisher", pre_rope=True, window=128, calib="fisher"),
+        N("nuq2 pre-RoPE keys + kivi2 values + window 128", value="kivi2", pre_rope=True, window=128,
+          options={"residual": 0}),
+        N("lm2 + Hadamard + window 128", key="lm2", value="lm2", rotate=True, window=128),
+        N("lm3 + Hadamard + window 128", key="lm3", value="lm3", rotate=True, window=128),
+        N("vq + pre-RoPE + window 128", key="vq", value="vq", pre_rope=True, window=128),
+        N("vq + Hadamard + window 128", key="vq", value="vq", rotate=True, window=128),
+        N("vq + pre-RoPE + window 256", key="vq", value="vq", pre_rope=True, window=256),
+        N("vq + pre-RoPE + window 128 + outliers 1%", key="vq", value="vq", pre_rope=True, window=128,
+          outliers=0.01),
+        N("nuq2 + pre-RoPE + window 128 + calibrated cube", pre_rope=True, window=128, calib="cube"),
+    ]
+
+
 def calib_recipes() -> list[Recipe]:
     vq = dict(key="vq", value="vq")
     return [
@@ -165,7 +185,7 @@ def calib_recipes() -> list[Recipe]:
 
 
 RECIPE_SETS = {"default": default_recipes, "kivi": kivi_recipes, "combined": combined_recipes,
-               "calib": calib_recipes}
+               "window": window_recipes, "calib": calib_recipes}
 
 
 PROMPT_PAGES: dict = {}  # quantizer signature -> {(signature, layer, window): dequantized prompt pages}

@@ -132,17 +132,8 @@ def kivi_recipes() -> list[Recipe]:
 
 def combined_recipes() -> list[Recipe]:
     return [
-        N("nuq2 + pre-RoPE + sinks 16", pre_rope=True, sinks=16),
-        N("nuq2 + pre-RoPE + sinks 16 + window 64", pre_rope=True, sinks=16, window=64),
         N("nuq2 + pre-RoPE + sinks 16 + outliers 1%", pre_rope=True, sinks=16, outliers=0.01),
-        N("lm2 + Hadamard + sinks 16", key="lm2", value="lm2", rotate=True, sinks=16),
-        N("lm2 + Hadamard + sinks 16 + window 64", key="lm2", value="lm2", rotate=True, sinks=16, window=64),
-        N("lm2 + Hadamard + sinks 16 + outliers 1%", key="lm2", value="lm2", rotate=True, sinks=16, outliers=0.01),
-        N("nuq2 + Hadamard + sinks 16", rotate=True, sinks=16),
         N("lm3 + Hadamard", key="lm3", value="lm3", rotate=True),
-        N("lm3 + Hadamard + sinks 16", key="lm3", value="lm3", rotate=True, sinks=16),
-        N("nuq2 + pre-RoPE + sinks 16 + window 128 + outliers 1%", pre_rope=True, sinks=16, window=128,
-          outliers=0.01),
     ]
 
 
@@ -174,18 +165,14 @@ def calib_recipes() -> list[Recipe]:
         N("nuq2 + calibrated fisher", calib="fisher"),
         N("nuq2 + pre-RoPE + calibrated plain", pre_rope=True, calib="plain"),
         N("nuq2 + pre-RoPE + calibrated fisher", pre_rope=True, calib="fisher"),
-        N("nuq2 + pre-RoPE + sinks 16 + outliers 1% + calibrated fisher", pre_rope=True, sinks=16, outliers=0.01,
-          calib="fisher"),
         N("vq", **vq),
         N("vq + pre-RoPE keys", pre_rope=True, **vq),
         N("vq + Hadamard", rotate=True, **vq),
-        N("vq + Hadamard + sinks 16 + window 64", rotate=True, sinks=16, window=64, **vq),
-        N("vq + pre-RoPE + sinks 16 + window 64", pre_rope=True, sinks=16, window=64, **vq),
     ]
 
 
 RECIPE_SETS = {"default": default_recipes, "kivi": kivi_recipes, "combined": combined_recipes,
-               "window": window_recipes, "calib": calib_recipes}
+               "calib": calib_recipes, "window": window_recipes}
 
 
 PROMPT_PAGES: dict = {}  # quantizer signature -> {(signature, layer, window): dequantized prompt pages}
@@ -679,7 +666,9 @@ def markdown_table(record: dict) -> str:
     lines = ["| recipe | reading | bits at 32k (4k) | " + " | ".join(domains) + " | all |",
              "|---|---|---|" + "---|" * (len(domains) + 1),
              "| unquantized | | 16 | " + " | ".join(f"{base[d]:.4g}" for d in domains) + f" | {base['all']:.4g} |"]
-    for r in record["runs"]:
+    order = [(r.label, r.mode) for make in RECIPE_SETS.values() for r in make()]
+    rank = {key: i for i, key in enumerate(order)}
+    for r in sorted(record["runs"], key=lambda r: rank.get((r["label"], r["mode"]), len(order))):
         worst = max(r["change_percent"][d] for d in domains)
         cells = [f"{r['change_percent'][d]:+.1f}%" for d in domains]
         lines.append(f"| {r['label']} | {r['mode']} | {r['bits_32k']:.2f} ({r['bits_4k']:.2f}) | " + " | ".join(cells)

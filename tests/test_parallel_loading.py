@@ -4,6 +4,7 @@ expert parallel (contiguous and cluster-map placements), 2 and 4 ranks."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,10 +20,11 @@ CLUSTERS = REPO / "benchmarks" / "results" / "cpu" / "domain-moe.clusters4.safet
 
 
 class Cfg:
-    """The EngineConfig fields placement_of reads."""
+    """The EngineConfig fields placement_of reads (its parallel and router groups)."""
 
     def __init__(self, world: int, expert_parallel: bool, cluster_map=None) -> None:
-        self.tensor_parallel_size, self.enable_expert_parallel, self.cluster_map = world, expert_parallel, cluster_map
+        self.parallel = SimpleNamespace(tensor_parallel_size=world, enable_expert_parallel=expert_parallel)
+        self.router = SimpleNamespace(cluster_map=cluster_map)
 
 
 def both_ways(path, world: int, rank: int, expert_parallel: bool, cluster_map=None):

@@ -95,5 +95,6 @@ def test_domain_moe_logits_and_greedy_match_transformers(domain_moe_pair):
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=16, min_new_tokens=16, do_sample=False)
+                              max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                              repetition_penalty=1.0)  # generation_config.json's sampling defaults off: greedy
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()

@@ -129,6 +129,28 @@ def test_streamed_text_never_leaks_a_stop_string(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def test_unknown_chat_role_is_a_400_naming_the_field(server, client):
+    """OpenAI's roles are taken (developer: its name for system on newer models, as vLLM takes it);
+    any other is refused, as OpenAI and vLLM refuse it, instead of reaching the template."""
+    good = [{"role": role, "content": "Hi"} for role in ROLES]
+    r = client.chat.completions.create(model="tiny", messages=good, max_tokens=2)
+    assert r.choices[0].finish_reason and r.usage.prompt_tokens > 0
+    bad = [{"role": "user", "content": "Hi"}, {"role": "narrator", "content": "Once"}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=bad, max_tokens=2)
+    err = exc.value.body
+    assert exc.value.status_code == 400 and err["param"] == "messages[1].role" and err["code"] == "invalid_value"
+    assert "messages[1].role" in err["message"] and "narrator" in err["message"]
+    assert all(f"'{role}'" in err["message"] for role in ROLES)
+    for role in ("", "User", "function", 3, None):  # the same from /tokenize, and for any non-role
+        r = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": role, "content": "Hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role", r.text
+    assert_pool_empty(server)
+
+
 def test_models_tokenize_detokenize_health(server, offline):
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     assert card["id"] == "tiny" and card["max_model_len"] == 256

@@ -81,8 +81,14 @@ class TextPart(_Strict):
     text: str
 
 
+# the roles OpenAI's chat API takes for plain-text messages ('function', its deprecated form of 'tool',
+# is left out); 'developer' is its name for 'system' on newer models, which vLLM and the openai client
+# send too. Any other role would reach the chat template as an unknown speaker.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(_Strict):
-    role: str
+    role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -177,7 +183,7 @@ def validation_error(e: ValidationError, data: Any = None) -> APIError:
     # a union adds its branch to the location (prompt.list[int].0): report the field as a whole
     is_branch = [isinstance(p, str) and ("[" in p or p in ("str", "int", "bool")) for p in err["loc"]]
     cut = is_branch.index(True) if any(is_branch) else len(err["loc"])
-    param = ".".join(str(p) for p in err["loc"][:cut]) or None
+    param = _param(err["loc"][:cut])
     if err["type"] == "extra_forbidden":
         return APIError(400, f"unknown or unsupported parameter {param!r}", param=param, code="unknown_field")
     if err["type"] == "missing":
@@ -186,8 +192,21 @@ def validation_error(e: ValidationError, data: Any = None) -> APIError:
     got = json.dumps(value, default=str)
     got = got if len(got) <= 80 else got[:77] + "..."
     field = str(err["loc"][cut - 1]) if cut else ""
-    msg = f"accepted: {_UNION_FORMS[field]}" if cut < len(err["loc"]) and field in _UNION_FORMS else err["msg"]
+    if cut < len(err["loc"]) and field in _UNION_FORMS:
+        msg = f"accepted: {_UNION_FORMS[field]}"
+    elif err["type"] == "literal_error":  # one of fixed values (a message's role)
+        msg = f"accepted: {err['ctx']['expected']}"
+    else:
+        msg = err["msg"]
     return APIError(400, f"{param}: {msg} (got {got})", param=param, code="invalid_value")
+
+
+def _param(loc: tuple) -> str | None:
+    """A field's location as OpenAI writes it: messages[0].role."""
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
+    return param or None
 
 
 _UNION_FORMS = {

@@ -324,14 +324,24 @@ def test_api_key_with_the_official_client(metrics_require_key):
         assert right.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].finish_reason
         assert right.models.list().data[0].id == "tiny"
         none = {"Authorization": openai.Omit()}  # the client sends no Authorization header at all
-        for key, headers in (("wrong-key", None), ("s3cret-kez", None), ("unused", none)):
+        wrong, missing = "Incorrect API key provided", "You didn't provide an API key"  # OpenAI's wording
+        for key, headers, says in (("wrong-key", None, wrong), ("s3cret-kez", None, wrong), ("unused", none, missing)):
             client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
             with pytest.raises(openai.AuthenticationError) as exc:
                 client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_headers=headers)
             assert exc.value.status_code == 401 and exc.value.code == "invalid_api_key"
-        r = httpx.post(f"{srv.url}/tokenize", json={"prompt": "x"})  # no Authorization header at all
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert r.headers["www-authenticate"] == "Bearer"
+            assert exc.value.body["message"].startswith(says) and exc.value.body["type"] == "invalid_request_error"
+        # no key: no header, another scheme, or an empty token; a wrong key: a Bearer token that differs
+        for auth, says in ((None, missing), ("Basic czNjcmV0LWtleQ==", missing), ("Bearer", missing),
+                           ("s3cret-key", missing), ("Bearer s3cret", wrong)):
+            headers = {} if auth is None else {"Authorization": auth}
+            r = httpx.post(f"{srv.url}/tokenize", json={"prompt": "x"}, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (auth, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error", (auth, err)
+            assert err["message"].startswith(says) and "Authorization: Bearer" in err["message"], (auth, err)
+        assert httpx.post(f"{srv.url}/tokenize", json={"prompt": "x"},
+                          headers={"Authorization": "bearer  s3cret-key"}).status_code == 200
         assert httpx.get(f"{srv.url}/health").status_code == 200  # always open
         metrics = httpx.get(f"{srv.url}/metrics").status_code
         assert metrics == (401 if metrics_require_key else 200)

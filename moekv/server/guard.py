@@ -67,25 +67,32 @@ class GuardMiddleware:
             return False
         return path != "/metrics" or self.options.metrics_require_key
 
-    def _authorized(self, scope) -> bool:
+    def _key_error(self, scope) -> APIError | None:
+        """None when the request may pass; else the 401 it gets: no key given (no Authorization
+        header, another scheme than Bearer, or an empty token) or a wrong one."""
+        if not self._needs_key(scope["path"]):
+            return None
         given = _header(scope, b"authorization") or b""
-        scheme, _, token = given.partition(b" ")
+        scheme, _, token = given.strip().partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
+            return _no_key()
         # compare_digest takes the same time wherever the first difference is
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        return None if hmac.compare_digest(token, self._key) else _wrong_key()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        unauthorized = self._needs_key(scope["path"]) and not self._authorized(scope)
+        unauthorized = self._key_error(scope)
         try:
             body = await self._read_body(scope, receive)
         except _BodyError as e:
             if e.err is not None:
-                await send_error(send, _unauthorized() if unauthorized else e.err, close=e.close)
+                await send_error(send, unauthorized or e.err, close=e.close)
             return  # the client has gone: nobody to answer
         if unauthorized:  # answered after the body is read, so the connection stays usable
-            await send_error(send, _unauthorized(), headers=[(b"www-authenticate", b"Bearer")])
+            await send_error(send, unauthorized, headers=[(b"www-authenticate", b"Bearer")])
             return
 
         sent = False
@@ -135,7 +142,14 @@ class GuardMiddleware:
                 return b"".join(chunks)
 
 
-def _unauthorized() -> APIError:
+# OpenAI's 401s begin with these sentences (clients and people search for them); both carry the code
+# invalid_api_key (OpenAI leaves it null when no key came), so a client tells a key's 401 by the code alone
+def _no_key() -> APIError:
+    return APIError(401, "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
+                         "('Authorization: Bearer KEY').", code="invalid_api_key")
+
+
+def _wrong_key() -> APIError:
     return APIError(401, "Incorrect API key provided. Send it as 'Authorization: Bearer KEY'.",
                     code="invalid_api_key")
 

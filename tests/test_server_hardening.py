@@ -136,6 +136,78 @@ def test_sigterm_closes_stalled_clients_within_the_shutdown_timeout():
     assert "KV fp32" in out and "KV auto" not in out  # the banner names the format in use
 
 
+def test_shutdown_finishes_running_requests_with_abort(monkeypatch):
+    """At the end of the drain, requests still running are finished with finish_reason "abort" and
+    the text so far (a stream: its last chunk, then [DONE]), their pages return, and a request that
+    comes after it gets a 503 (the in-process server: should_exit is what SIGTERM sets)."""
+    srv = ServerThread(MODEL, max_model_len=128, options=ServerOptions(shutdown_timeout=0.5))
+    real_step = srv.engine.step
+
+    def slow_step():  # 100 tokens take 5 s: the requests outlast the drain
+        time.sleep(0.05)
+        return real_step()
+
+    monkeypatch.setattr(srv.engine, "step", slow_step)
+    body = {"model": "tiny", "max_tokens": 100, "temperature": 0.0, **NO_EOS}
+    results, lines, started = {}, [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", timeout=30,
+                          json={**body, "messages": [{"role": "user", "content": "Tell me"}], "stream": True}) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) >= 3:
+                    started.set()
+
+    def plain():
+        results["plain"] = httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": "Once upon"}, timeout=30)
+
+    with srv:
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert started.wait(30)  # both are generating
+        srv.server.should_exit = True
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(timeout=30)
+        took = time.monotonic() - t0
+        srv.thread.join(timeout=30)
+        assert not srv.thread.is_alive()
+    assert took < 0.5 + 3, took  # ended with the drain, not with the requests (5 s) or the backstop
+    r = results["plain"]
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["text"]
+    assert 0 < r.json()["usage"]["completion_tokens"] < 100
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    bm = srv.engine.block_manager  # every page is back
+    assert srv.engine.num_running == srv.engine.num_waiting == 0
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants([])
+
+
+def test_requests_after_the_finish_get_a_503(server):
+    """Between the finish of the running requests and the close, a request that was still being
+    read or tokenized is refused, not started."""
+    aeng = server.state.async_engine
+    try:
+        async def finish():
+            return await aeng.finish_all()
+
+        assert asyncio.run_coroutine_threadsafe(finish(), aeng._loop).result(timeout=30) == 0  # nothing ran
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+    finally:
+        aeng._closed = False  # the module's server serves the other tests
+    assert_healthy(server)
+
+
 # -- 2. request size limit, huge prompts, tokenization off the event loop -----------------------
 def test_body_over_the_limit_is_a_413(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x" * 30_000})

@@ -30,6 +30,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class ShuttingDownError(RuntimeError):
+    pass
+
+
 @dataclass(eq=False)
 class RequestHandle:
     """The engine requests behind one HTTP request (prompts x n choices) and their outputs."""
@@ -65,6 +69,7 @@ class AsyncEngine:
         self.max_num_seqs = engine.config.scheduler.max_num_seqs  # batch slots: requests up to it never wait
         self._wakeup = threading.Event()
         self._stopping = False
+        self._closed = False  # finish_all ran: no request is taken any more
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
@@ -100,11 +105,14 @@ class AsyncEngine:
 
     def submit(self, seqs: list[Sequence]) -> RequestHandle:
         """Queue validated sequences; raises QueueFullError (all or none are queued) when more than
-        max_queue would wait for a batch slot (a burst the free slots can take is never refused)."""
+        max_queue would wait for a batch slot (a burst the free slots can take is never refused),
+        ShuttingDownError after finish_all."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self.dead!r})")
         handle = RequestHandle([s.request_id for s in seqs])
         with self._lock:
+            if self._closed:
+                raise ShuttingDownError("the server is shutting down; retry on another replica or later")
             if self.max_queue is not None and self._num_beyond_slots(len(seqs)) > self.max_queue:
                 waiting = self._num_beyond_slots()
                 raise QueueFullError(f"the waiting queue is full ({waiting} of max_queue={self.max_queue} "
@@ -119,6 +127,17 @@ class AsyncEngine:
         with self._lock:
             self._inbox.append(("abort", request_ids, None))
         self._wakeup.set()
+
+    def finish_all(self) -> asyncio.Future:
+        """Shutdown: abort every request, delivering each one's final output (finish_reason "abort",
+        the text so far) to its client, and take no more. The returned future resolves once those
+        outputs are on their way to the clients (after the engine's current step)."""
+        done = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._closed = True
+            self._inbox.append(("finish_all", None, done))
+        self._wakeup.set()
+        return done
 
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -150,12 +169,22 @@ class AsyncEngine:
                     for seq in payload:
                         self.engine.add_sequence(seq)
                         self._handles[seq.request_id] = handle
-                else:
+                elif kind == "abort":
                     for rid in payload:
                         out = self.engine.abort_request(rid)
                         self._handles.pop(rid, None)
                         if out is not None:
                             self.metrics.on_finished(out)
+                else:  # finish_all: unlike a client's abort, each client still gets its final output
+                    finals = []
+                    for rid, owner in list(self._handles.items()):
+                        out = self.engine.abort_request(rid)
+                        if out is not None:
+                            self.metrics.on_finished(out)
+                            finals.append((owner, out))
+                    self._handles.clear()
+                    self._post(finals)
+                    self._resolve(handle, len(finals))
             self._num_waiting = self.engine.num_waiting
             self._num_running = self.engine.num_running
         if items:
@@ -177,6 +206,17 @@ class AsyncEngine:
                 del self._handles[out.request_id]
             batch.append((handle, out))
         self._post(batch)
+
+    def _resolve(self, future: asyncio.Future, value) -> None:
+        """Resolve an event-loop future from this thread, after everything posted before it."""
+        def set_result() -> None:
+            if not future.done():
+                future.set_result(value)
+
+        try:
+            self._loop.call_soon_threadsafe(set_result)
+        except RuntimeError:  # the event loop has closed
+            pass
 
     def _post(self, batch: list) -> None:
         if not batch or self._loop is None:

@@ -11,7 +11,9 @@ on connections, and a shutdown that ends however slow its clients are.
   request headers (a connection that trickles or never sends them is closed; with a 408 when it
   sent part of them) and the connection cap answered with OpenAI's 503 body.
 - `GuardedServer` (uvicorn.Server): on SIGTERM it stops accepting, lets running requests finish for
-  at most `shutdown_timeout` seconds, then aborts every connection still open, stalled ones included.
+  at most `shutdown_timeout` seconds, then finishes those still running with finish_reason "abort"
+  (a response with the text so far; for a stream its last chunk and [DONE]), and closes every
+  connection still open, stalled ones included.
 """
 from __future__ import annotations
 
@@ -238,25 +240,58 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-class GuardedServer(uvicorn.Server):
-    """uvicorn.Server whose shutdown closes every connection once the drain time is over."""
+# after the drain, the seconds given to answering the aborted requests (the engine's current step ends,
+# then each response or stream's last chunk is written) before every connection still open is closed
+FINISH_GRACE = 2.0
 
-    def __init__(self, config: uvicorn.Config, shutdown_timeout: float) -> None:
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn.Server whose shutdown ends however slow its clients are: when the drain time is over,
+    `on_drain_end` (the app's AsyncEngine.finish_all) finishes what still runs with finish_reason
+    "abort", those answers are written for up to FINISH_GRACE seconds, then every connection still
+    open is closed."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout: float, on_drain_end=None) -> None:
         super().__init__(config)
         self.shutdown_timeout = shutdown_timeout
+        self.on_drain_end = on_drain_end  # () -> awaitable, resolved when the finishing answers are under way
 
     async def shutdown(self, sockets=None) -> None:
-        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._close_connections)
+        loop = asyncio.get_running_loop()
+        tasks = []
+        timer = loop.call_later(self.shutdown_timeout, lambda: tasks.append(loop.create_task(self._end_drain())))
         try:
             await super().shutdown(sockets)
         finally:
             timer.cancel()
+            for task in tasks:
+                task.cancel()
+
+    async def _end_drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FINISH_GRACE
+        if self.on_drain_end is not None:
+            log.warning("shutdown: the drain time (--shutdown-timeout=%g s) is over; finishing the running "
+                        "requests with finish_reason 'abort'", self.shutdown_timeout)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.on_drain_end()
+            except TimeoutError:  # the engine is stuck in a step, or dead: close anyway
+                pass
+            # uvicorn closes each connection once its response is complete (no keep-alive in shutdown)
+            while self._open_connections() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        self._close_connections()
+
+    def _open_connections(self) -> list:
+        return [c for c in list(self.server_state.connections) if getattr(c, "transport", None) is not None
+                and not c.transport.is_closing()]
 
     def _close_connections(self) -> None:
-        open_ = [c for c in list(self.server_state.connections) if getattr(c, "transport", None) is not None]
+        open_ = self._open_connections()
         if open_:
-            log.warning("shutdown: the drain time (--shutdown-timeout=%g s) is over; closing %d connection(s)",
-                        self.shutdown_timeout, len(open_))
+            log.warning("shutdown: closing %d connection(s) still open after the drain (--shutdown-timeout=%g s)",
+                        len(open_), self.shutdown_timeout)
         for conn in open_:
             conn.transport.abort()  # at once, even with unsent data (a client that stopped reading)
 
@@ -269,5 +304,7 @@ def make_server(app, options: ServerOptions, *, host: str = "127.0.0.1", port: i
         app, host=host, port=port, log_level=log_level, http=protocol, ws="none", lifespan="on",
         timeout_keep_alive=options.timeout_keep_alive, limit_concurrency=options.limit_concurrency,
         # a backstop: tasks still running a little after the connections were closed are cancelled
-        timeout_graceful_shutdown=options.shutdown_timeout + 5)
-    return GuardedServer(config, options.shutdown_timeout)
+        timeout_graceful_shutdown=options.shutdown_timeout + FINISH_GRACE + 5)
+    state = getattr(getattr(app, "state", None), "moekv", None)  # the ServerState of build_app's app
+    return GuardedServer(config, options.shutdown_timeout,
+                         on_drain_end=state.async_engine.finish_all if state is not None else None)

@@ -22,7 +22,7 @@ from moekv.engine.llm_engine import LLMEngine, PromptTooLongError
 from moekv.engine.sequence import Sequence
 from moekv.outputs import RequestOutput
 from moekv.sampling_params import SamplingParams, SamplingParamsError
-from moekv.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestHandle
+from moekv.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestHandle, ShuttingDownError
 from moekv.server.metrics import ServerMetrics
 from moekv.server.protocol import APIError
 
@@ -114,6 +114,8 @@ def submit(state: ServerState, seqs: list[Sequence]) -> RequestHandle:
         raise APIError(503, str(e), code="queue_full") from None
     except EngineDeadError as e:
         raise APIError(500, str(e), code="engine_dead") from None
+    except ShuttingDownError as e:
+        raise APIError(503, str(e), code="shutting_down") from None
 
 
 async def wait_for_disconnect(request) -> None:
@@ -197,11 +199,17 @@ def stream_response(state: ServerState, handle: RequestHandle, render, final_usa
 
 
 async def _events(state: ServerState, handle: RequestHandle, render, final_usage):
+    streamed: dict[str, int] = {}  # characters of each choice's text sent so far
     try:
         async for out in handle.outputs():
             if out.error is not None:
                 yield sse_error(f"the engine failed on this request: {out.error}")
                 break
+            if out.finished and out.outputs[0].finish_reason == "abort":
+                # an abort (shutdown) carries no delta: send the text held back so far (a tail that
+                # might have begun a stop string); a final output holds the whole text
+                out = dataclasses.replace(out, delta_text=out.outputs[0].text[streamed.get(out.request_id, 0):])
+            streamed[out.request_id] = streamed.get(out.request_id, 0) + len(out.delta_text)
             chunk = render(out)
             if chunk is not None:
                 yield sse(chunk)

@@ -170,3 +170,44 @@ def test_info_rows_name_their_page_size_and_eval_refuses_stride_0(mixtral_ckpt, 
     for flag, value in (("--stride", "0"), ("--window", "1")):
         r = run_cli("eval", "ppl", "--model", str(mixtral_ckpt), "--text", str(text), flag, value)
         assert r.returncode == 2 and f"argument {flag}: {value} is out of range" in r.stderr
+
+
+def test_version_prints_the_package_version():
+    import moekv
+
+    r = run_cli("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"moekv {moekv.__version__}"
+
+
+def _parsers(parser, name="moekv"):
+    import argparse
+
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_help_shows_each_flags_default():
+    """Every optional flag of every command has help text that ends in its default, or names it."""
+    import argparse
+
+    from moekv.cli import build_parser
+
+    checked = set()
+    for name, parser in _parsers(build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if (not action.option_strings or action.required or action.default is argparse.SUPPRESS
+                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+                continue
+            assert action.help, (name, action.option_strings)
+            formatted = parser.formatter_class(name)._get_help_string(action)
+            assert "(default" in formatted, (name, action.option_strings, formatted)
+            checked.add(name)
+        if name == "moekv generate":
+            assert "--max-tokens MAX_TOKENS most tokens to generate (default: 64)" in text
+            assert "--kv-cache-memory-gb KV_CACHE_MEMORY_GB CPU: GB of KV pages" in text and "(default: 1.0)" in text
+    assert {"moekv generate", "moekv serve", "moekv eval ppl", "moekv info"} <= checked

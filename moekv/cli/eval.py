@@ -220,7 +220,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     ppl.add_argument("--text", required=True, action="append",
                      help="UTF-8 text file, or a folder of .txt files; repeat it to score several texts: each "
                           "one's perplexity (named by file stem) and their token-weighted total")
-    ppl.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
+    ppl.add_argument("--max-tokens", type=int, default=None,
+                     help="score at most this many tokens of the text (default: all of it)")
     ppl.add_argument("--window", type=_at_least(2), default=None, help="tokens per window (default: max_model_len)")
     ppl.add_argument("--stride", type=_at_least(1), default=None, help="window advance (default: window / 2)")
     ppl.add_argument("--mode", default="decode", choices=["decode", "prefill"],

@@ -61,8 +61,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """Register `generate` on the `moekv` sub-command parsers."""
     gen = subparsers.add_parser("generate", help="generate text from a prompt, streaming tokens to the terminal")
     add_engine_args(gen, own_flags=("--seed",))  # --seed: this request's seed; --engine-seed: the engine's
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     from_model = "(default: the checkpoint's generation_config.json, else {})"
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy " + from_model.format(0.0))
     gen.add_argument("--top-p", type=float, default=None, help=from_model.format(1.0))
@@ -70,7 +70,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=None, help=from_model.format(1.0))
     gen.add_argument("--seed", type=int, default=None, dest="request_seed", help="this request's sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--quiet", action="store_true", help="print only the generated text")
     # one prompt runs, so the KV pool needs one sequence's pages (on the CPU the pool is zero-filled at

@@ -211,3 +211,29 @@ def test_every_help_shows_each_flags_default():
             assert "--max-tokens MAX_TOKENS most tokens to generate (default: 64)" in text
             assert "--kv-cache-memory-gb KV_CACHE_MEMORY_GB CPU: GB of KV pages" in text and "(default: 1.0)" in text
     assert {"moekv generate", "moekv serve", "moekv eval ppl", "moekv info"} <= checked
+
+
+def test_stop_takes_backslash_escapes():
+    from moekv.cli import build_parser
+    from moekv.cli.generate import unescape
+
+    assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb") == "a\tb" and unescape("\\\\") == "\\"
+    assert unescape("é — “x”") == "é — “x”" and unescape(r"é\n") == "é\n"  # non-ASCII stays as it is
+    assert unescape("plain") == "plain"
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--stop", r"\n\n", "--stop", "END"])
+    assert args.stop == ["\n\n", "END"]
+    r = run_cli("generate", "--prompt", "x", "--stop", "ends in a backslash\\")
+    assert r.returncode == 2 and "--stop" in r.stderr and "bad backslash escape" in r.stderr
+
+
+def test_generate_warns_when_max_tokens_exceeds_the_context(mixtral_ckpt, capsys):
+    from moekv.cli import main
+
+    argv = ["generate", "--model", str(mixtral_ckpt), "--prompt", "It was", "--ignore-eos", "--max-model-len", "16"]
+    assert main([*argv, "--max-tokens", "100"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --max-tokens 100 does not fit the model's context (max_model_len=16" in err, err
+    room = int(err.split("generating at most ")[1].split()[0])
+    assert f"[{room} tokens in" in err and "finish_reason=length" in err
+    assert main([*argv, "--max-tokens", str(room)]) == 0  # fits: no warning
+    assert "warning" not in capsys.readouterr().err

@@ -327,7 +327,9 @@ class ExpertConfig:
 
 @dataclass
 class ParallelConfig:
-    """Several processes (engine/parallel.py, layers/parallel.py)."""
+    """Several processes (engine/parallel.py, layers/parallel.py), and the threads of each on the CPU
+    (cpu_threads: torch's intra-op threads per rank; None = engine/cpu_threads.py chooses them for the
+    rank's share of the parameters and of the free cores, unless OMP_NUM_THREADS is set)."""
 
     tensor_parallel_size: int = option(
         "ranks the model is split over: attention heads, MLP and (without expert parallel) experts; rank 0 is this "
@@ -337,9 +339,16 @@ class ParallelConfig:
         "else contiguous slices), tokens sent to the ranks of their experts", False)
     distributed_timeout: float = option(
         "seconds a collective waits for the other ranks before the step fails", 300.0)
+    cpu_threads: int | None = option(
+        "CPU: torch intra-op threads per rank (default: chosen for the model's size and the free cores: 1-2 for a "
+        "model under 100M parameters, else one per free core up to 32; OMP_NUM_THREADS set is kept)",
+        flag="--threads")
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
+        _check(self.cpu_threads is None or (isinstance(self.cpu_threads, int) and not isinstance(self.cpu_threads, bool)
+                                            and self.cpu_threads >= 1),
+               f"cpu_threads={self.cpu_threads!r} must be an integer >= 1 (or None to choose for the model and cores)")
         _check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
                f"tensor_parallel_size={tp!r} must be an integer >= 1")
         _check(isinstance(self.enable_expert_parallel, bool),

@@ -5,6 +5,9 @@ computes: what a run computes (its KV format, the decode kernel its pools are la
 its configuration, EngineConfig and the command-line flags made from it. The rest of the code calls
 these functions rather than reading os.environ.
 
+OMP_NUM_THREADS is read too (omp_num_threads): a user who sets it has chosen the CPU's intra-op thread
+count, and the engine then leaves torch's as it is (engine/cpu_threads.py).
+
 A launcher's (torchrun's) RANK / WORLD_SIZE / LOCAL_RANK / ... are read here too (launcher_env): they
 say where this process sits among the ranks of a tensor-parallel engine, not how it computes; the
 configuration reads them to check the GPUs a rank needs, engine/parallel.py to join the ranks.
@@ -58,6 +61,12 @@ def check_decode_kernel_unset() -> None:
                          f"with it the KV pool's page layout) is a setting of the engine: pass --decode-kernel "
                          f"{choice} (EngineConfig / LLM(decode_kernel=...), get_kv_format(..., decode_kernel=...)) "
                          f"and unset {DECODE_KERNEL_ENV}")
+
+
+def omp_num_threads() -> str | None:
+    """OMP_NUM_THREADS as the user set it (None when unset or empty): the engine then keeps torch's
+    intra-op thread count instead of choosing one (engine/cpu_threads.py)."""
+    return os.environ.get("OMP_NUM_THREADS") or None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """LLM: the offline Python API, shaped like vLLM's `LLM`."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 from typing import Sequence as Seq
 
 import torch
@@ -60,8 +60,9 @@ class LLM:
         seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]
         return self._run(seqs, use_tqdm)
 
-    def _run(self, seqs: list, use_tqdm: bool) -> list[RequestOutput]:
-        """Queue validated sequences and step until all are done; aborts all of them on any failure."""
+    def _run(self, seqs: list, use_tqdm: bool, on_step: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Queue validated sequences and step until all are done (on_step() after each engine step);
+        aborts all of them on any failure."""
         engine = self.engine
         for seq in seqs:
             seq.output_kind = "final"  # only final outputs are read here
@@ -77,6 +78,8 @@ class LLM:
                     if out.finished:
                         results[order[out.request_id]] = out
                         bar.update(1)
+                if on_step is not None:
+                    on_step()
         except BaseException:
             for seq in seqs:  # nothing may keep pages after generate() returns or raises
                 engine.abort_request(seq.request_id)
@@ -85,12 +88,15 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
-    def score(self, prompts: Seq[PromptType], decode_from: Seq[int] | None = None) -> list[torch.Tensor]:
+    def score(self, prompts: Seq[PromptType], decode_from: Seq[int] | None = None,
+              progress: Callable[[list[int]], None] | None = None) -> list[torch.Tensor]:
         """The model's logits [len(prompt), V] (fp32, CPU) at every prompt position, computed through
         the engine's paged KV cache (prefill chunks write and read pages).
 
         decode_from[i]: prompt i's tokens from this position on are fed one per step, as decode
         feeds generated tokens (teacher forcing), so their logits see the cache as generation does.
+        progress: called after each engine step with each prompt's tokens computed so far (a prompt's
+        logits row r exists once r + 1 of its tokens are).
         """
         engine = self.engine
         seqs = [engine.make_sequence(p, SamplingParams(max_tokens=1, temperature=0.0), scoring=True) for p in prompts]
@@ -98,7 +104,8 @@ class LLM:
             seq.prompt_logits = []
             if decode_from is not None:
                 seq.decode_from = decode_from[i]
-        self._run(seqs, use_tqdm=False)
+        on_step = None if progress is None else lambda: progress([seq.num_computed_tokens for seq in seqs])
+        self._run(seqs, use_tqdm=False, on_step=on_step)
         return [torch.cat(seq.prompt_logits) for seq in seqs]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

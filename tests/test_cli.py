@@ -170,3 +170,70 @@ def test_info_rows_name_their_page_size_and_eval_refuses_stride_0(mixtral_ckpt, 
     for flag, value in (("--stride", "0"), ("--window", "1")):
         r = run_cli("eval", "ppl", "--model", str(mixtral_ckpt), "--text", str(text), flag, value)
         assert r.returncode == 2 and f"argument {flag}: {value} is out of range" in r.stderr
+
+
+def test_version_prints_the_package_version():
+    import moekv
+
+    r = run_cli("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"moekv {moekv.__version__}"
+
+
+def _parsers(parser, name="moekv"):
+    import argparse
+
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_help_shows_each_flags_default():
+    """Every optional flag of every command has help text that ends in its default, or names it."""
+    import argparse
+
+    from moekv.cli import build_parser
+
+    checked = set()
+    for name, parser in _parsers(build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if (not action.option_strings or action.required or action.default is argparse.SUPPRESS
+                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+                continue
+            assert action.help, (name, action.option_strings)
+            formatted = parser.formatter_class(name)._get_help_string(action)
+            assert "(default" in formatted, (name, action.option_strings, formatted)
+            checked.add(name)
+        if name == "moekv generate":
+            assert "--max-tokens MAX_TOKENS most tokens to generate (default: 64)" in text
+            assert "--kv-cache-memory-gb KV_CACHE_MEMORY_GB CPU: GB of KV pages" in text and "(default: 1.0)" in text
+    assert {"moekv generate", "moekv serve", "moekv eval ppl", "moekv info"} <= checked
+
+
+def test_stop_takes_backslash_escapes():
+    from moekv.cli import build_parser
+    from moekv.cli.generate import unescape
+
+    assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb") == "a\tb" and unescape("\\\\") == "\\"
+    assert unescape("é — “x”") == "é — “x”" and unescape(r"é\n") == "é\n"  # non-ASCII stays as it is
+    assert unescape("plain") == "plain"
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--stop", r"\n\n", "--stop", "END"])
+    assert args.stop == ["\n\n", "END"]
+    r = run_cli("generate", "--prompt", "x", "--stop", "ends in a backslash\\")
+    assert r.returncode == 2 and "--stop" in r.stderr and "bad backslash escape" in r.stderr
+
+
+def test_generate_warns_when_max_tokens_exceeds_the_context(mixtral_ckpt, capsys):
+    from moekv.cli import main
+
+    argv = ["generate", "--model", str(mixtral_ckpt), "--prompt", "It was", "--ignore-eos", "--max-model-len", "16"]
+    assert main([*argv, "--max-tokens", "100"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --max-tokens 100 does not fit the model's context (max_model_len=16" in err, err
+    room = int(err.split("generating at most ")[1].split()[0])
+    assert f"[{room} tokens in" in err and "finish_reason=length" in err
+    assert main([*argv, "--max-tokens", str(room)]) == 0  # fits: no warning
+    assert "warning" not in capsys.readouterr().err

@@ -117,3 +117,36 @@ def test_cli_json_last_line(mixtral_ckpt, tmp_path):
     r = subprocess.run([sys.executable, "-m", "moekv.cli", "eval", "ppl", "--model", str(mixtral_ckpt), "--text",
                         str(tmp_path / "missing.txt")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "text file not found" in r.stderr
+
+
+class RecordingBar:
+    """tqdm's stand-in: records each update."""
+
+    updates: list[int] = []
+
+    def __init__(self, total=None, **kwargs):
+        self.total = total
+        RecordingBar.updates = []
+
+    def update(self, n=1):
+        RecordingBar.updates.append(n)
+
+    def close(self):
+        pass
+
+
+def test_progress_advances_per_engine_step(llm, tmp_path, monkeypatch):
+    """Decode mode feeds the scored tokens one engine step each: the bar moves with every step (not once
+    per window); prefill mode scores a short window in one step."""
+    import moekv.eval.perplexity as ppl_module
+
+    monkeypatch.setattr(ppl_module, "tqdm", RecordingBar)
+    path = tmp_path / "t.txt"
+    path.write_text(TEXT)
+    result = perplexity(llm, path, window=32, stride=16, max_tokens=60)
+    steps = [n for n in RecordingBar.updates if n]
+    assert sum(RecordingBar.updates) == result.tokens == 59
+    plan = windows(60, 32, 16)  # the windows run side by side: each step scores one token of each
+    assert len(steps) >= max(end - first for _, end, first in plan) and max(steps) <= len(plan), RecordingBar.updates
+    result = perplexity(llm, path, window=32, stride=32, max_tokens=30, mode="prefill")
+    assert sum(RecordingBar.updates) == result.tokens == 29 and len([n for n in RecordingBar.updates if n]) == 1

@@ -47,7 +47,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--api-key", default=None,
                    help="bearer key of a keyed server (default: $MOEKV_API_KEY, else $OPENAI_API_KEY)")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests sent in all")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request (EOS ignored)")
     p.add_argument("--request-rate", type=float, default=math.inf,

@@ -31,7 +31,7 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=65536, help="use at most this many tokens of the text")
     p.add_argument("--window", type=int, default=512, help="tokens scored at once (capped by the model's context)")
     p.add_argument("--block-size", type=int, default=64, help="page size the per-page statistics are taken over")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling of pages and the fits")
     p.add_argument("--device", default="cpu", help="cpu | cuda: where the text is scored (fp32 on either)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_calibrate)

@@ -67,7 +67,7 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens per calibration window (default: the model's context)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--restarts", type=int, default=16, help="random starts of the partition search")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the partition search's random starts")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_cluster)
     return p

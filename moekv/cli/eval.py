@@ -215,16 +215,25 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Register `eval` (with `eval ppl`, `eval routing` and `eval retrieval`) on the `moekv` sub-command parsers."""
     ev = subparsers.add_parser("eval", help="quality measurements")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
-    ppl = ev_sub.add_parser("ppl", help="perplexity of a text file through the engine's KV cache")
+    ppl = ev_sub.add_parser("ppl", help="perplexity of a text file through the engine's KV cache",
+                            description="Perplexity of a text through the engine's KV cache. The default --mode decode "
+                                        "runs one engine step per scored token, as generation reads the cache; "
+                                        "--mode prefill is faster and optimistic for compressed formats. The "
+                                        "progress bar counts scored tokens.")
     add_engine_args(ppl)
     ppl.add_argument("--text", required=True, action="append",
                      help="UTF-8 text file, or a folder of .txt files; repeat it to score several texts: each "
                           "one's perplexity (named by file stem) and their token-weighted total")
-    ppl.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens of the text")
+    ppl.add_argument("--max-tokens", type=int, default=None,
+                     help="score at most this many tokens of the text (default: all of it)")
     ppl.add_argument("--window", type=_at_least(2), default=None, help="tokens per window (default: max_model_len)")
     ppl.add_argument("--stride", type=_at_least(1), default=None, help="window advance (default: window / 2)")
     ppl.add_argument("--mode", default="decode", choices=["decode", "prefill"],
-                     help="decode: scored tokens are fed one per step, reading the cache as generation does")
+                     help="decode: each window's context is one prefill, then its scored tokens are fed "
+                          "one engine step each (up to 32 windows side by side), reading the KV cache as generation "
+                          "does; it costs one step per scored token (domain-moe on a 2-core CPU: about 150 tokens/s). "
+                          "prefill: each window in a few prefill steps, some 25x faster there, but optimistic for the "
+                          "compressed formats (a prefill chunk attends to its own tokens' K/V unquantized)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ppl.add_argument("--reference-transformers", action="store_true",
                      help="also score the same windows with transformers (needs it installed)")

@@ -45,7 +45,7 @@ def add_calibrate_experts_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--previous-token", action="store_true",
                    help="the map also reads the previous token's residual entering the layer "
                         "(`eval experts` only: the engine's prefetch refuses such a file)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the text is scored")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_calibrate_experts)
     return p

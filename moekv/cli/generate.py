@@ -35,6 +35,7 @@ def _generate(engine, args: argparse.Namespace) -> int:
     if args.chat:
         prompt = {"prompt_token_ids": engine.tokenizer.encode(
             engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special_tokens=False)}
+    _warn_if_capped(engine, prompt, args.max_tokens)
     engine.add_request("cli", prompt, params, output_kind="delta")  # printed as it comes; the final output has all
     if not args.chat and not args.quiet:
         print(args.prompt, end="", flush=True)
@@ -57,20 +58,42 @@ def _generate(engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_if_capped(engine, prompt, max_tokens: int) -> None:
+    """A warning on stderr when the prompt and --max-tokens do not fit the context: the engine generates
+    only up to max_model_len (where the server answers 400), and the user should know it."""
+    _, ids = engine.tokenize_prompt(prompt)
+    room = engine.max_model_len - len(ids)
+    if 0 < room < max_tokens:
+        print(f"moekv generate: warning: --max-tokens {max_tokens} does not fit the model's context "
+              f"(max_model_len={engine.max_model_len}, the prompt takes {len(ids)} tokens): generating at most "
+              f"{room} tokens", file=sys.stderr)
+
+
+def unescape(value: str) -> str:
+    """A flag's value with its backslash escapes decoded, as a shell user writes them: "\\n\\n" is two
+    newlines, "\\t" a tab, "\\\\" one backslash; other characters (non-ASCII too) stay as they are."""
+    try:
+        return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{value!r}: bad backslash escape ({e.reason}); write \\\\ for a "
+                                         "backslash") from None
+
+
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """Register `generate` on the `moekv` sub-command parsers."""
     gen = subparsers.add_parser("generate", help="generate text from a prompt, streaming tokens to the terminal")
     add_engine_args(gen, own_flags=("--seed",))  # --seed: this request's seed; --engine-seed: the engine's
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     from_model = "(default: the checkpoint's generation_config.json, else {})"
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy " + from_model.format(0.0))
     gen.add_argument("--top-p", type=float, default=None, help=from_model.format(1.0))
     gen.add_argument("--top-k", type=int, default=None, help="-1 = off " + from_model.format(-1))
     gen.add_argument("--repetition-penalty", type=float, default=None, help=from_model.format(1.0))
     gen.add_argument("--seed", type=int, default=None, dest="request_seed", help="this request's sampling seed")
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--stop", action="append", type=unescape,
+                     help="stop string (repeatable); backslash escapes are decoded: \"\\n\\n\" is a blank line")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--quiet", action="store_true", help="print only the generated text")
     # one prompt runs, so the KV pool needs one sequence's pages (on the CPU the pool is zero-filled at

@@ -59,11 +59,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 def add_info_parser(subparsers) -> argparse.ArgumentParser:
     """Register `info` on the `moekv` sub-command parsers."""
     info = subparsers.add_parser("info", help="architecture, parameter counts and KV bytes per token of a checkpoint")
-    info.add_argument("--model", default=str(default_model_path()))
+    info.add_argument("--model", default=str(default_model_path()),
+                      help="Hugging Face checkpoint folder (default: the bundled models/domain-moe)")
     info.add_argument("--block-size", type=int, default=None,
                       help="tokens per page (default: the engine's, 16 for plain formats and 64 for compressed ones)")
-    info.add_argument("--kv-group-size", type=int, default=32)
-    info.add_argument("--kv-calibration", default=None)
+    info.add_argument("--kv-group-size", type=int, default=32, help="elements per scale group of the grouped formats")
+    info.add_argument("--kv-calibration", default=None,
+                      help="kv_calibration folder (default: the checkpoint's own, if it has one)")
     info.add_argument("--decode-kernel", choices=DECODE_KERNELS, default=DEFAULT_DECODE_KERNEL,
                       help="the decode kernel the pages are laid out for, as the engine's --decode-kernel "
                            "(its layout sets the bytes a page takes)")

@@ -48,13 +48,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                             "/metrics)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="sequences that may wait for a place in the batch (a request with n choices counts n); "
                         "beyond it the server answers 503")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model path)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's log level")
     d = ServerOptions()
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}, "

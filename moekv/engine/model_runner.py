@@ -18,6 +18,7 @@ import torch
 from moekv import envs
 from moekv.config import EngineConfig, parse_dtype
 from moekv.context import Context, HostLists, MixedSplit, filling_rows, to_device
+from moekv.engine.cpu_threads import set_cpu_threads
 from moekv.engine.cuda_graphs import (
     DecodeGraphs,
     decode_fills,
@@ -207,6 +208,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_cfg)
         self.kv_format = kv_format if kv_format is not None else kv_format_for(config, self.dtype)
         self.model = self._load()
+        if self.device.type == "cpu":  # this rank's shard, the ranks sharing the host's cores
+            set_cpu_threads(config.parallel.cpu_threads, sum(p.numel() for p in self.model.parameters()),
+                            config.parallel.tensor_parallel_size)
         self._shard()
         self._install()
         self._allocate(max_model_len)

@@ -44,7 +44,6 @@ A rebuilt compute group (after a failed step) invalidates every captured graph o
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import weakref
@@ -326,8 +325,6 @@ def worker_main(rank: int, world: int, init_method: str, config, max_model_len: 
     runner make_runner builds), then run rank 0's commands until told to stop."""
     from moekv.models.loader import load_model_config
 
-    if config.torch_device.type == "cpu":  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = ParallelGroup(rank, world, init_method, config.torch_device, config.parallel.distributed_timeout)
     serve_commands(group, make_runner(config, load_model_config(config.model), max_model_len, parallel=group))
 

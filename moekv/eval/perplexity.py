@@ -78,22 +78,36 @@ def score_windows(logits_fn, ids: list[int], window: int, stride: int, progress:
                   batch_windows: int = 8) -> tuple[float, int]:
     """Sum of NLL and count of scored tokens.
 
-    logits_fn(chunks, first_rows) -> list of [len, V]: chunks are token lists, first_rows[i] the
-    first row of chunk i whose logits are scored (rows before it are context only).
+    logits_fn(chunks, first_rows, progress) -> list of [len, V]: chunks are token lists, first_rows[i]
+    the first row of chunk i whose logits are scored (rows before it are context only); progress, if
+    logits_fn calls it (after each engine step), takes each chunk's tokens computed so far, and the bar
+    advances by the scored rows they cover (per step, not per window).
     """
     plan = windows(len(ids), window, stride)
     total, count = 0.0, 0
     bar = tqdm(total=len(ids) - 1, desc="perplexity", unit="tok", disable=not progress)
     for i in range(0, len(plan), batch_windows):
         group = plan[i:i + batch_windows]
-        all_logits = logits_fn([ids[b:e] for b, e, _ in group], [first - 1 - b for b, _, first in group])
+        first_rows = [first - 1 - b for b, _, first in group]
+        shown = 0  # scored rows of this group the bar counts
+
+        def advance(computed: list[int], group=group, first_rows=first_rows) -> None:
+            nonlocal shown
+            # logits row r exists once r + 1 tokens are computed; the scored rows are first_row..end-begin-2
+            done = sum(min(max(c - row, 0), end - first)
+                       for c, row, (_, end, first) in zip(computed, first_rows, group))
+            if done > shown:
+                bar.update(done - shown)
+                shown = done
+
+        all_logits = logits_fn([ids[b:e] for b, e, _ in group], first_rows, advance)
         for (begin, end, first), logits in zip(group, all_logits):
             # logits row r predicts token begin + r + 1
             rows = slice(first - 1 - begin, end - 1 - begin)
             targets = torch.tensor(ids[first:end])
             total += float(nll_from_logits(logits[rows], targets))
             count += end - first
-            bar.update(end - first)
+        bar.update(sum(end - first for _, end, first in group) - shown)
     bar.close()
     return total, count
 
@@ -120,10 +134,10 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
     fmt = engine.runner.kv_format
     fmt.reset_read_counters()  # a format whose bits read depend on the run (tiered) counts them: read_counts
     start = time.perf_counter()
-    def logits_fn(chunks, first_rows):
+    def logits_fn(chunks, first_rows, advance):
         prompts = [{"prompt_token_ids": c} for c in chunks]
         # decode mode: every scored row comes from a one-token step, as in generation
-        return llm.score(prompts, decode_from=first_rows if mode == "decode" else None)
+        return llm.score(prompts, decode_from=first_rows if mode == "decode" else None, progress=advance)
 
     batch = min(engine.config.scheduler.max_num_seqs, 32) if mode == "decode" else 8
     total, count = score_windows(logits_fn, ids, window, stride, progress, batch_windows=batch)
@@ -195,7 +209,7 @@ def perplexity_transformers(model_dir: str | Path, ids: list[int], window: int, 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
     @torch.no_grad()
-    def logits_fn(chunks, first_rows):
+    def logits_fn(chunks, first_rows, advance):  # one forward per window: the bar advances per window group
         return [model(torch.tensor([c], device=device)).logits[0].float().cpu() for c in chunks]
 
     total, count = score_windows(logits_fn, ids, window, stride, progress)

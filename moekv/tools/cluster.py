@@ -55,7 +55,7 @@ def collect_router_inputs(llm, token_ids: list[int], window: int, progress: bool
 
 def windowed_nll(llm, token_ids: list[int], window: int, batch_windows: int = 8) -> float:
     """Mean NLL of token_ids scored in non-overlapping windows through llm as it is routed now."""
-    def logits_fn(chunks, first_rows):
+    def logits_fn(chunks, first_rows, advance):  # progress=False: no bar to advance
         return llm.score([{"prompt_token_ids": c} for c in chunks])
 
     total, count = score_windows(logits_fn, token_ids, window, window, progress=False, batch_windows=batch_windows)

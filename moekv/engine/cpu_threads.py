@@ -70,17 +70,17 @@ def set_cpu_threads(requested: int | None, num_params: int, ranks_on_host: int =
     of ranks_on_host sharing the host; -> the count. requested: --threads (None: choose). Logged at
     INFO once per choice."""
     global _chosen
-    if requested is not None:
-        threads, why = requested, "--threads"
-    elif (chosen_by := user_threads()) is not None:
-        threads, why = torch.get_num_threads(), chosen_by
+    if requested is None and (kept_by := user_threads()) is not None:
+        threads, why = torch.get_num_threads(), kept_by  # the user's own setting: left as it is
     else:
-        cores, busy = machine_cores()
-        share = max(1, cores // ranks_on_host)
-        threads = choose_cpu_threads(num_params, share, busy / ranks_on_host)
-        why = (f"chosen for {num_params / 1e6:.1f}M parameters on {share} of {cores} cores, load {busy:.1f}; "
-               "--threads N or OMP_NUM_THREADS overrides")
-    if why not in ("OMP_NUM_THREADS", "torch.set_num_threads"):
+        if requested is not None:
+            threads, why = requested, "--threads"
+        else:
+            cores, busy = machine_cores()
+            share = max(1, cores // ranks_on_host)
+            threads = choose_cpu_threads(num_params, share, busy / ranks_on_host)
+            why = (f"chosen for {num_params / 1e6:.1f}M parameters on {share} of {cores} cores, load {busy:.1f}; "
+                   "--threads N or OMP_NUM_THREADS overrides")
         torch.set_num_threads(threads)
         _chosen = threads
     if (threads, why) not in _logged:

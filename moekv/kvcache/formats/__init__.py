@@ -50,8 +50,6 @@ _PLAIN: dict[str, torch.dtype | None] = {"auto": None, "bf16": torch.bfloat16, "
 if tuple(_PLAIN) != PLAIN_KV_FORMAT_NAMES:
     raise ImportError(f"kvcache/formats/names.py lists the plain formats {PLAIN_KV_FORMAT_NAMES}, "
                       f"the registry {(*_PLAIN,)}")
-# compressed formats: (module in this package, class), imported when first asked for (keeps start-up light)
-_COMPRESSED = COMPRESSED_KV_FORMATS
 
 
 def _check_name(name: str) -> None:
@@ -62,7 +60,7 @@ def _check_name(name: str) -> None:
 def _format_class(name: str) -> type[KVFormat]:
     if name in REGISTERED_KV_FORMATS:
         return REGISTERED_KV_FORMATS[name]
-    module, cls = _COMPRESSED[name]
+    module, cls = COMPRESSED_KV_FORMATS[name]  # imported when first asked for
     return getattr(importlib.import_module(f"moekv.kvcache.formats.{module}"), cls)
 
 
@@ -100,7 +98,7 @@ def format_class(name: str) -> type[KVFormat]:
 
 def compressed_formats() -> tuple[str, ...]:
     """The formats that quantize their pages (every one but the plain 16/32-bit formats), in registry order."""
-    return (*_COMPRESSED, *REGISTERED_KV_FORMATS)
+    return (*COMPRESSED_KV_FORMATS, *REGISTERED_KV_FORMATS)
 
 
 def calibration_fitters() -> dict[str, CalibrationFitter]:

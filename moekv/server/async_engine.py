@@ -171,16 +171,13 @@ class AsyncEngine:
                         self._handles[seq.request_id] = handle
                 elif kind == "abort":
                     for rid in payload:
-                        out = self.engine.abort_request(rid)
+                        self._abort(rid)
                         self._handles.pop(rid, None)
-                        if out is not None:
-                            self.metrics.on_finished(out)
                 else:  # finish_all: unlike a client's abort, each client still gets its final output
                     finals = []
                     for rid, owner in list(self._handles.items()):
-                        out = self.engine.abort_request(rid)
+                        out = self._abort(rid)
                         if out is not None:
-                            self.metrics.on_finished(out)
                             finals.append((owner, out))
                     self._handles.clear()
                     self._post(finals)
@@ -206,6 +203,14 @@ class AsyncEngine:
                 del self._handles[out.request_id]
             batch.append((handle, out))
         self._post(batch)
+
+    def _abort(self, request_id: str):
+        """Abort one request in the engine (engine thread only); its final output, counted by the
+        metrics, or None when the engine no longer had it."""
+        out = self.engine.abort_request(request_id)
+        if out is not None:
+            self.metrics.on_finished(out)
+        return out
 
     def _resolve(self, future: asyncio.Future, value) -> None:
         """Resolve an event-loop future from this thread, after everything posted before it."""

@@ -15,11 +15,10 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from moekv.models.loader import moe_layers
 from moekv.ops.reference import cluster_routing_ref, fused_moe_ref
-from moekv.routing import checkpoint_router
+from moekv.routing import RouterLogits, checkpoint_router
 from moekv.routing.placement import Placement, PlacementStats
 from moekv.routing.tap import tapped
 
@@ -85,7 +84,8 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     @torch.no_grad()
     def compare(layer_idx, hidden, router_logits, weights, ids):
         moe = layers[layer_idx]
-        flat_w, flat_ids = flat_routers[layer_idx](hidden, F.linear(hidden, moe.gate))  # never touches router_logits
+        # never touches router_logits; the selection bias is the model's own (GLM, DeepSeek-V3)
+        flat_w, flat_ids = flat_routers[layer_idx](hidden, RouterLogits(hidden, moe.gate, moe.e_score_correction_bias))
         st = per_layer[layer_idx]
         st.tokens += ids.shape[0]
         st.same_set += int((ids.sort(1).values == flat_ids.sort(1).values).all(1).sum())
@@ -94,7 +94,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
             ours = fused_moe_ref(hidden, moe.w13, moe.w2, weights, ids).float()
             ref = fused_moe_ref(hidden, moe.w13, moe.w2, flat_w, flat_ids).float()
             if moe.shared_expert is not None:  # the layer's output includes its shared expert (same in both)
-                shared = (torch.sigmoid(F.linear(hidden, moe.shared_expert_gate)) * moe.shared_expert(hidden)).float()
+                shared = moe.shared_output(hidden).float()
                 ours, ref = ours + shared, ref + shared
             st.err_sq += float((ours - ref).pow(2).sum())
             st.ref_sq += float(ref.pow(2).sum())

@@ -63,7 +63,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(self.q_size, cfg.rms_norm_eps), RMSNorm(self.kv_size, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
         self.sliding_window = cfg.sliding_window
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta, cfg.rotary_dim)
         # with hooks.tp (tensor parallel): this rank's heads only; o_proj's output is all-reduced
         self.hooks = hooks if hooks is not None else LayerHooks()
 
@@ -95,7 +95,7 @@ class Attention(nn.Module):
             from moekv.ops.rope_kv_write import rope_kv_write
 
             q = rope_kv_write(ctx.positions, q, k, v, self.rotary.theta, target.k_dest, target.v_dest, target.index,
-                              target.staged, target.k_ring, target.v_ring)
+                              target.staged, target.k_ring, target.v_ring, self.rotary.rotary_dim)
             # k stays unrotated here, so no step_kv: compressed formats fuse the store in one-token
             # steps only, which read the cache alone; plain ones read pages that hold the K/V as computed
             step_kv = None

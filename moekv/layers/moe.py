@@ -36,7 +36,8 @@ def local_experts(device: torch.device) -> ExpertExecutor:
 
 
 class SparseMoE(nn.Module):
-    """Router + stacked experts (+ an optional always-on shared expert with a sigmoid gate). Its
+    """Router + stacked experts (+ an optional always-on shared expert, with a sigmoid gate when
+    cfg.shared_expert_gated). Its
     router, routing observer, ExpertExecutor and tensor-parallel group are its layer's hooks
     (layers/hooks.LayerHooks, shared with the layer's attention)."""
 
@@ -50,7 +51,8 @@ class SparseMoE(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
         self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
                               if cfg.shared_expert_intermediate_size else None)
-        self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
+        self.shared_expert_gate = (nn.Parameter(torch.empty(1, H))
+                                   if cfg.shared_expert_intermediate_size and cfg.shared_expert_gated else None)
         # tensor parallel (hooks.tp): this rank's share of the output (a slice of every expert, or with
         # expert parallelism its whole experts), all-reduced
         self.hooks = hooks if hooks is not None else LayerHooks()
@@ -79,5 +81,12 @@ class SparseMoE(nn.Module):
             hooks.observer(weights, expert_ids)
         out = hooks.experts(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+            out = out + self.shared_output(x)
         return out if hooks.tp is None else hooks.tp.all_reduce(out)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's contribution to the layer's output, gated when the model gates it."""
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is None:
+            return shared
+        return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared

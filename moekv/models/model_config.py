@@ -1,7 +1,7 @@
 """ModelConfig: the numbers of a decoder, read from a Hugging Face config.json.
 
 Each supported architecture maps its config keys onto these fields in its own module
-(mixtral.py, qwen_moe.py, olmoe.py); everything after loading sees only ModelConfig.
+(mixtral.py, qwen_moe.py, olmoe.py, glm4_moe.py); everything after loading sees only ModelConfig.
 """
 from __future__ import annotations
 
@@ -38,9 +38,14 @@ class ModelConfig:
     qk_norm: str | None = None
     clip_qkv: float | None = None
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # a sigmoid gate scales the shared expert (Qwen2-MoE); GLM's is ungated
     dense_intermediate_size: int = 0  # for layers that use a dense MLP instead of experts
     moe_layers: list[bool] = field(default_factory=list)  # per layer: experts (True) or dense MLP
     sliding_window: int | None = None
+    rotary_dim: int = 0  # leading elements of a head that RoPE rotates (partial RoPE); 0: all head_dim
+    # layers the checkpoint stores after the decoder's (GLM's multi-token-prediction layers, for
+    # speculative decoding): the loader skips their tensors
+    num_skipped_layers: int = 0
     torch_dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -54,6 +59,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.moe_layers:
             self.moe_layers = [True] * self.num_layers
+        self.rotary_dim = self.rotary_dim or self.head_dim
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise UnsupportedModelError(f"RoPE over {self.rotary_dim} of head_dim={self.head_dim} elements is not "
+                                        f"supported; accepted: an even number in (0, head_dim]")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
@@ -93,7 +102,8 @@ class ModelConfig:
                 continue
             expert = 3 * h * self.moe_intermediate_size
             router = self.num_experts * h
-            shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+            gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
+            shared = 3 * h * self.shared_expert_intermediate_size + gate
             total += self.num_experts * expert + router + shared
             active += self.top_k * expert + router + shared
         return total, active
@@ -128,14 +138,16 @@ def eos_ids_from(*values: Any) -> list[int]:
 
 def apply_routing_fields(cfg: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
     """Group-limited routing keys any architecture's config.json may carry (n_group, topk_group,
-    scoring_func, routed_scaling_factor, topk_method='noaux_tc' for the selection bias)."""
-    cfg.n_group = hf.get("n_group") or None
-    cfg.topk_group = hf.get("topk_group") or None
-    cfg.scoring_func = hf.get("scoring_func") or "softmax"
+    scoring_func, routed_scaling_factor, topk_method='noaux_tc' for the selection bias). A key the
+    config.json lacks keeps the value the architecture's module set (GLM-4.5 scores with a sigmoid
+    and has the selection bias without naming either)."""
+    cfg.n_group = hf.get("n_group") or cfg.n_group
+    cfg.topk_group = hf.get("topk_group") or cfg.topk_group
+    cfg.scoring_func = hf.get("scoring_func") or cfg.scoring_func
     if cfg.scoring_func not in ("softmax", "sigmoid"):
         raise UnsupportedModelError(f"scoring_func={cfg.scoring_func!r} is not supported; accepted: 'softmax', 'sigmoid'")
-    cfg.routed_scaling_factor = float(hf.get("routed_scaling_factor") or 1.0)
-    cfg.router_bias = hf.get("topk_method") == "noaux_tc"
+    cfg.routed_scaling_factor = float(hf.get("routed_scaling_factor") or cfg.routed_scaling_factor)
+    cfg.router_bias = cfg.router_bias or hf.get("topk_method") == "noaux_tc"
     return cfg
 
 

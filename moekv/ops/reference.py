@@ -29,7 +29,8 @@ def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 def rotary_cos_sin_ref(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin [T, D] for the non-interleaved ("rotate half") RoPE layout."""
+    """cos, sin [T, D] for the non-interleaved ("rotate half") RoPE layout. For partial RoPE pass
+    the rotary dims R as head_dim: [T, R], frequencies theta^(-2i/R)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
@@ -38,7 +39,11 @@ def rotary_cos_sin_ref(positions: torch.Tensor, head_dim: int, theta: float, dty
 
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]."""
+    """x [T, heads, D]; cos/sin [T, R] with R <= D: the first R elements of each head are rotated
+    (rotate-half within them), the other D - R pass unchanged (partial RoPE)."""
+    rot_dim = cos.shape[-1]
+    if rot_dim < x.shape[-1]:
+        return torch.cat((apply_rotary_ref(x[..., :rot_dim], cos, sin), x[..., rot_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -117,14 +122,16 @@ def write_kv_pages_ref(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Te
 
 def rope_kv_write_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, staged: bool = False,
-                      k_ring: torch.Tensor | None = None, v_ring: torch.Tensor | None = None) -> torch.Tensor:
-    """RoPE on q, k [T, heads, D], then the rotated k and v stored in the cache; returns the rotated q.
+                      k_ring: torch.Tensor | None = None, v_ring: torch.Tensor | None = None,
+                      rotary_dim: int | None = None) -> torch.Tensor:
+    """RoPE on q, k [T, heads, D] (the first rotary_dim elements of each head; None: all), then the
+    rotated k and v stored in the cache; returns the rotated q.
 
     staged=False: k_cache, v_cache are pages [N, Hkv, P, D], index = slot_mapping [T].
     staged=True: staging pages [S, Hkv, P, D], index = seq_slots [T] (one token per sequence) at
     offset position % P; k_ring, v_ring [S, Hkv, R, D] (optional) also get it at position % R.
     """
-    cos, sin = rotary_cos_sin_ref(positions, q.shape[-1], theta, q.dtype)
+    cos, sin = rotary_cos_sin_ref(positions, rotary_dim or q.shape[-1], theta, q.dtype)
     q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
     if not staged:
         write_kv_pages_ref(k_cache, v_cache, k, v, index)

@@ -14,7 +14,9 @@ into the cache. Two destinations:
 The rotation is the one of ops/rotary.py, same fp32 expression: the rotated k is rounded to the
 model dtype first, then to the cache's dtype, as the unfused path does, so both paths store the
 same values. Negative slots are skipped (never produced by the engine: padded graph rows use a
-scratch page). Shape legend: T = tokens, Hq / Hkv = query / KV heads, D = head_dim (even).
+scratch page). Partial RoPE (rotary_dim R < D): the first R elements of each q and k head are
+rotated, the rest copied as they are (ops/rotary.py). Shape legend: T = tokens, Hq / Hkv = query /
+KV heads, D = head_dim (even), R = rotary dims (even, <= D).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.rotary import rope_cos_sin, rope_rotate
+from moekv.ops.rotary import check_rotary_dim, rope_cos_sin, rope_pass_mask, rope_rotate
 
 
 @triton.jit
@@ -33,21 +35,25 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr
                           stride_ot, stride_oh,
                           stride_cn, stride_ch, stride_cp, stride_rn, stride_rh, stride_rp,
                           Hq, P, R, log2_theta,
-                          D: tl.constexpr, D2: tl.constexpr, BLOCK: tl.constexpr,
-                          STAGED: tl.constexpr, HAS_RING: tl.constexpr):
+                          D: tl.constexpr, ROT: tl.constexpr, ROT2: tl.constexpr, BLOCK: tl.constexpr,
+                          BLOCK_D: tl.constexpr, STAGED: tl.constexpr, HAS_RING: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
-    mask = i < D2
+    mask = i < ROT2
     pos_i = tl.load(pos_ptr + t).to(tl.int64)
-    c, s = rope_cos_sin(pos_i.to(tl.float32), i, D, log2_theta)
+    c, s = rope_cos_sin(pos_i.to(tl.float32), i, ROT, log2_theta)
     if h < Hq:
-        q1, q2 = rope_rotate(q_ptr + t * stride_qt + h * stride_qh, i, mask, c, s, D2)
+        qbase = q_ptr + t * stride_qt + h * stride_qh
+        q1, q2 = rope_rotate(qbase, i, mask, c, s, ROT2)
         obase = q_out_ptr + t * stride_ot + h * stride_oh
         tl.store(obase + i, q1, mask=mask)
-        tl.store(obase + D2 + i, q2, mask=mask)
+        tl.store(obase + ROT2 + i, q2, mask=mask)
+        if ROT < D:  # partial RoPE: the rest of the head unrotated
+            j, pmask = rope_pass_mask(D, ROT, BLOCK_D)
+            tl.store(obase + j, tl.load(qbase + j, mask=pmask, other=0.0), mask=pmask)
     else:
-        j = h - Hq  # kv head
+        hk = h - Hq  # kv head
         idx = tl.load(index_ptr + t).to(tl.int64)
         if STAGED:
             row, off = idx, pos_i % P  # staging slot of the sequence, its newest page's offset
@@ -55,21 +61,26 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr
             row, off = idx // P, idx % P  # page, offset
         if idx >= 0:
             # rounded to the model dtype first: the unfused path's rounding
-            k1, k2 = rope_rotate(k_ptr + t * stride_kt + j * stride_kh, i, mask, c, s, D2)
-            vbase = v_ptr + t * stride_vt + j * stride_vh
-            v1 = tl.load(vbase + i, mask=mask, other=0.0)
-            v2 = tl.load(vbase + D2 + i, mask=mask, other=0.0)
-            dst = row * stride_cn + j * stride_ch + off * stride_cp
+            kbase = k_ptr + t * stride_kt + hk * stride_kh
+            k1, k2 = rope_rotate(kbase, i, mask, c, s, ROT2)
+            jd = tl.arange(0, BLOCK_D)
+            dmask = jd < D
+            vrow = tl.load(v_ptr + t * stride_vt + hk * stride_vh + jd, mask=dmask, other=0.0)
+            dst = row * stride_cn + hk * stride_ch + off * stride_cp
             tl.store(kc_ptr + dst + i, k1.to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(kc_ptr + dst + D2 + i, k2.to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(vc_ptr + dst + i, v1.to(vc_ptr.dtype.element_ty), mask=mask)
-            tl.store(vc_ptr + dst + D2 + i, v2.to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc_ptr + dst + ROT2 + i, k2.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc_ptr + dst + jd, vrow.to(vc_ptr.dtype.element_ty), mask=dmask)
+            if ROT < D:
+                j, pmask = rope_pass_mask(D, ROT, BLOCK_D)
+                kpass = tl.load(kbase + j, mask=pmask, other=0.0)
+                tl.store(kc_ptr + dst + j, kpass.to(kc_ptr.dtype.element_ty), mask=pmask)
             if HAS_RING:
-                rdst = idx * stride_rn + j * stride_rh + (pos_i % R) * stride_rp
+                rdst = idx * stride_rn + hk * stride_rh + (pos_i % R) * stride_rp
                 tl.store(kr_ptr + rdst + i, k1.to(kr_ptr.dtype.element_ty), mask=mask)
-                tl.store(kr_ptr + rdst + D2 + i, k2.to(kr_ptr.dtype.element_ty), mask=mask)
-                tl.store(vr_ptr + rdst + i, v1.to(vr_ptr.dtype.element_ty), mask=mask)
-                tl.store(vr_ptr + rdst + D2 + i, v2.to(vr_ptr.dtype.element_ty), mask=mask)
+                tl.store(kr_ptr + rdst + ROT2 + i, k2.to(kr_ptr.dtype.element_ty), mask=mask)
+                tl.store(vr_ptr + rdst + jd, vrow.to(vr_ptr.dtype.element_ty), mask=dmask)
+                if ROT < D:
+                    tl.store(kr_ptr + rdst + j, kpass.to(kr_ptr.dtype.element_ty), mask=pmask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -78,13 +89,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, staged: bool = False,
-                  k_ring: torch.Tensor | None = None, v_ring: torch.Tensor | None = None) -> torch.Tensor:
+                  k_ring: torch.Tensor | None = None, v_ring: torch.Tensor | None = None,
+                  rotary_dim: int | None = None) -> torch.Tensor:
     """Rotate q and k at their positions, store the rotated k and v in the cache; return the rotated q.
 
     positions [T]; q [T, Hq, D], k, v [T, Hkv, D] (any row and head strides); k_cache, v_cache
     [N, Hkv, P, D] with index = slot_mapping [T] (staged=False), or [S, Hkv, P, D] with index =
     seq_slots [T] (staged=True: one token per sequence, offset position % P); k_ring, v_ring
-    [S, Hkv, R, D] (staged only): also store at (seq_slots[t], position % R).
+    [S, Hkv, R, D] (staged only): also store at (seq_slots[t], position % R); rotary_dim: the
+    leading elements of each head that are rotated (None: all D).
     Returns q rotated [T, Hq, D], contiguous, q's dtype. No host sync (CUDA-graph capturable).
     """
     T, Hq, D = q.shape
@@ -92,6 +105,8 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if D % 2 or k.shape[-1] != D or v.shape[-1] != D:
         raise ValueError(f"rope_kv_write: head_dim must be even and equal for q, k, v, got {D}, {k.shape[-1]}, "
                          f"{v.shape[-1]}")
+    rotary_dim = D if rotary_dim is None else rotary_dim
+    check_rotary_dim(D, rotary_dim, "rope_kv_write")
     if k_cache.shape[1] != Hkv or k_cache.shape[3] != D or v_cache.shape != k_cache.shape:
         raise ValueError(f"rope_kv_write: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold "
                          f"{Hkv} KV heads of head_dim {D}")
@@ -115,5 +130,6 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
         Hq, k_cache.shape[2], R, math.log2(theta),
-        D, D // 2, triton.next_power_of_2(D // 2), bool(staged), has_ring, num_warps=1)
+        D, rotary_dim, rotary_dim // 2, triton.next_power_of_2(rotary_dim // 2), triton.next_power_of_2(D),
+        bool(staged), has_ring, num_warps=1)
     return q_out

@@ -47,6 +47,13 @@ def make_config(arch: str):
     if arch == "qwen3_moe":
         return tf.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                  head_dim=16, norm_topk_prob=True, **COMMON)
+    if arch == "glm4_moe":  # GLM-4.5's features at a tiny size: partial RoPE, qk-norm, q/k/v biases, a dense
+        # first layer, a shared expert, sigmoid group-limited routing with a scaling factor
+        cfg = dict(COMMON, num_hidden_layers=3, num_key_value_heads=1)
+        return tf.Glm4MoeConfig(intermediate_size=96, moe_intermediate_size=16, n_routed_experts=32,
+                                num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2,
+                                first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                use_qk_norm=True, attention_bias=True, head_dim=32, partial_rotary_factor=0.5, **cfg)
     if arch == "olmoe":
         return tf.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                               clip_qkv=5.0, **COMMON)
@@ -62,6 +69,10 @@ def build_checkpoint(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
     for key, value in overrides.items():
         setattr(cfg, key, value)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # transformers initialises the selection bias to 0: draw one that changes choices
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.05)
     model.save_pretrained(out)
     write_tokenizer(out)
     return out

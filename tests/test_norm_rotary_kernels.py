@@ -87,3 +87,36 @@ def test_rotary_refuses_odd_head_dim():
     x = torch.randn(2, 1, 15, device=DEVICE)
     with pytest.raises(ValueError, match="even"):
         ro.apply_rotary(torch.arange(2, device=DEVICE), x, x, 1e4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D, R", [(32, 16), (128, 64), (16, 12), (96, 32)])  # GLM-4.5: 128 with 64 rotated
+def test_partial_rotary_matches_reference(D, R, dtype):
+    """Partial RoPE: the first R elements of each head rotated at frequencies theta^(-2i/R), the
+    other D - R copied bit for bit."""
+    g = torch.Generator().manual_seed(D + R)
+    T, Hq, Hkv = 5, 4, 2
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEVICE)
+    q = qkv[:, :Hq * D].reshape(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D)
+    positions = torch.tensor([0, 1, 7, 511, 3000], device=DEVICE)
+    q_out, k_out = ro.apply_rotary(positions, q, k, 1e4, R)
+    cos, sin = rotary_cos_sin_ref(positions, R, 1e4, torch.float64)
+    assert cos.shape == (T, R)
+    for x, out in ((q, q_out), (k, k_out)):
+        assert out.shape == x.shape
+        assert torch.equal(out[..., R:], x[..., R:])  # passed through untouched
+        exact = apply_rotary_ref(x.double(), cos, sin)
+        assert torch.equal(exact[..., R:], x[..., R:].double())
+        tol = 1e-4 if dtype == torch.float32 else 3e-3  # fp32 angles at position 3000: ~1e-5 relative
+        assert ((out.double() - exact).norm() / exact.norm()) < tol
+        # a full-width rotation differs: the partial one is not the full one in disguise
+        full = apply_rotary_ref(x.double(), *rotary_cos_sin_ref(positions, D, 1e4, torch.float64))
+        assert ((out.double() - full)[1:].norm() / full[1:].norm()) > 10 * tol
+
+
+def test_partial_rotary_refuses_bad_rotary_dim():
+    x = torch.randn(2, 1, 16, device=DEVICE)
+    for bad in (0, 7, 18):
+        with pytest.raises(ValueError, match="rotary_dim must be even and in"):
+            ro.apply_rotary(torch.arange(2, device=DEVICE), x, x, 1e4, bad)

@@ -133,6 +133,51 @@ def test_staging_matches_stage_decode_tokens(D, Hq, Hkv, dtype, ring):
         assert torch.allclose(got[name].float(), ref[name].float(), rtol=3e-3, atol=3e-3), name
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("D, R", [(32, 16), (128, 64)])  # GLM-4.5: head_dim 128, 64 rotated
+def test_partial_rope_pages_and_staging_match_the_unfused_path(D, R, dtype, cache_dtype):
+    """Partial RoPE (rotary_dim R < D) through both destinations: the same q and stored k, v as the
+    partial RoPE kernel followed by the reference stores; the unrotated elements stored as they are."""
+    Hq, Hkv, N, P = 4, 2, 8, 16
+    positions = torch.tensor(PREFILL["positions"], device=DEVICE)
+    slots = torch.tensor(PREFILL["slots"], device=DEVICE)
+    T = len(positions)
+    q, k, v = qkv(T, Hq, Hkv, D, dtype, seed=D + R)
+    k_pages = torch.full((N, Hkv, P, D), POISON, dtype=cache_dtype, device=DEVICE)
+    v_pages = k_pages.clone()
+    q_out = rkw.rope_kv_write(positions, q, k, v, THETA, k_pages, v_pages, slots, rotary_dim=R)
+    q_rot, k_rot = ro.apply_rotary(positions, q, k, THETA, R)
+    k_exp, v_exp = torch.full_like(k_pages, POISON), torch.full_like(v_pages, POISON)
+    write_kv_pages_ref(k_exp, v_exp, k_rot, v, slots)
+    assert_same(q_out, q_rot)
+    assert_same(k_pages, k_exp)
+    assert torch.equal(v_pages, v_exp)
+    assert torch.equal(q_out[..., R:], q[..., R:])
+    pages, offsets = slots // P, slots % P
+    assert torch.equal(k_pages[pages, :, offsets, R:], k[..., R:].to(cache_dtype))
+    exact = apply_rotary_ref(q.double(), *rotary_cos_sin_ref(positions, R, THETA, torch.float64))
+    assert ((q_out.double() - exact).norm() / exact.norm()) < (1e-5 if dtype == torch.float32 else 3e-3)
+    k_ref, v_ref = torch.full_like(k_pages, POISON), torch.full_like(v_pages, POISON)
+    q_ref = rope_kv_write_ref(positions, q, k, v, THETA, k_ref, v_ref, slots, rotary_dim=R)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert torch.allclose(q_out.float(), q_ref.float(), rtol=tol, atol=tol)
+    assert torch.allclose(k_pages.float(), k_ref.float(), rtol=tol, atol=tol)
+    # staged, with a residual ring: one token per sequence
+    S, ring = 5, 32
+    dpos = torch.tensor([5, 17, 0, 47], device=DEVICE)
+    seq_slots = torch.tensor([4, 0, 2, 1], device=DEVICE)
+    q, k, v = qkv(len(dpos), Hq, Hkv, D, dtype, seed=D * R)
+    got = [torch.full((S, Hkv, n, D), POISON, dtype=cache_dtype, device=DEVICE) for n in (P, P, ring, ring)]
+    want = [x.clone() for x in got]
+    q_out = rkw.rope_kv_write(dpos, q, k, v, THETA, got[0], got[1], seq_slots, True, got[2], got[3], rotary_dim=R)
+    q_rot, k_rot = ro.apply_rotary(dpos, q, k, THETA, R)
+    for cache, x in zip(want, (k_rot, v, k_rot, v)):
+        cache[seq_slots, :, dpos % cache.shape[2]] = x.to(cache_dtype)
+    assert_same(q_out, q_rot)
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
 def test_bad_shapes_are_refused():
     q, k, v = qkv(2, 2, 1, 32, torch.float32, 0)
     pos, idx = torch.arange(2, device=DEVICE), torch.arange(2, device=DEVICE)

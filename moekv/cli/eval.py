@@ -124,8 +124,8 @@ def cmd_eval_routing(args: argparse.Namespace) -> int:
         for label, table in (("this routing", record["placements"]), ("flat routing", record["flat_placements"])):
             for name, p in table.items():
                 print(f"{label:<12} under {name:<9} placement ({p['num_devices']} devices): locality "
-                      f"{p['locality']:.3f}, fan-out {p['fan_out']:.2f}, {p['cross_device_bytes_per_token']:,.0f} "
-                      f"cross-device bytes/token")
+                      f"{p['locality']:.3f}, fan-out {p['fan_out']:.2f} (max {p['max_fan_out']}), "
+                      f"{p['cross_device_bytes_per_token']:,.0f} cross-device bytes/token")
         if "ep_bytes_per_token" in record:
             print(f"expert parallel: {record['ep_bytes_per_token']:,.0f} bytes/token really sent between the ranks "
                   f"(placement predicts {record['placements']['engine']['cross_device_bytes_per_token']:,.0f})")

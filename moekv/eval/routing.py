@@ -61,14 +61,18 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
     engine_placement = getattr(runner, "expert_placement", None)
     if engine_placement is not None:  # the ranks the experts really live on
         num_devices = num_devices or runner.parallel.world_size
-    num_devices = num_devices or (cluster_map.num_clusters if cluster_map is not None else min(4, cfg.num_experts))
+    first = next(iter(layers.values())).hooks.router
+    n_group = getattr(first, "n_group", 1)
+    if cluster_map is not None:
+        num_devices = num_devices or cluster_map.num_clusters
+    elif n_group > 1:  # one expert group per device
+        num_devices = num_devices or n_group
+    num_devices = num_devices or min(4, cfg.num_experts)
     placements = {}
     if engine_placement is not None:
         placements["engine"] = Placement(engine_placement, runner.parallel.world_size, "engine")
     if cluster_map is not None:
         placements["clustered"] = Placement.from_clusters(cluster_map, num_devices)
-    first = next(iter(layers.values())).hooks.router
-    n_group = getattr(first, "n_group", 1)
     if n_group > 1:  # group-limited routing: group g on device g mod D (groups are contiguous experts)
         per_group = cfg.num_experts // n_group
         placements["grouped"] = Placement({i: torch.arange(cfg.num_experts) // per_group % num_devices for i in layers},
@@ -126,6 +130,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
         if randoms:
             out["random"] = {key: sum(r[key] for r in randoms) / len(randoms)
                              for key in ("locality", "fan_out", "cross_device_bytes_per_token")}
+            out["random"]["max_fan_out"] = max(r["max_fan_out"] for r in randoms)
             out["random"].update(placement=f"random (mean of {len(randoms)} seeds)", num_devices=num_devices)
         return out
 
@@ -143,6 +148,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
         "mode": mode,
         "locality": main["locality"],
         "fan_out": main["fan_out"],
+        "max_fan_out": main["max_fan_out"],
         "cross_device_bytes_per_token": main["cross_device_bytes_per_token"],
         "placement": main["placement"],
         "topk_agreement": {"set": sum(s.same_set for s in per_layer.values()) / total,

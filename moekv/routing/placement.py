@@ -3,7 +3,8 @@
 One cluster per device by default (cluster c -> device c mod D), so a token routed inside one
 cluster touches one device. For a batch of decisions expert_ids [T, k] (best first):
 - locality: share of the token's k assignments that live on the device of its top-1 expert;
-- fan-out: mean number of distinct devices a token's experts occupy;
+- fan-out: mean number of distinct devices a token's experts occupy (max_fan_out: the most any
+  token's did, which group-limited routing under its grouped placement bounds by topk_group);
 - cross-device bytes per token: a token is processed on its top-1 expert's device and its hidden
   state goes to, and its expert output comes back from, every other device it uses:
   2 x H x bytes per element per remote device, summed over the MoE layers.
@@ -52,6 +53,7 @@ class PlacementStats:
         self.placement = placement
         self.local = self.assignments = self.devices = self.tokens = 0
         self.per_layer: dict[int, list[float]] = {}  # layer -> [local, assignments, devices, tokens]
+        self.max_devices: dict[int, int] = {}  # layer -> the most devices one token's experts occupied
 
     def add(self, layer_idx: int, expert_ids: torch.Tensor) -> None:
         dev = self.placement.device_of_expert[layer_idx].to(expert_ids.device)[expert_ids]  # [T, k]
@@ -59,6 +61,8 @@ class PlacementStats:
         used = torch.zeros(dev.shape[0], self.placement.num_devices, dtype=torch.bool, device=dev.device)
         used.scatter_(1, dev, True)
         devices = int(used.sum())
+        if dev.shape[0]:
+            self.max_devices[layer_idx] = max(self.max_devices.get(layer_idx, 0), int(used.sum(1).max()))
         row = self.per_layer.setdefault(layer_idx, [0, 0, 0, 0])
         for j, v in enumerate((local, dev.numel(), devices, dev.shape[0])):
             row[j] += v
@@ -72,10 +76,11 @@ class PlacementStats:
         (and per layer)."""
         totals = [sum(row[j] for row in self.per_layer.values()) for j in range(4)]
         out = self._summary(*totals)
+        out["max_fan_out"] = max(self.max_devices.values(), default=0)
         per_token = 2 * hidden_size * bytes_per_element
         remote_per_token = sum((row[2] - row[3]) / max(row[3], 1) for row in self.per_layer.values())
         out["cross_device_bytes_per_token"] = per_token * remote_per_token
-        out["per_layer"] = {i: {**self._summary(*row),
+        out["per_layer"] = {i: {**self._summary(*row), "max_fan_out": self.max_devices.get(i, 0),
                                 "cross_device_bytes_per_token": per_token * (row[2] - row[3]) / max(row[3], 1)}
                             for i, row in sorted(self.per_layer.items())}
         out["placement"] = self.placement.name

@@ -256,11 +256,11 @@ def test_which_formats_fuse():
     assert tiered.fused_rope_write_target(cache, k, dec) is None
 
 
-def make_attention(dtype, head_dim=32, num_heads=4, num_kv_heads=2, seed=0):
+def make_attention(dtype, head_dim=32, num_heads=4, num_kv_heads=2, seed=0, rotary_dim=0):
     cfg = ModelConfig(architecture="test", vocab_size=8, hidden_size=64, num_layers=1, num_heads=num_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=THETA,
                       max_position_embeddings=4096, num_experts=1, top_k=1, moe_intermediate_size=8,
-                      norm_topk_prob=False)
+                      norm_topk_prob=False, rotary_dim=rotary_dim)
     attn = Attention(cfg, 0)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -269,14 +269,15 @@ def make_attention(dtype, head_dim=32, num_heads=4, num_kv_heads=2, seed=0):
     return attn.to(dtype).to(DEVICE)
 
 
-def run_both_ways(fmt_name, dtype, steps, P, observer=False, monkeypatch=None):
-    """Run the same steps through the layer fused and unfused; return (outputs, caches, observed k) per way."""
+def run_both_ways(fmt_name, dtype, steps, P, observer=False, monkeypatch=None, rotary_dim=0):
+    """Run the same steps through the layer fused and unfused; return (outputs, caches, observed k) per way.
+    rotary_dim: partial RoPE over that many of the head's 32 elements (0: all)."""
     results, calls = [], []
     if monkeypatch is not None:  # count the fused launches (the layer imports the launcher at each call)
         launch = rkw.rope_kv_write
         monkeypatch.setattr(rkw, "rope_kv_write", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     for fuse in (True, False):
-        attn = make_attention(dtype)
+        attn = make_attention(dtype, rotary_dim=rotary_dim)
         attn.hooks.fuse_rope_write = fuse
         fmt = get_kv_format(fmt_name, dtype, **({"residual": 32} if fmt_name == "kivi2" else {}))
         attn.hooks.kv_format, attn.hooks.kv_cache = fmt, fmt.allocate(16, 2, P, 32, torch.device(DEVICE), 4, dtype)
@@ -292,15 +293,18 @@ def run_both_ways(fmt_name, dtype, steps, P, observer=False, monkeypatch=None):
     return results
 
 
-@pytest.mark.parametrize("fmt_name, dtype", [("fp32", torch.float32), ("fp16", torch.float16),
-                                             ("int4", torch.float16), ("kivi2", torch.float16)])
-def test_layer_fused_matches_unfused(fmt_name, dtype, monkeypatch):
+@pytest.mark.parametrize("fmt_name, dtype, rotary_dim", [("fp32", torch.float32, 0), ("fp16", torch.float16, 0),
+                                                         ("int4", torch.float16, 0), ("kivi2", torch.float16, 0),
+                                                         ("fp32", torch.float32, 16), ("kivi2", torch.float16, 16)])
+def test_layer_fused_matches_unfused(fmt_name, dtype, rotary_dim, monkeypatch):
+    """rotary_dim 16 of 32: partial RoPE (GLM-4.5) through both paths."""
     P = 32
     if fmt_name.startswith("fp"):
         steps = [prefill_ctx([(0, 5), (30, 4)], P), decode_ctx([6, 35], [0, 1], P)]
     else:  # the staged formats fuse decode steps that fill no page
         steps = [decode_ctx([3, 20, 9], [2, 0, 3], P), decode_ctx([4, 21, 10], [2, 0, 3], P)]
-    (out_f, cache_f, _), (out_u, cache_u, _) = run_both_ways(fmt_name, dtype, steps, P, monkeypatch=monkeypatch)
+    (out_f, cache_f, _), (out_u, cache_u, _) = run_both_ways(fmt_name, dtype, steps, P, monkeypatch=monkeypatch,
+                                                             rotary_dim=rotary_dim)
     tol = 1e-4 if dtype == torch.float32 else 1e-2  # the CPU unfused path rotates with model-dtype cos/sin
     for a, b in zip(out_f, out_u):
         assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
@@ -319,8 +323,9 @@ def test_observer_keeps_the_unfused_path(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rotary_dim", [0, 16])  # 16 of 32: partial RoPE (GLM-4.5)
 @pytest.mark.parametrize("fmt_name", ["bf16", "int4", "fp8_e4m3", "kivi2"])
-def test_layer_fused_matches_unfused_cuda_bf16(fmt_name, monkeypatch):
+def test_layer_fused_matches_unfused_cuda_bf16(fmt_name, rotary_dim, monkeypatch):
     """On CUDA both paths rotate with the same fp32 expression: the caches must agree to the bit
     (k allowed one bf16 rounding step, in case the compiler contracts the products differently)."""
     P = 32
@@ -328,7 +333,7 @@ def test_layer_fused_matches_unfused_cuda_bf16(fmt_name, monkeypatch):
     if fmt_name == "bf16":
         steps = [prefill_ctx([(0, 5), (30, 4), (64, 17)], P)] + steps
     (out_f, cache_f, _), (out_u, cache_u, _) = run_both_ways(fmt_name, torch.bfloat16, steps, P,
-                                                             monkeypatch=monkeypatch)
+                                                             monkeypatch=monkeypatch, rotary_dim=rotary_dim)
     for a, b in zip(out_f, out_u):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     for name in cache_u:

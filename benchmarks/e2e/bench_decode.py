@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""End-to-end decode time per output token (TPOT) of a Mixtral-8x7B-shaped model on one GPU.
+"""End-to-end decode time per output token (TPOT) of a Mixtral-8x7B-shaped model on one GPU (or of
+another shape of SHAPES: GLM-4.5-Air's, cut to its first 10 layers to fit one GPU).
 
 The model is built with random bf16 weights (no checkpoint: `--random-weights --shape
 mixtral-8x7b`), its KV pools are filled with valid pages of each format as if `context` tokens
@@ -13,6 +14,8 @@ the same run. `transformers` runs the same shape at batch 1 as the naive baselin
         --out benchmarks/results/h200/decode.json
     PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --formats nuq2 --decode-kernel gluon ...
         # nuq2 through the Gluon decode kernel (pools in fragment order)
+    PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --shape glm-4.5-air-10l \
+        --points 1:4096 32:32768 --no-transformers --out FILE   # Glm4Moe: partial RoPE, shared expert
 """
 from __future__ import annotations
 
@@ -32,14 +35,24 @@ sys.path.insert(0, str(REPO))
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import DECODE_KERNELS, compressed_formats, get_kv_format  # noqa: E402
 from moekv.kvcache.formats.fragment import FragmentPagedFormat  # noqa: E402
-from moekv.models import mixtral  # noqa: E402
-from moekv.models.loader import empty_model, init_dummy_weights, install_routers  # noqa: E402
+from moekv.models.loader import ARCH_MODULES, empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
 
 SHAPES = {
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, intermediate_size=14336, num_local_experts=8,
                          num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
+    # GLM-4.5-Air (Glm4MoeForCausalLM) with its first 10 of 46 layers (one dense, nine with 128 experts top-8 and
+    # a shared expert; about 45 GiB in bf16), so that it fits one GPU beside a KV cache: partial RoPE (64 of 128),
+    # q/k/v biases, sigmoid routing with the selection bias. A step's time scales with the layers it runs.
+    "glm-4.5-air-10l": dict(architectures=["Glm4MoeForCausalLM"], vocab_size=151552, hidden_size=4096,
+                            num_hidden_layers=10, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                            intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128,
+                            num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                            topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
+                            use_qk_norm=False, num_nextn_predict_layers=0, max_position_embeddings=131072,
+                            rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                "partial_rotary_factor": 0.5}),
     # a quick check of the whole path (seconds, any GPU)
     "small": dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=128, intermediate_size=2048, num_local_experts=8,
@@ -54,27 +67,43 @@ def hf_config(shape: str) -> dict:
     return {"architectures": ["MixtralForCausalLM"], "torch_dtype": "bfloat16", **SHAPES[shape]}
 
 
-def build_random_model(shape: str, device: torch.device):
-    """MoEDecoder of the shape with the loader's dummy weights (N(0, 0.02), norms at 1), built on the GPU directly."""
+def model_config(shape: str):
+    """The ModelConfig of a shape, read by its architecture's module as the loader reads a config.json."""
     hf = hf_config(shape)
-    cfg = apply_routing_fields(mixtral.config_from_hf(hf), hf)
+    return apply_routing_fields(ARCH_MODULES[hf["architectures"][0]].config_from_hf(hf), hf)
+
+
+def build_random_model(shape: str, device: torch.device):
+    """MoEDecoder of the shape with the loader's dummy weights (N(0, 0.02), norms at 1), built on the GPU
+    directly, routing as its checkpoint would (Mixtral: softmax top-k; GLM: sigmoid with the selection bias)."""
+    cfg = model_config(shape)
     model = init_dummy_weights(empty_model(cfg, torch.bfloat16, device))
-    install_routers(model, cfg, routing="flat")
+    install_routers(model, cfg, routing="auto")
     return model, cfg
 
 
 def weight_bytes_per_step(cfg, batch: int) -> tuple[int, float]:
-    """(bytes of all weights, bytes one decode step reads): attention + norms + router + LM head
-    for every step, experts only for the expected distinct experts a batch of random tokens
-    touches per layer, E * (1 - (1 - k/E)^B)."""
+    """(bytes of all weights, bytes one decode step reads): attention (with its biases and q/k norms),
+    norms, dense MLP layers, routers, shared experts and the LM head for every step, routed experts
+    only for the expected distinct experts a batch of random tokens touches per layer,
+    E * (1 - (1 - k/E)^B). Two bytes an element (bf16)."""
     H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size
     attn = (cfg.q_size + 2 * cfg.kv_size) * H + H * cfg.q_size
+    attn += (cfg.q_size + 2 * cfg.kv_size if cfg.qkv_bias else 0) + (H if cfg.o_bias else 0)
+    attn += 2 * cfg.head_dim if cfg.qk_norm == "per_head" else (cfg.q_size + cfg.kv_size if cfg.qk_norm else 0)
     expert = 3 * H * I
-    per_layer_dense = attn + E * H + 2 * H
-    total = 2 * (cfg.num_layers * (per_layer_dense + E * expert) + 2 * cfg.vocab_size * H + H)
+    shared = 3 * H * cfg.shared_expert_intermediate_size
+    shared += H if cfg.shared_expert_intermediate_size and cfg.shared_expert_gated else 0
+    router = E * H + (E if cfg.router_bias else 0)
     distinct = E * (1 - (1 - k / E) ** batch)
-    read = 2 * (cfg.num_layers * (per_layer_dense + distinct * expert) + cfg.vocab_size * H + H) + 2 * batch * H
-    return total, read
+    total = read = 0.0
+    for is_moe in cfg.moe_layers:
+        common = attn + 2 * H + (router + shared if is_moe else 3 * H * cfg.dense_intermediate_size)
+        total += common + (E * expert if is_moe else 0)
+        read += common + (distinct * expert if is_moe else 0)
+    total = 2 * (total + 2 * cfg.vocab_size * H + H)
+    read = 2 * (read + cfg.vocab_size * H + H) + 2 * batch * H
+    return int(total), read
 
 
 def kv_bytes_per_token(fmt, cfg, block_size: int) -> float:
@@ -290,18 +319,19 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
 
 
 def transformers_baseline(shape: str, context: int, device, bandwidth: float, iters: int) -> dict:
-    """The same shape through transformers' MixtralForCausalLM (random weights, its own cache):
-    prefill `context` tokens, then time single-token forwards."""
+    """The same shape through transformers' own class of its architecture (random weights, its own
+    cache): prefill `context` tokens, then time single-token forwards."""
     row = {"impl": "transformers", "kv_cache_dtype": "bf16", "batch": 1, "context": context}
     try:
         import transformers
-        from transformers import MixtralConfig, MixtralForCausalLM
 
         row["transformers"] = transformers.__version__
+        arch = hf_config(shape)["architectures"][0]
         hf = {k: v for k, v in hf_config(shape).items() if k not in ("architectures", "torch_dtype")}
-        config = MixtralConfig(**hf)
+        model_class = getattr(transformers, arch)
+        config = model_class.config_class(**hf)
         with torch.device(device):
-            model = MixtralForCausalLM._from_config(config, torch_dtype=torch.bfloat16).eval()
+            model = model_class._from_config(config, torch_dtype=torch.bfloat16).eval()
         ids = torch.randint(0, config.vocab_size, (1, context), device=device)
         with torch.no_grad():
             out = model(ids, use_cache=True)
@@ -314,7 +344,7 @@ def transformers_baseline(shape: str, context: int, device, bandwidth: float, it
                 model(nxt, past_key_values=past, position_ids=position, use_cache=True)
 
             row["tpot_ms"] = time_ms(step, iters)
-        cfg = apply_routing_fields(mixtral.config_from_hf(hf_config(shape)), hf_config(shape))
+        cfg = model_config(shape)
         _, weights_read = weight_bytes_per_step(cfg, 1)
         kv_read = context * cfg.num_layers * 2 * cfg.kv_size * 2
         row["floor_ms"] = 1e3 * (weights_read + kv_read) / bandwidth

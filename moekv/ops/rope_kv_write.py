@@ -41,6 +41,7 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
     mask = i < ROT2
+    j, pmask = rope_pass_mask(D, ROT, BLOCK_D)  # the unrotated elements (none when ROT == D)
     pos_i = tl.load(pos_ptr + t).to(tl.int64)
     c, s = rope_cos_sin(pos_i.to(tl.float32), i, ROT, log2_theta)
     if h < Hq:
@@ -50,7 +51,6 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr
         tl.store(obase + i, q1, mask=mask)
         tl.store(obase + ROT2 + i, q2, mask=mask)
         if ROT < D:  # partial RoPE: the rest of the head unrotated
-            j, pmask = rope_pass_mask(D, ROT, BLOCK_D)
             tl.store(obase + j, tl.load(qbase + j, mask=pmask, other=0.0), mask=pmask)
     else:
         hk = h - Hq  # kv head
@@ -63,24 +63,23 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr
             # rounded to the model dtype first: the unfused path's rounding
             kbase = k_ptr + t * stride_kt + hk * stride_kh
             k1, k2 = rope_rotate(kbase, i, mask, c, s, ROT2)
-            jd = tl.arange(0, BLOCK_D)
-            dmask = jd < D
-            vrow = tl.load(v_ptr + t * stride_vt + hk * stride_vh + jd, mask=dmask, other=0.0)
+            dmask = j < D  # the whole head, for v
+            vrow = tl.load(v_ptr + t * stride_vt + hk * stride_vh + j, mask=dmask, other=0.0)
             dst = row * stride_cn + hk * stride_ch + off * stride_cp
             tl.store(kc_ptr + dst + i, k1.to(kc_ptr.dtype.element_ty), mask=mask)
             tl.store(kc_ptr + dst + ROT2 + i, k2.to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(vc_ptr + dst + jd, vrow.to(vc_ptr.dtype.element_ty), mask=dmask)
+            tl.store(vc_ptr + dst + j, vrow.to(vc_ptr.dtype.element_ty), mask=dmask)
             if ROT < D:
-                j, pmask = rope_pass_mask(D, ROT, BLOCK_D)
                 kpass = tl.load(kbase + j, mask=pmask, other=0.0)
                 tl.store(kc_ptr + dst + j, kpass.to(kc_ptr.dtype.element_ty), mask=pmask)
             if HAS_RING:
                 rdst = idx * stride_rn + hk * stride_rh + (pos_i % R) * stride_rp
                 tl.store(kr_ptr + rdst + i, k1.to(kr_ptr.dtype.element_ty), mask=mask)
                 tl.store(kr_ptr + rdst + ROT2 + i, k2.to(kr_ptr.dtype.element_ty), mask=mask)
-                tl.store(vr_ptr + rdst + jd, vrow.to(vr_ptr.dtype.element_ty), mask=dmask)
+                tl.store(vr_ptr + rdst + j, vrow.to(vr_ptr.dtype.element_ty), mask=dmask)
                 if ROT < D:
-                    tl.store(kr_ptr + rdst + j, kpass.to(kr_ptr.dtype.element_ty), mask=pmask)
+                    kpass_ring = tl.load(kbase + j, mask=pmask, other=0.0)
+                    tl.store(kr_ptr + rdst + j, kpass_ring.to(kr_ptr.dtype.element_ty), mask=pmask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

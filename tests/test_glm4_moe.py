@@ -223,3 +223,61 @@ def test_group_placement_bounds_devices_per_token(glm_ckpts, tmp_path):
     flat_grouped = record["flat_placements"]["grouped"]
     assert flat_grouped["max_fan_out"] > 2
     assert flat_grouped["cross_device_bytes_per_token"] > grouped["cross_device_bytes_per_token"]
+
+
+def test_info_describes_glm(glm_ckpts):
+    """`moekv info` names GLM's partial RoPE, ungated shared expert, routing and skipped MTP layer."""
+    from tests.test_cli import run_cli
+
+    r = run_cli("info", "--model", str(glm_ckpts["glm_a"]))
+    assert r.returncode == 0, r.stderr
+    assert "Glm4MoeForCausalLM" in r.stdout and "3 (2 with experts)" in r.stdout
+    assert "4 query / 1 KV, head_dim 32, RoPE on its first 16" in r.stdout
+    assert "shared expert 16 (ungated)" in r.stdout
+    assert "sigmoid scores, selection bias, top-2 of 4 expert groups, weights x 2.5, renormalised" in r.stdout
+    assert "MTP layers        1 after the decoder, not run" in r.stdout
+    assert "nuq2" in r.stdout and "bytes/token" in r.stdout
+
+
+# -- CUDA: the fused kernels (partial RoPE + KV write, group-limited routing with the bias, the MoE
+# GEMM/GEMV with an ungated shared expert) and CUDA graphs ------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_matches_transformers(glm_ckpts):
+    """float32 on CUDA (TF32 may be on for matmuls): logits within 1e-3 of transformers, greedy tokens
+    equal to the CPU path's for both checkpoints."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for name, path in glm_ckpts.items():
+        hf = load_hf(path)
+        gpu = LLM(path, dtype="float32", device="cuda", max_model_len=128)
+        for prompt, logits in zip(PROMPTS, gpu.score(prompts)):
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt])).logits[0].float()
+            assert (logits.cpu() - ref).abs().max().item() < 1e-3, name
+        cpu = LLM(path, dtype="float32", max_model_len=128)
+        got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+        want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+        assert got == want, name
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int4", "nuq2", "kivi2", "tiered"])
+def test_cuda_bf16_glm_head_geometry_every_format(fmt, tmp_path):
+    """GLM-4.5's head geometry (head_dim 128, RoPE on 64) in bf16 on CUDA through each format's
+    decode kernels and graphs: the first tokens agree with the bf16 cache's and every page returns."""
+    path = build_checkpoint("glm4_moe", tmp_path / "glm_hd128", seed=3, head_dim=128, num_key_value_heads=2)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = LLM(path, dtype="bfloat16", device="cuda", max_model_len=128, kv_cache_dtype="bf16").generate(prompts, params)
+    llm = LLM(path, dtype="bfloat16", device="cuda", max_model_len=128, **engine_kwargs_for(fmt))
+    assert llm.engine.model_config.rotary_dim == 64
+    for out, want in zip(llm.generate(prompts, params), ref):
+        assert len(out.outputs[0].token_ids) == 16
+        assert out.outputs[0].token_ids[:2] == want.outputs[0].token_ids[:2], fmt
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

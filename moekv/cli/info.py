@@ -22,15 +22,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("architecture", cfg.architecture),
         ("layers", f"{cfg.num_layers} ({moe_layers} with experts)"),
         ("hidden size", cfg.hidden_size),
-        ("attention heads", f"{cfg.num_heads} query / {cfg.num_kv_heads} KV, head_dim {cfg.head_dim}"),
+        ("attention heads", f"{cfg.num_heads} query / {cfg.num_kv_heads} KV, head_dim {cfg.head_dim}"
+                            + (f", RoPE on its first {cfg.rotary_dim}" if cfg.rotary_dim < cfg.head_dim else "")),
         ("experts", f"{cfg.num_experts}, top-{cfg.top_k}, intermediate {cfg.moe_intermediate_size}"
                     + (f", shared expert {cfg.shared_expert_intermediate_size}"
+                       + ("" if cfg.shared_expert_gated else " (ungated)")
                        if cfg.shared_expert_intermediate_size else "")),
+        ("routing", _routing_row(cfg)),
         ("vocabulary", cfg.vocab_size),
         ("max positions", cfg.max_position_embeddings),
         ("parameters", f"{total:,} total, {active:,} active per token ({100 * active / total:.1f}%)"),
         ("checkpoint dtype", str(cfg.torch_dtype).replace("torch.", "")),
     ]
+    if cfg.num_skipped_layers:
+        rows.append(("MTP layers", f"{cfg.num_skipped_layers} after the decoder, not run (speculative decoding): "
+                                   f"their weights are skipped"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -54,6 +60,19 @@ def cmd_info(args: argparse.Namespace) -> int:
         bits = fmt.bits_per_element(cfg.num_kv_heads, block_size, cfg.head_dim)
         print(f"  {name:<10} {per_token:>10,.0f} bytes/token  {bits:5.2f} bits/element  (block_size {block_size})")
     return 0
+
+
+def _routing_row(cfg) -> str:
+    """How the checkpoint routes: scoring, selection bias, groups, scaling, renormalisation."""
+    parts = [f"{cfg.scoring_func} scores"]
+    if cfg.router_bias:
+        parts.append("selection bias")
+    if cfg.n_group and cfg.n_group > 1:
+        parts.append(f"top-{cfg.topk_group} of {cfg.n_group} expert groups")
+    if cfg.routed_scaling_factor != 1.0:
+        parts.append(f"weights x {cfg.routed_scaling_factor:g}")
+    parts.append("renormalised" if cfg.norm_topk_prob else "not renormalised")
+    return ", ".join(parts)
 
 
 def add_info_parser(subparsers) -> argparse.ArgumentParser:

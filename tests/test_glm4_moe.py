@@ -225,6 +225,23 @@ def test_group_placement_bounds_devices_per_token(glm_ckpts, tmp_path):
     assert flat_grouped["cross_device_bytes_per_token"] > grouped["cross_device_bytes_per_token"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2+ep"])
+def test_two_ranks_match_one_process(glm_ckpts, expert_parallel):
+    """Tensor (and expert) parallelism over 2 CPU processes (gloo): glm_a's single KV head replicated on
+    both ranks, q/k/v biases and per-head norms cut with their heads, the ungated shared expert and the
+    dense layer cut along their intermediate dimension, the routers (with the bias) replicated."""
+    from tests.test_parallel import run
+
+    ref_tokens, ref_logits, _ = run(glm_ckpts["glm_a"])
+    tokens, logits, stats = run(glm_ckpts["glm_a"], tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+                                distributed_timeout=60)
+    assert tokens == ref_tokens
+    for ours, ref in zip(logits, ref_logits):
+        assert (ours - ref).abs().max() < 1e-5
+    assert (stats.ep_bytes_sent is not None and stats.ep_bytes_sent > 0) == expert_parallel
+
+
 def test_info_describes_glm(glm_ckpts):
     """`moekv info` names GLM's partial RoPE, ungated shared expert, routing and skipped MTP layer."""
     from tests.test_cli import run_cli

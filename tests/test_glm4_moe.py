@@ -123,6 +123,20 @@ def test_selection_bias_changes_choices(glm_ckpts):
 
 # every format but vq (it needs calibration tables: random ones below) and tiered (re-ranks its pages: its
 # own options below)
+def test_selection_bias_stays_float32_in_a_bf16_model(glm_ckpts):
+    """A bf16 model keeps the checkpoint's float32 selection bias bit for bit (as transformers does),
+    the router rows in bf16."""
+    from moekv.models.loader import load_model, moe_layers
+
+    path = glm_ckpts["glm_a"]
+    model = load_model(path, torch.bfloat16, torch.device("cpu"))
+    stored = load_file(str(path / "model.safetensors"))
+    for i, moe in moe_layers(model).items():
+        bias = moe.e_score_correction_bias
+        assert bias.dtype == torch.float32 and moe.gate.dtype == torch.bfloat16
+        assert torch.equal(bias, stored[f"model.layers.{i}.mlp.gate.e_score_correction_bias"])
+
+
 FORMATS = ["bf16", "fp16", *self_contained_compressed(), "vq", "tiered"]
 
 

@@ -47,8 +47,10 @@ class SparseMoE(nn.Module):
         self.gate = nn.Parameter(torch.empty(E, H))  # router weights: logits = x @ gate.T
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, H))  # per expert: gate rows, then up rows
         self.w2 = nn.Parameter(torch.empty(E, H, I))
-        # DeepSeek-V3's selection bias (added to the scores for the choice only)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
+        # DeepSeek-V3's and GLM-4.5's selection bias (added to the scores for the choice only), in fp32 at any
+        # model dtype as the checkpoints keep it: rounded to bf16 it would reorder experts whose biased scores
+        # differ by less than its spacing (2^-9 near 0.5)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32)) if cfg.router_bias else None
         self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
                               if cfg.shared_expert_intermediate_size else None)
         self.shared_expert_gate = (nn.Parameter(torch.empty(1, H))

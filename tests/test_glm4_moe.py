@@ -121,6 +121,7 @@ def test_selection_bias_changes_choices(glm_ckpts):
     assert gate.e_score_correction_bias.abs().max() > 0
 
 
+LONG_PROMPT = [(7 * i) % 300 + 2 for i in range(70)]  # fills a 64-token page
 # every format but vq (it needs calibration tables: random ones below) and tiered (re-ranks its pages: its
 # own options below)
 def test_selection_bias_stays_float32_in_a_bf16_model(glm_ckpts):
@@ -143,11 +144,11 @@ FORMATS = ["bf16", "fp16", *self_contained_compressed(), "vq", "tiered"]
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_cpu_kv_format_runs_glm(glm_ckpts, fmt, tmp_path):
     """Each KV format the CPU runs serves GLM's partial-RoPE heads (head_dim 32, one KV head): the
-    prompt's first token (computed from the K/V as computed) equals the float32 cache's, and the
-    continuation crosses a page."""
+    prompt's first token (computed from the K/V as computed) equals the float32 cache's, and the long
+    prompt's continuation reads full (compressed) pages."""
     path = glm_ckpts["glm_a"]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    prompts = [{"prompt_token_ids": p} for p in (*PROMPTS[:2], LONG_PROMPT)]
     ref = LLM(path, dtype="float32", max_model_len=128).generate(prompts, params)
     extra = {}
     if fmt == "vq":
@@ -164,6 +165,22 @@ def test_every_cpu_kv_format_runs_glm(glm_ckpts, fmt, tmp_path):
         assert ids[0] == want.outputs[0].token_ids[0], fmt
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_head_groups_no_gluon_kernel_takes_lay_pools_out_for_triton(glm_ckpts):
+    """decode_kernel 'auto' becomes 'triton' for 12 query heads per KV head (GLM-4.5's 96 / 8): no Gluon
+    kernel takes it, and fragment-order pools would be read by the reference path on the GPU."""
+    from moekv.config import EngineConfig
+    from moekv.engine.model_runner import kv_format_for
+    from moekv.kvcache.formats.fragment import decode_kernel_for_model
+
+    assert decode_kernel_for_model("auto", 96, 8) == "triton"
+    assert decode_kernel_for_model("auto", 64, 8) == "auto" and decode_kernel_for_model("gluon", 96, 8) == "gluon"
+    cfg = load_model_config(glm_ckpts["glm_a"])  # 4 / 1
+    config = EngineConfig(kv_cache_dtype="nuq2")
+    assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "auto"
+    cfg.num_heads = 12
+    assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "triton"
 
 
 def _add_mtp_layer(path, num_layers):
@@ -295,17 +312,29 @@ def test_cuda_matches_transformers(glm_ckpts):
         assert got == want, name
 
 
+@pytest.fixture(scope="module")
+def hd128_ckpts(tmp_path_factory):
+    """GLM-4.5's head_dim 128 (RoPE on 64) at 2 query heads per KV head (the Gluon kernels take it) and at
+    12 (GLM-4.5's 96 / 8: the Triton kernels)."""
+    root = tmp_path_factory.mktemp("glm_hd128")
+    return {f"G{q // kv}": build_checkpoint("glm4_moe", root / f"G{q // kv}", seed=3, head_dim=128,
+                                            num_attention_heads=q, num_key_value_heads=kv)
+            for q, kv in ((4, 2), (12, 1))}
+
+
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("group", ["G2", "G12"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int4", "nuq2", "kivi2", "tiered"])
-def test_cuda_bf16_glm_head_geometry_every_format(fmt, tmp_path):
-    """GLM-4.5's head geometry (head_dim 128, RoPE on 64) in bf16 on CUDA through each format's
-    decode kernels and graphs: the first tokens agree with the bf16 cache's and every page returns."""
-    path = build_checkpoint("glm4_moe", tmp_path / "glm_hd128", seed=3, head_dim=128, num_key_value_heads=2)
+def test_cuda_bf16_glm_head_geometry_every_format(fmt, group, hd128_ckpts):
+    """GLM-4.5's head geometry in bf16 on CUDA through each format's decode kernels and graphs: the
+    first tokens agree with the bf16 cache's and every page returns."""
+    path = hd128_ckpts[group]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    ref = LLM(path, dtype="bfloat16", device="cuda", max_model_len=128, kv_cache_dtype="bf16").generate(prompts, params)
-    llm = LLM(path, dtype="bfloat16", device="cuda", max_model_len=128, **engine_kwargs_for(fmt))
+    prompts = [{"prompt_token_ids": p} for p in (*PROMPTS, LONG_PROMPT)]
+    engine = dict(dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=4)
+    ref = LLM(path, kv_cache_dtype="bf16", **engine).generate(prompts, params)
+    llm = LLM(path, **engine, **engine_kwargs_for(fmt))
     assert llm.engine.model_config.rotary_dim == 64
     for out, want in zip(llm.generate(prompts, params), ref):
         assert len(out.outputs[0].token_ids) == 16

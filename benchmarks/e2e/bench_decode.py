@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import DECODE_KERNELS, compressed_formats, get_kv_format  # noqa: E402
-from moekv.kvcache.formats.fragment import FragmentPagedFormat  # noqa: E402
+from moekv.kvcache.formats.fragment import FragmentPagedFormat, decode_kernel_for_model  # noqa: E402
 from moekv.models.loader import ARCH_MODULES, empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
 
@@ -268,9 +268,11 @@ def vq_calibration(cfg) -> str:
 def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandwidth: float,
               free_bytes: int, iters: int, block_size: int | None = None, options: dict | None = None,
               decode_kernel: str = "auto") -> dict:
+    decode_kernel = decode_kernel_for_model(decode_kernel, cfg.num_heads, cfg.num_kv_heads)  # as the engine does
     fmt = get_kv_format(fmt_name, torch.bfloat16, decode_kernel=decode_kernel, **(options or {}))
     block_size = block_size or page_size(fmt_name)
-    row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size}
+    row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size,
+           "decode_kernel": decode_kernel}
     per_token = kv_bytes_per_token(fmt, cfg, block_size)
     row["kv_bytes_per_token"] = per_token
     row["max_tokens_in_memory"] = int(free_bytes // per_token)

@@ -21,6 +21,19 @@ from moekv.kvcache.formats.interface import LayerKVCache
 from moekv.kvcache.formats.names import check_decode_kernel
 from moekv.kvcache.formats.paged import PagedQuantFormat
 
+# query heads per KV head the Gluon decode kernels take (a KV head's group is the MMA's N, up to 8)
+GLUON_QUERY_GROUPS = (1, 2, 4, 8)
+
+
+def decode_kernel_for_model(choice: str, num_heads: int, num_kv_heads: int) -> str:
+    """The decode kernel a model's pools are laid out for: 'auto' becomes 'triton' (slab pools, the
+    Triton kernel, which pads any group) when no Gluon kernel takes the model's query heads per KV
+    head (GLM-4.5: 96 / 8 = 12), whose fragment-order pools only the reference path would read; any
+    other choice stands."""
+    if choice == "auto" and num_heads // num_kv_heads not in GLUON_QUERY_GROUPS:
+        return "triton"
+    return choice
+
 
 @dataclass(frozen=True)
 class GluonKernel:
@@ -135,7 +148,7 @@ class FragmentPagedFormat(PagedQuantFormat):
         if not self.is_fragment_pool(cache):
             return super().attend(q, cache, ctx, scale, sliding_window, step_kv)
         G = q.shape[1] // cache["k_staging"].shape[1]
-        if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in (1, 2, 4, 8)
+        if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in GLUON_QUERY_GROUPS
                 and is_decode_only(q, ctx)):
             kernel = self.gluon_kernel
             options = kernel.decode_options(self, cache) if kernel.decode_options is not None else {}

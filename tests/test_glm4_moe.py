@@ -63,6 +63,33 @@ def test_config_maps_glm_features(glm_ckpts):
     assert (b.num_experts, b.top_k, b.n_group, b.topk_group) == (128, 8, 8, 4)
 
 
+# GLM-4.5-Air's config.json as zai-org ships it (transformers 4 keys: partial_rotary_factor and rope_theta at
+# the top level, rope_scaling null)
+GLM_45_AIR = {"architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+              "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+              "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02,
+              "intermediate_size": 10944, "max_position_embeddings": 131072, "model_type": "glm4_moe",
+              "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1,
+              "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+              "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46,
+              "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+              "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "use_cache": True, "use_qk_norm": False, "vocab_size": 151552}
+
+
+def test_glm_45_air_config(tmp_path):
+    """The released GLM-4.5-Air config maps to 106B parameters with 12B active besides the embeddings, as
+    its model card says, RoPE on 64 of 128, one dense layer and one MTP layer skipped."""
+    (tmp_path / "config.json").write_text(json.dumps(GLM_45_AIR))
+    cfg = load_model_config(tmp_path)
+    assert (cfg.rotary_dim, cfg.rope_theta, cfg.num_skipped_layers) == (64, 1e6, 1)
+    assert cfg.moe_layers[:2] == [False, True] and sum(cfg.moe_layers) == 45
+    assert cfg.eos_token_ids == [151329, 151336, 151338] and cfg.torch_dtype == torch.bfloat16
+    total, active = cfg.parameter_counts()
+    assert 106e9 <= total < 107e9
+    assert 12e9 <= active - 2 * cfg.vocab_size * cfg.hidden_size < 12.5e9
+
+
 def test_logits_match_transformers(glm_pair):
     """Prompt logits through the paged cache (chunked prefill included) equal transformers' to 1e-4."""
     name, hf, llm = glm_pair

@@ -101,7 +101,7 @@ class ModelConfig:
                 active += dense
                 continue
             expert = 3 * h * self.moe_intermediate_size
-            router = self.num_experts * h
+            router = self.num_experts * h + (self.num_experts if self.router_bias else 0)
             gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
             shared = 3 * h * self.shared_expert_intermediate_size + gate
             total += self.num_experts * expert + router + shared

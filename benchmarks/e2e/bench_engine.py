@@ -203,10 +203,7 @@ def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, ban
     graphs = runner.graphs
     bucket = batch if graphs is None else next(b for b in graphs.buckets if b >= batch)
     capture_every_variant(graphs, bucket)
-    from moekv.models import mixtral
-    from moekv.models.model_config import apply_routing_fields
-
-    mcfg = apply_routing_fields(mixtral.config_from_hf(cfg), cfg)
+    mcfg = engine.model_config  # the architecture's own reading of the shape
     _, weights_read = weight_bytes_per_step(mcfg, batch)
     fmt = runner.kv_format  # the engine's own, so the floor reads its pools' layout
     rows = []

@@ -324,3 +324,36 @@ def decode_attention_ref(q: torch.Tensor, keys: list[torch.Tensor], values: list
             scores[:, :max(0, length - sliding_window)] = float("-inf")
         out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
     return out
+
+
+FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3fn
+
+
+def fp8_latent_quantize_ref(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's fp8 latent: one scale per token. latent [T, R] -> (codes [T, R] float8_e4m3fn,
+    scales [T] fp32 = amax / 448, 1 for an all-zero token)."""
+    x = latent.float()
+    amax = x.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    codes = (x / scales[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scales
+
+
+def fp8_latent_dequantize_ref(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [..., R] float8_e4m3fn, scales [...] -> the latent [..., R] fp32."""
+    return codes.float() * scales.float()[..., None]
+
+
+def mla_decode_ref(q: torch.Tensor, latents: list[torch.Tensor], kv_lora_rank: int, scale: float) -> torch.Tensor:
+    """The reference of the absorbed MLA decode kernel (moekv/ops/decode/mla.py): each sequence's one
+    query over its latent entries, computed in q's dtype (float64 in tests).
+
+    q [B, H, W] (q_nope through W_UK: R columns, then the rotated q_rope); latents[b] [L_b, W]:
+    sequence b's entries as its latent format reads them back (keys: the whole entry; values: the
+    first R = kv_lora_rank columns, shared by every head). Returns [B, H, R]."""
+    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    for b, entries in enumerate(latents):
+        entries = entries.to(q.dtype)
+        scores = torch.einsum("hw,lw->hl", q[b], entries) * scale  # [H, L]
+        out[b] = torch.softmax(scores, dim=-1) @ entries[:, :kv_lora_rank]
+    return out

@@ -1,0 +1,126 @@
+"""DeepSeek-V2/V3 (multi-head latent attention over the paged latent cache) against transformers on
+tiny random checkpoints in fp32: prompt logits (chunked prefill, expanded form) and greedy decode
+(absorbed form), with and without q_lora_rank, YaRN, dense first layers, shared experts, V3's
+group-limited routing with its selection bias; the fp8 latent; clear errors for what is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moekv import LLM, SamplingParams
+from moekv.kvcache.formats.latent import LatentFormat, LatentFP8Format, latent_format_for
+from moekv.models.loader import load_model_config
+from moekv.models.model_config import UnsupportedModelError
+from tests.checkpoints import build_deepseek_checkpoint, load_hf
+
+PROMPTS = [
+    [5, 17, 33, 90, 4, 8, 100, 200, 3, 44, 55, 66, 77, 88, 99, 11, 12, 13, 14],  # crosses a page boundary
+    [9, 8, 7],
+]
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+# name -> (architecture, config overrides)
+VARIANTS = {
+    "v2_no_q_lora": ("deepseek_v2", {"q_lora_rank": None}),
+    "v3_q_lora": ("deepseek_v3", {}),
+    "v3_yarn_rotate_half": ("deepseek_v3", {"rope_parameters": YARN, "rope_interleave": False, "q_lora_rank": None}),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory):
+    arch, overrides = VARIANTS[request.param]
+    path = build_deepseek_checkpoint(arch, tmp_path_factory.mktemp(request.param), **overrides)
+    hf = load_hf(path)
+    hf.generation_config.eos_token_id = None
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=12)  # chunked prefill
+    return request.param, path, hf, llm
+
+
+def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_logits_and_greedy_match_transformers(variant):
+    """Prompt logits to 1e-4 (expanded prefill over the latent pages, chunked) and 12 greedy tokens
+    token for token (absorbed decode), both prompts in one batch; every page back in the pool."""
+    name, _, hf, llm = variant
+    for prompt, logits in zip(PROMPTS, llm.score([{"prompt_token_ids": p} for p in PROMPTS])):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        assert logits.shape == ref.shape
+        assert (logits - ref).abs().max().item() < 1e-4, name
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == reference_greedy(hf, prompt, 12), name
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_config_reads_the_architecture(variant):
+    """What the checkpoint asks for reaches ModelConfig: dense first layer, ungated shared expert, the
+    latent entry as the cache's one head, V3's routing keys (absent from transformers' config.json)."""
+    name, path, _, _ = variant
+    cfg = load_model_config(path)
+    assert cfg.moe_layers == [False, True, True]
+    assert cfg.shared_expert_intermediate_size == 32 and not cfg.shared_expert_gated
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 32 + 8) and cfg.mla.latent_width == 40
+    if name.startswith("v3"):
+        assert (cfg.scoring_func, cfg.router_bias, cfg.n_group, cfg.topk_group) == ("sigmoid", True, 4, 2)
+        assert cfg.routed_scaling_factor == 2.5
+    else:
+        assert (cfg.scoring_func, cfg.router_bias, cfg.n_group) == ("softmax", False, None)
+    if name == "v3_yarn_rotate_half":
+        assert cfg.mla.rope_scale == pytest.approx(1.0) and cfg.mla.softmax_scale > 24 ** -0.5
+    total, active = cfg.parameter_counts()
+    assert total == sum(p.numel() for p in load_hf(path).parameters())
+    assert active < total
+
+
+def test_fp8_latent_stays_close_and_counts_its_bytes(variant):
+    """The fp8 latent (per-token scale, bf16 rotary key): 644-ish bytes of 1152 at DeepSeek's shape,
+    and on the tiny model the prompt logits stay near the fp32 cache's."""
+    name, path, _, llm = variant
+    fp8 = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=12, kv_cache_dtype="fp8_e4m3")
+    assert isinstance(fp8.engine.runner.kv_format, LatentFP8Format)
+    errors = []
+    for exact, approx in zip(llm.score([{"prompt_token_ids": p} for p in PROMPTS]),
+                             fp8.score([{"prompt_token_ids": p} for p in PROMPTS])):
+        errors.append((approx - exact).abs().max().item())
+        assert errors[-1] < 0.2 * exact.abs().max().item(), name
+    # the long prompt's later chunks read its earlier ones from fp8 pages; the short one is one exact chunk
+    assert errors[0] > 1e-3 and errors[1] < 1e-5, name
+
+
+def test_latent_formats_bytes():
+    """Bytes per token at DeepSeek-V3's entry (512 + 64): bf16 1152; fp8 512 codes + 4 scale + 128 rope."""
+    bf16, fp8 = LatentFormat(torch.bfloat16, 512), LatentFP8Format(512)
+    assert bf16.page_bytes(1, 64, 576) == 64 * 1152
+    assert fp8.page_bytes(1, 64, 576) == 64 * (512 + 4 + 128)
+    assert bf16.bits_per_element(1, 64, 576) == 16
+    assert fp8.bits_per_element(1, 64, 576) == pytest.approx(8 * 644 / 576)
+    with pytest.raises(ValueError, match="no latent-cache form.*accepted"):
+        latent_format_for("int4", torch.bfloat16, 512)
+
+
+def test_unsupported_variants_are_refused(tmp_path):
+    """V2's group_limited_greedy, moe_layer_freq > 1 and unknown rope types name what is accepted."""
+    path = build_deepseek_checkpoint("deepseek_v2", tmp_path / "v2")
+    base = json.loads((path / "config.json").read_text())
+    for change, match in (({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, "topk_method"),
+                          ({"moe_layer_freq": 2}, "moe_layer_freq"),
+                          ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope type")):
+        (path / "config.json").write_text(json.dumps({**base, **change}))
+        with pytest.raises(UnsupportedModelError, match=match):
+            load_model_config(path)
+    (path / "config.json").write_text(json.dumps(base))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
+        LLM(path, dtype="float32", max_model_len=64, tensor_parallel_size=2)

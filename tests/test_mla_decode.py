@@ -86,3 +86,23 @@ def test_fp8_latent_quantize_round_trip():
     rows = torch.arange(5)
     torch.testing.assert_close(back[rows, top[:5]], x[rows, top[:5]], rtol=1e-6, atol=0)
     assert ((back - x).abs() <= x.abs().amax(-1, keepdim=True) / 16).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8_e4m3"])
+def test_kernel_at_deepseek_shape_matches_float64(fmt_name):
+    """DeepSeek-V3's entry (512 + 64) and 128 heads, bf16 queries, pages of 64, the default launch:
+    within bf16's rounding of the probabilities of the float64 reference."""
+    rank, rope, page, heads = 512, 64, 64, 128
+    fmt = LatentFormat(torch.bfloat16, rank) if fmt_name == "bf16" else LatentFP8Format(rank)
+    lengths = [1, 700, 3000]
+    cache, tables, lens, _ = filled_cache(fmt, lengths, page, rank, rope)
+    q = torch.randn(len(lengths), heads, rank + rope, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    q = (q / 8).to(torch.bfloat16)
+    scale = 192 ** -0.5
+    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank)
+    stored = [fmt.gather(cache, tables[b].tolist(), n, torch.float64) for b, n in enumerate(lengths)]
+    ref = mla_decode_ref(q.double(), stored, rank, scale)
+    err = (out.double() - ref).abs().max().item()
+    assert err < 1e-2 * ref.abs().max().item(), err

@@ -136,8 +136,12 @@ class LatentFormat(KVFormat):
         return {"latent": pages[..., :self.kv_lora_rank], "rope": pages[..., self.kv_lora_rank:]}
 
     def fused_decode_unavailable(self, block_size: int, head_dim: int) -> str | None:
-        if self.dtype not in (torch.bfloat16, torch.float16):
+        if self.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             return f"the latent decode kernel reads bf16 / fp16 / fp8 latents, not {self.name} (reference path)"
+        R, r = self.kv_lora_rank, head_dim - self.kv_lora_rank
+        if R < 16 or R & (R - 1) or r < 1 or r & (r - 1):  # ops/decode/mla.kernel_shape_unsupported's rule
+            return (f"the latent decode kernel takes kv_lora_rank a power of two >= 16 and qk_rope_head_dim a "
+                    f"power of two; got {R} and {r} (reference path)")
         return None
 
 
@@ -193,9 +197,6 @@ class LatentFP8Format(LatentFormat):
 
     def kernel_tensors(self, cache):
         return {"latent": cache["latent_codes"], "rope": cache["rope_pages"], "scales": cache["latent_scales"]}
-
-    def fused_decode_unavailable(self, block_size, head_dim):
-        return None
 
 
 def latent_format_for(name: str, model_dtype: torch.dtype, kv_lora_rank: int) -> LatentFormat:

@@ -27,7 +27,7 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
                       stride_qb, stride_qh, stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_tb,
                       stride_ob, stride_oh, stride_os, stride_eb, stride_eh, qk_scale, num_heads, num_splits,
                       R: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+                      BLOCK_N: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
     hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens_ptr + b)
     num_tiles = tl.cdiv(length, BLOCK_N)
@@ -52,11 +52,15 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
                     mask=valid[:, None], other=0.0).to(q_lat.dtype)  # [BLOCK_N, R]
         kr = tl.load(rope_ptr + (page * stride_rp + off * stride_rt)[:, None] + rcols[None, :],
                      mask=valid[:, None], other=0.0).to(q_rope.dtype)  # [BLOCK_N, RP]
-        scores_lat = tl.dot(q_lat, tl.trans(c))  # [BLOCK_H, BLOCK_N] fp32
+        scores_lat = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N] fp32
         if FP8:
             tok_scale = tl.load(scales_ptr + page * stride_sp + off, mask=valid, other=0.0)
             scores_lat = scores_lat * tok_scale[None, :]
-        scores = (scores_lat + tl.dot(q_rope, tl.trans(kr))) * qk_scale  # log2 units
+        if RP >= 16:
+            scores_rope = tl.dot(q_rope, tl.trans(kr), input_precision=PRECISION)
+        else:  # below tl.dot's smallest reduction
+            scores_rope = tl.sum(q_rope[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), 2)
+        scores = (scores_lat + scores_rope) * qk_scale  # log2 units
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         alpha = tl.exp2(m - m_new)
@@ -64,7 +68,7 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
         l_sum = l_sum * alpha + tl.sum(p, 1)
         if FP8:
             p = p * tok_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
         m = m_new
     has = l_sum > 0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]
@@ -88,6 +92,14 @@ def _mla_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, 
                 mask=smask[:, None], other=0.0)
     merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + b * stride_outb + h * stride_outh + cols, merged.to(out_ptr.dtype.element_ty))
+
+
+def kernel_shape_unsupported(kv_lora_rank: int, rope_dim: int) -> str | None:
+    """Why the kernel cannot take this entry shape, or None."""
+    if kv_lora_rank < 16 or kv_lora_rank & (kv_lora_rank - 1) or rope_dim < 1 or rope_dim & (rope_dim - 1):
+        return (f"the latent decode kernel takes kv_lora_rank a power of two >= 16 and qk_rope_head_dim a power of "
+                f"two; got {kv_lora_rank} and {rope_dim}")
+    return None
 
 
 def _is_interpreted(kernel) -> bool:
@@ -120,8 +132,9 @@ def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: 
     if latent.shape[-1] != R or rope.shape[-1] != RP or latent.stride(-1) != 1 or rope.stride(-1) != 1:
         raise ValueError(f"latent [N, P, {R}] and rope [N, P, {RP}] with contiguous rows expected; got "
                          f"{tuple(latent.shape)} and {tuple(rope.shape)}")
-    if R & (R - 1) or RP & (RP - 1):
-        raise ValueError(f"kv_lora_rank={R} and qk_rope_head_dim={RP} must be powers of two for the decode kernel")
+    reason = kernel_shape_unsupported(R, RP)
+    if reason is not None:
+        raise ValueError(reason)
     page = latent.shape[1]
     q = q.contiguous()
     block_h = block_h or max(16, min(32, triton.next_power_of_2(H)))
@@ -143,7 +156,8 @@ def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: 
         q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1),
         scales_arg.stride(0), block_tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), scale * LOG2E, H, num_splits,
-        R=R, RP=RP, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, num_warps=8 if R >= 256 else 4)
+        R=R, RP=RP, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if R >= 256 else 4)
     _mla_reduce_kernel[(B, H)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1), out.stride(0), out.stride(1), num_splits, R=R,

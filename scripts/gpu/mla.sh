@@ -1,0 +1,16 @@
+#!/bin/bash
+# One GPU call (< 4 min on an H100 / H200) for multi-head latent attention: the gpu-marked tests of the
+# absorbed decode kernel against float64 and of the engine's kernel path against the CPU reference, then
+# the kernel's timings at (64, 32k) and (1, 4k) beside the latent cache's byte floor (bytes read / the
+# copy bandwidth measured in the same run), bf16 and fp8 latents. Each step writes its file to $OUT
+# before the next starts.   Run from the repository root:  bash scripts/gpu/mla.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+: "${OUT:=/tmp/mla_gpu}"; mkdir -p "$OUT"
+T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_decode.py tests/test_deepseek.py \
+  > "$OUT/gpu_tests.log" 2>&1
+tail -3 "$OUT/gpu_tests.log"; el "gpu tests"
+timeout 100 python benchmarks/kernels/bench_mla_decode.py --out "$OUT/mla_decode.json" | tee "$OUT/mla_decode.log"
+el "kernel table"

@@ -130,15 +130,29 @@ def test_unsupported_variants_are_refused(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
 def test_cuda_decode_kernel_matches_cpu_reference(tmp_path, kv_cache_dtype):
-    """On CUDA decode takes the Triton latent kernel (in CUDA graphs); on the CPU the reference:
-    the same latent cache, the same greedy tokens and close prompt logits."""
+    """On CUDA decode takes the Triton latent kernel, on the CPU the reference: the same latent
+    cache, the same greedy tokens and close prompt logits (fp32 model, eager steps)."""
     path = build_deepseek_checkpoint("deepseek_v3", tmp_path / "v3")
     kwargs = dict(dtype="float32", max_model_len=128, kv_cache_dtype=kv_cache_dtype)
     cpu, gpu = LLM(path, **kwargs), LLM(path, device="cuda", **kwargs)
-    assert gpu.engine.runner.graphs is not None
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for a, b in zip(cpu.score(prompts), gpu.score(prompts)):
         assert (a - b.cpu()).abs().max().item() < 1e-3
     assert ([o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in gpu.generate(prompts, params)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_cuda_graph_decode_matches_eager(tmp_path, kv_cache_dtype):
+    """A bf16 model's decode steps replayed from CUDA graphs give the eager steps' tokens."""
+    path = build_deepseek_checkpoint("deepseek_v3", tmp_path / "v3")
+    kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=128, kv_cache_dtype=kv_cache_dtype)
+    graphs, eager = LLM(path, **kwargs), LLM(path, enforce_eager=True, **kwargs)
+    assert graphs.engine.runner.graphs is not None
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])

@@ -100,6 +100,20 @@ def test_fp8_latent_stays_close_and_counts_its_bytes(variant):
     assert errors[0] > 1e-3 and errors[1] < 1e-5, name
 
 
+def test_info_describes_the_latent_cache(variant, capsys):
+    """`moekv info` names the latent attention and the latent cache's bytes per token (the per-head
+    formats have no latent form)."""
+    from moekv.cli import main
+
+    _, path, _, _ = variant
+    assert main(["info", "--model", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "multi-head latent attention: kv_lora_rank 32 + rope 8" in text
+    assert "bf16              240 bytes/token" in text  # 3 layers x 40 x 2 bytes
+    assert "fp8_e4m3          156 bytes/token" in text  # 3 layers x (32 + 4 + 2 x 8)
+    assert "int4       n/a: no latent-cache form" in text
+
+
 def test_latent_formats_bytes():
     """Bytes per token at DeepSeek-V3's entry (512 + 64): bf16 1152; fp8 512 codes + 4 scale + 128 rope."""
     bf16, fp8 = LatentFormat(torch.bfloat16, 512), LatentFP8Format(512)

@@ -126,11 +126,13 @@ def test_latent_formats_bytes():
 
 
 def test_unsupported_variants_are_refused(tmp_path):
-    """V2's group_limited_greedy, moe_layer_freq > 1 and unknown rope types name what is accepted."""
+    """V2's group_limited_greedy, moe_layer_freq > 1, quantized weights and unknown rope types name
+    what is accepted; so does tensor parallelism."""
     path = build_deepseek_checkpoint("deepseek_v2", tmp_path / "v2")
     base = json.loads((path / "config.json").read_text())
     for change, match in (({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, "topk_method"),
                           ({"moe_layer_freq": 2}, "moe_layer_freq"),
+                          ({"quantization_config": {"quant_method": "fp8"}}, "quantized weights"),
                           ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope type")):
         (path / "config.json").write_text(json.dumps({**base, **change}))
         with pytest.raises(UnsupportedModelError, match=match):

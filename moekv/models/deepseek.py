@@ -106,6 +106,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     num_layers = require(hf, "num_hidden_layers")
     num_experts = require(hf, "n_routed_experts", "num_local_experts", "num_experts")
     moe_size = require(hf, "moe_intermediate_size")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise UnsupportedModelError(f"{arch} with quantized weights (quantization_config {method!r}, e.g. DeepSeek's "
+                                    "block-scaled fp8) is not supported; accepted: bf16 / fp16 / fp32 weights")
     if hf.get("attention_bias"):
         raise UnsupportedModelError(f"{arch} with attention_bias=true is not supported; accepted: false")
     if hf.get("mlp_bias"):

@@ -100,6 +100,35 @@ def test_fp8_latent_stays_close_and_counts_its_bytes(variant):
     assert errors[0] > 1e-3 and errors[1] < 1e-5, name
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_prefix_caching_and_preemption(variant, kv_cache_dtype):
+    """Latent pages shared by prefix caching, and sequences preempted and recomputed in a pool too
+    small for all of them: with exact (fp32) pages the tokens of a plain run; with fp8 pages (where a
+    cached prefix reads as an earlier chunk, quantized, unlike one exact prefill) the hits and
+    preemptions happen and every page comes back."""
+    name, path, _, _ = variant
+    shared = [7, 3, 90, 91, 92, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # > one page of 16
+    prompts = [{"prompt_token_ids": shared + tail} for tail in ([30, 31], [40], [50, 51, 52])]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)  # each grows into a third page
+    kwargs = dict(dtype="float32", max_model_len=64, kv_cache_dtype=kv_cache_dtype, block_size=16)
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    exact = kv_cache_dtype == "auto"
+    plain = tokens(LLM(path, **kwargs))
+    cached = LLM(path, enable_prefix_caching=True, **kwargs)
+    first, second = tokens(cached), tokens(cached)  # the second run reads the first's shared pages
+    assert cached.engine.stats().prefix_cache_hits > 0
+    small = LLM(path, num_kv_blocks=5, max_num_batched_tokens=64, **kwargs)  # 3 sequences need 9 pages
+    squeezed = tokens(small)
+    assert small.engine.stats().num_preemptions > 0
+    for llm in (cached, small):
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    if exact:
+        assert first == second == squeezed == plain, name
+
+
 def test_info_describes_the_latent_cache(variant, capsys):
     """`moekv info` names the latent attention and the latent cache's bytes per token (the per-head
     formats have no latent form)."""
@@ -149,7 +178,8 @@ def test_cuda_decode_kernel_matches_cpu_reference(tmp_path, kv_cache_dtype):
     """On CUDA decode takes the Triton latent kernel, on the CPU the reference: the same latent
     cache, the same greedy tokens and close prompt logits (fp32 model, eager steps)."""
     path = build_deepseek_checkpoint("deepseek_v3", tmp_path / "v3")
-    kwargs = dict(dtype="float32", max_model_len=128, kv_cache_dtype=kv_cache_dtype)
+    # a small token budget: the short prompt decodes beside the long one's prefill chunks (mixed steps)
+    kwargs = dict(dtype="float32", max_model_len=128, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=12)
     cpu, gpu = LLM(path, **kwargs), LLM(path, device="cuda", **kwargs)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -26,6 +26,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 # name -> (architecture, config overrides)
 VARIANTS = {
     "v2_no_q_lora": ("deepseek_v2", {"q_lora_rank": None}),
+    "v2_group_limited_greedy": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}),
     "v3_q_lora": ("deepseek_v3", {}),
     "v3_yarn_rotate_half": ("deepseek_v3", {"rope_parameters": YARN, "rope_interleave": False, "q_lora_rank": None}),
 }
@@ -76,6 +77,8 @@ def test_config_reads_the_architecture(variant):
     if name.startswith("v3"):
         assert (cfg.scoring_func, cfg.router_bias, cfg.n_group, cfg.topk_group) == ("sigmoid", True, 4, 2)
         assert cfg.routed_scaling_factor == 2.5
+    elif name == "v2_group_limited_greedy":
+        assert (cfg.scoring_func, cfg.router_bias, cfg.n_group, cfg.group_score) == ("softmax", False, 4, "max")
     else:
         assert (cfg.scoring_func, cfg.router_bias, cfg.n_group) == ("softmax", False, None)
     if name == "v3_yarn_rotate_half":
@@ -155,11 +158,12 @@ def test_latent_formats_bytes():
 
 
 def test_unsupported_variants_are_refused(tmp_path):
-    """V2's group_limited_greedy, moe_layer_freq > 1, quantized weights and unknown rope types name
-    what is accepted; so does tensor parallelism."""
+    """V2 with V3's routing or group_limited_greedy without groups, moe_layer_freq > 1, quantized
+    weights and unknown rope types name what is accepted; so does tensor parallelism."""
     path = build_deepseek_checkpoint("deepseek_v2", tmp_path / "v2")
     base = json.loads((path / "config.json").read_text())
-    for change, match in (({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}, "topk_method"),
+    for change, match in (({"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported"),
+                          ({"topk_method": "group_limited_greedy", "n_group": None}, "needs n_group"),
                           ({"moe_layer_freq": 2}, "moe_layer_freq"),
                           ({"quantization_config": {"quant_method": "fp8"}}, "quantized weights"),
                           ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope type")):

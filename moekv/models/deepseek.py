@@ -2,9 +2,10 @@
 paged latent cache of kvcache/formats/latent.py), dense first layers (first_k_dense_replace), routed
 experts with always-on, ungated shared experts (n_shared_experts x moe_intermediate_size).
 
-Routing: V2 scores with a softmax, top-k over every expert (topk_method 'greedy'); V3 with a
-sigmoid plus the selection bias, in n_group groups of which topk_group are kept (DeepSeek-V3's
-`noaux_tc`: routing/group_limited.py). RoPE on the rotary part only, pairs interleaved unless
+Routing: V2 scores with a softmax, top-k over every expert (topk_method 'greedy') or inside the
+topk_group groups with the best single scores ('group_limited_greedy'); V3 with a sigmoid plus the
+selection bias, in n_group groups of which the topk_group with the best top-2 sums are kept
+(DeepSeek-V3's `noaux_tc`). Both through routing/group_limited.py. RoPE on the rotary part only, pairs interleaved unless
 rope_interleave is false, with YaRN (mscale on cos / sin, mscale_all_dim on the softmax scale).
 """
 from __future__ import annotations
@@ -85,18 +86,22 @@ def _moe_layers(hf: dict[str, Any], num_layers: int, num_experts: int) -> list[b
     return [num_experts > 0 and i >= first_dense for i in range(num_layers)]
 
 
-def _routing_keys(hf: dict[str, Any], is_v3: bool) -> None:
+def _routing_keys(hf: dict[str, Any], is_v3: bool) -> str:
     """Set, in hf, the routing keys the loader reads after this module (model_config.apply_routing_fields)
-    to what the architecture does when config.json leaves them out (transformers' files do)."""
+    to what the architecture does when config.json leaves them out (transformers' files do); returns
+    how a group of experts is scored (ModelConfig.group_score)."""
     method = hf.get("topk_method") or ("noaux_tc" if is_v3 else "greedy")
-    accepted = ("noaux_tc",) if is_v3 else ("greedy",)
+    accepted = ("noaux_tc",) if is_v3 else ("greedy", "group_limited_greedy")
     if method not in accepted:
         raise UnsupportedModelError(f"{hf['architectures'][0]} with topk_method={method!r} is not supported; "
                                     f"accepted: {list(accepted)}")
     hf["topk_method"] = method
     hf["scoring_func"] = hf.get("scoring_func") or ("sigmoid" if is_v3 else "softmax")
-    if not is_v3:  # greedy: the top-k over every expert, whatever groups the config names
+    if method == "greedy":  # the top-k over every expert, whatever groups the config names
         hf["n_group"] = hf["topk_group"] = None
+    elif not (hf.get("n_group") and hf.get("topk_group")):
+        raise UnsupportedModelError(f"topk_method={method!r} needs n_group and topk_group in config.json")
+    return "max" if method == "group_limited_greedy" else "top2_sum"
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -129,7 +134,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_scale=rope_scale,
         softmax_scale=softmax_scale,
     )
-    _routing_keys(hf, is_v3)
+    group_score = _routing_keys(hf, is_v3)
     return ModelConfig(
         architecture=arch,
         vocab_size=require(hf, "vocab_size"),
@@ -154,6 +159,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids_from(hf.get("eos_token_id")),
         mla=mla,
+        group_score=group_score,
     )
 
 

@@ -78,6 +78,8 @@ class ModelConfig:
     scoring_func: str = "softmax"
     routed_scaling_factor: float = 1.0
     router_bias: bool = False  # the checkpoint has mlp.gate.e_score_correction_bias
+    # how group-limited routing scores a group: 'top2_sum' (DeepSeek-V3) or 'max' (DeepSeek-V2's group_limited_greedy)
+    group_score: str = "top2_sum"
     # False: the shared expert's output is added as is (DeepSeek), True: through a sigmoid gate (Qwen2-MoE)
     shared_expert_gated: bool = True
     # multi-head latent attention (DeepSeek-V2/V3); then num_kv_heads is 1 and head_dim the width of

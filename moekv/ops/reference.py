@@ -213,15 +213,25 @@ def _scores_ref(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     raise ValueError(f"scoring={scoring!r} is not supported; accepted: 'softmax', 'sigmoid'")
 
 
+GROUP_SCORES = ("top2_sum", "max")  # how group-limited routing scores a group of experts
+
+
+def check_group_score(group_score: str) -> str:
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score={group_score!r} is not supported; accepted: {list(GROUP_SCORES)}")
+    return group_score
+
+
 def fused_routing_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
                       bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-                      scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      scaling_factor: float = 1.0, group_score: str = "top2_sum") -> tuple[torch.Tensor, torch.Tensor]:
     """Flat and group-limited routing (DeepSeek-V3's `noaux_tc` when n_group > 1) as one op.
 
     router_logits [T, E] -> scores (softmax or sigmoid, fp32); bias [E] (e_score_correction_bias) is
     added for the choice only. Experts form n_group contiguous groups; a group's score is the sum of
-    its top-2 biased scores; the topk_group best groups stay and the top_k best experts inside them
-    are chosen (others are -inf, never 0: a negative biased score must not lose to a dropped group).
+    its top-2 biased scores (group_score 'top2_sum', DeepSeek-V3) or its best one ('max',
+    DeepSeek-V2's `group_limited_greedy`); the topk_group best groups stay and the top_k best experts
+    inside them are chosen (others are -inf, never 0: a negative biased score must not lose to a dropped group).
     Weights are the un-biased scores, renormalised (+1e-20) if asked, times scaling_factor.
     Ties go to the lower index. -> (weights [T, k] fp32, expert_ids [T, k] int64), best first.
     """
@@ -231,7 +241,8 @@ def fused_routing_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool
         num_tokens, num_experts = choice.shape
         per_group = num_experts // n_group
         grouped = choice.view(num_tokens, n_group, per_group)
-        group_scores = stable_topk_ref(grouped, min(2, per_group))[0].sum(-1)  # [T, G]
+        best = 2 if check_group_score(group_score) == "top2_sum" else 1
+        group_scores = stable_topk_ref(grouped, min(best, per_group))[0].sum(-1)  # [T, G]
         kept = stable_topk_ref(group_scores, topk_group)[1]
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
         choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))

@@ -70,7 +70,7 @@ def case(fmt, batch: int, context: int, heads: int, bandwidth: float, block_hs: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", default=["64x32768x128", "1x4096x128", "1x4096x16"],
+    ap.add_argument("--shapes", nargs="+", default=["64x32768x128", "64x32768x16", "1x4096x128", "1x4096x16"],
                     help="batch x context x heads")
     ap.add_argument("--block-h", nargs="+", default=["default", "16", "32", "64"])
     ap.add_argument("--out", default=None)

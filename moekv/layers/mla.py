@@ -22,24 +22,9 @@ from moekv.kvcache.formats.dense import is_decode_only
 from moekv.layers.hooks import LayerHooks
 from moekv.layers.norms import RMSNorm
 from moekv.models.model_config import ModelConfig
-from moekv.ops.reference import causal_attention_ref
+from moekv.ops.reference import causal_attention_ref, mla_rope_ref
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm are built with the default eps, not rms_norm_eps
-
-
-def rotate_mla_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
-                   interleave: bool) -> torch.Tensor:
-    """RoPE on MLA's rotary part x [T, heads, r] at positions [T]; cos and sin scaled by `scale`
-    (YaRN). interleave: pairs (x0, x1), (x2, x3), ... rotate together, and the result is laid out
-    evens first, then odds (q and k alike, so q . k is that of the pairs kept in place); else
-    rotate-half pairs (x_i, x_{i + r/2})."""
-    freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # [T, r/2]
-    cos, sin = (freqs.cos() * scale).to(x.dtype)[:, None, :], (freqs.sin() * scale).to(x.dtype)[:, None, :]
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class MLAttention(nn.Module):
@@ -94,8 +79,8 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(T, self.num_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         c_kv, k_rope = F.linear(x, self.kv_a_proj_with_mqa).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         inv_freq = self.inv_freq(x.device)
-        q_rope = rotate_mla_ref(q_rope, ctx.positions, inv_freq, m.rope_scale, m.rope_interleave)
-        k_rope = rotate_mla_ref(k_rope[:, None], ctx.positions, inv_freq, m.rope_scale, m.rope_interleave)[:, 0]
+        q_rope = mla_rope_ref(q_rope, ctx.positions, inv_freq, m.rope_scale, m.rope_interleave)
+        k_rope = mla_rope_ref(k_rope[:, None], ctx.positions, inv_freq, m.rope_scale, m.rope_interleave)[:, 0]
         entries = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)  # [T, W]
         fmt, cache = hooks.kv_format, hooks.kv_cache
         fmt.write(cache, entries, None, ctx)

@@ -5,7 +5,9 @@ experts with always-on, ungated shared experts (n_shared_experts x moe_intermedi
 Routing: V2 scores with a softmax, top-k over every expert (topk_method 'greedy') or inside the
 topk_group groups with the best single scores ('group_limited_greedy'); V3 with a sigmoid plus the
 selection bias, in n_group groups of which the topk_group with the best top-2 sums are kept
-(DeepSeek-V3's `noaux_tc`). Both through routing/group_limited.py. RoPE on the rotary part only, pairs interleaved unless
+(DeepSeek-V3's `noaux_tc`). Both through routing/group_limited.py. norm_topk_prob renormalises the
+chosen weights in both, as DeepSeek's own code does (transformers' V2 ignores it; the released V2
+configs set it false). RoPE on the rotary part only, pairs interleaved unless
 rope_interleave is false, with YaRN (mscale on cos / sin, mscale_all_dim on the softmax scale).
 """
 from __future__ import annotations

@@ -368,3 +368,18 @@ def mla_decode_ref(q: torch.Tensor, latents: list[torch.Tensor], kv_lora_rank: i
         scores = torch.einsum("hw,lw->hl", q[b], entries) * scale  # [H, L]
         out[b] = torch.softmax(scores, dim=-1) @ entries[:, :kv_lora_rank]
     return out
+
+
+def mla_rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                   interleave: bool) -> torch.Tensor:
+    """RoPE on MLA's rotary part x [T, heads, r] at positions [T]; cos and sin scaled by `scale`
+    (YaRN). interleave: pairs (x0, x1), (x2, x3), ... rotate together, and the result is laid out
+    evens first, then odds (q and k alike, so q . k is that of the pairs kept in place); else
+    rotate-half pairs (x_i, x_{i + r/2})."""
+    freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # [T, r/2]
+    cos, sin = (freqs.cos() * scale).to(x.dtype)[:, None, :], (freqs.sin() * scale).to(x.dtype)[:, None, :]
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

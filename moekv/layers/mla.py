@@ -71,6 +71,9 @@ class MLAttention(nn.Module):
         m, hooks = self.mla, self.hooks
         if hooks.tp is not None:
             raise RuntimeError("multi-head latent attention is not split over tensor-parallel ranks")
+        if hooks.kv_observer is not None:
+            raise RuntimeError("KV calibration observes per-head K/V; a multi-head latent attention model caches "
+                               "latents, and its latent formats (bf16, fp8_e4m3) need no calibration")
         T = x.shape[0]
         if m.q_lora_rank is None:
             q = F.linear(x, self.q_proj)

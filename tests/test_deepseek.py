@@ -157,6 +157,25 @@ def test_latent_formats_bytes():
         latent_format_for("int4", torch.bfloat16, 512)
 
 
+def test_multi_token_prediction_layers_are_skipped(tmp_path):
+    """A V3 checkpoint's MTP layer (model.layers.<num_hidden_layers>.*) loads as nothing; an extra
+    tensor inside the decoder's layers is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    from moekv.models.loader import CheckpointError, load_model
+
+    path = build_deepseek_checkpoint("deepseek_v3", tmp_path / "v3")
+    tensors = load_file(path / "model.safetensors")
+    extra = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+             "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(4 * 28, 32)}
+    save_file({**tensors, **extra}, path / "model.safetensors", metadata={"format": "pt"})
+    assert load_model(path, torch.float32, torch.device("cpu")) is not None
+    save_file({**tensors, "model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.2.eh_proj.weight"):
+        load_model(path, torch.float32, torch.device("cpu"))
+
+
 def test_unsupported_variants_are_refused(tmp_path):
     """V2 with V3's routing or group_limited_greedy without groups, moe_layer_freq > 1, quantized
     weights and unknown rope types name what is accepted; so does tensor parallelism."""

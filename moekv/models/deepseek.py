@@ -181,3 +181,13 @@ def canonical_name(name: str) -> str:
     if m:
         return f"moekv:{m.group(1)}"
     return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def ignored_tensor(name: str, cfg: ModelConfig) -> bool:
+    """The multi-token-prediction layers DeepSeek-V3 checkpoints append after the decoder's
+    (model.layers.<num_hidden_layers + i>.*): training-time heads the engine does not run."""
+    m = _LAYER.match(name)
+    return m is not None and int(m.group(1)) >= cfg.num_layers

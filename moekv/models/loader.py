@@ -271,7 +271,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             raise CheckpointError(f"cannot read {path}: {e}") from e
         with handle as f:
             for raw_name in f.keys():
-                if _IGNORED.match(raw_name):
+                if _IGNORED.match(raw_name) or getattr(arch, "ignored_tensor", lambda *_: False)(raw_name, cfg):
                     continue
                 name = arch.canonical_name(raw_name)
                 resolved = _resolve(name, cfg)

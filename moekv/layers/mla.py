@@ -81,9 +81,10 @@ class MLAttention(nn.Module):
             q = F.linear(self.q_a_layernorm(F.linear(x, self.q_a_proj)), self.q_b_proj)
         q_nope, q_rope = q.view(T, self.num_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         c_kv, k_rope = F.linear(x, self.kv_a_proj_with_mqa).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
-        inv_freq = self.inv_freq(x.device)
-        q_rope = mla_rope_ref(q_rope, ctx.positions, inv_freq, m.rope_scale, m.rope_interleave)
-        k_rope = mla_rope_ref(k_rope[:, None], ctx.positions, inv_freq, m.rope_scale, m.rope_interleave)[:, 0]
+        # q's heads and the shared key rotated in one pass (one set of launches for both)
+        rotated = mla_rope_ref(torch.cat([q_rope, k_rope[:, None]], dim=1), ctx.positions, self.inv_freq(x.device),
+                               m.rope_scale, m.rope_interleave)
+        q_rope, k_rope = rotated[:, :self.num_heads], rotated[:, self.num_heads]
         entries = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)  # [T, W]
         fmt, cache = hooks.kv_format, hooks.kv_cache
         fmt.write(cache, entries, None, ctx)

@@ -66,6 +66,30 @@ def test_logits_and_greedy_match_transformers(variant):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_mixed_steps_split_changes_nothing(variant, monkeypatch):
+    """Decodes beside prefill chunks in one step, each part its own way (absorbed / expanded, as on
+    CUDA), forced on the CPU: the tokens of the unsplit run, with some steps really split."""
+    from moekv.layers.mla import MLAttention
+
+    name, path, _, _ = variant
+    kwargs = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 200 + 1 for j in range(n)]} for i, n in enumerate((5, 40, 70))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, **kwargs).generate(prompts, params)]
+    llm = LLM(path, **kwargs)
+    llm.engine.runner.split_mixed_steps = True
+    split_steps, forward = [], MLAttention.forward
+
+    def recording(self, x, ctx):
+        if self.layer_idx == 0 and ctx.mixed is not None:
+            split_steps.append((len(ctx.mixed.decode_rows), len(ctx.mixed.prefill_rows)))
+        return forward(self, x, ctx)
+
+    monkeypatch.setattr(MLAttention, "forward", recording)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, name
+    assert split_steps and all(d >= 1 and p >= 2 for d, p in split_steps)
+
+
 def test_config_reads_the_architecture(variant):
     """What the checkpoint asks for reaches ModelConfig: dense first layer, ungated shared expert, the
     latent entry as the cache's one head, V3's routing keys (absent from transformers' config.json)."""

@@ -40,6 +40,7 @@ from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import GraphStepHooks, KVFormat, get_kv_format, nonfinite_verdict, raise_nonfinite
 from moekv.kvcache.formats.fragment import decode_kernel_for_model
+from moekv.kvcache.formats.latent import latent_format_for
 from moekv.layers.parallel import StaticDispatch, kv_heads_of_rank, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.decoder import MoEDecoder
@@ -170,14 +171,18 @@ def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
 
 
 def kv_format_for(config: EngineConfig, dtype: torch.dtype, model_cfg: ModelConfig | None = None) -> KVFormat:
-    """The KV format config.cache.kv_cache_dtype names, with its kv_* options (decode_kernel 'auto' laid
-    out for the Triton kernel when model_cfg's head groups are not the Gluon kernels'); refused when
-    prefix caching is on and the format cannot share pages."""
-    decode_kernel = config.cache.decode_kernel
-    if model_cfg is not None:
-        decode_kernel = decode_kernel_for_model(decode_kernel, model_cfg.num_heads, model_cfg.num_kv_heads)
-    kv_format = get_kv_format(config.cache.kv_cache_dtype, dtype, decode_kernel=decode_kernel,
-                              **config.kv_format_options())
+    """The KV format config.cache.kv_cache_dtype names, with its kv_* options (for a model with multi-head
+    latent attention, its latent-cache form; decode_kernel 'auto' laid out for the Triton kernel when the
+    model's head groups are not the Gluon kernels'); refused when prefix caching is on and the format
+    cannot share pages."""
+    if model_cfg is not None and model_cfg.mla is not None:
+        kv_format = latent_format_for(config.cache.kv_cache_dtype, dtype, model_cfg.mla.kv_lora_rank)
+    else:
+        decode_kernel = config.cache.decode_kernel
+        if model_cfg is not None:
+            decode_kernel = decode_kernel_for_model(decode_kernel, model_cfg.num_heads, model_cfg.num_kv_heads)
+        kv_format = get_kv_format(config.cache.kv_cache_dtype, dtype, decode_kernel=decode_kernel,
+                                  **config.kv_format_options())
     if config.cache.enable_prefix_caching:
         reason = kv_format.prefix_caching_unsupported()
         if reason is not None:

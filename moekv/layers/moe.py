@@ -65,6 +65,12 @@ class SparseMoE(nn.Module):
         router = self.hooks.router
         return router is not None and router.fuses_norm
 
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's contribution: through its sigmoid gate (Qwen2-MoE), or as is (DeepSeek, GLM)."""
+        if self.shared_expert_gate is None:
+            return self.shared_expert(x)
+        return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """x [T, H]: the normalised state, or, with `norm` given, the residual stream before the
         norm (a router with a coarse gate computes both from one read of x)."""
@@ -85,10 +91,3 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_output(x)
         return out if hooks.tp is None else hooks.tp.all_reduce(out)
-
-    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert's contribution to the layer's output, gated when the model gates it."""
-        shared = self.shared_expert(x)
-        if self.shared_expert_gate is None:
-            return shared
-        return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared

@@ -8,7 +8,7 @@ selection bias (mlp.gate.e_score_correction_bias), group-limited choice (n_group
 norm_topk_prob and routed_scaling_factor, plus an ungated shared expert of
 n_shared_experts * moe_intermediate_size. The multi-token-prediction layers a checkpoint may store
 after the decoder (num_nextn_predict_layers: speculative decoding, which moekv does not run) are
-skipped by the loader.
+skipped by the loader (ignored_tensor).
 """
 from __future__ import annotations
 
@@ -86,6 +86,14 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 _SHARED = re.compile(r"\.mlp\.shared_experts\.")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def ignored_tensor(name: str, cfg: ModelConfig) -> bool:
+    """The tensors of the num_nextn_predict_layers multi-token-prediction layers stored after the
+    decoder's (model.layers.<num_hidden_layers + i>.*); a tensor of any later layer is still an error."""
+    m = _LAYER.match(name)
+    return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_skipped_layers
 
 
 def canonical_name(name: str) -> str:

@@ -7,7 +7,6 @@ them: q/k/v into one qkv matrix, per-expert gate/up/down into stacked [E, ...] t
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,16 +18,16 @@ import torch
 from safetensors import safe_open
 
 from moekv.layers.moe import SparseMoE, local_experts
-from moekv.models import glm4_moe, mixtral, olmoe, qwen_moe
+from moekv.models import deepseek, glm4_moe, mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
 from moekv.routing import ROUTING_MODES, HierarchicalRouter, checkpoint_router, group_limited_router, resolve_routing
 from moekv.routing.cluster_map import ClusterMap
 
-ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe, glm4_moe) for name in mod.ARCHITECTURES}
+ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe, deepseek, glm4_moe)
+                                       for name in mod.ARCHITECTURES}
 SUPPORTED_ARCHITECTURES = tuple(ARCH_MODULES)
-log = logging.getLogger("moekv")
 
 
 class CheckpointError(ValueError):
@@ -139,16 +138,9 @@ _rule(_L + r"\.mlp\.gate_proj\.weight", "layers.{l}.mlp.gate_up_proj",
 _rule(_L + r"\.mlp\.up_proj\.weight", "layers.{l}.mlp.gate_up_proj",
       lambda c, m: (slice(c.dense_intermediate_size, 2 * c.dense_intermediate_size),))
 _rule(_L + r"\.mlp\.down_proj\.weight", "layers.{l}.mlp.down_proj")
+_rule(r"moekv:(?P<name>[\w.]+)", "{name}")  # an architecture's canonical_name gave the engine's own parameter name
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _in_skipped_layer(name: str, cfg: ModelConfig) -> bool:
-    """Whether tensor `name` belongs to a layer stored after the decoder's that moekv does not run
-    (cfg.num_skipped_layers: GLM's multi-token-prediction layers)."""
-    m = _LAYER_INDEX.match(name)
-    return m is not None and cfg.num_layers <= int(m[1]) < cfg.num_layers + cfg.num_skipped_layers
 
 
 def _resolve(name: str, cfg: ModelConfig) -> tuple[str, _Index] | None:
@@ -273,7 +265,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             raise RuntimeError(f"the shard plan keeps {len(kept)} rows of {name} along dim {dim}; the cut "
                                f"model holds {params[name].shape[dim]}")
     filled: dict[str, int] = {name: 0 for name in params}
-    skipped = 0
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -281,12 +272,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             raise CheckpointError(f"cannot read {path}: {e}") from e
         with handle as f:
             for raw_name in f.keys():
-                if _IGNORED.match(raw_name):
+                if _IGNORED.match(raw_name) or getattr(arch, "ignored_tensor", lambda *_: False)(raw_name, cfg):
                     continue
                 name = arch.canonical_name(raw_name)
-                if _in_skipped_layer(name, cfg):
-                    skipped += 1
-                    continue
                 resolved = _resolve(name, cfg)
                 if resolved is None or resolved[0] not in params:
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -300,9 +288,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                 else:
                     _copy_into(params[target], index, f.get_tensor(raw_name), raw_name, path)
                     filled[target] += 1
-    if skipped:
-        log.info("%s: skipped %d tensors of the %d multi-token-prediction layer(s) after layer %d (speculative "
-                 "decoding, which moekv does not run)", model_dir, skipped, cfg.num_skipped_layers, cfg.num_layers - 1)
     missing = [name for name, count in filled.items() if count == 0]
     if missing:
         raise CheckpointError(f"{model_dir}: no weights found for {len(missing)} parameters, e.g. {missing[:5]}")

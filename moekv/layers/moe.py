@@ -9,7 +9,7 @@ from torch import nn
 from moekv.layers.hooks import ExpertExecutor, LayerHooks
 from moekv.layers.mlp import GatedMLP
 from moekv.models.model_config import ModelConfig
-from moekv.ops.reference import fused_moe_ref
+from moekv.ops.reference import clamped_swiglu_moe_ref, fused_moe_ref
 from moekv.routing.base import RouterLogits
 
 
@@ -48,6 +48,13 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, H, I))
         # DeepSeek-V3's selection bias (added to the scores for the choice only)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
+        # gpt-oss: the router's logit bias, expert biases and the clamped SwiGLU (w13's rows interleave
+        # gate and up); these experts run clamped_swiglu_moe_ref on every device (the fused kernel's
+        # epilogue is silu(gate) * up without biases)
+        self.gate_bias = nn.Parameter(torch.empty(E)) if cfg.router_logit_bias else None
+        self.clamped_swiglu = cfg.clamped_swiglu
+        self.w13_bias = nn.Parameter(torch.empty(E, 2 * I)) if cfg.clamped_swiglu is not None else None
+        self.w2_bias = nn.Parameter(torch.empty(E, H)) if cfg.clamped_swiglu is not None else None
         self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
                               if cfg.shared_expert_intermediate_size else None)
         self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
@@ -73,11 +80,20 @@ class SparseMoE(nn.Module):
         if norm is not None:
             x, cluster_scores = hooks.router.norm_and_coarse(x, norm)  # [T, H], [T, C] or None
         # logits [T, E] are computed only if the router reads them (hierarchical does not)
-        router_logits = RouterLogits(x, self.gate, self.e_score_correction_bias, cluster_scores)
+        router_logits = RouterLogits(x, self.gate, self.e_score_correction_bias, cluster_scores,
+                                     logit_bias=self.gate_bias)
         weights, expert_ids = hooks.router(x, router_logits)  # [T, k], [T, k]
         if hooks.observer is not None:
             hooks.observer(weights, expert_ids)
-        out = hooks.experts(x, self.w13, self.w2, weights, expert_ids)
+        if self.clamped_swiglu is not None:
+            if not isinstance(hooks.experts, (ReferenceExperts, FusedExperts)) or hooks.tp is not None:
+                raise RuntimeError("experts with biases and the clamped SwiGLU (gpt-oss) run on one device only: "
+                                   "tensor / expert parallelism and expert offload are not supported for them")
+            act = self.clamped_swiglu
+            out = clamped_swiglu_moe_ref(x, self.w13, self.w13_bias, self.w2, self.w2_bias, weights, expert_ids,
+                                         act.alpha, act.limit)
+        else:
+            out = hooks.experts(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out if hooks.tp is None else hooks.tp.all_reduce(out)

@@ -40,13 +40,17 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.yarn = yarn
         self.fusable = yarn is None
-        self._inv_freq = None if yarn is None else yarn_inv_freq(head_dim, theta, yarn)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # YaRN's, per device (the model is built on meta)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] in dtype (YaRN's attention factor multiplied in before the cast)."""
         if self.yarn is None:
             return rotary_cos_sin_ref(positions, self.head_dim, self.theta, dtype)
-        freqs = positions.float()[:, None] * self._inv_freq.to(positions.device)[None, :]
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = yarn_inv_freq(self.head_dim, self.theta, self.yarn).to(
+                positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = self.yarn.attention_factor
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)

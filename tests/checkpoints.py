@@ -53,7 +53,7 @@ def make_config(arch: str):
     if arch == "gpt_oss":  # sliding windows of 8 tokens on even layers; YaRN; experts with biases
         rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 64}
-        return tf.GptOssConfig(intermediate_size=64, num_local_experts=8, num_experts_per_tok=4, head_dim=16,
+        return tf.GptOssConfig(intermediate_size=64, num_local_experts=8, num_experts_per_tok=4, head_dim=32,
                                sliding_window=8, rope_parameters=rope, **{**COMMON, "num_hidden_layers": 3})
     raise ValueError(arch)
 

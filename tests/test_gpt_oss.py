@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moekv import LLM, SamplingParams
+from moekv.kvcache.formats import format_class
 from moekv.models.loader import load_model_config
 from moekv.models.model_config import UnsupportedModelError
 from moekv.models.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
@@ -30,7 +32,8 @@ def build_gpt_oss(out: Path, seed: int = 0, mxfp4: bool = False, **overrides) ->
     """A tiny random GptOss saved by transformers, every bias, router bias and sink drawn at N(0, 0.5)
     (transformers' init zeroes the biases) and swiglu_limit 1.0, so the clamps bind. mxfp4: the experts'
     gate_up_proj / down_proj replaced by MXFP4 `_blocks` / `_scales` (quantize_mxfp4) and the model's own
-    expert weights set to their dequantized values, so transformers runs what the file holds."""
+    expert weights set to their dequantized values, so transformers runs what the file holds. Returns
+    the folder moekv loads (with mxfp4: `<out>_mxfp4`; `out` keeps transformers' unquantized reference)."""
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
@@ -48,7 +51,10 @@ def build_gpt_oss(out: Path, seed: int = 0, mxfp4: bool = False, **overrides) ->
                 blocks, scales = quantize_mxfp4(p.transpose(-1, -2))  # [E, out, in]
                 p.copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(-1, -2))
     model.save_pretrained(out)
-    if mxfp4:
+    write_tokenizer(out)
+    if mxfp4:  # transformers' reference stays in `out`; the MXFP4 copy beside it
+        reference, out = out, out.parent / (out.name + "_mxfp4")
+        shutil.copytree(reference, out)
         tensors = load_file(out / "model.safetensors")
         for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
             blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(-1, -2))
@@ -57,7 +63,6 @@ def build_gpt_oss(out: Path, seed: int = 0, mxfp4: bool = False, **overrides) ->
         config = json.loads((out / "config.json").read_text())
         config["quantization_config"] = {"quant_method": "mxfp4"}
         (out / "config.json").write_text(json.dumps(config))
-    write_tokenizer(out)
     return out
 
 
@@ -120,7 +125,7 @@ def test_yarn_frequencies_match_transformers(gpt_oss_ckpt):
         ref_inv, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
         theta, yarn = yarn_from(hf_cfg.to_dict())
         assert yarn.truncate == truncate
-        torch.testing.assert_close(yarn_inv_freq(16, theta, yarn), ref_inv.float(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(yarn_inv_freq(hf_cfg.head_dim, theta, yarn), ref_inv.float(), rtol=1e-6, atol=0)
         assert yarn.attention_factor == pytest.approx(ref_scale)
 
 
@@ -169,7 +174,7 @@ def test_mxfp4_experts_match_transformers(gpt_oss_mxfp4_ckpt):
     names = load_file(gpt_oss_mxfp4_ckpt / "model.safetensors").keys()
     assert any(n.endswith("gate_up_proj_blocks") for n in names)
     assert not any(n.endswith("experts.gate_up_proj") for n in names)
-    hf = hf_model(gpt_oss_mxfp4_ckpt)
+    hf = hf_model(gpt_oss_mxfp4_ckpt.parent / gpt_oss_mxfp4_ckpt.name.removesuffix("_mxfp4"))
     llm = LLM(str(gpt_oss_mxfp4_ckpt), dtype="float32", max_model_len=128, max_num_batched_tokens=12)
     check_logits(llm, hf)
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=12, temperature=0.0,
@@ -178,8 +183,6 @@ def test_mxfp4_experts_match_transformers(gpt_oss_mxfp4_ckpt):
 
 
 def test_mxfp4_missing_half_is_a_clear_error(gpt_oss_mxfp4_ckpt, tmp_path):
-    import shutil
-
     from moekv.models.loader import CheckpointError
 
     broken = tmp_path / "broken"
@@ -215,10 +218,10 @@ def test_quantize_mxfp4_round_trip():
     weights already on the grid, within half a step elsewhere."""
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 16, (4, 64), generator=g)
-    on_grid = torch.tensor(FP4_VALUES)[codes] * 2.0 ** torch.randint(-3, 3, (4, 2, 1), generator=g).repeat_interleave(
-        32, dim=1).squeeze(-1)
-    on_grid[:, 0] = 6.0 * 2.0 ** -3  # every group's largest magnitude sets its scale
-    on_grid[:, 32] = -6.0
+    scale = 2.0 ** torch.randint(-3, 3, (4, 2), generator=g).repeat_interleave(32, dim=1)  # one per group of 32
+    on_grid = torch.tensor(FP4_VALUES)[codes] * scale
+    on_grid[:, 0] = 6.0 * scale[:, 0]  # every group's largest magnitude sets its scale
+    on_grid[:, 32] = -6.0 * scale[:, 32]
     assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(on_grid), torch.float32), on_grid)
     w = torch.randn(4, 64, generator=g)
     back = dequantize_mxfp4(*quantize_mxfp4(w), torch.float32)
@@ -231,8 +234,8 @@ def test_every_kv_format_runs(gpt_oss_ckpt, name):
     """Each compressed KV format serves gpt-oss on the CPU (reference paths with sinks and windows):
     generation runs, every page comes back, and the first greedy token (from the exact prefill)
     equals transformers'."""
-    if name == "vq":
-        pytest.skip("vq needs calibrated codebooks for the model's head_dim (moekv calibrate)")
+    if format_class(name).needs_calibration:
+        pytest.skip(f"{name} needs calibrated tables for the model (moekv calibrate), which a random model has not")
     hf = hf_model(gpt_oss_ckpt)
     llm = LLM(str(gpt_oss_ckpt), dtype="float32", max_model_len=128, **engine_kwargs_for(name))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],

@@ -322,8 +322,8 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
         part_o, part_lse, out, out.stride(0), out.stride(1),
         tile_sum, tile_max, mass, context_lens, block_tables, block_tables.stride(0), window,
-        ns_total, max_tiles, max_pages, part_lse if sinks is None else sinks, Hq, ns_pad, D, P // block_n, P,
-        block_n, block_pages, mass_into is not None, sinks is not None, num_warps=4)
+        ns_total, max_tiles, max_pages, Hq, ns_pad, D, P // block_n, P, block_n, block_pages,
+        mass_into is not None, sinks, sinks is not None, num_warps=4)
     return out, (None if mass_into is not None else mass)
 
 
@@ -335,10 +335,10 @@ def mass_block_pages(num_heads: int, tiles_per_page: int) -> int:
 @triton.jit
 def reduce_and_mass_kernel(part_o, part_lse, out, stride_ob, stride_oh,
                             tile_sum, tile_max, mass, context_lens, block_tables, stride_bt, window,
-                            ns_total, max_tiles, max_pages, sinks,
+                            ns_total, max_tiles, max_pages,
                             NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, TPP: tl.constexpr,
                             P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_PAGES: tl.constexpr,
-                            ACCUMULATE: tl.constexpr, HAS_SINKS: tl.constexpr = False):
+                            ACCUMULATE: tl.constexpr, sinks=None, HAS_SINKS: tl.constexpr = False):
     """Grid (B, NUM_HEADS + mass programs). Program (b, j < NUM_HEADS) merges head j's splits
     (reduce_head); program (b, NUM_HEADS + k) writes the mass of pages [k*BLOCK_PAGES, ...) of
     sequence b (page_mass_block). One launch instead of two: at batch 1 a second launch is one more

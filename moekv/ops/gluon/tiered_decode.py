@@ -241,7 +241,6 @@ def tiered_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: tor
     reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
         part_o, part_lse, out, out.stride(0), out.stride(1),
         tile_sum, tile_max, mass, context_lens, block_tables, block_tables.stride(0), window,
-        ns_total, max_pages, max_pages, part_lse if sinks is None else sinks, Hq,
-        max(2, triton.next_power_of_2(ns_total)), HEAD_DIM, 1, PAGE_TOKENS, PAGE_TOKENS, block_pages,
-        mass_into is not None, sinks is not None, num_warps=4)
+        ns_total, max_pages, max_pages, Hq, max(2, triton.next_power_of_2(ns_total)), HEAD_DIM, 1, PAGE_TOKENS,
+        PAGE_TOKENS, block_pages, mass_into is not None, sinks, sinks is not None, num_warps=4)
     return out, (None if mass_into is not None else mass)

@@ -48,9 +48,9 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, H, I))
         # DeepSeek-V3's selection bias (added to the scores for the choice only)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
-        # gpt-oss: the router's logit bias, expert biases and the clamped SwiGLU (w13's rows interleave
-        # gate and up); these experts run clamped_swiglu_moe_ref on every device (the fused kernel's
-        # epilogue is silu(gate) * up without biases)
+        # gpt-oss: the router's logit bias, expert biases and the clamped SwiGLU; these experts run
+        # clamped_swiglu_moe_ref on every device (the fused kernel's epilogue is silu(gate) * up
+        # without biases)
         self.gate_bias = nn.Parameter(torch.empty(E)) if cfg.router_logit_bias else None
         self.clamped_swiglu = cfg.clamped_swiglu
         self.w13_bias = nn.Parameter(torch.empty(E, 2 * I)) if cfg.clamped_swiglu is not None else None

@@ -6,8 +6,9 @@ to the model's dtype on load).
 
 The checkpoint stores experts stacked and transposed ([E, in, out]: gate_up_proj [E, H, 2I] with
 gate and up columns interleaved, down_proj [E, I, H]); the reader below turns them into the
-engine's [E, out, in] (w13 keeps the interleaving: the clamped SwiGLU reads gate = rows 0::2,
-up = rows 1::2). gpt-oss's H equals I, so the orientation cannot be told from the shapes."""
+engine's layout: [E, out, in], w13's gate rows then up rows (its bias likewise), as every other
+architecture's experts, so the fused MoE kernels read them unchanged. gpt-oss's H equals I, so the
+orientation cannot be told from the shapes."""
 from __future__ import annotations
 
 import math
@@ -119,10 +120,17 @@ def canonical_name(name: str) -> str:
 
 
 _STACKED = re.compile(r".*\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_INTERLEAVED = re.compile(r".*\.mlp\.experts\.gate_up_proj(_bias)?$")
+
+
+def gate_rows_then_up_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with gate and up interleaved (gate at even rows) -> gate rows, then up rows."""
+    return torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
 
 
 class TensorReader:
-    """Reads one checkpoint's tensors for the loader: stacked experts transposed to [E, out, in];
+    """Reads one checkpoint's tensors for the loader: stacked experts transposed to [E, out, in],
+    gate_up's (and its bias's) interleaved rows split into gate rows then up rows;
     an MXFP4 pair (`<name>_blocks`, `<name>_scales`, possibly in different files) held until both
     halves are read, then dequantized to `<name>` in `dtype`. Everything else is left to the loader."""
 
@@ -142,10 +150,17 @@ class TensorReader:
                     return None
                 del self.pending[base]
                 # dequantized rows are already [E, out, in]: no transpose
-                return base, dequantize_mxfp4(halves[BLOCKS_SUFFIX], halves[SCALES_SUFFIX], self.dtype)
+                return base, self._rows(base, dequantize_mxfp4(halves[BLOCKS_SUFFIX], halves[SCALES_SUFFIX],
+                                                               self.dtype))
         if _STACKED.match(raw_name):
-            return raw_name, f.get_tensor(raw_name).transpose(-1, -2)
+            return raw_name, self._rows(raw_name, f.get_tensor(raw_name).transpose(-1, -2))
+        if _INTERLEAVED.match(raw_name):
+            return raw_name, self._rows(raw_name, f.get_tensor(raw_name))
         return raw_name, None
+
+    @staticmethod
+    def _rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return gate_rows_then_up_rows(tensor) if _INTERLEAVED.match(name) else tensor
 
     def finish(self) -> None:
         """Raise if an MXFP4 tensor lacks one of its halves."""

@@ -79,21 +79,24 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 def clamped_swiglu_moe_ref(x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor, w2: torch.Tensor,
                            b2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                            alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's experts step: sum_k weight_k * (down(h) + b2) with gate_up = w13 x + b13, gate =
-    min(gate_up[0::2], limit), up = clamp(gate_up[1::2], -limit, limit), h = (up + 1) * gate *
-    sigmoid(alpha * gate). x [T, H]; w13 [E, 2I, H] (gate and up rows interleaved); b13 [E, 2I];
-    w2 [E, H, I]; b2 [E, H]; topk_weights, topk_ids [T, k]."""
+    """gpt-oss's experts step: sum_k weight_k * (down(h) + b2) with gate, up = w13 x + b13 (halves),
+    h = clamped_swiglu_ref(gate, up). x [T, H]; w13 [E, 2I, H] (gate rows then up rows, as
+    fused_moe_ref's); b13 [E, 2I]; w2 [E, H, I]; b2 [E, H]; topk_weights, topk_ids [T, k]."""
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids.reshape(-1)).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
-        gate_up = F.linear(x[token_idx], w13[expert], b13[expert])
-        gate = gate_up[..., 0::2].clamp(max=limit)
-        up = gate_up[..., 1::2].clamp(-limit, limit)
-        h = (up + 1) * gate * torch.sigmoid(gate * alpha)
-        y = F.linear(h, w2[expert], b2[expert]) * topk_weights[token_idx, slot, None].to(x.dtype)
+        gate, up = F.linear(x[token_idx], w13[expert], b13[expert]).chunk(2, dim=-1)
+        y = F.linear(clamped_swiglu_ref(gate, up, alpha, limit), w2[expert], b2[expert])
+        y = y * topk_weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out
 

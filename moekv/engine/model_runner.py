@@ -325,8 +325,6 @@ class ModelRunner:
         else:
             reason = graphs_unsupported_reason(self.device, config.enforce_eager, self.kv_format, self.dtype,
                                                self.block_size, model_cfg.head_dim)
-        if reason is None and model_cfg.clamped_swiglu is not None:
-            reason = "the clamped-SwiGLU experts (gpt-oss) run the reference, which reads routing on the host"
         if reason is None and self.experts is not None:
             reason = "expert_offload=True reads each MoE layer's routing on the host (cache misses, prefetch)"
         if reason is None:

@@ -48,9 +48,8 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, H, I))
         # DeepSeek-V3's selection bias (added to the scores for the choice only)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
-        # gpt-oss: the router's logit bias, expert biases and the clamped SwiGLU; these experts run
-        # clamped_swiglu_moe_ref on every device (the fused kernel's epilogue is silu(gate) * up
-        # without biases)
+        # gpt-oss: the router's logit bias, expert biases and the clamped SwiGLU (the fused kernels'
+        # epilogues on CUDA, clamped_swiglu_moe_ref elsewhere)
         self.gate_bias = nn.Parameter(torch.empty(E)) if cfg.router_logit_bias else None
         self.clamped_swiglu = cfg.clamped_swiglu
         self.w13_bias = nn.Parameter(torch.empty(E, 2 * I)) if cfg.clamped_swiglu is not None else None
@@ -86,14 +85,24 @@ class SparseMoE(nn.Module):
         if hooks.observer is not None:
             hooks.observer(weights, expert_ids)
         if self.clamped_swiglu is not None:
-            if not isinstance(hooks.experts, (ReferenceExperts, FusedExperts)) or hooks.tp is not None:
-                raise RuntimeError("experts with biases and the clamped SwiGLU (gpt-oss) run on one device only: "
-                                   "tensor / expert parallelism and expert offload are not supported for them")
-            act = self.clamped_swiglu
-            out = clamped_swiglu_moe_ref(x, self.w13, self.w13_bias, self.w2, self.w2_bias, weights, expert_ids,
-                                         act.alpha, act.limit)
+            out = self._clamped_swiglu_experts(x, weights, expert_ids)
         else:
             out = hooks.experts(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out if hooks.tp is None else hooks.tp.all_reduce(out)
+
+    def _clamped_swiglu_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's experts (biases, the clamped SwiGLU) on this device: the fused kernels with those
+        epilogues where the layer's executor is FusedExperts, the reference where it is ReferenceExperts."""
+        hooks, act = self.hooks, self.clamped_swiglu
+        if isinstance(hooks.experts, FusedExperts) and hooks.tp is None:
+            from moekv.ops.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, weights, expert_ids, biases=(self.w13_bias, self.w2_bias),
+                             clamped_swiglu=(act.alpha, act.limit))
+        if isinstance(hooks.experts, ReferenceExperts) and hooks.tp is None:
+            return clamped_swiglu_moe_ref(x, self.w13, self.w13_bias, self.w2, self.w2_bias, weights, expert_ids,
+                                          act.alpha, act.limit)
+        raise RuntimeError("experts with biases and the clamped SwiGLU (gpt-oss) run on one device only: tensor / "
+                           "expert parallelism and expert offload are not supported for them")

@@ -176,7 +176,7 @@ def test_format_decode_with_sinks_on_gpu(name, head_dim, block_size):
     q = torch.randn(len(lens), 64, head_dim, generator=g).to("cuda", torch.bfloat16)
     sinks = (torch.randn(64, generator=g) * 3).to("cuda", torch.bfloat16)
     keys, values = gathered(fmt, cache, ctx)
-    for window in (None, 128):
+    for window in (None,) if name == "tiered" else (None, 128):  # tiered refuses sliding windows
         ref = sink_oracle(q.double(), keys, values, head_dim ** -0.5, window, sinks.double())
         out = fmt.attend(q, cache, ctx, head_dim ** -0.5, window, None, sinks)
         err = (out.double() - ref).abs().max().item()

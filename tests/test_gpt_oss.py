@@ -229,7 +229,7 @@ def test_quantize_mxfp4_round_trip():
     assert ((back - w).reshape(4, 2, 32).abs() <= step / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "int4", "kivi2", "nuq2", "vq", "tiered"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int4", "kivi2", "nuq2", "vq"])
 def test_every_kv_format_runs(gpt_oss_ckpt, name):
     """Each compressed KV format serves gpt-oss on the CPU (reference paths with sinks and windows):
     generation runs, every page comes back, and the first greedy token (from the exact prefill)
@@ -244,6 +244,13 @@ def test_every_kv_format_runs(gpt_oss_ckpt, name):
         assert len(out.outputs[0].token_ids) == 20
         assert out.outputs[0].token_ids[0] == greedy_ref(hf, prompt, 1)[0]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_tiered_refuses_sliding_window_layers(gpt_oss_ckpt):
+    """tiered's ranking keeps only a sequence's first and newest full pages for sure, so it refuses
+    the sliding layers rather than demote a page their window still reads."""
+    with pytest.raises(ValueError, match="kv_cache_dtype='tiered' does not serve sliding-window attention layers"):
+        LLM(str(gpt_oss_ckpt), dtype="float32", max_model_len=128, **engine_kwargs_for("tiered"))
 
 
 def test_unsupported_variants_are_clear_errors(gpt_oss_ckpt, tmp_path):

@@ -180,6 +180,11 @@ class KVFormat(ABC):
         staging page is rebuilt, since a sequence resumes at a page boundary)."""
         return None
 
+    def sliding_window_unsupported(self) -> str | None:
+        """Why this format cannot serve attention layers with a sliding window, or None (the engine
+        refuses such a model with it before allocating)."""
+        return None
+
     @abstractmethod
     def allocate(self, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  device: torch.device, max_num_seqs: int, dtype: torch.dtype) -> LayerKVCache: ...

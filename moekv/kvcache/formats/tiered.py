@@ -190,6 +190,10 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
                 "change under one request because of another, so outputs would depend on which requests "
                 "happened to share it")
 
+    def sliding_window_unsupported(self) -> str | None:
+        return ("does not serve sliding-window attention layers: its ranking keeps only a sequence's first "
+                "and newest full pages in FP8 for sure, so it could demote pages a window still reads")
+
     def _slabs(self, kind: str, block_size: int, head_dim: int) -> tuple[int, int]:
         return (self.hi.layout(kind, block_size, head_dim).slab_bytes,
                 self.lo.layout(kind, block_size, head_dim).slab_bytes)
@@ -656,7 +660,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None, sinks=None):
         """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel: the Gluon one
-        when the pools are in fragment order, attend_gluon); otherwise (CPU, prefill) attend_reference."""
+        when the pools are in fragment order, attend_gluon); otherwise (CPU, prefill) attend_reference.
+        Sliding-window layers are refused before this (sliding_window_unsupported)."""
         if self.use_kernel(q, ctx, cache):
             if not self.is_fragment_pool(cache):
                 return self.attend_kernel(q, cache, ctx, scale, sliding_window, sinks=sinks)

@@ -274,3 +274,38 @@ def test_unsupported_variants_are_clear_errors(gpt_oss_ckpt, tmp_path):
         LLM(str(gpt_oss_ckpt), dtype="float32", max_model_len=64, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="routing='hierarchical'"):
         LLM(str(gpt_oss_ckpt), dtype="float32", max_model_len=64, routing="hierarchical")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_hd64_ckpt(tmp_path_factory):
+    """gpt-oss's own head_dim (64), for the decode kernels' shapes on the GPU."""
+    return build_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "hd64", seed=4, head_dim=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs, the fused kernels and bf16 need a CUDA device")
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "int4", "kivi2", "nuq2"])
+def test_cuda_bf16_graphs_match_eager(gpt_oss_hd64_ckpt, name):
+    """On CUDA in bf16: decode steps replayed from CUDA graphs (fused MoE epilogues, the decode kernel
+    with sinks and windows) give the eager steps' greedy tokens; in fp32 on CUDA the logits match
+    transformers' (the fused MoE's ieee fp32 path)."""
+    from tests.test_cuda_graphs import _first_divergence_is_a_tie
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=128, **engine_kwargs_for(name))
+    ref = LLM(str(gpt_oss_hd64_ckpt), enforce_eager=True, **kwargs).generate(prompts, params)
+    llm = LLM(str(gpt_oss_hd64_ckpt), **kwargs)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.use_graphs
+    out = llm.generate(prompts, params)
+    assert llm.engine.runner.graphs is graphs, "the graph path failed and fell back to eager (see the log)"
+    assert graphs.num_replays > 10
+    for a, b in zip(ref, out):  # bf16: a first divergence may only be a near-tie
+        ok, where = _first_divergence_is_a_tie(a.outputs[0].token_ids, a.outputs[0].logprobs,
+                                               b.outputs[0].token_ids, b.outputs[0].logprobs)
+        assert ok, f"{name}: {where}"
+    if name == "bf16":
+        fp32 = LLM(str(gpt_oss_hd64_ckpt), dtype="float32", device="cuda", max_model_len=128,
+                   max_num_batched_tokens=12)
+        check_logits(fp32, hf_model(gpt_oss_hd64_ckpt), tol=1e-3)

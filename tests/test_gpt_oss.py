@@ -293,7 +293,7 @@ def test_cuda_bf16_graphs_match_eager(gpt_oss_hd64_ckpt, name):
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=128, **engine_kwargs_for(name))
+    kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=4, **engine_kwargs_for(name))
     ref = LLM(str(gpt_oss_hd64_ckpt), enforce_eager=True, **kwargs).generate(prompts, params)
     llm = LLM(str(gpt_oss_hd64_ckpt), **kwargs)
     graphs = llm.engine.runner.graphs

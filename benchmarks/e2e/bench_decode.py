@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""End-to-end decode time per output token (TPOT) of a Mixtral-8x7B-shaped model on one GPU.
+"""End-to-end decode time per output token (TPOT) of a Mixtral-8x7B-shaped model on one GPU
+(or a gpt-oss-20b-shaped one: `--shape gpt-oss-20b`, sinks, sliding windows, YaRN, biased experts).
 
 The model is built with random bf16 weights (no checkpoint: `--random-weights --shape
 mixtral-8x7b`), its KV pools are filled with valid pages of each format as if `context` tokens
@@ -13,6 +14,8 @@ the same run. `transformers` runs the same shape at batch 1 as the naive baselin
         --out benchmarks/results/h200/decode.json
     PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --formats nuq2 --decode-kernel gluon ...
         # nuq2 through the Gluon decode kernel (pools in fragment order)
+    PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --shape gpt-oss-20b --no-transformers ...
+        # gpt-oss-20b's shape in bf16 (its MXFP4 experts dequantized: 42 GB of weights)
 """
 from __future__ import annotations
 
@@ -32,8 +35,7 @@ sys.path.insert(0, str(REPO))
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import DECODE_KERNELS, compressed_formats, get_kv_format  # noqa: E402
 from moekv.kvcache.formats.fragment import FragmentPagedFormat  # noqa: E402
-from moekv.models import mixtral  # noqa: E402
-from moekv.models.loader import empty_model, init_dummy_weights, install_routers  # noqa: E402
+from moekv.models.loader import ARCH_MODULES, empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
 
 SHAPES = {
@@ -41,6 +43,14 @@ SHAPES = {
                          num_key_value_heads=8, head_dim=128, intermediate_size=14336, num_local_experts=8,
                          num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
     # a quick check of the whole path (seconds, any GPU)
+    # gpt-oss-20b (openai/gpt-oss-20b's config.json): sliding windows of 128 on every other layer, sinks
+    "gpt-oss-20b": dict(architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 4096},
+                        swiglu_limit=7.0, max_position_embeddings=131072, rms_norm_eps=1e-5),
     "small": dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=128, intermediate_size=2048, num_local_experts=8,
                   num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
@@ -54,10 +64,14 @@ def hf_config(shape: str) -> dict:
     return {"architectures": ["MixtralForCausalLM"], "torch_dtype": "bfloat16", **SHAPES[shape]}
 
 
+def is_mixtral(shape: str) -> bool:
+    return hf_config(shape)["architectures"] == ["MixtralForCausalLM"]
+
+
 def build_random_model(shape: str, device: torch.device):
     """MoEDecoder of the shape with the loader's dummy weights (N(0, 0.02), norms at 1), built on the GPU directly."""
     hf = hf_config(shape)
-    cfg = apply_routing_fields(mixtral.config_from_hf(hf), hf)
+    cfg = apply_routing_fields(ARCH_MODULES[hf["architectures"][0]].config_from_hf(hf), hf)
     model = init_dummy_weights(empty_model(cfg, torch.bfloat16, device))
     install_routers(model, cfg, routing="flat")
     return model, cfg
@@ -69,12 +83,19 @@ def weight_bytes_per_step(cfg, batch: int) -> tuple[int, float]:
     touches per layer, E * (1 - (1 - k/E)^B)."""
     H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size
     attn = (cfg.q_size + 2 * cfg.kv_size) * H + H * cfg.q_size
-    expert = 3 * H * I
-    per_layer_dense = attn + E * H + 2 * H
+    attn += (cfg.q_size + 2 * cfg.kv_size) * cfg.qkv_bias + H * cfg.o_bias + cfg.num_heads * cfg.attention_sinks
+    expert = 3 * H * I + (2 * I + H) * (cfg.clamped_swiglu is not None)  # gpt-oss: expert biases
+    per_layer_dense = attn + E * (H + cfg.router_logit_bias) + 2 * H
     total = 2 * (cfg.num_layers * (per_layer_dense + E * expert) + 2 * cfg.vocab_size * H + H)
     distinct = E * (1 - (1 - k / E) ** batch)
     read = 2 * (cfg.num_layers * (per_layer_dense + distinct * expert) + cfg.vocab_size * H + H) + 2 * batch * H
     return total, read
+
+
+def kv_tokens_read(cfg, context: int) -> float:
+    """Cached tokens a decode step's attention must read per layer, averaged over the layers: the
+    whole context (and the new token), or a sliding window's last `window` tokens."""
+    return sum(min(context + 1, w or context + 1) for w in cfg.layer_windows) / cfg.num_layers
 
 
 def kv_bytes_per_token(fmt, cfg, block_size: int) -> float:
@@ -251,6 +272,9 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
         row["skipped"] = (f"KV of {need / 2**30:.1f} GiB does not fit beside the weights "
                           f"({free_bytes / 2**30:.1f} GiB free)")
         return row
+    if any(cfg.layer_windows) and fmt.sliding_window_unsupported():
+        row["skipped"] = f"{fmt_name} {fmt.sliding_window_unsupported()} (the engine refuses it for this model)"
+        return row
     if not fmt.graph_support.replays_decode:
         row["skipped"] = ("not graph-safe: the engine runs this format's decode steps eagerly; a graph-captured "
                           "step would not be the engine's")
@@ -279,7 +303,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
             row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             row["tpot_ms"] = row["tpot_eager_ms"]
     _, weights_read = weight_bytes_per_step(cfg, batch)
-    kv_read = batch * (context + 1) * per_token_read
+    kv_read = batch * kv_tokens_read(cfg, context) * per_token_read
     row.update(weights_read_bytes=weights_read, kv_read_bytes=kv_read,
                floor_ms=1e3 * (weights_read + kv_read) / bandwidth)
     row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
@@ -314,7 +338,8 @@ def transformers_baseline(shape: str, context: int, device, bandwidth: float, it
                 model(nxt, past_key_values=past, position_ids=position, use_cache=True)
 
             row["tpot_ms"] = time_ms(step, iters)
-        cfg = apply_routing_fields(mixtral.config_from_hf(hf_config(shape)), hf_config(shape))
+        hf = hf_config(shape)
+        cfg = apply_routing_fields(ARCH_MODULES["MixtralForCausalLM"].config_from_hf(hf), hf)
         _, weights_read = weight_bytes_per_step(cfg, 1)
         kv_read = context * cfg.num_layers * 2 * cfg.kv_size * 2
         row["floor_ms"] = 1e3 * (weights_read + kv_read) / bandwidth
@@ -380,7 +405,7 @@ def main() -> None:
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    if not args.no_transformers:
+    if not args.no_transformers and is_mixtral(args.shape):  # the baseline is transformers' Mixtral
         row = transformers_baseline(args.shape, 4096, device, bandwidth, max(5, args.iters // 2))
         rows.append(row)
         print(f"transformers B=1 ctx=4096: {row.get('tpot_ms', row.get('error'))}", flush=True)

@@ -309,3 +309,18 @@ def test_cuda_bf16_graphs_match_eager(gpt_oss_hd64_ckpt, name):
         fp32 = LLM(str(gpt_oss_hd64_ckpt), dtype="float32", device="cuda", max_model_len=128,
                    max_num_batched_tokens=12)
         check_logits(fp32, hf_model(gpt_oss_hd64_ckpt), tol=1e-3)
+
+
+def test_info_names_windows_sinks_and_tiered_refusal(gpt_oss_ckpt, capsys):
+    import argparse
+
+    from moekv.cli.info import add_info_parser
+
+    parser = argparse.ArgumentParser()
+    add_info_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["info", "--model", str(gpt_oss_ckpt)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "GptOssForCausalLM" in out
+    assert f"sliding window {WINDOW} on 2 of 3 layers, a sink logit per head, YaRN RoPE (factor 32)" in out
+    assert "tiered     n/a: does not serve sliding-window attention layers" in out

@@ -26,6 +26,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("experts", f"{cfg.num_experts}, top-{cfg.top_k}, intermediate {cfg.moe_intermediate_size}"
                     + (f", shared expert {cfg.shared_expert_intermediate_size}"
                        if cfg.shared_expert_intermediate_size else "")),
+        *([("attention", attention_features(cfg))] if attention_features(cfg) else []),
         ("vocabulary", cfg.vocab_size),
         ("max positions", cfg.max_position_embeddings),
         ("parameters", f"{total:,} total, {active:,} active per token ({100 * active / total:.1f}%)"),
@@ -46,6 +47,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             fmt = get_kv_format(name, cfg.torch_dtype, decode_kernel=args.decode_kernel,
                                 **kv_options_for(name, options))
             fmt.check_layout(cfg.num_kv_heads, block_size, cfg.head_dim)
+            if any(cfg.layer_windows) and fmt.sliding_window_unsupported():
+                raise ValueError(f"{fmt.sliding_window_unsupported()} (this model has sliding-window layers)")
         except ValueError as e:  # e.g. needs calibration, or cannot lay out this block size
             print(f"  {name:<10} n/a: {e}")
             continue
@@ -54,6 +57,19 @@ def cmd_info(args: argparse.Namespace) -> int:
         bits = fmt.bits_per_element(cfg.num_kv_heads, block_size, cfg.head_dim)
         print(f"  {name:<10} {per_token:>10,.0f} bytes/token  {bits:5.2f} bits/element  (block_size {block_size})")
     return 0
+
+
+def attention_features(cfg) -> str:
+    """What a model's attention has beyond plain causal GQA (sliding windows, sinks, YaRN), or ''."""
+    parts = []
+    windows = [w for w in cfg.layer_windows if w is not None]
+    if windows:
+        parts.append(f"sliding window {windows[0]} on {len(windows)} of {cfg.num_layers} layers")
+    if cfg.attention_sinks:
+        parts.append("a sink logit per head")
+    if cfg.yarn is not None:
+        parts.append(f"YaRN RoPE (factor {cfg.yarn.factor:g})")
+    return ", ".join(parts)
 
 
 def add_info_parser(subparsers) -> argparse.ArgumentParser:

@@ -272,6 +272,8 @@ def test_unsupported_variants_are_clear_errors(gpt_oss_ckpt, tmp_path):
             load_model_config(config_with(**changes))
     with pytest.raises(ValueError, match="one device only"):
         LLM(str(gpt_oss_ckpt), dtype="float32", max_model_len=64, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="experts .biases, clamped SwiGLU. are not offloaded"):
+        LLM(str(gpt_oss_ckpt), dtype="float32", max_model_len=64, expert_offload=True)
     with pytest.raises(ValueError, match="routing='hierarchical'"):
         LLM(str(gpt_oss_ckpt), dtype="float32", max_model_len=64, routing="hierarchical")
 

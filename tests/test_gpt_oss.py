@@ -136,6 +136,16 @@ def test_logits_match_transformers(gpt_oss_ckpt):
     check_logits(llm, hf_model(gpt_oss_ckpt))
 
 
+@pytest.mark.parametrize("heads,kv_heads,experts,top_k", [(4, 1, 32, 4), (8, 8, 32, 8)],
+                         ids=["mqa-32x4", "mha-32x8"])
+def test_odd_shapes_match_transformers(tmp_path, heads, kv_heads, experts, top_k):
+    """One KV head and as many KV heads as query heads; 32 experts, top-4 and top-8."""
+    path = build_gpt_oss(tmp_path / "odd", seed=5, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         num_local_experts=experts, num_experts_per_tok=top_k)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=12)
+    check_logits(llm, hf_model(path))
+
+
 def test_sinks_windows_and_biases_matter(gpt_oss_ckpt):
     """The parity above is not vacuous: without the sinks, with full attention in the sliding layers,
     or without the expert biases the logits move far beyond its tolerance."""

@@ -56,7 +56,8 @@ class SparseMoE(nn.Module):
         self.w2_bias = nn.Parameter(torch.empty(E, H)) if cfg.clamped_swiglu is not None else None
         self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
                               if cfg.shared_expert_intermediate_size else None)
-        self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
+        self.shared_expert_gate = (nn.Parameter(torch.empty(1, H))
+                                   if cfg.shared_expert_intermediate_size and cfg.shared_expert_gated else None)
         # tensor parallel (hooks.tp): this rank's share of the output (a slice of every expert, or with
         # expert parallelism its whole experts), all-reduced
         self.hooks = hooks if hooks is not None else LayerHooks()
@@ -66,6 +67,12 @@ class SparseMoE(nn.Module):
         """Whether the router computes the RMSNorm before the layer itself (with a coarse gate)."""
         router = self.hooks.router
         return router is not None and router.fuses_norm
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's contribution: through its sigmoid gate (Qwen2-MoE), or as is (DeepSeek)."""
+        if self.shared_expert_gate is None:
+            return self.shared_expert(x)
+        return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """x [T, H]: the normalised state, or, with `norm` given, the residual stream before the
@@ -89,7 +96,7 @@ class SparseMoE(nn.Module):
         else:
             out = hooks.experts(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+            out = out + self.shared_output(x)
         return out if hooks.tp is None else hooks.tp.all_reduce(out)
 
     def _clamped_swiglu_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,9 @@ def check_tp_shapes(cfg, world: int, expert_parallel: bool) -> None:
     if world > 1 and (cfg.attention_sinks or cfg.clamped_swiglu is not None):
         raise ValueError(f"tensor_parallel_size={world}: {cfg.architecture} (attention sinks, biased experts) runs "
                          "on one device only; accepted: tensor_parallel_size=1")
+    if cfg.mla is not None:
+        raise ValueError(f"tensor_parallel_size={world} is not supported for {cfg.architecture} (multi-head latent "
+                         "attention is not split over ranks); accepted: 1")
     kv_heads_of_rank(cfg.num_heads, cfg.num_kv_heads, 0, world)
     if cfg.dense_intermediate_size and any(not m for m in cfg.moe_layers) and cfg.dense_intermediate_size % world:
         raise ValueError(f"tensor_parallel_size={world} must divide the dense MLP's intermediate_size="

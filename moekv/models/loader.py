@@ -18,14 +18,15 @@ import torch
 from safetensors import safe_open
 
 from moekv.layers.moe import SparseMoE, local_experts
-from moekv.models import gpt_oss, mixtral, olmoe, qwen_moe
+from moekv.models import deepseek, gpt_oss, mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
 from moekv.routing import ROUTING_MODES, HierarchicalRouter, checkpoint_router, group_limited_router, resolve_routing
 from moekv.routing.cluster_map import ClusterMap
 
-ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe, gpt_oss) for name in mod.ARCHITECTURES}
+ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe, deepseek, gpt_oss)
+                                      for name in mod.ARCHITECTURES}
 SUPPORTED_ARCHITECTURES = tuple(ARCH_MODULES)
 
 
@@ -142,6 +143,7 @@ _rule(_L + r"\.self_attn\.sinks", "layers.{l}.self_attn.sinks")
 _rule(_L + r"\.mlp\.gate_bias", "layers.{l}.mlp.gate_bias")
 _rule(_L + r"\.mlp\.experts\.gate_up_proj_bias", "layers.{l}.mlp.w13_bias")
 _rule(_L + r"\.mlp\.experts\.down_proj_bias", "layers.{l}.mlp.w2_bias")
+_rule(r"moekv:(?P<name>[\w.]+)", "{name}")  # an architecture's canonical_name gave the engine's own parameter name
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -280,7 +282,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             raise CheckpointError(f"cannot read {path}: {e}") from e
         with handle as f:
             for raw_name in f.keys():
-                if _IGNORED.match(raw_name):
+                if _IGNORED.match(raw_name) or getattr(arch, "ignored_tensor", lambda *_: False)(raw_name, cfg):
                     continue
                 tensor = None
                 if reader is not None:

@@ -57,6 +57,11 @@ def make_config(arch: str):
     if arch == "olmoe":
         return tf.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                               clip_qkv=5.0, **COMMON)
+    if arch == "gpt_oss":  # sliding windows of 8 tokens on even layers; YaRN; experts with biases
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64}
+        return tf.GptOssConfig(intermediate_size=64, num_local_experts=8, num_experts_per_tok=4, head_dim=32,
+                               sliding_window=8, rope_parameters=rope, **{**COMMON, "num_hidden_layers": 3})
     if arch in ("deepseek_v2", "deepseek_v3"):
         return make_deepseek_config(arch)
     raise ValueError(arch)

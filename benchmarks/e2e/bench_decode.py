@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """End-to-end decode time per output token (TPOT) of a Mixtral-8x7B-shaped model on one GPU (or of
-another shape of SHAPES: GLM-4.5-Air's, cut to its first 10 layers to fit one GPU).
+another shape of SHAPES: GLM-4.5-Air's, cut to its first 10 layers to fit one GPU; gpt-oss-20b's, with
+sinks, sliding windows, YaRN and biased experts).
 
 The model is built with random bf16 weights (no checkpoint: `--random-weights --shape
 mixtral-8x7b`), its KV pools are filled with valid pages of each format as if `context` tokens
@@ -16,6 +17,8 @@ the same run. `transformers` runs the same shape at batch 1 as the naive baselin
         # nuq2 through the Gluon decode kernel (pools in fragment order)
     PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --shape glm-4.5-air-10l \
         --points 1:4096 32:32768 --no-transformers --out FILE   # Glm4Moe: partial RoPE, shared expert
+    PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --shape gpt-oss-20b --no-transformers ...
+        # gpt-oss-20b's shape in bf16 (its MXFP4 experts dequantized: 42 GB of weights)
 """
 from __future__ import annotations
 
@@ -54,6 +57,14 @@ SHAPES = {
                             rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                                 "partial_rotary_factor": 0.5}),
     # a quick check of the whole path (seconds, any GPU)
+    # gpt-oss-20b (openai/gpt-oss-20b's config.json): sliding windows of 128 on every other layer, sinks
+    "gpt-oss-20b": dict(architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 4096},
+                        swiglu_limit=7.0, max_position_embeddings=131072, rms_norm_eps=1e-5),
     "small": dict(vocab_size=4096, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=128, intermediate_size=2048, num_local_experts=8,
                   num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
@@ -71,6 +82,10 @@ def model_config(shape: str):
     """The ModelConfig of a shape, read by its architecture's module as the loader reads a config.json."""
     hf = hf_config(shape)
     return apply_routing_fields(ARCH_MODULES[hf["architectures"][0]].config_from_hf(hf), hf)
+
+
+def is_mixtral(shape: str) -> bool:
+    return hf_config(shape)["architectures"] == ["MixtralForCausalLM"]
 
 
 def build_random_model(shape: str, device: torch.device):
@@ -91,10 +106,11 @@ def weight_bytes_per_step(cfg, batch: int) -> tuple[int, float]:
     attn = (cfg.q_size + 2 * cfg.kv_size) * H + H * cfg.q_size
     attn += (cfg.q_size + 2 * cfg.kv_size if cfg.qkv_bias else 0) + (H if cfg.o_bias else 0)
     attn += 2 * cfg.head_dim if cfg.qk_norm == "per_head" else (cfg.q_size + cfg.kv_size if cfg.qk_norm else 0)
-    expert = 3 * H * I
+    attn += cfg.num_heads * cfg.attention_sinks  # gpt-oss: a sink logit per head
+    expert = 3 * H * I + (2 * I + H) * (cfg.clamped_swiglu is not None)  # gpt-oss: expert biases
     shared = 3 * H * cfg.shared_expert_intermediate_size
     shared += H if cfg.shared_expert_intermediate_size and cfg.shared_expert_gated else 0
-    router = E * H + (E if cfg.router_bias else 0)
+    router = E * H + (E if cfg.router_bias else 0) + E * cfg.router_logit_bias
     distinct = E * (1 - (1 - k / E) ** batch)
     total = read = 0.0
     for is_moe in cfg.moe_layers:
@@ -104,6 +120,12 @@ def weight_bytes_per_step(cfg, batch: int) -> tuple[int, float]:
     total = 2 * (total + 2 * cfg.vocab_size * H + H)
     read = 2 * (read + cfg.vocab_size * H + H) + 2 * batch * H
     return int(total), read
+
+
+def kv_tokens_read(cfg, context: int) -> float:
+    """Cached tokens a decode step's attention must read per layer, averaged over the layers: the
+    whole context (and the new token), or a sliding window's last `window` tokens."""
+    return sum(min(context + 1, w or context + 1) for w in cfg.layer_windows) / cfg.num_layers
 
 
 def kv_bytes_per_token(fmt, cfg, block_size: int) -> float:
@@ -282,6 +304,9 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
         row["skipped"] = (f"KV of {need / 2**30:.1f} GiB does not fit beside the weights "
                           f"({free_bytes / 2**30:.1f} GiB free)")
         return row
+    if any(cfg.layer_windows) and fmt.sliding_window_unsupported():
+        row["skipped"] = f"{fmt_name} {fmt.sliding_window_unsupported()} (the engine refuses it for this model)"
+        return row
     if not fmt.graph_support.replays_decode:
         row["skipped"] = ("not graph-safe: the engine runs this format's decode steps eagerly; a graph-captured "
                           "step would not be the engine's")
@@ -310,7 +335,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
             row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             row["tpot_ms"] = row["tpot_eager_ms"]
     _, weights_read = weight_bytes_per_step(cfg, batch)
-    kv_read = batch * (context + 1) * per_token_read
+    kv_read = batch * kv_tokens_read(cfg, context) * per_token_read
     row.update(weights_read_bytes=weights_read, kv_read_bytes=kv_read,
                floor_ms=1e3 * (weights_read + kv_read) / bandwidth)
     row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
@@ -412,7 +437,7 @@ def main() -> None:
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    if not args.no_transformers:
+    if not args.no_transformers and is_mixtral(args.shape):  # the baseline is transformers' Mixtral
         row = transformers_baseline(args.shape, 4096, device, bandwidth, max(5, args.iters // 2))
         rows.append(row)
         print(f"transformers B=1 ctx=4096: {row.get('tpot_ms', row.get('error'))}", flush=True)

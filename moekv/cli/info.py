@@ -28,6 +28,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                        + ("" if cfg.shared_expert_gated else " (ungated)")
                        if cfg.shared_expert_intermediate_size else "")),
         ("routing", _routing_row(cfg)),
+        *([("attention", attention_features(cfg))] if attention_features(cfg) else []),
         ("vocabulary", cfg.vocab_size),
         ("max positions", cfg.max_position_embeddings),
         ("parameters", f"{total:,} total, {active:,} active per token ({100 * active / total:.1f}%)"),
@@ -53,6 +54,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             fmt = get_kv_format(name, cfg.torch_dtype, decode_kernel=args.decode_kernel,
                                 **kv_options_for(name, options))
             fmt.check_layout(cfg.num_kv_heads, block_size, cfg.head_dim)
+            if any(cfg.layer_windows) and fmt.sliding_window_unsupported():
+                raise ValueError(f"{fmt.sliding_window_unsupported()} (this model has sliding-window layers)")
         except ValueError as e:  # e.g. needs calibration, or cannot lay out this block size
             print(f"  {name:<10} n/a: {e}")
             continue
@@ -73,6 +76,19 @@ def _routing_row(cfg) -> str:
     if cfg.routed_scaling_factor != 1.0:
         parts.append(f"weights x {cfg.routed_scaling_factor:g}")
     parts.append("renormalised" if cfg.norm_topk_prob else "not renormalised")
+    return ", ".join(parts)
+
+
+def attention_features(cfg) -> str:
+    """What a model's attention has beyond plain causal GQA (sliding windows, sinks, YaRN), or ''."""
+    parts = []
+    windows = [w for w in cfg.layer_windows if w is not None]
+    if windows:
+        parts.append(f"sliding window {windows[0]} on {len(windows)} of {cfg.num_layers} layers")
+    if cfg.attention_sinks:
+        parts.append("a sink logit per head")
+    if cfg.yarn is not None:
+        parts.append(f"YaRN RoPE (factor {cfg.yarn.factor:g})")
     return ", ".join(parts)
 
 

@@ -258,6 +258,10 @@ class ModelRunner:
             self.kv_format.shard_tables(kv_heads, model_cfg.num_kv_heads)  # calibrated tables per KV head
         self.num_kv_heads = self.model.attention_layers[0].num_kv_heads  # this rank's
         self.kv_format.check_layout(self.num_kv_heads, self.config.cache.block_size, model_cfg.head_dim)
+        windows = sorted({w for w in model_cfg.layer_windows if w is not None})
+        if windows and (reason := self.kv_format.sliding_window_unsupported()) is not None:
+            raise ValueError(f"kv_cache_dtype={self.kv_format.name!r} {reason}; {model_cfg.architecture} has "
+                             f"sliding-window layers (window {windows[0]}): choose another kv_cache_dtype")
 
     def _install(self) -> None:
         """Phase 3, install: the engine's behaviours in the layers: expert offload (before the

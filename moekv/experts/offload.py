@@ -501,6 +501,9 @@ def install_expert_offload(model, model_cfg, config, device: torch.device) -> Ex
     layers = moe_layers(model)
     if not layers:
         raise ValueError("expert_offload=True but the model has no MoE layer")
+    if model_cfg.clamped_swiglu is not None:
+        raise ValueError(f"expert_offload=True: {model_cfg.architecture}'s experts (biases, clamped SwiGLU) are not "
+                         "offloaded; accepted: expert_offload=False")
     first = next(iter(layers.values()))
     nbytes = expert_nbytes(first)
     E = model_cfg.num_experts

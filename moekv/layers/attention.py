@@ -22,15 +22,18 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def attend_mixed(attend, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
-                 sliding_window: int | None, step_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 sliding_window: int | None, step_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 **sinks) -> torch.Tensor:
     """Attention of a mixed step (ctx.mixed): the one-token queries and the longer ones each
     through `attend` (a format's) with their own Context, then back in the step's order. The
-    step's k, v (step_kv) go with the prefill rows; one-token queries read the cache only."""
+    step's k, v (step_kv) go with the prefill rows; one-token queries read the cache only.
+    sinks: {'sinks': [Hq]} for a model with attention sinks, else empty."""
     split = ctx.mixed
     out = torch.empty_like(q)
-    out[split.decode_rows] = attend(q[split.decode_rows], cache, split.decode, scale, sliding_window)
+    out[split.decode_rows] = attend(q[split.decode_rows], cache, split.decode, scale, sliding_window, **sinks)
     prefill_kv = None if step_kv is None else tuple(x[split.prefill_rows] for x in step_kv)
-    out[split.prefill_rows] = attend(q[split.prefill_rows], cache, split.prefill, scale, sliding_window, prefill_kv)
+    out[split.prefill_rows] = attend(q[split.prefill_rows], cache, split.prefill, scale, sliding_window, prefill_kv,
+                                     **sinks)
     return out
 
 
@@ -62,8 +65,10 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(self.q_size, cfg.rms_norm_eps), RMSNorm(self.kv_size, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
-        self.sliding_window = cfg.sliding_window
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta, cfg.rotary_dim)
+        self.sliding_window = cfg.layer_windows[layer_idx]
+        # gpt-oss: a logit per query head entering the softmax as a key whose value is 0
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta, cfg.rotary_dim, cfg.yarn)
         # with hooks.tp (tensor parallel): this rank's heads only; o_proj's output is all-reduced
         self.hooks = hooks if hooks is not None else LayerHooks()
 
@@ -89,7 +94,8 @@ class Attention(nn.Module):
         fmt, cache = hooks.kv_format, hooks.kv_cache
         target = None
         fuse = x.is_cuda if hooks.fuse_rope_write is None else hooks.fuse_rope_write
-        if fuse and hooks.kv_observer is None:  # an observer needs the rotated k: the unfused path
+        # an observer needs the rotated k, and YaRN the reference RoPE: the unfused path
+        if fuse and hooks.kv_observer is None and self.rotary.fusable:
             target = fmt.fused_rope_write_target(cache, k, ctx)
         if target is not None:
             from moekv.ops.rope_kv_write import rope_kv_write
@@ -105,10 +111,12 @@ class Attention(nn.Module):
                 hooks.kv_observer(self.layer_idx, k, v)
             fmt.write(cache, k, v, ctx)
             step_kv = (k, v) if hooks.exact_prefill else None
+        # only a model with sinks passes them: a format without sink support still serves the others
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
         if ctx.mixed is not None:  # decodes beside prefill chunks: each part on its own (the decodes' kernel)
-            o = attend_mixed(fmt.attend, q, cache, ctx, self.scale, self.sliding_window, step_kv)
+            o = attend_mixed(fmt.attend, q, cache, ctx, self.scale, self.sliding_window, step_kv, **sinks)
         else:
-            o = fmt.attend(q, cache, ctx, self.scale, self.sliding_window, step_kv)
+            o = fmt.attend(q, cache, ctx, self.scale, self.sliding_window, step_kv, **sinks)
         if hooks.tp is None:
             return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
         out = hooks.tp.all_reduce(_project(o.reshape(T, self.q_size), self.o_proj, None))  # partial sums

@@ -9,7 +9,7 @@ from torch import nn
 from moekv.layers.hooks import ExpertExecutor, LayerHooks
 from moekv.layers.mlp import GatedMLP
 from moekv.models.model_config import ModelConfig
-from moekv.ops.reference import fused_moe_ref
+from moekv.ops.reference import clamped_swiglu_moe_ref, fused_moe_ref
 from moekv.routing.base import RouterLogits
 
 
@@ -51,6 +51,12 @@ class SparseMoE(nn.Module):
         # model dtype as the checkpoints keep it: rounded to bf16 it would reorder experts whose biased scores
         # differ by less than its spacing (2^-9 near 0.5)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32)) if cfg.router_bias else None
+        # gpt-oss: the router's logit bias, expert biases and the clamped SwiGLU (the fused kernels'
+        # epilogues on CUDA, clamped_swiglu_moe_ref elsewhere)
+        self.gate_bias = nn.Parameter(torch.empty(E)) if cfg.router_logit_bias else None
+        self.clamped_swiglu = cfg.clamped_swiglu
+        self.w13_bias = nn.Parameter(torch.empty(E, 2 * I)) if cfg.clamped_swiglu is not None else None
+        self.w2_bias = nn.Parameter(torch.empty(E, H)) if cfg.clamped_swiglu is not None else None
         self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
                               if cfg.shared_expert_intermediate_size else None)
         self.shared_expert_gate = (nn.Parameter(torch.empty(1, H))
@@ -83,11 +89,30 @@ class SparseMoE(nn.Module):
         if norm is not None:
             x, cluster_scores = hooks.router.norm_and_coarse(x, norm)  # [T, H], [T, C] or None
         # logits [T, E] are computed only if the router reads them (hierarchical does not)
-        router_logits = RouterLogits(x, self.gate, self.e_score_correction_bias, cluster_scores)
+        router_logits = RouterLogits(x, self.gate, self.e_score_correction_bias, cluster_scores,
+                                     logit_bias=self.gate_bias)
         weights, expert_ids = hooks.router(x, router_logits)  # [T, k], [T, k]
         if hooks.observer is not None:
             hooks.observer(weights, expert_ids)
-        out = hooks.experts(x, self.w13, self.w2, weights, expert_ids)
+        if self.clamped_swiglu is not None:
+            out = self._clamped_swiglu_experts(x, weights, expert_ids)
+        else:
+            out = hooks.experts(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:
             out = out + self.shared_output(x)
         return out if hooks.tp is None else hooks.tp.all_reduce(out)
+
+    def _clamped_swiglu_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's experts (biases, the clamped SwiGLU) on this device: the fused kernels with those
+        epilogues where the layer's executor is FusedExperts, the reference where it is ReferenceExperts."""
+        hooks, act = self.hooks, self.clamped_swiglu
+        if isinstance(hooks.experts, FusedExperts) and hooks.tp is None:
+            from moekv.ops.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, weights, expert_ids, biases=(self.w13_bias, self.w2_bias),
+                             clamped_swiglu=(act.alpha, act.limit))
+        if isinstance(hooks.experts, ReferenceExperts) and hooks.tp is None:
+            return clamped_swiglu_moe_ref(x, self.w13, self.w13_bias, self.w2, self.w2_bias, weights, expert_ids,
+                                          act.alpha, act.limit)
+        raise RuntimeError("experts with biases and the clamped SwiGLU (gpt-oss) run on one device only: tensor / "
+                           "expert parallelism and expert offload are not supported for them")

@@ -75,6 +75,9 @@ def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, world: int) -
 
 def check_tp_shapes(cfg, world: int, expert_parallel: bool) -> None:
     """Refuse, before anything is loaded, a group size the model's shapes do not split by."""
+    if world > 1 and (cfg.attention_sinks or cfg.clamped_swiglu is not None):
+        raise ValueError(f"tensor_parallel_size={world}: {cfg.architecture} (attention sinks, biased experts) runs "
+                         "on one device only; accepted: tensor_parallel_size=1")
     if cfg.mla is not None:
         raise ValueError(f"tensor_parallel_size={world} is not supported for {cfg.architecture} (multi-head latent "
                          "attention is not split over ranks); accepted: 1")

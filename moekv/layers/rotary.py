@@ -1,25 +1,67 @@
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from moekv.models.model_config import YarnRope
 from moekv.ops.reference import apply_rotary_ref, rotary_cos_sin_ref
 
 
-class RotaryEmbedding(nn.Module):
-    """Plain RoPE (rotate-half layout) applied to q [T, Hq, D] and k [T, Hkv, D] at their positions;
-    with rotary_dim < head_dim (partial RoPE, GLM-4.5) only each head's first rotary_dim elements."""
+def yarn_inv_freq(head_dim: int, theta: float, yarn: YarnRope) -> torch.Tensor:
+    """YaRN's inverse frequencies [D/2] (fp32): the original ones where a dimension rotates more than
+    beta_fast times over the original context, the interpolated ones (/ factor) where it rotates
+    fewer than beta_slow times, a linear blend between."""
+    def correction_dim(rotations: float) -> float:
+        turns = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
 
-    def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None) -> None:
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    extrapolated = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    interpolated = extrapolated / yarn.factor
+    keep_original = 1 - ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return interpolated * (1 - keep_original) + extrapolated * keep_original
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (rotate-half layout) applied to q [T, Hq, D] and k [T, Hkv, D] at their positions: plain
+    at `theta`, or YaRN-scaled (`yarn`; the CUDA kernels know plain RoPE only, so YaRN takes the
+    reference on every device: `fusable` is False); with rotary_dim < head_dim (partial RoPE, GLM-4.5)
+    only each head's first rotary_dim elements."""
+
+    def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None,
+                 yarn: YarnRope | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
         self.rotary_dim = rotary_dim or head_dim
+        self.yarn = yarn
+        self.fusable = yarn is None
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # YaRN's, per device (the model is built on meta)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary_dim] in dtype (YaRN's attention factor multiplied in before the cast)."""
+        if self.yarn is None:
+            return rotary_cos_sin_ref(positions, self.rotary_dim, self.theta, dtype)
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = yarn_inv_freq(self.rotary_dim, self.theta, self.yarn).to(
+                positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = self.yarn.attention_factor
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if q.is_cuda:  # two launches instead of about twenty
+        if q.is_cuda and self.fusable:  # two launches instead of about twenty
             from moekv.ops.rotary import apply_rotary
 
             return apply_rotary(positions, q, k, self.theta, self.rotary_dim)
-        cos, sin = rotary_cos_sin_ref(positions, self.rotary_dim, self.theta, q.dtype)
+        cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)

@@ -18,14 +18,14 @@ import torch
 from safetensors import safe_open
 
 from moekv.layers.moe import SparseMoE, local_experts
-from moekv.models import deepseek, glm4_moe, mixtral, olmoe, qwen_moe
+from moekv.models import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
 from moekv.routing import ROUTING_MODES, HierarchicalRouter, checkpoint_router, group_limited_router, resolve_routing
 from moekv.routing.cluster_map import ClusterMap
 
-ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe, deepseek, glm4_moe)
+ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe, deepseek, glm4_moe, gpt_oss)
                                        for name in mod.ARCHITECTURES}
 SUPPORTED_ARCHITECTURES = tuple(ARCH_MODULES)
 
@@ -138,6 +138,11 @@ _rule(_L + r"\.mlp\.gate_proj\.weight", "layers.{l}.mlp.gate_up_proj",
 _rule(_L + r"\.mlp\.up_proj\.weight", "layers.{l}.mlp.gate_up_proj",
       lambda c, m: (slice(c.dense_intermediate_size, 2 * c.dense_intermediate_size),))
 _rule(_L + r"\.mlp\.down_proj\.weight", "layers.{l}.mlp.down_proj")
+# gpt-oss: attention sinks, the router's logit bias, expert biases
+_rule(_L + r"\.self_attn\.sinks", "layers.{l}.self_attn.sinks")
+_rule(_L + r"\.mlp\.gate_bias", "layers.{l}.mlp.gate_bias")
+_rule(_L + r"\.mlp\.experts\.gate_up_proj_bias", "layers.{l}.mlp.w13_bias")
+_rule(_L + r"\.mlp\.experts\.down_proj_bias", "layers.{l}.mlp.w2_bias")
 _rule(r"moekv:(?P<name>[\w.]+)", "{name}")  # an architecture's canonical_name gave the engine's own parameter name
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -206,6 +211,9 @@ def install_routers(model: MoEDecoder, model_cfg: ModelConfig, routing: str = "a
         raise ValueError(f"routing={routing!r} is unknown; accepted: {list(ROUTING_MODES)}")
     layers = moe_layers(model)
     if mode == "hierarchical":
+        if model_cfg.router_logit_bias:
+            raise ValueError(f"routing='hierarchical' reads router rows without a logit bias; {model_cfg.architecture}'s "
+                             "router has one: accepted routing for it: 'auto', 'flat', 'group_limited'")
         if cluster_map is None:
             raise ValueError("routing='hierarchical' needs cluster_map (a file from `moekv cluster`)")
         source = "" if isinstance(cluster_map, ClusterMap) else str(cluster_map)
@@ -265,6 +273,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             raise RuntimeError(f"the shard plan keeps {len(kept)} rows of {name} along dim {dim}; the cut "
                                f"model holds {params[name].shape[dim]}")
     filled: dict[str, int] = {name: 0 for name in params}
+    # an architecture whose tensors need more than a rename (gpt-oss: transposed experts, MXFP4 pairs)
+    reader = arch.TensorReader(dtype) if hasattr(arch, "TensorReader") else None
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -274,6 +284,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             for raw_name in f.keys():
                 if _IGNORED.match(raw_name) or getattr(arch, "ignored_tensor", lambda *_: False)(raw_name, cfg):
                     continue
+                tensor = None
+                if reader is not None:
+                    read = reader.read(raw_name, f)
+                    if read is None:  # half of a pair, kept until the other half comes
+                        continue
+                    raw_name, tensor = read
                 name = arch.canonical_name(raw_name)
                 resolved = _resolve(name, cfg)
                 if resolved is None or resolved[0] not in params:
@@ -283,11 +299,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                                           f"{cfg.architecture} with this config.json")
                 target, index = resolved
                 if target in keep:
+                    if tensor is not None:
+                        raise CheckpointError(f"{path.name}: {raw_name!r} is transformed on load, which a "
+                                              f"sharded (tensor / expert parallel) load does not support")
                     filled[target] += _copy_kept(params[target], index, keep[target], full_shapes[target], f,
                                                  raw_name, path)
                 else:
-                    _copy_into(params[target], index, f.get_tensor(raw_name), raw_name, path)
+                    _copy_into(params[target], index, f.get_tensor(raw_name) if tensor is None else tensor,
+                               raw_name, path)
                     filled[target] += 1
+    if reader is not None:
+        try:
+            reader.finish()
+        except ValueError as e:
+            raise CheckpointError(f"{model_dir}: {e}") from e
     missing = [name for name, count in filled.items() if count == 0]
     if missing:
         raise CheckpointError(f"{model_dir}: no weights found for {len(missing)} parameters, e.g. {missing[:5]}")

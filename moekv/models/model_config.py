@@ -16,6 +16,29 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class YarnRope:
+    """YaRN's RoPE scaling (rope_type 'yarn'): inverse frequencies blended between the original and
+    the interpolated (divided by `factor`) over a ramp of dimensions set by beta_fast / beta_slow,
+    and cos / sin multiplied by `attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = min(gate, limit); its experts also add a bias after each projection."""
+
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True)
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2/V3): each token caches one normalised latent c_kv
     [kv_lora_rank] and one rotated key [qk_rope_head_dim] shared by every head; per head, keys are
@@ -82,6 +105,16 @@ class ModelConfig:
     scoring_func: str = "softmax"
     routed_scaling_factor: float = 1.0
     router_bias: bool = False  # the checkpoint has mlp.gate.e_score_correction_bias
+    # per layer: its sliding window (None: full attention); default: `sliding_window` for every layer
+    layer_windows: list[int | None] = field(default_factory=list)
+    # a learned logit per query head that enters each attention softmax as one more key with value 0 (gpt-oss)
+    attention_sinks: bool = False
+    # YaRN RoPE (gpt-oss): a YarnRope, or None for plain RoPE at rope_theta
+    yarn: YarnRope | None = None
+    # the router's linear has a bias added to its logits (gpt-oss; not a selection-only bias)
+    router_logit_bias: bool = False
+    # experts with biases and the clamped SwiGLU (gpt-oss): a ClampedSwiGLU, or None for silu(gate) * up
+    clamped_swiglu: ClampedSwiGLU | None = None
     # how group-limited routing scores a group: 'top2_sum' (DeepSeek-V3) or 'max' (DeepSeek-V2's group_limited_greedy)
     group_score: str = "top2_sum"
     # False: the shared expert's output is added as is (DeepSeek, GLM), True: through a sigmoid gate (Qwen2-MoE)
@@ -97,6 +130,11 @@ class ModelConfig:
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise UnsupportedModelError(f"RoPE over {self.rotary_dim} of head_dim={self.head_dim} elements is not "
                                         f"supported; accepted: an even number in (0, head_dim]")
+        if not self.layer_windows:
+            self.layer_windows = [self.sliding_window] * self.num_layers
+        if len(self.layer_windows) != self.num_layers:
+            raise UnsupportedModelError(f"layer_types has {len(self.layer_windows)} entries; "
+                                        f"num_hidden_layers={self.num_layers} needs one per layer")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
@@ -123,6 +161,8 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.o_bias:
             attn += h
+        if self.attention_sinks:
+            attn += self.num_heads
         if self.qk_norm == "per_head":
             attn += 2 * self.head_dim
         elif self.qk_norm == "full":
@@ -137,7 +177,9 @@ class ModelConfig:
                 active += dense
                 continue
             expert = 3 * h * self.moe_intermediate_size
-            router = self.num_experts * h
+            if self.clamped_swiglu is not None:  # expert biases
+                expert += 2 * self.moe_intermediate_size + h
+            router = self.num_experts * (h + int(self.router_logit_bias))
             shared = 3 * h * self.shared_expert_intermediate_size
             if self.shared_expert_intermediate_size and self.shared_expert_gated:
                 shared += h

@@ -108,13 +108,31 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _activate(gate, up, b13_ptr, row, offs_n, n_ok, N: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+              ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """The gate/up epilogue (fp32): silu(gate) * up, or with CLAMPED gpt-oss's clamped SwiGLU
+    (ops/reference.clamped_swiglu_ref); HAS_BIAS: the expert's b13 (at element `row` of b13_ptr: gate
+    at n, up at N + n) added first. gate, up: [..., BLOCK_N] along offs_n."""
+    if HAS_BIAS:
+        gate += tl.load(b13_ptr + row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        up += tl.load(b13_ptr + row + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if CLAMPED:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        return (up + 1.0) * gate / (1.0 + tl.exp(-ALPHA * gate))
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _gate_up_gemm_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
                          num_pairs, num_m_blocks, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                          stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, N + n]) for the pairs of one block.
-    N = I, K = H."""
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         b13_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
+                         ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0):
+    """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, N + n]) for the pairs of one block
+    (with HAS_BIAS / CLAMPED: _activate's epilogue). N = I, K = H."""
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -147,7 +165,8 @@ def _gate_up_gemm_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr
         a_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = _activate(acc_g, acc_u, b13_ptr, expert * stride_be, offs_n[None, :], n_ok[None, :], N, HAS_BIAS, CLAMPED,
+                  ALPHA, LIMIT)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -157,8 +176,9 @@ def _down_gemm_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_e
                       num_pairs, num_m_blocks, N: tl.constexpr, K: tl.constexpr,
                       stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """y[pair, n] = weight[pair] * (h[pair] . w2[e, n]) in fp32. N = H, K = I."""
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                      b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
+    """y[pair, n] = weight[pair] * (h[pair] . w2[e, n] (+ b2[e, n] with HAS_BIAS)) in fp32. N = H, K = I."""
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -184,6 +204,8 @@ def _down_gemm_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_e
         acc = _dot(a, b, acc, UPCAST, IEEE)
         a_ptrs += BLOCK_K * stride_hk
         b_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        acc += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     y_ptrs = y_ptr + pair[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc * w[:, None], mask=row_ok[:, None] & n_ok[None, :])
@@ -195,8 +217,10 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
                          N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                          stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                         ROW_SUMS: tl.constexpr):
-    """Program (pair, n-block): h[pair, n-block] from one [2 x BLOCK_N, H] slab of its expert.
+                         ROW_SUMS: tl.constexpr, b13_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False,
+                         CLAMPED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0):
+    """Program (pair, n-block): h[pair, n-block] from one [2 x BLOCK_N, H] slab of its expert
+    (with HAS_BIAS / CLAMPED: _activate's epilogue).
     With PDL its expert id comes from the kernel before: wait first, then let the down GEMV start.
     ROW_SUMS: reduce the products every step (see dense_gemv.row_dots)."""
     wait_for_inputs(PDL)
@@ -244,22 +268,27 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
     else:
         gate = tl.sum(acc_g, axis=1)
         up = tl.sum(acc_u, axis=1)
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    h = _activate(gate, up, b13_ptr, expert * stride_be, offs_n, n_ok, N, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
     tl.store(h_ptr + pair * stride_hm + offs_n * stride_hn, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
 def _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, pair, offs_n, n_ok, k_start,
                        K: tl.constexpr, K_LEN: tl.constexpr, stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROW_SUMS: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROW_SUMS: tl.constexpr,
+                       b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
     """weight[pair] * (rows offs_n of the pair's expert in w2) . h[pair] over columns
-    k_start .. k_start + K_LEN of I (masked past K unless EVEN_K) -> [BLOCK_N] fp32 (row_dots)."""
+    k_start .. k_start + K_LEN of I (masked past K unless EVEN_K) -> [BLOCK_N] fp32 (row_dots);
+    with HAS_BIAS the expert's b2 at offs_n is added by the share that starts at column 0."""
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
     offs_k = k_start + tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + pair * stride_hm + offs_k * stride_hk
     b_ptrs = w2_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     y = row_dots(a_ptrs, b_ptrs, offs_k, n_ok, K, K_LEN, BLOCK_K * stride_hk, BLOCK_K * stride_wk, BLOCK_N, BLOCK_K,
                  EVEN_K, ROW_SUMS)
+    if HAS_BIAS:
+        if k_start == 0:
+            y += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     return y * tl.load(weights_ptr + pair).to(tl.float32)
 
 
@@ -269,7 +298,7 @@ def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pai
                       stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH_COLS: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                      ROW_SUMS: tl.constexpr):
+                      ROW_SUMS: tl.constexpr, b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
     """Program (pair, n-block, split): y[split, pair, n-block] = weight * partial dot over its
     K_PER_SPLIT (a multiple of BLOCK_K) columns of I (the last split may run past K: masked).
     With PDL the expert ids are read before waiting (written two launches back, ops/pdl.py), to
@@ -289,7 +318,7 @@ def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pai
     wait_for_inputs(PDL)
     y = _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, pair, offs_n, n_ok, split * K_PER_SPLIT,
                            K, K_PER_SPLIT, stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
-                           BLOCK_N, BLOCK_K, EVEN_K, ROW_SUMS)
+                           BLOCK_N, BLOCK_K, EVEN_K, ROW_SUMS, b2_ptr, stride_be, HAS_BIAS)
     tl.store(y_ptr + split * stride_ys + pair * stride_ym + offs_n * stride_yn, y, mask=n_ok)
 
 
@@ -297,7 +326,8 @@ def _down_gemv_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pai
 def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, num_tokens,
                            N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                            stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ot, stride_on,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
     """Program (token, n-block): out[token, n-block] = sum over the token's k slots of weight * the
     slot expert's rows . h[pair], written once in the output dtype: no fp32 partials, no sum and
     no cast launch after it. Slower than the split version at T=1 (fewer loads in flight; docs/decisions.md,
@@ -311,7 +341,7 @@ def _down_gemv_fold_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, expert_ids_ptr, 
     for slot in tl.static_range(TOP_K):
         y += _weighted_row_dots(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, token * TOP_K + slot, offs_n, n_ok, 0,
                                 K, K, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, BLOCK_N, BLOCK_K, EVEN_K,
-                                False)
+                                False, b2_ptr, stride_be, HAS_BIAS)
     tl.store(out_ptr + token * stride_ot + offs_n * stride_on, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -405,10 +435,14 @@ def _interpreting() -> bool:
 # -- public launcher ------------------------------------------------------------------------------
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, path: str | None = None,
-              config: GemmConfig | GemvConfig | None = None) -> torch.Tensor:
+              config: GemmConfig | GemvConfig | None = None,
+              biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+              clamped_swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """Same contract as fused_moe_ref: x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k];
     topk_ids [T, k] -> [T, H] in x.dtype. path: "gemv" | "gemm" | None (gemv when T*k <= GEMV_MAX_PAIRS);
-    config: launch shape for that path (None: a default)."""
+    config: launch shape for that path (None: a default). gpt-oss's experts (clamped_swiglu_moe_ref's
+    contract): biases (b13 [E, 2I], b2 [E, H]) added in the epilogues, clamped_swiglu (alpha, limit)
+    in place of silu(gate) * up."""
     T, H = x.shape
     E, two_i, H_w = w13.shape
     I = two_i // 2
@@ -419,6 +453,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                          f"topk_ids {tuple(topk_ids.shape)}")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"fused_moe: x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    epilogue = _epilogue_args(w13, w2, biases, clamped_swiglu)
     M = T * k
     if M == 0:
         return torch.zeros_like(x)
@@ -434,12 +469,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _gate_up_gemv_kernel[(M * triton.cdiv(I, cfg.block_n),)](
             x, w13, h, ids, M, I, H, k, *x.stride(), *w13.stride(), *h.stride(),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0, PDL=pdl, ROW_SUMS=cfg.row_sums,
-            **launch, **launch_options(pdl))
+            **epilogue["gate_up"], **launch, **launch_options(pdl))
         if cfg.fold_slots:
             out = torch.empty_like(x)
             _down_gemv_fold_kernel[(T * triton.cdiv(H, cfg.block_n),)](
                 h, w2, out, weights, ids, T, H, I, k, *h.stride(), *w2.stride(), *out.stride(),
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0, **launch)
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0, **epilogue["down"], **launch)
             return out
         num_n = triton.cdiv(H, cfg.block_n)
         k_blocks = triton.cdiv(I, cfg.block_k)
@@ -451,8 +486,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _down_gemv_kernel[(M * num_n * splits,)](
             h, w2, y, weights, ids, M, H, I, k_per_split, *h.stride(), *w2.stride(), *y.stride(),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % k_per_split == 0, PDL=pdl,
-            PREFETCH_COLS=cols, PREFETCH_LINES=prefetch_lines(cols), ROW_SUMS=cfg.row_sums, **launch,
-            **launch_options(pdl))
+            PREFETCH_COLS=cols, PREFETCH_LINES=prefetch_lines(cols), ROW_SUMS=cfg.row_sums, **epilogue["down"],
+            **launch, **launch_options(pdl))
         return _sum_partials(y.view(splits, T, k, H), x.dtype)
     if path != "gemm":
         raise ValueError(f"fused_moe: path must be 'gemv', 'gemm' or None, got {path!r}")
@@ -465,10 +500,29 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _gate_up_gemm_kernel[(num_m_blocks * triton.cdiv(I, cfg.block_n),)](
         x, w13, h, sorted_ids, block_expert_ids, M, num_m_blocks, I, H, k,
         *x.stride(), *w13.stride(), *h.stride(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0, **launch)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
+        **epilogue["gate_up"], **launch)
     y = torch.empty(M, H, dtype=torch.float32, device=x.device)  # [M, H], one row per pair
     _down_gemm_kernel[(num_m_blocks * triton.cdiv(H, cfg.block_n),)](
         h, w2, y, weights, sorted_ids, block_expert_ids, M, num_m_blocks, H, I,
         *h.stride(), *w2.stride(), *y.stride(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0, **launch)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0,
+        **epilogue["down"], **launch)
     return _sum_partials(y.view(1, T, k, H), x.dtype)
+
+
+def _epilogue_args(w13: torch.Tensor, w2: torch.Tensor, biases, clamped_swiglu) -> dict[str, dict]:
+    """The gate/up and down kernels' epilogue keywords (none beyond their defaults for silu without biases)."""
+    gate_up, down = {}, {}
+    if biases is not None:
+        b13, b2 = biases
+        E, two_i, H = w13.shape
+        if tuple(b13.shape) != (E, two_i) or tuple(b2.shape) != (E, H) or b13.stride(1) != 1 or b2.stride(1) != 1:
+            raise ValueError(f"fused_moe: biases must be b13 [E, 2I] = {(E, two_i)} and b2 [E, H] = {(E, H)} with "
+                             f"contiguous rows, got {tuple(b13.shape)} and {tuple(b2.shape)}")
+        gate_up = dict(b13_ptr=b13, stride_be=b13.stride(0), HAS_BIAS=True)
+        down = dict(b2_ptr=b2, stride_be=b2.stride(0), HAS_BIAS=True)
+    if clamped_swiglu is not None:
+        alpha, limit = clamped_swiglu
+        gate_up.update(CLAMPED=True, ALPHA=float(alpha), LIMIT=float(limit))
+    return {"gate_up": gate_up, "down": down}

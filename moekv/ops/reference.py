@@ -84,6 +84,28 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def clamped_swiglu_moe_ref(x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor, w2: torch.Tensor,
+                           b2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts step: sum_k weight_k * (down(h) + b2) with gate, up = w13 x + b13 (halves),
+    h = clamped_swiglu_ref(gate, up). x [T, H]; w13 [E, 2I, H] (gate rows then up rows, as
+    fused_moe_ref's); b13 [E, 2I]; w2 [E, H, I]; b2 [E, H]; topk_weights, topk_ids [T, k]."""
+    out = torch.zeros_like(x)
+    for expert in torch.unique(topk_ids.reshape(-1)).tolist():
+        token_idx, slot = torch.where(topk_ids == expert)
+        gate, up = F.linear(x[token_idx], w13[expert], b13[expert]).chunk(2, dim=-1)
+        y = F.linear(clamped_swiglu_ref(gate, up, alpha, limit), w2[expert], b2[expert])
+        y = y * topk_weights[token_idx, slot, None].to(x.dtype)
+        out.index_add_(0, token_idx, y)
+    return out
+
+
 def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Row layout of the grouped GEMM: pairs p = t * k + slot grouped by expert (experts in order,
     pairs ascending), each expert's run padded to a multiple of block_m with the sentinel M = T*k.
@@ -152,7 +174,7 @@ def gather_kv_ref(pages: torch.Tensor, block_table: torch.Tensor, length: int) -
 def paged_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole context, read from pages.
 
     q [T, Hq, D] (the step's queries, sequences back to back); block_tables [B, max_pages];
@@ -168,18 +190,22 @@ def paged_attention_ref(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
             continue
         k = gather_kv_ref(k_pages, block_tables[b], length)
         v = gather_kv_ref(v_pages, block_tables[b], length)
-        out[starts[b]:starts[b + 1]] = causal_attention_ref(q[starts[b]:starts[b + 1]], k, v, scale, sliding_window)
+        out[starts[b]:starts[b + 1]] = causal_attention_ref(q[starts[b]:starts[b + 1]], k, v, scale, sliding_window,
+                                                            sinks)
     return out
 
 
 def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         sliding_window: int | None = None) -> torch.Tensor:
+                         sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's causal attention: q [Tq, Hq, D], its last Tq positions, over k, v [L, Hkv, D]
-    (cast to q's dtype; GQA: each KV head serves Hq / Hkv query heads) -> [Tq, Hq, D]. No host sync."""
+    (cast to q's dtype; GQA: each KV head serves Hq / Hkv query heads) -> [Tq, Hq, D]. No host sync.
+    sinks [Hq]: a logit per head that joins each row's softmax as a key of value 0 (gpt-oss)."""
     num_q, length = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     k = k.to(q.dtype).repeat_interleave(group, dim=1)
     v = v.to(q.dtype).repeat_interleave(group, dim=1)
+    if sinks is not None:
+        return _attention_with_sinks_ref(q, k, v, scale, sliding_window, sinks)
     # [1, H, L, D]: SDPA's fused CUDA kernels take 4-D inputs only; 3-D ones fall back to the
     # math path, which materialises the [H, Tq, L] scores in fp32 (most of a bf16 prefill step)
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
@@ -194,6 +220,34 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale)
     return o[0].transpose(0, 1)
+
+
+SINK_QUERY_CHUNK = 512  # query rows per product in _attention_with_sinks_ref: bounds its [H, rows, L] scores
+
+
+def _attention_with_sinks_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                              sliding_window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """causal_attention_ref with a sink logit per head (k, v already [L, Hq, D]): scores explicit
+    (SDPA takes no extra logit), in fp32 at least, a chunk of query rows at a time."""
+    num_q, length = q.shape[0], k.shape[0]
+    work = torch.promote_types(q.dtype, torch.float32)
+    kw, vw = k.to(work), v.to(work)
+    sink = sinks.to(work)[:, None, None]  # [Hq, 1, 1]
+    k_pos = torch.arange(length, device=q.device)[None, :]
+    out = torch.empty_like(q)
+    for lo in range(0, num_q, SINK_QUERY_CHUNK):
+        hi = min(lo + SINK_QUERY_CHUNK, num_q)
+        q_pos = torch.arange(length - num_q + lo, length - num_q + hi, device=q.device)[:, None]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = torch.einsum("qhd,lhd->hql", q[lo:hi].to(work), kw) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)  # the sink keeps every row finite
+        p = torch.exp(scores - top)
+        denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink - top)
+        out[lo:hi] = torch.einsum("hql,lhd->qhd", p / denom, vw).to(q.dtype)
+    return out
 
 
 # SDPA backends for prefill on CUDA. PyTorch prefers cuDNN's attention on Hopper, which builds (and
@@ -323,7 +377,7 @@ def rms_norm_coarse_gate_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
 
 
 def decode_attention_ref(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
-                         sliding_window: int | None = None) -> torch.Tensor:
+                         sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference of the paged decode kernel (moekv/ops/decode/paged.py): each sequence's one
     query (its last position) over its whole context, computed in q's dtype (float64 in tests).
 
@@ -340,6 +394,10 @@ def decode_attention_ref(q: torch.Tensor, keys: list[torch.Tensor], values: list
         scores = torch.einsum("hd,lhd->hl", q[b], k) * scale  # [Hq, L]
         if sliding_window is not None:
             scores[:, :max(0, length - sliding_window)] = float("-inf")
+        if sinks is not None:  # one more key per head with logit sinks[h] and value 0
+            scores = torch.cat([scores, sinks.to(scores.dtype)[:, None]], dim=1)
+            out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1)[:, :-1], v)
+            continue
         out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
     return out
 

@@ -51,10 +51,12 @@ def with_step_kv(gather, ctx: Context, step_kv: StepKV | None):
     return read
 
 
-def dense_attention(q: torch.Tensor, ctx: Context, gather, scale: float, sliding_window: int | None) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, ctx: Context, gather, scale: float, sliding_window: int | None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over K/V that `gather(b, length) -> (k, v) [length, Hkv, D]` reconstructs per
     sequence: each sequence's queries through causal_attention_ref, the masking and GQA of the
-    uncompressed path, with no host sync of its own (the step's tables come from ctx.host_lists)."""
+    uncompressed path, with no host sync of its own (the step's tables come from ctx.host_lists).
+    sinks [Hq]: each head's sink logit (KVFormat.attend), or None."""
     out = torch.empty_like(q)
     host = ctx.host_lists()
     starts = host.query_start
@@ -63,6 +65,6 @@ def dense_attention(q: torch.Tensor, ctx: Context, gather, scale: float, sliding
         if hi == lo:
             continue
         k, v = gather(b, length)
-        out[lo:hi] = causal_attention_ref(q[lo:hi], k, v, scale, sliding_window)
+        out[lo:hi] = causal_attention_ref(q[lo:hi], k, v, scale, sliding_window, sinks)
     return out
 

@@ -141,12 +141,12 @@ class FragmentPagedFormat(PagedQuantFormat):
             return super().dequantize_pages(cache, kind, page_ids)
         return self.gluon_kernel.layout_module().dequantize_fragment(self.fragment_view(cache, page_ids), kind)
 
-    def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None):
+    def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None, sinks=None):
         """Pages in fragment order: decode-only steps on CUDA take the Gluon kernel (the staged newest
         page, and a format's own 16-bit tail, as its extra split), everything else the reference path;
         slabs: the base class's."""
         if not self.is_fragment_pool(cache):
-            return super().attend(q, cache, ctx, scale, sliding_window, step_kv)
+            return super().attend(q, cache, ctx, scale, sliding_window, step_kv, sinks)
         G = q.shape[1] // cache["k_staging"].shape[1]
         if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in GLUON_QUERY_GROUPS
                 and is_decode_only(q, ctx)):
@@ -154,5 +154,5 @@ class FragmentPagedFormat(PagedQuantFormat):
             options = kernel.decode_options(self, cache) if kernel.decode_options is not None else {}
             return kernel.decode_entry()(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
                                          staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
-                                         sliding_window=sliding_window, **options)
-        return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv)
+                                         sliding_window=sliding_window, sinks=sinks, **options)
+        return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv, sinks)

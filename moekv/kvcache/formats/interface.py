@@ -180,6 +180,11 @@ class KVFormat(ABC):
         staging page is rebuilt, since a sequence resumes at a page boundary)."""
         return None
 
+    def sliding_window_unsupported(self) -> str | None:
+        """Why this format cannot serve attention layers with a sliding window, or None (the engine
+        refuses such a model with it before allocating)."""
+        return None
+
     @abstractmethod
     def allocate(self, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  device: torch.device, max_num_seqs: int, dtype: torch.dtype) -> LayerKVCache: ...
@@ -198,8 +203,13 @@ class KVFormat(ABC):
         the format does with them, in every layer's cache (`caches`). Nothing by default."""
 
     def attend(self, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
-               sliding_window: int | None, step_kv: StepKV | None = None) -> torch.Tensor:
+               sliding_window: int | None, step_kv: StepKV | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over each sequence's cached context -> [T, Hq, D].
+
+        sinks [Hq]: a logit per query head that joins every softmax as one more key whose value is
+        0 (gpt-oss's attention sinks), or None. Every path takes it: the reference, and the decode
+        kernels where their split-K partials are merged (ops/decode/common.reduce_head).
 
         step_kv: the step's k, v [T, Hkv, D] as the layer computed them (k after RoPE), which
         `write` has just stored. A sequence with several queries in the step (a prefill chunk)
@@ -219,11 +229,12 @@ class KVFormat(ABC):
                 from moekv.ops.decode.paged import paged_decode_attention
 
                 return paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots,
-                                              scale, sliding_window, spec)
-        return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv)
+                                              scale, sliding_window, spec, sinks=sinks)
+        return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv, sinks)
 
     def attend_reference(self, q: torch.Tensor, cache: LayerKVCache, ctx: Context, scale: float,
-                         sliding_window: int | None, step_kv: StepKV | None = None) -> torch.Tensor:
+                         sliding_window: int | None, step_kv: StepKV | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The plain-PyTorch path of `attend` (CPU, prefill, and the oracle of the fused kernels)."""
         raise NotImplementedError(f"{type(self).__name__} implements neither attend nor attend_reference")
 

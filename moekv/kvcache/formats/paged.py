@@ -327,9 +327,9 @@ class PagedQuantFormat(KVFormat):
             parts.append(staging[host.seq_slots[b], :, :tail].transpose(0, 1).float())
         return torch.cat(parts)
 
-    def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None):
+    def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None, sinks=None):
         return dense_attention(q, ctx, with_step_kv(lambda b, n: (self.gather(cache, ctx, b, n, "key"),
                                                                   self.gather(cache, ctx, b, n, "value")),
                                                     ctx, step_kv),
-                               scale, sliding_window)
+                               scale, sliding_window, sinks)
 

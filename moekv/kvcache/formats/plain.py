@@ -53,7 +53,7 @@ class PlainKVFormat(KVFormat):
 
         return plain_spec(self.dtype)
 
-    def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None):
+    def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None, sinks=None):
         # paged_attention_ref's math, with the step's tables from the host lists (no sync a layer).
         # step_kv is not read: the pages hold the step's K/V as `write` stored them, in this format's
         # dtype (the model's, for "auto"), which every step reads alike
@@ -61,4 +61,4 @@ class PlainKVFormat(KVFormat):
             table = ctx.block_tables[b]
             return gather_kv_ref(cache["k_pages"], table, length), gather_kv_ref(cache["v_pages"], table, length)
 
-        return dense_attention(q, ctx, gather, scale, sliding_window)
+        return dense_attention(q, ctx, gather, scale, sliding_window, sinks)

@@ -190,6 +190,10 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
                 "change under one request because of another, so outputs would depend on which requests "
                 "happened to share it")
 
+    def sliding_window_unsupported(self) -> str | None:
+        return ("does not serve sliding-window attention layers: its ranking keeps only a sequence's first "
+                "and newest full pages in FP8 for sure, so it could demote pages a window still reads")
+
     def _slabs(self, kind: str, block_size: int, head_dim: int) -> tuple[int, int]:
         return (self.hi.layout(kind, block_size, head_dim).slab_bytes,
                 self.lo.layout(kind, block_size, head_dim).slab_bytes)
@@ -654,15 +658,16 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         return (self.fused_decode and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
                 and not self.lo.calibrated and _kernel_shape_ok(P, q.shape[-1]) and is_decode_only(q, ctx))
 
-    def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None):
+    def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None, sinks=None):
         """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel: the Gluon one
-        when the pools are in fragment order, attend_gluon); otherwise (CPU, prefill) attend_reference."""
+        when the pools are in fragment order, attend_gluon); otherwise (CPU, prefill) attend_reference.
+        Sliding-window layers are refused before this (sliding_window_unsupported)."""
         if self.use_kernel(q, ctx, cache):
             if not self.is_fragment_pool(cache):
-                return self.attend_kernel(q, cache, ctx, scale, sliding_window)
+                return self.attend_kernel(q, cache, ctx, scale, sliding_window, sinks=sinks)
             if q.shape[1] // cache["k_staging"].shape[1] in (1, 2, 4, 8):  # the Gluon kernel's groups
-                return self.attend_gluon(q, cache, ctx, scale, sliding_window)
-        return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv)
+                return self.attend_gluon(q, cache, ctx, scale, sliding_window, sinks=sinks)
+        return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv, sinks)
 
     def attend_gluon(self, q, cache, ctx, scale, sliding_window, **launch):
         """One query per sequence through moekv/ops/gluon/tiered_decode.py (pools in fragment order):
@@ -690,7 +695,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         st.mass_pending = True  # host-side: a replay skips it (after_graph_replay sets it)
         return out
 
-    def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None):
+    def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None, sinks=None):
         """Attention as every format's reference path computes it (dense_attention: SDPA over the
         dequantized context, flash on CUDA; a prefill chunk's own tokens exact, dense.with_step_kv),
         and each full page's attention mass beside it, over the keys attention read (key_mass: the
@@ -718,7 +723,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
                 st.mass_pending = True
             return k, v
 
-        return dense_attention(q, ctx, gather_and_rank, scale, sliding_window)
+        return dense_attention(q, ctx, gather_and_rank, scale, sliding_window, sinks)
 
 
 def key_mass(q: torch.Tensor, k: torch.Tensor, scale: float, sliding_window: int | None, num_keys: int,

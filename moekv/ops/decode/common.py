@@ -251,16 +251,25 @@ def store_partial(part_o, part_lse, head, split, ns_total, out_col, row_ok, m, l
 
 
 @triton.jit
-def reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, b, hq,
-                NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr):
-    """out[b, hq] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+def reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, b, hq, sinks,
+                NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, HAS_SINKS: tl.constexpr = False):
+    """out[b, hq] = sum_s w_s o_s / (sum_s w_s + w_sink) with w_s = 2^(lse_s - top); with
+    HAS_SINKS head hq's sink logit (sinks[hq], natural log units of the scaled scores) is one more
+    split whose output is 0 (w_sink = 2^(sinks[hq] * log2(e) - top)), else w_sink = 0."""
     head = (b * NUM_HEADS + hq).to(tl.int64)
     s = tl.arange(0, NS_PAD)
     d = tl.arange(0, D)
     lse = tl.load(part_lse + head * ns_total + s, mask=s < ns_total, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # [NS_PAD]; empty shares weigh 0
+    top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks + hq).to(tl.float32) * LOG2E
+        top = tl.maximum(top, sink)
+    w = tl.exp2(lse - top)  # [NS_PAD]; empty shares weigh 0
     o = tl.load(part_o + (head * ns_total + s)[:, None] * D + d[None, :], mask=(s < ns_total)[:, None], other=0.0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    denom = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - top)
+    res = tl.sum(w[:, None] * o, axis=0) / denom
     tl.store(out + b * stride_ob + hq * stride_oh + d, res.to(out.dtype.element_ty))
 
 

@@ -278,20 +278,30 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total,
-                   NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+def _reduce_kernel(part_o, part_lse, out, stride_ob, stride_oh, ns_total, sinks,
+                   NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
     """One program per (b, query head): reduce_head."""
     let_dependents_launch(PDL)  # the o projection may become resident (ops/pdl.py)
-    reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, tl.program_id(0), tl.program_id(1),
-                NUM_HEADS, NS_PAD, D)
+    reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, tl.program_id(0), tl.program_id(1), sinks,
+                NUM_HEADS, NS_PAD, D, HAS_SINKS)
 
 
-def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, ns_total: int, pdl: bool) -> None:
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """Attention sinks are one logit per query head, on the attention's device."""
+    if sinks is not None and (tuple(sinks.shape) != (num_heads,) or sinks.device != device):
+        raise ValueError(f"sinks must be [Hq={num_heads}] on {device}, got {tuple(sinks.shape)} on {sinks.device}")
+
+
+def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, ns_total: int, pdl: bool,
+                    sinks: torch.Tensor | None = None) -> None:
     """out [B, Hq, D] = the merge of each (sequence, query head)'s ns_total partials (_reduce_kernel); pdl:
-    let the next kernel launch early (ops/pdl.py)."""
+    let the next kernel launch early (ops/pdl.py); sinks [Hq]: each head's sink logit, or None."""
     B, Hq, D = out.shape
+    check_sinks(sinks, Hq, out.device)
     _reduce_kernel[(B, Hq)](part_o, part_lse, out, out.stride(0), out.stride(1), ns_total,
-                            Hq, max(2, triton.next_power_of_2(ns_total)), D, pdl, num_warps=4)
+                            part_lse if sinks is None else sinks,  # unused without sinks: any tensor stands in
+                            Hq, max(2, triton.next_power_of_2(ns_total)), D, pdl, sinks is not None, num_warps=4)
 
 
 def strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
@@ -312,7 +322,7 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
                            num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
                            prefetch: int | None = None, out: torch.Tensor | None = None,
                            swap_ab: bool | None = None, max_registers: int | None = None,
-                           separate_tail: bool = False) -> torch.Tensor:
+                           separate_tail: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its last position) over each
     sequence's context_lens[b] tokens, read through `spec` from `tensors` (a LayerKVCache or a
     dict of its tensors). Returns [B, Hq, D] in q's dtype.
@@ -327,7 +337,8 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     kernels with tiles inside one page only); swap_ab: scores as k @ q^T (None: spec.swap_ab);
     max_registers: ptxas's register cap (None: spec.max_registers; 0: none; compiled kernels only);
     separate_tail: the 16-bit tail of a staged format in a program of its own, after the splits'
-    (as spec.tail_in_last_split=False asks), else where the spec says.
+    (as spec.tail_in_last_split=False asks), else where the spec says; sinks [Hq]: each head's
+    sink logit (gpt-oss), entering where the splits are merged, or None.
     """
     B, Hq, D = q.shape
     k_pool, v_pool = tensors[spec.k_pool], tensors[spec.v_pool]
@@ -414,5 +425,5 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
         cap_is_default, B, Hkv, max_context, block_n, num_warps, num_stages, interpret, q.device)
     if out is None:
         out = torch.empty_like(q)
-    reduce_partials(part_o, part_lse, out, ns_total, pdl_enabled(q.device))
+    reduce_partials(part_o, part_lse, out, ns_total, pdl_enabled(q.device), sinks)
     return out

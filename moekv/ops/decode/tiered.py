@@ -64,7 +64,7 @@ from moekv.ops.decode.nuq2 import (
     nuq2_value_fix,
     nuq2_value_tile,
 )
-from moekv.ops.decode.paged import reduce_partials, strides
+from moekv.ops.decode.paged import check_sinks, reduce_partials, strides
 
 TIER_FP8 = tl.constexpr(tiers.TIER_FP8)  # jit code reads a global only as a constexpr
 
@@ -216,7 +216,7 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
                             num_stages: int = 2, use_asm: bool | None = None, prefetch: int | None = None,
                             out: torch.Tensor | None = None, mass_into: torch.Tensor | None = None,
                             swap_ab: bool | None = None, max_registers: int | None = None,
-                            separate_tail: bool = False):
+                            separate_tail: bool = False, sinks: torch.Tensor | None = None):
     """Decode attention of q [B, Hq, D] over a tiered layer (tensors: its LayerKVCache or a dict with
     k_fp8, v_fp8, k_low, v_low, k_staging, v_staging). Returns (out [B, Hq, D] in q's dtype,
     mass [B, max_pages] fp32 or None): mass[b, i] = the attention probability summed over all query
@@ -227,7 +227,8 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
     mass_into: a [num_pages] fp32 accumulator (the format's mass_dev): the mass is added there at
     each page's id instead of returned (then None), in the same launch that computes it.
     swap_ab (None: the tuning's for 'tiered'), max_registers (ptxas's cap; None: register_cap('tiered', P), 0: none) and
-    separate_tail: as paged_decode_attention's."""
+    separate_tail, sinks: as paged_decode_attention's (the mass is over the keys alone, without the
+    sink's share of each head's softmax)."""
     B, Hq, D = q.shape
     kf, vf, kl, vl = tensors["k_fp8"], tensors["v_fp8"], tensors["k_low"], tensors["v_low"]
     k_stage, v_stage = tensors["k_staging"], tensors["v_staging"]
@@ -312,16 +313,17 @@ def tiered_decode_attention(q: torch.Tensor, tensors, page_tier: torch.Tensor, p
         out = torch.empty_like(q)
     ns_pad = max(2, triton.next_power_of_2(ns_total))
     if not emit_mass:
-        reduce_partials(part_o, part_lse, out, ns_total, False)
+        reduce_partials(part_o, part_lse, out, ns_total, False, sinks)
         return out, None
+    check_sinks(sinks, Hq, q.device)
     mass = mass_into if mass_into is not None else torch.empty(B, max_pages, dtype=torch.float32, device=q.device)
     block_pages = mass_block_pages(Hq, P // block_n)
     # one launch: programs [0, Hq) of each sequence merge a head's splits, the rest sum the page mass
     reduce_and_mass_kernel[(B, Hq + triton.cdiv(max_pages, block_pages))](
         part_o, part_lse, out, out.stride(0), out.stride(1),
         tile_sum, tile_max, mass, context_lens, block_tables, block_tables.stride(0), window,
-        ns_total, max_tiles, max_pages, Hq, ns_pad, D, P // block_n, P, block_n,
-        block_pages, mass_into is not None, num_warps=4)
+        ns_total, max_tiles, max_pages, Hq, ns_pad, D, P // block_n, P, block_n, block_pages,
+        mass_into is not None, sinks, sinks is not None, num_warps=4)
     return out, (None if mass_into is not None else mass)
 
 
@@ -336,7 +338,7 @@ def reduce_and_mass_kernel(part_o, part_lse, out, stride_ob, stride_oh,
                             ns_total, max_tiles, max_pages,
                             NUM_HEADS: tl.constexpr, NS_PAD: tl.constexpr, D: tl.constexpr, TPP: tl.constexpr,
                             P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_PAGES: tl.constexpr,
-                            ACCUMULATE: tl.constexpr):
+                            ACCUMULATE: tl.constexpr, sinks=None, HAS_SINKS: tl.constexpr = False):
     """Grid (B, NUM_HEADS + mass programs). Program (b, j < NUM_HEADS) merges head j's splits
     (reduce_head); program (b, NUM_HEADS + k) writes the mass of pages [k*BLOCK_PAGES, ...) of
     sequence b (page_mass_block). One launch instead of two: at batch 1 a second launch is one more
@@ -345,7 +347,8 @@ def reduce_and_mass_kernel(part_o, part_lse, out, stride_ob, stride_oh,
     b = tl.program_id(0)
     j = tl.program_id(1)
     if j < NUM_HEADS:
-        reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, b, j, NUM_HEADS, NS_PAD, D)
+        reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, b, j, sinks, NUM_HEADS, NS_PAD, D,
+                    HAS_SINKS)
     else:
         page_mass_block(part_lse, tile_sum, tile_max, mass, context_lens, block_tables, stride_bt, window,
                         ns_total, max_tiles, max_pages, b, j - NUM_HEADS,

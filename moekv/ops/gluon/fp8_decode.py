@@ -99,10 +99,10 @@ def fp8_decode_attention(q: torch.Tensor, frag: FP8FragmentPages, block_tables: 
                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                          max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                          sliding_window: int | None = None, out: torch.Tensor | None = None,
-                         prefetch: bool = DEFAULT_PREFETCH) -> torch.Tensor:
+                         prefetch: bool = DEFAULT_PREFETCH, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over fp8_e4m3 pages in fragment order (and, with `staged`, the
     16-bit tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the reduce, two launches, no host
-    sync. CUDA only."""
+    sync. CUDA only. sinks [Hq]: each head's sink logit, joining the reduce."""
     part_o, part_lse = fp8_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
                                            staged, sliding_window, prefetch)
-    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)
+    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

@@ -228,10 +228,11 @@ def kivi2_decode_attention(q: torch.Tensor, frag: Kivi2FragmentPages, block_tabl
                            residual: Residual | None = None, sliding_window: int | None = None,
                            out: torch.Tensor | None = None, prefetch: int = DEFAULT_PREFETCH,
                            side_smem: bool = DEFAULT_SIDE_SMEM,
-                           codes_smem: bool | None = DEFAULT_CODES_SMEM) -> torch.Tensor:
+                           codes_smem: bool | None = DEFAULT_CODES_SMEM,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over kivi2 pages in fragment order (and, with `staged`, the
     16-bit tail: staging page and residual ring) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
-    reduce, two launches, no host sync. CUDA only."""
+    reduce, two launches, no host sync. CUDA only. sinks [Hq]: each head's sink logit, joining the reduce."""
     part_o, part_lse = kivi2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
                                              staged, residual, sliding_window, prefetch, side_smem, codes_smem)
-    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)
+    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

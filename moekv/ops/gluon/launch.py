@@ -127,9 +127,11 @@ def register_cap(max_registers: int | None) -> dict:
     return {"maxnreg": int(max_registers)} if max_registers else {}
 
 
-def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The paged decode kernel's reduce (the partials have its layout) into out [B, Hq, D]."""
+def reduce_on_device(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The paged decode kernel's reduce (the partials have its layout) into out [B, Hq, D]; sinks
+    [Hq]: each head's sink logit joining the merge (ops/decode/common.reduce_head), or None."""
     from moekv.ops.decode.paged import reduce_partials
 
-    reduce_partials(part_o, part_lse, out, part_o.shape[2], pdl=False)
+    reduce_partials(part_o, part_lse, out, part_o.shape[2], pdl=False, sinks=sinks)
     return out

@@ -208,10 +208,10 @@ def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables
                           max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                           sliding_window: int | None = None, out: torch.Tensor | None = None,
                           slot_chunk0: bool = DEFAULT_SLOT_CHUNK0, prefetch: int = DEFAULT_PREFETCH,
-                          smem: bool = DEFAULT_SMEM) -> torch.Tensor:
+                          smem: bool = DEFAULT_SMEM, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order (outlier slots included,
     exact) and, with `staged`, the 16-bit tail -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
-    reduce, two launches, no host sync. CUDA only."""
+    reduce, two launches, no host sync. CUDA only. sinks [Hq]: each head's sink logit, joining the reduce."""
     part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
                                             staged, sliding_window, slot_chunk0, prefetch, smem)
-    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)
+    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

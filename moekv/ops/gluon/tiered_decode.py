@@ -212,23 +212,27 @@ def tiered_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: tor
                             fp8_fmt=None, staged: Staged | None = None, sliding_window: int | None = None,
                             emit_mass: bool = True, mass_into: torch.Tensor | None = None,
                             out: torch.Tensor | None = None, max_registers: int | None = DEFAULT_MAX_REGISTERS,
-                            fp8_prefetch: bool = DEFAULT_FP8_PREFETCH, smem: bool | None = DEFAULT_SMEM):
+                            fp8_prefetch: bool = DEFAULT_FP8_PREFETCH, smem: bool | None = DEFAULT_SMEM,
+                            sinks: torch.Tensor | None = None):
     """Decode attention of q [B, Hq, 128] over a tiered layer in fragment order -> (out [B, Hq, 128]
     in q's dtype, mass [B, max_pages] fp32 or None): the Gluon kernel, then one launch of the reduce
     and the page mass (moekv/ops/decode/tiered.py's reduce_and_mass_kernel, a tile per page);
-    mass_into: a [N] fp32 accumulator the mass is added to at each page's id instead (then None)."""
+    mass_into: a [N] fp32 accumulator the mass is added to at each page's id instead (then None);
+    sinks [Hq]: each head's sink logit, joining the reduce (the mass leaves the sink's share out)."""
     part_o, part_lse, tile_sum, tile_max = tiered_decode_partials(
         q, frag, k_fp8, v_fp8, page_tier, page_slot, block_tables, context_lens, scale, num_splits, fp8_fmt,
         staged, sliding_window, emit_mass, max_registers, fp8_prefetch=fp8_prefetch, smem=smem)
     out = torch.empty_like(q) if out is None else out
     if not emit_mass:
-        return reduce_on_device(part_o, part_lse, out), None
+        return reduce_on_device(part_o, part_lse, out, sinks), None
     import triton
 
     from moekv.ops.decode.common import NO_WINDOW
+    from moekv.ops.decode.paged import check_sinks
     from moekv.ops.decode.tiered import mass_block_pages, reduce_and_mass_kernel
 
     B, Hq = q.shape[:2]
+    check_sinks(sinks, Hq, q.device)
     max_pages = block_tables.shape[1]
     ns_total = part_o.shape[2]
     mass = mass_into if mass_into is not None else torch.empty(B, max_pages, dtype=torch.float32, device=q.device)
@@ -238,5 +242,5 @@ def tiered_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: tor
         part_o, part_lse, out, out.stride(0), out.stride(1),
         tile_sum, tile_max, mass, context_lens, block_tables, block_tables.stride(0), window,
         ns_total, max_pages, max_pages, Hq, max(2, triton.next_power_of_2(ns_total)), HEAD_DIM, 1, PAGE_TOKENS,
-        PAGE_TOKENS, block_pages, mass_into is not None, num_warps=4)
+        PAGE_TOKENS, block_pages, mass_into is not None, sinks, sinks is not None, num_warps=4)
     return out, (None if mass_into is not None else mass)

@@ -188,9 +188,11 @@ def vq_decode_attention(q: torch.Tensor, frag: VQFragmentPages, block_tables: to
                         context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                         max_registers: int | None = KERNEL_DEFAULT, staged: Staged | None = None,
                         sliding_window: int | None = None, out: torch.Tensor | None = None,
-                        codebooks: str | None = DEFAULT_CODEBOOKS, warps: int = DEFAULT_WARPS) -> torch.Tensor:
+                        codebooks: str | None = DEFAULT_CODEBOOKS, warps: int = DEFAULT_WARPS,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over vq pages in fragment order (and, with `staged`, the 16-bit
-    tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel(s) and the reduce, no host sync. CUDA only."""
+    tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel(s) and the reduce, no host sync. CUDA only.
+    sinks [Hq]: each head's sink logit, joining the reduce."""
     part_o, part_lse = vq_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
                                           staged, sliding_window, codebooks, warps)
-    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out)
+    return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moekv.ops.reference import silu_and_mul_ref
+from moekv.ops.reference import expert_matrix, silu_and_mul_ref
 
 
 @dataclass
@@ -220,8 +220,9 @@ def local_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     out = torch.zeros_like(x)
     for expert in torch.unique(local_ids[local_ids >= 0]).tolist():
         token_idx, slot = torch.where(local_ids == expert)
-        h = silu_and_mul_ref(F.linear(x[token_idx], w13[expert]))
-        out.index_add_(0, token_idx, F.linear(h, w2[expert]) * weights[token_idx, slot, None].to(x.dtype))
+        h = silu_and_mul_ref(F.linear(x[token_idx], expert_matrix(w13, expert, x.dtype)))
+        y = F.linear(h, expert_matrix(w2, expert, x.dtype))
+        out.index_add_(0, token_idx, y * weights[token_idx, slot, None].to(x.dtype))
     return out
 
 

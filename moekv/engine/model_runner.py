@@ -44,6 +44,7 @@ from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sampl
 from moekv.models.decoder import MoEDecoder
 from moekv.models.loader import Shard, install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
+from moekv.models.quantize import quantize_model, weight_quantization
 from moekv.routing.cluster_map import ClusterMap
 from moekv.routing.placement import LocalityCounter, Placement
 
@@ -208,6 +209,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_cfg)
         self.kv_format = kv_format if kv_format is not None else kv_format_for(config, self.dtype)
         self.model = self._load()
+        self.quantization = self._quantize()
         if self.device.type == "cpu":  # this rank's shard, the ranks sharing the host's cores
             set_cpu_threads(config.parallel.cpu_threads, sum(p.numel() for p in self.model.parameters()),
                             config.parallel.tensor_parallel_size)
@@ -234,6 +236,19 @@ class ModelRunner:
         shard = Shard(cut=lambda m: shard_model(m, model_cfg, tp, placement),
                       plan=lambda m: shard_plan(m, model_cfg, tp, placement))
         return load_model(config.model, self.dtype, self.device, model_cfg, config.load_format, shard)
+
+    def _quantize(self) -> str | None:
+        """Phase 1 ends with weight quantization: config.quantization quantizes the loaded 16-bit
+        weights (this rank's shard) of the experts, attention projections and LM head; returns the
+        model's weight quantization (a pre-quantized checkpoint's too), None for 16-bit weights."""
+        method = self.config.quantization
+        loaded = weight_quantization(self.model)
+        if method is not None and loaded is not None and loaded != method:
+            raise ValueError(f"quantization={method!r} was asked for, but the checkpoint holds {loaded} weights; "
+                             f"give quantization={loaded!r} or None")
+        if method is not None:
+            quantize_model(self.model, method)
+        return method or loaded
 
     def _shard(self) -> None:
         """Phase 2, shard: what a rank's loaded shard still needs (the expert-parallel tables on its

@@ -228,10 +228,10 @@ def local_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
 
 def run_local_experts(x, w13, w2, weights, local_ids):
     if x.is_cuda:  # the fused kernel over the local experts; other ranks' assignments weigh 0
-        from moekv.ops.fused_moe import fused_moe
+        from moekv.ops.fused_moe_quant import fused_experts
 
         mask = local_ids >= 0
-        return fused_moe(x, w13, w2, torch.where(mask, weights, torch.zeros_like(weights)),
+        return fused_experts(x, w13, w2, torch.where(mask, weights, torch.zeros_like(weights)),
                          torch.where(mask, local_ids, torch.zeros_like(local_ids)))
     return local_experts_ref(x, w13, w2, weights, local_ids)
 

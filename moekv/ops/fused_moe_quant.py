@@ -32,6 +32,7 @@ from moekv.ops.fused_moe import (
     _num_sms,
     _sum_partials,
     default_gemm_config,
+    fused_moe,
     moe_align_block_size,
 )
 from moekv.ops.quant_tiles import dequant_tile
@@ -311,3 +312,13 @@ def quant_gemm(x: torch.Tensor, w: QuantizedWeight, config: GemmConfig | None = 
     upcast = _interpreting() and x.dtype == torch.bfloat16
     _launch_gemm_down(x, w, y, ones, sorted_ids, block_expert_ids, T, N, K, cfg, upcast, x.dtype == torch.float32)
     return y
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe for 16-bit experts, fused_moe_quant for quantized ones (both quantized or neither)."""
+    if isinstance(w13, QuantizedWeight) != isinstance(w2, QuantizedWeight):
+        raise ValueError("w13 and w2 must both be quantized or both not")
+    if isinstance(w13, QuantizedWeight):
+        return fused_moe_quant(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids)

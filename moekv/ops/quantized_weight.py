@@ -174,9 +174,11 @@ def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP, zero_point: boo
 
 
 def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
-    """Quantize-on-load for `quantization=method`: fp8 per output channel, int4 symmetric groups of 128."""
+    """Quantize-on-load for `quantization=method`: fp8 per output channel; int4 in groups of 128 with
+    zero points (on domain-moe's held-out drama, +3.2% perplexity against +6.3% symmetric:
+    docs/decisions.md, "Quantize-on-load INT4 keeps zero points")."""
     if method == "fp8":
         return quantize_fp8(w)
     if method == "int4":
-        return quantize_int4(w)
+        return quantize_int4(w, zero_point=True)
     raise ValueError(f"quantization={method!r} is unknown; accepted: {list(QUANT_METHODS)}")

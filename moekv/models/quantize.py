@@ -1,0 +1,66 @@
+"""Quantize-on-load: a loaded 16-bit model's experts, attention projections and LM head replaced by
+QuantizedWeights (ops/quantized_weight.py); norms, routers, embeddings, dense MLPs and shared
+experts stay 16-bit. A tied LM head (the embedding) stays 16-bit too."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekv.layers.moe import SparseMoE
+from moekv.models.decoder import MoEDecoder
+from moekv.ops.quantized_weight import QuantizedWeight, quantize
+
+QUANTIZED_ATTENTION = ("qkv_proj", "o_proj")
+QUANTIZED_EXPERTS = ("w13", "w2")
+
+
+def replace_weight(module: nn.Module, name: str, weight: QuantizedWeight) -> None:
+    """Put a QuantizedWeight where the parameter `name` was (the parameter is dropped, its memory freed)."""
+    module._parameters.pop(name, None)
+    module._modules.pop(name, None)
+    setattr(module, name, weight)
+
+
+def quantize_stacked(w: torch.Tensor, method: str) -> QuantizedWeight:
+    """quantize() of a stacked [E, N, K] weight one expert at a time (a fraction of the whole
+    weight's fp32 temporaries), the codes and scales stacked after."""
+    parts = [quantize(w[e], method) for e in range(w.shape[0])]
+    first = parts[0]
+    zeros = None if first.zeros is None else torch.stack([p.zeros for p in parts])
+    return QuantizedWeight(method, tuple(w.shape), torch.stack([p.codes for p in parts]),
+                           torch.stack([p.scales for p in parts]), first.scale_block, zeros)
+
+
+@torch.no_grad()
+def quantize_model(model: MoEDecoder, method: str) -> MoEDecoder:
+    """Quantize, in place, every 16-bit weight of the chosen kinds that is not quantized already
+    (a pre-quantized checkpoint's are kept as loaded)."""
+    for layer in model.layers:
+        for name in QUANTIZED_ATTENTION:
+            w = getattr(layer.self_attn, name)
+            if not isinstance(w, QuantizedWeight):
+                replace_weight(layer.self_attn, name, quantize(w.data, method))
+        if isinstance(layer.mlp, SparseMoE):
+            for name in QUANTIZED_EXPERTS:
+                w = getattr(layer.mlp, name)
+                if not isinstance(w, QuantizedWeight):
+                    replace_weight(layer.mlp, name, quantize_stacked(w.data, method))
+    if model.lm_head is not None and not isinstance(model.lm_head, QuantizedWeight):
+        replace_weight(model, "lm_head", quantize(model.lm_head.data, method))
+    if next(model.buffers()).is_cuda:
+        torch.cuda.empty_cache()  # the 16-bit weights' blocks back to the device (the KV pools are sized from free memory)
+    return model
+
+
+def weight_quantization(model: MoEDecoder) -> str | None:
+    """The method of the model's quantized weights ('fp8', 'int4'), None if it has none."""
+    methods = {m.method for m in model.modules() if isinstance(m, QuantizedWeight)}
+    if len(methods) > 1:
+        raise ValueError(f"the model mixes weight quantizations {sorted(methods)}")
+    return methods.pop() if methods else None
+
+
+def weight_bytes(model: MoEDecoder) -> int:
+    """Bytes of every parameter and quantized weight (codes, scales, zero points)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.nbytes for m in model.modules() if isinstance(m, QuantizedWeight))

@@ -246,6 +246,9 @@ class ModelRunner:
         if method is not None and loaded is not None and loaded != method:
             raise ValueError(f"quantization={method!r} was asked for, but the checkpoint holds {loaded} weights; "
                              f"give quantization={loaded!r} or None")
+        if loaded is not None and self.config.experts.expert_offload:
+            raise ValueError(f"expert_offload=True is not supported with quantized weights (the checkpoint holds "
+                             f"{loaded} weights): its expert caches copy 16-bit expert tensors")
         if method is not None:
             quantize_model(self.model, method)
         return method or loaded

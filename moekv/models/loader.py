@@ -22,6 +22,13 @@ from moekv.models import mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
+from moekv.models.prequantized import (
+    CheckpointQuantization,
+    checkpoint_quantization,
+    copy_part,
+    install_placeholders,
+    split_name,
+)
 from moekv.routing import ROUTING_MODES, HierarchicalRouter, checkpoint_router, group_limited_router, resolve_routing
 from moekv.routing.cluster_map import ClusterMap
 
@@ -256,8 +263,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         full_shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
     arch = ARCH_MODULES[cfg.architecture]
     files = safetensors_files(model_dir)
+    scheme = checkpoint_quantization(read_json(model_dir / "config.json", "config.json"))
+    targets = _quantized_targets(files, arch, cfg, scheme)
+    if targets and shard is not None:
+        raise CheckpointError(f"{model_dir} holds pre-quantized weights, which load on one rank only "
+                              "(tensor_parallel_size=1)")
+    if targets:
+        cut = lambda m: install_placeholders(m, targets, scheme, dtype)  # noqa: E731
     model = empty_model(cfg, dtype, device, cut)  # every parameter is filled below, or the load fails
     params = dict(model.named_parameters())
+    quantized = {name: model.get_submodule(name) for name in targets}
+    parts_seen: dict[tuple[str, str], int] = {}
     for name, (dim, kept) in keep.items():
         if params[name].shape[dim] != len(kept):
             raise RuntimeError(f"the shard plan keeps {len(kept)} rows of {name} along dim {dim}; the cut "
@@ -272,8 +288,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             for raw_name in f.keys():
                 if _IGNORED.match(raw_name):
                     continue
-                name = arch.canonical_name(raw_name)
+                weight_name, part = split_name(raw_name, scheme)
+                name = arch.canonical_name(weight_name)
                 resolved = _resolve(name, cfg)
+                if resolved is not None and resolved[0] in quantized:  # a part of a pre-quantized weight
+                    part = part or "codes"
+                    copy_part(quantized[resolved[0]], resolved[1], part, f.get_tensor(raw_name), raw_name)
+                    parts_seen[(resolved[0], part)] = parts_seen.get((resolved[0], part), 0) + 1
+                    continue
+                if part is not None:
+                    raise CheckpointError(f"{path.name}: {raw_name!r} is a quantized part of a weight moekv "
+                                          "does not read quantized")
                 if resolved is None or resolved[0] not in params:
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # some tied checkpoints still store the head
@@ -287,10 +312,33 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                     _copy_into(params[target], index, f.get_tensor(raw_name), raw_name, path)
                     filled[target] += 1
     missing = [name for name, count in filled.items() if count == 0]
+    for name, qw in quantized.items():
+        needed = ("codes", "scales") + (("zeros",) if qw.zeros is not None else ())
+        missing += [f"{name} ({part})" for part in needed if (name, part) not in parts_seen]
     if missing:
         raise CheckpointError(f"{model_dir}: no weights found for {len(missing)} parameters, e.g. {missing[:5]}")
     model.eval()
     return model
+
+
+def _quantized_targets(files: list[Path], arch: ModuleType, cfg: ModelConfig,
+                       scheme: CheckpointQuantization | None) -> set[str]:
+    """The model parameters a pre-quantized checkpoint stores quantized: those with a scale tensor
+    (models/prequantized.py). Reads tensor names only."""
+    if scheme is None:
+        return set()
+    targets = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for raw_name in f.keys():
+                weight_name, part = split_name(raw_name, scheme)
+                if part in ("scales", "codes"):
+                    resolved = _resolve(arch.canonical_name(weight_name), cfg)
+                    if resolved is None:
+                        raise CheckpointError(f"{path.name}: tensor {raw_name!r} does not belong to a "
+                                              f"{cfg.architecture} with this config.json")
+                    targets.add(resolved[0])
+    return targets
 
 
 @torch.no_grad()

@@ -216,3 +216,26 @@ def test_quantization_option_is_checked():
         LLM(quantization="int3")
     with pytest.raises(ValueError, match="expert_offload"):
         LLM(quantization="int4", expert_offload=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2+ep"])
+def test_two_ranks_quantize_their_shards(tmp_path_factory, expert_parallel):
+    """tensor_parallel_size=2 with int4: each rank quantizes its own rows. Where each rank's share of
+    a K-cut weight (o_proj; w2 without expert parallelism) is whole 128-wide groups, the ranks hold
+    exactly one process's groups, so the logits agree to float32 rounding."""
+    path = build_checkpoint("mixtral", tmp_path_factory.mktemp("tp") / "mixtral", seed=5, hidden_size=128,
+                            head_dim=64, num_key_value_heads=2, intermediate_size=256)
+    engine = dict(dtype="float32", device="cpu", max_model_len=128, block_size=16, num_kv_blocks=48,
+                  quantization="int4")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    one = LLM(model=str(path), **engine)
+    two = LLM(model=str(path), **engine, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              distributed_timeout=60)
+    try:
+        assert two.engine.runner.quantization == "int4"
+        assert isinstance(two.engine.runner.model.layers[0].mlp.w2, QuantizedWeight)
+        for ours, ref in zip(two.score(prompts), one.score(prompts)):
+            assert (ours - ref).abs().max().item() < 1e-4
+    finally:
+        two.engine.shutdown()

@@ -62,6 +62,9 @@ class EngineStats:
     # expert parallel: bytes the ranks sent (and received) dispatching tokens to experts and back, all ranks
     ep_bytes_sent: int | None = None
     ep_bytes_received: int | None = None
+    # the weights: their quantization ('fp8', 'int4'; None: 16/32-bit) and rank 0's bytes of them
+    weight_quantization: str | None = None
+    weight_bytes: int = 0
 
 
 class LLMEngine:
@@ -245,7 +248,8 @@ class LLMEngine:
             num_waiting=self.num_waiting, kv_cache_usage=bm.usage, kv_pages_used=bm.num_used_blocks,
             kv_cache_dtype=runner.kv_format.name, block_size=runner.block_size, num_blocks=runner.num_blocks,
             bits_per_element=self.kv_bits_per_element,
-            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits)
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            weight_quantization=runner.quantization, weight_bytes=runner.weight_bytes)
         if device:
             if runner.locality is not None:
                 routing = runner.locality.snapshot()

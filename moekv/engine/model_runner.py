@@ -44,7 +44,7 @@ from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sampl
 from moekv.models.decoder import MoEDecoder
 from moekv.models.loader import Shard, install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
-from moekv.models.quantize import quantize_model, weight_quantization
+from moekv.models.quantize import quantize_model, weight_bytes, weight_quantization
 from moekv.routing.cluster_map import ClusterMap
 from moekv.routing.placement import LocalityCounter, Placement
 
@@ -210,6 +210,7 @@ class ModelRunner:
         self.kv_format = kv_format if kv_format is not None else kv_format_for(config, self.dtype)
         self.model = self._load()
         self.quantization = self._quantize()
+        self.weight_bytes = weight_bytes(self.model)  # this rank's: parameters, codes, scales
         if self.device.type == "cpu":  # this rank's shard, the ranks sharing the host's cores
             set_cpu_threads(config.parallel.cpu_threads, sum(p.numel() for p in self.model.parameters()),
                             config.parallel.tensor_parallel_size)

@@ -8,7 +8,8 @@ from torch import nn
 
 from moekv.layers.moe import SparseMoE
 from moekv.models.decoder import MoEDecoder
-from moekv.ops.quantized_weight import QuantizedWeight, quantize
+from moekv.models.model_config import ModelConfig
+from moekv.ops.quantized_weight import INT4_GROUP, QuantizedWeight, quantize
 
 QUANTIZED_ATTENTION = ("qkv_proj", "o_proj")
 QUANTIZED_EXPERTS = ("w13", "w2")
@@ -64,3 +65,35 @@ def weight_bytes(model: MoEDecoder) -> int:
     """Bytes of every parameter and quantized weight (codes, scales, zero points)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params + sum(m.nbytes for m in model.modules() if isinstance(m, QuantizedWeight))
+
+
+def matrix_bytes(N: int, K: int, method: str | None, elem_bytes: int = 2) -> int:
+    """Bytes of an [N, K] weight as quantize-on-load stores it: 16-bit; fp8 codes + an fp32 scale per
+    row; int4 codes + a 16-bit scale and zero point per group of 128."""
+    if method is None:
+        return elem_bytes * N * K
+    if method == "fp8":
+        return N * K + 4 * N
+    return N * K // 2 + 2 * elem_bytes * N * -(-K // INT4_GROUP)
+
+
+def weight_footprint(cfg: ModelConfig, method: str | None, elem_bytes: int = 2) -> tuple[int, int]:
+    """(bytes of all weights, bytes a batch-1 decode step reads: every attention weight, router and
+    norm, the top_k experts of each MoE layer, dense MLPs, shared experts and the LM head) with the
+    experts, attention projections and (untied) LM head stored as `method` stores them."""
+    total, active = cfg.parameter_counts()
+    h, I, q, kv = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_size, cfg.kv_size
+    attn_params = h * (q + 2 * kv) + q * h
+    attn = matrix_bytes(q + 2 * kv, h, method, elem_bytes) + matrix_bytes(h, q, method, elem_bytes)
+    expert_params = 3 * h * I
+    expert = matrix_bytes(2 * I, h, method, elem_bytes) + matrix_bytes(h, I, method, elem_bytes)
+    n_moe = sum(cfg.moe_layers)
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    quantized_total = cfg.num_layers * attn_params + n_moe * cfg.num_experts * expert_params + head
+    quantized_active = cfg.num_layers * attn_params + n_moe * cfg.top_k * expert_params + head
+    stored = cfg.num_layers * attn + (matrix_bytes(cfg.vocab_size, h, method, elem_bytes) if head else 0)
+    total_bytes = elem_bytes * (total - quantized_total) + stored + n_moe * cfg.num_experts * expert
+    # a step reads one embedding row, not the table
+    embed = cfg.vocab_size * h
+    read = elem_bytes * (active - quantized_active - embed + h) + stored + n_moe * cfg.top_k * expert
+    return total_bytes, read

@@ -26,14 +26,14 @@ import triton.language as tl
 from moekv.ops.fused_moe import (
     GEMV_MAX_PAIRS,
     GemmConfig,
-    _default_splits,
-    _dot,
-    _interpreting,
-    _num_sms,
-    _sum_partials,
     default_gemm_config,
+    default_splits,
+    dot_tiles,
     fused_moe,
+    interpreting,
     moe_align_block_size,
+    num_sms_of,
+    sum_partials,
 )
 from moekv.ops.quant_tiles import dequant_tile
 from moekv.ops.quantized_weight import QuantizedWeight
@@ -178,8 +178,8 @@ def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
                          BLOCK_N, BLOCK_K)
         u = dequant_tile(c_e, s_e, z_e, rows + N, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
                          BLOCK_N, BLOCK_K)
-        acc_g = _dot(a, tl.trans(g).to(a.dtype), acc_g, UPCAST, IEEE)
-        acc_u = _dot(a, tl.trans(u).to(a.dtype), acc_u, UPCAST, IEEE)
+        acc_g = dot_tiles(a, tl.trans(g).to(a.dtype), acc_g, UPCAST, IEEE)
+        acc_u = dot_tiles(a, tl.trans(u).to(a.dtype), acc_u, UPCAST, IEEE)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -214,7 +214,7 @@ def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
                     mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         b = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
                          BLOCK_N, BLOCK_K)
-        acc = _dot(a, tl.trans(b).to(a.dtype), acc, UPCAST, IEEE)
+        acc = dot_tiles(a, tl.trans(b).to(a.dtype), acc, UPCAST, IEEE)
     w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + pair[:, None] * stride_ym + offs_n[None, :], acc * w[:, None],
              mask=row_ok[:, None] & n_ok[None, :])
@@ -269,7 +269,7 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
             **layout_constants(w13), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
         num_n = triton.cdiv(H, cfg.block_n)
         k_blocks = triton.cdiv(I, cfg.block_k)
-        splits = min(cfg.num_splits or _default_splits(M * num_n, k_blocks, _num_sms(x.device)), k_blocks)
+        splits = min(cfg.num_splits or default_splits(M * num_n, k_blocks, num_sms_of(x.device)), k_blocks)
         k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
         splits = triton.cdiv(I, k_per_split)
         y = torch.empty(splits, M, H, dtype=torch.float32, device=x.device)  # [S, M, H]
@@ -277,14 +277,14 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         _qdown_gemv_kernel[(M * num_n * splits,)](
             h, c, s, z, y, weights, ids, M, H, I, k_per_split, h.stride(0), sce, scn, sse, ssn,
             y.stride(0), y.stride(1), **layout_constants(w2), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
-        return _sum_partials(y.view(splits, T, k, H), x.dtype)
+        return sum_partials(y.view(splits, T, k, H), x.dtype)
     if path != "gemm":
         raise ValueError(f"fused_moe_quant: path must be 'gemv', 'gemm' or None, got {path!r}")
     cfg = config or default_gemm_config(M, E)
     _check_block_k(cfg.block_k, w13, w2)
     sorted_ids, block_expert_ids, _ = moe_align_block_size(topk_ids, E, cfg.block_m)
     num_m_blocks = block_expert_ids.numel()
-    upcast = _interpreting() and x.dtype == torch.bfloat16
+    upcast = interpreting() and x.dtype == torch.bfloat16
     ieee = x.dtype == torch.float32
     c, s, z, sce, scn, sse, ssn = weight_args(w13)
     _qgate_up_gemm_kernel[(num_m_blocks * triton.cdiv(I, cfg.block_n),)](
@@ -294,7 +294,7 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = torch.empty(M, H, dtype=torch.float32, device=x.device)  # [M, H], one row per pair
     _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee)
-    return _sum_partials(y.view(1, T, k, H), x.dtype)
+    return sum_partials(y.view(1, T, k, H), x.dtype)
 
 
 def quant_gemm(x: torch.Tensor, w: QuantizedWeight, config: GemmConfig | None = None) -> torch.Tensor:
@@ -309,7 +309,7 @@ def quant_gemm(x: torch.Tensor, w: QuantizedWeight, config: GemmConfig | None = 
     sorted_ids, block_expert_ids, _ = moe_align_block_size(ids, 1, cfg.block_m)
     ones = torch.ones(T, dtype=torch.float32, device=x.device)
     y = torch.empty(T, N, dtype=torch.float32, device=x.device)
-    upcast = _interpreting() and x.dtype == torch.bfloat16
+    upcast = interpreting() and x.dtype == torch.bfloat16
     _launch_gemm_down(x, w, y, ones, sorted_ids, block_expert_ids, T, N, K, cfg, upcast, x.dtype == torch.float32)
     return y
 

@@ -53,6 +53,35 @@ def quantize_model(model: MoEDecoder, method: str) -> MoEDecoder:
     return model
 
 
+def empty_quantized(method: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device | str = "meta") -> QuantizedWeight:
+    """An uninitialised QuantizedWeight in the layout quantize() gives a [*batch, N, K] weight of
+    `dtype` (random-weight benchmarks build the model quantized, never in 16-bit)."""
+    *batch, N, K = shape
+    if method == "fp8":
+        return QuantizedWeight("fp8", shape, torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
+                               torch.empty(*batch, N, 1, device=device), (1, K))
+    scale_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+    groups = (*batch, N, -(-K // INT4_GROUP))
+    return QuantizedWeight("int4", shape, torch.empty(*batch, N, K // 8, dtype=torch.int32, device=device),
+                           torch.empty(groups, dtype=scale_dtype, device=device), (1, INT4_GROUP),
+                           torch.empty(groups, dtype=scale_dtype, device=device))
+
+
+def install_empty_quantized(model: MoEDecoder, method: str, dtype: torch.dtype) -> None:
+    """On a meta model (before allocation): every weight quantize_model would quantize replaced by
+    an empty QuantizedWeight of its layout."""
+    for layer in model.layers:
+        for name in QUANTIZED_ATTENTION:
+            replace_weight(layer.self_attn, name, empty_quantized(method, tuple(getattr(layer.self_attn, name).shape),
+                                                                  dtype))
+        if isinstance(layer.mlp, SparseMoE):
+            for name in QUANTIZED_EXPERTS:
+                replace_weight(layer.mlp, name, empty_quantized(method, tuple(getattr(layer.mlp, name).shape), dtype))
+    if model.lm_head is not None:
+        replace_weight(model, "lm_head", empty_quantized(method, tuple(model.lm_head.shape), dtype))
+
+
 def weight_quantization(model: MoEDecoder) -> str | None:
     """The method of the model's quantized weights ('fp8', 'int4'), None if it has none."""
     methods = {m.method for m in model.modules() if isinstance(m, QuantizedWeight)}

@@ -16,6 +16,7 @@ from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (befo
 
 # isort: split
 
+from moekv.models.quantize import quantize_stacked  # noqa: E402
 from moekv.ops.quantized_weight import quantize_fp8, quantize_int4  # noqa: E402
 from moekv.ops.reference import fused_moe_ref, linear_ref  # noqa: E402
 
@@ -96,9 +97,7 @@ def mixtral_quant(request):
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).to(torch.bfloat16)
-    if request.param == "fp8":
-        return quantize_fp8(w13), quantize_fp8(w2)
-    return quantize_int4(w13, zero_point=True), quantize_int4(w2, zero_point=True)
+    return quantize_stacked(w13, request.param), quantize_stacked(w2, request.param)  # quantize-on-load's layouts
 
 
 def _oracle(x, q13, q2, weights, ids):

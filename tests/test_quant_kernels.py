@@ -29,6 +29,7 @@ QUANTIZERS = {
     "fp8-block": lambda w: quantize_fp8(w, (16, 32)),
     "int4-sym": lambda w: quantize_int4(w, 32),
     "int4-zp": lambda w: quantize_int4(w, 16, zero_point=True),
+    "int4-g24": lambda w: quantize_int4(w, 24, zero_point=True),  # groups that neither divide nor span K tiles
 }
 
 
@@ -57,6 +58,17 @@ def test_fused_moe_quant_matches_reference(quantizer, path, T):
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
+def test_gemv_scale_modes_cover_the_layouts():
+    """With 32-wide K tiles the GEMV cases above read scales per tile (per channel, fp8 blocks, int4
+    groups of 32), per group (int4 groups of 16) and per element (groups of 24)."""
+    qt = kernel_modules("moekv.ops.quant_tiles")[0]
+    assert qt.scale_mode(64, 64, 32) == qt.scale_mode(40, 40, 32) == qt.scale_mode(32, 64, 32) == qt.SCALES_PER_TILE
+    assert qt.scale_mode(16, 64, 32) == qt.SCALES_PER_GROUP
+    assert qt.scale_mode(24, 64, 32) == qt.SCALES_PER_ELEMENT
+    assert qt.scale_mode(128, 4096, 1024) == qt.SCALES_PER_GROUP  # int4 at Mixtral's default GEMV tiles
+    assert qt.scale_mode(4096, 4096, 1024) == qt.SCALES_PER_TILE  # fp8 per channel
+
+
 def test_fused_experts_dispatch_and_mismatch():
     x, q13, q2, weights, ids = _moe_case(2, 4, 2, 32, 16, "int4-sym")
     assert torch.equal(fq.fused_experts(x, q13, q2, weights, ids), fq.fused_moe_quant(x, q13, q2, weights, ids))
@@ -66,7 +78,7 @@ def test_fused_experts_dispatch_and_mismatch():
         fq.fused_moe_quant(x[:, :16], q13, q2, weights, ids)
 
 
-@pytest.mark.parametrize("quantizer", ["fp8-block", "int4-zp"])
+@pytest.mark.parametrize("quantizer", ["fp8-block", "int4-zp", "int4-g24"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_quant_gemv_and_gemm_match_reference(quantizer, T):
     g = torch.Generator().manual_seed(T)

@@ -35,7 +35,7 @@ from moekv.ops.fused_moe import (
     num_sms_of,
     sum_partials,
 )
-from moekv.ops.quant_tiles import dequant_tile
+from moekv.ops.quant_tiles import dequant_tile, quant_row_dots, scale_mode
 from moekv.ops.quantized_weight import QuantizedWeight
 
 
@@ -71,7 +71,7 @@ def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num
                           N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                           stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_hm,
                           INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (pair, n-block): h[pair, n-block] = silu(gate) * up from the dequantized rows n and
     N + n of its expert's w13 (N = I, K = H)."""
     pid = tl.program_id(0)
@@ -90,12 +90,10 @@ def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        g = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
-                         BLOCK_N, BLOCK_K)
-        u = dequant_tile(c_e, s_e, z_e, rows + N, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
-                         BLOCK_N, BLOCK_K)
-        acc_g += tl.sum(g * xv[None, :], axis=1)
-        acc_u += tl.sum(u * xv[None, :], axis=1)
+        acc_g += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+                                SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc_u += quant_row_dots(c_e, s_e, z_e, rows + N, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN,
+                                SK, SCALE_MODE, BLOCK_N, BLOCK_K)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + pair * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
@@ -105,7 +103,7 @@ def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_id
                        N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                        stride_hm, stride_ce, stride_cn, stride_se, stride_sn, stride_ys, stride_ym,
                        INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (pair, n-block, split): y[split, pair, n-block] = weight * the partial dot of h[pair]
     with the dequantized rows of its expert's w2 over K_PER_SPLIT columns (N = H, K = I)."""
     pid = tl.program_id(0)
@@ -126,9 +124,8 @@ def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_id
         k0 = split * K_PER_SPLIT + kk
         offs_k = k0 + tl.arange(0, BLOCK_K)
         hv = tl.load(h_ptr + pair * stride_hm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        w = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
-                         BLOCK_N, BLOCK_K)
-        acc += tl.sum(w * hv[None, :], axis=1)
+        acc += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, hv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+                              SCALE_MODE, BLOCK_N, BLOCK_K)
     acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(y_ptr + split * stride_ys + pair * stride_ym + offs_n, acc, mask=n_ok)
 
@@ -266,7 +263,8 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         c, s, z, sce, scn, sse, ssn = weight_args(w13)
         _qgate_up_gemv_kernel[(M * triton.cdiv(I, cfg.block_n),)](
             x, c, s, z, h, ids, M, I, H, k, x.stride(0), sce, scn, sse, ssn, h.stride(0),
-            **layout_constants(w13), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+            **layout_constants(w13), SCALE_MODE=scale_mode(w13.scale_block[1], H, cfg.block_k), BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, **launch)
         num_n = triton.cdiv(H, cfg.block_n)
         k_blocks = triton.cdiv(I, cfg.block_k)
         splits = min(cfg.num_splits or default_splits(M * num_n, k_blocks, num_sms_of(x.device)), k_blocks)
@@ -276,7 +274,8 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         c, s, z, sce, scn, sse, ssn = weight_args(w2)
         _qdown_gemv_kernel[(M * num_n * splits,)](
             h, c, s, z, y, weights, ids, M, H, I, k_per_split, h.stride(0), sce, scn, sse, ssn,
-            y.stride(0), y.stride(1), **layout_constants(w2), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+            y.stride(0), y.stride(1), **layout_constants(w2), SCALE_MODE=scale_mode(w2.scale_block[1], I, cfg.block_k),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
         return sum_partials(y.view(splits, T, k, H), x.dtype)
     if path != "gemm":
         raise ValueError(f"fused_moe_quant: path must be 'gemv', 'gemm' or None, got {path!r}")

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.fused_moe_quant import layout_constants, quant_gemm, weight_args
-from moekv.ops.quant_tiles import dequant_tile
+from moekv.ops.quant_tiles import quant_row_dots, scale_mode
 from moekv.ops.quantized_weight import QuantizedWeight
 from moekv.ops.reference import linear_ref
 
@@ -40,7 +40,7 @@ DEFAULT_SHAPE = QuantGemvShape()
 def _quant_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, num_tokens, stride_xt, stride_cn, stride_sn,
                        stride_ot, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     t = pid % num_tokens
     offs_n = (pid // num_tokens) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,9 +50,8 @@ def _quant_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, num_tokens, s
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        w = dequant_tile(c_ptr, s_ptr, z_ptr, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
-                         BLOCK_N, BLOCK_K)
-        acc += tl.sum(w * xv[None, :], axis=1)
+        acc += quant_row_dots(c_ptr, s_ptr, z_ptr, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN,
+                              SK, SCALE_MODE, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -82,7 +81,8 @@ def quant_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = 
     c, sc, z, _, scn, _, ssn = weight_args(w)
     _quant_gemv_kernel[(T * triton.cdiv(N, s.block_n),)](
         x, c, sc, z, sc if bias is None else bias, out, T, x.stride(0), scn, ssn, out.stride(0), N, K,
-        bias is not None, **layout_constants(w), BLOCK_N=s.block_n, BLOCK_K=block_k,
+        bias is not None, **layout_constants(w), SCALE_MODE=scale_mode(w.scale_block[1], K, block_k),
+        BLOCK_N=s.block_n, BLOCK_K=block_k,
         num_warps=s.num_warps, num_stages=s.num_stages)
     return out
 
@@ -95,6 +95,8 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     _check(x, w, bias)
     if x.shape[0] <= GEMV_MAX_TOKENS:
         return quant_gemv(x, w, bias)
+    if x.shape[0] == 0:
+        return torch.empty(0, w.shape[0], dtype=x.dtype, device=x.device)
     y = quant_gemm(x, w)
     if bias is not None:
         y += bias.float()

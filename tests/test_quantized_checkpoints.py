@@ -239,3 +239,21 @@ def test_two_ranks_quantize_their_shards(tmp_path_factory, expert_parallel):
             assert (ours - ref).abs().max().item() < 1e-4
     finally:
         two.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+def test_quantizing_while_reading_equals_quantizing_the_loaded_model(method):
+    """load_model(quantization=...) quantizes each tensor as it is read; the result is what
+    quantize_model gives the loaded 16-bit model, buffer for buffer."""
+    from moekv.models.loader import load_model
+    from moekv.models.quantize import quantize_model
+
+    model = Path(__file__).resolve().parent.parent / "models" / "domain-moe"
+    streamed = load_model(model, torch.bfloat16, torch.device("cpu"), quantization=method)
+    after = quantize_model(load_model(model, torch.bfloat16, torch.device("cpu")), method)
+    ours, want = dict(streamed.named_buffers()), dict(after.named_buffers())
+    assert ours.keys() == want.keys() and any(".codes" in k for k in ours)
+    for name, tensor in want.items():
+        assert torch.equal(ours[name].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else ours[name],
+                           tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor), name
+    assert not any(isinstance(p, torch.nn.Parameter) and p.dim() == 3 for p in streamed.parameters())

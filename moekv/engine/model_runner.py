@@ -230,7 +230,8 @@ class ModelRunner:
         self.expert_placement: dict[int, torch.Tensor] | None = None
         if self.parallel is None:
             load_device = torch.device("cpu") if config.experts.expert_offload else self.device
-            return load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
+            return load_model(config.model, self.dtype, load_device, model_cfg, config.load_format,
+                              quantization=config.quantization)
         tp = self.parallel.tp
         placement = placement_of(config, model_cfg, [i for i, moe in enumerate(model_cfg.moe_layers) if moe])
         self.expert_placement = placement
@@ -239,9 +240,10 @@ class ModelRunner:
         return load_model(config.model, self.dtype, self.device, model_cfg, config.load_format, shard)
 
     def _quantize(self) -> str | None:
-        """Phase 1 ends with weight quantization: config.quantization quantizes the loaded 16-bit
-        weights (this rank's shard) of the experts, attention projections and LM head; returns the
-        model's weight quantization (a pre-quantized checkpoint's too), None for 16-bit weights."""
+        """Phase 1 ends with weight quantization: config.quantization quantizes the 16-bit weights of
+        the experts, attention projections and LM head (one rank: as load_model reads them; several:
+        this rank's loaded shard; 'dummy': the random weights); returns the model's weight
+        quantization (a pre-quantized checkpoint's too), None for 16-bit weights."""
         method = self.config.quantization
         loaded = weight_quantization(self.model)
         if method is not None and loaded is not None and loaded != method:

@@ -35,7 +35,7 @@ from moekv.ops.fused_moe import (
     num_sms_of,
     sum_partials,
 )
-from moekv.ops.quant_tiles import dequant_tile, quant_row_dots, scale_mode
+from moekv.ops.quant_tiles import SCALES_PER_TILE, dequant_tile, quant_row_dots, scale_mode
 from moekv.ops.quantized_weight import QuantizedWeight
 
 
@@ -148,7 +148,7 @@ def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
                           stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_hm,
                           INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                          GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr):
     """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, N + n]) for the pairs of one
     block, each weight tile dequantized to x's dtype before the dot. N = I, K = H."""
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -172,9 +172,9 @@ def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
         a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :],
                     mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         g = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
-                         BLOCK_N, BLOCK_K)
+                         BLOCK_N, BLOCK_K, PER_TILE)
         u = dequant_tile(c_e, s_e, z_e, rows + N, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
-                         BLOCK_N, BLOCK_K)
+                         BLOCK_N, BLOCK_K, PER_TILE)
         acc_g = dot_tiles(a, tl.trans(g).to(a.dtype), acc_g, UPCAST, IEEE)
         acc_u = dot_tiles(a, tl.trans(u).to(a.dtype), acc_u, UPCAST, IEEE)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -188,7 +188,7 @@ def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
                        stride_hm, stride_ce, stride_cn, stride_se, stride_sn, stride_ym,
                        INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                       GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr):
     """y[pair, n] = weight[pair] * (h[pair] . w2[e, n]) in fp32, w2's tiles dequantized. N = H, K = I."""
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -210,7 +210,7 @@ def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
         a = tl.load(h_ptr + pair[:, None] * stride_hm + offs_k[None, :],
                     mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         b = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
-                         BLOCK_N, BLOCK_K)
+                         BLOCK_N, BLOCK_K, PER_TILE)
         acc = dot_tiles(a, tl.trans(b).to(a.dtype), acc, UPCAST, IEEE)
     w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + pair[:, None] * stride_ym + offs_n[None, :], acc * w[:, None],
@@ -230,7 +230,8 @@ def _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, 
         h, c, s, z, y, weights, sorted_ids, block_expert_ids, M, block_expert_ids.numel(), H, I,
         h.stride(0), sce, scn, sse, ssn, y.stride(0), **layout_constants(w2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=upcast,
-        IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IEEE=ieee, PER_TILE=scale_mode(w2.scale_block[1], I, cfg.block_k) == SCALES_PER_TILE,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_weights: torch.Tensor,
@@ -290,7 +291,8 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         x, c, s, z, h, sorted_ids, block_expert_ids, M, num_m_blocks, I, H, k,
         x.stride(0), sce, scn, sse, ssn, h.stride(0), **layout_constants(w13),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=upcast,
-        IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IEEE=ieee, PER_TILE=scale_mode(w13.scale_block[1], H, cfg.block_k) == SCALES_PER_TILE,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = torch.empty(M, H, dtype=torch.float32, device=x.device)  # [M, H], one row per pair
     _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee)
     return sum_partials(y.view(1, T, k, H), x.dtype)

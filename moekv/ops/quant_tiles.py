@@ -12,11 +12,13 @@ import triton.language as tl
 @triton.jit
 def dequant_tile(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, K: tl.constexpr, stride_cn, stride_sn,
                  INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_TILE: tl.constexpr = False):
     """Rows `rows` (int64 [BLOCK_N], valid where n_ok) and columns k0 .. k0 + BLOCK_K of one matrix
     (codes_ptr / scales_ptr / zeros_ptr at its first element; the last dims contiguous, rows
     stride_cn and stride_sn apart; zeros shaped as the scales) -> fp32 [BLOCK_N, BLOCK_K]; 0 past K
-    and on masked rows. INT4: codes hold 8 features per int32, lowest nibble first; BLOCK_K % 8 == 0."""
+    and on masked rows. INT4: codes hold 8 features per int32, lowest nibble first; BLOCK_K % 8 == 0.
+    PER_TILE (scale_mode SCALES_PER_TILE: the tile lies in one group): one scale and zero point per
+    row, not one load per element."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     mask = n_ok[:, None] & k_ok[None, :]
@@ -28,14 +30,24 @@ def dequant_tile(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, K: tl.constex
         q = tl.reshape(nibbles, (BLOCK_N, BLOCK_K)).to(tl.float32)
     else:
         q = tl.load(codes_ptr + rows[:, None] * stride_cn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    block = (rows // SN)[:, None] * stride_sn + (offs_k // SK)[None, :]  # scale index of each element
-    s = tl.load(scales_ptr + block, mask=mask, other=0.0).to(tl.float32)
-    if INT4:
-        if HAS_ZEROS:
-            q = q - tl.load(zeros_ptr + block, mask=mask, other=0.0).to(tl.float32)
-        else:
-            q = q - 8.0
-    return q * s
+    if PER_TILE:
+        block = (rows // SN) * stride_sn + k0 // SK  # [BLOCK_N]: the scale index of each row
+        s = tl.load(scales_ptr + block, mask=n_ok, other=0.0).to(tl.float32)
+        if INT4:
+            if HAS_ZEROS:
+                q = q - tl.load(zeros_ptr + block, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            else:
+                q = q - 8.0
+        return q * s[:, None]
+    else:
+        block = (rows // SN)[:, None] * stride_sn + (offs_k // SK)[None, :]  # scale index of each element
+        s = tl.load(scales_ptr + block, mask=mask, other=0.0).to(tl.float32)
+        if INT4:
+            if HAS_ZEROS:
+                q = q - tl.load(zeros_ptr + block, mask=mask, other=0.0).to(tl.float32)
+            else:
+                q = q - 8.0
+        return q * s
 
 
 # how quant_row_dots finds a tile's scales (scale_mode): per element (any layout), one group spans the

@@ -1,11 +1,13 @@
-"""Quantize-on-load: a loaded 16-bit model's experts, attention projections and LM head replaced by
-QuantizedWeights (ops/quantized_weight.py); norms, routers, embeddings, dense MLPs and shared
-experts stay 16-bit. A tied LM head (the embedding) stays 16-bit too."""
+"""Quantize-on-load: a loaded 16-bit model's experts, attention projections (GQA attention's qkv and o;
+latent attention's projections stay 16-bit) and LM head replaced by QuantizedWeights
+(ops/quantized_weight.py); norms, routers, embeddings, dense MLPs and shared experts stay 16-bit. A
+tied LM head (the embedding) stays 16-bit too."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from moekv.layers.attention import Attention
 from moekv.layers.moe import SparseMoE
 from moekv.models.decoder import MoEDecoder
 from moekv.models.model_config import ModelConfig
@@ -38,7 +40,7 @@ def quantize_model(model: MoEDecoder, method: str, experts: bool = True) -> MoED
     (a pre-quantized checkpoint's are kept as loaded); experts=False leaves the experts 16-bit
     (for GPTQ rounding after a calibration pass: models/gptq.py)."""
     for layer in model.layers:
-        for name in QUANTIZED_ATTENTION:
+        for name in QUANTIZED_ATTENTION if isinstance(layer.self_attn, Attention) else ():
             w = getattr(layer.self_attn, name)
             if not isinstance(w, QuantizedWeight):
                 replace_weight(layer.self_attn, name, quantize(w.data, method))
@@ -73,7 +75,7 @@ def install_empty_quantized(model: MoEDecoder, method: str, dtype: torch.dtype) 
     """On a meta model (before allocation): every weight quantize_model would quantize replaced by
     an empty QuantizedWeight of its layout."""
     for layer in model.layers:
-        for name in QUANTIZED_ATTENTION:
+        for name in QUANTIZED_ATTENTION if isinstance(layer.self_attn, Attention) else ():
             replace_weight(layer.self_attn, name, empty_quantized(method, tuple(getattr(layer.self_attn, name).shape),
                                                                   dtype))
         if isinstance(layer.mlp, SparseMoE):
@@ -113,8 +115,9 @@ def weight_footprint(cfg: ModelConfig, method: str | None, elem_bytes: int = 2) 
     experts, attention projections and (untied) LM head stored as `method` stores them."""
     total, active = cfg.parameter_counts()
     h, I, q, kv = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_size, cfg.kv_size
-    attn_params = h * (q + 2 * kv) + q * h
-    attn = matrix_bytes(q + 2 * kv, h, method, elem_bytes) + matrix_bytes(h, q, method, elem_bytes)
+    attn_params = 0 if cfg.mla is not None else h * (q + 2 * kv) + q * h  # latent attention stays 16-bit
+    attn = 0 if cfg.mla is not None else (matrix_bytes(q + 2 * kv, h, method, elem_bytes)
+                                          + matrix_bytes(h, q, method, elem_bytes))
     expert_params = 3 * h * I
     expert = matrix_bytes(2 * I, h, method, elem_bytes) + matrix_bytes(h, I, method, elem_bytes)
     n_moe = sum(cfg.moe_layers)

@@ -37,6 +37,7 @@ from moekv.kvcache.formats.names import (
     kv_format_names,
 )
 from moekv.models.load_formats import LOAD_FORMATS
+from moekv.ops.quantized_weight import QUANT_METHODS
 from moekv.routing.modes import ROUTING_MODES
 
 DTYPES = {
@@ -370,6 +371,13 @@ class EngineConfig:
     load_format: 'auto' / 'safetensors' read the checkpoint's weights; 'dummy' draws random ones of
         config.json's shape on the device instead (as vLLM's flag: benchmarks of a model whose
         weights are not on the machine; config.json and tokenizer.json are still read).
+    quantization: weight-only quantization of the experts, the attention projections and the LM head
+        (as vLLM's flag; docs/quantization.md): 'fp8' or 'int4' quantizes a 16-bit checkpoint on load;
+        None takes the checkpoint's own `quantization_config` (pre-quantized weights) or 16-bit. The
+        pre-quantized format must agree with a value given.
+    quantization_calibration: a text file; with quantization='int4' the experts are rounded by GPTQ on
+        the activations its first tokens route to them (the engine runs them at start, with the experts
+        still 16-bit: the KV pools are sized beside 16-bit experts), instead of round-to-nearest.
     max_model_len: prompt + generated tokens of one sequence; None = the model's
         max_position_embeddings.
     enforce_eager: never replay decode steps from CUDA graphs (as vLLM's flag). By default, on CUDA,
@@ -406,6 +414,13 @@ class EngineConfig:
     load_format: str = option(
         "dummy: random weights of config.json's shape instead of the checkpoint's (benchmarks)", "auto",
         choices=LOAD_FORMATS)
+    quantization: str | None = option(
+        "weights: fp8 (e4m3, per-output-channel scales) | int4 (W4A16, groups of 128 with zero points), quantized "
+        "on load from 16-bit checkpoints for the experts, attention projections and LM head (default: the "
+        "checkpoint's quantization_config if it has one, else 16-bit)", choices=QUANT_METHODS)
+    quantization_calibration: str | Path | None = option(
+        "text file: with quantization=int4, the experts are rounded by GPTQ on the activations this text routes "
+        "to them (its first 8192 tokens, run through the engine at start) instead of to the nearest code")
     tokenizer: str | Path | None = option(
         "tokenizer folder or tokenizer.json file to use instead of the checkpoint's (default: the checkpoint's)")
     skip_tokenizer_init: bool = option(
@@ -468,12 +483,25 @@ class EngineConfig:
                    f"tokenizer={str(self.tokenizer)!r} is neither a tokenizer.json file nor a folder holding one")
         _check(self.load_format in LOAD_FORMATS,
                f"load_format={self.load_format!r} is not supported; accepted: {list(LOAD_FORMATS)}")
+        _check(self.quantization is None or self.quantization in QUANT_METHODS,
+               f"quantization={self.quantization!r} is not supported; accepted: None or one of {list(QUANT_METHODS)}")
+        if self.quantization_calibration is not None:
+            _check(self.quantization == "int4", f"quantization_calibration is for quantization='int4' (GPTQ rounding "
+                   f"of the experts); quantization={self.quantization!r}")
+            _check(Path(self.quantization_calibration).is_file(),
+                   f"quantization_calibration={str(self.quantization_calibration)!r} is not a text file")
 
     def _check_across_groups(self) -> None:
         tp, experts = self.parallel.tensor_parallel_size, self.experts
         _check(not (experts.expert_offload and tp > 1),
                "expert_offload=True is not supported with tensor_parallel_size > 1 (each rank would need its own "
                "expert cache); use one of them")
+        if self.quantization_calibration is not None:
+            _check(tp == 1, "quantization_calibration is not supported with tensor_parallel_size > 1")
+        if self.quantization is not None:
+            _check(not experts.expert_offload and not experts.expert_l2_prefetch,
+                   f"quantization={self.quantization!r} is not supported with expert_offload or expert_l2_prefetch "
+                   "(their expert caches and prefetch copy 16-bit expert tensors); turn those off")
         if experts.expert_l2_prefetch:
             _check(tp == 1, "expert_l2_prefetch=True is not supported with tensor_parallel_size > 1")
             _check(self.torch_device.type == "cuda",

@@ -153,7 +153,7 @@ def test_unknown_chat_role_is_a_400_naming_the_field(server, client):
 
 def test_models_tokenize_detokenize_health(server, offline):
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
-    assert card["id"] == "tiny" and card["max_model_len"] == 256
+    assert card["id"] == "tiny" and card["max_model_len"] == 256 and card["quantization"] is None
     r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello there"}).json()
     assert r["tokens"] == offline.tokenizer.encode("Hello there") and r["count"] == len(r["tokens"])
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()

@@ -19,6 +19,8 @@ the same run. `transformers` runs the same shape at batch 1 as the naive baselin
         --points 1:4096 32:32768 --no-transformers --out FILE   # Glm4Moe: partial RoPE, shared expert
     PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --shape gpt-oss-20b --no-transformers ...
         # gpt-oss-20b's shape in bf16 (its MXFP4 experts dequantized: 42 GB of weights)
+    PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --weights bf16 fp8 int4 --formats bf16 ...
+        # quantized weights (fp8, int4) beside bf16, each with its own floor
 """
 from __future__ import annotations
 
@@ -38,8 +40,10 @@ sys.path.insert(0, str(REPO))
 from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import DECODE_KERNELS, compressed_formats, get_kv_format  # noqa: E402
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, decode_kernel_for_model  # noqa: E402
-from moekv.models.loader import ARCH_MODULES, empty_model, init_dummy_weights, install_routers  # noqa: E402
+from moekv.models.loader import ARCH_MODULES, DUMMY_STD, empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
+from moekv.models.quantize import install_empty_quantized, matrix_bytes  # noqa: E402
+from moekv.ops.quantized_weight import QuantizedWeight  # noqa: E402
 
 SHAPES = {
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -78,9 +82,11 @@ def hf_config(shape: str) -> dict:
     return {"architectures": ["MixtralForCausalLM"], "torch_dtype": "bfloat16", **SHAPES[shape]}
 
 
-def model_config(shape: str):
+def model_config(shape: str, num_layers: int | None = None):
     """The ModelConfig of a shape, read by its architecture's module as the loader reads a config.json."""
     hf = hf_config(shape)
+    if num_layers is not None:
+        hf["num_hidden_layers"] = num_layers
     return apply_routing_fields(ARCH_MODULES[hf["architectures"][0]].config_from_hf(hf), hf)
 
 
@@ -88,37 +94,63 @@ def is_mixtral(shape: str) -> bool:
     return hf_config(shape)["architectures"] == ["MixtralForCausalLM"]
 
 
-def build_random_model(shape: str, device: torch.device):
+def build_random_model(shape: str, device: torch.device, weights: str = "bf16", num_layers: int | None = None):
     """MoEDecoder of the shape with the loader's dummy weights (N(0, 0.02), norms at 1), built on the GPU
-    directly, routing as its checkpoint would (Mixtral: softmax top-k; GLM: sigmoid with the selection bias)."""
-    cfg = model_config(shape)
-    model = init_dummy_weights(empty_model(cfg, torch.bfloat16, device))
+    directly, routing as its checkpoint would (Mixtral: softmax top-k; GLM: sigmoid with the selection bias);
+    weights 'fp8' / 'int4': the experts, attention projections and LM head built quantized (random codes in
+    quantize-on-load's layout; never a 16-bit copy)."""
+    cfg = model_config(shape, num_layers)
+    cut = None if weights == "bf16" else (lambda m: install_empty_quantized(m, weights, torch.bfloat16))
+    model = init_dummy_weights(empty_model(cfg, torch.bfloat16, device, cut))
+    fill_random_quantized(model)
     install_routers(model, cfg, routing="auto")
     return model, cfg
 
 
-def weight_bytes_per_step(cfg, batch: int) -> tuple[int, float]:
+@torch.no_grad()
+def fill_random_quantized(model, seed: int = 0) -> None:
+    """Random codes for every QuantizedWeight, scaled so the weights are about N(0, 0.02)."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for m in model.modules():
+        if not isinstance(m, QuantizedWeight):
+            continue
+        if m.method == "fp8":
+            for chunk in m.codes.view(-1, m.codes.shape[-1]).split(2048):
+                chunk.copy_(torch.randn(chunk.shape, generator=gen, device=chunk.device) * 64)
+            m.scales.fill_(DUMMY_STD / 64)
+        else:
+            m.codes.random_(generator=gen)
+            m.scales.fill_(DUMMY_STD / 4)
+            m.zeros.fill_(8)
+
+
+def weight_bytes_per_step(cfg, batch: int, weights: str = "bf16") -> tuple[int, float]:
     """(bytes of all weights, bytes one decode step reads): attention (with its biases and q/k norms),
     norms, dense MLP layers, routers, shared experts and the LM head for every step, routed experts
     only for the expected distinct experts a batch of random tokens touches per layer,
-    E * (1 - (1 - k/E)^B). Two bytes an element (bf16)."""
+    E * (1 - (1 - k/E)^B); the experts, attention projections and LM head as `weights` stores them
+    (codes, scales, zero points), everything else two bytes an element."""
     H, E, k, I = cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size
-    attn = (cfg.q_size + 2 * cfg.kv_size) * H + H * cfg.q_size
-    attn += (cfg.q_size + 2 * cfg.kv_size if cfg.qkv_bias else 0) + (H if cfg.o_bias else 0)
-    attn += 2 * cfg.head_dim if cfg.qk_norm == "per_head" else (cfg.q_size + cfg.kv_size if cfg.qk_norm else 0)
-    attn += cfg.num_heads * cfg.attention_sinks  # gpt-oss: a sink logit per head
-    expert = 3 * H * I + (2 * I + H) * (cfg.clamped_swiglu is not None)  # gpt-oss: expert biases
+    method = None if weights == "bf16" else weights
+    attn = matrix_bytes(cfg.q_size + 2 * cfg.kv_size, H, method) + matrix_bytes(H, cfg.q_size, method)
+    small = (cfg.q_size + 2 * cfg.kv_size if cfg.qkv_bias else 0) + (H if cfg.o_bias else 0)
+    small += 2 * cfg.head_dim if cfg.qk_norm == "per_head" else (cfg.q_size + cfg.kv_size if cfg.qk_norm else 0)
+    small += cfg.num_heads * cfg.attention_sinks  # gpt-oss: a sink logit per head
+    attn += 2 * (small + 2 * H)  # with the two norms
+    expert = matrix_bytes(2 * I, H, method) + matrix_bytes(H, I, method)
+    expert += 2 * (2 * I + H) * (cfg.clamped_swiglu is not None)  # gpt-oss: expert biases
     shared = 3 * H * cfg.shared_expert_intermediate_size
     shared += H if cfg.shared_expert_intermediate_size and cfg.shared_expert_gated else 0
     router = E * H + (E if cfg.router_bias else 0) + E * cfg.router_logit_bias
     distinct = E * (1 - (1 - k / E) ** batch)
     total = read = 0.0
     for is_moe in cfg.moe_layers:
-        common = attn + 2 * H + (router + shared if is_moe else 3 * H * cfg.dense_intermediate_size)
+        common = attn + 2 * (router + shared if is_moe else 3 * H * cfg.dense_intermediate_size)
         total += common + (E * expert if is_moe else 0)
         read += common + (distinct * expert if is_moe else 0)
-    total = 2 * (total + 2 * cfg.vocab_size * H + H)
-    read = 2 * (read + cfg.vocab_size * H + H) + 2 * batch * H
+    head = matrix_bytes(cfg.vocab_size, H, method)
+    total += head + 2 * (cfg.vocab_size * H + H)
+    read += head + 2 * H + 2 * batch * H
     return int(total), read
 
 
@@ -289,12 +321,12 @@ def vq_calibration(cfg) -> str:
 
 def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandwidth: float,
               free_bytes: int, iters: int, block_size: int | None = None, options: dict | None = None,
-              decode_kernel: str = "auto") -> dict:
+              decode_kernel: str = "auto", weights: str = "bf16") -> dict:
     decode_kernel = decode_kernel_for_model(decode_kernel, cfg.num_heads, cfg.num_kv_heads)  # as the engine does
     fmt = get_kv_format(fmt_name, torch.bfloat16, decode_kernel=decode_kernel, **(options or {}))
     block_size = block_size or page_size(fmt_name)
-    row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size,
-           "decode_kernel": decode_kernel}
+    row = {"weights": weights, "kv_cache_dtype": fmt_name, "batch": batch, "context": context,
+           "block_size": block_size, "decode_kernel": decode_kernel}
     per_token = kv_bytes_per_token(fmt, cfg, block_size)
     row["kv_bytes_per_token"] = per_token
     row["max_tokens_in_memory"] = int(free_bytes // per_token)
@@ -334,7 +366,7 @@ def run_point(model, cfg, fmt_name: str, batch: int, context: int, device, bandw
             row["graph"] = False
             row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             row["tpot_ms"] = row["tpot_eager_ms"]
-    _, weights_read = weight_bytes_per_step(cfg, batch)
+    _, weights_read = weight_bytes_per_step(cfg, batch, weights)
     kv_read = batch * kv_tokens_read(cfg, context) * per_token_read
     row.update(weights_read_bytes=weights_read, kv_read_bytes=kv_read,
                floor_ms=1e3 * (weights_read + kv_read) / bandwidth)
@@ -398,6 +430,11 @@ def main() -> None:
     p.add_argument("--decode-kernel", "--kernel", choices=DECODE_KERNELS, default="auto",
                    help="the decode kernel the KV pools are laid out for, as the engine's --decode-kernel "
                         "(default: auto)")
+    p.add_argument("--weights", nargs="*", default=["bf16"], choices=["bf16", "fp8", "int4"],
+                   help="weight formats to run, each a model of its own (fp8 / int4: quantize-on-load's layouts, "
+                        "the experts, attention projections and LM head quantized)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="layers of the shape to build (default: all; fewer where 16-bit weights do not fit the GPU)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode needs a CUDA device")
@@ -408,35 +445,38 @@ def main() -> None:
     started = time.time()
     bandwidth = measure_bandwidth(device)
     print(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
-    model, cfg = build_random_model(args.shape, device)
-    total_weights, _ = weight_bytes_per_step(cfg, 1)
-    free_bytes = torch.cuda.mem_get_info(device)[0] - ACTIVATION_RESERVE
-    print(f"weights {total_weights / 2**30:.1f} GiB; {free_bytes / 2**30:.1f} GiB left for the KV cache", flush=True)
-    rows = []
-    for fmt_name in args.formats:
-        options = {"calibration": vq_calibration(cfg)} if fmt_name == "vq" else {}
-        for batch, context in points:
-            try:
-                row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters,
-                                args.block_size, options, args.decode_kernel)
-            except Exception as e:  # one failing point must not lose the others
-                row = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
-                       "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}
-                for attn in model.attention_layers:
-                    attn.hooks.kv_cache = None
-                torch.cuda.empty_cache()
-            rows.append(row)
-            if "skipped" in row:
-                print(f"{fmt_name:>9} B={batch:<3} ctx={context:<6} skipped: {row['skipped']}", flush=True)
-            else:
-                print(f"{fmt_name:>9} B={batch:<3} ctx={context:<6} TPOT {row['tpot_ms']:7.2f} ms "
-                      f"(eager {row['tpot_eager_ms']:7.2f}, graph={row['graph']})  floor {row['floor_ms']:6.2f} ms "
-                      f"({row['tpot_over_floor']:.2f}x)"
-                      + (f"  [{row.get('graph_error')}]" if not row["graph"] else ""),
-                      flush=True)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    rows, weights_bytes = [], {}
+    for weights in args.weights:
+        model, cfg = build_random_model(args.shape, device, weights, args.num_layers)
+        total_weights, _ = weight_bytes_per_step(cfg, 1, weights)
+        weights_bytes[weights] = total_weights
+        free_bytes = torch.cuda.mem_get_info(device)[0] - ACTIVATION_RESERVE
+        print(f"{weights} weights {total_weights / 2**30:.1f} GiB ({cfg.num_layers} layers); "
+              f"{free_bytes / 2**30:.1f} GiB left for the KV cache", flush=True)
+        for fmt_name in args.formats:
+            options = {"calibration": vq_calibration(cfg)} if fmt_name == "vq" else {}
+            for batch, context in points:
+                try:
+                    row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters,
+                                    args.block_size, options, args.decode_kernel, weights)
+                except Exception as e:  # one failing point must not lose the others
+                    row = {"weights": weights, "kv_cache_dtype": fmt_name, "batch": batch, "context": context,
+                           "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}
+                    for attn in model.attention_layers:
+                        attn.hooks.kv_cache = None
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                where = f"{weights:>4} {fmt_name:>9} B={batch:<3} ctx={context:<6}"
+                if "skipped" in row:
+                    print(f"{where} skipped: {row['skipped']}", flush=True)
+                else:
+                    print(f"{where} TPOT {row['tpot_ms']:7.2f} ms (eager {row['tpot_eager_ms']:7.2f}, "
+                          f"graph={row['graph']})  floor {row['floor_ms']:6.2f} ms ({row['tpot_over_floor']:.2f}x)"
+                          + (f"  [{row.get('graph_error')}]" if not row["graph"] else ""),
+                          flush=True)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
     if not args.no_transformers and is_mixtral(args.shape):  # the baseline is transformers' Mixtral
         row = transformers_baseline(args.shape, 4096, device, bandwidth, max(5, args.iters // 2))
         rows.append(row)
@@ -445,7 +485,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
         "shape": args.shape, "decode_kernel": args.decode_kernel, "hbm_copy_bandwidth_bytes_per_s": bandwidth,
-        "weights_bytes": total_weights,
+        "num_layers": args.num_layers, "weights_bytes": weights_bytes,
         "kv_free_bytes": free_bytes, "seconds": round(time.time() - started, 1), "rows": rows,
     }
     if args.out:

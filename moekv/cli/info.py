@@ -1,4 +1,5 @@
-"""`moekv info`: architecture, parameter counts and KV bytes per token of a checkpoint."""
+"""`moekv info`: architecture, parameter counts, weight bytes and their batch-1 floor for each
+--quantization, and KV bytes per token of a checkpoint."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +9,17 @@ from moekv.config import default_model_path
 from moekv.kvcache.formats.names import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 
 
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:8.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:8.2f} MiB"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from moekv import envs
     from moekv.config import default_block_size, shipped_kv_calibration
     from moekv.kvcache.formats import KV_FORMAT_NAMES, get_kv_format, kv_options_for
     from moekv.models.loader import load_model_config
+    from moekv.models.quantize import weight_footprint
+    from moekv.ops.quantized_weight import QUANT_METHODS
 
     envs.check_decode_kernel_unset()  # one clear error, not one per format below
     cfg = load_model_config(Path(args.model))
@@ -40,6 +47,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    print(f"\nWeights by --quantization (experts, attention projections and LM head quantized; a batch-1 decode "
+          f"step's weight reads, and their floor at {args.bandwidth_tbs:g} TB/s):")
+    for method in (None, *QUANT_METHODS):
+        total_bytes, read = weight_footprint(cfg, method)
+        print(f"  {method or '16-bit':<7} {_size(total_bytes)}  reads {_size(read)} per step  "
+              f"floor {1e3 * read / (args.bandwidth_tbs * 1e12):.4g} ms")
     if cfg.mla is not None:
         return _latent_cache_rows(cfg, args.block_size)
     where = f"block_size {args.block_size}" if args.block_size else "each format at its default block_size"
@@ -137,6 +150,8 @@ def add_info_parser(subparsers) -> argparse.ArgumentParser:
     info.add_argument("--decode-kernel", choices=DECODE_KERNELS, default=DEFAULT_DECODE_KERNEL,
                       help="the decode kernel the pages are laid out for, as the engine's --decode-kernel "
                            "(its layout sets the bytes a page takes)")
+    info.add_argument("--bandwidth-tbs", type=float, default=4.25,
+                      help="memory bandwidth for the weight floors, TB/s (default: an H200's measured copy bandwidth)")
     info.set_defaults(func=cmd_info)
 
     return info

@@ -25,6 +25,8 @@ from moekv.models.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenize
 from moekv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moekv.sampling_params import SamplingParams
 
+CALIBRATION_TOKENS = 8192  # of quantization_calibration's text (GPTQ rounding of int4 experts)
+
 log = logging.getLogger("moekv")
 
 PromptType = str | dict[str, Any] | list[int]
@@ -62,6 +64,9 @@ class EngineStats:
     # expert parallel: bytes the ranks sent (and received) dispatching tokens to experts and back, all ranks
     ep_bytes_sent: int | None = None
     ep_bytes_received: int | None = None
+    # the weights: their quantization ('fp8', 'int4'; None: 16/32-bit) and rank 0's bytes of them
+    weight_quantization: str | None = None
+    weight_bytes: int = 0
 
 
 class LLMEngine:
@@ -103,6 +108,36 @@ class LLMEngine:
         cfg = self.model_config
         self.kv_bits_per_element = self.runner.kv_format.bits_per_element(cfg.num_kv_heads, self.runner.block_size,
                                                                           cfg.head_dim)
+        if config.quantization_calibration is not None:
+            self._calibrate_experts(Path(config.quantization_calibration), salt)
+
+    def _calibrate_experts(self, text: Path, salt: bytes) -> None:
+        """GPTQ rounding of the int4 experts (ModelRunner.start_expert_calibration): the text's first
+        CALIBRATION_TOKENS tokens run through the engine as prompts of up to 512 tokens (prefill),
+        then the runner rounds each expert on its routed inputs. Pages, prefix cache and counters start
+        afresh after."""
+        ids = self.tokenizer.encode(text.read_text(encoding="utf-8"))[:CALIBRATION_TOKENS]
+        chunk = min(512, self.max_model_len - 1)
+        prompts = [ids[i:i + chunk] for i in range(0, len(ids), chunk) if len(ids[i:i + chunk]) > 1]
+        if not prompts:
+            raise ValueError(f"quantization_calibration={str(text)!r} holds no text to calibrate on")
+        self.runner.start_expert_calibration()
+        done = False
+        try:
+            for prompt in prompts:
+                self.add_sequence(self.make_sequence({"prompt_token_ids": prompt},
+                                                     SamplingParams(max_tokens=1, temperature=0.0)))
+            while self.has_unfinished_requests():
+                self.step()
+            done = True
+        finally:
+            self.runner.finish_expert_calibration(round_experts=done)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
+                                          enable_prefix_caching=self.config.cache.enable_prefix_caching,
+                                          cache_salt=salt)
+        self.scheduler = Scheduler(self.block_manager, self.config.scheduler.max_num_seqs,
+                                   self.config.scheduler.max_num_batched_tokens)
+        self._prompt_tokens = self._generation_tokens = 0
 
     # -- requests ----------------------------------------------------------------------------
     def generation_defaults(self) -> dict[str, Any]:
@@ -245,7 +280,8 @@ class LLMEngine:
             num_waiting=self.num_waiting, kv_cache_usage=bm.usage, kv_pages_used=bm.num_used_blocks,
             kv_cache_dtype=runner.kv_format.name, block_size=runner.block_size, num_blocks=runner.num_blocks,
             bits_per_element=self.kv_bits_per_element,
-            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits)
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            weight_quantization=runner.quantization, weight_bytes=runner.weight_bytes)
         if device:
             if runner.locality is not None:
                 routing = runner.locality.snapshot()

@@ -44,8 +44,10 @@ from moekv.kvcache.formats.latent import latent_format_for
 from moekv.layers.parallel import StaticDispatch, kv_heads_of_rank, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.decoder import MoEDecoder
+from moekv.models.gptq import ExpertInputs, gptq_stacked
 from moekv.models.loader import Shard, install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
+from moekv.models.quantize import quantize_model, replace_weight, weight_bytes, weight_quantization
 from moekv.routing.cluster_map import ClusterMap
 from moekv.routing.placement import LocalityCounter, Placement
 
@@ -218,6 +220,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_cfg)
         self.kv_format = kv_format if kv_format is not None else kv_format_for(config, self.dtype, model_cfg)
         self.model = self._load()
+        self.quantization = self._quantize()
+        self.weight_bytes = weight_bytes(self.model)  # this rank's: parameters, codes, scales
         if self.device.type == "cpu":  # this rank's shard, the ranks sharing the host's cores
             set_cpu_threads(config.parallel.cpu_threads, sum(p.numel() for p in self.model.parameters()),
                             config.parallel.tensor_parallel_size)
@@ -237,13 +241,56 @@ class ModelRunner:
         self.expert_placement: dict[int, torch.Tensor] | None = None
         if self.parallel is None:
             load_device = torch.device("cpu") if config.experts.expert_offload else self.device
-            return load_model(config.model, self.dtype, load_device, model_cfg, config.load_format)
+            # experts to be GPTQ-rounded (quantization_calibration) load 16-bit; _quantize takes the rest
+            return load_model(config.model, self.dtype, load_device, model_cfg, config.load_format,
+                              quantization=None if config.quantization_calibration else config.quantization)
         tp = self.parallel.tp
         placement = placement_of(config, model_cfg, [i for i, moe in enumerate(model_cfg.moe_layers) if moe])
         self.expert_placement = placement
         shard = Shard(cut=lambda m: shard_model(m, model_cfg, tp, placement),
                       plan=lambda m: shard_plan(m, model_cfg, tp, placement))
         return load_model(config.model, self.dtype, self.device, model_cfg, config.load_format, shard)
+
+    def _quantize(self) -> str | None:
+        """Phase 1 ends with weight quantization: config.quantization quantizes the 16-bit weights of
+        the experts, attention projections and LM head (one rank: as load_model reads them; several:
+        this rank's loaded shard; 'dummy': the random weights); returns the model's weight
+        quantization (a pre-quantized checkpoint's too), None for 16-bit weights."""
+        method = self.config.quantization
+        loaded = weight_quantization(self.model)
+        if method is not None and loaded is not None and loaded != method:
+            raise ValueError(f"quantization={method!r} was asked for, but the checkpoint holds {loaded} weights; "
+                             f"give quantization={loaded!r} or None")
+        if loaded is not None and self.config.experts.expert_offload:
+            raise ValueError(f"expert_offload=True is not supported with quantized weights (the checkpoint holds "
+                             f"{loaded} weights): its expert caches copy 16-bit expert tensors")
+        if method is not None:
+            # with quantization_calibration the experts wait for the engine's calibration (GPTQ)
+            quantize_model(self.model, method, experts=self.config.quantization_calibration is None)
+        return method or loaded
+
+    def start_expert_calibration(self) -> None:
+        """Wrap every MoE layer's executor in an ExpertInputs (models/gptq.py) until
+        finish_expert_calibration: the steps run in between add their routed inputs to each expert's
+        second moments."""
+        cfg = self.model_cfg
+        for moe in moe_layers(self.model).values():
+            moe.hooks.experts = ExpertInputs(moe.hooks.experts, cfg.num_experts, cfg.hidden_size,
+                                             cfg.moe_intermediate_size, self.device)
+
+    def finish_expert_calibration(self, round_experts: bool = True) -> None:
+        """Unwrap the executors; with round_experts, replace each layer's 16-bit w13 and w2 by their
+        GPTQ-rounded int4 (models/gptq.gptq_stacked on the collected second moments)."""
+        for moe in moe_layers(self.model).values():
+            collector = moe.hooks.experts
+            moe.hooks.experts = collector.inner
+            if round_experts:
+                replace_weight(moe, "w13", gptq_stacked(moe.w13.data, collector.h13))
+                replace_weight(moe, "w2", gptq_stacked(moe.w2.data, collector.h2))
+        if round_experts:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.weight_bytes = weight_bytes(self.model)
 
     def _shard(self) -> None:
         """Phase 2, shard: what a rank's loaded shard still needs (the expert-parallel tables on its

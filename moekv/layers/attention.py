@@ -10,10 +10,16 @@ from moekv.layers.hooks import LayerHooks
 from moekv.layers.norms import RMSNorm
 from moekv.layers.rotary import RotaryEmbedding
 from moekv.models.model_config import ModelConfig
+from moekv.ops.quantized_weight import QuantizedWeight
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear; a few tokens on the GPU go through the one-launch GEMV (ops/dense_gemv.py)."""
+def _project(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear; a few tokens on the GPU go through the one-launch GEMV (ops/dense_gemv.py); a
+    quantized weight through ops/quant_linear.py."""
+    if isinstance(weight, QuantizedWeight):
+        from moekv.ops.quant_linear import quant_linear
+
+        return quant_linear(x, weight, bias)
     if x.is_cuda:
         from moekv.ops.dense_gemv import linear
 

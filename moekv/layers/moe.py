@@ -21,13 +21,13 @@ class ReferenceExperts:
 
 
 class FusedExperts:
-    """Every expert on this device, through the Triton grouped GEMM / decode GEMV (ops/fused_moe.py),
-    capturable in CUDA graphs."""
+    """Every expert on this device, through the Triton grouped GEMM / decode GEMV (ops/fused_moe.py;
+    ops/fused_moe_quant.py for quantized experts), capturable in CUDA graphs."""
 
     def __call__(self, x, w13, w2, weights, expert_ids):
-        from moekv.ops.fused_moe import fused_moe
+        from moekv.ops.fused_moe_quant import fused_experts
 
-        return fused_moe(x, w13, w2, weights, expert_ids)
+        return fused_experts(x, w13, w2, weights, expert_ids)
 
 
 def local_experts(device: torch.device) -> ExpertExecutor:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moekv.ops.reference import silu_and_mul_ref
+from moekv.ops.reference import expert_matrix, silu_and_mul_ref
 
 
 @dataclass
@@ -226,17 +226,18 @@ def local_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     out = torch.zeros_like(x)
     for expert in torch.unique(local_ids[local_ids >= 0]).tolist():
         token_idx, slot = torch.where(local_ids == expert)
-        h = silu_and_mul_ref(F.linear(x[token_idx], w13[expert]))
-        out.index_add_(0, token_idx, F.linear(h, w2[expert]) * weights[token_idx, slot, None].to(x.dtype))
+        h = silu_and_mul_ref(F.linear(x[token_idx], expert_matrix(w13, expert, x.dtype)))
+        y = F.linear(h, expert_matrix(w2, expert, x.dtype))
+        out.index_add_(0, token_idx, y * weights[token_idx, slot, None].to(x.dtype))
     return out
 
 
 def run_local_experts(x, w13, w2, weights, local_ids):
     if x.is_cuda:  # the fused kernel over the local experts; other ranks' assignments weigh 0
-        from moekv.ops.fused_moe import fused_moe
+        from moekv.ops.fused_moe_quant import fused_experts
 
         mask = local_ids >= 0
-        return fused_moe(x, w13, w2, torch.where(mask, weights, torch.zeros_like(weights)),
+        return fused_experts(x, w13, w2, torch.where(mask, weights, torch.zeros_like(weights)),
                          torch.where(mask, local_ids, torch.zeros_like(local_ids)))
     return local_experts_ref(x, w13, w2, weights, local_ids)
 

@@ -13,6 +13,7 @@ from moekv.layers.mlp import GatedMLP
 from moekv.layers.moe import SparseMoE
 from moekv.layers.norms import RMSNorm
 from moekv.models.model_config import ModelConfig
+from moekv.ops.quantized_weight import QuantizedWeight
 
 
 class DecoderLayer(nn.Module):
@@ -80,4 +81,8 @@ class MoEDecoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> logits [S, V] in fp32."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(weight, QuantizedWeight):
+            from moekv.ops.quant_linear import quant_linear
+
+            return quant_linear(hidden, weight).float()
         return F.linear(hidden, weight).float()

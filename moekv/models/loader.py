@@ -22,6 +22,15 @@ from moekv.models import deepseek, glm4_moe, gpt_oss, mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
+from moekv.models.prequantized import (
+    CheckpointQuantization,
+    checkpoint_quantization,
+    copy_part,
+    install_placeholders,
+    split_name,
+)
+from moekv.models.quantize import install_empty_quantized, quantize_stacked
+from moekv.ops.quantized_weight import QuantizedWeight, quantize
 from moekv.routing import ROUTING_MODES, HierarchicalRouter, checkpoint_router, group_limited_router, resolve_routing
 from moekv.routing.cluster_map import ClusterMap
 
@@ -247,11 +256,16 @@ def init_dummy_weights(model: MoEDecoder, seed: int = 0) -> MoEDecoder:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               cfg: ModelConfig | None = None, load_format: str = "auto", shard: Shard | None = None) -> MoEDecoder:
+               cfg: ModelConfig | None = None, load_format: str = "auto", shard: Shard | None = None,
+               quantization: str | None = None) -> MoEDecoder:
     """The checkpoint's weights (load_format 'auto' / 'safetensors'), or random ones of its
     config.json's shape ('dummy': for benchmarks of a model whose weights are not on the machine).
     shard: one rank's part only (tensor / expert parallel): only its rows are read and allocated
-    (with 'dummy', random weights of the part's shape: not the rows of a whole random model)."""
+    (with 'dummy', random weights of the part's shape: not the rows of a whole random model).
+    quantization: 'fp8' / 'int4' quantize each 16-bit tensor of the weights quantize_model takes as
+    it is read (models/quantize.py: the same result as quantizing the loaded model, without the 16-bit
+    model ever on the device); ignored with a shard, 'dummy', or a pre-quantized checkpoint (whose
+    own layout is read: models/prequantized.py)."""
     model_dir = Path(model_dir)
     cfg = cfg or load_model_config(model_dir)
     if load_format not in LOAD_FORMATS:
@@ -266,8 +280,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         full_shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
     arch = ARCH_MODULES[cfg.architecture]
     files = safetensors_files(model_dir)
+    scheme = checkpoint_quantization(read_json(model_dir / "config.json", "config.json"))
+    targets = _quantized_targets(files, arch, cfg, scheme)
+    if targets and shard is not None:
+        raise CheckpointError(f"{model_dir} holds pre-quantized weights, which load on one rank only "
+                              "(tensor_parallel_size=1)")
+    on_load: set[str] = set()
+    if targets:
+        cut = lambda m: install_placeholders(m, targets, scheme, dtype)  # noqa: E731
+    elif quantization is not None and shard is None:
+        cut = lambda m: install_empty_quantized(m, quantization, dtype)  # noqa: E731
     model = empty_model(cfg, dtype, device, cut)  # every parameter is filled below, or the load fails
+    if cut is not None and not targets and shard is None:
+        on_load = {name for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
     params = dict(model.named_parameters())
+    quantized = {name: model.get_submodule(name) for name in targets | on_load}
+    parts_seen: dict[tuple[str, str], int] = {}
     for name, (dim, kept) in keep.items():
         if params[name].shape[dim] != len(kept):
             raise RuntimeError(f"the shard plan keeps {len(kept)} rows of {name} along dim {dim}; the cut "
@@ -290,8 +318,24 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                     if read is None:  # half of a pair, kept until the other half comes
                         continue
                     raw_name, tensor = read
-                name = arch.canonical_name(raw_name)
+                weight_name, part = split_name(raw_name, scheme)
+                name = arch.canonical_name(weight_name)
                 resolved = _resolve(name, cfg)
+                if resolved is not None and resolved[0] in on_load:  # 16-bit, quantized as it is read
+                    _quantize_into(quantized[resolved[0]], resolved[1],
+                                   f.get_tensor(raw_name) if tensor is None else tensor, dtype, raw_name, path)
+                    for part in ("codes", "scales", "zeros"):
+                        parts_seen[(resolved[0], part)] = parts_seen.get((resolved[0], part), 0) + 1
+                    continue
+                if resolved is not None and resolved[0] in quantized:  # a part of a pre-quantized weight
+                    part = part or "codes"
+                    copy_part(quantized[resolved[0]], resolved[1], part,
+                              f.get_tensor(raw_name) if tensor is None else tensor, raw_name)
+                    parts_seen[(resolved[0], part)] = parts_seen.get((resolved[0], part), 0) + 1
+                    continue
+                if part is not None:
+                    raise CheckpointError(f"{path.name}: {raw_name!r} is a quantized part of a weight moekv "
+                                          "does not read quantized")
                 if resolved is None or resolved[0] not in params:
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # some tied checkpoints still store the head
@@ -314,10 +358,33 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         except ValueError as e:
             raise CheckpointError(f"{model_dir}: {e}") from e
     missing = [name for name, count in filled.items() if count == 0]
+    for name, qw in quantized.items():
+        needed = ("codes", "scales") + (("zeros",) if qw.zeros is not None else ())
+        missing += [f"{name} ({part})" for part in needed if (name, part) not in parts_seen]
     if missing:
         raise CheckpointError(f"{model_dir}: no weights found for {len(missing)} parameters, e.g. {missing[:5]}")
     model.eval()
     return model
+
+
+def _quantized_targets(files: list[Path], arch: ModuleType, cfg: ModelConfig,
+                       scheme: CheckpointQuantization | None) -> set[str]:
+    """The model parameters a pre-quantized checkpoint stores quantized: those with a scale tensor
+    (models/prequantized.py). Reads tensor names only."""
+    if scheme is None:
+        return set()
+    targets = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for raw_name in f.keys():
+                weight_name, part = split_name(raw_name, scheme)
+                if part in ("scales", "codes"):
+                    resolved = _resolve(arch.canonical_name(weight_name), cfg)
+                    if resolved is None:
+                        raise CheckpointError(f"{path.name}: tensor {raw_name!r} does not belong to a "
+                                              f"{cfg.architecture} with this config.json")
+                    targets.add(resolved[0])
+    return targets
 
 
 @torch.no_grad()
@@ -362,6 +429,26 @@ def _copy_kept(param: torch.Tensor, index: _Index, kept: tuple[int, torch.Tensor
         tensor = tensor.index_select(src_dim, src)
     _copy_into(param, tuple(dest), tensor, name, path)
     return True
+
+
+@torch.no_grad()
+def _quantize_into(qw: QuantizedWeight, index: _Index, tensor: torch.Tensor, dtype: torch.dtype, name: str,
+                   path: Path) -> None:
+    """Quantize a 16-bit checkpoint tensor (the region `index` of the whole weight: rows, or one
+    expert) into a QuantizedWeight of quantize-on-load's layout: rows and groups along K are
+    quantized independently, so each region gets what quantizing the whole weight gives it."""
+    region = tuple(torch.empty(qw.shape, device="meta")[index].shape) if index else tuple(qw.shape)
+    if tuple(tensor.shape) != region and len(region) == 3 and tuple(tensor.shape) == region[:1] + region[1:][::-1]:
+        tensor = tensor.transpose(1, 2)  # stacked experts saved as [E, in, out]
+    if tuple(tensor.shape) != region:
+        raise CheckpointError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                              f"config.json implies {region}")
+    tensor = tensor.to(device=qw.device, dtype=dtype)  # rounded to the model's dtype first, as a loaded weight is
+    part = quantize_stacked(tensor, qw.method) if tensor.dim() == 3 else quantize(tensor, qw.method)
+    for buffer in ("codes", "scales", "zeros"):
+        dest = getattr(qw, buffer)
+        if dest is not None:
+            (dest[index] if index else dest).copy_(getattr(part, buffer))
 
 
 @torch.no_grad()

@@ -97,7 +97,7 @@ def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
 
 
 @triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def dot_tiles(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     if UPCAST:  # the interpreter's bf16 dot is wrong (DESIGN.md section 6)
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -160,8 +160,8 @@ def _gate_up_gemm_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = _dot(a, g, acc_g, UPCAST, IEEE)
-        acc_u = _dot(a, u, acc_u, UPCAST, IEEE)
+        acc_g = dot_tiles(a, g, acc_g, UPCAST, IEEE)
+        acc_u = dot_tiles(a, u, acc_u, UPCAST, IEEE)
         a_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -201,7 +201,7 @@ def _down_gemm_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_e
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _dot(a, b, acc, UPCAST, IEEE)
+        acc = dot_tiles(a, b, acc, UPCAST, IEEE)
         a_ptrs += BLOCK_K * stride_hk
         b_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -360,7 +360,7 @@ def _sum_partials_kernel(y_ptr, out_ptr, stride_ys, stride_yt, stride_yk, stride
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _sum_partials(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def sum_partials(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """y [S, T, k, H] fp32 (H contiguous) -> sum over S and k, [T, H] in dtype."""
     S, T, k, H = y.shape
     out = torch.empty(T, H, dtype=dtype, device=y.device)
@@ -414,13 +414,13 @@ def default_gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
 
 
 @lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms_of(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _default_splits(programs: int, k_blocks: int, num_sms: int) -> int:
+def default_splits(programs: int, k_blocks: int, num_sms: int) -> int:
     """Splits of the down GEMV's K so that about 4 programs per SM stream weights; a divisor of
     the K blocks where one is near, so that no split runs past I (unmasked loads)."""
     target = max(1, min(8, triton.cdiv(4 * num_sms, programs)))
@@ -428,7 +428,7 @@ def _default_splits(programs: int, k_blocks: int, num_sms: int) -> int:
     return divisors[0] if divisors else target
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -478,7 +478,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             return out
         num_n = triton.cdiv(H, cfg.block_n)
         k_blocks = triton.cdiv(I, cfg.block_k)
-        splits = min(cfg.num_splits or _default_splits(M * num_n, k_blocks, _num_sms(x.device)), k_blocks)
+        splits = min(cfg.num_splits or default_splits(M * num_n, k_blocks, num_sms_of(x.device)), k_blocks)
         k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
         splits = triton.cdiv(I, k_per_split)
         y = torch.empty(splits, M, H, dtype=torch.float32, device=x.device)  # [S, M, H]
@@ -488,13 +488,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % k_per_split == 0, PDL=pdl,
             PREFETCH_COLS=cols, PREFETCH_LINES=prefetch_lines(cols), ROW_SUMS=cfg.row_sums, **epilogue["down"],
             **launch, **launch_options(pdl))
-        return _sum_partials(y.view(splits, T, k, H), x.dtype)
+        return sum_partials(y.view(splits, T, k, H), x.dtype)
     if path != "gemm":
         raise ValueError(f"fused_moe: path must be 'gemv', 'gemm' or None, got {path!r}")
     cfg = config or default_gemm_config(M, E)
     sorted_ids, block_expert_ids, _ = moe_align_block_size(topk_ids, E, cfg.block_m)
     num_m_blocks = block_expert_ids.numel()
-    upcast = _interpreting() and x.dtype == torch.bfloat16
+    upcast = interpreting() and x.dtype == torch.bfloat16
     ieee = x.dtype == torch.float32
     launch = dict(GROUP_M=cfg.group_m, UPCAST=upcast, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gate_up_gemm_kernel[(num_m_blocks * triton.cdiv(I, cfg.block_n),)](
@@ -508,7 +508,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         *h.stride(), *w2.stride(), *y.stride(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0,
         **epilogue["down"], **launch)
-    return _sum_partials(y.view(1, T, k, H), x.dtype)
+    return sum_partials(y.view(1, T, k, H), x.dtype)
 
 
 def _epilogue_args(w13: torch.Tensor, w2: torch.Tensor, biases, clamped_swiglu) -> dict[str, dict]:

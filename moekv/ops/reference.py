@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from moekv.ops.quantized_weight import QuantizedWeight
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32 and cast back (as Llama-family models do)."""
@@ -67,19 +69,33 @@ def topk_softmax_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool)
     return weights, ids
 
 
+def expert_matrix(w: torch.Tensor | QuantizedWeight, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's [N, K] matrix of a stacked [E, N, K] weight; a quantized one dequantized to dtype."""
+    return w[expert].dequantize(dtype) if isinstance(w, QuantizedWeight) else w[expert]
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
+    """F.linear; a quantized weight is dequantized to x's dtype first (the weight-only quantized
+    matmul's reference: the kernels compute the same products in fp32)."""
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.dequantize(x.dtype)
+    return F.linear(x, weight, bias)
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """Experts step: sum_k weight_k * down(silu(gate(x)) * up(x)) for each token's k experts.
 
-    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
-    topk_weights [T, k]; topk_ids [T, k]. Loops over the experts that received tokens.
+    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I], each a tensor or a
+    QuantizedWeight of that shape; topk_weights [T, k]; topk_ids [T, k]. Loops over the experts that
+    received tokens.
     """
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     for expert in torch.unique(flat_ids).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
-        h = silu_and_mul_ref(F.linear(x[token_idx], w13[expert]))
-        y = F.linear(h, w2[expert]) * topk_weights[token_idx, slot, None].to(x.dtype)
+        h = silu_and_mul_ref(F.linear(x[token_idx], expert_matrix(w13, expert, x.dtype)))
+        y = F.linear(h, expert_matrix(w2, expert, x.dtype)) * topk_weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out
 

@@ -81,7 +81,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, max_queue: int |
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": name, "object": "model", "created": created, "owned_by": "moekv",
-                "root": str(engine.config.model), "parent": None, "max_model_len": engine.max_model_len}
+                "root": str(engine.config.model), "parent": None, "max_model_len": engine.max_model_len,
+                "quantization": engine.runner.quantization}
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")

@@ -56,6 +56,8 @@ class ServerMetrics:
                              "Stored bits per cached K/V element of a full page, side tables included.")
         self.kv_info = gauge("kv_cache_config_info", "KV cache configuration (value 1; see labels).",
                              ("kv_cache_dtype", "block_size", "num_blocks", "bits_per_element"))
+        self.weight_info = gauge("weight_config_info", "Model weights (value 1; see labels): quantization "
+                                 "(fp8, int4, or none) and bytes on rank 0.", ("quantization", "weight_bytes"))
         stats = engine.stats()
         # the KV format's run statistics (KVFormat.run_statistics), one gauge per metric its class
         # declares (statistic_gauges: key -> metric and labels); keys it does not declare go to
@@ -113,6 +115,8 @@ class ServerMetrics:
         self.kv_info.labels(model_name=model_name, kv_cache_dtype=stats.kv_cache_dtype,
                             block_size=str(stats.block_size), num_blocks=str(stats.num_blocks),
                             bits_per_element=f"{stats.bits_per_element:.2f}").set(1)
+        self.weight_info.labels(model_name=model_name, quantization=stats.weight_quantization or "none",
+                                weight_bytes=str(stats.weight_bytes)).set(1)
 
     # -- engine thread -----------------------------------------------------------------------
     def on_outputs(self, outputs: list[RequestOutput]) -> None:

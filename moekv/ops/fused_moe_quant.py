@@ -1,0 +1,325 @@
+"""Fused MoE experts step with weight-only quantized experts (fp8 or int4 QuantizedWeight w13 / w2).
+
+Semantics are those of `moekv.ops.reference.fused_moe_ref` on the dequantized weights; the paths and
+grids are those of ops/fused_moe.py (read it first), with each weight tile dequantized in registers
+(ops/quant_tiles.dequant_tile) instead of loaded:
+- GEMV for decode (T*k <= GEMV_MAX_PAIRS): program (pair, n-block[, k-split]) streams the codes of a
+  [BLOCK_N, K] slab of its pair's expert, reducing products to row sums every K step.
+- grouped GEMM for prefill / large batch: the pairs sorted by expert (`moe_align_block_size`); each
+  K step dequantizes a [BLOCK_K, BLOCK_N] weight tile to the activations' dtype, then `tl.dot`.
+Both are free of host syncs (capturable in a CUDA graph).
+
+`quant_gemm` is the down projection's GEMM with one expert and weight 1: the dense projections'
+path at more tokens than their GEMV takes (ops/quant_linear.py).
+
+Shape legend: T = tokens, k = experts per token, M = T*k pairs, E = experts, H = hidden,
+I = expert intermediate size, S = k-splits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.ops.fused_moe import (
+    GEMV_MAX_PAIRS,
+    GemmConfig,
+    default_gemm_config,
+    default_splits,
+    dot_tiles,
+    fused_moe,
+    interpreting,
+    moe_align_block_size,
+    num_sms_of,
+    sum_partials,
+)
+from moekv.ops.quant_tiles import SCALES_PER_TILE, dequant_tile, quant_row_dots, scale_mode
+from moekv.ops.quantized_weight import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class QuantGemvConfig:
+    block_n: int = 8
+    block_k: int = 1024  # a multiple of 8 (int4 words) and of the int4 group where one tile spans several
+    num_splits: int | None = None  # of the down projection's K; None: enough programs to fill the GPU
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+DEFAULT_QUANT_GEMV = QuantGemvConfig()
+
+
+def weight_args(w: QuantizedWeight):
+    """(codes, scales, zeros-or-scales, expert stride of codes, row stride of codes, expert stride of
+    scales, row stride of scales) as the kernels take them; [N, K] matrices have expert stride 0."""
+    zeros = w.scales if w.zeros is None else w.zeros
+    if w.codes.dim() == 3:
+        return w.codes, w.scales, zeros, w.codes.stride(0), w.codes.stride(1), w.scales.stride(0), w.scales.stride(1)
+    return w.codes, w.scales, zeros, 0, w.codes.stride(0), 0, w.scales.stride(0)
+
+
+def layout_constants(w: QuantizedWeight) -> dict:
+    SN, SK = w.scale_block
+    return dict(INT4=w.method == "int4", HAS_ZEROS=w.zeros is not None, SN=SN, SK=SK)
+
+
+# -- GEMV kernels (decode) ----------------------------------------------------------------------
+@triton.jit
+def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num_pairs,
+                          N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+                          stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_hm,
+                          INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                          SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (pair, n-block): h[pair, n-block] = silu(gate) * up from the dequantized rows n and
+    N + n of its expert's w13 (N = I, K = H)."""
+    pid = tl.program_id(0)
+    pair = pid % num_pairs
+    pid_n = pid // num_pairs
+    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    c_e = c_ptr + expert * stride_ce
+    s_e = s_ptr + expert * stride_se
+    z_e = z_ptr + expert * stride_se
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        acc_g += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+                                SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc_u += quant_row_dots(c_e, s_e, z_e, rows + N, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN,
+                                SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + pair * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pairs,
+                       N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                       stride_hm, stride_ce, stride_cn, stride_se, stride_sn, stride_ys, stride_ym,
+                       INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                       SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (pair, n-block, split): y[split, pair, n-block] = weight * the partial dot of h[pair]
+    with the dequantized rows of its expert's w2 over K_PER_SPLIT columns (N = H, K = I)."""
+    pid = tl.program_id(0)
+    pair = pid % num_pairs
+    rest = pid // num_pairs
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_n = rest % num_n
+    split = rest // num_n
+    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    c_e = c_ptr + expert * stride_ce
+    s_e = s_ptr + expert * stride_se
+    z_e = z_ptr + expert * stride_se
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = split * K_PER_SPLIT + kk
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        hv = tl.load(h_ptr + pair * stride_hm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        acc += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, hv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+                              SCALE_MODE, BLOCK_N, BLOCK_K)
+    acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(y_ptr + split * stride_ys + pair * stride_ym + offs_n, acc, mask=n_ok)
+
+
+# -- grouped GEMM kernels -----------------------------------------------------------------------
+@triton.jit
+def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """As fused_moe._block_coords: GROUP_M m-blocks sweep the n-blocks together (L2 reuse)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+
+@triton.jit
+def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
+                          num_pairs, num_m_blocks, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+                          stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_hm,
+                          INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr):
+    """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, N + n]) for the pairs of one
+    block, each weight tile dequantized to x's dtype before the dot. N = I, K = H."""
+    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    c_e = c_ptr + expert * stride_ce
+    s_e = s_ptr + expert * stride_se
+    z_e = z_ptr + expert * stride_se
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :],
+                    mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        g = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+                         BLOCK_N, BLOCK_K, PER_TILE)
+        u = dequant_tile(c_e, s_e, z_e, rows + N, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+                         BLOCK_N, BLOCK_K, PER_TILE)
+        acc_g = dot_tiles(a, tl.trans(g).to(a.dtype), acc_g, UPCAST, IEEE)
+        acc_u = dot_tiles(a, tl.trans(u).to(a.dtype), acc_u, UPCAST, IEEE)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
+                       num_pairs, num_m_blocks, N: tl.constexpr, K: tl.constexpr,
+                       stride_hm, stride_ce, stride_cn, stride_se, stride_sn, stride_ym,
+                       INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr):
+    """y[pair, n] = weight[pair] * (h[pair] . w2[e, n]) in fp32, w2's tiles dequantized. N = H, K = I."""
+    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pair < num_pairs
+    pair = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    c_e = c_ptr + expert * stride_ce
+    s_e = s_ptr + expert * stride_se
+    z_e = z_ptr + expert * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(h_ptr + pair[:, None] * stride_hm + offs_k[None, :],
+                    mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        b = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+                         BLOCK_N, BLOCK_K, PER_TILE)
+        acc = dot_tiles(a, tl.trans(b).to(a.dtype), acc, UPCAST, IEEE)
+    w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + pair[:, None] * stride_ym + offs_n[None, :], acc * w[:, None],
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+# -- launchers ----------------------------------------------------------------------------------
+def _check_block_k(block_k: int, *weights: QuantizedWeight) -> None:
+    for w in weights:
+        if w.method == "int4" and block_k % 8:
+            raise ValueError(f"block_k={block_k} must be a multiple of 8 for int4 weights")
+
+
+def _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee):
+    c, s, z, sce, scn, sse, ssn = weight_args(w2)
+    _qdown_gemm_kernel[(block_expert_ids.numel() * triton.cdiv(H, cfg.block_n),)](
+        h, c, s, z, y, weights, sorted_ids, block_expert_ids, M, block_expert_ids.numel(), H, I,
+        h.stride(0), sce, scn, sse, ssn, y.stride(0), **layout_constants(w2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=upcast,
+        IEEE=ieee, PER_TILE=scale_mode(w2.scale_block[1], I, cfg.block_k) == SCALES_PER_TILE,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, *, path: str | None = None,
+                    config: GemmConfig | QuantGemvConfig | None = None) -> torch.Tensor:
+    """fused_moe_ref's contract with quantized experts: x [T, H] (16-bit or fp32); w13 a
+    QuantizedWeight [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x.dtype.
+    path: "gemv" | "gemm" | None (gemv when T*k <= GEMV_MAX_PAIRS)."""
+    T, H = x.shape
+    E, two_i, H_w = w13.shape
+    I = two_i // 2
+    k = topk_ids.shape[1]
+    if H_w != H or two_i != 2 * I or tuple(w2.shape) != (E, H, I) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"fused_moe_quant: shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, "
+                         f"topk_ids {tuple(topk_ids.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    M = T * k
+    if M == 0:
+        return torch.zeros_like(x)
+    if path is None:
+        path = "gemv" if M <= GEMV_MAX_PAIRS else "gemm"
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1).contiguous()
+    h = torch.empty(M, I, dtype=x.dtype, device=x.device)  # [M, I]
+    if path == "gemv":
+        cfg = config or DEFAULT_QUANT_GEMV
+        _check_block_k(cfg.block_k, w13, w2)
+        launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        c, s, z, sce, scn, sse, ssn = weight_args(w13)
+        _qgate_up_gemv_kernel[(M * triton.cdiv(I, cfg.block_n),)](
+            x, c, s, z, h, ids, M, I, H, k, x.stride(0), sce, scn, sse, ssn, h.stride(0),
+            **layout_constants(w13), SCALE_MODE=scale_mode(w13.scale_block[1], H, cfg.block_k), BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, **launch)
+        num_n = triton.cdiv(H, cfg.block_n)
+        k_blocks = triton.cdiv(I, cfg.block_k)
+        splits = min(cfg.num_splits or default_splits(M * num_n, k_blocks, num_sms_of(x.device)), k_blocks)
+        k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
+        splits = triton.cdiv(I, k_per_split)
+        y = torch.empty(splits, M, H, dtype=torch.float32, device=x.device)  # [S, M, H]
+        c, s, z, sce, scn, sse, ssn = weight_args(w2)
+        _qdown_gemv_kernel[(M * num_n * splits,)](
+            h, c, s, z, y, weights, ids, M, H, I, k_per_split, h.stride(0), sce, scn, sse, ssn,
+            y.stride(0), y.stride(1), **layout_constants(w2), SCALE_MODE=scale_mode(w2.scale_block[1], I, cfg.block_k),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+        return sum_partials(y.view(splits, T, k, H), x.dtype)
+    if path != "gemm":
+        raise ValueError(f"fused_moe_quant: path must be 'gemv', 'gemm' or None, got {path!r}")
+    cfg = config or default_gemm_config(M, E)
+    _check_block_k(cfg.block_k, w13, w2)
+    sorted_ids, block_expert_ids, _ = moe_align_block_size(topk_ids, E, cfg.block_m)
+    num_m_blocks = block_expert_ids.numel()
+    upcast = interpreting() and x.dtype == torch.bfloat16
+    ieee = x.dtype == torch.float32
+    c, s, z, sce, scn, sse, ssn = weight_args(w13)
+    _qgate_up_gemm_kernel[(num_m_blocks * triton.cdiv(I, cfg.block_n),)](
+        x, c, s, z, h, sorted_ids, block_expert_ids, M, num_m_blocks, I, H, k,
+        x.stride(0), sce, scn, sse, ssn, h.stride(0), **layout_constants(w13),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=upcast,
+        IEEE=ieee, PER_TILE=scale_mode(w13.scale_block[1], H, cfg.block_k) == SCALES_PER_TILE,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    y = torch.empty(M, H, dtype=torch.float32, device=x.device)  # [M, H], one row per pair
+    _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee)
+    return sum_partials(y.view(1, T, k, H), x.dtype)
+
+
+def quant_gemm(x: torch.Tensor, w: QuantizedWeight, config: GemmConfig | None = None) -> torch.Tensor:
+    """x [T, K] @ w [N, K].T -> fp32 [T, N] through the down GEMM with one expert (every row its
+    pair, weight 1): the weight's tiles dequantized in the kernel, no dequantized copy in memory."""
+    T, K = x.shape
+    N = w.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    cfg = config or default_gemm_config(T, 1)
+    _check_block_k(cfg.block_k, w)
+    ids = torch.zeros(T, 1, dtype=torch.int64, device=x.device)
+    sorted_ids, block_expert_ids, _ = moe_align_block_size(ids, 1, cfg.block_m)
+    ones = torch.ones(T, dtype=torch.float32, device=x.device)
+    y = torch.empty(T, N, dtype=torch.float32, device=x.device)
+    upcast = interpreting() and x.dtype == torch.bfloat16
+    _launch_gemm_down(x, w, y, ones, sorted_ids, block_expert_ids, T, N, K, cfg, upcast, x.dtype == torch.float32)
+    return y
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe for 16-bit experts, fused_moe_quant for quantized ones (both quantized or neither)."""
+    if isinstance(w13, QuantizedWeight) != isinstance(w2, QuantizedWeight):
+        raise ValueError("w13 and w2 must both be quantized or both not")
+    if isinstance(w13, QuantizedWeight):
+        return fused_moe_quant(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids)

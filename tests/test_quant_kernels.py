@@ -1,0 +1,185 @@
+"""Quantized-weight kernels (ops/fused_moe_quant.py, ops/quant_linear.py) against their references
+(the dequantized weights through fused_moe_ref / F.linear, float64).
+
+Without CUDA they run under TRITON_INTERPRET=1 at small shapes; the `gpu` tests add the
+Mixtral-8x7B shapes in bf16 and CUDA-graph capture.
+
+    OMP_NUM_THREADS=1 python -m pytest -q tests/test_quant_kernels.py
+    python -m pytest -q -m gpu tests/test_quant_kernels.py          # on the GPU machine
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
+
+# isort: split
+
+from moekv.models.quantize import quantize_stacked  # noqa: E402
+from moekv.ops.quantized_weight import quantize_fp8, quantize_int4  # noqa: E402
+from moekv.ops.reference import fused_moe_ref, linear_ref  # noqa: E402
+
+_, fm, _, fq, ql = kernel_modules("moekv.ops.dense_gemv", "moekv.ops.fused_moe", "moekv.ops.quant_tiles",
+                                  "moekv.ops.fused_moe_quant", "moekv.ops.quant_linear")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+QUANTIZERS = {
+    "fp8-channel": lambda w: quantize_fp8(w),
+    "fp8-block": lambda w: quantize_fp8(w, (16, 32)),
+    "int4-sym": lambda w: quantize_int4(w, 32),
+    "int4-zp": lambda w: quantize_int4(w, 16, zero_point=True),
+    "int4-g24": lambda w: quantize_int4(w, 24, zero_point=True),  # groups that neither divide nor span K tiles
+}
+
+
+def _moe_case(T, E, k, H, I, quantizer, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+    x = torch.randn(T, H, generator=g)
+    q13, q2 = (QUANTIZERS[quantizer](w).to(DEVICE) for w in (w13, w2))
+    return x.to(DEVICE), q13, q2, weights.to(DEVICE), ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("quantizer", list(QUANTIZERS))
+@pytest.mark.parametrize("path,T", [("gemv", 3), ("gemm", 5)])
+def test_fused_moe_quant_matches_reference(quantizer, path, T):
+    """H = 64 with 32-wide K tiles (several int4 groups per tile and a group spanning tiles);
+    I = 40: a partial n-block and (down projection) a partial K tile and group."""
+    x, q13, q2, weights, ids = _moe_case(T, 6, 2, 64, 40, quantizer)
+    config = (fq.QuantGemvConfig(block_n=8, block_k=32, num_splits=2) if path == "gemv"
+              else fm.GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2))
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, path=path, config=config)
+    ref = fused_moe_ref(x.double(), q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights.double(), ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_gemv_scale_modes_cover_the_layouts():
+    """With 32-wide K tiles the GEMV cases above read scales per tile (per channel, fp8 blocks, int4
+    groups of 32), per group (int4 groups of 16) and per element (groups of 24)."""
+    qt = kernel_modules("moekv.ops.quant_tiles")[0]
+    assert qt.scale_mode(64, 64, 32) == qt.scale_mode(40, 40, 32) == qt.scale_mode(32, 64, 32) == qt.SCALES_PER_TILE
+    assert qt.scale_mode(16, 64, 32) == qt.SCALES_PER_GROUP
+    assert qt.scale_mode(24, 64, 32) == qt.SCALES_PER_ELEMENT
+    assert qt.scale_mode(128, 4096, 1024) == qt.SCALES_PER_GROUP  # int4 at Mixtral's default GEMV tiles
+    assert qt.scale_mode(4096, 4096, 1024) == qt.SCALES_PER_TILE  # fp8 per channel
+
+
+def test_fused_experts_dispatch_and_mismatch():
+    x, q13, q2, weights, ids = _moe_case(2, 4, 2, 32, 16, "int4-sym")
+    assert torch.equal(fq.fused_experts(x, q13, q2, weights, ids), fq.fused_moe_quant(x, q13, q2, weights, ids))
+    with pytest.raises(ValueError, match="both be quantized"):
+        fq.fused_experts(x, q13, q2.dequantize(), weights, ids)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        fq.fused_moe_quant(x[:, :16], q13, q2, weights, ids)
+
+
+@pytest.mark.parametrize("quantizer", ["fp8-block", "int4-zp", "int4-g24"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_quant_gemv_and_gemm_match_reference(quantizer, T):
+    g = torch.Generator().manual_seed(T)
+    w = QUANTIZERS[quantizer](torch.randn(36, 96, generator=g)).to(DEVICE)
+    x, bias = torch.randn(T, 96, generator=g).to(DEVICE), torch.randn(36, generator=g).to(DEVICE)
+    ref = linear_ref(x.double(), w.dequantize(torch.float64), bias.double())
+    out = ql.quant_gemv(x, w, bias, ql.QuantGemvShape(block_n=4, block_k=32))
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    gemm = fq.quant_gemm(x, w, fm.GemmConfig(16, 16, 32, 1, 4, 2)) + bias
+    assert (gemm.double() - ref).abs().max().item() < 1e-5
+
+
+def test_quant_linear_on_cpu_is_the_reference():
+    w = quantize_int4(torch.randn(8, 32), 16)
+    x = torch.randn(2, 32)
+    assert torch.equal(ql.quant_linear(x, w), linear_ref(x, w))
+    with pytest.raises(ValueError, match="do not match"):
+        ql.quant_gemv(torch.randn(1, 16), w)
+
+
+# -- compiled, Mixtral-8x7B shapes ------------------------------------------------------------------
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module", params=["fp8", "int4"])
+def mixtral_quant(request):
+    E, H, I = 8, 4096, 14336
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).to(torch.bfloat16)
+    return quantize_stacked(w13, request.param), quantize_stacked(w2, request.param)  # quantize-on-load's layouts
+
+
+def _oracle(x, q13, q2, weights, ids):
+    """fp32 math on the dequantized weights of the experts used only (memory)."""
+    used = ids.unique()
+    remap = torch.full((8,), -1, dtype=ids.dtype, device="cuda")
+    remap[used] = torch.arange(used.numel(), device="cuda")
+    w13 = torch.stack([q13[e].dequantize() for e in used.tolist()])
+    w2 = torch.stack([q2[e].dequantize() for e in used.tolist()])
+    return fused_moe_ref(x.float(), w13, w2, weights.float(), remap[ids])
+
+
+@pytest.mark.parametrize("path", [None, "gemm", "gemv"])
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_gpu_mixtral_shapes(mixtral_quant, T, path):
+    """bf16 activations: the kernel within 1.5x the bf16 reference's error against fp32 math."""
+    q13, q2 = mixtral_quant
+    if path == "gemv" and T * 2 > fq.GEMV_MAX_PAIRS:
+        pytest.skip("the GEMV path is for T*k <= GEMV_MAX_PAIRS")
+    torch.manual_seed(T)
+    x = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, path=path).float()
+    ref = fused_moe_ref(x, q13, q2, weights, ids).float()
+    oracle = _oracle(x, q13, q2, weights, ids)
+    scale = oracle.abs().max().item()
+    err, err_ref = (out - oracle).abs().max().item(), (ref - oracle).abs().max().item()
+    assert err <= max(1.5 * err_ref, 1e-2 * scale), (err, err_ref, scale)
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_cuda_graph_capture(mixtral_quant, T):
+    """No host sync: the step captures, and a replay with new routing gives the eager answer."""
+    q13, q2 = mixtral_quant
+    x = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
+    fq.fused_moe_quant(x, q13, q2, weights, ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fq.fused_moe_quant(x, q13, q2, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fq.fused_moe_quant(x, q13, q2, weights, ids)
+    new_w, new_ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
+    x.copy_(torch.randn_like(x))
+    weights.copy_(new_w)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fq.fused_moe_quant(x, q13, q2, weights, ids))
+
+
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+@pytest.mark.parametrize("T", [1, 4, 100])
+def test_gpu_quant_linear_attention_shapes(method, T):
+    """Mixtral-8x7B's qkv projection [6144, 4096]: GEMV (T <= 16) and GEMM against fp32 math."""
+    w = (torch.randn(6144, 4096, device="cuda") * 4096 ** -0.5).to(torch.bfloat16)
+    qw = quantize_fp8(w) if method == "fp8" else quantize_int4(w, zero_point=True)
+    x = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
+    out = ql.quant_linear(x, qw).float()
+    oracle = x.float() @ qw.dequantize().T
+    ref = linear_ref(x, qw).float()
+    err, err_ref = (out - oracle).abs().max().item(), (ref - oracle).abs().max().item()
+    assert err <= max(1.5 * err_ref, 1e-2 * oracle.abs().max().item()), (err, err_ref)
+
+
+for _mark in gpu:
+    test_gpu_mixtral_shapes = _mark(test_gpu_mixtral_shapes)
+    test_gpu_cuda_graph_capture = _mark(test_gpu_cuda_graph_capture)
+    test_gpu_quant_linear_attention_shapes = _mark(test_gpu_quant_linear_attention_shapes)

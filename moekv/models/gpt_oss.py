@@ -22,6 +22,8 @@ from moekv.models.model_config import (ClampedSwiGLU, ModelConfig, UnsupportedMo
 from moekv.models.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
 
 ARCHITECTURES = ("GptOssForCausalLM",)
+# quantization_config methods this module reads itself (its TensorReader), not the loader's prequantized path
+READS_QUANTIZATION = ("mxfp4",)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 

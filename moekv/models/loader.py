@@ -280,7 +280,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         full_shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
     arch = ARCH_MODULES[cfg.architecture]
     files = safetensors_files(model_dir)
-    scheme = checkpoint_quantization(read_json(model_dir / "config.json", "config.json"))
+    # an architecture that reads its checkpoint's own quantized layout (gpt-oss: MXFP4 experts, dequantized
+    # by its TensorReader) declares it in READS_QUANTIZATION; any other layout goes through prequantized.py
+    hf = read_json(model_dir / "config.json", "config.json")
+    own = (hf.get("quantization_config") or {}).get("quant_method") in getattr(arch, "READS_QUANTIZATION", ())
+    scheme = None if own else checkpoint_quantization(hf)
     targets = _quantized_targets(files, arch, cfg, scheme)
     if targets and shard is not None:
         raise CheckpointError(f"{model_dir} holds pre-quantized weights, which load on one rank only "

@@ -1,6 +1,7 @@
 """Prefill on exact K/V: a prefill chunk attends to its own tokens' K/V as the layer computed them and
-to earlier tokens as the cache stores them (dequantized pages, the staged page, kivi2's 16-bit
-window, and nuq2's and vq's); the pages are written quantized all the same, and one-token rows (decode) read the cache."""
+to earlier tokens as the cache stores them (dequantized pages, the staged page, the 16-bit window of
+kivi2, nuq2 and vq); the pages are written quantized all the same, and one-token rows (decode) read
+the cache."""
 from __future__ import annotations
 
 import pytest

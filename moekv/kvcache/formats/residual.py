@@ -35,7 +35,7 @@ def residual_refusal(value: Any, multiple: int = 1) -> str | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % multiple:
-        return (f"must be an integer >= 0 (0 = no 16-bit window)" if multiple == 1 else
+        return ("must be an integer >= 0 (0 = no 16-bit window)" if multiple == 1 else
                 f"must be a multiple of {multiple} (0 = no 16-bit window)")
     return None
 

@@ -206,17 +206,18 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i
        "k_scale": "*fp8e4nv", "k_idx": "*i32", "k_delta": "*fp32", "k_used": "*i32", "v_idx": "*i32",
        "v_delta": "*fp32", "v_used": "*i32", "SK": "i32", "SV": "i32", "q_ptr": "*bf16", "block_tables": "*i32",
        "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16",
-       "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "part_o": "*fp32", "part_lse": "*fp32",
+       "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "k_ring": "*bf16", "v_ring": "*bf16",
+       "stride_rs": "i32", "stride_rh": "i32", "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32",
        "qk_scale": "fp32", "window": "i32", "zero": "i32", "num_splits": "i32", "ns_total": "i32",
        "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr",
-       "PREFETCH": "constexpr", "SMEM": "constexpr"}
+       "PREFETCH": "constexpr", "SMEM": "constexpr", "RING": "constexpr"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for G, staged, chunk0, smem, cap in ((1, True, False, False, None), (4, False, True, False, None),
                                      (8, True, False, False, None), (4, False, True, True, 128),
                                      (8, True, True, True, None)):
     src = GluonASTSource(nuq2_decode_kernel, signature=sig,
                          constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": chunk0,
-                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem},
+                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem, "RING": False},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
     ptx = k.asm["ptx"]
@@ -228,18 +229,35 @@ for G, staged, chunk0, smem, cap in ((1, True, False, False, None), (4, False, T
             sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         print("cp.async.cg.shared.global" in ptx, "cp.async.wait_group" in ptx, sass.count("LDGSTS.E.BYPASS.128"),
               sass.count("LDS.128"), re.search(r"\\b(LDL|STL)\\b", sass) is not None)
+print("RING")
+for G, smem in ((1, True), (4, True), (8, False)):  # a residual window's ring as the tail, at the launcher's cap
+    src = GluonASTSource(nuq2_decode_kernel, signature=sig,
+                         constexprs={"HKV": 8, "G": G, "STAGED": True, "CHUNK0": True,
+                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem, "RING": True},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=160))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    spills = re.search(r"\\b(LDL|STL)\\b", sass) is not None
+    print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in k.asm["ptx"], spills)
 """
 
 
 @pytest.mark.slow
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships, for groups of 1, 4
-    and 8, with and without the staged tail, the unconditional first slot chunk and the shared-memory
-    stages (SMEM): layouts that do
+    and 8, with and without the staged tail, the unconditional first slot chunk, the shared-memory
+    stages (SMEM) and a residual window's ring (RING): layouts that do
     not convert trivially, inline PTX or shapes that do not fit fail here, not on the device. In a
     fresh interpreter: other CPU tests set TRITON_INTERPRET=1 for the session
     (tests/triton_kernels.py), which leaves triton.language's own helpers uncompilable."""
     words = run_sm90_build(SM90_BUILD)
+    words, ring = words[:words.index("RING")], words[words.index("RING") + 1:]
+    # with a residual window's ring (RING): the same shared memory, no spill at the launcher's cap of 160
+    stages = str(2 * (2 * 2048 + 256 + 256 + 32))
+    assert ring == ["1", stages, "True", "False", "4", stages, "True", "False", "8", "0", "True", "False"], ring
     # per build: shared memory (none: registers only; SMEM: two stages of 2 x 2 kB of codes, 256 bytes
     # of scale and mean, 256 of slots and 32 of words), MMA and prmt present, no local memory in the
     # PTX; SMEM: cp.async (16 bytes a lane for the codes: 8 a page, 8 before the loop) and its wait,

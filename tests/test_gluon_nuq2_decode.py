@@ -26,6 +26,7 @@ from tests.gluon_cases import (
     check_decode_matches_dense,
     check_kernel_matches_reference,
     check_prefetch_changes_nothing,
+    check_ring_reference,
     check_staged_decode,
     dense_reference,
     gpu_case,
@@ -127,6 +128,13 @@ def test_staged_tail_and_sliding_window(window):
         torch.testing.assert_close(reduce_partials(part_o, part_lse), ref, rtol=1e-9, atol=1e-9)
     if window == 1:  # only the newest token counts: the page splits are empty
         assert bool((part_lse[:, :, :ns] == -float("inf")).all())
+
+
+@pytest.mark.parametrize("R, window", [(64, None), (128, 100), (200, 150), (32, 64 * 5 + 3)])
+def test_residual_ring_and_sliding_window(R, window):
+    """A residual window's ring as the tail split (its newest R tokens; with R < 64 staged ones before
+    them), the pages ending where it begins, and sliding windows, against dense attention (float64)."""
+    check_ring_reference(nuq2_decode_split_reference, build, R, window, 1e-9)
 
 
 def test_default_split_rule():

@@ -21,6 +21,7 @@ from tests.gluon_cases import (
     P,
     behind_tables,
     check_kernel_matches_reference,
+    check_ring_reference,
     dense_reference,
     gpu_case,
     large_channel_keys,
@@ -119,6 +120,13 @@ def test_shared_codebooks_where_they_pay(monkeypatch):
     assert splits[1] + 1 <= MAX_SPLITS and 8 * (splits[1] // 8) <= 132 * 2, splits
     # one CTA an SM: 131 splits round down to 16 CTAs of the 132 a wave holds, not up to 17 (a second wave)
     assert vq_decode.shared_splits(1, 8, 2048, True, "cpu", 8, 1) == 128
+
+
+@pytest.mark.parametrize("R, window", [(64, None), (256, 150), (32, 64 * 5 + 3)])
+def test_residual_ring_and_sliding_window(R, window):
+    """A residual window's ring as the tail split (its newest R tokens; with R < 64 staged ones before
+    them), the pages ending where it begins, and sliding windows, against dense attention (float64)."""
+    check_ring_reference(vq_decode_split_reference, build, R, window, 1e-6, layer=0)  # pages dequantized in float32
 
 
 BUILD_PRELUDE = """

@@ -241,3 +241,30 @@ def check_staged_decode(attention, build, G: int, window, **options) -> None:
         out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots), sliding_window=window,
                         **options)
         assert relative_error(out, ref) < 1e-2, ns
+
+
+def check_ring_decode(attention, build, G: int, R: int, window, layer: int | None = None, **options) -> None:
+    """A residual window's bf16 ring (and staging) as the launch's tail split, the pages ending where the
+    ring begins, and sliding windows: kernel + reduce against dense attention over pages, ring and staging
+    (split counts 1, 3 and the default; options: the launcher's)."""
+    from moekv.ops.gluon.splits import quantized_tokens, tail_tokens
+
+    lens = [1000, 777, 64 * 16, 65, 130, 5]
+    Hkv, fmt, frag, tables, lens_t, k_pages, v_pages, q = gpu_case(build, G, lens, 30 + G)
+    staged = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(R)
+    ring = tuple((torch.randn(len(lens) + 1, Hkv, R, D, generator=g) + shift).to("cuda", torch.bfloat16)
+                 for shift in (1.0, -1.0))
+    cpu = lambda t: tuple(x.cpu() for x in t)  # noqa: E731
+
+    def tokens(b, n):
+        quantized = quantized_tokens(n, True, R)
+        kt, vt = tail_tokens(cpu(staged), cpu(ring), b, quantized, n, torch.float64)
+        return quantized, kt.transpose(0, 1), vt.transpose(0, 1)
+
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, cpu(staged), window,
+                          tokens, layer)
+    for ns in (1, 3, None):
+        out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=staged, sliding_window=window,
+                        residual=ring, **options)
+        assert relative_error(out, ref) < 1e-2, ns

@@ -26,6 +26,7 @@ from tests.gluon_cases import (
     check_decode_matches_dense,
     check_kernel_matches_reference,
     check_prefetch_changes_nothing,
+    check_ring_decode,
     check_ring_reference,
     check_staged_decode,
     dense_reference,
@@ -349,3 +350,16 @@ def test_gpu_staged_tail_and_window(G, window):
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
 
     check_staged_decode(nuq2_decode_attention, build, G, window)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("smem", [True, False])
+@pytest.mark.parametrize("R, window", [(128, None), (64, 100), (32, 64 * 5 + 3), (256, 1)])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_residual_ring(G, R, window, smem):
+    """A residual window's ring as the launch's tail split (RING), with and without the shared-memory
+    stages, against dense attention over pages, ring and staging."""
+    from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
+
+    check_ring_decode(nuq2_decode_attention, build, G, R, window, smem=smem)

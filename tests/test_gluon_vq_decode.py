@@ -21,6 +21,7 @@ from tests.gluon_cases import (
     P,
     behind_tables,
     check_kernel_matches_reference,
+    check_ring_decode,
     check_ring_reference,
     dense_reference,
     gpu_case,
@@ -263,3 +264,16 @@ def test_gpu_staged_tail_and_window(G, window, codebooks):
         out = vq_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
                                   sliding_window=window, codebooks=codebooks)
         assert relative_error(out, ref) < 1e-2, ns
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("codebooks", ["global", "shared"])
+@pytest.mark.parametrize("R, window", [(256, None), (64, 100), (32, 64 * 5 + 3), (128, 1)])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_residual_ring(G, R, window, codebooks):
+    """A residual window's ring as the launch's tail split (RING), both kernels (the shared-codebook one's
+    pages ending where the ring begins), against dense attention over pages, ring and staging."""
+    from moekv.ops.gluon.vq_decode import vq_decode_attention
+
+    check_ring_decode(vq_decode_attention, build, G, R, window, layer=0, codebooks=codebooks)

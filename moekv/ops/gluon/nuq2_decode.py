@@ -18,6 +18,9 @@ kernel (nuq2_kernel.py) computes, exactly as this module's reference does:
 The staged 16-bit tail (the engine's newest page, kept in bf16 until it fills: tokens from
 ((len - 1) // 64) * 64 on) is one more split of the same launch when `staged` is given, and a
 sliding window skips the pages before it and masks inside the first one, as the Triton kernel does.
+With a residual window (`residual`: the format's ring of the newest R tokens, [S, Hkv, R, 128] at the
+staging's slots) that split reads them from the ring, and the pages end where it begins (tokens [0,
+min(((len - 1) // 64) * 64, max(len - R, 0))), the last page read in part), as kivi2's.
 
 `nuq2_decode_split_reference` is the oracle (plain PyTorch, float64 in tests, the same one-hot
 algebra); `nuq2_decode_attention` runs the Gluon kernel and the reduce on an NVIDIA GPU (sm_80+;

@@ -1,8 +1,9 @@
 """How the Gluon kernels' split references (the *_decode_split_reference of nuq2, int4, kivi2, vq, tiered) walk a
 sequence, as the kernels do: tokens [0, quantized) from pages, the rest from the 16-bit tail; the
 window's oldest token; the splits' contiguous page ranges (pages wholly before the window skipped);
-a page range's invalid positions; the staged tail's scores; one split's softmax partial; and the whole
-split walk of a format whose pages reduce to a scores and a values function (`split_reference`)."""
+a page range's invalid positions; the staged tail's scores (and with a residual window's ring, its
+tokens: tail_tokens, ring_tail_scores); one split's softmax partial; and the whole split walk of a
+format whose pages reduce to a scores and a values function (`split_reference`)."""
 from __future__ import annotations
 
 import math

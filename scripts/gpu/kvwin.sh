@@ -16,10 +16,10 @@ TESTS=(tests/test_gluon_nuq2_decode.py tests/test_gluon_vq_decode.py tests/test_
        tests/test_gluon_tiered_decode.py tests/test_gluon_engine.py tests/test_decode_attention.py
        tests/test_decode_vq.py tests/test_decode_tiered.py)
 WINDOW="residual or nuq2_r48 or takes_the_gluon"  # the ring's kernel tests and the engine's Gluon path with it
-timeout 80 python -m pytest -q -m gpu $PARALLEL -p no:cacheprovider -k "$WINDOW" \
+timeout 75 python -m pytest -q -m gpu $PARALLEL -p no:cacheprovider -k "$WINDOW" \
   "${TESTS[@]}" > "$OUT/gpu_tests_window.log" 2>&1
 tail -3 "$OUT/gpu_tests_window.log"; el "gpu tests of the window"
-timeout 100 python -m pytest -q -m gpu $PARALLEL -p no:cacheprovider -k "not ($WINDOW)" \
+timeout 95 python -m pytest -q -m gpu $PARALLEL -p no:cacheprovider -k "not ($WINDOW)" \
   "${TESTS[@]}" > "$OUT/gpu_tests_rest.log" 2>&1
 tail -3 "$OUT/gpu_tests_rest.log"; el "the other gpu tests"
 timeout 60 python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_r128 vq vq_r256 --kernel gluon \

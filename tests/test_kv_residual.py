@@ -172,6 +172,9 @@ def test_defaults_and_refusals():
             EngineConfig(kv_cache_dtype="nuq2", kv_residual=bad)
     with pytest.raises(ValueError, match="multiple of 32"):
         get_kv_format("kivi2", residual=48)
+    with pytest.raises(ValueError, match="kv_residual=48 must be a multiple of 32"):
+        EngineConfig(kv_cache_dtype="kivi2", kv_residual=48)
+    assert EngineConfig(kv_cache_dtype="nuq2", kv_residual=48).kv_format_options()["residual"] == 48
 
 
 @pytest.mark.parametrize("name, R", [("nuq2", 128), ("vq", 256), ("kivi2", 128)])

@@ -29,7 +29,7 @@ import torch
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.options import KVOption, one_of
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
-from moekv.kvcache.formats.residual import RESIDUAL_OPTION, ResidualWindow, gluon_ring
+from moekv.kvcache.formats.residual import ResidualWindow, gluon_ring, residual_option
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
@@ -50,7 +50,7 @@ class KIVI2Format(ResidualWindow, FragmentPagedFormat):
                                _gluon_covers, decode_options=gluon_ring)
     default_residual = 128  # KIVI's R, taken where kv_residual is None (its default)
     engine_options = (
-        RESIDUAL_OPTION,  # a multiple of the group size
+        residual_option("kivi2", GROUP),  # whole key groups (the constructor checks the group it takes)
         KVOption("group_size", GROUP,
                  "kivi2: tokens (keys) and channels (values) per group (32 or 64)", one_of(32, 64)),
     )

@@ -26,8 +26,6 @@ from moekv.kvcache.formats.interface import RopeWriteTarget
 from moekv.kvcache.formats.options import KVOption
 from moekv.kvcache.formats.paged import can_stage_with_fills
 
-RESIDUAL_HELP = "newest tokens kept in 16-bit beside the pages (None: the format's default; 0: none)"
-
 
 def residual_refusal(value: Any, multiple: int = 1) -> str | None:
     """Why `value` is no residual window R (an integer >= 0, a multiple of `multiple`; None: the
@@ -40,9 +38,15 @@ def residual_refusal(value: Any, multiple: int = 1) -> str | None:
     return None
 
 
-# kv_residual: one declaration for every format that takes a window (the registry wants one default:
-# None, each format's own); each format checks its values again in its constructor (set_residual)
-RESIDUAL_OPTION = KVOption("residual", None, "kivi2/nuq2/vq: " + RESIDUAL_HELP, residual_refusal, kind=int)
+def residual_option(formats: str, multiple: int = 1) -> KVOption:
+    """kv_residual as `formats` declare it: default None (each format's own; the registry wants one
+    default for every format that takes it), R refused unless a multiple of `multiple`."""
+    rule = f", a multiple of {multiple}" if multiple > 1 else ""
+    return KVOption("residual", None, f"{formats}: newest tokens kept in 16-bit beside the pages{rule} "
+                    "(default: the format's own, 0: none)", lambda value: residual_refusal(value, multiple), kind=int)
+
+
+RESIDUAL_OPTION = residual_option("nuq2/vq")  # kivi2 declares its own: whole key groups
 
 
 class ResidualWindow:

@@ -116,7 +116,7 @@ class CacheConfig:
     enable_prefix_caching: full KV pages of identical prompt prefixes are computed once and shared
         by later requests (chained content hash, reference counts, unreferenced cached pages evicted
         least recently used first), as vLLM's flag. Refused with tiered (its re-ranking rewrites
-        written pages) and with kivi2 unless kv_residual=0 (its 16-bit window is per sequence).
+        written pages) and with kivi2, nuq2 and vq unless kv_residual=0 (their 16-bit window is per sequence).
     kv_options: the format's options by its keyword (group_size, ...; the flat field and flag are
         kv_<name>: kv_group_size, --kv-group-size), declared by the formats (KVFormat.engine_options).
         Given: any of them; once validated: every option the format takes, at its default where not

@@ -127,6 +127,34 @@ def check_staged_reference(reference, build, window, tol: float) -> None:
         assert torch.allclose(reduce_partials(o, lse), ref, atol=tol, rtol=tol), ns
 
 
+def check_ring_reference(reference, build, R: int, window, tol: float, layer: int | None = None) -> None:
+    """A residual window's ring in a format's split reference (float64): the tail split reads the newest R
+    tokens from the ring (row t % R) and older tail tokens from staging, the pages end where the ring
+    begins (some inside a page), sliding windows ending inside the tail (a page split with no valid token);
+    against dense attention over the format's pages (dequantized for `layer`), the ring and the staging
+    page. Ring and staging hold different values, so a token read from the wrong one shows."""
+    from moekv.ops.gluon.splits import quantized_tokens, tail_tokens
+
+    Hkv, G = 2, 4
+    lens = [1000, 777, 64 * 16, 65, 64, 130, 5]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=5 + R)
+    staged = staging(len(lens), Hkv, seed=8)
+    g = torch.Generator().manual_seed(9)
+    ring = (torch.randn(len(lens) + 1, Hkv, R, D, generator=g, dtype=torch.float64) + 1.0,
+            torch.randn(len(lens) + 1, Hkv, R, D, generator=g, dtype=torch.float64) - 1.0)
+
+    def tokens(b, n):
+        quantized = quantized_tokens(n, True, R)
+        kt, vt = tail_tokens(staged, ring, b, quantized, n, torch.float64)
+        return quantized, kt.transpose(0, 1), vt.transpose(0, 1)
+
+    ref = dense_reference(fmt, k_pages, v_pages, q := torch.randn(len(lens), Hkv * G, D, dtype=torch.float64),
+                          tables, lens_t, 0.1, staged, window, tokens, layer)
+    for ns in (1, 3, 7):
+        o, lse = reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, sliding_window=window, residual=ring)
+        assert relative_error(reduce_partials(o, lse), ref) < tol, ns
+
+
 def staging(B, Hkv, seed, device="cpu", dtype=torch.float64):
     """Random 16-bit staging pages [B + 1, Hkv, 64, 128] (one spare) and a permuted slot per sequence."""
     g = torch.Generator().manual_seed(seed)
@@ -212,4 +240,31 @@ def check_staged_decode(attention, build, G: int, window, **options) -> None:
     for ns in (1, 3, None):
         out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots), sliding_window=window,
                         **options)
+        assert relative_error(out, ref) < 1e-2, ns
+
+
+def check_ring_decode(attention, build, G: int, R: int, window, layer: int | None = None, **options) -> None:
+    """A residual window's bf16 ring (and staging) as the launch's tail split, the pages ending where the
+    ring begins, and sliding windows: kernel + reduce against dense attention over pages, ring and staging
+    (split counts 1, 3 and the default; options: the launcher's)."""
+    from moekv.ops.gluon.splits import quantized_tokens, tail_tokens
+
+    lens = [1000, 777, 64 * 16, 65, 130, 5]
+    Hkv, fmt, frag, tables, lens_t, k_pages, v_pages, q = gpu_case(build, G, lens, 30 + G)
+    staged = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(R)
+    ring = tuple((torch.randn(len(lens) + 1, Hkv, R, D, generator=g) + shift).to("cuda", torch.bfloat16)
+                 for shift in (1.0, -1.0))
+    cpu = lambda t: tuple(x.cpu() for x in t)  # noqa: E731
+
+    def tokens(b, n):
+        quantized = quantized_tokens(n, True, R)
+        kt, vt = tail_tokens(cpu(staged), cpu(ring), b, quantized, n, torch.float64)
+        return quantized, kt.transpose(0, 1), vt.transpose(0, 1)
+
+    ref = dense_reference(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, cpu(staged), window,
+                          tokens, layer)
+    for ns in (1, 3, None):
+        out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=staged, sliding_window=window,
+                        residual=ring, **options)
         assert relative_error(out, ref) < 1e-2, ns

@@ -9,9 +9,10 @@ from moekv.config import EngineConfig
 from moekv.context import Context
 from moekv.kvcache.formats import GraphStepHooks, compressed_formats, format_class, get_kv_format
 
-# engine keywords a format needs in the small tests: kivi2's residual window of 32 tokens (its
-# default, 128, outlasts the tests' sequences, so no token would reach its 2-bit pages)
-SMALL_TEST_KWARGS: dict[str, dict] = {"kivi2": {"kv_residual": 32}}
+# engine keywords a format needs in the small tests: a residual window of 32 tokens for the formats
+# that keep one (their defaults, 128 and 256, outlast the tests' sequences, so no token would reach
+# their 2-bit pages)
+SMALL_TEST_KWARGS: dict[str, dict] = {name: {"kv_residual": 32} for name in ("kivi2", "nuq2", "vq")}
 
 
 def engine_kwargs_for(name: str, **overrides) -> dict:
@@ -35,11 +36,11 @@ def self_contained_compressed() -> list[str]:
 
 def formats_sharing_pages() -> list[tuple[str, dict]]:
     """(name, engine keywords) of every format whose pages prefix caching can share, at keywords that
-    allow it (kivi2: no residual window); tiered's re-ranking never allows it. Each is built as the
+    allow it (kivi2, nuq2, vq: no residual window); tiered's re-ranking never allows it. Each is built as the
     engine builds it (the default model's shipped calibration reaches vq)."""
     out = []
     for name in ("fp32", "bf16", *compressed_formats()):
-        kwargs = engine_kwargs_for(name, **({"kv_residual": 0} if name == "kivi2" else {}))
+        kwargs = engine_kwargs_for(name, **({"kv_residual": 0} if name in SMALL_TEST_KWARGS else {}))
         config = EngineConfig(**kwargs)
         fmt = get_kv_format(name, decode_kernel=config.cache.decode_kernel, **config.kv_format_options())
         if fmt.prefix_caching_unsupported() is None:

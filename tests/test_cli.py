@@ -1,6 +1,7 @@
 """The `moekv` command line, run as a user would run it."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -165,6 +166,13 @@ def test_info_rows_name_their_page_size_and_eval_refuses_stride_0(mixtral_ckpt, 
     r = run_cli("info", "--model", str(mixtral_ckpt))
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if "bytes/token" in line}
     assert rows["bf16"].endswith("(block_size 16)") and rows["nuq2"].endswith("(block_size 64)")
+    # a sequence's bits count its 16-bit window: nuq2's 128 tokens cost more at 4k than at 32k
+    bits = {name: [float(w) for w in re.findall(r"([\d.]+) (?:bits/element|at 4k|at 32k)", line)]
+            for name, line in rows.items()}
+    assert bits["nuq2"][1] > bits["nuq2"][2] > bits["nuq2"][0]
+    r = run_cli("info", "--model", str(mixtral_ckpt), "--kv-residual", "0")
+    row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["nuq2"])
+    assert [float(w) for w in re.findall(r"([\d.]+) at (?:4k|32k)", row)] < bits["nuq2"][1:]
     text = tmp_path / "t.txt"
     text.write_text("some words " * 20)
     for flag, value in (("--stride", "0"), ("--window", "1")):

@@ -52,7 +52,8 @@ FORMATS = {
     "kivi2_r32": ("kivi2", {"residual": 32}),
     "kivi2_r0": ("kivi2", {"residual": 0}),
     "kivi2_g64": ("kivi2", {"residual": 64, "group_size": 64}),
-    "nuq2": ("nuq2", {"codebook": "page"}),
+    "nuq2": ("nuq2", {"codebook": "page", "residual": 0}),
+    "nuq2_r48": ("nuq2", {"codebook": "page", "residual": 48}),  # the ring's first token inside a page
 }
 
 
@@ -172,7 +173,7 @@ def test_kernel_matches_reference(label, case, swap_ab):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", ["fp8_e4m3", "int4_g32", "kivi2_r32", "nuq2", "bf16"])
+@pytest.mark.parametrize("label", ["fp8_e4m3", "int4_g32", "kivi2_r32", "nuq2", "nuq2_r48", "bf16"])
 def test_the_last_split_reads_the_tail(label):
     """The 16-bit tail (staging page, kivi2's ring) is read by the last split after its pages, in
     its accumulator's column order (nuq2's planar columns): num_splits programs per head, not one
@@ -199,7 +200,7 @@ def test_the_last_split_reads_the_tail(label):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32", "kivi2_g64", "nuq2"])
+@pytest.mark.parametrize("label", ["bf16", "fp8_e4m3", "int4_g32", "kivi2_r32", "kivi2_g64", "nuq2", "nuq2_r48"])
 def test_pages_of_16_and_sliding_window(label):
     block_size = 32 if label.startswith("kivi2") else 16
     for window, splits, block_n in ((None, 4, 64), (19, 2, 32), (1, 1, 16)):  # tiles over 4, 2, 1 pages
@@ -246,7 +247,7 @@ def test_structured_inputs(label):
     assert ref.abs().max() == 0 and out.abs().max() == 0
 
 
-@pytest.mark.parametrize("label", ["bf16", "fp16", "fp8_e4m3", "int4_g32", "kivi2_r32", "nuq2"])
+@pytest.mark.parametrize("label", ["bf16", "fp16", "fp8_e4m3", "int4_g32", "kivi2_r32", "nuq2", "nuq2_r48"])
 def test_16bit_queries(label):
     q_dtype = torch.float16 if label == "fp16" else torch.bfloat16
     out, ref, _, _ = run_case(label, [70, 33], 2, 4, 64, 32, 2, q_dtype=q_dtype, seed=7)

@@ -72,8 +72,8 @@ def vq_kv(kv=None, hkv=None, D=None):
 
 
 def run_case(calibration, lens, hkv, group, D, P, splits, block_n, window=None, layer=0, seed=0, kv=None,
-             q_dtype=torch.float32, kv_dtype=torch.bfloat16):
-    fmt = slab_format("vq", calibration=calibration(hkv, D))
+             q_dtype=torch.float32, kv_dtype=torch.bfloat16, residual=0):
+    fmt = slab_format("vq", calibration=calibration(hkv, D), residual=residual)
     cache, ctx = build_cache(fmt, lens, hkv, D, P, kv_dtype, layer=layer, seed=seed, kv=vq_kv(kv, hkv, D))
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), hkv * group, D, generator=g).to(DEVICE, q_dtype)
@@ -128,7 +128,7 @@ def test_layer_tables_and_sliding_window(calibration):
     assert len(fmt._on_device) >= 1  # device copies made once per (layer, device)
     # the same cache read with layer 0's tables is not the reference: the tables do reach the kernel
     tables0 = fmt.decode_tables(0, DEVICE)
-    fmt2 = slab_format("vq", calibration=calibration(2, 32))
+    fmt2 = slab_format("vq", calibration=calibration(2, 32), residual=0)
     cache, ctx = build_cache(fmt2, [83, 16], 2, 32, 32, torch.bfloat16, layer=1, seed=3, kv=vq_kv(None, 2, 32))
     q = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     spec = fmt2.decode_spec(32, 32)
@@ -159,6 +159,16 @@ def test_structured_inputs(calibration):
     out, ref, _ = run_case(calibration, [40], 2, 4, 32, 32, 2, 16, kv=zeros, seed=6)
     check(out, ref)
     assert ref.abs().max() == 0 and out.abs().max() == 0
+
+
+@pytest.mark.parametrize("R", [48, 256])
+def test_residual_window(calibration, R):
+    """The newest R tokens from the ring in the tail split (48: from inside a page; 256: every token of
+    the shorter sequences), with a sliding window that starts before the ring or inside it."""
+    for window in (None, 19, 100):
+        out, ref, fmt = run_case(calibration, [150, 64, 7], 2, 4, 32, 32, 2, 32, window=window, seed=8, residual=R)
+        assert fmt.decode_spec(32, 32).residual == R
+        check(out, ref)
 
 
 def test_16bit_queries(calibration):

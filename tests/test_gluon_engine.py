@@ -1,7 +1,7 @@
 """int4, kivi2, nuq2, vq and fp8_e4m3 pools in their Gluon kernels' fragment order (the format's
 decode_kernel; fragment.FragmentPagedFormat), and tiered's (its FP8 codes reordered, its low tier in nuq2's tables):
 pages converted when written hold exactly what the slab pools hold, read back and attend the same
-(CPU: the reference path over both, kivi2's residual ring and tiered's page masses included); on a GPU
+(CPU: the reference path over both, the residual rings and tiered's page masses included); on a GPU
 (marked gpu) the engine's attend takes the Gluon kernel and matches the reference path, and a captured
 fill step converts its pages as the eager one does."""
 from __future__ import annotations
@@ -28,8 +28,9 @@ FORMATS = {
 }
 # an uncovered shape's format and the message naming what the kernel covers (beyond block_size/head_dim)
 UNCOVERED = {"int4": ({"group_size": 64}, "group_size 32"), "kivi2": ({"group_size": 64}, "group 32")}
-# (format, kivi2's residual window R): the attention cases
-ATTEND = [("int4", None), ("nuq2", None), ("kivi2", 0), ("kivi2", 128), ("vq", None), ("fp8_e4m3", None)]
+# (format, its residual window R: kivi2, nuq2, vq): the attention cases (R = 64: the ring begins inside a page)
+ATTEND = [("int4", None), ("nuq2", 0), ("nuq2", 64), ("kivi2", 0), ("kivi2", 128), ("vq", 0), ("vq", 64),
+          ("vq", 256), ("fp8_e4m3", None)]
 
 
 @functools.cache
@@ -66,7 +67,7 @@ def layout(name):
 
 def filled_pools(name, choice, device="cpu", dtype=torch.float32, residual=None):
     """A pool of format `name` (decode_kernel=choice) whose pages 0..5 were filled from staging
-    by quantize_filled_pages, staging (and kivi2's residual ring, R = residual or its default) refilled
+    by quantize_filled_pages, staging (and the residual ring, R = residual or the format's default) refilled
     with random tokens per sequence."""
     options, spiky = format_options(name), FORMATS[name][1]
     fmt = get_kv_format(name, dtype, decode_kernel=choice, **options,
@@ -118,8 +119,8 @@ def test_fragment_pools_hold_what_slab_pools_hold(name):
 @pytest.mark.parametrize("window", [None, 70])
 @pytest.mark.parametrize("name, residual", ATTEND)
 def test_fragment_pools_attend_as_slab_pools(name, residual, window):
-    """Decode attention (CPU: the reference path) over pages + the staged newest page (+ kivi2's
-    residual ring): the same output from both pools."""
+    """Decode attention (CPU: the reference path) over pages + the staged newest page (+ the residual
+    ring): the same output from both pools."""
     fmt_s, slabs = filled_pools(name, "triton", residual=residual)
     fmt_f, frag = filled_pools(name, "gluon", residual=residual)
     ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]])
@@ -161,8 +162,8 @@ def test_fragment_pool_accounting_and_choice(name):
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("name, residual", ATTEND)
 def test_gpu_engine_attend_takes_the_gluon_kernel(monkeypatch, name, residual, window):
-    """On CUDA a decode step over a fragment-order pool runs the Gluon kernel (staged tail, and
-    kivi2's ring, as its extra split): it matches the reference path over the same pool and the
+    """On CUDA a decode step over a fragment-order pool runs the Gluon kernel (staged tail, and the
+    residual ring, as its extra split): it matches the reference path over the same pool and the
     Triton kernel over slabs."""
     kernel = name.removesuffix("_e4m3")  # fp8_e4m3's modules are fp8_*
     gluon_decode = importlib.import_module(f"moekv.ops.gluon.{kernel}_decode")

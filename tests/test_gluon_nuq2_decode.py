@@ -26,6 +26,8 @@ from tests.gluon_cases import (
     check_decode_matches_dense,
     check_kernel_matches_reference,
     check_prefetch_changes_nothing,
+    check_ring_decode,
+    check_ring_reference,
     check_staged_decode,
     dense_reference,
     gpu_case,
@@ -129,6 +131,13 @@ def test_staged_tail_and_sliding_window(window):
         assert bool((part_lse[:, :, :ns] == -float("inf")).all())
 
 
+@pytest.mark.parametrize("R, window", [(64, None), (128, 100), (200, 150), (32, 64 * 5 + 3)])
+def test_residual_ring_and_sliding_window(R, window):
+    """A residual window's ring as the tail split (its newest R tokens; with R < 64 staged ones before
+    them), the pages ending where it begins, and sliding windows, against dense attention (float64)."""
+    check_ring_reference(nuq2_decode_split_reference, build, R, window, 1e-9)
+
+
 def test_default_split_rule():
     assert default_num_splits(1, 8, 2048) == 256  # batch 1 at 128k: capped (MAX_SPLITS)
     assert default_num_splits(1, 8, 64) == 32  # short contexts: at least 2 pages a split
@@ -206,17 +215,18 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i
        "k_scale": "*fp8e4nv", "k_idx": "*i32", "k_delta": "*fp32", "k_used": "*i32", "v_idx": "*i32",
        "v_delta": "*fp32", "v_used": "*i32", "SK": "i32", "SV": "i32", "q_ptr": "*bf16", "block_tables": "*i32",
        "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16",
-       "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "part_o": "*fp32", "part_lse": "*fp32",
+       "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "k_ring": "*bf16", "v_ring": "*bf16",
+       "stride_rs": "i32", "stride_rh": "i32", "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32",
        "qk_scale": "fp32", "window": "i32", "zero": "i32", "num_splits": "i32", "ns_total": "i32",
        "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr",
-       "PREFETCH": "constexpr", "SMEM": "constexpr"}
+       "PREFETCH": "constexpr", "SMEM": "constexpr", "RING": "constexpr"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for G, staged, chunk0, smem, cap in ((1, True, False, False, None), (4, False, True, False, None),
                                      (8, True, False, False, None), (4, False, True, True, 128),
                                      (8, True, True, True, None)):
     src = GluonASTSource(nuq2_decode_kernel, signature=sig,
                          constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": chunk0,
-                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem},
+                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem, "RING": False},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
     ptx = k.asm["ptx"]
@@ -228,18 +238,35 @@ for G, staged, chunk0, smem, cap in ((1, True, False, False, None), (4, False, T
             sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         print("cp.async.cg.shared.global" in ptx, "cp.async.wait_group" in ptx, sass.count("LDGSTS.E.BYPASS.128"),
               sass.count("LDS.128"), re.search(r"\\b(LDL|STL)\\b", sass) is not None)
+print("RING")
+for G, smem in ((1, True), (4, True), (8, False)):  # a residual window's ring as the tail, at the launcher's cap
+    src = GluonASTSource(nuq2_decode_kernel, signature=sig,
+                         constexprs={"HKV": 8, "G": G, "STAGED": True, "CHUNK0": True,
+                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem, "RING": True},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=160))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    spills = re.search(r"\\b(LDL|STL)\\b", sass) is not None
+    print(G, k.metadata.shared, "mma.sync.aligned.m16n8k16" in k.asm["ptx"], spills)
 """
 
 
 @pytest.mark.slow
 def test_kernel_module_compiles_for_sm90_without_a_gpu():
     """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships, for groups of 1, 4
-    and 8, with and without the staged tail, the unconditional first slot chunk and the shared-memory
-    stages (SMEM): layouts that do
+    and 8, with and without the staged tail, the unconditional first slot chunk, the shared-memory
+    stages (SMEM) and a residual window's ring (RING): layouts that do
     not convert trivially, inline PTX or shapes that do not fit fail here, not on the device. In a
     fresh interpreter: other CPU tests set TRITON_INTERPRET=1 for the session
     (tests/triton_kernels.py), which leaves triton.language's own helpers uncompilable."""
     words = run_sm90_build(SM90_BUILD)
+    words, ring = words[:words.index("RING")], words[words.index("RING") + 1:]
+    # with a residual window's ring (RING): the same shared memory, no spill at the launcher's cap of 160
+    stages = str(2 * (2 * 2048 + 256 + 256 + 32))
+    assert ring == ["1", stages, "True", "False", "4", stages, "True", "False", "8", "0", "True", "False"], ring
     # per build: shared memory (none: registers only; SMEM: two stages of 2 x 2 kB of codes, 256 bytes
     # of scale and mean, 256 of slots and 32 of words), MMA and prmt present, no local memory in the
     # PTX; SMEM: cp.async (16 bytes a lane for the codes: 8 a page, 8 before the loop) and its wait,
@@ -323,3 +350,16 @@ def test_gpu_staged_tail_and_window(G, window):
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
 
     check_staged_decode(nuq2_decode_attention, build, G, window)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("smem", [True, False])
+@pytest.mark.parametrize("R, window", [(128, None), (64, 100), (32, 64 * 5 + 3), (256, 1)])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_residual_ring(G, R, window, smem):
+    """A residual window's ring as the launch's tail split (RING), with and without the shared-memory
+    stages, against dense attention over pages, ring and staging."""
+    from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
+
+    check_ring_decode(nuq2_decode_attention, build, G, R, window, smem=smem)

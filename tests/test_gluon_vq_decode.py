@@ -21,6 +21,8 @@ from tests.gluon_cases import (
     P,
     behind_tables,
     check_kernel_matches_reference,
+    check_ring_decode,
+    check_ring_reference,
     dense_reference,
     gpu_case,
     large_channel_keys,
@@ -121,6 +123,13 @@ def test_shared_codebooks_where_they_pay(monkeypatch):
     assert vq_decode.shared_splits(1, 8, 2048, True, "cpu", 8, 1) == 128
 
 
+@pytest.mark.parametrize("R, window", [(64, None), (256, 150), (32, 64 * 5 + 3)])
+def test_residual_ring_and_sliding_window(R, window):
+    """A residual window's ring as the tail split (its newest R tokens; with R < 64 staged ones before
+    them), the pages ending where it begins, and sliding windows, against dense attention (float64)."""
+    check_ring_reference(vq_decode_split_reference, build, R, window, 1e-6, layer=0)  # pages dequantized in float32
+
+
 BUILD_PRELUDE = """
 import re, subprocess
 from pathlib import Path
@@ -152,11 +161,12 @@ def build(kernel, sig, constexprs, **options):
 SM90_BUILD = BUILD_PRELUDE + """
 from moekv.ops.gluon.vq_kernel import vq_decode_kernel
 sig = {**TABLES, "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32",
-       "stride_st": "i32", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32",
+       "stride_st": "i32", "k_ring": "*bf16", "v_ring": "*bf16", "stride_rs": "i32", "stride_rh": "i32",
+       "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32",
        "num_splits": "i32", "ns_total": "i32", "split0": "i32", "HKV": "constexpr", "G": "constexpr",
-       "STAGED": "constexpr"}
-for G, staged in ((1, True), (4, False), (8, True)):
-    k, ops, loops = build(vq_decode_kernel, sig, {"HKV": 8, "G": G, "STAGED": staged}, num_warps=1)
+       "STAGED": "constexpr", "RING": "constexpr"}
+for G, staged, ring in ((1, True, False), (4, False, False), (8, True, False), (1, True, True), (8, True, True)):
+    k, ops, loops = build(vq_decode_kernel, sig, {"HKV": 8, "G": G, "STAGED": staged, "RING": ring}, num_warps=1)
     lo, hi = loops[0]  # the page loop (the tail's comes after it)
     gathers = sum(op == "LDG.E.64" and lo <= a <= hi for a, op, _ in ops)
     codes = sum(op == "LDG.E.128" and lo <= a <= hi for a, op, _ in ops)
@@ -167,22 +177,24 @@ for G, staged in ((1, True), (4, False), (8, True)):
 
 @pytest.mark.slow
 def test_kernel_module_compiles_for_sm90_without_a_gpu(tmp_path):
-    """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; with and
-    without the tail split): no shared memory (the tiles' layout conversions move registers within a
-    thread only), in the page loop 64 8-byte codeword gathers and 4 128-bit code loads, and no spill
-    there. In a fresh interpreter (other CPU tests set TRITON_INTERPRET=1 for the session)."""
+    """The Gluon kernel builds for the H200 (sm_90) with the ptxas Triton ships (groups 1, 4, 8; with and without
+    the tail split; with a residual window's ring as the tail): no shared memory (the tiles' layout conversions
+    move registers within a thread only), in the page loop 64 8-byte codeword gathers and 4 128-bit code loads,
+    and no spill there. In a fresh interpreter (other CPU tests set TRITON_INTERPRET=1 for the session)."""
     words = run_sm90_build(SM90_BUILD, cwd=tmp_path)
     builds = [words[i:i + 6] for i in range(0, len(words), 6)]
-    assert builds == [[g, s, "0", "64", "4", "0"] for g, s in (("1", "True"), ("4", "False"), ("8", "True"))], words
+    assert builds == [[g, s, "0", "64", "4", "0"] for g, s in (("1", "True"), ("4", "False"), ("8", "True"),
+                                                              ("1", "True"), ("8", "True"))], words
 
 
 SMEM_BUILD = BUILD_PRELUDE + """
 from moekv.ops.gluon.vq_smem_kernel import vq_smem_decode_kernel
 sig = {**TABLES, "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32",
-       "ns_total": "i32", "HKV": "constexpr", "G": "constexpr", "W": "constexpr", "STAGED": "constexpr"}
-for G, W, cap in ((1, 4, 168), (8, 8, 0), (4, 16, 128)):
-    k, ops, loops = build(vq_smem_decode_kernel, sig, {"HKV": 8, "G": G, "W": W, "STAGED": True}, num_warps=W,
-                          **({"maxnreg": cap} if cap else {}))
+       "ns_total": "i32", "R": "i32", "HKV": "constexpr", "G": "constexpr", "W": "constexpr", "STAGED": "constexpr",
+       "RING": "constexpr"}
+for G, W, cap, ring in ((1, 4, 168, False), (8, 8, 0, False), (4, 16, 128, False), (4, 4, 168, True)):
+    k, ops, loops = build(vq_smem_decode_kernel, sig, {"HKV": 8, "G": G, "W": W, "STAGED": True, "RING": ring},
+                          num_warps=W, **({"maxnreg": cap} if cap else {}))
     print(G, W, k.metadata.shared, sum(op == "LDS.64" for _, op, _ in ops),
           sum(op == "LDG.E.128" for _, op, _ in ops), len(loops),
           sum(op.startswith(("LDL", "STL")) and loops[0][0] <= a <= loops[0][1] for a, op, _ in ops))
@@ -191,15 +203,15 @@ for G, W, cap in ((1, 4, 168), (8, 8, 0), (4, 16, 128)):
 
 @pytest.mark.slow
 def test_shared_codebook_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    """The shared-codebook kernel builds for sm_90 (4 warps at the default 168 registers, 8 uncapped, 16 at
-    128): its only shared memory is the head's two e4m3 codebooks (64 kB: the codeword reads address it
-    from the dynamic shared memory's base, so nothing else may sit before it), the 64 codeword reads of
-    a page are LDS.64, the global 128-bit loads only the codes' 4 a page (and their first page's 4), and
-    the caps spill little in the page loop (none uncapped)."""
+    """The shared-codebook kernel builds for sm_90 (4 warps at the default 168 registers, 8 uncapped, 16 at 128; 4
+    at 168 with a residual window, whose pages end where the ring begins): its only shared memory is the head's
+    two e4m3 codebooks (64 kB: the codeword reads address it from the dynamic shared memory's base, so nothing
+    else may sit before it), the 64 codeword reads of a page are LDS.64, the global 128-bit loads only the
+    codes' 4 a page (and their first page's 4), and the caps spill little in the page loop (none uncapped)."""
     words = run_sm90_build(SMEM_BUILD, cwd=tmp_path)
     builds = [words[i:i + 7] for i in range(0, len(words), 7)]
     assert [b[:4] for b in builds] == [["1", "4", "65536", "64"], ["8", "8", "65536", "64"],
-                                       ["4", "16", "65536", "64"]], words
+                                       ["4", "16", "65536", "64"], ["4", "4", "65536", "64"]], words
     assert all(b[4] == "8" and b[5] == "1" for b in builds), words
     assert builds[1][6] == "0" and all(int(b[6]) <= 24 for b in builds), words
 
@@ -252,3 +264,16 @@ def test_gpu_staged_tail_and_window(G, window, codebooks):
         out = vq_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
                                   sliding_window=window, codebooks=codebooks)
         assert relative_error(out, ref) < 1e-2, ns
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("codebooks", ["global", "shared"])
+@pytest.mark.parametrize("R, window", [(256, None), (64, 100), (32, 64 * 5 + 3), (128, 1)])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_residual_ring(G, R, window, codebooks):
+    """A residual window's ring as the launch's tail split (RING), both kernels (the shared-codebook one's
+    pages ending where the ring begins), against dense attention over pages, ring and staging."""
+    from moekv.ops.gluon.vq_decode import vq_decode_attention
+
+    check_ring_decode(vq_decode_attention, build, G, R, window, layer=0, codebooks=codebooks)

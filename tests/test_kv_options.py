@@ -13,8 +13,8 @@ from moekv.kvcache.formats.vq import random_calibration
 TAKEN = {
     "auto": (), "bf16": (), "fp16": (), "fp32": (), "fp8_e4m3": (),
     "int4": ("group_size", "outlier_fraction"),
-    "nuq2": ("outlier_sigma", "calibration", "codebook", "quantize_kernel"),
-    "vq": ("calibration",),
+    "nuq2": ("outlier_sigma", "calibration", "codebook", "quantize_kernel", "residual"),
+    "vq": ("calibration", "residual"),
     "kivi2": ("residual", "kivi_residual", "group_size"),
     "tiered": ("rerank_interval", "tier1_fraction", "outlier_sigma", "calibration", "codebook", "fp8_pool_fraction",
                "fused_decode", "rank_window", "rank_after_prompt"),
@@ -40,7 +40,7 @@ def test_an_unknown_option_is_refused_with_the_accepted_ones(name, tmp_path):
 
 @pytest.mark.parametrize("name", KV_FORMAT_NAMES)
 def test_an_option_of_another_format_is_refused(name, tmp_path):
-    other = "residual" if name != "kivi2" else "rerank_interval"
+    other = "rerank_interval" if name in ("kivi2", "nuq2", "vq") else "residual"
     with pytest.raises(ValueError, match=f"does not take the option\\(s\\) \\['{other}'\\]"):
         get_kv_format(name, torch.bfloat16, **{other: 32})
 
@@ -67,7 +67,7 @@ def test_kv_options_for_keeps_only_what_a_format_takes():
         kv_options_for("int3", common)
 
 
-@pytest.mark.parametrize("name, option, value", [("int4", "kv_codebook", "page"), ("nuq2", "kv_residual", 64),
+@pytest.mark.parametrize("name, option, value", [("int4", "kv_codebook", "page"), ("fp8_e4m3", "kv_residual", 64),
                                                  ("fp8_e4m3", "kv_group_size", 64), ("bf16", "kv_rerank_interval", 8),
                                                  ("kivi2", "kv_outlier_sigma", 3.0)])
 def test_engine_config_refuses_an_option_the_format_does_not_take(name, option, value):

@@ -1,6 +1,7 @@
 """Prefill on exact K/V: a prefill chunk attends to its own tokens' K/V as the layer computed them and
-to earlier tokens as the cache stores them (dequantized pages, the staged page, kivi2's 16-bit
-window); the pages are written quantized all the same, and one-token rows (decode) read the cache."""
+to earlier tokens as the cache stores them (dequantized pages, the staged page, the 16-bit window of
+kivi2, nuq2 and vq); the pages are written quantized all the same, and one-token rows (decode) read
+the cache."""
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,10 @@ from tests.kv_formats import step_context
 
 COMPRESSED = list(compressed_formats())
 CALIBRATION = default_model_path() / "kv_calibration"  # the shipped model's (vq needs one): 2 KV heads, head_dim 128
-# kivi2: a window shorter than the prompts, so that later chunks read earlier ones from 2-bit pages;
-# tiered: re-ranked at every step, prefill chunks included
-ENGINE_OPTIONS = {"kivi2": {"kv_residual": 32}, "tiered": {"kv_rerank_interval": 1}}
+# kivi2, nuq2, vq: a window shorter than the prompts, so that later chunks read earlier ones from
+# 2-bit pages; tiered: re-ranked at every step, prefill chunks included
+ENGINE_OPTIONS = {"kivi2": {"kv_residual": 32}, "nuq2": {"kv_residual": 32}, "vq": {"kv_residual": 32},
+                  "tiered": {"kv_rerank_interval": 1}}
 
 
 def token_ids(n: int, seed: int) -> list[int]:
@@ -64,8 +66,9 @@ def attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 
 # (format, its options, what roundtrip stores its pages as, its 16-bit window)
-CASES = [("fp8_e4m3", {}, "fp8_e4m3", 0), ("int4", {}, "int4", 0), ("nuq2", {}, "nuq2", 0),
-         ("vq", {"calibration": CALIBRATION}, "vq", 0), ("kivi2", {"residual": 0}, "kivi2", 0),
+CASES = [("fp8_e4m3", {}, "fp8_e4m3", 0), ("int4", {}, "int4", 0), ("nuq2", {"residual": 0}, "nuq2", 0),
+         ("nuq2", {"residual": 64}, "nuq2", 64), ("vq", {"calibration": CALIBRATION, "residual": 0}, "vq", 0),
+         ("vq", {"calibration": CALIBRATION, "residual": 48}, "vq", 48), ("kivi2", {"residual": 0}, "kivi2", 0),
          ("kivi2", {"residual": 32}, "kivi2", 32), ("kivi2", {"residual": 64}, "kivi2", 64),
          ("tiered", {}, "fp8_e4m3", 0)]  # tiered: fresh pages go to FP8 (its pool has room for them all)
 

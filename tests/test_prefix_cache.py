@@ -143,7 +143,7 @@ def test_a_cached_prefix_reads_as_an_earlier_prefill_chunk(fmt, kwargs, calibrat
 
 
 @pytest.mark.parametrize("fmt, kwargs, same_tokens", [("fp32", {}, True), ("int4", {"block_size": 16}, True),
-                                                      ("nuq2", {"block_size": 16}, False)])
+                                                      ("nuq2", {"block_size": 16, "kv_residual": 0}, False)])
 @pytest.mark.slow
 def test_chunked_prefill_and_preemption_with_prefix_caching(fmt, kwargs, same_tokens, calibration):
     """A small token budget (prefill chunks after the cached pages) and a pool too small for every

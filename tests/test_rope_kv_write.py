@@ -16,6 +16,7 @@ from moekv.context import Context  # noqa: E402
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.kvcache.formats.interface import LayerKVCache
 from moekv.kvcache.formats.paged import stage_decode_tokens  # noqa: E402
+from moekv.kvcache.formats.vq import random_calibration  # noqa: E402
 from moekv.layers.attention import Attention  # noqa: E402
 from moekv.models.model_config import ModelConfig  # noqa: E402
 from moekv.ops.reference import apply_rotary_ref, rope_kv_write_ref, rotary_cos_sin_ref, write_kv_pages_ref  # noqa: E402
@@ -225,7 +226,7 @@ def prefill_ctx(chunks, block_size, pages_per_seq=4):
                    seq_slots=torch.arange(len(chunks), device=DEVICE), max_query_len=max(n for _, n in chunks))
 
 
-def test_which_formats_fuse():
+def test_which_formats_fuse(tmp_path):
     dev, P = torch.device(DEVICE), 32
     dec = decode_ctx([5, 40], [1, 0], P)
     k = torch.zeros(2, 2, 32, device=DEVICE)
@@ -233,17 +234,18 @@ def test_which_formats_fuse():
     t = plain.fused_rope_write_target(plain.allocate(4, 2, P, 32, dev, 2, torch.float16), k, dec)
     assert t is not None and not t.staged and t.index is dec.slot_mapping
     for name in ("int4", "fp8_e4m3", "nuq2"):
-        fmt = get_kv_format(name, torch.float16)
+        fmt = get_kv_format(name, torch.float16, **({"residual": 0} if name == "nuq2" else {}))
         cache = fmt.allocate(4, 2, P, 32, dev, 2, torch.float16)
         t = fmt.fused_rope_write_target(cache, k, dec)
         assert t.staged and t.k_dest is cache["k_staging"] and t.index is dec.seq_slots and t.k_ring is None, name
         assert fmt.fused_rope_write_target(cache, k, decode_ctx([5, 40], [1, 0], P, fills_no_page=False)) is None
         assert fmt.fused_rope_write_target(cache, torch.zeros(3, 2, 32, device=DEVICE),
                                            prefill_ctx([(0, 3)], P)) is None
-    kivi = get_kv_format("kivi2", torch.float16, residual=64)
-    cache = kivi.allocate(4, 2, P, 32, dev, 2, torch.float16)
-    t = kivi.fused_rope_write_target(cache, k, dec)
-    assert t.staged and t.k_ring is cache["k_residual"] and t.v_ring is cache["v_residual"]
+    for name, options in (("kivi2", {}), ("nuq2", {}), ("vq", {"calibration": random_calibration(tmp_path, 2, 32)})):
+        windowed = get_kv_format(name, torch.float16, residual=64, **options)  # a residual window: its ring too
+        cache = windowed.allocate(4, 2, P, 32, dev, 2, torch.float16)
+        t = windowed.fused_rope_write_target(cache, k, dec)
+        assert t.staged and t.k_ring is cache["k_residual"] and t.v_ring is cache["v_residual"], name
     kivi0 = get_kv_format("kivi2", torch.float16, residual=0)
     assert kivi0.fused_rope_write_target(kivi0.allocate(4, 2, P, 32, dev, 2, torch.float16), k, dec).k_ring is None
     tiered = get_kv_format("tiered", torch.float16)  # an eager step needs its write (counts steps, re-ranks)

@@ -84,12 +84,15 @@ FORMATS = {
     "int4": ("int4", {"group_size": 32}),
     "kivi2": ("kivi2", {"residual": 128}),
     "kivi2_g64": ("kivi2", {"residual": 128, "group_size": 64}),  # 2.5 bits: KIVI at nuq2's bits
-    "nuq2": ("nuq2", {"codebook": "page"}),  # per-page k-means codebooks (calibrated ones keep the reference path)
-    "vq": ("vq", {}),  # calibration: a random one made at start (or --vq-calibration)
+    # per-page k-means codebooks (calibrated ones keep the reference path); no residual window
+    "nuq2": ("nuq2", {"codebook": "page", "residual": 0}),
+    "nuq2_r128": ("nuq2", {"codebook": "page", "residual": 128}),  # its default 16-bit window of 128 tokens
+    "vq": ("vq", {"residual": 0}),  # calibration: a random one made at start (or --vq-calibration)
+    "vq_r256": ("vq", {"residual": 256}),  # its default 16-bit window of 256 tokens
     "tiered": ("tiered", {}),
-    "nuq2_eager": ("nuq2", {"codebook": "page"}),
-    "nuq2_first": ("nuq2", {"codebook": "page"}),
-    "nuq2_noslots": ("nuq2", {"codebook": "page"}),
+    "nuq2_eager": ("nuq2", {"codebook": "page", "residual": 0}),
+    "nuq2_first": ("nuq2", {"codebook": "page", "residual": 0}),
+    "nuq2_noslots": ("nuq2", {"codebook": "page", "residual": 0}),
 }
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}
@@ -178,7 +181,7 @@ def build_cache(fmt, batch: int, context: int, block_size: int, device, gen):
             cache[name].normal_(generator=gen)
             if tail:
                 cache[name][:, :, tail:] = 0
-        for name in ("k_residual", "v_residual"):  # kivi2's 16-bit ring of the newest tokens
+        for name in ("k_residual", "v_residual"):  # a residual window's 16-bit ring of the newest tokens
             if name in cache.tensors:
                 cache[name].normal_(generator=gen)
     del k, v
@@ -420,8 +423,8 @@ def timed_and_checked(row: dict, run, ref, base: dict, nbytes: int, args) -> Non
 
 def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> dict:
     """nuq2, int4, kivi2, vq or fp8_e4m3 through the engine's Gluon path (decode_kernel='gluon': pools in
-    fragment order, KVFormat.attend -> moekv/ops/gluon/<format>_decode.py, the staged tail (kivi2: and its
-    residual ring) as the launch's extra split, the default split count), timed and checked as the Triton
+    fragment order, KVFormat.attend -> moekv/ops/gluon/<format>_decode.py, the staged tail (and a residual
+    window's ring) as the launch's extra split, the default split count), timed and checked as the Triton
     rows are: row `<label>_gluon`."""
     from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages
 
@@ -455,12 +458,14 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
 
         used = None
         per_page_head = VQFragmentPages.kernel_bytes_per_page_head()
-    else:  # kivi2: codes, scales and zeros; the tail is the residual ring's R tokens (or the staged page's)
-        from moekv.ops.gluon.kivi2_decode import quantized_tokens
+    else:  # kivi2: codes, scales and zeros
         from moekv.ops.gluon.kivi2_layout import Kivi2FragmentPages
 
         used = None
         per_page_head = Kivi2FragmentPages.kernel_bytes_per_page_head(None)
+    if getattr(fmt, "residual", 0):  # a residual window (kivi2, nuq2, vq): the tail is the ring's R tokens
+        from moekv.ops.gluon.splits import quantized_tokens
+
         quantized = quantized_tokens(context, True, fmt.residual)
         pages, tail_tokens = -(-quantized // args.block_size), context - quantized
     nbytes = int(batch * NUM_KV_HEADS * (pages * per_page_head + tail_tokens * HEAD_DIM * 4)
@@ -497,9 +502,10 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
 
             frag = fmt.fragment_view(cache)
             staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
+            ring = (cache["k_residual"], cache["v_residual"]) if fmt.residual else None
             def launch(**options):
                 return lambda: vq_decode_attention(q, frag, ctx.block_tables, ctx.context_lens, scale, staged=staged,
-                                                   **options)
+                                                   residual=ring, **options)
             row["codebooks_ms"], row["codebooks_err"] = {}, {}
             for name, options in GLUON_VQ_CODEBOOKS.items():  # where the codewords are read from
                 out = launch(**options)()

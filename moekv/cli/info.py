@@ -56,13 +56,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     if cfg.mla is not None:
         return _latent_cache_rows(cfg, args.block_size)
     where = f"block_size {args.block_size}" if args.block_size else "each format at its default block_size"
-    print(f"\nKV cache per token (all {cfg.num_layers} layers, K and V, {where}):")
+    print(f"\nKV cache per token (all {cfg.num_layers} layers, K and V, {where}; bits per element of a full page, "
+          f"then of one sequence at 4k and 32k tokens: its pages, staging page and 16-bit window):")
     for name in KV_FORMAT_NAMES:
         if name == "auto":
             continue
         block_size = args.block_size or default_block_size(name)  # the engine's default page
         try:
-            options = dict(group_size=args.kv_group_size,
+            options = dict(group_size=args.kv_group_size, residual=args.kv_residual,
                            calibration=args.kv_calibration or shipped_kv_calibration(args.model))
             fmt = get_kv_format(name, cfg.torch_dtype, decode_kernel=args.decode_kernel,
                                 **kv_options_for(name, options))
@@ -75,7 +76,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         page = fmt.page_bytes(cfg.num_kv_heads, block_size, cfg.head_dim)
         per_token = cfg.num_layers * page / block_size
         bits = fmt.bits_per_element(cfg.num_kv_heads, block_size, cfg.head_dim)
-        print(f"  {name:<10} {per_token:>10,.0f} bytes/token  {bits:5.2f} bits/element  (block_size {block_size})")
+        at = [fmt.bits_per_element_at(n, cfg.num_kv_heads, block_size, cfg.head_dim) for n in (4096, 32768)]
+        print(f"  {name:<10} {per_token:>10,.0f} bytes/token  {bits:5.2f} bits/element  {at[0]:5.2f} at 4k  "
+              f"{at[1]:5.2f} at 32k  (block_size {block_size})")
     return 0
 
 
@@ -145,6 +148,8 @@ def add_info_parser(subparsers) -> argparse.ArgumentParser:
     info.add_argument("--block-size", type=int, default=None,
                       help="tokens per page (default: the engine's, 16 for plain formats and 64 for compressed ones)")
     info.add_argument("--kv-group-size", type=int, default=32, help="elements per scale group of the grouped formats")
+    info.add_argument("--kv-residual", type=int, default=None,
+                      help="newest tokens kept in 16-bit by kivi2, nuq2 and vq (default: each format's own; 0: none)")
     info.add_argument("--kv-calibration", default=None,
                       help="kv_calibration folder (default: the checkpoint's own, if it has one)")
     info.add_argument("--decode-kernel", choices=DECODE_KERNELS, default=DEFAULT_DECODE_KERNEL,

@@ -9,7 +9,7 @@ into the cache. Two destinations:
 - pages [N, Hkv, P, D] at slot_mapping[t] = page * P + offset (plain formats, any step);
 - staging pages [S, Hkv, P, D] at (seq_slots[t], position[t] % P) (staged compressed formats on
   a decode step that fills no page: one token per sequence, what `stage_decode_tokens` does),
-  optionally also a residual ring [S, Hkv, R, D] at (seq_slots[t], position[t] % R) (kivi2).
+  optionally also a residual ring [S, Hkv, R, D] at (seq_slots[t], position[t] % R) (kivi2, nuq2, vq).
 
 The rotation is the one of ops/rotary.py, same fp32 expression: the rotated k is rounded to the
 model dtype first, then to the cache's dtype, as the unfused path does, so both paths store the

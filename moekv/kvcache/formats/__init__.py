@@ -136,7 +136,7 @@ def engine_options() -> dict[str, KVOption]:
                                 f"and choices {option.choices}; another format with {seen.default!r}, {seen.choices}")
             if option.help not in seen.help.split("; "):
                 merged[option.name] = KVOption(seen.name, seen.default, f"{seen.help}; {option.help}",
-                                               choices=seen.choices)
+                                               choices=seen.choices, kind=seen.kind)
     return merged
 
 

@@ -8,9 +8,9 @@
   unquantized, which protects the tokens attention leans on most while decoding.
 
 Pages are quantized as soon as they are full, as in every paged format; the residual window lives
-beside them in a per-sequence 16-bit ring of R tokens (`k_residual`, `v_residual`), and `gather`
-substitutes the ring's tokens for the dequantized ones (a prefill chunk reads its own tokens as
-computed, the ring only for earlier ones: dense.with_step_kv). The ring's bytes are counted in
+beside them in a per-sequence 16-bit ring of R tokens (residual.py, shared with nuq2 and vq), and
+`gather` substitutes the ring's tokens for the dequantized ones (a prefill chunk reads its own tokens
+as computed, the ring only for earlier ones: dense.with_step_kv). The ring's bytes are counted in
 `staging_bytes_per_seq`. The group G is KIVI's 32 by default; the engine's kv_group_size sets
 it (32 or 64: G = 64 halves the scales and zeros, 2.5 bits/element instead of 3, which puts
 kivi2 at nuq2's bits for a like-for-like comparison). R must be a multiple of G, so the ring is
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
-from moekv.kvcache.formats.interface import RopeWriteTarget
 from moekv.kvcache.formats.options import KVOption, one_of
-from moekv.kvcache.formats.paged import Field, PageLayout, can_stage_with_fills, per_shape
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
+from moekv.kvcache.formats.residual import ResidualWindow, gluon_ring, residual_option
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
@@ -43,21 +43,14 @@ def _gluon_covers(fmt: KIVI2Format, block_size: int, head_dim: int) -> str | Non
             f"got block_size {block_size}, head_dim {head_dim}, group {fmt.group}")
 
 
-def _gluon_ring(fmt: KIVI2Format, cache) -> dict:
-    """The residual ring, read by the Gluon kernel beside the staged newest page as its extra split."""
-    return {"residual": (cache["k_residual"], cache["v_residual"]) if fmt.residual else None}
-
-
-class KIVI2Format(FragmentPagedFormat):
+class KIVI2Format(ResidualWindow, FragmentPagedFormat):
     name = "kivi2"
     # its pages converted from the slabs into the kernel's fragment order when written (kivi2_layout.py)
     gluon_kernel = GluonKernel("moekv.ops.gluon.kivi2_layout", "moekv.ops.gluon.kivi2_decode:kivi2_decode_attention",
-                               _gluon_covers, decode_options=_gluon_ring)
-    default_residual = 128  # KIVI's R (EngineConfig(kv_residual=...) passes it through the registry)
+                               _gluon_covers, decode_options=gluon_ring)
+    default_residual = 128  # KIVI's R, taken where kv_residual is None (its default)
     engine_options = (
-        KVOption("residual", default_residual, "kivi2: newest tokens kept in 16-bit (a multiple of 32)",
-                 lambda r: None if isinstance(r, int) and not isinstance(r, bool) and r >= 0 and r % GROUP == 0
-                 else f"must be a multiple of {GROUP} (0 = no full-precision window)"),
+        residual_option("kivi2", GROUP),  # whole key groups (the constructor checks the group it takes)
         KVOption("group_size", GROUP,
                  "kivi2: tokens (keys) and channels (values) per group (32 or 64)", one_of(32, 64)),
     )
@@ -68,19 +61,8 @@ class KIVI2Format(FragmentPagedFormat):
         self.group = group_size
         if residual is not None and kivi_residual is not None and residual != kivi_residual:
             raise ValueError(f"kivi2: residual={residual!r} and kivi_residual={kivi_residual!r} disagree; give one")
-        r = residual if residual is not None else kivi_residual
-        r = self.default_residual if r is None else r
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0 or r % self.group:
-            raise ValueError(f"kivi2: residual={r!r} must be an integer >= 0 and a multiple of {self.group} "
-                             f"(the residual window is kept in whole {self.group}-token groups)")
-        self.residual = r
-
-    def prefix_caching_unsupported(self) -> str | None:
-        if self.residual == 0:
-            return None  # pages alone hold the context: shared as they are
-        return (f"its residual window (the newest {self.residual} tokens in 16-bit) lives in a per-sequence ring "
-                "that shared pages do not carry: a request starting from cached pages would read window "
-                "tokens it never computed; use kv_residual=0 to share pages")
+        # the residual window is kept in whole key groups
+        self.set_residual(residual if residual is not None else kivi_residual, self.default_residual, self.group)
 
     def value_group(self, head_dim: int) -> int:
         """Channels per value group: G, or the whole head when it is narrower than G."""
@@ -101,14 +83,6 @@ class KIVI2Format(FragmentPagedFormat):
         else:
             side = (block_size, head_dim // self.value_group(head_dim))  # per (token, channel group)
         return PageLayout([codes, Field("scale", torch.float16, side), Field("zero", torch.float16, side)])
-
-    def residual_bytes_per_seq(self, num_kv_heads: int, head_dim: int) -> int:
-        """Bytes of one sequence's residual ring (one layer, K and V, 16-bit)."""
-        return 2 * num_kv_heads * self.residual * head_dim * 2
-
-    def staging_bytes_per_seq(self, num_kv_heads, block_size, head_dim) -> int:
-        return (super().staging_bytes_per_seq(num_kv_heads, block_size, head_dim)
-                + self.residual_bytes_per_seq(num_kv_heads, head_dim))
 
     # -- quantize / dequantize -------------------------------------------------------------------
     def quantize(self, x, kind, layer=None):
@@ -138,56 +112,6 @@ class KIVI2Format(FragmentPagedFormat):
         from moekv.ops.decode.kivi2 import kivi2_spec  # the tile readers take G (32 or 64) as a parameter
 
         return kivi2_spec(self, block_size, head_dim)
-
-    # -- residual ring ---------------------------------------------------------------------------
-    def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype):
-        cache = super().allocate(num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype)
-        ring_dtype = cache["k_staging"].dtype
-        for name in ("k", "v"):
-            # [max_num_seqs, Hkv, R, D]: position p of a sequence sits at row p % R
-            cache.tensors[f"{name}_residual"] = torch.zeros(max_num_seqs, num_kv_heads, self.residual, head_dim,
-                                                            dtype=ring_dtype, device=device)
-        return cache
-
-    def write(self, cache, k, v, ctx) -> None:
-        super().write(cache, k, v, ctx)  # full pages quantized, partial page staged
-        if self.residual == 0:
-            return
-        if can_stage_with_fills(k, ctx):  # one token per sequence: one indexed copy, no host sync
-            rows = ctx.positions % self.residual  # [B]
-            for name, x in (("k", k), ("v", v)):
-                ring = cache[f"{name}_residual"]
-                ring[ctx.seq_slots, :, rows] = x.to(ring.dtype)
-            return
-        host = ctx.host_lists()
-        starts = host.query_start
-        for b, (end, slot) in enumerate(zip(host.context_lens, host.seq_slots)):
-            lo, hi = starts[b], starts[b + 1]
-            keep = min(hi - lo, self.residual)  # older tokens of this step would be overwritten anyway
-            if keep == 0:
-                continue
-            rows = torch.arange(end - keep, end, device=k.device) % self.residual  # [keep]
-            for name, x in (("k", k[hi - keep:hi]), ("v", v[hi - keep:hi])):  # x [keep, Hkv, D]
-                ring = cache[f"{name}_residual"]
-                ring[slot, :, rows] = x.transpose(0, 1).to(ring.dtype)
-
-    def fused_rope_write_target(self, cache, k, ctx):
-        if not can_stage_with_fills(k, ctx):
-            return None
-        rings = (cache["k_residual"], cache["v_residual"]) if self.residual else (None, None)
-        return RopeWriteTarget(cache["k_staging"], cache["v_staging"], ctx.seq_slots, True, *rings)
-
-    def gather(self, cache, ctx, b, length, kind):
-        # the ring holds the sequence's newest R positions, [context_len - R, context_len): those of
-        # the first `length` read from it, the older ones from the pages (and the staged page)
-        start = max(0, ctx.host_lists().context_lens[b] - self.residual)
-        if self.residual == 0 or start >= length:
-            return super().gather(cache, ctx, b, length, kind)
-        parts = [super().gather(cache, ctx, b, start, kind)] if start else []
-        ring = cache[("k" if kind == "key" else "v") + "_residual"][ctx.host_lists().seq_slots[b]]  # [Hkv, R, D]
-        rows = torch.arange(start, length, device=ring.device) % self.residual  # [length - start]
-        parts.append(ring[:, rows].transpose(0, 1).float())
-        return torch.cat(parts)  # [length, Hkv, D] fp32
 
 
 def _asym_quantize(groups: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -36,6 +36,7 @@ from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.options import CALIBRATION, KVOption, one_of, positive
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
+from moekv.kvcache.formats.residual import RESIDUAL_OPTION, ResidualWindow, gluon_ring
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -199,13 +200,17 @@ def _gluon_covers(fmt: NUQ2Format, block_size: int, head_dim: int) -> str | None
 CODEBOOKS = ("auto", "page", "calibrated")
 
 
-class NUQ2Format(FragmentPagedFormat):
+class NUQ2Format(ResidualWindow, FragmentPagedFormat):
     name = "nuq2"
     # its pages converted from the slabs into the kernel's fragment order when written (nuq2_layout.py);
     # 'auto' takes it on sm_90 for the covered shape
     gluon_kernel = GluonKernel("moekv.ops.gluon.nuq2_layout", "moekv.ops.gluon.nuq2_decode:nuq2_decode_attention",
-                               _gluon_covers, marker="k_slot_delta")
+                               _gluon_covers, marker="k_slot_delta", decode_options=gluon_ring)
+    # the newest tokens in 16-bit (residual.py): 128 took domain-moe's perplexity cost from +4.2% to
+    # +1.9% at 2.41 bits a token at 32k (docs/decisions.md, "nuq2's and vq's residual window")
+    default_residual = 128
     engine_options = (
+        RESIDUAL_OPTION,
         KVOption("outlier_sigma", 3.5, "nuq2: outlier threshold in std devs", positive),
         CALIBRATION,
         KVOption("codebook", "auto",
@@ -214,15 +219,17 @@ class NUQ2Format(FragmentPagedFormat):
     )
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
-                 codebook: str = "auto", quantize_kernel: bool | None = None) -> None:
+                 codebook: str = "auto", quantize_kernel: bool | None = None, residual: int | None = None) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
         (calibrated when the calibration folder has nuq2 codebooks, else per page).
+        residual: the newest tokens kept in 16-bit (None: default_residual; 0: none).
         quantize_kernel: quantize pages on CUDA with the fused kernel (moekv/ops/nuq2_quantize.py);
         None reads MOEKV_NUQ2_QUANTIZE_KERNEL (moekv/envs.py: default on; 0 keeps the torch
         reference, for benchmarks that compare the two)."""
         if quantize_kernel is None:
             quantize_kernel = envs.nuq2_quantize_kernel()
         self.quantize_kernel = bool(quantize_kernel)
+        self.set_residual(residual, self.default_residual)
         if not outlier_sigma > 0:
             raise ValueError(f"outlier_sigma={outlier_sigma!r} must be > 0")
         self.tau = float(outlier_sigma)

@@ -24,6 +24,7 @@ class KVOption:
     help: str
     check: Callable[[Any], str | None] | None = None
     choices: tuple[str, ...] | None = None
+    kind: type | None = None  # what the flag's string becomes when the default (None) does not say
 
     @property
     def field(self) -> str:
@@ -32,7 +33,9 @@ class KVOption:
 
     @property
     def value_type(self) -> type:
-        """What the flag's string becomes: the default's type (str where the default is None: a path)."""
+        """What the flag's string becomes: `kind`, else the default's type (str where the default is None: a path)."""
+        if self.kind is not None:
+            return self.kind
         return str if self.default is None else type(self.default)
 
     def refusal(self, value: Any) -> str | None:

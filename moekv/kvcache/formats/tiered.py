@@ -136,7 +136,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     engine_options = (
         KVOption("rerank_interval", 32, "tiered: decode steps between re-rankings", integer_at_least(1)),
         KVOption("tier1_fraction", 0.15, "tiered: share of pages kept in FP8", fraction),
-        *NUQ2Format.engine_options,
+        *(option for option in NUQ2Format.engine_options if option.name != "residual"),  # its low tier has no window
         KVOption("rank_window", 0, "tiered: only the last N queries of each prompt chunk add to the page ranking's "
                  "attention mass (0: all)", integer_at_least(0)),
         KVOption("rank_after_prompt", False,
@@ -163,7 +163,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         self.rank_window = rank_window
         self.rank_after_prompt = rank_after_prompt
         self.hi = FP8Format()
-        self.lo = NUQ2Format(outlier_sigma=outlier_sigma, calibration=calibration, codebook=codebook)
+        self.lo = NUQ2Format(outlier_sigma=outlier_sigma, calibration=calibration, codebook=codebook, residual=0)
         self.rerank_interval = rerank_interval
         self.tier1_fraction = tier1_fraction
         self.fp8_pool_fraction = fp8_pool_fraction if fp8_pool_fraction is not None else min(1.0, tier1_fraction + 0.1)

@@ -38,6 +38,7 @@ from moekv.kvcache.formats.nuq2 import (
 )
 from moekv.kvcache.formats.options import CALIBRATION
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
+from moekv.kvcache.formats.residual import RESIDUAL_OPTION, ResidualWindow, gluon_ring
 
 CODEBOOK_SIZE = 256  # uint8 codes
 SUB_DIM = 8  # channels per code: 1 bit/element for the codes (d = 4 would be 2 bits before any scale)
@@ -156,14 +157,17 @@ def _gluon_covers(fmt: VQFormat, block_size: int, head_dim: int) -> str | None:
             f"got block_size {block_size}, head_dim {head_dim}, {fmt.sub_dim}-channel codes")
 
 
-class VQFormat(FragmentPagedFormat):
+class VQFormat(ResidualWindow, FragmentPagedFormat):
     name = "vq"
     # its pages converted from the slabs into the kernel's fragment order when written; the view of a
     # pool carries its layer's codebooks and key channel scales (vq_layout.py)
     gluon_kernel = GluonKernel("moekv.ops.gluon.vq_layout", "moekv.ops.gluon.vq_decode:vq_decode_attention",
-                               _gluon_covers)
+                               _gluon_covers, decode_options=gluon_ring)
     needs_calibration = True
-    engine_options = (CALIBRATION,)
+    # the newest tokens in 16-bit (residual.py): on domain-moe vq wants 256 where nuq2 settles at 128
+    # (docs/decisions.md, "nuq2's and vq's residual window")
+    default_residual = 256
+    engine_options = (CALIBRATION, RESIDUAL_OPTION)
     # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
     # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
@@ -171,7 +175,10 @@ class VQFormat(FragmentPagedFormat):
     calibration_fitter = CalibrationFitter(fit_tables, {"sub_dim": SUB_DIM, "iters": 16, "max_vectors": 16384},
                                            calibration_summary)
 
-    def __init__(self, calibration: str | Path | None = None) -> None:
+    def __init__(self, calibration: str | Path | None = None, residual: int | None = None) -> None:
+        """calibration: the folder from `moekv calibrate`; residual: the newest tokens kept in 16-bit
+        (None: default_residual; 0: none)."""
+        self.set_residual(residual, self.default_residual)
         if calibration is None:
             raise ValueError(NEEDS_CALIBRATION)
         self.tables = {name: e4m3_codewords(t) if name.endswith(".codebook") else t

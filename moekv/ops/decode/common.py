@@ -102,7 +102,7 @@ class DecodeSpec:
     # the newest page (partly filled, or full: a decode step quantizes the pages it fills after all
     # layers have attended) is read from k_staging / v_staging ([S, Hkv, P, D])
     staged: bool = False
-    residual: int = 0  # kivi2: the newest R tokens are read from k_residual / v_residual ([S, Hkv, R, D])
+    residual: int = 0  # a residual window (kivi2, nuq2, vq): the newest R tokens from k_residual / v_residual
     # per-layer tables outside the pages (e.g. vq's codebooks): up to NUM_TABLES tensors [Hkv, ...],
     # each contiguous per head, or a function of the cache (a LayerKVCache: its .layer) returning
     # them. When there are any, every hook (fn, fold_fn, fix_fn; not outlier_fn) takes their

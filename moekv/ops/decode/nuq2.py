@@ -486,10 +486,11 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
             readers.append(TileReader(nuq2_value_tile, params, planes=4,
                                       fix_fn=value_fix if n_slots else None))
     if not fmt.calibrated:
-        return DecodeSpec(key=readers[0], value=readers[1], staged=True, **spec_launch("nuq2", block_size))
+        return DecodeSpec(key=readers[0], value=readers[1], staged=True, residual=fmt.residual,
+                          **spec_launch("nuq2", block_size))
 
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
-    return DecodeSpec(key=readers[0], value=readers[1], staged=True, tables=tables,
+    return DecodeSpec(key=readers[0], value=readers[1], staged=True, residual=fmt.residual, tables=tables,
                       **spec_launch("nuq2", block_size))

@@ -190,4 +190,5 @@ def vq_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
-    return DecodeSpec(key=key, value=value, staged=True, tables=tables, **spec_launch("vq", block_size))
+    return DecodeSpec(key=key, value=value, staged=True, residual=fmt.residual, tables=tables,
+                      **spec_launch("vq", block_size))

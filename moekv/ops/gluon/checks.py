@@ -45,3 +45,26 @@ def check_extras(staged: Staged | None, sliding_window: int | None, B: int, Hkv:
         raise ValueError("nuq2 Gluon decode: staging tensors need unit channel stride and equal strides")
     if seq_slots.shape != (B,):
         raise ValueError(f"nuq2 Gluon decode: seq_slots must be [B={B}], got {tuple(seq_slots.shape)}")
+
+
+Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring): a residual window's ring at the staging's slots
+
+
+def check_residual(residual: Residual | None, staged: Staged | None, Hkv: int, fmt: str, multiple: int = 1) -> int:
+    """R, the ring's rows (0 without one), or ValueError when the ring does not fit: it needs the staged
+    tail (its seq_slots), the staging's slots, Hkv and head_dim, and R a multiple of `multiple`."""
+    if residual is None:
+        return 0
+    if staged is None:
+        raise ValueError(f"{fmt} Gluon decode: the residual ring comes with the staged tail (its seq_slots)")
+    k_ring, v_ring = residual
+    if (k_ring.dim() != 4 or k_ring.shape[1] != Hkv or k_ring.shape[3] != HEAD_DIM or v_ring.shape != k_ring.shape
+            or k_ring.shape[0] != staged[0].shape[0]):
+        raise ValueError(f"{fmt} Gluon decode: residual rings must be [S, {Hkv}, R, {HEAD_DIM}] like the staging, "
+                         f"got {tuple(k_ring.shape)} and {tuple(v_ring.shape)}")
+    if k_ring.stride(-1) != 1 or v_ring.stride() != k_ring.stride():
+        raise ValueError(f"{fmt} Gluon decode: residual rings need unit channel stride and equal strides")
+    R = k_ring.shape[2]
+    if R % multiple:
+        raise ValueError(f"{fmt} Gluon decode: the residual window R={R} must be a multiple of {multiple}")
+    return R

@@ -1,6 +1,7 @@
 """What the Gluon decode kernels of several formats share (nuq2, int4, kivi2, fp8_e4m3, vq, tiered
 *_kernel.py): a program's sequence and split, the online softmax, the 16-bit operand helpers, the staged
-16-bit tail and the split partials' stores, and the [64 tokens, 4 groups] side tables of int4 and kivi2.
+16-bit tail (and a residual window's ring beside it) and the split partials' stores, and the [64 tokens,
+4 groups] side tables of int4 and kivi2.
 
 The kernels are one warp per program, program (b * Hkv + h, split), swap-AB products on mma_v2
 (m16n8k16) with the group's query heads as N (padded to 8): scores S^T [tokens, 8], output O^T
@@ -143,6 +144,39 @@ def staged_tile(k_row, v_row, stride_st, q_ptr, head0, m_i, l_i, acc, qk_scale, 
         tc = t0 + tok_c
         vmask = gl.expand_dims(chan_r < 128, 1) & gl.expand_dims((tc < n_valid) & (tc >= n_first), 0)
         vt = gl.load(v_row + gl.expand_dims(tc, 0) * stride_st + gl.expand_dims(chan_r, 1), mask=vmask,
+                     other=0.0).to(DT)
+        acc = gl.nvidia.ampere.mma_v2(vt, pb, acc)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def ring_tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr, head0, m_i, l_i, acc, qk_scale,
+                    lo, length, G: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
+    """The 16-bit tail with a residual ring (kivi2, nuq2, vq): tokens [lo, length), 16 a step; token t
+    from the ring (row t % R) when t >= length - R, else from the staging page (row t % 64), each
+    token from one place (one load an element). q in its own 16-bit type (bf16 or fp16; the ring and
+    staging are converted to it)."""
+    DT: gl.constexpr = q_ptr.dtype.element_ty
+    qb = q_operand(q_ptr, head0, G, LB)
+    tok_r, chan_c, chan_r, tok_c, tok, s0 = tail_aranges(LA, MMA)
+    ring_lo = length - R  # tokens from here on are in the ring
+    r_safe = gl.maximum(R, 1)
+    for t0 in range(lo, length, 16):  # every chunk's first token is valid
+        tr = t0 + tok_r
+        ring_r = gl.expand_dims(tr >= ring_lo, 1)  # each token from one place: one load an element
+        k_src = gl.where(ring_r, k_ring + gl.expand_dims(tr % r_safe, 1) * stride_rt,
+                         k_stage + gl.expand_dims(tr % PAGE, 1) * stride_st)
+        k = gl.load(k_src + gl.expand_dims(chan_c, 0), mask=gl.expand_dims((tr < length) & (tr >= lo), 1),
+                    other=0.0).to(DT)
+        s = gl.nvidia.ampere.mma_v2(k, qb, s0)  # S^T [16, 8]
+        t = t0 + tok
+        valid = gl.expand_dims((t < length) & (t >= lo), 1)
+        m_i, l_i, acc, pb = softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT, LB)
+        tc = t0 + tok_c
+        ring_c = gl.expand_dims(tc >= ring_lo, 0)
+        v_src = gl.where(ring_c, v_ring + gl.expand_dims(tc % r_safe, 0) * stride_rt,
+                         v_stage + gl.expand_dims(tc % PAGE, 0) * stride_st)
+        vt = gl.load(v_src + gl.expand_dims(chan_r, 1), mask=gl.expand_dims((tc < length) & (tc >= lo), 0),
                      other=0.0).to(DT)
         acc = gl.nvidia.ampere.mma_v2(vt, pb, acc)
     return m_i, l_i, acc

@@ -33,7 +33,7 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.checks import Staged, check_extras
+from moekv.ops.gluon.checks import Residual, Staged, check_extras, check_residual
 from moekv.ops.gluon.checks import check_inputs as check_pages
 from moekv.ops.gluon.kivi2_layout import (
     GROUP,
@@ -45,10 +45,16 @@ from moekv.ops.gluon.kivi2_layout import (
     codes_from_fragment,
     key_side_by_channel,
 )
-from moekv.ops.gluon.launch import check_device, gluon_missing, plan_launch, reduce_on_device, register_cap
-from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, window_start
+from moekv.ops.gluon.launch import (
+    check_device,
+    gluon_missing,
+    plan_launch,
+    reduce_on_device,
+    register_cap,
+    ring_args,
+)
+from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, tail_tokens, window_start
 
-Residual = tuple  # (k_ring [S, Hkv, R, 128], v_ring)
 # ptxas's register cap: the staged kernel takes ~250 registers uncapped (8 one-warp programs an SM);
 # 168 holds 12, with no spill inside the loops at G 1 / 4 / 8 (sm_90 builds)
 DEFAULT_MAX_REGISTERS = 168
@@ -69,21 +75,7 @@ def check_inputs(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.
     """(B, Hkv, G, R), or ValueError naming what does not fit."""
     B, Hkv, G = check_pages(q, frag, block_tables, context_lens, num_splits, "kivi2")
     check_extras(staged, sliding_window, B, Hkv)
-    R = 0
-    if residual is not None:
-        if staged is None:
-            raise ValueError("kivi2 Gluon decode: the residual ring comes with the staged tail (its seq_slots)")
-        k_ring, v_ring = residual
-        if (k_ring.dim() != 4 or k_ring.shape[1] != Hkv or k_ring.shape[3] != HEAD_DIM or v_ring.shape != k_ring.shape
-                or k_ring.shape[0] != staged[0].shape[0]):
-            raise ValueError(f"kivi2 Gluon decode: residual rings must be [S, {Hkv}, R, {HEAD_DIM}] like the staging, "
-                             f"got {tuple(k_ring.shape)} and {tuple(v_ring.shape)}")
-        if k_ring.stride(-1) != 1 or v_ring.stride() != k_ring.stride():
-            raise ValueError("kivi2 Gluon decode: residual rings need unit channel stride and equal strides")
-        R = k_ring.shape[2]
-        if R % GROUP:
-            raise ValueError(f"kivi2 Gluon decode: the residual window R={R} must be a multiple of {GROUP}")
-    return B, Hkv, G, R
+    return B, Hkv, G, check_residual(residual, staged, Hkv, "kivi2", GROUP)
 
 
 # -- the reference (what the kernel computes) ----------------------------------------------------------
@@ -120,23 +112,6 @@ def _page_values(p: torch.Tensor, frag: Kivi2FragmentPages, pages: torch.Tensor,
     o = torch.einsum("nhtgc,nhktg->hkgc", codes, p_g).reshape(H, -1, HEAD_DIM)
     z = torch.einsum("nhtg,nhkt->hkg", vz, p16)  # [H, G, groups], added to each channel of the group
     return o + z.repeat_interleave(GROUP, dim=-1)
-
-
-def tail_tokens(staged: Staged, residual: Residual | None, b: int, quantized: int, length: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 16-bit tail [quantized, length) of sequence b: (k, v) [H, T, D], ring rows where t >= length - R,
-    staging rows elsewhere."""
-    k_stage, v_stage, seq_slots = staged
-    slot = int(seq_slots[b])
-    t = torch.arange(quantized, length, device=k_stage.device)
-    k = k_stage[slot][:, t % PAGE_TOKENS].to(dtype)
-    v = v_stage[slot][:, t % PAGE_TOKENS].to(dtype)
-    if residual is not None and residual[0].shape[2]:
-        R = residual[0].shape[2]
-        ring = (t >= length - R)[None, :, None]
-        k = torch.where(ring, residual[0][slot][:, t % R].to(dtype), k)
-        v = torch.where(ring, residual[1][slot][:, t % R].to(dtype), v)
-    return k, v
 
 
 def kivi2_decode_split_reference(q: torch.Tensor, frag: Kivi2FragmentPages, block_tables: torch.Tensor,
@@ -206,11 +181,7 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
     if codes_smem is None:
         codes_smem = run.fills_wave
-    if R:
-        k_ring, v_ring = residual
-        rt = k_ring.stride()
-    else:
-        k_ring, v_ring, rt = run.k_stage, run.v_stage, (0, 0, 0)
+    k_ring, v_ring, rt = ring_args(run, residual if R else None)
     kivi2_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_scale, frag.k_zero, frag.v_scale, frag.v_zero,
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,

@@ -36,14 +36,13 @@ from moekv.ops.gluon.common import (
     by_group,
     program_sequence,
     q_operand,
+    ring_tail_tiles,
     softmax_halves,
-    softmax_step,
     split_groups,
     split_range,
     store_groups,
     store_lse,
     store_tail_partial,
-    tail_aranges,
 )
 from moekv.ops.gluon.prefetch import prefetch_four_tables
 
@@ -172,38 +171,6 @@ def _half_values(acc0, acc1, acc2, acc3, zx, vx, e16v, v_scale, v_zero, page, hf
                  mask=gl.expand_dims(za_r < 4, 1) & gl.expand_dims(za_t < HALF, 0), other=0.0)
     zx = gl.nvidia.ampere.mma_v2(zt, pb, zx)
     return acc0, acc1, acc2, acc3, zx
-
-
-@gluon.jit
-def _tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr, head0, m_i, l_i, acc, qk_scale,
-                lo, length, G: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
-    """The 16-bit tail: tokens [lo, length), 16 a step; token t from the ring (row t % R) when t >=
-    length - R, else from the staging page (row t % 64). q in its own 16-bit type (bf16 or fp16; the
-    ring and staging are converted to it)."""
-    DT: gl.constexpr = q_ptr.dtype.element_ty
-    qb = q_operand(q_ptr, head0, G, LB)
-    tok_r, chan_c, chan_r, tok_c, tok, s0 = tail_aranges(LA, MMA)
-    ring_lo = length - R  # tokens from here on are in the ring
-    r_safe = gl.maximum(R, 1)
-    for t0 in range(lo, length, 16):  # every chunk's first token is valid
-        tr = t0 + tok_r
-        ring_r = gl.expand_dims(tr >= ring_lo, 1)  # each token from one place: one load an element
-        k_src = gl.where(ring_r, k_ring + gl.expand_dims(tr % r_safe, 1) * stride_rt,
-                         k_stage + gl.expand_dims(tr % PAGE, 1) * stride_st)
-        k = gl.load(k_src + gl.expand_dims(chan_c, 0), mask=gl.expand_dims((tr < length) & (tr >= lo), 1),
-                    other=0.0).to(DT)
-        s = gl.nvidia.ampere.mma_v2(k, qb, s0)  # S^T [16, 8]
-        t = t0 + tok
-        valid = gl.expand_dims((t < length) & (t >= lo), 1)
-        m_i, l_i, acc, pb = softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT, LB)
-        tc = t0 + tok_c
-        ring_c = gl.expand_dims(tc >= ring_lo, 0)
-        v_src = gl.where(ring_c, v_ring + gl.expand_dims(tc % r_safe, 0) * stride_rt,
-                         v_stage + gl.expand_dims(tc % PAGE, 0) * stride_st)
-        vt = gl.load(v_src + gl.expand_dims(chan_r, 1), mask=gl.expand_dims((tc < length) & (tc >= lo), 0),
-                     other=0.0).to(DT)
-        acc = gl.nvidia.ampere.mma_v2(vt, pb, acc)
-    return m_i, l_i, acc
 
 
 @gluon.jit
@@ -387,7 +354,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
     elif STAGED:  # the 16-bit tail: staging page and residual ring (plain K and V^T, O^T [128, 8])
         slot = gl.load(seq_slots + b).to(gl.int64)
         acc = gl.zeros([128, 8], gl.float32, layout=MMA)
-        m_i, l_i, acc = _tail_tiles(k_stage + slot * stride_ss + h * stride_sh, v_stage + slot * stride_ss
+        m_i, l_i, acc = ring_tail_tiles(k_stage + slot * stride_ss + h * stride_sh, v_stage + slot * stride_ss
                                     + h * stride_sh, stride_st, k_ring + slot * stride_rs + h * stride_rh,
                                     v_ring + slot * stride_rs + h * stride_rh, stride_rt, R, q_ptr, head0,
                                     m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length, G, LA, LB, MMA)

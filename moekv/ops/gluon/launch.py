@@ -1,5 +1,5 @@
-"""What the Gluon decode launchers (nuq2, int4, kivi2) share: the default split count, the device
-checks, the partial buffers and the staged tail's kernel arguments, and the reduce. Each format's
+"""What the Gluon decode launchers (nuq2, int4, kivi2, vq) share: the default split count, the device
+checks, the partial buffers and the staged tail's (and residual ring's) kernel arguments, and the reduce. Each format's
 launcher (moekv/ops/gluon/<format>_decode.py) adds its own kernel's tables and constants; the input
 checks are in checks.py."""
 from __future__ import annotations
@@ -120,6 +120,15 @@ def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, c
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
     return Launch(num_splits, ns_total, (B * Hkv, ns_total), part_o, part_lse, seq_slots, k_stage, v_stage,
                   tuple(st[:3]), window, wave)
+
+
+def ring_args(run: Launch, residual) -> tuple:
+    """A residual ring's kernel arguments: (k_ring, v_ring, (stride_rs, stride_rh, stride_rt)); without
+    one the staging tensors stand in, strides 0 (the kernel does not read them)."""
+    if residual is None:
+        return run.k_stage, run.v_stage, (0, 0, 0)
+    k_ring, v_ring = residual
+    return k_ring, v_ring, tuple(k_ring.stride()[:3])
 
 
 def register_cap(max_registers: int | None) -> dict:

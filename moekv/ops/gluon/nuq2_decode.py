@@ -18,6 +18,9 @@ kernel (nuq2_kernel.py) computes, exactly as this module's reference does:
 The staged 16-bit tail (the engine's newest page, kept in bf16 until it fills: tokens from
 ((len - 1) // 64) * 64 on) is one more split of the same launch when `staged` is given, and a
 sliding window skips the pages before it and masks inside the first one, as the Triton kernel does.
+With a residual window (`residual`: the format's ring of the newest R tokens, [S, Hkv, R, 128] at the
+staging's slots) that split reads them from the ring, and the pages end where it begins (tokens [0,
+min(((len - 1) // 64) * 64, max(len - R, 0))), the last page read in part), as kivi2's.
 
 `nuq2_decode_split_reference` is the oracle (plain PyTorch, float64 in tests, the same one-hot
 algebra); `nuq2_decode_attention` runs the Gluon kernel and the reduce on an NVIDIA GPU (sm_80+;
@@ -36,7 +39,7 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
+from moekv.ops.gluon.checks import Residual, Staged, check_extras, check_inputs, check_residual
 from moekv.ops.gluon.launch import (  # noqa: F401 (NO_WINDOW, default_num_splits, MAX_SPLITS re-exported)
     MAX_SPLITS,
     NO_WINDOW,
@@ -47,9 +50,17 @@ from moekv.ops.gluon.launch import (  # noqa: F401 (NO_WINDOW, default_num_split
     plan_launch,
     reduce_on_device,
     register_cap,
+    ring_args,
 )
 from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS, Nuq2FragmentPages, codes_from_fragment
-from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, staged_scores, window_start
+from moekv.ops.gluon.splits import (
+    masked,
+    quantized_tokens,
+    ring_tail_scores,
+    split_ranges,
+    staged_scores,
+    window_start,
+)
 
 
 # -- splits -------------------------------------------------------------------------------------------
@@ -105,11 +116,14 @@ def _page_values(frag: Nuq2FragmentPages, pages: torch.Tensor, dtype: torch.dtyp
 def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
                                 context_lens: torch.Tensor, scale: float, num_splits: int,
                                 outliers: bool = True, staged: Staged | None = None,
-                                sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                sliding_window: int | None = None, residual: Residual | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials, split by split, in q's dtype: codebook term plus (outliers) the
-    slots' one-hot products, then (staged) the 16-bit tail as split num_splits."""
+    slots' one-hot products, then (staged) the 16-bit tail as split num_splits (with `residual`, the
+    ring's newest R tokens among it)."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits)
     check_extras(staged, sliding_window, B, Hkv)
+    R = check_residual(residual, staged, Hkv, "nuq2")
     Hq, dt = q.shape[1], q.dtype
     ns_total = num_splits + (staged is not None)
     part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
@@ -127,7 +141,7 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
         part_lse[b, :, sp] = (m[..., 0] + torch.log2(mass)).reshape(Hq)
 
     for b, length in enumerate(context_lens.tolist()):
-        quantized = quantized_tokens(length, staged is not None)
+        quantized = quantized_tokens(length, staged is not None, R)
         first = window_start(length, sliding_window)
         for sp, p0, p1 in split_ranges(quantized, first, num_splits):
             pages = block_tables[b, p0:p1].long()
@@ -145,7 +159,10 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
                     p_slots = torch.einsum("nhjt,hgnt->nhjg", hot_v, p.reshape(Hkv, G, n, PAGE_TOKENS))
                     return torch.einsum("nhjd,nhjg->hgd", dv_t, p_slots)
             partial(b, sp, s, v, extra)
-        if staged is not None:
+        if staged is not None and R:
+            partial(b, num_splits, *ring_tail_scores(q[b].reshape(Hkv, G, HEAD_DIM), staged, residual, b, quantized,
+                                                     length, first, qk2))
+        elif staged is not None:
             partial(b, num_splits, *staged_scores(q[b].reshape(Hkv, G, HEAD_DIM), staged, b, quantized, length, first,
                                                   qk2))
     return part_o, part_lse
@@ -178,28 +195,31 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
                          context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                          max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                          sliding_window: int | None = None, slot_chunk0: bool = DEFAULT_SLOT_CHUNK0,
-                         prefetch: int = DEFAULT_PREFETCH, smem: bool = DEFAULT_SMEM
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         prefetch: int = DEFAULT_PREFETCH, smem: bool = DEFAULT_SMEM,
+                         residual: Residual | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
-    num_splits holds the 16-bit tail. max_registers: ptxas's cap (0 / None: its choice); slot_chunk0:
+    num_splits holds the 16-bit tail (and `residual`'s ring: its newest R tokens). max_registers: ptxas's
+    cap (0 / None: its choice); slot_chunk0:
     the first 16 slots of each kind unconditionally (loads not behind the used counts; ~35 more
     registers), else chunks only while used slots remain; smem: the next page's codes and side data
     through shared memory (cp.async, two stages; ~9 kB a program), the same partials bit for bit."""
     B, Hkv, G = check_launch("nuq2", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
+    R = check_residual(residual, staged, Hkv, "nuq2")
     try:
         from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("nuq2", e) from e
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
+    k_ring, v_ring, ring_strides = ring_args(run, residual)
     nuq2_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
         frag.k_mean, frag.k_scale, frag.k_out_idx, frag.k_slot_delta, frag.k_used,
         frag.v_out_idx, frag.v_slot_delta, frag.v_used, frag.k_out_idx.shape[2], frag.v_out_idx.shape[2],
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
-        run.k_stage, run.v_stage, *run.stage_strides,
+        run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, *ring_strides, R,
         run.part_o, run.part_lse, scale * LOG2E, run.window, 0, run.num_splits, run.ns_total,
         HKV=Hkv, G=G, STAGED=staged is not None, CHUNK0=bool(slot_chunk0), PREFETCH=prefetch, SMEM=bool(smem),
-        num_warps=1, **register_cap(max_registers))
+        RING=R > 0, num_warps=1, **register_cap(max_registers))
     return run.part_o, run.part_lse
 
 
@@ -208,10 +228,12 @@ def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables
                           max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                           sliding_window: int | None = None, out: torch.Tensor | None = None,
                           slot_chunk0: bool = DEFAULT_SLOT_CHUNK0, prefetch: int = DEFAULT_PREFETCH,
-                          smem: bool = DEFAULT_SMEM, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          smem: bool = DEFAULT_SMEM, residual: Residual | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order (outlier slots included,
-    exact) and, with `staged`, the 16-bit tail -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
-    reduce, two launches, no host sync. CUDA only. sinks [Hq]: each head's sink logit, joining the reduce."""
+    exact) and, with `staged`, the 16-bit tail (and `residual`'s ring) -> [B, Hq, 128] in q's dtype: the
+    Gluon kernel and the reduce, two launches, no host sync. CUDA only. sinks [Hq]: each head's sink
+    logit, joining the reduce."""
     part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                            staged, sliding_window, slot_chunk0, prefetch, smem)
+                                            staged, sliding_window, slot_chunk0, prefetch, smem, residual)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

@@ -27,6 +27,8 @@ one-hot products, OneHot_V and OneHot_C) and are built
 from per-column-pair bit masks, two instructions per register (_hot_rows / _hot_cols).
 The staged 16-bit tail (the newest page, in the engine's bf16 staging tensor) is one more split of the
 same launch (STAGED): its program runs one tile of plain 16-bit K and V^T through the same softmax.
+With a residual window (RING) that split reads the ring's newest R tokens as kivi2's does
+(common.ring_tail_tiles), and the pages end where the ring begins (the last one read in part).
 A sliding window (`window`, a huge value for none) starts the page range at the page holding the
 window's first token and masks the tokens before it.
 SMEM (a launch option): the next page's codes and side data go by cp.async into the other of two
@@ -45,6 +47,7 @@ from moekv.ops.gluon.common import (
     PAGE,
     as_b_operand,
     program_sequence,
+    ring_tail_tiles,
     softmax_step,
     split_range,
     staged_tile,
@@ -400,19 +403,21 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                        k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
                        q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                        k_stage, v_stage, stride_ss, stride_sh, stride_st,
+                       k_ring, v_ring, stride_rs, stride_rh, stride_rt, R,
                        part_o, part_lse, qk_scale, window, zero, num_splits, ns_total,
                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
-                       PREFETCH: gl.constexpr, SMEM: gl.constexpr):
-    """k_codes, v_codes int32 [N, HKV, 512]; k_tables, v_tables int32 [N, HKV, 2] (the fp16
-    centroids); k_mean, k_scale fp8 [N, HKV, 128]; k_idx / v_idx int32 [N, HKV, SK / SV] (slot
-    positions, used first), k_delta / v_delta fp32 (their deltas), k_used / v_used int32 [N, HKV];
-    q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from ((len - 1) // 64) * 64 on are in
-    k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split num_splits;
-    part_o fp32 [B, HKV * G, ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next
-    page's side tables asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not); SMEM: the
-    next page's codes and side data (scale, mean, codebooks, used counts, first slot chunk) copied
-    into shared memory by cp.async while a page computes (two stages) instead of the codes' register
-    double buffer and the side data's loads at the page's start, the page reading them from there."""
+                       PREFETCH: gl.constexpr, SMEM: gl.constexpr, RING: gl.constexpr):
+    """k_codes, v_codes int32 [N, HKV, 512]; k_tables, v_tables int32 [N, HKV, 2] (the fp16 centroids); k_mean, k_scale
+    fp8 [N, HKV, 128]; k_idx / v_idx int32 [N, HKV, SK / SV] (slot positions, used first), k_delta / v_delta fp32
+    (their deltas), k_used / v_used int32 [N, HKV]; q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from
+    ((len - 1) // 64) * 64 on are in k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split
+    num_splits; RING (with STAGED): a residual window, the newest R tokens in k_ring / v_ring [S, HKV, R, 128] (row
+    t % R) at the same slots, the tail from min(((len - 1) // 64) * 64, max(len - R, 0)) on (the pages read up to
+    there, the last one partly); part_o fp32 [B, HKV * G, ns_total, 128], part_lse fp32 [B, HKV * G, ns_total];
+    PREFETCH: the next page's side tables asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not);
+    SMEM: the next page's codes and side data (scale, mean, codebooks, used counts, first slot chunk) copied into
+    shared memory by cp.async while a page computes (two stages) instead of the codes' register double buffer and
+    the side data's loads at the page's start, the page reading them from there."""
     D: gl.constexpr = 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -426,7 +431,15 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     QL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1])
 
     b, h, split, length, quantized, first = program_sequence(context_lens, window, HKV, STAGED)
-    p0, p1 = split_range(first, quantized, split, num_splits, PAGE)  # staged: quantized is a multiple of PAGE
+    page_end = length  # the pages' tokens end where the sequence does (staged: beyond their last page)
+    if RING:  # the ring's tokens leave the pages: quantized need not be a page boundary
+        quantized = gl.minimum(quantized, gl.maximum(length - R, 0))
+        page_end = quantized
+        # no page at all when the window starts at or after `quantized` (its page would hold no valid token)
+        p0, p1 = split_range(gl.where(first >= quantized, quantized + PAGE - 1, first), quantized, split, num_splits,
+                             PAGE)
+    else:
+        p0, p1 = split_range(first, quantized, split, num_splits, PAGE)  # staged: quantized is a multiple of PAGE
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
@@ -496,7 +509,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
             q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
             if SMEM:
                 m_i, l_i, acc = page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i,
-                                           acc, qk_scale, length - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
+                                           acc, qk_scale, page_end - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
                                            k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
                                            None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
                                            v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2)
@@ -504,7 +517,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 nk = gl.load(k_used + page)
                 nv = gl.load(v_used + page)
                 m_i, l_i, acc = page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
-                                           q_scaled, bias, m_i, l_i, acc, qk_scale, length - pg * PAGE,
+                                           q_scaled, bias, m_i, l_i, acc, qk_scale, page_end - pg * PAGE,
                                            first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
                                            v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G, CHUNK0,
                                            LA, LB, MMA)
@@ -516,7 +529,14 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     elif STAGED:
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh
-        m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
-                                     qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
+        if RING:  # the tail: the ring's newest R tokens (and staged ones before them, for R < 64)
+            m_i, l_i, acc = ring_tail_tiles(k_stage + base, v_stage + base, stride_st,
+                                            k_ring + slot * stride_rs + h * stride_rh,
+                                            v_ring + slot * stride_rs + h * stride_rh, stride_rt, R, q_ptr, head0,
+                                            m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length, G, LA,
+                                            LB, MMA)
+        else:
+            m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+                                         qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)
 
     store_split(part_o, part_lse, acc, m_i, l_i, head0, split, ns_total, G, MMA)

@@ -1,8 +1,9 @@
 """How the Gluon kernels' split references (the *_decode_split_reference of nuq2, int4, kivi2, vq, tiered) walk a
 sequence, as the kernels do: tokens [0, quantized) from pages, the rest from the 16-bit tail; the
 window's oldest token; the splits' contiguous page ranges (pages wholly before the window skipped);
-a page range's invalid positions; the staged tail's scores; one split's softmax partial; and the whole
-split walk of a format whose pages reduce to a scores and a values function (`split_reference`)."""
+a page range's invalid positions; the staged tail's scores (and with a residual window's ring, its
+tokens: tail_tokens, ring_tail_scores); one split's softmax partial; and the whole split walk of a
+format whose pages reduce to a scores and a values function (`split_reference`)."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ from moekv.ops.gluon.tables import HEAD_DIM, PAGE_TOKENS
 
 def quantized_tokens(length: int, staged: bool, R: int = 0) -> int:
     """Tokens [0, quantized) are read from pages; the rest is the 16-bit tail: the newest page (even
-    when full) and, with a residual ring of R tokens (kivi2), the newest R (the Triton kernels' rule)."""
+    when full) and, with a residual ring of R tokens (kivi2, nuq2, vq), the newest R (the Triton kernels' rule)."""
     if not staged:
         return length
     return min(((length - 1) // PAGE_TOKENS) * PAGE_TOKENS, max(length - R, 0))
@@ -61,6 +62,32 @@ def staged_scores(qg: torch.Tensor, staged, b: int, quantized: int, length: int,
     return s.masked_fill(t < first, -math.inf), v
 
 
+def tail_tokens(staged, residual, b: int, quantized: int, length: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16-bit tail [quantized, length) of sequence b: (k, v) [H, T, D], rows of the residual ring
+    (k_ring, v_ring [S, H, R, D], row t % R) where t >= length - R, of the staging page elsewhere."""
+    k_stage, v_stage, seq_slots = staged
+    slot = int(seq_slots[b])
+    t = torch.arange(quantized, length, device=k_stage.device)
+    k = k_stage[slot][:, t % PAGE_TOKENS].to(dtype)
+    v = v_stage[slot][:, t % PAGE_TOKENS].to(dtype)
+    if residual is not None and residual[0].shape[2]:
+        R = residual[0].shape[2]
+        ring = (t >= length - R)[None, :, None]
+        k = torch.where(ring, residual[0][slot][:, t % R].to(dtype), k)
+        v = torch.where(ring, residual[1][slot][:, t % R].to(dtype), v)
+    return k, v
+
+
+def ring_tail_scores(qg: torch.Tensor, staged, residual, b: int, quantized: int, length: int, first: int,
+                     qk2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """staged_scores with a residual ring: the tail [quantized, length) from tail_tokens."""
+    k, v = tail_tokens(staged, residual, b, quantized, length, qg.dtype)
+    t = torch.arange(quantized, length, device=qg.device)
+    s = torch.einsum("hgd,htd->hgt", qg, k) * qk2
+    return s.masked_fill(t < first, -math.inf), v
+
+
 def softmax_partial(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One split's partial from base-2 scores s [H, G, T] and values v [H, T, D]: o [H * G, D]
     normalised and lse [H * G] (log2 of the softmax mass)."""
@@ -74,13 +101,13 @@ def softmax_partial(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tor
 def split_reference(q: torch.Tensor, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                     num_splits: int, staged, sliding_window: int | None,
                     page_scores: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                    page_values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                    page_values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], residual=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """A Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype, for a format
     whose pages give page_scores(qg [H, G, D], pages) -> scores [n, H, G, 64] (before the softmax scale)
     and page_values(p [n, H, G, 64], pages) -> sum over the pages of P @ V [H, G, D]; with `staged`,
-    split num_splits holds the 16-bit tail (the staging page's tokens from `quantized_tokens` on). The
-    inputs are checked by the caller."""
+    split num_splits holds the 16-bit tail (the staging page's tokens from `quantized_tokens` on, and
+    with `residual` (k_ring, v_ring) the ring's newest R tokens). The inputs are checked by the caller."""
     B, Hq = q.shape[:2]
     dt = q.dtype
     ns_total = num_splits + (staged is not None)
@@ -88,7 +115,8 @@ def split_reference(q: torch.Tensor, Hkv: int, block_tables: torch.Tensor, conte
     part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
     qk2 = scale * LOG2E
     for b, length in enumerate(context_lens.tolist()):
-        quantized = quantized_tokens(length, staged is not None)
+        R = residual[0].shape[2] if residual is not None else 0
+        quantized = quantized_tokens(length, staged is not None, R)
         first = window_start(length, sliding_window)
         qg = q[b].reshape(Hkv, Hq // Hkv, HEAD_DIM)
         for sp, p0, p1 in split_ranges(quantized, first, num_splits):
@@ -99,7 +127,10 @@ def split_reference(q: torch.Tensor, Hkv: int, block_tables: torch.Tensor, conte
             mass = p.sum(dim=(0, 3))  # [H, G]
             part_o[b, :, sp] = (page_values(p, pages) / mass[..., None]).reshape(Hq, HEAD_DIM)
             part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
-        if staged is not None:
+        if staged is not None and R:
+            part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(
+                *ring_tail_scores(qg, staged, residual, b, quantized, length, first, qk2))
+        elif staged is not None:
             part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(
                 *staged_scores(qg, staged, b, quantized, length, first, qk2))
     return part_o, part_lse

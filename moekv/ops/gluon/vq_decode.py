@@ -13,10 +13,13 @@ those of q itself, of q * chan_scale and of p * tok_scale (`kernel_roundings=Tru
 the products are summed in fp32. Online softmax in base 2; each split writes its partial (o, lse) as
 moekv/ops/decode/paged.py's reduce reads them. The staged 16-bit tail (the newest page, tokens from
 ((len - 1) // 64) * 64 on) is one more split of the same launch, and sliding windows skip the pages
-before the window and mask inside the first one, as nuq2's Gluon kernel does.
+before the window and mask inside the first one, as nuq2's Gluon kernel does. With a residual window
+(`residual`: the format's ring of the newest R tokens) the tail split reads them from the ring, and the
+pages end where it begins (tokens [0, min(((len - 1) // 64) * 64, max(len - R, 0))), as kivi2's).
 
 Shapes: q [B, Hq, 128]; block_tables [B, max_pages] int32; context_lens [B]; G = Hq / Hkv in {1, 2, 4,
-8}; staged = (k_stage, v_stage, seq_slots) [S, Hkv, 64, 128] 16-bit and [B].
+8}; staged = (k_stage, v_stage, seq_slots) [S, Hkv, 64, 128] 16-bit and [B]; residual = (k_ring,
+v_ring) [S, Hkv, R, 128] 16-bit at the same slots (needs staged).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 
 from moekv.ops.decode.common import LOG2E
 from moekv.ops.decode.launch import sm_count
-from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
+from moekv.ops.gluon.checks import Residual, Staged, check_extras, check_inputs, check_residual
 from moekv.ops.gluon.launch import (
     MAX_SPLITS,
     check_launch,
@@ -35,6 +38,7 @@ from moekv.ops.gluon.launch import (
     programs_per_sm,
     reduce_on_device,
     register_cap,
+    ring_args,
 )
 from moekv.ops.gluon.splits import split_reference
 from moekv.ops.gluon.vq_layout import CODEWORDS, GROUPS, SUB, VQFragmentPages, codewords, mean_by_channel
@@ -87,15 +91,17 @@ def _page_values(p: torch.Tensor, frag: VQFragmentPages, pages: torch.Tensor, rn
 def vq_decode_split_reference(q: torch.Tensor, frag: VQFragmentPages, block_tables: torch.Tensor,
                               context_lens: torch.Tensor, scale: float, num_splits: int,
                               staged: Staged | None = None, sliding_window: int | None = None,
-                              kernel_roundings: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                              kernel_roundings: bool = False, residual: Residual | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype; with
-    `staged`, split num_splits holds the 16-bit tail. kernel_roundings: round the operands as the
-    kernel does (fp16 q, q * chan_scale and p * tok_scale)."""
+    `staged`, split num_splits holds the 16-bit tail (and `residual`'s ring). kernel_roundings: round the
+    operands as the kernel does (fp16 q, q * chan_scale and p * tok_scale)."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits, "vq")
     check_extras(staged, sliding_window, B, Hkv)
+    check_residual(residual, staged, Hkv, "vq")
     return split_reference(q, Hkv, block_tables, context_lens, scale, num_splits, staged, sliding_window,
                            lambda qg, pages: _page_scores(qg, frag, pages, kernel_roundings),
-                           lambda p, pages: _page_values(p, frag, pages, kernel_roundings))
+                           lambda p, pages: _page_values(p, frag, pages, kernel_roundings), residual)
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
@@ -139,14 +145,16 @@ def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: tor
                        context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                        max_registers: int | None = KERNEL_DEFAULT, staged: Staged | None = None,
                        sliding_window: int | None = None, codebooks: str | None = DEFAULT_CODEBOOKS,
-                       warps: int = DEFAULT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+                       warps: int = DEFAULT_WARPS, residual: Residual | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernels' partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
-    num_splits holds the 16-bit tail. max_registers: ptxas's cap for the pages' kernel (None: its choice;
-    KERNEL_DEFAULT: DEFAULT_MAX_REGISTERS or SHARED_MAX_REGISTERS). codebooks:
+    num_splits holds the 16-bit tail (and `residual`'s ring). max_registers: ptxas's cap for the pages'
+    kernel (None: its choice; KERNEL_DEFAULT: DEFAULT_MAX_REGISTERS or SHARED_MAX_REGISTERS). codebooks:
     'global' (vq_kernel: one-warp programs gathering codewords through L1/L2) or 'shared'
     (vq_smem_kernel: CTAs of `warps` warps sharing the head's codebooks in shared memory, the tail
     split by vq_kernel in a second launch); None: shared where shared_codebooks_pay."""
     B, Hkv, G = check_launch("vq", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
+    R = check_residual(residual, staged, Hkv, "vq")
     shared_cap = SHARED_MAX_REGISTERS if max_registers == KERNEL_DEFAULT else max_registers
     shared_ns = num_splits
     if codebooks != "global" and num_splits is None:  # the shared kernel's split count, also what its choice weighs
@@ -168,18 +176,20 @@ def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: tor
     if shared:
         num_splits = shared_ns
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
+    k_ring, v_ring, ring_strides = ring_args(run, residual)
     tables = (frag.k_codes, frag.v_codes, frag.k_tok_scale, frag.v_tok_scale, frag.k_mean, frag.k_codebook,
               frag.k_chan_scale, frag.v_codebook, q.contiguous(), block_tables, block_tables.stride(0), context_lens)
     if shared:
         vq_smem_decode_kernel[(B * Hkv, -(-run.num_splits // warps))](
-            *tables, run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
-            HKV=Hkv, G=G, W=warps, STAGED=staged is not None, num_warps=warps, **register_cap(max_registers))
+            *tables, run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total, R,
+            HKV=Hkv, G=G, W=warps, STAGED=staged is not None, RING=R > 0, num_warps=warps,
+            **register_cap(max_registers))
     if not shared or staged is not None:  # the one-warp kernel: every split, or the tail split alone
         grid = (B * Hkv, 1) if shared else run.grid
         vq_decode_kernel[grid](
-            *tables, run.seq_slots, run.k_stage, run.v_stage, *run.stage_strides,
+            *tables, run.seq_slots, run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, *ring_strides, R,
             run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
-            run.num_splits if shared else 0, HKV=Hkv, G=G, STAGED=staged is not None, num_warps=1,
+            run.num_splits if shared else 0, HKV=Hkv, G=G, STAGED=staged is not None, RING=R > 0, num_warps=1,
             **register_cap(DEFAULT_MAX_REGISTERS if shared else max_registers))
     return run.part_o, run.part_lse
 
@@ -189,10 +199,10 @@ def vq_decode_attention(q: torch.Tensor, frag: VQFragmentPages, block_tables: to
                         max_registers: int | None = KERNEL_DEFAULT, staged: Staged | None = None,
                         sliding_window: int | None = None, out: torch.Tensor | None = None,
                         codebooks: str | None = DEFAULT_CODEBOOKS, warps: int = DEFAULT_WARPS,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        residual: Residual | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over vq pages in fragment order (and, with `staged`, the 16-bit
-    tail) -> [B, Hq, 128] in q's dtype: the Gluon kernel(s) and the reduce, no host sync. CUDA only.
-    sinks [Hq]: each head's sink logit, joining the reduce."""
+    tail and `residual`'s ring) -> [B, Hq, 128] in q's dtype: the Gluon kernel(s) and the reduce, no host
+    sync. CUDA only. sinks [Hq]: each head's sink logit, joining the reduce."""
     part_o, part_lse = vq_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                          staged, sliding_window, codebooks, warps)
+                                          staged, sliding_window, codebooks, warps, residual)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

@@ -13,7 +13,9 @@ the registers that hold it (the permutations make a lane's columns whole codewor
 conversion that moves registers within each thread only (keys: whole fp16 pairs; values: a pair is
 two tokens, so halves of two codewords). The keys' per-channel scale multiplies q once per program;
 their per-page mean enters as q . mean per head, an MMA whose A operand holds the mean in every row.
-The 16-bit tail (the newest page, staged) is one more split of the same launch (STAGED), as nuq2's.
+The 16-bit tail (the newest page, staged) is one more split of the same launch (STAGED), as nuq2's;
+with a residual window (RING) it reads the ring's newest R tokens (common.ring_tail_tiles) and the
+pages end where the ring begins.
 A sliding window starts the page range at the page holding the window's first token and masks the
 tokens before it. Gluon compiles for NVIDIA GPUs only.
 """
@@ -26,6 +28,7 @@ from moekv.ops.gluon.common import (
     PAGE,
     as_b_operand,
     program_sequence,
+    ring_tail_tiles,
     softmax_halves,
     split_range,
     staged_tile,
@@ -81,13 +84,16 @@ def _token_scale(ptr, tok, ok):
 def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codebook, k_chan_scale, v_codebook,
                      q_ptr, block_tables, stride_bt, context_lens, seq_slots,
                      k_stage, v_stage, stride_ss, stride_sh, stride_st,
+                     k_ring, v_ring, stride_rs, stride_rh, stride_rt, R,
                      part_o, part_lse, qk_scale, window, num_splits, ns_total, split0,
-                     HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr):
+                     HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, RING: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 256] (fragment order); k_tok_scale, v_tok_scale fp16 [N, HKV, 64];
     k_mean fp8 [N, HKV, 128] (by K column); k_codebook, v_codebook fp8 e4m3 [HKV, 16, 256, 8]; k_chan_scale
     fp32 [HKV, 128] (by channel); q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from
     ((len - 1) // 64) * 64 on are in k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by
-    split num_splits; part_o fp32 [B, HKV * G, ns_total, 128] (by channel), part_lse fp32 [B, HKV * G,
+    split num_splits; RING (with STAGED): a residual window, the newest R tokens in k_ring / v_ring [S, HKV,
+    R, 128] (row t % R) at the same slots, the tail from min(((len - 1) // 64) * 64, max(len - R, 0)) on;
+    part_o fp32 [B, HKV * G, ns_total, 128] (by channel), part_lse fp32 [B, HKV * G,
     ns_total]; split0: program (bh, s) runs split split0 + s (vq_smem_kernel's launches run the tail alone)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -102,7 +108,13 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
 
     b, h, split, length, quantized, first = program_sequence(context_lens, window, HKV, STAGED)
     split = split + split0
-    p0, p1 = split_range(first, quantized, split, num_splits, PAGE)
+    if RING:  # the ring's tokens leave the pages (the last one read in part, its tokens masked)
+        quantized = gl.minimum(quantized, gl.maximum(length - R, 0))
+        # no page at all when the window starts at or after `quantized` (its page would hold no valid token)
+        p0, p1 = split_range(gl.where(first >= quantized, quantized + PAGE - 1, first), quantized, split, num_splits,
+                             PAGE)
+    else:
+        p0, p1 = split_range(first, quantized, split, num_splits, PAGE)
     bt_row = block_tables + b.to(gl.int64) * stride_bt
     head0 = b.to(gl.int64) * (HKV * G) + h * G
 
@@ -184,9 +196,16 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
     elif STAGED:
         slot = gl.load(seq_slots + b).to(gl.int64)
         base = slot * stride_ss + h * stride_sh
-        m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
-                                     qk_scale, length - quantized, first - quantized, G, gl.DotOperandLayout(0, MMA, 2),
-                                     gl.DotOperandLayout(1, MMA, 2), MMA)
+        if RING:  # the tail: the ring's newest R tokens (and staged ones before them, for R < 64)
+            m_i, l_i, acc = ring_tail_tiles(k_stage + base, v_stage + base, stride_st,
+                                            k_ring + slot * stride_rs + h * stride_rh,
+                                            v_ring + slot * stride_rs + h * stride_rh, stride_rt, R, q_ptr, head0,
+                                            m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length, G, LA,
+                                            LB, MMA)
+        else:
+            m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
+                                         qk_scale, length - quantized, first - quantized, G,
+                                         gl.DotOperandLayout(0, MMA, 2), gl.DotOperandLayout(1, MMA, 2), MMA)
 
     # the split's partial: normalised output by channel (0 when empty) and log2 of its mass
     l_safe = gl.where(l_i > 0, l_i, 1.0)

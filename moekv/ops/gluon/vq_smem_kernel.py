@@ -119,11 +119,12 @@ def _as_b_operand(p, LB: gl.constexpr):
 @gluon.jit
 def vq_smem_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codebook, k_chan_scale, v_codebook,
                           q_ptr, block_tables, stride_bt, context_lens, part_o, part_lse, qk_scale, window,
-                          num_splits, ns_total, HKV: gl.constexpr, G: gl.constexpr, W: gl.constexpr,
-                          STAGED: gl.constexpr):
+                          num_splits, ns_total, R, HKV: gl.constexpr, G: gl.constexpr, W: gl.constexpr,
+                          STAGED: gl.constexpr, RING: gl.constexpr):
     """The tables as vq_kernel.vq_decode_kernel's; CTA (b * HKV + h, j), W warps: splits j * W .. j * W + W - 1
-    of num_splits (pages only: STAGED says the newest page is the tail, read by the other kernel);
-    part_o / part_lse rows of splits >= num_splits are not written."""
+    of num_splits (pages only: STAGED says the newest page is the tail, RING that the newest R tokens
+    are a residual window's, both read by the other kernel); part_o / part_lse rows of splits >= num_splits
+    are not written."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -138,6 +139,8 @@ def vq_smem_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_
     book = gl.allocate_shared_memory(gl.float8e4nv, [ENTRIES, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     # j: the CTA's group of splits
     b, h, j, length, quantized, first = program_sequence(context_lens, window, HKV, STAGED)
+    if RING:  # the ring's tokens leave the pages (the last one read in part; a warp with none is empty)
+        quantized = gl.minimum(quantized, gl.maximum(length - R, 0))
     num_pages = gl.cdiv(quantized, PAGE)
     page_lo = gl.minimum(first // PAGE, num_pages)
     per = gl.cdiv(num_pages - page_lo, num_splits)

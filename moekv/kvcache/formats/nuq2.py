@@ -34,7 +34,7 @@ from moekv import envs
 from moekv.kvcache.calibration_io import load_calibration, shard_head_tables
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
-from moekv.kvcache.formats.options import CALIBRATION, KVOption, one_of, positive
+from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE, KVOption, one_of, positive
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
@@ -190,6 +190,9 @@ def fit_tables(pages: torch.Tensor, layer: int, kind: str, generator: torch.Gene
 
 
 def _gluon_covers(fmt: NUQ2Format, block_size: int, head_dim: int) -> str | None:
+    if fmt.keys_before_rope:
+        return ("nuq2's Gluon kernel reads keys stored after RoPE; keys_before_rope=True takes the Triton "
+                "kernel (decode_kernel='triton' or 'auto')")
     if (block_size, head_dim) == (64, 128) and not fmt.codebooks_not_fp16():
         return None
     return ("nuq2's Gluon kernel covers block_size 64, head_dim 128 and fp16 codebooks, "
@@ -211,12 +214,15 @@ class NUQ2Format(FragmentPagedFormat):
         KVOption("codebook", "auto",
                  "nuq2/tiered: per-page k-means, calibrated codebooks, or auto (calibrated when available)",
                  one_of(*CODEBOOKS), choices=CODEBOOKS),
+        KEYS_BEFORE_ROPE,
     )
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
-                 codebook: str = "auto", quantize_kernel: bool | None = None) -> None:
+                 codebook: str = "auto", quantize_kernel: bool | None = None, keys_before_rope: bool = False) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
         (calibrated when the calibration folder has nuq2 codebooks, else per page).
+        keys_before_rope: pages hold the keys as computed before RoPE, rotated by their positions
+        after the lookup by every reader (PagedQuantFormat.keys_before_rope; no Gluon kernel).
         quantize_kernel: quantize pages on CUDA with the fused kernel (moekv/ops/nuq2_quantize.py);
         None reads MOEKV_NUQ2_QUANTIZE_KERNEL (moekv/envs.py: default on; 0 keeps the torch
         reference, for benchmarks that compare the two)."""
@@ -225,6 +231,9 @@ class NUQ2Format(FragmentPagedFormat):
         self.quantize_kernel = bool(quantize_kernel)
         if not outlier_sigma > 0:
             raise ValueError(f"outlier_sigma={outlier_sigma!r} must be > 0")
+        if not isinstance(keys_before_rope, bool):
+            raise ValueError(f"keys_before_rope={keys_before_rope!r} must be True or False")
+        self.keys_before_rope = keys_before_rope
         self.tau = float(outlier_sigma)
         self.tables: dict[str, torch.Tensor] = {}
         if calibration is not None:

@@ -36,7 +36,7 @@ from moekv.kvcache.formats.nuq2 import (
     pick_largest,
     store_outliers,
 )
-from moekv.kvcache.formats.options import CALIBRATION
+from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 
 CODEBOOK_SIZE = 256  # uint8 codes
@@ -149,6 +149,9 @@ def calibration_summary(tables: dict[str, torch.Tensor], options: dict, seed: in
 
 
 def _gluon_covers(fmt: VQFormat, block_size: int, head_dim: int) -> str | None:
+    if fmt.keys_before_rope:
+        return ("vq's Gluon kernels read keys stored after RoPE; keys_before_rope=True takes the Triton "
+                "kernel (decode_kernel='triton' or 'auto')")
     slots = max(fmt.outlier_slots(kind, block_size, head_dim) for kind in ("key", "value"))
     if (block_size, head_dim, fmt.sub_dim, slots) == (64, 128, 8, 0):  # no outlier slots fit the slabs there
         return None
@@ -163,7 +166,7 @@ class VQFormat(FragmentPagedFormat):
     gluon_kernel = GluonKernel("moekv.ops.gluon.vq_layout", "moekv.ops.gluon.vq_decode:vq_decode_attention",
                                _gluon_covers)
     needs_calibration = True
-    engine_options = (CALIBRATION,)
+    engine_options = (CALIBRATION, KEYS_BEFORE_ROPE)
     # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
     # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
@@ -171,9 +174,16 @@ class VQFormat(FragmentPagedFormat):
     calibration_fitter = CalibrationFitter(fit_tables, {"sub_dim": SUB_DIM, "iters": 16, "max_vectors": 16384},
                                            calibration_summary)
 
-    def __init__(self, calibration: str | Path | None = None) -> None:
+    def __init__(self, calibration: str | Path | None = None, keys_before_rope: bool = False) -> None:
+        """keys_before_rope: pages hold the keys as computed before RoPE, rotated by their positions
+        after the lookup by every reader (PagedQuantFormat.keys_before_rope; no Gluon kernel); the
+        calibration's key tables should then be fitted on un-rotated keys (`moekv calibrate
+        --keys-before-rope`)."""
         if calibration is None:
             raise ValueError(NEEDS_CALIBRATION)
+        if not isinstance(keys_before_rope, bool):
+            raise ValueError(f"keys_before_rope={keys_before_rope!r} must be True or False")
+        self.keys_before_rope = keys_before_rope
         self.tables = {name: e4m3_codewords(t) if name.endswith(".codebook") else t
                        for name, t in load_calibration(calibration, "kv_cache_dtype='vq'").items()}
         self.calibration = Path(calibration)

@@ -76,4 +76,4 @@ def boolean(value: Any) -> str | None:
 # their positions after dequantizing (docs/kv-formats.md, "Keys stored before RoPE")
 KEYS_BEFORE_ROPE = KVOption("keys_before_rope", False,
                             "nuq2/vq: quantize keys before RoPE; readers rotate them after the lookup "
-                            "(Triton decode kernel; no Gluon kernel)", boolean)
+                            "(the Triton decode kernel, no Gluon kernel)", boolean)

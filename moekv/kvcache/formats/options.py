@@ -75,5 +75,5 @@ def boolean(value: Any) -> str | None:
 # keys quantized before RoPE (nuq2, vq): pages hold un-rotated keys, every reader rotates them by
 # their positions after dequantizing (docs/kv-formats.md, "Keys stored before RoPE")
 KEYS_BEFORE_ROPE = KVOption("keys_before_rope", False,
-                            "nuq2/vq: quantize keys before RoPE; readers rotate them after the lookup "
+                            "nuq2/vq: quantize keys before RoPE, rotated by every reader after the lookup "
                             "(the Triton decode kernel, no Gluon kernel)", boolean)

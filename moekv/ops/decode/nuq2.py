@@ -23,6 +23,7 @@ import triton.language as tl
 from moekv.ops.decode.codes import JOIN_FREE_BELOW, codes_per_column
 from moekv.ops.decode.common import DecodeSpec, TileReader
 from moekv.ops.decode.launch import spec_launch
+from moekv.ops.decode.rope import add_slot_elements
 from moekv.ops.decode.slots import (
     add_slot_scores,
     add_slot_values,
@@ -174,6 +175,37 @@ def nuq2_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOC
         mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + col[None, :], mask=valid[:, None], other=0.0)
         x = x.to(tl.float32) * scale.to(tl.float32) + mean.to(tl.float32)
     return x, valid
+
+
+@triton.jit
+def nuq2_key_tile_exact(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        P: tl.constexpr, ASM: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                        OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+                        T0=None, T1=None, T2=None, T3=None):
+    """The key tile as `dequantize` gives it, in one tensor (fp32, tile column order): centroids,
+    the outlier slots written into it, then z * scale + mean; for keys stored before RoPE, which
+    the kernel rotates after this (DecodeSpec.key_rope): neither the affine nor the slots can be
+    applied to q or the scores then."""
+    SC: tl.constexpr = 16
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    QD: tl.constexpr = D // 4
+    x = _nuq2_lookup_tile(pool, base, tok, valid, D, BLOCK_N, NPG, ASM, CENT_OFF, T0).to(tl.float32)
+    chunks = used_slot_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        if chunk < chunks:
+            used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
+                                                        OVAL_OFF, OIDX_OFF, S, T0)
+            x = add_slot_elements(x, colm, 4 * (c % QD) + c // QD, delta, used, BLOCK_N, D)
+    d = tl.arange(0, D)
+    col = (d % 4) * QD + d // 4  # the channel of each tile column
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    if NPG == 1:
+        scale = tl.load(f8 + (base + SCALE_OFF) + col)[None, :]
+        mean = tl.load(f8 + (base + MEAN_OFF) + col)[None, :]
+    else:
+        scale = tl.load(f8 + (base + SCALE_OFF)[:, None] + col[None, :], mask=valid[:, None], other=0.0)
+        mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + col[None, :], mask=valid[:, None], other=0.0)
+    return x * scale.to(tl.float32) + mean.to(tl.float32), valid
 
 
 @triton.jit
@@ -479,17 +511,21 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
         n_slots = fmt.outlier_slots(kind, block_size, head_dim)
         cent = NUQ2_TABLE_CENTROIDS if fmt.calibrated else off["centroids"]
         params = (cent, off.get("out_val", 0), off.get("out_idx", 0), n_slots)
-        if kind == "key":
+        if kind == "key" and fmt.keys_before_rope:  # the whole tile, rotated by the kernel
+            readers.append(TileReader(nuq2_key_tile_exact, params + (off["chan_mean"], off["chan_scale"]), planes=4))
+        elif kind == "key":
             readers.append(TileReader(nuq2_key_tile, params + (off["chan_mean"], off["chan_scale"]), planes=4,
                                       fold_fn=nuq2_key_fold, fix_fn=key_fix if n_slots else None))
         else:
             readers.append(TileReader(nuq2_value_tile, params, planes=4,
                                       fix_fn=value_fix if n_slots else None))
+    rope = fmt.keys_before_rope
     if not fmt.calibrated:
-        return DecodeSpec(key=readers[0], value=readers[1], staged=True, **spec_launch("nuq2", block_size))
+        return DecodeSpec(key=readers[0], value=readers[1], staged=True, key_rope=rope,
+                          **spec_launch("nuq2", block_size))
 
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
-    return DecodeSpec(key=readers[0], value=readers[1], staged=True, tables=tables,
+    return DecodeSpec(key=readers[0], value=readers[1], staged=True, tables=tables, key_rope=rope,
                       **spec_launch("nuq2", block_size))

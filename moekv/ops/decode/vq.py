@@ -32,6 +32,7 @@ import triton.language as tl
 
 from moekv.ops.decode.common import DecodeSpec, TileReader
 from moekv.ops.decode.launch import spec_launch
+from moekv.ops.decode.rope import add_slot_elements
 from moekv.ops.decode.slots import (
     add_slot_scores,
     add_slot_values,
@@ -85,6 +86,36 @@ def vq_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_
         mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         x = u.to(tl.float32) * ts.to(tl.float32)[:, None] * cs[None, :] + mean.to(tl.float32)
     return x, valid
+
+
+@triton.jit
+def vq_key_tile_exact(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      P: tl.constexpr, ASM: tl.constexpr, TOK_OFF: tl.constexpr, MEAN_OFF: tl.constexpr,
+                      OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, SUB: tl.constexpr,
+                      T0, T1, T2, T3):
+    """The key tile as `dequantize` gives it, in one tensor (fp32): u * tok_scale, the outlier slots
+    written into it, then * chan_scale + chan_mean; for keys stored before RoPE, which the kernel
+    rotates after this (DecodeSpec.key_rope): neither the affine nor the slots can be applied to q
+    or the scores then."""
+    SC: tl.constexpr = 16
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    u = _vq_lookup(pool, base, tok, valid, T0, D, BLOCK_N, NPG, SUB)
+    ts = _vq_tok_scale(pool, base, tok, valid, TOK_OFF)
+    x = u.to(tl.float32) * ts.to(tl.float32)[:, None]
+    chunks = used_slot_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        if chunk < chunks:
+            used, colm, c, delta = _vq_slot_chunk(pool, page_base, tok0, chunk, T0, D, BLOCK_N, P, TOK_OFF,
+                                                  OVAL_OFF, OIDX_OFF, S, SUB)
+            x = add_slot_elements(x, colm, c, delta, used, BLOCK_N, D)
+    d = tl.arange(0, D)
+    cs = tl.load(T1 + d).to(tl.float32)
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    if NPG == 1:
+        mean = tl.load(f8 + (base + MEAN_OFF) + d)[None, :]
+    else:
+        mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    return x * cs[None, :] + mean.to(tl.float32), valid
 
 
 @triton.jit
@@ -181,13 +212,16 @@ def vq_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     voff = fmt.layout("value", block_size, head_dim).offsets
     kslots = fmt.outlier_slots("key", block_size, head_dim)
     vslots = fmt.outlier_slots("value", block_size, head_dim)
-    key = TileReader(vq_key_tile, (koff["tok_scale"], koff["chan_mean"], koff.get("out_val", 0),
-                                   koff.get("out_idx", 0), kslots, sub),
-                     fold_fn=vq_key_fold, fix_fn=vq_key_fix if kslots else None)
+    key_params = (koff["tok_scale"], koff["chan_mean"], koff.get("out_val", 0), koff.get("out_idx", 0), kslots, sub)
+    if fmt.keys_before_rope:  # the whole tile, rotated by the kernel
+        key = TileReader(vq_key_tile_exact, key_params)
+    else:
+        key = TileReader(vq_key_tile, key_params, fold_fn=vq_key_fold, fix_fn=vq_key_fix if kslots else None)
     value = TileReader(vq_value_tile, (voff["tok_scale"], voff.get("out_val", 0), voff.get("out_idx", 0), vslots, sub),
                        row_scaled=True, fix_fn=vq_value_fix if vslots else None)
 
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
-    return DecodeSpec(key=key, value=value, staged=True, tables=tables, **spec_launch("vq", block_size))
+    return DecodeSpec(key=key, value=value, staged=True, tables=tables, key_rope=fmt.keys_before_rope,
+                      **spec_launch("vq", block_size))

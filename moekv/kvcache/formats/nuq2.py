@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from moekv import envs
-from moekv.kvcache.calibration_io import load_calibration, shard_head_tables
+from moekv.kvcache.calibration_io import keys_fitted_before_rope, load_calibration, shard_head_tables
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE, KVOption, one_of, positive
@@ -220,7 +220,8 @@ class NUQ2Format(FragmentPagedFormat):
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
                  codebook: str = "auto", quantize_kernel: bool | None = None, keys_before_rope: bool = False) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
-        (calibrated when the calibration folder has nuq2 codebooks, else per page).
+        (calibrated when the calibration folder has nuq2 codebooks fitted on keys on the side of RoPE
+        the pages store them, keys_before_rope; else per page).
         keys_before_rope: pages hold the keys as computed before RoPE, rotated by their positions
         after the lookup by every reader (PagedQuantFormat.keys_before_rope; no Gluon kernel).
         quantize_kernel: quantize pages on CUDA with the fused kernel (moekv/ops/nuq2_quantize.py);
@@ -239,8 +240,16 @@ class NUQ2Format(FragmentPagedFormat):
         if calibration is not None:
             self.tables = {k: v for k, v in load_calibration(calibration, "kv_cache_dtype='nuq2'").items()
                            if k.startswith("nuq2.")}
+        # key codebooks fitted on keys on the other side of RoPE than the pages store them
+        other_basis = calibration is not None and keys_fitted_before_rope(calibration) != keys_before_rope
         if codebook == "auto":
-            codebook = "calibrated" if self.tables else "page"
+            codebook = "calibrated" if self.tables and not other_basis else "page"
+        if codebook == "calibrated" and self.tables and other_basis:
+            raise ValueError(f"codebook='calibrated' with keys_before_rope={keys_before_rope}: the calibration in "
+                             f"{str(calibration)!r} fitted its key codebooks on keys "
+                             f"{'after' if keys_before_rope else 'before'} RoPE; run `moekv calibrate"
+                             f"{' --keys-before-rope' if keys_before_rope else ''}` for this option, or "
+                             "codebook='page'")
         if codebook not in ("page", "calibrated") or (codebook == "calibrated" and not self.tables):
             raise ValueError(f"codebook={codebook!r}: accepted 'page', 'auto', or 'calibrated' with a "
                              "kv_calibration folder written by `moekv calibrate`")

@@ -24,7 +24,12 @@ from pathlib import Path
 
 import torch
 
-from moekv.kvcache.calibration_io import load_calibration, save_calibration, shard_head_tables
+from moekv.kvcache.calibration_io import (
+    keys_fitted_before_rope,
+    load_calibration,
+    save_calibration,
+    shard_head_tables,
+)
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.nuq2 import (
@@ -184,6 +189,11 @@ class VQFormat(FragmentPagedFormat):
         if not isinstance(keys_before_rope, bool):
             raise ValueError(f"keys_before_rope={keys_before_rope!r} must be True or False")
         self.keys_before_rope = keys_before_rope
+        if keys_fitted_before_rope(calibration) != keys_before_rope:
+            raise ValueError(f"kv_cache_dtype='vq' with keys_before_rope={keys_before_rope}: the calibration in "
+                             f"{str(calibration)!r} fitted its key codebooks on keys "
+                             f"{'after' if keys_before_rope else 'before'} RoPE; run `moekv calibrate"
+                             f"{' --keys-before-rope' if keys_before_rope else ''}` for this setting")
         self.tables = {name: e4m3_codewords(t) if name.endswith(".codebook") else t
                        for name, t in load_calibration(calibration, "kv_cache_dtype='vq'").items()}
         self.calibration = Path(calibration)

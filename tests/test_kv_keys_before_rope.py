@@ -315,7 +315,6 @@ GRID = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(GRID)))
 def test_kernel_grid(case, vq_calibration):
     name, lens, hkv, group, dim, block_size, splits, block_n = GRID[case]

@@ -379,3 +379,44 @@ def test_engine_decode_steps_match_one_token_prefill_steps():
     assert bm.num_free_blocks == bm.num_blocks
     logits = LLM(**kwargs).score([{"prompt_token_ids": prompt + generated}])[0]
     assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == generated
+
+
+# -- calibration on keys before RoPE ------------------------------------------------------------------------
+def test_calibrate_fits_keys_before_rope_and_vq_reads_them(mixtral_ckpt, tmp_path):
+    """`calibrate(keys_before_rope=True)` keeps the key pages rotated back by their positions in each
+    window (float64 RoPE of them gives the observed keys again), records it, and vq takes that
+    calibration only with kv_keys_before_rope (and the other one only without)."""
+    from moekv.tools.calibrate import calibrate, collect_pages
+
+    text = tmp_path / "calib.txt"
+    text.write_text("It was the best of times, it was the worst of times, it was the age of wisdom. " * 12)
+    llm = LLM(mixtral_ckpt, dtype="float32", kv_cache_dtype="fp32", max_num_seqs=1)
+    ids = llm.tokenizer.encode(text.read_text())[:256]
+    post = collect_pages(llm, ids, 128, 32, 64, seed=0, progress=False)
+    pre = collect_pages(llm, ids, 128, 32, 64, seed=0, progress=False, keys_before_rope=True)
+    theta = llm.engine.model_config.rope_theta
+    k_pre, k_post = pre.collected(0, "key"), post.collected(0, "key")  # [n, Hkv, P, D], the same pages
+    assert not torch.allclose(k_pre, k_post, atol=1e-2)
+    # each window of 128 starts at position 0: its pages at 0, 32, 64, 96, picked in one order per window
+    for page_pre, page_post in zip(k_pre, k_post):
+        positions = next(torch.arange(start, start + 32) for start in (0, 32, 64, 96)
+                         if torch.allclose(rope64(page_pre.transpose(0, 1), torch.arange(start, start + 32), theta),
+                                           page_post.transpose(0, 1).double(), atol=1e-4))
+        assert positions is not None
+    assert torch.equal(pre.collected(0, "value"), post.collected(0, "value"))
+
+    out = calibrate(mixtral_ckpt, text, tmp_path / "pre", max_tokens=512, window=128, block_size=32, progress=False,
+                    keys_before_rope=True, vq_iters=2, vq_max_vectors=1024)
+    assert json.loads((out / RECORD_FILE).read_text())["keys_before_rope"] is True
+    with pytest.raises(ValueError, match="before RoPE; pass kv_keys_before_rope=True"):
+        get_kv_format("vq", calibration=str(out))  # fitted before RoPE, read as after
+    llm = LLM(mixtral_ckpt, kv_cache_dtype="vq", kv_calibration=str(out), kv_keys_before_rope=True,
+              max_model_len=128, block_size=32, dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": list(range(2, 80))}],
+                        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert len(outs[0].outputs[0].token_ids) == 24
+    nuq2 = get_kv_format("nuq2", calibration=str(out))  # auto: its key codebooks are of the other side
+    assert not nuq2.calibrated
+    with pytest.raises(ValueError, match="keys_before_rope"):
+        get_kv_format("nuq2", calibration=str(out), codebook="calibrated")
+    assert get_kv_format("nuq2", calibration=str(out), keys_before_rope=True).calibrated

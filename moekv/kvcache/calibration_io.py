@@ -41,6 +41,16 @@ def keys_fitted_before_rope(folder: str | Path) -> bool:
     return bool(calibration_record(folder).get("keys_before_rope", False))
 
 
+def other_side(folder: str | Path) -> str:
+    """Why a format that stores keys on the other side of RoPE than `folder`'s key tables were
+    fitted on cannot read them, and how to get matching ones."""
+    if keys_fitted_before_rope(folder):
+        return (f"the calibration in {str(folder)!r} fitted its key tables on keys before RoPE; pass "
+                "kv_keys_before_rope=True (--kv-keys-before-rope), or calibrate without --keys-before-rope")
+    return (f"the calibration in {str(folder)!r} fitted its key tables on keys after RoPE; run `moekv calibrate "
+            "--keys-before-rope` for kv_keys_before_rope=True")
+
+
 def save_calibration(folder: str | Path, tables: dict[str, torch.Tensor], record: dict | None = None) -> Path:
     """Write `tables` (and the JSON `record`, when given) into `folder`, made if missing; returns it."""
     from safetensors.torch import save_file

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from moekv import envs
-from moekv.kvcache.calibration_io import keys_fitted_before_rope, load_calibration, shard_head_tables
+from moekv.kvcache.calibration_io import keys_fitted_before_rope, load_calibration, other_side, shard_head_tables
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE, KVOption, one_of, positive
@@ -245,11 +245,8 @@ class NUQ2Format(FragmentPagedFormat):
         if codebook == "auto":
             codebook = "calibrated" if self.tables and not other_basis else "page"
         if codebook == "calibrated" and self.tables and other_basis:
-            raise ValueError(f"codebook='calibrated' with keys_before_rope={keys_before_rope}: the calibration in "
-                             f"{str(calibration)!r} fitted its key codebooks on keys "
-                             f"{'after' if keys_before_rope else 'before'} RoPE; run `moekv calibrate"
-                             f"{' --keys-before-rope' if keys_before_rope else ''}` for this option, or "
-                             "codebook='page'")
+            raise ValueError(f"codebook='calibrated' with keys_before_rope={keys_before_rope}: "
+                             f"{other_side(calibration)}; or codebook='page'")
         if codebook not in ("page", "calibrated") or (codebook == "calibrated" and not self.tables):
             raise ValueError(f"codebook={codebook!r}: accepted 'page', 'auto', or 'calibrated' with a "
                              "kv_calibration folder written by `moekv calibrate`")

@@ -27,6 +27,7 @@ import torch
 from moekv.kvcache.calibration_io import (
     keys_fitted_before_rope,
     load_calibration,
+    other_side,
     save_calibration,
     shard_head_tables,
 )
@@ -190,10 +191,7 @@ class VQFormat(FragmentPagedFormat):
             raise ValueError(f"keys_before_rope={keys_before_rope!r} must be True or False")
         self.keys_before_rope = keys_before_rope
         if keys_fitted_before_rope(calibration) != keys_before_rope:
-            raise ValueError(f"kv_cache_dtype='vq' with keys_before_rope={keys_before_rope}: the calibration in "
-                             f"{str(calibration)!r} fitted its key codebooks on keys "
-                             f"{'after' if keys_before_rope else 'before'} RoPE; run `moekv calibrate"
-                             f"{' --keys-before-rope' if keys_before_rope else ''}` for this setting")
+            raise ValueError(f"kv_cache_dtype='vq' with keys_before_rope={keys_before_rope}: {other_side(calibration)}")
         self.tables = {name: e4m3_codewords(t) if name.endswith(".codebook") else t
                        for name, t in load_calibration(calibration, "kv_cache_dtype='vq'").items()}
         self.calibration = Path(calibration)

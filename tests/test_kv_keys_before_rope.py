@@ -246,7 +246,7 @@ def vq_calibration(tmp_path_factory):
 
 
 def decode_case(name, lens, hkv, group, dim, block_size, splits, block_n, options, window=None, seed=0,
-                q_dtype=torch.float32):
+                q_dtype=torch.float32, swap_ab=None):
     """A prefilled cache of sequences `lens` (keys rotated as the layer writes them), then one decode
     query each: the kernel's output and float64 dense attention over gather."""
     fmt = get_kv_format(name, torch.bfloat16, decode_kernel="triton", keys_before_rope=True, **options)
@@ -271,7 +271,7 @@ def decode_case(name, lens, hkv, group, dim, block_size, splits, block_n, option
     spec = fmt.decode_spec(block_size, dim)
     assert spec.key_rope and spec.key.fold_fn is None and spec.key.fix_fn is None
     out = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, scale, window,
-                                       spec, num_splits=splits, block_n=block_n)
+                                       spec, num_splits=splits, block_n=block_n, swap_ab=swap_ab)
     keys = [fmt.gather(cache, ctx, b, n, "key").double() for b, n in enumerate(lens)]
     values = [fmt.gather(cache, ctx, b, n, "value").double() for b, n in enumerate(lens)]
     from moekv.ops.reference import decode_attention_ref
@@ -287,10 +287,12 @@ def check(out, ref, q_dtype=torch.float32):
     assert err <= rel_tol * (ref.abs().max().item() + 1e-6), f"max error {err:.3g}"
 
 
-def test_nuq2_kernel_rotates_keys_after_the_lookup():
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["qk", "kq"])
+def test_nuq2_kernel_rotates_keys_after_the_lookup(swap_ab):
     """Planar columns (4 planes), a tile inside one page and outlier slots in use; a sequence shorter
-    than a page (the staged tail alone)."""
-    out, ref, fmt, cache = decode_case("nuq2", [150, 20], 2, 4, 64, 32, 2, 32, {"codebook": "page"})
+    than a page (the staged tail alone); the products in either orientation."""
+    out, ref, fmt, cache = decode_case("nuq2", [150, 20], 2, 4, 64, 32, 2, 32, {"codebook": "page"},
+                                       swap_ab=swap_ab)
     check(out, ref)
     used = fmt.layout("key", 32, 64).unpack(cache["k_pages"])["out_idx"]
     assert (used != 0xFFFF).any()  # the slots' corrections are exercised

@@ -120,10 +120,10 @@ class DecodeSpec:
     # the last split reads the 16-bit tail after its pages (False: a program of its own per head,
     # dispatched after the splits' programs; see paged_decode_attention's separate_tail)
     tail_in_last_split: bool = True
-    # the pages hold keys before RoPE (keys_before_rope): each key tile is rotated by its tokens'
-    # positions (moekv/ops/decode/rope.py) before the product with q, by the theta of the cache
-    # (LayerKVCache.rope_theta); its reader then gives the whole tile (no fold_fn, fix_fn or
-    # outlier_fn). The 16-bit tail holds rotated keys, as the layer wrote them
+    # the pages hold keys before RoPE (keys_before_rope): the key reader takes its tokens' positions
+    # [BLOCK_N] and log2 of the cache's RoPE base (LayerKVCache.rope_theta) after its constexprs
+    # (before the tables) and returns the whole tile rotated (moekv/ops/decode/rope.py; no fold_fn,
+    # fix_fn or outlier_fn). The 16-bit tail holds rotated keys, as the layer wrote them
     key_rope: bool = False
 
 

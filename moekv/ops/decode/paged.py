@@ -60,7 +60,6 @@ from moekv.ops.decode.launch import (
     occupancy_key,
     sm_count,
 )
-from moekv.ops.decode.rope import rope_key_tile
 from moekv.ops.pdl import let_dependents_launch, pdl_enabled
 
 
@@ -123,7 +122,7 @@ def _paged_decode_kernel(
     DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr, TABLES: tl.constexpr,
     PREFETCH: tl.constexpr, K_SLAB: tl.constexpr, V_SLAB: tl.constexpr, SWAP_AB: tl.constexpr,
     TAIL_IN_LAST: tl.constexpr,  # the last split reads the 16-bit tail (else a program of its own)
-    K_ROPE: tl.constexpr,  # pages hold keys before RoPE: rotate each key tile (DecodeSpec.key_rope)
+    K_ROPE: tl.constexpr,  # pages hold keys before RoPE: the key reader rotates them (DecodeSpec.key_rope)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -190,13 +189,18 @@ def _paged_decode_kernel(
                 prefetch_slab(v_pool, ahead * stride_vp + h * stride_vh, V_SLAB)
             kb = page * stride_kp + h * stride_kh
             kpb = page_pg * stride_kp + h * stride_kh
-            if TABLES:
+            if K_ROPE:  # keys stored before RoPE: the reader rotates them by their positions
+                if TABLES:
+                    k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4,
+                                        K5, pos, log2_theta, tab0, tab1, tab2, tab3)
+                else:
+                    k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4,
+                                        K5, pos, log2_theta)
+            elif TABLES:
                 k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4, K5,
                                     tab0, tab1, tab2, tab3)
             else:
                 k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4, K5)
-            if K_ROPE:  # position pos of the sequence: the angle the layer rotated its key by
-                k = rope_key_tile(k, pos, log2_theta, D, BLOCK_N, K_PL)
             s = tl.zeros([G_PAD, BLOCK_N], tl.float32)
             if K_FIX is not None:
                 # the sparse corrections first, as the product's accumulator: their branches then

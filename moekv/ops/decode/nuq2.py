@@ -224,8 +224,8 @@ def nuq2_key_tile_rope(pool, base, tok, page_base, tok0, valid, D: tl.constexpr,
     x2 = _nuq2_plane_affine(pool, base, valid, x2, 2, D, NPG, MEAN_OFF, SCALE_OFF)
     x3 = _nuq2_plane_affine(pool, base, valid, x3, 3, D, NPG, MEAN_OFF, SCALE_OFF)
     i = tl.arange(0, QD)[None, :]  # plane s < 2, column j: frequency s*D/4 + j
-    x0, x2 = rope_pair(x0, x2, pos[:, None], i, log2_theta, D)
-    x1, x3 = rope_pair(x1, x3, pos[:, None], i + QD, log2_theta, D)
+    x0, x2 = rope_pair(x0, x2, pos[:, None], i, log2_theta, D, ASM)
+    x1, x3 = rope_pair(x1, x3, pos[:, None], i + QD, log2_theta, D, ASM)
     return tl.interleave(tl.interleave(x0, x2), tl.interleave(x1, x3)), valid
 
 

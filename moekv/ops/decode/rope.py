@@ -14,7 +14,8 @@ before it rotates (`add_slot_elements`, a one-hot product per 16 slots), since a
 an element's correction would spread over its pair.
 
 Cost per (page, KV head) of P = 64 tokens, D = 128: P * D/2 = 4096 angles (one multiply each; the
-frequencies theta^(-2i/D) once per tile), a sin and a cos each, 6 FMAs per pair; the keys' channel
+frequencies theta^(-2i/D) once per tile), each reduced to [-pi, pi] (3 FMAs) and given to the
+hardware's sin and cos approximations (2 MUFU instructions), then 6 FMAs per pair; the keys' channel
 affine, which the reader of post-RoPE keys folds into q once per page, is applied to every element.
 """
 from __future__ import annotations
@@ -22,14 +23,38 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# sin and cos of an angle reduced to [-pi, pi] by the hardware's approximations (MUFU): 2 instructions
+_SINCOS_PTX = tl.constexpr("sin.approx.f32 $0, $2; cos.approx.f32 $1, $2;")
+TWO_PI_HI = tl.constexpr(6.28125)  # 201 / 32: n * TWO_PI_HI is exact for |n| < 2^16 (angles to 4e5 rad)
+TWO_PI_LO = tl.constexpr(0.0019353071795864769)  # 2 pi - TWO_PI_HI
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
+
 
 @triton.jit
-def rope_pair(x1, x2, pos, i, log2_theta, D: tl.constexpr):
+def _sin_cos(angle, ASM: tl.constexpr):
+    """sin and cos of fp32 angles. ASM (compiled for an NVIDIA GPU): the angle less the nearest
+    multiple of 2 pi (in two parts, so the reduction adds ~1e-6 rad, far under the fp32 rounding of
+    the angle itself: 0.008 rad at 1e5), then sin.approx / cos.approx (~1e-6 on [-pi, pi]); libdevice's
+    sinf / cosf take 20-40 instructions each and a local-memory path beyond 1e5 rad. Else tl.sin /
+    tl.cos (the interpreter's path)."""
+    if ASM:
+        n = tl.floor(angle * INV_TWO_PI + 0.5)
+        r = (angle - n * TWO_PI_HI) - n * TWO_PI_LO
+        s, c = tl.inline_asm_elementwise(_SINCOS_PTX, "=r,=r,r", [r], dtype=(tl.float32, tl.float32),
+                                         is_pure=True, pack=1)
+    else:
+        s = tl.sin(angle)
+        c = tl.cos(angle)
+    return s, c
+
+
+@triton.jit
+def rope_pair(x1, x2, pos, i, log2_theta, D: tl.constexpr, ASM: tl.constexpr = False):
     """The rotary pairs (x1, x2) (fp32, any broadcastable shapes) at positions pos and frequency
-    indices i (i < D/2) rotated: (x1 c - x2 s, x2 c + x1 s) at angle pos * theta^(-2i/D)."""
+    indices i (i < D/2) rotated: (x1 c - x2 s, x2 c + x1 s) at angle pos * theta^(-2i/D), the angle
+    in fp32 as ops/rotary.py computes it."""
     angle = pos.to(tl.float32) * tl.exp2(-(2.0 * i.to(tl.float32) / D) * log2_theta)
-    c = tl.cos(angle)
-    s = tl.sin(angle)
+    s, c = _sin_cos(angle, ASM)
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 

@@ -150,7 +150,7 @@ def vq_key_tile_rope(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, B
     hi = _vq_key_half(pool, base, page_base, tok0, valid, _vq_lookup_half(pool, base, tok, valid, T0, 1, D, BLOCK_N,
                                                                           NPG, SUB),
                       ts, 1, D, BLOCK_N, P, TOK_OFF, MEAN_OFF, OVAL_OFF, OIDX_OFF, S, SUB, T0, T1)
-    lo, hi = rope_pair(lo, hi, pos[:, None], tl.arange(0, D // 2)[None, :], log2_theta, D)
+    lo, hi = rope_pair(lo, hi, pos[:, None], tl.arange(0, D // 2)[None, :], log2_theta, D, ASM)
     return tl.reshape(tl.join(lo, hi), (BLOCK_N, D)), valid
 
 

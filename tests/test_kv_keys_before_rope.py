@@ -422,3 +422,72 @@ def test_calibrate_fits_keys_before_rope_and_vq_reads_them(mixtral_ckpt, tmp_pat
     with pytest.raises(ValueError, match="keys_before_rope"):
         get_kv_format("nuq2", calibration=str(out), codebook="calibrated")
     assert get_kv_format("nuq2", calibration=str(out), keys_before_rope=True).calibrated
+
+
+# -- the compiled kernel (sm_90), built without a GPU ------------------------------------------------------
+SM90_BUILD = r'''
+import json, os, re, shutil, subprocess, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import moekv.ops.decode.paged as paged
+from moekv.kvcache.formats import get_kv_format
+from moekv.kvcache.formats.vq import random_calibration
+
+class Captured(Exception):
+    pass
+
+def capture(kernel, kernel_args, *args, **kwargs):  # the launch's arguments, instead of launching
+    raise Captured(kernel_args(4)[3])
+
+paged.launch_split_kernel = capture
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8",
+         torch.int32: "i32", torch.int64: "i64"}
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+post = random_calibration(tempfile.mkdtemp(), 8, 128)
+pre = tempfile.mkdtemp()
+shutil.copy(os.path.join(post, "kv_calibration.safetensors"), pre)
+open(os.path.join(pre, "kv_calibration.json"), "w").write(json.dumps({"keys_before_rope": True}))
+for name, options in (("nuq2", {"codebook": "page"}), ("nuq2", {"codebook": "page", "keys_before_rope": True}),
+                      ("vq", {"calibration": str(post)}), ("vq", {"calibration": pre, "keys_before_rope": True})):
+    fmt = get_kv_format(name, torch.bfloat16, decode_kernel="triton", **options)
+    cache = fmt.allocate(8, 8, 64, 128, torch.device("cpu"), 3, torch.bfloat16)
+    cache.rope_theta = 1e6
+    try:
+        paged.paged_decode_attention(torch.zeros(2, 32, 128, dtype=torch.bfloat16), cache,
+                                     torch.zeros(2, 4, dtype=torch.int32), torch.tensor([200, 100], dtype=torch.int32),
+                                     torch.arange(2), 0.1, None, fmt.decode_spec(64, 128), block_n=64, use_asm=True)
+    except Captured as e:
+        args = e.args[0]
+    kernel = paged._paged_decode_kernel
+    signature, constexprs = {}, {}
+    for p, a in zip(kernel.params, args):
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", a
+        else:
+            signature[p.name] = ("*" + TYPES[a.dtype] if isinstance(a, torch.Tensor) else "i32" if isinstance(a, int)
+                                 else "fp32")
+    k = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=2))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    print(name, "sin.approx.f32" in k.asm["ptx"], len(re.findall(r"\b(LDL|STL)\b", sass)), sass.count("\n"))
+'''
+
+
+@pytest.mark.slow
+def test_kernel_builds_for_sm90_without_a_gpu():
+    """The Triton decode kernel with keys before RoPE builds for the H200 (sm_90) with the ptxas Triton
+    ships (nuq2 and vq, at the benchmark's shape, inline PTX on): sin / cos are the hardware's
+    approximations (libdevice's add a local-memory path), and the kernel is within 1.5x of the one
+    without the option in instructions and local-memory accesses. About a minute on one CPU core."""
+    from tests.gluon_cases import run_sm90_build
+
+    words = run_sm90_build(SM90_BUILD)
+    rows = [words[i:i + 4] for i in range(0, len(words), 4)]
+    assert [(r[0], r[1]) for r in rows] == [("nuq2", "False"), ("nuq2", "True"), ("vq", "False"), ("vq", "True")]
+    for base, rope in ((rows[0], rows[1]), (rows[2], rows[3])):
+        assert int(rope[2]) <= 1.5 * int(base[2]) + 16, (base, rope)  # LDL / STL
+        assert int(rope[3]) <= 1.5 * int(base[3]), (base, rope)  # SASS lines

@@ -395,13 +395,19 @@ def test_gpu_engine_decode_kernel_matches_the_reference_path(monkeypatch):
 
     text = (default_model_path() / "heldout" / "prose.txt").read_text()
     kwargs = dict(device="cuda", kv_cache_dtype="nuq2", kv_codebook="page", kv_keys_before_rope=True,
-                  max_model_len=1024)
+                  max_model_len=1024, kv_cache_memory_gb=1.0)
 
     def score():
+        import gc
+
         llm = LLM(**kwargs)
         ids = llm.tokenizer.encode(text)[:1024]
         assert llm.engine.runner.kv_format.keys_before_rope
-        return llm.score([{"prompt_token_ids": ids}], decode_from=[640])[0][640:].float().log_softmax(-1)
+        out = llm.score([{"prompt_token_ids": ids}], decode_from=[640])[0][640:].float().log_softmax(-1)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return out
 
     fused = score()
     monkeypatch.setattr(NUQ2Format, "decode_spec", lambda self, block_size, head_dim: None)

@@ -23,6 +23,8 @@ reference on the first sequence.
         --tiered-fp8-share 1.0   # every tiered page in FP8: fp8_e4m3's Triton and Gluon kernels, tiered's FP8 path
     python benchmarks/kernels/bench_decode_attention.py --formats bf16 fp8_e4m3 --peers flashinfer
         # FlashInfer beside them
+    python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_prerope vq vq_prerope --configs 0 \
+        --shapes 1x4096 16x32768 64x32768 1x131072   # keys stored before RoPE (rotated per tile) beside today's
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
         --max-registers none 80
         # the default launch in both orientations of the products and with and without a register cap
@@ -93,7 +95,12 @@ FORMATS = {
     "nuq2_eager": ("nuq2", {"codebook": "page", "residual": 0}),
     "nuq2_first": ("nuq2", {"codebook": "page", "residual": 0}),
     "nuq2_noslots": ("nuq2", {"codebook": "page", "residual": 0}),
+    # keys stored before RoPE, rotated per tile in the kernel (kv_keys_before_rope; timed only when named)
+    "nuq2_prerope": ("nuq2", {"codebook": "page", "residual": 0, "keys_before_rope": True}),
+    "vq_prerope": ("vq", {"residual": 0, "keys_before_rope": True}),
 }
+PREROPE = {"nuq2_prerope", "vq_prerope"}
+ROPE_THETA = 1e6  # the RoPE base keys stored before RoPE are rotated by (a Mixtral's; the speed does not depend on it)
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}
 INEXACT = {"nuq2_noslots"}  # bounds, not formats: wrong wherever a slot is used
@@ -162,6 +169,7 @@ def build_cache(fmt, batch: int, context: int, block_size: int, device, gen):
     pages_per_seq = -(-context // block_size)
     num_blocks = batch * pages_per_seq + 1
     cache = fmt.allocate(num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM, device, batch, torch.bfloat16)
+    cache.rope_theta = ROPE_THETA  # read by keys_before_rope formats only
     unique = min(UNIQUE_PAGES, num_blocks)
     k, v = random_kv(unique, block_size, device, gen)
     repeat = torch.arange(num_blocks, device=device) % unique
@@ -300,6 +308,8 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
     row = {"format": label, "batch": batch, "context": context, "baseline_ms": base["ms"]}
     if name == "vq" and args.vq_calibration:
         options = {**options, "calibration": args.vq_calibration}
+        if options.get("keys_before_rope"):
+            options["calibration"] = before_rope_copy(args.vq_calibration)
     try:
         fmt = get_kv_format(name, torch.bfloat16, decode_kernel="triton", **options)  # the Triton rows read slabs
     except Exception as e:  # noqa: BLE001
@@ -633,6 +643,21 @@ def random_vq_calibration() -> Path:
     return random_calibration(Path(tempfile.mkdtemp(prefix="vqcal")), NUM_KV_HEADS, HEAD_DIM)
 
 
+def before_rope_copy(folder: Path) -> Path:
+    """The calibration `folder`'s tables in a temporary folder whose record says they were fitted on
+    keys before RoPE (what vq_prerope needs to build; the speed does not depend on the fit)."""
+    import json
+    import shutil
+    import tempfile
+
+    from moekv.kvcache.calibration_io import CALIBRATION_FILE, RECORD_FILE
+
+    out = Path(tempfile.mkdtemp(prefix="vqcal_prerope"))
+    shutil.copy(Path(folder) / CALIBRATION_FILE, out / CALIBRATION_FILE)
+    (out / RECORD_FILE).write_text(json.dumps({"keys_before_rope": True, "tables_of": str(folder)}))
+    return out
+
+
 def fp8_page(i: int, share: float) -> bool:
     """Whether a sequence's i-th full page is in FP8 in the tiered benchmark's cache: at the default
     share the pages whose index is 3, 10, 16, ... of 20 (spread over the context), at another share
@@ -777,7 +802,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "h200" / "decode_attention.json")
     p.add_argument("--quick", action="store_true", help="smoke run: two small shapes, the default launch shape only")
-    p.add_argument("--formats", nargs="*", default=[f for f in FORMATS if f not in NUQ2_VARIANTS],
+    p.add_argument("--formats", nargs="*", default=[f for f in FORMATS if f not in NUQ2_VARIANTS and f not in PREROPE],
                    help=f"labels among {list(FORMATS)} (kernel variants {list(NUQ2_VARIANTS)} only when named)")
     p.add_argument("--shapes", nargs="*", default=None, help="batchxcontext, e.g. 1x4096 16x32768")
     p.add_argument("--configs", nargs="*", type=int, default=None,

@@ -42,11 +42,15 @@ FORMATS = ("bf16", "fp8_e4m3", "int4", "kivi2", "nuq2", "nuq2:kv_codebook=page",
 
 
 def parse_format(spec: str) -> tuple[str, dict]:
-    """'tiered:kv_rerank_interval=1' -> ('tiered', {'kv_rerank_interval': 1}); values as int, float or str."""
+    """'tiered:kv_rerank_interval=1' -> ('tiered', {'kv_rerank_interval': 1}); values as bool (True /
+    False), int, float or str."""
     name, *opts = spec.split(":")
     options = {}
     for opt in opts:
         key, _, value = opt.partition("=")
+        if value in ("True", "False"):
+            options[key] = value == "True"
+            continue
         for cast in (int, float):
             try:
                 value = cast(value)

@@ -13,7 +13,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from moekv.tools.calibrate import RECORD_FILE, calibrate
 
     out = calibrate(args.model, args.text, args.out, max_tokens=args.max_tokens, window=args.window,
-                    block_size=args.block_size, seed=args.seed, progress=not args.quiet, device=args.device)
+                    block_size=args.block_size, seed=args.seed, progress=not args.quiet, device=args.device,
+                    keys_before_rope=args.keys_before_rope)
     record = json.loads((out / RECORD_FILE).read_text())
     print(f"wrote {out} ({record['tokens_used']} tokens of {args.text}; tables of {', '.join(record['formats'])}: "
           f"{record['total_bytes']:,} bytes); use it with --kv-calibration {out}")
@@ -33,6 +34,8 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=64, help="page size the per-page statistics are taken over")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling of pages and the fits")
     p.add_argument("--device", default="cpu", help="cpu | cuda: where the text is scored (fp32 on either)")
+    p.add_argument("--keys-before-rope", action="store_true",
+                   help="fit the key tables on keys before RoPE, for --kv-keys-before-rope (recorded in the .json)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_calibrate)
     return p

@@ -352,6 +352,7 @@ class ModelRunner:
                                                      model_cfg.head_dim, self.device, config.scheduler.max_num_seqs + 1,
                                                      self.dtype)
             hooks.kv_cache.layer = i
+            hooks.kv_cache.rope_theta = model_cfg.rope_theta  # keys stored before RoPE are rotated by it
             self.kv_caches.append(hooks.kv_cache)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}

@@ -1,7 +1,8 @@
 """calibration_io: the calibration folder's files, read by the formats and written by `moekv calibrate`.
 
   DIR/kv_calibration.safetensors  the learned tables by name (vq.layer{l}.*, nuq2.layer{l}.*)
-  DIR/kv_calibration.json         what they were fitted on (model, text, tokens, shapes, bytes, date)
+  DIR/kv_calibration.json         what they were fitted on (model, text, tokens, shapes, bytes, date;
+                                  keys_before_rope: the key tables fitted on keys before RoPE)
 
 A leaf module: the formats import it to read the tables, the calibration tool (moekv/tools/calibrate.py)
 to write them; it imports neither.
@@ -26,6 +27,28 @@ def load_calibration(folder: str | Path, what: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def calibration_record(folder: str | Path) -> dict:
+    """The folder's JSON record (what the tables were fitted on), or {} where it has none."""
+    path = Path(folder) / RECORD_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def keys_fitted_before_rope(folder: str | Path) -> bool:
+    """Whether the folder's key tables were fitted on keys before RoPE (`moekv calibrate
+    --keys-before-rope` records it); a folder without that record was fitted after RoPE."""
+    return bool(calibration_record(folder).get("keys_before_rope", False))
+
+
+def other_side(folder: str | Path) -> str:
+    """Why a format that stores keys on the other side of RoPE than `folder`'s key tables were
+    fitted on cannot read them, and how to get matching ones."""
+    if keys_fitted_before_rope(folder):
+        return (f"the calibration in {str(folder)!r} fitted its key tables on keys before RoPE; pass "
+                "kv_keys_before_rope=True (--kv-keys-before-rope), or calibrate without --keys-before-rope")
+    return (f"the calibration in {str(folder)!r} fitted its key tables on keys after RoPE; run `moekv calibrate "
+            "--keys-before-rope` for kv_keys_before_rope=True")
 
 
 def save_calibration(folder: str | Path, tables: dict[str, torch.Tensor], record: dict | None = None) -> Path:

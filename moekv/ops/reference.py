@@ -51,6 +51,15 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def rope_rotate_ref(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse: bool = False) -> torch.Tensor:
+    """x [T, heads, D] rotated (rotate-half RoPE) by its positions [T], or rotated back (inverse),
+    in x's dtype: the angles as rotary_cos_sin_ref computes them (fp32), cos/sin then in x's
+    dtype, so the rotation is the model's and the inverse undoes it up to rounding."""
+    cos, sin = rotary_cos_sin_ref(positions, x.shape[-1], theta, torch.float32)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return apply_rotary_ref(x, cos, -sin if inverse else sin)
+
+
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)

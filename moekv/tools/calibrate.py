@@ -7,7 +7,9 @@ and key channel scales), the tables that format reads back through moekv/kvcache
 Calibration text runs through the engine in fp32 with an fp32 cache; every attention layer's
 observer hands over the post-RoPE K/V of each window, which are cut into pages of `block_size`
 tokens (formats take some statistics, such as the key channel means, per page) and subsampled
-to a bounded number of pages per layer. The result is one safetensors file plus a JSON record:
+to a bounded number of pages per layer. With keys_before_rope the key pages are rotated back by
+their positions first (each window starts at position 0), for formats that store keys before RoPE
+(kv_keys_before_rope); the record says which. The result is one safetensors file plus a JSON record:
 
   out_dir/kv_calibration.safetensors
     <format>.layer{l}.*             each fitter's tables (named and shaped in its format's file), e.g.
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 from moekv.eval.perplexity import read_text_tokens
 from moekv.kvcache.calibration_io import RECORD_FILE, save_calibration
 from moekv.kvcache.formats import calibration_fitters
+from moekv.kvcache.formats.paged import rotate_key_pages
 from moekv.llm import LLM
 
 __all__ = ["RECORD_FILE", "PageSampler", "calibrate", "collect_pages", "fit_tables", "fitter_options"]
@@ -38,8 +41,11 @@ __all__ = ["RECORD_FILE", "PageSampler", "calibrate", "collect_pages", "fit_tabl
 class PageSampler:
     """Keeps at most `pages_per_window` random full pages of each window, per layer and kind."""
 
-    def __init__(self, num_layers: int, block_size: int, pages_per_window: int, seed: int) -> None:
+    def __init__(self, num_layers: int, block_size: int, pages_per_window: int, seed: int,
+                 rope_theta: float | None = None) -> None:
+        """rope_theta: keep the key pages rotated back by RoPE of this base (keys before RoPE), else as observed."""
         self.block_size, self.pages_per_window = block_size, pages_per_window
+        self.rope_theta = rope_theta
         self.generator = torch.Generator().manual_seed(seed)
         self.pending: list[dict[str, list[torch.Tensor]]] = [{"key": [], "value": []} for _ in range(num_layers)]
         self.pages: list[dict[str, list[torch.Tensor]]] = [{"key": [], "value": []} for _ in range(num_layers)]
@@ -63,6 +69,8 @@ class PageSampler:
                 if pick is None:
                     pick = torch.randperm(n, generator=self.generator)[:self.pages_per_window]
                 pages = x[:n * P].reshape(n, P, *x.shape[1:]).transpose(1, 2)  # [n, Hkv, P, D]
+                if kind == "key" and self.rope_theta is not None:  # page j of the window starts at j * P
+                    pages = rotate_key_pages(pages, torch.arange(n) * P, self.rope_theta, inverse=True)
                 self.pages[layer][kind].append(pages[pick])
 
     def collected(self, layer: int, kind: str) -> torch.Tensor:
@@ -71,12 +79,14 @@ class PageSampler:
 
 
 def collect_pages(llm, ids: list[int], window: int, block_size: int, max_pages: int, seed: int,
-                  progress: bool) -> PageSampler:
-    """Score the text window by window through `llm`, keeping sampled pages of every layer's K/V."""
+                  progress: bool, keys_before_rope: bool = False) -> PageSampler:
+    """Score the text window by window through `llm`, keeping sampled pages of every layer's K/V
+    (the keys rotated back by RoPE with keys_before_rope)."""
     layers = llm.engine.runner.model.attention_layers
     starts = list(range(0, max(1, len(ids) - block_size + 1), window))
     per_window = max(1, math.ceil(max_pages / len(starts)))
-    sampler = PageSampler(len(layers), block_size, per_window, seed)
+    theta = llm.engine.model_config.rope_theta if keys_before_rope else None
+    sampler = PageSampler(len(layers), block_size, per_window, seed, theta)
     for attn in layers:
         attn.hooks.kv_observer = sampler.observe
     try:
@@ -120,13 +130,15 @@ def fit_tables(sampler: PageSampler, num_layers: int, seed: int, progress: bool,
 
 def calibrate(model_dir: str | Path, text_path: str | Path, out_dir: str | Path, max_tokens: int = 65536,
               window: int = 512, progress: bool = True, block_size: int = 64, max_pages: int = 2048,
-              max_sample_bytes: int = 1 << 30, seed: int = 0, device: str = "cpu", **options: Any) -> Path:
+              max_sample_bytes: int = 1 << 30, seed: int = 0, device: str = "cpu", keys_before_rope: bool = False,
+              **options: Any) -> Path:
     """Fit the KV formats' calibration on `text_path` and write it to `out_dir`; returns out_dir.
 
     max_tokens bounds the text used; window is the tokens scored at once (capped by the model's
     context); block_size the page size that per-page statistics are taken over; max_pages the
     pages kept per layer and kind (fewer if the kept K/V would pass max_sample_bytes); device where
-    the text is scored (fp32 either way; the pages are kept and fitted on the CPU). options: a
+    the text is scored (fp32 either way; the pages are kept and fitted on the CPU); keys_before_rope:
+    fit the key tables on keys before RoPE (for kv_keys_before_rope; recorded). options: a
     fitter's own, as `<format>_<option>` (vq_sub_dim, vq_iters, vq_max_vectors: channels per
     subvector, Lloyd iterations, vectors per codebook).
     """
@@ -144,14 +156,14 @@ def calibrate(model_dir: str | Path, text_path: str | Path, out_dir: str | Path,
     cfg = llm.engine.model_config
     page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * 4  # K and V, fp32
     max_pages = max(1, min(max_pages, max_sample_bytes // page_bytes))
-    sampler = collect_pages(llm, ids, window, block_size, max_pages, seed, progress)
+    sampler = collect_pages(llm, ids, window, block_size, max_pages, seed, progress, keys_before_rope)
     tables = fit_tables(sampler, cfg.num_layers, seed, progress, per_format)
     record = {
         "model": str(Path(model_dir).resolve()), "text": str(Path(text_path).resolve()),
         "tokens_used": len(ids), "window": window, "device": device, "block_size": block_size,
         "pages_per_layer_and_kind": int(sampler.collected(0, "key").shape[0]),
         "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "formats": list(per_format),
+        "formats": list(per_format), "keys_before_rope": bool(keys_before_rope),
     }
     for name, fitter in calibration_fitters().items():
         if fitter.summary is not None:

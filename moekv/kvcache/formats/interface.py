@@ -78,6 +78,9 @@ class LayerKVCache:
     nonfinite: torch.Tensor | None = None
     # host-side state a format keeps per layer beside the tensors (tiered: its TieredState), or None
     state: object | None = None
+    # the model's RoPE base (set by the model runner): what a format storing keys before RoPE
+    # (keys_before_rope) rotates them by when it reads them; None where nobody set it
+    rope_theta: float | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -31,10 +31,10 @@ from typing import Callable
 import torch
 
 from moekv import envs
-from moekv.kvcache.calibration_io import load_calibration, shard_head_tables
+from moekv.kvcache.calibration_io import keys_fitted_before_rope, load_calibration, other_side, shard_head_tables
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
-from moekv.kvcache.formats.options import CALIBRATION, KVOption, one_of, positive
+from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE, KVOption, one_of, positive
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.kvcache.formats.residual import RESIDUAL_OPTION, ResidualWindow, gluon_ring
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
@@ -191,6 +191,9 @@ def fit_tables(pages: torch.Tensor, layer: int, kind: str, generator: torch.Gene
 
 
 def _gluon_covers(fmt: NUQ2Format, block_size: int, head_dim: int) -> str | None:
+    if fmt.keys_before_rope:
+        return ("nuq2's Gluon kernel reads keys stored after RoPE; keys_before_rope=True takes the Triton "
+                "kernel (decode_kernel='triton' or 'auto')")
     if (block_size, head_dim) == (64, 128) and not fmt.codebooks_not_fp16():
         return None
     return ("nuq2's Gluon kernel covers block_size 64, head_dim 128 and fp16 codebooks, "
@@ -216,13 +219,18 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
         KVOption("codebook", "auto",
                  "nuq2/tiered: per-page k-means, calibrated codebooks, or auto (calibrated when available)",
                  one_of(*CODEBOOKS), choices=CODEBOOKS),
+        KEYS_BEFORE_ROPE,
     )
 
     def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
-                 codebook: str = "auto", quantize_kernel: bool | None = None, residual: int | None = None) -> None:
+                 codebook: str = "auto", quantize_kernel: bool | None = None, residual: int | None = None,
+                 keys_before_rope: bool = False) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
-        (calibrated when the calibration folder has nuq2 codebooks, else per page).
+        (calibrated when the calibration folder has nuq2 codebooks fitted on keys on the side of RoPE
+        the pages store them, keys_before_rope; else per page).
         residual: the newest tokens kept in 16-bit (None: default_residual; 0: none).
+        keys_before_rope: pages hold the keys as computed before RoPE, rotated by their positions
+        after the lookup by every reader (PagedQuantFormat.keys_before_rope; no Gluon kernel).
         quantize_kernel: quantize pages on CUDA with the fused kernel (moekv/ops/nuq2_quantize.py);
         None reads MOEKV_NUQ2_QUANTIZE_KERNEL (moekv/envs.py: default on; 0 keeps the torch
         reference, for benchmarks that compare the two)."""
@@ -232,13 +240,21 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
         self.set_residual(residual, self.default_residual)
         if not outlier_sigma > 0:
             raise ValueError(f"outlier_sigma={outlier_sigma!r} must be > 0")
+        if not isinstance(keys_before_rope, bool):
+            raise ValueError(f"keys_before_rope={keys_before_rope!r} must be True or False")
+        self.keys_before_rope = keys_before_rope
         self.tau = float(outlier_sigma)
         self.tables: dict[str, torch.Tensor] = {}
         if calibration is not None:
             self.tables = {k: v for k, v in load_calibration(calibration, "kv_cache_dtype='nuq2'").items()
                            if k.startswith("nuq2.")}
+        # key codebooks fitted on keys on the other side of RoPE than the pages store them
+        other_basis = calibration is not None and keys_fitted_before_rope(calibration) != keys_before_rope
         if codebook == "auto":
-            codebook = "calibrated" if self.tables else "page"
+            codebook = "calibrated" if self.tables and not other_basis else "page"
+        if codebook == "calibrated" and self.tables and other_basis:
+            raise ValueError(f"codebook='calibrated' with keys_before_rope={keys_before_rope}: "
+                             f"{other_side(calibration)}; or codebook='page'")
         if codebook not in ("page", "calibrated") or (codebook == "calibrated" and not self.tables):
             raise ValueError(f"codebook={codebook!r}: accepted 'page', 'auto', or 'calibrated' with a "
                              "kv_calibration folder written by `moekv calibrate`")

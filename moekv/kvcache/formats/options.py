@@ -69,3 +69,14 @@ def fraction(value: Any) -> str | None:
 # a folder of learned tables: every format that reads one takes it under this name
 CALIBRATION = KVOption("calibration", None,
                        "folder from `moekv calibrate` (default: the checkpoint's kv_calibration/ if it has one)")
+
+
+def boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "must be True or False"
+
+
+# keys quantized before RoPE (nuq2, vq): pages hold un-rotated keys, every reader rotates them by
+# their positions after dequantizing (docs/kv-formats.md, "Keys stored before RoPE")
+KEYS_BEFORE_ROPE = KVOption("keys_before_rope", False,
+                            "nuq2/vq: quantize keys before RoPE, rotated by every reader after the lookup "
+                            "(the Triton decode kernel, no Gluon kernel)", boolean)

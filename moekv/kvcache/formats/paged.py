@@ -22,6 +22,7 @@ from moekv.kvcache.formats.interface import (
     LayerKVCache,
     RopeWriteTarget,
 )
+from moekv.ops.reference import rope_rotate_ref
 
 FIELD_ALIGN_BYTES = 16  # fields inside a slab start on 16-byte boundaries (vector loads)
 
@@ -181,6 +182,31 @@ def stage_decode_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, c
         staging[ctx.seq_slots, :, offsets] = x.to(staging.dtype)
 
 
+def rope_theta_of(cache: LayerKVCache) -> float:
+    """The RoPE base a keys_before_rope format rotates the cache's keys by (LayerKVCache.rope_theta)."""
+    if cache.rope_theta is None:
+        raise ValueError("keys_before_rope: the layer's KV cache has no rope_theta (the model runner sets it "
+                         "from the model's config; set LayerKVCache.rope_theta where pools are built by hand)")
+    return cache.rope_theta
+
+
+def rotate_key_pages(x: torch.Tensor, page_starts: torch.Tensor, theta: float, inverse: bool = False) -> torch.Tensor:
+    """Key pages x [n, Hkv, P, D] whose row t sits at position page_starts[n] + t, rotated by RoPE
+    (or rotated back, inverse: the keys as the layer computed them before RoPE), in x's dtype."""
+    n, H, P, D = x.shape
+    positions = (page_starts.to(torch.long)[:, None] + torch.arange(P, device=x.device)).reshape(-1)
+    rows = x.permute(0, 2, 1, 3).reshape(n * P, H, D)
+    return rope_rotate_ref(rows, positions, theta, inverse).reshape(n, P, H, D).permute(0, 2, 1, 3)
+
+
+def fill_page_starts(ctx: Context, block_size: int) -> torch.Tensor:
+    """The first position of each page a decode step filled (ctx.fill_slots [F]): the page of the
+    token of the row whose staging slot it is, without a host sync. A padded fill (the scratch slot,
+    no row) gets some row's: its page is the scratch page, never read."""
+    rows = (ctx.seq_slots[None, :] == ctx.fill_slots[:, None]).to(torch.int32).argmax(dim=1)  # [F]
+    return ctx.positions[rows] // block_size * block_size
+
+
 def can_stage_vectorized(q_or_k: torch.Tensor, ctx: Context) -> bool:
     """A decode step that fills no page: staging is one indexed copy."""
     return ctx.fills_no_page and ctx.max_query_len == 1 and q_or_k.shape[0] == ctx.num_seqs
@@ -202,6 +228,9 @@ class PagedQuantFormat(KVFormat):
     graph_support = GraphSupport.DECODE_WITH_LISTED_FILLS
     # quantize() does not read per-layer tables, so pages of all layers can go in one batch
     layer_independent_quantize = True
+    # pages hold keys as computed before RoPE (staging keeps them rotated, as the layer writes them):
+    # rotated back by their positions when a page is quantized, rotated again whenever one is read
+    keys_before_rope = False
 
     def layout(self, kind: str, block_size: int, head_dim: int) -> PageLayout:
         """The slab layout for kind 'key' or 'value'."""
@@ -247,6 +276,7 @@ class PagedQuantFormat(KVFormat):
             stage_decode_tokens(cache, k, v, ctx)
             return
         filled: dict[str, tuple[list, list, list]] = {"k": ([], [], []), "v": ([], [], [])}  # rows, cols, pages
+        block_size = cache["k_staging"].shape[2]
         for b, name, indices, pages in stage_tokens(cache, k, v, ctx):
             if indices:
                 rows, cols, xs = filled[name]
@@ -260,6 +290,9 @@ class PagedQuantFormat(KVFormat):
             # every sequence's filled pages in one quantization
             x_full = torch.cat(xs)  # [n, Hkv, P, D]
             check_finite(x_full, kind + "s")
+            if name == "k" and self.keys_before_rope:  # cols: each page's index in its sequence
+                starts = torch.tensor(cols, dtype=torch.long, device=x_full.device) * block_size
+                x_full = rotate_key_pages(x_full, starts, rope_theta_of(cache), inverse=True)
             tables = ctx.host_lists().block_tables
             page_ids = to_device([tables[b][c] for b, c in zip(rows, cols)], torch.long, x_full.device)
             self.store_slabs(cache, name, page_ids, self.quantize_packed(x_full, kind, cache.layer))
@@ -298,6 +331,9 @@ class PagedQuantFormat(KVFormat):
                 flag_nonfinite(caches[0], x)
             else:
                 check_finite(x, kind + "s")
+            if name == "k" and self.keys_before_rope:
+                starts = fill_page_starts(ctx, x.shape[2]).repeat(len(caches))
+                x = rotate_key_pages(x.float(), starts, rope_theta_of(caches[0]), inverse=True)
             if self.layer_independent_quantize:
                 slabs = self.quantize_packed(x, kind).split(F)
             else:  # per-layer tables (calibrated codebooks): one quantization per layer
@@ -321,6 +357,9 @@ class PagedQuantFormat(KVFormat):
         if num_pages:
             page_ids = ctx.block_tables[b, :num_pages].long()
             x = self.dequantize_pages(cache, kind, page_ids)  # [n, Hkv, P, D]
+            if kind == "key" and self.keys_before_rope:  # pages 0..num_pages-1 of the sequence
+                starts = torch.arange(num_pages, device=x.device) * block_size
+                x = rotate_key_pages(x, starts, rope_theta_of(cache))
             parts.append(x.permute(0, 2, 1, 3).reshape(num_pages * block_size, -1, head_dim)[:length])
         tail = length - num_pages * block_size
         if tail > 0:

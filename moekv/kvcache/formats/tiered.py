@@ -48,7 +48,7 @@ from moekv.kvcache.formats.interface import (
     StatisticGauge,
 )
 from moekv.kvcache.formats.nuq2 import NUQ2Format
-from moekv.kvcache.formats.options import KVOption, fraction, integer_at_least
+from moekv.kvcache.formats.options import KEYS_BEFORE_ROPE, KVOption, fraction, integer_at_least
 from moekv.kvcache.formats.paged import (
     PagedQuantFormat,
     can_stage_vectorized,
@@ -136,7 +136,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     engine_options = (
         KVOption("rerank_interval", 32, "tiered: decode steps between re-rankings", integer_at_least(1)),
         KVOption("tier1_fraction", 0.15, "tiered: share of pages kept in FP8", fraction),
-        *(option for option in NUQ2Format.engine_options if option.name != "residual"),  # its low tier has no window
+        # its low tier has no window and keeps post-RoPE keys
+        *(o for o in NUQ2Format.engine_options if o.name != "residual" and o is not KEYS_BEFORE_ROPE),
         KVOption("rank_window", 0, "tiered: only the last N queries of each prompt chunk add to the page ranking's "
                  "attention mass (0: all)", integer_at_least(0)),
         KVOption("rank_after_prompt", False,

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import torch
 
-from moekv.kvcache.calibration_io import load_calibration, save_calibration, shard_head_tables
+from moekv.kvcache.calibration_io import (
+    keys_fitted_before_rope,
+    load_calibration,
+    other_side,
+    save_calibration,
+    shard_head_tables,
+)
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.nuq2 import (
@@ -36,7 +42,7 @@ from moekv.kvcache.formats.nuq2 import (
     pick_largest,
     store_outliers,
 )
-from moekv.kvcache.formats.options import CALIBRATION
+from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.kvcache.formats.residual import RESIDUAL_OPTION, ResidualWindow, gluon_ring
 
@@ -150,6 +156,9 @@ def calibration_summary(tables: dict[str, torch.Tensor], options: dict, seed: in
 
 
 def _gluon_covers(fmt: VQFormat, block_size: int, head_dim: int) -> str | None:
+    if fmt.keys_before_rope:
+        return ("vq's Gluon kernels read keys stored after RoPE; keys_before_rope=True takes the Triton "
+                "kernel (decode_kernel='triton' or 'auto')")
     slots = max(fmt.outlier_slots(kind, block_size, head_dim) for kind in ("key", "value"))
     if (block_size, head_dim, fmt.sub_dim, slots) == (64, 128, 8, 0):  # no outlier slots fit the slabs there
         return None
@@ -167,7 +176,7 @@ class VQFormat(ResidualWindow, FragmentPagedFormat):
     # the newest tokens in 16-bit (residual.py): on domain-moe vq wants 256 where nuq2 settles at 128
     # (docs/decisions.md, "nuq2's and vq's residual window")
     default_residual = 256
-    engine_options = (CALIBRATION, RESIDUAL_OPTION)
+    engine_options = (CALIBRATION, RESIDUAL_OPTION, KEYS_BEFORE_ROPE)
     # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
     # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
@@ -175,12 +184,21 @@ class VQFormat(ResidualWindow, FragmentPagedFormat):
     calibration_fitter = CalibrationFitter(fit_tables, {"sub_dim": SUB_DIM, "iters": 16, "max_vectors": 16384},
                                            calibration_summary)
 
-    def __init__(self, calibration: str | Path | None = None, residual: int | None = None) -> None:
+    def __init__(self, calibration: str | Path | None = None, residual: int | None = None,
+                 keys_before_rope: bool = False) -> None:
         """calibration: the folder from `moekv calibrate`; residual: the newest tokens kept in 16-bit
-        (None: default_residual; 0: none)."""
+        (None: default_residual; 0: none); keys_before_rope: pages hold the keys as computed before
+        RoPE, rotated by their positions after the lookup by every reader
+        (PagedQuantFormat.keys_before_rope; no Gluon kernel); the calibration's key tables should then
+        be fitted on un-rotated keys (`moekv calibrate --keys-before-rope`)."""
         self.set_residual(residual, self.default_residual)
         if calibration is None:
             raise ValueError(NEEDS_CALIBRATION)
+        if not isinstance(keys_before_rope, bool):
+            raise ValueError(f"keys_before_rope={keys_before_rope!r} must be True or False")
+        self.keys_before_rope = keys_before_rope
+        if keys_fitted_before_rope(calibration) != keys_before_rope:
+            raise ValueError(f"kv_cache_dtype='vq' with keys_before_rope={keys_before_rope}: {other_side(calibration)}")
         self.tables = {name: e4m3_codewords(t) if name.endswith(".codebook") else t
                        for name, t in load_calibration(calibration, "kv_cache_dtype='vq'").items()}
         self.calibration = Path(calibration)

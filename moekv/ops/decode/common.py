@@ -120,6 +120,11 @@ class DecodeSpec:
     # the last split reads the 16-bit tail after its pages (False: a program of its own per head,
     # dispatched after the splits' programs; see paged_decode_attention's separate_tail)
     tail_in_last_split: bool = True
+    # the pages hold keys before RoPE (keys_before_rope): the key reader takes its tokens' positions
+    # [BLOCK_N] and log2 of the cache's RoPE base (LayerKVCache.rope_theta) after its constexprs
+    # (before the tables) and returns the whole tile rotated (moekv/ops/decode/rope.py; no fold_fn,
+    # fix_fn or outlier_fn). The 16-bit tail holds rotated keys, as the layer wrote them
+    key_rope: bool = False
 
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

@@ -282,4 +282,4 @@ def occupancy_key(spec: DecodeSpec, tables, q, k_pool, v_pool, G: int, P: int, b
     readers = tuple((r.params, r.outliers, r.planes, r.row_scaled) for r in (spec.key, spec.value))
     return (hooks, readers, spec.dot_dtype, spec.staged, spec.residual, tuple(t.dtype for t in tables), q.dtype,
             q.shape[-1], k_pool.dtype, v_pool.dtype, G, P, block_n, num_warps, num_stages, bool(use_asm),
-            int(prefetch), bool(swap_ab), max_registers, bool(tail_in_last), q.device)
+            int(prefetch), bool(swap_ab), max_registers, bool(tail_in_last), spec.key_rope, q.device)

@@ -23,6 +23,7 @@ import triton.language as tl
 from moekv.ops.decode.codes import JOIN_FREE_BELOW, codes_per_column
 from moekv.ops.decode.common import DecodeSpec, TileReader
 from moekv.ops.decode.launch import spec_launch
+from moekv.ops.decode.rope import add_slot_elements, rope_pair
 from moekv.ops.decode.slots import (
     add_slot_scores,
     add_slot_values,
@@ -117,42 +118,51 @@ def _nuq2_lookup_tile(pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.const
                       ASM: tl.constexpr, CENT_OFF: tl.constexpr, CB):
     """[BLOCK_N, D] centroids of the tile's codes (fp16, column 4j + s = channel s*D/4 + j): the
     page's (at CENT_OFF in its slab), or the head's calibrated ones CB [4] fp16 (CENT_OFF < 0)."""
-    QD: tl.constexpr = D // 4
     if BLOCK_N < JOIN_FREE_BELOW or D < JOIN_FREE_BELOW:  # no tl.interleave (see JOIN_FREE_BELOW)
         c0, c1, c2, c3 = _nuq2_centroids(pool, base, tok, valid, CENT_OFF, NPG, CB)
         x = _nuq2_select(codes_per_column(pool, base, tok, valid, D, 2), c0, c1, c2, c3, NPG, CENT_OFF)
     else:
-        j = tl.arange(0, QD)
-        if NPG == 1:
-            packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :])
-        else:
-            packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :], mask=valid[:, None], other=0)
-        if ASM:
-            words = pool.to(tl.pointer_type(tl.int32), bitcast=True)
-            if CENT_OFF < 0:  # the head's codebook: one pair of words for every token
-                cb_words = CB.to(tl.pointer_type(tl.int32), bitcast=True)
-                t0 = tl.load(cb_words)
-                t1 = tl.load(cb_words + 1)
-            elif NPG == 1:
-                t0 = tl.load(words + ((base + CENT_OFF) >> 2))
-                t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1)
-            else:
-                t0 = tl.load(words + ((base + CENT_OFF) >> 2), mask=valid, other=0)[:, None]
-                t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1, mask=valid, other=0)[:, None]
-            t0 = tl.broadcast_to(t0, (BLOCK_N, QD))
-            t1 = tl.broadcast_to(t1, (BLOCK_N, QD))
-            x0, x1, x2, x3 = tl.inline_asm_elementwise(
-                _NUQ2_LOOKUP_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [packed, t0, t1],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
-        else:
-            c0, c1, c2, c3 = _nuq2_centroids(pool, base, tok, valid, CENT_OFF, NPG, CB)
-            codes = packed.to(tl.int32)
-            x0 = _nuq2_select(codes & 3, c0, c1, c2, c3, NPG, CENT_OFF)
-            x1 = _nuq2_select((codes >> 2) & 3, c0, c1, c2, c3, NPG, CENT_OFF)
-            x2 = _nuq2_select((codes >> 4) & 3, c0, c1, c2, c3, NPG, CENT_OFF)
-            x3 = _nuq2_select((codes >> 6) & 3, c0, c1, c2, c3, NPG, CENT_OFF)
+        x0, x1, x2, x3 = _nuq2_code_planes(pool, base, tok, valid, D, BLOCK_N, NPG, ASM, CENT_OFF, CB)
         x = tl.interleave(tl.interleave(x0, x2), tl.interleave(x1, x3))
     return x
+
+
+@triton.jit
+def _nuq2_code_planes(pool, base, tok, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, NPG: tl.constexpr,
+                      ASM: tl.constexpr, CENT_OFF: tl.constexpr, CB):
+    """The centroids of the tile's codes as its four planes [BLOCK_N, D/4] fp16 (plane s, column j:
+    channel s*D/4 + j), unpacked from whole bytes (tiles of 32 tokens and channels or more)."""
+    QD: tl.constexpr = D // 4
+    j = tl.arange(0, QD)
+    if NPG == 1:
+        packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :])
+    else:
+        packed = tl.load(pool + (base + tok * QD)[:, None] + j[None, :], mask=valid[:, None], other=0)
+    if ASM:
+        words = pool.to(tl.pointer_type(tl.int32), bitcast=True)
+        if CENT_OFF < 0:  # the head's codebook: one pair of words for every token
+            cb_words = CB.to(tl.pointer_type(tl.int32), bitcast=True)
+            t0 = tl.load(cb_words)
+            t1 = tl.load(cb_words + 1)
+        elif NPG == 1:
+            t0 = tl.load(words + ((base + CENT_OFF) >> 2))
+            t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1)
+        else:
+            t0 = tl.load(words + ((base + CENT_OFF) >> 2), mask=valid, other=0)[:, None]
+            t1 = tl.load(words + ((base + CENT_OFF) >> 2) + 1, mask=valid, other=0)[:, None]
+        t0 = tl.broadcast_to(t0, (BLOCK_N, QD))
+        t1 = tl.broadcast_to(t1, (BLOCK_N, QD))
+        x0, x1, x2, x3 = tl.inline_asm_elementwise(
+            _NUQ2_LOOKUP_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [packed, t0, t1],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        c0, c1, c2, c3 = _nuq2_centroids(pool, base, tok, valid, CENT_OFF, NPG, CB)
+        codes = packed.to(tl.int32)
+        x0 = _nuq2_select(codes & 3, c0, c1, c2, c3, NPG, CENT_OFF)
+        x1 = _nuq2_select((codes >> 2) & 3, c0, c1, c2, c3, NPG, CENT_OFF)
+        x2 = _nuq2_select((codes >> 4) & 3, c0, c1, c2, c3, NPG, CENT_OFF)
+        x3 = _nuq2_select((codes >> 6) & 3, c0, c1, c2, c3, NPG, CENT_OFF)
+    return x0, x1, x2, x3
 
 
 @triton.jit
@@ -174,6 +184,66 @@ def nuq2_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOC
         mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + col[None, :], mask=valid[:, None], other=0.0)
         x = x.to(tl.float32) * scale.to(tl.float32) + mean.to(tl.float32)
     return x, valid
+
+
+@triton.jit
+def nuq2_key_tile_rope(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       P: tl.constexpr, ASM: tl.constexpr, CENT_OFF: tl.constexpr, OVAL_OFF: tl.constexpr,
+                       OIDX_OFF: tl.constexpr, S: tl.constexpr, MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr,
+                       pos, log2_theta, T0=None, T1=None, T2=None, T3=None):
+    """Keys stored before RoPE (DecodeSpec.key_rope): the tile as `dequantize` gives it (centroids,
+    the outlier slots written in, z * scale + mean), rotated by RoPE at the tokens' positions pos
+    [BLOCK_N] (fp32, tile column order). Done on the four code planes before they are interleaved:
+    planes s and s + 2 hold the rotary pairs (j + s*D/4, j + (s+2)*D/4) element for element. Neither
+    the affine nor the slots can go into q or the scores, as nuq2_key_fold and nuq2_key_fix put them
+    for keys stored after RoPE."""
+    SC: tl.constexpr = 16
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    QD: tl.constexpr = D // 4
+    if BLOCK_N < JOIN_FREE_BELOW or D < JOIN_FREE_BELOW:  # byte loads per column, then split into planes
+        c0, c1, c2, c3 = _nuq2_centroids(pool, base, tok, valid, CENT_OFF, NPG, T0)
+        x = _nuq2_select(codes_per_column(pool, base, tok, valid, D, 2), c0, c1, c2, c3, NPG, CENT_OFF)
+        even, odd = tl.split(tl.reshape(x, (BLOCK_N, QD, 2, 2)))  # column 4j + 2a + b: b = 0, 1
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+    else:
+        x0, x1, x2, x3 = _nuq2_code_planes(pool, base, tok, valid, D, BLOCK_N, NPG, ASM, CENT_OFF, T0)
+    x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+    chunks = used_slot_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        if chunk < chunks:
+            used, colm, c, delta, pb = _nuq2_slot_chunk(pool, page_base, tok0, chunk, D, BLOCK_N, P, CENT_OFF,
+                                                        OVAL_OFF, OIDX_OFF, S, T0)
+            plane, j = c // QD, c % QD
+            x0 = add_slot_elements(x0, colm, tl.where(plane == 0, j, -1), delta, used, BLOCK_N, QD)
+            x1 = add_slot_elements(x1, colm, tl.where(plane == 1, j, -1), delta, used, BLOCK_N, QD)
+            x2 = add_slot_elements(x2, colm, tl.where(plane == 2, j, -1), delta, used, BLOCK_N, QD)
+            x3 = add_slot_elements(x3, colm, tl.where(plane == 3, j, -1), delta, used, BLOCK_N, QD)
+    x0 = _nuq2_plane_affine(pool, base, valid, x0, 0, D, NPG, MEAN_OFF, SCALE_OFF)
+    x1 = _nuq2_plane_affine(pool, base, valid, x1, 1, D, NPG, MEAN_OFF, SCALE_OFF)
+    x2 = _nuq2_plane_affine(pool, base, valid, x2, 2, D, NPG, MEAN_OFF, SCALE_OFF)
+    x3 = _nuq2_plane_affine(pool, base, valid, x3, 3, D, NPG, MEAN_OFF, SCALE_OFF)
+    i = tl.arange(0, QD)[None, :]  # plane s < 2, column j: frequency s*D/4 + j
+    x0, x2 = rope_pair(x0, x2, pos[:, None], i, log2_theta, D, ASM)
+    x1, x3 = rope_pair(x1, x3, pos[:, None], i + QD, log2_theta, D, ASM)
+    return tl.interleave(tl.interleave(x0, x2), tl.interleave(x1, x3)), valid
+
+
+@triton.jit
+def _nuq2_plane_affine(pool, base, valid, x, s: tl.constexpr, D: tl.constexpr, NPG: tl.constexpr,
+                       MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """Plane s of a key tile [BLOCK_N, D/4] fp32 times its channels' scales plus their means (the
+    page's, or each token's page's when the tile spans pages)."""
+    QD: tl.constexpr = D // 4
+    ch = s * QD + tl.arange(0, QD)
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    if NPG == 1:
+        scale = tl.load(f8 + (base + SCALE_OFF) + ch)[None, :]
+        mean = tl.load(f8 + (base + MEAN_OFF) + ch)[None, :]
+    else:
+        scale = tl.load(f8 + (base + SCALE_OFF)[:, None] + ch[None, :], mask=valid[:, None], other=0.0)
+        mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + ch[None, :], mask=valid[:, None], other=0.0)
+    return x * scale.to(tl.float32) + mean.to(tl.float32)
 
 
 @triton.jit
@@ -479,18 +549,21 @@ def nuq2_spec(fmt, block_size: int, head_dim: int, slots: str = "lazy") -> Decod
         n_slots = fmt.outlier_slots(kind, block_size, head_dim)
         cent = NUQ2_TABLE_CENTROIDS if fmt.calibrated else off["centroids"]
         params = (cent, off.get("out_val", 0), off.get("out_idx", 0), n_slots)
-        if kind == "key":
+        if kind == "key" and fmt.keys_before_rope:  # the whole tile, rotated by the kernel
+            readers.append(TileReader(nuq2_key_tile_rope, params + (off["chan_mean"], off["chan_scale"]), planes=4))
+        elif kind == "key":
             readers.append(TileReader(nuq2_key_tile, params + (off["chan_mean"], off["chan_scale"]), planes=4,
                                       fold_fn=nuq2_key_fold, fix_fn=key_fix if n_slots else None))
         else:
             readers.append(TileReader(nuq2_value_tile, params, planes=4,
                                       fix_fn=value_fix if n_slots else None))
+    rope = fmt.keys_before_rope
     if not fmt.calibrated:
-        return DecodeSpec(key=readers[0], value=readers[1], staged=True, residual=fmt.residual,
+        return DecodeSpec(key=readers[0], value=readers[1], staged=True, residual=fmt.residual, key_rope=rope,
                           **spec_launch("nuq2", block_size))
 
     def tables(cache):
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
     return DecodeSpec(key=readers[0], value=readers[1], staged=True, residual=fmt.residual, tables=tables,
-                      **spec_launch("nuq2", block_size))
+                      key_rope=rope, **spec_launch("nuq2", block_size))

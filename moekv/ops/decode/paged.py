@@ -26,6 +26,8 @@ D = head_dim, P = block_size, S = staging slots, R = residual ring rows, NS = sp
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -108,6 +110,7 @@ def _paged_decode_kernel(
     qk_scale, window,  # softmax scale * log2(e); sliding window (NO_WINDOW = none)
     num_splits, ns_total,  # shares of the pages; programs per head (the last one also reads the 16-bit tail)
     tab0, tab1, tab2, tab3, stride_t0, stride_t1, stride_t2, stride_t3,  # DecodeSpec.tables [Hkv, ...] (TABLES)
+    log2_theta,  # log2 of the RoPE base (K_ROPE)
     K_TILE: tl.constexpr, V_TILE: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
     K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K3: tl.constexpr, K4: tl.constexpr, K5: tl.constexpr,
     V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr, V4: tl.constexpr, V5: tl.constexpr,
@@ -119,6 +122,7 @@ def _paged_decode_kernel(
     DOT: tl.constexpr, TAIL_DOT: tl.constexpr, ASM: tl.constexpr, TABLES: tl.constexpr,
     PREFETCH: tl.constexpr, K_SLAB: tl.constexpr, V_SLAB: tl.constexpr, SWAP_AB: tl.constexpr,
     TAIL_IN_LAST: tl.constexpr,  # the last split reads the 16-bit tail (else a program of its own)
+    K_ROPE: tl.constexpr,  # pages hold keys before RoPE: the key reader rotates them (DecodeSpec.key_rope)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -185,7 +189,14 @@ def _paged_decode_kernel(
                 prefetch_slab(v_pool, ahead * stride_vp + h * stride_vh, V_SLAB)
             kb = page * stride_kp + h * stride_kh
             kpb = page_pg * stride_kp + h * stride_kh
-            if TABLES:
+            if K_ROPE:  # keys stored before RoPE: the reader rotates them by their positions
+                if TABLES:
+                    k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4,
+                                        K5, pos, log2_theta, tab0, tab1, tab2, tab3)
+                else:
+                    k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4,
+                                        K5, pos, log2_theta)
+            elif TABLES:
                 k, k_scale = K_TILE(k_pool, kb, tok, kpb, tok0, valid, D, BLOCK_N, P, ASM, K0, K1, K2, K3, K4, K5,
                                     tab0, tab1, tab2, tab3)
             else:
@@ -322,7 +333,8 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
                            num_warps: int = 4, num_stages: int = 2, use_asm: bool | None = None,
                            prefetch: int | None = None, out: torch.Tensor | None = None,
                            swap_ab: bool | None = None, max_registers: int | None = None,
-                           separate_tail: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           separate_tail: bool = False, sinks: torch.Tensor | None = None,
+                           rope_theta: float | None = None) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (one query per sequence, its last position) over each
     sequence's context_lens[b] tokens, read through `spec` from `tensors` (a LayerKVCache or a
     dict of its tensors). Returns [B, Hq, D] in q's dtype.
@@ -338,8 +350,8 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     max_registers: ptxas's register cap (None: spec.max_registers; 0: none; compiled kernels only);
     separate_tail: the 16-bit tail of a staged format in a program of its own, after the splits'
     (as spec.tail_in_last_split=False asks), else where the spec says; sinks [Hq]: each head's
-    sink logit (gpt-oss), entering where the splits are merged, or None.
-    """
+    sink logit (gpt-oss), entering where the splits are merged, or None; rope_theta: the RoPE base
+    keys stored before RoPE are rotated by (spec.key_rope; None: tensors.rope_theta, a LayerKVCache's)."""
     B, Hq, D = q.shape
     k_pool, v_pool = tensors[spec.k_pool], tensors[spec.v_pool]
     Hkv = k_pool.shape[1]
@@ -390,6 +402,17 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
     tables = tables + (q,) * (NUM_TABLES - len(tables))  # unused: any tensor stands in
 
     tail_in_last = spec.tail_in_last_split and not separate_tail
+    log2_theta = 0.0
+    if spec.key_rope:
+        if rope_theta is None:
+            rope_theta = getattr(tensors, "rope_theta", None)
+        if rope_theta is None or not rope_theta > 1:
+            raise ValueError(f"decode kernel: keys stored before RoPE need the model's rope_theta > 1 (pass "
+                             f"rope_theta, or a LayerKVCache with rope_theta set), got {rope_theta!r}")
+        if spec.key.fold_fn is not None or spec.key.fix_fn is not None or spec.key.outliers:
+            raise ValueError("decode kernel: a key_rope spec's key reader gives the whole tile (no fold_fn, "
+                             "fix_fn or outlier channels): the tile is rotated before its product with q")
+        log2_theta = math.log2(rope_theta)
 
     def kernel_args(num_splits):
         ns_total = num_splits + (1 if spec.staged and not tail_in_last else 0)
@@ -403,10 +426,11 @@ def paged_decode_attention(q: torch.Tensor, tensors, block_tables: torch.Tensor,
             k_ring, v_ring, *ring_strides,
             part_o, part_lse,
             scale * LOG2E, window, num_splits, ns_total,
-            *tables, *tab_strides,
+            *tables, *tab_strides, log2_theta,
             *reader_constexprs(spec),
             Hkv, G, G_PAD, D, P, block_n, spec.staged, spec.residual, dot, tail_dot, use_asm, has_tables,
-            int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0, bool(swap_ab), tail_in_last)
+            int(prefetch), k_slab if prefetch else 0, v_slab if prefetch else 0, bool(swap_ab), tail_in_last,
+            spec.key_rope)
 
     max_context = block_tables.shape[1] * P
     # ptxas's register cap (.maxnreg): more programs per SM, at the risk of spills

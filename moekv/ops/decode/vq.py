@@ -32,6 +32,7 @@ import triton.language as tl
 
 from moekv.ops.decode.common import DecodeSpec, TileReader
 from moekv.ops.decode.launch import spec_launch
+from moekv.ops.decode.rope import add_slot_elements, rope_pair
 from moekv.ops.decode.slots import (
     add_slot_scores,
     add_slot_values,
@@ -85,6 +86,72 @@ def vq_key_tile(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_
         mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         x = u.to(tl.float32) * ts.to(tl.float32)[:, None] * cs[None, :] + mean.to(tl.float32)
     return x, valid
+
+
+@triton.jit
+def _vq_lookup_half(pool, base, tok, valid, CB, HALF: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    NPG: tl.constexpr, SUB: tl.constexpr):
+    """[BLOCK_N, D/2] fp16 codebook rows of the first (HALF 0) or second (HALF 1) half of the tile's
+    channel groups: column j is channel HALF * D/2 + j."""
+    NS: tl.constexpr = D // SUB
+    NH: tl.constexpr = NS // 2
+    j = HALF * NH + tl.arange(0, NH)
+    if NPG == 1:
+        codes = tl.load(pool + (base + tok * NS)[:, None] + j[None, :])
+    else:
+        codes = tl.load(pool + (base + tok * NS)[:, None] + j[None, :], mask=valid[:, None], other=0)
+    e = tl.arange(0, SUB)
+    row = (j[None, :] * CODEBOOK_SIZE + codes.to(tl.int32)) * SUB  # [BLOCK_N, NH]
+    u = tl.load(CB + row[:, :, None] + e[None, None, :])  # [BLOCK_N, NH, SUB]
+    return tl.reshape(u, (BLOCK_N, D // 2))
+
+
+@triton.jit
+def _vq_key_half(pool, base, page_base, tok0, valid, u, ts, HALF: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, P: tl.constexpr, TOK_OFF: tl.constexpr, MEAN_OFF: tl.constexpr,
+                 OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, SUB: tl.constexpr, T0, T1):
+    """Half HALF of a key tile as `dequantize` gives it, [BLOCK_N, D/2] fp32: u * tok_scale, the
+    outlier slots of its channels written in, times chan_scale plus the page's channel means."""
+    SC: tl.constexpr = 16
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    D2: tl.constexpr = D // 2
+    x = u.to(tl.float32) * ts[:, None]
+    chunks = used_slot_chunks(pool, page_base, OIDX_OFF, S, NPG)
+    for chunk in tl.static_range((S + SC - 1) // SC):
+        if chunk < chunks:
+            used, colm, c, delta = _vq_slot_chunk(pool, page_base, tok0, chunk, T0, D, BLOCK_N, P, TOK_OFF,
+                                                  OVAL_OFF, OIDX_OFF, S, SUB)
+            x = add_slot_elements(x, colm, tl.where(c // D2 == HALF, c % D2, -1), delta, used, BLOCK_N, D2)
+    ch = HALF * D2 + tl.arange(0, D2)
+    cs = tl.load(T1 + ch).to(tl.float32)
+    f8 = pool.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    if NPG == 1:
+        mean = tl.load(f8 + (base + MEAN_OFF) + ch)[None, :]
+    else:
+        mean = tl.load(f8 + (base + MEAN_OFF)[:, None] + ch[None, :], mask=valid[:, None], other=0.0)
+    return x * cs[None, :] + mean.to(tl.float32)
+
+
+@triton.jit
+def vq_key_tile_rope(pool, base, tok, page_base, tok0, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     P: tl.constexpr, ASM: tl.constexpr, TOK_OFF: tl.constexpr, MEAN_OFF: tl.constexpr,
+                     OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr, S: tl.constexpr, SUB: tl.constexpr,
+                     pos, log2_theta, T0, T1, T2, T3):
+    """Keys stored before RoPE (DecodeSpec.key_rope): the tile as `dequantize` gives it, rotated by
+    RoPE at the tokens' positions pos [BLOCK_N], fp32, in 2 planes (column 2j + h: channel h*D/2 + j,
+    TileReader.planes = 2). The two halves of the channel groups are looked up apart, so that each
+    rotary pair (j, j + D/2) is one element of each; neither the affine nor the slots can go into q
+    or the scores, as vq_key_fold and vq_key_fix put them for keys stored after RoPE."""
+    NPG: tl.constexpr = BLOCK_N // (P if P < BLOCK_N else BLOCK_N)
+    ts = _vq_tok_scale(pool, base, tok, valid, TOK_OFF).to(tl.float32)
+    lo = _vq_key_half(pool, base, page_base, tok0, valid, _vq_lookup_half(pool, base, tok, valid, T0, 0, D, BLOCK_N,
+                                                                          NPG, SUB),
+                      ts, 0, D, BLOCK_N, P, TOK_OFF, MEAN_OFF, OVAL_OFF, OIDX_OFF, S, SUB, T0, T1)
+    hi = _vq_key_half(pool, base, page_base, tok0, valid, _vq_lookup_half(pool, base, tok, valid, T0, 1, D, BLOCK_N,
+                                                                          NPG, SUB),
+                      ts, 1, D, BLOCK_N, P, TOK_OFF, MEAN_OFF, OVAL_OFF, OIDX_OFF, S, SUB, T0, T1)
+    lo, hi = rope_pair(lo, hi, pos[:, None], tl.arange(0, D // 2)[None, :], log2_theta, D, ASM)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, D)), valid
 
 
 @triton.jit
@@ -181,9 +248,14 @@ def vq_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
     voff = fmt.layout("value", block_size, head_dim).offsets
     kslots = fmt.outlier_slots("key", block_size, head_dim)
     vslots = fmt.outlier_slots("value", block_size, head_dim)
-    key = TileReader(vq_key_tile, (koff["tok_scale"], koff["chan_mean"], koff.get("out_val", 0),
-                                   koff.get("out_idx", 0), kslots, sub),
-                     fold_fn=vq_key_fold, fix_fn=vq_key_fix if kslots else None)
+    key_params = (koff["tok_scale"], koff["chan_mean"], koff.get("out_val", 0), koff.get("out_idx", 0), kslots, sub)
+    if fmt.keys_before_rope:  # the whole tile, rotated by the reader, in 2 planes
+        if (head_dim // sub) % 2:
+            raise ValueError(f"vq decode kernel: keys_before_rope needs an even number of channel groups, got "
+                             f"head_dim={head_dim} / sub_dim={sub}")
+        key = TileReader(vq_key_tile_rope, key_params, planes=2)
+    else:
+        key = TileReader(vq_key_tile, key_params, fold_fn=vq_key_fold, fix_fn=vq_key_fix if kslots else None)
     value = TileReader(vq_value_tile, (voff["tok_scale"], voff.get("out_val", 0), voff.get("out_idx", 0), vslots, sub),
                        row_scaled=True, fix_fn=vq_value_fix if vslots else None)
 
@@ -191,4 +263,5 @@ def vq_spec(fmt, block_size: int, head_dim: int) -> DecodeSpec:
         return fmt.decode_tables(getattr(cache, "layer", 0), cache["k_pages"].device)
 
     return DecodeSpec(key=key, value=value, staged=True, residual=fmt.residual, tables=tables,
+                      key_rope=fmt.keys_before_rope,
                       **spec_launch("vq", block_size))

@@ -118,8 +118,9 @@ def test_pages_hold_keys_before_rope_and_gather_rotates_them(name, vq_calibratio
     v = torch.randn(T, H, D, generator=g)
     table = [9, 2, 7, 0, 4]
     ctx = step_context([(1, table, 0, T)], P)
+    # residual=0: every full page read back from its codes (a window would hand back its newest keys exact)
     options = {"calibration": vq_calibration(before_rope=True)} if name == "vq" else {"codebook": "page"}
-    fmt = get_kv_format(name, torch.bfloat16, decode_kernel="triton", keys_before_rope=True, **options)
+    fmt = get_kv_format(name, torch.bfloat16, decode_kernel="triton", keys_before_rope=True, residual=0, **options)
     cache = allocate(fmt)
     fmt.write(cache, k.bfloat16(), v.bfloat16(), ctx)
 
@@ -137,7 +138,8 @@ def test_pages_hold_keys_before_rope_and_gather_rotates_them(name, vq_calibratio
     for n in (1, 31, 32, 33, 100, 128):
         assert torch.equal(fmt.gather(cache, ctx, 0, n, "key"), got[:n])
 
-    options = {"calibration": vq_calibration(before_rope=False)} if name == "vq" else {"codebook": "page"}
+    options = {"calibration": vq_calibration(before_rope=False), "residual": 0} if name == "vq" else \
+        {"codebook": "page", "residual": 0}
     post = get_kv_format(name, torch.bfloat16, decode_kernel="triton", **options)
     post_cache = allocate(post)
     post.write(post_cache, k.bfloat16(), v.bfloat16(), ctx)
@@ -182,7 +184,7 @@ def test_reference_attention_is_float64_attention_over_rotated_keys():
     g = torch.Generator().manual_seed(3)
     k = rope64(pre_rope_keys(100, H, D, g), torch.arange(100)).float().bfloat16().float()
     v = torch.randn(100, H, D, generator=g).bfloat16().float()
-    fmt = get_kv_format("nuq2", torch.float32, keys_before_rope=True, codebook="page")
+    fmt = get_kv_format("nuq2", torch.float32, keys_before_rope=True, codebook="page", residual=0)
     cache = fmt.allocate(12, H, P, D, torch.device("cpu"), 3, torch.float32)
     cache.rope_theta = THETA
     table = [4, 1, 6, 2]

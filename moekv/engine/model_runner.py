@@ -346,6 +346,13 @@ class ModelRunner:
         self.scratch_page = self.num_blocks  # + 1 page per pool, never handed out (padded graph rows)
         self.scratch_slot = config.scheduler.max_num_seqs  # + 1 staging slot, likewise
         self.kv_caches = []
+        if getattr(self.kv_format, "keys_before_rope", False) and (
+                model_cfg.rotary_dim != model_cfg.head_dim or getattr(model_cfg, "yarn", None) is not None):
+            # the readers rotate by plain RoPE over the whole head (ops/decode/rope.py)
+            raise ValueError(f"kv_keys_before_rope needs plain RoPE over the whole head; {model_cfg.architecture} "
+                             f"rotates {model_cfg.rotary_dim} of {model_cfg.head_dim} elements"
+                             + (" with YaRN" if getattr(model_cfg, "yarn", None) is not None else "")
+                             + "; accepted: kv_keys_before_rope=False for this model")
         for i, hooks in enumerate(self.model.hooks.layers):
             hooks.kv_format = self.kv_format
             hooks.kv_cache = self.kv_format.allocate(self.num_blocks + 1, self.num_kv_heads, self.block_size,

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Perplexity change and passkey retrieval against bits stored, for moekv's KV formats and
+transformers' QuantizedCache peers, read from result JSONs (nothing is hard-coded).
+
+--tables takes domain_model_tables.py results (one run, or several under `runs`); --peers takes
+hf_quantized_cache_ppl.py results. Each perplexity change is against the unquantized row of its own
+run (bf16 for moekv's runs, DynamicCache for the peers), so runs on different devices and dtypes can
+share the axes. Decode-tail rows are drawn filled; a format with no decode-tail row anywhere is drawn
+hollow from its prefill-window row (which measures less of the format: docs/quality.md). Where
+several files give a format's row of a kind, the last file given wins. Bits are per element at
+--context tokens, staged page or residual window included.
+
+    python benchmarks/quality/plot_kv_tradeoff.py \\
+        --tables benchmarks/results/h200/domain_moe_kv_tables.json \\
+                 benchmarks/results/h100/domain_moe_kv_tables_exact_prefill.json \\
+        --peers benchmarks/results/cpu/hf_quantized_cache_domain-moe.json \\
+        --out benchmarks/results/cpu/kv_tradeoff_domain-moe.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Point:
+    label: str
+    bits: float  # per element at the context length, window or staged page included
+    ppl_change: float | None  # percent against its run's unquantized row
+    decode_tail: bool  # the perplexity was scored by decode steps (else prefill windows)
+    retrieval: float | None  # percent right at the context length
+    peer: bool  # a transformers QuantizedCache setting
+
+
+def format_label(spec: str) -> str:
+    """'nuq2:kv_codebook=page' -> 'nuq2 (page codebooks)'; rerank and other options are dropped."""
+    name, *opts = spec.split(":")
+    return name + (" (page codebooks)" if "kv_codebook=page" in opts and name == "nuq2" else "")
+
+
+def table_points(record: dict, context: int) -> list[Point]:
+    """A domain_model_tables.py result (one run, or several under `runs`) -> one point per format row
+    other than bf16 (the baseline of its run)."""
+    points = []
+    for run in record.get("runs", [record]):
+        formats = run["formats"]
+        base = formats.get("bf16")
+        for spec, row in formats.items():
+            if spec == "bf16":
+                continue
+            total = row["ppl"]["total"]
+            change = None
+            if base is not None and base["ppl"]["total"]["mode"] == total["mode"]:
+                change = 100 * (total["ppl"] / base["ppl"]["total"]["ppl"] - 1)
+            ret = row.get("retrieval") or {}
+            accuracy = ret.get("accuracy_by_length", {}).get(str(context))
+            bits = ret.get("bits_per_element_at_length", {}).get(str(context))
+            if bits is None:
+                if total.get("window") != context:
+                    raise ValueError(f"{spec}: no bits at {context} tokens in this result (window "
+                                     f"{total.get('window')}); give --context {total.get('window')}")
+                bits = total["bits_per_element_at_window"]
+            points.append(Point(format_label(spec), bits, change, total["mode"] == "decode-tail",
+                                None if accuracy is None else 100 * accuracy, peer=False))
+    return points
+
+
+def peer_points(record: dict, context: int) -> list[Point]:
+    """An hf_quantized_cache_ppl.py result -> one point per quantized setting that ran."""
+    settings = [s for s in record["settings"] if "error" not in s and "ppl" in s]
+    base = next((s for s in settings if s["backend"] is None), None)
+    if base is None:
+        raise ValueError("the peer result holds no unquantized (DynamicCache) row to compare with")
+    points = []
+    for s in settings:
+        if s["backend"] is None:
+            continue
+        change = 100 * (s["ppl"]["total"]["ppl"] / base["ppl"]["total"]["ppl"] - 1)
+        accuracy = (s.get("retrieval") or {}).get("accuracy_by_length", {}).get(str(context))
+        bits = s["bits_per_element_at"].get(str(context))
+        if bits is None:
+            raise ValueError(f"{s['label']}: no bits at {context} tokens (has {sorted(s['bits_per_element_at'])})")
+        points.append(Point(f"transformers {s['backend']} int{s['nbits']}", bits, change,
+                            record.get("protocol") == "decode-tail", None if accuracy is None else 100 * accuracy,
+                            peer=True))
+    return points
+
+
+def merge(points: list[Point]) -> tuple[dict[str, Point], dict[str, Point]]:
+    """(perplexity points, retrieval points) by label: decode-tail rows over prefill rows, later over
+    earlier."""
+    ppl: dict[str, Point] = {}
+    ret: dict[str, Point] = {}
+    for p in points:
+        if p.ppl_change is not None and (p.label not in ppl or p.decode_tail or not ppl[p.label].decode_tail):
+            ppl[p.label] = p
+        if p.retrieval is not None:
+            ret[p.label] = p
+    return ppl, ret
+
+
+def plot(ppl: dict[str, Point], ret: dict[str, Point], png: Path, context: int, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys([*ppl, *ret]))
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3))
+    for ax, points, value in ((left, ppl, lambda p: p.ppl_change), (right, ret, lambda p: p.retrieval)):
+        for label, p in points.items():
+            filled = p.decode_tail or ax is right
+            ax.scatter(p.bits, value(p), marker="s" if p.peer else "o", s=36, color=colors[label],
+                       facecolors=colors[label] if filled else "none")
+            ax.annotate(label + ("" if filled else " (prefill)"), (p.bits, value(p)), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
+        ax.set_xlabel(f"bits per element stored at {context} tokens")
+    left.set_yscale("symlog", linthresh=1.0)
+    left.axhline(0.0, color="gray", linewidth=0.6)
+    left.set_ylabel("perplexity change vs unquantized, all domains (%)")
+    right.set_ylabel(f"passkeys right at {context} tokens (%)")
+    right.set_ylim(0, 105)
+    fig.suptitle(title + "  (o moekv, s transformers QuantizedCache; hollow: prefill windows)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", type=Path, nargs="*", default=[], help="domain_model_tables.py results")
+    p.add_argument("--peers", type=Path, nargs="*", default=[], help="hf_quantized_cache_ppl.py results")
+    p.add_argument("--context", type=int, default=4096, help="tokens at which bits and retrieval are read")
+    p.add_argument("--title", default="KV formats on domain-moe")
+    p.add_argument("--out", type=Path, required=True, metavar="PNG")
+    args = p.parse_args()
+    if not args.tables and not args.peers:
+        p.error("give at least one result file (--tables and/or --peers)")
+    points = []
+    for path in args.tables:
+        points += table_points(json.loads(path.read_text()), args.context)
+    for path in args.peers:
+        points += peer_points(json.loads(path.read_text()), args.context)
+    ppl, ret = merge(points)
+    plot(ppl, ret, args.out, args.context, args.title)
+    for label in dict.fromkeys([*ppl, *ret]):
+        a, b = ppl.get(label), ret.get(label)
+        print(f"{label}: bits {(a or b).bits:.2f}, ppl "
+              + (f"{a.ppl_change:+.2f}% ({'decode-tail' if a.decode_tail else 'prefill'})" if a else "-")
+              + (f", retrieval {b.retrieval:.1f}%" if b else ""))
+
+
+if __name__ == "__main__":
+    main()

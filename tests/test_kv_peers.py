@@ -102,5 +102,8 @@ def test_peer_points_need_the_unquantized_row():
     assert point.ppl_change == pytest.approx(5.0) and point.retrieval == pytest.approx(75.0)
     with pytest.raises(ValueError, match="DynamicCache"):
         tradeoff.peer_points({"settings": record["settings"][1:]}, 4096)
+    retrieval_only = {"settings": [{k: v for k, v in s.items() if k != "ppl"} for s in record["settings"][:2]]}
+    (point,) = tradeoff.peer_points(retrieval_only, 4096)  # a --no-ppl run: retrieval, no perplexity
+    assert point.ppl_change is None and point.retrieval == pytest.approx(75.0)
     with pytest.raises(ValueError, match="no bits at 2048"):
         tradeoff.peer_points(record, 2048)

@@ -295,6 +295,7 @@ def main() -> None:
     p.add_argument("--tail-tokens", type=int, default=256, help="decode-tail scored tokens per window")
     p.add_argument("--batch", type=int, default=4, help="windows or prompts per forward")
     p.add_argument("--retrieval", action="store_true", help="also passkey retrieval")
+    p.add_argument("--no-ppl", action="store_true", help="retrieval only (--retrieval): no perplexity")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int, default=8)
@@ -306,6 +307,8 @@ def main() -> None:
     p.add_argument("--stride", type=int, default=256, help="--text: stride")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
+    if args.no_ppl and not args.retrieval:
+        p.error("--no-ppl leaves nothing to measure without --retrieval")
 
     from transformers import AutoModelForCausalLM
 
@@ -330,7 +333,7 @@ def main() -> None:
     factories = {}
     for label, _, factory in runs:  # a backend that does not run with the installed versions says why
         try:
-            if factory is not None:  # what a cache of one window holds, scales and window in float32
+            if factory is not None and not args.no_ppl:  # what a cache of one window holds, in float32
                 cache = factory()
                 model(input_ids=torch.tensor([ids[:args.window] if args.text else prompts[0][1]]),
                       past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -345,20 +348,21 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(repo_relative(record), indent=1))
 
-    start = time.perf_counter()
-    if args.text:
-        for label, factory in factories.items():
-            ppl, tokens = perplexity_windows(model, factory, ids, args.text_window, args.stride, args.batch)
-            entries[label]["ppl"] = {"total": {"ppl": ppl, "tokens": tokens}}
-            entries[label]["text"] = repo_path(args.text)
-    else:
-        for label, result in decode_tail(model, factories, prompts, args.tail_tokens, args.batch).items():
-            entries[label]["ppl"] = result
-    record["seconds_ppl"] = time.perf_counter() - start
-    for label in factories:
-        print(f"{label}: ppl " + ", ".join(f"{k} {v['ppl']:.3f}" for k, v in entries[label]["ppl"].items())
-              + f"; bits {entries[label]['bits_per_element_at']}", flush=True)
-    save()
+    if not args.no_ppl:
+        start = time.perf_counter()
+        if args.text:
+            for label, factory in factories.items():
+                ppl, tokens = perplexity_windows(model, factory, ids, args.text_window, args.stride, args.batch)
+                entries[label]["ppl"] = {"total": {"ppl": ppl, "tokens": tokens}}
+                entries[label]["text"] = repo_path(args.text)
+        else:
+            for label, result in decode_tail(model, factories, prompts, args.tail_tokens, args.batch).items():
+                entries[label]["ppl"] = result
+        record["seconds_ppl"] = time.perf_counter() - start
+        for label in factories:
+            print(f"{label}: ppl " + ", ".join(f"{k} {v['ppl']:.3f}" for k, v in entries[label]["ppl"].items())
+                  + f"; bits {entries[label]['bits_per_element_at']}", flush=True)
+        save()
     if args.retrieval:
         start = time.perf_counter()
         filler = args.filler or args.model / "heldout" / "prose.txt"
@@ -368,6 +372,7 @@ def main() -> None:
             print(f"{label}: retrieval {result['accuracy_by_length']}", flush=True)
         record["seconds_retrieval"] = time.perf_counter() - start
         save()
+
 
 if __name__ == "__main__":
     main()

@@ -3,12 +3,13 @@
 transformers' QuantizedCache peers, read from result JSONs (nothing is hard-coded).
 
 --tables takes domain_model_tables.py results (one run, or several under `runs`); --peers takes
-hf_quantized_cache_ppl.py results. Each perplexity change is against the unquantized row of its own
-run (bf16 for moekv's runs, DynamicCache for the peers), so runs on different devices and dtypes can
-share the axes. Decode-tail rows are drawn filled; a format with no decode-tail row anywhere is drawn
-hollow from its prefill-window row (which measures less of the format: docs/quality.md). Where
-several files give a format's row of a kind, the last file given wins. Bits are per element at
---context tokens, staged page or residual window included.
+hf_quantized_cache_ppl.py results (perplexity and retrieval may come from separate files). Each
+perplexity change is against the unquantized row of its own run (bf16 for moekv's runs, DynamicCache
+for the peers), so runs on different devices and dtypes can share the axes. Decode-tail rows are
+drawn filled; a format with no decode-tail row anywhere is drawn hollow from its prefill-window row
+(which measures less of the format: docs/quality.md). Where several files give a format's row of a
+kind, the last file given wins. Bits are per element at --context tokens, staged page or residual
+window included.
 
     python benchmarks/quality/plot_kv_tradeoff.py \\
         --tables benchmarks/results/h200/domain_moe_kv_tables.json \\
@@ -68,16 +69,18 @@ def table_points(record: dict, context: int) -> list[Point]:
 
 
 def peer_points(record: dict, context: int) -> list[Point]:
-    """An hf_quantized_cache_ppl.py result -> one point per quantized setting that ran."""
-    settings = [s for s in record["settings"] if "error" not in s and "ppl" in s]
-    base = next((s for s in settings if s["backend"] is None), None)
-    if base is None:
+    """An hf_quantized_cache_ppl.py result -> one point per quantized setting that ran (a run with
+    --no-ppl gives retrieval only)."""
+    settings = [s for s in record["settings"] if "error" not in s]
+    measured = [s for s in settings if "ppl" in s]
+    base = next((s for s in measured if s["backend"] is None), None)
+    if measured and base is None:
         raise ValueError("the peer result holds no unquantized (DynamicCache) row to compare with")
     points = []
     for s in settings:
         if s["backend"] is None:
             continue
-        change = 100 * (s["ppl"]["total"]["ppl"] / base["ppl"]["total"]["ppl"] - 1)
+        change = 100 * (s["ppl"]["total"]["ppl"] / base["ppl"]["total"]["ppl"] - 1) if "ppl" in s else None
         accuracy = (s.get("retrieval") or {}).get("accuracy_by_length", {}).get(str(context))
         bits = s["bits_per_element_at"].get(str(context))
         if bits is None:

@@ -98,7 +98,7 @@ def test_peer_points_need_the_unquantized_row():
     record = {"protocol": "decode-tail", "settings": [setting(None, None, 8.0), setting("hqq", 2, 8.4),
                                                       {"label": "x", "backend": "quanto", "error": "ImportError"}]}
     (point,) = tradeoff.peer_points(record, 4096)
-    assert point.label == "transformers hqq int2" and point.peer and point.decode_tail
+    assert point.label == "HQQ int2" and point.peer and point.decode_tail
     assert point.ppl_change == pytest.approx(5.0) and point.retrieval == pytest.approx(75.0)
     with pytest.raises(ValueError, match="DynamicCache"):
         tradeoff.peer_points({"settings": record["settings"][1:]}, 4096)
@@ -107,3 +107,11 @@ def test_peer_points_need_the_unquantized_row():
     assert point.ppl_change is None and point.retrieval == pytest.approx(75.0)
     with pytest.raises(ValueError, match="no bits at 2048"):
         tradeoff.peer_points(record, 2048)
+
+
+def test_label_offsets_move_only_labels_that_would_overlap():
+    # two labels at one point, a third far to the right: the second moves by one label height
+    offsets = tradeoff.label_offsets([(0.0, 0.0), (0.0, 0.0), (500.0, 0.0)], [50.0, 50.0, 50.0], 10.0)
+    assert offsets[0] == 0.0 and abs(offsets[1]) == 10.0 and offsets[2] == 0.0
+    # a label whose box would cross an earlier one only in x, not in y, stays where it is
+    assert tradeoff.label_offsets([(0.0, 0.0), (20.0, 30.0)], [50.0, 50.0], 10.0) == [0.0, 0.0]

@@ -17,8 +17,9 @@ tokens in full precision (at most residual_length - 1), and re-quantize the whol
 dequantized copy whenever that window fills. Needs optimum-quanto and hqq (`pip install -e .[peers]`);
 not part of moekv's run time.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/quality/hf_quantized_cache_ppl.py --retrieval \\
-        --out benchmarks/results/cpu/hf_quantized_cache_domain-moe.json
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/quality/hf_quantized_cache_ppl.py --retrieval --out FILE
+
+(`--retrieval --no-ppl` measures retrieval alone, so the two can run as separate processes.)
 
 With --text FILE it scores the windows of `moekv eval ppl --mode decode` on one file instead (the
 protocol of the retired tiny-moe rows).

@@ -85,7 +85,8 @@ def peer_points(record: dict, context: int) -> list[Point]:
         bits = s["bits_per_element_at"].get(str(context))
         if bits is None:
             raise ValueError(f"{s['label']}: no bits at {context} tokens (has {sorted(s['bits_per_element_at'])})")
-        points.append(Point(f"transformers {s['backend']} int{s['nbits']}", bits, change,
+        name = {"hqq": "HQQ"}.get(s["backend"], s["backend"])  # squares: the marker says transformers
+        points.append(Point(f"{name} int{s['nbits']}", bits, change,
                             record.get("protocol") == "decode-tail", None if accuracy is None else 100 * accuracy,
                             peer=True))
     return points
@@ -104,6 +105,24 @@ def merge(points: list[Point]) -> tuple[dict[str, Point], dict[str, Point]]:
     return ppl, ret
 
 
+def label_offsets(anchors: list[tuple[float, float]], widths: list[float], height: float) -> list[float]:
+    """Vertical offsets (display units) for labels drawn right of their points at `anchors` (display
+    coordinates), so that no two label boxes overlap: each label, left to right, takes the first of
+    +0, -1, +1, -2, ... label heights that clears the boxes already placed."""
+    placed: list[tuple[float, float, float, float]] = []
+    offsets = [0.0] * len(anchors)
+    for i in sorted(range(len(anchors)), key=lambda i: anchors[i]):
+        x, y = anchors[i]
+        for step in range(2 * len(anchors) + 1):
+            dy = height * ((step + 1) // 2) * (1 if step % 2 == 0 else -1)
+            box = (x, y + dy, x + widths[i], y + dy + height)
+            if all(box[2] <= b[0] or b[2] <= box[0] or box[3] <= b[1] or b[3] <= box[1] for b in placed):
+                break
+        placed.append(box)
+        offsets[i] = dy
+    return offsets
+
+
 def plot(ppl: dict[str, Point], ret: dict[str, Point], png: Path, context: int, title: str) -> None:
     import matplotlib
 
@@ -112,23 +131,34 @@ def plot(ppl: dict[str, Point], ret: dict[str, Point], png: Path, context: int, 
 
     labels = list(dict.fromkeys([*ppl, *ret]))
     colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3))
-    for ax, points, value in ((left, ppl, lambda p: p.ppl_change), (right, ret, lambda p: p.retrieval)):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
+    left.set_yscale("symlog", linthresh=1.0)
+    left.axhline(0.0, color="gray", linewidth=0.6)
+    left.set_ylabel("perplexity change vs unquantized, all domains (%)")
+    right.set_ylim(0, 118)  # room above 100% for the labels of the points there
+    right.set_yticks(range(0, 101, 20))
+    right.set_ylabel(f"passkeys right at {context} tokens (%)")
+    panels = ((left, ppl, lambda p: p.ppl_change), (right, ret, lambda p: p.retrieval))
+    notes = []
+    for ax, points, value in panels:
+        ax.set_xlabel(f"bits per element stored at {context} tokens")
         for label, p in points.items():
             filled = p.decode_tail or ax is right
             ax.scatter(p.bits, value(p), marker="s" if p.peer else "o", s=36, color=colors[label],
                        facecolors=colors[label] if filled else "none")
-            ax.annotate(label + ("" if filled else " (prefill)"), (p.bits, value(p)), fontsize=7,
-                        xytext=(4, 3), textcoords="offset points")
-        ax.set_xlabel(f"bits per element stored at {context} tokens")
-    left.set_yscale("symlog", linthresh=1.0)
-    left.axhline(0.0, color="gray", linewidth=0.6)
-    left.set_ylabel("perplexity change vs unquantized, all domains (%)")
-    right.set_ylabel(f"passkeys right at {context} tokens (%)")
-    right.set_ylim(0, 105)
+            notes.append((ax, ax.annotate(label + ("" if filled else " (prefill)"), (p.bits, value(p)),
+                                          fontsize=7, xytext=(4, 0), textcoords="offset points")))
     fig.suptitle(title + "  (o moekv, s transformers QuantizedCache; hollow: prefill windows)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=90)
+    renderer = fig.canvas.get_renderer()  # the layout is fixed: labels can be placed in display units
+    for ax in (left, right):
+        mine = [n for a, n in notes if a is ax]
+        boxes = [n.get_window_extent(renderer) for n in mine]
+        offsets = label_offsets([(b.x0, b.y0) for b in boxes], [b.width for b in boxes],
+                                max((b.height for b in boxes), default=0.0))
+        for note, dy in zip(mine, offsets):
+            note.xyann = (4, dy * 72 / fig.dpi)
+    fig.savefig(png, dpi=fig.dpi)
     plt.close(fig)
 
 

@@ -15,5 +15,6 @@ python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode
     --formats bf16 fp8_e4m3 int4 kivi2 nuq2 vq tiered:kv_codebook=page \
     --out "$OUT/domain_moe_kv_tables_decode_tail.json"
 python benchmarks/quality/plot_kv_tradeoff.py --tables "$OUT/domain_moe_kv_tables_decode_tail.json" \
-    --peers benchmarks/results/cpu/hf_quantized_cache_domain-moe.json --out "$OUT/kv_tradeoff_domain-moe.png" \
+    --peers benchmarks/results/cpu/hf_quantized_cache_domain-moe.json benchmarks/results/cpu/hf_quantized_cache_retrieval_domain-moe.json \
+    --out "$OUT/kv_tradeoff_domain-moe.png" \
     || echo "plot skipped (matplotlib missing?); the JSON is complete"

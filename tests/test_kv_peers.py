@@ -92,13 +92,14 @@ def test_table_points_are_against_their_own_runs_bf16_and_decode_tail_wins():
 
 def test_peer_points_need_the_unquantized_row():
     def setting(backend, nbits, ppl):
-        return {"label": str(backend), "backend": backend, "nbits": nbits, "ppl": {"total": {"ppl": ppl}},
+        return {"label": str(backend), "backend": backend, "nbits": nbits, "q_group_size": 32,
+                "ppl": {"total": {"ppl": ppl}},
                 "bits_per_element_at": {"4096": 16.0 if backend is None else 3.4},
                 "retrieval": {"accuracy_by_length": {"4096": 0.75}}}
     record = {"protocol": "decode-tail", "settings": [setting(None, None, 8.0), setting("hqq", 2, 8.4),
                                                       {"label": "x", "backend": "quanto", "error": "ImportError"}]}
     (point,) = tradeoff.peer_points(record, 4096)
-    assert point.label == "HQQ int2" and point.peer and point.decode_tail
+    assert point.label == "HQQ int2 g32" and point.peer and point.decode_tail
     assert point.ppl_change == pytest.approx(5.0) and point.retrieval == pytest.approx(75.0)
     with pytest.raises(ValueError, match="DynamicCache"):
         tradeoff.peer_points({"settings": record["settings"][1:]}, 4096)

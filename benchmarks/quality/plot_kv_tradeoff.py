@@ -86,7 +86,7 @@ def peer_points(record: dict, context: int) -> list[Point]:
         if bits is None:
             raise ValueError(f"{s['label']}: no bits at {context} tokens (has {sorted(s['bits_per_element_at'])})")
         name = {"hqq": "HQQ"}.get(s["backend"], s["backend"])  # squares: the marker says transformers
-        points.append(Point(f"{name} int{s['nbits']}", bits, change,
+        points.append(Point(f"{name} int{s['nbits']} g{s['q_group_size']}", bits, change,
                             record.get("protocol") == "decode-tail", None if accuracy is None else 100 * accuracy,
                             peer=True))
     return points
@@ -130,7 +130,8 @@ def plot(ppl: dict[str, Point], ret: dict[str, Point], png: Path, context: int, 
     import matplotlib.pyplot as plt
 
     labels = list(dict.fromkeys([*ppl, *ret]))
-    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    palette = plt.get_cmap("tab20")  # a colour a label in both panels, distinct up to 20 labels
+    colors = {label: palette(i % 20) for i, label in enumerate(labels)}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
     left.set_yscale("symlog", linthresh=1.0)
     left.axhline(0.0, color="gray", linewidth=0.6)

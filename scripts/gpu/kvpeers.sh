@@ -16,5 +16,6 @@ python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode
     --out "$OUT/domain_moe_kv_tables_decode_tail.json"
 python benchmarks/quality/plot_kv_tradeoff.py --tables "$OUT/domain_moe_kv_tables_decode_tail.json" \
     --peers benchmarks/results/cpu/hf_quantized_cache_domain-moe.json benchmarks/results/cpu/hf_quantized_cache_retrieval_domain-moe.json \
+            benchmarks/results/cpu/hf_quantized_cache_group64_domain-moe.json \
     --out "$OUT/kv_tradeoff_domain-moe.png" \
     || echo "plot skipped (matplotlib missing?); the JSON is complete"

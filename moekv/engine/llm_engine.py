@@ -20,6 +20,7 @@ from moekv.engine.block_manager import BlockManager
 from moekv.engine.model_runner import PendingStep, start_runner
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import OUTPUT_KINDS, Sequence
+from moekv.engine.structured_output import GrammarCompiler
 from moekv.models.loader import load_model_config, read_json
 from moekv.models.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer, check_text
 from moekv.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -101,6 +102,7 @@ class LLMEngine:
         self._prompt_tokens = 0  # of accepted requests, since start
         self._generation_tokens = 0
         cfg = self.model_config
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.kv_bits_per_element = self.runner.kv_format.bits_per_element(cfg.num_kv_heads, self.runner.block_size,
                                                                           cfg.head_dim)
 
@@ -169,6 +171,9 @@ class LLMEngine:
         if params.stop_strings and self.config.skip_tokenizer_init:
             raise ValueError("stop strings need the tokenizer (outputs have no text under skip_tokenizer_init=True); "
                              "use stop_token_ids")
+        if params.structured_outputs is not None and self.config.skip_tokenizer_init:
+            raise ValueError("structured outputs need the tokenizer (their grammar is over its tokens); "
+                             "leave skip_tokenizer_init off")
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token")
@@ -186,6 +191,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                        max_tokens=max_tokens, prompt=text)
+        if params.structured_outputs is not None:  # StructuredOutputsError (a ValueError) if it cannot compile
+            seq.grammar = self.grammars.state_for(params.structured_outputs)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # position 0 has nothing before it
         return seq
@@ -318,7 +325,8 @@ class LLMEngine:
         would choose anyway: prev's live sequences are all that run, each sampled in prev, no
         request waits to be admitted, and their next tokens fit the pool without preemption.
         Sequences that reach max_tokens with prev's token are left out; penalties (which read the
-        tokens so far on the host) keep the engine synchronous."""
+        tokens so far on the host) and grammars (whose bitmask follows the last token) keep the
+        engine synchronous."""
         if not prev.followable or self.scheduler.waiting:
             return None
         live = [r.seq for r in prev.results if not r.seq.is_finished]
@@ -328,8 +336,8 @@ class LLMEngine:
         seqs = [seq for seq in live if len(seq.output_token_ids) + 1 < seq.max_tokens]
         if not seqs or len(seqs) > self.scheduler.max_num_batched_tokens:
             return None
-        if any(seq.sampling_params.has_penalties or seq.decode_from is not None or seq.prompt_logits is not None
-               for seq in seqs):
+        if any(seq.sampling_params.has_penalties or seq.grammar is not None or seq.decode_from is not None
+               or seq.prompt_logits is not None for seq in seqs):
             return None
         self.runner.release_pages(self.block_manager.drain_freed())  # before a freed page is reused
         for seq in seqs:  # prev's token is at position num_tokens: room for num_tokens + 1
@@ -375,6 +383,10 @@ class LLMEngine:
         seq.last_token_time = now
         self._generation_tokens += 1
 
+        if seq.grammar is not None and not seq.grammar.accept(token):  # the bitmask allowed it: a bug
+            log.error("request %s sampled token %d outside its grammar", seq.request_id, token)
+            self._finish(seq, "error")
+            return self._emit(seq)
         if token in p.stop_token_ids:
             self._finish(seq, "stop", stop_reason=token)
             return self._emit(seq)
@@ -391,7 +403,9 @@ class LLMEngine:
                 seq.output_text = seq.output_text[:cut]
                 self._finish(seq, "stop", stop_reason=stop)
                 return self._emit(seq)
-        if len(seq.output_token_ids) >= seq.max_tokens:
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            self._finish(seq, "stop")
+        elif len(seq.output_token_ids) >= seq.max_tokens:
             self._finish(seq, "length")
         return self._emit(seq)
 

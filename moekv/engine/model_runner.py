@@ -870,7 +870,8 @@ class ModelRunner:
                 vocab = logits.shape[-1]
                 rows.append(SamplingRow(seq.sampling_params, self.generator_for(seq), seq.prompt_token_ids,
                                         seq.output_token_ids,
-                                        [t for t in blocked_ids.get(seq.request_id, ()) if t < vocab]))
+                                        [t for t in blocked_ids.get(seq.request_id, ()) if t < vocab],
+                                        seq.grammar))
         sampled = None
         if sample_rows:
             every_row = sample_rows == list(range(logits.shape[0]))  # a decode step: no gather copy

@@ -6,6 +6,7 @@ own torch.Generator, so its samples do not depend on what else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     blocked_ids: list[int]  # stop tokens not allowed yet (min_tokens)
+    grammar: Any = None  # structured outputs: the sequence's GrammarState (engine/structured_output.py)
 
 
 @dataclass
@@ -69,6 +71,29 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return logits
+
+
+def grammar_bitmask(rows: list[SamplingRow], vocab_size: int) -> torch.Tensor | None:
+    """[S, ceil(V/32)] int32 on the host: bit t of word w of row i says whether token 32w + t keeps row
+    i inside its grammar (every bit set for a row without one); None when no row has a grammar."""
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if not constrained:
+        return None
+    bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for i in constrained:
+        rows[i].grammar.fill(bitmask, i)
+    return bitmask
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] with -inf where bitmask (host, [S, ceil(V/32)] int32) clears the token's bit, in
+    place. The bitmask travels packed (V/8 bytes a row) and is unpacked on logits' device."""
+    words = bitmask.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
+    allowed = ((words[:, :, None] >> _BIT.to(words.device)) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    return logits.masked_fill_(~allowed, float("-inf"))
 
 
 def to_host_async(x: torch.Tensor) -> torch.Tensor:
@@ -125,9 +150,14 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
     logprobs go to the host in one transfer, queued here: one host sync per step, not two per
     row, which at batch 64 cost milliseconds a step. Plain greedy rows (no penalty, nothing
     blocked) take one batched argmax; the others are shaped row by row, still without a sync.
+    Rows with a grammar (structured outputs) have their bitmask filled here on the host and applied
+    to the logits first.
     """
     S = logits.shape[0]
     raw_logprobs = torch.log_softmax(logits, dim=-1)
+    bitmask = grammar_bitmask(rows, logits.shape[-1])  # (the host's work, while the device runs the step)
+    if bitmask is not None:  # logprobs stay the model's own; only the choice is constrained
+        logits = apply_bitmask_(logits.clone(), bitmask)
     plain = [i for i, row in enumerate(rows)
              if row.params.greedy and not row.params.has_penalties and not row.blocked_ids]
     if len(plain) == S:

@@ -61,6 +61,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def tokenizers_object(self) -> HFTokenizer:
+        """The underlying `tokenizers` Tokenizer (for libraries that build their own view of the vocabulary)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")

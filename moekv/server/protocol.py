@@ -44,6 +44,20 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
+class JSONSchemaFormat(_Strict):
+    """response_format.json_schema: OpenAI's named schema (strict or not, the output always follows it)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat; None means "the model's generation_config default"."""
 
@@ -66,6 +80,12 @@ class _SamplingFields(_Strict):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, or one of vLLM's guided_* extra fields
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None  # accepted and ignored, as OpenAI's own is for abuse tracking
 
 

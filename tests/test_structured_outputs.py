@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai", reason="the server tests drive the offici
 from moekv import EngineConfig, SamplingParams, StructuredOutputsParams  # noqa: E402
 from moekv.config import default_model_path  # noqa: E402
 from moekv.engine.llm_engine import LLMEngine  # noqa: E402
-from moekv.layers.sampler import apply_bitmask_  # noqa: E402
+from moekv.layers.sampler import apply_bitmask_, unpack_bitmask  # noqa: E402
 from moekv.sampling_params import SamplingParamsError  # noqa: E402
 from moekv.structured_outputs import StructuredOutputsError  # noqa: E402
 from tests.server_harness import ServerThread, assert_pool_empty  # noqa: E402
@@ -199,16 +199,16 @@ def test_bad_structured_outputs_params_are_refused(offline_llm):
             grammar="root ::= undefined_rule")))
 
 
-def test_bitmask_application_matches_xgrammar_s_own():
-    """apply_bitmask_ (unpacks the words on the logits' device) against xgrammar's CPU kernel."""
+def test_bitmask_unpacking_matches_xgrammar_s_kernel():
+    """unpack_bitmask (the GPU path's unpacking, plain torch) against xgrammar's CPU kernel, which
+    apply_bitmask_ uses on the CPU."""
     gen = torch.Generator().manual_seed(0)
     vocab = 1000  # not a multiple of 32: the last word's high bits lie past the vocabulary
     logits = torch.randn(5, vocab, generator=gen)
     bitmask = torch.randint(-2**31, 2**31 - 1, (5, (vocab + 31) // 32), generator=gen, dtype=torch.int32)
     bitmask[2] = -1  # a row without a grammar: all allowed
     expected = logits.clone()
-    xgr.apply_token_bitmask_inplace(expected, bitmask, backend="torch_native")
-    got = apply_bitmask_(logits.clone(), bitmask)
-    assert torch.equal(torch.isinf(got), torch.isinf(expected))
-    assert torch.equal(got[torch.isfinite(got)], logits[torch.isfinite(got)])
-    assert torch.isfinite(got[2]).all()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, backend="cpu")
+    assert torch.equal(unpack_bitmask(bitmask, vocab), torch.isfinite(expected))
+    assert torch.equal(apply_bitmask_(logits.clone(), bitmask), expected)
+    assert unpack_bitmask(bitmask, vocab)[2].all() and not unpack_bitmask(bitmask, vocab).all()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Structured outputs on a GPU: the per-step cost of the grammar mask (bitmask filled on the host, applied
+# on the device) at batch 1 and 64, and domain-moe's decode step time (TPOT) at batch 64 with and without
+# a grammar on every request. Target: the mask's cost at batch 64 under 5% of the unconstrained TPOT.
+# Needs the wheels of scripts/gpu/firsthour_wheels.sh: carry `wheels`. Run from the repository root:
+#   bash scripts/gpu/firsthour.sh      (results under $OUT; about a minute or two on an H100/H200)
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+: "${OUT:=/tmp/firsthour}"; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+python -c "import xgrammar" 2>/dev/null || python -m pip install -q --no-index --find-links wheels xgrammar \
+  || python -m pip install -q --no-index --find-links wheels --break-system-packages xgrammar
+python -c "import xgrammar, transformers; print('xgrammar', xgrammar.__version__, 'transformers', transformers.__version__)" \
+  | tee "$OUT/versions.txt"
+timeout 120 python benchmarks/e2e/bench_grammar_mask.py --mask --batch 1 64 --steps 100 --device cuda \
+  --out "$OUT/mask_cuda.json" 2>&1 | tee "$OUT/mask_cuda.log"
+timeout 200 python benchmarks/e2e/bench_grammar_mask.py --engine --batch 64 --steps 200 --device cuda \
+  --out "$OUT/engine_cuda.json" 2>&1 | tail -20 | tee "$OUT/engine_cuda.log"
+python - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+mask = {(r["engine"], r["batch"]): r for r in json.load(open(f"{out}/mask_cuda.json"))}
+eng = json.load(open(f"{out}/engine_cuda.json"))[0]
+cost = mask[("xgrammar", 64)]["total_ms"]
+print(f"mask at batch 64: {cost:.3f} ms = {100 * cost / eng['free_tpot_ms']:.2f}% of the free TPOT "
+      f"{eng['free_tpot_ms']:.3f} ms (target < 5%); engine TPOT with a grammar on every request "
+      f"{eng['regex_tpot_ms']:.3f} ms ({100 * eng['overhead']:+.1f}%)")
+PY

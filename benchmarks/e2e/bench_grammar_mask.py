@@ -6,7 +6,7 @@ the device (moekv's apply_bitmask_: copy the packed words, unpack, masked_fill),
 when installed, llguidance. Matchers advance by a random allowed token between steps (not timed).
 
 Part 2 (--engine): the engine's decode step time (TPOT) at batch B, unconstrained against every
-request under a regex constraint (the constrained run is synchronous: no step is queued ahead).
+request under a regex constraint, in the engine's default scheduling mode (async on CUDA).
 
     PYTHONPATH=. python benchmarks/e2e/bench_grammar_mask.py --mask --batch 1 64 --out mask.json
     PYTHONPATH=. python benchmarks/e2e/bench_grammar_mask.py --engine --batch 64 --device cuda

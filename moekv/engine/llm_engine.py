@@ -325,8 +325,9 @@ class LLMEngine:
         would choose anyway: prev's live sequences are all that run, each sampled in prev, no
         request waits to be admitted, and their next tokens fit the pool without preemption.
         Sequences that reach max_tokens with prev's token are left out; penalties (which read the
-        tokens so far on the host) and grammars (whose bitmask follows the last token) keep the
-        engine synchronous."""
+        tokens so far on the host) keep the engine synchronous. A grammar sequence follows on too:
+        its bitmask waits for prev's token on the host after the follow-on's forward is queued
+        (model_runner.follow_grammars)."""
         if not prev.followable or self.scheduler.waiting:
             return None
         live = [r.seq for r in prev.results if not r.seq.is_finished]
@@ -336,8 +337,8 @@ class LLMEngine:
         seqs = [seq for seq in live if len(seq.output_token_ids) + 1 < seq.max_tokens]
         if not seqs or len(seqs) > self.scheduler.max_num_batched_tokens:
             return None
-        if any(seq.sampling_params.has_penalties or seq.grammar is not None or seq.decode_from is not None
-               or seq.prompt_logits is not None for seq in seqs):
+        if any(seq.sampling_params.has_penalties or seq.decode_from is not None or seq.prompt_logits is not None
+               for seq in seqs):
             return None
         self.runner.release_pages(self.block_manager.drain_freed())  # before a freed page is reused
         for seq in seqs:  # prev's token is at position num_tokens: room for num_tokens + 1
@@ -383,7 +384,8 @@ class LLMEngine:
         seq.last_token_time = now
         self._generation_tokens += 1
 
-        if seq.grammar is not None and not seq.grammar.accept(token):  # the bitmask allowed it: a bug
+        if seq.grammar is not None and not seq.grammar.accept_at(len(seq.output_token_ids) - 1, token):
+            # the bitmask allowed only tokens the grammar takes: this is a bug, reported as the request's error
             log.error("request %s sampled token %d outside its grammar", seq.request_id, token)
             self._finish(seq, "error")
             return self._emit(seq)

@@ -100,9 +100,13 @@ class GrammarState:
         self._matcher = _xgrammar().GrammarMatcher(compiled)
         self.num_accepted = 0
 
-    def accept(self, token_id: int) -> bool:
-        """Advance by one output token; False if the grammar does not allow it (then nothing changes)."""
-        ok = bool(self._matcher.accept_token(token_id))
+    def accept_at(self, position: int, token_id: int) -> bool:
+        """Advance by output token number `position` (0-based), once: a token already accepted (a follow-on
+        step's runner accepts its input token before the engine appends it) is not accepted again.
+        False if the grammar does not allow it (then nothing changes)."""
+        if position < self.num_accepted:
+            return True
+        ok = not self._matcher.is_terminated() and bool(self._matcher.accept_token(token_id))
         self.num_accepted += ok
         return ok
 
@@ -112,8 +116,11 @@ class GrammarState:
         return bool(self._matcher.is_terminated())
 
     def fill(self, bitmask: "torch.Tensor", row: int) -> None:
-        """Write into bitmask[row] (int32 words, bit t of word w = token 32w + t allowed) what may come next."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        """Write into bitmask[row] (int32 words, bit t of word w = token 32w + t allowed) what may come next.
+        A terminated grammar leaves the row as it is (every token allowed): its sequence has ended, and
+        a follow-on step's row for it is dropped unread."""
+        if not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
 def bitmask_words(vocab_size: int) -> int:

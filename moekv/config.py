@@ -384,8 +384,8 @@ class EngineConfig:
     skip_tokenizer_init: load no tokenizer (as vLLM's flag): prompts must be token ids (text or chat
         is a ValueError), outputs carry token ids and empty text, stop strings are refused; a
         checkpoint folder without tokenizer.json loads.
-    seed: the flag is --seed (vLLM's engine seed) and --engine-seed; `moekv generate` keeps --seed
-        for its request's own seed, so there only --engine-seed sets this.
+    seed: the flag is --seed in every command, as vLLM's engine seed (--engine-seed is the same flag);
+        a request's own seed is `moekv generate --request-seed`, the passkeys' `eval retrieval --key-seed`.
     cache, scheduler, router, experts, parallel: the groups (their classes say what they hold); the
         routing group is `router`, as `routing` is its routing mode's flat name (routing="hierarchical").
 
@@ -399,8 +399,8 @@ class EngineConfig:
     dtype: str = option("auto | float32 | bfloat16 | float16", "auto")
     device: str = option("cpu | cuda", "cpu")
     max_model_len: int | None = option("prompt + generated tokens of one sequence (default: the model's limit)")
-    seed: int = option("seed of the sampler for requests without their own seed", 0, flag="--engine-seed",
-                       aliases=("--seed",))
+    seed: int = option("seed of the sampler for requests without their own seed", 0, flag="--seed",
+                       aliases=("--engine-seed",))
     enforce_eager: bool = option(
         "never replay decode steps from CUDA graphs (default: graphs on CUDA where the KV format allows)", False)
     load_format: str = option(

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moekv.eval.needle import answer_is_correct, build_prompt, random_key
+from moekv.eval.perplexity import read_utf8
 
 
 def default_lengths(max_model_len: int) -> list[int]:
@@ -149,10 +150,7 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] | None = No
     if too_long:
         raise ValueError(f"length {too_long[0]} exceeds the engine's max_model_len={engine.max_model_len} "
                          f"(lengths count the prompt and its {answer_tokens} answer tokens)")
-    path = Path(text)
-    if not path.is_file():
-        raise FileNotFoundError(f"text file not found: {path}")
-    filler = engine.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+    filler = engine.tokenizer.encode(read_utf8(text), add_special_tokens=False)
 
     def encode(s: str) -> list[int]:
         return engine.tokenizer.encode(s, add_special_tokens=False)

@@ -11,6 +11,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from moekv.models.tokenizer import CHAT_ROLES
+
 MAX_N = 128  # choices per request, as OpenAI allows
 MAX_JSON_DEPTH = 32  # nested arrays/objects in a request body (the deepest valid request has 5)
 
@@ -101,10 +103,7 @@ class TextPart(_Strict):
     text: str
 
 
-# the roles OpenAI's chat API takes for plain-text messages ('function', its deprecated form of 'tool',
-# is left out); 'developer' is its name for 'system' on newer models, which vLLM and the openai client
-# send too. Any other role would reach the chat template as an unknown speaker.
-ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+ChatRole = Literal[CHAT_ROLES]  # (tokenizer.CHAT_ROLES says which and why; LLM.chat refuses the others too)
 
 
 class ChatMessage(_Strict):

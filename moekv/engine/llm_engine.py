@@ -219,7 +219,8 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return None
         self._finish(seq, "abort")
-        return self._output(seq, "", [])
+        # the text held back while it could still grow into a stop string goes out with the abort
+        return self._output(seq, self._emit(seq), [])
 
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel engine (nothing to do with one process)."""

@@ -62,6 +62,9 @@ from moekv.layers.parallel import ExpertParallel, TPGroup, check_tp_shapes, shar
 log = logging.getLogger("moekv")
 
 COMMAND_TIMEOUT = timedelta(days=365)  # workers idle between requests for as long as the server runs
+# seconds a started worker process has to import torch and moekv and report on rank 0's store (a
+# loaded machine takes tens of seconds; a worker alive past this is stuck, not slow)
+WORKER_START_TIMEOUT = 300.0
 _ACTIVE: list["ParallelGroup"] = []  # one group per process: torch.distributed has one default group
 
 
@@ -172,7 +175,7 @@ class ParallelGroup:
         for p in procs:
             p.start()
         try:
-            await_workers(store, procs, config.parallel.distributed_timeout)
+            await_workers(store, procs, max(WORKER_START_TIMEOUT, config.parallel.distributed_timeout))
             group = cls(0, world, None, config.torch_device, config.parallel.distributed_timeout, store=store)
         except BaseException:
             for p in procs:
@@ -338,10 +341,10 @@ def await_workers(store: "dist.Store", procs: list, timeout: float) -> None:
                 "the LLM under that guard (as vLLM requires too)")
         if pending and time.monotonic() > deadline:
             raise RuntimeError(
-                f"rank(s) {sorted(pending)} of the tensor-parallel engine did not report within "
-                f"distributed_timeout={timeout:g} s of starting (their processes are still alive). Likely causes: "
-                "the program has no `if __name__ == \"__main__\":` guard and blocks when spawn imports it again in "
-                "a rank, or the machine is too loaded to start them; raise --distributed-timeout if it is slow")
+                f"rank(s) {sorted(pending)} of the tensor-parallel engine did not report within {timeout:g} s of "
+                "starting (their processes are still alive). Likely causes: the program has no `if __name__ == "
+                "\"__main__\":` guard and blocks when spawn imports it again in a rank, or the machine is too "
+                "loaded to start them (a --distributed-timeout above this allowance extends it)")
         if pending:
             time.sleep(0.05)
 

@@ -85,9 +85,6 @@ def grammar_bitmask(rows: list[SamplingRow], vocab_size: int) -> torch.Tensor | 
     return bitmask
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [S, V] with -inf where bitmask (host, [S, ceil(V/32)] int32) clears the token's bit, in
     place. On the GPU the bitmask travels packed (V/8 bytes a row) and is unpacked there by plain
@@ -104,7 +101,8 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[S, ceil(V/32)] int32 -> [S, V] bool (True: allowed), on words' device."""
-    return ((words[:, :, None] >> _BIT.to(words.device)) & 1).bool().flatten(1)[:, :vocab_size]
+    bit = torch.arange(32, dtype=torch.int32, device=words.device)  # (made there: a host copy would wait for the step)
+    return ((words[:, :, None] >> bit) & 1).bool().flatten(1)[:, :vocab_size]
 
 
 def to_host_async(x: torch.Tensor) -> torch.Tensor:

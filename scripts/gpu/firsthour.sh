@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Structured outputs on a GPU: the per-step cost of the grammar mask (bitmask filled on the host, applied
 # on the device) at batch 1 and 64, and domain-moe's decode step time (TPOT) at batch 64 with and without
-# a grammar on every request. Target: the mask's cost at batch 64 under 5% of the unconstrained TPOT.
+# a grammar on every request (target: the mask's cost at batch 64 under 5% of the unconstrained TPOT),
+# after the structured-output GPU test (CUDA graphs, sync and async scheduling).
 # Needs the wheels of scripts/gpu/firsthour_wheels.sh: carry `wheels`. Run from the repository root:
-#   bash scripts/gpu/firsthour.sh      (results under $OUT; about a minute or two on an H100/H200)
+#   bash scripts/gpu/firsthour.sh      (results under $OUT; about two to three minutes on an H100/H200)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/firsthour}"; mkdir -p "$OUT"
@@ -12,9 +13,11 @@ python -c "import xgrammar" 2>/dev/null || python -m pip install -q --no-index -
   || python -m pip install -q --no-index --find-links wheels --break-system-packages xgrammar
 python -c "import xgrammar, transformers; print('xgrammar', xgrammar.__version__, 'transformers', transformers.__version__)" \
   | tee "$OUT/versions.txt"
-timeout 120 python benchmarks/e2e/bench_grammar_mask.py --mask --batch 1 64 --steps 100 --device cuda \
+timeout 120 python -m pytest -q -p no:cacheprovider tests/test_structured_outputs_gpu.py -m gpu \
+  > "$OUT/gpu_test.log" 2>&1; tail -3 "$OUT/gpu_test.log"
+timeout 90 python benchmarks/e2e/bench_grammar_mask.py --mask --batch 1 64 --steps 100 --device cuda \
   --out "$OUT/mask_cuda.json" 2>&1 | tee "$OUT/mask_cuda.log"
-timeout 200 python benchmarks/e2e/bench_grammar_mask.py --engine --batch 64 --steps 200 --device cuda \
+timeout 150 python benchmarks/e2e/bench_grammar_mask.py --engine --batch 64 --steps 200 --device cuda \
   --out "$OUT/engine_cuda.json" 2>&1 | tail -20 | tee "$OUT/engine_cuda.log"
 python - "$OUT" <<'PY'
 import json, sys

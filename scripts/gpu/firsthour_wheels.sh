@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PACKAGES="xgrammar apache-tvm-ffi transformers huggingface_hub tokenizers safetensors regex pyyaml tqdm packaging
-filelock fsspec hf-xet httpx2 httpcore2 h11 anyio idna sniffio certifi click typer rich markdown-it-py mdurl pygments
+filelock fsspec hf-xet httpx2 httpcore2 h11 anyio idna sniffio certifi truststore opentelemetry-api importlib-metadata zipp
+click typer rich markdown-it-py mdurl pygments
 shellingham annotated-doc kernels tomlkit pydantic pydantic_core annotated-types typing-inspection typing_extensions"
 rm -rf wheels && mkdir wheels
 for name in $PACKAGES; do

@@ -23,6 +23,7 @@ import time
 import torch
 
 from moekv.config import default_model_path
+from moekv.engine.structured_output import GrammarState
 from moekv.layers.sampler import apply_bitmask_
 from moekv.models.tokenizer import Tokenizer
 
@@ -61,14 +62,14 @@ class XGrammarRows:
         self.matchers = [self.new_matcher() for _ in range(batch)]
 
     def new_matcher(self):
-        return self.xgr.GrammarMatcher(self.compiled)
+        return GrammarState(self.compiled)
 
-    def fill(self, bitmask: torch.Tensor) -> None:
-        for i, m in enumerate(self.matchers):
-            m.fill_next_token_bitmask(bitmask, i)
+    def fill(self, bitmask: torch.Tensor) -> None:  # as the engine fills: GrammarState.fill_rows
+        GrammarState.fill_rows(self.matchers, bitmask, list(range(self.batch)))
 
     def accept(self, i: int, token: int) -> bool:
-        return self.matchers[i].accept_token(token) and not self.matchers[i].is_terminated()
+        state = self.matchers[i]
+        return state.accept_at(state.num_accepted, token) and not state.is_terminated
 
 
 class LLGuidanceRows:

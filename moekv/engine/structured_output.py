@@ -10,6 +10,7 @@ logits outside any CUDA graph (layers/sampler.py).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -93,6 +94,11 @@ class GrammarCompiler:
         return GrammarState(self.compile(spec))
 
 
+@functools.cache
+def _batch_filler():
+    return _xgrammar().BatchGrammarMatcher(max_threads="auto")
+
+
 class GrammarState:
     """One sequence's position in its grammar: follows the tokens it outputs, fills its bitmask row."""
 
@@ -115,13 +121,14 @@ class GrammarState:
         """The output is complete and a stop token was accepted."""
         return bool(self._matcher.is_terminated())
 
-    def fill(self, bitmask: "torch.Tensor", row: int) -> None:
-        """Write into bitmask[row] (int32 words, bit t of word w = token 32w + t allowed) what may come next.
-        A terminated grammar leaves the row as it is (every token allowed): its sequence has ended, and
-        a follow-on step's row for it is dropped unread."""
-        if not self._matcher.is_terminated():
-            self._matcher.fill_next_token_bitmask(bitmask, row)
-
-
-def bitmask_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
+    @staticmethod
+    def fill_rows(states: list["GrammarState"], bitmask: "torch.Tensor", rows: list[int]) -> None:
+        """Write into bitmask[rows[i]] (int32 words, bit t of word w = token 32w + t allowed) what may
+        come next after states[i]'s tokens; several rows at once on xgrammar's thread pool (one thread
+        per free core). A terminated grammar leaves its row as it is (every token allowed): its
+        sequence has ended, and a follow-on step's row for it is dropped unread."""
+        live = [(state._matcher, row) for state, row in zip(states, rows) if not state._matcher.is_terminated()]
+        if len(live) == 1:
+            live[0][0].fill_next_token_bitmask(bitmask, live[0][1])
+        elif live:
+            _batch_filler().batch_fill_next_token_bitmask([m for m, _ in live], bitmask, indices=[r for _, r in live])

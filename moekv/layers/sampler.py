@@ -80,8 +80,8 @@ def grammar_bitmask(rows: list[SamplingRow], vocab_size: int) -> torch.Tensor | 
     if not constrained:
         return None
     bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for i in constrained:
-        rows[i].grammar.fill(bitmask, i)
+    grammars = [rows[i].grammar for i in constrained]
+    type(grammars[0]).fill_rows(grammars, bitmask, constrained)
     return bitmask
 
 

@@ -50,7 +50,48 @@ def make_config(arch: str):
     if arch == "olmoe":
         return tf.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                               clip_qkv=5.0, **COMMON)
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        return make_deepseek_config(arch)
     raise ValueError(arch)
+
+
+# multi-head latent attention's architectures: not in ARCHS (the cross-architecture tests), tested on
+# their own (tests/test_deepseek.py); a dense first layer, one shared expert
+MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
+
+
+def make_deepseek_config(arch: str, **overrides):
+    import transformers as tf
+
+    common = {**COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}
+    mla = dict(kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+               intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+               n_shared_experts=1, first_k_dense_replace=1)
+    if arch == "deepseek_v2":
+        cfg = tf.DeepseekV2Config(topk_method="greedy", routed_scaling_factor=1.0, **mla, **common)
+    else:
+        cfg = tf.DeepseekV3Config(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                  **mla, **common)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build_deepseek_checkpoint(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random DeepSeek-V2/V3 (overrides: config fields), V3's selection bias drawn at random
+    (transformers starts it at zero, which would leave the bias untested)."""
+    import transformers as tf
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(make_deepseek_config(arch, **overrides)).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    write_tokenizer(out)
+    return out
 
 
 def build_checkpoint(arch: str, out: Path, seed: int = 0, **overrides) -> Path:

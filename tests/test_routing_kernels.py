@@ -139,3 +139,21 @@ def test_engine_kernel_path_matches_cpu(mixtral_ckpt, tmp_path):
         a = LLM(mixtral_ckpt, dtype="float32", max_model_len=64, **kwargs).score(prompt)[0]
         b = LLM(mixtral_ckpt, dtype="float32", device="cuda", max_model_len=64, **kwargs).score(prompt)[0]
         assert (a - b).abs().max().item() < 1e-3, kwargs
+
+
+@pytest.mark.parametrize("E,k,n_group,topk_group", [(16, 2, 4, 2), (64, 6, 8, 3)])
+def test_fused_routing_kernel_group_max_matches_reference(E, k, n_group, topk_group):
+    """DeepSeek-V2's group_limited_greedy (a group scored by its best expert) in the kernel as in
+    the reference, ties and disabled groups included; it keeps other groups than top-2 sums do."""
+    logits = adversarial_logits(6, E, n_group, seed=E + 1).to(DEVICE)
+    for renormalize in (True, False):
+        out = fr.fused_routing(logits, k, renormalize, "softmax", n_group=n_group, topk_group=topk_group,
+                               group_score="max")
+        assert_same(out, fused_routing_ref(logits, k, renormalize, "softmax", n_group=n_group,
+                                           topk_group=topk_group, group_score="max"))
+    # group 0: one strong expert; group 1: two fairly strong ones. max keeps group 0, top-2 sums group 1
+    x = torch.full((1, 8), -5.0)
+    x[0, 0], x[0, 4], x[0, 5] = 3.0, 2.5, 2.5
+    pick = {score: fused_routing_ref(x, 1, False, n_group=2, topk_group=1, group_score=score)[1].item()
+            for score in ("max", "top2_sum")}
+    assert pick == {"max": 0, "top2_sum": 4}

@@ -22,7 +22,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("architecture", cfg.architecture),
         ("layers", f"{cfg.num_layers} ({moe_layers} with experts)"),
         ("hidden size", cfg.hidden_size),
-        ("attention heads", f"{cfg.num_heads} query / {cfg.num_kv_heads} KV, head_dim {cfg.head_dim}"),
+        ("attention heads", _attention_text(cfg)),
         ("experts", f"{cfg.num_experts}, top-{cfg.top_k}, intermediate {cfg.moe_intermediate_size}"
                     + (f", shared expert {cfg.shared_expert_intermediate_size}"
                        if cfg.shared_expert_intermediate_size else "")),
@@ -34,6 +34,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if cfg.mla is not None:
+        return _latent_cache_rows(cfg, args.block_size)
     where = f"block_size {args.block_size}" if args.block_size else "each format at its default block_size"
     print(f"\nKV cache per token (all {cfg.num_layers} layers, K and V, {where}):")
     for name in KV_FORMAT_NAMES:
@@ -53,6 +55,37 @@ def cmd_info(args: argparse.Namespace) -> int:
         per_token = cfg.num_layers * page / block_size
         bits = fmt.bits_per_element(cfg.num_kv_heads, block_size, cfg.head_dim)
         print(f"  {name:<10} {per_token:>10,.0f} bytes/token  {bits:5.2f} bits/element  (block_size {block_size})")
+    return 0
+
+
+def _attention_text(cfg) -> str:
+    m = cfg.mla
+    if m is None:
+        return f"{cfg.num_heads} query / {cfg.num_kv_heads} KV, head_dim {cfg.head_dim}"
+    q = "q_proj" if m.q_lora_rank is None else f"q_lora_rank {m.q_lora_rank}"
+    return (f"{cfg.num_heads} query, multi-head latent attention: kv_lora_rank {m.kv_lora_rank} + rope "
+            f"{m.qk_rope_head_dim} per token, qk_nope {m.qk_nope_head_dim}, v_head_dim {m.v_head_dim}, {q}")
+
+
+def _latent_cache_rows(cfg, block_size: int | None) -> int:
+    """The latent cache's bytes per token in each storage an MLA model accepts (the others n/a)."""
+    from moekv.kvcache.formats import KV_FORMAT_NAMES
+    from moekv.kvcache.formats.latent import latent_format_for
+
+    block_size = block_size or 64
+    print(f"\nLatent cache per token (all {cfg.num_layers} layers, one {cfg.head_dim}-wide entry, block_size "
+          f"{block_size}):")
+    for name in KV_FORMAT_NAMES:
+        if name == "auto":
+            continue
+        try:
+            fmt = latent_format_for(name, cfg.torch_dtype, cfg.mla.kv_lora_rank)
+        except ValueError:
+            print(f"  {name:<10} n/a: no latent-cache form")
+            continue
+        page = fmt.page_bytes(1, block_size, cfg.head_dim)
+        bits = fmt.bits_per_element(1, block_size, cfg.head_dim)
+        print(f"  {name:<10} {cfg.num_layers * page / block_size:>10,.0f} bytes/token  {bits:5.2f} bits/element")
     return 0
 
 

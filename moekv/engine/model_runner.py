@@ -39,6 +39,7 @@ from moekv.engine.parallel import (
 from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import GraphStepHooks, KVFormat, get_kv_format, nonfinite_verdict, raise_nonfinite
+from moekv.kvcache.formats.latent import latent_format_for
 from moekv.layers.parallel import StaticDispatch, kv_heads_of_rank, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.decoder import MoEDecoder
@@ -188,11 +189,15 @@ def resolve_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
     return model_cfg.torch_dtype if config.torch_device.type == "cuda" else torch.float32
 
 
-def kv_format_for(config: EngineConfig, dtype: torch.dtype) -> KVFormat:
-    """The KV format config.cache.kv_cache_dtype names, with its kv_* options; refused when prefix caching
-    is on and the format cannot share pages."""
-    kv_format = get_kv_format(config.cache.kv_cache_dtype, dtype, decode_kernel=config.cache.decode_kernel,
-                              **config.kv_format_options())
+def kv_format_for(config: EngineConfig, dtype: torch.dtype, model_cfg: ModelConfig | None = None) -> KVFormat:
+    """The KV format config.cache.kv_cache_dtype names, with its kv_* options (for a model with multi-head
+    latent attention, its latent-cache form); refused when prefix caching is on and the format cannot
+    share pages."""
+    if model_cfg is not None and model_cfg.mla is not None:
+        kv_format = latent_format_for(config.cache.kv_cache_dtype, dtype, model_cfg.mla.kv_lora_rank)
+    else:
+        kv_format = get_kv_format(config.cache.kv_cache_dtype, dtype, decode_kernel=config.cache.decode_kernel,
+                                  **config.kv_format_options())
     if config.cache.enable_prefix_caching:
         reason = kv_format.prefix_caching_unsupported()
         if reason is not None:
@@ -205,7 +210,7 @@ def start_runner(config: EngineConfig, model_cfg: ModelConfig, max_model_len: in
     """The engine's ModelRunner (rank 0's). With tensor_parallel_size > 1 the other ranks come first
     (engine/parallel.start_ranks: spawned here, or joined under torchrun, where a worker rank serves
     rank 0 inside this call and leaves with SystemExit). The KV format is refused before any rank starts."""
-    kv_format = kv_format_for(config, resolve_dtype(config, model_cfg))
+    kv_format = kv_format_for(config, resolve_dtype(config, model_cfg), model_cfg)
     parallel = start_ranks(config, model_cfg, max_model_len, ModelRunner)
     return ModelRunner(config, model_cfg, max_model_len, parallel, kv_format)
 
@@ -226,7 +231,7 @@ class ModelRunner:
         self.parallel = parallel
         self.device = config.torch_device if parallel is None else parallel.device
         self.dtype = resolve_dtype(config, model_cfg)
-        self.kv_format = kv_format if kv_format is not None else kv_format_for(config, self.dtype)
+        self.kv_format = kv_format if kv_format is not None else kv_format_for(config, self.dtype, model_cfg)
         self.model = self._load()
         if self.device.type == "cpu":  # this rank's shard, the ranks sharing the host's cores
             set_cpu_threads(config.parallel.cpu_threads, sum(p.numel() for p in self.model.parameters()),

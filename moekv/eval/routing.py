@@ -94,7 +94,7 @@ def evaluate_routing(llm, text: str | Path, max_tokens: int | None = 16384, wind
             ours = fused_moe_ref(hidden, moe.w13, moe.w2, weights, ids).float()
             ref = fused_moe_ref(hidden, moe.w13, moe.w2, flat_w, flat_ids).float()
             if moe.shared_expert is not None:  # the layer's output includes its shared expert (same in both)
-                shared = (torch.sigmoid(F.linear(hidden, moe.shared_expert_gate)) * moe.shared_expert(hidden)).float()
+                shared = moe.shared_output(hidden).float()
                 ours, ref = ours + shared, ref + shared
             st.err_sq += float((ours - ref).pow(2).sum())
             st.ref_sq += float(ref.pow(2).sum())

@@ -50,7 +50,8 @@ class SparseMoE(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
         self.shared_expert = (GatedMLP(H, cfg.shared_expert_intermediate_size)
                               if cfg.shared_expert_intermediate_size else None)
-        self.shared_expert_gate = nn.Parameter(torch.empty(1, H)) if cfg.shared_expert_intermediate_size else None
+        self.shared_expert_gate = (nn.Parameter(torch.empty(1, H))
+                                   if cfg.shared_expert_intermediate_size and cfg.shared_expert_gated else None)
         # tensor parallel (hooks.tp): this rank's share of the output (a slice of every expert, or with
         # expert parallelism its whole experts), all-reduced
         self.hooks = hooks if hooks is not None else LayerHooks()
@@ -60,6 +61,12 @@ class SparseMoE(nn.Module):
         """Whether the router computes the RMSNorm before the layer itself (with a coarse gate)."""
         router = self.hooks.router
         return router is not None and router.fuses_norm
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's contribution: through its sigmoid gate (Qwen2-MoE), or as is (DeepSeek)."""
+        if self.shared_expert_gate is None:
+            return self.shared_expert(x)
+        return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """x [T, H]: the normalised state, or, with `norm` given, the residual stream before the
@@ -79,5 +86,5 @@ class SparseMoE(nn.Module):
             hooks.observer(weights, expert_ids)
         out = hooks.experts(x, self.w13, self.w2, weights, expert_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+            out = out + self.shared_output(x)
         return out if hooks.tp is None else hooks.tp.all_reduce(out)

@@ -75,6 +75,9 @@ def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, world: int) -
 
 def check_tp_shapes(cfg, world: int, expert_parallel: bool) -> None:
     """Refuse, before anything is loaded, a group size the model's shapes do not split by."""
+    if cfg.mla is not None:
+        raise ValueError(f"tensor_parallel_size={world} is not supported for {cfg.architecture} (multi-head latent "
+                         "attention is not split over ranks); accepted: 1")
     kv_heads_of_rank(cfg.num_heads, cfg.num_kv_heads, 0, world)
     if cfg.dense_intermediate_size and any(not m for m in cfg.moe_layers) and cfg.dense_intermediate_size % world:
         raise ValueError(f"tensor_parallel_size={world} must divide the dense MLP's intermediate_size="

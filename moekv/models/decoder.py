@@ -8,6 +8,7 @@ from torch import nn
 from moekv.context import Context
 from moekv.layers.attention import Attention
 from moekv.layers.hooks import DecoderHooks, LayerHooks
+from moekv.layers.mla import MLAttention
 from moekv.layers.mlp import GatedMLP
 from moekv.layers.moe import SparseMoE
 from moekv.layers.norms import RMSNorm
@@ -20,7 +21,9 @@ class DecoderLayer(nn.Module):
         # what the engine plugs into this layer, one object shared by its attention and MLP
         self.hooks = LayerHooks()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, self.hooks)
+        # multi-head latent attention (DeepSeek) or GQA
+        self.self_attn = (MLAttention(cfg, layer_idx, self.hooks) if cfg.mla is not None
+                          else Attention(cfg, layer_idx, self.hooks))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe_layers[layer_idx]:
             self.mlp: nn.Module = SparseMoE(cfg, self.hooks)
@@ -57,7 +60,7 @@ class MoEDecoder(nn.Module):
         self.step_ctx = None
 
     @property
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[Attention | MLAttention]:
         return [layer.self_attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, ctx: Context) -> torch.Tensor:

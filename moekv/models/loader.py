@@ -18,14 +18,14 @@ import torch
 from safetensors import safe_open
 
 from moekv.layers.moe import SparseMoE, local_experts
-from moekv.models import mixtral, olmoe, qwen_moe
+from moekv.models import deepseek, mixtral, olmoe, qwen_moe
 from moekv.models.decoder import MoEDecoder
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
 from moekv.routing import ROUTING_MODES, HierarchicalRouter, checkpoint_router, group_limited_router, resolve_routing
 from moekv.routing.cluster_map import ClusterMap
 
-ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe) for name in mod.ARCHITECTURES}
+ARCH_MODULES: dict[str, ModuleType] = {name: mod for mod in (mixtral, qwen_moe, olmoe, deepseek) for name in mod.ARCHITECTURES}
 SUPPORTED_ARCHITECTURES = tuple(ARCH_MODULES)
 
 
@@ -137,6 +137,7 @@ _rule(_L + r"\.mlp\.gate_proj\.weight", "layers.{l}.mlp.gate_up_proj",
 _rule(_L + r"\.mlp\.up_proj\.weight", "layers.{l}.mlp.gate_up_proj",
       lambda c, m: (slice(c.dense_intermediate_size, 2 * c.dense_intermediate_size),))
 _rule(_L + r"\.mlp\.down_proj\.weight", "layers.{l}.mlp.down_proj")
+_rule(r"moekv:(?P<name>[\w.]+)", "{name}")  # an architecture's canonical_name gave the engine's own parameter name
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -270,7 +271,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
             raise CheckpointError(f"cannot read {path}: {e}") from e
         with handle as f:
             for raw_name in f.keys():
-                if _IGNORED.match(raw_name):
+                if _IGNORED.match(raw_name) or getattr(arch, "ignored_tensor", lambda *_: False)(raw_name, cfg):
                     continue
                 name = arch.canonical_name(raw_name)
                 resolved = _resolve(name, cfg)

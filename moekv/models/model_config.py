@@ -15,6 +15,34 @@ class UnsupportedModelError(ValueError):
     """The checkpoint asks for something moekv does not implement (names what and what is accepted)."""
 
 
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): each token caches one normalised latent c_kv
+    [kv_lora_rank] and one rotated key [qk_rope_head_dim] shared by every head; per head, keys are
+    W_UK c_kv (qk_nope_head_dim) beside the shared rotary key, values W_UV c_kv (v_head_dim)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: one q_proj; else q_a_proj -> RMSNorm -> q_b_proj
+    # the rotary part's pairs: True (x0, x1), (x2, x3), ... rotated together (DeepSeek's layout);
+    # False: rotate-half
+    rope_interleave: bool = True
+    inv_freq: tuple[float, ...] = ()  # [qk_rope_head_dim / 2] (YaRN-corrected when the config asks)
+    rope_scale: float = 1.0  # cos and sin are multiplied by it (YaRN's attention factor)
+    softmax_scale: float = 1.0  # qk_head_dim ** -0.5, times YaRN's mscale_all_dim correction squared
+
+    @property
+    def latent_width(self) -> int:
+        """One cache entry: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -50,6 +78,13 @@ class ModelConfig:
     scoring_func: str = "softmax"
     routed_scaling_factor: float = 1.0
     router_bias: bool = False  # the checkpoint has mlp.gate.e_score_correction_bias
+    # how group-limited routing scores a group: 'top2_sum' (DeepSeek-V3) or 'max' (DeepSeek-V2's group_limited_greedy)
+    group_score: str = "top2_sum"
+    # False: the shared expert's output is added as is (DeepSeek), True: through a sigmoid gate (Qwen2-MoE)
+    shared_expert_gated: bool = True
+    # multi-head latent attention (DeepSeek-V2/V3); then num_kv_heads is 1 and head_dim the width of
+    # one latent cache entry (mla.latent_width): what the KV pool holds per token and layer
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.moe_layers:
@@ -74,6 +109,8 @@ class ModelConfig:
         h = self.hidden_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        if self.mla is not None:
+            attn = self._mla_parameters() + 2 * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.o_bias:
@@ -93,10 +130,20 @@ class ModelConfig:
                 continue
             expert = 3 * h * self.moe_intermediate_size
             router = self.num_experts * h
-            shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+            shared = 3 * h * self.shared_expert_intermediate_size
+            if self.shared_expert_intermediate_size and self.shared_expert_gated:
+                shared += h
             total += self.num_experts * expert + router + shared
             active += self.top_k * expert + router + shared
         return total, active
+
+    def _mla_parameters(self) -> int:
+        """One MLA block's weights (projections and the two latent norms)."""
+        m, h, heads = self.mla, self.hidden_size, self.num_heads
+        q_out = heads * m.qk_head_dim
+        q = h * q_out if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * q_out
+        kv = h * m.latent_width + m.kv_lora_rank + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + heads * m.v_head_dim * h
 
 
 def rope_theta_from(hf: dict[str, Any], default: float) -> float:

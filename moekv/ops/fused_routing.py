@@ -2,7 +2,7 @@
 state and the coarse scores) to (weights [T, k], expert_ids [T, k]).
 
 Semantics are the references' in ops/reference.py: `fused_routing_ref` (flat and group-limited:
-scores, selection bias, group scores = sum of each group's top-2, kept groups, top-k,
+scores, selection bias, group scores = sum of each group's top-2 or its best, kept groups, top-k,
 renormalisation, scaling) and `cluster_routing_ref` (hierarchical: cluster order, the best
 cluster's logits, admission of further clusters by margin + spread, logits of the admitted
 clusters only, scores, top-k, renormalisation, scaling). Ties go to the lower index, as in the
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.pdl import let_dependents_launch, pdl_enabled
+from moekv.ops.reference import check_group_score
 
 _BIG = tl.constexpr(1 << 30)  # "no index" in the min-index reductions
 
@@ -30,7 +31,8 @@ _BIG = tl.constexpr(1 << 30)  # "no index" in the min-index reductions
 def _fused_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling_factor,
                        N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                        TOP_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+                       SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr,
+                       GROUP_TOP2: tl.constexpr):
     let_dependents_launch(PDL)  # the MoE GEMV after the routing may get resident (ops/pdl.py)
     t = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
@@ -53,7 +55,7 @@ def _fused_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, sca
         top1 = tl.max(choice, 1)  # [BG]
         first = tl.min(tl.where((choice == top1[:, None]) & valid, offs_s[None, :], _BIG), 1)
         group_score = top1
-        if GROUP_SIZE > 1:
+        if GROUP_SIZE > 1 and GROUP_TOP2:
             rest = tl.where(offs_s[None, :] == first[:, None], float("-inf"), choice)
             group_score = top1 + tl.max(rest, 1)
         kept = offs_g < 0  # all False, [BG]
@@ -83,10 +85,11 @@ def _fused_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, sca
 
 def fused_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
                   bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-                  scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  scaling_factor: float = 1.0, group_score: str = "top2_sum") -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, k] fp32, expert_ids [T, k] int64); see fused_routing_ref."""
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring={scoring!r} is not supported; accepted: 'softmax', 'sigmoid'")
+    check_group_score(group_score)
     num_tokens, num_experts = router_logits.shape
     if num_experts % n_group:
         raise ValueError(f"n_group={n_group} must divide the {num_experts} experts")
@@ -101,7 +104,8 @@ def fused_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool, sc
         N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, TOP_K=top_k,
         BLOCK_G=triton.next_power_of_2(n_group), BLOCK_S=triton.next_power_of_2(group_size),
         BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=scoring == "softmax", HAS_BIAS=bias is not None,
-        RENORMALIZE=renormalize, PDL=pdl_enabled(logits.device), num_warps=1 if num_experts <= 64 else 4)
+        RENORMALIZE=renormalize, PDL=pdl_enabled(logits.device), GROUP_TOP2=group_score == "top2_sum",
+        num_warps=1 if num_experts <= 64 else 4)
     return weights, ids
 
 

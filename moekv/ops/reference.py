@@ -213,15 +213,25 @@ def _scores_ref(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     raise ValueError(f"scoring={scoring!r} is not supported; accepted: 'softmax', 'sigmoid'")
 
 
+GROUP_SCORES = ("top2_sum", "max")  # how group-limited routing scores a group of experts
+
+
+def check_group_score(group_score: str) -> str:
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score={group_score!r} is not supported; accepted: {list(GROUP_SCORES)}")
+    return group_score
+
+
 def fused_routing_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
                       bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-                      scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      scaling_factor: float = 1.0, group_score: str = "top2_sum") -> tuple[torch.Tensor, torch.Tensor]:
     """Flat and group-limited routing (DeepSeek-V3's `noaux_tc` when n_group > 1) as one op.
 
     router_logits [T, E] -> scores (softmax or sigmoid, fp32); bias [E] (e_score_correction_bias) is
     added for the choice only. Experts form n_group contiguous groups; a group's score is the sum of
-    its top-2 biased scores; the topk_group best groups stay and the top_k best experts inside them
-    are chosen (others are -inf, never 0: a negative biased score must not lose to a dropped group).
+    its top-2 biased scores (group_score 'top2_sum', DeepSeek-V3) or its best one ('max',
+    DeepSeek-V2's `group_limited_greedy`); the topk_group best groups stay and the top_k best experts
+    inside them are chosen (others are -inf, never 0: a negative biased score must not lose to a dropped group).
     Weights are the un-biased scores, renormalised (+1e-20) if asked, times scaling_factor.
     Ties go to the lower index. -> (weights [T, k] fp32, expert_ids [T, k] int64), best first.
     """
@@ -231,7 +241,8 @@ def fused_routing_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool
         num_tokens, num_experts = choice.shape
         per_group = num_experts // n_group
         grouped = choice.view(num_tokens, n_group, per_group)
-        group_scores = stable_topk_ref(grouped, min(2, per_group))[0].sum(-1)  # [T, G]
+        best = 2 if check_group_score(group_score) == "top2_sum" else 1
+        group_scores = stable_topk_ref(grouped, min(best, per_group))[0].sum(-1)  # [T, G]
         kept = stable_topk_ref(group_scores, topk_group)[1]
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
         choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))
@@ -324,3 +335,51 @@ def decode_attention_ref(q: torch.Tensor, keys: list[torch.Tensor], values: list
             scores[:, :max(0, length - sliding_window)] = float("-inf")
         out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
     return out
+
+
+FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3fn
+
+
+def fp8_latent_quantize_ref(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's fp8 latent: one scale per token. latent [T, R] -> (codes [T, R] float8_e4m3fn,
+    scales [T] fp32 = amax / 448, 1 for an all-zero token)."""
+    x = latent.float()
+    amax = x.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    codes = (x / scales[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scales
+
+
+def fp8_latent_dequantize_ref(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [..., R] float8_e4m3fn, scales [...] -> the latent [..., R] fp32."""
+    return codes.float() * scales.float()[..., None]
+
+
+def mla_decode_ref(q: torch.Tensor, latents: list[torch.Tensor], kv_lora_rank: int, scale: float) -> torch.Tensor:
+    """The reference of the absorbed MLA decode kernel (moekv/ops/decode/mla.py): each sequence's one
+    query over its latent entries, computed in q's dtype (float64 in tests).
+
+    q [B, H, W] (q_nope through W_UK: R columns, then the rotated q_rope); latents[b] [L_b, W]:
+    sequence b's entries as its latent format reads them back (keys: the whole entry; values: the
+    first R = kv_lora_rank columns, shared by every head). Returns [B, H, R]."""
+    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    for b, entries in enumerate(latents):
+        entries = entries.to(q.dtype)
+        scores = torch.einsum("hw,lw->hl", q[b], entries) * scale  # [H, L]
+        out[b] = torch.softmax(scores, dim=-1) @ entries[:, :kv_lora_rank]
+    return out
+
+
+def mla_rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                   interleave: bool) -> torch.Tensor:
+    """RoPE on MLA's rotary part x [T, heads, r] at positions [T]; cos and sin scaled by `scale`
+    (YaRN). interleave: pairs (x0, x1), (x2, x3), ... rotate together, and the result is laid out
+    evens first, then odds (q and k alike, so q . k is that of the pairs kept in place); else
+    rotate-half pairs (x_i, x_{i + r/2})."""
+    freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # [T, r/2]
+    cos, sin = (freqs.cos() * scale).to(x.dtype)[:, None, :], (freqs.sin() * scale).to(x.dtype)[:, None, :]
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -40,7 +40,7 @@ def group_limited_router(model_cfg, n_group: int | None = None, topk_group: int 
         raise ValueError("routing='group_limited' needs n_group and topk_group: the checkpoint's config.json has "
                          "none, so give both (n_group=..., topk_group=... / --n-group, --topk-group)")
     return GroupLimitedRouter(model_cfg.top_k, model_cfg.num_experts, n_group, topk_group, model_cfg.norm_topk_prob,
-                              model_cfg.scoring_func, model_cfg.routed_scaling_factor)
+                              model_cfg.scoring_func, model_cfg.routed_scaling_factor, model_cfg.group_score)
 
 
 def default_router(model_cfg):

@@ -1,0 +1,102 @@
+"""The absorbed MLA decode kernel (moekv/ops/decode/mla.py) against the latent cache's byte floor.
+
+For each (batch, context, heads) shape and latent format (bf16, fp8_e4m3): the kernel's median time
+(triton.testing.do_bench), the bytes one decode step must read (every sequence's entries once, the
+queries, the output), and the floor = bytes / the copy bandwidth measured in the same run. Launch
+shapes (block_h) are swept and each reported; the default launch is marked.
+
+    PYTHONPATH=. python benchmarks/kernels/bench_mla_decode.py --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+import triton
+import triton.testing
+
+from moekv.kvcache.formats.latent import LatentFormat, LatentFP8Format
+from moekv.ops.decode.mla import mla_decode
+
+RANK, ROPE, PAGE = 512, 64, 64
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write)."""
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    src = dst = None
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3)
+
+
+def case(fmt, batch: int, context: int, heads: int, bandwidth: float, block_hs: list[int | None]) -> list[dict]:
+    device = torch.device("cuda")
+    pages_per = -(-context // PAGE)
+    cache = fmt.allocate(batch * pages_per, 1, PAGE, RANK + ROPE, device, batch, torch.bfloat16)
+    for name, t in cache.tensors.items():  # random entries of per-token magnitudes
+        if t.dtype == torch.float8_e4m3fn:
+            t.copy_((torch.randn(t.shape, device=device) * 100).clamp(-448, 448).to(t.dtype))
+        elif name == "latent_scales":
+            t.copy_(torch.rand(t.shape, device=device) * 0.01)
+        else:
+            t.normal_()
+    tables = torch.randperm(batch * pages_per, device=device, dtype=torch.int64).view(batch, pages_per).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, RANK + ROPE, device=device, dtype=torch.bfloat16) / 8
+    tensors = fmt.kernel_tensors(cache)
+    scale = 192 ** -0.5
+    cache_bytes = batch * context * fmt.token_bytes(RANK + ROPE)
+    io_bytes = q.numel() * 2 + batch * heads * RANK * 2
+    floor_us = (cache_bytes + io_bytes) / bandwidth * 1e6
+    rows = []
+    for block_h in block_hs:
+        fn = lambda: mla_decode(q, tensors, tables, lens, scale, RANK, block_h=block_h, max_len=context)  # noqa: E731
+        fn()
+        us = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+        rows.append({"format": fmt.name, "batch": batch, "context": context, "heads": heads,
+                     "block_h": block_h or "default", "us": round(us, 1), "floor_us": round(floor_us, 1),
+                     "of_floor": round(floor_us / us, 3), "cache_bytes_per_token": fmt.token_bytes(RANK + ROPE)})
+        print(json.dumps(rows[-1]), flush=True)
+    del cache
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["64x32768x128", "64x32768x16", "1x4096x128", "1x4096x16"],
+                    help="batch x context x heads")
+    ap.add_argument("--block-h", nargs="+", default=["default", "16", "32", "64"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    bandwidth = copy_bandwidth("cuda")
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    block_hs = [None if b == "default" else int(b) for b in args.block_h]
+    rows = []
+    for shape in args.shapes:
+        batch, context, heads = (int(x) for x in shape.split("x"))
+        for fmt in (LatentFormat(torch.bfloat16, RANK), LatentFP8Format(RANK)):
+            rows += case(fmt, batch, context, heads, bandwidth, block_hs)
+    best = {}
+    for r in rows:
+        key = (r["batch"], r["context"], r["heads"], r["format"])
+        best[key] = min(best.get(key, float("inf")), r["us"])
+    for (b, c, h, name), us in best.items():
+        if name == "fp8_e4m3":
+            print(f"{b}x{c}x{h}: fp8 / bf16 speed-up {best[(b, c, h, 'bf16')] / us:.2f}x", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                       "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+                       "command": "benchmarks/kernels/bench_mla_decode.py", "copy_bandwidth_gbs": bandwidth / 1e9,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged latent cache (kvcache/formats/latent.py).
+
+Each token's K/V are cached as one entry: c_kv = RMSNorm(kv_a(x)[:R]) (R = kv_lora_rank) and the
+rotated shared key k_rope = RoPE(kv_a(x)[R:]). Head h's key is [W_UK[h] c_kv, k_rope] and its value
+W_UV[h] c_kv, with W_UK, W_UV the two halves of kv_b_proj. Two ways to attend, equal in exact math:
+
+  - expanded (prefill chunks): the sequence's entries go through kv_b_proj into per-head K [L, H,
+    nope + rope] and V [L, H, v_head_dim]; ordinary causal attention. Cheap when the queries are many.
+  - absorbed (decode): q_nope goes through W_UK into the latent space (q_lat [H, R]), so every head
+    scores the entries themselves: q_lat . c_kv + q_rope . k_rope; the weighted sum of the c_kv
+    [H, R] goes through W_UV. One latent head read by every query head: the bytes decode streams are
+    the cache's, W wide per token, whatever the number of heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekv.context import Context
+from moekv.kvcache.formats.dense import is_decode_only
+from moekv.layers.hooks import LayerHooks
+from moekv.layers.norms import RMSNorm
+from moekv.models.model_config import ModelConfig
+from moekv.ops.reference import causal_attention_ref, mla_rope_ref
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm are built with the default eps, not rms_norm_eps
+
+
+class MLAttention(nn.Module):
+    """MLA self-attention whose latent entries live in a paged latent cache; its format and pool are
+    its layer's hooks (layers/hooks.LayerHooks), as for Attention."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, hooks: LayerHooks | None = None) -> None:
+        super().__init__()
+        m = cfg.mla
+        self.layer_idx, self.mla = layer_idx, m
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads, self.head_dim = 1, m.latent_width  # the cache's view: one latent entry per token
+        q_out = cfg.num_heads * m.qk_head_dim
+        if m.q_lora_rank is None:
+            self.q_proj = nn.Parameter(torch.empty(q_out, cfg.hidden_size))
+        else:
+            self.q_a_proj = nn.Parameter(torch.empty(m.q_lora_rank, cfg.hidden_size))
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Parameter(torch.empty(q_out, m.q_lora_rank))
+        self.kv_a_proj_with_mqa = nn.Parameter(torch.empty(m.latent_width, cfg.hidden_size))
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Parameter(torch.empty(cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
+        self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.num_heads * m.v_head_dim))
+        self.scale = m.softmax_scale
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # not a buffer: loading fills parameters only
+        self.hooks = hooks if hooks is not None else LayerHooks()
+
+    @property
+    def kv_cache(self):
+        return self.hooks.kv_cache
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = torch.tensor(self.mla.inv_freq, dtype=torch.float32, device=device)
+        return self._inv_freq[device]
+
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, R], W_UV [H, v_head_dim, R]): kv_b_proj's rows per head."""
+        m = self.mla
+        w = self.kv_b_proj.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
+
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        m, hooks = self.mla, self.hooks
+        if hooks.tp is not None:
+            raise RuntimeError("multi-head latent attention is not split over tensor-parallel ranks")
+        if hooks.kv_observer is not None:
+            raise RuntimeError("KV calibration observes per-head K/V; a multi-head latent attention model caches "
+                               "latents, and its latent formats (bf16, fp8_e4m3) need no calibration")
+        T = x.shape[0]
+        if m.q_lora_rank is None:
+            q = F.linear(x, self.q_proj)
+        else:
+            q = F.linear(self.q_a_layernorm(F.linear(x, self.q_a_proj)), self.q_b_proj)
+        q_nope, q_rope = q.view(T, self.num_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        c_kv, k_rope = F.linear(x, self.kv_a_proj_with_mqa).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        # q's heads and the shared key rotated in one pass (one set of launches for both)
+        rotated = mla_rope_ref(torch.cat([q_rope, k_rope[:, None]], dim=1), ctx.positions, self.inv_freq(x.device),
+                               m.rope_scale, m.rope_interleave)
+        q_rope, k_rope = rotated[:, :self.num_heads], rotated[:, self.num_heads]
+        entries = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)  # [T, W]
+        fmt, cache = hooks.kv_format, hooks.kv_cache
+        fmt.write(cache, entries, None, ctx)
+        step_kv = (entries, None) if hooks.exact_prefill else None
+        if ctx.mixed is not None:  # decodes beside prefill chunks: each part its own way
+            split = ctx.mixed
+            o = q_nope.new_empty(T, self.num_heads, m.v_head_dim)
+            o[split.decode_rows] = self._absorbed(q_nope[split.decode_rows], q_rope[split.decode_rows], split.decode,
+                                                  None)
+            part_kv = None if step_kv is None else (entries[split.prefill_rows], None)
+            o[split.prefill_rows] = self._expanded(q_nope[split.prefill_rows], q_rope[split.prefill_rows],
+                                                   split.prefill, part_kv)
+        elif is_decode_only(q_nope, ctx):
+            o = self._absorbed(q_nope, q_rope, ctx, step_kv)
+        else:
+            o = self._expanded(q_nope, q_rope, ctx, step_kv)
+        return F.linear(o.reshape(T, -1), self.o_proj)
+
+    def _absorbed(self, q_nope, q_rope, ctx: Context, step_kv) -> torch.Tensor:
+        """Decode: [T, H, nope], [T, H, rope] -> [T, H, v_head_dim] through the latent space."""
+        w_uk, w_uv = self.up_weights()
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        o_lat = self.hooks.kv_format.attend(torch.cat([q_lat, q_rope], dim=-1), self.hooks.kv_cache, ctx, self.scale,
+                                            None, step_kv)  # [T, H, R]
+        return torch.einsum("thr,hvr->thv", o_lat.to(q_nope.dtype), w_uv)
+
+    def _expanded(self, q_nope, q_rope, ctx: Context, step_kv) -> torch.Tensor:
+        """Prefill: each sequence's entries expanded into per-head K, V; causal attention."""
+        m, fmt, cache = self.mla, self.hooks.kv_format, self.hooks.kv_cache
+        H = self.num_heads
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        out = q.new_empty(q.shape[0], H, m.v_head_dim)
+        host = ctx.host_lists()
+        starts = host.query_start
+        for b, length in enumerate(host.context_lens):
+            lo, hi = starts[b], starts[b + 1]
+            if hi == lo:
+                continue
+            entries = fmt.sequence_entries(cache, host.block_tables[b], length, lo, hi, step_kv, q.dtype)  # [L, W]
+            kv = F.linear(entries[:, :m.kv_lora_rank], self.kv_b_proj).view(length, H, -1)
+            k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+            k = torch.cat([k_nope, entries[:, None, m.kv_lora_rank:].expand(length, H, m.qk_rope_head_dim)], dim=-1)
+            out[lo:hi] = causal_attention_ref(q[lo:hi], k, v, self.scale)
+        return out

@@ -1,0 +1,165 @@
+"""Absorbed multi-head latent attention decode over the paged latent cache (kvcache/formats/latent.py).
+
+One query per sequence, already in the latent space: q [B, H, W] = [q_nope W_UK (R columns), rotated
+q_rope (r columns)]. Every head reads the same entries: keys the whole entry [c_kv, k_rope], values
+c_kv. So one program takes BLOCK_H heads of one sequence over one split of its tokens, loads each tile
+of entries once for all of them, and keeps the [BLOCK_H, R] accumulator of the online softmax;
+`_mla_reduce_kernel` merges the splits (split-K flash decoding). Head blocks of one (sequence, split)
+are neighbours in the grid, so the second reads of a tile come from L2.
+
+Storage: the latent in bf16 / fp16 (a slice of the entry pages), or float8 e4m3 codes with one fp32
+scale per token (folded into the scores for keys and into the probabilities for values); the rotary
+key in 16 bits.
+
+Reference: `moekv.ops.reference.mla_decode_ref` over the format's `gather` of each sequence.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_ptr, part_o_ptr, part_lse_ptr,
+                      stride_qb, stride_qh, stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_tb,
+                      stride_ob, stride_oh, stride_os, stride_eb, stride_eh, qk_scale, num_heads, num_splits,
+                      R: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_N: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
+    hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(lens_ptr + b)
+    num_tiles = tl.cdiv(length, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    t0 = s * per_split
+    t1 = tl.minimum(t0 + per_split, num_tiles)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    cols, rcols = tl.arange(0, R), tl.arange(0, RP)
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + cols[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, R]
+    q_rope = tl.load(q_row + R + rcols[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, RP]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    for t in range(t0, t1):
+        toks = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = toks < length
+        page = tl.load(tables_ptr + b * stride_tb + toks // PAGE, mask=valid, other=0).to(tl.int64)
+        off = toks % PAGE
+        c = tl.load(latent_ptr + (page * stride_lp + off * stride_lt)[:, None] + cols[None, :],
+                    mask=valid[:, None], other=0.0).to(q_lat.dtype)  # [BLOCK_N, R]
+        kr = tl.load(rope_ptr + (page * stride_rp + off * stride_rt)[:, None] + rcols[None, :],
+                     mask=valid[:, None], other=0.0).to(q_rope.dtype)  # [BLOCK_N, RP]
+        scores_lat = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N] fp32
+        if FP8:
+            tok_scale = tl.load(scales_ptr + page * stride_sp + off, mask=valid, other=0.0)
+            scores_lat = scores_lat * tok_scale[None, :]
+        if RP >= 16:
+            scores_rope = tl.dot(q_rope, tl.trans(kr), input_precision=PRECISION)
+        else:  # below tl.dot's smallest reduction
+            scores_rope = tl.sum(q_rope[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), 2)
+        scores = (scores_lat + scores_rope) * qk_scale  # log2 units
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if FP8:
+            p = p * tok_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+        m = m_new
+    has = l_sum > 0
+    out = acc / tl.where(has, l_sum, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))  # log2 units
+    o_row = part_o_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
+    tl.store(o_row + cols[None, :], out, mask=hmask[:, None])
+    tl.store(part_lse_ptr + b * stride_eb + heads * stride_eh + s, lse, mask=hmask)
+
+
+@triton.jit
+def _mla_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
+                       stride_outb, stride_outh, num_splits, R: tl.constexpr, NS_PAD: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    splits = tl.arange(0, NS_PAD)
+    smask = splits < num_splits
+    lse = tl.load(part_lse_ptr + b * stride_eb + h * stride_eh + splits, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
+    cols = tl.arange(0, R)
+    o = tl.load(part_o_ptr + b * stride_ob + h * stride_oh + splits[:, None] * stride_os + cols[None, :],
+                mask=smask[:, None], other=0.0)
+    merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_outb + h * stride_outh + cols, merged.to(out_ptr.dtype.element_ty))
+
+
+def kernel_shape_unsupported(kv_lora_rank: int, rope_dim: int) -> str | None:
+    """Why the kernel cannot take this entry shape, or None."""
+    if kv_lora_rank < 16 or kv_lora_rank & (kv_lora_rank - 1) or rope_dim < 1 or rope_dim & (rope_dim - 1):
+        return (f"the latent decode kernel takes kv_lora_rank a power of two >= 16 and qk_rope_head_dim a power of "
+                f"two; got {kv_lora_rank} and {rope_dim}")
+    return None
+
+
+def _is_interpreted(kernel) -> bool:
+    return not isinstance(kernel, triton.runtime.jit.JITFunction)
+
+
+def num_splits_for(batch: int, head_blocks: int, max_len: int, block_n: int, device: torch.device) -> int:
+    """Splits of each sequence's tiles: enough programs to fill the GPU about twice, each split at
+    least two tiles."""
+    tiles = max(-(-max_len // block_n), 1)
+    if device.type != "cuda":
+        return min(tiles, 4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(batch * head_blocks, 1))
+    return max(1, min(want, -(-tiles // 2), 64))
+
+
+def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: torch.Tensor,
+               context_lens: torch.Tensor, scale: float, kv_lora_rank: int, block_h: int | None = None,
+               block_n: int | None = None, num_splits: int | None = None, max_len: int | None = None) -> torch.Tensor:
+    """q [B, H, W] -> [B, H, R] in q's dtype. tensors: `latent` [N, P, R] (bf16 / fp16, or float8
+    e4m3 codes with `scales` [N, P] fp32) and `rope` [N, P, r], the last dim contiguous
+    (LatentFormat.kernel_tensors); block_tables [B, max_pages]; context_lens [B] (>= 1).
+    block_h, block_n, num_splits: the launch's shape (None: the defaults); max_len: the longest
+    context, for the splits (None: the block tables' capacity, no host sync)."""
+    latent, rope = tensors["latent"], tensors["rope"]
+    scales = tensors.get("scales")
+    B, H, W = q.shape
+    R, RP = kv_lora_rank, W - kv_lora_rank
+    if latent.shape[-1] != R or rope.shape[-1] != RP or latent.stride(-1) != 1 or rope.stride(-1) != 1:
+        raise ValueError(f"latent [N, P, {R}] and rope [N, P, {RP}] with contiguous rows expected; got "
+                         f"{tuple(latent.shape)} and {tuple(rope.shape)}")
+    reason = kernel_shape_unsupported(R, RP)
+    if reason is not None:
+        raise ValueError(reason)
+    page = latent.shape[1]
+    q = q.contiguous()
+    block_h = block_h or max(16, min(32, triton.next_power_of_2(H)))
+    block_n = block_n or (32 if R >= 256 else 64)
+    head_blocks = -(-H // block_h)
+    if num_splits is None:
+        num_splits = num_splits_for(B, head_blocks, max_len or block_tables.shape[1] * page, block_n, q.device)
+    part_o = torch.empty(B, H, num_splits, R, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H, R, dtype=q.dtype, device=q.device)
+    if _is_interpreted(_mla_split_kernel):
+        from moekv.ops.decode.interpreter import patch_interpreter_index
+
+        patch_interpreter_index()
+    fp8 = scales is not None
+    scales_arg = scales if fp8 else part_lse  # unread without FP8
+    _mla_split_kernel[(head_blocks, B, num_splits)](
+        q, latent, rope, scales_arg, block_tables, context_lens, part_o, part_lse,
+        q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1),
+        scales_arg.stride(0), block_tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1), scale * LOG2E, H, num_splits,
+        R=R, RP=RP, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if R >= 256 else 4)
+    _mla_reduce_kernel[(B, H)](
+        part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
+        part_lse.stride(1), out.stride(0), out.stride(1), num_splits, R=R,
+        NS_PAD=max(triton.next_power_of_2(num_splits), 2))
+    return out

@@ -47,15 +47,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def synthetic_vocab(tokenizer: Tokenizer, size: int) -> list[str]:
+    """A vocabulary of `size` tokens for timing the fill at a real model's vocabulary size: domain-moe's
+    4,096 token texts, then distinct concatenations of random pairs of them (seeded), as BPE merges
+    would add."""
+    base = [tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.vocab_size)]
+    vocab, seen, rng = list(base), set(base), random.Random(0)
+    while len(vocab) < size:
+        text = rng.choice(base) + rng.choice(base)
+        if text not in seen:
+            seen.add(text)
+            vocab.append(text)
+    return vocab
+
+
 class XGrammarRows:
     name = "xgrammar"
 
     def __init__(self, tokenizer: Tokenizer, vocab: int, eos: int, batch: int) -> None:
         import xgrammar as xgr
-        from transformers import PreTrainedTokenizerFast
 
-        info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizers_object),
-                                                  vocab_size=vocab, stop_token_ids=[eos])
+        if vocab > tokenizer.vocab_size:  # a real model's vocabulary size: the synthetic vocabulary
+            info = xgr.TokenizerInfo(synthetic_vocab(tokenizer, vocab), xgr.VocabType.RAW, vocab_size=vocab,
+                                     stop_token_ids=[eos])
+        else:
+            from transformers import PreTrainedTokenizerFast
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizers_object), vocab_size=vocab,
+                stop_token_ids=[eos])
         compiled = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(SCHEMA),
                                                                                  any_whitespace=False)
         self.compiled, self.xgr, self.batch = compiled, xgr, batch
@@ -162,6 +182,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", help="the engine's dtype (--engine)")
+    ap.add_argument("--vocab", type=int, nargs="+", default=None,
+                    help="--mask at these vocabulary sizes too (xgrammar only): above domain-moe's 4,096, a synthetic "
+                         "vocabulary of its tokens and pairs of them (e.g. 32000 for Mixtral, 151936 for Qwen)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     results = []
@@ -174,9 +197,10 @@ def main() -> None:
             engines.append(LLGuidanceRows)
         except ImportError:
             print("llguidance is not installed: xgrammar only")
-        for cls in engines:
+        runs = [(cls, vocab) for cls in engines] + [(XGrammarRows, v) for v in args.vocab or ()]
+        for cls, size in runs:
             for batch in args.batch:
-                r = bench_mask(cls, batch, args.steps, torch.device(args.device), tokenizer, vocab,
+                r = bench_mask(cls, batch, args.steps, torch.device(args.device), tokenizer, size,
                                tokenizer.eos_token_id)
                 results.append(r)
                 print(json.dumps(r))

@@ -10,17 +10,18 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/firsthour}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
-python -c "import xgrammar" 2>/dev/null || python -m pip install -q --no-index --find-links wheels xgrammar \
-  || python -m pip install -q --no-index --find-links wheels --break-system-packages xgrammar
-python -c "import xgrammar, transformers; print('xgrammar', xgrammar.__version__, 'transformers', transformers.__version__)" \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fh \
+  wheels/*.whl || exit 1
+export PYTHONPATH=.:/tmp/site_fh
+python3 -c "import xgrammar, transformers; print('xgrammar', xgrammar.__version__, 'transformers', transformers.__version__)" \
   | tee "$OUT/versions.txt"
-timeout 120 python -m pytest -q -p no:cacheprovider tests/test_structured_outputs_gpu.py -m gpu \
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs_gpu.py -m gpu \
   > "$OUT/gpu_test.log" 2>&1; tail -3 "$OUT/gpu_test.log"
-timeout 120 python benchmarks/e2e/bench_grammar_mask.py --mask --batch 1 64 --steps 100 --device cuda --vocab 32000 151936 \
+timeout 120 python3 benchmarks/e2e/bench_grammar_mask.py --mask --batch 1 64 --steps 100 --device cuda --vocab 32000 151936 \
   --out "$OUT/mask_cuda.json" 2>&1 | tee "$OUT/mask_cuda.log"
-timeout 150 python benchmarks/e2e/bench_grammar_mask.py --engine --batch 64 --steps 200 --device cuda \
+timeout 150 python3 benchmarks/e2e/bench_grammar_mask.py --engine --batch 64 --steps 200 --device cuda \
   --out "$OUT/engine_cuda.json" 2>&1 | tail -20 | tee "$OUT/engine_cuda.log"
-python - "$OUT" <<'PY'
+python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
 mask = {(r["engine"], r["vocab"], r["batch"]): r for r in json.load(open(f"{out}/mask_cuda.json"))}

@@ -69,11 +69,13 @@ def shipped_kv_calibration(model: str | Path) -> Path | None:
 
 
 def option(help: str, default: Any = None, *, default_factory: Callable[[], Any] | None = None,
-           choices: tuple[str, ...] | None = None, flag: str | None = None, aliases: tuple[str, ...] = ()):
+           choices: tuple[str, ...] | None = None, flag: str | None = None, aliases: tuple[str, ...] = (),
+           cuda_only: bool = False):
     """A config field with what its command-line flag needs (cli/engine_args.py builds the flags from
-    these): help text, accepted choices, the flag's name when it is not --field-name, and other names
-    of the flag (left out by a command that gives the name a meaning of its own)."""
-    metadata = {"help": help, "choices": choices, "flag": flag, "aliases": aliases}
+    these): help text, accepted choices, the flag's name when it is not --field-name, other names
+    of the flag (left out by a command that gives the name a meaning of its own), and whether it
+    matters only on CUDA (--help lists those under a heading of their own)."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "aliases": aliases, "cuda_only": cuda_only}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -130,12 +132,12 @@ class CacheConfig:
     decode_kernel: str = option(
         "decode attention kernel the KV pages are laid out for: auto (the Gluon kernels on sm_90 for the shapes they "
         "cover, else Triton) | triton (slab pages) | gluon (fragment order wherever covered)", DEFAULT_DECODE_KERNEL,
-        choices=DECODE_KERNELS)
+        choices=DECODE_KERNELS, cuda_only=True)
     block_size: int | None = option("tokens per KV page (default: 16 for bf16/fp16/fp32, 64 for compressed formats)")
     num_kv_blocks: int | None = option("pages in the KV pool (default: sized from the memory budget)")
     kv_cache_memory_gb: float = option("CPU: GB of KV pages when --num-kv-blocks is not given", 1.0)
     gpu_memory_utilization: float = option(
-        "CUDA: share of the card's memory the engine may fill (weights, KV pages, activations)", 0.9)
+        "CUDA: share of the card's memory the engine may fill (weights, KV pages, activations)", 0.9, cuda_only=True)
     enable_prefix_caching: bool = option(
         "share the KV pages of identical prompt prefixes across requests (full pages, by content hash)", False)
     kv_options: dict[str, Any] = field(default_factory=dict, metadata={"kv_options": True})
@@ -283,10 +285,10 @@ class ExpertConfig:
         "file from `moekv calibrate-experts` (fitted predictor, hot experts); default: pre-gating")
     expert_l2_prefetch: bool = option(
         "CUDA, all experts resident: while each layer's attention runs, a side stream predicts the layer's experts "
-        "and prefetches the first bytes of their weights into L2 (moekv/experts/l2_prefetch.py)", False)
+        "and prefetches the first bytes of their weights into L2 (moekv/experts/l2_prefetch.py)", False, cuda_only=True)
     expert_l2_prefetch_mb: float | None = option(
         "expert_l2_prefetch: MB prefetched per MoE layer and step (default: min(half the L2, what HBM delivers "
-        "in 10 us))")
+        "in 10 us))", cuda_only=True)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.expert_offload, bool), f"expert_offload={self.expert_offload!r} must be True or False")
@@ -392,8 +394,8 @@ class EngineConfig:
     skip_tokenizer_init: load no tokenizer (as vLLM's flag): prompts must be token ids (text or chat
         is a ValueError), outputs carry token ids and empty text, stop strings are refused; a
         checkpoint folder without tokenizer.json loads.
-    seed: the flag is --seed (vLLM's engine seed) and --engine-seed; `moekv generate` keeps --seed
-        for its request's own seed, so there only --engine-seed sets this.
+    seed: the flag is --seed in every command, as vLLM's engine seed (--engine-seed is the same flag);
+        a request's own seed is `moekv generate --request-seed`, the passkeys' `eval retrieval --key-seed`.
     cache, scheduler, router, experts, parallel: the groups (their classes say what they hold); the
         routing group is `router`, as `routing` is its routing mode's flat name (routing="hierarchical").
 
@@ -407,10 +409,11 @@ class EngineConfig:
     dtype: str = option("auto | float32 | bfloat16 | float16", "auto")
     device: str = option("cpu | cuda", "cpu")
     max_model_len: int | None = option("prompt + generated tokens of one sequence (default: the model's limit)")
-    seed: int = option("seed of the sampler for requests without their own seed", 0, flag="--engine-seed",
-                       aliases=("--seed",))
+    seed: int = option("seed of the sampler for requests without their own seed", 0, flag="--seed",
+                       aliases=("--engine-seed",))
     enforce_eager: bool = option(
-        "never replay decode steps from CUDA graphs (default: graphs on CUDA where the KV format allows)", False)
+        "never replay decode steps from CUDA graphs (default: graphs on CUDA where the KV format allows)", False,
+        cuda_only=True)
     load_format: str = option(
         "dummy: random weights of config.json's shape instead of the checkpoint's (benchmarks)", "auto",
         choices=LOAD_FORMATS)
@@ -559,6 +562,7 @@ class FlatField:
     flag: str | None = None  # the flag's name when it is not --name-with-dashes
     aliases: tuple[str, ...] = ()
     kv_option: str | None = None  # a KV format's option: its keyword in cache.kv_options
+    cuda_only: bool = False  # matters only on a CUDA device
 
 
 def _value_type(hint: Any) -> type:
@@ -580,7 +584,8 @@ def _fields_of(cls: type, group: str | None) -> list[FlatField]:
                     for o in engine_options().values()]
             continue
         out.append(FlatField(f.name, group, field_default(f), f.metadata["help"], _value_type(hints[f.name]),
-                             f.metadata["choices"], f.metadata["flag"], f.metadata["aliases"]))
+                             f.metadata["choices"], f.metadata["flag"], f.metadata["aliases"],
+                             cuda_only=f.metadata["cuda_only"]))
     return out
 
 

@@ -1,6 +1,7 @@
 """LLM: the offline Python API, shaped like vLLM's `LLM`."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 from typing import Sequence as Seq
 
@@ -28,6 +29,20 @@ class LLM:
         if model is not None:
             kwargs["model"] = model
         self.engine = LLMEngine(EngineConfig(**kwargs))
+        # the worker ranks (tensor_parallel_size > 1) go when this LLM is garbage-collected, if not closed before
+        self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
+
+    def close(self) -> None:
+        """Release what the engine holds beyond this process's memory: stop its worker ranks and leave
+        their process group (tensor_parallel_size > 1), so another parallel LLM may start in this
+        process. Idempotent; `with LLM(...) as llm:` calls it on leaving, and garbage collection too."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

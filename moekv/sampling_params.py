@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moekv.structured_outputs import StructuredOutputsParams
+
 
 class SamplingParamsError(ValueError):
     """A SamplingParams field out of range: `field` names it, `value` is what it was given and
@@ -27,6 +29,8 @@ class SamplingParams:
     max_tokens None means "until max_model_len".
     logprobs: also return the log-probabilities of the top-N tokens at each generated position
         (and the sampled token's). prompt_logprobs: the same for every prompt position after the first.
+    structured_outputs: a constraint the output must satisfy (a JSON schema, any JSON object, a regex,
+        a choice, an EBNF grammar: StructuredOutputsParams); the request ends when it is complete.
     """
 
     max_tokens: int | None = 16
@@ -46,6 +50,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +105,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= 20):
                 raise bad(name, "None or an integer in [0, 20]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "None or a StructuredOutputsParams")
+            self.structured_outputs.validate()
+            # the grammar decides when the output is complete: it must be free to end it there
+            if self.ignore_eos:
+                raise bad("ignore_eos", "False with structured_outputs (the grammar ends the output with EOS)")
+            if self.min_tokens:
+                raise bad("min_tokens", "0 with structured_outputs (the grammar decides the output's length)")
 
     @property
     def greedy(self) -> bool:

@@ -245,3 +245,23 @@ def test_generate_warns_when_max_tokens_exceeds_the_context(mixtral_ckpt, capsys
     assert f"[{room} tokens in" in err and "finish_reason=length" in err
     assert main([*argv, "--max-tokens", str(room)]) == 0  # fits: no warning
     assert "warning" not in capsys.readouterr().err
+
+
+def test_engine_flags_are_grouped_with_the_cuda_only_ones_apart():
+    """Every command with engine flags lists them by configuration group, and the flags that change
+    nothing on the CPU under "engine: CUDA only" (and nowhere else)."""
+    from moekv.cli import build_parser
+
+    cuda_only = {"--enforce-eager", "--decode-kernel", "--gpu-memory-utilization", "--expert-l2-prefetch",
+                 "--expert-l2-prefetch-mb"}
+    seen = 0
+    for name, parser in _parsers(build_parser()):
+        groups = {g.title: {s for a in g._group_actions for s in a.option_strings} for g in parser._action_groups}
+        if "engine" not in groups:
+            continue
+        seen += 1
+        assert groups["engine: CUDA only"] == cuda_only, name
+        assert {"engine: KV cache", "engine: scheduler", "engine: parallel"} <= set(groups), name
+        assert not cuda_only & (groups["engine"] | groups["engine: KV cache"] | groups["engine: experts"]), name
+        assert "--kv-cache-dtype" in groups["engine: KV cache"] and "--threads" in groups["engine: parallel"]
+    assert seen >= 5  # generate, serve, eval ppl / routing / retrieval, ...

@@ -304,3 +304,28 @@ def test_dummy_load_format_needs_no_weights(mixtral_ckpt, tmp_path):
         LLM(tmp_path, dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="load_format='npz'.*accepted"):
         LLM(tmp_path, load_format="npz")
+
+
+def test_abort_hands_out_the_text_held_back_for_a_stop_string():
+    """While a request runs, a tail that could still grow into a stop string is held back from its
+    deltas; an abort ends it, so that tail goes out with the abort's output and the deltas add up to
+    the final text."""
+    from moekv.config import default_model_path
+
+    engine = LLM(str(default_model_path()), dtype="float32", max_model_len=64).engine
+    free = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("free", "Once upon a time", free)
+    text = ""
+    while engine.has_unfinished_requests():
+        text = next(o for o in engine.step()).outputs[0].text
+    assert text
+    stop = text[-1] + "\x00never"  # the last character starts the stop string: held back
+    engine.add_request("held", "Once upon a time", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                                  stop=stop), output_kind="delta")
+    deltas = []
+    for _ in range(6):
+        deltas += [o.delta_text for o in engine.step()]
+    assert "".join(deltas) == text[:-1]
+    aborted = engine.abort_request("held")
+    assert aborted.delta_text == text[-1] and aborted.outputs[0].finish_reason == "abort"
+    assert "".join(deltas) + aborted.delta_text == aborted.outputs[0].text == text

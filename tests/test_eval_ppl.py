@@ -150,3 +150,23 @@ def test_progress_advances_per_engine_step(llm, tmp_path, monkeypatch):
     assert len(steps) >= max(end - first for _, end, first in plan) and max(steps) <= len(plan), RecordingBar.updates
     result = perplexity(llm, path, window=32, stride=32, max_tokens=30, mode="prefill")
     assert sum(RecordingBar.updates) == result.tokens == 29 and len([n for n in RecordingBar.updates if n]) == 1
+
+
+def test_invalid_utf8_is_refused_naming_the_file_and_offset(tmp_path, capsys):
+    """Scoring replacement characters would be scoring nothing: the file's path and the first bad
+    byte's offset, before any model loads (a file, or one inside a folder)."""
+    from moekv.cli import main
+    from moekv.eval.perplexity import read_utf8
+
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9 au lait".encode("latin-1"))  # 0xe9 at byte 3, not followed by continuation bytes
+    assert main(["eval", "ppl", "--text", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "not valid UTF-8" in err and "byte offset 3" in err and "0xe9" in err
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "good.txt").write_text("fine text " * 10, encoding="utf-8")
+    (folder / "bad.txt").write_bytes(b"ok \xff")
+    assert main(["eval", "ppl", "--text", str(folder)]) == 2
+    assert "bad.txt is not valid UTF-8: byte 0xff at byte offset 3" in capsys.readouterr().err
+    assert read_utf8(folder / "good.txt").startswith("fine text")

@@ -20,7 +20,7 @@ from moekv import LLM, SamplingParams
 from moekv.cli import main
 from moekv.eval.needle import NEEDLE_TEMPLATE, QUESTION
 from moekv.eval.perplexity import perplexity
-from moekv.eval.retrieval import build_cases, evaluate_retrieval, plot_heatmap
+from moekv.eval.retrieval import build_cases, default_lengths, evaluate_retrieval, heatmap_figure, plot_heatmap
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "domain-moe"
@@ -197,13 +197,14 @@ def test_too_long_lengths_and_bad_texts_are_refused(llm, filler_file):
 def test_cli_json_and_plot(filler_file, tmp_path, capsys):
     png = tmp_path / "heat.png"
     rc = main(["eval", "retrieval", "--text", str(filler_file), "--max-model-len", "512", "--dtype", "float32",
-               "--lengths", "128", "448", "--depths", "0", "1", "--trials", "1", "--seed", "7",
+               "--lengths", "128", "448", "--depths", "0", "1", "--trials", "1", "--key-seed", "7",
                "--plot", str(png), "--json"])
     out = capsys.readouterr()
     assert rc == 0, out.err
+    assert "note: --seed" not in out.err
     record = json.loads(out.out.strip().splitlines()[-1])
     assert record["lengths"] == [128, 448] and record["depths"] == [0.0, 1.0] and record["trials"] == 1
-    assert len(record["cells"]) == 4 and len(record["answers"]) == 4
+    assert len(record["cells"]) == 4 and len(record["answers"]) == 4 and record["seed"] == 7
     assert set(record["accuracy_by_length"]) == {"128", "448"}
     for key in ("accuracy", "kv_cache_dtype", "bits_per_element", "seconds"):
         assert key in record
@@ -257,3 +258,26 @@ def test_ppl_domains_refuse_clashing_names_and_empty_folders(tmp_path, capsys):
     assert "two texts are named 'x'" in capsys.readouterr().err
     assert main(["eval", "ppl", "--text", str(tmp_path / "empty")]) == 2
     assert "holds no .txt file" in capsys.readouterr().err
+
+
+def test_default_lengths_fit_the_engine_s_context(llm, filler_file):
+    """Without lengths: a quarter, half and all of max_model_len (domain-moe's 4096: 1024 2048 4096)."""
+    assert default_lengths(4096) == [1024, 2048, 4096]
+    result = evaluate_retrieval(llm, filler_file, depths=[0.5], trials=1, progress=False)
+    assert result.lengths == [128, 256, 512] == default_lengths(llm.engine.max_model_len)
+
+
+def test_heat_map_title_is_never_clipped(llm, filler_file):
+    result = evaluate_retrieval(llm, filler_file, lengths=[128], depths=[0.0, 1.0], trials=1, progress=False)
+    for title in (None, "passkey retrieval of a long-named format under a long description, all lengths"):
+        fig = heatmap_figure(result, title)
+        fig.canvas.draw()
+        box = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1, (box, fig.bbox)
+
+
+def test_cli_seed_is_the_engine_s_with_a_note(filler_file, capsys):
+    rc = main(["eval", "retrieval", "--text", str(filler_file), "--max-model-len", "512", "--dtype", "float32",
+               "--lengths", "128", "--depths", "0", "--trials", "1", "--seed", "3", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0 and "--key-seed" in out.err and json.loads(out.out.strip().splitlines()[-1])["seed"] == 0

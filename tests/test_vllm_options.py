@@ -107,19 +107,22 @@ def test_engine_seed_sets_unseeded_sampling_only(reference):
 
 
 def test_cli_seed_flags():
-    """serve / eval: --seed is the engine seed, as vLLM's (--engine-seed too); generate: --seed is its
-    request's seed, --engine-seed the engine's."""
+    """--seed is the engine seed in every command, as vLLM's (--engine-seed is the same flag); generate's
+    request seed is --request-seed, eval retrieval's passkey seed --key-seed."""
     from moekv.cli import build_parser, engine_config_from
 
     parser = build_parser()
     for flag in ("--seed", "--engine-seed"):
         assert engine_config_from(parser.parse_args(["serve", flag, "5"])).seed == 5
         assert engine_config_from(parser.parse_args(["eval", "ppl", "--text", "t", flag, "6"])).seed == 6
-    args = parser.parse_args(["generate", "--prompt", "x", "--seed", "3", "--engine-seed", "4"])
+        assert engine_config_from(parser.parse_args(["generate", "--prompt", "x", flag, "4"])).seed == 4
+        args = parser.parse_args(["eval", "retrieval", "--text", "t", flag, "8", "--key-seed", "9"])
+        assert engine_config_from(args).seed == 8 and args.key_seed == 9
+    args = parser.parse_args(["generate", "--prompt", "x", "--request-seed", "3", "--seed", "4"])
     assert args.request_seed == 3 and engine_config_from(args).seed == 4
-    args = parser.parse_args(["generate", "--prompt", "x", "--seed", "3"])
-    assert args.request_seed == 3 and engine_config_from(args).seed == 0
-    assert parser.parse_args(["generate", "--prompt", "x"]).request_seed is None
+    args = parser.parse_args(["generate", "--prompt", "x"])
+    assert args.request_seed is None and engine_config_from(args).seed == 0
+    assert parser.parse_args(["eval", "retrieval", "--text", "t"]).key_seed == 0
 
 
 def test_cli_flags_of_the_new_options(tmp_path):
@@ -135,7 +138,7 @@ def test_cli_flags_of_the_new_options(tmp_path):
 
 
 def test_generate_command_per_request_seed(capsys):
-    """`moekv generate --seed N` samples the same text for the same N, whatever --engine-seed."""
+    """`moekv generate --request-seed N` samples the same text for the same N, whatever --seed."""
     from moekv.cli import main
 
     def run(*extra):
@@ -143,4 +146,5 @@ def test_generate_command_per_request_seed(capsys):
                      "--quiet", "--dtype", "float32", "--max-model-len", "64", *extra]) == 0
         return capsys.readouterr().out
 
-    assert run("--seed", "7", "--engine-seed", "1") == run("--seed", "7", "--engine-seed", "2")
+    assert run("--request-seed", "7", "--seed", "1") == run("--request-seed", "7", "--seed", "2")
+    assert run("--seed", "1") != run("--seed", "2")  # without a request seed, the engine's decides

@@ -3,7 +3,7 @@ EngineConfig's own, each group's, and the KV formats' options as the formats dec
 `max_model_len` is the flag `--max-model-len` with the field's default, and its help text and choices
 come from the field's metadata (config.option, kvcache/formats/options.KVOption), so names, defaults and
 help have one source. The flags stay flat, as EngineConfig's keywords are; --help shows them under one
-heading per group."""
+heading per group, and the CUDA-only ones under "engine: CUDA only"."""
 from __future__ import annotations
 
 import argparse
@@ -19,11 +19,12 @@ def flag_name(f: FlatField) -> str:
 
 def add_engine_args(parser: argparse.ArgumentParser, own_flags: tuple[str, ...] = ()) -> None:
     """One flag per flat EngineConfig field (with its aliases, except those in own_flags: names the
-    command itself defines, such as generate's per-request --seed), in one argument group per
-    configuration group."""
+    command itself defines), in one argument group per configuration group; the flags that matter
+    only on CUDA in a group of their own, last."""
     sections = {None: parser.add_argument_group("engine")}
     sections.update({f.name: parser.add_argument_group(f"engine: {f.metadata['group']}")
                      for f in dataclasses.fields(EngineConfig) if "group" in f.metadata})
+    cuda_only = parser.add_argument_group("engine: CUDA only", "flags that change nothing on the CPU")
     for f in flat_fields():
         default = str(f.default) if isinstance(f.default, Path) else f.default
         kwargs = {"dest": f.name, "default": default, "help": f.help}
@@ -35,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser, own_flags: tuple[str, ...] 
             if f.choices:
                 kwargs["choices"] = list(f.choices)
         aliases = [a for a in f.aliases if a not in own_flags]
-        sections[f.group].add_argument(flag_name(f), *aliases, **kwargs)
+        (cuda_only if f.cuda_only else sections[f.group]).add_argument(flag_name(f), *aliases, **kwargs)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

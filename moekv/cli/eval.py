@@ -170,6 +170,9 @@ def cmd_eval_retrieval(args: argparse.Namespace) -> int:
 
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         raise FileNotFoundError(f"--plot {args.plot}: its folder does not exist")
+    if args.seed != 0:  # (the engine seed's default) --seed once meant the keys' seed here
+        print(f"note: --seed {args.seed} seeds the engine's sampler, as in every moekv command (retrieval answers "
+              f"greedily: it changes nothing here); the keys' and filler offsets' seed is --key-seed", file=sys.stderr)
     llm = llm_from(args)
     result = evaluate_retrieval(llm, args.text, lengths=args.lengths, depths=args.depths, trials=args.trials,
                                 seed=args.key_seed, answer_tokens=args.answer_tokens, progress=not args.json)
@@ -192,17 +195,19 @@ def cmd_eval_retrieval(args: argparse.Namespace) -> int:
 
 def add_eval_retrieval_parser(eval_subparsers) -> argparse.ArgumentParser:
     """Register `eval retrieval` on the `moekv eval` sub-command parsers."""
-    from moekv.eval.retrieval import DEFAULT_ANSWER_TOKENS, DEFAULT_DEPTHS, DEFAULT_LENGTHS
+    from moekv.eval.retrieval import DEFAULT_ANSWER_TOKENS, DEFAULT_DEPTHS
 
     p = eval_subparsers.add_parser("retrieval", help="passkey retrieval accuracy by context length and needle depth")
-    add_engine_args(p, own_flags=("--seed",))  # --seed: the keys' seed here; --engine-seed: the engine's
+    add_engine_args(p)
     p.add_argument("--text", required=True, help="UTF-8 text file the filler is taken from (unseen in training)")
-    p.add_argument("--lengths", type=_at_least(1), nargs="+", default=list(DEFAULT_LENGTHS),
-                   help="context lengths in tokens, prompt and answer together (default: 1024 2048 4096)")
+    p.add_argument("--lengths", type=_at_least(1), nargs="+", default=None,
+                   help="context lengths in tokens, prompt and answer together (default: a quarter, half and all "
+                        "of max_model_len: 1024 2048 4096 for domain-moe)")
     p.add_argument("--depths", type=_depth, nargs="+", default=list(DEFAULT_DEPTHS),
                    help="needle depths in [0, 1] (default: 0.0 0.1 ... 1.0)")
     p.add_argument("--trials", type=_at_least(1), default=10, help="keys per (length, depth) cell")
-    p.add_argument("--seed", type=int, default=0, dest="key_seed", help="seed of the keys and filler offsets")
+    p.add_argument("--key-seed", type=int, default=0,
+                   help="seed of the keys and filler offsets (--seed is the engine's)")
     p.add_argument("--answer-tokens", type=_at_least(1), default=DEFAULT_ANSWER_TOKENS,
                    help="tokens generated per prompt (greedy)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a heat map (depth x length)")

@@ -82,7 +82,7 @@ def unescape(value: str) -> str:
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """Register `generate` on the `moekv` sub-command parsers."""
     gen = subparsers.add_parser("generate", help="generate text from a prompt, streaming tokens to the terminal")
-    add_engine_args(gen, own_flags=("--seed",))  # --seed: this request's seed; --engine-seed: the engine's
+    add_engine_args(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     from_model = "(default: the checkpoint's generation_config.json, else {})"
@@ -90,7 +90,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None, help=from_model.format(1.0))
     gen.add_argument("--top-k", type=int, default=None, help="-1 = off " + from_model.format(-1))
     gen.add_argument("--repetition-penalty", type=float, default=None, help=from_model.format(1.0))
-    gen.add_argument("--seed", type=int, default=None, dest="request_seed", help="this request's sampling seed")
+    gen.add_argument("--request-seed", type=int, default=None,
+                     help="this request's own sampling seed (--seed is the engine's, as in every command)")
     gen.add_argument("--stop", action="append", type=unescape,
                      help="stop string (repeatable); backslash escapes are decoded: \"\\n\\n\" is a blank line")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")

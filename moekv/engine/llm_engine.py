@@ -20,6 +20,7 @@ from moekv.engine.block_manager import BlockManager
 from moekv.engine.model_runner import PendingStep, start_runner
 from moekv.engine.scheduler import Scheduler
 from moekv.engine.sequence import OUTPUT_KINDS, Sequence
+from moekv.engine.structured_output import GrammarCompiler
 from moekv.models.loader import load_model_config, read_json
 from moekv.models.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenizer, check_text
 from moekv.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -106,6 +107,7 @@ class LLMEngine:
         self._prompt_tokens = 0  # of accepted requests, since start
         self._generation_tokens = 0
         cfg = self.model_config
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.kv_bits_per_element = self.runner.kv_format.bits_per_element(cfg.num_kv_heads, self.runner.block_size,
                                                                           cfg.head_dim)
         if config.quantization_calibration is not None:
@@ -204,6 +206,9 @@ class LLMEngine:
         if params.stop_strings and self.config.skip_tokenizer_init:
             raise ValueError("stop strings need the tokenizer (outputs have no text under skip_tokenizer_init=True); "
                              "use stop_token_ids")
+        if params.structured_outputs is not None and self.config.skip_tokenizer_init:
+            raise ValueError("structured outputs need the tokenizer (their grammar is over its tokens); "
+                             "leave skip_tokenizer_init off")
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens); give at least one token")
@@ -221,6 +226,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                        max_tokens=max_tokens, prompt=text)
+        if params.structured_outputs is not None:  # StructuredOutputsError (a ValueError) if it cannot compile
+            seq.grammar = self.grammars.state_for(params.structured_outputs)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # position 0 has nothing before it
         return seq
@@ -247,7 +254,8 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return None
         self._finish(seq, "abort")
-        return self._output(seq, "", [])
+        # the text held back while it could still grow into a stop string goes out with the abort
+        return self._output(seq, self._emit(seq), [])
 
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel engine (nothing to do with one process)."""
@@ -354,7 +362,9 @@ class LLMEngine:
         would choose anyway: prev's live sequences are all that run, each sampled in prev, no
         request waits to be admitted, and their next tokens fit the pool without preemption.
         Sequences that reach max_tokens with prev's token are left out; penalties (which read the
-        tokens so far on the host) keep the engine synchronous."""
+        tokens so far on the host) keep the engine synchronous. A grammar sequence follows on too:
+        its bitmask waits for prev's token on the host after the follow-on's forward is queued
+        (model_runner.follow_grammars)."""
         if not prev.followable or self.scheduler.waiting:
             return None
         live = [r.seq for r in prev.results if not r.seq.is_finished]
@@ -411,6 +421,11 @@ class LLMEngine:
         seq.last_token_time = now
         self._generation_tokens += 1
 
+        if seq.grammar is not None and not seq.grammar.accept_at(len(seq.output_token_ids) - 1, token):
+            # the bitmask allowed only tokens the grammar takes: this is a bug, reported as the request's error
+            log.error("request %s sampled token %d outside its grammar", seq.request_id, token)
+            self._finish(seq, "error")
+            return self._emit(seq)
         if token in p.stop_token_ids:
             self._finish(seq, "stop", stop_reason=token)
             return self._emit(seq)
@@ -427,7 +442,9 @@ class LLMEngine:
                 seq.output_text = seq.output_text[:cut]
                 self._finish(seq, "stop", stop_reason=stop)
                 return self._emit(seq)
-        if len(seq.output_token_ids) >= seq.max_tokens:
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            self._finish(seq, "stop")
+        elif len(seq.output_token_ids) >= seq.max_tokens:
             self._finish(seq, "length")
         return self._emit(seq)
 

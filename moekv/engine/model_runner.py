@@ -91,12 +91,25 @@ class StepPlan:
     # a follow-on step: its input tokens [B] int64 on the device, sampled by the step still
     # running before it (input_ids then holds placeholders)
     input_ids_device: torch.Tensor | None = None
+    # ... and that step: a grammar sequence's bitmask needs the token it samples (read on the host
+    # once the follow-on's forward is queued)
+    after: "PendingStep | None" = None
 
 
 def every_row_samples(plan: StepPlan) -> bool:
     """Each sequence samples (its sample row = its place in the step) and wants no prompt
     logprobs or logits: a step the engine may follow on before the host has seen its tokens."""
     return all(r.sample_row == i and not r.prompt_rows and not r.logit_rows for i, r in enumerate(plan.rows))
+
+
+def follow_grammars(seqs: list[Sequence], prev: "PendingStep") -> None:
+    """A follow-on step's grammar sequences: advance each matcher by the token prev sampled for it,
+    which the host has not appended yet (GrammarState.accept_at: the engine's own append of it later
+    finds it accepted)."""
+    token_of = prev.sampled_token_ids()
+    for seq in seqs:
+        if seq.grammar is not None:
+            seq.grammar.accept_at(len(seq.output_token_ids), token_of[seq.request_id])
 
 
 class PendingStep:
@@ -123,6 +136,13 @@ class PendingStep:
     @property
     def tokens(self) -> torch.Tensor:
         return self._sampled.tokens
+
+    def sampled_token_ids(self) -> dict[str, int]:
+        """request_id -> the token sampled for it, on the host: waits for the step's device work, but
+        leaves its verdicts (a non-finite page, the results) to wait()."""
+        if self._event is not None:
+            self._event.synchronize()
+        return {target.seq.request_id: r.token_id for target, r in zip(self._targets, self._sampled.results())}
 
     def wait(self) -> list[SeqStepResult]:
         if not self._done:
@@ -601,7 +621,8 @@ class ModelRunner:
             context_lens=[p + 1 for p in positions], query_start=list(range(len(seqs) + 1)),
             num_tokens=[1] * len(seqs), seq_slots=[self._slots[seq.request_id] for seq in seqs],
             logits_rows=list(range(len(seqs))),
-            rows=[SeqRows(SeqStepResult(seq), [], i, []) for i, seq in enumerate(seqs)], input_ids_device=tokens)
+            rows=[SeqRows(SeqStepResult(seq), [], i, []) for i, seq in enumerate(seqs)], input_ids_device=tokens,
+            after=prev)
         return self._launch(plan, blocked_ids)
 
     def _run_step(self, inputs: StepInputs, input_ids_device: torch.Tensor | None = None):
@@ -920,6 +941,8 @@ class ModelRunner:
                 return PendingStep(results, self.device, self.kv_caches)
             logits = self.model.compute_logits(hidden[ctx.logits_indices])  # [S, V] fp32
 
+        if plan.after is not None and any(seq.grammar is not None for seq in plan.seqs):
+            follow_grammars(plan.seqs, plan.after)  # (the forward is queued: this overlaps it)
         rows, sample_rows, sample_targets = [], [], []
         for plan_rows in plan.rows:
             result, prompt_rows, sample_row = plan_rows.result, plan_rows.prompt_rows, plan_rows.sample_row
@@ -939,7 +962,8 @@ class ModelRunner:
                 vocab = logits.shape[-1]
                 rows.append(SamplingRow(seq.sampling_params, self.generator_for(seq), seq.prompt_token_ids,
                                         seq.output_token_ids,
-                                        [t for t in blocked_ids.get(seq.request_id, ()) if t < vocab]))
+                                        [t for t in blocked_ids.get(seq.request_id, ()) if t < vocab],
+                                        seq.grammar))
         sampled = None
         if sample_rows:
             every_row = sample_rows == list(range(logits.shape[0]))  # a decode step: no gather copy

@@ -44,8 +44,8 @@ A rebuilt compute group (after a failed step) invalidates every captured graph o
 from __future__ import annotations
 
 import logging
-import socket
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,6 +62,9 @@ from moekv.layers.parallel import ExpertParallel, TPGroup, check_tp_shapes, shar
 log = logging.getLogger("moekv")
 
 COMMAND_TIMEOUT = timedelta(days=365)  # workers idle between requests for as long as the server runs
+# seconds a started worker process has to import torch and moekv and report on rank 0's store (a
+# loaded machine takes tens of seconds; a worker alive past this is stuck, not slow)
+WORKER_START_TIMEOUT = 300.0
 _ACTIVE: list["ParallelGroup"] = []  # one group per process: torch.distributed has one default group
 
 
@@ -111,12 +114,6 @@ class GraphStep:
     tokens_on_device: bool = False  # a follow-on step: rank 0 broadcasts its sampled tokens first
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
     """A rank's device: cuda:local_rank on CUDA (one GPU per rank; the local rank is the rank when
     the engine starts the ranks itself, LOCAL_RANK under torchrun), the CPU otherwise."""
@@ -126,8 +123,9 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
 class ParallelGroup:
     """This process's place among the ranks, its groups, and (rank 0) the worker processes."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device, timeout: float,
-                 local_rank: int | None = None) -> None:
+    def __init__(self, rank: int, world_size: int, init_method: str | None, device: torch.device, timeout: float,
+                 local_rank: int | None = None, store: "dist.Store | None" = None) -> None:
+        """init_method: where the ranks meet (tcp://, env://), or None with `store` (ranks rank 0 started)."""
         self.rank, self.world_size = rank, world_size
         self.device = rank_device(device, rank if local_rank is None else local_rank)
         self.timeout = timedelta(seconds=timeout)
@@ -139,8 +137,8 @@ class ParallelGroup:
         self.owns_default_group = not dist.is_initialized()
         self.command_group = None
         if self.owns_default_group:
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=COMMAND_TIMEOUT)
+            where = {"init_method": init_method} if store is None else {"store": store}
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COMMAND_TIMEOUT, **where)
         else:
             if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
                 raise ValueError(f"torch.distributed is initialised as rank {dist.get_rank()} of "
@@ -167,14 +165,18 @@ class ParallelGroup:
             raise RuntimeError("this process already runs an engine with tensor_parallel_size > 1; shut it down "
                                "first (LLMEngine.shutdown()): torch.distributed allows one group per process")
         world = config.parallel.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # rank 0 holds the rendezvous store; each worker reports there once its process is up, so a
+        # worker that dies first (or never reports) is an error here instead of a wait without end
+        store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, timeout=COMMAND_TIMEOUT,
+                              wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=worker_main, args=(r, world, init_method, config, max_model_len, make_runner),
+        procs = [ctx.Process(target=worker_main, args=(r, world, store.port, config, max_model_len, make_runner),
                              daemon=True, name=f"moekv-rank{r}") for r in range(1, world)]
         for p in procs:
             p.start()
         try:
-            group = cls(0, world, init_method, config.torch_device, config.parallel.distributed_timeout)
+            await_workers(store, procs, max(WORKER_START_TIMEOUT, config.parallel.distributed_timeout))
+            group = cls(0, world, None, config.torch_device, config.parallel.distributed_timeout, store=store)
         except BaseException:
             for p in procs:
                 p.kill()
@@ -320,12 +322,46 @@ def start_ranks(config, model_cfg, max_model_len: int, make_runner) -> ParallelG
     return group
 
 
-def worker_main(rank: int, world: int, init_method: str, config, max_model_len: int, make_runner) -> None:
-    """Ranks 1..N-1 of a tensor-parallel engine started by rank 0 (spawn): load the shard (the
-    runner make_runner builds), then run rank 0's commands until told to stop."""
+def await_workers(store: "dist.Store", procs: list, timeout: float) -> None:
+    """Rank 0, before the ranks' groups are built: wait until every worker process has reported on the
+    store (worker_main), or raise naming the rank that exited first or never reported, and the likely
+    cause."""
+    deadline = time.monotonic() + timeout
+    pending = set(range(1, len(procs) + 1))
+    while pending:
+        pending = {r for r in pending if not store.check([_started_key(r)])}
+        dead = sorted((r, procs[r - 1].exitcode) for r in pending if procs[r - 1].exitcode is not None)
+        if dead:
+            rank, code = dead[0]
+            raise RuntimeError(
+                f"rank {rank} of the tensor-parallel engine exited (code {code}) before it joined the others; its "
+                "error is printed above. The likely cause: the program that builds the engine has no `if __name__ "
+                "== \"__main__\":` guard. The ranks start with multiprocessing's spawn, which imports the program "
+                "again in every rank, so unguarded code builds a second engine there; put the code that builds "
+                "the LLM under that guard (as vLLM requires too)")
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(
+                f"rank(s) {sorted(pending)} of the tensor-parallel engine did not report within {timeout:g} s of "
+                "starting (their processes are still alive). Likely causes: the program has no `if __name__ == "
+                "\"__main__\":` guard and blocks when spawn imports it again in a rank, or the machine is too "
+                "loaded to start them (a --distributed-timeout above this allowance extends it)")
+        if pending:
+            time.sleep(0.05)
+
+
+def _started_key(rank: int) -> str:
+    return f"moekv/started/{rank}"
+
+
+def worker_main(rank: int, world: int, store_port: int, config, max_model_len: int, make_runner) -> None:
+    """Ranks 1..N-1 of a tensor-parallel engine started by rank 0 (spawn): report on rank 0's store,
+    join the groups, load the shard (the runner make_runner builds), then run rank 0's commands until
+    told to stop."""
     from moekv.models.loader import load_model_config
 
-    group = ParallelGroup(rank, world, init_method, config.torch_device, config.parallel.distributed_timeout)
+    store = dist.TCPStore("127.0.0.1", store_port, world_size=world, is_master=False, timeout=COMMAND_TIMEOUT)
+    store.set(_started_key(rank), "1")
+    group = ParallelGroup(rank, world, None, config.torch_device, config.parallel.distributed_timeout, store=store)
     serve_commands(group, make_runner(config, load_model_config(config.model), max_model_len, parallel=group))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from moekv.sampling_params import SamplingParams
 
@@ -64,6 +65,8 @@ class Sequence:
     # how many prompt tokens the last admission found in the cache (not computed again)
     page_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # structured outputs: the GrammarState following this sequence's output (engine/structured_output.py)
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -55,11 +55,22 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
     return out
 
 
-def read_text_tokens(tokenizer, path: str | Path, max_tokens: int | None) -> list[int]:
+def read_utf8(path: str | Path) -> str:
+    """The text of a UTF-8 file; ValueError naming the file and the byte offset of the first invalid
+    sequence (a score of replacement characters would be a score of nothing)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"text file not found: {path}")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} "
+                         f"({e.reason}); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def read_text_tokens(tokenizer, path: str | Path, max_tokens: int | None) -> list[int]:
+    text = read_utf8(path)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -154,7 +165,7 @@ def perplexity(llm, text_path: str | Path, window: int | None = None, stride: in
 
 def text_files(paths: str | Path | list[str | Path]) -> dict[str, Path]:
     """Domain name (the file's stem) -> text file, for files and folders (a folder gives its *.txt files,
-    sorted). Names must not repeat."""
+    sorted). Names must not repeat; each must be UTF-8 (read_utf8)."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     out: dict[str, Path] = {}
     for given in paths:
@@ -168,6 +179,7 @@ def text_files(paths: str | Path | list[str | Path]) -> dict[str, Path]:
         else:
             raise FileNotFoundError(f"text file not found: {path}")
         for f in files:
+            read_utf8(f)  # (before the model loads)
             if f.stem in out:
                 raise ValueError(f"two texts are named {f.stem!r} ({out[f.stem]} and {f}); domains are named by "
                                  "file stem, so rename one")

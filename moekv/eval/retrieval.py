@@ -14,14 +14,22 @@ L) at every depth, so along a row of the table only the needle's position change
 from __future__ import annotations
 
 import random
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moekv.eval.needle import answer_is_correct, build_prompt, random_key
+from moekv.eval.perplexity import read_utf8
 
-DEFAULT_LENGTHS = (1024, 2048, 4096)
+
+def default_lengths(max_model_len: int) -> list[int]:
+    """A quarter, half and all of the engine's context (domain-moe's 4096: 1024 2048 4096), so the
+    default fits whatever model runs."""
+    return sorted({max(64, max_model_len // 4), max(64, max_model_len // 2), max_model_len})
+
+
 DEFAULT_DEPTHS = tuple(round(i / 10, 4) for i in range(11))
 DEFAULT_ANSWER_TOKENS = 8  # a key of five one-digit tokens, a leading space, and what follows it
 
@@ -128,22 +136,21 @@ def _mean_by(per_prompt: list[dict], key: str) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in groups.items()}
 
 
-def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_LENGTHS,
+def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] | None = None,
                        depths: Sequence[float] = DEFAULT_DEPTHS, trials: int = 10, seed: int = 0,
                        answer_tokens: int = DEFAULT_ANSWER_TOKENS, progress: bool = True) -> RetrievalResult:
-    """Passkey accuracy of `llm` (a moekv.LLM) by context length and needle depth, with filler from `text`."""
+    """Passkey accuracy of `llm` (a moekv.LLM) by context length and needle depth, with filler from `text`.
+    lengths None: default_lengths of the engine's max_model_len."""
     from moekv.sampling_params import SamplingParams
 
     engine = llm.engine
-    lengths, depths = list(lengths), [float(d) for d in depths]
+    lengths = default_lengths(engine.max_model_len) if lengths is None else list(lengths)
+    depths = [float(d) for d in depths]
     too_long = [n for n in lengths if isinstance(n, int) and n > engine.max_model_len]
     if too_long:
         raise ValueError(f"length {too_long[0]} exceeds the engine's max_model_len={engine.max_model_len} "
                          f"(lengths count the prompt and its {answer_tokens} answer tokens)")
-    path = Path(text)
-    if not path.is_file():
-        raise FileNotFoundError(f"text file not found: {path}")
-    filler = engine.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+    filler = engine.tokenizer.encode(read_utf8(text), add_special_tokens=False)
 
     def encode(s: str) -> list[int]:
         return engine.tokenizer.encode(s, add_special_tokens=False)
@@ -178,6 +185,17 @@ def evaluate_retrieval(llm, text: str | Path, lengths: Sequence[int] = DEFAULT_L
 
 def plot_heatmap(result: RetrievalResult | dict, path: str | Path, title: str | None = None) -> Path:
     """A PNG heat map of accuracy in percent, depth (rows) x length (columns), each cell annotated."""
+    import matplotlib.pyplot as plt
+
+    fig = heatmap_figure(result, title)
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def heatmap_figure(result: RetrievalResult | dict, title: str | None = None):
+    """The matplotlib Figure plot_heatmap saves (the Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,7 +203,8 @@ def plot_heatmap(result: RetrievalResult | dict, path: str | Path, title: str | 
 
     r = result if isinstance(result, RetrievalResult) else RetrievalResult(**result)
     grid = [[100 * a for a in row] for row in r.grid()]
-    fig, ax = plt.subplots(figsize=(1.4 + 1.1 * len(r.lengths), 1.2 + 0.42 * len(r.depths)))
+    width = max(4.4, 1.4 + 1.1 * len(r.lengths))  # inches; the colour bar and labels need about 4 of them
+    fig, ax = plt.subplots(figsize=(width, 1.5 + 0.42 * len(r.depths)))
     im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=100.0, aspect="auto")
     ax.set_xticks(range(len(r.lengths)), [str(n) for n in r.lengths])
     ax.set_yticks(range(len(r.depths)), [f"{d:g}" for d in r.depths])
@@ -195,11 +214,9 @@ def plot_heatmap(result: RetrievalResult | dict, path: str | Path, title: str | 
         for j, acc in enumerate(row):
             ax.text(j, i, f"{acc:.0f}", ha="center", va="center", fontsize=8,
                     color="black" if 25 < acc < 85 else "white")
-    ax.set_title(title or f"passkey retrieval, KV {r.kv_cache_dtype}: {100 * r.accuracy:.1f}% "
-                          f"({r.trials} per cell)", fontsize=9)
+    title = title or f"passkey retrieval, KV {r.kv_cache_dtype}: {100 * r.accuracy:.1f}% ({r.trials} per cell)"
+    # wrapped to the figure's width (a 9-point character is about 0.075 inch wide), never clipped
+    ax.set_title(textwrap.fill(title, width=max(20, int(0.8 * width / 0.075))), fontsize=9)
     fig.colorbar(im, ax=ax, label="accuracy (%)")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig

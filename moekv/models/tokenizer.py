@@ -20,6 +20,12 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# the roles OpenAI's chat API takes for plain-text messages ('function', its deprecated form of 'tool',
+# is left out); 'developer' is its name for 'system' on newer models, which vLLM and the openai client
+# send too. Any other role would reach the chat template as an unknown speaker.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         """model_dir: a folder holding tokenizer.json (and tokenizer_config.json, a chat template),
@@ -61,6 +67,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def tokenizers_object(self) -> HFTokenizer:
+        """The underlying `tokenizers` Tokenizer (for libraries that build their own view of the vocabulary)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
@@ -79,6 +90,10 @@ class Tokenizer:
                              "chat_template.jinja); send a plain prompt instead")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+        for i, m in enumerate(messages):
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role={m['role']!r} is not a chat role; accepted: "
+                                 + ", ".join(repr(r) for r in CHAT_ROLES))
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
         env.globals["raise_exception"] = _raise_template_error

@@ -20,6 +20,7 @@ from moekv.server.serving import (
     prompt_tokens,
     sampling_params,
     stream_response,
+    structured_param,
     submit,
     token_text,
     usage,
@@ -71,7 +72,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                                                            req.add_generation_prompt)}
     request_id = new_id("chatcmpl")
     seqs = await state.run_blocking(make_sequences, state, request_id, [prompt], params, req.n,
-                                    mt_param if max_tokens is not None else None, "messages")
+                                    mt_param if max_tokens is not None else None, "messages",
+                                    structured_param(req))
     index = {seq.request_id: i for i, seq in enumerate(seqs)}
     handle = submit(state, seqs)
     head = {"id": request_id, "created": now(), "model": state.model_name}

@@ -20,6 +20,7 @@ from moekv.server.serving import (
     prompt_tokens,
     sampling_params,
     stream_response,
+    structured_param,
     submit,
     token_text,
     usage,
@@ -64,7 +65,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
                              prompt_logprobs=echo_logprobs)
     request_id = new_id("cmpl")
     seqs = await state.run_blocking(make_sequences, state, request_id, _prompts(req.prompt), params, req.n,
-                                    "max_tokens" if req.max_tokens is not None else None, "prompt")
+                                    "max_tokens" if req.max_tokens is not None else None, "prompt",
+                                    structured_param(req))
     index = {seq.request_id: i for i, seq in enumerate(seqs)}
     handle = submit(state, seqs)
     head = {"id": request_id, "object": "text_completion", "created": now(), "model": state.model_name}

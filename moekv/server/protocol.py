@@ -11,6 +11,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from moekv.models.tokenizer import CHAT_ROLES
+
 MAX_N = 128  # choices per request, as OpenAI allows
 MAX_JSON_DEPTH = 32  # nested arrays/objects in a request body (the deepest valid request has 5)
 
@@ -44,6 +46,20 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
+class JSONSchemaFormat(_Strict):
+    """response_format.json_schema: OpenAI's named schema (strict or not, the output always follows it)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat; None means "the model's generation_config default"."""
 
@@ -66,6 +82,12 @@ class _SamplingFields(_Strict):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, or one of vLLM's guided_* extra fields
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None  # accepted and ignored, as OpenAI's own is for abuse tracking
 
 
@@ -81,10 +103,7 @@ class TextPart(_Strict):
     text: str
 
 
-# the roles OpenAI's chat API takes for plain-text messages ('function', its deprecated form of 'tool',
-# is left out); 'developer' is its name for 'system' on newer models, which vLLM and the openai client
-# send too. Any other role would reach the chat template as an unknown speaker.
-ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+ChatRole = Literal[CHAT_ROLES]  # (tokenizer.CHAT_ROLES says which and why; LLM.chat refuses the others too)
 
 
 class ChatMessage(_Strict):

@@ -25,6 +25,7 @@ from moekv.sampling_params import SamplingParams, SamplingParamsError
 from moekv.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestHandle, ShuttingDownError
 from moekv.server.metrics import ServerMetrics
 from moekv.server.protocol import APIError
+from moekv.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
 # request fields that default to the checkpoint's generation_config.json (as vLLM does)
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -56,6 +57,39 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_param(req: Any) -> str | None:
+    """The API field that asks for structured outputs (None: none does; 'text' is no constraint)."""
+    given = [name for name in _GUIDED if getattr(req, name) is not None]
+    if req.response_format is not None and req.response_format.type != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise APIError(400, f"{' and '.join(given)} each constrain the output; send one of them",
+                       param=given[1], code="invalid_value")
+    return given[0] if given else None
+
+
+def structured_outputs(req: Any) -> StructuredOutputsParams | None:
+    """The request's output constraint (compiled later, with the sequences), or a 400 naming the field."""
+    param = structured_param(req)
+    if param is None:
+        return None
+    try:
+        if param != "response_format":
+            return StructuredOutputsParams(**{_GUIDED[param]: getattr(req, param)})
+        fmt = req.response_format
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type 'json_schema' needs json_schema: {\"name\": ..., \"schema\": "
+                                "{...}}", param="response_format.json_schema", code="invalid_value")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    except StructuredOutputsError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+
+
 def sampling_params(engine: LLMEngine, req: Any, *, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None, names: dict[str, str] | None = None) -> SamplingParams:
     """SamplingParams of one request; a bad value is a 400 naming the API parameter (names maps the
@@ -67,7 +101,7 @@ def sampling_params(engine: LLMEngine, req: Any, *, max_tokens: int | None, logp
             max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed,
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, **kwargs)
+            skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req), **kwargs)
     except SamplingParamsError as e:
         param = (names or {}).get(e.field, e.field)
         raise APIError(400, e.message_for(param), param=param, code="invalid_value") from None
@@ -76,9 +110,11 @@ def sampling_params(engine: LLMEngine, req: Any, *, max_tokens: int | None, logp
 
 
 def make_sequences(state: ServerState, request_id: str, prompts: list, params: SamplingParams, n: int,
-                   max_tokens_param: str | None, prompt_param: str) -> list[Sequence]:
+                   max_tokens_param: str | None, prompt_param: str,
+                   structured_param_name: str | None = None) -> list[Sequence]:
     """prompts x n validated Sequences (nothing queued yet). max_tokens_param: the API field that
-    set params.max_tokens, checked against the room the prompt leaves (None: not given)."""
+    set params.max_tokens, checked against the room the prompt leaves (None: not given).
+    structured_param_name: the API field whose constraint params carries (named when it cannot compile)."""
     engine = state.engine
     aeng = state.async_engine
     if aeng.max_queue is not None and len(prompts) * n > aeng.max_queue + aeng.max_num_seqs:
@@ -95,6 +131,9 @@ def make_sequences(state: ServerState, request_id: str, prompts: list, params: S
                 seq = engine.make_sequence(prompt, sp, request_id=f"{request_id}-{p * n + i}")
             except PromptTooLongError as e:
                 raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
+            except StructuredOutputsError as e:  # the constraint did not compile
+                param = structured_param_name
+                raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
             except ValueError as e:
                 raise APIError(400, str(e), param=prompt_param, code="invalid_value") from None
             if max_tokens_param and seq.num_prompt_tokens + params.max_tokens > engine.max_model_len:

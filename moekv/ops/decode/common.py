@@ -267,7 +267,8 @@ def reduce_head(part_o, part_lse, out, stride_ob, stride_oh, ns_total, b, hq, si
     lse = tl.load(part_lse + head * ns_total + s, mask=s < ns_total, other=float("-inf"))
     top = tl.max(lse, axis=0)
     if HAS_SINKS:
-        sink = tl.load(sinks + hq).to(tl.float32) * LOG2E
+        # log2(e) written out: compiled (not interpreted) Triton reads no plain module globals
+        sink = tl.load(sinks + hq).to(tl.float32) * 1.4426950408889634
         top = tl.maximum(top, sink)
     w = tl.exp2(lse - top)  # [NS_PAD]; empty shares weigh 0
     o = tl.load(part_o + (head * ns_total + s)[:, None] * D + d[None, :], mask=(s < ns_total)[:, None], other=0.0)

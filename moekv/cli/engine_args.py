@@ -29,8 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser, own_flags: tuple[str, ...] 
         default = str(f.default) if isinstance(f.default, Path) else f.default
         kwargs = {"dest": f.name, "default": default, "help": f.help}
         if f.value_type is bool:
-            # a bool that may be None (decided by the engine) gets --x / --no-x; a plain one is a switch
-            kwargs["action"] = argparse.BooleanOptionalAction if default is None else "store_true"
+            # a bool that may be None (decided by the engine) or is on by default gets --x / --no-x; one off
+            # by default is a switch
+            kwargs["action"] = argparse.BooleanOptionalAction if default is None or default is True else "store_true"
         else:
             kwargs["type"] = f.value_type
             if f.choices:

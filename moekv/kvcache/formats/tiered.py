@@ -138,15 +138,15 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         KVOption("tier1_fraction", 0.15, "tiered: share of pages kept in FP8", fraction),
         # its low tier has no window and keeps post-RoPE keys
         *(o for o in NUQ2Format.engine_options if o.name != "residual" and o is not KEYS_BEFORE_ROPE),
-        KVOption("rank_window", 0, "tiered: only the last N queries of each prompt chunk add to the page ranking's "
+        KVOption("rank_window", 64, "tiered: only the last N queries of each prompt chunk add to the page ranking's "
                  "attention mass (0: all)", integer_at_least(0)),
-        KVOption("rank_after_prompt", False,
+        KVOption("rank_after_prompt", True,
                  "tiered: rank (and demote) a sequence's pages only once it decodes, by its whole prompt's mass"),
     )
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.15, outlier_sigma: float = 3.5,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,
-                 fused_decode: bool = True, rank_window: int = 0, rank_after_prompt: bool = False) -> None:
+                 fused_decode: bool = True, rank_window: int = 64, rank_after_prompt: bool = True) -> None:
         # The fused two-tier decode kernel (checked against the reference on the H200,
         # benchmarks/results/h200/gpu_tests.log); fused_decode=False keeps the reference path.
         self.fused_decode = fused_decode

@@ -7,10 +7,10 @@ Every token is written to the ring as well as to the staging page (pages are sti
 they fill), so the ring always holds the positions [context_len - R, context_len). Readers take a
 position from the ring when it lies in that range, from the pages (or the staging page) otherwise:
 `gather` (the reference path) here; the decode kernels read the ring as part of their 16-bit tail
-split (moekv/ops/decode/paged.py: DecodeSpec.residual; the Gluon kernels' tail, ops/gluon/common.py
-ring_tail_tiles), tokens [min(newest page's start, max(len - R, 0)), len). A prefill chunk reads its
-own tokens as computed (dense.with_step_kv), the ring only for earlier ones. The ring's bytes are
-counted in staging_bytes_per_seq, so bits_per_element_at counts them.
+split (moekv/ops/decode/paged.py: DecodeSpec.residual; the Gluon kernels' tail splits, each a share of
+it, ops/gluon/common.py ring_tail_tiles), tokens [min(newest page's start, max(len - R, 0)), len). A
+prefill chunk reads its own tokens as computed (dense.with_step_kv), the ring only for earlier ones. The
+ring's bytes are counted in staging_bytes_per_seq, so bits_per_element_at counts them.
 
 A format takes the window by listing ResidualWindow before its paged base class and declaring
 `residual_option(...)` in its engine_options; its constructor calls `set_residual`. R = 0 leaves the

@@ -68,3 +68,11 @@ def check_residual(residual: Residual | None, staged: Staged | None, Hkv: int, f
     if R % multiple:
         raise ValueError(f"{fmt} Gluon decode: the residual window R={R} must be a multiple of {multiple}")
     return R
+
+
+def check_tail_splits(tail_splits: int, R: int) -> int:
+    """tail_splits, or ValueError: at least 1, and 1 without a residual ring (R = 0: the staged page
+    alone, which the kernels without a ring read in one program)."""
+    if tail_splits < 1 or (tail_splits > 1 and R <= 0):
+        raise ValueError(f"Gluon decode: tail_splits={tail_splits} must be >= 1, and 1 without a residual ring")
+    return tail_splits

@@ -150,34 +150,45 @@ def staged_tile(k_row, v_row, stride_st, q_ptr, head0, m_i, l_i, acc, qk_scale, 
 
 
 @gluon.jit
+def tail_share(lo, length, part, parts):
+    """[t0, t1): tail program `part`'s share of the 16-bit tail [lo, length), cut into `parts` contiguous
+    shares of a multiple of 16 tokens (the tile's), so that no share starts a tile another one ends; the
+    last shares are shorter or empty when the tail is short (launch.plan_splits picks `parts` on the host,
+    before the lengths are known)."""
+    per = gl.cdiv(gl.cdiv(length - lo, parts), 16) * 16
+    t0 = gl.minimum(lo + part * per, length)
+    return t0, gl.minimum(t0 + per, length)
+
+
+@gluon.jit
 def ring_tail_tiles(k_stage, v_stage, stride_st, k_ring, v_ring, stride_rt, R, q_ptr, head0, m_i, l_i, acc, qk_scale,
-                    lo, length, G: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr):
-    """The 16-bit tail with a residual ring (kivi2, nuq2, vq): tokens [lo, length), 16 a step; token t
-    from the ring (row t % R) when t >= length - R, else from the staging page (row t % 64), each
-    token from one place (one load an element). q in its own 16-bit type (bf16 or fp16; the ring and
-    staging are converted to it)."""
+                    lo, length, part, parts, G: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
+                    MMA: gl.constexpr):
+    """The 16-bit tail with a residual ring (kivi2, nuq2, vq), read by `parts` programs of the launch:
+    program `part` reads its share of tokens [lo, length) (tail_share), 16 a step; token t from the ring
+    (row t % R) when t >= length - R, else from the staging page (row t % 64), each token from one place
+    (one load an element). q in its own 16-bit type (bf16 or fp16; the ring and staging are converted to
+    it). One program walking a whole ring of 128-256 tokens is the launch's longest at batch 1 (its
+    steps are serial), hence the shares."""
     DT: gl.constexpr = q_ptr.dtype.element_ty
     qb = q_operand(q_ptr, head0, G, LB)
     tok_r, chan_c, chan_r, tok_c, tok, s0 = tail_aranges(LA, MMA)
     ring_lo = length - R  # tokens from here on are in the ring
     r_safe = gl.maximum(R, 1)
-    for t0 in range(lo, length, 16):  # every chunk's first token is valid
+    t_lo, t_hi = tail_share(lo, length, part, parts)
+    for t0 in range(t_lo, t_hi, 16):  # every chunk's first token is valid
         tr = t0 + tok_r
         ring_r = gl.expand_dims(tr >= ring_lo, 1)  # each token from one place: one load an element
         k_src = gl.where(ring_r, k_ring + gl.expand_dims(tr % r_safe, 1) * stride_rt,
                          k_stage + gl.expand_dims(tr % PAGE, 1) * stride_st)
-        k = gl.load(k_src + gl.expand_dims(chan_c, 0), mask=gl.expand_dims((tr < length) & (tr >= lo), 1),
-                    other=0.0).to(DT)
+        k = gl.load(k_src + gl.expand_dims(chan_c, 0), mask=gl.expand_dims(tr < t_hi, 1), other=0.0).to(DT)
         s = gl.nvidia.ampere.mma_v2(k, qb, s0)  # S^T [16, 8]
-        t = t0 + tok
-        valid = gl.expand_dims((t < length) & (t >= lo), 1)
-        m_i, l_i, acc, pb = softmax_step(s, valid, m_i, l_i, acc, qk_scale, DT, LB)
+        m_i, l_i, acc, pb = softmax_step(s, gl.expand_dims(t0 + tok < t_hi, 1), m_i, l_i, acc, qk_scale, DT, LB)
         tc = t0 + tok_c
         ring_c = gl.expand_dims(tc >= ring_lo, 0)
         v_src = gl.where(ring_c, v_ring + gl.expand_dims(tc % r_safe, 0) * stride_rt,
                          v_stage + gl.expand_dims(tc % PAGE, 0) * stride_st)
-        vt = gl.load(v_src + gl.expand_dims(chan_r, 1), mask=gl.expand_dims((tc < length) & (tc >= lo), 0),
-                     other=0.0).to(DT)
+        vt = gl.load(v_src + gl.expand_dims(chan_r, 1), mask=gl.expand_dims(tc < t_hi, 0), other=0.0).to(DT)
         acc = gl.nvidia.ampere.mma_v2(vt, pb, acc)
     return m_i, l_i, acc
 

@@ -16,7 +16,8 @@ summed in fp32. The fp16 roundings are those of ks * q, of q itself and of P and
 (`kernel_roundings=True` emulates them in float32). Online softmax in base 2; each split writes its
 partial (o, lse) as moekv/ops/decode/paged.py's reduce reads them.
 
-The 16-bit tail is one more split of the same launch: tokens [quantized, length) with
+The 16-bit tail is read by one or more splits of the same launch (launch.plan_splits; with a ring,
+several at batch 1, each a contiguous share of it): tokens [quantized, length) with
 quantized = min(((len - 1) // 64) * 64, max(len - R, 0)) (the Triton kernel's rule): a token t >=
 len - R from the residual ring (row t % R), an older one from the staging page (row t % 64). Pages
 hold tokens [0, quantized); the page holding `quantized` is read up to it. Sliding windows skip the
@@ -33,7 +34,7 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.checks import Residual, Staged, check_extras, check_residual
+from moekv.ops.gluon.checks import Residual, Staged, check_extras, check_residual, check_tail_splits
 from moekv.ops.gluon.checks import check_inputs as check_pages
 from moekv.ops.gluon.kivi2_layout import (
     GROUP,
@@ -53,7 +54,7 @@ from moekv.ops.gluon.launch import (
     register_cap,
     ring_args,
 )
-from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, tail_tokens, window_start
+from moekv.ops.gluon.splits import masked, quantized_tokens, split_ranges, tail_shares, tail_tokens, window_start
 
 # ptxas's register cap: the staged kernel takes ~250 registers uncapped (8 one-warp programs an SM);
 # 168 holds 12, with no spill inside the loops at G 1 / 4 / 8 (sm_90 builds)
@@ -118,14 +119,17 @@ def kivi2_decode_split_reference(q: torch.Tensor, frag: Kivi2FragmentPages, bloc
                                  context_lens: torch.Tensor, scale: float, num_splits: int,
                                  staged: Staged | None = None, residual: Residual | None = None,
                                  sliding_window: int | None = None,
-                                 kernel_roundings: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                                 kernel_roundings: bool = False, tail_splits: int = 1
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype; with
-    `staged`, split num_splits holds the 16-bit tail (and `residual`'s ring). kernel_roundings: round
-    the operands as the kernel does (fp16 q, ks * q, P, vs * P; the tail's q, K, V and P in bf16, the
+    `staged`, splits num_splits .. num_splits + tail_splits - 1 hold the 16-bit tail (and `residual`'s
+    ring), each its share (tail_shares; more than one needs the ring). kernel_roundings: round the
+    operands as the kernel does (fp16 q, ks * q, P, vs * P; the tail's q, K, V and P in bf16, the
     kernel's tail type for bf16 queries)."""
     B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits, staged, residual, sliding_window)
+    check_tail_splits(tail_splits, R)
     Hq, dt = q.shape[1], q.dtype
-    ns_total = num_splits + (staged is not None)
+    ns_total = num_splits + (tail_splits if staged is not None else 0)
     part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
     part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
     qk2 = scale * LOG2E
@@ -142,11 +146,10 @@ def kivi2_decode_split_reference(q: torch.Tensor, frag: Kivi2FragmentPages, bloc
             o = _page_values(p, frag, pages, kernel_roundings) / mass[..., None]
             part_o[b, :, sp] = o.reshape(Hq, HEAD_DIM)
             part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
-        if staged is not None:
-            lo = max(quantized, first)
-            if lo >= length:
-                continue
-            k, v = tail_tokens(staged, residual, b, lo, length, dt)  # [H, T, D]
+        if staged is None:
+            continue
+        for part, t0, t1 in tail_shares(max(quantized, first), length, tail_splits):
+            k, v = tail_tokens(staged, residual, b, t0, length, dt, t1)  # [H, T, D]
             if kernel_roundings:  # the tail's MMAs run in q's 16-bit type
                 k, v, qt = k.to(torch.bfloat16).to(dt), v.to(torch.bfloat16).to(dt), qb.to(torch.bfloat16).to(dt)
             else:
@@ -157,8 +160,9 @@ def kivi2_decode_split_reference(q: torch.Tensor, frag: Kivi2FragmentPages, bloc
             mass = p.sum(-1)
             if kernel_roundings:
                 p = p.to(torch.bfloat16).to(dt)
-            part_o[b, :, num_splits] = (torch.einsum("hgt,htd->hgd", p, v) / mass[..., None]).reshape(Hq, HEAD_DIM)
-            part_lse[b, :, num_splits] = (m[..., 0] + torch.log2(mass)).reshape(Hq)
+            sp = num_splits + part
+            part_o[b, :, sp] = (torch.einsum("hgt,htd->hgd", p, v) / mass[..., None]).reshape(Hq, HEAD_DIM)
+            part_lse[b, :, sp] = (m[..., 0] + torch.log2(mass)).reshape(Hq)
     return part_o, part_lse
 
 
@@ -168,9 +172,12 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
                           max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                           residual: Residual | None = None, sliding_window: int | None = None,
                           prefetch: int = DEFAULT_PREFETCH, side_smem: bool = DEFAULT_SIDE_SMEM,
-                          codes_smem: bool | None = DEFAULT_CODES_SMEM) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
-    num_splits holds the 16-bit tail (and the residual ring). max_registers: ptxas's cap (None: its choice)."""
+                          codes_smem: bool | None = DEFAULT_CODES_SMEM, tail_splits: int | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, splits
+    num_splits .. num_splits + tail_splits - 1 hold the 16-bit tail (and the residual ring), each a share
+    of it (tail_splits: None for launch.plan_splits' rule; more than 1 needs the ring). max_registers:
+    ptxas's cap (None: its choice)."""
     B, Hkv, G, R = check_inputs(q, frag, block_tables, context_lens, num_splits or 1, staged, residual,
                                 sliding_window)
     check_device("kivi2", q)
@@ -178,7 +185,8 @@ def kivi2_decode_partials(q: torch.Tensor, frag: Kivi2FragmentPages, block_table
         from moekv.ops.gluon.kivi2_kernel import kivi2_decode_kernel
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("kivi2", e) from e
-    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers, R,
+                      tail_splits)
     if codes_smem is None:
         codes_smem = run.fills_wave
     k_ring, v_ring, rt = ring_args(run, residual if R else None)
@@ -200,10 +208,12 @@ def kivi2_decode_attention(q: torch.Tensor, frag: Kivi2FragmentPages, block_tabl
                            out: torch.Tensor | None = None, prefetch: int = DEFAULT_PREFETCH,
                            side_smem: bool = DEFAULT_SIDE_SMEM,
                            codes_smem: bool | None = DEFAULT_CODES_SMEM,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, tail_splits: int | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over kivi2 pages in fragment order (and, with `staged`, the
-    16-bit tail: staging page and residual ring) -> [B, Hq, 128] in q's dtype: the Gluon kernel and the
-    reduce, two launches, no host sync. CUDA only. sinks [Hq]: each head's sink logit, joining the reduce."""
+    16-bit tail: staging page and residual ring, in tail_splits programs) -> [B, Hq, 128] in q's dtype: the
+    Gluon kernel and the reduce, two launches, no host sync. CUDA only. sinks [Hq]: each head's sink logit,
+    joining the reduce."""
     part_o, part_lse = kivi2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                             staged, residual, sliding_window, prefetch, side_smem, codes_smem)
+                                             staged, residual, sliding_window, prefetch, side_smem, codes_smem,
+                                             tail_splits)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

@@ -19,8 +19,9 @@ layout, seeding the accumulator). The values' per-token scale multiplies P^T per
 zeros go through one [16, 32] @ P^T MMA a half, accumulated apart and added per group at the end
 (common.store_groups, as int4's).
 The 16-bit tail [quantized, length) (kivi2_decode.quantized_tokens: the residual ring's newest R tokens
-and the staged page's older ones) is one more split of the same launch (STAGED): 16 tokens a step, K
-[16, 128] and V^T [128, 16] loaded straight into the A-operand layout from the ring or the staging.
+and the staged page's older ones) is read by the launch's last ns_total - num_splits splits (STAGED),
+each a contiguous share of it (common.ring_tail_tiles): 16 tokens a step, K [16, 128] and V^T [128, 16]
+loaded straight into the A-operand layout from the ring or the staging.
 A sliding window (`window`, a huge value for none) starts the page range at the page holding the
 window's first token and masks the tokens before it. Gluon compiles for NVIDIA GPUs only.
 """
@@ -206,7 +207,8 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
                         SIDE_SMEM: gl.constexpr, CODES_SMEM: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512] (fragment order); k_scale, k_zero fp16 [N, HKV, 2, 128];
     v_scale, v_zero fp16 [N, HKV, 64, 4]; q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens
-    from kivi2_decode.quantized_tokens on are the 16-bit tail, read by split num_splits: k_stage /
+    from kivi2_decode.quantized_tokens on are the 16-bit tail, read by splits num_splits .. ns_total - 1
+    (a share each): k_stage /
     v_stage [S, HKV, 64, 128] and (R > 0) the rings k_ring / v_ring [S, HKV, R, 128] at slot
     seq_slots[b]; window: the sliding window (a huge value for none); part_o fp32 [B, HKV * G,
     ns_total, 128], part_lse fp32 [B, HKV * G, ns_total]; PREFETCH: the next page's side tables asked
@@ -357,6 +359,7 @@ def kivi2_decode_kernel(k_codes, v_codes, k_scale, k_zero, v_scale, v_zero,
         m_i, l_i, acc = ring_tail_tiles(k_stage + slot * stride_ss + h * stride_sh, v_stage + slot * stride_ss
                                     + h * stride_sh, stride_st, k_ring + slot * stride_rs + h * stride_rh,
                                     v_ring + slot * stride_rs + h * stride_rh, stride_rt, R, q_ptr, head0,
-                                    m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length, G, LA, LB, MMA)
+                                    m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length,
+                                    split - num_splits, ns_total - num_splits, G, LA, LB, MMA)
         store_tail_partial(part_o, part_lse, acc, m_i, l_i, row, on, G, MMA)
     store_lse(part_lse, m_i, l_i, row, on, G)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from moekv.ops.decode.launch import sm_count
-from moekv.ops.gluon.checks import Staged, check_extras, check_inputs
-from moekv.ops.gluon.tables import HEAD_DIM
+from moekv.ops.gluon.checks import Staged, check_extras, check_inputs, check_tail_splits
+from moekv.ops.gluon.tables import HEAD_DIM, PAGE_TOKENS
 
 NO_WINDOW = 1 << 30  # a window longer than any context (moekv.ops.decode.common.NO_WINDOW)
 TARGET_PROGRAMS = 4096  # one-warp programs per launch the default split count aims at (~3 waves on an H200)
@@ -43,6 +43,48 @@ def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int
     if wave and wave < rows * (splits + extra) < 2 * wave:
         splits = max(1, wave // rows - extra)
     return splits
+
+
+# tokens of a residual ring's tail one program reads where the wave has room for more tail programs: the
+# tail's tokens are read 16 a step, each step waiting on the last (the online softmax), so one program
+# walking a whole ring of 128 (nuq2) or 256 (vq) tokens outlasted every page split at batch 1 (their 2
+# pages each at 4k): +23% and 2x the time without the ring (docs/decisions.md, "The windows' decode cost
+# and keys before RoPE in Triton, measured"); 32 tokens are 2 steps, shorter than a page split's pages
+TAIL_TOKENS = 32
+
+
+def default_tail_splits(rows: int, num_splits: int, ring: int, wave: int) -> int:
+    """Programs per (sequence, KV head) reading the 16-bit tail beside num_splits page splits: with a
+    residual ring of `ring` tokens, its tail (the ring's tokens, or up to a page's staged ones when the
+    ring is shorter) in shares of TAIL_TOKENS, as many as one wave of `wave` programs holds beside the
+    page splits (and MAX_SPLITS partials): there the tail's serial walk is the launch's critical path.
+    Where the page splits fill the wave (a launch of several waves, batch 16 and more at 32k) one: the
+    tail programs run after the pages' in the dispatch order, among many, and more of them would only
+    add programs. Without a ring (the staged page alone, at most 64 tokens) one, as the kernels without
+    a ring read it."""
+    if ring <= 0:
+        return 1
+    want = -(-max(ring, PAGE_TOKENS) // TAIL_TOKENS)
+    return max(1, min(want, wave // max(rows, 1) - num_splits, MAX_SPLITS - num_splits))
+
+
+def plan_splits(B: int, Hkv: int, max_pages: int, staged: bool, ring: int, wave: int, num_splits: int | None = None,
+                tail_splits: int | None = None) -> tuple[int, int]:
+    """(page splits, tail splits) of a launch (tail splits 0 without the staged tail); None: the default
+    rules. The pages take default_num_splits with room left for the tail's default_tail_splits (at batch
+    1 the wave holds both); where the tail then has no room in the wave, the page splits are those of a
+    single tail program (the launch without a ring)."""
+    rows = max(1, B * Hkv)
+    if num_splits is None:
+        want = default_tail_splits(rows, 0, ring, wave) if staged and tail_splits is None else (tail_splits or 1)
+        num_splits = default_num_splits(B, Hkv, max_pages, int(staged) * want, wave)
+        if staged and tail_splits is None and want > 1 and default_tail_splits(rows, num_splits, ring, wave) == 1:
+            num_splits = default_num_splits(B, Hkv, max_pages, 1, wave)
+    if not staged:
+        return num_splits, 0
+    if tail_splits is None:
+        tail_splits = default_tail_splits(rows, num_splits, ring, wave)
+    return num_splits, check_tail_splits(tail_splits, ring)
 
 
 def check_device(fmt: str, q: torch.Tensor) -> None:
@@ -81,7 +123,8 @@ def fills_wave(rows: int, ns_total: int, wave: int) -> bool:
 class Launch:
     """A launch's split count, grid, partial buffers and staged-tail arguments."""
     num_splits: int
-    ns_total: int  # num_splits + the staged split
+    ns_total: int  # num_splits + tail_splits
+    tail_splits: int  # programs reading the staged tail (and residual ring): 0 without staging
     grid: tuple[int, int]  # (B * Hkv, ns_total)
     part_o: torch.Tensor  # fp32 [B, Hq, ns_total, 128]
     part_lse: torch.Tensor  # fp32 [B, Hq, ns_total]
@@ -100,13 +143,15 @@ class Launch:
 
 def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
                 num_splits: int | None, staged: Staged | None, sliding_window: int | None,
-                max_registers: int | None = None) -> Launch:
-    """The split count (default_num_splits when None, whole waves of the device at the kernel's
-    register cap), the fp32 partials and the staged tail's arguments (without a tail, q and
-    context_lens stand in: the kernel does not read them)."""
+                max_registers: int | None = None, ring: int = 0, tail_splits: int | None = None) -> Launch:
+    """The split counts (plan_splits: pages and, with `staged`, the tail's programs, a residual ring of
+    `ring` tokens in shares; whole waves of the device at the kernel's register cap), the fp32 partials
+    and the staged tail's arguments (without a tail, q and context_lens stand in: the kernel does not
+    read them)."""
     wave = sm_count(q.device) * programs_per_sm(max_registers)
-    num_splits = num_splits or default_num_splits(B, Hkv, block_tables.shape[1], int(staged is not None), wave)
-    ns_total = num_splits + (staged is not None)
+    num_splits, tail_splits = plan_splits(B, Hkv, block_tables.shape[1], staged is not None, ring, wave,
+                                          num_splits, tail_splits)
+    ns_total = num_splits + tail_splits
     Hq = q.shape[1]
     part_o = torch.empty(B, Hq, ns_total, HEAD_DIM, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
@@ -118,8 +163,8 @@ def plan_launch(q: torch.Tensor, B: int, Hkv: int, block_tables: torch.Tensor, c
         seq_slots = context_lens
         st = (0, 0, 0)
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    return Launch(num_splits, ns_total, (B * Hkv, ns_total), part_o, part_lse, seq_slots, k_stage, v_stage,
-                  tuple(st[:3]), window, wave)
+    return Launch(num_splits, ns_total, tail_splits, (B * Hkv, ns_total), part_o, part_lse, seq_slots, k_stage,
+                  v_stage, tuple(st[:3]), window, wave)
 
 
 def ring_args(run: Launch, residual) -> tuple:

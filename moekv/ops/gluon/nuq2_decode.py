@@ -19,8 +19,10 @@ The staged 16-bit tail (the engine's newest page, kept in bf16 until it fills: t
 ((len - 1) // 64) * 64 on) is one more split of the same launch when `staged` is given, and a
 sliding window skips the pages before it and masks inside the first one, as the Triton kernel does.
 With a residual window (`residual`: the format's ring of the newest R tokens, [S, Hkv, R, 128] at the
-staging's slots) that split reads them from the ring, and the pages end where it begins (tokens [0,
-min(((len - 1) // 64) * 64, max(len - R, 0))), the last page read in part), as kivi2's.
+staging's slots) the tail reads them from the ring, and the pages end where it begins (tokens [0,
+min(((len - 1) // 64) * 64, max(len - R, 0))), the last page read in part), as kivi2's; the tail is then
+read by tail_splits splits, each a contiguous share of it (launch.plan_splits: several at batch 1,
+where one program walking the whole ring would be the launch's longest).
 
 `nuq2_decode_split_reference` is the oracle (plain PyTorch, float64 in tests, the same one-hot
 algebra); `nuq2_decode_attention` runs the Gluon kernel and the reduce on an NVIDIA GPU (sm_80+;
@@ -29,7 +31,7 @@ Gluon has no CPU or interpreter backend).
 Shapes: q [B, Hq, D]; block_tables [B, max_pages] int32 (physical page ids); context_lens [B]
 (tokens; without staging the last page may be partly valid); G = Hq / Hkv in {1, 2, 4, 8};
 staged = (k_stage, v_stage, seq_slots): [S, Hkv, 64, 128] 16-bit and [B] slot ids; partials
-part_o [B, Hq, NS (+ 1 staged), D] (normalised) and part_lse (log2 of the split's softmax mass in
+part_o [B, Hq, NS (+ tail_splits staged), D] (normalised) and part_lse (log2 of the split's softmax mass in
 units of the base-2 scores s * scale * log2(e)); an empty split has o = 0 and lse = -inf.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ import math
 import torch
 
 from moekv.ops.decode.common import LOG2E
-from moekv.ops.gluon.checks import Residual, Staged, check_extras, check_inputs, check_residual
+from moekv.ops.gluon.checks import Residual, Staged, check_extras, check_inputs, check_residual, check_tail_splits
 from moekv.ops.gluon.launch import (  # noqa: F401 (NO_WINDOW, default_num_splits, MAX_SPLITS re-exported)
     MAX_SPLITS,
     NO_WINDOW,
@@ -59,6 +61,7 @@ from moekv.ops.gluon.splits import (
     ring_tail_scores,
     split_ranges,
     staged_scores,
+    tail_shares,
     window_start,
 )
 
@@ -116,16 +119,17 @@ def _page_values(frag: Nuq2FragmentPages, pages: torch.Tensor, dtype: torch.dtyp
 def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables: torch.Tensor,
                                 context_lens: torch.Tensor, scale: float, num_splits: int,
                                 outliers: bool = True, staged: Staged | None = None,
-                                sliding_window: int | None = None, residual: Residual | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+                                sliding_window: int | None = None, residual: Residual | None = None,
+                                tail_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials, split by split, in q's dtype: codebook term plus (outliers) the
-    slots' one-hot products, then (staged) the 16-bit tail as split num_splits (with `residual`, the
-    ring's newest R tokens among it)."""
+    slots' one-hot products, then (staged) the 16-bit tail as splits num_splits .. num_splits +
+    tail_splits - 1 (with `residual`, the ring's newest R tokens among it), each its share (tail_shares)."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits)
     check_extras(staged, sliding_window, B, Hkv)
     R = check_residual(residual, staged, Hkv, "nuq2")
+    check_tail_splits(tail_splits, R)
     Hq, dt = q.shape[1], q.dtype
-    ns_total = num_splits + (staged is not None)
+    ns_total = num_splits + (tail_splits if staged is not None else 0)
     part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
     part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
     qk2 = scale * LOG2E
@@ -160,8 +164,9 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
                     return torch.einsum("nhjd,nhjg->hgd", dv_t, p_slots)
             partial(b, sp, s, v, extra)
         if staged is not None and R:
-            partial(b, num_splits, *ring_tail_scores(q[b].reshape(Hkv, G, HEAD_DIM), staged, residual, b, quantized,
-                                                     length, first, qk2))
+            for part, t0, t1 in tail_shares(max(quantized, first), length, tail_splits):
+                partial(b, num_splits + part, *ring_tail_scores(q[b].reshape(Hkv, G, HEAD_DIM), staged, residual, b,
+                                                                t0, length, first, qk2, t1))
         elif staged is not None:
             partial(b, num_splits, *staged_scores(q[b].reshape(Hkv, G, HEAD_DIM), staged, b, quantized, length, first,
                                                   qk2))
@@ -196,10 +201,12 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
                          max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                          sliding_window: int | None = None, slot_chunk0: bool = DEFAULT_SLOT_CHUNK0,
                          prefetch: int = DEFAULT_PREFETCH, smem: bool = DEFAULT_SMEM,
-                         residual: Residual | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
-    num_splits holds the 16-bit tail (and `residual`'s ring: its newest R tokens). max_registers: ptxas's
-    cap (0 / None: its choice); slot_chunk0:
+                         residual: Residual | None = None, tail_splits: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, splits
+    num_splits .. num_splits + tail_splits - 1 hold the 16-bit tail (and `residual`'s ring: its newest R
+    tokens), each a share of it (tail_splits: None for launch.plan_splits' rule; more than 1 needs the
+    ring). max_registers: ptxas's cap (0 / None: its choice); slot_chunk0:
     the first 16 slots of each kind unconditionally (loads not behind the used counts; ~35 more
     registers), else chunks only while used slots remain; smem: the next page's codes and side data
     through shared memory (cp.async, two stages; ~9 kB a program), the same partials bit for bit."""
@@ -209,7 +216,8 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
         from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
     except ImportError as e:  # Triton without Gluon
         raise gluon_missing("nuq2", e) from e
-    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers, R,
+                      tail_splits)
     k_ring, v_ring, ring_strides = ring_args(run, residual)
     nuq2_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
@@ -229,11 +237,12 @@ def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables
                           sliding_window: int | None = None, out: torch.Tensor | None = None,
                           slot_chunk0: bool = DEFAULT_SLOT_CHUNK0, prefetch: int = DEFAULT_PREFETCH,
                           smem: bool = DEFAULT_SMEM, residual: Residual | None = None,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None, tail_splits: int | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order (outlier slots included,
-    exact) and, with `staged`, the 16-bit tail (and `residual`'s ring) -> [B, Hq, 128] in q's dtype: the
-    Gluon kernel and the reduce, two launches, no host sync. CUDA only. sinks [Hq]: each head's sink
-    logit, joining the reduce."""
+    exact) and, with `staged`, the 16-bit tail (and `residual`'s ring, in tail_splits programs) -> [B, Hq,
+    128] in q's dtype: the Gluon kernel and the reduce, two launches, no host sync. CUDA only. sinks [Hq]:
+    each head's sink logit, joining the reduce."""
     part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                            staged, sliding_window, slot_chunk0, prefetch, smem, residual)
+                                            staged, sliding_window, slot_chunk0, prefetch, smem, residual,
+                                            tail_splits)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

@@ -27,8 +27,9 @@ one-hot products, OneHot_V and OneHot_C) and are built
 from per-column-pair bit masks, two instructions per register (_hot_rows / _hot_cols).
 The staged 16-bit tail (the newest page, in the engine's bf16 staging tensor) is one more split of the
 same launch (STAGED): its program runs one tile of plain 16-bit K and V^T through the same softmax.
-With a residual window (RING) that split reads the ring's newest R tokens as kivi2's does
-(common.ring_tail_tiles), and the pages end where the ring begins (the last one read in part).
+With a residual window (RING) the launch's last ns_total - num_splits splits read the ring's newest R
+tokens, each a contiguous share, as kivi2's do (common.ring_tail_tiles), and the pages end where the
+ring begins (the last one read in part).
 A sliding window (`window`, a huge value for none) starts the page range at the page holding the
 window's first token and masks the tokens before it.
 SMEM (a launch option): the next page's codes and side data go by cp.async into the other of two
@@ -413,7 +414,8 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     ((len - 1) // 64) * 64 on are in k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split
     num_splits; RING (with STAGED): a residual window, the newest R tokens in k_ring / v_ring [S, HKV, R, 128] (row
     t % R) at the same slots, the tail from min(((len - 1) // 64) * 64, max(len - R, 0)) on (the pages read up to
-    there, the last one partly); part_o fp32 [B, HKV * G, ns_total, 128], part_lse fp32 [B, HKV * G, ns_total];
+    there, the last one partly), read by splits num_splits .. ns_total - 1, a share each; part_o fp32 [B, HKV * G,
+    ns_total, 128], part_lse fp32 [B, HKV * G, ns_total];
     PREFETCH: the next page's side tables asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not);
     SMEM: the next page's codes and side data (scale, mean, codebooks, used counts, first slot chunk) copied into
     shared memory by cp.async while a page computes (two stages) instead of the codes' register double buffer and
@@ -533,8 +535,8 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
             m_i, l_i, acc = ring_tail_tiles(k_stage + base, v_stage + base, stride_st,
                                             k_ring + slot * stride_rs + h * stride_rh,
                                             v_ring + slot * stride_rs + h * stride_rh, stride_rt, R, q_ptr, head0,
-                                            m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length, G, LA,
-                                            LB, MMA)
+                                            m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length,
+                                            split - num_splits, ns_total - num_splits, G, LA, LB, MMA)
         else:
             m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                          qk_scale, length - quantized, first - quantized, G, LA, LB, MMA)

@@ -2,8 +2,9 @@
 sequence, as the kernels do: tokens [0, quantized) from pages, the rest from the 16-bit tail; the
 window's oldest token; the splits' contiguous page ranges (pages wholly before the window skipped);
 a page range's invalid positions; the staged tail's scores (and with a residual window's ring, its
-tokens: tail_tokens, ring_tail_scores); one split's softmax partial; and the whole split walk of a
-format whose pages reduce to a scores and a values function (`split_reference`)."""
+tokens and the shares of the programs reading them: tail_tokens, ring_tail_scores, tail_shares); one
+split's softmax partial; and the whole split walk of a format whose pages reduce to a scores and a
+values function (`split_reference`)."""
 from __future__ import annotations
 
 import math
@@ -62,13 +63,28 @@ def staged_scores(qg: torch.Tensor, staged, b: int, quantized: int, length: int,
     return s.masked_fill(t < first, -math.inf), v
 
 
+def tail_shares(lo: int, length: int, tail_splits: int) -> list[tuple[int, int, int]]:
+    """(part, t0, t1) of the tail programs that hold tokens: the tail [lo, length) cut into tail_splits
+    contiguous shares of a multiple of 16 tokens, as the kernels cut it (common.tail_share); the other
+    programs' shares are empty."""
+    per = -(-(-(-max(length - lo, 0) // tail_splits)) // 16) * 16
+    shares = []
+    for part in range(tail_splits):
+        t0 = min(lo + part * per, length)
+        t1 = min(t0 + per, length)
+        if t0 < t1:
+            shares.append((part, t0, t1))
+    return shares
+
+
 def tail_tokens(staged, residual, b: int, quantized: int, length: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 16-bit tail [quantized, length) of sequence b: (k, v) [H, T, D], rows of the residual ring
-    (k_ring, v_ring [S, H, R, D], row t % R) where t >= length - R, of the staging page elsewhere."""
+                dtype: torch.dtype, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16-bit tail [quantized, length) of sequence b (or its tokens [quantized, end)): (k, v) [H, T,
+    D], rows of the residual ring (k_ring, v_ring [S, H, R, D], row t % R) where t >= length - R, of the
+    staging page elsewhere."""
     k_stage, v_stage, seq_slots = staged
     slot = int(seq_slots[b])
-    t = torch.arange(quantized, length, device=k_stage.device)
+    t = torch.arange(quantized, length if end is None else end, device=k_stage.device)
     k = k_stage[slot][:, t % PAGE_TOKENS].to(dtype)
     v = v_stage[slot][:, t % PAGE_TOKENS].to(dtype)
     if residual is not None and residual[0].shape[2]:
@@ -80,10 +96,11 @@ def tail_tokens(staged, residual, b: int, quantized: int, length: int,
 
 
 def ring_tail_scores(qg: torch.Tensor, staged, residual, b: int, quantized: int, length: int, first: int,
-                     qk2: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """staged_scores with a residual ring: the tail [quantized, length) from tail_tokens."""
-    k, v = tail_tokens(staged, residual, b, quantized, length, qg.dtype)
-    t = torch.arange(quantized, length, device=qg.device)
+                     qk2: float, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """staged_scores with a residual ring: the tail [quantized, length) (or its tokens [quantized, end))
+    from tail_tokens."""
+    k, v = tail_tokens(staged, residual, b, quantized, length, qg.dtype, end)
+    t = torch.arange(quantized, length if end is None else end, device=qg.device)
     s = torch.einsum("hgd,htd->hgt", qg, k) * qk2
     return s.masked_fill(t < first, -math.inf), v
 
@@ -101,16 +118,17 @@ def softmax_partial(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tor
 def split_reference(q: torch.Tensor, Hkv: int, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                     num_splits: int, staged, sliding_window: int | None,
                     page_scores: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                    page_values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], residual=None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    page_values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], residual=None,
+                    tail_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """A Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype, for a format
     whose pages give page_scores(qg [H, G, D], pages) -> scores [n, H, G, 64] (before the softmax scale)
     and page_values(p [n, H, G, 64], pages) -> sum over the pages of P @ V [H, G, D]; with `staged`,
-    split num_splits holds the 16-bit tail (the staging page's tokens from `quantized_tokens` on, and
-    with `residual` (k_ring, v_ring) the ring's newest R tokens). The inputs are checked by the caller."""
+    splits num_splits .. num_splits + tail_splits - 1 hold the 16-bit tail (the staging page's tokens from
+    `quantized_tokens` on, and with `residual` (k_ring, v_ring) the ring's newest R tokens), each its share
+    (tail_shares; more than one share needs the ring). The inputs are checked by the caller."""
     B, Hq = q.shape[:2]
     dt = q.dtype
-    ns_total = num_splits + (staged is not None)
+    ns_total = num_splits + (tail_splits if staged is not None else 0)
     part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
     part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
     qk2 = scale * LOG2E
@@ -128,8 +146,9 @@ def split_reference(q: torch.Tensor, Hkv: int, block_tables: torch.Tensor, conte
             part_o[b, :, sp] = (page_values(p, pages) / mass[..., None]).reshape(Hq, HEAD_DIM)
             part_lse[b, :, sp] = (m[0, :, :, 0] + torch.log2(mass)).reshape(Hq)
         if staged is not None and R:
-            part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(
-                *ring_tail_scores(qg, staged, residual, b, quantized, length, first, qk2))
+            for part, t0, t1 in tail_shares(max(quantized, first), length, tail_splits):
+                part_o[b, :, num_splits + part], part_lse[b, :, num_splits + part] = softmax_partial(
+                    *ring_tail_scores(qg, staged, residual, b, t0, length, first, qk2, t1))
         elif staged is not None:
             part_o[b, :, num_splits], part_lse[b, :, num_splits] = softmax_partial(
                 *staged_scores(qg, staged, b, quantized, length, first, qk2))

@@ -14,8 +14,9 @@ the products are summed in fp32. Online softmax in base 2; each split writes its
 moekv/ops/decode/paged.py's reduce reads them. The staged 16-bit tail (the newest page, tokens from
 ((len - 1) // 64) * 64 on) is one more split of the same launch, and sliding windows skip the pages
 before the window and mask inside the first one, as nuq2's Gluon kernel does. With a residual window
-(`residual`: the format's ring of the newest R tokens) the tail split reads them from the ring, and the
-pages end where it begins (tokens [0, min(((len - 1) // 64) * 64, max(len - R, 0))), as kivi2's).
+(`residual`: the format's ring of the newest R tokens) the tail reads them from the ring, in one or
+several splits each reading a contiguous share (launch.plan_splits), and the pages end where it begins
+(tokens [0, min(((len - 1) // 64) * 64, max(len - R, 0))), as kivi2's).
 
 Shapes: q [B, Hq, 128]; block_tables [B, max_pages] int32; context_lens [B]; G = Hq / Hkv in {1, 2, 4,
 8}; staged = (k_stage, v_stage, seq_slots) [S, Hkv, 64, 128] 16-bit and [B]; residual = (k_ring,
@@ -27,11 +28,12 @@ import torch
 
 from moekv.ops.decode.common import LOG2E
 from moekv.ops.decode.launch import sm_count
-from moekv.ops.gluon.checks import Residual, Staged, check_extras, check_inputs, check_residual
+from moekv.ops.gluon.checks import Residual, Staged, check_extras, check_inputs, check_residual, check_tail_splits
 from moekv.ops.gluon.launch import (
     MAX_SPLITS,
     check_launch,
     default_num_splits,
+    default_tail_splits,
     fills_wave,
     gluon_missing,
     plan_launch,
@@ -91,17 +93,18 @@ def _page_values(p: torch.Tensor, frag: VQFragmentPages, pages: torch.Tensor, rn
 def vq_decode_split_reference(q: torch.Tensor, frag: VQFragmentPages, block_tables: torch.Tensor,
                               context_lens: torch.Tensor, scale: float, num_splits: int,
                               staged: Staged | None = None, sliding_window: int | None = None,
-                              kernel_roundings: bool = False, residual: Residual | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+                              kernel_roundings: bool = False, residual: Residual | None = None,
+                              tail_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (o normalised, lse in base 2), split by split, in q's dtype; with
-    `staged`, split num_splits holds the 16-bit tail (and `residual`'s ring). kernel_roundings: round the
-    operands as the kernel does (fp16 q, q * chan_scale and p * tok_scale)."""
+    `staged`, splits num_splits .. num_splits + tail_splits - 1 hold the 16-bit tail (and `residual`'s
+    ring), each its share. kernel_roundings: round the operands as the kernel does (fp16 q, q * chan_scale
+    and p * tok_scale)."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits, "vq")
     check_extras(staged, sliding_window, B, Hkv)
-    check_residual(residual, staged, Hkv, "vq")
+    check_tail_splits(tail_splits, check_residual(residual, staged, Hkv, "vq"))
     return split_reference(q, Hkv, block_tables, context_lens, scale, num_splits, staged, sliding_window,
                            lambda qg, pages: _page_scores(qg, frag, pages, kernel_roundings),
-                           lambda p, pages: _page_values(p, frag, pages, kernel_roundings), residual)
+                           lambda p, pages: _page_values(p, frag, pages, kernel_roundings), residual, tail_splits)
 
 
 # -- the GPU path ------------------------------------------------------------------------------------
@@ -145,14 +148,16 @@ def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: tor
                        context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                        max_registers: int | None = KERNEL_DEFAULT, staged: Staged | None = None,
                        sliding_window: int | None = None, codebooks: str | None = DEFAULT_CODEBOOKS,
-                       warps: int = DEFAULT_WARPS, residual: Residual | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gluon kernels' partials (part_o, part_lse), fp32 (CUDA only); with `staged`, split
-    num_splits holds the 16-bit tail (and `residual`'s ring). max_registers: ptxas's cap for the pages'
-    kernel (None: its choice; KERNEL_DEFAULT: DEFAULT_MAX_REGISTERS or SHARED_MAX_REGISTERS). codebooks:
-    'global' (vq_kernel: one-warp programs gathering codewords through L1/L2) or 'shared'
-    (vq_smem_kernel: CTAs of `warps` warps sharing the head's codebooks in shared memory, the tail
-    split by vq_kernel in a second launch); None: shared where shared_codebooks_pay."""
+                       warps: int = DEFAULT_WARPS, residual: Residual | None = None,
+                       tail_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon kernels' partials (part_o, part_lse), fp32 (CUDA only); with `staged`, splits
+    num_splits .. num_splits + tail_splits - 1 hold the 16-bit tail (and `residual`'s ring), each a share
+    of it (tail_splits: None for launch.plan_splits' rule, or with shared codebooks
+    launch.default_tail_splits in the tail's own launch; more than 1 needs the ring). max_registers:
+    ptxas's cap for the pages' kernel (None: its choice; KERNEL_DEFAULT: DEFAULT_MAX_REGISTERS or
+    SHARED_MAX_REGISTERS). codebooks: 'global' (vq_kernel: one-warp programs gathering codewords through
+    L1/L2) or 'shared' (vq_smem_kernel: CTAs of `warps` warps sharing the head's codebooks in shared
+    memory, the tail's splits by vq_kernel in a second launch); None: shared where shared_codebooks_pay."""
     B, Hkv, G = check_launch("vq", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     R = check_residual(residual, staged, Hkv, "vq")
     shared_cap = SHARED_MAX_REGISTERS if max_registers == KERNEL_DEFAULT else max_registers
@@ -175,7 +180,11 @@ def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: tor
         max_registers = SHARED_MAX_REGISTERS if shared else DEFAULT_MAX_REGISTERS
     if shared:
         num_splits = shared_ns
-    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers)
+        if tail_splits is None and staged is not None:  # the tail's own launch: room in a wave of its programs
+            tail_wave = sm_count(q.device) * programs_per_sm(DEFAULT_MAX_REGISTERS)
+            tail_splits = default_tail_splits(B * Hkv, 0, R, tail_wave)
+    run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers, R,
+                      tail_splits)
     k_ring, v_ring, ring_strides = ring_args(run, residual)
     tables = (frag.k_codes, frag.v_codes, frag.k_tok_scale, frag.v_tok_scale, frag.k_mean, frag.k_codebook,
               frag.k_chan_scale, frag.v_codebook, q.contiguous(), block_tables, block_tables.stride(0), context_lens)
@@ -184,8 +193,8 @@ def vq_decode_partials(q: torch.Tensor, frag: VQFragmentPages, block_tables: tor
             *tables, run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total, R,
             HKV=Hkv, G=G, W=warps, STAGED=staged is not None, RING=R > 0, num_warps=warps,
             **register_cap(max_registers))
-    if not shared or staged is not None:  # the one-warp kernel: every split, or the tail split alone
-        grid = (B * Hkv, 1) if shared else run.grid
+    if not shared or staged is not None:  # the one-warp kernel: every split, or the tail's splits alone
+        grid = (B * Hkv, run.tail_splits) if shared else run.grid
         vq_decode_kernel[grid](
             *tables, run.seq_slots, run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, *ring_strides, R,
             run.part_o, run.part_lse, scale * LOG2E, run.window, run.num_splits, run.ns_total,
@@ -199,10 +208,11 @@ def vq_decode_attention(q: torch.Tensor, frag: VQFragmentPages, block_tables: to
                         max_registers: int | None = KERNEL_DEFAULT, staged: Staged | None = None,
                         sliding_window: int | None = None, out: torch.Tensor | None = None,
                         codebooks: str | None = DEFAULT_CODEBOOKS, warps: int = DEFAULT_WARPS,
-                        residual: Residual | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        residual: Residual | None = None, sinks: torch.Tensor | None = None,
+                        tail_splits: int | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over vq pages in fragment order (and, with `staged`, the 16-bit
-    tail and `residual`'s ring) -> [B, Hq, 128] in q's dtype: the Gluon kernel(s) and the reduce, no host
-    sync. CUDA only. sinks [Hq]: each head's sink logit, joining the reduce."""
+    tail and `residual`'s ring, in tail_splits programs) -> [B, Hq, 128] in q's dtype: the Gluon kernel(s)
+    and the reduce, no host sync. CUDA only. sinks [Hq]: each head's sink logit, joining the reduce."""
     part_o, part_lse = vq_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
-                                          staged, sliding_window, codebooks, warps, residual)
+                                          staged, sliding_window, codebooks, warps, residual, tail_splits)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

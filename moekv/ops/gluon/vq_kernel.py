@@ -14,8 +14,8 @@ conversion that moves registers within each thread only (keys: whole fp16 pairs;
 two tokens, so halves of two codewords). The keys' per-channel scale multiplies q once per program;
 their per-page mean enters as q . mean per head, an MMA whose A operand holds the mean in every row.
 The 16-bit tail (the newest page, staged) is one more split of the same launch (STAGED), as nuq2's;
-with a residual window (RING) it reads the ring's newest R tokens (common.ring_tail_tiles) and the
-pages end where the ring begins.
+with a residual window (RING) the launch's last ns_total - num_splits splits read the ring's newest R
+tokens, each a contiguous share (common.ring_tail_tiles), and the pages end where the ring begins.
 A sliding window starts the page range at the page holding the window's first token and masks the
 tokens before it. Gluon compiles for NVIDIA GPUs only.
 """
@@ -92,9 +92,10 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
     fp32 [HKV, 128] (by channel); q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from
     ((len - 1) // 64) * 64 on are in k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by
     split num_splits; RING (with STAGED): a residual window, the newest R tokens in k_ring / v_ring [S, HKV,
-    R, 128] (row t % R) at the same slots, the tail from min(((len - 1) // 64) * 64, max(len - R, 0)) on;
+    R, 128] (row t % R) at the same slots, the tail from min(((len - 1) // 64) * 64, max(len - R, 0)) on, read
+    by splits num_splits .. ns_total - 1, a share each;
     part_o fp32 [B, HKV * G, ns_total, 128] (by channel), part_lse fp32 [B, HKV * G,
-    ns_total]; split0: program (bh, s) runs split split0 + s (vq_smem_kernel's launches run the tail alone)."""
+    ns_total]; split0: program (bh, s) runs split split0 + s (vq_smem_kernel's launches run the tail's splits alone)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -200,8 +201,8 @@ def vq_decode_kernel(k_codes, v_codes, k_tok_scale, v_tok_scale, k_mean, k_codeb
             m_i, l_i, acc = ring_tail_tiles(k_stage + base, v_stage + base, stride_st,
                                             k_ring + slot * stride_rs + h * stride_rh,
                                             v_ring + slot * stride_rs + h * stride_rh, stride_rt, R, q_ptr, head0,
-                                            m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length, G, LA,
-                                            LB, MMA)
+                                            m_i, l_i, acc, qk_scale, gl.maximum(quantized, first), length,
+                                            split - num_splits, ns_total - num_splits, G, LA, LB, MMA)
         else:
             m_i, l_i, acc = staged_tile(k_stage + base, v_stage + base, stride_st, q_ptr, head0, m_i, l_i, acc,
                                          qk_scale, length - quantized, first - quantized, G,

@@ -128,11 +128,12 @@ def check_staged_reference(reference, build, window, tol: float) -> None:
 
 
 def check_ring_reference(reference, build, R: int, window, tol: float, layer: int | None = None) -> None:
-    """A residual window's ring in a format's split reference (float64): the tail split reads the newest R
-    tokens from the ring (row t % R) and older tail tokens from staging, the pages end where the ring
-    begins (some inside a page), sliding windows ending inside the tail (a page split with no valid token);
-    against dense attention over the format's pages (dequantized for `layer`), the ring and the staging
-    page. Ring and staging hold different values, so a token read from the wrong one shows."""
+    """A residual window's ring in a format's split reference (float64): the tail splits read the newest R
+    tokens from the ring (row t % R) and older tail tokens from staging, each its share (1, 3 and 8
+    shares: some empty where the tail is short), the pages end where the ring begins (some inside a page),
+    sliding windows ending inside the tail (a page split with no valid token); against dense attention
+    over the format's pages (dequantized for `layer`), the ring and the staging page. Ring and staging hold
+    different values, so a token read from the wrong one shows."""
     from moekv.ops.gluon.splits import quantized_tokens, tail_tokens
 
     Hkv, G = 2, 4
@@ -150,9 +151,21 @@ def check_ring_reference(reference, build, R: int, window, tol: float, layer: in
 
     ref = dense_reference(fmt, k_pages, v_pages, q := torch.randn(len(lens), Hkv * G, D, dtype=torch.float64),
                           tables, lens_t, 0.1, staged, window, tokens, layer)
-    for ns in (1, 3, 7):
-        o, lse = reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, sliding_window=window, residual=ring)
-        assert relative_error(reduce_partials(o, lse), ref) < tol, ns
+    for ns, ts in ((1, 1), (3, 3), (7, 8)):
+        o, lse = reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, sliding_window=window, residual=ring,
+                           tail_splits=ts)
+        assert o.shape[2] == ns + ts and lse.shape[2] == ns + ts
+        assert relative_error(reduce_partials(o, lse), ref) < tol, (ns, ts)
+
+
+def reduce_with_sinks(part_o: torch.Tensor, part_lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """reduce_partials with each head's sink logit sinks [Hq] (natural log units) as one more split of
+    output 0 (ops/decode/common.reduce_head's merge), float64."""
+    lse = part_lse.double()
+    sink = sinks.double().to(lse.device)[None, :] * 1.4426950408889634  # log2(e): the partials' base-2 units
+    top = torch.maximum(lse.amax(-1), sink)
+    w = torch.exp2(lse - top[..., None])
+    return (w[..., None] * part_o.double()).sum(2) / (w.sum(-1) + torch.exp2(sink - top))[..., None]
 
 
 def staging(B, Hkv, seed, device="cpu", dtype=torch.float64):
@@ -268,3 +281,32 @@ def check_ring_decode(attention, build, G: int, R: int, window, layer: int | Non
         out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=staged, sliding_window=window,
                         residual=ring, **options)
         assert relative_error(out, ref) < 1e-2, ns
+
+
+def check_ring_partials(partials, attention, reference, build, G: int, R: int, window, **options) -> None:
+    """A residual window's bf16 ring read by several tail programs (the launch's last tail_splits splits,
+    each a contiguous share of the tail): the kernel's partials against the split reference's (float64) at
+    the same page and tail split counts (the same empty splits, lse within 2e-2, merged within 3e-3), then
+    kernel + reduce with sinks against the reference partials merged with them (within 1e-2). Lengths
+    where the ring wraps (past R, not a multiple of it), shorter than R and than a page; tail splits 1
+    to 16 (some shares empty); `window` may cut into the tail. options: the launcher's."""
+    lens = [1000, 777, 64 * 16 + 3, max(R - 5, 1), 5]
+    Hkv, _, frag, tables, lens_t, _, _, q = gpu_case(build, G, lens, 40 + G)
+    staged = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(R)
+    ring = tuple((torch.randn(len(lens) + 1, Hkv, R, D, generator=g) + shift).to("cuda", torch.bfloat16)
+                 for shift in (1.0, -1.0))
+    sinks = (torch.randn(Hkv * G, generator=g) * 3).to("cuda", torch.bfloat16)
+    common = dict(staged=staged, sliding_window=window, residual=ring)
+    for ns, ts in ((1, 1), (3, 4), (5, 8), (2, 16)):
+        part_o, part_lse = partials(q, frag, tables, lens_t, D ** -0.5, ns, tail_splits=ts, **common, **options)
+        ref_o, ref_lse = reference(q.double(), frag, tables, lens_t, D ** -0.5, ns, tail_splits=ts, **common)
+        assert part_lse.shape[2] == ns + ts and ref_lse.shape[2] == ns + ts
+        full = ref_lse > -float("inf")
+        assert torch.equal(part_lse.isfinite(), full), ("empty splits must be -inf, others finite", ns, ts)
+        assert (part_lse - ref_lse)[full].abs().max() < 2e-2, (ns, ts)
+        merged = reduce_partials(ref_o, ref_lse)
+        assert relative_error(reduce_partials(part_o.double(), part_lse.double()), merged) < 3e-3, (ns, ts)
+        out = attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, tail_splits=ts, sinks=sinks, **common,
+                        **options)
+        assert relative_error(out, reduce_with_sinks(ref_o, ref_lse, sinks)) < 1e-2, (ns, ts)

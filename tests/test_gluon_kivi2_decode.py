@@ -96,18 +96,21 @@ def test_split_reference_equals_dense_attention(G):
 @pytest.mark.parametrize("R", [0, 32, 128])
 @pytest.mark.parametrize("window", [None, 1, 100, 150, 64 * 5 + 3])
 def test_tail_ring_and_sliding_window(R, window):
-    """The 16-bit tail (staging page and residual ring) as split num_splits and sliding windows (some
-    ending inside the tail, so that a page split has no valid token), against dense attention."""
+    """The 16-bit tail (staging page and residual ring) as the splits from num_splits on (with the ring 1,
+    3 or 8, each a share of it) and sliding windows (some ending inside the tail, so that a page split
+    has no valid token), against dense attention."""
     Hkv, G = 2, 4
     lens = [1000, 777, 64 * 16, 65, 64, 130, 5]
     fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=5 + R)
     staged, ring = tail(len(lens), Hkv, R, seed=8)
     q = torch.randn(len(lens), Hkv * G, D, dtype=torch.float64)
     ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, 0.1, staged, ring, window)
-    for ns in (1, 3, 7):
+    for ns, ts in ((1, 1), (3, 3), (7, 8)):
+        ts = ts if R else 1  # the tail over several programs needs the ring
         o, lse = kivi2_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, residual=ring,
-                                              sliding_window=window)
-        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), ns
+                                              sliding_window=window, tail_splits=ts)
+        assert o.shape[2] == ns + ts
+        assert torch.allclose(reduce_partials(o, lse), ref, atol=1e-8, rtol=1e-8), (ns, ts)
 
 
 def test_kernel_roundings_stay_small():
@@ -239,6 +242,20 @@ def test_gpu_decode_matches_dense_attention(G):
     from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention
 
     check_decode_matches_dense(kivi2_decode_attention, build, G)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("R, window", [(128, None), (256, None), (128, 100), (256, 200), (32, 64 * 5 + 3)])
+@pytest.mark.parametrize("G, codes_smem", [(1, False), (4, True), (8, False)])
+def test_gpu_residual_ring_split_over_programs(G, codes_smem, R, window):
+    """The ring's tail read by 1 to 16 programs (each a share): the kernel's partials against the split
+    reference's at the same splits, and kernel + reduce with sinks; rings that wrap, sequences shorter
+    than R, windows cutting into the tail."""
+    from moekv.ops.gluon.kivi2_decode import kivi2_decode_attention, kivi2_decode_partials
+
+    gluon_cases.check_ring_partials(kivi2_decode_partials, kivi2_decode_attention, kivi2_decode_split_reference, build,
+                                    G, R, window, codes_smem=codes_smem)
 
 
 @pytest.mark.gpu

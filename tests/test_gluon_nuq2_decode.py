@@ -1,7 +1,8 @@
 """The nuq2 Gluon decode path (moekv/ops/gluon/nuq2_decode.py). On CPU: its split reference (the
 keys' channel affine folded into q, the outlier slots folded in as one-hot products, the staged
-16-bit tail as one more split, sliding windows) against dense attention over nuq2's own dequantized
-pages, in float64. On a GPU (marked gpu): the Gluon kernel against that reference and dense attention."""
+16-bit tail as one more split or, with a residual ring, several, sliding windows) against dense
+attention over nuq2's own dequantized pages, in float64; the launch's split rules. On a GPU (marked
+gpu): the Gluon kernel against that reference and dense attention."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,7 @@ from tests.gluon_cases import (
     check_kernel_matches_reference,
     check_prefetch_changes_nothing,
     check_ring_decode,
+    check_ring_partials,
     check_ring_reference,
     check_staged_decode,
     dense_reference,
@@ -153,6 +155,57 @@ def test_default_split_rule():
     assert default_num_splits(16, 8, 512, extra=1, wave=132 * 12) == 32  # 2.6 waves: kept
     assert default_num_splits(1, 8, 64, extra=1, wave=132 * 12) == 32  # under one wave: kept
     assert default_num_splits(1, 8, 2048, extra=1, wave=132 * 8) == 131
+
+
+def test_tail_shares_cut_the_tail_as_the_kernels_do():
+    """tail_shares (the references' copy of common.tail_share): the tail [lo, length) cut into contiguous
+    shares, in program order, that cover it once; each starts on a 16-token step from lo (no tile is
+    read by two programs) and all but the last non-empty one are equal; programs past the tail's end
+    get nothing."""
+    from moekv.ops.gluon.splits import tail_shares
+
+    for lo, length in ((0, 5), (3968, 4096), (873, 1001), (900, 1001), (4032, 4033), (100, 356)):
+        for parts in (1, 2, 3, 4, 8, 16):
+            shares = tail_shares(lo, length, parts)
+            assert [t0 for _, t0, _ in shares] == [lo] + [t1 for _, _, t1 in shares[:-1]]
+            assert shares[-1][2] == length and [p for p, _, _ in shares] == list(range(len(shares)))
+            sizes = [t1 - t0 for _, t0, t1 in shares]
+            assert all(n % 16 == 0 and n == sizes[0] for n in sizes[:-1]) and 0 < sizes[-1] <= sizes[0]
+            assert len(shares) == min(parts, -(-(length - lo) // sizes[0]))
+    assert tail_shares(3968, 4096, 4) == [(0, 3968, 4000), (1, 4000, 4032), (2, 4032, 4064), (3, 4064, 4096)]
+    assert tail_shares(3840, 4096, 8)[-1] == (7, 4064, 4096)  # vq's 256 tokens: 8 programs of 32
+    assert tail_shares(4000, 4096, 8) == [(p, 4000 + 16 * p, 4016 + 16 * p) for p in range(6)]  # a window cut
+
+
+def test_tail_split_rule():
+    """launch.plan_splits on an H100 (132 SMs) at the kernels' caps (nuq2: 160, 12 programs an SM; vq's
+    one-warp kernel: 128, 16), 8 KV heads: with a ring, the tail in shares of 32 tokens where they fit
+    one wave beside the page splits (batch 1 to 8 at 4k, batch 1 at 128k, whose page splits then cede
+    the wave's room), else one program and the page splits of the launch without a ring."""
+    from moekv.ops.gluon.launch import default_tail_splits, plan_splits
+
+    nuq2, vq = 132 * 12, 132 * 16
+    assert plan_splits(1, 8, 64, True, 128, nuq2) == (32, 4)  # (1, 4k): 128 tokens, 4 programs of 32
+    assert plan_splits(1, 8, 64, True, 256, vq) == (32, 8)  # vq's 256 tokens: 8
+    assert plan_splits(1, 8, 64, True, 0, nuq2) == (32, 1)  # no ring: the staged page's one program
+    assert plan_splits(1, 8, 64, True, 32, nuq2) == (32, 2)  # a ring shorter than a page: up to 64 tokens
+    assert plan_splits(1, 8, 2048, True, 128, nuq2) == (194, 4)  # (1, 128k): 11 pages a split, as 197 give
+    assert plan_splits(1, 8, 2048, True, 0, nuq2) == (197, 1)
+    assert plan_splits(8, 8, 64, True, 128, nuq2) == (20, 4)  # (8, 4k): cut to one wave with the tail's 4
+    for ring, wave in ((128, nuq2), (256, vq)):  # (16, 32k), (64, 32k): several waves, as without a ring
+        assert plan_splits(16, 8, 512, True, ring, wave) == plan_splits(16, 8, 512, True, 0, wave) == (32, 1)
+        assert plan_splits(64, 8, 512, True, ring, wave) == plan_splits(64, 8, 512, True, 0, wave) == (8, 1)
+    assert plan_splits(1, 8, 64, False, 0, nuq2) == (32, 0)  # no staged tail: no tail program
+    assert plan_splits(1, 8, 64, True, 128, nuq2, num_splits=5) == (5, 4)
+    assert plan_splits(1, 8, 64, True, 128, nuq2, tail_splits=2) == (32, 2)
+    assert plan_splits(1, 8, 2048, True, 128, nuq2, num_splits=254) == (254, 1)  # 256 partials at most
+    # vq's shared-codebook launches: the tail alone in its own launch (no page split beside it)
+    assert default_tail_splits(16 * 8, 0, 256, vq) == 8 and default_tail_splits(64 * 8, 0, 256, vq) == 4
+    assert default_tail_splits(300 * 8, 0, 256, vq) == 1
+    with pytest.raises(ValueError, match="tail_splits"):
+        plan_splits(1, 8, 64, True, 0, nuq2, tail_splits=2)  # more than one program needs a ring
+    with pytest.raises(ValueError, match="tail_splits"):
+        plan_splits(1, 8, 64, True, 128, nuq2, tail_splits=0)
 
 
 def test_shared_memory_stagings_wait_for_a_whole_wave(monkeypatch):
@@ -350,6 +403,20 @@ def test_gpu_staged_tail_and_window(G, window):
     from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention
 
     check_staged_decode(nuq2_decode_attention, build, G, window)
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("R, window", [(128, None), (256, None), (128, 100), (256, 200), (32, 64 * 5 + 3)])
+@pytest.mark.parametrize("G, smem", [(1, True), (4, False), (8, True)])
+def test_gpu_residual_ring_split_over_programs(G, smem, R, window):
+    """The ring's tail read by 1 to 16 programs (each a share): the kernel's partials against the split
+    reference's at the same splits, and kernel + reduce with sinks; rings that wrap, sequences shorter
+    than R, windows cutting into the tail."""
+    from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention, nuq2_decode_partials
+
+    check_ring_partials(nuq2_decode_partials, nuq2_decode_attention, nuq2_decode_split_reference, build, G, R, window,
+                        smem=smem)
 
 
 @pytest.mark.gpu

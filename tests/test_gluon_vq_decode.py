@@ -22,6 +22,7 @@ from tests.gluon_cases import (
     behind_tables,
     check_kernel_matches_reference,
     check_ring_decode,
+    check_ring_partials,
     check_ring_reference,
     dense_reference,
     gpu_case,
@@ -264,6 +265,21 @@ def test_gpu_staged_tail_and_window(G, window, codebooks):
         out = vq_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=(k, v, slots),
                                   sliding_window=window, codebooks=codebooks)
         assert relative_error(out, ref) < 1e-2, ns
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("R, window", [(256, None), (128, None), (256, 200), (128, 100), (32, 64 * 5 + 3)])
+@pytest.mark.parametrize("G, codebooks", [(1, "global"), (4, "shared"), (8, "global"), (8, "shared")])
+def test_gpu_residual_ring_split_over_programs(G, codebooks, R, window):
+    """The ring's tail read by 1 to 16 programs (each a share; shared codebooks: the one-warp kernel's
+    second launch, tail_splits programs a head): the kernel's partials against the split reference's at
+    the same splits, and kernel + reduce with sinks; rings that wrap, sequences shorter than R, windows
+    cutting into the tail."""
+    from moekv.ops.gluon.vq_decode import vq_decode_attention, vq_decode_partials
+
+    check_ring_partials(vq_decode_partials, vq_decode_attention, vq_decode_split_reference, build, G, R, window,
+                        codebooks=codebooks)
 
 
 @pytest.mark.gpu

@@ -186,3 +186,34 @@ def test_bits_count_the_ring(name, R):
     for L in (4096, 32768):
         extra = with_ring.bits_per_element_at(L, 8, 64, 128) - without.bits_per_element_at(L, 8, 64, 128)
         assert extra == pytest.approx(16 * R / L)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+@pytest.mark.parametrize("name, R", [("nuq2", 128), ("nuq2", 256), ("vq", 256), ("kivi2", 128)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_gpu_gluon_decode_reads_the_ring_in_several_programs(monkeypatch, name, R, window):
+    """The engine's decode over a fragment-order pool on CUDA (the format's attend: its Gluon kernel at
+    the default launch) with the ring: at batch 3 the launch reads the tail in R / 32 programs
+    (launch.plan_splits), and the output matches the reference path over the same pool, with sinks and
+    a window cutting into the tail; lengths past R (the ring wrapped) and shorter than R."""
+    import importlib
+
+    from tests.test_gluon_engine import H as HKV
+    from tests.test_gluon_engine import P as PAGE
+    from tests.test_gluon_engine import decode_ctx, filled_pools
+
+    fmt, pool = filled_pools(name, "gluon", "cuda", torch.bfloat16, R)
+    decode = importlib.import_module(f"moekv.ops.gluon.{name}_decode")
+    launches = []
+    real = decode.plan_launch
+    monkeypatch.setattr(decode, "plan_launch", lambda *a, **k: launches.append(real(*a, **k)) or launches[-1])
+    ctx = decode_ctx([3 * PAGE + 40, PAGE + 1, 2 * PAGE + 5], [2, 0, 1], [[0, 3, 1, 5], [5, 4, 0, 0], [1, 2, 3, 0]],
+                     "cuda")
+    g = torch.Generator().manual_seed(R)
+    q = torch.randn(3, 4 * HKV, D, generator=g).to("cuda", torch.bfloat16)
+    sinks = (torch.randn(4 * HKV, generator=g) * 3).to("cuda", torch.bfloat16)
+    out = fmt.attend(q, pool, ctx, D ** -0.5, window, None, sinks)
+    assert launches and launches[-1].tail_splits == R // 32, "the ring's tail in shares of 32 tokens"
+    ref = fmt.attend_reference(q, pool, ctx, D ** -0.5, window, None, sinks)
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

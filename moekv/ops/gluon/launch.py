@@ -30,7 +30,7 @@ def programs_per_sm(max_registers: int | None) -> int:
 
 def default_num_splits(batch: int, num_kv_heads: int, max_pages: int, extra: int = 0, wave: int | None = None) -> int:
     """Splits per (sequence, KV head): about TARGET_PROGRAMS programs, each with at least 2 pages,
-    and with the `extra` split (the staged tail) at most MAX_SPLITS in all: more splits at batch 1
+    and with the `extra` splits (the staged tail's programs) at most MAX_SPLITS in all: more splits at batch 1
     cost more in the reduce and per-split setup than they gain in parallelism, and the reduce pads
     the split count to a power of two (257 partials are reduced as 512).
     wave: programs the GPU runs at once (SMs x programs_per_sm). A launch of between one and two waves

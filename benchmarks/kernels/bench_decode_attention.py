@@ -45,7 +45,9 @@ cache with ~15% of pages in FP8 and the rest in nuq2 (bench_tiered: ms includes 
 output, nomass_ms is the kernel alone). vq runs on a random calibration
 (codebooks fitted in a few seconds on Gaussian pages shaped like the benchmark's keys and values,
 `moekv.kvcache.formats.vq.random_calibration`; --vq-calibration DIR takes a real one instead); its
-bytes include the layer's codebooks and channel scales (the kernel's DecodeSpec.tables).
+bytes include the layer's codebooks and channel scales (the kernel's DecodeSpec.tables). A Gluon row
+with a residual window (nuq2_r128, vq_r256, kivi2) adds tail_splits_ms: the same launch with the
+ring's tail read by one program and by the default number (moekv/ops/gluon/launch.py plan_splits).
 
 --peers flashinfer adds FlashInfer's paged decode attention (BatchDecodeWithPagedKVCacheWrapper,
 benchmarks/kernels/flashinfer_peer.py) as a second peer after each shape's SDPA row: rows flashinfer_bf16 and
@@ -431,6 +433,33 @@ def timed_and_checked(row: dict, run, ref, base: dict, nbytes: int, args) -> Non
                eager_ms=timer(run, cudagraph=False))
 
 
+def tail_split_study(fmt, cache, ctx, q, scale, args) -> dict:
+    """A residual window's Gluon launch (fmt's decode entry, as attend calls it) timed with the ring's tail
+    in one program and in the default number (ms by tail program count; the default's key is the count
+    its launch planned, from moekv/ops/gluon/launch.py's plan_launch)."""
+    import importlib
+
+    kernel = fmt.gluon_kernel
+    entry = kernel.decode_entry()
+    module = importlib.import_module(entry.__module__)
+    planned = []
+    real = module.plan_launch
+    module.plan_launch = lambda *a, **k: planned.append(real(*a, **k)) or planned[-1]
+    try:
+        entry(q, fmt.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
+              staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots), **kernel.decode_options(fmt, cache))
+    finally:
+        module.plan_launch = real
+    times = {}
+    for tail_splits in sorted({1, planned[-1].tail_splits}):
+        launch = lambda ts=tail_splits: entry(  # noqa: E731
+            q, fmt.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
+            staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots), tail_splits=ts,
+            **kernel.decode_options(fmt, cache))
+        times[str(tail_splits)] = timer(launch, args.cudagraph)
+    return times
+
+
 def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> dict:
     """nuq2, int4, kivi2, vq or fp8_e4m3 through the engine's Gluon path (decode_kernel='gluon': pools in
     fragment order, KVFormat.attend -> moekv/ops/gluon/<format>_decode.py, the staged tail (and a residual
@@ -488,6 +517,8 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     run = lambda: fmt.attend(q, cache, ctx, scale, None)  # noqa: E731
     try:
         timed_and_checked(row, run, ref, base, nbytes, args)
+        if getattr(fmt, "residual", 0):  # the ring's tail: the default split of it against one program
+            row["tail_splits_ms"] = tail_split_study(fmt, cache, ctx, q, scale, args)
         if "k_out_delta" in cache.tensors:  # int4: the same launch under ptxas register caps (a side study)
             from moekv.ops.gluon.int4_decode import int4_decode_attention
 
@@ -950,7 +981,8 @@ def print_row(row: dict) -> None:
         for key, label in (("max_registers_ms", "register caps"),
                            ("smem_max_registers_ms", "register caps, nuq2 pages in shared memory"),
                            ("smem_ms", "nuq2 pages in shared memory"), ("codebooks_ms", "vq codebooks"),
-                           ("codebooks_err", "vq codebooks' errors")):
+                           ("codebooks_err", "vq codebooks' errors"),
+                           ("tail_splits_ms", "ring tail programs (count: time)")):
             if key in row:
                 shown = "{:.2g}" if key.endswith("_err") else "{:.1f} us"  # errors as they are, times in us
                 scale = 1 if key.endswith("_err") else 1e3

@@ -283,6 +283,11 @@ def check_ring_decode(attention, build, G: int, R: int, window, layer: int | Non
         assert relative_error(out, ref) < 1e-2, ns
 
 
+# (R, sliding window) of check_ring_partials' cases: nuq2's and vq's default rings, windows cutting into
+# their tails, a ring shorter than a page (the tail's older tokens from staging)
+RING_SPLIT_CASES = [(128, None), (256, None), (128, 100), (256, 200), (32, 64 * 5 + 3)]
+
+
 def check_ring_partials(partials, attention, reference, build, G: int, R: int, window, **options) -> None:
     """A residual window's bf16 ring read by several tail programs (the launch's last tail_splits splits,
     each a contiguous share of the tail): the kernel's partials against the split reference's (float64) at

@@ -246,7 +246,7 @@ def test_gpu_decode_matches_dense_attention(G):
 
 @pytest.mark.gpu
 @GPU
-@pytest.mark.parametrize("R, window", [(128, None), (256, None), (128, 100), (256, 200), (32, 64 * 5 + 3)])
+@pytest.mark.parametrize("R, window", gluon_cases.RING_SPLIT_CASES)
 @pytest.mark.parametrize("G, codes_smem", [(1, False), (4, True), (8, False)])
 def test_gpu_residual_ring_split_over_programs(G, codes_smem, R, window):
     """The ring's tail read by 1 to 16 programs (each a share): the kernel's partials against the split

@@ -21,6 +21,7 @@ from moekv.ops.gluon.nuq2_layout import dequantize_fragment, to_fragment_order
 from moekv.ops.reference import decode_attention_ref
 from tests.gluon_cases import (
     GPU,
+    RING_SPLIT_CASES,
     D,
     P,
     behind_tables,
@@ -407,7 +408,7 @@ def test_gpu_staged_tail_and_window(G, window):
 
 @pytest.mark.gpu
 @GPU
-@pytest.mark.parametrize("R, window", [(128, None), (256, None), (128, 100), (256, 200), (32, 64 * 5 + 3)])
+@pytest.mark.parametrize("R, window", RING_SPLIT_CASES)
 @pytest.mark.parametrize("G, smem", [(1, True), (4, False), (8, True)])
 def test_gpu_residual_ring_split_over_programs(G, smem, R, window):
     """The ring's tail read by 1 to 16 programs (each a share): the kernel's partials against the split

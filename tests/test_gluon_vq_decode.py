@@ -17,6 +17,7 @@ from moekv.ops.gluon.vq_decode import vq_decode_split_reference
 from moekv.ops.gluon.vq_layout import to_fragment_order
 from tests.gluon_cases import (
     GPU,
+    RING_SPLIT_CASES,
     D,
     P,
     behind_tables,
@@ -269,7 +270,7 @@ def test_gpu_staged_tail_and_window(G, window, codebooks):
 
 @pytest.mark.gpu
 @GPU
-@pytest.mark.parametrize("R, window", [(256, None), (128, None), (256, 200), (128, 100), (32, 64 * 5 + 3)])
+@pytest.mark.parametrize("R, window", RING_SPLIT_CASES)
 @pytest.mark.parametrize("G, codebooks", [(1, "global"), (4, "shared"), (8, "global"), (8, "shared")])
 def test_gpu_residual_ring_split_over_programs(G, codebooks, R, window):
     """The ring's tail read by 1 to 16 programs (each a share; shared codebooks: the one-warp kernel's

@@ -29,19 +29,25 @@ def window_start(length: int, sliding_window: int | None) -> int:
     return max(length - sliding_window, 0) if sliding_window is not None else 0
 
 
+def shares(lo: int, hi: int, parts: int, unit: int = 1) -> list[tuple[int, int, int]]:
+    """(part, a, b) of the parts that hold items: [lo, hi) cut into `parts` contiguous shares of a
+    multiple of `unit` items in part order (the last shorter; the parts past hi hold none)."""
+    per = -(-(-(-max(hi - lo, 0) // parts)) // unit) * unit
+    cut = []
+    for part in range(parts):
+        a = min(lo + part * per, hi)
+        b = min(a + per, hi)
+        if a < b:
+            cut.append((part, a, b))
+    return cut
+
+
 def split_ranges(quantized: int, first: int, num_splits: int) -> list[tuple[int, int, int]]:
     """(split, p0, p1) of the splits that hold pages: the pages of tokens [first, quantized) cut into
     num_splits contiguous shares (none when no page token is valid)."""
     num_pages = -(-quantized // PAGE_TOKENS)
     page_lo = num_pages if first >= quantized else min(first // PAGE_TOKENS, num_pages)
-    per = -(-(num_pages - page_lo) // num_splits)
-    ranges = []
-    for sp in range(num_splits):
-        p0 = min(page_lo + sp * per, num_pages)
-        p1 = min(p0 + per, num_pages)
-        if p0 < p1:
-            ranges.append((sp, p0, p1))
-    return ranges
+    return shares(page_lo, num_pages, num_splits)
 
 
 def masked(s: torch.Tensor, p0: int, p1: int, quantized: int, first: int) -> torch.Tensor:
@@ -65,16 +71,9 @@ def staged_scores(qg: torch.Tensor, staged, b: int, quantized: int, length: int,
 
 def tail_shares(lo: int, length: int, tail_splits: int) -> list[tuple[int, int, int]]:
     """(part, t0, t1) of the tail programs that hold tokens: the tail [lo, length) cut into tail_splits
-    contiguous shares of a multiple of 16 tokens, as the kernels cut it (common.tail_share); the other
-    programs' shares are empty."""
-    per = -(-(-(-max(length - lo, 0) // tail_splits)) // 16) * 16
-    shares = []
-    for part in range(tail_splits):
-        t0 = min(lo + part * per, length)
-        t1 = min(t0 + per, length)
-        if t0 < t1:
-            shares.append((part, t0, t1))
-    return shares
+    contiguous shares of a multiple of 16 tokens (the kernels' step), as the kernels cut it
+    (common.tail_share); the other programs' shares are empty."""
+    return shares(lo, length, tail_splits, 16)
 
 
 def tail_tokens(staged, residual, b: int, quantized: int, length: int,

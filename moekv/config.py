@@ -377,9 +377,10 @@ class EngineConfig:
         (as vLLM's flag; docs/quantization.md): 'fp8' or 'int4' quantizes a 16-bit checkpoint on load;
         None takes the checkpoint's own `quantization_config` (pre-quantized weights) or 16-bit. The
         pre-quantized format must agree with a value given.
-    quantization_calibration: a text file; with quantization='int4' the experts are rounded by GPTQ on
-        the activations its first tokens route to them (the engine runs them at start, with the experts
-        still 16-bit: the KV pools are sized beside 16-bit experts), instead of round-to-nearest.
+    quantization_calibration: a text file; with quantization='int4' the experts, attention projections
+        and LM head are rounded by GPTQ on the inputs its first tokens give them (the engine runs them at
+        start, with the weights still 16-bit: the KV pools are sized beside 16-bit weights), instead of
+        round-to-nearest; the layout (groups of 128, zero points) is the same.
     max_model_len: prompt + generated tokens of one sequence; None = the model's
         max_position_embeddings.
     enforce_eager: never replay decode steps from CUDA graphs (as vLLM's flag). By default, on CUDA,
@@ -422,8 +423,9 @@ class EngineConfig:
         "on load from 16-bit checkpoints for the experts, attention projections and LM head (default: the "
         "checkpoint's quantization_config if it has one, else 16-bit)", choices=QUANT_METHODS)
     quantization_calibration: str | Path | None = option(
-        "text file: with quantization=int4, the experts are rounded by GPTQ on the activations this text routes "
-        "to them (its first 8192 tokens, run through the engine at start) instead of to the nearest code")
+        "text file: with quantization=int4, the experts, attention projections and LM head are rounded by GPTQ on "
+        "the inputs this text gives them (its first 8192 tokens, run through the engine at start) instead of to "
+        "the nearest code (the same layout); give text that mixes the traffic's domains")
     tokenizer: str | Path | None = option(
         "tokenizer folder or tokenizer.json file to use instead of the checkpoint's (default: the checkpoint's)")
     skip_tokenizer_init: bool = option(
@@ -490,7 +492,7 @@ class EngineConfig:
                f"quantization={self.quantization!r} is not supported; accepted: None or one of {list(QUANT_METHODS)}")
         if self.quantization_calibration is not None:
             _check(self.quantization == "int4", f"quantization_calibration is for quantization='int4' (GPTQ rounding "
-                   f"of the experts); quantization={self.quantization!r}")
+                   f"of the int4 weights); quantization={self.quantization!r}")
             _check(Path(self.quantization_calibration).is_file(),
                    f"quantization_calibration={str(self.quantization_calibration)!r} is not a text file")
 

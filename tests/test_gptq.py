@@ -1,6 +1,7 @@
-"""GPTQ rounding of INT4 experts (moekv/models/gptq.py, quantization_calibration=): the rounding keeps
-the layer's output error below round-to-nearest's, the collector's second moments are the routed
-rows', and an engine calibrated at start serves the rounded experts.
+"""GPTQ rounding of INT4 weights (moekv/models/gptq.py, quantization_calibration=): the rounding keeps
+the layer's output error below round-to-nearest's, the collectors' second moments are the rows each
+weight sees, and an engine calibrated at start serves the rounded experts, attention projections and
+LM head.
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_gptq.py
 """
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moekv import LLM
-from moekv.models.gptq import ExpertInputs, gptq_int4
+from moekv.models.gptq import ExpertInputs, InputMoments, gptq_int4
 from moekv.ops.quantized_weight import QuantizedWeight, quantize_int4
 from moekv.ops.reference import fused_moe_ref
 
@@ -40,6 +41,37 @@ def test_gptq_lowers_the_output_error_below_round_to_nearest():
     assert torch.equal(gptq_int4(w, torch.zeros(200, 200), 64).codes, rtn.codes)
 
 
+def test_act_order_keeps_the_layout_and_lowers_the_output_error():
+    """Columns rounded by descending input energy (act_order): the group scales and zero points are
+    round-to-nearest's (taken before any column moves), so the groups stay contiguous; the output
+    error is below round-to-nearest's, and below natural order's where a few inputs carry most energy."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 200, generator=g)
+    energy = torch.ones(200)
+    energy[torch.randperm(200, generator=g)[:12]] = 30.0  # a few large input channels, scattered
+    x = _correlated_inputs(1024, 200, 4) * energy
+    h = x.T.double() @ x.double()
+    ao, natural = gptq_int4(w, h, group_size=64, act_order=True), gptq_int4(w, h, group_size=64)
+    rtn = quantize_int4(w, 64, zero_point=True)
+    assert torch.equal(ao.scales, rtn.scales) and torch.equal(ao.zeros, rtn.zeros)
+
+    def out_err(qw):
+        return ((x @ w.T - x @ qw.dequantize().T) ** 2).sum().item()
+
+    assert out_err(ao) < 0.7 * out_err(rtn)
+    assert out_err(ao) < out_err(natural)
+
+
+def test_input_moments_add_up_over_calls():
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(3, 8, generator=g), torch.randn(2, 1, 8, generator=g)
+    moments = InputMoments()
+    moments.observe("w", a)
+    moments.observe("w", b)
+    rows = torch.cat([a, b.reshape(2, 8)]).double()
+    assert torch.allclose(moments.h["w"], rows.T @ rows) and moments.h["w"].dtype == torch.float64
+
+
 def test_expert_inputs_are_the_routed_rows_second_moments():
     g = torch.Generator().manual_seed(2)
     E, H, I = 4, 16, 8
@@ -58,16 +90,21 @@ def test_expert_inputs_are_the_routed_rows_second_moments():
     assert collector.rows.tolist() == [3, 3, 2, 2]
 
 
-def test_engine_rounds_its_experts_on_the_calibration_text(mixtral_ckpt, tmp_path):
+def test_engine_rounds_its_weights_on_the_calibration_text(mixtral_ckpt, tmp_path):
     text = tmp_path / "calibration.txt"
     text.write_text("It was the best of times, it was the worst of times. To be, or not to be. " * 40)
     engine = dict(dtype="float32", max_model_len=128)
     gptq = LLM(str(mixtral_ckpt), **engine, quantization="int4", quantization_calibration=str(text))
     rtn = LLM(str(mixtral_ckpt), **engine, quantization="int4")
-    ours, theirs = gptq.engine.runner.model.layers[0], rtn.engine.runner.model.layers[0]
-    assert isinstance(ours.mlp.w13, QuantizedWeight) and isinstance(ours.mlp.w2, QuantizedWeight)
-    assert not torch.equal(ours.mlp.w13.codes, theirs.mlp.w13.codes)  # rounded otherwise
-    assert torch.equal(ours.self_attn.qkv_proj.codes, theirs.self_attn.qkv_proj.codes)  # attention: RTN in both
+    model, rtn_model = gptq.engine.runner.model, rtn.engine.runner.model
+    ours, theirs = model.layers[0], rtn_model.layers[0]
+    # experts, attention projections and LM head: int4 in quantize-on-load's layout, rounded otherwise
+    for mine, other in ((ours.mlp.w13, theirs.mlp.w13), (ours.mlp.w2, theirs.mlp.w2),
+                        (ours.self_attn.qkv_proj, theirs.self_attn.qkv_proj),
+                        (ours.self_attn.o_proj, theirs.self_attn.o_proj), (model.lm_head, rtn_model.lm_head)):
+        assert isinstance(mine, QuantizedWeight) and mine.scale_block == other.scale_block
+        assert mine.codes.shape == other.codes.shape and not torch.equal(mine.codes, other.codes)
+    assert model.hooks.hidden_observer is None and ours.hooks.projection_observer is None  # observers removed
     stats = gptq.engine.stats(device=False)
     assert stats.prompt_tokens == 0 and stats.kv_pages_used == 0  # the calibration left nothing behind
     assert stats.weight_bytes == rtn.engine.stats(device=False).weight_bytes

@@ -26,7 +26,7 @@ from moekv.models.tokenizer import IncrementalDetokenizer, NoTokenizer, Tokenize
 from moekv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moekv.sampling_params import SamplingParams
 
-CALIBRATION_TOKENS = 8192  # of quantization_calibration's text (GPTQ rounding of int4 experts)
+CALIBRATION_TOKENS = 8192  # of quantization_calibration's text (GPTQ rounding of int4 weights)
 
 log = logging.getLogger("moekv")
 
@@ -111,19 +111,19 @@ class LLMEngine:
         self.kv_bits_per_element = self.runner.kv_format.bits_per_element(cfg.num_kv_heads, self.runner.block_size,
                                                                           cfg.head_dim)
         if config.quantization_calibration is not None:
-            self._calibrate_experts(Path(config.quantization_calibration), salt)
+            self._calibrate_weights(Path(config.quantization_calibration), salt)
 
-    def _calibrate_experts(self, text: Path, salt: bytes) -> None:
-        """GPTQ rounding of the int4 experts (ModelRunner.start_expert_calibration): the text's first
+    def _calibrate_weights(self, text: Path, salt: bytes) -> None:
+        """GPTQ rounding of the int4 weights (ModelRunner.start_weight_calibration): the text's first
         CALIBRATION_TOKENS tokens run through the engine as prompts of up to 512 tokens (prefill),
-        then the runner rounds each expert on its routed inputs. Pages, prefix cache and counters start
-        afresh after."""
+        then the runner rounds each expert on its routed inputs and each attention projection and the
+        LM head on theirs. Pages, prefix cache and counters start afresh after."""
         ids = self.tokenizer.encode(text.read_text(encoding="utf-8"))[:CALIBRATION_TOKENS]
         chunk = min(512, self.max_model_len - 1)
         prompts = [ids[i:i + chunk] for i in range(0, len(ids), chunk) if len(ids[i:i + chunk]) > 1]
         if not prompts:
             raise ValueError(f"quantization_calibration={str(text)!r} holds no text to calibrate on")
-        self.runner.start_expert_calibration()
+        self.runner.start_weight_calibration()
         done = False
         try:
             for prompt in prompts:
@@ -133,7 +133,7 @@ class LLMEngine:
                 self.step()
             done = True
         finally:
-            self.runner.finish_expert_calibration(round_experts=done)
+            self.runner.finish_weight_calibration(round_weights=done)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
                                           enable_prefix_caching=self.config.cache.enable_prefix_caching,
                                           cache_salt=salt)

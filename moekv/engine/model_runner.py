@@ -41,13 +41,14 @@ from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import GraphStepHooks, KVFormat, get_kv_format, nonfinite_verdict, raise_nonfinite
 from moekv.kvcache.formats.fragment import decode_kernel_for_model
 from moekv.kvcache.formats.latent import latent_format_for
+from moekv.layers.attention import Attention
 from moekv.layers.parallel import StaticDispatch, kv_heads_of_rank, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.decoder import MoEDecoder
-from moekv.models.gptq import ExpertInputs, gptq_stacked
+from moekv.models.gptq import ExpertInputs, InputMoments, gptq_int4, gptq_stacked
 from moekv.models.loader import Shard, install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
-from moekv.models.quantize import quantize_model, replace_weight, weight_bytes, weight_quantization
+from moekv.models.quantize import QUANTIZED_ATTENTION, quantize_model, replace_weight, weight_bytes, weight_quantization
 from moekv.routing.cluster_map import ClusterMap
 from moekv.routing.placement import LocalityCounter, Placement
 
@@ -261,7 +262,7 @@ class ModelRunner:
         self.expert_placement: dict[int, torch.Tensor] | None = None
         if self.parallel is None:
             load_device = torch.device("cpu") if config.experts.expert_offload else self.device
-            # experts to be GPTQ-rounded (quantization_calibration) load 16-bit; _quantize takes the rest
+            # weights to be GPTQ-rounded (quantization_calibration) load 16-bit
             return load_model(config.model, self.dtype, load_device, model_cfg, config.load_format,
                               quantization=None if config.quantization_calibration else config.quantization)
         tp = self.parallel.tp
@@ -284,33 +285,54 @@ class ModelRunner:
         if loaded is not None and self.config.experts.expert_offload:
             raise ValueError(f"expert_offload=True is not supported with quantized weights (the checkpoint holds "
                              f"{loaded} weights): its expert caches copy 16-bit expert tensors")
-        if method is not None:
-            # with quantization_calibration the experts wait for the engine's calibration (GPTQ)
-            quantize_model(self.model, method, experts=self.config.quantization_calibration is None)
+        if method is not None and self.config.quantization_calibration is None:
+            # with quantization_calibration the weights wait, 16-bit, for the engine's calibration (GPTQ)
+            quantize_model(self.model, method)
         return method or loaded
 
-    def start_expert_calibration(self) -> None:
-        """Wrap every MoE layer's executor in an ExpertInputs (models/gptq.py) until
-        finish_expert_calibration: the steps run in between add their routed inputs to each expert's
-        second moments."""
+    def start_weight_calibration(self) -> None:
+        """Until finish_weight_calibration, the steps add the inputs of every weight int4 quantizes to
+        their second moments: each MoE layer's executor wrapped in an ExpertInputs (each expert's
+        routed rows), the attention projections' inputs and the LM head's (the final norm's output,
+        every row) into an InputMoments (models/gptq.py)."""
         cfg = self.model_cfg
         for moe in moe_layers(self.model).values():
             moe.hooks.experts = ExpertInputs(moe.hooks.experts, cfg.num_experts, cfg.hidden_size,
                                              cfg.moe_intermediate_size, self.device)
+        self._moments = InputMoments()
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.self_attn, Attention):
+                layer.hooks.projection_observer = lambda name, x, i=i: self._moments.observe(f"{i}.{name}", x)
+        if self.model.lm_head is not None:
+            self.model.hooks.hidden_observer = lambda hidden: self._moments.observe("lm_head", hidden)
 
-    def finish_expert_calibration(self, round_experts: bool = True) -> None:
-        """Unwrap the executors; with round_experts, replace each layer's 16-bit w13 and w2 by their
-        GPTQ-rounded int4 (models/gptq.gptq_stacked on the collected second moments)."""
+    def finish_weight_calibration(self, round_weights: bool = True) -> None:
+        """Unwrap the executors and observers; with round_weights, replace the 16-bit experts (w13, w2),
+        attention projections and LM head by their GPTQ-rounded int4 (models/gptq.py) on the collected
+        second moments; a weight the text never reached is rounded to nearest."""
+        moments, self._moments = self._moments, None
+        self.model.hooks.hidden_observer = None
+        for layer in self.model.layers:
+            layer.hooks.projection_observer = None
         for moe in moe_layers(self.model).values():
             collector = moe.hooks.experts
             moe.hooks.experts = collector.inner
-            if round_experts:
+            if round_weights:
                 replace_weight(moe, "w13", gptq_stacked(moe.w13.data, collector.h13))
                 replace_weight(moe, "w2", gptq_stacked(moe.w2.data, collector.h2))
-        if round_experts:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            self.weight_bytes = weight_bytes(self.model)
+        if not round_weights:
+            return
+        for i, layer in enumerate(self.model.layers):
+            for name in QUANTIZED_ATTENTION if isinstance(layer.self_attn, Attention) else ():
+                w = getattr(layer.self_attn, name).data
+                h = moments.h.get(f"{i}.{name}", torch.zeros(w.shape[1], w.shape[1], dtype=torch.float64))
+                replace_weight(layer.self_attn, name, gptq_int4(w, h.to(w.device)))
+        if self.model.lm_head is not None:
+            w = self.model.lm_head.data
+            h = moments.h.get("lm_head", torch.zeros(w.shape[1], w.shape[1], dtype=torch.float64))
+            replace_weight(self.model, "lm_head", gptq_int4(w, h.to(w.device)))
+        quantize_model(self.model, "int4")  # anything left 16-bit that int4 takes (none on the models above)
+        self.weight_bytes = weight_bytes(self.model)
 
     def _shard(self) -> None:
         """Phase 2, shard: what a rank's loaded shard still needs (the expert-parallel tables on its

@@ -85,6 +85,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         T = x.shape[0]
+        if self.hooks.projection_observer is not None:
+            self.hooks.projection_observer("qkv_proj", x)
         qkv = _project(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":  # OLMoE normalises the whole projection, before clipping
@@ -123,6 +125,8 @@ class Attention(nn.Module):
             o = attend_mixed(fmt.attend, q, cache, ctx, self.scale, self.sliding_window, step_kv, **sinks)
         else:
             o = fmt.attend(q, cache, ctx, self.scale, self.sliding_window, step_kv, **sinks)
+        if hooks.projection_observer is not None:
+            hooks.projection_observer("o_proj", o.reshape(T, self.q_size))
         if hooks.tp is None:
             return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
         out = hooks.tp.all_reduce(_project(o.reshape(T, self.q_size), self.o_proj, None))  # partial sums

@@ -53,6 +53,9 @@ class LayerHooks:
     tp: Any = None
     # called as after_attention(attn_out) (the expert L2 prefetch's late launch point, experts/l2_prefetch.py)
     after_attention: Callable | None = None
+    # called as projection_observer(name, x) with the input x [T, K] of the attention projection `name`
+    # ('qkv_proj', 'o_proj') before it runs (GPTQ calibration of int4 weights, models/gptq.py)
+    projection_observer: Callable | None = None
 
 
 @dataclass(eq=False)
@@ -65,3 +68,6 @@ class DecoderHooks:
     before_layer: Callable | None = None
     # called as after_layers() once the last layer has run (joins the L2 prefetch's side stream)
     after_layers: Callable | None = None
+    # called as hidden_observer(hidden) with the final norm's output [T, H], every row (the LM head's
+    # input; GPTQ calibration of int4 weights, models/gptq.py)
+    hidden_observer: Callable | None = None

@@ -76,7 +76,10 @@ class MoEDecoder(nn.Module):
             x, delta = layer(x, delta, ctx)
         if after_layers is not None:
             after_layers()
-        return self.norm.add_and_norm(x, delta)[1]
+        hidden = self.norm.add_and_norm(x, delta)[1]
+        if self.hooks.hidden_observer is not None:
+            self.hooks.hidden_observer(hidden)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> logits [S, V] in fp32."""

@@ -35,16 +35,15 @@ def quantize_stacked(w: torch.Tensor, method: str) -> QuantizedWeight:
 
 
 @torch.no_grad()
-def quantize_model(model: MoEDecoder, method: str, experts: bool = True) -> MoEDecoder:
+def quantize_model(model: MoEDecoder, method: str) -> MoEDecoder:
     """Quantize, in place, every 16-bit weight of the chosen kinds that is not quantized already
-    (a pre-quantized checkpoint's are kept as loaded); experts=False leaves the experts 16-bit
-    (for GPTQ rounding after a calibration pass: models/gptq.py)."""
+    (a pre-quantized checkpoint's, or GPTQ's after a calibration pass, are kept as they are)."""
     for layer in model.layers:
         for name in QUANTIZED_ATTENTION if isinstance(layer.self_attn, Attention) else ():
             w = getattr(layer.self_attn, name)
             if not isinstance(w, QuantizedWeight):
                 replace_weight(layer.self_attn, name, quantize(w.data, method))
-        if experts and isinstance(layer.mlp, SparseMoE):
+        if isinstance(layer.mlp, SparseMoE):
             for name in QUANTIZED_EXPERTS:
                 w = getattr(layer.mlp, name)
                 if not isinstance(w, QuantizedWeight):

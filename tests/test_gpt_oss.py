@@ -192,6 +192,29 @@ def test_mxfp4_experts_match_transformers(gpt_oss_mxfp4_ckpt):
     assert out.outputs[0].token_ids == greedy_ref(hf, PROMPTS[0], 12)
 
 
+def test_mxfp4_experts_kept_quantized(gpt_oss_mxfp4_ckpt):
+    """keep_quantized=True (the default on CUDA): the experts load as MXFP4 QuantizedWeights holding the
+    checkpoint's bytes, gate and up rows reordered as the dequantizing load reorders them, and each MoE
+    layer (its reference path here, the fused kernels on CUDA) computes what the dequantized one does."""
+    from moekv.models.loader import load_model
+    from moekv.models.quantize import weight_quantization
+    from moekv.ops.quantized_weight import QuantizedWeight
+
+    kept = load_model(gpt_oss_mxfp4_ckpt, torch.float32, torch.device("cpu"), keep_quantized=True)
+    plain = load_model(gpt_oss_mxfp4_ckpt, torch.float32, torch.device("cpu"))
+    assert weight_quantization(kept) == "mxfp4" and weight_quantization(plain) is None
+    x = torch.randn(5, kept.layers[0].mlp.w13.shape[2], generator=torch.Generator().manual_seed(0))
+    for a, b in zip(kept.layers, plain.layers):
+        for name in ("w13", "w2"):
+            w = getattr(a.mlp, name)
+            assert isinstance(w, QuantizedWeight) and w.method == "mxfp4"
+            assert torch.equal(w.dequantize(torch.float32), getattr(b.mlp, name))
+        assert torch.allclose(a.mlp(x), b.mlp(x), rtol=1e-5, atol=1e-6)
+    # the pair's halves land in one expert tensor: 4 bits a weight and a byte per 32
+    w13 = kept.layers[0].mlp.w13
+    assert w13.nbytes == w13.shape.numel() // 2 + w13.shape.numel() // 32
+
+
 def test_mxfp4_missing_half_is_a_clear_error(gpt_oss_mxfp4_ckpt, tmp_path):
     from moekv.models.loader import CheckpointError
 

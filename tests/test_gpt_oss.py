@@ -84,11 +84,12 @@ def hf_model(path: Path):
 
 def check_logits(llm, hf, tol=1e-4):
     ours = llm.score([{"prompt_token_ids": p} for p in PROMPTS])
-    for prompt, logits in zip(PROMPTS, ours):
+    for i, (prompt, logits) in enumerate(zip(PROMPTS, ours)):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float()
         assert logits.shape == ref.shape
-        assert (logits - ref).abs().max().item() < tol
+        diff = (logits.float().cpu() - ref).abs().max(dim=-1).values  # [positions]
+        assert diff.max().item() < tol, f"prompt {i}: max |logits - transformers'| per position {diff.tolist()}"
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
@@ -190,6 +191,29 @@ def test_mxfp4_experts_match_transformers(gpt_oss_mxfp4_ckpt):
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=12, temperature=0.0,
                                                                           ignore_eos=True))[0]
     assert out.outputs[0].token_ids == greedy_ref(hf, PROMPTS[0], 12)
+
+
+def test_mxfp4_experts_kept_quantized(gpt_oss_mxfp4_ckpt):
+    """keep_quantized=True (the default on CUDA): the experts load as MXFP4 QuantizedWeights holding the
+    checkpoint's bytes, gate and up rows reordered as the dequantizing load reorders them, and each MoE
+    layer (its reference path here, the fused kernels on CUDA) computes what the dequantized one does."""
+    from moekv.models.loader import load_model
+    from moekv.models.quantize import weight_quantization
+    from moekv.ops.quantized_weight import QuantizedWeight
+
+    kept = load_model(gpt_oss_mxfp4_ckpt, torch.float32, torch.device("cpu"), keep_quantized=True)
+    plain = load_model(gpt_oss_mxfp4_ckpt, torch.float32, torch.device("cpu"))
+    assert weight_quantization(kept) == "mxfp4" and weight_quantization(plain) is None
+    x = torch.randn(5, kept.layers[0].mlp.w13.shape[2], generator=torch.Generator().manual_seed(0))
+    for a, b in zip(kept.layers, plain.layers):
+        for name in ("w13", "w2"):
+            w = getattr(a.mlp, name)
+            assert isinstance(w, QuantizedWeight) and w.method == "mxfp4"
+            assert torch.equal(w.dequantize(torch.float32), getattr(b.mlp, name))
+        assert torch.allclose(a.mlp(x), b.mlp(x), rtol=1e-5, atol=1e-6)
+    # the pair's halves land in one expert tensor: 4 bits a weight and a byte per 32
+    w13 = kept.layers[0].mlp.w13
+    assert w13.nbytes == w13.shape.numel() // 2 + w13.shape.numel() // 32
 
 
 def test_mxfp4_missing_half_is_a_clear_error(gpt_oss_mxfp4_ckpt, tmp_path):
@@ -313,14 +337,49 @@ def test_cuda_bf16_graphs_match_eager(gpt_oss_hd64_ckpt, name):
     out = llm.generate(prompts, params)
     assert llm.engine.runner.graphs is graphs, "the graph path failed and fell back to eager (see the log)"
     assert graphs.num_replays > 10
-    for a, b in zip(ref, out):  # bf16: a first divergence may only be a near-tie
+    for i, (a, b) in enumerate(zip(ref, out)):  # bf16: a first divergence may only be a near-tie
         ok, where = _first_divergence_is_a_tie(a.outputs[0].token_ids, a.outputs[0].logprobs,
                                                b.outputs[0].token_ids, b.outputs[0].logprobs)
-        assert ok, f"{name}: {where}"
+        assert ok, (f"{name}, prompt {i} (graphs against eager): {where}; eager {a.outputs[0].token_ids}, "
+                    f"graphs {b.outputs[0].token_ids}")
     if name == "bf16":
         fp32 = LLM(str(gpt_oss_hd64_ckpt), dtype="float32", device="cuda", max_model_len=128,
                    max_num_batched_tokens=12)
         check_logits(fp32, hf_model(gpt_oss_hd64_ckpt), tol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_hd64_mxfp4_ckpt(tmp_path_factory):
+    return build_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "hd64", seed=6, head_dim=64, mxfp4=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused MXFP4 kernels and CUDA graphs need a CUDA device")
+def test_cuda_mxfp4_experts_stay_quantized(gpt_oss_hd64_mxfp4_ckpt):
+    """On CUDA the MXFP4 experts load as QuantizedWeights (4.25 bits a weight) and the fused MXFP4
+    kernels run them: fp32 logits match transformers' on the dequantized weights, and bf16 decode steps
+    replayed from CUDA graphs give the eager steps' greedy tokens."""
+    from moekv.ops.quantized_weight import QuantizedWeight
+    from tests.test_cuda_graphs import _first_divergence_is_a_tie
+
+    fp32 = LLM(str(gpt_oss_hd64_mxfp4_ckpt), dtype="float32", device="cuda", max_model_len=128,
+               max_num_batched_tokens=12)
+    w13 = fp32.engine.runner.model.layers[0].mlp.w13
+    assert isinstance(w13, QuantizedWeight) and w13.method == "mxfp4" and w13.codes.is_cuda
+    assert fp32.engine.runner.quantization == "mxfp4"
+    check_logits(fp32, hf_model(gpt_oss_hd64_mxfp4_ckpt.parent / "hd64"), tol=1e-3)
+    del fp32
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=4)
+    ref = LLM(str(gpt_oss_hd64_mxfp4_ckpt), enforce_eager=True, **kwargs).generate(prompts, params)
+    llm = LLM(str(gpt_oss_hd64_mxfp4_ckpt), **kwargs)
+    out = llm.generate(prompts, params)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 10
+    for a, b in zip(ref, out):
+        ok, where = _first_divergence_is_a_tie(a.outputs[0].token_ids, a.outputs[0].logprobs,
+                                               b.outputs[0].token_ids, b.outputs[0].logprobs)
+        assert ok, where
 
 
 def test_info_names_windows_sinks_and_tiered_refusal(gpt_oss_ckpt, capsys):

@@ -1,9 +1,18 @@
 """Fused MoE with quantized experts (moekv/ops/fused_moe_quant.py: fp8 per-channel, int4 groups of 128
-with zero points) beside the bf16 kernel (moekv/ops/fused_moe.py), at the Mixtral-8x7B expert shape
-(H=4096, I=14336, E=8, top-2), one CUDA device; and the quantized projection GEMV
-(moekv/ops/quant_linear.py) beside the bf16 one (ops/dense_gemv.py) at the qkv shape [6144, 4096].
+with zero points, mxfp4 as gpt-oss's checkpoints ship it) beside the bf16 kernel (moekv/ops/fused_moe.py),
+one CUDA device, at an expert shape (--shape): Mixtral-8x7B's (H=4096, I=14336, E=8, top-2), or
+gpt-oss-20b's / 120b's (H=I=2880, E=32 / 128, top-4, with its expert biases and clamped SwiGLU in
+the epilogues); and the quantized projection GEMV (moekv/ops/quant_linear.py) beside the bf16 one
+(ops/dense_gemv.py) at the shape's qkv projection (not for mxfp4: gpt-oss's attention is bf16).
 
     python benchmarks/kernels/bench_moe_quant.py --out benchmarks/results/h200/moe_quant.json
+    python benchmarks/kernels/bench_moe_quant.py --shape gpt-oss-20b --weights bf16 mxfp4 fp8 int4 \
+        --tokens 1 2 4 8 --out benchmarks/results/h100/moe_quant_gpt_oss_20b.json
+
+With mxfp4 the experts are random MXFP4 bytes (codes uniform, scales 2^-8 .. 2^-6: weights of about
+0.02), and the other kinds are those weights dequantized to bf16 (and quantized from there), so every
+row computes with the same experts. T=8 at top-4 is 32 pairs: the grouped GEMM (GEMV_MAX_PAIRS=16);
+--path gemv forces the GEMV there too.
 
 Timings: CUDA-graph replays (triton.testing.do_bench_cudagraph, median), as the decode step runs
 them. bytes = the touched experts' codes, scales and zero points (all of a projection's) + x read +
@@ -24,14 +33,19 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from moekv.models.mxfp4 import mxfp4_weight  # noqa: E402
 from moekv.models.quantize import quantize_stacked  # noqa: E402
 from moekv.ops import dense_gemv, fused_moe_quant, quant_linear  # noqa: E402
 from moekv.ops import fused_moe as fm  # noqa: E402
 from moekv.ops.quantized_weight import QuantizedWeight, quantize  # noqa: E402
-from moekv.ops.reference import fused_moe_ref, linear_ref  # noqa: E402
+from moekv.ops.reference import clamped_swiglu_moe_ref, fused_moe_ref, linear_ref  # noqa: E402
 
 DEVICE = "cuda"
-E, H, I, K_TOP = 8, 4096, 14336, 2
+# expert shape (E, H, I, top-k, qkv rows, gpt-oss's epilogues)
+SHAPES = {"mixtral-8x7b": (8, 4096, 14336, 2, 6144, False),
+          "gpt-oss-20b": (32, 2880, 2880, 4, 5120, True),
+          "gpt-oss-120b": (128, 2880, 2880, 4, 5120, True)}
+SWIGLU = (1.702, 7.0)  # gpt-oss's alpha and limit
 
 
 def measure_hbm_gbps() -> float:
@@ -50,53 +64,90 @@ def expert_bytes(w, experts: list[int]) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=list(SHAPES), default="mixtral-8x7b")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 64])
-    p.add_argument("--weights", nargs="*", default=["bf16", "fp8", "int4"])
+    p.add_argument("--weights", nargs="*", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4", "mxfp4"])
+    p.add_argument("--path", choices=["auto", "gemv", "gemm"], default="auto",
+                   help="the MoE kernel's path (auto: the GEMV at T*k <= GEMV_MAX_PAIRS, the grouped GEMM beyond)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    E, H, I, K_TOP, QKV, oss = SHAPES[args.shape]
+    path = None if args.path == "auto" else args.path
     torch.manual_seed(0)
     hbm = measure_hbm_gbps()
     print(f"copy bandwidth {hbm:.0f} GB/s", flush=True)
-    w13 = (torch.randn(E, 2 * I, H, device=DEVICE) * H ** -0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device=DEVICE) * I ** -0.5).to(torch.bfloat16)
-    proj = (torch.randn(6144, H, device=DEVICE) * H ** -0.5).to(torch.bfloat16)
+    m13 = m2 = None
+    if "mxfp4" in args.weights:  # random MXFP4 bytes; the other kinds start from their dequantized weights
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+        def random_mxfp4(*shape):
+            *lead, N, K = shape
+            blocks = torch.randint(0, 256, (*lead, N, K // 32, 16), dtype=torch.uint8, device=DEVICE, generator=gen)
+            scales = torch.randint(119, 122, (*lead, N, K // 32), dtype=torch.uint8, device=DEVICE, generator=gen)
+            return mxfp4_weight(blocks, scales)
+
+        m13, m2 = random_mxfp4(E, 2 * I, H), random_mxfp4(E, H, I)
+        w13, w2 = m13.dequantize(torch.bfloat16), m2.dequantize(torch.bfloat16)
+    else:
+        w13 = (torch.randn(E, 2 * I, H, device=DEVICE) * H ** -0.5).to(torch.bfloat16)
+        w2 = (torch.randn(E, H, I, device=DEVICE) * I ** -0.5).to(torch.bfloat16)
+    proj = (torch.randn(QKV, H, device=DEVICE) * H ** -0.5).to(torch.bfloat16)
+    b13 = (torch.randn(E, 2 * I, device=DEVICE) * 0.1).to(torch.bfloat16)
+    b2 = (torch.randn(E, H, device=DEVICE) * 0.1).to(torch.bfloat16)
+    epilogue = dict(biases=(b13, b2), clamped_swiglu=SWIGLU) if oss else {}
     rows = []
     for weights in args.weights:
+        qp = None
         if weights == "bf16":
             q13, q2, qp = w13, w2, proj
-            run = fm.fused_moe
+            kernel = fm.fused_moe
             project = dense_gemv.dense_gemv
+        elif weights == "mxfp4":
+            q13, q2 = m13, m2
+            kernel = fused_moe_quant.fused_moe_quant
         else:
             q13, q2 = quantize_stacked(w13, weights), quantize_stacked(w2, weights)
             qp = quantize(proj, weights)
-            run = fused_moe_quant.fused_moe_quant
+            kernel = fused_moe_quant.fused_moe_quant
             project = quant_linear.quant_gemv
+
+        def run(x, topw, ids, kernel=kernel, q13=q13, q2=q2):
+            return kernel(x, q13, q2, topw, ids, path=path, **epilogue)
+
         for T in args.tokens:
+            if path == "gemv" and T * K_TOP > fm.GEMV_MAX_PAIRS:
+                print(f"moe  {weights:>5} T={T:3d} skipped: --path gemv takes T*k <= {fm.GEMV_MAX_PAIRS}", flush=True)
+                continue
             x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
             logits = torch.randn(T, E, device=DEVICE)
             topw, ids = torch.softmax(logits, -1).topk(K_TOP)
             topw = topw / topw.sum(-1, keepdim=True)
-            out = run(x, q13, q2, topw, ids)
-            ref = fused_moe_ref(x, q13, q2, topw, ids)
+            out = run(x, topw, ids)
+            ref = (clamped_swiglu_moe_ref(x, q13, b13, q2, b2, topw, ids, *SWIGLU) if oss
+                   else fused_moe_ref(x, q13, q2, topw, ids))
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             touched = ids.unique().tolist()
             nbytes = expert_bytes(q13, touched) + expert_bytes(q2, touched) + 2 * x.numel() * 2
-            ms = do_bench_cudagraph(lambda: run(x, q13, q2, topw, ids), rep=200)
+            if oss:  # each touched expert's biases
+                nbytes += len(touched) * (2 * I + H) * b13.element_size()
+            ms = do_bench_cudagraph(lambda: run(x, topw, ids), rep=200)
             floor = nbytes / hbm / 1e6
-            rows.append(dict(op="moe", weights=weights, tokens=T, ms=ms, floor_ms=floor, frac_of_floor=floor / ms,
-                             bytes=nbytes, max_err=err))
-            print(f"moe  {weights:>4} T={T:3d} {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) err {err:.1e}",
+            rows.append(dict(op="moe", shape=args.shape, weights=weights, tokens=T, path=args.path, ms=ms,
+                             floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
+            print(f"moe  {weights:>5} T={T:3d} {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) err {err:.1e}",
                   flush=True)
+        if qp is None:
+            continue
         x = torch.randn(1, H, device=DEVICE).to(torch.bfloat16)
         out = project(x, qp)
         ref = linear_ref(x, qp)
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        nbytes = (qp.nbytes if isinstance(qp, QuantizedWeight) else qp.numel() * 2) + 2 * (H + 6144)
+        nbytes = (qp.nbytes if isinstance(qp, QuantizedWeight) else qp.numel() * 2) + 2 * (H + QKV)
         ms = do_bench_cudagraph(lambda: project(x, qp), rep=200)
         floor = nbytes / hbm / 1e6
-        rows.append(dict(op="qkv_gemv", weights=weights, tokens=1, ms=ms, floor_ms=floor, frac_of_floor=floor / ms,
-                         bytes=nbytes, max_err=err))
-        print(f"qkv  {weights:>4} T=  1 {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) err {err:.1e}", flush=True)
+        rows.append(dict(op="qkv_gemv", shape=args.shape, weights=weights, tokens=1, ms=ms, floor_ms=floor,
+                         frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
+        print(f"qkv  {weights:>5} T=  1 {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) err {err:.1e}", flush=True)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
               "copy_bandwidth_gbps": hbm, "rows": rows}

@@ -250,6 +250,11 @@ def install_l2_prefetch(model, config, device: torch.device) -> ExpertL2Prefetch
         raise ValueError(f"expert_l2_prefetch=True needs a CUDA device; device={device}")
     if not moe_layers(model):
         raise ValueError("expert_l2_prefetch=True but the model has no MoE layer")
+    from moekv.ops.quantized_weight import QuantizedWeight
+
+    if any(isinstance(moe.w13, QuantizedWeight) for moe in moe_layers(model).values()):
+        raise ValueError("expert_l2_prefetch=True prefetches 16-bit expert weights; this model's experts are "
+                         "quantized (a pre-quantized checkpoint, or gpt-oss's MXFP4)")
     if config.experts.expert_predictor is not None:
         predictor = ExpertPredictor.load(config.experts.expert_predictor, model)
         predictor.check_engine_use("expert_l2_prefetch=True")

@@ -104,13 +104,14 @@ class SparseMoE(nn.Module):
 
     def _clamped_swiglu_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """gpt-oss's experts (biases, the clamped SwiGLU) on this device: the fused kernels with those
-        epilogues where the layer's executor is FusedExperts, the reference where it is ReferenceExperts."""
+        epilogues where the layer's executor is FusedExperts (16-bit or quantized experts: MXFP4 as the
+        checkpoint ships them, fp8 / int4), the reference where it is ReferenceExperts."""
         hooks, act = self.hooks, self.clamped_swiglu
         if isinstance(hooks.experts, FusedExperts) and hooks.tp is None:
-            from moekv.ops.fused_moe import fused_moe
+            from moekv.ops.fused_moe_quant import fused_experts
 
-            return fused_moe(x, self.w13, self.w2, weights, expert_ids, biases=(self.w13_bias, self.w2_bias),
-                             clamped_swiglu=(act.alpha, act.limit))
+            return fused_experts(x, self.w13, self.w2, weights, expert_ids, biases=(self.w13_bias, self.w2_bias),
+                                 clamped_swiglu=(act.alpha, act.limit))
         if isinstance(hooks.experts, ReferenceExperts) and hooks.tp is None:
             return clamped_swiglu_moe_ref(x, self.w13, self.w13_bias, self.w2, self.w2_bias, weights, expert_ids,
                                           act.alpha, act.limit)

@@ -1,8 +1,9 @@
 """GptOssForCausalLM (gpt-oss-20b / 120b): attention with biases, a learned sink logit per query
 head and alternating sliding-window / full layers (`layer_types`), YaRN RoPE, a router with a logit
 bias whose top-k logits are softmaxed (= softmax over all experts, top-k, renormalised), experts with
-biases and a clamped SwiGLU, expert weights in bf16 or MXFP4 (`*_blocks` / `*_scales`, dequantized
-to the model's dtype on load).
+biases and a clamped SwiGLU, expert weights in bf16 or MXFP4 (`*_blocks` / `*_scales`: kept as
+MXFP4 QuantizedWeights for the fused kernels on a CUDA device, dequantized to the model's dtype on
+load elsewhere).
 
 The checkpoint stores experts stacked and transposed ([E, in, out]: gate_up_proj [E, H, 2I] with
 gate and up columns interleaved, down_proj [E, I, H]); the reader below turns them into the
@@ -19,7 +20,8 @@ import torch
 
 from moekv.models.model_config import (ClampedSwiGLU, ModelConfig, UnsupportedModelError, YarnRope, dtype_from,
                                        eos_ids_from, require)
-from moekv.models.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
+from moekv.models.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4, empty_mxfp4, mxfp4_weight
+from moekv.ops.quantized_weight import QuantizedWeight
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 # quantization_config methods this module reads itself (its TensorReader), not the loader's prequantized path
@@ -130,19 +132,39 @@ def gate_rows_then_up_rows(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
 
 
+EXPERT_WEIGHTS = ("w13", "w2")
+
+
+def install_mxfp4_experts(model) -> set[str]:
+    """On a meta model (before allocation): every MoE layer's w13 and w2 replaced by an empty MXFP4
+    QuantizedWeight of its shape, for a TensorReader(keep_mxfp4=True) to fill; returns their names."""
+    from moekv.layers.moe import SparseMoE
+    from moekv.models.quantize import replace_weight
+
+    names = set()
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, SparseMoE):
+            for attr in EXPERT_WEIGHTS:
+                replace_weight(layer.mlp, attr, empty_mxfp4(tuple(getattr(layer.mlp, attr).shape)))
+                names.add(f"layers.{i}.mlp.{attr}")
+    return names
+
+
 class TensorReader:
     """Reads one checkpoint's tensors for the loader: stacked experts transposed to [E, out, in],
     gate_up's (and its bias's) interleaved rows split into gate rows then up rows;
     an MXFP4 pair (`<name>_blocks`, `<name>_scales`, possibly in different files) held until both
-    halves are read, then dequantized to `<name>` in `dtype`. Everything else is left to the loader."""
+    halves are read, then dequantized to `<name>` in `dtype`, or with keep_mxfp4 returned as an MXFP4
+    QuantizedWeight (its rows reordered alike). Everything else is left to the loader."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, keep_mxfp4: bool = False) -> None:
         self.dtype = dtype
+        self.keep_mxfp4 = keep_mxfp4
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
-    def read(self, raw_name: str, f) -> tuple[str, torch.Tensor | None] | None:
-        """(name, tensor) for the loader (tensor None: read `name` from f as usual), or None: the
-        first half of an MXFP4 pair, kept until its other half comes."""
+    def read(self, raw_name: str, f) -> tuple[str, torch.Tensor | QuantizedWeight | None] | None:
+        """(name, tensor) for the loader (tensor None: read `name` from f as usual; a QuantizedWeight:
+        a kept MXFP4 pair), or None: the first half of an MXFP4 pair, kept until its other half comes."""
         for suffix in (BLOCKS_SUFFIX, SCALES_SUFFIX):
             if raw_name.endswith(suffix):
                 base = raw_name[: -len(suffix)]
@@ -151,7 +173,10 @@ class TensorReader:
                 if len(halves) < 2:
                     return None
                 del self.pending[base]
-                # dequantized rows are already [E, out, in]: no transpose
+                # blocks and scales rows are already [E, out, ...]: no transpose
+                if self.keep_mxfp4:
+                    return base, mxfp4_weight(self._rows(base, halves[BLOCKS_SUFFIX]),
+                                              self._rows(base, halves[SCALES_SUFFIX]))
                 return base, self._rows(base, dequantize_mxfp4(halves[BLOCKS_SUFFIX], halves[SCALES_SUFFIX],
                                                                self.dtype))
         if _STACKED.match(raw_name):

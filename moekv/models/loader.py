@@ -257,7 +257,7 @@ def init_dummy_weights(model: MoEDecoder, seed: int = 0) -> MoEDecoder:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                cfg: ModelConfig | None = None, load_format: str = "auto", shard: Shard | None = None,
-               quantization: str | None = None) -> MoEDecoder:
+               quantization: str | None = None, keep_quantized: bool | None = None) -> MoEDecoder:
     """The checkpoint's weights (load_format 'auto' / 'safetensors'), or random ones of its
     config.json's shape ('dummy': for benchmarks of a model whose weights are not on the machine).
     shard: one rank's part only (tensor / expert parallel): only its rows are read and allocated
@@ -265,7 +265,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     quantization: 'fp8' / 'int4' quantize each 16-bit tensor of the weights quantize_model takes as
     it is read (models/quantize.py: the same result as quantizing the loaded model, without the 16-bit
     model ever on the device); ignored with a shard, 'dummy', or a pre-quantized checkpoint (whose
-    own layout is read: models/prequantized.py)."""
+    own layout is read: models/prequantized.py). keep_quantized: whether an architecture that reads its
+    own quantized layout (READS_QUANTIZATION: gpt-oss's MXFP4 experts) keeps it quantized (on one rank,
+    without `quantization`) or dequantizes it; None: keep it on CUDA, where the fused kernels read it."""
     model_dir = Path(model_dir)
     cfg = cfg or load_model_config(model_dir)
     if load_format not in LOAD_FORMATS:
@@ -280,17 +282,25 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         full_shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}
     arch = ARCH_MODULES[cfg.architecture]
     files = safetensors_files(model_dir)
-    # an architecture that reads its checkpoint's own quantized layout (gpt-oss: MXFP4 experts, dequantized
-    # by its TensorReader) declares it in READS_QUANTIZATION; any other layout goes through prequantized.py
+    # an architecture that reads its checkpoint's own quantized layout (gpt-oss: MXFP4 experts, by its
+    # TensorReader) declares it in READS_QUANTIZATION; any other layout goes through prequantized.py.
+    # On one CUDA device without quantize-on-load its quantized experts stay quantized (the fused
+    # kernels read them); elsewhere the reader dequantizes them
     hf = read_json(model_dir / "config.json", "config.json")
     own = (hf.get("quantization_config") or {}).get("quant_method") in getattr(arch, "READS_QUANTIZATION", ())
+    if keep_quantized is None:
+        keep_quantized = torch.device(device).type == "cuda"
+    keep_own = own and keep_quantized and shard is None and quantization is None
     scheme = None if own else checkpoint_quantization(hf)
     targets = _quantized_targets(files, arch, cfg, scheme)
     if targets and shard is not None:
         raise CheckpointError(f"{model_dir} holds pre-quantized weights, which load on one rank only "
                               "(tensor_parallel_size=1)")
     on_load: set[str] = set()
-    if targets:
+    if keep_own:
+        targets = set()
+        cut = lambda m: targets.update(arch.install_mxfp4_experts(m))  # noqa: E731
+    elif targets:
         cut = lambda m: install_placeholders(m, targets, scheme, dtype)  # noqa: E731
     elif quantization is not None and shard is None:
         cut = lambda m: install_empty_quantized(m, quantization, dtype)  # noqa: E731
@@ -306,7 +316,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                                f"model holds {params[name].shape[dim]}")
     filled: dict[str, int] = {name: 0 for name in params}
     # an architecture whose tensors need more than a rename (gpt-oss: transposed experts, MXFP4 pairs)
-    reader = arch.TensorReader(dtype) if hasattr(arch, "TensorReader") else None
+    reader = ((arch.TensorReader(dtype, keep_mxfp4=True) if keep_own else arch.TensorReader(dtype))
+              if hasattr(arch, "TensorReader") else None)
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -329,6 +340,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                     _quantize_into(quantized[resolved[0]], resolved[1],
                                    f.get_tensor(raw_name) if tensor is None else tensor, dtype, raw_name, path)
                     for part in ("codes", "scales", "zeros"):
+                        parts_seen[(resolved[0], part)] = parts_seen.get((resolved[0], part), 0) + 1
+                    continue
+                if isinstance(tensor, QuantizedWeight):  # a quantized weight the reader assembled (MXFP4)
+                    if resolved is None or resolved[0] not in quantized:
+                        raise CheckpointError(f"{path.name}: {raw_name!r} is quantized ({tensor.method}) where "
+                                              f"the model keeps a 16-bit weight")
+                    _copy_quantized(quantized[resolved[0]], resolved[1], tensor, raw_name, path)
+                    for part in ("codes", "scales"):
                         parts_seen[(resolved[0], part)] = parts_seen.get((resolved[0], part), 0) + 1
                     continue
                 if resolved is not None and resolved[0] in quantized:  # a part of a pre-quantized weight
@@ -453,6 +472,18 @@ def _quantize_into(qw: QuantizedWeight, index: _Index, tensor: torch.Tensor, dty
         dest = getattr(qw, buffer)
         if dest is not None:
             (dest[index] if index else dest).copy_(getattr(part, buffer))
+
+
+@torch.no_grad()
+def _copy_quantized(qw: QuantizedWeight, index: _Index, part: QuantizedWeight, name: str, path: Path) -> None:
+    """A whole quantized tensor of the checkpoint (the region `index` of qw: all of it, or one
+    expert) into the model's QuantizedWeight of the same kind."""
+    dest = qw[index[0]] if index else qw
+    if len(index) > 1 or part.method != dest.method or tuple(part.shape) != tuple(dest.shape):
+        raise CheckpointError(f"{path.name}: {name!r} is {part.method} {tuple(part.shape)}, the model's "
+                              f"{qw.method} weight needs {tuple(dest.shape)} there")
+    for buffer in ("codes", "scales"):
+        getattr(dest, buffer).copy_(getattr(part, buffer))
 
 
 @torch.no_grad()

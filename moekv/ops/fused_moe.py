@@ -108,8 +108,8 @@ def dot_tiles(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _activate(gate, up, b13_ptr, row, offs_n, n_ok, N: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-              ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+def activate(gate, up, b13_ptr, row, offs_n, n_ok, N: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+             ALPHA: tl.constexpr, LIMIT: tl.constexpr):
     """The gate/up epilogue (fp32): silu(gate) * up, or with CLAMPED gpt-oss's clamped SwiGLU
     (ops/reference.clamped_swiglu_ref); HAS_BIAS: the expert's b13 (at element `row` of b13_ptr: gate
     at n, up at N + n) added first. gate, up: [..., BLOCK_N] along offs_n."""
@@ -132,7 +132,7 @@ def _gate_up_gemm_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr
                          b13_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
                          ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0):
     """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, N + n]) for the pairs of one block
-    (with HAS_BIAS / CLAMPED: _activate's epilogue). N = I, K = H."""
+    (with HAS_BIAS / CLAMPED: activate's epilogue). N = I, K = H."""
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -165,8 +165,8 @@ def _gate_up_gemm_kernel(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr
         a_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    h = _activate(acc_g, acc_u, b13_ptr, expert * stride_be, offs_n[None, :], n_ok[None, :], N, HAS_BIAS, CLAMPED,
-                  ALPHA, LIMIT)
+    h = activate(acc_g, acc_u, b13_ptr, expert * stride_be, offs_n[None, :], n_ok[None, :], N, HAS_BIAS, CLAMPED,
+                 ALPHA, LIMIT)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -220,7 +220,7 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
                          ROW_SUMS: tl.constexpr, b13_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False,
                          CLAMPED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0):
     """Program (pair, n-block): h[pair, n-block] from one [2 x BLOCK_N, H] slab of its expert
-    (with HAS_BIAS / CLAMPED: _activate's epilogue).
+    (with HAS_BIAS / CLAMPED: activate's epilogue).
     With PDL its expert id comes from the kernel before: wait first, then let the down GEMV start.
     ROW_SUMS: reduce the products every step (see dense_gemv.row_dots)."""
     wait_for_inputs(PDL)
@@ -268,7 +268,7 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, h_ptr, expert_ids_ptr, num_pairs,
     else:
         gate = tl.sum(acc_g, axis=1)
         up = tl.sum(acc_u, axis=1)
-    h = _activate(gate, up, b13_ptr, expert * stride_be, offs_n, n_ok, N, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
+    h = activate(gate, up, b13_ptr, expert * stride_be, offs_n, n_ok, N, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
     tl.store(h_ptr + pair * stride_hm + offs_n * stride_hn, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -453,7 +453,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                          f"topk_ids {tuple(topk_ids.shape)}")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"fused_moe: x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
-    epilogue = _epilogue_args(w13, w2, biases, clamped_swiglu)
+    epilogue = epilogue_args(w13, w2, biases, clamped_swiglu)
     M = T * k
     if M == 0:
         return torch.zeros_like(x)
@@ -511,7 +511,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return sum_partials(y.view(1, T, k, H), x.dtype)
 
 
-def _epilogue_args(w13: torch.Tensor, w2: torch.Tensor, biases, clamped_swiglu) -> dict[str, dict]:
+def epilogue_args(w13: torch.Tensor, w2: torch.Tensor, biases, clamped_swiglu) -> dict[str, dict]:
     """The gate/up and down kernels' epilogue keywords (none beyond their defaults for silu without biases)."""
     gate_up, down = {}, {}
     if biases is not None:

@@ -1,6 +1,7 @@
-"""Fused MoE experts step with weight-only quantized experts (fp8 or int4 QuantizedWeight w13 / w2).
+"""Fused MoE experts step with weight-only quantized experts (fp8, int4 or mxfp4 QuantizedWeight w13 / w2).
 
-Semantics are those of `moekv.ops.reference.fused_moe_ref` on the dequantized weights; the paths and
+Semantics are those of `moekv.ops.reference.fused_moe_ref` on the dequantized weights (with gpt-oss's
+expert biases and clamped SwiGLU: `clamped_swiglu_moe_ref`, the epilogues of ops/fused_moe.py); the paths and
 grids are those of ops/fused_moe.py (read it first), with each weight tile dequantized in registers
 (ops/quant_tiles.dequant_tile) instead of loaded:
 - GEMV for decode (T*k <= GEMV_MAX_PAIRS): program (pair, n-block[, k-split]) streams the codes of a
@@ -26,9 +27,11 @@ import triton.language as tl
 from moekv.ops.fused_moe import (
     GEMV_MAX_PAIRS,
     GemmConfig,
+    activate,
     default_gemm_config,
     default_splits,
     dot_tiles,
+    epilogue_args,
     fused_moe,
     interpreting,
     moe_align_block_size,
@@ -53,7 +56,10 @@ DEFAULT_QUANT_GEMV = QuantGemvConfig()
 
 def weight_args(w: QuantizedWeight):
     """(codes, scales, zeros-or-scales, expert stride of codes, row stride of codes, expert stride of
-    scales, row stride of scales) as the kernels take them; [N, K] matrices have expert stride 0."""
+    scales, row stride of scales) as the kernels take them; [N, K] matrices have expert stride 0.
+    The codes are contiguous (QuantizedWeight keeps them so): quant_tiles relies on it."""
+    if not w.codes.is_contiguous():
+        raise ValueError("the quantized kernels read contiguous codes; this weight's are a strided view")
     zeros = w.scales if w.zeros is None else w.zeros
     if w.codes.dim() == 3:
         return w.codes, w.scales, zeros, w.codes.stride(0), w.codes.stride(1), w.scales.stride(0), w.scales.stride(1)
@@ -62,7 +68,7 @@ def weight_args(w: QuantizedWeight):
 
 def layout_constants(w: QuantizedWeight) -> dict:
     SN, SK = w.scale_block
-    return dict(INT4=w.method == "int4", HAS_ZEROS=w.zeros is not None, SN=SN, SK=SK)
+    return dict(INT4=w.method == "int4", MXFP4=w.method == "mxfp4", HAS_ZEROS=w.zeros is not None, SN=SN, SK=SK)
 
 
 # -- GEMV kernels (decode) ----------------------------------------------------------------------
@@ -70,10 +76,12 @@ def layout_constants(w: QuantizedWeight) -> dict:
 def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num_pairs,
                           N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                           stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_hm,
-                          INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                          SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (pair, n-block): h[pair, n-block] = silu(gate) * up from the dequantized rows n and
-    N + n of its expert's w13 (N = I, K = H)."""
+                          INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
+                          SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          b13_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
+                          ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0):
+    """Program (pair, n-block): h[pair, n-block] = silu(gate) * up (with HAS_BIAS / CLAMPED:
+    fused_moe.activate's epilogue) from the dequantized rows n and N + n of its expert's w13 (N = I, K = H)."""
     pid = tl.program_id(0)
     pair = pid % num_pairs
     pid_n = pid // num_pairs
@@ -90,11 +98,11 @@ def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        acc_g += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
-                                SCALE_MODE, BLOCK_N, BLOCK_K)
-        acc_u += quant_row_dots(c_e, s_e, z_e, rows + N, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN,
-                                SK, SCALE_MODE, BLOCK_N, BLOCK_K)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        acc_g += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS,
+                                SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc_u += quant_row_dots(c_e, s_e, z_e, rows + N, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, MXFP4,
+                                HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+    h = activate(acc_g, acc_u, b13_ptr, expert * stride_be, offs_n, n_ok, N, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
     tl.store(h_ptr + pair * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -102,10 +110,12 @@ def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num
 def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_ids_ptr, num_pairs,
                        N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                        stride_hm, stride_ce, stride_cn, stride_se, stride_sn, stride_ys, stride_ym,
-                       INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                       SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
+                       SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
     """Program (pair, n-block, split): y[split, pair, n-block] = weight * the partial dot of h[pair]
-    with the dequantized rows of its expert's w2 over K_PER_SPLIT columns (N = H, K = I)."""
+    with the dequantized rows of its expert's w2 over K_PER_SPLIT columns (N = H, K = I); with
+    HAS_BIAS the expert's b2 added by split 0."""
     pid = tl.program_id(0)
     pair = pid % num_pairs
     rest = pid // num_pairs
@@ -124,8 +134,11 @@ def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_id
         k0 = split * K_PER_SPLIT + kk
         offs_k = k0 + tl.arange(0, BLOCK_K)
         hv = tl.load(h_ptr + pair * stride_hm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        acc += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, hv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
-                              SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, hv, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS,
+                              SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        if split == 0:
+            acc += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(y_ptr + split * stride_ys + pair * stride_ym + offs_n, acc, mask=n_ok)
 
@@ -146,11 +159,14 @@ def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
 def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
                           num_pairs, num_m_blocks, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                           stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_hm,
-                          INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr):
-    """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, N + n]) for the pairs of one
-    block, each weight tile dequantized to x's dtype before the dot. N = I, K = H."""
+                          INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
+                          SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr,
+                          b13_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
+                          ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0):
+    """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, N + n]) (with HAS_BIAS / CLAMPED:
+    fused_moe.activate's epilogue) for the pairs of one block, each weight tile dequantized to x's
+    dtype before the dot. N = I, K = H."""
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -171,13 +187,14 @@ def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :],
                     mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        g = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+        g = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
                          BLOCK_N, BLOCK_K, PER_TILE)
-        u = dequant_tile(c_e, s_e, z_e, rows + N, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+        u = dequant_tile(c_e, s_e, z_e, rows + N, n_ok, k0, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
                          BLOCK_N, BLOCK_K, PER_TILE)
         acc_g = dot_tiles(a, tl.trans(g).to(a.dtype), acc_g, UPCAST, IEEE)
         acc_u = dot_tiles(a, tl.trans(u).to(a.dtype), acc_u, UPCAST, IEEE)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = activate(acc_g, acc_u, b13_ptr, expert * stride_be, offs_n[None, :], n_ok[None, :], N, HAS_BIAS, CLAMPED,
+                 ALPHA, LIMIT)
     h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -186,10 +203,12 @@ def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
 def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
                        num_pairs, num_m_blocks, N: tl.constexpr, K: tl.constexpr,
                        stride_hm, stride_ce, stride_cn, stride_se, stride_sn, stride_ym,
-                       INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr):
-    """y[pair, n] = weight[pair] * (h[pair] . w2[e, n]) in fp32, w2's tiles dequantized. N = H, K = I."""
+                       INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
+                       SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr,
+                       b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
+    """y[pair, n] = weight[pair] * (h[pair] . w2[e, n] (+ b2[e, n] with HAS_BIAS)) in fp32, w2's tiles
+    dequantized. N = H, K = I."""
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -209,9 +228,11 @@ def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(h_ptr + pair[:, None] * stride_hm + offs_k[None, :],
                     mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        b = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN, SK,
+        b = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
                          BLOCK_N, BLOCK_K, PER_TILE)
         acc = dot_tiles(a, tl.trans(b).to(a.dtype), acc, UPCAST, IEEE)
+    if HAS_BIAS:
+        acc += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + pair[:, None] * stride_ym + offs_n[None, :], acc * w[:, None],
              mask=row_ok[:, None] & n_ok[None, :])
@@ -220,26 +241,30 @@ def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
 # -- launchers ----------------------------------------------------------------------------------
 def _check_block_k(block_k: int, *weights: QuantizedWeight) -> None:
     for w in weights:
-        if w.method == "int4" and block_k % 8:
-            raise ValueError(f"block_k={block_k} must be a multiple of 8 for int4 weights")
+        if w.method in ("int4", "mxfp4") and block_k % 8:
+            raise ValueError(f"block_k={block_k} must be a multiple of 8 for {w.method} weights")
 
 
-def _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee):
+def _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee, epilogue=None):
     c, s, z, sce, scn, sse, ssn = weight_args(w2)
     _qdown_gemm_kernel[(block_expert_ids.numel() * triton.cdiv(H, cfg.block_n),)](
         h, c, s, z, y, weights, sorted_ids, block_expert_ids, M, block_expert_ids.numel(), H, I,
         h.stride(0), sce, scn, sse, ssn, y.stride(0), **layout_constants(w2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=upcast,
         IEEE=ieee, PER_TILE=scale_mode(w2.scale_block[1], I, cfg.block_k) == SCALES_PER_TILE,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(epilogue or {}))
 
 
 def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, *, path: str | None = None,
-                    config: GemmConfig | QuantGemvConfig | None = None) -> torch.Tensor:
+                    config: GemmConfig | QuantGemvConfig | None = None,
+                    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    clamped_swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """fused_moe_ref's contract with quantized experts: x [T, H] (16-bit or fp32); w13 a
     QuantizedWeight [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x.dtype.
-    path: "gemv" | "gemm" | None (gemv when T*k <= GEMV_MAX_PAIRS)."""
+    path: "gemv" | "gemm" | None (gemv when T*k <= GEMV_MAX_PAIRS). gpt-oss's experts
+    (clamped_swiglu_moe_ref's contract): biases (b13 [E, 2I], b2 [E, H]) and clamped_swiglu (alpha,
+    limit), as fused_moe takes them."""
     T, H = x.shape
     E, two_i, H_w = w13.shape
     I = two_i // 2
@@ -248,6 +273,7 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         raise ValueError(f"fused_moe_quant: shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
                          f"w2 {tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, "
                          f"topk_ids {tuple(topk_ids.shape)}")
+    epilogue = epilogue_args(w13, w2, biases, clamped_swiglu)
     x = x if x.stride(-1) == 1 else x.contiguous()
     M = T * k
     if M == 0:
@@ -265,7 +291,7 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         _qgate_up_gemv_kernel[(M * triton.cdiv(I, cfg.block_n),)](
             x, c, s, z, h, ids, M, I, H, k, x.stride(0), sce, scn, sse, ssn, h.stride(0),
             **layout_constants(w13), SCALE_MODE=scale_mode(w13.scale_block[1], H, cfg.block_k), BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, **launch)
+            BLOCK_K=cfg.block_k, **epilogue["gate_up"], **launch)
         num_n = triton.cdiv(H, cfg.block_n)
         k_blocks = triton.cdiv(I, cfg.block_k)
         splits = min(cfg.num_splits or default_splits(M * num_n, k_blocks, num_sms_of(x.device)), k_blocks)
@@ -276,7 +302,7 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         _qdown_gemv_kernel[(M * num_n * splits,)](
             h, c, s, z, y, weights, ids, M, H, I, k_per_split, h.stride(0), sce, scn, sse, ssn,
             y.stride(0), y.stride(1), **layout_constants(w2), SCALE_MODE=scale_mode(w2.scale_block[1], I, cfg.block_k),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **epilogue["down"], **launch)
         return sum_partials(y.view(splits, T, k, H), x.dtype)
     if path != "gemm":
         raise ValueError(f"fused_moe_quant: path must be 'gemv', 'gemm' or None, got {path!r}")
@@ -292,9 +318,9 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         x.stride(0), sce, scn, sse, ssn, h.stride(0), **layout_constants(w13),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=upcast,
         IEEE=ieee, PER_TILE=scale_mode(w13.scale_block[1], H, cfg.block_k) == SCALES_PER_TILE,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **epilogue["gate_up"])
     y = torch.empty(M, H, dtype=torch.float32, device=x.device)  # [M, H], one row per pair
-    _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee)
+    _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee, epilogue["down"])
     return sum_partials(y.view(1, T, k, H), x.dtype)
 
 
@@ -316,10 +342,13 @@ def quant_gemm(x: torch.Tensor, w: QuantizedWeight, config: GemmConfig | None = 
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """fused_moe for 16-bit experts, fused_moe_quant for quantized ones (both quantized or neither)."""
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  clamped_swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+    """fused_moe for 16-bit experts, fused_moe_quant for quantized ones (both quantized or neither);
+    biases / clamped_swiglu: gpt-oss's epilogues (fused_moe's contract)."""
     if isinstance(w13, QuantizedWeight) != isinstance(w2, QuantizedWeight):
         raise ValueError("w13 and w2 must both be quantized or both not")
     if isinstance(w13, QuantizedWeight):
-        return fused_moe_quant(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_quant(x, w13, w2, topk_weights, topk_ids, biases=biases, clamped_swiglu=clamped_swiglu)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, biases=biases, clamped_swiglu=clamped_swiglu)

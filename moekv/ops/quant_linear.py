@@ -39,8 +39,8 @@ DEFAULT_SHAPE = QuantGemvShape()
 @triton.jit
 def _quant_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, num_tokens, stride_xt, stride_cn, stride_sn,
                        stride_ot, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                       SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
+                       SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     t = pid % num_tokens
     offs_n = (pid // num_tokens) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,8 +50,8 @@ def _quant_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, num_tokens, s
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        acc += quant_row_dots(c_ptr, s_ptr, z_ptr, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, HAS_ZEROS, SN,
-                              SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc += quant_row_dots(c_ptr, s_ptr, z_ptr, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS,
+                              SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

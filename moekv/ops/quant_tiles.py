@@ -2,37 +2,87 @@
 QuantizedWeight's matrix, dequantized to fp32 in registers (the layout: ops/quantized_weight.py).
 
 Reference: `QuantizedWeight.dequantize` (fp32), tile by tile.
+
+INT4 and MXFP4 codes share their packing (8 nibbles an int32, the lowest first); an MXFP4 nibble is
+an E2M1 value, decoded by placing its bits in an fp16 (`e2m1_values`: exact, 2^-14 times the value,
+subnormals included), the 2^14 folded into the group's E8M0 scale (`e8m0_scales`).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+MXFP4_SCALE_SHIFT = tl.constexpr(14)  # e2m1_values gives 2^-14 times each value; e8m0_scales 2^14 times each scale
+
+
+@triton.jit
+def e2m1_values(nibbles):
+    """E2M1 codes (int32 0..15: sign bit 3, exponent bits 2..1, mantissa bit 0) -> fp32, 2^-14 times
+    their values: the exponent and mantissa bits become an fp16's lowest exponent bits and top mantissa
+    bit, whose bias (15 against E2M1's 1) scales every value, the subnormal 0.5 included, by 2^-14."""
+    bits = ((nibbles & 0x8) << 12) | ((nibbles & 0x7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e8m0_scales(exponents):
+    """E8M0 scales (uint8, biased by 127) -> fp32 2^(e - 127) * 2^14 (see e2m1_values), built in the
+    exponent field: exact for e <= 240 (models/mxfp4.py refuses larger ones), never subnormal."""
+    return ((exponents.to(tl.int32) + MXFP4_SCALE_SHIFT) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_values(raw, MXFP4: tl.constexpr):
+    if MXFP4:
+        return e8m0_scales(raw)
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def _code_values(codes_ptr, rows, n_ok, k0, K: tl.constexpr, stride_cn, INT4: tl.constexpr, MXFP4: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile's codes as fp32 [BLOCK_N, BLOCK_K] (0 past K and on masked rows): fp8 values, int4
+    codes 0..15, or MXFP4 values times 2^-14 (8 nibbles an int32 for both; BLOCK_K % 8 == 0)."""
+    if INT4 or MXFP4:
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        ptrs = codes_ptr + rows[:, None] * stride_cn + offs_w[None, :]
+        if (K // 8) % 4 == 0 and BLOCK_K % 32 == 0:
+            # QuantizedWeight's codes are contiguous (stride_cn = K / 8): every row and tile starts 16-byte aligned
+            # (the hint is in bytes), which Triton cannot see in a stride like gpt-oss's 360 words; told, it
+            # loads 128 bits at a time (4 LDG.128 a K step instead of 16 LDG.32, sm_90 SASS)
+            ptrs = tl.multiple_of(ptrs, [1, 16])
+        words = tl.load(ptrs,
+                        mask=n_ok[:, None] & (offs_w < K // 8)[None, :], other=0)  # [BLOCK_N, BLOCK_K / 8]
+        nibbles = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+        if MXFP4:
+            q = e2m1_values(nibbles)
+        else:
+            q = nibbles.to(tl.float32)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(codes_ptr + rows[:, None] * stride_cn + offs_k[None, :],
+                    mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+    return q
+
 
 @triton.jit
 def dequant_tile(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, K: tl.constexpr, stride_cn, stride_sn,
-                 INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                 INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_TILE: tl.constexpr = False):
     """Rows `rows` (int64 [BLOCK_N], valid where n_ok) and columns k0 .. k0 + BLOCK_K of one matrix
     (codes_ptr / scales_ptr / zeros_ptr at its first element; the last dims contiguous, rows
     stride_cn and stride_sn apart; zeros shaped as the scales) -> fp32 [BLOCK_N, BLOCK_K]; 0 past K
-    and on masked rows. INT4: codes hold 8 features per int32, lowest nibble first; BLOCK_K % 8 == 0.
-    PER_TILE (scale_mode SCALES_PER_TILE: the tile lies in one group): one scale and zero point per
-    row, not one load per element."""
+    and on masked rows. INT4 / MXFP4: codes hold 8 features per int32, lowest nibble first;
+    BLOCK_K % 8 == 0. PER_TILE (scale_mode SCALES_PER_TILE: the tile lies in one group): one scale
+    and zero point per row, not one load per element."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     mask = n_ok[:, None] & k_ok[None, :]
-    if INT4:
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(codes_ptr + rows[:, None] * stride_cn + offs_w[None, :],
-                        mask=n_ok[:, None] & (offs_w < K // 8)[None, :], other=0)  # [BLOCK_N, BLOCK_K / 8]
-        nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-        q = tl.reshape(nibbles, (BLOCK_N, BLOCK_K)).to(tl.float32)
-    else:
-        q = tl.load(codes_ptr + rows[:, None] * stride_cn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = _code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
     if PER_TILE:
         block = (rows // SN) * stride_sn + k0 // SK  # [BLOCK_N]: the scale index of each row
-        s = tl.load(scales_ptr + block, mask=n_ok, other=0.0).to(tl.float32)
+        s = _scale_values(tl.load(scales_ptr + block, mask=n_ok, other=0), MXFP4)
         if INT4:
             if HAS_ZEROS:
                 q = q - tl.load(zeros_ptr + block, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -41,7 +91,7 @@ def dequant_tile(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, K: tl.constex
         return q * s[:, None]
     else:
         block = (rows // SN)[:, None] * stride_sn + (offs_k // SK)[None, :]  # scale index of each element
-        s = tl.load(scales_ptr + block, mask=mask, other=0.0).to(tl.float32)
+        s = _scale_values(tl.load(scales_ptr + block, mask=mask, other=0), MXFP4)
         if INT4:
             if HAS_ZEROS:
                 q = q - tl.load(zeros_ptr + block, mask=mask, other=0.0).to(tl.float32)
@@ -66,30 +116,21 @@ def scale_mode(scale_k: int, K: int, block_k: int) -> int:
 
 @triton.jit
 def quant_row_dots(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K: tl.constexpr, stride_cn, stride_sn,
-                   INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                   SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
+                   SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """sum_k dequant(w)[row, k] * xv[k] over the tile's columns k0 .. k0 + BLOCK_K -> fp32 [BLOCK_N]
     (xv: fp32 [BLOCK_K], 0 past K). Same contract as dequant_tile, but the scales (and zero points)
     are read once per row and group and applied to the group's partial sums:
     sum (q - z) * s * x = s * (sum q * x - z * sum x)."""
     if SCALE_MODE == 0:
-        w = dequant_tile(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, HAS_ZEROS,
-                         SN, SK, BLOCK_N, BLOCK_K)
+        w = dequant_tile(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, MXFP4,
+                         HAS_ZEROS, SN, SK, BLOCK_N, BLOCK_K)
         return tl.sum(w * xv[None, :], axis=1)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    if INT4:
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(codes_ptr + rows[:, None] * stride_cn + offs_w[None, :],
-                        mask=n_ok[:, None] & (offs_w < K // 8)[None, :], other=0)
-        nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-        q = tl.reshape(nibbles, (BLOCK_N, BLOCK_K)).to(tl.float32)
-    else:
-        q = tl.load(codes_ptr + rows[:, None] * stride_cn + offs_k[None, :],
-                    mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+    q = _code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
     scale_rows = (rows // SN) * stride_sn
     if SCALE_MODE == 1:
         group = k0 // SK
-        s = tl.load(scales_ptr + scale_rows + group, mask=n_ok, other=0.0).to(tl.float32)
+        s = _scale_values(tl.load(scales_ptr + scale_rows + group, mask=n_ok, other=0), MXFP4)
         dots = tl.sum(q * xv[None, :], axis=1)
         if INT4:
             if HAS_ZEROS:
@@ -102,7 +143,7 @@ def quant_row_dots(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K: tl.c
         GROUPS: tl.constexpr = BLOCK_K // SK
         groups = k0 // SK + tl.arange(0, GROUPS)
         g_mask = n_ok[:, None] & (groups < (K + SK - 1) // SK)[None, :]
-        s = tl.load(scales_ptr + scale_rows[:, None] + groups[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        s = _scale_values(tl.load(scales_ptr + scale_rows[:, None] + groups[None, :], mask=g_mask, other=0), MXFP4)
         dots = tl.sum(tl.reshape(q * xv[None, :], (BLOCK_N, GROUPS, SK)), axis=2)  # [BLOCK_N, GROUPS]
         if INT4:
             x_sums = tl.sum(tl.reshape(xv, (GROUPS, SK)), axis=1)  # [GROUPS]

@@ -5,8 +5,9 @@ A `QuantizedWeight` stands in for a weight tensor of logical shape [*batch, N, K
 features, K = input features; batch = [E] for stacked experts, none for a projection). Element
 (n, k) is
 
-    fp8:  codes[n, k] (float8_e4m3fn) * scales[n // SN, k // SK]
-    int4: (code(n, k) - zero) * scales[n // SN, k // SK]
+    fp8:   codes[n, k] (float8_e4m3fn) * scales[n // SN, k // SK]
+    int4:  (code(n, k) - zero) * scales[n // SN, k // SK]
+    mxfp4: MXFP4_VALUES[code(n, k)] * 2 ** (scales[n, k // 32] - 127)
 
 with (SN, SK) = `scale_block`: (1, K) per output channel, (128, 128) DeepSeek-V3-style blocks, (1, G)
 int4 groups of G input features. Scales are stored [*batch, ceil(N / SN), ceil(K / SK)]; a partial
@@ -19,6 +20,13 @@ compressed-tensors' `pack-quantized` order (its int32 `weight_packed` [N, K / 8]
 implicit zero point 8 (`zeros` None); with zero points, `zeros` [*batch, N, ceil(K / G)] holds them
 in code units (float, the scales' dtype).
 
+MXFP4 (OCP microscaling FP4, gpt-oss's experts as their checkpoints ship them: models/mxfp4.py): E2M1
+codes (sign bit 3, two exponent bits, one mantissa bit) two per byte, the low nibble first, and one
+E8M0 exponent (uint8, biased by 127) per group of 32 input features: scale_block (1, 32), scales
+uint8 [*batch, N, K / 32]. The codes are the checkpoint's bytes [*batch, N, K / 2] viewed as int32
+[*batch, N, K / 8] (little-endian): feature 8j + i is then in bits 4i .. 4i + 3 of word j, the INT4
+order, so the kernels unpack both alike. Read from checkpoints only (no quantize-on-load).
+
 Shape legend: E = experts, N = output features, K = input features, G = int4 group size.
 """
 from __future__ import annotations
@@ -26,11 +34,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANT_METHODS = ("fp8", "int4")
+QUANT_METHODS = ("fp8", "int4")  # quantize-on-load's methods (`quantization=`)
+WEIGHT_METHODS = (*QUANT_METHODS, "mxfp4")  # what a QuantizedWeight holds (mxfp4: read from checkpoints)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_GROUP = 128
 INT4_SYMMETRIC_ZERO = 8
 _NIBBLE_SHIFTS = torch.arange(8, dtype=torch.int32) * 4  # feature 8j + i -> bits 4i..4i+3
+MXFP4_GROUP = 32  # input features per E8M0 scale
+E8M0_BIAS = 127
+# E2M1 codes 0..15: sign bit 3, then exponent 2 bits and mantissa 1 bit
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class QuantizedWeight(nn.Module):
@@ -40,14 +53,19 @@ class QuantizedWeight(nn.Module):
     def __init__(self, method: str, shape: tuple[int, ...], codes: torch.Tensor, scales: torch.Tensor,
                  scale_block: tuple[int, int], zeros: torch.Tensor | None = None) -> None:
         super().__init__()
-        if method not in QUANT_METHODS:
-            raise ValueError(f"quantization method {method!r} is unknown; accepted: {list(QUANT_METHODS)}")
+        if method not in WEIGHT_METHODS:
+            raise ValueError(f"quantization method {method!r} is unknown; accepted: {list(WEIGHT_METHODS)}")
         *batch, N, K = shape
         SN, SK = scale_block
-        packed_k = K // 8 if method == "int4" else K
+        packed_k = K // 8 if method in ("int4", "mxfp4") else K
         if method == "int4" and (K % 8 or codes.dtype != torch.int32):
             raise ValueError(f"int4 weights pack 8 input features per int32: K={K} must be a multiple of 8 and "
                              f"codes int32 (got {codes.dtype})")
+        if method == "mxfp4" and (K % MXFP4_GROUP or codes.dtype != torch.int32 or scales.dtype != torch.uint8
+                                  or (SN, SK) != (1, MXFP4_GROUP) or zeros is not None):
+            raise ValueError(f"mxfp4 weights hold int32 codes (8 E2M1 codes a word), uint8 E8M0 scales, one per "
+                             f"(1, {MXFP4_GROUP}) block, no zero points, K a multiple of {MXFP4_GROUP}; got K={K}, "
+                             f"codes {codes.dtype}, scales {scales.dtype}, scale_block {scale_block}")
         if method == "fp8" and codes.dtype != torch.float8_e4m3fn:
             raise ValueError(f"fp8 weights hold float8_e4m3fn codes, got {codes.dtype}")
         if tuple(codes.shape) != (*batch, N, packed_k):
@@ -94,6 +112,11 @@ class QuantizedWeight(nn.Module):
         SN, SK = self.scale_block
         if self.method == "fp8":
             values = self.codes.float()
+        elif self.method == "mxfp4":
+            lut = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=self.codes.device)
+            values = lut[unpack_int4(self.codes).long()]
+            scales = torch.exp2(self.scales.float() - E8M0_BIAS)  # exact: every E8M0 value is an fp32
+            return (values * _expand(scales, SN, SK, N, K)).to(dtype)
         else:
             values = unpack_int4(self.codes).float()
             zeros = (torch.full_like(self.scales, INT4_SYMMETRIC_ZERO, dtype=torch.float32) if self.zeros is None

@@ -120,12 +120,13 @@ def clamped_swiglu_moe_ref(x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor
                            alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's experts step: sum_k weight_k * (down(h) + b2) with gate, up = w13 x + b13 (halves),
     h = clamped_swiglu_ref(gate, up). x [T, H]; w13 [E, 2I, H] (gate rows then up rows, as
-    fused_moe_ref's); b13 [E, 2I]; w2 [E, H, I]; b2 [E, H]; topk_weights, topk_ids [T, k]."""
+    fused_moe_ref's); b13 [E, 2I]; w2 [E, H, I]; b2 [E, H] (w13, w2 tensors or QuantizedWeights);
+    topk_weights, topk_ids [T, k]."""
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids.reshape(-1)).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
-        gate, up = F.linear(x[token_idx], w13[expert], b13[expert]).chunk(2, dim=-1)
-        y = F.linear(clamped_swiglu_ref(gate, up, alpha, limit), w2[expert], b2[expert])
+        gate, up = F.linear(x[token_idx], expert_matrix(w13, expert, x.dtype), b13[expert]).chunk(2, dim=-1)
+        y = F.linear(clamped_swiglu_ref(gate, up, alpha, limit), expert_matrix(w2, expert, x.dtype), b2[expert])
         y = y * topk_weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out

@@ -88,6 +88,88 @@ def _per_lane(x, zero):
         constraints="=r,r,r", args=[x, zero], dtype=gl.int32, is_pure=True, pack=1)
 
 
+# RoPE after the lookup (keys stored before RoPE, ROPE): fp16 pairs multiplied in one instruction each
+@gluon.jit
+def _mul2(a, b):
+    """a * b, fp16, one mul.f16x2 per register pair (Triton's fp16 arithmetic is scalar)."""
+    return gl.inline_asm_elementwise(asm="mul.rn.f16x2 $0, $1, $2;", constraints="=r,r,r", args=[a, b],
+                                     dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _rot2(a, b, c, d):
+    """a * b + c * d and c * b - a * d, fp16 pairs: with (a, c) = (q, q~) and (b, d) = (cos, sin) the page's
+    rotation of q and of its swapped halves (rope_operands)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, u;
+        mul.rn.f16x2 t, $4, $5;
+        fma.rn.f16x2 $0, $2, $3, t;
+        mul.rn.f16x2 u, $2, $5;
+        neg.f16x2 u, u;
+        fma.rn.f16x2 $1, $4, $3, u;
+        }""",
+        constraints="=r,=r,r,r,r,r", args=[a, b, c, d], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+
+TWO_PI_HI = gl.constexpr(6.28125)  # 201 / 32: n * TWO_PI_HI exact for |n| < 2^16 (as ops/decode/rope.py)
+TWO_PI_LO = gl.constexpr(0.0019353071795864769)  # 2 pi - TWO_PI_HI
+INV_TWO_PI = gl.constexpr(0.15915494309189535)
+
+
+@gluon.jit
+def _sin_cos(angle):
+    """sin and cos of fp32 angles: the angle less the nearest multiple of 2 pi in two FMAs, then the
+    hardware's sin.approx / cos.approx (ops/decode/rope.py's _sin_cos)."""
+    n = gl.floor(angle * INV_TWO_PI + 0.5)
+    r = (angle - n * TWO_PI_HI) - n * TWO_PI_LO
+    return gl.inline_asm_elementwise(asm="sin.approx.f32 $0, $2; cos.approx.f32 $1, $2;", constraints="=r,=r,r",
+                                     args=[r], dtype=(gl.float32, gl.float32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _key_tile(kf, LA: gl.constexpr):
+    """A [4 rows, 128 words, 4 bytes, 4 fields] tensor in the keys' code layout -> the K [64, 128] tile it
+    holds in the A-operand layout, no data moved (the fragment order of nuq2_layout.py)."""
+    kf = gl.reshape(kf, [ROWS, 8, 4, 2, 2, 2, 2, 2, 2])  # blk, g, q4, y3, y2, y1, y0, f1, f0
+    kf = gl.permute(kf, [0, 5, 1, 7, 8, 3, 4, 2, 6])  # blk, y1, g | f1, f0, y3, y2, q4, y0
+    kf = gl.reshape(kf, [PAGE, 128])
+    return gl.convert_layout(kf, LA, assert_trivial=True)
+
+
+@gluon.jit
+def _rope_tile_table(tab, LK4: gl.constexpr):
+    """One of the page-independent tables cos(t theta_c) / sin(t theta_c) (t < 64, c mod 64) in the keys'
+    code layout LK4, from its lane order (nuq2_layout.rope_tile_tables: 64 contiguous fp16 a lane a row,
+    eight 128-bit loads)."""
+    LT: gl.constexpr = gl.BlockedLayout([ROWS, 1, 64], [1, 32, 1], [1, 1, 1], [2, 0, 1])
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LT)))
+    ln = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LT)))
+    i = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, LT)))
+    x = gl.load(tab + (gl.expand_dims(gl.expand_dims(r, 1), 2) * 2048 + gl.expand_dims(gl.expand_dims(ln, 0), 2) * 64
+                       + gl.expand_dims(gl.expand_dims(i, 0), 1)))
+    x = gl.reshape(x, [ROWS, 32, 4, 4, 4])  # row, lane, field, word of the lane, byte
+    x = gl.permute(x, [0, 1, 3, 4, 2])  # row, lane, word of the lane, byte, field
+    x = gl.reshape(x, [ROWS, 128, 4, 4])
+    return gl.convert_layout(x, LK4, assert_trivial=True)
+
+
+@gluon.jit
+def rope_operands(q_t, q_x, page_trig, pg, scale, mean):
+    """The B operands [128, 8] of a page whose keys are stored before RoPE, for tokens at pg * 64 + t: with
+    q' = R(-pg * 64) q (q's pairs (c, c + 64) turned back by the page's first position) and its swapped
+    halves w = (q'[c + 64], -q'[c - 64]), the scores are
+        S^T = (C * Z) @ (q' * scale) + (S * Z) @ (w * scale) + C @ (q' * mean) + S @ (w * mean)
+    (C, S [64, 128]: cos / sin of t * theta_(c mod 64), Z the codebook tile; page_tile). q_x: q's swapped
+    halves with the second one negated (q[c + 64], -q[c - 64]); page_trig: fp16 cos / sin of pg * 64 *
+    theta_(c mod 64) per page ([pages, 2, 128], nuq2_decode.rope_tables)."""
+    chan = gl.arange(0, 128, layout=gl.SliceLayout(1, q_t.type.layout))
+    cos = gl.expand_dims(gl.load(page_trig + pg * 256 + chan), 1)
+    sin = gl.expand_dims(gl.load(page_trig + pg * 256 + 128 + chan), 1)
+    qr, w = _rot2(q_t, cos, q_x, sin)
+    return _mul2(qr, scale), _mul2(w, scale), _mul2(qr, mean), _mul2(w, mean)
+
+
 HOT = gl.constexpr(2.0)  # the one-hot tiles' 1: fp16 2.0 is one bit (0x4000); the other operand is halved
 
 
@@ -162,24 +244,42 @@ def _hot_cols(x, col):
 
 
 @gluon.jit
+def _slot_q(q_ptr, head0, idx_b, used, nb, G: gl.constexpr, ROPE: gl.constexpr, pos0, inv_freq):
+    """q[n, c_j] at each slot's channel, fp32 [16, 8]; ROPE (keys stored before RoPE): R(-p_j) q at c_j,
+    p_j = pos0 + t_j the slot's position, since the slot's delta sits at (t_j, c_j) before the rotation:
+    q[c_j] cos + q~[c_j] sin, q~ = (q[c + 64], -q[c - 64])."""
+    c = idx_b & 127
+    mask = gl.expand_dims(nb < G, 0) & gl.expand_dims(used, 1)
+    row = q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128
+    qv = gl.load(row + gl.expand_dims(c, 1), mask=mask, other=0.0).to(gl.float32)
+    if ROPE:
+        qx = gl.load(row + gl.expand_dims((c + 64) & 127, 1), mask=mask, other=0.0).to(gl.float32)
+        qx = gl.where(gl.expand_dims(c < 64, 1), qx, -qx)
+        angle = (pos0 + (idx_b >> 7)).to(gl.float32) * gl.load(inv_freq + (c & 63))
+        sin, cos = _sin_cos(angle)
+        qv = qv * gl.expand_dims(cos, 1) + qx * gl.expand_dims(sin, 1)
+    return qv
+
+
+@gluon.jit
 def _key_slot_chunk_load(k_idx, k_delta, c0, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
-                         LB: gl.constexpr):
+                         LB: gl.constexpr, ROPE: gl.constexpr = False, pos0=0, inv_freq=None):
     """Key slots [c0, c0 + 16) (those below lim): their tokens as OneHot_K's columns, and W [16, 8] =
-    q[n, c_j] kd_j (fp32, the B operand's layout). Unused slots have token 511 and delta 0."""
+    q[n, c_j] kd_j (fp32, the B operand's layout; ROPE: q turned back by the slot's position, _slot_q).
+    Unused slots have token 511 and delta 0."""
     ja = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
     jb = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
     nb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
     tok_j = gl.load(k_idx + ja, mask=ja < lim, other=65535) >> 7
     idx_b = gl.load(k_idx + jb, mask=jb < lim, other=0)
     kd = gl.load(k_delta + jb, mask=jb < lim, other=0.0)
-    qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b & 127, 1),
-                 mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
+    qv = _slot_q(q_ptr, head0, idx_b, jb < lim, nb, G, ROPE, pos0, inv_freq)
     return tok_j, qv * gl.expand_dims(kd * (1.0 / HOT), 1)
 
 
 @gluon.jit
 def _key_slot_chunk0_smem(idx_row, delta_row, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
-                          LB: gl.constexpr):
+                          LB: gl.constexpr, ROPE: gl.constexpr = False, pos0=0, inv_freq=None):
     """_key_slot_chunk_load's first chunk from a staged copy: idx_row, delta_row the page's first 16
     key slot positions and deltas (int32 bits) in shared memory, zero-filled past lim; only the
     tokens need their `other` (65535) re-applied, the zeros are the global loads' own."""
@@ -189,8 +289,7 @@ def _key_slot_chunk0_smem(idx_row, delta_row, lim, q_ptr, head0, G: gl.constexpr
     tok_j = gl.where(ja < lim, idx_row.load(gl.SliceLayout(0, LA)), 65535) >> 7
     idx_b = idx_row.load(gl.SliceLayout(1, LB))
     kd = delta_row.load(gl.SliceLayout(1, LB)).to(gl.float32, bitcast=True)
-    qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b & 127, 1),
-                 mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
+    qv = _slot_q(q_ptr, head0, idx_b, jb < lim, nb, G, ROPE, pos0, inv_freq)
     return tok_j, qv * gl.expand_dims(kd * (1.0 / HOT), 1)
 
 
@@ -257,7 +356,9 @@ def _word_pair(words, i: gl.constexpr):
 def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i, acc, qk_scale,
                n_valid, n_first, k_idx, k_delta, nk, SK, v_idx, v_delta, nv, SV, q_ptr, head0, G: gl.constexpr,
                CHUNK0: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr, k_rows=None,
-               v_rows=None, slots=None, words=None, LK2: gl.constexpr = None, LV2: gl.constexpr = None):
+               v_rows=None, slots=None, words=None, LK2: gl.constexpr = None, LV2: gl.constexpr = None,
+               ROPE: gl.constexpr = False, b_w=None, b_mean=None, b_wmean=None, rope_tile=None, pos0=0,
+               inv_freq=None, LK4: gl.constexpr = None):
     """One page: scores (+ key slots), online softmax, P @ V (+ value slots) into acc (O^T [128, 8]).
     Tokens [n_first, n_valid) of the page count. Slots run in chunks of 16 while used ones remain;
     CHUNK0: the first chunk of each kind runs unconditionally (unused slots add exact zeros; its loads
@@ -265,7 +366,11 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
     From a shared-memory stage (k_rows given; kx, vx, k_table, v_table unused): the code rows from
     k_rows, v_rows [4, 128] int32, the codebook words and used counts from `words` [8] (the nk,
     nv arguments unused) and the first slot chunk from `slots` [64] (as stage_page puts them), each read where it
-    is needed (code rows in layouts LK2, LV2)."""
+    is needed (code rows in layouts LK2, LV2).
+    ROPE (keys stored before RoPE, at positions pos0 + t): the codebook tile Z times the tables C, S of
+    rope_tile (cos / sin of t * theta, in the code layout LK4) gives four products, the B operands
+    (q_scaled, b_w, b_mean, b_wmean) of rope_operands, bias the zero scores; the key slots' q turned back by
+    their own positions (inv_freq: theta_i, fp32 [64])."""
     if k_rows is None:
         k_lo = _per_lane(gl.load(k_table), zero)
         k_hi = _per_lane(gl.load(k_table + 1), zero)
@@ -279,21 +384,26 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
 
     # K: [4 rows, 512 bytes] -> [4, 512, 4] fp16 -> K [64, 128] in the A-operand layout
     kf = _centroid_pairs(gl.expand_dims(gl.expand_dims(kx, 2), 3), shift_k, k_lo, k_hi)
-    kf = gl.reshape(kf, [ROWS, 8, 4, 2, 2, 2, 2, 2, 2])  # blk, g, q4, y3, y2, y1, y0, f1, f0
-    kf = gl.permute(kf, [0, 5, 1, 7, 8, 3, 4, 2, 6])  # blk, y1, g | f1, f0, y3, y2, q4, y0
-    kf = gl.reshape(kf, [PAGE, 128])
-    ka = gl.convert_layout(kf, LA, assert_trivial=True)
-    s = gl.nvidia.ampere.mma_v2(ka, q_scaled, bias)  # S^T [64, 8], from bias [64, 8] (q . mean per head)
+    if ROPE:  # R(t) (mean + scale * Z) for t < 64: Z times cos and sin here, the affine in the B operands
+        cos_t = _rope_tile_table(rope_tile, LK4)
+        s = gl.nvidia.ampere.mma_v2(_key_tile(cos_t, LA), b_mean, bias)
+        s = gl.nvidia.ampere.mma_v2(_key_tile(_mul2(kf, cos_t), LA), q_scaled, s)
+        sin_t = _rope_tile_table(rope_tile + ROWS * 2048, LK4)
+        s = gl.nvidia.ampere.mma_v2(_key_tile(sin_t, LA), b_wmean, s)
+        s = gl.nvidia.ampere.mma_v2(_key_tile(_mul2(kf, sin_t), LA), b_w, s)
+    else:
+        s = gl.nvidia.ampere.mma_v2(_key_tile(kf, LA), q_scaled, bias)  # S^T [64, 8], from bias (q . mean per head)
     if CHUNK0:
         if k_rows is None:
-            k_tok, w = _key_slot_chunk_load(k_idx, k_delta, 0, SK, q_ptr, head0, G, LA, LB)
+            k_tok, w = _key_slot_chunk_load(k_idx, k_delta, 0, SK, q_ptr, head0, G, LA, LB, ROPE, pos0, inv_freq)
         else:
-            k_tok, w = _key_slot_chunk0_smem(slots.slice(0, 16), slots.slice(32, 16), SK, q_ptr, head0, G, LA, LB)
+            k_tok, w = _key_slot_chunk0_smem(slots.slice(0, 16), slots.slice(32, 16), SK, q_ptr, head0, G, LA, LB,
+                                             ROPE, pos0, inv_freq)
         s = _key_slot_chunk(s, k_tok, w, LA)
     if k_rows is not None:
         nk = _word_pair(words, 4)[0]
     for c0 in range(16 if CHUNK0 else 0, nk, 16):
-        k_tok, w = _key_slot_chunk_load(k_idx, k_delta, c0, nk, q_ptr, head0, G, LA, LB)
+        k_tok, w = _key_slot_chunk_load(k_idx, k_delta, c0, nk, q_ptr, head0, G, LA, LB, ROPE, pos0, inv_freq)
         s = _key_slot_chunk(s, k_tok, w, LA)
 
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))
@@ -406,7 +516,8 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                        k_ring, v_ring, stride_rs, stride_rh, stride_rt, R,
                        part_o, part_lse, qk_scale, window, zero, num_splits, ns_total,
                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
-                       PREFETCH: gl.constexpr, SMEM: gl.constexpr, RING: gl.constexpr):
+                       PREFETCH: gl.constexpr, SMEM: gl.constexpr, RING: gl.constexpr,
+                       rope_tile, rope_pages, inv_freq, ROPE: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512]; k_tables, v_tables int32 [N, HKV, 2] (the fp16 centroids); k_mean, k_scale
     fp8 [N, HKV, 128]; k_idx / v_idx int32 [N, HKV, SK / SV] (slot positions, used first), k_delta / v_delta fp32
     (their deltas), k_used / v_used int32 [N, HKV]; q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from
@@ -417,7 +528,12 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     PREFETCH: the next page's side tables asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not);
     SMEM: the next page's codes and side data (scale, mean, codebooks, used counts, first slot chunk) copied into
     shared memory by cp.async while a page computes (two stages) instead of the codes' register double buffer and
-    the side data's loads at the page's start, the page reading them from there."""
+    the side data's loads at the page's start, the page reading them from there.
+    ROPE: the pages hold keys before RoPE (keys_before_rope), page pg's token t at position pg * 64 + t,
+    rotated after the lookup (page_tile, rope_operands): rope_tile fp16 [2, 4, 32, 64] (cos / sin of t *
+    theta_(c mod 64) in the lane order of the code rows), rope_pages fp16 [pages, 2, 128] (cos / sin of
+    pg * 64 * theta_(c mod 64)), inv_freq fp32 [64] (theta_i, for the key slots); the 16-bit tail holds
+    keys after RoPE, as the layer wrote them (nuq2_decode.rope_tables builds the tables)."""
     D: gl.constexpr = 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -455,6 +571,10 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         q_t = gl.load(q_ptr + (head0 + qn[None, :]) * D + qd[:, None],
                       mask=(qn[None, :] < G) & (qd[:, None] < D), other=0.0).to(gl.float32)
         q_t = gl.convert_layout(q_t.to(gl.float16), LB)  # fp16 pairs of channels: one register each
+        if ROPE:  # q's halves swapped, the second negated: (q[c + 64], -q[c - 64]) (rope_operands)
+            q_x = gl.load(q_ptr + (head0 + qn[None, :]) * D + (qd[:, None] + 64) % D,
+                          mask=(qn[None, :] < G) & (qd[:, None] < D), other=0.0).to(gl.float32)
+            q_x = gl.convert_layout(gl.where(qd[:, None] < 64, q_x, -q_x).to(gl.float16), LB)
         chan = gl.arange(0, D, layout=gl.SliceLayout(1, LB))  # constant offsets from one base per thread
         chan_a = gl.arange(0, D, layout=gl.SliceLayout(0, LA))
 
@@ -500,19 +620,35 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 cur = pg % 2
                 side = chan_smem.index(cur)
                 scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
-                mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
+                if ROPE:  # the mean enters the B operands (rope_operands)
+                    mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
+                else:
+                    mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
             else:
                 kx_n = gl.load(k_codes + page_n * WORDS + k_off)
                 vx_n = gl.load(v_codes + page_n * WORDS + v_off)
                 scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
-                mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
-            q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
+                if ROPE:
+                    mean = gl.expand_dims(gl.load(k_mean + page * D + chan).to(gl.float16), 1)
+                else:
+                    mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
+            if ROPE:
+                q_scaled, b_w, b_mean, b_wmean = rope_operands(q_t, q_x, rope_pages, pg, scale, mean)
+                bias = s0
+                tile_tab = rope_tile + pg * zero  # read each page (a table held across the loop would spill)
+            else:
+                q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
+                b_w = None
+                b_mean = None
+                b_wmean = None
+                tile_tab = None
             if SMEM:
                 m_i, l_i, acc = page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i,
                                            acc, qk_scale, page_end - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
                                            k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
                                            None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
-                                           v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2)
+                                           v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2,
+                                           ROPE, b_w, b_mean, b_wmean, tile_tab, pg * PAGE, inv_freq, LK4)
             else:
                 nk = gl.load(k_used + page)
                 nv = gl.load(v_used + page)
@@ -520,7 +656,8 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                                            q_scaled, bias, m_i, l_i, acc, qk_scale, page_end - pg * PAGE,
                                            first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
                                            v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G, CHUNK0,
-                                           LA, LB, MMA)
+                                           LA, LB, MMA, None, None, None, None, None, None,
+                                           ROPE, b_w, b_mean, b_wmean, tile_tab, pg * PAGE, inv_freq, LK4)
                 kx = kx_n
                 vx = vx_n
             page = page_n

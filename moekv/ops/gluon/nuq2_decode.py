@@ -210,9 +210,9 @@ def rope_frequencies(theta: float) -> torch.Tensor:
 
 def rope_tables(theta: float, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Gluon kernel's RoPE tables for keys stored before RoPE (ROPE), made once per (theta, device) on
-    the host, in float64: rope_tile fp16 [2, 4, 32, 64] (cos, sin of t * theta_(c mod 64) for the element
-    (t, c) of each entry, nuq2_layout.rope_tile_elements), rope_pages fp16 [>= num_pages, 2, 128] (cos,
-    sin of 64 pg * theta_(c mod 64)) and inv_freq fp32 [64]. A table is copied to the device, which a CUDA
+    the host, in float64: rope_tile fp16 [2, 4, 32, 32] (cos, sin of t * theta_c for the element (t, c),
+    c < 64, of each entry, nuq2_layout.rope_tile_elements), rope_pages fp16 [>= num_pages, 2, 64] (cos,
+    sin of 64 pg * theta_c) and inv_freq fp32 [64]. A table is copied to the device, which a CUDA
     graph capture refuses: the engine's warm-up step (eager) makes them before."""
     from moekv.ops.gluon.nuq2_layout import rope_tile_elements
 
@@ -225,9 +225,9 @@ def rope_tables(theta: float, num_pages: int, device: torch.device) -> tuple[tor
                                "host, not inside a CUDA graph capture; run a step eagerly first")
         freq = rope_frequencies(theta)
         element = rope_tile_elements()
-        tile_angle = (element // HEAD_DIM).double() * freq[element % HEAD_DIM % (HEAD_DIM // 2)]
+        tile_angle = (element // HEAD_DIM).double() * freq[element % HEAD_DIM]
         pages = max(ROPE_TABLE_PAGES, 1 << max(num_pages - 1, 0).bit_length())
-        page_angle = (torch.arange(pages, dtype=torch.float64) * PAGE_TOKENS)[:, None] * freq.repeat(2)[None, :]
+        page_angle = (torch.arange(pages, dtype=torch.float64) * PAGE_TOKENS)[:, None] * freq[None, :]
         have = (torch.stack([tile_angle.cos(), tile_angle.sin()]).to(device, torch.float16).contiguous(),
                 torch.stack([page_angle.cos(), page_angle.sin()], dim=1).to(device, torch.float16).contiguous(),
                 freq.to(device, torch.float32))

@@ -137,37 +137,161 @@ def _key_tile(kf, LA: gl.constexpr):
     return gl.convert_layout(kf, LA, assert_trivial=True)
 
 
-@gluon.jit
-def _rope_tile_table(tab, LK4: gl.constexpr):
-    """One of the page-independent tables cos(t theta_c) / sin(t theta_c) (t < 64, c mod 64) in the keys'
-    code layout LK4, from its lane order (nuq2_layout.rope_tile_tables: 64 contiguous fp16 a lane a row,
-    eight 128-bit loads)."""
-    LT: gl.constexpr = gl.BlockedLayout([ROWS, 1, 64], [1, 32, 1], [1, 1, 1], [2, 0, 1])
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LT)))
-    ln = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LT)))
-    i = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, LT)))
-    x = gl.load(tab + (gl.expand_dims(gl.expand_dims(r, 1), 2) * 2048 + gl.expand_dims(gl.expand_dims(ln, 0), 2) * 64
-                       + gl.expand_dims(gl.expand_dims(i, 0), 1)))
-    x = gl.reshape(x, [ROWS, 32, 4, 4, 4])  # row, lane, field, word of the lane, byte
-    x = gl.permute(x, [0, 1, 3, 4, 2])  # row, lane, word of the lane, byte, field
-    x = gl.reshape(x, [ROWS, 128, 4, 4])
-    return gl.convert_layout(x, LK4, assert_trivial=True)
+# One 16-token row of the key tile at a time (ROPE): a code row's 4 words a lane as [128 words, 4 bytes, 2 f1,
+# 2 f0] fp16 (byte fastest, then word, f0, f1: the keys' register order; field f = 2 f1 + f0 holds channel
+# 32 f + ..., so f1 is the rotary half and a pair (c, c + 64) shares a byte)
+ROPE_ROW = gl.constexpr(gl.BlockedLayout([4, 4, 2, 2], [32, 1, 1, 1], [1, 1, 1, 1], [1, 0, 3, 2]))
+ROPE_WORDS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ROPE_ROW))))  # a code row [128]
+ROPE_HALF = gl.constexpr(gl.SliceLayout(2, ROPE_ROW))  # a table row [128 words, 4 bytes, 2 f0]: channels c < 64
 
 
 @gluon.jit
-def rope_operands(q_t, q_x, page_trig, pg, scale, mean):
-    """The B operands [128, 8] of a page whose keys are stored before RoPE, for tokens at pg * 64 + t: with
-    q' = R(-pg * 64) q (q's pairs (c, c + 64) turned back by the page's first position) and its swapped
-    halves w = (q'[c + 64], -q'[c - 64]), the scores are
-        S^T = (C * Z) @ (q' * scale) + (S * Z) @ (w * scale) + C @ (q' * mean) + S @ (w * mean)
-    (C, S [64, 128]: cos / sin of t * theta_(c mod 64), Z the codebook tile; page_tile). q_x: q's swapped
-    halves with the second one negated (q[c + 64], -q[c - 64]); page_trig: fp16 cos / sin of pg * 64 *
-    theta_(c mod 64) per page ([pages, 2, 128], nuq2_decode.rope_tables)."""
-    chan = gl.arange(0, 128, layout=gl.SliceLayout(1, q_t.type.layout))
-    cos = gl.expand_dims(gl.load(page_trig + pg * 256 + chan), 1)
-    sin = gl.expand_dims(gl.load(page_trig + pg * 256 + 128 + chan), 1)
-    qr, w = _rot2(q_t, cos, q_x, sin)
-    return _mul2(qr, scale), _mul2(w, scale), _mul2(qr, mean), _mul2(w, mean)
+def _row_words(x):
+    return gl.convert_layout(x, ROPE_WORDS, assert_trivial=True)
+
+
+@gluon.jit
+def _rows4(x):
+    """The 4 rows of a code tile [4, 128] (rows in registers) as [128] tensors in ROPE_WORDS, no data moved."""
+    x = gl.reshape(gl.permute(x, [1, 0]), [128, 2, 2])  # word, row // 2, row % 2
+    even, odd = gl.split(x)
+    r0, r2 = gl.split(even)
+    r1, r3 = gl.split(odd)
+    return _row_words(r0), _row_words(r1), _row_words(r2), _row_words(r3)
+
+
+@gluon.jit
+def _row_tile(z, LA: gl.constexpr):
+    """A row [128 words, 4 bytes, 2 f1, 2 f0] -> the K rows [16, 128] it holds in the A-operand layout, no data
+    moved (the fragment order of nuq2_layout.py, as _key_tile for one row block)."""
+    z = gl.reshape(z, [8, 4, 2, 2, 2, 2, 2, 2])  # g, q4, y3, y2, y1, y0, f1, f0
+    z = gl.permute(z, [4, 0, 6, 7, 2, 3, 1, 5])  # y1, g | f1, f0, y3, y2, q4, y0
+    return gl.convert_layout(gl.reshape(z, [16, 128]), LA, assert_trivial=True)
+
+
+@gluon.jit
+def _half_tile(c, LA: gl.constexpr):
+    """A table row [128 words, 4 bytes, 2 f0] (channels c < 64) -> [16, 64] in the A-operand layout."""
+    c = gl.reshape(c, [8, 4, 2, 2, 2, 2, 2])  # g, q4, y3, y2, y1, y0, f0
+    c = gl.permute(c, [4, 0, 6, 2, 3, 1, 5])  # y1, g | f0, y3, y2, q4, y0
+    return gl.convert_layout(gl.reshape(c, [16, 64]), LA, assert_trivial=True)
+
+
+@gluon.jit
+def _rope_row_table(tab):
+    """One row of a page-independent table cos(t theta_c) / sin(t theta_c) (16 tokens, c < 64) in ROPE_HALF, from
+    its lane order (nuq2_layout.rope_tile_elements: 32 contiguous fp16 a lane, four 128-bit loads)."""
+    LT: gl.constexpr = gl.BlockedLayout([1, 32], [32, 1], [1, 1], [1, 0])
+    ln = opaque(gl.arange(0, 32, layout=gl.SliceLayout(1, LT)))  # addresses built here, not held across the loop
+    i = gl.arange(0, 32, layout=gl.SliceLayout(0, LT))
+    x = gl.load(tab + gl.expand_dims(ln * 32, 1) + gl.expand_dims(i, 0))
+    x = gl.permute(gl.reshape(x, [32, 2, 4, 4]), [0, 2, 3, 1])  # lane, word of the lane, byte, f0
+    return gl.convert_layout(gl.reshape(x, [128, 4, 2]), ROPE_HALF, assert_trivial=True)
+
+
+@gluon.jit
+def _rope_row_scores(x, tab, shift, k_lo, k_hi, b_c, b_s, b_cm, b_sm, LA: gl.constexpr, MMA: gl.constexpr):
+    """S^T [16, 8] of one row (16 tokens t) of a page of keys stored before RoPE, x its code words [128] in
+    ROPE_WORDS, tab its row of the cos table (the sin table's 4 rows later): with Z the row's codebook values and
+    C, S the cos / sin of t * theta_(c mod 64),
+        (C * Z) @ b_c + (S * Z) @ b_s + C_lo @ b_cm + S_lo @ b_sm          (rope_operands)
+    (C, S broadcast over the halves: one table register serves channels c and c + 64)."""
+    z = _centroid_pairs(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 1), 2), 3), shift, k_lo, k_hi)
+    cos = _rope_row_table(tab)
+    s = gl.nvidia.ampere.mma_v2(_half_tile(cos, LA), b_cm, gl.zeros([16, 8], gl.float32, layout=MMA))
+    s = gl.nvidia.ampere.mma_v2(_row_tile(_mul2(z, gl.expand_dims(cos, 2)), LA), b_c, s)
+    sin = _rope_row_table(tab + ROWS * 1024)
+    s = gl.nvidia.ampere.mma_v2(_half_tile(sin, LA), b_sm, s)
+    return gl.nvidia.ampere.mma_v2(_row_tile(_mul2(z, gl.expand_dims(sin, 2)), LA), b_s, s)
+
+
+@gluon.jit
+def _stack_rows(s0, s1, s2, s3, MMA: gl.constexpr):
+    """Four [16, 8] row scores -> S^T [64, 8] in the MMA layout, no data moved."""
+    s = gl.join(gl.join(s0, s1), gl.join(s2, s3))  # [16, 8, row % 2, row // 2]
+    s = gl.reshape(gl.permute(s, [3, 2, 0, 1]), [PAGE, 8])
+    return gl.convert_layout(s, MMA, assert_trivial=True)
+
+
+@gluon.jit
+def rope_key_scores(kx, k_rows, tab, zero, k_lo, k_hi, b_c, b_s, b_cm, b_sm, LA: gl.constexpr, MMA: gl.constexpr):
+    """S^T [64, 8] of a page of keys stored before RoPE (its code rows kx [4, 128] in registers or, given, k_rows
+    in a shared-memory stage, read a row at a time), one row at a time
+    (_rope_row_scores): a loop (its count ROWS + zero, unknown to the compilers, so not unrolled) keeps one row's
+    codebook values, tables and products live at a time; unrolled, ptxas interleaves the rows' table loads and
+    products and spills."""
+    f0 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, ROPE_ROW))))
+    f1 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, ROPE_ROW))))
+    shift = (gl.expand_dims(gl.expand_dims(gl.expand_dims(f0, 0), 0), 0) * 2
+             + gl.expand_dims(gl.expand_dims(gl.expand_dims(f1, 0), 0), 3) * 4)  # 2 * field, field = 2 f1 + f0
+    if k_rows is None:
+        x0, x1, x2, x3 = _rows4(kx)
+    else:
+        k_rows = k_rows._reinterpret(gl.int32, [ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    blk = gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA)) // 16, 1)
+    s = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
+    for r in range(0, ROWS + zero):
+        if k_rows is None:
+            x = gl.where(r == 0, x0, gl.where(r == 1, x1, gl.where(r == 2, x2, x3)))
+        else:
+            x = k_rows.index(r).load(ROPE_WORDS)  # (a view of rank 1: .index gives a row)
+        s_r = _rope_row_scores(x, tab + r * 1024, shift, k_lo, k_hi, b_c, b_s, b_cm, b_sm, LA, MMA)
+        s = gl.where(blk == r, _stack_rows(s_r, s_r, s_r, s_r, MMA), s)
+    return s
+
+
+@gluon.jit
+def _halves(x, LB: gl.constexpr):
+    """[128, 8] in LB -> its channels c < 64 and c >= 64, [64, 8] each in LB (registers of the same thread)."""
+    lo, hi = gl.split(gl.permute(gl.reshape(x, [2, 64, 8]), [1, 2, 0]))
+    return gl.convert_layout(lo, LB, assert_trivial=True), gl.convert_layout(hi, LB, assert_trivial=True)
+
+
+@gluon.jit
+def _whole(lo, hi, LB: gl.constexpr):
+    """_halves' inverse: [64, 8] channels c < 64 and c >= 64 -> [128, 8] in LB."""
+    x = gl.reshape(gl.permute(gl.join(lo, hi), [2, 0, 1]), [128, 8])
+    return gl.convert_layout(x, LB, assert_trivial=True)
+
+
+@gluon.jit
+def _halves_of_row(side, at: gl.constexpr, LB: gl.constexpr):
+    """A staged fp8 row of 128 channels (scale or mean) at `at` of `side` as its halves c < 64, c >= 64, fp16
+    [64, 1] in LB's rows."""
+    lo = side.slice(at, 64).load(gl.SliceLayout(1, LB)).to(gl.float16)
+    hi = side.slice(at + 64, 64).load(gl.SliceLayout(1, LB)).to(gl.float16)
+    return gl.expand_dims(lo, 1), gl.expand_dims(hi, 1)
+
+
+@gluon.jit
+def _halves_of_global(row, LB: gl.constexpr):
+    """_halves_of_row from global memory (row: the page's fp8 [128])."""
+    chan = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))
+    lo = gl.load(row + chan).to(gl.float16)
+    hi = gl.load(row + 64 + chan).to(gl.float16)
+    return gl.expand_dims(lo, 1), gl.expand_dims(hi, 1)
+
+
+@gluon.jit
+def rope_operands(q_lo, q_hi, page_trig, pg, scale_lo, scale_hi, mean_lo, mean_hi, LB: gl.constexpr):
+    """The B operands of a page whose keys are stored before RoPE, for tokens at pg * 64 + t. With k = mean +
+    scale * Z (per channel) and the rotary pairs (c, c + 64), c < 64, the scores are
+        sum_c  k[c] (q[c] cos + q[c + 64] sin) + k[c + 64] (q[c + 64] cos - q[c] sin)     (angle (pg * 64 + t) theta_c)
+    With q' = R(-pg * 64) q (q's pairs turned back by the page's first position, page_trig: fp16 cos / sin of
+    pg * 64 * theta_c per page, [pages, 2, 64]) and C, S the cos / sin of t * theta_c, that is
+        (C * Z) @ b_c + (S * Z) @ b_s + C @ b_cm + S @ b_sm,
+        b_c = (q'_lo s_lo, q'_hi s_hi), b_s = (q'_hi s_lo, -q'_lo s_hi)                       [128, 8]
+        b_cm = q'_lo m_lo + q'_hi m_hi, b_sm = q'_hi m_lo - q'_lo m_hi                         [64, 8]
+    (lo / hi: channels c, c + 64; s, m: the page's scale and mean): the affine stays in the B operands, the mean
+    terms are K = 64 products. q_lo, q_hi: q's halves [64, 8]; scale_*, mean_* [64, 1] fp16."""
+    chan = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))
+    cos = gl.expand_dims(gl.load(page_trig + pg * 128 + chan), 1)
+    sin = gl.expand_dims(gl.load(page_trig + pg * 128 + 64 + chan), 1)
+    qr_lo, qr_hi = _rot2(q_lo, cos, q_hi, sin)
+    b_c = _whole(_mul2(qr_lo, scale_lo), _mul2(qr_hi, scale_hi), LB)
+    b_s = _whole(_mul2(qr_hi, scale_lo), _mul2(-qr_lo, scale_hi), LB)
+    b_cm, b_sm = _rot2(qr_lo, mean_lo, qr_hi, mean_hi)
+    return b_c, b_s, b_cm, b_sm
 
 
 HOT = gl.constexpr(2.0)  # the one-hot tiles' 1: fp16 2.0 is one bit (0x4000); the other operand is halved
@@ -357,8 +481,8 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
                n_valid, n_first, k_idx, k_delta, nk, SK, v_idx, v_delta, nv, SV, q_ptr, head0, G: gl.constexpr,
                CHUNK0: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr, k_rows=None,
                v_rows=None, slots=None, words=None, LK2: gl.constexpr = None, LV2: gl.constexpr = None,
-               ROPE: gl.constexpr = False, b_w=None, b_mean=None, b_wmean=None, rope_tile=None, pos0=0,
-               inv_freq=None, LK4: gl.constexpr = None):
+               ROPE: gl.constexpr = False, b_s=None, b_cm=None, b_sm=None, rope_tile=None, pos0=0,
+               inv_freq=None):
     """One page: scores (+ key slots), online softmax, P @ V (+ value slots) into acc (O^T [128, 8]).
     Tokens [n_first, n_valid) of the page count. Slots run in chunks of 16 while used ones remain;
     CHUNK0: the first chunk of each kind runs unconditionally (unused slots add exact zeros; its loads
@@ -367,10 +491,10 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
     k_rows, v_rows [4, 128] int32, the codebook words and used counts from `words` [8] (the nk,
     nv arguments unused) and the first slot chunk from `slots` [64] (as stage_page puts them), each read where it
     is needed (code rows in layouts LK2, LV2).
-    ROPE (keys stored before RoPE, at positions pos0 + t): the codebook tile Z times the tables C, S of
-    rope_tile (cos / sin of t * theta, in the code layout LK4) gives four products, the B operands
-    (q_scaled, b_w, b_mean, b_wmean) of rope_operands, bias the zero scores; the key slots' q turned back by
-    their own positions (inv_freq: theta_i, fp32 [64])."""
+    ROPE (keys stored before RoPE, at positions pos0 + t): the scores row by row (rope_key_scores) from the
+    tables of rope_tile (cos / sin of t * theta in the code rows' lane order) and the B operands (q_scaled, b_s,
+    b_cm, b_sm) of rope_operands, bias unused; the key slots' q turned back by their own positions (inv_freq:
+    theta_i, fp32 [64])."""
     if k_rows is None:
         k_lo = _per_lane(gl.load(k_table), zero)
         k_hi = _per_lane(gl.load(k_table + 1), zero)
@@ -380,18 +504,14 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
         k_lo, k_hi = _word_pair(words, 0)
         k_lo = _per_lane(k_lo, zero)
         k_hi = _per_lane(k_hi, zero)
-        kx = k_rows.load(LK2)
+        if not ROPE:
+            kx = k_rows.load(LK2)
 
-    # K: [4 rows, 512 bytes] -> [4, 512, 4] fp16 -> K [64, 128] in the A-operand layout
-    kf = _centroid_pairs(gl.expand_dims(gl.expand_dims(kx, 2), 3), shift_k, k_lo, k_hi)
-    if ROPE:  # R(t) (mean + scale * Z) for t < 64: Z times cos and sin here, the affine in the B operands
-        cos_t = _rope_tile_table(rope_tile, LK4)
-        s = gl.nvidia.ampere.mma_v2(_key_tile(cos_t, LA), b_mean, bias)
-        s = gl.nvidia.ampere.mma_v2(_key_tile(_mul2(kf, cos_t), LA), q_scaled, s)
-        sin_t = _rope_tile_table(rope_tile + ROWS * 2048, LK4)
-        s = gl.nvidia.ampere.mma_v2(_key_tile(sin_t, LA), b_wmean, s)
-        s = gl.nvidia.ampere.mma_v2(_key_tile(_mul2(kf, sin_t), LA), b_w, s)
+    if ROPE:  # R(t) (mean + scale * Z) for t < 64, one 16-token row at a time, the affine in the B operands
+        s = rope_key_scores(kx, k_rows, rope_tile, zero, k_lo, k_hi, q_scaled, b_s, b_cm, b_sm, LA, MMA)
     else:
+        # K: [4 rows, 512 bytes] -> [4, 512, 4] fp16 -> K [64, 128] in the A-operand layout
+        kf = _centroid_pairs(gl.expand_dims(gl.expand_dims(kx, 2), 3), shift_k, k_lo, k_hi)
         s = gl.nvidia.ampere.mma_v2(_key_tile(kf, LA), q_scaled, bias)  # S^T [64, 8], from bias (q . mean per head)
     if CHUNK0:
         if k_rows is None:
@@ -530,9 +650,9 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     shared memory by cp.async while a page computes (two stages) instead of the codes' register double buffer and
     the side data's loads at the page's start, the page reading them from there.
     ROPE: the pages hold keys before RoPE (keys_before_rope), page pg's token t at position pg * 64 + t,
-    rotated after the lookup (page_tile, rope_operands): rope_tile fp16 [2, 4, 32, 64] (cos / sin of t *
-    theta_(c mod 64) in the lane order of the code rows), rope_pages fp16 [pages, 2, 128] (cos / sin of
-    pg * 64 * theta_(c mod 64)), inv_freq fp32 [64] (theta_i, for the key slots); the 16-bit tail holds
+    rotated after the lookup (page_tile, rope_operands): rope_tile fp16 [2, 4, 32, 32] (cos / sin of t *
+    theta_c, c < 64, in the lane order of the code rows), rope_pages fp16 [pages, 2, 64] (cos / sin of
+    pg * 64 * theta_c), inv_freq fp32 [64] (theta_i, for the key slots); the 16-bit tail holds
     keys after RoPE, as the layer wrote them (nuq2_decode.rope_tables builds the tables)."""
     D: gl.constexpr = 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -571,10 +691,8 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         q_t = gl.load(q_ptr + (head0 + qn[None, :]) * D + qd[:, None],
                       mask=(qn[None, :] < G) & (qd[:, None] < D), other=0.0).to(gl.float32)
         q_t = gl.convert_layout(q_t.to(gl.float16), LB)  # fp16 pairs of channels: one register each
-        if ROPE:  # q's halves swapped, the second negated: (q[c + 64], -q[c - 64]) (rope_operands)
-            q_x = gl.load(q_ptr + (head0 + qn[None, :]) * D + (qd[:, None] + 64) % D,
-                          mask=(qn[None, :] < G) & (qd[:, None] < D), other=0.0).to(gl.float32)
-            q_x = gl.convert_layout(gl.where(qd[:, None] < 64, q_x, -q_x).to(gl.float16), LB)
+        if ROPE:  # q's rotary halves, channels c and c + 64 (rope_operands)
+            q_lo, q_hi = _halves(q_t, LB)
         chan = gl.arange(0, D, layout=gl.SliceLayout(1, LB))  # constant offsets from one base per thread
         chan_a = gl.arange(0, D, layout=gl.SliceLayout(0, LA))
 
@@ -619,28 +737,31 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                             v_delta, v_used, SK, SV, CHUNK0)
                 cur = pg % 2
                 side = chan_smem.index(cur)
-                scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
-                if ROPE:  # the mean enters the B operands (rope_operands)
-                    mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
+                if ROPE:  # the scale and mean by rotary half, into the B operands (rope_operands)
+                    scale = _halves_of_row(side, 0, LB)
+                    mean = _halves_of_row(side, D, LB)
                 else:
+                    scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
                     mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
             else:
                 kx_n = gl.load(k_codes + page_n * WORDS + k_off)
                 vx_n = gl.load(v_codes + page_n * WORDS + v_off)
-                scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
                 if ROPE:
-                    mean = gl.expand_dims(gl.load(k_mean + page * D + chan).to(gl.float16), 1)
+                    scale = _halves_of_global(k_scale + page * D, LB)
+                    mean = _halves_of_global(k_mean + page * D, LB)
                 else:
+                    scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
                     mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
             if ROPE:
-                q_scaled, b_w, b_mean, b_wmean = rope_operands(q_t, q_x, rope_pages, pg, scale, mean)
+                q_scaled, b_s, b_cm, b_sm = rope_operands(q_lo, q_hi, rope_pages, pg, scale[0], scale[1], mean[0],
+                                                          mean[1], LB)
                 bias = s0
-                tile_tab = rope_tile + pg * zero  # read each page (a table held across the loop would spill)
+                tile_tab = rope_tile
             else:
                 q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
-                b_w = None
-                b_mean = None
-                b_wmean = None
+                b_s = None
+                b_cm = None
+                b_sm = None
                 tile_tab = None
             if SMEM:
                 m_i, l_i, acc = page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i,
@@ -648,7 +769,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                                            k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
                                            None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
                                            v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2,
-                                           ROPE, b_w, b_mean, b_wmean, tile_tab, pg * PAGE, inv_freq, LK4)
+                                           ROPE, b_s, b_cm, b_sm, tile_tab, pg * PAGE, inv_freq)
             else:
                 nk = gl.load(k_used + page)
                 nv = gl.load(v_used + page)
@@ -657,7 +778,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                                            first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
                                            v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G, CHUNK0,
                                            LA, LB, MMA, None, None, None, None, None, None,
-                                           ROPE, b_w, b_mean, b_wmean, tile_tab, pg * PAGE, inv_freq, LK4)
+                                           ROPE, b_s, b_cm, b_sm, tile_tab, pg * PAGE, inv_freq)
                 kx = kx_n
                 vx = vx_n
             page = page_n

@@ -82,13 +82,22 @@ def test_the_option_is_declared_checked_and_refused_where_not_taken():
         get_kv_format("kivi2", keys_before_rope=True)
 
 
-def test_gluon_kernels_refuse_it_and_auto_takes_triton():
-    fmt = get_kv_format("nuq2", decode_kernel="gluon", keys_before_rope=True)
-    with pytest.raises(ValueError, match="keys_before_rope"):
-        fmt.fragment_pages(64, 128, "cpu")
+def test_gluon_kernels_take_it_on_request_and_auto_takes_triton():
+    """nuq2's Gluon kernel takes keys before RoPE with decode_kernel='gluon' (its pools in fragment order, the
+    cache's RoPE base among the decode options); 'auto' keeps the Triton kernel for them (and the Gluon
+    kernel for keys after RoPE) until the rotation is timed on a GPU."""
+    from moekv.kvcache.formats.interface import LayerKVCache
+
+    fmt = get_kv_format("nuq2", decode_kernel="gluon", keys_before_rope=True, residual=0)
+    assert fmt.fragment_pages(64, 128, "cpu")
+    assert fmt.gluon_kernel.covers(fmt, 64, 128) is None
+    cache = LayerKVCache({})
+    cache.rope_theta = 5e5
+    assert fmt.gluon_kernel.decode_options(fmt, cache) == {"residual": None, "rope_theta": 5e5}
+    post = get_kv_format("nuq2", residual=0)
+    assert fmt.gluon_kernel.decode_options(post, cache) == {"residual": None}
     auto = get_kv_format("nuq2", decode_kernel="auto", keys_before_rope=True)
-    assert not auto.fragment_pages(64, 128, "cpu")
-    assert "keys_before_rope" in auto.gluon_kernel.covers(auto, 64, 128)
+    assert not auto.gluon_kernel.default_on(auto) and auto.gluon_kernel.default_on(post)
 
 
 # -- format level: what the pages hold, what gather gives ---------------------------------------------------
@@ -527,3 +536,212 @@ def test_kernel_builds_for_sm90_without_a_gpu():
     for base, rope in ((rows[0], rows[1]), (rows[2], rows[3])):
         assert int(rope[2]) <= 1.5 * int(base[2]) + 16, (base, rope)  # LDL / STL
         assert int(rope[3]) <= 1.5 * int(base[3]), (base, rope)  # SASS lines
+
+
+# -- the Gluon kernel of nuq2 (moekv/ops/gluon/nuq2_decode.py: rope_theta) ----------------------------------
+def gluon_rope_oracle(fmt, k_pages, v_pages, q, tables, lens, scale, theta, staged=None, window=None, residual=None):
+    """float64 attention over each sequence's nuq2 pages as the format dequantizes them (slots included),
+    keys rotated by their positions with rope64 (complex multiplication), then the 16-bit tail (staging,
+    and a residual ring's newest R tokens) as written: keys after RoPE."""
+    from moekv.ops.gluon.splits import quantized_tokens, tail_tokens
+    from moekv.ops.reference import decode_attention_ref
+    from tests.gluon_cases import D, P, staged_tail
+
+    kd = fmt.dequantize(fmt.layout("key", P, D).unpack(k_pages.cpu()), "key")  # [N, H, P, D]
+    vd = fmt.dequantize(fmt.layout("value", P, D).unpack(v_pages.cpu()), "value")
+    R = 0 if residual is None else residual[0].shape[2]
+    keys, values = [], []
+    for b, n in enumerate(lens.tolist()):
+        ids = tables[b, :-(-n // P)].long().cpu()
+        k = kd[ids].permute(0, 2, 1, 3).reshape(-1, kd.shape[1], D)[:n]
+        k = rope64(k, torch.arange(k.shape[0]), theta)
+        v = vd[ids].permute(0, 2, 1, 3).reshape(-1, vd.shape[1], D)[:n].double()
+        if staged is not None:
+            quantized = quantized_tokens(n, True, R)
+            if R:
+                cpu = tuple(x.cpu() for x in residual)
+                kt, vt = tail_tokens(tuple(x.cpu() for x in staged), cpu, b, quantized, n, torch.float64)
+                kt, vt = kt.transpose(0, 1), vt.transpose(0, 1)
+            else:
+                kt, vt = staged_tail(staged, b, quantized, n)
+            k, v = torch.cat([k[:quantized], kt]), torch.cat([v[:quantized], vt])
+        keys.append(k)
+        values.append(v)
+    return decode_attention_ref(q.double().cpu(), keys, values, scale, window)
+
+
+@pytest.mark.parametrize("R, window", [(0, None), (0, 100), (128, None), (32, 64 * 5 + 3)])
+def test_gluon_split_reference_rotates_keys_after_the_lookup(R, window):
+    """nuq2's Gluon split reference with rope_theta (what the kernel computes) against float64 attention
+    over the dequantized pages rotated by rope64, with outlier slots in use, the staged tail, a residual
+    ring and sliding windows; without rope_theta it is far off (the pages hold keys before RoPE)."""
+    from moekv.ops.gluon.nuq2_decode import nuq2_decode_split_reference, reduce_partials
+    from tests.gluon_cases import D, staging
+    from tests.test_gluon_nuq2_decode import build
+
+    Hkv, G = 2, 4
+    lens = [1000, 64 * 9, 129, 65, 5]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=11 + R)
+    assert (frag.k_used > 0).any()
+    staged = staging(len(lens), Hkv, seed=3)
+    g = torch.Generator().manual_seed(R)
+    ring = (tuple(torch.randn(len(lens) + 1, Hkv, R, D, generator=g, dtype=torch.float64) for _ in range(2))
+            if R else None)
+    q = torch.randn(len(lens), Hkv * G, D, generator=g, dtype=torch.float64)
+    ref = gluon_rope_oracle(fmt, k_pages, v_pages, q, tables, lens_t, 0.1, 1e4, staged, window, ring)
+    for ns in (1, 3, 7):
+        o, lse = nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged, sliding_window=window,
+                                             residual=ring, rope_theta=1e4)
+        torch.testing.assert_close(reduce_partials(o, lse), ref, rtol=1e-9, atol=1e-9)
+    o, lse = nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, 3, staged=staged, sliding_window=window,
+                                         residual=ring)
+    assert (reduce_partials(o, lse) - ref).abs().max() > 1e-2
+
+
+def test_gluon_rope_tables_hold_cos_and_sin_at_each_entry():
+    """The kernel's tables: the tile table's entry (row, lane, i) is cos / sin of t * theta_c for the key element
+    (t, c), c < 64, the code slot at the same place of the fragment order holds (the lookup's register order;
+    the entry serves c + 64 too), the page table cos / sin of the page's first position."""
+    from moekv.ops.gluon.nuq2_decode import rope_frequencies, rope_tables
+    from moekv.ops.gluon.nuq2_layout import codes_from_fragment, codes_to_fragment
+
+    tile, pages, inv_freq = rope_tables(1e6, 40, torch.device("cpu"))
+    assert tile.shape == (2, 4, 32, 32) and pages.shape[0] >= 40 and pages.shape[1:] == (2, 64)
+    # which element sits where: a code page whose code marks each element's token or channel, read back in
+    # fragment order (byte 512 r + 16 lane + 4 wl + b, field f < 2 at entry i = 16 f + 4 wl + b)
+    t = torch.arange(64)[:, None].expand(64, 128)
+    c = torch.arange(128)[None, :].expand(64, 128)
+    i = torch.arange(32)
+    f, wl, b = i // 16, i // 4 % 4, i % 4
+    byte = (512 * torch.arange(4)[:, None, None] + 16 * torch.arange(32)[None, :, None] + (4 * wl + b)).reshape(-1)
+    field = f.repeat(4 * 32)
+
+    def at_entries(values):  # values [64, 128] in 0..3 -> their codes at each entry [4, 32, 32]
+        words = codes_to_fragment(values, "key")
+        assert torch.equal(codes_from_fragment(words, "key"), values)
+        return ((words.view(torch.uint8).long()[byte] >> (2 * field)) & 3).reshape(4, 32, 32)
+
+    tok = sum(at_entries((t >> (2 * k)) & 3) << (2 * k) for k in range(3))
+    chan = sum(at_entries((c >> (2 * k)) & 3) << (2 * k) for k in range(4))
+    assert (chan < 64).all()
+    angle = tok.double() * rope_frequencies(1e6)[chan]
+    assert (tile[0].double() - angle.cos()).abs().max() < 1e-3 and (tile[1].double() - angle.sin()).abs().max() < 1e-3
+    page_angle = 64 * 39 * rope_frequencies(1e6)
+    assert (pages[39, 0].double() - page_angle.cos()).abs().max() < 1e-3
+    assert (pages[39, 1].double() - page_angle.sin()).abs().max() < 1e-3
+    assert torch.allclose(inv_freq.double(), rope_frequencies(1e6), rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("smem", [True, False])
+@pytest.mark.parametrize("R, window", [(0, None), (0, 100), (128, None), (32, 64 * 5 + 3)])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_gluon_kernel_rotates_keys_after_the_lookup(G, R, window, smem, q_dtype):
+    """nuq2's Gluon kernel with rope_theta: kernel + reduce against float64 attention over the dequantized
+    pages rotated by rope64 (outlier slots in use, the staged tail, a residual ring, sliding windows, bf16 and
+    fp16 queries, with and without the shared-memory stages, split counts 1, 3 and the default), and its
+    partials against the split reference (float64)."""
+    from moekv.ops.gluon.nuq2_decode import nuq2_decode_attention, nuq2_decode_partials, nuq2_decode_split_reference
+    from tests.gluon_cases import D, relative_error, staging
+    from tests.test_gluon_nuq2_decode import build
+
+    Hkv = 8 // G if G > 1 else 4
+    lens = [4096 + 7, 1000, 64 * 9, 129, 65, 5]
+    fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=40 + G, device="cuda")
+    assert (frag.k_used > 0).any()
+    staged = staging(len(lens), Hkv, seed=G, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(R)
+    ring = tuple(torch.randn(len(lens) + 1, Hkv, R, D, generator=g).to("cuda", torch.bfloat16)
+                 for _ in range(2)) if R else None
+    q = torch.randn(len(lens), Hkv * G, D, generator=g).to("cuda", q_dtype)
+    theta = 1e6
+    ref = gluon_rope_oracle(fmt, k_pages, v_pages, q, tables.cpu(), lens_t.cpu(), D ** -0.5, theta, staged, window,
+                            ring)
+    for ns in (1, 3, None):
+        out = nuq2_decode_attention(q, frag, tables, lens_t, D ** -0.5, num_splits=ns, staged=staged,
+                                    sliding_window=window, residual=ring, smem=smem, rope_theta=theta)
+        assert out.dtype == q_dtype and relative_error(out, ref) < 1e-2, ns
+    part_o, part_lse = nuq2_decode_partials(q, frag, tables, lens_t, D ** -0.5, 5, staged=staged,
+                                            sliding_window=window, residual=ring, smem=smem, rope_theta=theta)
+    ref_o, ref_lse = nuq2_decode_split_reference(q.double(), frag, tables, lens_t, D ** -0.5, 5, staged=staged,
+                                                 sliding_window=window, residual=ring, rope_theta=theta)
+    full = ref_lse > -float("inf")
+    assert torch.equal(part_lse.isfinite().cpu(), full.cpu())
+    assert (part_lse - ref_lse)[full].abs().max() < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+def test_gpu_engine_path_takes_the_gluon_kernel_with_the_option():
+    """decode_kernel='gluon' with keys_before_rope: the format's attend runs the Gluon kernel with the cache's
+    rope_theta, and matches the reference path (gather: dequantize, rotate) within bf16 rounding."""
+    fmt = get_kv_format("nuq2", torch.bfloat16, decode_kernel="gluon", keys_before_rope=True, codebook="page")
+    assert fmt.fragment_pages(64, 128, "cuda")
+    g = torch.Generator().manual_seed(5)
+    lens = [700, 130]
+    cache = fmt.allocate(30, 8, 64, 128, DEVICE, 4, torch.bfloat16)
+    cache.rope_theta = THETA
+    tables = [list(range(0, 11)), list(range(11, 14))]
+    ctx = step_context([(1, tables[0], 0, lens[0]), (2, tables[1], 0, lens[1])], 64)
+    ctx = Context(*(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in
+                    (ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.context_lens, ctx.query_start_loc,
+                     ctx.logits_indices, ctx.seq_slots, ctx.max_query_len)))
+    k = torch.cat([rope64(pre_rope_keys(n, 8, 128, g), torch.arange(n)).float() for n in lens])
+    v = torch.randn(sum(lens), 8, 128, generator=g)
+    fmt.write(cache, k.to(DEVICE, torch.bfloat16), v.to(DEVICE, torch.bfloat16), ctx)
+    decode = Context(positions=torch.tensor(lens, device=DEVICE) - 1, slot_mapping=ctx.slot_mapping[:2],
+                     block_tables=ctx.block_tables, context_lens=ctx.context_lens, query_start_loc=torch.arange(
+                         3, dtype=torch.int32, device=DEVICE), logits_indices=torch.arange(2, device=DEVICE),
+                     seq_slots=ctx.seq_slots, max_query_len=1)
+    q = torch.randn(2, 32, 128, generator=g).to(DEVICE, torch.bfloat16)
+    out = fmt.attend(q, cache, decode, 128 ** -0.5, None)
+    assert fmt.is_fragment_pool(cache)
+    ref = fmt.attend_reference(q, cache, decode, 128 ** -0.5, None)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 1e-2, err
+
+
+GLUON_SM90_BUILD = """
+import os, re, subprocess, tempfile
+import triton
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekv.ops.gluon.nuq2_decode import DEFAULT_MAX_REGISTERS
+from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
+from tests.test_gluon_nuq2_decode import SM90_BUILD
+sig = eval(SM90_BUILD[SM90_BUILD.index("sig = ") + 6:SM90_BUILD.index("cuobjdump =")])
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for rope, smem, ring in ((False, True, True), (True, True, True), (True, False, False)):
+    src = GluonASTSource(nuq2_decode_kernel, signature=sig,
+                         constexprs={"HKV": 8, "G": 4, "STAGED": True, "CHUNK0": True, "PREFETCH": 0, "SMEM": smem,
+                                     "RING": ring, "ROPE": rope},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in list(range(12)) + [44, 45, 46]})
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=DEFAULT_MAX_REGISTERS))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ptx = k.asm["ptx"]
+    print(rope, "mma.sync.aligned.m16n8k16" in ptx, "sin.approx.f32" in ptx, "mul.rn.f16x2" in ptx,
+          len(re.findall(r"\\b(LDL|STL)\\b", sass)), sass.count("HMMA"), sass.count("\\n"))
+"""
+
+
+@pytest.mark.slow
+def test_gluon_kernel_with_the_option_builds_for_sm90_without_a_gpu():
+    """nuq2's Gluon kernel with ROPE builds for sm_90 with the ptxas Triton ships (the SMEM and register paths,
+    with a residual ring), at the launcher's register cap: the rows' products (mul.f16x2), the slots' sin.approx
+    and the MMAs present; the build without ROPE has no spills. Its instruction and spill counts are printed
+    (pytest -s): the rotation's cost, docs/decisions.md "Keys before RoPE in nuq2's Gluon kernel"."""
+    from tests.gluon_cases import run_sm90_build
+
+    words = run_sm90_build(GLUON_SM90_BUILD)
+    rows = [words[i:i + 7] for i in range(0, len(words), 7)]
+    print(rows)
+    assert [r[0] for r in rows] == ["False", "True", "True"]
+    assert rows[0][1:4] == ["True", "False", "False"] and rows[0][4] == "0"
+    for row in rows[1:]:
+        assert row[1:4] == ["True", "True", "True"], row

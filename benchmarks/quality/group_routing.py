@@ -16,6 +16,9 @@ for the models' own routing (every k with --retrieval-all).
 The perplexity change is against the flat twin's own routing on the same domain. domain-moe's post-hoc
 clustering (benchmarks/quality/domain_routing.py, its committed JSON) is printed beside when present.
 
+About 15 min on a shared 2-core CPU (each groups-kept count ~25 s over the four domains, each passkey
+set of 120 prompts ~6 min; --retrieval-trials 1 halves that).
+
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/quality/group_routing.py \\
         --model grouped=models/domain-mla --model flat=/tmp/mla/flat \\
         --out benchmarks/results/cpu/group_routing_domain-mla.json
@@ -64,8 +67,9 @@ def routing_rows(path: Path, n_group: int, topk_group: int, args) -> dict:
     from moekv import LLM
     from moekv.eval.routing import evaluate_routing
 
+    # eager: six short-lived engines, each decoding only a few tokens a prompt, gain nothing from graphs
     llm = LLM(str(path), dtype=args.dtype, device=args.device, routing="group_limited", n_group=n_group,
-              topk_group=topk_group, max_model_len=args.max_model_len)
+              topk_group=topk_group, max_model_len=args.max_model_len, enforce_eager=True)
     rows = {}
     for domain in DOMAINS:
         t0 = time.perf_counter()

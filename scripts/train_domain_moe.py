@@ -23,6 +23,18 @@ A length curriculum (--curriculum) starts with short rows and ends at 4096 with 
 tokens per step. The schedule (warmup, cosine, curriculum) runs on progress = max(step / max_steps,
 elapsed / --time-budget-s), so a run cut by time still finishes its schedule. Router balance: the
 usual per-layer Switch-Transformer load-balancing loss (coefficient --aux-loss-coef).
+
+--arch deepseek-v3 trains the same way a DeepseekV3ForCausalLM instead (models/domain-mla): multi-head
+latent attention (--kv-lora-rank, --qk-nope-head-dim, --qk-rope-head-dim, --v-head-dim, optional
+--q-lora-rank), --first-k-dense-replace dense layers, then routed experts (sigmoid scores) with
+--n-shared-experts always-on shared experts, group-limited routing (--n-group groups, a token keeps its
+--topk-group best groups; --n-group 1 --topk-group 1 is the flat-routed twin, every other parameter the
+same). transformers' V3 router trains as it is: the choice (groups, top-k) is a selection as in any
+top-k MoE, the weights are the chosen experts' sigmoid scores, through which the router gets its
+gradient. Its balance is DeepSeek-V3's: the selection bias e_score_correction_bias is moved by
+--bias-update-rate after every step, towards the mean load (the aux-loss-free update), plus the
+sequence-wise balance loss computed over the batch on the selection as routed (groups included) and the
+normalised sigmoid scores (coefficient --aux-loss-coef, 1.0 = balanced).
 Every --eval-every-tokens the held-out loss of each domain is measured and logged; the checkpoint
 with the lowest mean held-out loss (unweighted over domains) is the one written out.
 
@@ -37,6 +49,7 @@ Join the parts with `cat model.safetensors.part* > model.safetensors`.
 
   python scripts/train_domain_moe.py --data /tmp/domain-data --out /tmp/run --token-budget 131072000
   python scripts/train_domain_moe.py --data /tmp/domain-smoke --out /tmp/run-smoke --smoke   # CPU, < 1 min
+  python scripts/train_domain_moe.py --arch deepseek-v3 --data /tmp/domain-smoke --out /tmp/mla-smoke --smoke
   python scripts/train_domain_moe.py --data models/domain-moe --out /tmp/ev --evaluate-only models/domain-moe \
       --device cpu --eval-lengths 1024 --eval-keys 1     # re-evaluate a checkpoint (its folder holds heldout/)
 """
@@ -64,6 +77,11 @@ if str(REPO_ROOT) not in sys.path:  # moekv.eval.needle: the passkey format shar
 from moekv.eval.needle import answer_is_correct, build_prompt, random_key  # noqa: E402
 
 DOMAINS = ("prose", "drama", "code", "math")
+# what --num-experts / --experts-per-tok / --intermediate-size / --tie-embeddings mean when not given
+ARCH_DEFAULTS = {
+    "mixtral": {"num_experts": 16, "experts_per_tok": 2, "intermediate_size": 176, "tie_embeddings": False},
+    "deepseek-v3": {"num_experts": 32, "experts_per_tok": 4, "intermediate_size": 32, "tie_embeddings": True},
+}
 PART_BYTES = 15 * 1024 * 1024
 EOT = "<|endoftext|>"
 
@@ -73,16 +91,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, required=True, help="output folder of prepare_domain_data.py")
     p.add_argument("--out", type=Path, required=True)
     m = p.add_argument_group("model")
+    m.add_argument("--arch", choices=tuple(ARCH_DEFAULTS), default="mixtral",
+                   help="mixtral (models/domain-moe) or deepseek-v3 (MLA, group-limited routing: models/domain-mla)")
     m.add_argument("--hidden-size", type=int, default=256)
     m.add_argument("--num-layers", type=int, default=4)
     m.add_argument("--num-heads", type=int, default=4)
-    m.add_argument("--num-kv-heads", type=int, default=2)
-    m.add_argument("--head-dim", type=int, default=128)
-    m.add_argument("--num-experts", type=int, default=16)
-    m.add_argument("--experts-per-tok", type=int, default=2)
-    m.add_argument("--intermediate-size", type=int, default=176, help="per expert")
+    m.add_argument("--num-kv-heads", type=int, default=2, help="mixtral")
+    m.add_argument("--head-dim", type=int, default=128, help="mixtral")
+    m.add_argument("--num-experts", type=int, default=None,
+                   help="routed experts per MoE layer (mixtral 16, deepseek-v3 32)")
+    m.add_argument("--experts-per-tok", type=int, default=None, help="mixtral 2, deepseek-v3 4")
+    m.add_argument("--intermediate-size", type=int, default=None, help="per expert (mixtral 176, deepseek-v3 32)")
     m.add_argument("--max-position-embeddings", type=int, default=4096)
     m.add_argument("--rope-theta", type=float, default=50000.0)
+    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the input embedding with the LM head (mixtral: no, deepseek-v3: yes, which keeps the "
+                        "model under 5 M parameters)")
+    v3 = p.add_argument_group("deepseek-v3 (--arch deepseek-v3)")
+    v3.add_argument("--kv-lora-rank", type=int, default=128, help="the latent's width (cached per token)")
+    v3.add_argument("--q-lora-rank", type=int, default=0, help="0: queries straight from the hidden state")
+    v3.add_argument("--qk-nope-head-dim", type=int, default=64)
+    v3.add_argument("--qk-rope-head-dim", type=int, default=32)
+    v3.add_argument("--v-head-dim", type=int, default=64)
+    v3.add_argument("--first-k-dense-replace", type=int, default=1, help="dense layers before the MoE layers")
+    v3.add_argument("--dense-intermediate-size", type=int, default=512, help="the dense layers' MLP width")
+    v3.add_argument("--n-shared-experts", type=int, default=1, help="shared experts, each --intermediate-size wide")
+    v3.add_argument("--n-group", type=int, default=4, help="expert groups (1: flat routing)")
+    v3.add_argument("--topk-group", type=int, default=2, help="groups a token keeps (1 with --n-group 1: flat)")
+    v3.add_argument("--routed-scaling-factor", type=float, default=1.0)
+    v3.add_argument("--bias-update-rate", type=float, default=1e-3,
+                    help="DeepSeek-V3's aux-loss-free balance: each step every expert's selection bias moves by this "
+                         "towards the mean load (0: off)")
     m.add_argument("--experts-impl", default="auto", help="auto (grouped_mm on CUDA if it works) | eager | grouped_mm")
     o = p.add_argument_group("optimisation")
     o.add_argument("--tokens-per-step", type=int, default=131072)
@@ -138,9 +177,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="no training: evaluate this checkpoint (held-out loss in float32 on CPU) into --out/eval.json")
     r.add_argument("--smoke", action="store_true", help="toy model and a few steps (CPU, < 1 min)")
     args = p.parse_args(argv)
+    for key, value in ARCH_DEFAULTS[args.arch].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.smoke:
         args.hidden_size, args.num_layers, args.intermediate_size = 64, 2, 32
         args.num_heads, args.num_kv_heads, args.head_dim, args.num_experts = 2, 1, 32, 4
+        if args.arch == "deepseek-v3":  # 8 experts: the groups (default 4, 2 kept) still bind top-3
+            args.num_experts, args.experts_per_tok, args.intermediate_size = 8, 3, 16
+            args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim = 32, 16, 8, 16
+            args.dense_intermediate_size = 64
         args.max_position_embeddings = 512
         args.tokens_per_step, args.token_budget, args.log_every = 1024, 8 * 1024, 2
         args.eval_every_tokens = 3 * 1024
@@ -157,6 +203,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("a curriculum length exceeds --max-position-embeddings")
     if args.copy_frac + args.passkey_frac > 1:
         p.error("--copy-frac + --passkey-frac must be <= 1")
+    if args.arch == "deepseek-v3":
+        if args.n_group < 1 or args.num_experts % args.n_group:
+            p.error(f"--n-group {args.n_group} must divide --num-experts {args.num_experts}")
+        if not 1 <= args.topk_group <= args.n_group:
+            p.error(f"--topk-group {args.topk_group} must be in [1, --n-group {args.n_group}]")
+        if args.topk_group * (args.num_experts // args.n_group) < args.experts_per_tok:
+            p.error(f"--topk-group {args.topk_group} groups of {args.num_experts // args.n_group} experts hold fewer "
+                    f"than --experts-per-tok {args.experts_per_tok}")
+        if args.num_experts // args.n_group < 2:
+            p.error("a group needs at least 2 experts (a group's score is the sum of its best two)")
     return args
 
 
@@ -376,6 +432,8 @@ def make_batch(streams: dict, encode, length: int, n_rows: int, weights: dict[st
 # Model
 # --------------------------------------------------------------------------- #
 def build_model(args, vocab_size: int, eot_id: int):
+    if args.arch == "deepseek-v3":
+        return build_deepseek_v3(args, vocab_size, eot_id)
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -385,11 +443,34 @@ def build_model(args, vocab_size: int, eot_id: int):
         num_local_experts=args.num_experts, num_experts_per_tok=args.experts_per_tok,
         max_position_embeddings=args.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
-        rms_norm_eps=1e-5, tie_word_embeddings=False, router_aux_loss_coef=args.aux_loss_coef,
+        rms_norm_eps=1e-5, tie_word_embeddings=args.tie_embeddings, router_aux_loss_coef=args.aux_loss_coef,
         output_router_logits=False, sliding_window=None,
         bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id,
     )
     return MixtralForCausalLM(config)
+
+
+def build_deepseek_v3(args, vocab_size: int, eot_id: int):
+    """DeepseekV3ForCausalLM of the flags: topk_method noaux_tc (sigmoid scores, selection bias, groups scored
+    by their best two), norm_topk_prob; n_group 1 / topk_group 1 routes over every expert (the flat twin)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads,
+        kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank or None,
+        qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
+        first_k_dense_replace=args.first_k_dense_replace, intermediate_size=args.dense_intermediate_size,
+        n_routed_experts=args.num_experts, num_experts_per_tok=args.experts_per_tok,
+        moe_intermediate_size=args.intermediate_size, n_shared_experts=args.n_shared_experts,
+        n_group=args.n_group, topk_group=args.topk_group, topk_method="noaux_tc", scoring_func="sigmoid",
+        norm_topk_prob=True, routed_scaling_factor=args.routed_scaling_factor,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        rms_norm_eps=1e-5, tie_word_embeddings=args.tie_embeddings, num_nextn_predict_layers=0,
+        bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id,
+    )
+    return DeepseekV3ForCausalLM(config)
 
 
 def choose_experts_impl(model, args, device: torch.device) -> str:
@@ -426,11 +507,80 @@ def balance_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
+class RouterBalance:
+    """The balance terms of a training step, for either architecture.
+
+    mixtral: `balance_loss` of the router logits the forward returns. deepseek-v3: forward hooks on the
+    routers keep each training forward's (logits, chosen experts); `loss` is the sequence-wise balance loss
+    of DeepSeek-V3 over the batch (the chosen experts' share times the mean normalised sigmoid score, summed
+    over experts, times the expert count: 1.0 = balanced), `after_step` moves each expert's selection bias
+    by `rate` towards the mean load, and `max_load` reports the busiest expert's load over the mean load
+    (worst layer) since the last call.
+    """
+
+    def __init__(self, model, args) -> None:
+        self.arch, self.rate = args.arch, args.bias_update_rate
+        self.num_experts, self.top_k = args.num_experts, args.experts_per_tok
+        self.routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
+        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.loads = [None] * len(self.routers)
+        records = self.records
+
+        def keep(module, inputs, output):  # a plain function: deep copies of the model (evaluation) share it
+            if module.training and torch.is_grad_enabled():
+                records.append((module, output[0], output[2]))
+
+        for router in self.routers:
+            router.register_forward_hook(keep)
+
+    def forward_kwargs(self) -> dict:
+        return {"output_router_logits": True} if self.arch == "mixtral" else {}
+
+    def loss(self, out) -> torch.Tensor:
+        if self.arch == "mixtral":
+            return balance_loss(out.router_logits, self.num_experts, self.top_k)
+        losses = []
+        for _, logits, chosen in self.records:
+            scores = torch.sigmoid(logits.float())
+            share = scores / scores.sum(-1, keepdim=True)
+            frac = torch.bincount(chosen.flatten(), minlength=self.num_experts).float() / chosen.numel()
+            losses.append(self.num_experts * torch.sum(frac * share.mean(0)))
+        return torch.stack(losses).mean()
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for module, _, chosen in self.records:
+            load = torch.bincount(chosen.flatten(), minlength=self.num_experts).float()
+            if self.rate:  # sign(mean - load), exact on integer counts
+                module.e_score_correction_bias += self.rate * torch.sign(load.sum() - self.num_experts * load)
+            i = self.routers.index(module)
+            self.loads[i] = load if self.loads[i] is None else self.loads[i] + load
+        self.records.clear()
+
+    def max_load(self) -> float | None:
+        """The busiest expert's load / the mean load, worst layer, since the last call (None: no record)."""
+        if not self.routers or any(load is None for load in self.loads):
+            return None
+        worst = max(float(load.max() / load.mean()) for load in self.loads)
+        self.loads = [None] * len(self.routers)
+        return worst
+
+    def bias_range(self) -> float | None:
+        if not self.routers:
+            return None
+        return max(float(r.e_score_correction_bias.max() - r.e_score_correction_bias.min()) for r in self.routers)
+
+
 # --------------------------------------------------------------------------- #
 # Saving (bf16 save_pretrained, split in parts a GPU call can return)
 # --------------------------------------------------------------------------- #
 def save_parts(model, out: Path, step: int) -> None:
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    routers = dict(model.named_modules())
+    for name, router in bf16.named_modules():  # V3's router weights and selection biases stay float32, as
+        if type(router).__name__ == "DeepseekV3TopkRouter":  # DeepSeek ships them (bf16 would move the bias)
+            router.weight.data = routers[name].weight.detach().float().clone()
+            router.e_score_correction_bias.data = routers[name].e_score_correction_bias.detach().float().clone()
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         bf16.save_pretrained(tmp)
         data = (Path(tmp) / "model.safetensors").read_bytes()
@@ -517,7 +667,7 @@ def passkey_eval(model, tok, data: Path, lengths, depths, keys_per_cell: int, de
             "by_filler_domain": {k: v[0] / max(1, v[1]) for k, v in per_domain.items()}}
 
 
-def plot_curve(log_path: Path, png: Path) -> None:
+def plot_curve(log_path: Path, png: Path, title: str = "domain-moe") -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -553,7 +703,7 @@ def plot_curve(log_path: Path, png: Path) -> None:
     ax2 = ax[1].twinx()
     ax2.plot(x, [r["lr"] for r in train], color="tab:orange", label="learning rate")
     ax2.set_ylabel("learning rate")
-    fig.suptitle("domain-moe training")
+    fig.suptitle(f"{title} training")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -626,6 +776,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = build_model(args, tok.get_vocab_size(), eot_id).to(device)
     impl = choose_experts_impl(model, args, device)
+    balance = RouterBalance(model, args)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[train] {n_params / 1e6:.2f}M parameters, experts {impl}, device {device}", flush=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -694,13 +845,13 @@ def main(argv: list[str] | None = None) -> dict:
         ans_mask = ans_mask.to(device)[:, 1:]
         keep = ~noise_mask.to(device)[:, 1:]  # targets inside a random span are noise: no LM loss there
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model(input_ids=ids, output_router_logits=True)
+            out = model(input_ids=ids, **balance.forward_kwargs())
         per_tok = F.cross_entropy(out.logits[:, :-1].float().reshape(-1, out.logits.size(-1)),
                                   ids[:, 1:].reshape(-1), reduction="none").view(ids.size(0), -1)
         lm = (per_tok * keep).sum() / keep.sum().clamp(min=1)
         n_ans = ans_mask.sum()
         ans = (per_tok * ans_mask).sum() / n_ans.clamp(min=1)
-        bal = balance_loss(out.router_logits, args.num_experts, args.experts_per_tok)
+        bal = balance.loss(out)
         n_copy = copy_mask.sum()
         cp = (per_tok * copy_mask).sum() / n_copy.clamp(min=1)
         loss = lm + args.answer_loss_weight * ans + args.copy_loss_weight * cp + args.aux_loss_coef * bal
@@ -708,6 +859,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
+        balance.after_step()
         step += 1
         tokens += ids.numel()
         # accumulate on the device: no host sync between log lines
@@ -726,6 +878,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "answer_loss": acc["ans"] / max(1, acc["ans_n"]), "balance": acc["bal"] / acc["n"],
                    "grad_norm": gnorm.item(), "elapsed_s": round(el, 1),
                    "tokens_per_s": round(tokens / max(1e-9, el - eval_s))}
+            if balance.routers:  # deepseek-v3: the busiest expert over the mean, the selection biases' spread
+                row.update(max_load=balance.max_load(), bias_range=balance.bias_range())
             log(row)
             if gate_opened_at is None and row["answer_loss"] < args.curriculum_gate and acc["ans_n"] > 0:
                 gate_opened_at = progress
@@ -758,9 +912,15 @@ def main(argv: list[str] | None = None) -> dict:
               "experts_impl": impl, "mixture": mixture, "kept": {k: best[k] for k in ("step", "tokens", "mean_loss")},
               "heldout": best["losses"], "heldout_last": {"step": last["step"], "losses": last["losses"],
                                                           "mean_loss": last["mean_loss"]},
-              "heldout_window": args.max_position_embeddings, "passkey": pk}
+              "heldout_window": args.max_position_embeddings, "passkey": pk, "arch": args.arch,
+              "curriculum_gate_opened_at": gate_opened_at}
+    if args.arch == "deepseek-v3":
+        result["routing"] = {"n_group": args.n_group, "topk_group": args.topk_group, "top_k": args.experts_per_tok,
+                             "num_experts": args.num_experts, "bias_update_rate": args.bias_update_rate,
+                             "aux_loss_coef": args.aux_loss_coef, "bias_range": balance.bias_range()}
     (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot_curve(log_path, args.out / "loss_curve.png")
+    plot_curve(log_path, args.out / "loss_curve.png", "domain-moe" if args.arch == "mixtral" else
+               f"domain-mla ({args.n_group} groups, {args.topk_group} kept)")
     print(f"[done] total {time.time() - t_start:.0f}s", flush=True)
     return result
 

@@ -273,15 +273,14 @@ sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i
        "stride_rs": "i32", "stride_rh": "i32", "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32",
        "qk_scale": "fp32", "window": "i32", "zero": "i32", "num_splits": "i32", "ns_total": "i32",
        "HKV": "constexpr", "G": "constexpr", "STAGED": "constexpr", "CHUNK0": "constexpr",
-       "PREFETCH": "constexpr", "SMEM": "constexpr", "RING": "constexpr", "rope_tile": "*fp16", "rope_pages": "*fp16",
-       "inv_freq": "*fp32", "ROPE": "constexpr"}
+       "PREFETCH": "constexpr", "SMEM": "constexpr", "RING": "constexpr"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for G, staged, chunk0, smem, cap in ((1, True, False, False, None), (4, False, True, False, None),
                                      (8, True, False, False, None), (4, False, True, True, 128),
                                      (8, True, True, True, None)):
     src = GluonASTSource(nuq2_decode_kernel, signature=sig,
                          constexprs={"HKV": 8, "G": G, "STAGED": staged, "CHUNK0": chunk0,
-                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem, "RING": False, "ROPE": False},
+                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem, "RING": False},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, **({"maxnreg": cap} if cap else {})))
     ptx = k.asm["ptx"]
@@ -297,7 +296,7 @@ print("RING")
 for G, smem in ((1, True), (4, True), (8, False)):  # a residual window's ring as the tail, at the launcher's cap
     src = GluonASTSource(nuq2_decode_kernel, signature=sig,
                          constexprs={"HKV": 8, "G": G, "STAGED": True, "CHUNK0": True,
-                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem, "RING": True, "ROPE": False},
+                                     "PREFETCH": DEFAULT_PREFETCH, "SMEM": smem, "RING": True},
                          attrs={(i,): [["tt.divisibility", 16]] for i in range(12)})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=160))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -50,14 +50,14 @@ class GluonKernel:
     covers(fmt, block_size, head_dim): why the kernel does not cover pools of this shape and the
     format's options (a sentence naming what it covers), or None where it does.
     default_on: whether decode_kernel='auto' lays covered pools out for it on sm_90 ('gluon' always
-    does), or a function of the format saying so. marker: a tensor only its fragment-order pools hold.
-    decode_options: extra keyword arguments of the decode entry for one pool (kivi2: its residual ring), or None.
+    does). marker: a tensor only its fragment-order pools hold. decode_options: extra keyword
+    arguments of the decode entry for one pool (kivi2: its residual ring), or None.
     """
 
     layout: str
     decode: str
     covers: Callable[[Any, int, int], str | None]
-    default_on: bool | Callable[[Any], bool] = True
+    default_on: bool = True
     marker: str = "k_codes"
     decode_options: Callable[[Any, LayerKVCache], dict[str, Any]] | None = None
 
@@ -72,8 +72,7 @@ class GluonKernel:
     def wanted(self, fmt, block_size: int, head_dim: int, device: torch.device | str | None = None) -> bool:
         """Whether fmt's pools of this shape (on `device`) keep their pages in this kernel's fragment
         order, by fmt.decode_kernel: gluon_pages_wanted."""
-        by_default = self.default_on(fmt) if callable(self.default_on) else self.default_on
-        return gluon_pages_wanted(fmt.decode_kernel, self.covers(fmt, block_size, head_dim), device, by_default)
+        return gluon_pages_wanted(fmt.decode_kernel, self.covers(fmt, block_size, head_dim), device, self.default_on)
 
 
 def gluon_pages_wanted(choice: str, not_covered: str | None, device: torch.device | str | None,

@@ -35,7 +35,7 @@ from moekv.kvcache.calibration_io import keys_fitted_before_rope, load_calibrati
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE, KVOption, one_of, positive
-from moekv.kvcache.formats.paged import Field, PageLayout, per_shape, rope_theta_of
+from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.kvcache.formats.residual import RESIDUAL_OPTION, ResidualWindow, gluon_ring
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
@@ -191,23 +191,13 @@ def fit_tables(pages: torch.Tensor, layer: int, kind: str, generator: torch.Gene
 
 
 def _gluon_covers(fmt: NUQ2Format, block_size: int, head_dim: int) -> str | None:
+    if fmt.keys_before_rope:
+        return ("nuq2's Gluon kernel reads keys stored after RoPE; keys_before_rope=True takes the Triton "
+                "kernel (decode_kernel='triton' or 'auto')")
     if (block_size, head_dim) == (64, 128) and not fmt.codebooks_not_fp16():
         return None
     return ("nuq2's Gluon kernel covers block_size 64, head_dim 128 and fp16 codebooks, "
             f"got block_size {block_size}, head_dim {head_dim}")
-
-
-def _gluon_by_default(fmt: NUQ2Format) -> bool:
-    """decode_kernel='auto' takes the Gluon kernel for keys after RoPE; with keys_before_rope it keeps the
-    Triton kernel until the Gluon kernel's rotation is timed on a GPU (its offline sm_90 build spills:
-    docs/decisions.md, "Keys before RoPE in nuq2's Gluon kernel"); decode_kernel='gluon' takes it."""
-    return not fmt.keys_before_rope
-
-
-def _gluon_options(fmt: NUQ2Format, cache) -> dict:
-    """The Gluon decode entry's options for one pool: the residual ring and, for keys stored before RoPE,
-    the RoPE base the kernel rotates them by."""
-    return {**gluon_ring(fmt, cache), **({"rope_theta": rope_theta_of(cache)} if fmt.keys_before_rope else {})}
 
 
 CODEBOOKS = ("auto", "page", "calibrated")
@@ -218,8 +208,7 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
     # its pages converted from the slabs into the kernel's fragment order when written (nuq2_layout.py);
     # 'auto' takes it on sm_90 for the covered shape
     gluon_kernel = GluonKernel("moekv.ops.gluon.nuq2_layout", "moekv.ops.gluon.nuq2_decode:nuq2_decode_attention",
-                               _gluon_covers, default_on=_gluon_by_default, marker="k_slot_delta",
-                               decode_options=_gluon_options)
+                               _gluon_covers, marker="k_slot_delta", decode_options=gluon_ring)
     # the newest tokens in 16-bit (residual.py): 128 took domain-moe's perplexity cost from +4.2% to
     # +1.9% at 2.41 bits a token at 32k (docs/decisions.md, "nuq2's and vq's residual window")
     default_residual = 128
@@ -241,8 +230,7 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
         the pages store them, keys_before_rope; else per page).
         residual: the newest tokens kept in 16-bit (None: default_residual; 0: none).
         keys_before_rope: pages hold the keys as computed before RoPE, rotated by their positions
-        after the lookup by every reader (PagedQuantFormat.keys_before_rope; the Gluon kernel with
-        decode_kernel='gluon').
+        after the lookup by every reader (PagedQuantFormat.keys_before_rope; no Gluon kernel).
         quantize_kernel: quantize pages on CUDA with the fused kernel (moekv/ops/nuq2_quantize.py);
         None reads MOEKV_NUQ2_QUANTIZE_KERNEL (moekv/envs.py: default on; 0 keeps the torch
         reference, for benchmarks that compare the two)."""

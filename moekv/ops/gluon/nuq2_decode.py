@@ -108,21 +108,6 @@ def _page_scores(q_b: torch.Tensor, frag: Nuq2FragmentPages, pages: torch.Tensor
     return s
 
 
-def _rotated_page_scores(q_b: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, p0: int, G: int,
-                         theta: float) -> torch.Tensor:
-    """Scores [n, Hkv, G, 64] of one sequence's pages p0.. over keys stored before RoPE: the pages' keys
-    as nuq2 dequantizes them (keys [N, Hkv, 64, D], slots included) rotated by their positions (page p0 + i's
-    token t at (p0 + i) * 64 + t; angles in float64), in q_b's dtype."""
-    k = keys[pages].double()  # [n, H, P, D]
-    n, H = k.shape[:2]
-    pos = (p0 + torch.arange(n, dtype=torch.float64))[:, None] * PAGE_TOKENS + torch.arange(PAGE_TOKENS)
-    angle = pos[:, None, :, None] * rope_frequencies(theta).to(k.device)  # [n, 1, P, D/2]
-    cos, sin = angle.cos(), angle.sin()
-    x1, x2 = k[..., :HEAD_DIM // 2], k[..., HEAD_DIM // 2:]
-    k = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(q_b.dtype)
-    return torch.einsum("hgd,nhtd->nhgt", q_b.reshape(H, G, HEAD_DIM), k)
-
-
 def _page_values(frag: Nuq2FragmentPages, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Codebook values [n, Hkv, 64, D]: centroid[code]."""
     codes = codes_from_fragment(frag.v_codes[pages], "value")
@@ -135,14 +120,10 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
                                 context_lens: torch.Tensor, scale: float, num_splits: int,
                                 outliers: bool = True, staged: Staged | None = None,
                                 sliding_window: int | None = None, residual: Residual | None = None,
-                                tail_splits: int = 1, rope_theta: float | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+                                tail_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials, split by split, in q's dtype: codebook term plus (outliers) the
     slots' one-hot products, then (staged) the 16-bit tail as splits num_splits .. num_splits +
-    tail_splits - 1 (with `residual`, the ring's newest R tokens among it), each its share (tail_shares).
-    rope_theta: the pages hold keys before RoPE with this base; their scores are those of the dequantized
-    keys (slots included) rotated by their positions (the kernel's algebra is in
-    nuq2_kernel.rope_operands), the tail's keys are after RoPE as they are."""
+    tail_splits - 1 (with `residual`, the ring's newest R tokens among it), each its share (tail_shares)."""
     B, Hkv, G = check_inputs(q, frag, block_tables, context_lens, num_splits)
     check_extras(staged, sliding_window, B, Hkv)
     R = check_residual(residual, staged, Hkv, "nuq2")
@@ -152,11 +133,6 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
     part_o = torch.zeros(B, Hq, ns_total, HEAD_DIM, dtype=dt, device=q.device)
     part_lse = torch.full((B, Hq, ns_total), -math.inf, dtype=dt, device=q.device)
     qk2 = scale * LOG2E
-    keys = None
-    if rope_theta is not None:
-        from moekv.ops.gluon.nuq2_layout import dequantize_fragment
-
-        keys = dequantize_fragment(frag, "key", outliers)  # [N, Hkv, P, D] fp32, before RoPE
 
     def partial(b, sp, s, v, extra=None):  # s [H, G, T] base-2 scores (-inf masked), v [H, T, D]
         m = s.amax(-1, keepdim=True)
@@ -174,9 +150,7 @@ def nuq2_decode_split_reference(q: torch.Tensor, frag: Nuq2FragmentPages, block_
         for sp, p0, p1 in split_ranges(quantized, first, num_splits):
             pages = block_tables[b, p0:p1].long()
             n = p1 - p0
-            s = (_page_scores(q[b], frag, pages, G, outliers) if keys is None
-                 else _rotated_page_scores(q[b], keys, pages, p0, G, rope_theta))
-            s = masked(s * qk2, p0, p1, quantized, first)  # [n, H, G, 64]
+            s = masked(_page_scores(q[b], frag, pages, G, outliers) * qk2, p0, p1, quantized, first)  # [n, H, G, 64]
             s = s.permute(1, 2, 0, 3).reshape(Hkv, G, n * PAGE_TOKENS)
             v = _page_values(frag, pages, dt).permute(1, 0, 2, 3).reshape(Hkv, n * PAGE_TOKENS, HEAD_DIM)
             extra = None
@@ -205,43 +179,6 @@ def reduce_partials(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tenso
     return (w[..., None] * part_o).sum(2) / w.sum(-1)[..., None]
 
 
-# -- keys stored before RoPE -------------------------------------------------------------------------
-ROPE_TABLE_PAGES = 2048  # pages the kernel's per-page cos / sin table covers at least (128k tokens)
-_ROPE_TABLES: dict = {}  # (theta, device) -> (rope_tile, rope_pages, inv_freq)
-
-
-def rope_frequencies(theta: float) -> torch.Tensor:
-    """theta_i = theta^(-2i / 128), i < 64, float64 (the rotary pairs (i, i + 64) of head_dim 128)."""
-    return float(theta) ** (-torch.arange(HEAD_DIM // 2, dtype=torch.float64) * 2 / HEAD_DIM)
-
-
-def rope_tables(theta: float, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Gluon kernel's RoPE tables for keys stored before RoPE (ROPE), made once per (theta, device) on
-    the host, in float64: rope_tile fp16 [2, 4, 32, 32] (cos, sin of t * theta_c for the element (t, c),
-    c < 64, of each entry, nuq2_layout.rope_tile_elements), rope_pages fp16 [>= num_pages, 2, 64] (cos,
-    sin of 64 pg * theta_c) and inv_freq fp32 [64]. A table is copied to the device, which a CUDA
-    graph capture refuses: the engine's warm-up step (eager) makes them before."""
-    from moekv.ops.gluon.nuq2_layout import rope_tile_elements
-
-    device = torch.device(device)
-    key = (float(theta), device)
-    have = _ROPE_TABLES.get(key)
-    if have is None or have[1].shape[0] < num_pages:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"nuq2 Gluon decode: RoPE tables for {num_pages} pages (theta {theta}) are made on the "
-                               "host, not inside a CUDA graph capture; run a step eagerly first")
-        freq = rope_frequencies(theta)
-        element = rope_tile_elements()
-        tile_angle = (element // HEAD_DIM).double() * freq[element % HEAD_DIM]
-        pages = max(ROPE_TABLE_PAGES, 1 << max(num_pages - 1, 0).bit_length())
-        page_angle = (torch.arange(pages, dtype=torch.float64) * PAGE_TOKENS)[:, None] * freq[None, :]
-        have = (torch.stack([tile_angle.cos(), tile_angle.sin()]).to(device, torch.float16).contiguous(),
-                torch.stack([page_angle.cos(), page_angle.sin()], dim=1).to(device, torch.float16).contiguous(),
-                freq.to(device, torch.float32))
-        _ROPE_TABLES[key] = have
-    return have
-
-
 # -- the GPU path ------------------------------------------------------------------------------------
 # ptxas's cap: with SMEM 160 ties 128 and wins at (1, 128k) (12 programs an SM: one wave of 197 splits:
 # docs/decisions.md, "Pages through shared memory where the launch fills the GPU"); no cap is slower (more
@@ -264,16 +201,15 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
                          max_registers: int | None = DEFAULT_MAX_REGISTERS, staged: Staged | None = None,
                          sliding_window: int | None = None, slot_chunk0: bool = DEFAULT_SLOT_CHUNK0,
                          prefetch: int = DEFAULT_PREFETCH, smem: bool = DEFAULT_SMEM,
-                         residual: Residual | None = None, tail_splits: int | None = None,
-                         rope_theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         residual: Residual | None = None, tail_splits: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gluon kernel's partials (part_o, part_lse), fp32 (CUDA only); with `staged`, splits
     num_splits .. num_splits + tail_splits - 1 hold the 16-bit tail (and `residual`'s ring: its newest R
     tokens), each a share of it (tail_splits: None for launch.plan_splits' rule; more than 1 needs the
     ring). max_registers: ptxas's cap (0 / None: its choice); slot_chunk0:
     the first 16 slots of each kind unconditionally (loads not behind the used counts; ~35 more
     registers), else chunks only while used slots remain; smem: the next page's codes and side data
-    through shared memory (cp.async, two stages; ~9 kB a program), the same partials bit for bit;
-    rope_theta: the pages hold keys before RoPE with this base, rotated after the lookup (None: after RoPE)."""
+    through shared memory (cp.async, two stages; ~9 kB a program), the same partials bit for bit."""
     B, Hkv, G = check_launch("nuq2", q, frag, block_tables, context_lens, num_splits, staged, sliding_window)
     R = check_residual(residual, staged, Hkv, "nuq2")
     try:
@@ -283,10 +219,6 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
     run = plan_launch(q, B, Hkv, block_tables, context_lens, num_splits, staged, sliding_window, max_registers, R,
                       tail_splits)
     k_ring, v_ring, ring_strides = ring_args(run, residual)
-    if rope_theta is not None:
-        rope_tile, rope_pages, inv_freq = rope_tables(rope_theta, block_tables.shape[1], q.device)
-    else:  # unused: any tensors stand in
-        rope_tile = rope_pages = inv_freq = run.part_o
     nuq2_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
         frag.k_mean, frag.k_scale, frag.k_out_idx, frag.k_slot_delta, frag.k_used,
@@ -295,8 +227,7 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
         run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, *ring_strides, R,
         run.part_o, run.part_lse, scale * LOG2E, run.window, 0, run.num_splits, run.ns_total,
         HKV=Hkv, G=G, STAGED=staged is not None, CHUNK0=bool(slot_chunk0), PREFETCH=prefetch, SMEM=bool(smem),
-        RING=R > 0, rope_tile=rope_tile, rope_pages=rope_pages, inv_freq=inv_freq, ROPE=rope_theta is not None,
-        num_warps=1, **register_cap(max_registers))
+        RING=R > 0, num_warps=1, **register_cap(max_registers))
     return run.part_o, run.part_lse
 
 
@@ -306,14 +237,12 @@ def nuq2_decode_attention(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables
                           sliding_window: int | None = None, out: torch.Tensor | None = None,
                           slot_chunk0: bool = DEFAULT_SLOT_CHUNK0, prefetch: int = DEFAULT_PREFETCH,
                           smem: bool = DEFAULT_SMEM, residual: Residual | None = None,
-                          sinks: torch.Tensor | None = None, tail_splits: int | None = None,
-                          rope_theta: float | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None, tail_splits: int | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, 128] over nuq2 pages in fragment order (outlier slots included,
     exact) and, with `staged`, the 16-bit tail (and `residual`'s ring, in tail_splits programs) -> [B, Hq,
     128] in q's dtype: the Gluon kernel and the reduce, two launches, no host sync. CUDA only. sinks [Hq]:
-    each head's sink logit, joining the reduce. rope_theta: keys stored before RoPE with this base
-    (nuq2_decode_partials)."""
+    each head's sink logit, joining the reduce."""
     part_o, part_lse = nuq2_decode_partials(q, frag, block_tables, context_lens, scale, num_splits, max_registers,
                                             staged, sliding_window, slot_chunk0, prefetch, smem, residual,
-                                            tail_splits, rope_theta)
+                                            tail_splits)
     return reduce_on_device(part_o, part_lse, torch.empty_like(q) if out is None else out, sinks)

@@ -89,212 +89,6 @@ def _per_lane(x, zero):
         constraints="=r,r,r", args=[x, zero], dtype=gl.int32, is_pure=True, pack=1)
 
 
-# RoPE after the lookup (keys stored before RoPE, ROPE): fp16 pairs multiplied in one instruction each
-@gluon.jit
-def _mul2(a, b):
-    """a * b, fp16, one mul.f16x2 per register pair (Triton's fp16 arithmetic is scalar)."""
-    return gl.inline_asm_elementwise(asm="mul.rn.f16x2 $0, $1, $2;", constraints="=r,r,r", args=[a, b],
-                                     dtype=gl.float16, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _rot2(a, b, c, d):
-    """a * b + c * d and c * b - a * d, fp16 pairs: with (a, c) = (q, q~) and (b, d) = (cos, sin) the page's
-    rotation of q and of its swapped halves (rope_operands)."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, u;
-        mul.rn.f16x2 t, $4, $5;
-        fma.rn.f16x2 $0, $2, $3, t;
-        mul.rn.f16x2 u, $2, $5;
-        neg.f16x2 u, u;
-        fma.rn.f16x2 $1, $4, $3, u;
-        }""",
-        constraints="=r,=r,r,r,r,r", args=[a, b, c, d], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-
-
-TWO_PI_HI = gl.constexpr(6.28125)  # 201 / 32: n * TWO_PI_HI exact for |n| < 2^16 (as ops/decode/rope.py)
-TWO_PI_LO = gl.constexpr(0.0019353071795864769)  # 2 pi - TWO_PI_HI
-INV_TWO_PI = gl.constexpr(0.15915494309189535)
-
-
-@gluon.jit
-def _sin_cos(angle):
-    """sin and cos of fp32 angles: the angle less the nearest multiple of 2 pi in two FMAs, then the
-    hardware's sin.approx / cos.approx (ops/decode/rope.py's _sin_cos)."""
-    n = gl.floor(angle * INV_TWO_PI + 0.5)
-    r = (angle - n * TWO_PI_HI) - n * TWO_PI_LO
-    return gl.inline_asm_elementwise(asm="sin.approx.f32 $0, $2; cos.approx.f32 $1, $2;", constraints="=r,=r,r",
-                                     args=[r], dtype=(gl.float32, gl.float32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _key_tile(kf, LA: gl.constexpr):
-    """A [4 rows, 128 words, 4 bytes, 4 fields] tensor in the keys' code layout -> the K [64, 128] tile it
-    holds in the A-operand layout, no data moved (the fragment order of nuq2_layout.py)."""
-    kf = gl.reshape(kf, [ROWS, 8, 4, 2, 2, 2, 2, 2, 2])  # blk, g, q4, y3, y2, y1, y0, f1, f0
-    kf = gl.permute(kf, [0, 5, 1, 7, 8, 3, 4, 2, 6])  # blk, y1, g | f1, f0, y3, y2, q4, y0
-    kf = gl.reshape(kf, [PAGE, 128])
-    return gl.convert_layout(kf, LA, assert_trivial=True)
-
-
-# One 16-token row of the key tile at a time (ROPE): a code row's 4 words a lane as [128 words, 4 bytes, 2 f1,
-# 2 f0] fp16 (byte fastest, then word, f0, f1: the keys' register order; field f = 2 f1 + f0 holds channel
-# 32 f + ..., so f1 is the rotary half and a pair (c, c + 64) shares a byte)
-ROPE_ROW = gl.constexpr(gl.BlockedLayout([4, 4, 2, 2], [32, 1, 1, 1], [1, 1, 1, 1], [1, 0, 3, 2]))
-ROPE_WORDS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ROPE_ROW))))  # a code row [128]
-ROPE_HALF = gl.constexpr(gl.SliceLayout(2, ROPE_ROW))  # a table row [128 words, 4 bytes, 2 f0]: channels c < 64
-
-
-@gluon.jit
-def _row_words(x):
-    return gl.convert_layout(x, ROPE_WORDS, assert_trivial=True)
-
-
-@gluon.jit
-def _rows4(x):
-    """The 4 rows of a code tile [4, 128] (rows in registers) as [128] tensors in ROPE_WORDS, no data moved."""
-    x = gl.reshape(gl.permute(x, [1, 0]), [128, 2, 2])  # word, row // 2, row % 2
-    even, odd = gl.split(x)
-    r0, r2 = gl.split(even)
-    r1, r3 = gl.split(odd)
-    return _row_words(r0), _row_words(r1), _row_words(r2), _row_words(r3)
-
-
-@gluon.jit
-def _row_tile(z, LA: gl.constexpr):
-    """A row [128 words, 4 bytes, 2 f1, 2 f0] -> the K rows [16, 128] it holds in the A-operand layout, no data
-    moved (the fragment order of nuq2_layout.py, as _key_tile for one row block)."""
-    z = gl.reshape(z, [8, 4, 2, 2, 2, 2, 2, 2])  # g, q4, y3, y2, y1, y0, f1, f0
-    z = gl.permute(z, [4, 0, 6, 7, 2, 3, 1, 5])  # y1, g | f1, f0, y3, y2, q4, y0
-    return gl.convert_layout(gl.reshape(z, [16, 128]), LA, assert_trivial=True)
-
-
-@gluon.jit
-def _half_tile(c, LA: gl.constexpr):
-    """A table row [128 words, 4 bytes, 2 f0] (channels c < 64) -> [16, 64] in the A-operand layout."""
-    c = gl.reshape(c, [8, 4, 2, 2, 2, 2, 2])  # g, q4, y3, y2, y1, y0, f0
-    c = gl.permute(c, [4, 0, 6, 2, 3, 1, 5])  # y1, g | f0, y3, y2, q4, y0
-    return gl.convert_layout(gl.reshape(c, [16, 64]), LA, assert_trivial=True)
-
-
-@gluon.jit
-def _rope_row_table(tab):
-    """One row of a page-independent table cos(t theta_c) / sin(t theta_c) (16 tokens, c < 64) in ROPE_HALF, from
-    its lane order (nuq2_layout.rope_tile_elements: 32 contiguous fp16 a lane, four 128-bit loads)."""
-    LT: gl.constexpr = gl.BlockedLayout([1, 32], [32, 1], [1, 1], [1, 0])
-    ln = opaque(gl.arange(0, 32, layout=gl.SliceLayout(1, LT)))  # addresses built here, not held across the loop
-    i = gl.arange(0, 32, layout=gl.SliceLayout(0, LT))
-    x = gl.load(tab + gl.expand_dims(ln * 32, 1) + gl.expand_dims(i, 0))
-    x = gl.permute(gl.reshape(x, [32, 2, 4, 4]), [0, 2, 3, 1])  # lane, word of the lane, byte, f0
-    return gl.convert_layout(gl.reshape(x, [128, 4, 2]), ROPE_HALF, assert_trivial=True)
-
-
-@gluon.jit
-def _rope_row_scores(x, tab, shift, k_lo, k_hi, b_c, b_s, b_cm, b_sm, LA: gl.constexpr, MMA: gl.constexpr):
-    """S^T [16, 8] of one row (16 tokens t) of a page of keys stored before RoPE, x its code words [128] in
-    ROPE_WORDS, tab its row of the cos table (the sin table's 4 rows later): with Z the row's codebook values and
-    C, S the cos / sin of t * theta_(c mod 64),
-        (C * Z) @ b_c + (S * Z) @ b_s + C_lo @ b_cm + S_lo @ b_sm          (rope_operands)
-    (C, S broadcast over the halves: one table register serves channels c and c + 64)."""
-    z = _centroid_pairs(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 1), 2), 3), shift, k_lo, k_hi)
-    cos = _rope_row_table(tab)
-    s = gl.nvidia.ampere.mma_v2(_half_tile(cos, LA), b_cm, gl.zeros([16, 8], gl.float32, layout=MMA))
-    s = gl.nvidia.ampere.mma_v2(_row_tile(_mul2(z, gl.expand_dims(cos, 2)), LA), b_c, s)
-    sin = _rope_row_table(tab + ROWS * 1024)
-    s = gl.nvidia.ampere.mma_v2(_half_tile(sin, LA), b_sm, s)
-    return gl.nvidia.ampere.mma_v2(_row_tile(_mul2(z, gl.expand_dims(sin, 2)), LA), b_s, s)
-
-
-@gluon.jit
-def _stack_rows(s0, s1, s2, s3, MMA: gl.constexpr):
-    """Four [16, 8] row scores -> S^T [64, 8] in the MMA layout, no data moved."""
-    s = gl.join(gl.join(s0, s1), gl.join(s2, s3))  # [16, 8, row % 2, row // 2]
-    s = gl.reshape(gl.permute(s, [3, 2, 0, 1]), [PAGE, 8])
-    return gl.convert_layout(s, MMA, assert_trivial=True)
-
-
-@gluon.jit
-def rope_key_scores(kx, k_rows, tab, zero, k_lo, k_hi, b_c, b_s, b_cm, b_sm, LA: gl.constexpr, MMA: gl.constexpr):
-    """S^T [64, 8] of a page of keys stored before RoPE (its code rows kx [4, 128] in registers or, given, k_rows
-    in a shared-memory stage, read a row at a time), one row at a time
-    (_rope_row_scores): a loop (its count ROWS + zero, unknown to the compilers, so not unrolled) keeps one row's
-    codebook values, tables and products live at a time; unrolled, ptxas interleaves the rows' table loads and
-    products and spills."""
-    f0 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, ROPE_ROW))))
-    f1 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, ROPE_ROW))))
-    shift = (gl.expand_dims(gl.expand_dims(gl.expand_dims(f0, 0), 0), 0) * 2
-             + gl.expand_dims(gl.expand_dims(gl.expand_dims(f1, 0), 0), 3) * 4)  # 2 * field, field = 2 f1 + f0
-    if k_rows is None:
-        x0, x1, x2, x3 = _rows4(kx)
-    else:
-        k_rows = k_rows._reinterpret(gl.int32, [ROWS, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    blk = gl.expand_dims(gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA)) // 16, 1)
-    s = gl.zeros([PAGE, 8], gl.float32, layout=MMA)
-    for r in range(0, ROWS + zero):
-        if k_rows is None:
-            x = gl.where(r == 0, x0, gl.where(r == 1, x1, gl.where(r == 2, x2, x3)))
-        else:
-            x = k_rows.index(r).load(ROPE_WORDS)  # (a view of rank 1: .index gives a row)
-        s_r = _rope_row_scores(x, tab + r * 1024, shift, k_lo, k_hi, b_c, b_s, b_cm, b_sm, LA, MMA)
-        s = gl.where(blk == r, _stack_rows(s_r, s_r, s_r, s_r, MMA), s)
-    return s
-
-
-@gluon.jit
-def _halves(x, LB: gl.constexpr):
-    """[128, 8] in LB -> its channels c < 64 and c >= 64, [64, 8] each in LB (registers of the same thread)."""
-    lo, hi = gl.split(gl.permute(gl.reshape(x, [2, 64, 8]), [1, 2, 0]))
-    return gl.convert_layout(lo, LB, assert_trivial=True), gl.convert_layout(hi, LB, assert_trivial=True)
-
-
-@gluon.jit
-def _whole(lo, hi, LB: gl.constexpr):
-    """_halves' inverse: [64, 8] channels c < 64 and c >= 64 -> [128, 8] in LB."""
-    x = gl.reshape(gl.permute(gl.join(lo, hi), [2, 0, 1]), [128, 8])
-    return gl.convert_layout(x, LB, assert_trivial=True)
-
-
-@gluon.jit
-def _halves_of_row(side, at: gl.constexpr, LB: gl.constexpr):
-    """A staged fp8 row of 128 channels (scale or mean) at `at` of `side` as its halves c < 64, c >= 64, fp16
-    [64, 1] in LB's rows."""
-    lo = side.slice(at, 64).load(gl.SliceLayout(1, LB)).to(gl.float16)
-    hi = side.slice(at + 64, 64).load(gl.SliceLayout(1, LB)).to(gl.float16)
-    return gl.expand_dims(lo, 1), gl.expand_dims(hi, 1)
-
-
-@gluon.jit
-def _halves_of_global(row, LB: gl.constexpr):
-    """_halves_of_row from global memory (row: the page's fp8 [128])."""
-    chan = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))
-    lo = gl.load(row + chan).to(gl.float16)
-    hi = gl.load(row + 64 + chan).to(gl.float16)
-    return gl.expand_dims(lo, 1), gl.expand_dims(hi, 1)
-
-
-@gluon.jit
-def rope_operands(q_lo, q_hi, page_trig, pg, scale_lo, scale_hi, mean_lo, mean_hi, LB: gl.constexpr):
-    """The B operands of a page whose keys are stored before RoPE, for tokens at pg * 64 + t. With k = mean +
-    scale * Z (per channel) and the rotary pairs (c, c + 64), c < 64, the scores are
-        sum_c  k[c] (q[c] cos + q[c + 64] sin) + k[c + 64] (q[c + 64] cos - q[c] sin)     (angle (pg * 64 + t) theta_c)
-    With q' = R(-pg * 64) q (q's pairs turned back by the page's first position, page_trig: fp16 cos / sin of
-    pg * 64 * theta_c per page, [pages, 2, 64]) and C, S the cos / sin of t * theta_c, that is
-        (C * Z) @ b_c + (S * Z) @ b_s + C @ b_cm + S @ b_sm,
-        b_c = (q'_lo s_lo, q'_hi s_hi), b_s = (q'_hi s_lo, -q'_lo s_hi)                       [128, 8]
-        b_cm = q'_lo m_lo + q'_hi m_hi, b_sm = q'_hi m_lo - q'_lo m_hi                         [64, 8]
-    (lo / hi: channels c, c + 64; s, m: the page's scale and mean): the affine stays in the B operands, the mean
-    terms are K = 64 products. q_lo, q_hi: q's halves [64, 8]; scale_*, mean_* [64, 1] fp16."""
-    chan = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))
-    cos = gl.expand_dims(gl.load(page_trig + pg * 128 + chan), 1)
-    sin = gl.expand_dims(gl.load(page_trig + pg * 128 + 64 + chan), 1)
-    qr_lo, qr_hi = _rot2(q_lo, cos, q_hi, sin)
-    b_c = _whole(_mul2(qr_lo, scale_lo), _mul2(qr_hi, scale_hi), LB)
-    b_s = _whole(_mul2(qr_hi, scale_lo), _mul2(-qr_lo, scale_hi), LB)
-    b_cm, b_sm = _rot2(qr_lo, mean_lo, qr_hi, mean_hi)
-    return b_c, b_s, b_cm, b_sm
-
-
 HOT = gl.constexpr(2.0)  # the one-hot tiles' 1: fp16 2.0 is one bit (0x4000); the other operand is halved
 
 
@@ -369,42 +163,24 @@ def _hot_cols(x, col):
 
 
 @gluon.jit
-def _slot_q(q_ptr, head0, idx_b, used, nb, G: gl.constexpr, ROPE: gl.constexpr, pos0, inv_freq):
-    """q[n, c_j] at each slot's channel, fp32 [16, 8]; ROPE (keys stored before RoPE): R(-p_j) q at c_j,
-    p_j = pos0 + t_j the slot's position, since the slot's delta sits at (t_j, c_j) before the rotation:
-    q[c_j] cos + q~[c_j] sin, q~ = (q[c + 64], -q[c - 64])."""
-    c = idx_b & 127
-    mask = gl.expand_dims(nb < G, 0) & gl.expand_dims(used, 1)
-    row = q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128
-    qv = gl.load(row + gl.expand_dims(c, 1), mask=mask, other=0.0).to(gl.float32)
-    if ROPE:
-        qx = gl.load(row + gl.expand_dims((c + 64) & 127, 1), mask=mask, other=0.0).to(gl.float32)
-        qx = gl.where(gl.expand_dims(c < 64, 1), qx, -qx)
-        angle = (pos0 + (idx_b >> 7)).to(gl.float32) * gl.load(inv_freq + (c & 63))
-        sin, cos = _sin_cos(angle)
-        qv = qv * gl.expand_dims(cos, 1) + qx * gl.expand_dims(sin, 1)
-    return qv
-
-
-@gluon.jit
 def _key_slot_chunk_load(k_idx, k_delta, c0, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
-                         LB: gl.constexpr, ROPE: gl.constexpr = False, pos0=0, inv_freq=None):
+                         LB: gl.constexpr):
     """Key slots [c0, c0 + 16) (those below lim): their tokens as OneHot_K's columns, and W [16, 8] =
-    q[n, c_j] kd_j (fp32, the B operand's layout; ROPE: q turned back by the slot's position, _slot_q).
-    Unused slots have token 511 and delta 0."""
+    q[n, c_j] kd_j (fp32, the B operand's layout). Unused slots have token 511 and delta 0."""
     ja = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
     jb = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
     nb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
     tok_j = gl.load(k_idx + ja, mask=ja < lim, other=65535) >> 7
     idx_b = gl.load(k_idx + jb, mask=jb < lim, other=0)
     kd = gl.load(k_delta + jb, mask=jb < lim, other=0.0)
-    qv = _slot_q(q_ptr, head0, idx_b, jb < lim, nb, G, ROPE, pos0, inv_freq)
+    qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b & 127, 1),
+                 mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
     return tok_j, qv * gl.expand_dims(kd * (1.0 / HOT), 1)
 
 
 @gluon.jit
 def _key_slot_chunk0_smem(idx_row, delta_row, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
-                          LB: gl.constexpr, ROPE: gl.constexpr = False, pos0=0, inv_freq=None):
+                          LB: gl.constexpr):
     """_key_slot_chunk_load's first chunk from a staged copy: idx_row, delta_row the page's first 16
     key slot positions and deltas (int32 bits) in shared memory, zero-filled past lim; only the
     tokens need their `other` (65535) re-applied, the zeros are the global loads' own."""
@@ -414,7 +190,8 @@ def _key_slot_chunk0_smem(idx_row, delta_row, lim, q_ptr, head0, G: gl.constexpr
     tok_j = gl.where(ja < lim, idx_row.load(gl.SliceLayout(0, LA)), 65535) >> 7
     idx_b = idx_row.load(gl.SliceLayout(1, LB))
     kd = delta_row.load(gl.SliceLayout(1, LB)).to(gl.float32, bitcast=True)
-    qv = _slot_q(q_ptr, head0, idx_b, jb < lim, nb, G, ROPE, pos0, inv_freq)
+    qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b & 127, 1),
+                 mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
     return tok_j, qv * gl.expand_dims(kd * (1.0 / HOT), 1)
 
 
@@ -481,9 +258,7 @@ def _word_pair(words, i: gl.constexpr):
 def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i, acc, qk_scale,
                n_valid, n_first, k_idx, k_delta, nk, SK, v_idx, v_delta, nv, SV, q_ptr, head0, G: gl.constexpr,
                CHUNK0: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, MMA: gl.constexpr, k_rows=None,
-               v_rows=None, slots=None, words=None, LK2: gl.constexpr = None, LV2: gl.constexpr = None,
-               ROPE: gl.constexpr = False, b_s=None, b_cm=None, b_sm=None, rope_tile=None, pos0=0,
-               inv_freq=None):
+               v_rows=None, slots=None, words=None, LK2: gl.constexpr = None, LV2: gl.constexpr = None):
     """One page: scores (+ key slots), online softmax, P @ V (+ value slots) into acc (O^T [128, 8]).
     Tokens [n_first, n_valid) of the page count. Slots run in chunks of 16 while used ones remain;
     CHUNK0: the first chunk of each kind runs unconditionally (unused slots add exact zeros; its loads
@@ -491,11 +266,7 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
     From a shared-memory stage (k_rows given; kx, vx, k_table, v_table unused): the code rows from
     k_rows, v_rows [4, 128] int32, the codebook words and used counts from `words` [8] (the nk,
     nv arguments unused) and the first slot chunk from `slots` [64] (as stage_page puts them), each read where it
-    is needed (code rows in layouts LK2, LV2).
-    ROPE (keys stored before RoPE, at positions pos0 + t): the scores row by row (rope_key_scores) from the
-    tables of rope_tile (cos / sin of t * theta in the code rows' lane order) and the B operands (q_scaled, b_s,
-    b_cm, b_sm) of rope_operands, bias unused; the key slots' q turned back by their own positions (inv_freq:
-    theta_i, fp32 [64])."""
+    is needed (code rows in layouts LK2, LV2)."""
     if k_rows is None:
         k_lo = _per_lane(gl.load(k_table), zero)
         k_hi = _per_lane(gl.load(k_table + 1), zero)
@@ -505,26 +276,25 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
         k_lo, k_hi = _word_pair(words, 0)
         k_lo = _per_lane(k_lo, zero)
         k_hi = _per_lane(k_hi, zero)
-        if not ROPE:
-            kx = k_rows.load(LK2)
+        kx = k_rows.load(LK2)
 
-    if ROPE:  # R(t) (mean + scale * Z) for t < 64, one 16-token row at a time, the affine in the B operands
-        s = rope_key_scores(kx, k_rows, rope_tile, zero, k_lo, k_hi, q_scaled, b_s, b_cm, b_sm, LA, MMA)
-    else:
-        # K: [4 rows, 512 bytes] -> [4, 512, 4] fp16 -> K [64, 128] in the A-operand layout
-        kf = _centroid_pairs(gl.expand_dims(gl.expand_dims(kx, 2), 3), shift_k, k_lo, k_hi)
-        s = gl.nvidia.ampere.mma_v2(_key_tile(kf, LA), q_scaled, bias)  # S^T [64, 8], from bias (q . mean per head)
+    # K: [4 rows, 512 bytes] -> [4, 512, 4] fp16 -> K [64, 128] in the A-operand layout
+    kf = _centroid_pairs(gl.expand_dims(gl.expand_dims(kx, 2), 3), shift_k, k_lo, k_hi)
+    kf = gl.reshape(kf, [ROWS, 8, 4, 2, 2, 2, 2, 2, 2])  # blk, g, q4, y3, y2, y1, y0, f1, f0
+    kf = gl.permute(kf, [0, 5, 1, 7, 8, 3, 4, 2, 6])  # blk, y1, g | f1, f0, y3, y2, q4, y0
+    kf = gl.reshape(kf, [PAGE, 128])
+    ka = gl.convert_layout(kf, LA, assert_trivial=True)
+    s = gl.nvidia.ampere.mma_v2(ka, q_scaled, bias)  # S^T [64, 8], from bias [64, 8] (q . mean per head)
     if CHUNK0:
         if k_rows is None:
-            k_tok, w = _key_slot_chunk_load(k_idx, k_delta, 0, SK, q_ptr, head0, G, LA, LB, ROPE, pos0, inv_freq)
+            k_tok, w = _key_slot_chunk_load(k_idx, k_delta, 0, SK, q_ptr, head0, G, LA, LB)
         else:
-            k_tok, w = _key_slot_chunk0_smem(slots.slice(0, 16), slots.slice(32, 16), SK, q_ptr, head0, G, LA, LB,
-                                             ROPE, pos0, inv_freq)
+            k_tok, w = _key_slot_chunk0_smem(slots.slice(0, 16), slots.slice(32, 16), SK, q_ptr, head0, G, LA, LB)
         s = _key_slot_chunk(s, k_tok, w, LA)
     if k_rows is not None:
         nk = _word_pair(words, 4)[0]
     for c0 in range(16 if CHUNK0 else 0, nk, 16):
-        k_tok, w = _key_slot_chunk_load(k_idx, k_delta, c0, nk, q_ptr, head0, G, LA, LB, ROPE, pos0, inv_freq)
+        k_tok, w = _key_slot_chunk_load(k_idx, k_delta, c0, nk, q_ptr, head0, G, LA, LB)
         s = _key_slot_chunk(s, k_tok, w, LA)
 
     tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, MMA))
@@ -637,8 +407,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                        k_ring, v_ring, stride_rs, stride_rh, stride_rt, R,
                        part_o, part_lse, qk_scale, window, zero, num_splits, ns_total,
                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
-                       PREFETCH: gl.constexpr, SMEM: gl.constexpr, RING: gl.constexpr,
-                       rope_tile, rope_pages, inv_freq, ROPE: gl.constexpr):
+                       PREFETCH: gl.constexpr, SMEM: gl.constexpr, RING: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512]; k_tables, v_tables int32 [N, HKV, 2] (the fp16 centroids); k_mean, k_scale
     fp8 [N, HKV, 128]; k_idx / v_idx int32 [N, HKV, SK / SV] (slot positions, used first), k_delta / v_delta fp32
     (their deltas), k_used / v_used int32 [N, HKV]; q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from
@@ -650,12 +419,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
     PREFETCH: the next page's side tables asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not);
     SMEM: the next page's codes and side data (scale, mean, codebooks, used counts, first slot chunk) copied into
     shared memory by cp.async while a page computes (two stages) instead of the codes' register double buffer and
-    the side data's loads at the page's start, the page reading them from there.
-    ROPE: the pages hold keys before RoPE (keys_before_rope), page pg's token t at position pg * 64 + t,
-    rotated after the lookup (page_tile, rope_operands): rope_tile fp16 [2, 4, 32, 32] (cos / sin of t *
-    theta_c, c < 64, in the lane order of the code rows), rope_pages fp16 [pages, 2, 64] (cos / sin of
-    pg * 64 * theta_c), inv_freq fp32 [64] (theta_i, for the key slots); the 16-bit tail holds
-    keys after RoPE, as the layer wrote them (nuq2_decode.rope_tables builds the tables)."""
+    the side data's loads at the page's start, the page reading them from there."""
     D: gl.constexpr = 128
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -693,8 +457,6 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
         q_t = gl.load(q_ptr + (head0 + qn[None, :]) * D + qd[:, None],
                       mask=(qn[None, :] < G) & (qd[:, None] < D), other=0.0).to(gl.float32)
         q_t = gl.convert_layout(q_t.to(gl.float16), LB)  # fp16 pairs of channels: one register each
-        if ROPE:  # q's rotary halves, channels c and c + 64 (rope_operands)
-            q_lo, q_hi = _halves(q_t, LB)
         chan = gl.arange(0, D, layout=gl.SliceLayout(1, LB))  # constant offsets from one base per thread
         chan_a = gl.arange(0, D, layout=gl.SliceLayout(0, LA))
 
@@ -739,39 +501,20 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                             v_delta, v_used, SK, SV, CHUNK0)
                 cur = pg % 2
                 side = chan_smem.index(cur)
-                if ROPE:  # the scale and mean by rotary half, into the B operands (rope_operands)
-                    scale = _halves_of_row(side, 0, LB)
-                    mean = _halves_of_row(side, D, LB)
-                else:
-                    scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
-                    mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
+                scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
+                mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
             else:
                 kx_n = gl.load(k_codes + page_n * WORDS + k_off)
                 vx_n = gl.load(v_codes + page_n * WORDS + v_off)
-                if ROPE:
-                    scale = _halves_of_global(k_scale + page * D, LB)
-                    mean = _halves_of_global(k_mean + page * D, LB)
-                else:
-                    scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
-                    mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
-            if ROPE:
-                q_scaled, b_s, b_cm, b_sm = rope_operands(q_lo, q_hi, rope_pages, pg, scale[0], scale[1], mean[0],
-                                                          mean[1], LB)
-                bias = s0
-                tile_tab = rope_tile
-            else:
-                q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
-                b_s = None
-                b_cm = None
-                b_sm = None
-                tile_tab = None
+                scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
+                mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
+            q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
             if SMEM:
                 m_i, l_i, acc = page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i,
                                            acc, qk_scale, page_end - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
                                            k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
                                            None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
-                                           v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2,
-                                           ROPE, b_s, b_cm, b_sm, tile_tab, pg * PAGE, inv_freq)
+                                           v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2)
             else:
                 nk = gl.load(k_used + page)
                 nv = gl.load(v_used + page)
@@ -779,8 +522,7 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                                            q_scaled, bias, m_i, l_i, acc, qk_scale, page_end - pg * PAGE,
                                            first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,
                                            v_idx + page * SV, v_delta + page * SV, nv, SV, q_ptr, head0, G, CHUNK0,
-                                           LA, LB, MMA, None, None, None, None, None, None,
-                                           ROPE, b_s, b_cm, b_sm, tile_tab, pg * PAGE, inv_freq)
+                                           LA, LB, MMA)
                 kx = kx_n
                 vx = vx_n
             page = page_n

@@ -82,19 +82,6 @@ ELEMENT_OF_SLOT = {kind: _element_of_slot(kind) for kind in ("key", "value")}
 SLOT_OF_ELEMENT = two_bit.register_order("nuq2", ELEMENT_OF_SLOT)
 
 
-def rope_tile_elements() -> torch.Tensor:
-    """[4, 32, 32] long: the key element t * D + c whose cos / sin entry i of lane `lane` in row r of the
-    Gluon kernel's RoPE tile table holds (nuq2_kernel._rope_row_table): the element of code slot
-    4 * (512 r + 16 lane + 4 wl + b) + f for i = 16 f + 4 wl + b, f < 2 (channels c < 64: one entry serves
-    the rotary pair c, c + 64, fields f and f + 2 of the same byte), the register order of the keys' code
-    layout (byte fastest, then the lane's word, then the field), so 32 contiguous fp16 a lane a row load
-    straight into it."""
-    i = torch.arange(32)
-    f, wl, b = i // 16, i // 4 % 4, i % 4
-    byte = 512 * torch.arange(4)[:, None, None] + 16 * torch.arange(32)[None, :, None] + (4 * wl + b)[None, None, :]
-    return ELEMENT_OF_SLOT["key"][4 * byte + f[None, None, :]]
-
-
 def prepare_device(device: torch.device) -> None:
     """Put the reorder's index tables on `device` now (before any capture that converts pages)."""
     two_bit.prepare_device(device, "nuq2")

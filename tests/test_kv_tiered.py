@@ -371,7 +371,9 @@ def test_a_prepared_step_that_runs_eagerly_ends_as_the_eager_step(rerank_interva
 
     from moekv.kvcache.formats import get_kv_format
 
-    fmt = get_kv_format("tiered", torch.float32, codebook="page", rerank_interval=rerank_interval)
+    # an FP8 pool of 8 slots over 32 pages (tier1_fraction + 0.1)
+    fmt = get_kv_format("tiered", torch.float32, codebook="page", rerank_interval=rerank_interval,
+                        tier1_fraction=0.15)
     want, k, v, ctx = _filling_step_cache(fmt)
     fmt.write(want, k, v, ctx)  # the eager step alone
     got, k, v, ctx = _filling_step_cache(fmt)

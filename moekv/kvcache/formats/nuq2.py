@@ -203,6 +203,13 @@ def _gluon_covers(fmt: NUQ2Format, block_size: int, head_dim: int) -> str | None
 CODEBOOKS = ("auto", "page", "calibrated")
 
 
+# the outlier threshold of nuq2 and of tiered's nuq2 tier: default None, each format's own (the registry
+# wants one declared default for every format that takes an option)
+OUTLIER_SIGMA = KVOption("outlier_sigma", None, "nuq2/tiered: outlier threshold in robust std devs "
+                         "(default: the format's own, nuq2 3.5, tiered 3.0)",
+                         lambda value: None if value is None else positive(value), kind=float)
+
+
 class NUQ2Format(ResidualWindow, FragmentPagedFormat):
     name = "nuq2"
     # its pages converted from the slabs into the kernel's fragment order when written (nuq2_layout.py);
@@ -212,9 +219,10 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
     # the newest tokens in 16-bit (residual.py): 128 took domain-moe's perplexity cost from +4.2% to
     # +1.9% at 2.41 bits a token at 32k (docs/decisions.md, "nuq2's and vq's residual window")
     default_residual = 128
+    default_outlier_sigma = 3.5
     engine_options = (
         RESIDUAL_OPTION,
-        KVOption("outlier_sigma", 3.5, "nuq2: outlier threshold in std devs", positive),
+        OUTLIER_SIGMA,
         CALIBRATION,
         KVOption("codebook", "auto",
                  "nuq2/tiered: per-page k-means, calibrated codebooks, or auto (calibrated when available)",
@@ -222,12 +230,13 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
         KEYS_BEFORE_ROPE,
     )
 
-    def __init__(self, outlier_sigma: float = 3.5, calibration: str | Path | None = None,
+    def __init__(self, outlier_sigma: float | None = None, calibration: str | Path | None = None,
                  codebook: str = "auto", quantize_kernel: bool | None = None, residual: int | None = None,
                  keys_before_rope: bool = False) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
         (calibrated when the calibration folder has nuq2 codebooks fitted on keys on the side of RoPE
         the pages store them, keys_before_rope; else per page).
+        outlier_sigma: the outlier threshold in robust standard deviations (None: default_outlier_sigma).
         residual: the newest tokens kept in 16-bit (None: default_residual; 0: none).
         keys_before_rope: pages hold the keys as computed before RoPE, rotated by their positions
         after the lookup by every reader (PagedQuantFormat.keys_before_rope; no Gluon kernel).
@@ -238,6 +247,8 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
             quantize_kernel = envs.nuq2_quantize_kernel()
         self.quantize_kernel = bool(quantize_kernel)
         self.set_residual(residual, self.default_residual)
+        if outlier_sigma is None:
+            outlier_sigma = self.default_outlier_sigma
         if not outlier_sigma > 0:
             raise ValueError(f"outlier_sigma={outlier_sigma!r} must be > 0")
         if not isinstance(keys_before_rope, bool):

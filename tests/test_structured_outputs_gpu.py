@@ -50,3 +50,25 @@ def test_constrained_batch_on_cuda_graphs_sync_and_async():
             assert engine.num_follow_on_steps > 10
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert outputs[True] == outputs[False]
+
+
+def test_pinned_bitmasks_alternate_and_mask_as_an_unpinned_bitmask():
+    """The engine's pinned bitmask buffers: two in turn (a step never refills the one the step before
+    copied from), every bit set when taken, and the masked logits equal those of a plain host bitmask."""
+    from moekv.layers.sampler import PinnedBitmasks, apply_bitmask_
+
+    pool = PinnedBitmasks()
+    a = pool.take(3, 5)
+    a[1, 2] = 0b1010
+    b = pool.take(3, 5)
+    assert a.is_pinned() and b.is_pinned() and a.data_ptr() != b.data_ptr()
+    assert (b == -1).all() and a[1, 2].item() == 0b1010  # the other buffer is untouched
+    c = pool.take(3, 5)
+    assert c.data_ptr() == a.data_ptr() and (c == -1).all()
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randint(-2**31, 2**31 - 1, (3, 5), generator=g, dtype=torch.int64).to(torch.int32)
+    c.copy_(plain)
+    logits = torch.randn(3, 150, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    want = apply_bitmask_(logits.clone(), plain)
+    got = apply_bitmask_(logits.clone(), c)
+    assert torch.equal(torch.isinf(want), torch.isinf(got)) and torch.equal(want, got)

@@ -73,13 +73,38 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def grammar_bitmask(rows: list[SamplingRow], vocab_size: int) -> torch.Tensor | None:
+class PinnedBitmasks:
+    """Page-locked host buffers for the bitmask a CUDA step copies without a host sync, kept from step to
+    step: pinning a fresh tensor every step (cudaHostAlloc) cost more than the fill and the masking
+    together. Two buffers, used in turn, so a step never writes the one an earlier step's copy may still
+    be reading (the host waits for step n's token before filling step n + 1's rows, and step n's copy
+    is queued before its sampling, so one would do; two keep that an invariant of this class alone)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
+
+    def take(self, rows: int, words: int) -> torch.Tensor:
+        """A pinned int32 [rows, words] view, every bit set."""
+        if not self._buffers or self._buffers[0].numel() < rows * words:
+            self._buffers = [torch.empty(max(rows * words, 64 * words), dtype=torch.int32, pin_memory=True)
+                             for _ in range(2)]
+        self._turn ^= 1
+        return self._buffers[self._turn][:rows * words].view(rows, words).fill_(-1)
+
+
+_PINNED = PinnedBitmasks()
+
+
+def grammar_bitmask(rows: list[SamplingRow], vocab_size: int, pinned: bool = False) -> torch.Tensor | None:
     """[S, ceil(V/32)] int32 on the host: bit t of word w of row i says whether token 32w + t keeps row
-    i inside its grammar (every bit set for a row without one); None when no row has a grammar."""
+    i inside its grammar (every bit set for a row without one); None when no row has a grammar.
+    pinned: in page-locked memory kept between steps (for a copy to the GPU without a host sync)."""
     constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
     if not constrained:
         return None
-    bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    words = (vocab_size + 31) // 32
+    bitmask = _PINNED.take(len(rows), words) if pinned else torch.full((len(rows), words), -1, dtype=torch.int32)
     grammars = [rows[i].grammar for i in constrained]
     type(grammars[0]).fill_rows(grammars, bitmask, constrained)
     return bitmask
@@ -95,7 +120,9 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, backend="cpu")
         return logits
-    words = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    if not bitmask.is_pinned():
+        bitmask = bitmask.pin_memory()
+    words = bitmask.to(logits.device, non_blocking=True)
     return logits.masked_fill_(~unpack_bitmask(words, logits.shape[-1]), float("-inf"))
 
 
@@ -164,7 +191,8 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
     """
     S = logits.shape[0]
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    bitmask = grammar_bitmask(rows, logits.shape[-1])  # (the host's work, while the device runs the step)
+    # (the host's work, while the device runs the step)
+    bitmask = grammar_bitmask(rows, logits.shape[-1], pinned=logits.is_cuda)
     if bitmask is not None:  # logprobs stay the model's own; only the choice is constrained
         logits = apply_bitmask_(logits.clone(), bitmask)
     plain = [i for i, row in enumerate(rows)

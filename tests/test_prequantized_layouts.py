@@ -120,8 +120,9 @@ LAYOUTS = {  # layout -> (quantization_config, how a module is written, lm_head 
                               "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
                               "dynamic": True}}}),
                      lambda w: _fp8(w, "block"), False),
+    # one layer's attention left 16-bit, as the config's modules_to_not_convert says
     "awq": (dict(quant_method="awq", bits=4, group_size=32, zero_point=True, version="gemm",
-                 modules_to_not_convert=["gate", "lm_head"]), lambda w: _awq(w, 32), False),
+                 modules_to_not_convert=["gate", "lm_head", "model.layers.1.self_attn"]), lambda w: _awq(w, 32), False),
     "gptq-sym": (dict(quant_method="gptq", bits=4, group_size=32, sym=True, desc_act=False,
                       checkpoint_format="gptq", lm_head=False), lambda w: _gptq(w, 32, True, True), False),
     "gptq-zero-points": (dict(quant_method="gptq", bits=4, group_size=32, sym=False, desc_act=False,
@@ -132,7 +133,9 @@ LAYOUTS = {  # layout -> (quantization_config, how a module is written, lm_head 
 }
 
 
-def _quantized_module(name: str, lm_head: bool) -> bool:
+def _quantized_module(name: str, lm_head: bool, left_alone: tuple[str, ...] = ()) -> bool:
+    if any(name.startswith(prefix + ".") for prefix in left_alone):
+        return False
     return name.endswith(".weight") and (any(p in name for p in ("_proj.", ".experts.")) or
                                          lm_head and name == "lm_head.weight")
 
@@ -145,7 +148,7 @@ def _checkpoint(base, out, layout: str, write=None, **config):
     qc = {**qc, **config}
     tensors, dequantized = {}, {}
     for name, w in modules.items():
-        if not _quantized_module(name, lm_head):
+        if not _quantized_module(name, lm_head, tuple(e for e in qc.get("modules_to_not_convert", ()) if "." in e)):
             tensors[name] = w
             continue
         parts, dequantized[name] = (write or write_default)(w)
@@ -161,6 +164,7 @@ def test_layout_matches_transformers_dequantized(base, tmp_path, layout):
     lm_head = LAYOUTS[layout][2]
     assert all(isinstance(m, QuantizedWeight) for m in (model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.w13,
                                                         model.layers[1].mlp.w2, model.layers[0].self_attn.o_proj))
+    assert isinstance(model.layers[1].self_attn.qkv_proj, QuantizedWeight) == (layout != "awq")
     assert isinstance(model.lm_head, QuantizedWeight) == lm_head
     assert isinstance(model.layers[0].mlp.gate, torch.nn.Parameter)  # the router stays 16-bit
     assert llm.engine.runner.quantization == ("fp8" if layout.startswith("ct-fp8") else "int4")
@@ -215,7 +219,7 @@ def test_checkpoint_that_contradicts_its_config_is_refused(base, tmp_path, layou
 
 
 @pytest.mark.parametrize("layout,config,match", [
-    ("awq", {"modules_to_not_convert": ["gate", "self_attn"]}, r"leaves model.layers.0.self_attn.\w_proj unq"),
+    ("awq", {"modules_to_not_convert": ["gate", "model.layers.1"]}, r"leaves model.layers.1.\S+ unquantized"),
     ("gptq-sym", {"lm_head": False}, "leaves lm_head unquantized"),
     ("ct-fp8-channel", {"ignore": ["lm_head", ROUTER]}, "leaves lm_head unquantized"),
 ])

@@ -110,10 +110,8 @@ class CheckpointQuantization:
         for entry in self.ignore:
             if self.layout in ("ct-int4", "ct-fp8"):  # names, or "re:" regexes matched from the start
                 hit = re.match(entry[3:], module) is not None if entry.startswith("re:") else entry == module
-            elif self.layout == "awq":  # transformers' rule: a substring of the module's name
-                hit = entry in module
-            else:  # GPTQ: lm_head unless its config says lm_head true
-                hit = module == entry or module.endswith("." + entry)
+            else:  # transformers' rule: a pattern from the start up to a module boundary, or a suffix
+                hit = re.match(rf"(?:{entry})(?:(?<=\.)|(?=\.|$))", module) is not None or module.endswith(entry)
             if hit:
                 return True
         return False
@@ -201,7 +199,7 @@ def checkpoint_quantization(hf: dict[str, Any]) -> CheckpointQuantization | None
             raise _refuse(qc, f"fp8 weight_block_size {block!r} (per-tensor fp8 scales are not read)")
         if qc.get("fmt", "e4m3") != "e4m3":
             raise _refuse(qc, f"fp8 fmt {qc.get('fmt')!r}")
-        return CheckpointQuantization("fp8", (128, 128))
+        return CheckpointQuantization("fp8", (128, 128), ignore=tuple(qc.get("modules_to_not_convert") or ()))
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method == "awq":

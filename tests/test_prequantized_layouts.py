@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moekv import LLM, SamplingParams
-from moekv.models.prequantized import AWQ_ORDER
+from moekv.models.prequantized import AWQ_ORDER, unpack_awq
 from moekv.ops.quantized_weight import QuantizedWeight
 from tests.checkpoints import build_checkpoint, load_hf
 from tests.test_quantized_checkpoints import PROMPTS, SHAPE, _fp8_blocks, _hf_with, _mixtral_modules, _write
@@ -59,16 +59,23 @@ def _dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
     return (q.double() - per(zero)) * per(scale)
 
 
+def _pack_awq(codes: torch.Tensor) -> torch.Tensor:
+    """[R, N] codes 0..15 -> AutoAWQ GEMM words [R, N / 8]: output feature 8j + AWQ_ORDER[i] in nibble i."""
+    cols = codes.reshape(codes.shape[0], -1, 8)
+    return _pack_words(torch.stack([cols[..., AWQ_ORDER[i]] for i in range(8)], dim=-1))
+
+
+def test_awq_unpacking_inverts_awq_packing():
+    codes = torch.randint(0, 16, (24, 64), generator=torch.Generator().manual_seed(1))
+    codes[0, :8] = torch.arange(8) + 8  # the top nibble's sign bit set, each position a distinct code
+    assert torch.equal(unpack_awq(_pack_awq(codes)).long(), codes)
+
+
 def _awq(w: torch.Tensor, group: int):
     """AutoAWQ GEMM: qweight [K, N / 8] and qzeros [K / G, N / 8] with output feature 8j + AWQ_ORDER[i]
     in nibble i of word j; scales fp16 [K / G, N]."""
     q, scale, zero = _asym_groups(w, group, symmetric=False)
-
-    def pack_outputs(t):  # [R, N] -> [R, N / 8], AWQ's order
-        cols = t.reshape(t.shape[0], -1, 8)
-        return _pack_words(torch.stack([cols[..., AWQ_ORDER[i]] for i in range(8)], dim=-1))
-
-    parts = {"qweight": pack_outputs(q.T), "qzeros": pack_outputs(zero.T), "scales": scale.T.contiguous()}
+    parts = {"qweight": _pack_awq(q.T), "qzeros": _pack_awq(zero.T), "scales": scale.T.contiguous()}
     return parts, _dequantized(q, scale, zero, group)
 
 

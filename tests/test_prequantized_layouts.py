@@ -272,3 +272,53 @@ def test_unsupported_quantization_config_is_refused(base, tmp_path, qc, match):
     with pytest.raises(ValueError, match=match) as err:
         LLM(str(ckpt), dtype="float32", max_model_len=64)
     assert "accepted" in str(err.value) and "awq bits 4, version gemm" in str(err.value)
+
+
+def test_awq_qwen3_moe_matches_transformers_dequantized(tmp_path):
+    """A Qwen3-MoE (q/k norms, a router named mlp.gate beside experts' gate_proj): AWQ's
+    modules_to_not_convert ["gate"] leaves the router alone and not the experts' gate_proj."""
+    path = build_checkpoint("qwen3_moe", tmp_path / "qwen3", seed=4, hidden_size=128, head_dim=32,
+                            num_key_value_heads=4, moe_intermediate_size=64)
+    hf = load_hf(path)
+    state = hf.state_dict()
+    tensors, dequantized = {}, {}
+    for name, t in state.items():
+        if ".mlp.experts." in name:
+            continue
+        if "_proj." in name:
+            parts, dequantized[name] = _awq(t, 32)
+            tensors.update({f"{name[:-len('.weight')]}.{s}": p for s, p in parts.items()})
+        else:
+            tensors[name] = t
+    for layer in range(hf.config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate_up, down = state[f"{prefix}.gate_up_proj"], state[f"{prefix}.down_proj"]
+        I = down.shape[-1]
+        for e in range(gate_up.shape[0]):
+            for which, w in (("gate_proj", gate_up[e, :I]), ("up_proj", gate_up[e, I:]), ("down_proj", down[e])):
+                parts, deq = _awq(w, 32)
+                tensors.update({f"{prefix}.{e}.{which}.{s}": p for s, p in parts.items()})
+                dequantized[(layer, e, which)] = deq
+    qc = dict(LAYOUTS["awq"][0], modules_to_not_convert=["gate"])
+    ckpt = _write(path, tmp_path / "awq", tensors, qc)
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=128, max_num_batched_tokens=12)
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].mlp.w13, QuantizedWeight) and isinstance(model.layers[0].mlp.gate,
+                                                                               torch.nn.Parameter)
+    ref_state = {k: v.clone() for k, v in state.items()}
+    for key, w in dequantized.items():
+        if isinstance(key, str):
+            ref_state[key] = w.float()
+            continue
+        layer, e, which = key
+        prefix = f"model.layers.{layer}.mlp.experts"
+        I = ref_state[f"{prefix}.down_proj"].shape[-1]
+        if which == "down_proj":
+            ref_state[f"{prefix}.down_proj"][e] = w.float()
+        else:
+            ref_state[f"{prefix}.gate_up_proj"][e, slice(0, I) if which == "gate_proj" else slice(I, 2 * I)] = w.float()
+    ref = type(hf)(hf.config).eval()
+    ref.load_state_dict(ref_state)
+    for prompt, logits in zip(PROMPTS, llm.score([{"prompt_token_ids": p} for p in PROMPTS])):
+        with torch.no_grad():
+            assert (logits - ref(torch.tensor([prompt])).logits[0]).abs().max().item() < 1e-4

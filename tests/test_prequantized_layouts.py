@@ -4,8 +4,9 @@ GPTQ (v1 and v2 zero points, symmetric and not, act-order with static groups). E
 written here from the layout's documentation (this file's own packing: AWQ's nibble order
 [0, 2, 4, 6, 1, 3, 5, 7] along the outputs, GPTQ's consecutive input features along K and zero points
 along N), run by the engine, and compared with transformers running the same weights dequantized in
-float64 (logits, greedy tokens); plus the refusals. No AWQ / GPTQ / compressed-tensors package is
-installed, so transformers cannot load these checkpoints itself here.
+float64 (logits, greedy tokens), on a tiny Mixtral and (AWQ) a tiny Qwen3-MoE; plus the refusals. No
+AWQ / GPTQ / compressed-tensors package is installed, so transformers cannot load these checkpoints
+itself here. The GPU test (scripts/gpu/prequant_layouts.sh) loads them on CUDA in bf16.
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_prequantized_layouts.py
 """
@@ -322,3 +323,20 @@ def test_awq_qwen3_moe_matches_transformers_dequantized(tmp_path):
     for prompt, logits in zip(PROMPTS, llm.score([{"prompt_token_ids": p} for p in PROMPTS])):
         with torch.no_grad():
             assert (logits - ref(torch.tensor([prompt])).logits[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["awq", "gptq-sym", "gptq-zero-points", "ct-fp8-tensor", "ct-fp8-block"])
+def test_layout_on_cuda_matches_the_cpu_engine(base, tmp_path, layout):
+    """Converted on the GPU (to_moekv_layout runs on the weight's device) and read by the quantized
+    kernels in bf16, AWQ / GPTQ's scales fp16: the CPU engine's fp32 logits within 3% of their range."""
+    ckpt, _ = _checkpoint(base, tmp_path / layout, layout)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = LLM(str(ckpt), dtype="float32", max_model_len=128).score(prompts)
+    llm = LLM(str(ckpt), dtype="bfloat16", device="cuda", max_model_len=128)
+    w13 = llm.engine.runner.model.layers[0].mlp.w13
+    assert w13.codes.is_cuda and (w13.scales.dtype == torch.float16) == layout.startswith(("awq", "gptq"))
+    for got, want in zip(llm.score(prompts), ref):
+        err = (got.float().cpu() - want).abs().max().item()
+        assert err < 0.03 * want.abs().max().item(), f"{layout}: {err} against a range of {want.abs().max()}"

@@ -197,7 +197,7 @@ def test_quantize_on_load_matches_transformers_dequantized(base, method):
 
 
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "awq", "bits": 4}, "group_size None"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size None"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}}, "float-quantized"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {

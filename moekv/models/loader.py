@@ -24,6 +24,7 @@ from moekv.models.load_formats import LOAD_FORMATS
 from moekv.models.model_config import ModelConfig, UnsupportedModelError, apply_routing_fields
 from moekv.models.prequantized import (
     CheckpointQuantization,
+    check_not_ignored,
     checkpoint_quantization,
     copy_part,
     install_placeholders,
@@ -353,7 +354,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                 if resolved is not None and resolved[0] in quantized:  # a part of a pre-quantized weight
                     part = part or "codes"
                     copy_part(quantized[resolved[0]], resolved[1], part,
-                              f.get_tensor(raw_name) if tensor is None else tensor, raw_name)
+                              f.get_tensor(raw_name) if tensor is None else tensor, raw_name, scheme)
                     parts_seen[(resolved[0], part)] = parts_seen.get((resolved[0], part), 0) + 1
                     continue
                 if part is not None:
@@ -383,6 +384,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     missing = [name for name, count in filled.items() if count == 0]
     for name, qw in quantized.items():
         needed = ("codes", "scales") + (("zeros",) if qw.zeros is not None else ())
+        if scheme is not None and scheme.desc_act:  # act-order GPTQ: each g_idx is checked trivial
+            needed += ("g_idx",)
         missing += [f"{name} ({part})" for part in needed if (name, part) not in parts_seen]
     if missing:
         raise CheckpointError(f"{model_dir}: no weights found for {len(missing)} parameters, e.g. {missing[:5]}")
@@ -402,6 +405,7 @@ def _quantized_targets(files: list[Path], arch: ModuleType, cfg: ModelConfig,
             for raw_name in f.keys():
                 weight_name, part = split_name(raw_name, scheme)
                 if part in ("scales", "codes"):
+                    check_not_ignored(raw_name, scheme)
                     resolved = _resolve(arch.canonical_name(weight_name), cfg)
                     if resolved is None:
                         raise CheckpointError(f"{path.name}: tensor {raw_name!r} does not belong to a "

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench_decode import capture_graph, decode_context, measure_bandwidth, time_ms  # noqa: E402
 
-from moekv.kvcache.formats.latent import latent_format_for  # noqa: E402
+from moekv.kvcache.formats.latent_choice import latent_format_for  # noqa: E402
 from moekv.models import deepseek  # noqa: E402
 from moekv.models.loader import empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402

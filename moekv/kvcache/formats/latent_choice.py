@@ -40,6 +40,8 @@ def latent_format_for(name: str, model_dtype: torch.dtype, kv_lora_rank: int,
             return LatentInt4Format(kv_lora_rank, group)
         if name == "kivi2":  # KIVI's key recipe on the latent: the baseline 2-bit latent
             return Latent2BitFormat(kv_lora_rank, name, "channel", "uniform", group, residual)
-        return Latent2BitFormat(kv_lora_rank, name, "token", "gaussian", 32, residual)
+        # per channel as kivi2 (a trained latent's channels differ in scale: docs/decisions.md, "Low-bit latents"),
+        # Lloyd-Max levels of a normal instead of the uniform grid
+        return Latent2BitFormat(kv_lora_rank, name, "channel", "gaussian", 32, residual)
     raise ValueError(f"kv_cache_dtype={name!r} has no latent-cache form for multi-head latent attention "
                      f"(DeepSeek-V2/V3); accepted: {list(LATENT_FORMAT_NAMES)}")

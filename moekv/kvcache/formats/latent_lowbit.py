@@ -20,10 +20,12 @@ elements (measured both ways: docs/decisions.md, "Low-bit latents").
       * 'token': per token over G channels, as int4; nothing waits for a group. Side [N, P, R/G].
     Two codebooks: 'uniform' (KIVI's min + k (max - min) / 3) and 'gaussian' (mean + std times the
     Lloyd-Max levels of a unit normal: after kv_a_layernorm a token's latent is near-Gaussian).
-    The engine's names: kv_cache_dtype='kivi2' is KIVI's recipe on the latent (channel, uniform: the
-    baseline), 'nuq2' the non-uniform 2-bit latent (token, gaussian; the grouping chosen by
-    measurement: docs/decisions.md, "Low-bit latents"). No fused decode kernel reads them yet: decode
-    takes the reference path (eager steps, on CUDA too).
+    The engine's names: kv_cache_dtype='kivi2' is KIVI's key recipe on the latent (channel, uniform:
+    the baseline), 'nuq2' the non-uniform 2-bit latent (channel, gaussian). Per channel for both: a
+    token's latent is RMS-normalised, so its scale varies little from token to token, while
+    kv_a_layernorm's weight scales each channel for good (measured: docs/decisions.md, "Low-bit
+    latents"); the per-token grouping is kept for those measurements. No fused decode kernel reads
+    them yet: decode takes the reference path (eager steps, on CUDA too).
 
 Bits per element count every byte: codes, the side tables (each pool's pages 128-byte aligned), the
 bf16 rotary key, and for the 2-bit forms the ring (staging_bytes_per_seq, spread over the context

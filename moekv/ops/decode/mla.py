@@ -8,8 +8,10 @@ of entries once for all of them, and keeps the [BLOCK_H, R] accumulator of the o
 are neighbours in the grid, so the second reads of a tile come from L2.
 
 Storage: the latent in bf16 / fp16 (a slice of the entry pages), or float8 e4m3 codes with one fp32
-scale per token (folded into the scores for keys and into the probabilities for values); the rotary
-key in 16 bits.
+scale per token (folded into the scores for keys and into the probabilities for values), or int4
+codes two per byte with an fp16 scale and minimum per token and group of channels
+(`_mla_int4_split_kernel`: dequantized in registers, the even and odd channels as two halves); the
+rotary key in 16 bits.
 
 Reference: `moekv.ops.reference.mla_decode_ref` over the format's `gather` of each sequence.
 """

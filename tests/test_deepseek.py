@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moekv import LLM, SamplingParams
-from moekv.kvcache.formats.latent import LatentFormat, LatentFP8Format, latent_format_for
+from moekv.kvcache.formats.latent import LatentFormat, LatentFP8Format
+from moekv.kvcache.formats.latent_choice import latent_format_for
 from moekv.models.loader import load_model_config
 from moekv.models.model_config import UnsupportedModelError
 from tests.checkpoints import build_deepseek_checkpoint, load_hf
@@ -157,8 +158,8 @@ def test_prefix_caching_and_preemption(variant, kv_cache_dtype):
 
 
 def test_info_describes_the_latent_cache(variant, capsys):
-    """`moekv info` names the latent attention and the latent cache's bytes per token (the per-head
-    formats have no latent form)."""
+    """`moekv info` names the latent attention and the latent cache's bytes per token (vq and tiered
+    have no latent form)."""
     from moekv.cli import main
 
     _, path, _, _ = variant
@@ -167,7 +168,9 @@ def test_info_describes_the_latent_cache(variant, capsys):
     assert "multi-head latent attention: kv_lora_rank 32 + rope 8" in text
     assert "bf16              240 bytes/token" in text  # 3 layers x 40 x 2 bytes
     assert "fp8_e4m3          156 bytes/token" in text  # 3 layers x (32 + 4 + 2 x 8)
-    assert "int4       n/a: no latent-cache form" in text
+    assert "int4              108 bytes/token" in text  # 3 x (16 codes + 4 scale, zero + 16 rope)
+    assert "kivi2              84 bytes/token" in text  # 3 x (8 codes + 4 side + 16 rope), the window aside
+    assert "vq         n/a: no latent-cache form" in text
 
 
 def test_latent_formats_bytes():
@@ -178,7 +181,7 @@ def test_latent_formats_bytes():
     assert bf16.bits_per_element(1, 64, 576) == 16
     assert fp8.bits_per_element(1, 64, 576) == pytest.approx(8 * 644 / 576)
     with pytest.raises(ValueError, match="no latent-cache form.*accepted"):
-        latent_format_for("int4", torch.bfloat16, 512)
+        latent_format_for("vq", torch.bfloat16, 512)
 
 
 def test_multi_token_prediction_layers_are_skipped(tmp_path):

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench_decode import capture_graph, decode_context, measure_bandwidth, time_ms  # noqa: E402
 
-from moekv.kvcache.formats.latent import latent_format_for  # noqa: E402
+from moekv.kvcache.formats.latent_choice import latent_format_for  # noqa: E402
 from moekv.models import deepseek  # noqa: E402
 from moekv.models.loader import empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
@@ -82,6 +82,8 @@ def fill_latent_pools(model, cfg, fmt, batch: int, context: int, device) -> None
         for t in attn.hooks.kv_cache.tensors.values():
             if t.dtype == torch.float8_e4m3fn:
                 t.copy_(torch.randn(t.shape, device=device).clamp(-448, 448).to(t.dtype))
+            elif t.dtype == torch.uint8:  # int4 codes
+                t.random_(0, 256)
             else:
                 t.normal_(0, 0.01 if t.dim() == 2 else 1.0)  # per-token scales small, entries unit
 
@@ -127,7 +129,7 @@ def run(shape: str, kvs: list[str], points: list[tuple[int, int]], bandwidth: fl
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--kv", nargs="+", default=["bf16", "fp8_e4m3"])
+    p.add_argument("--kv", nargs="+", default=["bf16", "fp8_e4m3", "int4"])
     p.add_argument("--points", nargs="+", default=["1:4096", "64:4096"], help="batch:context pairs")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=None)

@@ -1,6 +1,6 @@
 """The absorbed MLA decode kernel (moekv/ops/decode/mla.py) against the latent cache's byte floor.
 
-For each (batch, context, heads) shape and latent format (bf16, fp8_e4m3): the kernel's median time
+For each (batch, context, heads) shape and latent format (bf16, fp8_e4m3, int4 G=32): the kernel's median time
 (triton.testing.do_bench), the bytes one decode step must read (every sequence's entries once, the
 queries, the output), and the floor = bytes / the copy bandwidth measured in the same run. Launch
 shapes (block_h) are swept and each reported; the default launch is marked.
@@ -19,6 +19,7 @@ import triton
 import triton.testing
 
 from moekv.kvcache.formats.latent import LatentFormat, LatentFP8Format
+from moekv.kvcache.formats.latent_lowbit import LatentInt4Format
 from moekv.ops.decode.mla import mla_decode
 
 RANK, ROPE, PAGE = 512, 64, 64
@@ -42,8 +43,10 @@ def case(fmt, batch: int, context: int, heads: int, bandwidth: float, block_hs: 
     for name, t in cache.tensors.items():  # random entries of per-token magnitudes
         if t.dtype == torch.float8_e4m3fn:
             t.copy_((torch.randn(t.shape, device=device) * 100).clamp(-448, 448).to(t.dtype))
-        elif name == "latent_scales":
+        elif name in ("latent_scales", "latent_scale"):
             t.copy_(torch.rand(t.shape, device=device) * 0.01)
+        elif t.dtype == torch.uint8:  # int4 codes
+            t.random_(0, 256)
         else:
             t.normal_()
     tables = torch.randperm(batch * pages_per, device=device, dtype=torch.int64).view(batch, pages_per).to(torch.int32)
@@ -81,15 +84,15 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         batch, context, heads = (int(x) for x in shape.split("x"))
-        for fmt in (LatentFormat(torch.bfloat16, RANK), LatentFP8Format(RANK)):
+        for fmt in (LatentFormat(torch.bfloat16, RANK), LatentFP8Format(RANK), LatentInt4Format(RANK, 32)):
             rows += case(fmt, batch, context, heads, bandwidth, block_hs)
     best = {}
     for r in rows:
         key = (r["batch"], r["context"], r["heads"], r["format"])
         best[key] = min(best.get(key, float("inf")), r["us"])
     for (b, c, h, name), us in best.items():
-        if name == "fp8_e4m3":
-            print(f"{b}x{c}x{h}: fp8 / bf16 speed-up {best[(b, c, h, 'bf16')] / us:.2f}x", flush=True)
+        if name in ("fp8_e4m3", "int4"):
+            print(f"{b}x{c}x{h}: {name} / bf16 speed-up {best[(b, c, h, 'bf16')] / us:.2f}x", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

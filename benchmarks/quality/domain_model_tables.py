@@ -5,6 +5,15 @@ depth, and held-out perplexity per domain, with the bits per element each format
     PYTHONPATH=. python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail \
         --no-retrieval --formats bf16 fp8_e4m3 nuq2 tiered --out DECODE.json
 
+On a multi-head latent attention model (--model models/domain-mla) the names are its latent caches
+(kvcache/formats/latent_choice.py): bf16, fp8_e4m3, int4 (int4:kv_group_size=64), and the 2-bit kivi2
+(KIVI's per-channel recipe, the baseline) and nuq2 (per channel, Gaussian codebook), each with a 16-bit
+window of the newest 128 entries (at least one 32-token group); vq and tiered have no latent form:
+
+    PYTHONPATH=. python benchmarks/quality/domain_model_tables.py --device cuda --model models/domain-mla \
+        --ppl-mode decode-tail --formats bf16 fp8_e4m3 int4 int4:kv_group_size=64 kivi2 nuq2 \
+        nuq2:kv_residual=32 --out MLA.json
+
 A format is a kv_cache_dtype with engine options after colons: `nuq2:kv_codebook=page` (nuq2 with
 per-page codebooks instead of the shipped calibration's), `tiered:kv_rerank_interval=1` (re-ranked
 before every decode step, so the passkey's answer tokens read the tiers the ranking chose). In
@@ -109,7 +118,10 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int, default=8, help="keys per (length, depth) cell")
-    p.add_argument("--filler", default=None, help="filler text (default: the model's held-out prose)")
+    p.add_argument("--filler", default=None, help="filler text (default: the held-out prose)")
+    p.add_argument("--heldout", default=None,
+                   help="folder of held-out texts, one per domain (default: the model's heldout/, else domain-moe's, "
+                        "whose texts domain-mla shares)")
     p.add_argument("--ppl-max-tokens", type=int, default=32768, help="scored tokens per domain")
     p.add_argument("--ppl-mode", choices=("prefill", "decode", "decode-tail"), default="prefill")
     p.add_argument("--tail-windows", type=int, default=8, help="decode-tail: windows per domain")
@@ -127,8 +139,11 @@ def main() -> None:
         return
 
     model = Path(args.model)
-    filler = args.filler or model / "heldout" / "prose.txt"
-    domains = text_files(model / "heldout")
+    heldout = Path(args.heldout) if args.heldout else model / "heldout"
+    if not heldout.is_dir() and args.heldout is None:
+        heldout = MODEL / "heldout"
+    filler = args.filler or heldout / "prose.txt"
+    domains = text_files(heldout)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     record = {"model": str(model.name), "device": args.device, "dtype": dtype, "filler": repo_path(filler),
               "command": "python benchmarks/quality/domain_model_tables.py " + " ".join(

@@ -121,7 +121,7 @@ def _attention_text(cfg) -> str:
 def _latent_cache_rows(cfg, block_size: int | None) -> int:
     """The latent cache's bytes per token in each storage an MLA model accepts (the others n/a)."""
     from moekv.kvcache.formats import KV_FORMAT_NAMES
-    from moekv.kvcache.formats.latent import latent_format_for
+    from moekv.kvcache.formats.latent_choice import latent_format_for
 
     block_size = block_size or 64
     print(f"\nLatent cache per token (all {cfg.num_layers} layers, one {cfg.head_dim}-wide entry, block_size "

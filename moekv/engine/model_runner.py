@@ -40,7 +40,7 @@ from moekv.engine.scheduler import SchedulerOutput
 from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import GraphStepHooks, KVFormat, get_kv_format, nonfinite_verdict, raise_nonfinite
 from moekv.kvcache.formats.fragment import decode_kernel_for_model
-from moekv.kvcache.formats.latent import latent_format_for
+from moekv.kvcache.formats.latent_choice import latent_format_for
 from moekv.layers.attention import Attention
 from moekv.layers.parallel import StaticDispatch, kv_heads_of_rank, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
@@ -199,7 +199,8 @@ def kv_format_for(config: EngineConfig, dtype: torch.dtype, model_cfg: ModelConf
     model's head groups are not the Gluon kernels'); refused when prefix caching is on and the format
     cannot share pages."""
     if model_cfg is not None and model_cfg.mla is not None:
-        kv_format = latent_format_for(config.cache.kv_cache_dtype, dtype, model_cfg.mla.kv_lora_rank)
+        kv_format = latent_format_for(config.cache.kv_cache_dtype, dtype, model_cfg.mla.kv_lora_rank,
+                                      config.cache.kv_options)
     else:
         decode_kernel = config.cache.decode_kernel
         if model_cfg is not None:

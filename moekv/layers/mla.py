@@ -123,7 +123,8 @@ class MLAttention(nn.Module):
             lo, hi = starts[b], starts[b + 1]
             if hi == lo:
                 continue
-            entries = fmt.sequence_entries(cache, host.block_tables[b], length, lo, hi, step_kv, q.dtype)  # [L, W]
+            entries = fmt.sequence_entries(cache, host.block_tables[b], length, lo, hi, step_kv, q.dtype,
+                                            host.seq_slots[b])  # [L, W]
             kv = F.linear(entries[:, :m.kv_lora_rank], self.kv_b_proj).view(length, H, -1)
             k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
             k = torch.cat([k_nope, entries[:, None, m.kv_lora_rank:].expand(length, H, m.qk_rope_head_dim)], dim=-1)

@@ -474,3 +474,83 @@ def mla_rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     else:
         x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def latent_int4_quantize_ref(latent: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLA's int4 latent: per token, groups of `group` channels, each with an fp16 scale and minimum.
+    latent [T, R] -> (codes [T, R/2] uint8: channel 2j in the low nibble of byte j, 2j+1 in the high;
+    scale [T, R/group] fp16, zero [T, R/group] fp16 (the group's minimum)). Codes are computed against
+    the fp16 scale and minimum the readers see; a constant group gets scale 0 and codes 0."""
+    x = latent.float()
+    T, R = x.shape
+    groups = x.view(T, R // group, group)
+    zero = groups.amin(-1).clamp(-65504.0, 65504.0).to(torch.float16)
+    scale = ((groups.amax(-1) - zero.float()) / 15).clamp(0, 65504.0).to(torch.float16)
+    s, z = scale.float()[..., None], zero.float()[..., None]
+    codes = torch.where(s > 0, ((groups - z) / torch.where(s > 0, s, 1.0)).round().clamp(0, 15), 0.0)
+    codes = codes.to(torch.uint8).view(T, R)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), scale, zero
+
+
+def latent_int4_dequantize_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """codes [..., R/2] uint8, scale and zero [..., R/group] fp16 -> the latent [..., R] fp32."""
+    values = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).float()  # [..., R]
+    groups = values.unflatten(-1, (scale.shape[-1], -1))
+    return (groups * scale.float()[..., None] + zero.float()[..., None]).flatten(-2)
+
+
+# 2-bit latent codebooks: value = offset + step * LEVELS[code], offset and step fp16 per group.
+# uniform: KIVI's min / (max - min) / 3 grid; gaussian: the Lloyd-Max quantizer of a unit normal
+# (offset the group's mean, step its standard deviation), least squared error for Gaussian data
+LATENT_2BIT_LEVELS = {"uniform": (0.0, 1.0, 2.0, 3.0), "gaussian": (-1.5104, -0.4528, 0.4528, 1.5104)}
+
+
+def latent_2bit_quantize_ref(x: torch.Tensor, dim: int, codebook: str,
+                             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """2-bit codes of x with one (offset, step) per slice reduced over `dim`: dim -1 groups channels
+    of one token, dim -2 tokens of one channel (KIVI's keys). mask (x's shape, bool): the elements
+    that count in the statistics (the rest are coded but do not shape the grid: a partly written
+    token group). Returns codes uint8 (x's shape, 0..3), offset and step fp16 (dim removed)."""
+    x = x.float()
+    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
+    count = keep.sum(dim).clamp(min=1)
+    if codebook == "uniform":
+        lo = torch.where(keep, x, torch.inf).amin(dim)
+        hi = torch.where(keep, x, -torch.inf).amax(dim)
+        lo = torch.where(torch.isfinite(lo), lo, 0.0)
+        hi = torch.where(torch.isfinite(hi), hi, lo)
+        offset, step = lo, (hi - lo) / 3
+    elif codebook == "gaussian":
+        mean = torch.where(keep, x, 0.0).sum(dim) / count
+        var = torch.where(keep, (x - mean.unsqueeze(dim)) ** 2, 0.0).sum(dim) / count
+        offset, step = mean, var.sqrt()
+    else:
+        raise ValueError(f"codebook={codebook!r}: accepted {list(LATENT_2BIT_LEVELS)}")
+    offset = offset.clamp(-65504.0, 65504.0).to(torch.float16)
+    step = step.clamp(0, 65504.0).to(torch.float16)
+    levels = torch.tensor(LATENT_2BIT_LEVELS[codebook], device=x.device)
+    z = (x - offset.float().unsqueeze(dim)) / torch.where(step > 0, step.float(), 1.0).unsqueeze(dim)
+    # nearest level: the levels are sorted, so a threshold test at their midpoints
+    mids = (levels[1:] + levels[:-1]) / 2
+    codes = (z[..., None] > mids).sum(-1)
+    # step 0 (constant slice): the code whose level is nearest 0 decodes to the offset itself
+    codes = torch.where(step.unsqueeze(dim) > 0, codes, int(levels.abs().argmin()))
+    return codes.to(torch.uint8), offset, step
+
+
+def latent_2bit_dequantize_ref(codes: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, dim: int,
+                               codebook: str) -> torch.Tensor:
+    """codes (0..3, unpacked) with offset and step broadcast over `dim` -> values fp32."""
+    levels = torch.tensor(LATENT_2BIT_LEVELS[codebook], device=codes.device)
+    return offset.float().unsqueeze(dim) + step.float().unsqueeze(dim) * levels[codes.long()]
+
+
+def pack_2bit_ref(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., D] uint8 in 0..3 -> [..., D/4]: channel 4j+i in bits 2i..2i+1 of byte j (kivi2's order)."""
+    return codes[..., 0::4] | (codes[..., 1::4] << 2) | (codes[..., 2::4] << 4) | (codes[..., 3::4] << 6)
+
+
+def unpack_2bit_ref(packed: torch.Tensor) -> torch.Tensor:
+    """[..., D/4] uint8 -> codes [..., D]."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & 0x3).flatten(-2)

@@ -5,11 +5,12 @@ c_kv, then the rotated key every head shares. Attention reads it as one KV head:
 entry, values its first kv_lora_rank columns (the absorbed form: queries already multiplied into
 the latent space). Pages are the block manager's pages, one pool per layer, as for every format.
 
-Two storages:
+Two storages here, the low-bit ones (int4, and the 2-bit kivi2 / nuq2 latents) in latent_lowbit.py:
   - LatentFormat (bf16 / fp16 / fp32): latent_pages [N, P, W] in that dtype.
   - LatentFP8Format (fp8_e4m3): the latent in float8 e4m3 with one fp32 scale per token (amax / 448),
     the rotary key in bf16: latent_codes [N, P, R], latent_scales [N, P], rope_pages [N, P, r].
-A token is quantized alone, so nothing is staged: every step writes its tokens straight into pages.
+A token is quantized alone, so nothing is staged: every step writes its tokens straight into pages
+(the 2-bit latents keep a 16-bit window of the newest tokens beside them: latent_lowbit.py).
 
 The engine sees a KVFormat whose pools have num_kv_heads 1 and head_dim W (model_config.MLAConfig);
 `write` takes the step's entries as k [T, 1, W] (v unused) and `attend` the absorbed queries
@@ -24,11 +25,10 @@ from moekv.kvcache.formats.dense import is_decode_only
 from moekv.kvcache.formats.interface import PAGE_ALIGN_BYTES, GraphSupport, KVFormat, LayerKVCache
 from moekv.ops.reference import causal_attention_ref, fp8_latent_dequantize_ref, fp8_latent_quantize_ref
 
-_PLAIN = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LATENT_FORMAT_NAMES = ("auto", *_PLAIN, "fp8_e4m3")
+PLAIN_LATENTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _align(nbytes: int) -> int:
+def align_page(nbytes: int) -> int:
     return -(-nbytes // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES
 
 
@@ -39,7 +39,7 @@ class LatentFormat(KVFormat):
 
     def __init__(self, dtype: torch.dtype, kv_lora_rank: int) -> None:
         self.dtype, self.kv_lora_rank = dtype, kv_lora_rank
-        self.name = {v: k for k, v in _PLAIN.items()}[dtype]
+        self.name = {v: k for k, v in PLAIN_LATENTS.items()}[dtype]
 
     # -- layout -----------------------------------------------------------------------------
     def token_bytes(self, width: int) -> int:
@@ -47,7 +47,7 @@ class LatentFormat(KVFormat):
         return width * torch.empty((), dtype=self.dtype).element_size()
 
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
-        return _align(block_size * self.token_bytes(head_dim))
+        return align_page(block_size * self.token_bytes(head_dim))
 
     def bits_per_element(self, num_kv_heads: int, block_size: int, head_dim: int) -> float:
         """Stored bits over the entry's elements (the latent and the rotary key; there is no V)."""
@@ -79,8 +79,10 @@ class LatentFormat(KVFormat):
         pages[slots // P, slots % P] = k.reshape(k.shape[0], -1).to(pages.dtype)
 
     def gather(self, cache: LayerKVCache, block_table: list[int] | torch.Tensor, length: int,
-               dtype: torch.dtype) -> torch.Tensor:
-        """A sequence's first `length` entries [length, W] in `dtype` (dequantized)."""
+               dtype: torch.dtype, seq_slot: int | None = None, context_len: int | None = None) -> torch.Tensor:
+        """A sequence's first `length` entries [length, W] in `dtype` (dequantized). seq_slot and
+        context_len (the sequence's tokens written so far) matter to formats with a 16-bit window
+        of the newest tokens (latent_lowbit.py); the others ignore them."""
         pages = cache["latent_pages"]
         P = pages.shape[1]
         table = torch.as_tensor(block_table, device=pages.device)
@@ -116,18 +118,20 @@ class LatentFormat(KVFormat):
             lo, hi = starts[b], starts[b + 1]
             if hi == lo:
                 continue
-            entries = self.sequence_entries(cache, host.block_tables[b], length, lo, hi, step_kv, q.dtype)
+            entries = self.sequence_entries(cache, host.block_tables[b], length, lo, hi, step_kv, q.dtype,
+                                            host.seq_slots[b])
             out[lo:hi] = causal_attention_ref(q[lo:hi], entries[:, None], entries[:, None, :R], scale)
         return out
 
-    def sequence_entries(self, cache, block_table, length: int, lo: int, hi: int, step_kv, dtype) -> torch.Tensor:
+    def sequence_entries(self, cache, block_table, length: int, lo: int, hi: int, step_kv, dtype,
+                         seq_slot: int | None = None) -> torch.Tensor:
         """Sequence b's entries [length, W]: its tokens of this step (rows lo:hi) exact when step_kv
         holds them and they are a prefill chunk (hi - lo > 1), the rest as stored."""
         if step_kv is None or hi - lo < 2:
-            return self.gather(cache, block_table, length, dtype)
+            return self.gather(cache, block_table, length, dtype, seq_slot, length)
         new = step_kv[0][lo:hi].reshape(hi - lo, -1).to(dtype)
         first = length - (hi - lo)
-        return new if first == 0 else torch.cat([self.gather(cache, block_table, first, dtype), new])
+        return new if first == 0 else torch.cat([self.gather(cache, block_table, first, dtype, seq_slot, length), new])
 
     def kernel_tensors(self, cache: LayerKVCache) -> dict[str, torch.Tensor]:
         """What the decode kernel reads: latent (R columns) and rope (r columns) views of the pages,
@@ -161,7 +165,7 @@ class LatentFP8Format(LatentFormat):
     def page_bytes(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
         # three arrays, each page of each 128-byte aligned
         R, r = self.kv_lora_rank, head_dim - self.kv_lora_rank
-        return _align(block_size * R) + _align(block_size * 4) + _align(block_size * 2 * r)
+        return align_page(block_size * R) + align_page(block_size * 4) + align_page(block_size * 2 * r)
 
     def allocate(self, num_blocks, num_kv_heads, block_size, head_dim, device, max_num_seqs, dtype) -> LayerKVCache:
         R, r = self.kv_lora_rank, head_dim - self.kv_lora_rank
@@ -181,7 +185,7 @@ class LatentFP8Format(LatentFormat):
         cache["latent_scales"][pages, offsets] = scales
         cache["rope_pages"][pages, offsets] = entries[:, R:].to(self.ROPE_DTYPE)
 
-    def gather(self, cache, block_table, length, dtype) -> torch.Tensor:
+    def gather(self, cache, block_table, length, dtype, seq_slot=None, context_len=None) -> torch.Tensor:
         codes = cache["latent_codes"]
         P = codes.shape[1]
         table = torch.as_tensor(block_table, device=codes.device)
@@ -197,16 +201,3 @@ class LatentFP8Format(LatentFormat):
 
     def kernel_tensors(self, cache):
         return {"latent": cache["latent_codes"], "rope": cache["rope_pages"], "scales": cache["latent_scales"]}
-
-
-def latent_format_for(name: str, model_dtype: torch.dtype, kv_lora_rank: int) -> LatentFormat:
-    """The latent cache kv_cache_dtype=`name` asks for ('auto': the model's dtype), or a ValueError
-    naming the ones an MLA model accepts."""
-    if name == "auto":
-        return LatentFormat(model_dtype, kv_lora_rank)
-    if name in _PLAIN:
-        return LatentFormat(_PLAIN[name], kv_lora_rank)
-    if name == "fp8_e4m3":
-        return LatentFP8Format(kv_lora_rank)
-    raise ValueError(f"kv_cache_dtype={name!r} has no latent-cache form for multi-head latent attention "
-                     f"(DeepSeek-V2/V3); accepted: {list(LATENT_FORMAT_NAMES)}")

@@ -8,8 +8,10 @@ of entries once for all of them, and keeps the [BLOCK_H, R] accumulator of the o
 are neighbours in the grid, so the second reads of a tile come from L2.
 
 Storage: the latent in bf16 / fp16 (a slice of the entry pages), or float8 e4m3 codes with one fp32
-scale per token (folded into the scores for keys and into the probabilities for values); the rotary
-key in 16 bits.
+scale per token (folded into the scores for keys and into the probabilities for values), or int4
+codes two per byte with an fp16 scale and minimum per token and group of channels
+(`_mla_int4_split_kernel`: dequantized in registers, the even and odd channels as two halves); the
+rotary key in 16 bits.
 
 Reference: `moekv.ops.reference.mla_decode_ref` over the format's `gather` of each sequence.
 """
@@ -79,6 +81,72 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
 
 
 @triton.jit
+def _mla_int4_split_kernel(q_ptr, codes_ptr, rope_ptr, scale_ptr, zero_ptr, tables_ptr, lens_ptr, part_o_ptr,
+                           part_lse_ptr, stride_qb, stride_qh, stride_cp, stride_ct, stride_rp, stride_rt, stride_gp,
+                           stride_gt, stride_tb, stride_ob, stride_oh, stride_os, stride_eb, stride_eh, qk_scale,
+                           num_heads, num_splits, R: tl.constexpr, RP: tl.constexpr, GROUP: tl.constexpr,
+                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """_mla_split_kernel over the int4 latent: byte j of a token holds channels 2j (low nibble) and
+    2j + 1 (high), so the latent is read as its even and odd halves, each [BLOCK_N, R/2] with its own
+    half of the query and of the accumulator; a group's fp16 scale and minimum serve both halves."""
+    hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(lens_ptr + b)
+    num_tiles = tl.cdiv(length, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    t0 = s * per_split
+    t1 = tl.minimum(t0 + per_split, num_tiles)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    half, rcols = tl.arange(0, R // 2), tl.arange(0, RP)
+    groups = half // (GROUP // 2)  # channel 2j and 2j + 1 are in group (2j) // GROUP
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_even = tl.load(q_row + 2 * half[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, R/2]
+    q_odd = tl.load(q_row + 2 * half[None, :] + 1, mask=hmask[:, None], other=0.0)
+    q_rope = tl.load(q_row + R + rcols[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, RP]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc_even = tl.zeros([BLOCK_H, R // 2], tl.float32)
+    acc_odd = tl.zeros([BLOCK_H, R // 2], tl.float32)
+    for t in range(t0, t1):
+        toks = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = toks < length
+        page = tl.load(tables_ptr + b * stride_tb + toks // PAGE, mask=valid, other=0).to(tl.int64)
+        off = toks % PAGE
+        packed = tl.load(codes_ptr + (page * stride_cp + off * stride_ct)[:, None] + half[None, :],
+                         mask=valid[:, None], other=0)  # [BLOCK_N, R/2] uint8
+        side = (page * stride_gp + off * stride_gt)[:, None] + groups[None, :]
+        step = tl.load(scale_ptr + side, mask=valid[:, None], other=0.0).to(tl.float32)
+        low = tl.load(zero_ptr + side, mask=valid[:, None], other=0.0).to(tl.float32)
+        c_even = ((packed & 0xF).to(tl.float32) * step + low).to(q_even.dtype)
+        c_odd = ((packed >> 4).to(tl.float32) * step + low).to(q_even.dtype)
+        kr = tl.load(rope_ptr + (page * stride_rp + off * stride_rt)[:, None] + rcols[None, :],
+                     mask=valid[:, None], other=0.0).to(q_rope.dtype)  # [BLOCK_N, RP]
+        scores = tl.dot(q_even, tl.trans(c_even), input_precision=PRECISION)
+        scores += tl.dot(q_odd, tl.trans(c_odd), input_precision=PRECISION)
+        if RP >= 16:
+            scores += tl.dot(q_rope, tl.trans(kr), input_precision=PRECISION)
+        else:  # below tl.dot's smallest reduction
+            scores += tl.sum(q_rope[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), 2)
+        scores = scores * qk_scale  # log2 units
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        p = p.to(c_even.dtype)
+        acc_even = acc_even * alpha[:, None] + tl.dot(p, c_even, input_precision=PRECISION)
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=PRECISION)
+        m = m_new
+    has = l_sum > 0
+    norm = tl.where(has, l_sum, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))  # log2 units
+    o_row = part_o_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
+    tl.store(o_row + 2 * half[None, :], acc_even / norm, mask=hmask[:, None])
+    tl.store(o_row + 2 * half[None, :] + 1, acc_odd / norm, mask=hmask[:, None])
+    tl.store(part_lse_ptr + b * stride_eb + heads * stride_eh + s, lse, mask=hmask)
+
+
+@triton.jit
 def _mla_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, stride_os, stride_eb, stride_eh,
                        stride_outb, stride_outh, num_splits, R: tl.constexpr, NS_PAD: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
@@ -126,10 +194,15 @@ def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: 
     block_h, block_n, num_splits: the launch's shape (None: the defaults); max_len: the longest
     context, for the splits (None: the block tables' capacity, no host sync)."""
     latent, rope = tensors["latent"], tensors["rope"]
-    scales = tensors.get("scales")
+    scales, zeros = tensors.get("scales"), tensors.get("zeros")
     B, H, W = q.shape
     R, RP = kv_lora_rank, W - kv_lora_rank
-    if latent.shape[-1] != R or rope.shape[-1] != RP or latent.stride(-1) != 1 or rope.stride(-1) != 1:
+    if zeros is not None and (latent.shape[-1] * 2 != R or latent.dtype != torch.uint8 or scales.stride(-1) != 1
+                              or zeros.stride() != scales.stride() or R // scales.shape[-1] < 2):
+        raise ValueError(f"int4 latent: codes [N, P, {R // 2}] uint8, scales and zeros [N, P, R / group] with the "
+                         f"same contiguous rows expected; got {tuple(latent.shape)}, {tuple(scales.shape)}")
+    if ((zeros is None and latent.shape[-1] != R) or rope.shape[-1] != RP or latent.stride(-1) != 1
+            or rope.stride(-1) != 1):
         raise ValueError(f"latent [N, P, {R}] and rope [N, P, {RP}] with contiguous rows expected; got "
                          f"{tuple(latent.shape)} and {tuple(rope.shape)}")
     reason = kernel_shape_unsupported(R, RP)
@@ -152,15 +225,28 @@ def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: 
         from moekv.ops.decode.interpreter import patch_interpreter_index
 
         patch_interpreter_index()
-    fp8 = scales is not None
-    scales_arg = scales if fp8 else part_lse  # unread without FP8
-    _mla_split_kernel[(head_blocks, B, num_splits)](
-        q, latent, rope, scales_arg, block_tables, context_lens, part_o, part_lse,
-        q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1),
-        scales_arg.stride(0), block_tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1), scale * LOG2E, H, num_splits,
-        R=R, RP=RP, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if R >= 256 else 4)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if zeros is not None:  # the int4 latent
+        group = 2 * latent.shape[-1] // scales.shape[-1]
+        _mla_int4_split_kernel[(head_blocks, B, num_splits)](
+            q, latent, rope, scales, zeros, block_tables, context_lens, part_o, part_lse,
+            q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1),
+            scales.stride(0), scales.stride(1), block_tables.stride(0), part_o.stride(0), part_o.stride(1),
+            part_o.stride(2), part_lse.stride(0), part_lse.stride(1), scale * LOG2E, H, num_splits,
+            R=R, RP=RP, GROUP=group, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, PRECISION=precision,
+            num_warps=8 if R >= 256 else 4)
+        fp8 = None
+    else:
+        fp8 = scales is not None
+    if fp8 is not None:
+        scales_arg = scales if fp8 else part_lse  # unread without FP8
+        _mla_split_kernel[(head_blocks, B, num_splits)](
+            q, latent, rope, scales_arg, block_tables, context_lens, part_o, part_lse,
+            q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1),
+            scales_arg.stride(0), block_tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), scale * LOG2E, H, num_splits,
+            R=R, RP=RP, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8,
+            PRECISION=precision, num_warps=8 if R >= 256 else 4)
     _mla_reduce_kernel[(B, H)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1), out.stride(0), out.stride(1), num_splits, R=R,

@@ -25,17 +25,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _split_tiles(lens_ptr, b, s, num_splits, BLOCK_N: tl.constexpr):
+    """(length, t0, t1): sequence b's length and split s's share [t0, t1) of its BLOCK_N-token tiles."""
+    length = tl.load(lens_ptr + b)
+    num_tiles = tl.cdiv(length, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    t0 = s * per_split
+    return length, t0, tl.minimum(t0 + per_split, num_tiles)
+
+
+@triton.jit
 def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_ptr, part_o_ptr, part_lse_ptr,
                       stride_qb, stride_qh, stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_tb,
                       stride_ob, stride_oh, stride_os, stride_eb, stride_eh, qk_scale, num_heads, num_splits,
                       R: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
     hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    length = tl.load(lens_ptr + b)
-    num_tiles = tl.cdiv(length, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, num_splits)
-    t0 = s * per_split
-    t1 = tl.minimum(t0 + per_split, num_tiles)
+    length, t0, t1 = _split_tiles(lens_ptr, b, s, num_splits, BLOCK_N)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     cols, rcols = tl.arange(0, R), tl.arange(0, RP)
@@ -90,11 +96,7 @@ def _mla_int4_split_kernel(q_ptr, codes_ptr, rope_ptr, scale_ptr, zero_ptr, tabl
     2j + 1 (high), so the latent is read as its even and odd halves, each [BLOCK_N, R/2] with its own
     half of the query and of the accumulator; a group's fp16 scale and minimum serve both halves."""
     hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    length = tl.load(lens_ptr + b)
-    num_tiles = tl.cdiv(length, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, num_splits)
-    t0 = s * per_split
-    t1 = tl.minimum(t0 + per_split, num_tiles)
+    length, t0, t1 = _split_tiles(lens_ptr, b, s, num_splits, BLOCK_N)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     half, rcols = tl.arange(0, R // 2), tl.arange(0, RP)

@@ -77,8 +77,16 @@ def gpt_oss_mxfp4_ckpt(tmp_path_factory):
 
 
 def hf_model(path: Path):
+    """transformers' model of the checkpoint, its experts' clamp set from config.json: transformers
+    releases before swiglu_alpha / swiglu_limit became GptOssConfig fields (5.17.0, the GPU image's)
+    hard-code 1.702 / 7.0 and ignore the file's values, so our limit of 1.0 would part the reference
+    from the checkpoint (0.4 to 1.1 in the logits) on those versions only."""
     hf = load_hf(path)
     hf.generation_config.eos_token_id = None  # fixed-length continuations
+    config = json.loads((path / "config.json").read_text())
+    for layer in hf.model.layers:
+        layer.mlp.experts.alpha = float(config.get("swiglu_alpha", 1.702))
+        layer.mlp.experts.limit = float(config.get("swiglu_limit", 7.0))
     return hf
 
 
@@ -128,6 +136,31 @@ def test_yarn_frequencies_match_transformers(gpt_oss_ckpt):
         assert yarn.truncate == truncate
         torch.testing.assert_close(yarn_inv_freq(hf_cfg.head_dim, theta, yarn), ref_inv.float(), rtol=1e-6, atol=0)
         assert yarn.attention_factor == pytest.approx(ref_scale)
+
+
+def test_reference_experts_clamp_as_the_checkpoint_says(gpt_oss_ckpt):
+    """transformers' experts (the parity tests' reference) compute what the checkpoint's experts with
+    its swiglu_limit (1.0) and swiglu_alpha compute, whichever transformers is installed, on inputs
+    the clamps bind on; at gpt-oss's default limit (7.0) the same experts give something else."""
+    from moekv.models.loader import load_model
+    from moekv.ops.reference import clamped_swiglu_moe_ref
+
+    hf = hf_model(gpt_oss_ckpt)
+    ours = load_model(gpt_oss_ckpt, torch.float32, torch.device("cpu"))
+    act = load_model_config(gpt_oss_ckpt).clamped_swiglu
+    assert act.limit == 1.0
+    g = torch.Generator().manual_seed(0)
+    x = 4 * torch.randn(6, ours.config.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(ours.config.num_experts, generator=g)[:4] for _ in range(6)])
+    weights = torch.softmax(torch.randn(6, 4, generator=g), dim=-1)
+    for hf_layer, layer in zip(hf.model.layers, ours.layers):
+        m = layer.mlp
+        with torch.no_grad():
+            theirs = hf_layer.mlp.experts(x, ids, weights)
+            want = clamped_swiglu_moe_ref(x, m.w13, m.w13_bias, m.w2, m.w2_bias, weights, ids, act.alpha, act.limit)
+            other = clamped_swiglu_moe_ref(x, m.w13, m.w13_bias, m.w2, m.w2_bias, weights, ids, act.alpha, 7.0)
+        torch.testing.assert_close(theirs, want, rtol=1e-5, atol=1e-5)
+        assert (other - want).abs().max().item() > 1e-1
 
 
 def test_logits_match_transformers(gpt_oss_ckpt):

@@ -6,8 +6,8 @@ without a 16-bit staging tail; this prints, on the test's own checkpoint (head_d
 1. bf16 decode, graphs against eager, per KV format (bf16, fp8_e4m3) and batch (the three prompts
    together, and each alone): the first position where the greedy tokens part, the eager top-2 gap
    there, and the largest |logprob difference| before it;
-2. fp32 on CUDA against transformers: each prompt's largest |logits difference| per position, with
-   chunked prefill (12-token budget, as the test) and whole prompts (128).
+2. fp32 on CUDA against transformers (its version first): each prompt's largest |logits difference|
+   per position, with chunked prefill (12-token budget, as the test) and whole prompts (128).
 
     PYTHONPATH=. python scripts/gpu/gptoss_graph_diag.py --out $OUT/gptoss_graph_diag.json
 """
@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moekv import LLM, SamplingParams  # noqa: E402
@@ -44,7 +45,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     ckpt = build_gpt_oss(Path(tempfile.mkdtemp()) / "hd64", seed=4, head_dim=64)  # the test's fixture
-    record = {"device": torch.cuda.get_device_name(), "graphs_vs_eager": [], "fp32_vs_transformers": []}
+    # the reference's version: 5.17 (the GPU image's) ignores config.json's swiglu_limit, which hf_model sets
+    record = {"device": torch.cuda.get_device_name(), "transformers": transformers.__version__,
+              "graphs_vs_eager": [], "fp32_vs_transformers": []}
+    print(json.dumps({"transformers": transformers.__version__}), flush=True)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     for fmt in ("bf16", "fp8_e4m3"):
         kwargs = dict(dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=4, kv_cache_dtype=fmt)

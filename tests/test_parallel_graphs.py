@@ -306,7 +306,9 @@ def test_two_ranks_replay_tiered_decode_steps(hd32_ckpt, monkeypatch, tiered_eag
     finally:
         llm.engine.shutdown()
     assert tokens == ref_tokens
-    _assert_same_logprobs(logprobs, ref_logprobs)
+    # the padded static steps' GEMMs round differently from the eager ones (CPU BLAS blocking): up to
+    # 1.3e-5 in a logprob with tiered's default outlier threshold in its nuq2 tier
+    _assert_same_logprobs(logprobs, ref_logprobs, tol=3e-5)
     r0, r1 = ranks
     assert r0["replayed"] == r1["replayed"] and len(r0["replayed"]) == TIERED_DECODE_STEPS  # every decode step
     assert r0["replayed"][0] == (4, 4), "the first decode step (3 page fills) did not replay"

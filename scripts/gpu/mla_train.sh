@@ -19,7 +19,9 @@
 # training per model, evaluations included: 185), ROUTING=0 skips the routing experiment.
 # Afterwards, here: models/domain-mla from $OUT/grouped (join the parts: cat model.safetensors.part* >
 # model.safetensors; run.tar holds config.json, train_log.jsonl, eval.json, loss_curve.png), the tokenizer
-# files from /tmp/dd/data; the flat twin's weights stay out of the tree (its run.tar's results go in).
+# files from /tmp/dd/data, and the model card scripts/model_cards/domain-mla.md as its README.md (its
+# blank cells filled from eval.json and the routing experiment); the flat twin's weights stay out of
+# the tree (its run.tar's results go in).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/mla_train}"; mkdir -p "$OUT"

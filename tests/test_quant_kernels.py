@@ -17,7 +17,7 @@ from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (befo
 # isort: split
 
 from moekv.models.quantize import quantize_stacked  # noqa: E402
-from moekv.ops.quantized_weight import quantize_fp8, quantize_int4  # noqa: E402
+from moekv.ops.quantized_weight import QuantizedWeight, pack_int4, quantize_fp8, quantize_int4  # noqa: E402
 from moekv.ops.reference import fused_moe_ref, linear_ref  # noqa: E402
 
 _, fm, _, fq, ql = kernel_modules("moekv.ops.dense_gemv", "moekv.ops.fused_moe", "moekv.ops.quant_tiles",
@@ -56,6 +56,31 @@ def test_fused_moe_quant_matches_reference(quantizer, path, T):
     ref = fused_moe_ref(x.double(), q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights.double(), ids)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def _every_code_int4(E, N, K, group, seed):
+    """int4 weights whose codes take all 16 values at each of a word's 8 nibble positions (code (n + k + e) % 16),
+    with random scales and zero points in groups of `group`."""
+    g = torch.Generator().manual_seed(seed)
+    codes = (torch.arange(N)[:, None] + torch.arange(K)[None, :] + torch.arange(E)[:, None, None]) % 16
+    scales = torch.rand(E, N, -(-K // group), generator=g) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, scales.shape, generator=g).float()
+    return QuantizedWeight("int4", (E, N, K), pack_int4(codes), scales, (1, group), zeros).to(DEVICE)
+
+
+def test_int4_gemv_default_tiles_decode_every_code():
+    """The default packed GEMV tiles (16 x 1024: one K step past K, masked) decode each nibble position's
+    16 codes exactly (the planes' float trick and their joins' order), gate/up and down."""
+    assert fq.default_quant_gemv(_every_code_int4(1, 8, 64, 32, 0)) == fq.DEFAULT_PACKED_GEMV
+    E, H, I, T, k = 4, 64, 40, 3, 2
+    q13, q2 = _every_code_int4(E, 2 * I, H, 32, 1), _every_code_int4(E, H, I, 32, 2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1).to(DEVICE)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, path="gemv")
+    ref = fused_moe_ref(x.double(), q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights.double(), ids)
+    assert (out.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
 
 
 def test_gemv_scale_modes_cover_the_layouts():

@@ -69,6 +69,9 @@ def main() -> None:
     p.add_argument("--weights", nargs="*", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4", "mxfp4"])
     p.add_argument("--path", choices=["auto", "gemv", "gemm"], default="auto",
                    help="the MoE kernel's path (auto: the GEMV at T*k <= GEMV_MAX_PAIRS, the grouped GEMM beyond)")
+    p.add_argument("--gemv-tiles", nargs="*", default=[],
+                   help="BLOCK_NxBLOCK_K tiles (e.g. 8x1024 16x1024) to time the quantized GEMV with beside its "
+                        "default, at one token (rows with op moe_tile)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     E, H, I, K_TOP, QKV, oss = SHAPES[args.shape]
@@ -136,6 +139,17 @@ def main() -> None:
                              floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
             print(f"moe  {weights:>5} T={T:3d} {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) err {err:.1e}",
                   flush=True)
+            if weights == "bf16" or T != 1:
+                continue
+            for tile in args.gemv_tiles:
+                block_n, block_k = map(int, tile.split("x"))
+                cfg = fused_moe_quant.QuantGemvConfig(block_n=block_n, block_k=block_k)
+                ms = do_bench_cudagraph(lambda cfg=cfg: fused_moe_quant.fused_moe_quant(
+                    x, q13, q2, topw, ids, path="gemv", config=cfg, **epilogue), rep=200)
+                rows.append(dict(op="moe_tile", shape=args.shape, weights=weights, tokens=T, tile=tile, ms=ms,
+                                 floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes))
+                print(f"moe  {weights:>5} T={T:3d} {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) tile {tile}",
+                      flush=True)
         if qp is None:
             continue
         x = torch.randn(1, H, device=DEVICE).to(torch.bfloat16)

@@ -1,12 +1,19 @@
-"""The quantized MoE gate/up GEMV (ops/fused_moe_quant.py) built offline for sm_90 at gpt-oss-20b's
-expert shape (H = I = 2880, top-4, the epilogues on and off), int4 and mxfp4 codes: registers, stack
-and the SASS global loads a K step issues (LDG.E.128 where the codes' rows are known 16-byte aligned).
-No GPU needed; run without TRITON_INTERPRET:
+"""The quantized MoE decode GEMVs (ops/fused_moe_quant.py) built offline for sm_90: registers, stack, the
+SASS global loads (LDG.E.128 where the codes' rows are known 16-byte aligned) and, per K step of the
+loop, its instructions, shuffles and barriers, and warp instructions a weight byte (codes, scales and
+zero points). At Mixtral-8x7B's expert shape (H=4096, I=14336, top-2; fp8 per channel, int4 groups of
+128 with zero points: what `quantization=` makes) the gate/up and down GEMVs at their default tiles;
+at gpt-oss-20b's (H = I = 2880, top-4) the gate/up GEMV with int4 and mxfp4 codes, the epilogues on
+and off. No GPU needed; run without TRITON_INTERPRET:
 
-    PYTHONPATH=. python benchmarks/tools/sass_moe_quant_gemv.py
+    PYTHONPATH=. python benchmarks/tools/sass_moe_quant_gemv.py [--tiles 8x1024 16x1024]
+
+An H100 SXM issues at most 132 SMs x 4 warp instructions a clock; at ~1.8 GHz and its ~3.0 TB/s copy
+bandwidth a GEMV that reads at its floor can spend ~0.32 warp instructions a weight byte.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import re
@@ -19,38 +26,92 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moekv.ops import fused_moe_quant as fq
+from moekv.ops.quant_tiles import scale_mode
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+CODES = {"int4": "*i32", "mxfp4": "*i32", "fp8": "*fp8e4nv"}
+SCALES = {"int4": "*bf16", "mxfp4": "*u8", "fp8": "*fp32"}
+SCALE_K = {"int4": 128, "mxfp4": 32}  # fp8: one scale a row (SK = K)
 
 
-def build(mxfp4: bool, epilogue: bool) -> tuple[str, str, collections.Counter]:
-    scale = "*u8" if mxfp4 else "*bf16"
-    sig = {"x_ptr": "*bf16", "c_ptr": "*i32", "s_ptr": scale, "z_ptr": scale, "h_ptr": "*bf16",
-           "expert_ids_ptr": "*i64", "num_pairs": "i32", "stride_xt": "i32", "stride_ce": "i64", "stride_cn": "i32",
-           "stride_se": "i32", "stride_sn": "i32", "stride_hm": "i32", "b13_ptr": "*bf16", "stride_be": "i32"}
-    consts = dict(N=2880, K=2880, TOP_K=4, INT4=not mxfp4, MXFP4=mxfp4, HAS_ZEROS=not mxfp4, SN=1,
-                  SK=32 if mxfp4 else 128, SCALE_MODE=2, BLOCK_N=8, BLOCK_K=1024, HAS_BIAS=epilogue, CLAMPED=epilogue,
-                  ALPHA=1.702, LIMIT=7.0)
-    # pointers 16-byte aligned and the expert stride a multiple of 16, as Triton specializes them at run
-    # time; the row stride (360 words) is not, as at run time
-    src = ASTSource(fq._qgate_up_gemv_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
-                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 11)})
+def build(method: str, kernel: str, H: int, I: int, top_k: int, block_n: int, block_k: int, epilogue: bool = False,
+          aligned_rows: bool = True):
+    """(SASS, resource usage) of one GEMV. Pointers are 16-byte aligned and strides multiples of 16 as
+    Triton specializes them at run time, except the codes' row stride where aligned_rows is False
+    (gpt-oss's 360 words)."""
+    gate_up = kernel == "gate_up"
+    N, K = (I, H) if gate_up else (H, I)
+    act = "x_ptr" if gate_up else "h_ptr"
+    sig = {act: "*bf16", "c_ptr": CODES[method], "s_ptr": SCALES[method], "z_ptr": SCALES[method]}
+    if gate_up:
+        sig |= {"h_ptr": "*bf16", "expert_ids_ptr": "*i64", "num_pairs": "i32", "stride_xt": "i32"}
+    else:
+        sig |= {"y_ptr": "*fp32", "weights_ptr": "*fp32", "expert_ids_ptr": "*i64", "num_pairs": "i32",
+                "stride_hm": "i32"}
+    sig |= {"stride_ce": "i64", "stride_cn": "i32", "stride_se": "i32", "stride_sn": "i32"}
+    sig |= {"stride_hm": "i32"} if gate_up else {"stride_ys": "i32", "stride_ym": "i32"}
+    sig |= {"b13_ptr" if gate_up else "b2_ptr": "*bf16", "stride_be": "i32"}
+    SK = SCALE_K.get(method, K)
+    consts = dict(N=N, K=K, INT4=method == "int4", MXFP4=method == "mxfp4", HAS_ZEROS=method == "int4", SN=1, SK=SK,
+                  SCALE_MODE=scale_mode(SK, K, block_k), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=epilogue)
+    consts |= dict(TOP_K=top_k, CLAMPED=epilogue, ALPHA=1.702, LIMIT=7.0) if gate_up else dict(K_PER_SPLIT=K)
+    names = list(sig)
+    divisible = [n for n in names if sig[n].startswith("*") or n.startswith("stride") and n != "num_pairs"]
+    if not aligned_rows:
+        divisible.remove("stride_cn")
+    src = ASTSource(fq._qgate_up_gemv_kernel if gate_up else fq._qdown_gemv_kernel,
+                    signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts,
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return sass, res
+
+
+def summary(sass: str, res: str, weight_bytes_a_step: float) -> str:
+    regs = re.search(r"REG:(\d+)", res).group(1)
+    stack = re.search(r"STACK:(\d+)", res).group(1)
     loads = collections.Counter(w for line in sass.splitlines() for w in line.split() if w.startswith("LDG"))
-    return re.search(r"REG:(\d+)", res).group(1), re.search(r"STACK:(\d+)", res).group(1), loads
+    text = f"registers {regs} stack {stack} loads {dict(loads)}"
+    back = re.search(r"/\*([0-9a-f]{4})\*/\s+@!?P\d BRA 0x([0-9a-f]+) ;", sass)  # the K loop's backward branch
+    if back:
+        first, last = int(back.group(2), 16), int(back.group(1), 16)
+        body = [m for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(?:@!?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+                if first <= int(m.group(1), 16) <= last]
+        ops = collections.Counter(m.group(2).split(".")[0] for m in body)
+        text += (f"; a K step: {len(body)} instructions ({ops['SHFL']} SHFL, {ops['BAR']} BAR), "
+                 f"{4 * len(body) / weight_bytes_a_step:.3f} warp instructions a weight byte")
+    return text
 
 
 def main() -> None:
-    for mxfp4 in (False, True):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiles", nargs="*", default=None,
+                   help="BLOCK_NxBLOCK_K tiles for the Mixtral rows (default: each method's default GEMV config)")
+    args = p.parse_args()
+    H, I = 4096, 14336
+    for method in ("fp8", "int4"):
+        defaults = fq.DEFAULT_PACKED_GEMV if method == "int4" else fq.DEFAULT_QUANT_GEMV
+        tiles = ([tuple(map(int, t.split("x"))) for t in args.tiles] if args.tiles
+                 else [(defaults.block_n, defaults.block_k)])
+        for block_n, block_k in tiles:
+            for kernel in ("gate_up", "down"):
+                sass, res = build(method, kernel, H, I, 2, block_n, block_k)
+                code_bytes = block_n * block_k * (0.5 if method == "int4" else 1.0)
+                group_bytes = block_n * block_k // 128 * 4 if method == "int4" else 0  # bf16 scale + zero a group
+                step_bytes = (2 if kernel == "gate_up" else 1) * (code_bytes + group_bytes)
+                print(f"mixtral-8x7b {method:5} {kernel:7} {block_n}x{block_k}: {summary(sass, res, step_bytes)}",
+                      flush=True)
+    for method in ("int4", "mxfp4"):
         for epilogue in (False, True):
-            regs, stack, loads = build(mxfp4, epilogue)
-            print(f"{'mxfp4' if mxfp4 else 'int4':5} epilogue={epilogue!s:5} registers {regs} stack {stack} "
-                  f"loads {dict(loads)}")
+            cfg = fq.DEFAULT_PACKED_GEMV
+            sass, res = build(method, "gate_up", 2880, 2880, 4, cfg.block_n, cfg.block_k, epilogue, aligned_rows=False)
+            step_bytes = 2 * cfg.block_n * cfg.block_k * (0.5 + (4 / 128 if method == "int4" else 1 / 32))
+            print(f"gpt-oss-20b  {method:5} gate_up {cfg.block_n}x{cfg.block_k} epilogue={epilogue!s:5}: "
+                  f"{summary(sass, res, step_bytes)}", flush=True)
 
 
 if __name__ == "__main__":

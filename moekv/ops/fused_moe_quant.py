@@ -38,7 +38,7 @@ from moekv.ops.fused_moe import (
     num_sms_of,
     sum_partials,
 )
-from moekv.ops.quant_tiles import SCALES_PER_TILE, dequant_tile, quant_row_dots, scale_mode
+from moekv.ops.quant_tiles import SCALES_PER_TILE, code_dots, code_values, dequant_tile, scale_mode, tile_scales
 from moekv.ops.quantized_weight import QuantizedWeight
 
 
@@ -52,6 +52,14 @@ class QuantGemvConfig:
 
 
 DEFAULT_QUANT_GEMV = QuantGemvConfig()
+# 4-bit codes: 16 rows a program, so a K step's fixed work (x's layout change and group sums) spreads over
+# twice the weight bytes and a program keeps as many bytes in flight as fp8's 8 rows (sm_90 SASS at
+# Mixtral-8x7B's shape: 0.37 -> 0.31 warp instructions a weight byte; docs/decisions.md, "The int4 GEMV's unpack")
+DEFAULT_PACKED_GEMV = QuantGemvConfig(block_n=16)
+
+
+def default_quant_gemv(w: QuantizedWeight) -> QuantGemvConfig:
+    return DEFAULT_PACKED_GEMV if w.method in ("int4", "mxfp4") else DEFAULT_QUANT_GEMV
 
 
 def weight_args(w: QuantizedWeight):
@@ -96,12 +104,20 @@ def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        # both tiles' codes and scales first: their loads are then in flight while x's waits at its layout
+        # change's barrier
+        q_g = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+        q_u = code_values(c_e, rows + N, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+        s_g, z_g = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
+                               BLOCK_N, BLOCK_K)
+        s_u, z_u = tile_scales(s_e, z_e, rows + N, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
+                               BLOCK_N, BLOCK_K)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        acc_g += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS,
-                                SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
-        acc_u += quant_row_dots(c_e, s_e, z_e, rows + N, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, MXFP4,
-                                HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc_g += code_dots(q_g, s_g, z_g, s_e, z_e, rows, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
+                           SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc_u += code_dots(q_u, s_u, z_u, s_e, z_e, rows + N, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN,
+                           SK, SCALE_MODE, BLOCK_N, BLOCK_K)
     h = activate(acc_g, acc_u, b13_ptr, expert * stride_be, offs_n, n_ok, N, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
     tl.store(h_ptr + pair * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
@@ -132,10 +148,13 @@ def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_id
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = split * K_PER_SPLIT + kk
+        q = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)  # before h's load (above)
+        s, z = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
+                           BLOCK_N, BLOCK_K)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         hv = tl.load(h_ptr + pair * stride_hm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        acc += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, hv, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS,
-                              SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc += code_dots(q, s, z, s_e, z_e, rows, n_ok, k0, hv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
+                         SCALE_MODE, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -284,7 +303,7 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     weights = topk_weights.reshape(-1).contiguous()
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)  # [M, I]
     if path == "gemv":
-        cfg = config or DEFAULT_QUANT_GEMV
+        cfg = config or default_quant_gemv(w13)
         _check_block_k(cfg.block_k, w13, w2)
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         c, s, z, sce, scn, sse, ssn = weight_args(w13)

@@ -40,7 +40,34 @@ def _scale_values(raw, MXFP4: tl.constexpr):
 
 
 @triton.jit
-def _code_values(codes_ptr, rows, n_ok, k0, K: tl.constexpr, stride_cn, INT4: tl.constexpr, MXFP4: tl.constexpr,
+def _int4_plane(src, P: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr):
+    """Nibble P (bits 4P .. 4P + 3, P <= 3) of each int32 in src -> fp32 0..15, exact, with one LOP3 and
+    one FADD and no int-to-float conversion: OR'd into the mantissa of MAGIC = the fp32 OFFSET = 2^(23 - 4P),
+    whose last place is then worth 2^-4P, the nibble reads as OFFSET + its value."""
+    return ((src & (0xF << (4 * P))) | MAGIC).to(tl.float32, bitcast=True) - OFFSET
+
+
+@triton.jit
+def _nibble_plane(words, I: tl.constexpr, MXFP4: tl.constexpr):
+    """Nibble I (0..7) of each int32 of words -> fp32, in words' layout: int4 codes 0..15, or MXFP4
+    values times 2^-14 (e2m1_values)."""
+    if MXFP4:
+        return e2m1_values((words >> (4 * I)) & 0xF)
+    else:
+        src = words if I < 4 else words >> 16
+        P: tl.constexpr = I % 4
+        if P == 0:
+            return _int4_plane(src, 0, 0x4B000000, 8388608.0)
+        elif P == 1:
+            return _int4_plane(src, 1, 0x49000000, 524288.0)
+        elif P == 2:
+            return _int4_plane(src, 2, 0x47000000, 32768.0)
+        else:
+            return _int4_plane(src, 3, 0x45000000, 2048.0)
+
+
+@triton.jit
+def code_values(codes_ptr, rows, n_ok, k0, K: tl.constexpr, stride_cn, INT4: tl.constexpr, MXFP4: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The tile's codes as fp32 [BLOCK_N, BLOCK_K] (0 past K and on masked rows): fp8 values, int4
     codes 0..15, or MXFP4 values times 2^-14 (8 nibbles an int32 for both; BLOCK_K % 8 == 0)."""
@@ -54,11 +81,17 @@ def _code_values(codes_ptr, rows, n_ok, k0, K: tl.constexpr, stride_cn, INT4: tl
             ptrs = tl.multiple_of(ptrs, [1, 16])
         words = tl.load(ptrs,
                         mask=n_ok[:, None] & (offs_w < K // 8)[None, :], other=0)  # [BLOCK_N, BLOCK_K / 8]
-        nibbles = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
-        if MXFP4:
-            q = e2m1_values(nibbles)
-        else:
-            q = nibbles.to(tl.float32)
+        # the 8 nibbles decoded as 8 planes in the words' own layout, then interleaved by joins, which keep
+        # each word's 8 values in its thread (a 3-D shift and reshape instead left the layout to Triton:
+        # shared-memory round trips and the groups' sums spread over all 4 warps, ~9x the instructions a
+        # weight byte, sm_90 SASS: docs/decisions.md, "The int4 GEMV's unpack"). join(a, b) puts a and b
+        # side by side in a new last dim, so the nibble of flat index 4a + 2b + c comes from plane 4a + 2b + c
+        # when the innermost joins pair planes i and i + 4 and the outermost pairs even with odd.
+        q = tl.join(tl.join(tl.join(_nibble_plane(words, 0, MXFP4), _nibble_plane(words, 4, MXFP4)),
+                            tl.join(_nibble_plane(words, 2, MXFP4), _nibble_plane(words, 6, MXFP4))),
+                    tl.join(tl.join(_nibble_plane(words, 1, MXFP4), _nibble_plane(words, 5, MXFP4)),
+                            tl.join(_nibble_plane(words, 3, MXFP4), _nibble_plane(words, 7, MXFP4))))
+        q = tl.reshape(q, (BLOCK_N, BLOCK_K))
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         q = tl.load(codes_ptr + rows[:, None] * stride_cn + offs_k[None, :],
@@ -76,10 +109,18 @@ def dequant_tile(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, K: tl.constex
     and on masked rows. INT4 / MXFP4: codes hold 8 features per int32, lowest nibble first;
     BLOCK_K % 8 == 0. PER_TILE (scale_mode SCALES_PER_TILE: the tile lies in one group): one scale
     and zero point per row, not one load per element."""
+    q = code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+    return dequant_codes(q, scales_ptr, zeros_ptr, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
+                         BLOCK_K, PER_TILE)
+
+
+@triton.jit
+def dequant_codes(q, scales_ptr, zeros_ptr, rows, n_ok, k0, K: tl.constexpr, stride_sn, INT4: tl.constexpr,
+                  MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PER_TILE: tl.constexpr = False):
+    """dequant_tile's second half: the tile's code values q (code_values) times their scales, less zero points."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    mask = n_ok[:, None] & k_ok[None, :]
-    q = _code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+    mask = n_ok[:, None] & (offs_k < K)[None, :]
     if PER_TILE:
         block = (rows // SN) * stride_sn + k0 // SK  # [BLOCK_N]: the scale index of each row
         s = _scale_values(tl.load(scales_ptr + block, mask=n_ok, other=0), MXFP4)
@@ -119,37 +160,66 @@ def quant_row_dots(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K: tl.c
                    INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
                    SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """sum_k dequant(w)[row, k] * xv[k] over the tile's columns k0 .. k0 + BLOCK_K -> fp32 [BLOCK_N]
-    (xv: fp32 [BLOCK_K], 0 past K). Same contract as dequant_tile, but the scales (and zero points)
-    are read once per row and group and applied to the group's partial sums:
-    sum (q - z) * s * x = s * (sum q * x - z * sum x)."""
-    if SCALE_MODE == 0:
-        w = dequant_tile(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, MXFP4,
-                         HAS_ZEROS, SN, SK, BLOCK_N, BLOCK_K)
-        return tl.sum(w * xv[None, :], axis=1)
-    q = _code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+    (xv: fp32 [BLOCK_K], 0 past K): code_values and tile_scales, then code_dots."""
+    q = code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+    s, z = tile_scales(scales_ptr, zeros_ptr, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
+                       SCALE_MODE, BLOCK_N, BLOCK_K)
+    return code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
+                     SCALE_MODE, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def tile_scales(scales_ptr, zeros_ptr, rows, n_ok, k0, K: tl.constexpr, stride_sn, INT4: tl.constexpr,
+                MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The scales and zero points code_dots applies to a tile's group sums, fp32: [BLOCK_N] (SCALES_PER_TILE)
+    or [BLOCK_N, BLOCK_K / SK] (SCALES_PER_GROUP); zero points 8 without them, 0 for fp8 / MXFP4. A GEMV
+    reads them with the codes, before the activations (code_dots). SCALES_PER_ELEMENT: none (0, 0);
+    code_dots reads them per element."""
     scale_rows = (rows // SN) * stride_sn
-    if SCALE_MODE == 1:
+    if SCALE_MODE == 0:
+        s = 0.0
+        z = 0.0
+    elif SCALE_MODE == 1:
         group = k0 // SK
         s = _scale_values(tl.load(scales_ptr + scale_rows + group, mask=n_ok, other=0), MXFP4)
-        dots = tl.sum(q * xv[None, :], axis=1)
-        if INT4:
-            if HAS_ZEROS:
-                z = tl.load(zeros_ptr + scale_rows + group, mask=n_ok, other=0.0).to(tl.float32)
-            else:
-                z = 8.0
-            dots = dots - z * tl.sum(xv, axis=0)
-        return s * dots
+        if INT4 and HAS_ZEROS:
+            z = tl.load(zeros_ptr + scale_rows + group, mask=n_ok, other=0.0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 8.0 if INT4 else 0.0, tl.float32)
     else:
         GROUPS: tl.constexpr = BLOCK_K // SK
         groups = k0 // SK + tl.arange(0, GROUPS)
         g_mask = n_ok[:, None] & (groups < (K + SK - 1) // SK)[None, :]
         s = _scale_values(tl.load(scales_ptr + scale_rows[:, None] + groups[None, :], mask=g_mask, other=0), MXFP4)
+        if INT4 and HAS_ZEROS:
+            z = tl.load(zeros_ptr + scale_rows[:, None] + groups[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N, GROUPS), 8.0 if INT4 else 0.0, tl.float32)
+    return s, z
+
+
+@triton.jit
+def code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K: tl.constexpr, stride_sn, INT4: tl.constexpr,
+              MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+              SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """quant_row_dots on a tile's code values q (code_values) and scales s and zero points z (tile_scales)
+    already read: a GEMV issues those loads before the activations', whose layout change waits at a
+    barrier. Same contract as dequant_tile, but each scale (and zero point) applies to its group's
+    partial sums: sum (q - z) * s * x = s * (sum q * x - z * sum x)."""
+    if SCALE_MODE == 0:
+        w = dequant_codes(q, scales_ptr, zeros_ptr, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
+                          BLOCK_K)
+        return tl.sum(w * xv[None, :], axis=1)
+    elif SCALE_MODE == 1:
+        dots = tl.sum(q * xv[None, :], axis=1)
+        if INT4:
+            dots = dots - z * tl.sum(xv, axis=0)
+        return s * dots
+    else:
+        GROUPS: tl.constexpr = BLOCK_K // SK
         dots = tl.sum(tl.reshape(q * xv[None, :], (BLOCK_N, GROUPS, SK)), axis=2)  # [BLOCK_N, GROUPS]
         if INT4:
             x_sums = tl.sum(tl.reshape(xv, (GROUPS, SK)), axis=1)  # [GROUPS]
-            if HAS_ZEROS:
-                z = tl.load(zeros_ptr + scale_rows[:, None] + groups[None, :], mask=g_mask, other=0.0).to(tl.float32)
-            else:
-                z = tl.full((BLOCK_N, GROUPS), 8.0, tl.float32)
             dots = dots - z * x_sums[None, :]
         return tl.sum(dots * s, axis=1)

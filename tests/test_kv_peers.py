@@ -116,3 +116,15 @@ def test_label_offsets_move_only_labels_that_would_overlap():
     assert offsets[0] == 0.0 and abs(offsets[1]) == 10.0 and offsets[2] == 0.0
     # a label whose box would cross an earlier one only in x, not in y, stays where it is
     assert tradeoff.label_offsets([(0.0, 0.0), (20.0, 30.0)], [50.0, 50.0], 10.0) == [0.0, 0.0]
+
+
+def test_format_labels_name_what_changes_a_format_and_skip_drops_rows():
+    assert tradeoff.format_label("nuq2:kv_codebook=page") == "nuq2 (page codebooks)"
+    assert tradeoff.format_label("nuq2:kv_keys_before_rope=True") == "nuq2 (keys before RoPE)"
+    assert tradeoff.format_label("tiered:kv_codebook=page:kv_tier1_fraction=0.1:kv_outlier_sigma=3.0") == \
+        "tiered (10% FP8)"
+    assert tradeoff.format_label("tiered:kv_rerank_interval=1") == "tiered"
+    record = table_record("decode-tail", {"bf16": (10.0, 1.0, 16.0), "tiered:kv_tier1_fraction=0.1": (10.1, 1.0, 4.5),
+                                          "tiered:kv_tier1_fraction=0.1:kv_rank_window=32": (10.2, 1.0, 4.5)})
+    points = tradeoff.table_points(record, 4096, frozenset({"tiered:kv_tier1_fraction=0.1:kv_rank_window=32"}))
+    assert [p.label for p in points] == ["tiered (10% FP8)"] and points[0].ppl_change == pytest.approx(1.0)

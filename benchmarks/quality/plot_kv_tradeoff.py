@@ -36,20 +36,29 @@ class Point:
 
 
 def format_label(spec: str) -> str:
-    """'nuq2:kv_codebook=page' -> 'nuq2 (page codebooks)'; rerank and other options are dropped."""
+    """'nuq2:kv_codebook=page' -> 'nuq2 (page codebooks)', keys stored before RoPE and tiered's FP8 share
+    named; the ranking's and other options are dropped (--skip the rows they would merge)."""
     name, *opts = spec.split(":")
-    return name + (" (page codebooks)" if "kv_codebook=page" in opts and name == "nuq2" else "")
+    notes = []
+    if "kv_codebook=page" in opts and name == "nuq2":
+        notes.append("page codebooks")
+    if "kv_keys_before_rope=True" in opts:
+        notes.append("keys before RoPE")
+    share = next((o.partition("=")[2] for o in opts if o.startswith("kv_tier1_fraction=")), None)
+    if share is not None:
+        notes.append(f"{100 * float(share):g}% FP8")
+    return name + (f" ({', '.join(notes)})" if notes else "")
 
 
-def table_points(record: dict, context: int) -> list[Point]:
+def table_points(record: dict, context: int, skip: frozenset[str] = frozenset()) -> list[Point]:
     """A domain_model_tables.py result (one run, or several under `runs`) -> one point per format row
-    other than bf16 (the baseline of its run)."""
+    other than bf16 (the baseline of its run) and those named in `skip`."""
     points = []
     for run in record.get("runs", [record]):
         formats = run["formats"]
         base = formats.get("bf16")
         for spec, row in formats.items():
-            if spec == "bf16":
+            if spec == "bf16" or spec in skip:
                 continue
             total = row["ppl"]["total"]
             change = None
@@ -167,6 +176,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tables", type=Path, nargs="*", default=[], help="domain_model_tables.py results")
     p.add_argument("--peers", type=Path, nargs="*", default=[], help="hf_quantized_cache_ppl.py results")
+    p.add_argument("--skip", nargs="*", default=[], metavar="SPEC",
+                   help="format rows of --tables left out (e.g. a sweep's variants)")
     p.add_argument("--context", type=int, default=4096, help="tokens at which bits and retrieval are read")
     p.add_argument("--title", default="KV formats on domain-moe")
     p.add_argument("--out", type=Path, required=True, metavar="PNG")
@@ -175,7 +186,7 @@ def main() -> None:
         p.error("give at least one result file (--tables and/or --peers)")
     points = []
     for path in args.tables:
-        points += table_points(json.loads(path.read_text()), args.context)
+        points += table_points(json.loads(path.read_text()), args.context, frozenset(args.skip))
     for path in args.peers:
         points += peer_points(json.loads(path.read_text()), args.context)
     ppl, ret = merge(points)

@@ -7,7 +7,8 @@
 # tail_splits_ms: the same launch with the tail in one program and in the default number), SDPA beside, all
 # in the same run, then the window's other gpu tests (nuq2, vq, kivi2 and tiered kernels, Gluon and Triton,
 # the engine's Gluon path). Each step writes its file to $OUT before the next starts, so a call cut short
-# keeps what finished. Run from the repository root (under 4 minutes):
+# keeps what finished. On an H100 the test steps' compiles outlast 60-70 s (8 of the split's tests had run
+# at 70 s), so they get 150 s each. Run from the repository root (under 7 minutes):
 #     bash scripts/gpu/kvwin.sh 2>&1 | tee $OUT/log
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -20,12 +21,12 @@ TESTS=(tests/test_gluon_nuq2_decode.py tests/test_gluon_vq_decode.py tests/test_
        tests/test_decode_attention.py tests/test_decode_vq.py tests/test_decode_tiered.py)
 SPLIT="split_over_programs or several_programs"  # the ring's tail over several programs
 WINDOW="residual or tail_ring or nuq2_r48 or takes_the_gluon"  # the ring's other kernel tests, the engine's Gluon path
-timeout 70 python -m pytest -q -m gpu $PARALLEL -p no:cacheprovider -k "$SPLIT" \
+timeout 150 python -m pytest -q -rf -m gpu $PARALLEL -p no:cacheprovider -k "$SPLIT" \
   "${TESTS[@]}" > "$OUT/gpu_tests_tail_split.log" 2>&1
 tail -3 "$OUT/gpu_tests_tail_split.log"; el "gpu tests of the tail's split"
 timeout 100 python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_r128 vq vq_r256 --kernel gluon \
   --shapes 1x4096 16x32768 64x32768 1x131072 --configs 0 --out "$OUT/decode_attention_kvwin.json" \
   | grep -E "kernel:|sdpa|gluon|tail programs"; el "kernel table"
-timeout 60 python -m pytest -q -m gpu $PARALLEL -p no:cacheprovider -k "($WINDOW) and not ($SPLIT)" \
+timeout 150 python -m pytest -q -rf -m gpu $PARALLEL -p no:cacheprovider -k "($WINDOW) and not ($SPLIT)" \
   "${TESTS[@]}" > "$OUT/gpu_tests_window.log" 2>&1
 tail -3 "$OUT/gpu_tests_window.log"; el "the window's other gpu tests"

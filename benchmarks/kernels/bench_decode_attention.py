@@ -100,8 +100,12 @@ FORMATS = {
     # keys stored before RoPE, rotated per tile in the kernel (kv_keys_before_rope; timed only when named)
     "nuq2_prerope": ("nuq2", {"codebook": "page", "residual": 0, "keys_before_rope": True}),
     "vq_prerope": ("vq", {"residual": 0, "keys_before_rope": True}),
+    # nuq2 at its former outlier threshold (timed only when named): against "nuq2" (3.0) it shows what the
+    # slots that 3.0 fills cost the kernels' slot branches
+    "nuq2_sigma35": ("nuq2", {"codebook": "page", "residual": 0, "outlier_sigma": 3.5}),
 }
 PREROPE = {"nuq2_prerope", "vq_prerope"}
+ONLY_NAMED = PREROPE | {"nuq2_sigma35"}
 ROPE_THETA = 1e6  # the RoPE base keys stored before RoPE are rotated by (a Mixtral's; the speed does not depend on it)
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}
@@ -833,7 +837,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "h200" / "decode_attention.json")
     p.add_argument("--quick", action="store_true", help="smoke run: two small shapes, the default launch shape only")
-    p.add_argument("--formats", nargs="*", default=[f for f in FORMATS if f not in NUQ2_VARIANTS and f not in PREROPE],
+    p.add_argument("--formats", nargs="*", default=[f for f in FORMATS if f not in NUQ2_VARIANTS | ONLY_NAMED],
                    help=f"labels among {list(FORMATS)} (kernel variants {list(NUQ2_VARIANTS)} only when named)")
     p.add_argument("--shapes", nargs="*", default=None, help="batchxcontext, e.g. 1x4096 16x32768")
     p.add_argument("--configs", nargs="*", type=int, default=None,

@@ -165,9 +165,9 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         self.rank_window = rank_window
         self.rank_after_prompt = rank_after_prompt
         self.hi = FP8Format()
-        # its nuq2 tier keeps more outliers than nuq2 alone (3.0 against 3.5 standard deviations): at 10% FP8
-        # pages they took domain-moe's worst domain from +1.6% to +0.8% for no bits read, the slots being
-        # page padding (docs/decisions.md, "tiered at 10% FP8 pages")
+        # its nuq2 tier's outliers beyond 3.0 standard deviations (not 3.5): at 10% FP8 pages they took
+        # domain-moe's worst domain from +1.6% to +0.8% for no bits read, the slots being page padding
+        # (docs/decisions.md, "tiered at 10% FP8 pages")
         self.lo = NUQ2Format(outlier_sigma=self.default_outlier_sigma if outlier_sigma is None else outlier_sigma,
                              calibration=calibration, codebook=codebook, residual=0)
         self.rerank_interval = rerank_interval

@@ -117,14 +117,8 @@ class MLAttention(nn.Module):
         H = self.num_heads
         q = torch.cat([q_nope, q_rope], dim=-1)
         out = q.new_empty(q.shape[0], H, m.v_head_dim)
-        host = ctx.host_lists()
-        starts = host.query_start
-        for b, length in enumerate(host.context_lens):
-            lo, hi = starts[b], starts[b + 1]
-            if hi == lo:
-                continue
-            entries = fmt.sequence_entries(cache, host.block_tables[b], length, lo, hi, step_kv, q.dtype,
-                                            host.seq_slots[b])  # [L, W]
+        for lo, hi, entries in fmt.step_sequences(cache, ctx, step_kv, q.dtype):  # entries [L, W]
+            length = entries.shape[0]
             kv = F.linear(entries[:, :m.kv_lora_rank], self.kv_b_proj).view(length, H, -1)
             k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
             k = torch.cat([k_nope, entries[:, None, m.kv_lora_rank:].expand(length, H, m.qk_rope_head_dim)], dim=-1)

@@ -112,16 +112,20 @@ class LatentFormat(KVFormat):
         tokens exactly (KVFormat.attend), earlier ones as stored."""
         R = self.kv_lora_rank
         out = q.new_empty(q.shape[0], q.shape[1], R)
+        for lo, hi, entries in self.step_sequences(cache, ctx, step_kv, q.dtype):
+            out[lo:hi] = causal_attention_ref(q[lo:hi], entries[:, None], entries[:, None, :R], scale)
+        return out
+
+    def step_sequences(self, cache, ctx, step_kv, dtype):
+        """(lo, hi, entries) for each sequence with query rows in this step: its rows lo:hi and its
+        entries [length, W] (sequence_entries: this step's exact, earlier ones as stored)."""
         host = ctx.host_lists()
         starts = host.query_start
         for b, length in enumerate(host.context_lens):
             lo, hi = starts[b], starts[b + 1]
-            if hi == lo:
-                continue
-            entries = self.sequence_entries(cache, host.block_tables[b], length, lo, hi, step_kv, q.dtype,
-                                            host.seq_slots[b])
-            out[lo:hi] = causal_attention_ref(q[lo:hi], entries[:, None], entries[:, None, :R], scale)
-        return out
+            if hi > lo:
+                yield lo, hi, self.sequence_entries(cache, host.block_tables[b], length, lo, hi, step_kv, dtype,
+                                                    host.seq_slots[b])
 
     def sequence_entries(self, cache, block_table, length: int, lo: int, hi: int, step_kv, dtype,
                          seq_slot: int | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.graph_capture import capture  # noqa: E402
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 # the interpreter switch above must be set before any moekv module decorates a kernel
@@ -199,15 +200,7 @@ def test_gpu_cuda_graph_capture(mixtral_experts, T):
     w13, w2 = mixtral_experts
     x = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
-    fm.fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fm.fused_moe(x, w13, w2, weights, ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fm.fused_moe(x, w13, w2, weights, ids)
+    graph, out = capture(lambda: fm.fused_moe(x, w13, w2, weights, ids))
     new_w, new_ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
     x.copy_(torch.randn_like(x))
     weights.copy_(new_w)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.graph_capture import capture  # noqa: E402
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 # isort: split
@@ -182,15 +183,7 @@ def test_gpu_cuda_graph_capture(mixtral_quant, T):
     q13, q2 = mixtral_quant
     x = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
-    fq.fused_moe_quant(x, q13, q2, weights, ids)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fq.fused_moe_quant(x, q13, q2, weights, ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fq.fused_moe_quant(x, q13, q2, weights, ids)
+    graph, out = capture(lambda: fq.fused_moe_quant(x, q13, q2, weights, ids))
     new_w, new_ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
     x.copy_(torch.randn_like(x))
     weights.copy_(new_w)

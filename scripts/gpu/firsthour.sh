@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=.:/tmp/site_fh
 python3 -c "import xgrammar, transformers; print('xgrammar', xgrammar.__version__, 'transformers', transformers.__version__)" \
   | tee "$OUT/versions.txt"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_structured_outputs_gpu.py -m gpu \
+timeout 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_structured_outputs_gpu.py -m gpu \
   > "$OUT/gpu_test.log" 2>&1; tail -3 "$OUT/gpu_test.log"
 timeout 120 python3 benchmarks/e2e/bench_grammar_mask.py --mask --batch 1 64 --steps 100 --device cuda --vocab 32000 151936 \
   --out "$OUT/mask_cuda.json" 2>&1 | tee "$OUT/mask_cuda.log"

@@ -10,10 +10,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/glm_gpu}"; mkdir -p "$OUT"
 T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
-timeout 60 python -m pytest -q -p no:cacheprovider tests/test_norm_rotary_kernels.py \
+timeout 60 python -m pytest -q -rf -p no:cacheprovider tests/test_norm_rotary_kernels.py \
   tests/test_rope_kv_write.py > "$OUT/gpu_tests_rope.log" 2>&1
 tail -3 "$OUT/gpu_tests_rope.log"; el "rope tests"
-timeout 110 python -m pytest -q -m gpu -p no:cacheprovider tests/test_glm4_moe.py > "$OUT/gpu_tests_glm.log" 2>&1
+timeout 110 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_glm4_moe.py > "$OUT/gpu_tests_glm.log" 2>&1
 tail -3 "$OUT/gpu_tests_glm.log"; el "glm tests"
 timeout 150 python benchmarks/e2e/bench_decode.py --random-weights --shape glm-4.5-air-10l --points 1:4096 32:32768 \
   --formats bf16 fp8_e4m3 nuq2 int4 kivi2 tiered --iters 10 --no-transformers --out "$OUT/decode_glm45air10l.json" \

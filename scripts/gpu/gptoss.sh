@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/gptoss}"; mkdir -p "$OUT"
 T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 85 python -m pytest -q -n 8 -p no:cacheprovider --tb=long tests/test_attention_sinks.py \
+timeout 85 python -m pytest -q -n 8 -rf -p no:cacheprovider --tb=long tests/test_attention_sinks.py \
   tests/test_fused_moe_gpt_oss.py tests/test_mxfp4_kernels.py tests/test_gpt_oss.py > "$OUT/gpu_tests_gptoss.log" 2>&1
 tail -4 "$OUT/gpu_tests_gptoss.log"; el "gpt-oss and MXFP4 tests"
 timeout 60 python scripts/gpu/gptoss_graph_diag.py --out "$OUT/gptoss_graph_diag.json" > "$OUT/gptoss_graph_diag.log" 2>&1
@@ -22,7 +22,7 @@ grep -E '"parts_at": [0-9]|max_diff' "$OUT/gptoss_graph_diag.log" | cut -c1-200 
 timeout 30 python benchmarks/kernels/bench_moe_quant.py --shape gpt-oss-20b --weights bf16 mxfp4 fp8 int4 \
   --tokens 1 2 4 8 --out "$OUT/moe_quant_gpt_oss_20b.json" | grep -E "moe|qkv|bandwidth"
 el "MoE kernel row (gpt-oss-20b)"
-timeout 30 python -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_decode_tiered.py \
+timeout 30 python -m pytest -q -m gpu -n 8 -rf -p no:cacheprovider tests/test_decode_tiered.py \
   tests/test_gluon_tiered_decode.py > "$OUT/gpu_tests_tiered.log" 2>&1
 tail -3 "$OUT/gpu_tests_tiered.log"; el "tiered reduce tests"
 timeout 30 python benchmarks/e2e/bench_decode.py --random-weights --shape gpt-oss-20b --formats bf16 fp8_e4m3 nuq2 \

@@ -15,7 +15,7 @@ R=kv_codebook=page:kv_rank_window=64:kv_rank_after_prompt=1
 timeout 250 python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail --tail-windows 2 \
   --formats bf16 kivi2 nuq2 nuq2:kv_keys_before_rope=True vq tiered:kv_codebook=page "tiered:$R" \
   --out "$OUT/domain_moe_kv_tables_decode_tail.json" 2>&1 | grep -v Warn | tail -40; el "tables"
-timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kv_residual.py tests/test_kv_keys_before_rope.py \
+timeout 150 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_kv_residual.py tests/test_kv_keys_before_rope.py \
   tests/test_attention_sinks.py tests/test_gluon_nuq2_decode.py tests/test_gluon_vq_decode.py \
   > "$OUT/gpu_tests.log" 2>&1; tail -4 "$OUT/gpu_tests.log"; el "gpu tests"
 timeout 110 python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_r128 vq vq_r256 nuq2_prerope \

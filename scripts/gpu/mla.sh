@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/mla_gpu}"; mkdir -p "$OUT"
 T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
-timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_decode.py tests/test_deepseek.py \
+timeout 120 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_mla_decode.py tests/test_deepseek.py \
   > "$OUT/gpu_tests.log" 2>&1
 tail -3 "$OUT/gpu_tests.log"; el "gpu tests"
 timeout 60 python benchmarks/kernels/bench_mla_decode.py --block-h default 16 64 --out "$OUT/mla_decode.json" \

@@ -13,6 +13,6 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 120 python -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_prequantized_layouts.py \
   > "$OUT/gpu_tests_prequant_layouts.log" 2>&1
 tail -8 "$OUT/gpu_tests_prequant_layouts.log"; el "pre-quantized layouts on CUDA"
-timeout 90 python -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_quant_kernels.py \
+timeout 90 python -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_quant_kernels.py \
   > "$OUT/gpu_tests_quant_kernels.log" 2>&1
 tail -3 "$OUT/gpu_tests_quant_kernels.log"; el "quantized kernel tests"

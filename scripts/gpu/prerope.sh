@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/dev
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
 
-timeout 100 python -m pytest -q $XDIST -p no:cacheprovider tests/test_kv_keys_before_rope.py \
+timeout 100 python -m pytest -q $XDIST -rf -p no:cacheprovider tests/test_kv_keys_before_rope.py \
     -k "not engine_reads and not engine_decode_steps and not calibrate and not sm90" 2>&1 | tee "$OUT/tests.txt" | tail -5
 
 B="python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_prerope vq vq_prerope --kernel triton gluon --configs 0"

@@ -15,7 +15,7 @@ T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 LAYERS=32; [ "$MEM_MB" -lt 100000 ] && LAYERS=16
-timeout 60 python -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_quant_kernels.py \
+timeout 60 python -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_quant_kernels.py \
   > "$OUT/gpu_tests_wquant.log" 2>&1
 tail -3 "$OUT/gpu_tests_wquant.log"; el "quantized kernel tests"
 # 100 s: at 35 s the int4 T=8 / 64 rows were cut; the tile rows time the GEMV's tiles at T=1

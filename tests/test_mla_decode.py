@@ -91,9 +91,10 @@ def test_fp8_latent_quantize_round_trip():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt_name", ["bf16", "fp8_e4m3"])
-def test_kernel_at_deepseek_shape_matches_float64(fmt_name):
-    """DeepSeek-V3's entry (512 + 64) and 128 heads, bf16 queries, pages of 64, the default launch:
-    within bf16's rounding of the probabilities of the float64 reference."""
+@pytest.mark.parametrize("config", [None, *sorted(mla.tuning()["configs"])])
+def test_kernel_at_deepseek_shape_matches_float64(fmt_name, config):
+    """DeepSeek-V3's entry (512 + 64) and 128 heads, bf16 queries, pages of 64, the table's launch and
+    each of its configs: within bf16's rounding of the probabilities of the float64 reference."""
     rank, rope, page, heads = 512, 64, 64, 128
     fmt = LatentFormat(torch.bfloat16, rank) if fmt_name == "bf16" else LatentFP8Format(rank)
     lengths = [1, 700, 3000]
@@ -101,8 +102,89 @@ def test_kernel_at_deepseek_shape_matches_float64(fmt_name):
     q = torch.randn(len(lengths), heads, rank + rope, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     q = (q / 8).to(torch.bfloat16)
     scale = 192 ** -0.5
-    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank)
+    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank, config=config)
     stored = [fmt.gather(cache, tables[b].tolist(), n, torch.float64) for b, n in enumerate(lengths)]
     ref = mla_decode_ref(q.double(), stored, rank, scale)
     err = (out.double() - ref).abs().max().item()
     assert err < 1e-2 * ref.abs().max().item(), err
+
+
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_transposed_scores_match_float64_reference(fmt_name, num_splits):
+    """The kernel's transposed form (config.swap: scores as [tokens, heads], P transposed into the value
+    product) equals the float64 reference as the plain form does: heads not a multiple of the block,
+    1 token to several pages, splits with no tile."""
+    rank, rope, page, heads = 32, 8, 16, 5
+    fmt = LatentFormat(torch.bfloat16, rank) if fmt_name == "bf16" else LatentFP8Format(rank)
+    lengths = [1, 37, 70]
+    cache, tables, lens, _ = filled_cache(fmt, lengths, page, rank, rope, seed=4)
+    q = torch.randn(len(lengths), heads, rank + rope, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    scale = 24 ** -0.5
+    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank, block_h=16,
+                         num_splits=num_splits, config=mla.MLAConfig(16, 4, 1, True))
+    stored = [fmt.gather(cache, tables[b].tolist(), n, torch.float64) for b, n in enumerate(lengths)]
+    ref = mla_decode_ref(q.double(), stored, rank, scale)
+    err = (out.double() - ref).abs().max().item()
+    assert err < 2e-5 * ref.abs().max().item() + 1e-6, err
+
+
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("swap", [False, True])
+def test_bf16_queries_within_the_probabilities_rounding(fmt_name, swap):
+    """bf16 queries, as the engine's decode passes them: the kernel rounds P to bf16 for the value
+    product (fp8: after the token's scale is folded in) while the normaliser sums the unrounded P, so an
+    output is off by at most one bf16 rounding of the largest |value| it averages; the scores are bf16
+    products summed in fp32, and the output's own rounding to bf16 adds one rounding of |out|. A bf16
+    rounding is 2^-9 relative on the GPU (to nearest) and under 2^-8 under Triton 3.6's interpreter
+    (which truncates), so the bound is two roundings of max |stored latent| per sequence; a kernel that
+    dropped a tile or mixed two sequences' entries is off by O(1)."""
+    rank, rope, page, heads = 32, 16, 16, 6
+    fmt = LatentFormat(torch.bfloat16, rank) if fmt_name == "bf16" else LatentFP8Format(rank)
+    lengths = [5, 50, 96]
+    cache, tables, lens, _ = filled_cache(fmt, lengths, page, rank, rope, seed=5)
+    q = torch.randn(len(lengths), heads, rank + rope, generator=torch.Generator().manual_seed(3))
+    q = q.to(torch.bfloat16).to(DEVICE)
+    scale = 48 ** -0.5
+    config = mla.MLAConfig(32 if swap else 16, 4, 2, swap)
+    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank, block_h=16, num_splits=2,
+                         config=config)
+    assert out.dtype == torch.bfloat16
+    stored = [fmt.gather(cache, tables[b].tolist(), n, torch.float64) for b, n in enumerate(lengths)]
+    ref = mla_decode_ref(q.double(), stored, rank, scale)
+    for b, entries in enumerate(stored):
+        bound = 2 * (2 ** -8 if INTERPRET else 2 ** -9) * entries[:, :rank].abs().max().item()
+        err = (out[b].double() - ref[b]).abs().max().item()
+        assert err <= bound, (b, err, bound)
+
+
+@pytest.mark.parametrize("batch,context", [(1, 4096), (4, 4096), (16, 32768), (64, 32768), (7, 1000)])
+def test_splits_fill_the_last_wave_at_least_as_well_as_twice_the_sms(batch, context):
+    """num_splits_for's count (chosen among half the two-wave target up to it) keeps the last wave of
+    programs at least as full as the plain two-wave count would, and every split gets two tiles."""
+    sms, head_blocks, block_n = 132, 2, 64
+    pairs = batch * head_blocks
+    tiles = -(-context // block_n)
+    splits = mla.num_splits_for(batch, head_blocks, context, block_n, sms)
+    plain = max(1, min(-(-2 * sms // pairs), -(-tiles // 2), 64))
+
+    def fill(s):
+        return pairs * s / (-(-pairs * s // sms) * sms)
+
+    assert 1 <= splits <= max(plain, 1) and -(-tiles // splits) >= min(2, tiles)
+    assert fill(splits) >= fill(plain) - 1e-9
+    assert mla.num_splits_for(batch, head_blocks, context, block_n, None) == min(tiles, 4)
+
+
+def test_launch_table_names_its_configs_and_picks_the_larger_tile_when_it_fills_the_gpu():
+    """Every format's preference list names configs of the table; the first (64-token tiles) is taken
+    where its tiles still give two waves of programs two tiles each, the last otherwise."""
+    table = mla.tuning()
+    for storage, names in table["formats"].items():
+        assert names and all(n in table["configs"] for n in names), storage
+    first, last = (table["configs"][n] for n in (table["formats"]["16bit"][0], table["formats"]["16bit"][-1]))
+    assert mla.launch_for("16bit", 512, 64, 2, 32768, 132) == first
+    assert mla.launch_for("16bit", 512, 1, 2, 4096, 132) == last
+    assert mla.launch_for("16bit", 64, 64, 2, 32768, 132) == mla.SMALL_LATENT
+    with pytest.raises(ValueError, match="no launch config"):
+        mla.named_config("no-such-config")

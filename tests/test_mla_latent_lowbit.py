@@ -232,15 +232,17 @@ def test_int4_kernel_matches_float64_reference(group, num_splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("group", [32, 64])
-def test_int4_kernel_at_deepseek_shape_matches_float64(group):
-    """DeepSeek-V3's entry (512 + 64) and 128 heads, bf16 queries, pages of 64, the default launch."""
+@pytest.mark.parametrize("config", [None, *sorted(n for n, c in mla.tuning()["configs"].items() if not c.swap)])
+def test_int4_kernel_at_deepseek_shape_matches_float64(group, config):
+    """DeepSeek-V3's entry (512 + 64) and 128 heads, bf16 queries, pages of 64, the table's launch and
+    each of its configs the int4 kernel takes."""
     rank, rope, page, heads = 512, 64, 64, 128
     fmt = LatentInt4Format(rank, group)
     lengths = [1, 700, 3000]
     cache, tables, lens, _ = filled(fmt, lengths, page, rank, rope, chunks=(1000,))
     q = (torch.randn(len(lengths), heads, rank + rope, generator=torch.Generator().manual_seed(1)) / 8)
     q = q.to(DEVICE).to(torch.bfloat16)
-    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, 192 ** -0.5, rank)
+    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, 192 ** -0.5, rank, config=config)
     stored = [fmt.gather(cache, tables[b].tolist(), n, torch.float64) for b, n in enumerate(lengths)]
     ref = mla_decode_ref(q.double(), stored, rank, 192 ** -0.5)
     err = (out.double() - ref).abs().max().item()

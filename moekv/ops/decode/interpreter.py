@@ -29,3 +29,37 @@ def patch_interpreter_index() -> None:
 
     interpreter._patch_lang_tensor = patched
     _INTERPRETER_PATCHED = True
+
+
+_BF16_DOT_PATCHED = False
+
+
+def patch_interpreter_bf16_dot() -> None:
+    """Make the interpreter's tl.dot read bf16 operands as their values (once a process).
+
+    Why: Triton 3.6's interpreter stores bf16 tensors as their uint16 bit patterns and its dot multiplies
+    those integers (a 16 x 16 product of N(0, 1) entries comes out near 1e10). A bf16 value is its bits
+    shifted into the top half of a float32, exactly, so the patched dot widens bf16 operands that way and
+    multiplies in float32 (as the MMA accumulates bf16 products). Only under the interpreter; it changes
+    no other operand type."""
+    global _BF16_DOT_PATCHED
+    if _BF16_DOT_PATCHED:
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar == tl.bfloat16:
+            data = (handle.data.astype(np.uint32) << 16).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    _BF16_DOT_PATCHED = True

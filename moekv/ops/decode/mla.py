@@ -17,11 +17,45 @@ Reference: `moekv.ops.reference.mla_decode_ref` over the format's `gather` of ea
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.tuning import current_device_name, load_tuning
+
 LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """One launch of the split kernel: BLOCK_N tokens a tile, num_warps, num_stages (the tile loads in
+    flight: 1 = none ahead), swap (the scores as [tokens, heads], `_mla_split_kernel`'s SWAP)."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+    swap: bool = False
+
+
+SMALL_LATENT = MLAConfig(64, 4, 3, False)  # latents under 256 channels: a [BLOCK_H, R] accumulator fits 4 warps
+
+
+@functools.cache
+def tuning(device_name: str | None = None) -> dict:
+    """The launch table (moekv/ops/configs/mla_decode_<device>.json): split_waves, configs {name: MLAConfig},
+    formats {storage: [config names by preference]}."""
+    data = load_tuning("mla_decode", device_name)
+    configs = {name: MLAConfig(int(bn), int(w), int(st), bool(sw)) for name, (bn, w, st, sw) in data["configs"].items()}
+    return {"split_waves": int(data["split_waves"]), "configs": configs, "formats": data["formats"]}
+
+
+def named_config(name: str) -> MLAConfig:
+    configs = tuning(current_device_name())["configs"]
+    if name not in configs:
+        raise ValueError(f"MLA decode: no launch config {name!r}; the table has {sorted(configs)}")
+    return configs[name]
 
 
 @triton.jit
@@ -39,7 +73,12 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
                       stride_qb, stride_qh, stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_tb,
                       stride_ob, stride_oh, stride_os, stride_eb, stride_eh, qk_scale, num_heads, num_splits,
                       R: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_N: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_N: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
+                      NUM_STAGES: tl.constexpr):
+    """SWAP: the scores computed transposed, [BLOCK_N tokens, BLOCK_H heads] = entries . queries^T, so the
+    tile of tokens is the MMA's M: on sm_90 Triton lays a dot that feeds another dot with all its warps
+    along M, and at M = BLOCK_H = 64 heads two warpgroups would each compute the whole score tile (at
+    M = BLOCK_N = 128 tokens each computes its half). Without SWAP, [BLOCK_H, BLOCK_N] = queries . entries^T."""
     hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length, t0, t1 = _split_tiles(lens_ptr, b, s, num_splits, BLOCK_N)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -51,7 +90,7 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
-    for t in range(t0, t1):
+    for t in tl.range(t0, t1, num_stages=NUM_STAGES):
         toks = t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = toks < length
         page = tl.load(tables_ptr + b * stride_tb + toks // PAGE, mask=valid, other=0).to(tl.int64)
@@ -60,23 +99,42 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
                     mask=valid[:, None], other=0.0).to(q_lat.dtype)  # [BLOCK_N, R]
         kr = tl.load(rope_ptr + (page * stride_rp + off * stride_rt)[:, None] + rcols[None, :],
                      mask=valid[:, None], other=0.0).to(q_rope.dtype)  # [BLOCK_N, RP]
-        scores_lat = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N] fp32
         if FP8:
             tok_scale = tl.load(scales_ptr + page * stride_sp + off, mask=valid, other=0.0)
-            scores_lat = scores_lat * tok_scale[None, :]
-        if RP >= 16:
-            scores_rope = tl.dot(q_rope, tl.trans(kr), input_precision=PRECISION)
-        else:  # below tl.dot's smallest reduction
-            scores_rope = tl.sum(q_rope[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), 2)
-        scores = (scores_lat + scores_rope) * qk_scale  # log2 units
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        if FP8:
-            p = p * tok_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+        if SWAP:
+            scores_t = tl.dot(c, tl.trans(q_lat), input_precision=PRECISION)  # [BLOCK_N, BLOCK_H] fp32
+            if FP8:
+                scores_t = scores_t * tok_scale[:, None]
+            if RP >= 16:
+                scores_t += tl.dot(kr, tl.trans(q_rope), input_precision=PRECISION)
+            else:  # below tl.dot's smallest reduction
+                scores_t += tl.sum(kr[:, None, :].to(tl.float32) * q_rope[None, :, :].to(tl.float32), 2)
+            scores_t = tl.where(valid[:, None], scores_t * qk_scale, float("-inf"))  # log2 units
+            m_new = tl.maximum(m, tl.max(scores_t, 0))
+            alpha = tl.exp2(m - m_new)
+            p_t = tl.exp2(scores_t - m_new[None, :])
+            l_sum = l_sum * alpha + tl.sum(p_t, 0)
+            if FP8:
+                p_t = p_t * tok_scale[:, None]
+            p = tl.trans(p_t.to(c.dtype))  # [BLOCK_H, BLOCK_N]
+        else:
+            scores_lat = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N] fp32
+            if FP8:
+                scores_lat = scores_lat * tok_scale[None, :]
+            if RP >= 16:
+                scores_rope = tl.dot(q_rope, tl.trans(kr), input_precision=PRECISION)
+            else:  # below tl.dot's smallest reduction
+                scores_rope = tl.sum(q_rope[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), 2)
+            scores = (scores_lat + scores_rope) * qk_scale  # log2 units
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            if FP8:
+                p = p * tok_scale[None, :]
+            p = p.to(c.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p, c, input_precision=PRECISION)
         m = m_new
     has = l_sum > 0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]
@@ -91,7 +149,8 @@ def _mla_int4_split_kernel(q_ptr, codes_ptr, rope_ptr, scale_ptr, zero_ptr, tabl
                            part_lse_ptr, stride_qb, stride_qh, stride_cp, stride_ct, stride_rp, stride_rt, stride_gp,
                            stride_gt, stride_tb, stride_ob, stride_oh, stride_os, stride_eb, stride_eh, qk_scale,
                            num_heads, num_splits, R: tl.constexpr, RP: tl.constexpr, GROUP: tl.constexpr,
-                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                           NUM_STAGES: tl.constexpr):
     """_mla_split_kernel over the int4 latent: byte j of a token holds channels 2j (low nibble) and
     2j + 1 (high), so the latent is read as its even and odd halves, each [BLOCK_N, R/2] with its own
     half of the query and of the accumulator; a group's fp16 scale and minimum serve both halves."""
@@ -109,7 +168,7 @@ def _mla_int4_split_kernel(q_ptr, codes_ptr, rope_ptr, scale_ptr, zero_ptr, tabl
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc_even = tl.zeros([BLOCK_H, R // 2], tl.float32)
     acc_odd = tl.zeros([BLOCK_H, R // 2], tl.float32)
-    for t in range(t0, t1):
+    for t in tl.range(t0, t1, num_stages=NUM_STAGES):
         toks = t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = toks < length
         page = tl.load(tables_ptr + b * stride_tb + toks // PAGE, mask=valid, other=0).to(tl.int64)
@@ -176,25 +235,48 @@ def _is_interpreted(kernel) -> bool:
     return not isinstance(kernel, triton.runtime.jit.JITFunction)
 
 
-def num_splits_for(batch: int, head_blocks: int, max_len: int, block_n: int, device: torch.device) -> int:
-    """Splits of each sequence's tiles: enough programs to fill the GPU about twice, each split at
-    least two tiles."""
+def num_splits_for(batch: int, head_blocks: int, max_len: int, block_n: int, num_sms: int | None,
+                   waves: int = 2) -> int:
+    """Splits of each sequence's tiles: about `waves` waves of programs (one program an SM: each config's
+    shared memory takes most of one), each split at least two tiles; among the counts from half that
+    target up to it, the one whose last wave is fullest (time ~ waves rounded up / splits; ties: more
+    splits). num_sms None (no GPU): at most 4 splits."""
     tiles = max(-(-max_len // block_n), 1)
-    if device.type != "cuda":
+    if num_sms is None:
         return min(tiles, 4)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(batch * head_blocks, 1))
-    return max(1, min(want, -(-tiles // 2), 64))
+    pairs = max(batch * head_blocks, 1)
+    cap = max(1, min(-(-tiles // 2), 64))
+    target = min(max(1, -(-waves * num_sms // pairs)), cap)
+    return min(range(max(1, target // 2), target + 1), key=lambda s: (-(-pairs * s // num_sms) / s, -s))
+
+
+def launch_for(storage: str, kv_lora_rank: int, batch: int, head_blocks: int, max_len: int, num_sms: int | None,
+               device_name: str | None = None) -> MLAConfig:
+    """The launch table's config: the storage's first whose tiles give every program of split_waves waves two
+    tiles at least (so its splits fill the GPU), else its last. The table is for latents of 256 channels
+    and more (DeepSeek's 512); smaller ones take SMALL_LATENT."""
+    if kv_lora_rank < 256:
+        return SMALL_LATENT
+    table = tuning(device_name)
+    names = table["formats"][storage]
+    for name in names[:-1]:
+        cfg = table["configs"][name]
+        tiles = max(-(-max_len // cfg.block_n), 1)
+        if num_sms is None or batch * head_blocks * (tiles // 2) >= table["split_waves"] * num_sms:
+            return cfg
+    return table["configs"][names[-1]]
 
 
 def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float, kv_lora_rank: int, block_h: int | None = None,
-               block_n: int | None = None, num_splits: int | None = None, max_len: int | None = None) -> torch.Tensor:
+               block_n: int | None = None, num_splits: int | None = None, max_len: int | None = None,
+               config: MLAConfig | str | None = None) -> torch.Tensor:
     """q [B, H, W] -> [B, H, R] in q's dtype. tensors: `latent` [N, P, R] (bf16 / fp16, or float8
-    e4m3 codes with `scales` [N, P] fp32) and `rope` [N, P, r], the last dim contiguous
-    (LatentFormat.kernel_tensors); block_tables [B, max_pages]; context_lens [B] (>= 1).
-    block_h, block_n, num_splits: the launch's shape (None: the defaults); max_len: the longest
-    context, for the splits (None: the block tables' capacity, no host sync)."""
+    e4m3 codes with `scales` [N, P] fp32, or int4 codes [N, P, R/2] with `scales` and `zeros`) and `rope`
+    [N, P, r], the last dim contiguous (LatentFormat.kernel_tensors); block_tables [B, max_pages];
+    context_lens [B] (>= 1). block_h, num_splits: the launch's shape (None: the defaults); config: a
+    launch (or its name in the table; None: the table's choice for the shape), block_n overriding its
+    tile; max_len: the longest context, for the splits (None: the block tables' capacity, no host sync)."""
     latent, rope = tensors["latent"], tensors["rope"]
     scales, zeros = tensors.get("scales"), tensors.get("zeros")
     B, H, W = q.shape
@@ -216,39 +298,50 @@ def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: 
     # 128 heads: 3.4 against 7.5 ms at (64, 32k), 28 against 36 us at (1, 4k); 16 heads keep 16:
     # benchmarks/results/h100/mla_decode.json)
     block_h = block_h or (64 if H >= 64 else max(16, min(32, triton.next_power_of_2(H))))
-    block_n = block_n or (32 if R >= 256 else 64)
     head_blocks = -(-H // block_h)
+    storage = "int4" if zeros is not None else "fp8" if scales is not None else "16bit"
+    on_gpu = q.device.type == "cuda"
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if on_gpu else None
+    context = max_len or block_tables.shape[1] * page
+    if isinstance(config, str):
+        config = named_config(config)
+    if config is None:
+        config = launch_for(storage, R, B, head_blocks, context, num_sms, current_device_name())
+    if block_n is not None:
+        config = MLAConfig(block_n, config.num_warps, config.num_stages, config.swap)
+    if storage == "int4" and config.swap:
+        raise ValueError("the int4 latent kernel has no transposed-scores form (config.swap)")
     if num_splits is None:
-        num_splits = num_splits_for(B, head_blocks, max_len or block_tables.shape[1] * page, block_n, q.device)
+        num_splits = num_splits_for(B, head_blocks, context, config.block_n, num_sms,
+                                    tuning(current_device_name())["split_waves"])
     part_o = torch.empty(B, H, num_splits, R, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H, R, dtype=q.dtype, device=q.device)
     if _is_interpreted(_mla_split_kernel):
-        from moekv.ops.decode.interpreter import patch_interpreter_index
+        from moekv.ops.decode.interpreter import patch_interpreter_bf16_dot, patch_interpreter_index
 
         patch_interpreter_index()
+        patch_interpreter_bf16_dot()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if zeros is not None:  # the int4 latent
+    launch = dict(BLOCK_H=block_h, BLOCK_N=config.block_n, PRECISION=precision, NUM_STAGES=config.num_stages,
+                  num_warps=config.num_warps)
+    if storage == "int4":
         group = 2 * latent.shape[-1] // scales.shape[-1]
         _mla_int4_split_kernel[(head_blocks, B, num_splits)](
             q, latent, rope, scales, zeros, block_tables, context_lens, part_o, part_lse,
             q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1),
             scales.stride(0), scales.stride(1), block_tables.stride(0), part_o.stride(0), part_o.stride(1),
             part_o.stride(2), part_lse.stride(0), part_lse.stride(1), scale * LOG2E, H, num_splits,
-            R=R, RP=RP, GROUP=group, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, PRECISION=precision,
-            num_warps=8 if R >= 256 else 4)
-        fp8 = None
+            R=R, RP=RP, GROUP=group, PAGE=page, **launch)
     else:
-        fp8 = scales is not None
-    if fp8 is not None:
+        fp8 = storage == "fp8"
         scales_arg = scales if fp8 else part_lse  # unread without FP8
         _mla_split_kernel[(head_blocks, B, num_splits)](
             q, latent, rope, scales_arg, block_tables, context_lens, part_o, part_lse,
             q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1),
             scales_arg.stride(0), block_tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), scale * LOG2E, H, num_splits,
-            R=R, RP=RP, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8,
-            PRECISION=precision, num_warps=8 if R >= 256 else 4)
+            R=R, RP=RP, PAGE=page, FP8=fp8, SWAP=config.swap, **launch)
     _mla_reduce_kernel[(B, H)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1), out.stride(0), out.stride(1), num_splits, R=R,

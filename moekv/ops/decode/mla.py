@@ -13,6 +13,10 @@ codes two per byte with an fp16 scale and minimum per token and group of channel
 (`_mla_int4_split_kernel`: dequantized in registers, the even and odd channels as two halves); the
 rotary key in 16 bits.
 
+Launch: a table by shape (moekv/ops/configs/mla_decode_<device>.json: tile, warps, stages, transposed scores;
+`launch_for`), the splits chosen so the last wave of programs is full (`num_splits_for`); config `v1` is
+the launch before the table. Why: docs/decisions.md, "MLA decode: where the absorbed kernel's time goes".
+
 Reference: `moekv.ops.reference.mla_decode_ref` over the format's `gather` of each sequence.
 """
 from __future__ import annotations
@@ -251,15 +255,16 @@ def num_splits_for(batch: int, head_blocks: int, max_len: int, block_n: int, num
 
 
 def launch_for(storage: str, kv_lora_rank: int, batch: int, head_blocks: int, max_len: int, num_sms: int | None,
-               device_name: str | None = None) -> MLAConfig:
+               device_name: str | None = None, block_h: int = 64) -> MLAConfig:
     """The launch table's config: the storage's first whose tiles give every program of split_waves waves two
     tiles at least (so its splits fill the GPU), else its last. The table is for latents of 256 channels
-    and more (DeepSeek's 512); smaller ones take SMALL_LATENT."""
+    and more (DeepSeek's 512), 64 heads a program; smaller latents take SMALL_LATENT, fewer heads the
+    storage's last config (the launch before the table)."""
     if kv_lora_rank < 256:
         return SMALL_LATENT
     table = tuning(device_name)
     names = table["formats"][storage]
-    for name in names[:-1]:
+    for name in names[:-1] if block_h >= 64 else []:
         cfg = table["configs"][name]
         tiles = max(-(-max_len // cfg.block_n), 1)
         if num_sms is None or batch * head_blocks * (tiles // 2) >= table["split_waves"] * num_sms:
@@ -306,7 +311,7 @@ def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: 
     if isinstance(config, str):
         config = named_config(config)
     if config is None:
-        config = launch_for(storage, R, B, head_blocks, context, num_sms, current_device_name())
+        config = launch_for(storage, R, B, head_blocks, context, num_sms, current_device_name(), block_h)
     if block_n is not None:
         config = MLAConfig(block_n, config.num_warps, config.num_stages, config.swap)
     if storage == "int4" and config.swap:

@@ -379,7 +379,8 @@ class EngineConfig:
         pre-quantized format must agree with a value given.
     quantization_calibration: a text file; with quantization='int4' the experts, attention projections
         and LM head are rounded by GPTQ on the inputs its first tokens give them (the engine runs them at
-        start, with the weights still 16-bit: the KV pools are sized beside 16-bit weights), instead of
+        start, with the weights still 16-bit: the KV pools are sized beside 16-bit weights; then one
+        decoder layer at a time, each on the inputs the layers rounded before it give), instead of
         round-to-nearest; the layout (groups of 128, zero points) is the same.
     max_model_len: prompt + generated tokens of one sequence; None = the model's
         max_position_embeddings.
@@ -424,7 +425,8 @@ class EngineConfig:
         "checkpoint's quantization_config if it has one, else 16-bit)", choices=QUANT_METHODS)
     quantization_calibration: str | Path | None = option(
         "text file: with quantization=int4, the experts, attention projections and LM head are rounded by GPTQ on "
-        "the inputs this text gives them (its first 8192 tokens, run through the engine at start) instead of to "
+        "the inputs this text gives them (its first 8192 tokens, run through the engine at start; one layer at a "
+        "time, each on the outputs of the layers rounded before it) instead of to "
         "the nearest code (the same layout); give text that mixes the traffic's domains")
     tokenizer: str | Path | None = option(
         "tokenizer folder or tokenizer.json file to use instead of the checkpoint's (default: the checkpoint's)")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moekv import LLM
-from moekv.models.gptq import ExpertInputs, InputMoments, gptq_int4
+from moekv.models.gptq import HESSIAN_DTYPE, ExpertInputs, InputMoments, gptq_int4
 from moekv.ops.quantized_weight import QuantizedWeight, quantize_int4
 from moekv.ops.reference import fused_moe_ref
 
@@ -69,7 +69,12 @@ def test_input_moments_add_up_over_calls():
     moments.observe("w", a)
     moments.observe("w", b)
     rows = torch.cat([a, b.reshape(2, 8)]).double()
-    assert torch.allclose(moments.h["w"], rows.T @ rows) and moments.h["w"].dtype == torch.float64
+    assert moments.h["w"].dtype == HESSIAN_DTYPE == torch.float32
+    assert torch.allclose(moments.h["w"].double(), rows.T @ rows, rtol=1e-6, atol=1e-6)
+    exact = InputMoments(torch.float64)  # the accumulation dtype is a choice
+    exact.observe("w", a)
+    exact.observe("w", b)
+    assert exact.h["w"].dtype == torch.float64 and torch.allclose(exact.h["w"], rows.T @ rows, rtol=1e-12)
 
 
 def test_expert_inputs_are_the_routed_rows_second_moments():
@@ -83,10 +88,10 @@ def test_expert_inputs_are_the_routed_rows_second_moments():
     out = collector(x, w13, w2, weights, ids)
     assert torch.equal(out, fused_moe_ref(x, w13, w2, weights, ids))
     rows = x[[0, 2, 4]].double()
-    assert torch.allclose(collector.h13[0], rows.T @ rows)
+    assert torch.allclose(collector.h13[0].double(), rows.T @ rows, rtol=1e-6, atol=1e-5)
     gate, up = F.linear(rows, w13[0].double()).chunk(2, dim=-1)
     act = F.silu(gate) * up
-    assert torch.allclose(collector.h2[0], act.T @ act)
+    assert torch.allclose(collector.h2[0].double(), act.T @ act, rtol=1e-6, atol=1e-5)
     assert collector.rows.tolist() == [3, 3, 2, 2]
 
 

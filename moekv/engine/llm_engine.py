@@ -116,8 +116,9 @@ class LLMEngine:
     def _calibrate_weights(self, text: Path, salt: bytes) -> None:
         """GPTQ rounding of the int4 weights (ModelRunner.start_weight_calibration): the text's first
         CALIBRATION_TOKENS tokens run through the engine as prompts of up to 512 tokens (prefill),
-        then the runner rounds each expert on its routed inputs and each attention projection and the
-        LM head on theirs. Pages, prefix cache and counters start afresh after."""
+        the runner recording each step; then it rounds the model one decoder layer at a time on the
+        recorded steps (models/gptq.round_blockwise: each expert on its routed inputs, the attention
+        projections and, last, the LM head on theirs). Pages, prefix cache and counters start afresh after."""
         ids = self.tokenizer.encode(text.read_text(encoding="utf-8"))[:CALIBRATION_TOKENS]
         chunk = min(512, self.max_model_len - 1)
         prompts = [ids[i:i + chunk] for i in range(0, len(ids), chunk) if len(ids[i:i + chunk]) > 1]

@@ -41,14 +41,13 @@ from moekv.engine.sequence import Sequence
 from moekv.kvcache.formats import GraphStepHooks, KVFormat, get_kv_format, nonfinite_verdict, raise_nonfinite
 from moekv.kvcache.formats.fragment import decode_kernel_for_model
 from moekv.kvcache.formats.latent_choice import latent_format_for
-from moekv.layers.attention import Attention
 from moekv.layers.parallel import StaticDispatch, kv_heads_of_rank, shard_plan
 from moekv.layers.sampler import PendingSample, SampleResult, SamplingRow, sample_async, to_host_async, top_logprobs_of
 from moekv.models.decoder import MoEDecoder
-from moekv.models.gptq import ExpertInputs, InputMoments, gptq_int4, gptq_stacked
+from moekv.models.gptq import BlockwiseStats, CalibrationRecord, round_blockwise
 from moekv.models.loader import Shard, install_routers, load_model, moe_layers
 from moekv.models.model_config import ModelConfig
-from moekv.models.quantize import QUANTIZED_ATTENTION, quantize_model, replace_weight, weight_bytes, weight_quantization
+from moekv.models.quantize import quantize_model, weight_bytes, weight_quantization
 from moekv.routing.cluster_map import ClusterMap
 from moekv.routing.placement import LocalityCounter, Placement
 
@@ -241,6 +240,7 @@ class ModelRunner:
         self.device = config.torch_device if parallel is None else parallel.device
         self.dtype = resolve_dtype(config, model_cfg)
         self.kv_format = kv_format if kv_format is not None else kv_format_for(config, self.dtype, model_cfg)
+        self._calibration: CalibrationRecord | None = None  # the GPTQ calibration pass being recorded
         self.model = self._load()
         self.quantization = self._quantize()
         self.weight_bytes = weight_bytes(self.model)  # this rank's: parameters, codes, scales
@@ -292,48 +292,30 @@ class ModelRunner:
         return method or loaded
 
     def start_weight_calibration(self) -> None:
-        """Until finish_weight_calibration, the steps add the inputs of every weight int4 quantizes to
-        their second moments: each MoE layer's executor wrapped in an ExpertInputs (each expert's
-        routed rows), the attention projections' inputs and the LM head's (the final norm's output,
-        every row) into an InputMoments (models/gptq.py)."""
-        cfg = self.model_cfg
-        for moe in moe_layers(self.model).values():
-            moe.hooks.experts = ExpertInputs(moe.hooks.experts, cfg.num_experts, cfg.hidden_size,
-                                             cfg.moe_intermediate_size, self.device)
-        self._moments = InputMoments()
-        for i, layer in enumerate(self.model.layers):
-            if isinstance(layer.self_attn, Attention):
-                layer.hooks.projection_observer = lambda name, x, i=i: self._moments.observe(f"{i}.{name}", x)
-        if self.model.lm_head is not None:
-            self.model.hooks.hidden_observer = lambda hidden: self._moments.observe("lm_head", hidden)
+        """Until finish_weight_calibration, the steps are recorded for GPTQ block by block
+        (models/gptq.py): each step's input to the first decoder layer and its Context, through the
+        decoder's before_layer hook, and the pages freed between steps."""
+        if self.model.hooks.before_layer is not None:
+            raise ValueError("quantization_calibration cannot record the calibration steps: the decoder's "
+                             "before_layer hook is taken (expert offload or the expert L2 prefetch)")
+        self._calibration = CalibrationRecord(self.model)
+        self.model.hooks.before_layer = self._calibration.before_layer
 
-    def finish_weight_calibration(self, round_weights: bool = True) -> None:
-        """Unwrap the executors and observers; with round_weights, replace the 16-bit experts (w13, w2),
-        attention projections and LM head by their GPTQ-rounded int4 (models/gptq.py) on the collected
-        second moments; a weight the text never reached is rounded to nearest."""
-        moments, self._moments = self._moments, None
-        self.model.hooks.hidden_observer = None
-        for layer in self.model.layers:
-            layer.hooks.projection_observer = None
-        for moe in moe_layers(self.model).values():
-            collector = moe.hooks.experts
-            moe.hooks.experts = collector.inner
-            if round_weights:
-                replace_weight(moe, "w13", gptq_stacked(moe.w13.data, collector.h13))
-                replace_weight(moe, "w2", gptq_stacked(moe.w2.data, collector.h2))
+    def finish_weight_calibration(self, round_weights: bool = True) -> BlockwiseStats | None:
+        """Stop recording; with round_weights, replace the 16-bit experts (w13, w2), attention
+        projections and LM head by their GPTQ-rounded int4, one decoder layer at a time on the
+        recorded steps (models/gptq.round_blockwise: progress on stderr); a weight the text never
+        reached is rounded to nearest."""
+        record, self._calibration = self._calibration, None
+        self.model.hooks.before_layer = None
+        self.model.step_ctx = None
         if not round_weights:
-            return
-        for i, layer in enumerate(self.model.layers):
-            for name in QUANTIZED_ATTENTION if isinstance(layer.self_attn, Attention) else ():
-                w = getattr(layer.self_attn, name).data
-                h = moments.h.get(f"{i}.{name}", torch.zeros(w.shape[1], w.shape[1], dtype=torch.float64))
-                replace_weight(layer.self_attn, name, gptq_int4(w, h.to(w.device)))
-        if self.model.lm_head is not None:
-            w = self.model.lm_head.data
-            h = moments.h.get("lm_head", torch.zeros(w.shape[1], w.shape[1], dtype=torch.float64))
-            replace_weight(self.model, "lm_head", gptq_int4(w, h.to(w.device)))
+            return None
+        stats = round_blockwise(self.model, record)
+        del record
         quantize_model(self.model, "int4")  # anything left 16-bit that int4 takes (none on the models above)
         self.weight_bytes = weight_bytes(self.model)
+        return stats
 
     def _shard(self) -> None:
         """Phase 2, shard: what a rank's loaded shard still needs (the expert-parallel tables on its
@@ -541,6 +523,8 @@ class ModelRunner:
                     self.parallel.send("release_pages", pages)
             for cache in self.kv_caches:
                 self.kv_format.release_pages(cache, pages)
+            if self._calibration is not None:  # GPTQ's replay frees them at the same point
+                self._calibration.release(pages)
 
     def _release_slot(self, seq: Sequence) -> None:
         slot = self._slots.pop(seq.request_id, None)

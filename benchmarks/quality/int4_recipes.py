@@ -7,11 +7,17 @@ The model loads once, 16-bit; each recipe quantizes the saved weights afresh and
 (the engine dispatches on the weight's type at every call, so the same engine serves every recipe).
 A recipe names, per kind (experts, attention, head), a rounding and a group size:
   rtn      round-to-nearest, zero points (ops/quantized_weight.quantize_int4)
-  gptq     GPTQ on the second moments of the inputs that the calibration text gives the weight,
-           natural column order (models/gptq.gptq_int4)
+  gptq     GPTQ on the second moments of the inputs that the calibration text gives the weight in
+           the 16-bit model, every layer's collected at once (fp64), natural column order
+           (models/gptq.gptq_int4): how quantization_calibration rounded before it went block by block
   gptq-ao  GPTQ in descending order of H's diagonal ("act order"), group scales taken before any
            column moves (static groups, so the groups stay contiguous and the layout is unchanged)
   16       the weight stays 16-bit
+Whole-model recipes: 'gptq-blocks128' is the engine's quantization_calibration (models/gptq.round_blockwise:
+one decoder layer at a time, each on the inputs the layers rounded before it give, second moments added
+in fp32); 'gptq-blocks128-fp64' the same with fp64 second moments. GPTQ recipes record the calibration's
+seconds, the most second-moment bytes alive at once, and the process's peak RSS (meaningful for a recipe
+run alone in its process: one --recipes name per run).
 Second moments: collected by the engine's calibration (what `quantization_calibration` runs: the
 experts' routed rows, the attention projections' inputs, the final norm's output for the LM head). Calibration
 text: the training parts of the four domains (models/domain-moe/README.md: never the held-out text),
@@ -30,6 +36,7 @@ import argparse
 import json
 import math
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -43,7 +50,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from moekv import LLM, SamplingParams  # noqa: E402
 from moekv.eval.perplexity import perplexity_domains, text_files  # noqa: E402
-from moekv.models.gptq import gptq_int4  # noqa: E402
+from moekv.models import gptq  # noqa: E402
+from moekv.models.gptq import ExpertInputs, InputMoments, gptq_int4  # noqa: E402
 from moekv.models.quantize import replace_weight  # noqa: E402
 from moekv.ops.quantized_weight import QuantizedWeight, pack_int4, quantize_int4, unpack_int4  # noqa: E402
 
@@ -106,23 +114,60 @@ def calibration_text(tokenizer) -> str:
     return "\n".join(parts)
 
 
-def calibrate(llm, text: str) -> dict:
-    """Second moments of every quantizable weight's inputs over the text's first CALIB_TOKENS tokens
-    (prompts of 512 tokens, prefill), the model 16-bit, collected by the engine's own calibration
-    (ModelRunner.start_weight_calibration) and kept instead of rounded: {weight name: H}."""
-    runner = llm.engine.runner
-    model = runner.model
+def calibration_prompts(llm, text: str) -> list[dict]:
+    """The text's first CALIB_TOKENS tokens as prompts of 512 tokens (what quantization_calibration runs)."""
     ids = llm.engine.tokenizer.encode(text)[:CALIB_TOKENS]
-    prompts = [{"prompt_token_ids": ids[i:i + 512]} for i in range(0, len(ids), 512) if len(ids[i:i + 512]) > 1]
-    runner.start_weight_calibration()
-    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
-    hess = {f"layers.{key.replace('.', '.self_attn.', 1)}" if key != "lm_head" else key: h
-            for key, h in runner._moments.h.items()}
+    return [{"prompt_token_ids": ids[i:i + 512]} for i in range(0, len(ids), 512) if len(ids[i:i + 512]) > 1]
+
+
+def calibrate(llm, text: str) -> tuple[dict, dict]:
+    """Second moments (fp64) of every quantizable weight's inputs over the calibration prompts
+    (prefill), the model 16-bit, every layer's collected in the one pass (all at once, the engine's
+    definition before it went block by block): ({weight name: H}, {seconds, second_moment_bytes})."""
+    t0 = time.perf_counter()
+    model = llm.engine.runner.model
+    cfg = llm.engine.model_config
+    moments = InputMoments(torch.float64)
+    collectors = []
     for i, layer in enumerate(model.layers):
-        collector = layer.mlp.hooks.experts
-        hess[f"layers.{i}.mlp.w13"], hess[f"layers.{i}.mlp.w2"] = collector.h13.clone(), collector.h2.clone()
-    runner.finish_weight_calibration(round_weights=False)
-    return hess
+        hooks = layer.hooks
+        hooks.experts = ExpertInputs(hooks.experts, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                     torch.device("cpu"), torch.float64)
+        collectors.append(hooks.experts)
+        hooks.projection_observer = lambda name, x, i=i: moments.observe(f"layers.{i}.self_attn.{name}", x)
+    model.hooks.hidden_observer = lambda hidden: moments.observe("lm_head", hidden)
+    try:
+        llm.generate(calibration_prompts(llm, text), SamplingParams(max_tokens=1, temperature=0.0))
+    finally:
+        model.hooks.hidden_observer = None
+        for layer, collector in zip(model.layers, collectors):
+            layer.hooks.experts, layer.hooks.projection_observer = collector.inner, None
+    hess = dict(moments.h)
+    for i, collector in enumerate(collectors):
+        hess[f"layers.{i}.mlp.w13"], hess[f"layers.{i}.mlp.w2"] = collector.h13, collector.h2
+    return hess, {"collect_seconds": time.perf_counter() - t0,
+                  "second_moment_bytes": sum(h.nbytes for h in hess.values())}
+
+
+def calibrate_blockwise(llm, text: str, dtype: torch.dtype) -> dict:
+    """The engine's quantization_calibration on the model's current (16-bit) weights: the calibration
+    prompts recorded, then round_blockwise (second moments added in `dtype`), which rounds the
+    experts, attention projections and LM head in place. -> {seconds, second_moment_bytes}."""
+    t0 = time.perf_counter()
+    runner = llm.engine.runner
+    kept, gptq.HESSIAN_DTYPE = gptq.HESSIAN_DTYPE, dtype
+    try:
+        runner.start_weight_calibration()
+        done = False
+        try:
+            llm.generate(calibration_prompts(llm, text), SamplingParams(max_tokens=1, temperature=0.0))
+            done = True
+        finally:
+            stats = runner.finish_weight_calibration(round_weights=done)
+    finally:
+        gptq.HESSIAN_DTYPE = kept
+    return {"seconds": time.perf_counter() - t0, "round_seconds": stats.seconds,
+            "second_moment_bytes": stats.peak_bytes}
 
 
 def named_weights(model) -> dict:
@@ -206,6 +251,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", nargs="+", required=True, help="'16', 'rtn128', 'E:gptq-ao/128,A:rtn/128,H:rtn/64'")
     p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--redo", nargs="*", default=[], help="recipes to measure again though --out holds them")
     p.add_argument("--out", required=True)
     p.add_argument("--write-calibration", metavar="TEXT_FILE",
                    help="also write the calibration text (for the engine's --quantization-calibration)")
@@ -232,23 +278,34 @@ def main() -> None:
         counts_here["H" if n == "lm_head" else "E" if ".mlp." in n else "A"] += w.numel()
     texts = text_files(HELDOUT)
     hess = None
+    blockwise = {"gptq-blocks128": torch.float32, "gptq-blocks128-fp64": torch.float64}
     for name in args.recipes:
-        if name in record["recipes"]:
+        if name in record["recipes"] and name not in args.redo:
             print(f"{name}: kept from {out}")
             continue
-        recipe = {k: ("16", 0) for k in "EAH"} if name == "16" else parse_recipe(name)
-        if hess is None and any(r.startswith("gptq") for r, _ in recipe.values()):
-            t0 = time.perf_counter()
+        extra = {}
+        if name in blockwise:
+            recipe = {k: ("gptq-blocks", 128) for k in "EAH"}
             apply(model, saved, {k: ("16", 0) for k in "EAH"}, None)
-            hess = calibrate(llm, calibration_text(llm.engine.tokenizer))
-            print(f"calibration: {time.perf_counter() - t0:.0f} s", flush=True)
-        t0 = time.perf_counter()
-        apply(model, saved, recipe, hess)
-        quant_s = time.perf_counter() - t0
+            extra = calibrate_blockwise(llm, calibration_text(llm.engine.tokenizer), blockwise[name])
+            quant_s = extra["seconds"]
+        else:
+            recipe = {k: ("16", 0) for k in "EAH"} if name == "16" else parse_recipe(name)
+            if hess is None and any(r.startswith("gptq") for r, _ in recipe.values()):
+                apply(model, saved, {k: ("16", 0) for k in "EAH"}, None)
+                hess, extra = calibrate(llm, calibration_text(llm.engine.tokenizer))
+                print(f"calibration: {extra['collect_seconds']:.0f} s", flush=True)
+            t0 = time.perf_counter()
+            apply(model, saved, recipe, hess)
+            quant_s = time.perf_counter() - t0
+            if extra:
+                extra["seconds"] = extra["collect_seconds"] + quant_s
         results, total = perplexity_domains(llm, texts, max_tokens=args.max_tokens, progress=False, mode="prefill")
         entry = {"recipe": {k: list(v) for k, v in recipe.items()},
                  "bits_per_weight": mean_bits(recipe, counts_here), "bits_per_weight_mixtral_8x7b":
                  mean_bits(recipe, mixtral_counts()), "quantize_seconds": quant_s,
+                 **({"calibration": extra | {"process_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                             / 1024}} if extra else {}),
                  "ppl": {d: r.ppl for d, r in results.items()} | {"all": total.ppl},
                  "tokens": {d: r.tokens for d, r in results.items()}}
         base = record["recipes"].get("16")

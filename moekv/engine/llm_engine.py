@@ -110,6 +110,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.kv_bits_per_element = self.runner.kv_format.bits_per_element(cfg.num_kv_heads, self.runner.block_size,
                                                                           cfg.head_dim)
+        self.calibration_stats = None  # quantization_calibration's GPTQ (models/gptq.BlockwiseStats)
         if config.quantization_calibration is not None:
             self._calibrate_weights(Path(config.quantization_calibration), salt)
 
@@ -134,7 +135,7 @@ class LLMEngine:
                 self.step()
             done = True
         finally:
-            self.runner.finish_weight_calibration(round_weights=done)
+            self.calibration_stats = self.runner.finish_weight_calibration(round_weights=done)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.cache.block_size,
                                           enable_prefix_caching=self.config.cache.enable_prefix_caching,
                                           cache_salt=salt)

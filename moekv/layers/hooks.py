@@ -64,10 +64,11 @@ class DecoderHooks:
 
     layers: list[LayerHooks] = field(default_factory=list)
     # called as before_layer(i, x, delta) before layer i runs (expert offload's prefetch,
-    # experts/offload.py; the expert L2 prefetch, experts/l2_prefetch.py)
+    # experts/offload.py; the expert L2 prefetch, experts/l2_prefetch.py; GPTQ's record of the
+    # calibration steps, models/gptq.CalibrationRecord)
     before_layer: Callable | None = None
     # called as after_layers() once the last layer has run (joins the L2 prefetch's side stream)
     after_layers: Callable | None = None
     # called as hidden_observer(hidden) with the final norm's output [T, H], every row (the LM head's
-    # input; GPTQ calibration of int4 weights, models/gptq.py)
+    # input, for a caller that wants it; GPTQ's calibration reads it from its own replay)
     hidden_observer: Callable | None = None

@@ -837,7 +837,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "h200" / "decode_attention.json")
     p.add_argument("--quick", action="store_true", help="smoke run: two small shapes, the default launch shape only")
-    p.add_argument("--formats", nargs="*", default=[f for f in FORMATS if f not in NUQ2_VARIANTS | ONLY_NAMED],
+    p.add_argument("--formats", nargs="*", default=[f for f in FORMATS if f not in NUQ2_VARIANTS.keys() | ONLY_NAMED],
                    help=f"labels among {list(FORMATS)} (kernel variants {list(NUQ2_VARIANTS)} only when named)")
     p.add_argument("--shapes", nargs="*", default=None, help="batchxcontext, e.g. 1x4096 16x32768")
     p.add_argument("--configs", nargs="*", type=int, default=None,

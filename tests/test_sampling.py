@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from moekv.layers.sampler import SamplingRow, sample
+from moekv.layers import sampler
+from moekv.layers.sampler import SamplingRow, log_exponential_, race_bits, race_log_noise, row_key, sample
 from moekv.sampling_params import SamplingParams, SamplingParamsError
 
 NAN, INF = float("nan"), float("inf")
@@ -95,8 +96,8 @@ def test_validate_catches_later_mutation():
 
 # -- sampler ---------------------------------------------------------------------------------------
 
-def row(params: SamplingParams, seed: int = 0, prompt=(), output=(), blocked=()) -> SamplingRow:
-    return SamplingRow(params, torch.Generator().manual_seed(seed), list(prompt), list(output), list(blocked))
+def row(params: SamplingParams, seed: int = 0, position: int = 0, prompt=(), output=(), blocked=()) -> SamplingRow:
+    return SamplingRow(params, seed, position, list(prompt), list(output), list(blocked))
 
 
 def flat_logits(vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -106,7 +107,7 @@ def flat_logits(vocab: int = 50, seed: int = 0) -> torch.Tensor:
 
 
 def test_greedy_picks_argmax():
-    """temperature 0 returns the argmax of each row, with its raw logprob."""
+    """temperature 0 returns the argmax of each row, with its raw logprob, also beside sampled rows."""
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
     res = sample(logits.clone(), [row(SamplingParams(temperature=0), seed=i) for i in range(6)])
     assert [r.token_id for r in res] == logits.argmax(-1).tolist()
@@ -114,10 +115,13 @@ def test_greedy_picks_argmax():
     for i, r in enumerate(res):
         assert r.logprob == pytest.approx(float(lp[i, r.token_id]))
         assert r.top_logprobs is None
+    mixed = [row(SamplingParams(temperature=0 if i % 2 else 1.0), seed=i) for i in range(6)]
+    res = sample(logits.clone(), mixed)
+    assert [r.token_id for r in res][1::2] == logits.argmax(-1).tolist()[1::2]
 
 
 def test_top_k_one_always_picks_argmax():
-    """top_k=1 at temperature 1 keeps only the best token, whatever the generator draws."""
+    """top_k=1 at temperature 1 keeps only the best token, whatever the noise draws."""
     x = flat_logits()
     rows = [row(SamplingParams(top_k=1), seed=i) for i in range(200)]
     res = sample(x.expand(200, -1).clone(), rows)
@@ -134,43 +138,15 @@ def test_small_top_p_keeps_only_the_best_token():
     assert {r.token_id for r in res} == {int(x.argmax())}
 
 
-def _run_seeded(seed: int, companion: str | None, steps: int = 20) -> list[int]:
-    """Sample `steps` tokens for one seeded request, optionally batched with another request."""
-    logits_g = torch.Generator().manual_seed(123)
-    me = row(SamplingParams(seed=seed), seed=seed)
-    other = row(SamplingParams(seed=99, top_k=5), seed=99) if companion else None
-    tokens = []
-    for _ in range(steps):
-        mine = torch.randn(64, generator=logits_g)
-        theirs = torch.randn(64, generator=logits_g)
-        if companion == "before":
-            res = sample(torch.stack([theirs, mine]), [other, me])[1]
-        elif companion == "after":
-            res = sample(torch.stack([mine, theirs]), [me, other])[0]
-        else:
-            res = sample(mine[None].clone(), [me])[0]
-        tokens.append(res.token_id)
-        me.output_ids.append(res.token_id)
-    return tokens
-
-
-def test_seeded_generator_is_reproducible_and_batch_independent():
-    """Same seed, same tokens, whether the request runs alone or next to another one."""
-    alone = _run_seeded(7, None)
-    assert _run_seeded(7, None) == alone
-    assert _run_seeded(7, "before") == alone
-    assert _run_seeded(7, "after") == alone
-    assert _run_seeded(8, None) != alone  # the seed matters (the test can fail)
-
-
 def test_blocked_ids_are_never_sampled():
     """Blocked tokens (min_tokens' stop tokens) are never drawn, even when they are the likeliest."""
     x = torch.zeros(8)
     x[[2, 5]] = 5.0  # together ~99% of the mass
     blocked = [2, 5]
-    rows = [row(SamplingParams(), seed=i, blocked=blocked) for i in range(300)]
-    got = {r.token_id for r in sample(x.expand(300, -1).clone(), rows)}
-    assert not got & set(blocked) and len(got) > 3
+    rows = [row(SamplingParams(), seed=i, blocked=blocked if i % 3 else ()) for i in range(300)]
+    got = [r.token_id for r in sample(x.expand(300, -1).clone(), rows)]
+    assert not {t for i, t in enumerate(got) if i % 3} & set(blocked) and len(set(got)) > 3
+    assert sum(t in blocked for t in got[::3]) > 80  # the rows without blocked ids keep them (~99 of 100)
     greedy = sample(x[None].clone(), [row(SamplingParams(temperature=0), blocked=blocked)])[0]
     assert greedy.token_id not in blocked
 
@@ -188,38 +164,6 @@ def test_repetition_penalty_lowers_seen_tokens():
     assert sample(pos.clone(), [row(SamplingParams(repetition_penalty=2.0, **greedy), prompt=[2])])[0].token_id == 0
     neg = torch.tensor([[-1.0, -1.2, -5.0]])
     assert sample(neg.clone(), [row(SamplingParams(repetition_penalty=1.5, **greedy), prompt=[0])])[0].token_id == 1
-
-
-def _chi_square(counts: list[int], probs: list[float]) -> float:
-    n = sum(counts)
-    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
-
-
-P3 = [0.2, 0.3, 0.5]
-
-
-@pytest.mark.parametrize("kwargs, expected", [
-    (dict(), P3),
-    (dict(temperature=0.5), [p * p / sum(q * q for q in P3) for p in P3]),  # p^(1/T), renormalized
-    (dict(top_k=2), [0.0, 0.375, 0.625]),
-    (dict(top_p=0.6), [0.0, 0.375, 0.625]),  # smallest set with mass >= 0.6: {0.5, 0.3}
-    (dict(min_p=0.5), [0.0, 0.375, 0.625]),  # keeps p >= 0.25
-])
-def test_sampled_frequencies_match_distribution(kwargs, expected):
-    """Over 4000 seeded draws from a known 3-token distribution, frequencies fit (chi-square)."""
-    n = 4000
-    logits = torch.tensor(P3).log().expand(n, -1).clone()
-    gen = torch.Generator().manual_seed(2024)
-    rows = [SamplingRow(SamplingParams(**kwargs), gen, [], [], []) for _ in range(n)]
-    counts = [0, 0, 0]
-    for r in sample(logits, rows):
-        counts[r.token_id] += 1
-    for c, p in zip(counts, expected):
-        if p == 0:
-            assert c == 0
-    nonzero = sum(p > 0 for p in expected)
-    # 99.9% critical values of chi-square with 1 and 2 degrees of freedom
-    assert _chi_square(counts, expected) < {2: 10.83, 3: 13.82}[nonzero], counts
 
 
 def test_top_logprobs_returns_requested_number_plus_chosen():
@@ -240,3 +184,330 @@ def test_top_logprobs_returns_requested_number_plus_chosen():
     res = sample(x[None].clone(), [row(SamplingParams(temperature=0, logprobs=0))])[0]
     assert res.top_logprobs == {0: pytest.approx(float(lp[0]))}
     assert math.isclose(sum(math.exp(v) for v in lp.tolist()), 1.0, rel_tol=1e-5)
+
+
+def chi2_999(df: int) -> float:
+    """The 99.9% point of the chi-square distribution with df degrees of freedom (bisection on its
+    survival function, the regularized upper incomplete gamma function)."""
+    lo, hi = 0.0, 10.0 * df + 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        sf = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(mid / 2)))
+        lo, hi = (mid, hi) if sf > 1e-3 else (lo, mid)
+    return lo
+
+
+def test_chi2_999_matches_tables():
+    assert [round(chi2_999(df), 2) for df in (1, 2, 10, 255)] == [10.83, 13.82, 29.59, 330.52]
+
+
+# -- the race's noise: splitmix64, written out again on Python ints (the oracle) ---------------------
+
+M64 = (1 << 64) - 1
+
+
+def splitmix64_outputs(state: int, n: int) -> list[int]:
+    """The first n outputs of splitmix64 started at state (Steele, Lea and Flood 2014)."""
+    out = []
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & M64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def test_splitmix64_oracle_matches_published_outputs():
+    """The oracle itself: splitmix64 seeded with 1234567 starts with the published reference values
+    (Rosetta Code, 'Pseudo-random numbers/Splitmix64')."""
+    assert splitmix64_outputs(1234567, 2) == [6457827717110365317, 3203168211198807973]
+
+
+@pytest.mark.parametrize("seed, position", [(0, 0), (7, 130), (-3, 5), (2**64 + 7, 130), (2**70 - 1, 99999)])
+def test_race_bits_are_splitmix64_of_the_row_key(seed, position, monkeypatch):
+    """Token t's 40 bits are the top bits of splitmix64's (t + 1)-th output from the row's key, computed
+    exactly in int64 tensor ops (wrapping multiplies, logical shifts), dense or at gathered token ids,
+    in one pass or in CPU chunks; a seed counts modulo 2^64."""
+    V = 300
+    key = row_key(seed, position)
+    assert key == row_key(seed % 2**64, position)
+    want = [z >> 24 for z in splitmix64_outputs(key & M64, V)]
+    keys = torch.tensor([key, key])
+    assert race_bits(keys, None, V)[0].tolist() == want
+    ids = torch.tensor([[5, 299, 0, 17], [1, 2, 3, 4]])
+    assert race_bits(keys, ids, V).tolist() == [[want[t] for t in r] for r in ids.tolist()]
+    one_pass = race_log_noise(keys, None, V)
+    monkeypatch.setattr(sampler, "_CPU_CHUNK", 7)  # chunks of one row
+    assert torch.equal(race_log_noise(keys, None, V), one_pass)
+    w = (torch.tensor(want, dtype=torch.float64) + 0.5) / 2**40
+    assert torch.allclose(one_pass[0].double(), torch.log(-torch.log1p(-w)), atol=1e-6, rtol=1e-6)
+
+
+def test_log_exponential_is_finite_and_precise_at_the_extremes():
+    """The extreme bits give finite log E (a token's score never becomes +-inf or NaN), and small E
+    (the likely winners) keep their relative precision down to the smallest."""
+    bits = torch.tensor([0, 1, 2**16, 2**39, 2**40 - 2**15, 2**40 - 1], dtype=torch.float64)
+    got = log_exponential_(bits.float()).double()
+    want = torch.log(-torch.log1p(-(bits + 0.5) / 2**40))
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got[:4], want[:4], atol=1e-6, rtol=1e-6)
+    # W within 2^-25 of 1 rounds to 1 in float32 and stops at 1 - 2^-24: E = 16.6 (log 2.81) for these
+    assert torch.allclose(got[4:], torch.full((2,), math.log(16.635532), dtype=torch.float64), atol=1e-4)
+    assert (want[4:] > got[4:]).all()
+    x = torch.tensor([[float("-inf"), 0.0, float("-inf")]])
+    assert torch.isneginf(x - log_exponential_(torch.tensor([[2.0**40 - 1] * 3]))).tolist() == [[True, False, True]]
+
+
+def test_row_keys_separate_seeds_and_positions():
+    """Distinct (seed, position) pairs give distinct keys (nearby seeds and positions included)."""
+    keys = {row_key(s, p) for s in range(-50, 50) for p in range(200)}
+    assert len(keys) == 100 * 200
+
+
+def _chi2_uniform(values: torch.Tensor, bins: int) -> float:
+    counts = torch.bincount(values.flatten(), minlength=bins).double()
+    expected = values.numel() / bins
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_race_noise_is_uniform_and_independent_across_tokens_positions_and_seeds():
+    """The 40-bit values, cut to their top 4 bits, are uniform over 16 bins, and pairs of them (neighbouring
+    tokens, neighbouring positions of one seed, neighbouring seeds at one position) are uniform over
+    the 256 cells (chi-square at the 0.1% level). A hash of a plain counter fails this (checked below)."""
+    V = 512
+    seeds, positions = range(40), range(100, 140)
+    keys = torch.tensor([[row_key(s, p) for p in positions] for s in seeds])  # [S, P]
+    bits = race_bits(keys.flatten(), None, V).view(len(seeds), len(positions), V) >> 36  # [S, P, V] in [0, 16)
+    assert _chi2_uniform(bits, 16) < chi2_999(15)
+    for a, b in ((bits[:, :, :-1], bits[:, :, 1:]), (bits[:, :-1], bits[:, 1:]), (bits[:-1], bits[1:])):
+        assert _chi2_uniform(16 * a + b, 256) < chi2_999(255)
+    # the test can fail: the top bits of (key + (t + 1) * GAMMA) without the finalizer are far from uniform pairs
+    raw = ((keys.flatten()[:, None] + (torch.arange(1, V + 1) * sampler._as_int64(sampler._GAMMA))) >> 60) & 15
+    assert _chi2_uniform(16 * raw[:, :-1] + raw[:, 1:], 256) > chi2_999(255)
+
+
+# -- distributions: frequencies over many draws against the exact filtered softmax (float64) ------------
+
+LOGITS = torch.tensor([2.1, 1.7, 1.2, 1.0, 0.65, 0.3, 0.0, -0.4, -0.9, -1.5, -2.2, -3.0], dtype=torch.float64)
+
+
+def exact_distribution(logits: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+                       min_p: float = 0.0) -> torch.Tensor:
+    """The target distribution in float64, filter by filter as SamplingParams documents them: softmax at
+    the temperature; top-k keeps the k most likely; top-p the smallest most-likely set whose mass (after
+    top-k) reaches top_p; min-p the tokens at least min_p times as likely as the best."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    keep = torch.ones_like(p, dtype=torch.bool)
+    order = torch.argsort(p, descending=True)
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        q = torch.where(keep, p, 0.0)
+        q = q / q.sum()
+        mass = 0.0
+        for t in order.tolist():
+            if mass >= top_p:
+                keep[t] = False
+            mass += float(q[t])
+    if min_p > 0.0:
+        keep &= p >= min_p * p.max()
+    p = torch.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+CASES = [
+    dict(),
+    dict(temperature=0.5),
+    dict(temperature=1.8),
+    dict(top_k=3),
+    dict(top_k=6, temperature=0.7),
+    dict(top_p=0.6),
+    dict(top_p=0.9, temperature=1.3),
+    dict(min_p=0.1),
+    dict(min_p=0.3, temperature=0.8),
+    dict(top_k=7, top_p=0.8),
+    dict(top_k=8, top_p=0.85, min_p=0.05, temperature=0.9),
+    dict(top_p=0.75, min_p=0.2, temperature=1.2),
+]
+DRAWS = 6000
+
+
+def _counts(tokens: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+
+
+def _assert_fits(counts: torch.Tensor, expected: torch.Tensor, label) -> None:
+    """No draw outside the support; chi-square below its 99.9% point (the draws are seeded: the
+    verdict is fixed, and a wrong sampler fails it, see test_a_wrong_race_fails_the_distribution_test)."""
+    support = expected > 0
+    assert counts[~support].sum() == 0, (label, counts.tolist())
+    n = counts.sum()
+    stat = float(((counts[support] - n * expected[support]) ** 2 / (n * expected[support])).sum())
+    assert stat < chi2_999(int(support.sum()) - 1), (label, stat, counts.tolist())
+
+
+@pytest.mark.parametrize("kwargs", CASES, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "plain")
+def test_sampled_frequencies_match_the_exact_distribution(kwargs):
+    """6,000 rows of the same logits, each its own seed, in one batch: the frequencies fit the exact
+    filtered softmax."""
+    V = LOGITS.numel()
+    rows = [row(SamplingParams(**kwargs), seed=i, position=3) for i in range(DRAWS)]
+    res = sample(LOGITS.float().expand(DRAWS, -1).clone(), rows)
+    _assert_fits(_counts([r.token_id for r in res], V), exact_distribution(LOGITS, **kwargs), kwargs)
+
+
+def test_mixed_batch_frequencies_match_each_rows_distribution():
+    """Every setting of CASES (and greedy rows) interleaved in one batch, each row over its own positions
+    of one seed: each setting's frequencies fit its own distribution (per-row parameters; the sort's
+    path, since not every row has a top-k)."""
+    V, n = LOGITS.numel(), len(CASES) + 1
+    settings = [SamplingParams(**kw) for kw in CASES] + [SamplingParams(temperature=0)]
+    rows = [row(settings[i % n], seed=11, position=i) for i in range(DRAWS * n // 2)]
+    res = sample(LOGITS.float().expand(len(rows), -1).clone(), rows)
+    tokens = [r.token_id for r in res]
+    for j, kwargs in enumerate(CASES):
+        _assert_fits(_counts(tokens[j::n], V), exact_distribution(LOGITS, **kwargs), kwargs)
+    assert set(tokens[len(CASES)::n]) == {int(LOGITS.argmax())}
+
+
+@pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1.6), dict(presence_penalty=0.8, frequency_penalty=0.5)])
+def test_penalised_rows_match_the_penalised_distribution(kwargs):
+    """Rows with penalties (shaped row by row, then drawn with the batch) fit the softmax of the penalised
+    logits, beside plain rows of the same batch that fit the unpenalised one."""
+    V, seen = LOGITS.numel(), [0, 0, 2, 5]
+    shaped = LOGITS.clone()
+    if "repetition_penalty" in kwargs:
+        r = kwargs["repetition_penalty"]
+        for t in set(seen) | {9}:  # the prompt's tokens count too
+            shaped[t] = shaped[t] / r if shaped[t] > 0 else shaped[t] * r
+    else:
+        for t in set(seen):
+            shaped[t] -= kwargs["frequency_penalty"] * seen.count(t) + kwargs["presence_penalty"]
+    rows = [row(SamplingParams(**kwargs) if i % 2 else SamplingParams(), seed=i, prompt=[9], output=seen)
+            for i in range(2 * DRAWS)]
+    tokens = [r.token_id for r in sample(LOGITS.float().expand(len(rows), -1).clone(), rows)]
+    _assert_fits(_counts(tokens[1::2], V), exact_distribution(shaped), kwargs)
+    _assert_fits(_counts(tokens[0::2], V), exact_distribution(LOGITS), "plain")
+
+
+def test_large_vocabulary_frequencies(monkeypatch):
+    """A 3,000-token vocabulary, temperature 0.8 with top-p 0.9 (the sort's path) and with top-k 100 (the
+    partial sort's): frequencies fit in bins of the exact distribution holding about 1% of its mass each,
+    computed in chunks of the noise."""
+    monkeypatch.setattr(sampler, "_CPU_CHUNK", 3 * 3000)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3000, generator=g, dtype=torch.float64) * 2
+    for kwargs in (dict(temperature=0.8, top_p=0.9), dict(temperature=0.8, top_k=100)):
+        rows = [row(SamplingParams(**kwargs), seed=7, position=p) for p in range(DRAWS)]
+        tokens = [r.token_id for r in sample(logits.float().expand(DRAWS, -1).clone(), rows)]
+        expected = exact_distribution(logits, **kwargs)
+        order = torch.argsort(expected, descending=True)
+        bins = torch.clamp((expected[order].cumsum(0) * 100).long(), max=99)  # bin of each token by rank
+        bin_of = torch.empty(3000, dtype=torch.long)
+        bin_of[order] = bins
+        bin_of[expected == 0] = 100  # outside the support: a bin that must stay empty
+        counts = torch.bincount(bin_of[tokens], minlength=101).double()
+        want = torch.bincount(bin_of, weights=expected, minlength=101)
+        _assert_fits(counts, want, kwargs)
+
+
+def test_a_wrong_race_fails_the_distribution_test(monkeypatch):
+    """The distribution test catches a wrong draw: argmax(x - E) (Gumbel-max without the log), or
+    top-p keeping one token fewer."""
+    def wrong_noise(keys, ids, vocab):  # E, not log E
+        return -torch.log1p(-(race_bits(keys, ids, vocab).double() + 0.5) / 2**40).float()
+
+    with monkeypatch.context() as m:
+        m.setattr(sampler, "race_log_noise", wrong_noise)
+        with pytest.raises(AssertionError):
+            test_sampled_frequencies_match_the_exact_distribution(dict())
+    with pytest.raises(AssertionError):
+        _assert_fits(_counts([r.token_id for r in sample(
+            LOGITS.float().expand(DRAWS, -1).clone(), [row(SamplingParams(top_p=0.6), seed=i) for i in range(DRAWS)])],
+            LOGITS.numel()), exact_distribution(LOGITS, top_p=0.5), "top_p 0.6 against 0.5")
+
+
+# -- reproducibility -------------------------------------------------------------------------------
+
+def _run_seeded(seed: int, companions: str | None, steps: int = 20, **kwargs) -> list[int]:
+    """Sample `steps` tokens for one seeded request (at positions 30, 31, ...), alone or in a batch:
+    'before' / 'after' another request (with a top-k: the batch takes the sort's path), 'greedy' beside
+    a greedy row, 'crowd' at row 5 of 9 with assorted settings."""
+    logits_g, others_g = torch.Generator().manual_seed(123), torch.Generator().manual_seed(321)
+    me = row(SamplingParams(seed=seed, **kwargs), seed=seed, position=30)
+    others = [row(SamplingParams(seed=99, top_k=5), seed=99, position=7)]
+    if companions == "greedy":
+        others = [row(SamplingParams(temperature=0), position=4)]
+    if companions == "crowd":
+        others = [row(SamplingParams(temperature=0.3 * (i + 1), top_p=0.9, min_p=0.01 * i), seed=1000 + i,
+                      position=i) for i in range(8)]
+    tokens = []
+    for _ in range(steps):
+        mine = torch.randn(64, generator=logits_g)
+        theirs = torch.randn(len(others), 64, generator=others_g)
+        if companions in ("before", "greedy"):
+            res = sample(torch.cat([theirs, mine[None]]), others + [me])[-1]
+        elif companions == "after":
+            res = sample(torch.cat([mine[None], theirs]), [me] + others)[0]
+        elif companions == "crowd":
+            res = sample(torch.cat([theirs[:5], mine[None], theirs[5:]]), others[:5] + [me] + others[5:])[5]
+        else:
+            res = sample(mine[None].clone(), [me])[0]
+        tokens.append(res.token_id)
+        me.output_ids.append(res.token_id)
+        me.position += 1
+        for o in others:
+            o.position += 1
+    return tokens
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(top_p=0.9, temperature=0.7), dict(top_k=20, min_p=0.02)])
+def test_seeded_tokens_are_reproducible_and_batch_independent(kwargs):
+    """Same seed, same tokens, whether the request runs alone or next to others, at any row; another
+    seed gives others (the test can fail)."""
+    alone = _run_seeded(7, None, **kwargs)
+    assert _run_seeded(7, None, **kwargs) == alone
+    for companions in ("before", "after", "greedy", "crowd"):
+        assert _run_seeded(7, companions, **kwargs) == alone, companions
+    assert _run_seeded(8, None, **kwargs) != alone
+
+
+def test_row_order_does_not_change_any_rows_token():
+    """A batch of 16 seeded rows with assorted settings, shuffled: each row draws the same token."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(16, 200, generator=g)
+    settings = [dict(), dict(top_k=10), dict(top_p=0.8), dict(min_p=0.05, temperature=1.5)]
+    rows = [row(SamplingParams(**settings[i % 4]), seed=i * 17, position=40 + i) for i in range(16)]
+    want = [r.token_id for r in sample(logits.clone(), rows)]
+    perm = torch.randperm(16, generator=g).tolist()
+    got = [r.token_id for r in sample(logits[perm].clone(), [rows[i] for i in perm])]
+    assert got == [want[i] for i in perm]
+    # the position matters: one step later the same rows draw differently (the test can fail)
+    for r in rows:
+        r.position += 1
+    assert [r.token_id for r in sample(logits.clone(), rows)] != want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_draws_the_cpus_tokens():
+    """The noise is integer-exact on both devices; the tokens agree but for near-ties of the float
+    scores (about one draw in a million): at most one of 24,000 differs."""
+    g = torch.Generator().manual_seed(0)
+    V, S, steps = 4096, 64, 25
+    settings = [dict(), dict(temperature=0.7, top_k=50, top_p=0.9), dict(top_p=0.95), dict(min_p=0.05),
+                dict(temperature=1.3, top_k=200)]
+    keys = torch.tensor([row_key(i, 77) for i in range(S)])
+    assert torch.equal(race_bits(keys.cuda(), None, V).cpu(), race_bits(keys, None, V))
+    differ = total = 0
+    for kwargs in settings:
+        for step in range(steps):
+            logits = torch.randn(S, V, generator=g) * 3
+            rows = [row(SamplingParams(**kwargs), seed=i, position=step) for i in range(S)]
+            cpu = [r.token_id for r in sample(logits.clone(), rows)]
+            cuda = [r.token_id for r in sample(logits.cuda(), rows)]
+            differ += sum(a != b for a, b in zip(cpu, cuda))
+            total += S
+    print(f"CPU and CUDA tokens differ in {differ} of {total} draws")
+    assert differ <= 1

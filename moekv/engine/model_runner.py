@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -360,7 +361,7 @@ class ModelRunner:
 
     def _allocate(self, max_model_len: int) -> None:
         """Phase 4, allocate: one KV pool per attention layer, sized from the memory budget (the
-        smallest any rank can hold), plus the per-sequence state: staging slots and generators."""
+        smallest any rank can hold), plus the per-sequence state: staging slots and sampling seeds."""
         config, model_cfg = self.config, self.model_cfg
         self.block_size = config.cache.block_size
         # mixed steps' decodes take the fused decode kernel (on CUDA; the CPU's path is the same reference)
@@ -386,8 +387,9 @@ class ModelRunner:
             hooks.kv_cache.layer = i
             hooks.kv_cache.rope_theta = model_cfg.rope_theta  # keys stored before RoPE are rotated by it
             self.kv_caches.append(hooks.kv_cache)
-        self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
-        self._generators: dict[str, torch.Generator] = {}
+        # each request's sampling seed: its own, or one drawn from the engine seed's stream the first time it samples
+        self._seed_source = random.Random(config.seed)
+        self._seeds: dict[str, int] = {}
         # staging slot (partly filled newest page) of each running sequence
         self._free_slots = list(range(config.scheduler.max_num_seqs - 1, -1, -1))
         self._slots: dict[str, int] = {}
@@ -491,14 +493,16 @@ class ModelRunner:
         return num_blocks
 
     # -- one step ----------------------------------------------------------------------------
-    def generator_for(self, seq: Sequence) -> torch.Generator:
+    def seed_for(self, seq: Sequence) -> int:
+        """The seed of seq's sampling noise (layers/sampler.row_key): the request's own, else one drawn
+        from the engine seed's stream when the request first samples, kept until it finishes."""
         seed = seq.sampling_params.seed
+        if seed is not None:
+            return seed
+        seed = self._seeds.get(seq.request_id)
         if seed is None:
-            return self.default_generator
-        gen = self._generators.get(seq.request_id)
-        if gen is None:
-            gen = self._generators[seq.request_id] = torch.Generator(self.device).manual_seed(seed)
-        return gen
+            seed = self._seeds[seq.request_id] = self._seed_source.getrandbits(64)
+        return seed
 
     def quantize_filled_pages(self, ctx: Context) -> None:
         """After the last layer of a decode step: the format quantizes the pages it filled, in every
@@ -506,8 +510,8 @@ class ModelRunner:
         self.kv_format.quantize_filled_pages(self.kv_caches, ctx)
 
     def release(self, seq: Sequence) -> None:
-        """Forget per-request state (its generator, its staging slot) once the request is finished."""
-        self._generators.pop(seq.request_id, None)
+        """Forget per-request state (its drawn seed, its staging slot) once the request is finished."""
+        self._seeds.pop(seq.request_id, None)
         self._release_slot(seq)
 
     @property
@@ -951,7 +955,7 @@ class ModelRunner:
         if plan.after is not None and any(seq.grammar is not None for seq in plan.seqs):
             follow_grammars(plan.seqs, plan.after)  # (the forward is queued: this overlaps it)
         rows, sample_rows, sample_targets = [], [], []
-        for plan_rows in plan.rows:
+        for plan_rows, context_len in zip(plan.rows, context_lens):
             result, prompt_rows, sample_row = plan_rows.result, plan_rows.prompt_rows, plan_rows.sample_row
             seq = result.seq
             if plan_rows.logit_rows:
@@ -967,7 +971,9 @@ class ModelRunner:
                 sample_rows.append(sample_row)
                 sample_targets.append(result)
                 vocab = logits.shape[-1]
-                rows.append(SamplingRow(seq.sampling_params, self.generator_for(seq), seq.prompt_token_ids,
+                # (the sampled token's position is the context's length: under a follow-on step the host
+                # has not appended the input token yet, so the sequence's own lists are one short)
+                rows.append(SamplingRow(seq.sampling_params, self.seed_for(seq), context_len, seq.prompt_token_ids,
                                         seq.output_token_ids,
                                         [t for t in blocked_ids.get(seq.request_id, ()) if t < vocab],
                                         seq.grammar))

@@ -1,10 +1,15 @@
 """Sampler: logits of the sampling positions -> one token per sequence, with its logprobs.
 
-Penalties, temperature, top-k, top-p and min-p apply per row; a row with a seed draws from its
-own torch.Generator, so its samples do not depend on what else is in the batch.
+Penalties, temperature, top-k, top-p and min-p apply per row, as [S] tensors over the whole batch
+(penalties row by row). A sampled row draws its token by an exponential race whose noise is a
+counter-based hash of (the row's seed, the position of the token it samples, each token id): a
+seeded request's tokens depend only on its seed and its own history, never on the batch around it.
 """
 from __future__ import annotations
 
+import collections
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +22,8 @@ from moekv.sampling_params import SamplingParams
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # the request's seed (its own, or one the engine drew for it once)
+    position: int  # the position in the sequence (prompt and output) of the token this row samples
     prompt_ids: list[int]
     output_ids: list[int]
     blocked_ids: list[int]  # stop tokens not allowed yet (min_tokens)
@@ -43,34 +49,193 @@ def top_logprobs_of(logprobs: torch.Tensor, num: int, chosen: int | None) -> dic
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """One row's penalties, in place; the token ids and counts are gathered on the host and copied
+    without a host sync."""
     p = row.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long, device=logits.device)
-        if seen.numel():
+        seen = sorted(set(row.prompt_ids) | set(row.output_ids))
+        if seen:
+            seen = to_device(seen, torch.long, logits.device)
             vals = logits[seen]
             logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-        ids, counts = torch.tensor(row.output_ids, device=logits.device).unique(return_counts=True)
-        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+        counted = collections.Counter(row.output_ids)
+        ids = to_device(list(counted), torch.long, logits.device)
+        counts = to_device(list(counted.values()), logits.dtype, logits.device)
+        logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
     return logits
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Mask with -inf every token outside top-k / top-p / min-p (always keeping the best one)."""
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(-1) - probs  # probability of the tokens ranked above each one
-        drop = mass_before >= p.top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if p.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return logits
+def _shape_rows(logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
+    """Penalties (row by row: each reads its own history) and blocked ids (one indexed write for the
+    batch) applied to logits [S, V]; a copy unless owned (logits is the caller's to change)."""
+    penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    blocked = [(i, t) for i, row in enumerate(rows) for t in row.blocked_ids]
+    if not penalised and not blocked:
+        return logits
+    x = logits if owned else logits.clone()
+    for i in penalised:
+        _apply_penalties(x[i], rows[i])  # (in place, through the view)
+    if blocked:
+        where = to_device(list(zip(*blocked)), torch.long, x.device)  # [2, N]: rows, token ids
+        x[where[0], where[1]] = float("-inf")
+    return x
+
+
+# -- the draw's noise ------------------------------------------------------------------------------
+# splitmix64 (Steele, Lea and Flood, OOPSLA 2014): a 64-bit counter advanced by an odd constant, each
+# value scrambled by a fixed finalizer; the finalizer alone is a good hash of a counter.
+_M64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # the counter's increment (2^64 over the golden ratio, made odd)
+_MUL1, _MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _as_int64(value: int) -> int:
+    """A value in [0, 2^64) as the int64 with the same bits."""
+    return value - (1 << 64) if value >> 63 else value
+
+
+def mix64(z: int) -> int:
+    """splitmix64's finalizer on a Python int in [0, 2^64)."""
+    z = (z ^ (z >> 30)) * _MUL1 & _M64
+    z = (z ^ (z >> 27)) * _MUL2 & _M64
+    return z ^ (z >> 31)
+
+
+def row_key(seed: int, position: int) -> int:
+    """The start of one row's noise stream, from the request's seed (any int; taken mod 2^64) and the
+    position of the token it samples: distinct (seed, position) pairs give unrelated streams. As an
+    int64's value."""
+    return _as_int64(mix64(mix64(seed & _M64) ^ (position * _GAMMA & _M64)))
+
+
+_MIX_STEPS = ((30, _as_int64(_MUL1)), (27, _as_int64(_MUL2)), (31, None))
+_CPU_CHUNK = 1 << 16  # elements of a CPU chunk of the noise: its two int64 buffers stay in a core's L2
+_CUDA_CHUNK = 1 << 24  # on CUDA: one chunk up to 64 rows of 262,144 tokens (two int64 buffers of 128 MiB)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_counters(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[1, V] int64: (t + 1) * GAMMA mod 2^64 for each token id t."""
+    return (torch.arange(1, vocab_size + 1, dtype=torch.long, device=device) * _as_int64(_GAMMA))[None]
+
+
+def _race_bits_into(keys: torch.Tensor, counters: torch.Tensor, z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """z [R, C] int64 <- the top 40 bits of mix64(keys[r] + counters[r or 0, c]), in [0, 2^40). In place,
+    with tmp as scratch: int64 multiplies wrap modulo 2^64 on the CPU and on CUDA, the masks make the
+    right shifts logical."""
+    torch.add(keys[:, None], counters, out=z)
+    for shift, mul in _MIX_STEPS:
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1
+        z ^= tmp
+        if mul is not None:
+            z *= mul
+    z >>= 24
+    return z.bitwise_and_((1 << 40) - 1)
+
+
+def _counters(keys: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    if token_ids is None:
+        return _token_counters(vocab_size, keys.device)
+    return (token_ids + 1) * _as_int64(_GAMMA)
+
+
+def race_bits(keys: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """keys [R] int64 (row_key) -> [R, C] int64 in [0, 2^40): token t's bits in row r are the top 40 bits
+    of the (t + 1)-th output of splitmix64 started at keys[r], mix64(keys[r] + (t + 1) * GAMMA), for
+    t = token_ids[r, c] ([R, C] int64), or for every t < vocab_size (C = V) when token_ids is None."""
+    counters = _counters(keys, token_ids, vocab_size)
+    z = torch.empty(keys.shape[0], counters.shape[1], dtype=torch.long, device=keys.device)
+    return _race_bits_into(keys, counters, z, torch.empty_like(z))
+
+
+def log_exponential_(w: torch.Tensor) -> torch.Tensor:
+    """w float32 holding race bits b in [0, 2^40) -> log E, in place, with E = -log(1 - W) ~ Exp(1) for
+    W = (b + 1/2) / 2^40 uniform in (0, 1). log1p keeps E's relative precision where it is small (the
+    race's winners: U = 1 - W read in float32 would round E below 2^-24 to a few values); W stops
+    short of 1 so that E, and so every token's score, stays finite."""
+    return w.mul_(-2.0 ** -40).sub_(2.0 ** -41).clamp_(min=-(1 - 2.0 ** -24)).log1p_().neg_().log_()
+
+
+def race_log_noise(keys: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """[R, C] float32: log E for E ~ Exp(1), one independent E per (row, token), from race_bits' bits
+    (and its arguments) by log_exponential_. In chunks of rows: on the CPU chunks that stay in cache
+    (twice as fast at V = 32,000 as one pass), on CUDA chunks that bound the scratch memory; the same
+    values either way."""
+    R = keys.shape[0]
+    counters = _counters(keys, token_ids, vocab_size)
+    C = counters.shape[1]
+    out = torch.empty(R, C, dtype=torch.float32, device=keys.device)
+    step = max(1, min(R, (_CUDA_CHUNK if keys.is_cuda else _CPU_CHUNK) // C))
+    z = torch.empty(step, C, dtype=torch.long, device=keys.device)
+    tmp = torch.empty_like(z)
+    for a in range(0, R, step):
+        n = min(step, R - a)
+        bits = _race_bits_into(keys[a:a + n], counters if counters.shape[0] == 1 else counters[a:a + n], z[:n], tmp[:n])
+        out[a:a + n].copy_(bits)
+    return log_exponential_(out)
+
+
+def _candidates(x: torch.Tensor, kmax: int | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                log_min_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens each row of x [R, V] (temperature applied) may draw: (values [R, C], their token ids
+    [R, C]), -inf outside the row's top-k, then top-p (over what top-k kept), then min-p, its best token
+    always kept; ids None: every token in order (C = V). top_k [R] int64 (V: off), top_p [R] (inf: off),
+    log_min_p [R] (-inf: off), each None when no row uses it.
+    kmax (every row has a top-k, the largest is kmax): only the kmax best tokens of each row (a partial
+    sort: torch.topk); else, with top-k or top-p, one sort of the whole vocabulary (stable: ties at the
+    top-p boundary fall by token id on every device). Tokens tied with the k-th value are kept (on the
+    partial sort's path only those among the kmax best)."""
+    ids = None
+    if kmax is not None:
+        values, ids = torch.topk(x, kmax, dim=-1)
+    elif top_k is not None or top_p is not None:
+        values, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    else:
+        values = x
+    if top_k is not None:
+        kth = values.gather(1, (top_k - 1)[:, None])
+        values = values.masked_fill(values < kth, float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(values, dim=-1)
+        mass_before = probs.cumsum(-1).sub_(probs)  # probability of the tokens ranked above each one
+        drop = mass_before >= top_p[:, None]
+        drop[:, 0] = False
+        values = values.masked_fill(drop, float("-inf"))
+    if log_min_p is not None:  # p / p_max < min_p, read on the logits: x - max(x) < log(min_p)
+        values = values.masked_fill(values < values.amax(-1, keepdim=True) + log_min_p[:, None], float("-inf"))
+    return values, ids
+
+
+def _draw(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row of x [R, V] (every row sampled: temperature > 0) -> [R] int64: temperature, the
+    filters (_candidates), then an exponential race, argmax(p / E) = argmax(x / T - log E) over the
+    candidates, which picks token t with probability p_t when the E are independent Exp(1): the noise
+    of (row_key(seed, position), t) (race_log_noise), the same whichever tokens are candidates. The
+    per-row values travel in at most two host-to-device copies."""
+    R, V = x.shape
+    params = [row.params for row in rows]
+    keys = [row_key(row.seed, row.position) for row in rows]
+    k_of = [p.top_k if 0 < p.top_k < V else V for p in params]
+    uses_k = any(k < V for k in k_of)
+    ints = to_device([keys, k_of] if uses_k else [keys], torch.long, x.device)
+    floats = {}
+    if any(p.temperature != 1.0 for p in params):
+        floats["temperature"] = [p.temperature for p in params]
+    if any(p.top_p < 1.0 for p in params):
+        floats["top_p"] = [p.top_p if p.top_p < 1.0 else math.inf for p in params]
+    if any(p.min_p > 0.0 for p in params):
+        floats["log_min_p"] = [math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params]
+    if floats:
+        floats = dict(zip(floats, to_device(list(floats.values()), torch.float32, x.device)))
+    if "temperature" in floats:
+        x = x / floats["temperature"][:, None]
+    kmax = max(k_of) if max(k_of) < V else None
+    values, ids = _candidates(x, kmax, ints[1] if uses_k else None, floats.get("top_p"), floats.get("log_min_p"))
+    score = race_log_noise(ints[0], ids, V)
+    best = torch.sub(values, score, out=score).argmax(dim=-1)  # [R]
+    return best if ids is None else ids.gather(1, best[:, None])[:, 0]
 
 
 class PinnedBitmasks:
@@ -184,41 +349,27 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
 
     Every chosen token stays on the device; its logprob and, for the rows that ask, their top
     logprobs go to the host in one transfer, queued here: one host sync per step, not two per
-    row, which at batch 64 cost milliseconds a step. Plain greedy rows (no penalty, nothing
-    blocked) take one batched argmax; the others are shaped row by row, still without a sync.
-    Rows with a grammar (structured outputs) have their bitmask filled here on the host and applied
-    to the logits first.
+    row, which at batch 64 cost milliseconds a step. The batch is sampled in a fixed number of
+    launches whatever its size: greedy rows take one argmax, sampled rows one temperature, filter and
+    race over all of them (_draw); only penalties are applied row by row. Rows with a grammar
+    (structured outputs) have their bitmask filled here on the host and applied to the logits first.
     """
     S = logits.shape[0]
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     # (the host's work, while the device runs the step)
     bitmask = grammar_bitmask(rows, logits.shape[-1], pinned=logits.is_cuda)
+    x = logits
     if bitmask is not None:  # logprobs stay the model's own; only the choice is constrained
-        logits = apply_bitmask_(logits.clone(), bitmask)
-    plain = [i for i, row in enumerate(rows)
-             if row.params.greedy and not row.params.has_penalties and not row.blocked_ids]
-    if len(plain) == S:
-        tokens = torch.argmax(logits, dim=-1)  # [S]
+        x = apply_bitmask_(logits.clone(), bitmask)
+    x = _shape_rows(x, rows, owned=bitmask is not None)
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if len(drawn) == S:
+        tokens = _draw(x, rows)  # [S]
     else:
-        tokens = torch.empty(S, dtype=torch.long, device=logits.device)
-        if plain:
-            idx = to_device(plain, torch.long, logits.device)
-            tokens[idx] = torch.argmax(logits[idx], dim=-1)
-        plain_set = set(plain)
-        for i, row in enumerate(rows):
-            if i in plain_set:
-                continue
-            p = row.params
-            x = logits[i].clone()
-            if p.has_penalties:
-                x = _apply_penalties(x, row)
-            if row.blocked_ids:
-                x[to_device(row.blocked_ids, torch.long, x.device)] = float("-inf")
-            if p.greedy:
-                tokens[i] = torch.argmax(x)
-            else:
-                x = _filter(x / p.temperature, p)
-                tokens[i] = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=row.generator)[0]
+        tokens = torch.argmax(x, dim=-1)  # [S]
+        if drawn:
+            idx = to_device(drawn, torch.long, x.device)
+            tokens[idx] = _draw(x[idx], [rows[i] for i in drawn])
     chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]  # [S]
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
     top_k = max((rows[i].params.logprobs for i in wanted), default=0)

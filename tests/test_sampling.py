@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from moekv.layers import sampler
-from moekv.layers.sampler import SamplingRow, log_exponential_, race_bits, race_log_noise, row_key, sample
+from moekv.layers.sampler import (
+    SamplingRow,
+    log_exponential_,
+    order_keys,
+    race_bits,
+    race_log_noise,
+    row_key,
+    sample,
+)
 from moekv.sampling_params import SamplingParams, SamplingParamsError
 
 NAN, INF = float("nan"), float("inf")
@@ -426,6 +434,52 @@ def test_a_wrong_race_fails_the_distribution_test(monkeypatch):
         _assert_fits(_counts([r.token_id for r in sample(
             LOGITS.float().expand(DRAWS, -1).clone(), [row(SamplingParams(top_p=0.6), seed=i) for i in range(DRAWS)])],
             LOGITS.numel()), exact_distribution(LOGITS, top_p=0.5), "top_p 0.6 against 0.5")
+
+
+# -- ties: one ranking on every path -----------------------------------------------------------------
+
+def test_order_keys_rank_by_value_then_token_id():
+    """Sorting the keys ranks tokens by value (largest first), equal values by token id (smallest
+    first), across signs, infinities and bf16-rounded values full of ties."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 300, generator=g) * 4).to(torch.bfloat16).float()
+    x[0, :10] = float("-inf")
+    x[1, 5:9] = float("inf")
+    x[2, ::3] = 1.5
+    keys = order_keys(x)
+    for r in range(4):
+        want = sorted(range(300), key=lambda t: (-float(x[r, t]), t))
+        assert torch.argsort(keys[r], descending=True).tolist() == want
+        assert len(set(keys[r].tolist())) == 300
+
+
+def test_tied_values_at_the_top_k_cut_fall_by_token_id():
+    """top_k=3 over logits [1, 3, 2, 3, 2, 2, 0] keeps tokens 1, 3 (the two 3s) and 2 (the first 2), on
+    the partial sort's path (every row has a top-k) and on the sort's (beside a row without one)."""
+    x = torch.tensor([1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0])
+    want = exact_distribution(torch.tensor([-99.0, 3.0, 2.0, 3.0, -99.0, -99.0, -99.0], dtype=torch.float64))
+    rows = [row(SamplingParams(top_k=3), seed=i) for i in range(3000)]
+    partial = [r.token_id for r in sample(x.expand(3000, -1).clone(), rows)]
+    _assert_fits(_counts(partial, 7), want, "partial sort")
+    both = sample(x.expand(3001, -1).clone(), rows + [row(SamplingParams(), seed=5)])
+    assert [r.token_id for r in both[:3000]] == partial
+
+
+def test_seeded_tokens_with_tied_logits_do_not_depend_on_the_path():
+    """bf16-rounded logits (ties everywhere, as a bf16 LM head gives): a seeded row with top-k and top-p
+    draws the same tokens alone (candidates: its 20 best), beside a row with a larger top-k (its 60
+    best) and beside rows that make the batch sort every token."""
+    g = torch.Generator().manual_seed(9)
+    me = SamplingParams(top_k=20, top_p=0.9, temperature=0.8, seed=4)
+    companions = {"alone": [], "larger top-k": [SamplingParams(top_k=60)], "top-p only": [SamplingParams(top_p=0.5)],
+                  "no filter": [SamplingParams(temperature=1.2)], "greedy": [SamplingParams(temperature=0)]}
+    tokens = {name: [] for name in companions}
+    for step in range(60):
+        logits = (torch.randn(512, generator=g) * 3).to(torch.bfloat16).float()
+        for name, others in companions.items():
+            rows = [row(p, seed=77, position=step) for p in others] + [row(me, seed=4, position=step)]
+            tokens[name].append(sample(logits.expand(len(rows), -1).clone(), rows)[-1].token_id)
+    assert all(t == tokens["alone"] for t in tokens.values()), tokens
 
 
 # -- reproducibility -------------------------------------------------------------------------------

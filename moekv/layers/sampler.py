@@ -210,6 +210,18 @@ def _sorted_descending(keys: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.sort(keys.numpy(), axis=-1)[:, ::-1]))
 
 
+def _ranked_keys(x: torch.Tensor, kmax: int | None) -> torch.Tensor:
+    """order_keys of each row of x [R, V], largest first: the kmax largest, or all V when kmax is None.
+    In chunks of rows (as race_log_noise: twice as fast on the CPU at 151,936 tokens)."""
+    R, V = x.shape
+    step = max(1, min(R, (_CPU_CHUNK if x.device.type == "cpu" else _CUDA_CHUNK) // V))
+    parts = []
+    for a in range(0, R, step):
+        keys = order_keys(x[a:a + step])
+        parts.append(torch.topk(keys, kmax, dim=-1).values if kmax is not None else _sorted_descending(keys))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _candidates(x: torch.Tensor, kmax: int | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                 log_min_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tokens each row of x [R, V] (temperature applied) may draw: (values [R, C], their token ids
@@ -224,9 +236,7 @@ def _candidates(x: torch.Tensor, kmax: int | None, top_k: torch.Tensor | None, t
     if top_k is None and top_p is None:
         values, ids = x, None
     else:
-        keys = order_keys(x)
-        ranked = torch.topk(keys, kmax, dim=-1).values if kmax is not None else _sorted_descending(keys)
-        ids = _ID_MASK - (ranked & _ID_MASK)  # [R, C]: the token ids, best first
+        ids = _ID_MASK - (_ranked_keys(x, kmax) & _ID_MASK)  # [R, C]: the token ids, best first
         values = x.gather(1, ids)
         if top_k is not None:
             rank = torch.arange(ids.shape[1], device=x.device)[None]

@@ -24,8 +24,10 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     """Per-request sampling and stopping rules.
 
-    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 disables nucleus sampling.
-    seed makes one request's samples reproducible whatever else is in the batch.
+    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 disables nucleus sampling;
+    both rank equal logits by the smaller token id first.
+    seed (taken modulo 2^64) makes one request's samples reproducible whatever else is in the batch: the
+    same seed, prompt, parameters and logits give the same tokens (docs/serving.md, "Seeds").
     max_tokens None means "until max_model_len".
     logprobs: also return the log-probabilities of the top-N tokens at each generated position
         (and the sampled token's). prompt_logprobs: the same for every prompt position after the first.

@@ -174,6 +174,37 @@ def test_repetition_penalty_lowers_seen_tokens():
     assert sample(neg.clone(), [row(SamplingParams(repetition_penalty=1.5, **greedy), prompt=[0])])[0].token_id == 1
 
 
+def test_penalties_and_blocked_ids_of_a_batch_match_a_per_row_reference():
+    """The batch's penalties and blocked ids (one gather and write per kind) give each row what applying
+    its own rules alone gives: repetition over prompt and output, presence and frequency over the output
+    (counted), blocked ids at -inf, rows without any left untouched."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 20, generator=g, dtype=torch.float64) * 2
+    specs = [
+        (dict(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.25), [1, 2, 3], [3, 3, 7, 19], [0]),
+        (dict(), [1, 2], [4], [5, 6]),
+        (dict(repetition_penalty=0.8), [9], [9, 10], []),
+        (dict(frequency_penalty=-1.0), [], [2, 2, 2], []),
+        (dict(), [1], [1], []),
+        (dict(presence_penalty=2.0), [4], [], [11]),  # no output yet: presence takes nothing off
+    ]
+    rows = [row(SamplingParams(temperature=0, **kw), prompt=pr, output=out, blocked=bl) for kw, pr, out, bl in specs]
+    want = logits.clone()
+    for i, (kw, pr, out, bl) in enumerate(specs):
+        rp = kw.get("repetition_penalty", 1.0)
+        for t in set(pr) | set(out):
+            want[i, t] = want[i, t] / rp if want[i, t] > 0 else want[i, t] * rp
+        for t in set(out):
+            want[i, t] -= kw.get("frequency_penalty", 0.0) * out.count(t) + kw.get("presence_penalty", 0.0)
+        want[i, bl] = float("-inf")
+    x = logits.float()
+    got = sampler._shape_rows(x, rows, owned=False)
+    assert torch.equal(x, logits.float())  # not owned: the caller's logits stay as they were
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.allclose(got[~torch.isinf(got)].double(), want[~torch.isinf(want)], atol=1e-5)
+    assert [r.token_id for r in sample(x.clone(), rows)] == want.argmax(-1).tolist()
+
+
 def test_top_logprobs_returns_requested_number_plus_chosen():
     """logprobs=N returns the N best raw logprobs, plus the chosen token when it is not among them."""
     x = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.0])

@@ -1,7 +1,7 @@
 """Sampler: logits of the sampling positions -> one token per sequence, with its logprobs.
 
-Penalties, temperature, top-k, top-p and min-p apply per row, as [S] tensors over the whole batch
-(penalties row by row). A sampled row draws its token by an exponential race whose noise is a
+Penalties, temperature, top-k, top-p and min-p apply per row, each in a few launches for the whole
+batch. A sampled row draws its token by an exponential race whose noise is a
 counter-based hash of (the row's seed, the position of the token it samples, each token id): a
 seeded request's tokens depend only on its seed and its own history, never on the batch around it.
 """
@@ -49,37 +49,44 @@ def top_logprobs_of(logprobs: torch.Tensor, num: int, chosen: int | None) -> dic
     return result
 
 
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """One row's penalties, in place; the token ids and counts are gathered on the host and copied
-    without a host sync."""
-    p = row.params
-    if p.repetition_penalty != 1.0:
-        seen = sorted(set(row.prompt_ids) | set(row.output_ids))
-        if seen:
-            seen = to_device(seen, torch.long, logits.device)
-            vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-        counted = collections.Counter(row.output_ids)
-        ids = to_device(list(counted), torch.long, logits.device)
-        counts = to_device(list(counted.values()), logits.dtype, logits.device)
-        logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
-    return logits
-
-
 def _shape_rows(logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
-    """Penalties (row by row: each reads its own history) and blocked ids (one indexed write for the
-    batch) applied to logits [S, V]; a copy unless owned (logits is the caller's to change)."""
-    penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
-    blocked = [(i, t) for i, row in enumerate(rows) for t in row.blocked_ids]
-    if not penalised and not blocked:
+    """Penalties and blocked ids applied to logits [S, V], for the whole batch at once: the (row, token)
+    pairs each touches are gathered on the host (a row's tokens so far) and copied without a host sync,
+    one indexed read and write per kind. A copy of logits unless owned (the caller's to change)."""
+    seen, factors = ([], []), []  # repetition: (rows, tokens), the row's penalty
+    counted, amounts = ([], []), []  # presence / frequency: (rows, tokens), what comes off the logit
+    blocked = ([], [])
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            tokens = set(row.prompt_ids)
+            tokens.update(row.output_ids)
+            seen[0].extend([i] * len(tokens))
+            seen[1].extend(tokens)
+            factors.extend([p.repetition_penalty] * len(tokens))
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            for t, n in collections.Counter(row.output_ids).items():
+                counted[0].append(i)
+                counted[1].append(t)
+                amounts.append(p.frequency_penalty * n + p.presence_penalty)
+        blocked[0].extend([i] * len(row.blocked_ids))
+        blocked[1].extend(row.blocked_ids)
+    if not (seen[0] or counted[0] or blocked[0]):
         return logits
     x = logits if owned else logits.clone()
-    for i in penalised:
-        _apply_penalties(x[i], rows[i])  # (in place, through the view)
-    if blocked:
-        where = to_device(list(zip(*blocked)), torch.long, x.device)  # [2, N]: rows, token ids
-        x[where[0], where[1]] = float("-inf")
+    n_seen, n_counted = len(seen[0]), len(counted[0])
+    where = to_device([seen[0] + counted[0] + blocked[0], seen[1] + counted[1] + blocked[1]], torch.long, x.device)
+    if n_seen or n_counted:
+        by = to_device(factors + amounts, x.dtype, x.device)
+    if n_seen:  # a seen token's positive logit divided by the penalty, a negative one multiplied
+        r, t, f = where[0, :n_seen], where[1, :n_seen], by[:n_seen]
+        vals = x[r, t]
+        x[r, t] = torch.where(vals > 0, vals / f, vals * f)
+    if n_counted:
+        r, t = where[0, n_seen:n_seen + n_counted], where[1, n_seen:n_seen + n_counted]
+        x[r, t] -= by[n_seen:]
+    if blocked[0]:
+        x[where[0, n_seen + n_counted:], where[1, n_seen + n_counted:]] = float("-inf")
     return x
 
 
@@ -393,7 +400,7 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample
     logprobs go to the host in one transfer, queued here: one host sync per step, not two per
     row, which at batch 64 cost milliseconds a step. The batch is sampled in a fixed number of
     launches whatever its size: greedy rows take one argmax, sampled rows one temperature, filter and
-    race over all of them (_draw); only penalties are applied row by row. Rows with a grammar
+    race over all of them (_draw), after one pass of penalties and blocked ids. Rows with a grammar
     (structured outputs) have their bitmask filled here on the host and applied to the logits first.
     """
     S = logits.shape[0]

@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_bs \
   wheels/*.whl || exit 1
 export PYTHONPATH=.:/tmp/site_bs
-python3 -c "import torch, xgrammar; print('torch', torch.__version__, 'xgrammar', xgrammar.__version__)" \
+python3 -c "import torch, xgrammar; import importlib.metadata as m; print('torch', torch.__version__, 'xgrammar', m.version('xgrammar'))" \
   | tee "$OUT/versions.txt"
 timeout 120 python3 -m pytest -q -rf -s -p no:cacheprovider tests/test_sampling.py \
   > "$OUT/sampling_tests.log" 2>&1; grep -E "differ in|passed|failed" "$OUT/sampling_tests.log" | tail -3

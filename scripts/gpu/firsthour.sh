@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fh \
   wheels/*.whl || exit 1
 export PYTHONPATH=.:/tmp/site_fh
-python3 -c "import xgrammar, transformers; print('xgrammar', xgrammar.__version__, 'transformers', transformers.__version__)" \
+python3 -c "import xgrammar, transformers; import importlib.metadata as m; print('xgrammar', m.version('xgrammar'), 'transformers', transformers.__version__)" \
   | tee "$OUT/versions.txt"
 timeout 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_structured_outputs_gpu.py -m gpu \
   > "$OUT/gpu_test.log" 2>&1; tail -3 "$OUT/gpu_test.log"

@@ -13,9 +13,10 @@ from moekv.kvcache.formats.vq import random_calibration
 TAKEN = {
     "auto": (), "bf16": (), "fp16": (), "fp32": (), "fp8_e4m3": (),
     "int4": ("group_size", "outlier_fraction"),
-    "nuq2": ("outlier_sigma", "calibration", "codebook", "quantize_kernel", "residual", "keys_before_rope"),
-    "vq": ("calibration", "residual", "keys_before_rope"),
-    "kivi2": ("residual", "kivi_residual", "group_size"),
+    "nuq2": ("outlier_sigma", "calibration", "codebook", "quantize_kernel", "residual", "keys_before_rope",
+             "sink_tokens"),
+    "vq": ("calibration", "residual", "keys_before_rope", "sink_tokens"),
+    "kivi2": ("residual", "kivi_residual", "group_size", "sink_tokens"),
     "tiered": ("rerank_interval", "tier1_fraction", "outlier_sigma", "calibration", "codebook", "fp8_pool_fraction",
                "fused_decode", "rank_window", "rank_after_prompt"),
 }
@@ -53,7 +54,7 @@ def test_every_accepted_option_builds_the_format(name, tmp_path):
     values = {"group_size": 64, "outlier_fraction": 0.02, "outlier_sigma": 3.0, "calibration": calibration,
               "codebook": "page", "quantize_kernel": False, "residual": 64, "kivi_residual": 64, "rerank_interval": 8,
               "tier1_fraction": 0.2, "fp8_pool_fraction": 0.5, "fused_decode": False, "rank_window": 64,
-              "rank_after_prompt": True, "keys_before_rope": False}
+              "rank_after_prompt": True, "keys_before_rope": False, "sink_tokens": 4}
     fmt = get_kv_format(name, torch.bfloat16, **{key: values[key] for key in TAKEN[name]})
     assert fmt.name == (name if name != "auto" else "bf16")
 
@@ -75,7 +76,7 @@ def test_engine_config_refuses_an_option_the_format_does_not_take(name, option, 
         EngineConfig(kv_cache_dtype=name, **{option: value})
     assert f"kv_cache_dtype={name!r} does not take {option}={value!r}" in str(e.value)
     taken = [f"kv_{o}" for o in ("group_size", "outlier_sigma", "calibration", "codebook", "rerank_interval",
-                                 "tier1_fraction", "residual", "keys_before_rope") if o in TAKEN[name]]
+                                 "tier1_fraction", "residual", "keys_before_rope", "sink_tokens") if o in TAKEN[name]]
     assert str(taken or "no kv_* option") in str(e.value)
 
 
@@ -92,7 +93,7 @@ def test_engine_config_passes_each_format_only_its_options():
         assert set(options) <= set(TAKEN[name]), name
         get_kv_format(name, torch.bfloat16, **options)  # vq: the tiny model's shipped calibration
     options = EngineConfig(kv_cache_dtype="kivi2", kv_group_size=64, kv_residual=64).kv_format_options()
-    assert options == {"group_size": 64, "residual": 64}
+    assert options == {"group_size": 64, "residual": 64, "sink_tokens": None}
     tiered = EngineConfig(kv_cache_dtype="tiered", kv_rerank_interval=8, kv_codebook="page").kv_format_options()
     assert tiered["rerank_interval"] == 8 and tiered["codebook"] == "page" and "residual" not in tiered
 

@@ -30,6 +30,7 @@ from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.options import KVOption, one_of
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.kvcache.formats.residual import ResidualWindow, gluon_ring, residual_option
+from moekv.kvcache.formats.sinks import SINK_OPTION, SinkTokens
 
 GROUP = 32  # tokens per key group and channels per value group (KIVI's G)
 LEVELS = 3  # 2-bit codes 0..3
@@ -43,7 +44,7 @@ def _gluon_covers(fmt: KIVI2Format, block_size: int, head_dim: int) -> str | Non
             f"got block_size {block_size}, head_dim {head_dim}, group {fmt.group}")
 
 
-class KIVI2Format(ResidualWindow, FragmentPagedFormat):
+class KIVI2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
     name = "kivi2"
     # its pages converted from the slabs into the kernel's fragment order when written (kivi2_layout.py)
     gluon_kernel = GluonKernel("moekv.ops.gluon.kivi2_layout", "moekv.ops.gluon.kivi2_decode:kivi2_decode_attention",
@@ -53,9 +54,11 @@ class KIVI2Format(ResidualWindow, FragmentPagedFormat):
         residual_option("kivi2", GROUP),  # whole key groups (the constructor checks the group it takes)
         KVOption("group_size", GROUP,
                  "kivi2: tokens (keys) and channels (values) per group (32 or 64)", one_of(32, 64)),
+        SINK_OPTION,
     )
 
-    def __init__(self, residual: int | None = None, kivi_residual: int | None = None, group_size: int = GROUP) -> None:
+    def __init__(self, residual: int | None = None, kivi_residual: int | None = None, group_size: int = GROUP,
+                 sink_tokens: int | None = None) -> None:
         if group_size not in (32, 64):
             raise ValueError(f"kivi2: group_size={group_size!r} is not supported; accepted: 32 (KIVI's default), 64")
         self.group = group_size
@@ -63,6 +66,7 @@ class KIVI2Format(ResidualWindow, FragmentPagedFormat):
             raise ValueError(f"kivi2: residual={residual!r} and kivi_residual={kivi_residual!r} disagree; give one")
         # the residual window is kept in whole key groups
         self.set_residual(residual if residual is not None else kivi_residual, self.default_residual, self.group)
+        self.set_sinks(sink_tokens)
 
     def value_group(self, head_dim: int) -> int:
         """Channels per value group: G, or the whole head when it is narrower than G."""

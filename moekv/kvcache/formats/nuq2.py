@@ -37,6 +37,7 @@ from moekv.kvcache.formats.interface import CalibrationFitter
 from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE, KVOption, one_of, positive
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.kvcache.formats.residual import RESIDUAL_OPTION, ResidualWindow, gluon_ring
+from moekv.kvcache.formats.sinks import SINK_OPTION, SinkTokens
 from moekv.ops.nuq2_codes import CODES_PER_BYTE, NO_OUTLIER, pack_codes, unpack_codes  # noqa: F401 (re-exported)
 
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -210,7 +211,7 @@ OUTLIER_SIGMA = KVOption("outlier_sigma", None, "nuq2/tiered: outlier threshold 
                          lambda value: None if value is None else positive(value), kind=float)
 
 
-class NUQ2Format(ResidualWindow, FragmentPagedFormat):
+class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
     name = "nuq2"
     # its pages converted from the slabs into the kernel's fragment order when written (nuq2_layout.py);
     # 'auto' takes it on sm_90 for the covered shape
@@ -225,6 +226,7 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
     default_outlier_sigma = 3.0
     engine_options = (
         RESIDUAL_OPTION,
+        SINK_OPTION,
         OUTLIER_SIGMA,
         CALIBRATION,
         KVOption("codebook", "auto",
@@ -235,7 +237,7 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
 
     def __init__(self, outlier_sigma: float | None = None, calibration: str | Path | None = None,
                  codebook: str = "auto", quantize_kernel: bool | None = None, residual: int | None = None,
-                 keys_before_rope: bool = False) -> None:
+                 keys_before_rope: bool = False, sink_tokens: int | None = None) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
         (calibrated when the calibration folder has nuq2 codebooks fitted on keys on the side of RoPE
         the pages store them, keys_before_rope; else per page).
@@ -250,6 +252,7 @@ class NUQ2Format(ResidualWindow, FragmentPagedFormat):
             quantize_kernel = envs.nuq2_quantize_kernel()
         self.quantize_kernel = bool(quantize_kernel)
         self.set_residual(residual, self.default_residual)
+        self.set_sinks(sink_tokens)
         if outlier_sigma is None:
             outlier_sigma = self.default_outlier_sigma
         if not outlier_sigma > 0:

@@ -137,8 +137,9 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     engine_options = (
         KVOption("rerank_interval", 32, "tiered: decode steps between re-rankings", integer_at_least(1)),
         KVOption("tier1_fraction", 0.10, "tiered: share of pages kept in FP8", fraction),
-        # its low tier has no window and keeps post-RoPE keys
-        *(o for o in NUQ2Format.engine_options if o.name != "residual" and o is not KEYS_BEFORE_ROPE),
+        # its low tier has no window or sinks (its first page stays FP8) and keeps post-RoPE keys
+        *(o for o in NUQ2Format.engine_options
+          if o.name not in ("residual", "sink_tokens") and o is not KEYS_BEFORE_ROPE),
         KVOption("rank_window", 64, "tiered: only the last N queries of each prompt chunk add to the page ranking's "
                  "attention mass (0: all)", integer_at_least(0)),
         KVOption("rank_after_prompt", True,

@@ -45,6 +45,7 @@ from moekv.kvcache.formats.nuq2 import (
 from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.kvcache.formats.residual import RESIDUAL_OPTION, ResidualWindow, gluon_ring
+from moekv.kvcache.formats.sinks import SINK_OPTION, SinkTokens
 
 CODEBOOK_SIZE = 256  # uint8 codes
 SUB_DIM = 8  # channels per code: 1 bit/element for the codes (d = 4 would be 2 bits before any scale)
@@ -166,7 +167,7 @@ def _gluon_covers(fmt: VQFormat, block_size: int, head_dim: int) -> str | None:
             f"got block_size {block_size}, head_dim {head_dim}, {fmt.sub_dim}-channel codes")
 
 
-class VQFormat(ResidualWindow, FragmentPagedFormat):
+class VQFormat(SinkTokens, ResidualWindow, FragmentPagedFormat):
     name = "vq"
     # its pages converted from the slabs into the kernel's fragment order when written; the view of a
     # pool carries its layer's codebooks and key channel scales (vq_layout.py)
@@ -176,7 +177,7 @@ class VQFormat(ResidualWindow, FragmentPagedFormat):
     # the newest tokens in 16-bit (residual.py): on domain-moe vq wants 256 where nuq2 settles at 128
     # (docs/decisions.md, "nuq2's and vq's residual window")
     default_residual = 256
-    engine_options = (CALIBRATION, RESIDUAL_OPTION, KEYS_BEFORE_ROPE)
+    engine_options = (CALIBRATION, RESIDUAL_OPTION, KEYS_BEFORE_ROPE, SINK_OPTION)
     # graph_support as every paged format: decode_spec()'s tables are copied to the device on the
     # first call, which the CUDA-graph runner's warm-up (before capture) makes
     layer_independent_quantize = False  # codebooks per layer
@@ -185,13 +186,14 @@ class VQFormat(ResidualWindow, FragmentPagedFormat):
                                            calibration_summary)
 
     def __init__(self, calibration: str | Path | None = None, residual: int | None = None,
-                 keys_before_rope: bool = False) -> None:
+                 keys_before_rope: bool = False, sink_tokens: int | None = None) -> None:
         """calibration: the folder from `moekv calibrate`; residual: the newest tokens kept in 16-bit
         (None: default_residual; 0: none); keys_before_rope: pages hold the keys as computed before
         RoPE, rotated by their positions after the lookup by every reader
         (PagedQuantFormat.keys_before_rope; no Gluon kernel); the calibration's key tables should then
         be fitted on un-rotated keys (`moekv calibrate --keys-before-rope`)."""
         self.set_residual(residual, self.default_residual)
+        self.set_sinks(sink_tokens)
         if calibration is None:
             raise ValueError(NEEDS_CALIBRATION)
         if not isinstance(keys_before_rope, bool):

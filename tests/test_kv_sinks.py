@@ -1,0 +1,109 @@
+"""Sink tokens (moekv/kvcache/formats/sinks.py) of kivi2, nuq2 and vq: each sequence's first S tokens in a
+16-bit buffer, written with the tokens that compute them and read in place of their dequantized values.
+
+On the CPU: gather across page boundaries, prefill chunks, decode steps and two sequences (the stored
+pages, the first S positions exact, the newest R exact where a residual window is on); the reference
+decode path against float64 dense attention over those values; S = 0 as the format without sinks;
+the buffer's bytes in the bits per element; decode steps refused to the fused kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekv.config import EngineConfig
+from moekv.kvcache.formats import get_kv_format
+from tests.test_kv_residual import HQ, NAMES, P, Sequences, attention64, options
+
+CASES = [(n, s, r) for n in NAMES for s, r in ((4, 0), (64, 0), (70, 32))] + [("nuq2", 0, 32), ("nuq2", 33, 128)]
+
+
+def expected(seqs: Sequences, s: int, kind: int, S: int, R: int, name: str) -> torch.Tensor:
+    want = seqs.expected(s, kind, R, name)
+    want[:S] = seqs.kv[s][kind][:min(S, seqs.lens[s])]
+    return want
+
+
+def make(name: str, S: int, R: int):
+    return get_kv_format(name, torch.float32, **options(name, R), sink_tokens=S)
+
+
+@pytest.mark.parametrize("name, S, R", CASES)
+def test_gather_reads_the_first_S_exact(name, S, R):
+    """Two sequences, prefilled in chunks that cross page boundaries (one in a mixed step beside a decode),
+    then decoding past page ends: after each step gather gives the stored pages with the first S and the
+    newest R positions exact, for the whole context and for prefixes shorter and longer than S."""
+    fmt = make(name, S, R)
+    seqs = Sequences(fmt, 200, seed=S + R)
+    steps = [[(0, 45)], [(0, 30), (1, 70)], [(0, 1), (1, 1)]] + [[(0, 1), (1, 1)]] * 60
+    for i, chunks in enumerate(steps):
+        ctx = seqs.step(chunks)
+        if i % 7 and i != len(steps) - 1:
+            continue
+        for b, (s, _) in enumerate(chunks):
+            n = seqs.lens[s]
+            for kind in (0, 1):
+                want = expected(seqs, s, kind, S, R, name)
+                for cut in sorted({n, max(S - 3, 1), S + 5}):
+                    if cut <= n:
+                        got = fmt.gather(seqs.cache, ctx, b, cut, ("key", "value")[kind])
+                        assert torch.equal(got, want[:cut]), (i, s, kind, cut)
+    assert seqs.lens == {0: 136, 1: 131}
+
+
+@pytest.mark.parametrize("name, S, R", CASES)
+def test_reference_decode_with_sinks_is_dense_attention(name, S, R):
+    """The decode path (attend) of both sequences equals float64 attention over the pages as stored with
+    the first S (and newest R) positions exact; sinks change the output where they cover positions that
+    neither the ring nor the staged page holds."""
+    fmt = make(name, S, R)
+    seqs = Sequences(fmt, 200, seed=1)
+    seqs.step([(0, 100), (1, 150)])
+    ctx = seqs.step([(0, 1), (1, 1)])  # 101 and 151 tokens
+    q = torch.randn(2, HQ, seqs.kv[0][0].shape[-1], generator=torch.Generator().manual_seed(5))
+    scale = q.shape[-1] ** -0.5
+    out = fmt.attend(q, seqs.cache, ctx, scale, None)
+    for b, s in enumerate((0, 1)):
+        ref = attention64(q[b], expected(seqs, s, 0, S, R, name), expected(seqs, s, 1, S, R, name), scale)
+        assert (out[b].double() - ref).abs().max() < 1e-5, (b, s)
+        n = seqs.lens[s]
+        if min(S, n - R, (n - 1) // P * P) > 0:
+            without = attention64(q[b], seqs.expected(s, 0, R, name), seqs.expected(s, 1, R, name), scale)
+            assert (out[b].double() - without).abs().max() > 1e-4, (b, s)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_sinks_is_the_format_without_them(name):
+    """S = 0 (every format's default): no buffer, no bytes, the fused decode kernels and prefix caching
+    as without the option; S > 0 refuses both, naming the reason."""
+    fmt = get_kv_format(name, torch.float32, **options(name, 0))
+    assert fmt.sink_tokens == 0
+    cache = fmt.allocate(4, 2, 64, 128, torch.device("cpu"), 2, torch.float32)
+    assert "k_sink" not in cache.tensors
+    assert fmt.fused_decode_unavailable(64, 128) is None
+    assert fmt.prefix_caching_unsupported() is None
+    sinks = make(name, 16, 0)
+    assert "sink tokens" in sinks.fused_decode_unavailable(64, 128)
+    assert "sinks" in sinks.prefix_caching_unsupported()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bits_count_the_sinks(name):
+    """bits_per_element_at counts the buffer: S tokens of K and V in 16 bits add 16 S / L bits per element."""
+    for S in (4, 64):
+        with_sinks, without = make(name, S, None), make(name, 0, None)
+        for L in (4096, 32768):
+            extra = with_sinks.bits_per_element_at(L, 8, 64, 128) - without.bits_per_element_at(L, 8, 64, 128)
+            assert extra == pytest.approx(16 * S / L)
+
+
+def test_option_and_refusals():
+    """kv_sink_tokens reaches kivi2, nuq2 and vq; tiered's low tier does not take it; bad values are refused
+    naming the option."""
+    for name in NAMES:
+        assert EngineConfig(kv_cache_dtype=name, kv_sink_tokens=64).kv_format_options()["sink_tokens"] == 64
+    assert "sink_tokens" not in EngineConfig(kv_cache_dtype="tiered").kv_format_options()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="sink_tokens"):
+            get_kv_format("nuq2", sink_tokens=bad)
+        with pytest.raises(ValueError, match="kv_sink_tokens"):
+            EngineConfig(kv_cache_dtype="nuq2", kv_sink_tokens=bad)

@@ -173,6 +173,11 @@ def test_info_rows_name_their_page_size_and_eval_refuses_stride_0(mixtral_ckpt, 
     r = run_cli("info", "--model", str(mixtral_ckpt), "--kv-residual", "0")
     row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["nuq2"])
     assert [float(w) for w in re.findall(r"([\d.]+) at (?:4k|32k)", row)] < bits["nuq2"][1:]
+    # and its sinks: 64 tokens in 16 bits add 16 * 64 / L bits per element at L tokens
+    r = run_cli("info", "--model", str(mixtral_ckpt), "--kv-sink-tokens", "64")
+    row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["nuq2"])
+    at = [float(w) for w in re.findall(r"([\d.]+) at (?:4k|32k)", row)]
+    assert at == pytest.approx([b + 16 * 64 / n for b, n in zip(bits["nuq2"][1:], (4096, 32768))], abs=0.011)
     text = tmp_path / "t.txt"
     text.write_text("some words " * 20)
     for flag, value in (("--stride", "0"), ("--window", "1")):

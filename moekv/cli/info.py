@@ -57,13 +57,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         return _latent_cache_rows(cfg, args.block_size)
     where = f"block_size {args.block_size}" if args.block_size else "each format at its default block_size"
     print(f"\nKV cache per token (all {cfg.num_layers} layers, K and V, {where}; bits per element of a full page, "
-          f"then of one sequence at 4k and 32k tokens: its pages, staging page and 16-bit window):")
+          f"then of one sequence at 4k and 32k tokens: its pages, staging page, 16-bit window and sinks):")
     for name in KV_FORMAT_NAMES:
         if name == "auto":
             continue
         block_size = args.block_size or default_block_size(name)  # the engine's default page
         try:
-            options = dict(group_size=args.kv_group_size, residual=args.kv_residual,
+            options = dict(group_size=args.kv_group_size, residual=args.kv_residual, sink_tokens=args.kv_sink_tokens,
                            calibration=args.kv_calibration or shipped_kv_calibration(args.model))
             fmt = get_kv_format(name, cfg.torch_dtype, decode_kernel=args.decode_kernel,
                                 **kv_options_for(name, options))
@@ -150,6 +150,8 @@ def add_info_parser(subparsers) -> argparse.ArgumentParser:
     info.add_argument("--kv-group-size", type=int, default=32, help="elements per scale group of the grouped formats")
     info.add_argument("--kv-residual", type=int, default=None,
                       help="newest tokens kept in 16-bit by kivi2, nuq2 and vq (default: each format's own; 0: none)")
+    info.add_argument("--kv-sink-tokens", type=int, default=None,
+                      help="first tokens kept in 16-bit by kivi2, nuq2 and vq (default: each format's own, 0)")
     info.add_argument("--kv-calibration", default=None,
                       help="kv_calibration folder (default: the checkpoint's own, if it has one)")
     info.add_argument("--decode-kernel", choices=DECODE_KERNELS, default=DEFAULT_DECODE_KERNEL,

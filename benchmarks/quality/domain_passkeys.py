@@ -29,6 +29,8 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int, default=8, help="keys per (length, depth) cell")
+    p.add_argument("--wrong-answers", action="store_true",
+                   help="keep the prompts answered wrongly (key, needle position, answer) in the result")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -49,6 +51,8 @@ def main() -> None:
                                         seed=0, progress=False).to_dict()
             by_length[str(length)] = {k: v for k, v in result.items() if k != "answers"} | {
                 "seconds": time.perf_counter() - start}
+            if args.wrong_answers:
+                by_length[str(length)]["wrong_answers"] = [a for a in result["answers"] if not a["correct"]]
             print(f"{fmt} {length}: {result['accuracy']} ({time.perf_counter() - start:.0f} s)", flush=True)
             Path(args.out).write_text(json.dumps(repo_relative(record), indent=1))
         del llm

@@ -4,7 +4,8 @@
 On the CPU: gather across page boundaries, prefill chunks, decode steps and two sequences (the stored
 pages, the first S positions exact, the newest R exact where a residual window is on); the reference
 decode path against float64 dense attention over those values; S = 0 as the format without sinks;
-the buffer's bytes in the bits per element; decode steps refused to the fused kernels."""
+the buffer's bytes in the bits per element; decode steps refused to the fused kernels; through the
+engine, sinks over the whole context read what a window over it reads."""
 from __future__ import annotations
 
 import pytest
@@ -107,3 +108,31 @@ def test_option_and_refusals():
             get_kv_format("nuq2", sink_tokens=bad)
         with pytest.raises(ValueError, match="kv_sink_tokens"):
             EngineConfig(kv_cache_dtype="nuq2", kv_sink_tokens=bad)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_engine_with_sinks_over_the_whole_context_reads_what_a_whole_window_reads(name):
+    """Through the engine (float32 on the CPU), prompts prefilled in chunks of 40 tokens then decoded
+    past a page end: with no window and sinks longer than every sequence, every cached position is read
+    from the 16-bit sink buffer, as it is from the residual window's ring (tested against float64 in
+    test_kv_residual.py) with no sinks and a window longer than every sequence, so the greedy tokens and
+    their logprobs are the same; with a few sinks later chunks read 2-bit pages and the logprobs move."""
+    from moekv import LLM, SamplingParams
+    from tests.test_kv_prefill_exact import token_ids
+
+    prompts = [{"prompt_token_ids": token_ids(100, 1)}, {"prompt_token_ids": token_ids(70, 2)}]
+    params = SamplingParams(max_tokens=30, temperature=0.0, logprobs=0)
+
+    def run(kv_cache_dtype, **kwargs):
+        llm = LLM(dtype="float32", kv_cache_dtype=kv_cache_dtype, block_size=32, max_model_len=256,
+                  max_num_batched_tokens=40, **kwargs)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [(c.token_ids, torch.tensor([lp[t] for t, lp in zip(c.token_ids, c.logprobs)])) for c in outs]
+
+    want = run(name, kv_residual=256, kv_sink_tokens=0)  # vq: the shipped model's calibration
+    got = run(name, kv_residual=0, kv_sink_tokens=256)
+    few = run(name, kv_residual=0, kv_sink_tokens=8)
+    for (t, lp), (tw, lpw), (_, lpf) in zip(got, want, few):
+        assert t == tw
+        assert (lp - lpw).abs().max() < 1e-5
+        assert len(lpf) != len(lpw) or (lpf - lpw).abs().max() > 1e-3

@@ -15,7 +15,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/sinks}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
-timeout 60 python -m pytest -q -rf -p no:cacheprovider tests/test_kv_sinks.py > "$OUT/tests.log" 2>&1
+timeout 120 python -m pytest -q -rf -p no:cacheprovider tests/test_kv_sinks.py > "$OUT/tests.log" 2>&1
 tail -3 "$OUT/tests.log"
 F="bf16 nuq2 nuq2:kv_sink_tokens=4 nuq2:kv_sink_tokens=64"
 timeout 150 python benchmarks/quality/domain_passkeys.py --device cuda --trials 40 --depths 0 --formats $F \

@@ -17,11 +17,12 @@
 #   SMOKE=1 DATA_DIR=/tmp/dsmoke OUT=/tmp/mla_out bash scripts/gpu/mla_train.sh
 # Knobs: N_GROUP / TOPK_GROUP (4 / 2), TOKENS (98304000: 750 steps of 131,072), TIME_BUDGET (seconds of
 # training per model, evaluations included: 185), ROUTING=0 skips the routing experiment.
-# Afterwards, here: models/domain-mla from $OUT/grouped (join the parts: cat model.safetensors.part* >
-# model.safetensors; run.tar holds config.json, train_log.jsonl, eval.json, loss_curve.png), the tokenizer
-# files from /tmp/dd/data, and the model card scripts/model_cards/domain-mla.md as its README.md (its
-# blank cells filled from eval.json and the routing experiment); the flat twin's weights stay out of
-# the tree (its run.tar's results go in).
+# How its results became the tree's: models/domain-mla from $OUT/grouped (the parts joined: cat
+# model.safetensors.part* > model.safetensors; run.tar's config.json, train_log.jsonl, eval.json,
+# loss_curve.png), the tokenizer files from /tmp/dd/data (byte-identical to models/domain-moe's), and
+# the figures of its README.md from eval.json and the routing experiment; the flat twin's weights stay
+# out of the tree, its eval.json and train_log.jsonl are in benchmarks/results/h100/domain-mla-flat/,
+# routing.json is benchmarks/results/h100/group_routing_domain-mla.json (docs/routing.md's table).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/mla_train}"; mkdir -p "$OUT"

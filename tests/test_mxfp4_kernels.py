@@ -133,6 +133,24 @@ def test_fused_moe_mxfp4_matches_reference(name, path, config):
     assert (ref_oss - ref).abs().max().item() > 1e-1  # the epilogues change the answer: the check above is not vacuous
 
 
+@pytest.mark.parametrize("P", [2, 4])
+def test_run_gemv_mxfp4_with_gpt_oss_epilogue(P):
+    """The run GEMV (path 'runs') on MXFP4 experts, with and without gpt-oss's biases and clamped SwiGLU:
+    T = 6 over 4 experts, top-2 (runs longer than P), groups of 32 inside 64-wide K tiles."""
+    x, q13, b13, q2, b2, weights, ids = moe_case(6, 4, 2, 96, 64, seed=5)
+    d13, d2 = q13.dequantize(torch.float64), q2.dequantize(torch.float64)
+    config = fq.QuantGemvConfig(block_n=8, block_k=64, num_splits=2, run_pairs=P)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, path="runs", config=config)
+    ref = fused_moe_ref(x.double(), d13, d2, weights.double(), ids)
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, path="runs", config=config, biases=(b13, b2),
+                             clamped_swiglu=(ALPHA, LIMIT))
+    ref_oss = clamped_swiglu_moe_ref(x.double(), d13, b13.double(), d2, b2.double(), weights.double(), ids,
+                                     ALPHA, LIMIT)
+    assert (out.double() - ref_oss).abs().max().item() <= 1e-5 * max(1.0, ref_oss.abs().max().item())
+    assert (ref_oss - ref).abs().max().item() > 1e-1  # the epilogues change the answer
+
+
 @pytest.mark.parametrize("method", ["fp8", "int4"])
 def test_epilogues_with_fp8_and_int4_experts(method):
     """The biases and clamped SwiGLU are the quantized kernels' epilogues for every weight kind
@@ -143,7 +161,8 @@ def test_epilogues_with_fp8_and_int4_experts(method):
     w13, w2 = (quantize_stacked(q.dequantize(torch.float32), method) for q in (q13, q2))
     ref = clamped_swiglu_moe_ref(x.double(), w13.dequantize(torch.float64), b13.double(), w2.dequantize(torch.float64),
                                  b2.double(), weights.double(), ids, ALPHA, LIMIT)
-    for path, config in (("gemv", GEMV["gemv-tile-scales"]), ("gemm", GEMM["gemm-tile-scales"])):
+    runs = fq.QuantGemvConfig(block_n=8, block_k=32, num_splits=2, run_pairs=2)
+    for path, config in (("gemv", GEMV["gemv-tile-scales"]), ("gemm", GEMM["gemm-tile-scales"]), ("runs", runs)):
         out = fq.fused_moe_quant(x, w13, w2, weights, ids, path=path, config=config, biases=(b13, b2),
                                  clamped_swiglu=(ALPHA, LIMIT))
         assert (out.double() - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), path

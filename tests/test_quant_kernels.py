@@ -69,6 +69,94 @@ def test_fused_moe_quant_matches_reference(quantizer, path, T):
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
+def _routing(T, E, k, kind, g):
+    """topk_ids [T, k]: "random" (distinct experts a token, repeats across tokens), "one" (every pair on
+    expert E - 1, k = 1), "long" (slot 0 of every token on expert 1: a run longer than P = 2 or 4)."""
+    if kind == "one":
+        return torch.full((T, 1), E - 1, dtype=torch.int64)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if kind == "long":
+        ids[:, 0] = 1
+        ids[:, 1:] = torch.where(ids[:, 1:] == 1, 0, ids[:, 1:])
+    return ids
+
+
+@pytest.mark.parametrize("topk,E,P", [(1, 4, 2), (2, 8, 2), (2, 8, 4), (3, 6, 4), (2, 3, 8), (2, 8, 16)])
+@pytest.mark.parametrize("T", [1, 5, 16, 64])
+def test_moe_align_small_is_moe_align_block_size(topk, E, P, T):
+    """The one-program sort gives moe_align_block_size's sorted_ids and block experts element for element
+    (runs padded to P, the sentinel M, -1 past the padded length), for random routing and every pair on one
+    expert; more than ALIGN_MAX_PAIRS pairs are refused."""
+    g = torch.Generator().manual_seed(T * 100 + E)
+    if T * topk > fm.ALIGN_MAX_PAIRS:
+        with pytest.raises(ValueError, match="at most"):
+            fm.moe_align_small(_routing(T, E, topk, "random", g), E, P)
+        return
+    for kind in ("random", "one"):
+        ids = _routing(T, E, topk, kind, g).to(DEVICE)
+        sorted_ids, block_expert, _ = fm.moe_align_block_size(ids, E, P)
+        small_ids, small_expert = fm.moe_align_small(ids, E, P)
+        assert torch.equal(sorted_ids, small_ids) and torch.equal(block_expert, small_expert), kind
+
+
+RUN_CASES = [  # (quantizer, T, k, routing, P): tiles 8 x 32 at H = 64, I = 40 (partial n-block, K tile, group)
+    ("int4-zp", 1, 2, "random", 2),
+    ("int4-zp", 8, 2, "random", 2),  # 16 pairs over 6 experts: runs of up to ~6 split over programs
+    ("int4-sym", 5, 2, "long", 4),  # a run of 5 > P
+    ("int4-g24", 3, 2, "random", 4),  # groups that neither divide nor span the K tiles: per-element scales
+    ("fp8-channel", 6, 2, "long", 2),
+    ("fp8-block", 4, 2, "random", 2),
+    ("int4-zp", 7, 1, "one", 4),  # every pair on one expert
+    ("int4-zp", 2, 2, "random", 8),
+]
+
+
+@pytest.mark.parametrize("quantizer,T,k,routing,P", RUN_CASES)
+def test_run_gemv_matches_reference(quantizer, T, k, routing, P):
+    """path 'runs' against the float64 reference on the dequantized weights: repeated experts, runs longer
+    than P (several programs a run), every pair on one expert, each scale reading."""
+    g = torch.Generator().manual_seed(T * 10 + k)
+    E, H, I = 6, 64, 40
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    ids = _routing(T, E, k, routing, g)
+    weights = torch.softmax(torch.randn(T, ids.shape[1], generator=g), -1)
+    x = torch.randn(T, H, generator=g)
+    q13, q2 = (QUANTIZERS[quantizer](w).to(DEVICE) for w in (w13, w2))
+    x, weights, ids = x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)
+    config = fq.QuantGemvConfig(block_n=8, block_k=32, num_splits=2, run_pairs=P)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, path="runs", config=config)
+    ref = fused_moe_ref(x.double(), q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights.double(), ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_run_gemv_decodes_every_int4_code_at_default_tiles():
+    """The run GEMV at its default tiles (16 x 1024: one K step past K, masked; groups of 32 inside the tile,
+    scaled a chunk at a time) decodes each nibble position's 16 codes exactly, for 2 and 4 pairs a program."""
+    E, H, I, T, k = 3, 64, 40, 5, 2
+    q13, q2 = _every_code_int4(E, 2 * I, H, 32, 1), _every_code_int4(E, H, I, 32, 2)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1).to(DEVICE)
+    ref = fused_moe_ref(x.double(), q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights.double(), ids)
+    for P in (2, 4):
+        out = fq.fused_moe_quant(x, q13, q2, weights, ids, path="runs", config=fq.QuantGemvConfig(16, run_pairs=P))
+        assert (out.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item(), P
+
+
+def test_default_path_and_run_pairs():
+    """path=None: the pair GEMV where experts are mostly distinct, the run GEMV where runs average 2 pairs
+    (Mixtral's T=8, top-2 of 8), the grouped GEMM past GEMV_MAX_PAIRS; P the mean run rounded up, 2 to 4."""
+    assert [fq.default_path(2 * T, 8) for T in (1, 2, 4, 8, 16)] == ["gemv", "gemv", "gemv", "runs", "gemm"]
+    assert fq.default_path(16, 32) == "gemv"  # gpt-oss-20b at T=4: 16 pairs over 32 experts
+    assert [fq.default_run_pairs(M, 8) for M in (2, 16, 32, 64, 128)] == [2, 2, 4, 4, 4]
+    x, q13, q2, weights, ids = _moe_case(2, 4, 2, 32, 16, "int4-sym")
+    with pytest.raises(ValueError, match="power of 2"):
+        fq.fused_moe_quant(x, q13, q2, weights, ids, path="runs", config=fq.QuantGemvConfig(run_pairs=3))
+
+
 def _every_code_int4(E, N, K, group, seed):
     """int4 weights whose codes take all 16 values at each of a word's 8 nibble positions (code (n + k + e) % 16),
     with random scales and zero points in groups of `group`."""
@@ -158,10 +246,11 @@ def _oracle(x, q13, q2, weights, ids):
     return fused_moe_ref(x.float(), w13, w2, weights.float(), remap[ids])
 
 
-@pytest.mark.parametrize("path", [None, "gemm", "gemv"])
+@pytest.mark.parametrize("path", [None, "gemm", "gemv", "runs"])
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_gpu_mixtral_shapes(mixtral_quant, T, path):
-    """bf16 activations: the kernel within 1.5x the bf16 reference's error against fp32 math."""
+    """bf16 activations: the kernel within 1.5x the bf16 reference's error against fp32 math (the run
+    GEMV at T = 64 with 128 pairs, ALIGN_MAX_PAIRS)."""
     q13, q2 = mixtral_quant
     if path == "gemv" and T * 2 > fq.GEMV_MAX_PAIRS:
         pytest.skip("the GEMV path is for T*k <= GEMV_MAX_PAIRS")
@@ -177,20 +266,21 @@ def test_gpu_mixtral_shapes(mixtral_quant, T, path):
     assert err <= max(1.5 * err_ref, 1e-2 * scale), (err, err_ref, scale)
 
 
-@pytest.mark.parametrize("T", [1, 64])
-def test_gpu_cuda_graph_capture(mixtral_quant, T):
-    """No host sync: the step captures, and a replay with new routing gives the eager answer."""
+@pytest.mark.parametrize("T,path", [(1, None), (64, None), (8, "runs"), (8, "gemv")])
+def test_gpu_cuda_graph_capture(mixtral_quant, T, path):
+    """No host sync: the step captures, and a replay with new routing gives the eager answer (the run
+    GEMV's sort included)."""
     q13, q2 = mixtral_quant
     x = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
-    graph, out = capture(lambda: fq.fused_moe_quant(x, q13, q2, weights, ids))
+    graph, out = capture(lambda: fq.fused_moe_quant(x, q13, q2, weights, ids, path=path))
     new_w, new_ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
     x.copy_(torch.randn_like(x))
     weights.copy_(new_w)
     ids.copy_(new_ids)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, fq.fused_moe_quant(x, q13, q2, weights, ids))
+    assert torch.equal(out, fq.fused_moe_quant(x, q13, q2, weights, ids, path=path))
 
 
 @pytest.mark.parametrize("method", ["fp8", "int4"])

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moekv.ops import fused_moe_quant as fq
-from moekv.ops.quant_tiles import scale_mode
+from moekv.ops.quant_tiles import run_chunks, scale_mode
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 CODES = {"int4": "*i32", "mxfp4": "*i32", "fp8": "*fp8e4nv"}
@@ -35,19 +35,20 @@ SCALE_K = {"int4": 128, "mxfp4": 32}  # fp8: one scale a row (SK = K)
 
 
 def build(method: str, kernel: str, H: int, I: int, top_k: int, block_n: int, block_k: int, epilogue: bool = False,
-          aligned_rows: bool = True):
-    """(SASS, resource usage) of one GEMV. Pointers are 16-byte aligned and strides multiples of 16 as
-    Triton specializes them at run time, except the codes' row stride where aligned_rows is False
-    (gpt-oss's 360 words)."""
+          aligned_rows: bool = True, run_pairs: int = 0):
+    """(SASS, resource usage) of one GEMV (run_pairs P > 0: the run GEMV, P pairs of one expert a program).
+    Pointers are 16-byte aligned and strides multiples of 16 as Triton specializes them at run time, except
+    the codes' row stride where aligned_rows is False (gpt-oss's 360 words)."""
     gate_up = kernel == "gate_up"
     N, K = (I, H) if gate_up else (H, I)
     act = "x_ptr" if gate_up else "h_ptr"
     sig = {act: "*bf16", "c_ptr": CODES[method], "s_ptr": SCALES[method], "z_ptr": SCALES[method]}
+    routing = ({"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32", "num_runs": "i32"}
+               if run_pairs else {"expert_ids_ptr": "*i64", "num_pairs": "i32"})
     if gate_up:
-        sig |= {"h_ptr": "*bf16", "expert_ids_ptr": "*i64", "num_pairs": "i32", "stride_xt": "i32"}
+        sig |= {"h_ptr": "*bf16"} | routing | {"stride_xt": "i32"}
     else:
-        sig |= {"y_ptr": "*fp32", "weights_ptr": "*fp32", "expert_ids_ptr": "*i64", "num_pairs": "i32",
-                "stride_hm": "i32"}
+        sig |= {"y_ptr": "*fp32", "weights_ptr": "*fp32"} | routing | {"stride_hm": "i32"}
     sig |= {"stride_ce": "i64", "stride_cn": "i32", "stride_se": "i32", "stride_sn": "i32"}
     sig |= {"stride_hm": "i32"} if gate_up else {"stride_ys": "i32", "stride_ym": "i32"}
     sig |= {"b13_ptr" if gate_up else "b2_ptr": "*bf16", "stride_be": "i32"}
@@ -55,11 +56,17 @@ def build(method: str, kernel: str, H: int, I: int, top_k: int, block_n: int, bl
     consts = dict(N=N, K=K, INT4=method == "int4", MXFP4=method == "mxfp4", HAS_ZEROS=method == "int4", SN=1, SK=SK,
                   SCALE_MODE=scale_mode(SK, K, block_k), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=epilogue)
     consts |= dict(TOP_K=top_k, CLAMPED=epilogue, ALPHA=1.702, LIMIT=7.0) if gate_up else dict(K_PER_SPLIT=K)
+    if run_pairs:
+        consts |= dict(P=run_pairs, CHUNKS=run_chunks(SK, K, block_k))
     names = list(sig)
     divisible = [n for n in names if sig[n].startswith("*") or n.startswith("stride") and n != "num_pairs"]
     if not aligned_rows:
         divisible.remove("stride_cn")
-    src = ASTSource(fq._qgate_up_gemv_kernel if gate_up else fq._qdown_gemv_kernel,
+    if run_pairs:
+        fn = fq._qgate_up_runs_kernel if gate_up else fq._qdown_runs_kernel
+    else:
+        fn = fq._qgate_up_gemv_kernel if gate_up else fq._qdown_gemv_kernel
+    src = ASTSource(fn,
                     signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts,
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))

@@ -81,6 +81,61 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     return sorted_ids, block_expert_ids, padded_end[-1:].to(torch.int32)
 
 
+ALIGN_MAX_PAIRS = 128  # moe_align_small's bound: one program holds [slots, pairs] comparison tiles
+
+
+@triton.jit
+def _align_small_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, M, E,
+                        MP: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr,
+                        NB: tl.constexpr, BP: tl.constexpr):
+    """moe_align_block_size's outputs in one program for M <= MP pairs, from [MP, MP] and [SP, MP] comparison
+    tiles instead of a sort: pair i's slot is the padded start of its expert (the sum of the padded run
+    lengths of the smaller experts present) plus its rank among its expert's pairs."""
+    offs = tl.arange(0, MP)
+    ok = offs < M
+    e = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    e = tl.where(ok, e, E)  # absent pairs: an expert past the last, never counted
+    e_i = e[:, None]
+    e_j = e[None, :]
+    ok_j = ok[None, :]
+    same = (e_i == e_j) & ok_j  # [MP, MP]: row i, column j
+    count = tl.sum(same.to(tl.int32), axis=1)  # [MP]: pairs of i's expert
+    rank = tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)  # [MP]: i's rank in its run
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    first = (rank == 0) & ok  # one pair stands for each expert present
+    before = first[None, :] & (e_j < e_i)  # [MP, MP]: j is the first pair of an expert smaller than i's
+    start = tl.sum(tl.where(before, padded[None, :], 0), axis=1)  # [MP]
+    dest = tl.where(ok, start + rank, -1)  # [MP]: i's slot in sorted_ids
+    slots = tl.arange(0, SP)
+    hit = dest[None, :] == slots[:, None]  # [SP, MP]
+    found = tl.sum(hit.to(tl.int32), axis=1)
+    pair = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+    tl.store(sorted_ids_ptr + slots, tl.where(found > 0, pair, M), mask=slots < SLOTS)
+    blocks = tl.arange(0, BP)
+    in_block = (dest[None, :] // BLOCK_M == blocks[:, None]) & ok[None, :]  # [BP, MP]
+    expert = tl.max(tl.where(in_block, e[None, :], -1), axis=1)
+    tl.store(block_expert_ptr + blocks, expert, mask=blocks < NB)
+
+
+def moe_align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """moe_align_block_size's (sorted_ids, block_expert_ids) for T*k <= ALIGN_MAX_PAIRS pairs in one
+    launch (the torch version takes about a dozen small kernels); equal to it element for element."""
+    flat = topk_ids.reshape(-1)
+    M = flat.numel()
+    if M > ALIGN_MAX_PAIRS:
+        raise ValueError(f"moe_align_small takes at most {ALIGN_MAX_PAIRS} pairs, got {M}")
+    num_blocks = triton.cdiv(max_padded_pairs(M, num_experts, block_m), block_m)
+    slots = num_blocks * block_m
+    sorted_ids = torch.empty(slots, dtype=torch.int32, device=flat.device)
+    block_expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    if M:
+        _align_small_kernel[(1,)](flat, sorted_ids, block_expert_ids, M, num_experts,
+                                  MP=max(16, triton.next_power_of_2(M)), BLOCK_M=block_m, SLOTS=slots,
+                                  SP=triton.next_power_of_2(slots), NB=num_blocks,
+                                  BP=max(2, triton.next_power_of_2(num_blocks)), num_warps=4)
+    return sorted_ids, block_expert_ids
+
+
 # -- grouped GEMM kernels -------------------------------------------------------------------------
 @triton.jit
 def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):

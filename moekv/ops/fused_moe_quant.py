@@ -6,9 +6,13 @@ grids are those of ops/fused_moe.py (read it first), with each weight tile dequa
 (ops/quant_tiles.dequant_tile) instead of loaded:
 - GEMV for decode (T*k <= GEMV_MAX_PAIRS): program (pair, n-block[, k-split]) streams the codes of a
   [BLOCK_N, K] slab of its pair's expert, reducing products to row sums every K step.
+- run GEMV for decode where pairs share experts (path "runs"; `default_path`): the pairs sorted by expert in
+  one launch (`moe_align_small`, runs padded to P pairs); program (run, n-block[, k-split]) decodes each
+  tile once and applies it to the activation rows of its up to P pairs (`quant_tiles.run_code_dots`),
+  so an expert's codes are unpacked once per P pairs instead of once per pair.
 - grouped GEMM for prefill / large batch: the pairs sorted by expert (`moe_align_block_size`); each
   K step dequantizes a [BLOCK_K, BLOCK_N] weight tile to the activations' dtype, then `tl.dot`.
-Both are free of host syncs (capturable in a CUDA graph).
+All are free of host syncs (capturable in a CUDA graph).
 
 `quant_gemm` is the down projection's GEMM with one expert and weight 1: the dense projections'
 path at more tokens than their GEMV takes (ops/quant_linear.py).
@@ -18,6 +22,7 @@ I = expert intermediate size, S = k-splits.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.fused_moe import (
+    ALIGN_MAX_PAIRS,
     GEMV_MAX_PAIRS,
     GemmConfig,
     activate,
@@ -35,10 +41,20 @@ from moekv.ops.fused_moe import (
     fused_moe,
     interpreting,
     moe_align_block_size,
+    moe_align_small,
     num_sms_of,
     sum_partials,
 )
-from moekv.ops.quant_tiles import SCALES_PER_TILE, code_dots, code_values, dequant_tile, scale_mode, tile_scales
+from moekv.ops.quant_tiles import (
+    SCALES_PER_TILE,
+    code_dots,
+    code_values,
+    dequant_tile,
+    run_chunks,
+    run_code_dots,
+    scale_mode,
+    tile_scales,
+)
 from moekv.ops.quantized_weight import QuantizedWeight
 
 
@@ -49,6 +65,8 @@ class QuantGemvConfig:
     num_splits: int | None = None  # of the down projection's K; None: enough programs to fill the GPU
     num_warps: int = 4
     num_stages: int = 4
+    # path "runs": pairs a program takes from one expert's run (a power of 2); None: default_run_pairs
+    run_pairs: int | None = None
 
 
 DEFAULT_QUANT_GEMV = QuantGemvConfig()
@@ -60,6 +78,30 @@ DEFAULT_PACKED_GEMV = QuantGemvConfig(block_n=16)
 
 def default_quant_gemv(w: QuantizedWeight) -> QuantGemvConfig:
     return DEFAULT_PACKED_GEMV if w.method in ("int4", "mxfp4") else DEFAULT_QUANT_GEMV
+
+
+RUNS_MIN_MEAN = 2  # path None takes the run GEMV at T*k <= GEMV_MAX_PAIRS where runs average this many pairs
+
+
+def mean_run(num_pairs: int, num_experts: int) -> float:
+    """Pairs an expert takes on average if every expert holds some: T*k / min(E, T*k)."""
+    return num_pairs / max(1, min(num_experts, num_pairs))
+
+
+def default_path(num_pairs: int, num_experts: int) -> str:
+    """fused_moe_quant's path for path=None: the grouped GEMM past GEMV_MAX_PAIRS; below, the run GEMV where
+    runs average RUNS_MIN_MEAN pairs or more (Mixtral's T=8: 16 pairs over 8 experts), else the pair GEMV.
+    From sm_90 instruction counts (docs/decisions.md, "The run GEMV"), until the GPU's timings decide."""
+    if num_pairs > GEMV_MAX_PAIRS:
+        return "gemm"
+    return "runs" if mean_run(num_pairs, num_experts) >= RUNS_MIN_MEAN else "gemv"
+
+
+def default_run_pairs(num_pairs: int, num_experts: int) -> int:
+    """P for the run GEMV: the mean run length rounded up to a power of 2, 2 or 4 (8 spills at 16 x 1024
+    tiles). A longer run splits into several programs, each decoding the tiles again; a shorter one leaves
+    slots empty whose products are computed and dropped."""
+    return min(4, max(2, triton.next_power_of_2(math.ceil(mean_run(num_pairs, num_experts)))))
 
 
 def weight_args(w: QuantizedWeight):
@@ -160,6 +202,108 @@ def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_id
             acc += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     acc = acc * tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(y_ptr + split * stride_ys + pair * stride_ym + offs_n, acc, mask=n_ok)
+
+
+# -- run GEMV kernels (decode, pairs sharing an expert) -------------------------------------------
+@triton.jit
+def _run_pairs(sorted_ids_ptr, block_expert_ptr, num_pairs, num_runs, P: tl.constexpr):
+    """The run of this program (the run index varies fastest in the grid): its expert (-1: none, past the
+    padded length) and the P slots of sorted_ids it takes, each a pair index (num_pairs where the expert's
+    run ends first) and whether it is one."""
+    b = tl.program_id(0) % num_runs
+    expert = tl.load(block_expert_ptr + b).to(tl.int64)
+    pairs = tl.load(sorted_ids_ptr + b * P + tl.arange(0, P))
+    return expert, pairs, pairs < num_pairs
+
+
+@triton.jit
+def _qgate_up_runs_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_runs,
+                          N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+                          stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_hm,
+                          INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
+                          SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          P: tl.constexpr, CHUNKS: tl.constexpr, b13_ptr=None, stride_be=0,
+                          HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0,
+                          LIMIT: tl.constexpr = 0.0):
+    """Program (run, n-block): h[pair, n-block] for the up-to-P pairs of one
+    expert's run (sorted_ids / block_expert_ids as moe_align_block_size gives them with block_m = P), each
+    K step's two tiles decoded once and applied to every pair's x row."""
+    expert, pairs, ok = _run_pairs(sorted_ids_ptr, block_expert_ptr, num_pairs, num_runs, P)
+    if expert < 0:
+        return
+    pid_n = tl.program_id(0) // num_runs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    c_e = c_ptr + expert * stride_ce
+    s_e = s_ptr + expert * stride_se
+    z_e = z_ptr + expert * stride_se
+    acc_g = tl.zeros((BLOCK_N, CHUNKS, P), dtype=tl.float32)  # per chunk of K, reduced after the loop
+    acc_u = tl.zeros((BLOCK_N, CHUNKS, P), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        q_g = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+        q_u = code_values(c_e, rows + N, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+        s_g, z_g = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
+                               BLOCK_N, BLOCK_K)
+        s_u, z_u = tile_scales(s_e, z_e, rows + N, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
+                               BLOCK_N, BLOCK_K)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xs = tl.load(x_ptr + tokens[None, :] * stride_xt + offs_k[:, None],
+                     mask=ok[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, P]
+        acc_g += run_code_dots(q_g, s_g, z_g, s_e, z_e, rows, n_ok, k0, xs, K, stride_sn, INT4, MXFP4, HAS_ZEROS,
+                               SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, P, CHUNKS)
+        acc_u += run_code_dots(q_u, s_u, z_u, s_e, z_e, rows + N, n_ok, k0, xs, K, stride_sn, INT4, MXFP4, HAS_ZEROS,
+                               SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, P, CHUNKS)
+    h = activate(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), b13_ptr, expert * stride_be, offs_n[:, None],
+                 n_ok[:, None], N, HAS_BIAS, CLAMPED, ALPHA, LIMIT)  # [BLOCK_N, P]
+    tl.store(h_ptr + pairs.to(tl.int64)[None, :] * stride_hm + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & ok[None, :])
+
+
+@triton.jit
+def _qdown_runs_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs,
+                       num_runs,
+                       N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                       stride_hm, stride_ce, stride_cn, stride_se, stride_sn, stride_ys, stride_ym,
+                       INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
+                       SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       P: tl.constexpr, CHUNKS: tl.constexpr, b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
+    """Program (run, n-block, split): y[split, pair, n-block] for the
+    up-to-P pairs of one expert's run, each tile decoded once: weight[pair] * the partial dot of h[pair]
+    over K_PER_SPLIT columns (N = H, K = I); with HAS_BIAS the expert's b2 added by split 0."""
+    expert, pairs, ok = _run_pairs(sorted_ids_ptr, block_expert_ptr, num_pairs, num_runs, P)
+    if expert < 0:
+        return
+    rest = tl.program_id(0) // num_runs
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_n = rest % num_n
+    split = rest // num_n
+    pairs = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    c_e = c_ptr + expert * stride_ce
+    s_e = s_ptr + expert * stride_se
+    z_e = z_ptr + expert * stride_se
+    acc = tl.zeros((BLOCK_N, CHUNKS, P), dtype=tl.float32)  # per chunk of K, reduced after the loop
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = split * K_PER_SPLIT + kk
+        q = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+        s, z = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
+                           BLOCK_N, BLOCK_K)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        hs = tl.load(h_ptr + pairs[None, :] * stride_hm + offs_k[:, None],
+                     mask=ok[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, P]
+        acc += run_code_dots(q, s, z, s_e, z_e, rows, n_ok, k0, hs, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
+                             SCALE_MODE, BLOCK_N, BLOCK_K, P, CHUNKS)
+    acc = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        if split == 0:
+            acc += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    acc = acc * tl.load(weights_ptr + pairs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + split * stride_ys + pairs[None, :] * stride_ym + offs_n[:, None], acc,
+             mask=n_ok[:, None] & ok[None, :])
 
 
 # -- grouped GEMM kernels -----------------------------------------------------------------------
@@ -281,7 +425,8 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
                     clamped_swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """fused_moe_ref's contract with quantized experts: x [T, H] (16-bit or fp32); w13 a
     QuantizedWeight [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x.dtype.
-    path: "gemv" | "gemm" | None (gemv when T*k <= GEMV_MAX_PAIRS). gpt-oss's experts
+    path: "gemv" (a program per pair) | "runs" (a program per run of up to P pairs of one expert, each tile
+    decoded once for all of them; T*k <= ALIGN_MAX_PAIRS) | "gemm" | None (default_path). gpt-oss's experts
     (clamped_swiglu_moe_ref's contract): biases (b13 [E, 2I], b2 [E, H]) and clamped_swiglu (alpha,
     limit), as fused_moe takes them."""
     T, H = x.shape
@@ -298,7 +443,7 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     if M == 0:
         return torch.zeros_like(x)
     if path is None:
-        path = "gemv" if M <= GEMV_MAX_PAIRS else "gemm"
+        path = default_path(M, E)
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1).contiguous()
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)  # [M, I]
@@ -323,8 +468,10 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
             y.stride(0), y.stride(1), **layout_constants(w2), SCALE_MODE=scale_mode(w2.scale_block[1], I, cfg.block_k),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **epilogue["down"], **launch)
         return sum_partials(y.view(splits, T, k, H), x.dtype)
+    if path == "runs":
+        return _runs(x, w13, w2, weights, topk_ids, h, E, k, config or default_quant_gemv(w13), epilogue)
     if path != "gemm":
-        raise ValueError(f"fused_moe_quant: path must be 'gemv', 'gemm' or None, got {path!r}")
+        raise ValueError(f"fused_moe_quant: path must be 'gemv', 'runs', 'gemm' or None, got {path!r}")
     cfg = config or default_gemm_config(M, E)
     _check_block_k(cfg.block_k, w13, w2)
     sorted_ids, block_expert_ids, _ = moe_align_block_size(topk_ids, E, cfg.block_m)
@@ -341,6 +488,42 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     y = torch.empty(M, H, dtype=torch.float32, device=x.device)  # [M, H], one row per pair
     _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee, epilogue["down"])
     return sum_partials(y.view(1, T, k, H), x.dtype)
+
+
+def _runs(x, w13, w2, weights, topk_ids, h, E, k, cfg: QuantGemvConfig, epilogue):
+    """fused_moe_quant's "runs" path: the pairs sorted by expert in one launch (moe_align_small, runs padded
+    to P), then the run GEMVs, program (run, n-block[, split]) with the run varying fastest."""
+    T, H = x.shape
+    M, I = h.shape
+    if M > ALIGN_MAX_PAIRS:
+        raise ValueError(f"fused_moe_quant: path 'runs' takes at most {ALIGN_MAX_PAIRS} pairs, got {M}")
+    _check_block_k(cfg.block_k, w13, w2)
+    P = cfg.run_pairs or default_run_pairs(M, E)
+    if P & (P - 1):
+        raise ValueError(f"run_pairs must be a power of 2, got {P}")
+    sorted_ids, block_expert_ids = moe_align_small(topk_ids, E, P)
+    runs = block_expert_ids.numel()
+    launch = dict(P=P, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    c, s, z, sce, scn, sse, ssn = weight_args(w13)
+    _qgate_up_runs_kernel[(runs * triton.cdiv(I, cfg.block_n),)](
+        x, c, s, z, h, sorted_ids, block_expert_ids, M, runs, I, H, k, x.stride(0), sce, scn, sse, ssn, h.stride(0),
+        **layout_constants(w13), SCALE_MODE=scale_mode(w13.scale_block[1], H, cfg.block_k), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, CHUNKS=run_chunks(w13.scale_block[1], H, cfg.block_k), **epilogue["gate_up"], **launch)
+    num_n = triton.cdiv(H, cfg.block_n)
+    k_blocks = triton.cdiv(I, cfg.block_k)
+    # runs that hold pairs: at most one a pair, one an expert present plus one per P pairs
+    busy = min(M, min(E, M) + M // P)
+    splits = min(cfg.num_splits or default_splits(busy * num_n, k_blocks, num_sms_of(x.device)), k_blocks)
+    k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
+    splits = triton.cdiv(I, k_per_split)
+    y = torch.empty(splits, M, H, dtype=torch.float32, device=x.device)  # [S, M, H]
+    c, s, z, sce, scn, sse, ssn = weight_args(w2)
+    _qdown_runs_kernel[(runs * num_n * splits,)](
+        h, c, s, z, y, weights, sorted_ids, block_expert_ids, M, runs, H, I, k_per_split, h.stride(0),
+        sce, scn, sse, ssn, y.stride(0), y.stride(1), **layout_constants(w2),
+        SCALE_MODE=scale_mode(w2.scale_block[1], I, cfg.block_k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        CHUNKS=run_chunks(w2.scale_block[1], I, cfg.block_k), **epilogue["down"], **launch)
+    return sum_partials(y.view(splits, T, k, H), x.dtype)
 
 
 def quant_gemm(x: torch.Tensor, w: QuantizedWeight, config: GemmConfig | None = None) -> torch.Tensor:

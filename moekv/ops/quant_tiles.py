@@ -223,3 +223,63 @@ def code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K: tl.constexp
             x_sums = tl.sum(tl.reshape(xv, (GROUPS, SK)), axis=1)  # [GROUPS]
             dots = dots - z * x_sums[None, :]
         return tl.sum(dots * s, axis=1)
+
+
+@triton.jit
+def _spread(q, P: tl.constexpr):
+    """q [N, K] -> [N, K, P], each value repeated along a new last dimension held in its thread (joins),
+    so that products with P activation rows keep the code values' layout (a broadcast along a new dim
+    would leave the 3-D layout to Triton, which moved the whole tile through shared memory)."""
+    N: tl.constexpr = q.shape[0]
+    K: tl.constexpr = q.shape[1]
+    if P == 1:
+        return tl.reshape(q, (N, K, 1))
+    elif P == 2:
+        return tl.join(q, q)
+    elif P == 4:
+        return tl.reshape(tl.join(tl.join(q, q), tl.join(q, q)), (N, K, 4))
+    else:
+        tl.static_assert(P == 8, "run GEMVs take 1, 2, 4 or 8 pairs a program")
+        q4 = tl.join(tl.join(q, q), tl.join(q, q))
+        return tl.reshape(tl.join(q4, q4), (N, K, 8))
+
+
+def run_chunks(scale_k: int, K: int, block_k: int) -> int:
+    """CHUNKS for run_code_dots: the partial sums along K it leaves a row and pair. With groups inside the
+    tile (SCALES_PER_GROUP), one per chunk of min(SK, BLOCK_K / 32) columns (a lane's share of a row at
+    1024-wide tiles, so each chunk's sum is scaled in its thread and no shuffles are spent a K step: sm_90
+    SASS, Mixtral's down GEMV at 16 x 1024 and 4 pairs, 96 SHFL a step -> 8); else 1."""
+    if scale_mode(scale_k, K, block_k) == SCALES_PER_GROUP:
+        return block_k // min(scale_k, max(1, block_k // 32))
+    return 1
+
+
+@triton.jit
+def run_code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xs, K: tl.constexpr, stride_sn, INT4: tl.constexpr,
+                  MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                  SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
+                  CHUNKS: tl.constexpr):
+    """code_dots for P activation rows at once: xs fp32 [BLOCK_K, P] (0 past K and for absent pairs) against
+    one tile's code values q [BLOCK_N, BLOCK_K], decoded once for all P -> fp32 [BLOCK_N, CHUNKS, P] (run_chunks),
+    partial sums along K whose sum over axis 1 is each row's dot with each pair's row. Scales and zero points
+    apply to each group's (or chunk's) sums, as in code_dots."""
+    if SCALE_MODE == 0:
+        q = dequant_codes(q, scales_ptr, zeros_ptr, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
+                          BLOCK_K)
+    prods = _spread(q, P) * xs[None, :, :]  # [BLOCK_N, BLOCK_K, P]
+    if SCALE_MODE == 0:
+        return tl.reshape(tl.sum(prods, axis=1), (BLOCK_N, 1, P))
+    elif SCALE_MODE == 1:
+        dots = tl.sum(prods, axis=1)  # [BLOCK_N, P]
+        if INT4:
+            dots = dots - z[:, None] * tl.sum(xs, axis=0)[None, :]
+        return tl.reshape(s[:, None] * dots, (BLOCK_N, 1, P))
+    else:
+        GROUPS: tl.constexpr = BLOCK_K // SK
+        CPG: tl.constexpr = CHUNKS // GROUPS  # chunks a group
+        CW: tl.constexpr = SK // CPG
+        dots = tl.sum(tl.reshape(prods, (BLOCK_N, GROUPS, CPG, CW, P)), axis=3)  # [BLOCK_N, GROUPS, CPG, P]
+        if INT4:
+            x_sums = tl.sum(tl.reshape(xs, (GROUPS, CPG, CW, P)), axis=2)  # [GROUPS, CPG, P]
+            dots = dots - z[:, :, None, None] * x_sums[None, :, :, :]
+        return tl.reshape(dots * s[:, :, None, None], (BLOCK_N, CHUNKS, P))

@@ -12,7 +12,8 @@ the epilogues); and the quantized projection GEMV (moekv/ops/quant_linear.py) be
 With mxfp4 the experts are random MXFP4 bytes (codes uniform, scales 2^-8 .. 2^-6: weights of about
 0.02), and the other kinds are those weights dequantized to bf16 (and quantized from there), so every
 row computes with the same experts. T=8 at top-4 is 32 pairs: the grouped GEMM (GEMV_MAX_PAIRS=16);
---path gemv forces the GEMV there too.
+--path gemv forces the GEMV there too. --path gemv runs gemm times each path beside the others (rows carry
+`path` as asked and `kernel` as taken); the run GEMV takes quantized weights only.
 
 Timings: CUDA-graph replays (triton.testing.do_bench_cudagraph, median), as the decode step runs
 them. bytes = the touched experts' codes, scales and zero points (all of a projection's) + x read +
@@ -67,15 +68,16 @@ def main() -> None:
     p.add_argument("--shape", choices=list(SHAPES), default="mixtral-8x7b")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 64])
     p.add_argument("--weights", nargs="*", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4", "mxfp4"])
-    p.add_argument("--path", choices=["auto", "gemv", "gemm"], default="auto",
-                   help="the MoE kernel's path (auto: the GEMV at T*k <= GEMV_MAX_PAIRS, the grouped GEMM beyond)")
+    p.add_argument("--path", nargs="*", choices=["auto", "gemv", "runs", "gemm"], default=["auto"],
+                   help="the MoE kernel's paths, each timed (auto: fused_moe_quant.default_path; gemv: a program "
+                        "per pair, T*k <= GEMV_MAX_PAIRS; runs: a program per run of pairs of one expert, "
+                        "T*k <= ALIGN_MAX_PAIRS, quantized weights only)")
     p.add_argument("--gemv-tiles", nargs="*", default=[],
                    help="BLOCK_NxBLOCK_K tiles (e.g. 8x1024 16x1024) to time the quantized GEMV with beside its "
                         "default, at one token (rows with op moe_tile)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     E, H, I, K_TOP, QKV, oss = SHAPES[args.shape]
-    path = None if args.path == "auto" else args.path
     torch.manual_seed(0)
     hbm = measure_hbm_gbps()
     print(f"copy bandwidth {hbm:.0f} GB/s", flush=True)
@@ -114,13 +116,18 @@ def main() -> None:
             kernel = fused_moe_quant.fused_moe_quant
             project = quant_linear.quant_gemv
 
-        def run(x, topw, ids, kernel=kernel, q13=q13, q2=q2):
-            return kernel(x, q13, q2, topw, ids, path=path, **epilogue)
-
-        for T in args.tokens:
+        for T, path_arg in [(T, pa) for T in args.tokens for pa in args.path]:
+            path = None if path_arg == "auto" else path_arg
             if path == "gemv" and T * K_TOP > fm.GEMV_MAX_PAIRS:
                 print(f"moe  {weights:>5} T={T:3d} skipped: --path gemv takes T*k <= {fm.GEMV_MAX_PAIRS}", flush=True)
                 continue
+            if path == "runs" and (weights == "bf16" or T * K_TOP > fm.ALIGN_MAX_PAIRS):
+                continue
+
+            def run(x, topw, ids, kernel=kernel, q13=q13, q2=q2, path=path):
+                return kernel(x, q13, q2, topw, ids, path=path, **epilogue)
+
+            torch.manual_seed(T)  # the same tokens and routing for every path and weight kind at T
             x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
             logits = torch.randn(T, E, device=DEVICE)
             topw, ids = torch.softmax(logits, -1).topk(K_TOP)
@@ -135,11 +142,13 @@ def main() -> None:
                 nbytes += len(touched) * (2 * I + H) * b13.element_size()
             ms = do_bench_cudagraph(lambda: run(x, topw, ids), rep=200)
             floor = nbytes / hbm / 1e6
-            rows.append(dict(op="moe", shape=args.shape, weights=weights, tokens=T, path=args.path, ms=ms,
-                             floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
-            print(f"moe  {weights:>5} T={T:3d} {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) err {err:.1e}",
-                  flush=True)
-            if weights == "bf16" or T != 1:
+            taken = path or (fused_moe_quant.default_path(T * K_TOP, E) if weights != "bf16"
+                             else ("gemv" if T * K_TOP <= fm.GEMV_MAX_PAIRS else "gemm"))
+            rows.append(dict(op="moe", shape=args.shape, weights=weights, tokens=T, path=path_arg, kernel=taken,
+                             ms=ms, floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
+            print(f"moe  {weights:>5} T={T:3d} {path_arg:>4} ({taken:4}) {ms:8.4f} ms floor {floor:.4f} ms "
+                  f"({floor / ms:.2f}) err {err:.1e}", flush=True)
+            if weights == "bf16" or T != 1 or path_arg != args.path[0]:
                 continue
             for tile in args.gemv_tiles:
                 block_n, block_k = map(int, tile.split("x"))

@@ -6,7 +6,10 @@ zero points). At Mixtral-8x7B's expert shape (H=4096, I=14336, top-2; fp8 per ch
 at gpt-oss-20b's (H = I = 2880, top-4) the gate/up GEMV with int4 and mxfp4 codes, the epilogues on
 and off. No GPU needed; run without TRITON_INTERPRET:
 
-    PYTHONPATH=. python benchmarks/tools/sass_moe_quant_gemv.py [--tiles 8x1024 16x1024]
+    PYTHONPATH=. python benchmarks/tools/sass_moe_quant_gemv.py [--tiles 8x1024 16x1024] [--run-pairs 2 4]
+
+The run GEMV (path "runs", P pairs of one expert a program) is built beside the pair GEMV at the Mixtral
+rows: a K step's instructions cover P pairs, so divide by P to compare with the pair GEMV's.
 
 An H100 SXM issues at most 132 SMs x 4 warp instructions a clock; at ~1.8 GHz and its ~3.0 TB/s copy
 bandwidth a GEMV that reads at its floor can spend ~0.32 warp instructions a weight byte.
@@ -98,6 +101,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiles", nargs="*", default=None,
                    help="BLOCK_NxBLOCK_K tiles for the Mixtral rows (default: each method's default GEMV config)")
+    p.add_argument("--run-pairs", type=int, nargs="*", default=[2, 4],
+                   help="P of the run GEMV (path 'runs') to build beside the pair GEMV at the Mixtral rows")
     args = p.parse_args()
     H, I = 4096, 14336
     for method in ("fp8", "int4"):
@@ -105,13 +110,15 @@ def main() -> None:
         tiles = ([tuple(map(int, t.split("x"))) for t in args.tiles] if args.tiles
                  else [(defaults.block_n, defaults.block_k)])
         for block_n, block_k in tiles:
-            for kernel in ("gate_up", "down"):
-                sass, res = build(method, kernel, H, I, 2, block_n, block_k)
-                code_bytes = block_n * block_k * (0.5 if method == "int4" else 1.0)
-                group_bytes = block_n * block_k // 128 * 4 if method == "int4" else 0  # bf16 scale + zero a group
-                step_bytes = (2 if kernel == "gate_up" else 1) * (code_bytes + group_bytes)
-                print(f"mixtral-8x7b {method:5} {kernel:7} {block_n}x{block_k}: {summary(sass, res, step_bytes)}",
-                      flush=True)
+            for P in [0] + args.run_pairs:
+                for kernel in ("gate_up", "down"):
+                    sass, res = build(method, kernel, H, I, 2, block_n, block_k, run_pairs=P)
+                    code_bytes = block_n * block_k * (0.5 if method == "int4" else 1.0)
+                    group_bytes = block_n * block_k // 128 * 4 if method == "int4" else 0  # bf16 scale + zero a group
+                    step_bytes = (2 if kernel == "gate_up" else 1) * (code_bytes + group_bytes)
+                    name = f"runs P={P}" if P else "pair GEMV"
+                    print(f"mixtral-8x7b {method:5} {kernel:7} {block_n}x{block_k} {name}: "
+                          f"{summary(sass, res, step_bytes)}", flush=True)
     for method in ("int4", "mxfp4"):
         for epilogue in (False, True):
             cfg = fq.DEFAULT_PACKED_GEMV

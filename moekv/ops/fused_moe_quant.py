@@ -80,7 +80,10 @@ def default_quant_gemv(w: QuantizedWeight) -> QuantGemvConfig:
     return DEFAULT_PACKED_GEMV if w.method in ("int4", "mxfp4") else DEFAULT_QUANT_GEMV
 
 
-RUNS_MIN_MEAN = 2  # path None takes the run GEMV at T*k <= GEMV_MAX_PAIRS where runs average this many pairs
+# path None would take the run GEMV at T*k <= GEMV_MAX_PAIRS where runs average this many pairs (2: Mixtral's
+# T=8); infinite, so only path='runs' takes it, until scripts/gpu/w4multi.sh times it against the pair GEMV
+# (its sm_90 instruction counts predict 1.0-1.25x at T=8; docs/decisions.md, "The run GEMV")
+RUNS_MIN_MEAN = float("inf")
 
 
 def mean_run(num_pairs: int, num_experts: int) -> float:
@@ -90,8 +93,7 @@ def mean_run(num_pairs: int, num_experts: int) -> float:
 
 def default_path(num_pairs: int, num_experts: int) -> str:
     """fused_moe_quant's path for path=None: the grouped GEMM past GEMV_MAX_PAIRS; below, the run GEMV where
-    runs average RUNS_MIN_MEAN pairs or more (Mixtral's T=8: 16 pairs over 8 experts), else the pair GEMV.
-    From sm_90 instruction counts (docs/decisions.md, "The run GEMV"), until the GPU's timings decide."""
+    runs average RUNS_MIN_MEAN pairs or more (none, until the GPU's timings decide), else the pair GEMV."""
     if num_pairs > GEMV_MAX_PAIRS:
         return "gemm"
     return "runs" if mean_run(num_pairs, num_experts) >= RUNS_MIN_MEAN else "gemv"

@@ -4,7 +4,8 @@
 # bf16 / fp8 ones beside it), the kernel table with the int4 latent beside bf16 and fp8 at (64, 32k) and
 # (1, 4k) against the byte floor, then decode steps of the V2-Lite-shaped model and the V3 layer stack with
 # each latent (CUDA graphs), then, when models/domain-mla holds a checkpoint, its perplexity per domain
-# (decode-tail) for every latent format and the 2-bit variants. Each step writes its file to $OUT before
+# (decode-tail) for every latent format and the 2-bit windows, the CPU table's command (docs/quality.md, "The
+# latent cache formats on domain-mla (CPU)") on the GPU in bf16. Each step writes its file to $OUT before
 # the next starts.   Run from the repository root:  bash scripts/gpu/latentq.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -22,8 +23,8 @@ timeout 60 python benchmarks/e2e/bench_mla_decode.py --kv bf16 fp8_e4m3 int4 --o
 el "decode steps"
 if ls models/domain-mla/*.safetensors > /dev/null 2>&1; then
   timeout 150 python benchmarks/quality/domain_model_tables.py --device cuda --model models/domain-mla \
-    --ppl-mode decode-tail --tail-windows 4 --no-retrieval \
-    --formats bf16 fp8_e4m3 int4 int4:kv_group_size=64 kivi2 nuq2 nuq2:kv_residual=32 \
+    --ppl-mode decode-tail --tail-windows 2 --lengths 4096 --no-retrieval \
+    --formats bf16 fp8_e4m3 int4 int4:kv_group_size=64 kivi2 kivi2:kv_residual=32 nuq2 nuq2:kv_residual=32 fp32 \
     --out "$OUT/domain_mla_latents.json" 2>&1 | tail -12 | tee "$OUT/domain_mla_latents.log"
   el "domain-mla latents"
 else

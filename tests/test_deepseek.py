@@ -171,6 +171,12 @@ def test_info_describes_the_latent_cache(variant, capsys):
     assert "int4              108 bytes/token" in text  # 3 x (16 codes + 4 scale, zero + 16 rope)
     assert "kivi2              84 bytes/token" in text  # 3 x (8 codes + 4 side + 16 rope), the window aside
     assert "vq         n/a: no latent-cache form" in text
+    # one sequence's bits per element: 28 bytes a token-layer over 40 elements = 5.6 bits, plus the
+    # 128-entry bf16 window (128 x 40 x 2 bytes) spread over 4096 (+0.5) or 32768 (+0.0625) tokens
+    assert "5.60 bits/element   6.10 at 4k   5.66 at 32k" in text.split("kivi2")[-1]
+    assert main(["info", "--model", str(path), "--kv-residual", "32"]) == 0
+    text = capsys.readouterr().out
+    assert "5.60 bits/element   5.72 at 4k" in text.split("nuq2")[-1]  # a 32-entry window: + 0.125 at 4k
 
 
 def test_latent_formats_bytes():

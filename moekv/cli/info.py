@@ -54,7 +54,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"  {method or '16-bit':<7} {_size(total_bytes)}  reads {_size(read)} per step  "
               f"floor {1e3 * read / (args.bandwidth_tbs * 1e12):.4g} ms")
     if cfg.mla is not None:
-        return _latent_cache_rows(cfg, args.block_size)
+        return _latent_cache_rows(cfg, args.block_size, dict(group_size=args.kv_group_size,
+                                                                residual=args.kv_residual))
     where = f"block_size {args.block_size}" if args.block_size else "each format at its default block_size"
     print(f"\nKV cache per token (all {cfg.num_layers} layers, K and V, {where}; bits per element of a full page, "
           f"then of one sequence at 4k and 32k tokens: its pages, staging page, 16-bit window and sinks):")
@@ -118,25 +119,32 @@ def _attention_text(cfg) -> str:
             f"{m.qk_rope_head_dim} per token, qk_nope {m.qk_nope_head_dim}, v_head_dim {m.v_head_dim}, {q}")
 
 
-def _latent_cache_rows(cfg, block_size: int | None) -> int:
-    """The latent cache's bytes per token in each storage an MLA model accepts (the others n/a)."""
+def _latent_cache_rows(cfg, block_size: int | None, options: dict) -> int:
+    """The latent cache's bytes per token in each storage an MLA model accepts (the others n/a): a full
+    page's, then one sequence's at 4k and 32k tokens (its pages and the 2-bit latents' 16-bit window)."""
+    from moekv.config import default_block_size
     from moekv.kvcache.formats import KV_FORMAT_NAMES
-    from moekv.kvcache.formats.latent_choice import latent_format_for
+    from moekv.kvcache.formats.latent_choice import LOW_BIT_LATENTS, latent_format_for
 
-    block_size = block_size or 64
-    print(f"\nLatent cache per token (all {cfg.num_layers} layers, one {cfg.head_dim}-wide entry, block_size "
-          f"{block_size}):")
+    where = f"block_size {block_size}" if block_size else "each storage at its default block_size"
+    print(f"\nLatent cache per token (all {cfg.num_layers} layers, one {cfg.head_dim}-wide entry, {where}; "
+          f"bits per element of a full page, then of one sequence at 4k and 32k tokens, window included):")
     for name in KV_FORMAT_NAMES:
         if name == "auto":
             continue
+        size = block_size or default_block_size(name)  # the engine's default page
+        taken = {k: v for k, v in options.items() if k in LOW_BIT_LATENTS.get(name, ()) and v is not None}
         try:
-            fmt = latent_format_for(name, cfg.torch_dtype, cfg.mla.kv_lora_rank)
-        except ValueError:
-            print(f"  {name:<10} n/a: no latent-cache form")
+            fmt = latent_format_for(name, cfg.torch_dtype, cfg.mla.kv_lora_rank, taken)
+            fmt.check_layout(1, size, cfg.head_dim)
+        except ValueError as e:
+            print(f"  {name:<10} n/a: {'no latent-cache form' if 'no latent-cache form' in str(e) else e}")
             continue
-        page = fmt.page_bytes(1, block_size, cfg.head_dim)
-        bits = fmt.bits_per_element(1, block_size, cfg.head_dim)
-        print(f"  {name:<10} {cfg.num_layers * page / block_size:>10,.0f} bytes/token  {bits:5.2f} bits/element")
+        page = fmt.page_bytes(1, size, cfg.head_dim)
+        bits = fmt.bits_per_element(1, size, cfg.head_dim)
+        at = [fmt.bits_per_element_at(n, 1, size, cfg.head_dim) for n in (4096, 32768)]
+        print(f"  {name:<10} {cfg.num_layers * page / size:>10,.0f} bytes/token  {bits:5.2f} bits/element  "
+              f"{at[0]:5.2f} at 4k  {at[1]:5.2f} at 32k  (block_size {size})")
     return 0
 
 

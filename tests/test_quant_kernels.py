@@ -134,13 +134,7 @@ def test_run_gemv_matches_reference(quantizer, T, k, routing, P):
 def test_run_gemv_decodes_every_int4_code_at_default_tiles():
     """The run GEMV at its default tiles (16 x 1024: one K step past K, masked; groups of 32 inside the tile,
     scaled a chunk at a time) decodes each nibble position's 16 codes exactly, for 2 and 4 pairs a program."""
-    E, H, I, T, k = 3, 64, 40, 5, 2
-    q13, q2 = _every_code_int4(E, 2 * I, H, 32, 1), _every_code_int4(E, H, I, 32, 2)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(T, H, generator=g).to(DEVICE)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
-    weights = torch.softmax(torch.randn(T, k, generator=g), -1).to(DEVICE)
-    ref = fused_moe_ref(x.double(), q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights.double(), ids)
+    x, q13, q2, weights, ids, ref = _every_code_case(E=3, T=5, seed=4)
     for P in (2, 4):
         out = fq.fused_moe_quant(x, q13, q2, weights, ids, path="runs", config=fq.QuantGemvConfig(16, run_pairs=P))
         assert (out.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item(), P
@@ -168,18 +162,24 @@ def _every_code_int4(E, N, K, group, seed):
     return QuantizedWeight("int4", (E, N, K), pack_int4(codes), scales, (1, group), zeros).to(DEVICE)
 
 
+def _every_code_case(E, T, seed, H=64, I=40, k=2):
+    """A top-k MoE case on _every_code_int4 experts (every code at every nibble position, gate/up and down):
+    x, w13, w2, topk weights, ids, and the float64 reference output."""
+    q13, q2 = _every_code_int4(E, 2 * I, H, 32, 1), _every_code_int4(E, H, I, 32, 2)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1).to(DEVICE)
+    ref = fused_moe_ref(x.double(), q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights.double(), ids)
+    return x, q13, q2, weights, ids, ref
+
+
 def test_int4_gemv_default_tiles_decode_every_code():
     """The default packed GEMV tiles (16 x 1024: one K step past K, masked) decode each nibble position's
     16 codes exactly (the planes' float trick and their joins' order), gate/up and down."""
     assert fq.default_quant_gemv(_every_code_int4(1, 8, 64, 32, 0)) == fq.DEFAULT_PACKED_GEMV
-    E, H, I, T, k = 4, 64, 40, 3, 2
-    q13, q2 = _every_code_int4(E, 2 * I, H, 32, 1), _every_code_int4(E, H, I, 32, 2)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(T, H, generator=g).to(DEVICE)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
-    weights = torch.softmax(torch.randn(T, k, generator=g), -1).to(DEVICE)
+    x, q13, q2, weights, ids, ref = _every_code_case(E=4, T=3, seed=3)
     out = fq.fused_moe_quant(x, q13, q2, weights, ids, path="gemv")
-    ref = fused_moe_ref(x.double(), q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights.double(), ids)
     assert (out.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
 
 

@@ -7,7 +7,7 @@
 #    and 64 over 4,096 / 32,000 / 151,936 tokens, per sampling setting;
 # 4. firsthour.sh's mask line: the grammar mask's fill and apply at batch 64 on domain-moe's vocabulary, against
 #    domain-moe's batch-64 TPOT at temperature 1 (seeded rows) without and with a regex on every request
-#    (issue 50's target: the mask under 5% of the free TPOT). Before this sampler, on an H100: free 10.26 ms,
+#    (issue 50's target: the mask under 5% of the free TPOT). With the per-row sampler, on an H100: free 10.26 ms,
 #    regex 11.91 ms (+16.1%), mask 1.10 ms = 10.7% (benchmarks/results/h100/grammar_engine_cuda.json).
 # Needs the wheels of scripts/gpu/firsthour_wheels.sh: carry `wheels`. Run from the repository root:
 #   bash scripts/gpu/batchsample.sh      (results under $OUT; about two to three minutes on an H100)
@@ -15,11 +15,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/batchsample}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_bs \
-  wheels/*.whl || exit 1
-export PYTHONPATH=.:/tmp/site_bs
-python3 -c "import torch, xgrammar; import importlib.metadata as m; print('torch', torch.__version__, 'xgrammar', m.version('xgrammar'))" \
-  | tee "$OUT/versions.txt"
+source scripts/gpu/wheels_env.sh
 timeout 120 python3 -m pytest -q -rf -s -p no:cacheprovider tests/test_sampling.py \
   > "$OUT/sampling_tests.log" 2>&1; grep -E "differ in|passed|failed" "$OUT/sampling_tests.log" | tail -3
 timeout 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_structured_outputs_gpu.py -m gpu \

@@ -10,11 +10,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/firsthour}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fh \
-  wheels/*.whl || exit 1
-export PYTHONPATH=.:/tmp/site_fh
-python3 -c "import xgrammar, transformers; import importlib.metadata as m; print('xgrammar', m.version('xgrammar'), 'transformers', transformers.__version__)" \
-  | tee "$OUT/versions.txt"
+source scripts/gpu/wheels_env.sh
 timeout 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_structured_outputs_gpu.py -m gpu \
   > "$OUT/gpu_test.log" 2>&1; tail -3 "$OUT/gpu_test.log"
 timeout 120 python3 benchmarks/e2e/bench_grammar_mask.py --mask --batch 1 64 --steps 100 --device cuda --vocab 32000 151936 \

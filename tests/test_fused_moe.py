@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.graph_capture import capture  # noqa: E402
+from moekv.engine.cuda_graphs import capture_after_warmup  # noqa: E402
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 # the interpreter switch above must be set before any moekv module decorates a kernel
@@ -200,7 +200,7 @@ def test_gpu_cuda_graph_capture(mixtral_experts, T):
     w13, w2 = mixtral_experts
     x = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
-    graph, out = capture(lambda: fm.fused_moe(x, w13, w2, weights, ids))
+    graph, out = capture_after_warmup(lambda: fm.fused_moe(x, w13, w2, weights, ids))
     new_w, new_ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
     x.copy_(torch.randn_like(x))
     weights.copy_(new_w)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.graph_capture import capture  # noqa: E402
+from moekv.engine.cuda_graphs import capture_after_warmup  # noqa: E402
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 # isort: split
@@ -231,7 +231,7 @@ def test_gpu_gpt_oss_20b_graph_capture(gpt_oss_20b_experts, T):
     def step():
         return fq.fused_experts(x, q13, q2, weights, ids, biases=(b13, b2), clamped_swiglu=(1.702, 7.0))
 
-    graph, out = capture(step)
+    graph, out = capture_after_warmup(step)
     new_x, new_w, new_ids = _route(T, 20 + T)
     x.copy_(new_x)
     weights.copy_(new_w)

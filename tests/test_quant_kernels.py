@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.graph_capture import capture  # noqa: E402
+from moekv.engine.cuda_graphs import capture_after_warmup  # noqa: E402
 from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (before any kernel import)
 
 # isort: split
@@ -274,7 +274,7 @@ def test_gpu_cuda_graph_capture(mixtral_quant, T, path):
     q13, q2 = mixtral_quant
     x = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
-    graph, out = capture(lambda: fq.fused_moe_quant(x, q13, q2, weights, ids, path=path))
+    graph, out = capture_after_warmup(lambda: fq.fused_moe_quant(x, q13, q2, weights, ids, path=path))
     new_w, new_ids = torch.softmax(torch.randn(T, 8, device="cuda"), -1).topk(2)
     x.copy_(torch.randn_like(x))
     weights.copy_(new_w)

@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
+from moekv.engine.cuda_graphs import capture_after_warmup  # noqa: E402
 from moekv.kvcache.formats import DECODE_KERNELS, compressed_formats, get_kv_format  # noqa: E402
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, decode_kernel_for_model  # noqa: E402
 from moekv.models.loader import ARCH_MODULES, DUMMY_STD, empty_model, init_dummy_weights, install_routers  # noqa: E402
@@ -265,17 +266,9 @@ def install_filled_caches(model, cfg, fmt, batch: int, context: int, block_size:
 
 
 def capture_graph(step) -> torch.cuda.CUDAGraph:
-    """`step` captured in a CUDA graph, after a warm-up on the capture stream (Triton compiles,
-    the allocator settles)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
+    """`step` captured in a CUDA graph, after one warm-up on a side stream (Triton compiles, the
+    allocator settles)."""
+    return capture_after_warmup(step, warmups=1)[0]
 
 
 def time_ms(fn, iters: int) -> float:

@@ -49,7 +49,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,6 +124,23 @@ def decode_fills(context_lens: list[int], seq_slots: list[int], block_tables: li
     decode step (filling_rows)."""
     rows = filling_rows(context_lens, block_size)
     return ([seq_slots[b] for b in rows], [block_tables[b][context_lens[b] // block_size - 1] for b in rows])
+
+
+def capture_after_warmup(step: Callable[[], Any], warmups: int = 2, pool: Any = None,
+                         capture_error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, Any]:
+    """step() run `warmups` times on a side stream (Triton compiles outside the capture, the allocator
+    settles), then captured: the graph and what the captured call returned (the tensors its replays
+    write). The engine's decode graphs, the kernels' graph tests and the benchmarks capture through it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+        out = step()
+    return graph, out
 
 
 @dataclass
@@ -282,18 +301,11 @@ class DecodeGraphs:
             self.num_captures += 1
             return
         with torch.cuda.device(self.device):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step(bucket, fills)
-            torch.cuda.current_stream().wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
             # thread_local: a server's other threads may touch CUDA (metrics) while this one captures
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self._step(bucket, fills)
+            graph, logits = capture_after_warmup(lambda: self._step(bucket, fills), warmups=2, pool=self.pool,
+                                                 capture_error_mode="thread_local")
         self.graphs[(bucket, fills)] = (graph, logits)
         self.num_captures += 1
         log.info("captured the decode step for batch bucket %d, %d page fills", bucket, fills)

@@ -130,6 +130,33 @@ def test_fragment_pools_attend_as_slab_pools(name, residual, window):
     torch.testing.assert_close(out_f, out_s, rtol=1e-6, atol=1e-6)
 
 
+def test_nuq2_fragment_pool_reference_path_is_float64_attention():
+    """nuq2 pools in fragment order on the CPU (decode_kernel='gluon'; the slots' FP8 values recovered
+    from their fp16 deltas) attend through the reference path as float64 dense attention over the pages
+    nuq2 dequantizes from its own slabs (the slab pool's, an independent path) and the staged newest page."""
+    from moekv.ops.reference import decode_attention_ref
+
+    fmt_s, slabs = filled_pools("nuq2", "triton", residual=0)
+    fmt_f, frag = filled_pools("nuq2", "gluon", residual=0)
+    assert int(frag["k_used"].sum()) > 0 and "k_out_val" not in frag.tensors
+    lens, tables = [2 * P + 5, P + 1, 3 * P], [[0, 3, 1], [5, 4, 0], [1, 2, 3]]
+    ctx = decode_ctx(lens, [2, 0, 1], tables)
+    q = torch.randn(3, 4 * H, D, generator=torch.Generator().manual_seed(1))
+    out = fmt_f.attend(q, frag, ctx, D ** -0.5, None)
+    pages = {kind: fmt_s.dequantize(fmt_s.layout(kind, P, D).unpack(slabs[f"{kind[0]}_pages"]), kind).double()
+             for kind in ("key", "value")}
+    keys, values = [], []
+    for b, (n, slot) in enumerate(zip(lens, [2, 0, 1])):
+        full = (n - 1) // P  # pages before the staged newest one
+        rows = torch.tensor(tables[b][:full], dtype=torch.long)
+        for kind, out_list in (("key", keys), ("value", values)):
+            paged = pages[kind][rows].permute(0, 2, 1, 3).reshape(-1, H, D)
+            staged = frag[f"{kind[0]}_staging"][slot].double().transpose(0, 1)[: n - full * P]
+            out_list.append(torch.cat([paged, staged]))
+    ref = decode_attention_ref(q.double(), keys, values, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_fragment_pool_accounting_and_choice(name):
     options = format_options(name)
@@ -280,7 +307,7 @@ def test_tiered_fragment_pool_accounting_and_choice():
         H * (nuq2_layout.fragment_bytes_per_page_head(fmt.lo) - lo), abs=1)  # nuq2's fragment tables, FP8 the same
     cache = fmt.allocate(4, H, P, D, torch.device("cpu"), 2, torch.float32)
     assert all(field in cache.tensors for field in nuq2_layout.FRAGMENT_FIELDS)
-    assert bool((cache["k_out_idx"] == 0xFFFF).all())  # unused slots
+    assert bool((cache["k_out_idx"] == nuq2_layout.NO_SLOT).all())  # unused slots
     with pytest.raises(ValueError, match="block_size 64, head_dim 128"):
         fmt.allocate(4, H, 32, D, torch.device("cpu"), 2, torch.float32)
     assert not get_kv_format("tiered", torch.float32, codebook="page").fragment_pages(P, D, "cpu")  # auto: sm_90 only

@@ -17,7 +17,7 @@ from moekv.ops.gluon.nuq2_decode import (
     nuq2_decode_split_reference,
     reduce_partials,
 )
-from moekv.ops.gluon.nuq2_layout import dequantize_fragment, to_fragment_order
+from moekv.ops.gluon.nuq2_layout import dequantize_fragment, slot_positions, to_fragment_order
 from moekv.ops.reference import decode_attention_ref
 from tests.gluon_cases import (
     GPU,
@@ -37,6 +37,7 @@ from tests.gluon_cases import (
     large_channel_keys,
     num_pages,
     pack,
+    relative_error,
     run_sm90_build,
     staging,
 )
@@ -61,16 +62,38 @@ def fewer_slots(frag, sk: int, sv: int):
     """frag with only the first sk key and sv value slots of each page-head (used ones come first:
     the used counts clipped to them)."""
     return dataclasses.replace(
-        frag, k_out_idx=frag.k_out_idx[..., :sk].contiguous(), k_out_val=frag.k_out_val[..., :sk].contiguous(),
-        k_slot_delta=frag.k_slot_delta[..., :sk].contiguous(), k_used=frag.k_used.clamp(max=sk),
-        v_out_idx=frag.v_out_idx[..., :sv].contiguous(), v_out_val=frag.v_out_val[..., :sv].contiguous(),
+        frag, k_out_idx=frag.k_out_idx[..., :sk].contiguous(), k_slot_delta=frag.k_slot_delta[..., :sk].contiguous(),
+        k_used=frag.k_used.clamp(max=sk), v_out_idx=frag.v_out_idx[..., :sv].contiguous(),
         v_slot_delta=frag.v_slot_delta[..., :sv].contiguous(), v_used=frag.v_used.clamp(max=sv))
+
+
+def kernel_pages(frag, kind: str) -> torch.Tensor:
+    """Pages [N, H, 64, 128] float64 as the kernel's algebra sees them: the codebook term plus each used
+    slot's stored (fp16) delta at its element (keys: the delta is already in key units)."""
+    n, H = frag.k_codes.shape[:2]
+    name = "k" if kind == "key" else "v"
+    x = dequantize_fragment(frag, kind, outliers=False).double().reshape(n, H, P * D)
+    idx = slot_positions(getattr(frag, f"{name}_out_idx"))
+    used = idx != 0xFFFF
+    x.scatter_add_(2, torch.where(used, idx, 0), torch.where(used, getattr(frag, f"{name}_slot_delta").double(), 0.0))
+    return x.reshape(n, H, P, D)
+
+
+def attention_over(q, k, v, tables, lens, scale):
+    """decode_attention_ref (float64) over pages k, v [N, H, 64, 128] behind block tables."""
+    Hkv = k.shape[1]
+    keys = [k[tables[b, :-(-n // P)].long()].permute(0, 2, 1, 3).reshape(-1, Hkv, D)[:n] for b, n in enumerate(lens)]
+    values = [v[tables[b, :-(-n // P)].long()].permute(0, 2, 1, 3).reshape(-1, Hkv, D)[:n] for b, n in enumerate(lens)]
+    return decode_attention_ref(q, keys, values, scale)
 
 
 @pytest.mark.parametrize("G, num_splits", [(1, 3), (4, 1), (4, 8), (8, 3)])
 def test_split_reference_matches_dense_attention(G, num_splits):
-    """The fold of the outlier slots (one-hot products in the tile) is exact: the reference equals
-    dense attention over nuq2's dequantized pages; without the slots it does not."""
+    """The fold of the outlier slots (one-hot products in the tile) is exact: the reference equals dense
+    attention over the pages the tables hold (codebook term + fp16 slot deltas) to float64's precision;
+    against nuq2's own dequantized pages (the slots' FP8 values, unrounded deltas) it differs only by the
+    deltas' fp16 rounding (measured: at most 3.5e-4 on these outputs, under 1/100 of what the slots
+    themselves change); without the slots it differs by far more."""
     Hkv = 2
     lens = [64, 200, 5 * 64 + 1]  # on and off page boundaries; 8 splits leave some empty
     fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=G + num_splits)
@@ -80,9 +103,13 @@ def test_split_reference_matches_dense_attention(G, num_splits):
     ref = dense_reference(fmt, k_pages, v_pages, q, tables, lens_t, scale)
     part_o, part_lse = nuq2_decode_split_reference(q, frag, tables, lens_t, scale, num_splits)
     assert part_o.shape == (len(lens), Hkv * G, num_splits, D)
-    torch.testing.assert_close(reduce_partials(part_o, part_lse), ref, rtol=1e-9, atol=1e-9)
+    out = reduce_partials(part_o, part_lse)
+    exact = attention_over(q, kernel_pages(frag, "key"), kernel_pages(frag, "value"), tables, lens, scale)
+    torch.testing.assert_close(out, exact, rtol=1e-9, atol=1e-9)
+    fp16_error = float((out - ref).abs().max())
     main_o, main_lse = nuq2_decode_split_reference(q, frag, tables, lens_t, scale, num_splits, outliers=False)
-    assert (reduce_partials(main_o, main_lse) - ref).abs().max() > 1e-3
+    slots_change = float((reduce_partials(main_o, main_lse) - ref).abs().max())
+    assert 0 < fp16_error < slots_change / 100 and slots_change > 1e-2
 
 
 def test_codebook_term_is_attention_over_pages_without_outliers():
@@ -118,7 +145,7 @@ def test_pages_without_slots():
 def test_staged_tail_and_sliding_window(window):
     """The staged 16-bit tail as split num_splits (the newest page, even when full, from staging)
     and sliding windows (pages before the window skipped, the first one masked), against dense
-    attention over pages + staging with the same window."""
+    attention over pages + staging with the same window (within the slot deltas' fp16 rounding)."""
     Hkv, G = 2, 4
     lens = [64, 65, 200, 5 * 64 + 1, 4 * 64]  # tails of 64, 1, 8, 1, 64 tokens
     fmt, frag, tables, lens_t, k_pages, v_pages = build(lens, Hkv, seed=7)
@@ -129,7 +156,7 @@ def test_staged_tail_and_sliding_window(window):
         part_o, part_lse = nuq2_decode_split_reference(q, frag, tables, lens_t, 0.1, ns, staged=staged,
                                                        sliding_window=window)
         assert part_o.shape[2] == ns + 1 and bool(part_lse[:, :, ns].isfinite().all())  # every tail holds a token
-        torch.testing.assert_close(reduce_partials(part_o, part_lse), ref, rtol=1e-9, atol=1e-9)
+        assert relative_error(reduce_partials(part_o, part_lse), ref) < 1e-3  # the slot deltas' fp16 rounding
     if window == 1:  # only the newest token counts: the page splits are empty
         assert bool((part_lse[:, :, :ns] == -float("inf")).all())
 
@@ -137,8 +164,10 @@ def test_staged_tail_and_sliding_window(window):
 @pytest.mark.parametrize("R, window", [(64, None), (128, 100), (200, 150), (32, 64 * 5 + 3)])
 def test_residual_ring_and_sliding_window(R, window):
     """A residual window's ring as the tail split (its newest R tokens; with R < 64 staged ones before
-    them), the pages ending where it begins, and sliding windows, against dense attention (float64)."""
-    check_ring_reference(nuq2_decode_split_reference, build, R, window, 1e-9)
+    them), the pages ending where it begins, and sliding windows, against dense attention (float64) over
+    nuq2's dequantized pages: within the slot deltas' fp16 rounding (a relative error under 1e-3, measured
+    6e-5; a token read from the ring instead of the staging, or the other way round, is off by far more)."""
+    check_ring_reference(nuq2_decode_split_reference, build, R, window, 1e-3)
 
 
 def test_default_split_rule():
@@ -266,8 +295,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from moekv.ops.gluon.nuq2_decode import DEFAULT_PREFETCH
 from moekv.ops.gluon.nuq2_kernel import nuq2_decode_kernel
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i32", "k_mean": "*fp8e4nv",
-       "k_scale": "*fp8e4nv", "k_idx": "*i32", "k_delta": "*fp32", "k_used": "*i32", "v_idx": "*i32",
-       "v_delta": "*fp32", "v_used": "*i32", "SK": "i32", "SV": "i32", "q_ptr": "*bf16", "block_tables": "*i32",
+       "k_scale": "*fp8e4nv", "k_idx": "*u16", "k_delta": "*fp16", "k_used": "*u8", "v_idx": "*u16",
+       "v_delta": "*fp16", "v_used": "*u8", "SK": "i32", "SV": "i32", "q_ptr": "*bf16", "block_tables": "*i32",
        "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64", "k_stage": "*bf16", "v_stage": "*bf16",
        "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32", "k_ring": "*bf16", "v_ring": "*bf16",
        "stride_rs": "i32", "stride_rh": "i32", "stride_rt": "i32", "R": "i32", "part_o": "*fp32", "part_lse": "*fp32",
@@ -319,13 +348,13 @@ def test_kernel_module_compiles_for_sm90_without_a_gpu():
     words = run_sm90_build(SM90_BUILD)
     words, ring = words[:words.index("RING")], words[words.index("RING") + 1:]
     # with a residual window's ring (RING): the same shared memory, no spill at the launcher's cap of 160
-    stages = str(2 * (2 * 2048 + 256 + 256 + 32))
+    stages = str(2 * (2 * 2048 + 256 + 128 + 32))
     assert ring == ["1", stages, "True", "False", "4", stages, "True", "False", "8", "0", "True", "False"], ring
     # per build: shared memory (none: registers only; SMEM: two stages of 2 x 2 kB of codes, 256 bytes
-    # of scale and mean, 256 of slots and 32 of words), MMA and prmt present, no local memory in the
-    # PTX; SMEM: cp.async (16 bytes a lane for the codes: 8 a page, 8 before the loop) and its wait,
-    # the 8 code rows read by 128-bit LDS, no spills (at the launcher's cap of 128 without the tail)
-    smem = [str(2 * (2 * 2048 + 256 + 256 + 32)), "True", "True", "False", "True", "True", "16", "8", "False"]
+    # of scale and mean, 128 of slots (16-bit positions and deltas) and 32 of words), MMA and prmt present,
+    # no local memory in the PTX; SMEM: cp.async (16 bytes a lane for the codes: 8 a page, 8 before the
+    # loop) and its wait, the 8 code rows read by 128-bit LDS, no spills (at the launcher's cap of 128 without the tail)
+    smem = [str(2 * (2 * 2048 + 256 + 128 + 32)), "True", "True", "False", "True", "True", "16", "8", "False"]
     assert words == ["1", "0", "True", "True", "False", "4", "0", "True", "True", "False",
                      "8", "0", "True", "True", "False", "4", *smem, "8", *smem], words
 

@@ -239,8 +239,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from moekv.ops.gluon.tiered_kernel import tiered_decode_kernel
 sig = {"k_codes": "*i32", "v_codes": "*i32", "k_tables": "*i32", "v_tables": "*i32", "k_mean": "*fp8e4nv",
-       "k_scale": "*fp8e4nv", "k_idx": "*i32", "k_delta": "*fp32", "k_used": "*i32", "v_idx": "*i32",
-       "v_delta": "*fp32", "v_used": "*i32", "SK": "i32", "SV": "i32",
+       "k_scale": "*fp8e4nv", "k_idx": "*u16", "k_delta": "*fp16", "k_used": "*u8", "v_idx": "*u16",
+       "v_delta": "*fp16", "v_used": "*u8", "SK": "i32", "SV": "i32",
        "kf_w": "*i32", "vf_w": "*i32", "kf_h": "*fp16", "vf_h": "*fp16", "page_tier": "*i32", "page_slot": "*i32",
        "q_ptr": "*bf16", "block_tables": "*i32", "stride_bt": "i32", "context_lens": "*i32", "seq_slots": "*i64",
        "k_stage": "*bf16", "v_stage": "*bf16", "stride_ss": "i32", "stride_sh": "i32", "stride_st": "i32",
@@ -279,7 +279,7 @@ def test_kernel_module_compiles_for_sm90_without_a_gpu():
     words = run_sm90_build(SM90_BUILD)
     plain = ["0", "True", "True", "False", "True", "True", "0"]
     assert words == ["1", *plain, "4", *plain, "8", *plain, "4", *plain,
-                     "4", "9280", "True", "True", "False", "True", "True", "16"], words
+                     "4", "9024", "True", "True", "False", "True", "True", "16"], words
 
 
 # -- on a GPU ------------------------------------------------------------------------------------------

@@ -469,7 +469,7 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     fragment order, KVFormat.attend -> moekv/ops/gluon/<format>_decode.py, the staged tail (and a residual
     window's ring) as the launch's extra split, the default split count), timed and checked as the Triton
     rows are: row `<label>_gluon`."""
-    from moekv.ops.gluon.nuq2_layout import Nuq2FragmentPages
+    from moekv.ops.gluon.nuq2_layout import SLOT_BYTES, Nuq2FragmentPages
 
     name, options = FORMATS[label]
     if name == "vq":
@@ -486,7 +486,7 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     tail_tokens = context - pages * args.block_size  # the staged newest page, in bf16
     if "k_used" in cache.tensors:  # nuq2: codes and side tables, plus the used slots
         used = float(cache["k_used"].float().mean() + cache["v_used"].float().mean())  # slots a page-head reads
-        per_page_head = Nuq2FragmentPages.code_bytes_per_page_head(None) + 8 * used
+        per_page_head = Nuq2FragmentPages.code_bytes_per_page_head(None) + SLOT_BYTES * used
     elif "k_out_delta" in cache.tensors:  # int4: codes, scales, zeros, outlier channels and deltas
         used = None
         first_page = torch.zeros(1, dtype=torch.long, device=device)
@@ -605,7 +605,7 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     n_fp8 = sum(st.tier[p] == TIER_FP8 for p in ctx.block_tables[:, :full].flatten().tolist())
     fp8_slab = sum(fmt.hi.layout(kind, P, HEAD_DIM).slab_bytes for kind in ("key", "value"))
     used = float(cache["k_used"].float().mean() + cache["v_used"].float().mean())
-    low = nuq2_layout.Nuq2FragmentPages.code_bytes_per_page_head(None) + 8 * used
+    low = nuq2_layout.Nuq2FragmentPages.code_bytes_per_page_head(None) + nuq2_layout.SLOT_BYTES * used
     tail = batch * NUM_KV_HEADS * (context - full * P) * HEAD_DIM * 2 * 2  # the staged bf16 tail, K and V
     nbytes = int(NUM_KV_HEADS * (n_fp8 * fp8_slab + (batch * full - n_fp8) * low) + tail
                  + 2 * batch * NUM_HEADS * HEAD_DIM * 2)

@@ -46,6 +46,7 @@ from moekv.ops.gluon.nuq2_decode import (  # noqa: E402
     reduce_on_device,
 )
 from moekv.ops.gluon.nuq2_layout import (  # noqa: E402
+    NO_SLOT,
     Nuq2FragmentPages,
     dequantize_fragment,
     kind_to_fragment,
@@ -152,8 +153,8 @@ def check_sequence0(fmt, frag_u, frag, repeat, tables, lens, q, scale) -> dict:
     bare = decode_attention_ref(q[:1].float(), [kb[ids].permute(0, 2, 1, 3).reshape(-1, HKV, D)[:n]],
                                 [vb[ids].permute(0, 2, 1, 3).reshape(-1, HKV, D)[:n]], scale)
     rel = lambda x: float((x.float() - ref).norm() / ref.norm())  # noqa: E731
-    used_k = int((frag_u.k_out_idx != 0xFFFF).sum()) / frag_u.k_out_idx[..., 0].numel()
-    used_v = int((frag_u.v_out_idx != 0xFFFF).sum()) / frag_u.v_out_idx[..., 0].numel()
+    used_k = int((frag_u.k_out_idx != NO_SLOT).sum()) / frag_u.k_out_idx[..., 0].numel()
+    used_v = int((frag_u.v_out_idx != NO_SLOT).sum()) / frag_u.v_out_idx[..., 0].numel()
     return {"rel_err": rel(out), "rel_err_of_pages_without_slots": rel(bare),
             "max_abs_err": float((out.float() - ref).abs().max()), "used_key_slots_per_page_head": used_k,
             "used_value_slots_per_page_head": used_v}

@@ -54,7 +54,7 @@ from moekv.ops.gluon.launch import (  # noqa: F401 (NO_WINDOW, default_num_split
     register_cap,
     ring_args,
 )
-from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS, Nuq2FragmentPages, codes_from_fragment
+from moekv.ops.gluon.nuq2_layout import HEAD_DIM, PAGE_TOKENS, Nuq2FragmentPages, codes_from_fragment, slot_tables
 from moekv.ops.gluon.splits import (
     masked,
     quantized_tokens,
@@ -221,8 +221,7 @@ def nuq2_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, block_tables:
     k_ring, v_ring, ring_strides = ring_args(run, residual)
     nuq2_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
-        frag.k_mean, frag.k_scale, frag.k_out_idx, frag.k_slot_delta, frag.k_used,
-        frag.v_out_idx, frag.v_slot_delta, frag.v_used, frag.k_out_idx.shape[2], frag.v_out_idx.shape[2],
+        frag.k_mean, frag.k_scale, *slot_tables(frag),
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
         run.k_stage, run.v_stage, *run.stage_strides, k_ring, v_ring, *ring_strides, R,
         run.part_o, run.part_lse, scale * LOG2E, run.window, 0, run.num_splits, run.ns_total,

@@ -13,7 +13,7 @@ P^T becomes the B operand by transposing each 8x8 block in registers (movmatrix)
 scale multiplies q (fp16 pairs, a [128, 8] B operand per page); their channel mean enters as q . mean
 per head, itself an MMA (the mean in every row of A) whose product seeds the scores' accumulator.
 
-Outlier slots, folded into the same tile, exact, on the tensor cores, 16 slots per chunk (nuq2 has
+Outlier slots, folded into the same tile, on the tensor cores, 16 slots per chunk (nuq2 has
 up to 80 key and 32 value slots a page-head, used ones first; the first chunk always runs, with
 loads that do not wait for the used counts, further chunks only when more than 16 are used). With
 (t_j, c_j) slot j's element and kd_j, dv_j its precomputed deltas (nuq2_layout.slot_deltas):
@@ -58,6 +58,7 @@ from moekv.ops.gluon.prefetch import address, lanes, opaque, prefetch
 
 ROWS = gl.constexpr(4)  # 512-byte rows of codes per page-head (keys: 16 tokens each)
 WORDS = gl.constexpr(512)  # int32 words of codes per page-head
+NO_SLOT = gl.constexpr(0x7FFF)  # nuq2_layout.NO_SLOT: an unused slot's int16 position (token 255: none)
 
 
 @gluon.jit
@@ -166,13 +167,14 @@ def _hot_cols(x, col):
 def _key_slot_chunk_load(k_idx, k_delta, c0, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
                          LB: gl.constexpr):
     """Key slots [c0, c0 + 16) (those below lim): their tokens as OneHot_K's columns, and W [16, 8] =
-    q[n, c_j] kd_j (fp32, the B operand's layout). Unused slots have token 511 and delta 0."""
+    q[n, c_j] kd_j (fp32, the B operand's layout). Positions int16, deltas fp16, widened in registers;
+    unused slots have token 255 (NO_SLOT >> 7) and delta 0."""
     ja = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
     jb = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
     nb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-    tok_j = gl.load(k_idx + ja, mask=ja < lim, other=65535) >> 7
-    idx_b = gl.load(k_idx + jb, mask=jb < lim, other=0)
-    kd = gl.load(k_delta + jb, mask=jb < lim, other=0.0)
+    tok_j = gl.load(k_idx + ja, mask=ja < lim, other=NO_SLOT).to(gl.int32) >> 7
+    idx_b = gl.load(k_idx + jb, mask=jb < lim, other=0).to(gl.int32)
+    kd = gl.load(k_delta + jb, mask=jb < lim, other=0.0).to(gl.float32)
     qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b & 127, 1),
                  mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
     return tok_j, qv * gl.expand_dims(kd * (1.0 / HOT), 1)
@@ -182,14 +184,14 @@ def _key_slot_chunk_load(k_idx, k_delta, c0, lim, q_ptr, head0, G: gl.constexpr,
 def _key_slot_chunk0_smem(idx_row, delta_row, lim, q_ptr, head0, G: gl.constexpr, LA: gl.constexpr,
                           LB: gl.constexpr):
     """_key_slot_chunk_load's first chunk from a staged copy: idx_row, delta_row the page's first 16
-    key slot positions and deltas (int32 bits) in shared memory, zero-filled past lim; only the
-    tokens need their `other` (65535) re-applied, the zeros are the global loads' own."""
+    key slot positions and deltas (int16 bits) in shared memory, zero-filled past lim; only the
+    tokens need their `other` (NO_SLOT) re-applied, the zeros are the global loads' own."""
     ja = gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
     jb = gl.arange(0, 16, layout=gl.SliceLayout(1, LB))
     nb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-    tok_j = gl.where(ja < lim, idx_row.load(gl.SliceLayout(0, LA)), 65535) >> 7
-    idx_b = idx_row.load(gl.SliceLayout(1, LB))
-    kd = delta_row.load(gl.SliceLayout(1, LB)).to(gl.float32, bitcast=True)
+    tok_j = gl.where(ja < lim, idx_row.load(gl.SliceLayout(0, LA)).to(gl.int32), NO_SLOT) >> 7
+    idx_b = idx_row.load(gl.SliceLayout(1, LB)).to(gl.int32)
+    kd = delta_row.load(gl.SliceLayout(1, LB)).to(gl.float16, bitcast=True).to(gl.float32)
     qv = gl.load(q_ptr + (head0 + gl.expand_dims(nb, 0)) * 128 + gl.expand_dims(idx_b & 127, 1),
                  mask=gl.expand_dims(nb < G, 0) & gl.expand_dims(jb < lim, 1), other=0.0).to(gl.float32)
     return tok_j, qv * gl.expand_dims(kd * (1.0 / HOT), 1)
@@ -210,13 +212,14 @@ def _key_slot_chunk(s, tok_j, w, LA: gl.constexpr):
 @gluon.jit
 def _value_slot_chunk_load(v_idx, v_delta, c0, lim, LA: gl.constexpr, MMA: gl.constexpr):
     """Value slots [c0, c0 + 16) (those below lim): tokens as OneHot_V's rows, channels as OneHot_C's
-    columns, deltas per row of P_s (unused: token 511, delta 0)."""
+    columns, deltas per row of P_s (int16 positions and fp16 deltas widened in registers; unused: token
+    255, delta 0)."""
     jr = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
     jc = c0 + gl.arange(0, 16, layout=gl.SliceLayout(0, LA))
     jm = c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    tok_j = gl.load(v_idx + jr, mask=jr < lim, other=65535) >> 7
-    chan_j = gl.load(v_idx + jc, mask=jc < lim, other=0) & 127
-    dv = gl.load(v_delta + jm, mask=jm < lim, other=0.0) * (1.0 / (HOT * HOT))  # two one-hot products
+    tok_j = gl.load(v_idx + jr, mask=jr < lim, other=NO_SLOT).to(gl.int32) >> 7
+    chan_j = gl.load(v_idx + jc, mask=jc < lim, other=0).to(gl.int32) & 127
+    dv = gl.load(v_delta + jm, mask=jm < lim, other=0.0).to(gl.float32) * (1.0 / (HOT * HOT))  # two one-hot products
     return tok_j, chan_j, dv
 
 
@@ -224,9 +227,9 @@ def _value_slot_chunk_load(v_idx, v_delta, c0, lim, LA: gl.constexpr, MMA: gl.co
 def _value_slot_chunk0_smem(idx_row, delta_row, lim, LA: gl.constexpr, MMA: gl.constexpr):
     """_value_slot_chunk_load's first chunk from a staged copy (as _key_slot_chunk0_smem)."""
     jr = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
-    tok_j = gl.where(jr < lim, idx_row.load(gl.SliceLayout(1, LA)), 65535) >> 7
-    chan_j = idx_row.load(gl.SliceLayout(0, LA)) & 127
-    dv = delta_row.load(gl.SliceLayout(1, MMA)).to(gl.float32, bitcast=True) * (1.0 / (HOT * HOT))
+    tok_j = gl.where(jr < lim, idx_row.load(gl.SliceLayout(1, LA)).to(gl.int32), NO_SLOT) >> 7
+    chan_j = idx_row.load(gl.SliceLayout(0, LA)).to(gl.int32) & 127
+    dv = delta_row.load(gl.SliceLayout(1, MMA)).to(gl.float16, bitcast=True).to(gl.float32) * (1.0 / (HOT * HOT))
     return tok_j, chan_j, dv
 
 
@@ -243,6 +246,14 @@ def _value_slot_chunk(acc, pb, tok_j, chan_j, dv, LA: gl.constexpr, LB: gl.const
     hot_c = _hot_rows(gl.broadcast(gl.expand_dims(chan_j, 0), gl.expand_dims(chan, 1))[0],
                       gl.broadcast(gl.expand_dims(chan, 1), gl.expand_dims(chan_j, 0))[0])
     return gl.nvidia.ampere.mma_v2(hot_c, psb, acc)
+
+
+@gluon.jit
+def used_count(ptr):
+    """A page-head's used slot count from its uint8 table, widened to int32 behind an asm move: known to
+    lie in 0..255, the compiler widens the slot loops' counters to 64 bits (more instructions a chunk)."""
+    x = gl.load(ptr).to(gl.int32)
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -264,9 +275,9 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
     CHUNK0: the first chunk of each kind runs unconditionally (unused slots add exact zeros; its loads
     do not wait for the used counts, at ~35 more registers a thread).
     From a shared-memory stage (k_rows given; kx, vx, k_table, v_table unused): the code rows from
-    k_rows, v_rows [4, 128] int32, the codebook words and used counts from `words` [8] (the nk,
-    nv arguments unused) and the first slot chunk from `slots` [64] (as stage_page puts them), each read where it
-    is needed (code rows in layouts LK2, LV2)."""
+    k_rows, v_rows [4, 128] int32, the codebook words from `words` [8] and the first slot chunk from
+    `slots` [64] uint16 (as stage_page puts them), each read where it is needed (code rows in layouts LK2,
+    LV2); the used counts nk, nv come as arguments either way (uint8 tables: no 4-byte word for cp.async)."""
     if k_rows is None:
         k_lo = _per_lane(gl.load(k_table), zero)
         k_hi = _per_lane(gl.load(k_table + 1), zero)
@@ -291,8 +302,6 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
         else:
             k_tok, w = _key_slot_chunk0_smem(slots.slice(0, 16), slots.slice(32, 16), SK, q_ptr, head0, G, LA, LB)
         s = _key_slot_chunk(s, k_tok, w, LA)
-    if k_rows is not None:
-        nk = _word_pair(words, 4)[0]
     for c0 in range(16 if CHUNK0 else 0, nk, 16):
         k_tok, w = _key_slot_chunk_load(k_idx, k_delta, c0, nk, q_ptr, head0, G, LA, LB)
         s = _key_slot_chunk(s, k_tok, w, LA)
@@ -319,8 +328,6 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
         else:
             v_tok, v_chan, dv = _value_slot_chunk0_smem(slots.slice(16, 16), slots.slice(48, 16), SV, LA, MMA)
         acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
-    if k_rows is not None:
-        nv = _word_pair(words, 4)[1]
     for c0 in range(16 if CHUNK0 else 0, nv, 16):
         v_tok, v_chan, dv = _value_slot_chunk_load(v_idx, v_delta, c0, nv, LA, MMA)
         acc = _value_slot_chunk(acc, pb, v_tok, v_chan, dv, LA, LB, MMA)
@@ -331,8 +338,8 @@ def page_tile(kx, vx, k_table, v_table, zero, shift_k, shift_v, q_scaled, bias, 
 def _prefetch_page(page, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_used, v_idx, v_delta, v_used, SK, SV,
                    LEVEL: gl.constexpr):
     """Asks for page-head `page`'s side tables (prefetch.py), one line a lane: its fp8 scale and mean,
-    codebooks and used counts (a line each), slot positions and deltas (5 lines a table: SK, SV <= 128
-    slots). The lane addresses are rebuilt from the kernel's arguments each time (opaque lanes: kept in
+    codebooks and used counts (a line each), slot positions and deltas (5 lines a table, int16 and fp16:
+    SK, SV <= 255 slots). The lane addresses are rebuilt from the kernel's arguments each time (opaque lanes: kept in
     the loop, where they cost ~30 instructions a page and no register across the page's work)."""
     ln = opaque(lanes())
     row = (ln - 6) % 5 * 128
@@ -342,8 +349,8 @@ def _prefetch_page(page, k_tables, v_tables, k_mean, k_scale, k_idx, k_delta, k_
                 ln < 11, address(k_idx) + row, gl.where(ln < 16, address(k_delta) + row, gl.where(
                     ln < 21, address(v_idx) + row, gl.where(ln < 26, address(v_delta) + row,
                                                             address(k_scale)))))))))))
-    stride = gl.where(ln < 2, 128, gl.where(ln < 4, 8, gl.where(ln < 6, 4, gl.where(
-        ln < 16, SK * 4, gl.where(ln < 26, SV * 4, 128)))))
+    stride = gl.where(ln < 2, 128, gl.where(ln < 4, 8, gl.where(ln < 6, 1, gl.where(
+        ln < 16, SK * 2, gl.where(ln < 26, SV * 2, 128)))))
     prefetch(base + page * stride, LEVEL)
 
 
@@ -353,40 +360,43 @@ def stage_page(k_smem, v_smem, chan_smem, slot_smem, word_smem, stage, page, k_c
                 CHUNK0: gl.constexpr):
     """cp.async of page-head `page`'s codes and side data into shared-memory stage `stage`, one commit
     group: its code rows (values in v_off's row order) at 16 bytes a lane a row, its fp8 scale and
-    mean rows at 8 bytes a lane, (CHUNK0) its first 16 slots (k_idx, v_idx, k_delta, v_delta; those at
-    or past SK / SV zero-filled, nothing read past the page-head's slots) and the words (k lo, k hi,
-    v lo, v hi, k used, v used) at 4 bytes a lane."""
+    mean rows at 8 bytes a lane, (CHUNK0) its first 16 slots (k_idx, v_idx int16, k_delta, v_delta fp16:
+    a pair of slots a lane, 4 bytes; pairs at or past SK / SV zero-filled, nothing read past the
+    page-head's slots: SK and SV are even, the launchers check) and the codebook words (k lo, k hi, v lo,
+    v hi) at 4 bytes a lane. The used counts (uint8) are not staged: the page reads them itself."""
     async_copy.async_copy_global_to_shared(k_smem.index(stage), k_codes + page * WORDS + k_off)
     async_copy.async_copy_global_to_shared(v_smem.index(stage), v_codes + page * WORDS + v_off)
     c = gl.arange(0, 256, layout=gl.BlockedLayout([8], [32], [1], [0]))
     async_copy.async_copy_global_to_shared(chan_smem.index(stage),
                                            gl.where(c < 128, k_scale + page * 128 + c, k_mean + page * 128 + (c - 128)))
-    if CHUNK0:
-        j = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
-        js = j % 16
+    if CHUNK0:  # 32 words: 8 each of k_idx, v_idx, k_delta, v_delta (2 slots a word)
+        j = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        js = j % 8
+        k_idx_w = k_idx.to(gl.pointer_type(gl.int32), bitcast=True)
+        v_idx_w = v_idx.to(gl.pointer_type(gl.int32), bitcast=True)
         k_bits = k_delta.to(gl.pointer_type(gl.int32), bitcast=True)
         v_bits = v_delta.to(gl.pointer_type(gl.int32), bitcast=True)
-        row = gl.where(j < 16, k_idx + page * SK, gl.where(j < 32, v_idx + page * SV, gl.where(
-            j < 48, k_bits + page * SK, v_bits + page * SV)))
-        async_copy.async_copy_global_to_shared(slot_smem.index(stage), row + js,
-                                               mask=js < gl.where(j // 16 % 2 == 0, SK, SV))
+        row = gl.where(j < 8, k_idx_w + page * (SK // 2), gl.where(j < 16, v_idx_w + page * (SV // 2), gl.where(
+            j < 24, k_bits + page * (SK // 2), v_bits + page * (SV // 2))))
+        words = slot_smem.index(stage)._reinterpret(gl.int32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        async_copy.async_copy_global_to_shared(words, row + js, mask=2 * js < gl.where(j // 8 % 2 == 0, SK, SV))
     i = gl.arange(0, 8, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    word = gl.where(i < 2, k_tables + page * 2 + i, gl.where(i < 4, v_tables + page * 2 + (i - 2), gl.where(
-        i == 4, k_used + page, v_used + page)))
-    async_copy.async_copy_global_to_shared(word_smem.index(stage), word)
+    word = gl.where(i < 2, k_tables + page * 2 + i, v_tables + page * 2 + (i - 2))
+    async_copy.async_copy_global_to_shared(word_smem.index(stage), word, mask=i < 4)
     async_copy.commit_group()
 
 
 @gluon.jit
 def allocate_stages():
     """The two shared-memory stages stage_page fills: (codes of keys, of values [2, 4, 128] int32; fp8
-    scale and mean [2, 256]; first slot chunk [2, 64] int32; codebook words and used counts [2, 8])."""
+    scale and mean [2, 256]; first slot chunk [2, 64] uint16 (16 each of k_idx, v_idx, k_delta, v_delta);
+    codebook words [2, 8] (4 used))."""
     ROW_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     CODES_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stage's rank
     return (gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], CODES_L),
             gl.allocate_shared_memory(gl.int32, [2, ROWS, 128], CODES_L),
             gl.allocate_shared_memory(gl.float8e4nv, [2, 256], ROW_L),  # scale, mean
-            gl.allocate_shared_memory(gl.int32, [2, 64], ROW_L),  # k_idx, v_idx, k_delta, v_delta
+            gl.allocate_shared_memory(gl.uint16, [2, 64], ROW_L),  # k_idx, v_idx, k_delta, v_delta
             gl.allocate_shared_memory(gl.int32, [2, 8], ROW_L))
 
 
@@ -409,15 +419,15 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                        HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
                        PREFETCH: gl.constexpr, SMEM: gl.constexpr, RING: gl.constexpr):
     """k_codes, v_codes int32 [N, HKV, 512]; k_tables, v_tables int32 [N, HKV, 2] (the fp16 centroids); k_mean, k_scale
-    fp8 [N, HKV, 128]; k_idx / v_idx int32 [N, HKV, SK / SV] (slot positions, used first), k_delta / v_delta fp32
-    (their deltas), k_used / v_used int32 [N, HKV]; q [B, HKV * G, 128] fp16/bf16 contiguous; STAGED: tokens from
-    ((len - 1) // 64) * 64 on are in k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b], read by split
-    num_splits; RING (with STAGED): a residual window, the newest R tokens in k_ring / v_ring [S, HKV, R, 128] (row
-    t % R) at the same slots, the tail from min(((len - 1) // 64) * 64, max(len - R, 0)) on (the pages read up to
-    there, the last one partly), read by splits num_splits .. ns_total - 1, a share each; part_o fp32 [B, HKV * G,
-    ns_total, 128], part_lse fp32 [B, HKV * G, ns_total];
+    fp8 [N, HKV, 128]; k_idx / v_idx uint16 [N, HKV, SK / SV] (slot positions, used first; SK, SV even), k_delta /
+    v_delta fp16 (their deltas), k_used / v_used uint8 [N, HKV]; q [B, HKV * G, 128] fp16/bf16 contiguous;
+    STAGED: tokens from ((len - 1) // 64) * 64 on are in k_stage / v_stage [S, HKV, 64, 128] at slot seq_slots[b],
+    read by split num_splits; RING (with STAGED): a residual window, the newest R tokens in k_ring / v_ring
+    [S, HKV, R, 128] (row t % R) at the same slots, the tail from min(((len - 1) // 64) * 64, max(len - R, 0))
+    on (the pages read up to there, the last one partly), read by splits num_splits .. ns_total - 1, a share
+    each; part_o fp32 [B, HKV * G, ns_total, 128], part_lse fp32 [B, HKV * G, ns_total];
     PREFETCH: the next page's side tables asked of L2 (2) or L1 (1) while a page computes (prefetch.py; 0: not);
-    SMEM: the next page's codes and side data (scale, mean, codebooks, used counts, first slot chunk) copied into
+    SMEM: the next page's codes and side data (scale, mean, codebooks, first slot chunk) copied into
     shared memory by cp.async while a page computes (two stages) instead of the codes' register double buffer and
     the side data's loads at the page's start, the page reading them from there."""
     D: gl.constexpr = 128
@@ -509,15 +519,15 @@ def nuq2_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
                 mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
             q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
+            nk = used_count(k_used + page)
+            nv = used_count(v_used + page)
             if SMEM:
                 m_i, l_i, acc = page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l_i,
                                            acc, qk_scale, page_end - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
-                                           k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
-                                           None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
+                                           k_delta + page * SK, nk, SK, v_idx + page * SV, v_delta + page * SV,
+                                           nv, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
                                            v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2)
             else:
-                nk = gl.load(k_used + page)
-                nv = gl.load(v_used + page)
                 m_i, l_i, acc = page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k, shift_v,
                                            q_scaled, bias, m_i, l_i, acc, qk_scale, page_end - pg * PAGE,
                                            first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,

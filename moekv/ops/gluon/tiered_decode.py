@@ -38,6 +38,7 @@ from moekv.ops.gluon.nuq2_layout import (
     PAGE_TOKENS,
     Nuq2FragmentPages,
     dequantize_fragment,
+    slot_tables,
 )
 from moekv.ops.gluon.splits import masked, split_ranges, staged_scores, window_start
 from moekv.ops.tiers import TIER_FP8
@@ -193,8 +194,7 @@ def tiered_decode_partials(q: torch.Tensor, frag: Nuq2FragmentPages, k_fp8: torc
         tile_sum = tile_max = run.part_lse
     tiered_decode_kernel[run.grid](
         frag.k_codes, frag.v_codes, frag.k_centroids.view(torch.int32), frag.v_centroids.view(torch.int32),
-        frag.k_mean, frag.k_scale, frag.k_out_idx, frag.k_slot_delta, frag.k_used,
-        frag.v_out_idx, frag.v_slot_delta, frag.v_used, frag.k_out_idx.shape[2], frag.v_out_idx.shape[2],
+        frag.k_mean, frag.k_scale, *slot_tables(frag),
         *fp8_pools, page_tier, page_slot,
         q.contiguous(), block_tables, block_tables.stride(0), context_lens, run.seq_slots,
         run.k_stage, run.v_stage, *run.stage_strides,

@@ -28,7 +28,15 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from moekv.ops import tiers
 from moekv.ops.gluon.common import PAGE, split_range, staged_tile, store_split
 from moekv.ops.gluon.fp8_kernel import fp8_page
-from moekv.ops.gluon.nuq2_kernel import ROWS, WORDS, allocate_stages, page_tile, scaled_q_and_bias, stage_page
+from moekv.ops.gluon.nuq2_kernel import (
+    ROWS,
+    WORDS,
+    allocate_stages,
+    page_tile,
+    scaled_q_and_bias,
+    stage_page,
+    used_count,
+)
 
 TIER_FP8 = gl.constexpr(tiers.TIER_FP8)  # jit code reads a global only as a constexpr
 
@@ -59,7 +67,8 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                          HKV: gl.constexpr, G: gl.constexpr, STAGED: gl.constexpr, CHUNK0: gl.constexpr,
                          EMIT_MASS: gl.constexpr, FW: gl.constexpr, F_KS: gl.constexpr, F_VS: gl.constexpr,
                          FP8_PREFETCH: gl.constexpr = False, SMEM: gl.constexpr = False):
-    """The low tier: nuq2_decode_kernel's tables (k_codes ... SV) over all N logical pages. The FP8
+    """The low tier: nuq2_decode_kernel's tables (k_codes ... SV: int16 slot positions, fp16 deltas, uint8 used
+    counts) over all N logical pages. The FP8
     tier: kf_w, vf_w int32 and kf_h, vf_h fp16 views of the FP8 pools [F, HKV, slab] (FW int32 words a
     slab, codes in FP8 fragment order, row scales at byte offsets F_KS / F_VS); page_tier [N] int32
     (1: FP8), page_slot [N] int32 (the FP8 slot). q, block_tables, context_lens, staging and partials
@@ -160,10 +169,12 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 scale = gl.expand_dims(side.slice(0, D).load(gl.SliceLayout(1, LB)).to(gl.float16), 1)
                 mean = gl.expand_dims(side.slice(D, D).load(gl.SliceLayout(0, LA)).to(gl.float16), 0)
                 q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
+                nk = used_count(k_used + page)
+                nv = used_count(v_used + page)
                 m_new, l_pg, acc = page_tile(None, None, None, None, zero, shift_k, shift_v, q_scaled, bias, m_i, l0,
                                               acc, qk_scale, length - pg * PAGE, first - pg * PAGE, k_idx + page * SK,
-                                              k_delta + page * SK, None, SK, v_idx + page * SV, v_delta + page * SV,
-                                              None, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
+                                              k_delta + page * SK, nk, SK, v_idx + page * SV, v_delta + page * SV,
+                                              nv, SV, q_ptr, head0, G, CHUNK0, LA, LB, MMA, k_smem.index(cur),
                                               v_smem.index(cur), slot_smem.index(cur), word_smem.index(cur), LK2, LV2)
             else:
                 kx_n = gl.load(k_codes + page_n * WORDS + k_off, mask=(k_off < WORDS) & low_n, other=0)
@@ -171,8 +182,8 @@ def tiered_decode_kernel(k_codes, v_codes, k_tables, v_tables, k_mean, k_scale,
                 scale = gl.expand_dims(gl.load(k_scale + page * D + chan).to(gl.float16), 1)
                 mean = gl.expand_dims(gl.load(k_mean + page * D + chan_a).to(gl.float16), 0)
                 q_scaled, bias = scaled_q_and_bias(q_t, scale, mean, mean_template, s0)
-                nk = gl.load(k_used + page)
-                nv = gl.load(v_used + page)
+                nk = used_count(k_used + page)
+                nv = used_count(v_used + page)
                 m_new, l_pg, acc = page_tile(kx, vx, k_tables + page * 2, v_tables + page * 2, zero, shift_k,
                                               shift_v, q_scaled, bias, m_i, l0, acc, qk_scale, length - pg * PAGE,
                                               first - pg * PAGE, k_idx + page * SK, k_delta + page * SK, nk, SK,

@@ -1,0 +1,35 @@
+#!/bin/bash
+# One GPU call (about 3-4 minutes on an H100): nuq2's fragment tables at the slabs' bits (fragment order
+# version 2: int16 slot positions, fp16 deltas, uint8 counts, no FP8 slot values; docs/decisions.md, "nuq2's
+# fragment tables at the slabs' bits"). 1) the Gluon nuq2 and tiered GPU tests (kernels against their float64
+# split references and dense attention, the engine's attend and captured fill steps); 2) the two kernels'
+# times at (1, 4k), (16, 32k), (64, 32k), (1, 128k), and the same benchmark from `main` on the same machine
+# when the checkout has it (a git worktree under /tmp), the baseline to compare against; 3) domain-moe's
+# decode-tail perplexity and passkeys, bf16 against nuq2 (the CPU measured no change: the slabs are the same).
+# Prediction: every test passes; times within 1-2% of main's kernels (fewer bytes, the same work: +13
+# instructions in nuq2's 1660-instruction page, tiered's unchanged with shared memory); quality as main's.
+# Run from the repository root:  bash scripts/gpu/nuq2bits.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+: "${OUT:=/tmp/nuq2bits}"; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+timeout 90 python -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_gluon_nuq2_decode.py \
+  tests/test_gluon_tiered_decode.py tests/test_gluon_engine.py -k "nuq2 or tiered" > "$OUT/gpu_tests.log" 2>&1
+tail -4 "$OUT/gpu_tests.log"
+timeout 70 python benchmarks/kernels/bench_decode_attention.py --formats nuq2 tiered --kernel gluon --configs 0 \
+  --shapes 1x4096 16x32768 64x32768 1x131072 --out "$OUT/decode_attention_nuq2bits.json" > "$OUT/bench.log" 2>&1
+tail -12 "$OUT/bench.log"
+if git rev-parse -q --verify main > /dev/null 2>&1 && git worktree add -f --detach /tmp/nuq2bits_main main \
+    > "$OUT/baseline_worktree.log" 2>&1; then
+  (cd /tmp/nuq2bits_main && PYTHONPATH=. timeout 70 python benchmarks/kernels/bench_decode_attention.py \
+    --formats nuq2 tiered --kernel gluon --configs 0 --shapes 1x4096 16x32768 64x32768 1x131072 \
+    --out "$OUT/decode_attention_main.json" > "$OUT/bench_main.log" 2>&1)
+  tail -12 "$OUT/bench_main.log"
+  git worktree remove -f /tmp/nuq2bits_main > /dev/null 2>&1
+else
+  echo "no main branch in this checkout: compare with benchmarks/results/h200/decode_attention_gluon.json" \
+    | tee "$OUT/bench_main.log"
+fi
+timeout 100 python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail --tail-windows 2 \
+  --formats bf16 nuq2 --out "$OUT/domain_moe_nuq2bits.json" > "$OUT/tables.log" 2>&1
+grep -v Warn "$OUT/tables.log" | tail -6

@@ -16,18 +16,26 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 timeout 90 python -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_gluon_nuq2_decode.py \
   tests/test_gluon_tiered_decode.py tests/test_gluon_engine.py -k "nuq2 or tiered" > "$OUT/gpu_tests.log" 2>&1
 tail -4 "$OUT/gpu_tests.log"
-timeout 70 python benchmarks/kernels/bench_decode_attention.py --formats nuq2 tiered --kernel gluon --configs 0 \
-  --shapes 1x4096 16x32768 64x32768 1x131072 --out "$OUT/decode_attention_nuq2bits.json" > "$OUT/bench.log" 2>&1
+FORMATS="nuq2 nuq2_sigma35 tiered"; SHAPES="1x4096 16x32768 64x32768 1x131072"
+timeout 90 python benchmarks/kernels/bench_decode_attention.py --formats $FORMATS --kernel gluon --configs 0 \
+  --shapes $SHAPES --out "$OUT/decode_attention_nuq2bits.json" > "$OUT/bench.log" 2>&1
 tail -12 "$OUT/bench.log"
-if git rev-parse -q --verify main > /dev/null 2>&1 && git worktree add -f --detach /tmp/nuq2bits_main main \
-    > "$OUT/baseline_worktree.log" 2>&1; then
-  (cd /tmp/nuq2bits_main && PYTHONPATH=. timeout 70 python benchmarks/kernels/bench_decode_attention.py \
-    --formats nuq2 tiered --kernel gluon --configs 0 --shapes 1x4096 16x32768 64x32768 1x131072 \
+# The baseline: main's kernels on the same machine, from a git worktree, or (a checkout without git history)
+# from BASELINE_OVERLAY, a folder holding main's versions of the files this change touches, laid over a copy.
+BASE=/tmp/nuq2bits_main; rm -rf "$BASE"
+if git rev-parse -q --verify main > /dev/null 2>&1; then
+  git worktree add -f --detach "$BASE" main > "$OUT/baseline_worktree.log" 2>&1
+elif [ -d "${BASELINE_OVERLAY:-}" ]; then
+  mkdir -p "$BASE" && cp -r moekv benchmarks "$BASE"/ && cp -r "$BASELINE_OVERLAY"/. "$BASE"/
+fi
+if [ -d "$BASE/moekv" ]; then
+  (cd "$BASE" && PYTHONPATH=. timeout 90 python benchmarks/kernels/bench_decode_attention.py \
+    --formats $FORMATS --kernel gluon --configs 0 --shapes $SHAPES \
     --out "$OUT/decode_attention_main.json" > "$OUT/bench_main.log" 2>&1)
   tail -12 "$OUT/bench_main.log"
-  git worktree remove -f /tmp/nuq2bits_main > /dev/null 2>&1
+  git worktree remove -f "$BASE" > /dev/null 2>&1; rm -rf "$BASE"
 else
-  echo "no main branch in this checkout: compare with benchmarks/results/h200/decode_attention_gluon.json" \
+  echo "no baseline (no main branch, no BASELINE_OVERLAY): compare with benchmarks/results/h200/decode_attention_gluon.json" \
     | tee "$OUT/bench_main.log"
 fi
 timeout 100 python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail --tail-windows 2 \

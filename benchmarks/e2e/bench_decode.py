@@ -50,6 +50,11 @@ SHAPES = {
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, intermediate_size=14336, num_local_experts=8,
                          num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-5),
+    # Mixtral-8x22B (mistralai/Mixtral-8x22B-v0.1's config.json): 141 B parameters, 282 GB in bf16; with int4
+    # weights (~75 GB) it fits one H200 beside a 2-bit cache for 128 sequences of 4k (issue 47's load)
+    "mixtral-8x22b": dict(vocab_size=32768, hidden_size=6144, num_hidden_layers=56, num_attention_heads=48,
+                          num_key_value_heads=8, head_dim=128, intermediate_size=16384, num_local_experts=8,
+                          num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=65536, rms_norm_eps=1e-5),
     # GLM-4.5-Air (Glm4MoeForCausalLM) with its first 10 of 46 layers (one dense, nine with 128 experts top-8 and
     # a shared expert; about 45 GiB in bf16), so that it fits one GPU beside a KV cache: partial RoPE (64 of 128),
     # q/k/v biases, sigmoid routing with the selection bias. A step's time scales with the layers it runs.

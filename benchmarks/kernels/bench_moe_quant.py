@@ -75,6 +75,9 @@ def main() -> None:
     p.add_argument("--gemv-tiles", nargs="*", default=[],
                    help="BLOCK_NxBLOCK_K tiles (e.g. 8x1024 16x1024) to time the quantized GEMV with beside its "
                         "default, at one token (rows with op moe_tile)")
+    p.add_argument("--proj-tiles", nargs="*", default=[],
+                   help="BLOCK_NxBLOCK_K tiles to time the quantized projection GEMV (ops/quant_linear.py) with "
+                        "beside its default, at one token (rows with op qkv_tile)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     E, H, I, K_TOP, QKV, oss = SHAPES[args.shape]
@@ -171,6 +174,14 @@ def main() -> None:
         rows.append(dict(op="qkv_gemv", shape=args.shape, weights=weights, tokens=1, ms=ms, floor_ms=floor,
                          frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
         print(f"qkv  {weights:>5} T=  1 {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) err {err:.1e}", flush=True)
+        for tile in args.proj_tiles if weights != "bf16" else ():
+            block_n, block_k = map(int, tile.split("x"))
+            shape = quant_linear.QuantGemvShape(block_n=block_n, block_k=block_k)
+            ms = do_bench_cudagraph(lambda shape=shape: quant_linear.quant_gemv(x, qp, shape=shape), rep=200)
+            rows.append(dict(op="qkv_tile", shape=args.shape, weights=weights, tokens=1, tile=tile, ms=ms,
+                             floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes))
+            print(f"qkv  {weights:>5} T=  1 {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) tile {tile}",
+                  flush=True)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
               "copy_bandwidth_gbps": hbm, "rows": rows}

@@ -17,8 +17,8 @@ timeout 75 python -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_qu
   > "$OUT/gpu_tests_w4multi.log" 2>&1
 tail -3 "$OUT/gpu_tests_w4multi.log"; el "quantized kernel tests"
 timeout 140 python benchmarks/kernels/bench_moe_quant.py --tokens 1 2 4 8 16 64 --path gemv runs gemm \
-  --out "$OUT/moe_quant_runs.json" > "$OUT/moe_quant_runs.log" 2>&1
-grep -E "moe|bandwidth|Error" "$OUT/moe_quant_runs.log"
+  --proj-tiles 4x1024 8x1024 16x1024 8x512 16x512 4x2048 --out "$OUT/moe_quant_runs.json" > "$OUT/moe_quant_runs.log" 2>&1
+grep -E "moe|qkv|bandwidth|Error" "$OUT/moe_quant_runs.log"
 el "MoE paths side by side"
 timeout 60 python benchmarks/e2e/bench_decode.py --random-weights --weights bf16 fp8 int4 --formats bf16 \
   --points 1:4096 8:4096 16:4096 --num-layers 16 --no-transformers \

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU call on an H200 (needs ~100 GiB of GPU memory: run with needs_h200) for issue 47's headline load:
 # a Mixtral-8x22B-shaped model (56 layers, random weights built quantized, never a 16-bit copy: ~70 GiB at
-# int4) with a 2-bit and a 4-bit KV cache, batch 1 and 128 sequences at 4k, CUDA graphs, each point against
+# int4) with nuq2, tiered and int4 KV caches, batch 1 and 128 sequences at 4k, CUDA graphs, each point against
 # its floor (bench_decode). fp8 weights (131 GiB) do not fit beside a cache. Under 4 minutes:
 #     PYTHONPATH=. bash scripts/gpu/w4_8x22b.sh 2>&1 | tee $OUT/log
 # Prediction: batch-1 floor ~4.8 ms (20 GiB of int4 weights a step at ~4.3 TB/s), TPOT 1.6-2.0x it (the
@@ -12,5 +12,5 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/w4_8x22b}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 timeout 400 python benchmarks/e2e/bench_decode.py --random-weights --shape mixtral-8x22b --weights int4 \
-  --formats nuq2 kivi2 int4 --points 1:4096 128:4096 --iters 10 --no-transformers \
+  --formats nuq2 tiered int4 --points 1:4096 128:4096 --iters 10 --no-transformers \
   --out "$OUT/decode_mixtral_8x22b_int4.json" 2>&1 | grep -v Warn | tail -12

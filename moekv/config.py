@@ -38,6 +38,7 @@ from moekv.kvcache.formats.names import (
 )
 from moekv.models.load_formats import LOAD_FORMATS
 from moekv.ops.quantized_weight import QUANT_METHODS
+from moekv.ops.reference import MLA_DECODE_MMAS
 from moekv.routing.modes import ROUTING_MODES
 
 DTYPES = {
@@ -140,6 +141,11 @@ class CacheConfig:
         "CUDA: share of the card's memory the engine may fill (weights, KV pages, activations)", 0.9, cuda_only=True)
     enable_prefix_caching: bool = option(
         "share the KV pages of identical prompt prefixes across requests (full pages, by content hash)", False)
+    mla_decode_mma: str = option(
+        "multi-head latent attention models: the absorbed decode's MMA operands: auto (the queries' dtype) | bf16 | "
+        "fp8 (queries and probabilities in float8 e4m3; the CUDA kernel's fp8-MMA form on the fp8_e4m3 latent) | "
+        "fp8_queries | fp8_probs (one of the two in e4m3: for measuring, on the reference path)", "auto",
+        choices=tuple(MLA_DECODE_MMAS))
     kv_options: dict[str, Any] = field(default_factory=dict, metadata={"kv_options": True})
 
     def __post_init__(self) -> None:
@@ -147,6 +153,8 @@ class CacheConfig:
                f"kv_cache_dtype={self.kv_cache_dtype!r} is unknown; accepted: {list(kv_format_names())}")
         check_decode_kernel(self.decode_kernel)
         envs.check_decode_kernel_unset()
+        _check(self.mla_decode_mma in MLA_DECODE_MMAS,
+               f"mla_decode_mma={self.mla_decode_mma!r} is unknown; accepted: {list(MLA_DECODE_MMAS)}")
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_cache_dtype)
         self._check_kv_options()

@@ -128,6 +128,25 @@ def test_fp8_latent_stays_close_and_counts_its_bytes(variant):
     assert errors[0] > 1e-3 and errors[1] < 1e-5, name
 
 
+@pytest.mark.parametrize("mma", ["bf16", "fp8", "fp8_queries", "fp8_probs"])
+def test_decode_mma_rounds_the_absorbed_decode_only(variant, mma):
+    """mla_decode_mma: the prompt (expanded prefill) is untouched, the decode steps' attention rounds its
+    MMA operands (reference.mla_decode_mma_ref), so the sampled tokens' log-probabilities move a little;
+    an unknown value is refused naming the accepted ones."""
+    name, path, _, llm = variant
+    rounded = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=12, mla_decode_mma=mma)
+    assert rounded.engine.runner.kv_format.decode_mma == mma
+    for exact, approx in zip(llm.score([{"prompt_token_ids": p} for p in PROMPTS]),
+                             rounded.score([{"prompt_token_ids": p} for p in PROMPTS])):
+        assert torch.equal(exact, approx), name
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    base = [o.outputs[0].cumulative_logprob for o in llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)]
+    moved = [o.outputs[0].cumulative_logprob for o in rounded.generate([{"prompt_token_ids": PROMPTS[0]}], params)]
+    assert base[0] != moved[0] and abs(base[0] - moved[0]) < 0.5, (name, base, moved)
+    with pytest.raises(ValueError, match="mla_decode_mma='fp4' is unknown"):
+        LLM(path, dtype="float32", mla_decode_mma="fp4")
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_prefix_caching_and_preemption(variant, kv_cache_dtype):
     """Latent pages shared by prefix caching, and sequences preempted and recomputed in a pool too

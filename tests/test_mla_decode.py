@@ -8,7 +8,14 @@ import torch
 
 from moekv.context import Context
 from moekv.kvcache.formats.latent import LatentFormat, LatentFP8Format
-from moekv.ops.reference import fp8_latent_dequantize_ref, fp8_latent_quantize_ref, mla_decode_ref
+from moekv.ops.reference import (
+    e4m3_round,
+    fp8_latent_dequantize_ref,
+    fp8_latent_quantize_ref,
+    mla_decode_mma_ref,
+    mla_decode_ref,
+    mla_query_fp8_ref,
+)
 from tests.triton_kernels import INTERPRET, kernel_modules
 
 (mla,) = kernel_modules("moekv.ops.decode.mla")
@@ -91,7 +98,7 @@ def test_fp8_latent_quantize_round_trip():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt_name", ["bf16", "fp8_e4m3"])
-@pytest.mark.parametrize("config", [None, *sorted(mla.tuning()["configs"])])
+@pytest.mark.parametrize("config", [None, *sorted(n for n, c in mla.tuning()["configs"].items() if not c.fp8_mma)])
 def test_kernel_at_deepseek_shape_matches_float64(fmt_name, config):
     """DeepSeek-V3's entry (512 + 64) and 128 heads, bf16 queries, pages of 64, the table's launch and
     each of its configs: within bf16's rounding of the probabilities of the float64 reference."""
@@ -107,6 +114,32 @@ def test_kernel_at_deepseek_shape_matches_float64(fmt_name, config):
     ref = mla_decode_ref(q.double(), stored, rank, scale)
     err = (out.double() - ref).abs().max().item()
     assert err < 1e-2 * ref.abs().max().item(), err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("config", sorted(n for n, c in mla.tuning()["configs"].items() if c.fp8_mma))
+def test_fp8_mma_at_deepseek_shape_within_e4m3_rounding(config):
+    """The table's fp8-MMA configs at DeepSeek-V3's entry (512 + 64) and 128 heads on the fp8 latent, the
+    table's splits: within test_fp8_mma_within_e4m3_rounding_of_float64's bound of the float64 reference
+    with the queries rounded as the kernel rounds them."""
+    rank, rope, page, heads = 512, 64, 64, 128
+    fmt = LatentFP8Format(rank)
+    lengths = [1, 700, 3000]
+    cache, tables, lens, _ = filled_cache(fmt, lengths, page, rank, rope)
+    q = torch.randn(len(lengths), heads, rank + rope, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    q = (q / 8).to(torch.bfloat16)
+    scale = 192 ** -0.5
+    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank, config=config)
+    stored = [fmt.gather(cache, tables[b].tolist(), n, torch.float64).cpu() for b, n in enumerate(lengths)]
+    codes, q_scales = mla_query_fp8_ref(q[..., :rank].cpu())
+    q_rounded = torch.cat([codes.double() * q_scales.double()[..., None], q[..., rank:].double().cpu()], -1)
+    ref = mla_decode_ref(q_rounded, stored, rank, scale)
+    for b, entries in enumerate(stored):
+        vmax = entries[:, :rank].abs().max().item()
+        bound = (2 ** -4 + 2 ** -9) * vmax + entries.shape[0] * 2 ** -10 * fmt.token_scales(entries).max().item()
+        err = (out[b].double().cpu() - ref[b]).abs().max().item()
+        assert err <= bound, (b, err, bound)
 
 
 @pytest.mark.parametrize("fmt_name", ["bf16", "fp8_e4m3"])
@@ -156,6 +189,100 @@ def test_bf16_queries_within_the_probabilities_rounding(fmt_name, swap):
         bound = 2 * (2 ** -8 if INTERPRET else 2 ** -9) * entries[:, :rank].abs().max().item()
         err = (out[b].double() - ref[b]).abs().max().item()
         assert err <= bound, (b, err, bound)
+
+
+def fp8_mma_case(seed: int):
+    """An fp8 latent of 3 sequences (5 to 96 entries over 16-entry pages), 6 heads of bf16 queries.
+    -> (fmt, cache, tables, lens, q, stored entries float64 per sequence, scale)."""
+    rank, rope, page, heads = 32, 16, 16, 6
+    fmt = LatentFP8Format(rank)
+    lengths = [5, 50, 96]
+    cache, tables, lens, _ = filled_cache(fmt, lengths, page, rank, rope, seed=seed)
+    q = torch.randn(len(lengths), heads, rank + rope, generator=torch.Generator().manual_seed(seed + 1))
+    stored = [fmt.gather(cache, tables[b].tolist(), n, torch.float64) for b, n in enumerate(lengths)]
+    return fmt, cache, tables, lens, q.to(torch.bfloat16).to(DEVICE), stored, 48 ** -0.5
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_fp8_mma_matches_its_float64_emulation(swap):
+    """The kernel's fp8-MMA form (queries and probabilities in e4m3) against reference.mla_decode_mma_ref
+    computed in float64 with the same tile (one split): what differs is the bf16 rounding of the output
+    (2^-9 relative to nearest on the GPU, under 2^-8 under the interpreter, which truncates) and e4m3
+    roundings that fall the other way at a near-tie between fp32 and float64 (one step of one element:
+    under 2^-9 of max |value| here). A probability left unrounded, a scale not folded back or a tile
+    dropped is off by more than 1% (their distance from the exact reference, test below)."""
+    fmt, cache, tables, lens, q, stored, scale = fp8_mma_case(seed=5)
+    rank = fmt.kv_lora_rank
+    block_n = 32 if swap else 16
+    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank, block_h=16, num_splits=1,
+                         config=mla.MLAConfig(block_n, 4, 2, swap, True))
+    assert out.dtype == torch.bfloat16
+    for b, entries in enumerate(stored):
+        emulated = mla_decode_mma_ref(q[b].double().cpu(), entries, rank, scale, "fp8", fmt.token_scales(entries),
+                                      block_n=block_n)
+        vmax = entries[:, :rank].abs().max().item()
+        bound = ((2 ** -8 if INTERPRET else 2 ** -9) + 2 ** -9) * vmax
+        err = (out[b].double().cpu() - emulated).abs().max().item()
+        assert err <= bound, (b, err, bound)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_mma_within_e4m3_rounding_of_float64(num_splits):
+    """Against the float64 reference over the stored entries with the queries rounded as the kernel
+    rounds them (torch's e4m3 of q_lat / (amax / 448) per head): each probability times its token's
+    scale is rounded to e4m3 at 448 / (the tile's largest token scale), within 2^-4 of itself as a
+    normal number or 2^-10 of a step of 448 as a subnormal, and the normaliser sums the unrounded ones,
+    so an output is within 2^-4 of max |value| plus length x 2^-10 x max token scale, plus its own
+    bf16 rounding; splits merge exactly (fp32 partials). Without the rounded queries in the reference
+    the same outputs are off by more (the score error of e4m3 queries), so that part is checked apart."""
+    fmt, cache, tables, lens, q, stored, scale = fp8_mma_case(seed=7)
+    rank = fmt.kv_lora_rank
+    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank, block_h=16,
+                         num_splits=num_splits, config=mla.MLAConfig(16, 4, 2, False, True))
+    codes, q_scales = mla_query_fp8_ref(q[..., :rank].cpu())
+    q_rounded = torch.cat([codes.double() * q_scales.double()[..., None], q[..., rank:].double().cpu()], -1)
+    ref = mla_decode_ref(q_rounded, stored, rank, scale)
+    exact = mla_decode_ref(q.double().cpu(), stored, rank, scale)
+    for b, entries in enumerate(stored):
+        vmax = entries[:, :rank].abs().max().item()
+        smax = fmt.token_scales(entries).max().item()
+        bound = 2 ** -4 * vmax + entries.shape[0] * 2 ** -10 * smax + (2 ** -8 if INTERPRET else 2 ** -9) * vmax
+        err = (out[b].double().cpu() - ref[b]).abs().max().item()
+        assert err <= bound, (b, err, bound)
+        assert (exact[b] - ref[b]).abs().max().item() > 1e-3 * vmax  # the queries' rounding is seen
+
+
+def test_fp8_mma_takes_the_fp8_latent_only():
+    fmt = LatentFormat(torch.bfloat16, 32)
+    cache, tables, lens, _ = filled_cache(fmt, [20], 16, 32, 16)
+    q = torch.randn(1, 4, 48).to(DEVICE)
+    with pytest.raises(ValueError, match="fp8 MMAs"):
+        mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, 0.1, 32, fp8_mma=True)
+
+
+def test_decode_mma_emulation_rounds_what_it_names():
+    """reference.mla_decode_mma_ref: 'auto' is the exact reference in any tiling; 'bf16' within bf16's
+    rounding of it; the fp8 forms further off, the probabilities' e4m3 rounding seen only when they are
+    rounded; an all-padding-free single tile and a ragged last tile alike."""
+    gen = torch.Generator().manual_seed(11)
+    rank, heads = 32, 4
+    q = torch.randn(heads, rank + 8, generator=gen, dtype=torch.float64)
+    entries = torch.randn(70, rank + 8, generator=gen, dtype=torch.float64)
+    exact = mla_decode_ref(q[None], [entries], rank, 0.2)[0]
+    for block_n in (16, 128):
+        assert torch.allclose(mla_decode_mma_ref(q, entries, rank, 0.2, "auto", block_n=block_n), exact,
+                              atol=1e-12, rtol=0)
+    vmax = entries[:, :rank].abs().max().item()
+    errors = {mma: (mla_decode_mma_ref(q, entries, rank, 0.2, mma) - exact).abs().max().item() / vmax
+              for mma in ("bf16", "fp8_queries", "fp8_probs", "fp8")}
+    assert 0 < errors["bf16"] < 2 ** -6
+    assert all(errors[m] > 2 * errors["bf16"] for m in ("fp8_queries", "fp8_probs", "fp8"))
+    # queries: e4m3 of q_lat / (amax / 448), each head's largest element kept exactly
+    codes, scales = mla_query_fp8_ref(q[:, :rank])
+    back = codes.double() * scales[:, None]
+    top = q[:, :rank].abs().argmax(-1)
+    torch.testing.assert_close(back[torch.arange(heads), top], q[torch.arange(heads), top], rtol=1e-6, atol=0)
+    assert torch.equal(e4m3_round(torch.tensor([1.98, 0.49, 500.0, -1e-4])), torch.tensor([2.0, 0.5, 448.0, -0.0]))
 
 
 @pytest.mark.parametrize("batch,context", [(1, 4096), (4, 4096), (16, 32768), (64, 32768), (7, 1000)])

@@ -63,8 +63,9 @@ def case(fmt, batch: int, context: int, heads: int, bandwidth: float, block_hs: 
     int4 = "zeros" in tensors
     for block_h in block_hs:
         for config in configs:
-            if int4 and config is not None and tuning()["configs"][config].swap:
-                continue  # the int4 kernel has no transposed form
+            named = tuning()["configs"][config] if config is not None else None
+            if named is not None and ((int4 and named.swap) or (named.fp8_mma and fmt.name != "fp8_e4m3")):
+                continue  # the int4 kernel has no transposed form; fp8 MMAs read the fp8 latent only
             fn = lambda: mla_decode(q, tensors, tables, lens, scale, RANK, block_h=block_h, max_len=context,  # noqa: E731
                                     config=config)
             try:

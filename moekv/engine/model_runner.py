@@ -200,7 +200,7 @@ def kv_format_for(config: EngineConfig, dtype: torch.dtype, model_cfg: ModelConf
     cannot share pages."""
     if model_cfg is not None and model_cfg.mla is not None:
         kv_format = latent_format_for(config.cache.kv_cache_dtype, dtype, model_cfg.mla.kv_lora_rank,
-                                      config.cache.kv_options)
+                                      config.cache.kv_options).with_decode_mma(config.cache.mla_decode_mma)
     else:
         decode_kernel = config.cache.decode_kernel
         if model_cfg is not None:

@@ -461,6 +461,76 @@ def mla_decode_ref(q: torch.Tensor, latents: list[torch.Tensor], kv_lora_rank: i
     return out
 
 
+# the absorbed MLA decode's MMA operands (EngineConfig.cache.mla_decode_mma) -> (queries, probabilities):
+# None = unrounded (the reference's own dtype), else the type each MMA operand is rounded to
+MLA_DECODE_MMAS = {"auto": (None, None), "bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"),
+                   "fp8_queries": ("fp8", "bf16"), "fp8_probs": ("bf16", "fp8")}
+
+
+def e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to float8 e4m3fn (nearest even; |x| <= 448 expected) and back, in x's dtype."""
+    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def mla_query_fp8_ref(q_lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The absorbed decode's latent queries in e4m3 for fp8 MMAs: q_lat [..., R] -> (codes [..., R]
+    float8_e4m3fn, scales [...] fp32 = amax / 448 per (token, head), 1 for an all-zero row)."""
+    x = q_lat.float()
+    amax = x.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    return (x / scales[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scales
+
+
+def mla_decode_mma_ref(q: torch.Tensor, entries: torch.Tensor, kv_lora_rank: int, scale: float, mma: str,
+                       token_scales: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+    """One sequence's absorbed decode with the split kernel's MMA operands rounded as `mma` says
+    (MLA_DECODE_MMAS), computed as ops/decode/mla.py's one split does: tiles of block_n entries, an
+    online softmax (each tile's probabilities against the running max), the sum of probabilities
+    unrounded, the rounded ones feeding the value MMA. q [H, W] (R = kv_lora_rank latent columns, then
+    the rotary ones); entries [L, W] as stored; token_scales [L]: the fp8 latent's per-token scales,
+    whose codes the kernel multiplies (entries = codes x scale: the scale is folded into the scores
+    and into the probabilities), None for a 16-bit latent. Returns [H, R] in q's dtype.
+
+    Rounding: 'bf16' queries all W columns to bf16; 'fp8' queries the latent columns to e4m3 with one
+    scale per head (mla_query_fp8_ref), the rotary columns to bf16 (the rotary key is bf16 in every
+    latent format). Probabilities times the token's scale: to bf16; to e4m3 after multiplying by
+    448 / (the tile's largest token scale, 1 for a 16-bit latent), so each tile's largest possible
+    value (probability 1 at that token) is e4m3's largest, with the factor divided back out of the
+    product. The kernel's splits each keep their own running max; this is one split."""
+    q_fmt, p_fmt = MLA_DECODE_MMAS[mma]
+    R = kv_lora_rank
+    dtype = q.dtype
+    q_lat, q_rope = q[:, :R], q[:, R:]
+    if q_fmt == "bf16":
+        q_lat, q_rope = q_lat.to(torch.bfloat16).to(dtype), q_rope.to(torch.bfloat16).to(dtype)
+    elif q_fmt == "fp8":
+        codes, q_scales = mla_query_fp8_ref(q_lat)
+        q_lat = codes.to(dtype) * q_scales.to(dtype)[:, None]
+        q_rope = q_rope.to(torch.bfloat16).to(dtype)
+    entries = entries.to(dtype)
+    L, H = entries.shape[0], q.shape[0]
+    scores = (q_lat @ entries[:, :R].T + q_rope @ entries[:, R:].T) * scale  # [H, L]
+    tiles = -(-L // block_n)
+    pad = tiles * block_n - L
+    scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")).view(H, tiles, block_n)
+    m = scores.amax(-1).cummax(-1).values  # [H, tiles]: the running max after each tile
+    p = torch.exp(scores - m[..., None])  # [H, tiles, block_n], each tile against its running max
+    decay = torch.exp(m - m[:, -1:])  # each tile's weight at the end (the kernel's alphas multiplied)
+    l_sum = (p.sum(-1) * decay).sum(-1)  # [H]
+    s_tok = torch.ones(L, dtype=dtype, device=q.device) if token_scales is None else token_scales.to(dtype)
+    s_tok = torch.nn.functional.pad(s_tok, (0, pad), value=0.0).view(tiles, block_n)
+    pv = p * s_tok  # the value MMA's probabilities (fp8 latent: the token scale folded in)
+    if p_fmt == "bf16":
+        pv = pv.to(torch.bfloat16).to(dtype)
+    elif p_fmt == "fp8":
+        fold = FP8_E4M3_MAX / s_tok.amax(-1).clamp_min(torch.finfo(dtype).tiny)  # [tiles]
+        pv = e4m3_round(pv * fold[:, None]) / fold[:, None]
+    codes = entries[:, :R] / torch.where(s_tok.flatten()[:L] > 0, s_tok.flatten()[:L], 1.0)[:, None]
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad)).view(tiles, block_n, R)
+    acc = torch.einsum("htn,tnr,ht->hr", pv, codes, decay)
+    return acc / l_sum[:, None]
+
+
 def mla_rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
                    interleave: bool) -> torch.Tensor:
     """RoPE on MLA's rotary part x [T, heads, r] at positions [T]; cos and sin scaled by `scale`

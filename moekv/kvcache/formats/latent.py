@@ -23,7 +23,14 @@ import torch
 from moekv.context import Context
 from moekv.kvcache.formats.dense import is_decode_only
 from moekv.kvcache.formats.interface import PAGE_ALIGN_BYTES, GraphSupport, KVFormat, LayerKVCache
-from moekv.ops.reference import causal_attention_ref, fp8_latent_dequantize_ref, fp8_latent_quantize_ref
+from moekv.ops.reference import (
+    FP8_E4M3_MAX,
+    MLA_DECODE_MMAS,
+    causal_attention_ref,
+    fp8_latent_dequantize_ref,
+    fp8_latent_quantize_ref,
+    mla_decode_mma_ref,
+)
 
 PLAIN_LATENTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -36,10 +43,20 @@ class LatentFormat(KVFormat):
     """The latent in a 16/32-bit float: the reference storage."""
 
     graph_support = GraphSupport.DECODE_WITH_FILLS  # one scatter through slot_mapping, no staging
+    # the absorbed decode's MMA operands (EngineConfig.cache.mla_decode_mma; reference.MLA_DECODE_MMAS):
+    # 'auto' = the queries' dtype, as the kernel computes them; others round the queries and probabilities
+    decode_mma = "auto"
 
     def __init__(self, dtype: torch.dtype, kv_lora_rank: int) -> None:
         self.dtype, self.kv_lora_rank = dtype, kv_lora_rank
         self.name = {v: k for k, v in PLAIN_LATENTS.items()}[dtype]
+
+    def with_decode_mma(self, mma: str) -> LatentFormat:
+        """This format with its absorbed decode's MMA operands rounded as `mma` says (MLA_DECODE_MMAS)."""
+        if mma not in MLA_DECODE_MMAS:
+            raise ValueError(f"mla_decode_mma={mma!r} is unknown; accepted: {list(MLA_DECODE_MMAS)}")
+        self.decode_mma = mma
+        return self
 
     # -- layout -----------------------------------------------------------------------------
     def token_bytes(self, width: int) -> int:
@@ -97,24 +114,38 @@ class LatentFormat(KVFormat):
     def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None) -> torch.Tensor:
         """Absorbed attention: q [T, H, W] (q_nope through W_UK, then q_rope) over each sequence's
         cached entries -> [T, H, kv_lora_rank] (still to go through W_UV). Decode-only steps on CUDA
-        take the Triton kernel (ops/decode/mla.py); every other step the reference."""
+        take the Triton kernel (ops/decode/mla.py) where it computes decode_mma's operands (its fp8-MMA
+        form for mla_decode_mma='fp8' on the fp8 latent); every other step the reference."""
         if sliding_window is not None:
             raise ValueError("multi-head latent attention has no sliding window")
         if q.is_cuda and is_decode_only(q, ctx) and self.fused_decode_unavailable(0, q.shape[-1]) is None:
-            from moekv.ops.decode.mla import mla_decode
+            fp8_mma = self.decode_mma == "fp8"
+            if (self.decode_mma == "auto" or (self.decode_mma == "bf16" and q.dtype == torch.bfloat16)
+                    or (fp8_mma and self.dtype == torch.float8_e4m3fn)):
+                from moekv.ops.decode.mla import mla_decode
 
-            return mla_decode(q, self.kernel_tensors(cache), ctx.block_tables, ctx.context_lens, scale,
-                              self.kv_lora_rank)
+                return mla_decode(q, self.kernel_tensors(cache), ctx.block_tables, ctx.context_lens, scale,
+                                  self.kv_lora_rank, fp8_mma=fp8_mma)
         return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv)
 
     def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None) -> torch.Tensor:
         """step_kv: (the step's entries [T, W] as computed, None): a prefill chunk reads its own
-        tokens exactly (KVFormat.attend), earlier ones as stored."""
+        tokens exactly (KVFormat.attend), earlier ones as stored. A decode row (one query of its
+        sequence) with decode_mma other than 'auto' is computed as the kernel rounds its MMA operands
+        (reference.mla_decode_mma_ref)."""
         R = self.kv_lora_rank
         out = q.new_empty(q.shape[0], q.shape[1], R)
         for lo, hi, entries in self.step_sequences(cache, ctx, step_kv, q.dtype):
-            out[lo:hi] = causal_attention_ref(q[lo:hi], entries[:, None], entries[:, None, :R], scale)
+            if self.decode_mma != "auto" and hi - lo == 1:
+                out[lo] = mla_decode_mma_ref(q[lo], entries, R, scale, self.decode_mma, self.token_scales(entries))
+            else:
+                out[lo:hi] = causal_attention_ref(q[lo:hi], entries[:, None], entries[:, None, :R], scale)
         return out
+
+    def token_scales(self, entries: torch.Tensor) -> torch.Tensor | None:
+        """The per-token scales the decode kernel folds into scores and probabilities (None: it reads
+        the latent as stored)."""
+        return None
 
     def step_sequences(self, cache, ctx, step_kv, dtype):
         """(lo, hi, entries) for each sequence with query rows in this step: its rows lo:hi and its
@@ -205,3 +236,9 @@ class LatentFP8Format(LatentFormat):
 
     def kernel_tensors(self, cache):
         return {"latent": cache["latent_codes"], "rope": cache["rope_pages"], "scales": cache["latent_scales"]}
+
+    def token_scales(self, entries: torch.Tensor) -> torch.Tensor:
+        """Each entry's scale, recovered from its dequantized latent (its largest code is 448: amax / 448;
+        1 for an all-zero token, as fp8_latent_quantize_ref stores it)."""
+        amax = entries[:, :self.kv_lora_rank].abs().amax(-1)
+        return torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))

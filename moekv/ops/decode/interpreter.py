@@ -63,3 +63,50 @@ def patch_interpreter_bf16_dot() -> None:
 
     builder.create_dot = create_dot
     _BF16_DOT_PATCHED = True
+
+
+_FP8_CAST_PATCHED = False
+
+
+def patch_interpreter_fp8_cast() -> None:
+    """Make the interpreter round to float8 e4m3 (tl.float8e4nv) as the GPU does (once a process).
+
+    Why: Triton 3.6's interpreter converts a float to e4m3 by cutting its bits: a mantissa rounded up
+    past 0b111 wraps to 0b000 without raising the exponent (1.98 becomes 1.0, 0.49 becomes 0.25), and
+    values below e4m3's smallest normal (2^-6) come out wrong. The GPU's conversion (cvt.rn.satfinite)
+    rounds to nearest even and saturates at +-448. The patched conversion does that through torch's
+    float8_e4m3fn after clamping to +-448. Only under the interpreter, only conversions to e4m3."""
+    global _FP8_CAST_PATCHED
+    if _FP8_CAST_PATCHED:
+        return
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original_fp_to_fp, original_trunc = builder.create_fp_to_fp, builder.create_fp_trunc
+
+    def as_float32(handle) -> np.ndarray:
+        if handle.dtype.scalar == tl.bfloat16:
+            return (handle.data.astype(np.uint32) << 16).view(np.float32)
+        return handle.data.astype(np.float32)
+
+    def to_e4m3(src) -> interpreter.TensorHandle:
+        x = torch.from_numpy(np.ascontiguousarray(as_float32(src))).clamp(-448.0, 448.0)
+        codes = x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return interpreter.TensorHandle(codes, tl.float8e4nv)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16, tl.bfloat16):
+            return to_e4m3(src)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    def create_fp_trunc(self, src, dst_type):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16, tl.bfloat16):
+            return to_e4m3(src)
+        return original_trunc(self, src, dst_type)
+
+    builder.create_fp_to_fp = create_fp_to_fp
+    builder.create_fp_trunc = create_fp_trunc
+    _FP8_CAST_PATCHED = True

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.reference import mla_query_fp8_ref
 from moekv.ops.tuning import current_device_name, load_tuning
 
 LOG2E = 1.4426950408889634
@@ -36,11 +37,13 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class MLAConfig:
     """One launch of the split kernel: BLOCK_N tokens a tile, num_warps, num_stages (the tile loads in
-    flight: 1 = none ahead), swap (the scores as [tokens, heads], `_mla_split_kernel`'s SWAP)."""
+    flight: 1 = none ahead), swap (the scores as [tokens, heads], `_mla_split_kernel`'s SWAP), fp8_mma
+    (both latent MMAs on e4m3 operands, `_mla_split_kernel`'s FP8_MMA: the fp8 latent only)."""
     block_n: int
     num_warps: int
     num_stages: int
     swap: bool = False
+    fp8_mma: bool = False
 
 
 SMALL_LATENT = MLAConfig(64, 4, 3, False)  # latents under 256 channels: a [BLOCK_H, R] accumulator fits 4 warps
@@ -51,7 +54,8 @@ def tuning(device_name: str | None = None) -> dict:
     """The launch table (moekv/ops/configs/mla_decode_<device>.json): split_waves, configs {name: MLAConfig},
     formats {storage: [config names by preference]}."""
     data = load_tuning("mla_decode", device_name)
-    configs = {name: MLAConfig(int(bn), int(w), int(st), bool(sw)) for name, (bn, w, st, sw) in data["configs"].items()}
+    configs = {name: MLAConfig(int(bn), int(w), int(st), *map(bool, rest)) for name, (bn, w, st, *rest)
+               in data["configs"].items()}
     return {"split_waves": int(data["split_waves"]), "configs": configs, "formats": data["formats"]}
 
 
@@ -73,24 +77,42 @@ def _split_tiles(lens_ptr, b, s, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_ptr, part_o_ptr, part_lse_ptr,
+def _mla_split_kernel(q_ptr, q8_ptr, qs_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_ptr, part_o_ptr,
+                      part_lse_ptr,
                       stride_qb, stride_qh, stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_tb,
                       stride_ob, stride_oh, stride_os, stride_eb, stride_eh, qk_scale, num_heads, num_splits,
                       R: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
-                      NUM_STAGES: tl.constexpr):
+                      NUM_STAGES: tl.constexpr, FP8_MMA: tl.constexpr):
     """SWAP: the scores computed transposed, [BLOCK_N tokens, BLOCK_H heads] = entries . queries^T, so the
     tile of tokens is the MMA's M: on sm_90 Triton lays a dot that feeds another dot with all its warps
     along M, and at M = BLOCK_H = 64 heads two warpgroups would each compute the whole score tile (at
-    M = BLOCK_N = 128 tokens each computes its half). Without SWAP, [BLOCK_H, BLOCK_N] = queries . entries^T."""
+    M = BLOCK_N = 128 tokens each computes its half). Without SWAP, [BLOCK_H, BLOCK_N] = queries . entries^T.
+
+    FP8_MMA (the fp8 latent only): both latent MMAs on e4m3 operands. The latent queries come quantized
+    (q8 [B, H, R] e4m3 codes, qs [B, H] their scales, amax / 448 a head: `quantize_queries`, once a
+    step; loaded from memory they stay in shared memory as the 16-bit ones do, where codes made in
+    registers would be an MMA operand held in registers, 32 a thread), and the scores are multiplied
+    back by that scale and the token's. The probabilities times the token's scale are multiplied by
+    448 / (the tile's largest token scale) before rounding to e4m3 (a probability of 1 at that token
+    is e4m3's largest value), the factor divided back out of the product. The rotary part stays a
+    bf16 MMA; the normaliser sums the unrounded probabilities (reference.mla_decode_mma_ref computes
+    the same). On sm_90 the value MMA's e4m3 operand must be K-major (tokens contiguous) and the tile
+    is stored with its channels contiguous, so Triton moves the tile through registers to transpose
+    it: at 64 heads and 8 warps the build spills (docs/decisions.md, "MLA decode with fp8 MMAs")."""
     hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length, t0, t1 = _split_tiles(lens_ptr, b, s, num_splits, BLOCK_N)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     cols, rcols = tl.arange(0, R), tl.arange(0, RP)
     q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    q_lat = tl.load(q_row + cols[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, R]
     q_rope = tl.load(q_row + R + rcols[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, RP]
+    if FP8_MMA:
+        q8_row = q8_ptr + (b * num_heads + heads[:, None]) * R
+        q_mma = tl.load(q8_row + cols[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, R] e4m3
+        q_scale = tl.load(qs_ptr + b * num_heads + heads, mask=hmask, other=0.0)
+    else:
+        q_mma = tl.load(q_row + cols[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, R]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
@@ -100,14 +122,18 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
         page = tl.load(tables_ptr + b * stride_tb + toks // PAGE, mask=valid, other=0).to(tl.int64)
         off = toks % PAGE
         c = tl.load(latent_ptr + (page * stride_lp + off * stride_lt)[:, None] + cols[None, :],
-                    mask=valid[:, None], other=0.0).to(q_lat.dtype)  # [BLOCK_N, R]
+                    mask=valid[:, None], other=0.0).to(q_mma.dtype)  # [BLOCK_N, R]
         kr = tl.load(rope_ptr + (page * stride_rp + off * stride_rt)[:, None] + rcols[None, :],
                      mask=valid[:, None], other=0.0).to(q_rope.dtype)  # [BLOCK_N, RP]
         if FP8:
             tok_scale = tl.load(scales_ptr + page * stride_sp + off, mask=valid, other=0.0)
+        if FP8_MMA:
+            p_fold = 448.0 / tl.max(tok_scale, 0)  # a tile holds a valid token, whose scale is > 0
         if SWAP:
-            scores_t = tl.dot(c, tl.trans(q_lat), input_precision=PRECISION)  # [BLOCK_N, BLOCK_H] fp32
-            if FP8:
+            scores_t = tl.dot(c, tl.trans(q_mma), input_precision=PRECISION)  # [BLOCK_N, BLOCK_H] fp32
+            if FP8_MMA:
+                scores_t = scores_t * tok_scale[:, None] * q_scale[None, :]
+            elif FP8:
                 scores_t = scores_t * tok_scale[:, None]
             if RP >= 16:
                 scores_t += tl.dot(kr, tl.trans(q_rope), input_precision=PRECISION)
@@ -118,12 +144,16 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
             alpha = tl.exp2(m - m_new)
             p_t = tl.exp2(scores_t - m_new[None, :])
             l_sum = l_sum * alpha + tl.sum(p_t, 0)
-            if FP8:
+            if FP8_MMA:
+                p_t = p_t * (tok_scale * p_fold)[:, None]
+            elif FP8:
                 p_t = p_t * tok_scale[:, None]
             p = tl.trans(p_t.to(c.dtype))  # [BLOCK_H, BLOCK_N]
         else:
-            scores_lat = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N] fp32
-            if FP8:
+            scores_lat = tl.dot(q_mma, tl.trans(c), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N] fp32
+            if FP8_MMA:
+                scores_lat = scores_lat * q_scale[:, None] * tok_scale[None, :]
+            elif FP8:
                 scores_lat = scores_lat * tok_scale[None, :]
             if RP >= 16:
                 scores_rope = tl.dot(q_rope, tl.trans(kr), input_precision=PRECISION)
@@ -135,10 +165,15 @@ def _mla_split_kernel(q_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            if FP8:
+            if FP8_MMA:
+                p = p * (tok_scale * p_fold)[None, :]
+            elif FP8:
                 p = p * tok_scale[None, :]
             p = p.to(c.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p, c, input_precision=PRECISION)
+        if FP8_MMA:
+            acc = acc * alpha[:, None] + tl.dot(p, c) * (1.0 / p_fold)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, c, input_precision=PRECISION)
         m = m_new
     has = l_sum > 0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]
@@ -227,6 +262,13 @@ def _mla_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, 
     tl.store(out_ptr + b * stride_outb + h * stride_outh + cols, merged.to(out_ptr.dtype.element_ty))
 
 
+def quantize_queries(q: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent queries for fp8 MMAs, once a step: q [B, H, W] -> (codes [B, H, R] float8 e4m3, contiguous;
+    scales [B, H] fp32, amax / 448 a head: reference.mla_query_fp8_ref, whose torch ops are the step's)."""
+    codes, scales = mla_query_fp8_ref(q[..., :kv_lora_rank])
+    return codes.contiguous(), scales.contiguous()
+
+
 def kernel_shape_unsupported(kv_lora_rank: int, rope_dim: int) -> str | None:
     """Why the kernel cannot take this entry shape, or None."""
     if kv_lora_rank < 16 or kv_lora_rank & (kv_lora_rank - 1) or rope_dim < 1 or rope_dim & (rope_dim - 1):
@@ -275,13 +317,15 @@ def launch_for(storage: str, kv_lora_rank: int, batch: int, head_blocks: int, ma
 def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float, kv_lora_rank: int, block_h: int | None = None,
                block_n: int | None = None, num_splits: int | None = None, max_len: int | None = None,
-               config: MLAConfig | str | None = None) -> torch.Tensor:
+               config: MLAConfig | str | None = None, fp8_mma: bool = False) -> torch.Tensor:
     """q [B, H, W] -> [B, H, R] in q's dtype. tensors: `latent` [N, P, R] (bf16 / fp16, or float8
     e4m3 codes with `scales` [N, P] fp32, or int4 codes [N, P, R/2] with `scales` and `zeros`) and `rope`
     [N, P, r], the last dim contiguous (LatentFormat.kernel_tensors); block_tables [B, max_pages];
     context_lens [B] (>= 1). block_h, num_splits: the launch's shape (None: the defaults); config: a
     launch (or its name in the table; None: the table's choice for the shape), block_n overriding its
-    tile; max_len: the longest context, for the splits (None: the block tables' capacity, no host sync)."""
+    tile; max_len: the longest context, for the splits (None: the block tables' capacity, no host sync);
+    fp8_mma: both latent MMAs on e4m3 operands whatever the config says (the fp8 latent only; the
+    arithmetic of reference.mla_decode_mma_ref(mma='fp8'))."""
     latent, rope = tensors["latent"], tensors["rope"]
     scales, zeros = tensors.get("scales"), tensors.get("zeros")
     B, H, W = q.shape
@@ -312,10 +356,13 @@ def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: 
         config = named_config(config)
     if config is None:
         config = launch_for(storage, R, B, head_blocks, context, num_sms, current_device_name(), block_h)
-    if block_n is not None:
-        config = MLAConfig(block_n, config.num_warps, config.num_stages, config.swap)
+    if block_n is not None or fp8_mma:
+        config = MLAConfig(block_n or config.block_n, config.num_warps, config.num_stages, config.swap,
+                           config.fp8_mma or fp8_mma)
     if storage == "int4" and config.swap:
         raise ValueError("the int4 latent kernel has no transposed-scores form (config.swap)")
+    if config.fp8_mma and storage != "fp8":
+        raise ValueError(f"fp8 MMAs (config.fp8_mma) read the fp8 latent's codes; this latent is {storage}")
     if num_splits is None:
         num_splits = num_splits_for(B, head_blocks, context, config.block_n, num_sms,
                                     tuning(current_device_name())["split_waves"])
@@ -323,10 +370,15 @@ def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: 
     part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H, R, dtype=q.dtype, device=q.device)
     if _is_interpreted(_mla_split_kernel):
-        from moekv.ops.decode.interpreter import patch_interpreter_bf16_dot, patch_interpreter_index
+        from moekv.ops.decode.interpreter import (
+            patch_interpreter_bf16_dot,
+            patch_interpreter_fp8_cast,
+            patch_interpreter_index,
+        )
 
         patch_interpreter_index()
         patch_interpreter_bf16_dot()
+        patch_interpreter_fp8_cast()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     launch = dict(BLOCK_H=block_h, BLOCK_N=config.block_n, PRECISION=precision, NUM_STAGES=config.num_stages,
                   num_warps=config.num_warps)
@@ -341,12 +393,13 @@ def mla_decode(q: torch.Tensor, tensors: dict[str, torch.Tensor], block_tables: 
     else:
         fp8 = storage == "fp8"
         scales_arg = scales if fp8 else part_lse  # unread without FP8
+        q8, q_scales = quantize_queries(q, R) if config.fp8_mma else (q, part_lse)  # unread without FP8_MMA
         _mla_split_kernel[(head_blocks, B, num_splits)](
-            q, latent, rope, scales_arg, block_tables, context_lens, part_o, part_lse,
+            q, q8, q_scales, latent, rope, scales_arg, block_tables, context_lens, part_o, part_lse,
             q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1),
             scales_arg.stride(0), block_tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), scale * LOG2E, H, num_splits,
-            R=R, RP=RP, PAGE=page, FP8=fp8, SWAP=config.swap, **launch)
+            R=R, RP=RP, PAGE=page, FP8=fp8, SWAP=config.swap, FP8_MMA=config.fp8_mma, **launch)
     _mla_reduce_kernel[(B, H)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1), out.stride(0), out.stride(1), num_splits, R=R,

@@ -141,11 +141,14 @@ def test_run_gemv_decodes_every_int4_code_at_default_tiles():
 
 
 def test_default_path_and_run_pairs():
-    """path=None: the pair GEMV up to GEMV_MAX_PAIRS (the run GEMV only when asked for, until a GPU times
-    it), the grouped GEMM past it; P the mean run rounded up, 2 to 4."""
-    assert [fq.default_path(2 * T, 8) for T in (1, 2, 4, 8, 16)] == ["gemv", "gemv", "gemv", "gemv", "gemm"]
-    assert fq.mean_run(16, 8) == 2.0  # Mixtral's T=8, where a finite RUNS_MIN_MEAN of 2 would take the runs
-    assert fq.default_path(16, 32) == "gemv"  # gpt-oss-20b at T=4: 16 pairs over 32 experts
+    """path=None: the pair GEMV while pairs share few experts; where runs average two pairs (Mixtral's T=8)
+    int4 takes the run GEMV and fp8 / mxfp4 the grouped GEMM, as bf16 does; past GEMV_MAX_PAIRS the GEMM.
+    P the mean run rounded up, 2 to 4."""
+    assert [fq.default_path(2 * T, 8, "int4") for T in (1, 2, 4, 8, 16)] == ["gemv", "gemv", "gemv", "runs", "gemm"]
+    assert [fq.default_path(2 * T, 8, "fp8") for T in (1, 2, 4, 8, 16)] == ["gemv", "gemv", "gemv", "gemm", "gemm"]
+    assert [fm.default_path(2 * T, 8) for T in (1, 2, 4, 8, 16)] == ["gemv", "gemv", "gemv", "gemm", "gemm"]
+    assert fq.mean_run(16, 8) == 2.0
+    assert fq.default_path(16, 32, "mxfp4") == "gemv"  # gpt-oss-20b at T=4: 16 pairs over 32 experts
     assert [fq.default_run_pairs(M, 8) for M in (2, 16, 32, 64, 128)] == [2, 2, 4, 4, 4]
     x, q13, q2, weights, ids = _moe_case(2, 4, 2, 32, 16, "int4-sym")
     with pytest.raises(ValueError, match="power of 2"):

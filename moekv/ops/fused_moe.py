@@ -42,7 +42,23 @@ from moekv.ops.pdl import (
     wait_for_inputs,
 )
 
-GEMV_MAX_PAIRS = 16  # decode fast path up to this many (token, slot) pairs
+GEMV_MAX_PAIRS = 16  # decode fast path up to this many (token, slot) pairs ...
+# ... unless the experts' runs average this many pairs: then the grouped GEMM, which reads an expert's tile
+# once for all of them, wins (H200, Mixtral-8x7B's experts at T=8: bf16 0.63 against the GEMV's 0.85 ms, fp8
+# 0.39 against 0.61; at T=4, one pair an expert, the two tie; docs/decisions.md, "MoE paths by reuse")
+GEMM_MIN_MEAN_RUN = 2.0
+
+
+def mean_run(num_pairs: int, num_experts: int) -> float:
+    """Pairs an expert takes on average if every expert holds some: T*k / min(E, T*k)."""
+    return num_pairs / max(1, min(num_experts, num_pairs))
+
+
+def default_path(num_pairs: int, num_experts: int) -> str:
+    """fused_moe's path for path=None: the GEMV for a few pairs that share few experts, else the grouped GEMM."""
+    if num_pairs > GEMV_MAX_PAIRS or mean_run(num_pairs, num_experts) >= GEMM_MIN_MEAN_RUN:
+        return "gemm"
+    return "gemv"
 
 
 # -- alignment: pairs sorted by expert, padded per expert to BLOCK_M ------------------------------------
@@ -513,7 +529,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if M == 0:
         return torch.zeros_like(x)
     if path is None:
-        path = "gemv" if M <= GEMV_MAX_PAIRS else "gemm"
+        path = default_path(M, E)
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1)
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)  # [M, I]

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from moekv.ops.fused_moe import (
     ALIGN_MAX_PAIRS,
+    GEMM_MIN_MEAN_RUN,
     GEMV_MAX_PAIRS,
     GemmConfig,
     activate,
@@ -40,6 +41,7 @@ from moekv.ops.fused_moe import (
     epilogue_args,
     fused_moe,
     interpreting,
+    mean_run,
     moe_align_block_size,
     moe_align_small,
     num_sms_of,
@@ -80,23 +82,16 @@ def default_quant_gemv(w: QuantizedWeight) -> QuantGemvConfig:
     return DEFAULT_PACKED_GEMV if w.method in ("int4", "mxfp4") else DEFAULT_QUANT_GEMV
 
 
-# path None would take the run GEMV at T*k <= GEMV_MAX_PAIRS where runs average this many pairs (2: Mixtral's
-# T=8); infinite, so only path='runs' takes it, until scripts/gpu/w4multi.sh times it against the pair GEMV
-# (its sm_90 instruction counts predict 1.0-1.25x at T=8; docs/decisions.md, "The run GEMV")
-RUNS_MIN_MEAN = float("inf")
-
-
-def mean_run(num_pairs: int, num_experts: int) -> float:
-    """Pairs an expert takes on average if every expert holds some: T*k / min(E, T*k)."""
-    return num_pairs / max(1, min(num_experts, num_pairs))
-
-
-def default_path(num_pairs: int, num_experts: int) -> str:
-    """fused_moe_quant's path for path=None: the grouped GEMM past GEMV_MAX_PAIRS; below, the run GEMV where
-    runs average RUNS_MIN_MEAN pairs or more (none, until the GPU's timings decide), else the pair GEMV."""
+def default_path(num_pairs: int, num_experts: int, method: str = "int4") -> str:
+    """fused_moe_quant's path for path=None: past GEMV_MAX_PAIRS, or where the experts' runs average
+    GEMM_MIN_MEAN_RUN pairs, a path that decodes a tile once for its expert's pairs: for int4 the run GEMV
+    (H200, Mixtral-8x7B's experts at T=8: 0.54 ms against the pair GEMV's 0.59 and the GEMM's 0.71), for fp8
+    and mxfp4 the grouped GEMM (fp8: 0.39 against 0.61 and the run GEMV's 0.58); else the pair GEMV."""
     if num_pairs > GEMV_MAX_PAIRS:
         return "gemm"
-    return "runs" if mean_run(num_pairs, num_experts) >= RUNS_MIN_MEAN else "gemv"
+    if mean_run(num_pairs, num_experts) >= GEMM_MIN_MEAN_RUN:
+        return "runs" if method == "int4" else "gemm"
+    return "gemv"
 
 
 def default_run_pairs(num_pairs: int, num_experts: int) -> int:
@@ -445,7 +440,7 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     if M == 0:
         return torch.zeros_like(x)
     if path is None:
-        path = default_path(M, E)
+        path = default_path(M, E, w13.method)
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1).contiguous()
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)  # [M, I]

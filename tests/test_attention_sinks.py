@@ -122,7 +122,8 @@ def test_paged_decode_kernel_with_sinks(label):
 
 
 def test_sinks_change_the_kernel_output():
-    """Not vacuous: sinks of 3 sigma move the output far beyond the tolerance above."""
+    """Not vacuous: sinks of 3 sigma move the output far beyond the tolerance above (10x the GPU's, whose
+    16-bit MMA operands allow 2e-2 of the output's scale; the CPU's is 1e-5)."""
     out, ref = run_sink_case("bf16", [45], 2, 4, 32, 16, 2, None)
     name, options = FORMATS["bf16"]
     fmt = slab_format(name, torch.bfloat16, **options)
@@ -130,7 +131,7 @@ def test_sinks_change_the_kernel_output():
     q = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     plain = paged.paged_decode_attention(q, cache, ctx.block_tables, ctx.context_lens, ctx.seq_slots, 32 ** -0.5,
                                          None, fmt.decode_spec(16, 32), num_splits=2, block_n=16)
-    assert (plain.double() - ref).abs().max().item() > 100 * tolerance("bf16", ref)
+    assert (plain.double() - ref).abs().max().item() > 10 * tolerance("bf16", ref)
 
 
 def test_sinks_of_the_wrong_shape_are_refused():
@@ -155,7 +156,7 @@ def test_tiered_kernel_with_sinks():
     for window in (None, 20):
         ref = sink_oracle(q.double(), keys, values, 32 ** -0.5, window, sinks.double())
         out = fmt.attend_kernel(q, cache, ctx, 32 ** -0.5, window, sinks=sinks, num_splits=3, block_n=16)
-        assert (out.double() - ref).abs().max().item() <= 2e-3 * ref.abs().max().item()
+        assert (out.double() - ref).abs().max().item() <= tolerance("nuq2", ref)  # (2e-3 of the scale on the CPU)
 
 
 @pytest.mark.gpu

@@ -82,7 +82,7 @@ def test_every_code_and_scale_through_the_gemv():
     scales = exps[:, None].expand(-1, K // 32).contiguous()  # a scale per row
     qw = mxfp4_weight(blocks, scales).to(DEVICE)
     values = torch.tensor(FP4_VALUES, dtype=torch.float64)[codes]
-    assert torch.equal(qw.dequantize(torch.float64)[3], values)
+    assert torch.equal(qw.dequantize(torch.float64)[3].cpu(), values)
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     out = ql.quant_gemv(x, qw, shape=ql.QuantGemvShape(block_n=2, block_k=32)).double()
     ref = x.double() @ qw.dequantize(torch.float64).T  # [2, N]

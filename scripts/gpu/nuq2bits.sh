@@ -13,7 +13,9 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/nuq2bits}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
-timeout 90 python -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_gluon_nuq2_decode.py \
+# (an H200 ran 13 of these in 90 s, the rest compiling: xdist where the machine has it, and 150 s)
+PARALLEL=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
+timeout 150 python -m pytest -q -rf -p no:cacheprovider -m gpu $PARALLEL tests/test_gluon_nuq2_decode.py \
   tests/test_gluon_tiered_decode.py tests/test_gluon_engine.py -k "nuq2 or tiered" > "$OUT/gpu_tests.log" 2>&1
 tail -4 "$OUT/gpu_tests.log"
 FORMATS="nuq2 nuq2_sigma35 tiered"; SHAPES="1x4096 16x32768 64x32768 1x131072"

@@ -6,7 +6,9 @@ the device (moekv's apply_bitmask_: copy the packed words, unpack, masked_fill),
 when installed, llguidance. Matchers advance by a random allowed token between steps (not timed).
 
 Part 2 (--engine): the engine's decode step time (TPOT) at batch B, unconstrained against every
-request under a regex constraint, in the engine's default scheduling mode (async on CUDA).
+request under a regex constraint, in the engine's default scheduling mode (async on CUDA); with the
+regex, the host's time a step in each of the grammar's calls, and the TPOT with xgrammar's batch fill
+on one thread instead of its pool.
 
     PYTHONPATH=. python benchmarks/e2e/bench_grammar_mask.py --mask --batch 1 64 --out mask.json
     PYTHONPATH=. python benchmarks/e2e/bench_grammar_mask.py --engine --batch 64 --device cuda
@@ -149,30 +151,87 @@ def bench_mask(engine_cls, batch: int, steps: int, device: torch.device, tokeniz
             "fill_ms": fill, "apply_ms": apply, "total_ms": fill + apply, "per_row_us": 1e3 * (fill + apply) / batch}
 
 
+class HostTimers:
+    """Seconds the host spends in the grammar's calls of a step, by part (the functions wrapped in place
+    while the engine runs, restored after): model_runner.follow_grammars (the follow-on step's accepts,
+    and its wait for the previous step's tokens), the bitmask's fill (GrammarState.fill_rows), its copy and
+    masking (sampler.apply_bitmask_, queued on a GPU) and every GrammarState.accept_at (the follow-on's
+    included)."""
+
+    def __init__(self) -> None:
+        from moekv.engine import model_runner, structured_output
+        from moekv.layers import sampler
+
+        self.seconds: dict[str, float] = {}
+        self._restore = []
+        for name, owner, attr in (("follow_on_accept", model_runner, "follow_grammars"),
+                                  ("masking", sampler, "apply_bitmask_"),
+                                  ("fill", structured_output.GrammarState, "fill_rows"),
+                                  ("accept_at", structured_output.GrammarState, "accept_at")):
+            raw = owner.__dict__[attr]
+            fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+            wrapped = self._timed(name, fn)
+            setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+            self._restore.append((owner, attr, raw))
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def restore(self) -> None:
+        for owner, attr, raw in self._restore:
+            setattr(owner, attr, raw)
+
+
 def bench_engine(batch: int, device: str, steps: int, dtype: str) -> dict:
+    """TPOT without and with a regex on every request; with the regex, the host's seconds a step in each
+    grammar part, and once more with xgrammar's batch fill on one thread instead of its pool."""
     from moekv import EngineConfig, SamplingParams, StructuredOutputsParams
+    from moekv.engine import structured_output
     from moekv.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=default_model_path(), dtype=dtype, device=device, max_num_seqs=batch,
                                     max_model_len=1024))
     result = {"batch": batch, "device": device}
+    regex = SamplingParams(max_tokens=steps + 16, temperature=1.0,
+                           structured_outputs=StructuredOutputsParams(regex="[a-z ]{4000}"))
+    pool = structured_output._batch_filler
     for label, params in (
             ("free", SamplingParams(max_tokens=steps + 16, temperature=1.0, ignore_eos=True)),
-            ("regex", SamplingParams(max_tokens=steps + 16, temperature=1.0,
-                                     structured_outputs=StructuredOutputsParams(regex="[a-z ]{4000}")))):
+            ("regex", regex), ("regex_one_fill_thread", regex)):
+        if label == "regex_one_fill_thread":
+            one = structured_output._xgrammar().BatchGrammarMatcher(max_threads=1)
+            structured_output._batch_filler = lambda: one
+        timers = HostTimers() if label != "free" else None
         for i in range(batch):
             engine.add_request(f"{label}-{i}", "Once upon a time", dataclasses.replace(params, seed=i))
-        times = []
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            engine.step()
-            dt = time.perf_counter() - t0
-            if engine.num_running == batch:
-                times.append(dt)
+        times, timed_parts = [], {}
+        try:
+            while engine.has_unfinished_requests():
+                before = dict(timers.seconds) if timers else {}
+                t0 = time.perf_counter()
+                engine.step()
+                dt = time.perf_counter() - t0
+                if engine.num_running == batch:
+                    times.append(dt)
+                    for part, sec in (timers.seconds.items() if timers else ()):
+                        timed_parts.setdefault(part, []).append(sec - before.get(part, 0.0))
+        finally:
+            if timers:
+                timers.restore()
+            structured_output._batch_filler = pool
         times = times[8:]  # prefill and warm-up
         result[f"{label}_tpot_ms"] = 1e3 * statistics.median(times)
         result[f"{label}_steps"] = len(times)
+        if timed_parts:
+            result[f"{label}_host_ms"] = {part: 1e3 * statistics.median(v[8:]) for part, v in timed_parts.items()}
     result["overhead"] = result["regex_tpot_ms"] / result["free_tpot_ms"] - 1
+    result["overhead_one_fill_thread"] = result["regex_one_fill_thread_tpot_ms"] / result["free_tpot_ms"] - 1
     return result
 
 

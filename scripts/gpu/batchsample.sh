@@ -9,6 +9,11 @@
 #    domain-moe's batch-64 TPOT at temperature 1 (seeded rows) without and with a regex on every request
 #    (issue 50's target: the mask under 5% of the free TPOT). With the per-row sampler, on an H100: free 10.26 ms,
 #    regex 11.91 ms (+16.1%), mask 1.10 ms = 10.7% (benchmarks/results/h100/grammar_engine_cuda.json).
+#    With the batched sampler, on an H200: free 2.53 ms, regex 3.86 ms (+52%), mask 0.82 ms = 32%
+#    (benchmarks/results/h200/grammar_engine_cuda.json). The engine step also reports the host's ms a step in
+#    each grammar call. Prediction: fill, masking and accept_at 0.05-0.3 ms each, far less than the 1.3 ms
+#    difference; the rest is follow_grammars' wait for the previous step's tokens (the GPU idle while the host
+#    fills, then the host idle while the GPU samples), so the lever is the step's order, not the matchers.
 # Needs the wheels of scripts/gpu/firsthour_wheels.sh: carry `wheels`. Run from the repository root:
 #   bash scripts/gpu/batchsample.sh      (results under $OUT; about two to three minutes on an H100)
 set -o pipefail

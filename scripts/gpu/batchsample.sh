@@ -11,9 +11,10 @@
 #    regex 11.91 ms (+16.1%), mask 1.10 ms = 10.7% (benchmarks/results/h100/grammar_engine_cuda.json).
 #    With the batched sampler, on an H200: free 2.53 ms, regex 3.86 ms (+52%), mask 0.82 ms = 32%
 #    (benchmarks/results/h200/grammar_engine_cuda.json). The engine step also reports the host's ms a step in
-#    each grammar call. Prediction: fill, masking and accept_at 0.05-0.3 ms each, far less than the 1.3 ms
-#    difference; the rest is follow_grammars' wait for the previous step's tokens (the GPU idle while the host
-#    fills, then the host idle while the GPU samples), so the lever is the step's order, not the matchers.
+#    each grammar call: if they add up to the ~1.3 ms difference the matchers' host work is the lever (fill off
+#    the critical path, fewer calls); if follow_grammars' wait for the previous step's tokens holds most of it,
+#    the step's order is. Prediction: fill 0.2-0.5 ms (xgrammar's pool), masking 0.1-0.2, accept_at 0.2-0.4,
+#    the wait under 0.2; one fill thread no slower than the pool at 64 regex rows.
 # Needs the wheels of scripts/gpu/firsthour_wheels.sh: carry `wheels`. Run from the repository root:
 #   bash scripts/gpu/batchsample.sh      (results under $OUT; about two to three minutes on an H100)
 set -o pipefail

@@ -19,10 +19,10 @@ timeout 85 python -m pytest -q -n 8 -rf -p no:cacheprovider --tb=long tests/test
 tail -4 "$OUT/gpu_tests_gptoss.log"; el "gpt-oss and MXFP4 tests"
 timeout 60 python scripts/gpu/gptoss_graph_diag.py --out "$OUT/gptoss_graph_diag.json" > "$OUT/gptoss_graph_diag.log" 2>&1
 grep -E '"parts_at": [0-9]|max_diff' "$OUT/gptoss_graph_diag.log" | cut -c1-200 | head -12; el "bf16 graph diagnosis"
-timeout 30 python benchmarks/kernels/bench_moe_quant.py --shape gpt-oss-20b --weights bf16 mxfp4 fp8 int4 \
+timeout 60 python benchmarks/kernels/bench_moe_quant.py --shape gpt-oss-20b --weights bf16 mxfp4 fp8 int4 \
   --tokens 1 2 4 8 --out "$OUT/moe_quant_gpt_oss_20b.json" | grep -E "moe|qkv|bandwidth"
 el "MoE kernel row (gpt-oss-20b)"
-timeout 30 python -m pytest -q -m gpu -n 8 -rf -p no:cacheprovider tests/test_decode_tiered.py \
+timeout 90 python -m pytest -q -m gpu -n 8 -rf -p no:cacheprovider tests/test_decode_tiered.py \
   tests/test_gluon_tiered_decode.py > "$OUT/gpu_tests_tiered.log" 2>&1
 tail -3 "$OUT/gpu_tests_tiered.log"; el "tiered reduce tests"
 timeout 30 python benchmarks/e2e/bench_decode.py --random-weights --shape gpt-oss-20b --formats bf16 fp8_e4m3 nuq2 \

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from moekv import LLM, SamplingParams
 from moekv.kvcache.formats.interface import PAGE_ALIGN_BYTES
-from moekv.kvcache.formats.nuq2 import NO_OUTLIER, NUQ2Format, fit_centroids, pack_codes, unpack_codes
+from moekv.kvcache.formats.nuq2 import NO_OUTLIER, NUQ2Format, fit_centroids, normalize, pack_codes, unpack_codes
 from moekv.kvcache.formats.paged import FIELD_ALIGN_BYTES, PageLayout
 from moekv.kvcache.roundtrip import roundtrip
 
@@ -162,6 +162,30 @@ def test_slot_overflow_keeps_the_largest():
     x.view(-1)[spikes] = torch.linspace(1.0, 10.0, 3 * slots)  # 3x more outliers than slots
     fields = fmt.quantize(x, "value", 0)
     assert set(fields["out_idx"].long().view(-1).tolist()) == set(spikes[-slots:].tolist())
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_outlier_cap_keeps_the_largest_and_the_layout(kind):
+    """outlier_cap fills at most that many slots a page-head, its largest deviations, and leaves the slab
+    as it is (the other slots unused, the bits unchanged)."""
+    P, D, cap = 64, 32, 5
+    capped, full = NUQ2Format(outlier_cap=cap), NUQ2Format()
+    x = 0.01 * torch.randn(1, 1, P, D, generator=torch.Generator().manual_seed(2))
+    spikes = torch.randperm(P * D, generator=torch.Generator().manual_seed(3))[:12]
+    x.view(-1)[spikes] = torch.linspace(1.0, 10.0, 12)  # 12 outliers, far beyond any threshold
+    assert capped.layout(kind, P, D).slab_bytes == full.layout(kind, P, D).slab_bytes
+    slots = full.quantize(x, kind, 0)["out_idx"].long().view(-1)
+    assert set(slots[slots != NO_OUTLIER].tolist()) == set(spikes.tolist())  # uncapped: a slot each
+    used = capped.quantize(x, kind, 0)["out_idx"].long().view(-1)
+    z, _ = normalize(x, kind)  # what the threshold sees (keys: per channel over the page's tokens)
+    largest = spikes[z.view(-1)[spikes].abs().topk(cap).indices]
+    assert (used[cap:] == NO_OUTLIER).all() and set(used[:cap].tolist()) == set(largest.tolist())
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2.5, True])
+def test_outlier_cap_must_be_a_positive_integer(cap):
+    with pytest.raises(ValueError, match="outlier_cap"):
+        NUQ2Format(outlier_cap=cap)
 
 
 def test_tau_decides_what_is_an_outlier():

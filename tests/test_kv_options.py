@@ -14,7 +14,7 @@ TAKEN = {
     "auto": (), "bf16": (), "fp16": (), "fp32": (), "fp8_e4m3": (),
     "int4": ("group_size", "outlier_fraction"),
     "nuq2": ("outlier_sigma", "calibration", "codebook", "quantize_kernel", "residual", "keys_before_rope",
-             "sink_tokens"),
+             "sink_tokens", "outlier_cap"),
     "vq": ("calibration", "residual", "keys_before_rope", "sink_tokens"),
     "kivi2": ("residual", "kivi_residual", "group_size", "sink_tokens"),
     "tiered": ("rerank_interval", "tier1_fraction", "outlier_sigma", "calibration", "codebook", "fp8_pool_fraction",
@@ -51,7 +51,8 @@ def test_every_accepted_option_builds_the_format(name, tmp_path):
     """The options each format takes, at values it accepts, build it (one dict per format, so a
     format that gains an option without a case here fails)."""
     calibration = random_calibration(tmp_path, num_kv_heads=2, head_dim=32)
-    values = {"group_size": 64, "outlier_fraction": 0.02, "outlier_sigma": 3.0, "calibration": calibration,
+    values = {"group_size": 64, "outlier_fraction": 0.02, "outlier_sigma": 3.0, "outlier_cap": 16,
+              "calibration": calibration,
               "codebook": "page", "quantize_kernel": False, "residual": 64, "kivi_residual": 64, "rerank_interval": 8,
               "tier1_fraction": 0.2, "fp8_pool_fraction": 0.5, "fused_decode": False, "rank_window": 64,
               "rank_after_prompt": True, "keys_before_rope": False, "sink_tokens": 4}

@@ -75,7 +75,8 @@ def both(fmt, x, kind, layer=0):
     layout = fmt.layout(kind, P, D)
     cb = fmt.codebook(kind, layer, x.shape[1], x.device) if fmt.calibrated else None
     got = nq.nuq2_quantize_packed(x.to(DEVICE), kind, layout, fmt.outlier_slots(kind, P, D), fmt.tau,
-                                  KMEANS_ITERS, centroids=None if cb is None else cb.to(DEVICE)).cpu()
+                                  KMEANS_ITERS, centroids=None if cb is None else cb.to(DEVICE),
+                                  fill=fmt.filled_slots(kind, P, D)).cpu()
     want = layout.pack(fmt.quantize(x, kind, layer))
     return layout, got, want
 
@@ -155,6 +156,17 @@ def test_more_eligible_outliers_than_slots_keeps_the_largest():
         slots = fmt.outlier_slots(kind, 32, 64)
         assert (layout.unpack(want)["out_idx"].int() != NO_OUTLIER).sum(-1).min() == slots  # all used
         check_fields(fmt, layout, got, want, kind)
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_outlier_cap_fills_the_same_largest_slots(kind):
+    """Under outlier_cap the kernel fills the cap's largest deviations, as the reference does: more eligible
+    elements than the cap on every page-head, the slab's other slots left unused."""
+    fmt = NUQ2Format(outlier_cap=6)
+    x = torch.randn(2, 2, 16, 32, generator=torch.Generator().manual_seed(5)) ** 3  # heavy tails
+    layout, got, want = both(fmt, x, kind)
+    assert ((layout.unpack(want)["out_idx"].int() != NO_OUTLIER).sum(-1) == 6).all()
+    check_fields(fmt, layout, got, want, kind)
 
 
 def tied_spikes(kind, seed):

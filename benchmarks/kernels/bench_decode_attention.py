@@ -25,6 +25,8 @@ reference on the first sequence.
         # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_prerope vq vq_prerope --configs 0 \
         --shapes 1x4096 16x32768 64x32768 1x131072   # keys stored before RoPE (rotated per tile) beside today's
+    python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_cap16 nuq2_sigma35 --kernel gluon \
+        --configs 0 --pages domain-moe   # nuq2's outlier threshold and slot cap on domain-moe's keys and values
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
         --max-registers none 80
         # the default launch in both orientations of the products and with and without a register cap
@@ -103,9 +105,12 @@ FORMATS = {
     # nuq2 at its former outlier threshold (timed only when named): against "nuq2" (3.0) it shows what the
     # slots that 3.0 fills cost the kernels' slot branches
     "nuq2_sigma35": ("nuq2", {"codebook": "page", "residual": 0, "outlier_sigma": 3.5}),
+    # nuq2 at 3.0 with at most 16 slots filled a page-head and kind (timed only when named): the Gluon kernel's
+    # first slot chunk of each kind, which it runs whatever the count
+    "nuq2_cap16": ("nuq2", {"codebook": "page", "residual": 0, "outlier_cap": 16}),
 }
 PREROPE = {"nuq2_prerope", "vq_prerope"}
-ONLY_NAMED = PREROPE | {"nuq2_sigma35"}
+ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_cap16"}
 ROPE_THETA = 1e6  # the RoPE base keys stored before RoPE are rotated by (a Mixtral's; the speed does not depend on it)
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}
@@ -148,8 +153,33 @@ def measure_bandwidth(device) -> float:
     return 2 * n / (ms * 1e-3)
 
 
+REAL_KV: dict[str, torch.Tensor] | None = None  # --pages domain-moe: real pages in place of random_kv's
+
+
+def domain_moe_kv(block_size: int) -> dict[str, torch.Tensor]:
+    """domain-moe's keys (after RoPE) and values on its held-out text, as benchmarks/quality/nuq2_slots.py
+    takes them (transformers, float32, the first 4096 tokens of each domain, every layer): its page-heads
+    (2 KV heads a layer) regrouped NUM_KV_HEADS to a page, {'key': [n, NUM_KV_HEADS, P, D], 'value': ...}."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "quality"))
+    from nuq2_slots import PAGE, model_pages
+
+    if block_size != PAGE or HEAD_DIM != 128:
+        raise ValueError(f"--pages domain-moe needs --block-size {PAGE} (and head_dim 128)")
+    sets, _ = model_pages(REPO / "models" / "domain-moe", 4096)
+    out = {}
+    for kind in ("key", "value"):
+        heads = torch.cat([d[kind] for d in sets.values()]).reshape(-1, block_size, HEAD_DIM)
+        out[kind] = heads[:heads.shape[0] // NUM_KV_HEADS * NUM_KV_HEADS].reshape(-1, NUM_KV_HEADS, block_size,
+                                                                                  HEAD_DIM)
+    return out
+
+
 def random_kv(n: int, block_size: int, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, Hkv, P, D] fp32 keys (two outlier channels per head) and values."""
+    """[n, Hkv, P, D] fp32 keys (two outlier channels per head) and values; with --pages domain-moe
+    (REAL_KV) domain-moe's pages instead, repeated past the ones it has."""
+    if REAL_KV is not None:
+        rows = torch.arange(n) % REAL_KV["key"].shape[0]
+        return REAL_KV["key"][rows].to(device), REAL_KV["value"][rows].to(device)
     shape = (n, NUM_KV_HEADS, block_size, HEAD_DIM)
     k = torch.randn(shape, device=device, generator=gen)
     k[..., 7] *= 8
@@ -866,6 +896,10 @@ def main() -> None:
     p.add_argument("--kernel", nargs="+", choices=("triton", "gluon"), default=["triton"],
                    help="the decode kernels to time (nuq2, int4, kivi2, tiered, vq): triton (slab pools, "
                         "moekv/ops/decode) and/or gluon (fragment order, moekv/ops/gluon; rows <format>_gluon)")
+    p.add_argument("--pages", choices=("random", "domain-moe"), default="random",
+                   help="what the pages hold: random keys and values (random_kv), or domain-moe's keys and values "
+                        "on its held-out text (domain_moe_kv; the quantized formats' outliers as the engine meets "
+                        "them there)")
     p.add_argument("--peers", nargs="*", choices=PEERS, default=[],
                    help="other libraries timed after each shape's SDPA row "
                         "(flashinfer: benchmarks/kernels/flashinfer_peer.py)")
@@ -886,6 +920,11 @@ def main() -> None:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     started = time.time()
+    if args.pages == "domain-moe":
+        global REAL_KV
+        REAL_KV = domain_moe_kv(args.block_size)
+        print(f"domain-moe's pages: {REAL_KV['key'].shape[0]} of {NUM_KV_HEADS} heads ({time.time() - started:.1f} s)",
+              flush=True)
     bandwidth = measure_bandwidth(device)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     peers = {}
@@ -965,7 +1004,7 @@ def write_record(args, bandwidth: float, started: float, peers: dict, rows: list
         "bandwidth_gbps": bandwidth / 1e9,
         "timer": "do_bench_cudagraph median" if args.cudagraph else "do_bench median",
         "heads": {"query": NUM_HEADS, "kv": NUM_KV_HEADS, "head_dim": HEAD_DIM}, "block_size": args.block_size,
-        "seconds": round(time.time() - started, 1), "separate_tail": args.separate_tail,
+        "seconds": round(time.time() - started, 1), "separate_tail": args.separate_tail, "pages": args.pages,
         "vq_calibration": ("random (moekv.kvcache.formats.vq.random_calibration)"
                            if args.vq_calibration and args.vq_calibration.name.startswith("vqcal")
                            else (str(args.vq_calibration) if args.vq_calibration else None)),

@@ -181,7 +181,7 @@ def _choose_slots(dev, eligible, S: tl.constexpr):
 
 @triton.jit
 def _nuq2_quantize_kernel(x_ptr, slab_ptr, cb_ptr, stride_x, stride_slab, tau, HEADS,
-                          P: tl.constexpr, D: tl.constexpr, KEY: tl.constexpr, S: tl.constexpr,
+                          P: tl.constexpr, D: tl.constexpr, KEY: tl.constexpr, S: tl.constexpr, FILL: tl.constexpr,
                           S_PAD: tl.constexpr, CALIBRATED: tl.constexpr, ITERS: tl.constexpr,
                           MEAN_OFF: tl.constexpr, SCALE_OFF: tl.constexpr, CENT_OFF: tl.constexpr,
                           OVAL_OFF: tl.constexpr, OIDX_OFF: tl.constexpr):
@@ -205,11 +205,11 @@ def _nuq2_quantize_kernel(x_ptr, slab_ptr, cb_ptr, stride_x, stride_slab, tau, H
     else:
         z = x
 
-    # -- outlier slots: the S largest deviations beyond tau robust std leave the fit ----------------
+    # -- outlier slots: the FILL (<= S) largest deviations beyond tau robust std leave the fit --------
     if S > 0:
         row_mean, row_std = _robust_moments_all(z, N)
         dev = tl.abs(z - row_mean)
-        chosen = _choose_slots(dev, dev > tau * row_std, S)
+        chosen = _choose_slots(dev, dev > tau * row_std, FILL)
         keep = ~chosen
     else:
         keep = z == z  # all (z is finite)
@@ -295,12 +295,17 @@ def can_quantize(block_size: int, head_dim: int) -> bool:
 
 
 def nuq2_quantize_packed(x: torch.Tensor, kind: str, layout, slots: int, tau: float, iters: int,
-                         centroids: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
+                         centroids: torch.Tensor | None = None, num_warps: int | None = None,
+                         fill: int | None = None) -> torch.Tensor:
     """Full pages x [n, Hkv, P, D] (any float dtype; read as fp32) -> packed slabs [n, Hkv, slab_bytes]
     uint8, as `layout.pack(NUQ2Format.quantize(x, kind))` would give (see the module docstring for
     where they may differ). centroids: the calibrated codebook [Hkv, 4] (fp32), or None for per-page
-    k-means. x must be finite (the callers check or flag it first)."""
+    k-means; fill: the most slots filled (NUQ2Format.outlier_cap; None: all `slots`). x must be finite (the
+    callers check or flag it first)."""
     n, H, P, D = x.shape
+    fill = slots if fill is None else fill
+    if slots and not 1 <= fill <= slots:
+        raise ValueError(f"nuq2_quantize_packed: fill={fill} must lie in [1, slots={slots}]")
     if not can_quantize(P, D):
         raise ValueError(f"nuq2_quantize_packed needs power-of-two block_size and head_dim with P*D <= 16384, "
                          f"got P={P}, D={D}")
@@ -313,7 +318,7 @@ def nuq2_quantize_packed(x: torch.Tensor, kind: str, layout, slots: int, tau: fl
     cb = centroids.float().contiguous() if calibrated else slab  # (unused pointer when not calibrated)
     _nuq2_quantize_kernel[(n * H,)](
         rows, slab, cb, P * D, layout.slab_bytes, float(tau), H,
-        P=P, D=D, KEY=kind == "key", S=slots, S_PAD=triton.next_power_of_2(max(slots, 1)),
+        P=P, D=D, KEY=kind == "key", S=slots, FILL=fill, S_PAD=triton.next_power_of_2(max(slots, 1)),
         CALIBRATED=calibrated, ITERS=iters,
         MEAN_OFF=off.get("chan_mean", 0), SCALE_OFF=off.get("chan_scale", 0), CENT_OFF=off.get("centroids", 0),
         OVAL_OFF=off.get("out_val", 0), OIDX_OFF=off.get("out_idx", 0),

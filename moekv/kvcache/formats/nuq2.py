@@ -13,10 +13,10 @@ Keys are centred and scaled per channel over the page's tokens (robust moments, 
 the same error as fp16 at half the bytes); values are coded as they are (a per-token value scale
 cost more bytes than the error it saved: docs/decisions.md, "nuq2's slab"). An element is an
 outlier when its normalised value lies more than tau (outlier_sigma) robust standard deviations
-from its page-head's mean; the S slots keep the largest such deviations, which leave the k-means fit (the
-code under a slotted element is whatever it is: the slot overrides it). S is at least 0.5% of N
-for keys and grows to fill the 128-byte padding the slab pays for anyway; values get only the
-padding's slots.
+from its page-head's mean; the S slots (at most outlier_cap of them) keep the largest such deviations, which
+leave the k-means fit (the code under a slotted element is whatever it is: the slot overrides it). S is at
+least 0.5% of N for keys and grows to fill the 128-byte padding the slab pays for anyway; values get only
+the padding's slots.
 
 Codebooks: per page by 1-D k-means (Lloyd from the inliers' quantiles), or, when the calibration
 folder holds nuq2 codebooks, per (layer, K/V, head) from `moekv calibrate`. Calibrated, the value
@@ -34,7 +34,7 @@ from moekv import envs
 from moekv.kvcache.calibration_io import keys_fitted_before_rope, load_calibration, other_side, shard_head_tables
 from moekv.kvcache.formats.fragment import FragmentPagedFormat, GluonKernel
 from moekv.kvcache.formats.interface import CalibrationFitter
-from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE, KVOption, one_of, positive
+from moekv.kvcache.formats.options import CALIBRATION, KEYS_BEFORE_ROPE, KVOption, integer_at_least, one_of, positive
 from moekv.kvcache.formats.paged import Field, PageLayout, per_shape
 from moekv.kvcache.formats.residual import RESIDUAL_OPTION, ResidualWindow, gluon_ring
 from moekv.kvcache.formats.sinks import SINK_OPTION, SinkTokens
@@ -209,6 +209,13 @@ CODEBOOKS = ("auto", "page", "calibrated")
 OUTLIER_SIGMA = KVOption("outlier_sigma", None, "nuq2/tiered: outlier threshold in robust std devs "
                          "(default: the format's own, 3.0 for nuq2 and tiered)",
                          lambda value: None if value is None else positive(value), kind=float)
+# at most this many of a page-head's slots filled, a kind: its largest deviations beyond the threshold; the
+# Gluon kernel adds slots in chunks of 16 a kind and runs a further chunk only where more are used, so 16
+# bounds its slot work on any data (docs/decisions.md, "nuq2's outlier slots: the threshold against the
+# kernel's time"). The slab keeps its slots (the bits do not change); the rest stay unused
+OUTLIER_CAP = KVOption("outlier_cap", None, "nuq2: the most outlier slots a page-head fills a kind, its largest "
+                       "deviations (default: every slot of the page padding)",
+                       lambda value: None if value is None else integer_at_least(1)(value), kind=int)
 
 
 class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
@@ -228,6 +235,7 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
         RESIDUAL_OPTION,
         SINK_OPTION,
         OUTLIER_SIGMA,
+        OUTLIER_CAP,
         CALIBRATION,
         KVOption("codebook", "auto",
                  "nuq2/tiered: per-page k-means, calibrated codebooks, or auto (calibrated when available)",
@@ -237,11 +245,13 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
 
     def __init__(self, outlier_sigma: float | None = None, calibration: str | Path | None = None,
                  codebook: str = "auto", quantize_kernel: bool | None = None, residual: int | None = None,
-                 keys_before_rope: bool = False, sink_tokens: int | None = None) -> None:
+                 keys_before_rope: bool = False, sink_tokens: int | None = None,
+                 outlier_cap: int | None = None) -> None:
         """codebook: 'page' (k-means per page), 'calibrated' (needs calibration), or 'auto'
         (calibrated when the calibration folder has nuq2 codebooks fitted on keys on the side of RoPE
         the pages store them, keys_before_rope; else per page).
         outlier_sigma: the outlier threshold in robust standard deviations (None: default_outlier_sigma).
+        outlier_cap: the most slots a page-head fills a kind, its largest deviations (None: all its slots).
         residual: the newest tokens kept in 16-bit (None: default_residual; 0: none).
         keys_before_rope: pages hold the keys as computed before RoPE, rotated by their positions
         after the lookup by every reader (PagedQuantFormat.keys_before_rope; no Gluon kernel).
@@ -261,6 +271,10 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
             raise ValueError(f"keys_before_rope={keys_before_rope!r} must be True or False")
         self.keys_before_rope = keys_before_rope
         self.tau = float(outlier_sigma)
+        reason = None if outlier_cap is None else integer_at_least(1)(outlier_cap)
+        if reason:
+            raise ValueError(f"outlier_cap={outlier_cap!r} {reason}")
+        self.outlier_cap = outlier_cap
         self.tables: dict[str, torch.Tensor] = {}
         if calibration is not None:
             self.tables = {k: v for k, v in load_calibration(calibration, "kv_cache_dtype='nuq2'").items()
@@ -302,6 +316,11 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
         N = block_size * head_dim
         least = math.ceil(KEY_MIN_OUTLIER_FRACTION * N) if kind == "key" else 0
         return fit_slots_to_padding(lambda s: self._fields(kind, block_size, head_dim, s), least, N)
+
+    def filled_slots(self, kind: str, block_size: int, head_dim: int) -> int:
+        """The most slots quantize fills a page-head: the layout's, or fewer under outlier_cap."""
+        slots = self.outlier_slots(kind, block_size, head_dim)
+        return slots if self.outlier_cap is None else min(slots, self.outlier_cap)
 
     @per_shape
     def layout(self, kind, block_size, head_dim) -> PageLayout:
@@ -371,6 +390,7 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
         if slots:
             deviation = (flat - robust_moments(flat, dim=-1)[0]).abs()
             idx, chosen = pick_largest(deviation, outlier_mask(flat, self.tau), slots)
+            chosen[:, self.filled_slots(kind, P, D):] = False  # largest first (topk's order)
             keep.scatter_(1, idx, ~chosen)  # slotted outliers leave the k-means fit
         if self.calibrated:
             c = self.codebook(kind, layer, n * H, x.device)
@@ -392,7 +412,7 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
             return super().quantize_packed(x, kind, layer)
         table = self._codebook_table(kind, layer, x.device) if self.calibrated else None
         return nuq2_quantize_packed(x, kind, self.layout(kind, P, D), self.outlier_slots(kind, P, D), self.tau,
-                                    KMEANS_ITERS, centroids=table)
+                                    KMEANS_ITERS, centroids=table, fill=self.filled_slots(kind, P, D))
 
     def dequantize(self, fields, kind, layer=None):
         codes = unpack_codes(fields["codes"])  # [n, H, P, D]

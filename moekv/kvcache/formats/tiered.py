@@ -137,9 +137,10 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     engine_options = (
         KVOption("rerank_interval", 32, "tiered: decode steps between re-rankings", integer_at_least(1)),
         KVOption("tier1_fraction", 0.10, "tiered: share of pages kept in FP8", fraction),
-        # its low tier has no window or sinks (its first page stays FP8) and keeps post-RoPE keys
+        # its low tier has no window or sinks (its first page stays FP8), keeps post-RoPE keys and every
+        # slot it has (nuq2's outlier_cap is not measured for it)
         *(o for o in NUQ2Format.engine_options
-          if o.name not in ("residual", "sink_tokens") and o is not KEYS_BEFORE_ROPE),
+          if o.name not in ("residual", "sink_tokens", "outlier_cap") and o is not KEYS_BEFORE_ROPE),
         KVOption("rank_window", 64, "tiered: only the last N queries of each prompt chunk add to the page ranking's "
                  "attention mass (0: all)", integer_at_least(0)),
         KVOption("rank_after_prompt", True,

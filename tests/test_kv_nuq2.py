@@ -182,6 +182,21 @@ def test_outlier_cap_keeps_the_largest_and_the_layout(kind):
     assert (used[cap:] == NO_OUTLIER).all() and set(used[:cap].tolist()) == set(largest.tolist())
 
 
+def test_tiered_passes_its_outlier_cap_to_its_nuq2_tier():
+    """tiered's kv_outlier_cap reaches its nuq2 tier (the engine's option, as nuq2 takes it): a page of 12
+    spikes fills at most the cap's slots."""
+    from moekv.kvcache.formats import get_kv_format
+
+    P, D, cap = 64, 32, 5
+    fmt = get_kv_format("tiered", torch.bfloat16, outlier_cap=cap)
+    assert fmt.lo.outlier_cap == cap and get_kv_format("tiered", torch.bfloat16).lo.outlier_cap is None
+    x = 0.01 * torch.randn(1, 1, P, D, generator=torch.Generator().manual_seed(2))
+    spikes = torch.randperm(P * D, generator=torch.Generator().manual_seed(3))[:12]
+    x.view(-1)[spikes] = torch.linspace(1.0, 10.0, 12)
+    used = fmt.lo.quantize(x, "value", 0)["out_idx"].long().view(-1)
+    assert (used != NO_OUTLIER).sum().item() == cap
+
+
 @pytest.mark.parametrize("cap", [0, -1, 2.5, True])
 def test_outlier_cap_must_be_a_positive_integer(cap):
     with pytest.raises(ValueError, match="outlier_cap"):

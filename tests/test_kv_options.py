@@ -18,7 +18,7 @@ TAKEN = {
     "vq": ("calibration", "residual", "keys_before_rope", "sink_tokens"),
     "kivi2": ("residual", "kivi_residual", "group_size", "sink_tokens"),
     "tiered": ("rerank_interval", "tier1_fraction", "outlier_sigma", "calibration", "codebook", "fp8_pool_fraction",
-               "fused_decode", "rank_window", "rank_after_prompt"),
+               "fused_decode", "rank_window", "rank_after_prompt", "outlier_cap"),
 }
 
 

@@ -108,9 +108,11 @@ FORMATS = {
     # nuq2 at 3.0 with at most 16 slots filled a page-head and kind (timed only when named): the Gluon kernel's
     # first slot chunk of each kind, which it runs whatever the count
     "nuq2_cap16": ("nuq2", {"codebook": "page", "residual": 0, "outlier_cap": 16}),
+    # tiered with its nuq2 tier capped the same way (timed only when named)
+    "tiered_cap16": ("tiered", {"outlier_cap": 16}),
 }
 PREROPE = {"nuq2_prerope", "vq_prerope"}
-ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_cap16"}
+ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_cap16", "tiered_cap16"}
 ROPE_THETA = 1e6  # the RoPE base keys stored before RoPE are rotated by (a Mixtral's; the speed does not depend on it)
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}
@@ -364,7 +366,7 @@ def bench_format(label, batch, context, args, device, gen, bandwidth, base) -> d
         spec = fmt.decode_spec(args.block_size, HEAD_DIM)
     row["bits_per_element"] = round(fmt.bits_per_element(NUM_KV_HEADS, args.block_size, HEAD_DIM), 4)
     scale = HEAD_DIM ** -0.5
-    if label == "tiered":
+    if FORMATS[label][0] == "tiered":
         return bench_tiered(fmt, row, batch, context, args, device, gen, bandwidth, base)
     if spec is None:
         if (batch, context) != min(args.shapes):
@@ -607,11 +609,12 @@ def bench_gluon(label, batch, context, args, device, gen, bandwidth, base) -> di
     return row
 
 
-def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> dict:
+def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base, label: str = "tiered") -> dict:
     """tiered through the engine's Gluon path (decode_kernel='gluon': its pools in the Gluon
     kernel's orders, TieredFormat.attend -> moekv/ops/gluon/tiered_decode.py: FP8 and nuq2 pages and
     the staged tail in one launch, then the reduce and the per-page mass into the device accumulator),
-    on bench_tiered's cache (~15% of pages in FP8): row `tiered_gluon`; nomass_ms: without the mass;
+    on bench_tiered's cache (~15% of pages in FP8): row `<label>_gluon` (tiered_cap16: its nuq2 tier capped);
+    nomass_ms: without the mass;
     side studies: max_registers_ms (other ptxas caps; smem_max_registers_ms with the nuq2 pages in
     shared memory), fp8_prefetch_ms (the other FP8 step loop, with its error against the reference in
     fp8_prefetch_err), smem_ms (the nuq2 pages through global loads and staged in shared memory,
@@ -622,9 +625,9 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base) -> di
     from moekv.ops.gluon.tiered_decode import DEFAULT_FP8_PREFETCH, tiered_decode_attention
 
     P = args.block_size
-    row = {"format": "tiered_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
+    row = {"format": f"{label}_gluon", "batch": batch, "context": context, "baseline_ms": base["ms"]}
     try:
-        fmt = get_kv_format("tiered", torch.bfloat16, decode_kernel="gluon", codebook="page")
+        fmt = get_kv_format("tiered", torch.bfloat16, decode_kernel="gluon", codebook="page", **FORMATS[label][1])
         cache, ctx = build_tiered_cache(fmt, batch, context, P, device, gen, args.tiered_fp8_share)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "skipped", "reason": f"no Gluon pools here: {type(e).__name__}: {e}"}
@@ -953,8 +956,8 @@ def main() -> None:
                 rows.append(row)
                 print_row(row)
             if "gluon" in args.kernel and gluon:
-                if label == "tiered":
-                    rows.append(bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base))
+                if FORMATS[label][0] == "tiered":
+                    rows.append(bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base, label))
                 else:
                     rows.append(bench_gluon(label, batch, context, args, device, gen, bandwidth, base))
                 print_row(rows[-1])

@@ -21,14 +21,18 @@
 #  3) quality: perplexity per domain within +2% of bf16 for all three, the cap within 0.5% of 3.0's per domain
 #     (the CPU: +1.4 / +0.9 / +1.4 / +0.2% prose / drama / code / math against 3.0's +1.0 / +0.8 / +1.1 / +0.1%);
 #     passkeys 120 of 120 for 3.0 (as the H100 and H200 found) and 119-120 for the cap and for 3.5.
+#  tiered_cap16 (tiered with its nuq2 tier capped at 16): within 3% of what tiered's kernel took at 3.5 sigma
+#     (254 / 928 us at (16, 32k) / (64, 32k), h200/decode_attention_gluon.json), where tiered at 3.0 takes
+#     304 / 1131.
 # Run from the repository root:  bash scripts/gpu/nuq2threshold.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/nuq2threshold}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 FORMATS="nuq2 nuq2_cap16 nuq2_sigma35"; SHAPES="1x4096 16x32768 64x32768 1x131072"
-timeout 90 python benchmarks/kernels/bench_decode_attention.py --formats $FORMATS --kernel gluon --configs 0 \
-  --shapes $SHAPES --out "$OUT/decode_attention_nuq2_threshold.json" > "$OUT/bench.log" 2>&1
+# (tiered and its capped nuq2 tier beside them on the random pages: tiered's cache is the benchmark's own)
+timeout 120 python benchmarks/kernels/bench_decode_attention.py --formats $FORMATS tiered tiered_cap16 --kernel gluon \
+  --configs 0 --shapes $SHAPES --out "$OUT/decode_attention_nuq2_threshold.json" > "$OUT/bench.log" 2>&1
 tail -8 "$OUT/bench.log"
 timeout 80 python benchmarks/kernels/bench_decode_attention.py --formats $FORMATS --kernel gluon --configs 0 \
   --shapes $SHAPES --pages domain-moe --out "$OUT/decode_attention_nuq2_threshold_domain.json" \
@@ -43,7 +47,7 @@ for name in ("decode_attention_nuq2_threshold.json", "decode_attention_nuq2_thre
     if not path.exists():
         print(f"{name}: missing"); continue
     for r in json.loads(path.read_text())["rows"]:
-        if r["format"].startswith("nuq2") and "ms" in r:
+        if r["format"].startswith(("nuq2", "tiered")) and "ms" in r:
             print(f"{'domain' if 'domain' in name else 'random'} {r['format']:>19} ({r['batch']}, {r['context']}): {r['ms'] * 1e3:8.1f} us, "
                   f"{r.get('used_slots_per_page_head') or 0:5.1f} slots a page-head")
 EOF

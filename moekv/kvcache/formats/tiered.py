@@ -137,10 +137,9 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     engine_options = (
         KVOption("rerank_interval", 32, "tiered: decode steps between re-rankings", integer_at_least(1)),
         KVOption("tier1_fraction", 0.10, "tiered: share of pages kept in FP8", fraction),
-        # its low tier has no window or sinks (its first page stays FP8), keeps post-RoPE keys and every
-        # slot it has (nuq2's outlier_cap is not measured for it)
+        # its low tier has no window or sinks (its first page stays FP8) and keeps post-RoPE keys
         *(o for o in NUQ2Format.engine_options
-          if o.name not in ("residual", "sink_tokens", "outlier_cap") and o is not KEYS_BEFORE_ROPE),
+          if o.name not in ("residual", "sink_tokens") and o is not KEYS_BEFORE_ROPE),
         KVOption("rank_window", 64, "tiered: only the last N queries of each prompt chunk add to the page ranking's "
                  "attention mass (0: all)", integer_at_least(0)),
         KVOption("rank_after_prompt", True,
@@ -149,7 +148,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def __init__(self, rerank_interval: int = 32, tier1_fraction: float = 0.10, outlier_sigma: float | None = None,
                  calibration=None, codebook: str = "auto", fp8_pool_fraction: float | None = None,
-                 fused_decode: bool = True, rank_window: int = 64, rank_after_prompt: bool = True) -> None:
+                 fused_decode: bool = True, rank_window: int = 64, rank_after_prompt: bool = True,
+                 outlier_cap: int | None = None) -> None:
         # The fused two-tier decode kernel (checked against the reference on the H200,
         # benchmarks/results/h200/gpu_tests.log); fused_decode=False keeps the reference path.
         self.fused_decode = fused_decode
@@ -171,7 +171,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         # domain-moe's worst domain from +1.6% to +0.8% for no bits read, the slots being page padding
         # (docs/decisions.md, "tiered at 10% FP8 pages")
         self.lo = NUQ2Format(outlier_sigma=self.default_outlier_sigma if outlier_sigma is None else outlier_sigma,
-                             calibration=calibration, codebook=codebook, residual=0)
+                             calibration=calibration, codebook=codebook, residual=0, outlier_cap=outlier_cap)
         self.rerank_interval = rerank_interval
         self.tier1_fraction = tier1_fraction
         self.fp8_pool_fraction = fp8_pool_fraction if fp8_pool_fraction is not None else min(1.0, tier1_fraction + 0.1)

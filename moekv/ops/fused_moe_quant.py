@@ -120,6 +120,31 @@ def layout_constants(w: QuantizedWeight) -> dict:
 
 # -- GEMV kernels (decode) ----------------------------------------------------------------------
 @triton.jit
+def _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N: tl.constexpr, stride_ce, stride_se, BLOCK_N: tl.constexpr):
+    """Every kernel's block of an expert's rows: their offsets, mask and int64 indices, and the expert's
+    codes, scales and zero points."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    return (offs_n, n_ok, offs_n.to(tl.int64), c_ptr + expert * stride_ce, s_ptr + expert * stride_se,
+            z_ptr + expert * stride_se)
+
+
+@triton.jit
+def _gate_up_tiles(c_e, s_e, z_e, rows, n_ok, k0, N: tl.constexpr, K: tl.constexpr, stride_cn, stride_sn,
+                   INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
+                   SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The GEMVs' K step of w13: the gate (rows) and up (rows + N) tiles' codes and scales, both loaded before
+    the activations, so that they are in flight while those wait at their layout change's barrier."""
+    q_g = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+    q_u = code_values(c_e, rows + N, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+    s_g, z_g = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
+                           BLOCK_N, BLOCK_K)
+    s_u, z_u = tile_scales(s_e, z_e, rows + N, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
+                           BLOCK_N, BLOCK_K)
+    return q_g, s_g, z_g, q_u, s_u, z_u
+
+
+@triton.jit
 def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num_pairs,
                           N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                           stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_hm,
@@ -134,23 +159,13 @@ def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num
     pid_n = pid // num_pairs
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
     token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = offs_n.to(tl.int64)
-    c_e = c_ptr + expert * stride_ce
-    s_e = s_ptr + expert * stride_se
-    z_e = z_ptr + expert * stride_se
+    offs_n, n_ok, rows, c_e, s_e, z_e = _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N, stride_ce, stride_se,
+                                                     BLOCK_N)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        # both tiles' codes and scales first: their loads are then in flight while x's waits at its layout
-        # change's barrier
-        q_g = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
-        q_u = code_values(c_e, rows + N, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
-        s_g, z_g = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
-                               BLOCK_N, BLOCK_K)
-        s_u, z_u = tile_scales(s_e, z_e, rows + N, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
-                               BLOCK_N, BLOCK_K)
+        q_g, s_g, z_g, q_u, s_u, z_u = _gate_up_tiles(c_e, s_e, z_e, rows, n_ok, k0, N, K, stride_cn, stride_sn, INT4,
+                                                      MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
         acc_g += code_dots(q_g, s_g, z_g, s_e, z_e, rows, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
@@ -178,12 +193,8 @@ def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_id
     pid_n = rest % num_n
     split = rest // num_n
     expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = offs_n.to(tl.int64)
-    c_e = c_ptr + expert * stride_ce
-    s_e = s_ptr + expert * stride_se
-    z_e = z_ptr + expert * stride_se
+    offs_n, n_ok, rows, c_e, s_e, z_e = _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N, stride_ce, stride_se,
+                                                     BLOCK_N)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = split * K_PER_SPLIT + kk
@@ -230,21 +241,13 @@ def _qgate_up_runs_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
         return
     pid_n = tl.program_id(0) // num_runs
     tokens = (pairs // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = offs_n.to(tl.int64)
-    c_e = c_ptr + expert * stride_ce
-    s_e = s_ptr + expert * stride_se
-    z_e = z_ptr + expert * stride_se
+    offs_n, n_ok, rows, c_e, s_e, z_e = _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N, stride_ce, stride_se,
+                                                     BLOCK_N)
     acc_g = tl.zeros((BLOCK_N, CHUNKS, P), dtype=tl.float32)  # per chunk of K, reduced after the loop
     acc_u = tl.zeros((BLOCK_N, CHUNKS, P), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        q_g = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
-        q_u = code_values(c_e, rows + N, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
-        s_g, z_g = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
-                               BLOCK_N, BLOCK_K)
-        s_u, z_u = tile_scales(s_e, z_e, rows + N, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
-                               BLOCK_N, BLOCK_K)
+        q_g, s_g, z_g, q_u, s_u, z_u = _gate_up_tiles(c_e, s_e, z_e, rows, n_ok, k0, N, K, stride_cn, stride_sn, INT4,
+                                                      MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xs = tl.load(x_ptr + tokens[None, :] * stride_xt + offs_k[:, None],
                      mask=ok[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, P]
@@ -277,12 +280,8 @@ def _qdown_runs_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
     pid_n = rest % num_n
     split = rest // num_n
     pairs = pairs.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = offs_n.to(tl.int64)
-    c_e = c_ptr + expert * stride_ce
-    s_e = s_ptr + expert * stride_se
-    z_e = z_ptr + expert * stride_se
+    offs_n, n_ok, rows, c_e, s_e, z_e = _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N, stride_ce, stride_se,
+                                                     BLOCK_N)
     acc = tl.zeros((BLOCK_N, CHUNKS, P), dtype=tl.float32)  # per chunk of K, reduced after the loop
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = split * K_PER_SPLIT + kk
@@ -335,12 +334,8 @@ def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
     pair = tl.load(sorted_ids_ptr + offs_m)
     row_ok = pair < num_pairs
     token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = offs_n.to(tl.int64)
-    c_e = c_ptr + expert * stride_ce
-    s_e = s_ptr + expert * stride_se
-    z_e = z_ptr + expert * stride_se
+    offs_n, n_ok, rows, c_e, s_e, z_e = _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N, stride_ce, stride_se,
+                                                     BLOCK_N)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -377,12 +372,8 @@ def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
     pair = tl.load(sorted_ids_ptr + offs_m)
     row_ok = pair < num_pairs
     pair = pair.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = offs_n.to(tl.int64)
-    c_e = c_ptr + expert * stride_ce
-    s_e = s_ptr + expert * stride_se
-    z_e = z_ptr + expert * stride_se
+    offs_n, n_ok, rows, c_e, s_e, z_e = _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N, stride_ce, stride_se,
+                                                     BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

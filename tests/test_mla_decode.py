@@ -95,6 +95,21 @@ def test_fp8_latent_quantize_round_trip():
     assert ((back - x).abs() <= x.abs().amax(-1, keepdim=True) / 16).all()
 
 
+DEEPSEEK_RANK, DEEPSEEK_ROPE, DEEPSEEK_SCALE = 512, 64, 192 ** -0.5
+
+
+def deepseek_decode(fmt, config):
+    """DeepSeek-V3's entry (512 + 64), 128 heads, bf16 queries, pages of 64, sequences of 1, 700 and 3000
+    tokens through the kernel with `config`: (its output, the queries, each sequence's stored entries in
+    float64 on the device)."""
+    lengths = [1, 700, 3000]
+    cache, tables, lens, _ = filled_cache(fmt, lengths, 64, DEEPSEEK_RANK, DEEPSEEK_ROPE)
+    q = torch.randn(len(lengths), 128, DEEPSEEK_RANK + DEEPSEEK_ROPE, generator=torch.Generator().manual_seed(1))
+    q = (q.to(DEVICE) / 8).to(torch.bfloat16)
+    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, DEEPSEEK_SCALE, DEEPSEEK_RANK, config=config)
+    return out, q, [fmt.gather(cache, tables[b].tolist(), n, torch.float64) for b, n in enumerate(lengths)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt_name", ["bf16", "fp8_e4m3"])
@@ -102,16 +117,10 @@ def test_fp8_latent_quantize_round_trip():
 def test_kernel_at_deepseek_shape_matches_float64(fmt_name, config):
     """DeepSeek-V3's entry (512 + 64) and 128 heads, bf16 queries, pages of 64, the table's launch and
     each of its configs: within bf16's rounding of the probabilities of the float64 reference."""
-    rank, rope, page, heads = 512, 64, 64, 128
+    rank = DEEPSEEK_RANK
     fmt = LatentFormat(torch.bfloat16, rank) if fmt_name == "bf16" else LatentFP8Format(rank)
-    lengths = [1, 700, 3000]
-    cache, tables, lens, _ = filled_cache(fmt, lengths, page, rank, rope)
-    q = torch.randn(len(lengths), heads, rank + rope, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    q = (q / 8).to(torch.bfloat16)
-    scale = 192 ** -0.5
-    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank, config=config)
-    stored = [fmt.gather(cache, tables[b].tolist(), n, torch.float64) for b, n in enumerate(lengths)]
-    ref = mla_decode_ref(q.double(), stored, rank, scale)
+    out, q, stored = deepseek_decode(fmt, config)
+    ref = mla_decode_ref(q.double(), stored, rank, DEEPSEEK_SCALE)
     err = (out.double() - ref).abs().max().item()
     assert err < 1e-2 * ref.abs().max().item(), err
 
@@ -123,18 +132,13 @@ def test_fp8_mma_at_deepseek_shape_within_e4m3_rounding(config):
     """The table's fp8-MMA configs at DeepSeek-V3's entry (512 + 64) and 128 heads on the fp8 latent, the
     table's splits: within test_fp8_mma_within_e4m3_rounding_of_float64's bound of the float64 reference
     with the queries rounded as the kernel rounds them."""
-    rank, rope, page, heads = 512, 64, 64, 128
+    rank = DEEPSEEK_RANK
     fmt = LatentFP8Format(rank)
-    lengths = [1, 700, 3000]
-    cache, tables, lens, _ = filled_cache(fmt, lengths, page, rank, rope)
-    q = torch.randn(len(lengths), heads, rank + rope, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    q = (q / 8).to(torch.bfloat16)
-    scale = 192 ** -0.5
-    out = mla.mla_decode(q, fmt.kernel_tensors(cache), tables, lens, scale, rank, config=config)
-    stored = [fmt.gather(cache, tables[b].tolist(), n, torch.float64).cpu() for b, n in enumerate(lengths)]
+    out, q, stored = deepseek_decode(fmt, config)
+    stored = [entries.cpu() for entries in stored]
     codes, q_scales = mla_query_fp8_ref(q[..., :rank].cpu())
     q_rounded = torch.cat([codes.double() * q_scales.double()[..., None], q[..., rank:].double().cpu()], -1)
-    ref = mla_decode_ref(q_rounded, stored, rank, scale)
+    ref = mla_decode_ref(q_rounded, stored, rank, DEEPSEEK_SCALE)
     for b, entries in enumerate(stored):
         vmax = entries[:, :rank].abs().max().item()
         bound = (2 ** -4 + 2 ** -9) * vmax + entries.shape[0] * 2 ** -10 * fmt.token_scales(entries).max().item()

@@ -145,8 +145,8 @@ def main() -> None:
                 nbytes += len(touched) * (2 * I + H) * b13.element_size()
             ms = do_bench_cudagraph(lambda: run(x, topw, ids), rep=200)
             floor = nbytes / hbm / 1e6
-            taken = path or (fused_moe_quant.default_path(T * K_TOP, E) if weights != "bf16"
-                             else ("gemv" if T * K_TOP <= fm.GEMV_MAX_PAIRS else "gemm"))
+            taken = path or (fused_moe_quant.default_path(T * K_TOP, E, q13.method) if weights != "bf16"
+                             else fm.default_path(T * K_TOP, E))
             rows.append(dict(op="moe", shape=args.shape, weights=weights, tokens=T, path=path_arg, kernel=taken,
                              ms=ms, floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
             print(f"moe  {weights:>5} T={T:3d} {path_arg:>4} ({taken:4}) {ms:8.4f} ms floor {floor:.4f} ms "

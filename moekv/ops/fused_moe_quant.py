@@ -82,7 +82,7 @@ def default_quant_gemv(w: QuantizedWeight) -> QuantGemvConfig:
     return DEFAULT_PACKED_GEMV if w.method in ("int4", "mxfp4") else DEFAULT_QUANT_GEMV
 
 
-def default_path(num_pairs: int, num_experts: int, method: str = "int4") -> str:
+def default_path(num_pairs: int, num_experts: int, method: str) -> str:
     """fused_moe_quant's path for path=None: past GEMV_MAX_PAIRS, or where the experts' runs average
     GEMM_MIN_MEAN_RUN pairs, a path that decodes a tile once for its expert's pairs: for int4 the run GEMV
     (H200, Mixtral-8x7B's experts at T=8: 0.54 ms against the pair GEMV's 0.59 and the GEMM's 0.71), for fp8

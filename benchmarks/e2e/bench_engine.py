@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 
 from bench_decode import SHAPES, hf_config, kv_bytes_per_token, measure_bandwidth, weight_bytes_per_step  # noqa: E402
 
-from moekv import LLM, SamplingParams  # noqa: E402
+from moekv import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from moekv.kvcache.formats import compressed_formats, format_class  # noqa: E402
 
 # every registered format that runs without a calibration folder
@@ -56,12 +56,15 @@ FORMATS = ["bf16", *(name for name in compressed_formats() if not format_class(n
 POINTS = [(1, 4096), (16, 4096), (64, 4096)]
 
 
-def write_checkpoint_folder(folder: Path, shape: str) -> Path:
-    """config.json of the shape and a word-level tokenizer.json of its vocabulary ('t0', 't1', ...):
-    what the engine reads besides the weights, which load_format='dummy' draws at random."""
+def write_checkpoint_folder(folder: Path, shape: str, num_layers: int | None = None) -> Path:
+    """config.json of the shape (its first num_layers layers) and a word-level tokenizer.json of its
+    vocabulary ('t0', 't1', ...): what the engine reads besides the weights, which load_format='dummy'
+    draws at random."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     hf = hf_config(shape)
+    if num_layers:
+        hf["num_hidden_layers"] = num_layers
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({**hf, "eos_token_id": 2, "bos_token_id": 1}))
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(hf["vocab_size"])}, unk_token="t0"))
@@ -174,20 +177,23 @@ def compile_kernels(llm, cfg, block_size: int) -> None:
 
 
 def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, bandwidth: float, seed: int,
-              modes: list[str | None]) -> list[dict]:
+              modes: list[str | None], regex: str | None = None) -> list[dict]:
     """Prefill once, then time `steps` decode steps in each scheduling mode, one after the other on
-    the same sequences (None: the engine has one mode, the baseline tree's)."""
+    the same sequences (None: the engine has one mode, the baseline tree's). regex: every request is
+    constrained by it (structured outputs: the grammar's bitmask filled and applied every step)."""
     engine = llm.engine
     runner = engine.runner
     block_size = runner.block_size
-    base = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size, "steps": steps}
+    base = {"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "block_size": block_size, "steps": steps,
+            "regex": regex}
     gen = torch.Generator().manual_seed(seed)
     lengths = prompt_lengths(batch, context, block_size)
     # no sequence may finish inside the timed steps (the batch would shrink into smaller buckets, whose
     # graphs would be captured there): room for every mode's warm-up and timed steps, and for the
     # tokens the first sequences decode while the others still prefill (at most one per prefill step)
     max_tokens = decode_budget(steps, len(modes), batch, context, engine.scheduler.max_num_batched_tokens)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex=regex) if regex else None)
     ids = []
     for n in lengths:
         prompt = torch.randint(3, cfg["vocab_size"], (n,), generator=gen).tolist()
@@ -234,12 +240,17 @@ def main() -> None:
     p.add_argument("--formats", nargs="*", default=FORMATS)
     p.add_argument("--points", nargs="*", default=None, help="batch:context pairs (default: 1, 16, 64 at 4k)")
     p.add_argument("--steps", type=int, default=96, help="decode steps timed per point")
+    p.add_argument("--num-layers", type=int, default=None, help="the shape's first N layers (to fit a smaller GPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--modes", nargs="*", default=["sync", "async"], choices=["sync", "async"],
                    help="scheduling modes timed at every point, in the same run (async: steps queued ahead)")
     p.add_argument("--nuq2-quantize", nargs="*", default=["kernel"], choices=["kernel", "torch"],
                    help="how nuq2 pages are quantized (nuq2, tiered): the fused kernel and/or the torch "
                         "reference (MOEKV_NUQ2_QUANTIZE_KERNEL), each a run of its own")
+    p.add_argument("--grammar", metavar="REGEX", default=None,
+                   help="time every point once more with every request constrained by REGEX (structured "
+                        "outputs; the tokenizer's tokens are 't0' .. 't<V-1>', so '[t0-9]{20000}' allows every "
+                        "token and never completes)")
     p.add_argument("--label", default="", help="written into every row (e.g. which tree ran)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -250,7 +261,7 @@ def main() -> None:
 
     bandwidth = measure_bandwidth(torch.device("cuda"))
     print(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
-    folder = write_checkpoint_folder(Path(tempfile.mkdtemp(prefix="moekv-dummy-")), args.shape)
+    folder = write_checkpoint_folder(Path(tempfile.mkdtemp(prefix="moekv-dummy-")), args.shape, args.num_layers)
     cfg = hf_config(args.shape)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
@@ -272,11 +283,13 @@ def main() -> None:
             continue
         modes = args.modes if hasattr(llm.engine, "async_scheduling") else [None]  # (the baseline tree: one mode)
         compile_kernels(llm, cfg, llm.engine.runner.block_size)
-        for batch, context in points:
+        regexes = [None, args.grammar] if args.grammar else [None]  # each point free, then constrained
+        for batch, context, regex in [(b, c, r) for b, c in points for r in regexes]:
             try:
-                rows = run_point(llm, cfg, fmt_name, batch, context, args.steps, bandwidth, seed=batch, modes=modes)
+                rows = run_point(llm, cfg, fmt_name, batch, context, args.steps, bandwidth, seed=batch, modes=modes,
+                                 regex=regex)
             except Exception as e:
-                rows = [{"kv_cache_dtype": fmt_name, "batch": batch, "context": context,
+                rows = [{"kv_cache_dtype": fmt_name, "batch": batch, "context": context, "regex": regex,
                          "error": f"{type(e).__name__}: {str(e)[:300]}"}]
             for row in rows:
                 row["label"] = args.label
@@ -298,7 +311,8 @@ def main() -> None:
             continue
         model = f"{r['model_step_ms']:.2f}" if r.get("model_step_ms") is not None else "-"
         over = f"{r['overhead_ms']:.2f}" if r.get("overhead_ms") is not None else "-"
-        print(f"{r['kv_cache_dtype']:10} {r['batch']:>3} {r['context']:>6} {str(r['async_scheduling']):>5} "
+        name = r["kv_cache_dtype"] + ("+regex" if r.get("regex") else "")
+        print(f"{name:10} {r['batch']:>3} {r['context']:>6} {str(r['async_scheduling']):>5} "
               f"{r['tpot_ms']:>10.2f} {r['tpot_p50_ms']:>7.2f} "
               f"{model:>9} {over:>9} {r['graph_share']:>7.2f} {r['fill_step_share']:>6.2f} {r['floor_ms']:>6.2f}")
 

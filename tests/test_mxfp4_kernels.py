@@ -109,14 +109,17 @@ GEMM = {"gemm-tile-scales": fm.GemmConfig(block_m=16, block_n=16, block_k=32, gr
                                              num_stages=2)}
 
 
-# the interpreter takes 5-20 s a case: the GEMV's group-scale case and the GEMM's element-scale case run in
-# the fast suite (one per path and scale reading), the other two in the slow one
+# the interpreter takes 5-20 s a case: the GEMV's group-scale case and the GEMMs' (gemm, gemm_swap) element-scale
+# cases run in the fast suite (one per path and scale reading), the other tile-scale ones in the slow one
 SLOW_CASES = {"gemv-tile-scales", "gemm-tile-scales"}
 
 
 @pytest.mark.parametrize("name,path,config",
                          [pytest.param(n, path, c, id=n, marks=[pytest.mark.slow] if n in SLOW_CASES else [])
-                          for path, table in (("gemv", GEMV), ("gemm", GEMM)) for n, c in table.items()])
+                          for path, table in (("gemv", GEMV), ("gemm", GEMM)) for n, c in table.items()]
+                         + [pytest.param("swap-" + n, "gemm_swap", c, id="swap-" + n,
+                                         marks=[pytest.mark.slow] if n in SLOW_CASES else [])
+                            for n, c in GEMM.items()])
 def test_fused_moe_mxfp4_matches_reference(name, path, config):
     """H = 96 (a partial last K tile at 64), I = 40 would not be whole groups: I = 64; T = 3, 6 experts, top-2."""
     x, q13, b13, q2, b2, weights, ids = moe_case(3 if path == "gemv" else 5, 6, 2, 96, 64)

@@ -109,14 +109,17 @@ GEMM = {"gemm-tile-scales": fm.GemmConfig(block_m=16, block_n=16, block_k=32, gr
                                              num_stages=2)}
 
 
-# the interpreter takes 5-20 s a case: the GEMV's group-scale case and the GEMM's element-scale case run in
-# the fast suite (one per path and scale reading), the other two in the slow one
+# the interpreter takes 5-20 s a case: the GEMV's group-scale case and the GEMMs' (gemm, gemm_swap) element-scale
+# cases run in the fast suite (one per path and scale reading), the other tile-scale ones in the slow one
 SLOW_CASES = {"gemv-tile-scales", "gemm-tile-scales"}
 
 
 @pytest.mark.parametrize("name,path,config",
                          [pytest.param(n, path, c, id=n, marks=[pytest.mark.slow] if n in SLOW_CASES else [])
-                          for path, table in (("gemv", GEMV), ("gemm", GEMM)) for n, c in table.items()])
+                          for path, table in (("gemv", GEMV), ("gemm", GEMM)) for n, c in table.items()]
+                         + [pytest.param("swap-" + n, "gemm_swap", c, id="swap-" + n,
+                                         marks=[pytest.mark.slow] if n in SLOW_CASES else [])
+                            for n, c in GEMM.items()])
 def test_fused_moe_mxfp4_matches_reference(name, path, config):
     """H = 96 (a partial last K tile at 64), I = 40 would not be whole groups: I = 64; T = 3, 6 experts, top-2."""
     x, q13, b13, q2, b2, weights, ids = moe_case(3 if path == "gemv" else 5, 6, 2, 96, 64)
@@ -202,7 +205,7 @@ def _route(T, seed):
     return x, torch.softmax(weights, -1), ids
 
 
-@pytest.mark.parametrize("path", [None, "gemv", "gemm"])
+@pytest.mark.parametrize("path", [None, "gemv", "gemm", "gemm_swap"])
 @pytest.mark.parametrize("T", [1, 4, 8])
 def test_gpu_gpt_oss_20b_shape(gpt_oss_20b_experts, T, path):
     """bf16 activations, biases and the clamped SwiGLU (gpt-oss's limit 7): the MXFP4 kernel within
@@ -214,7 +217,7 @@ def test_gpu_gpt_oss_20b_shape(gpt_oss_20b_experts, T, path):
     x, weights, ids = _route(T, T)
     epilogue = dict(biases=(b13, b2), clamped_swiglu=(1.702, 7.0))
     out = fq.fused_moe_quant(x, q13, q2, weights, ids, path=path, **epilogue).float()
-    bf16 = fm.fused_moe(x, d13, d2, weights, ids, path=path, **epilogue).float()
+    bf16 = fm.fused_moe(x, d13, d2, weights, ids, path="gemm" if path == "gemm_swap" else path, **epilogue).float()
     oracle = clamped_swiglu_moe_ref(x.float(), d13.float(), b13.float(), d2.float(), b2.float(), weights, ids,
                                     1.702, 7.0)
     scale = oracle.abs().max().item()

@@ -19,7 +19,7 @@ from tests.triton_kernels import kernel_modules, triton  # noqa: E402,F401 (befo
 
 from moekv.models.quantize import quantize_stacked  # noqa: E402
 from moekv.ops.quantized_weight import QuantizedWeight, pack_int4, quantize_fp8, quantize_int4  # noqa: E402
-from moekv.ops.reference import fused_moe_ref, linear_ref  # noqa: E402
+from moekv.ops.reference import clamped_swiglu_moe_ref, fused_moe_ref, linear_ref  # noqa: E402
 
 _, fm, _, fq, ql = kernel_modules("moekv.ops.dense_gemv", "moekv.ops.fused_moe", "moekv.ops.quant_tiles",
                                   "moekv.ops.fused_moe_quant", "moekv.ops.quant_linear")
@@ -56,7 +56,7 @@ def _moe_case(T, E, k, H, I, quantizer, seed=0):
 
 
 @pytest.mark.parametrize("quantizer", list(QUANTIZERS))
-@pytest.mark.parametrize("path,T", [("gemv", 3), ("gemm", 5)])
+@pytest.mark.parametrize("path,T", [("gemv", 3), ("gemm", 5), ("gemm_swap", 5)])
 def test_fused_moe_quant_matches_reference(quantizer, path, T):
     """H = 64 with 32-wide K tiles (several int4 groups per tile and a group spanning tiles);
     I = 40: a partial n-block and (down projection) a partial K tile and group."""
@@ -67,6 +67,46 @@ def test_fused_moe_quant_matches_reference(quantizer, path, T):
     ref = fused_moe_ref(x.double(), q13.dequantize(torch.float64), q2.dequantize(torch.float64), weights.double(), ids)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("quantizer", ["int4-sym", "int4-zp", "fp8-channel"])
+def test_swap_gemm_ragged_and_empty_experts(quantizer):
+    """path 'gemm_swap' (the weight tile as the MMA's A operand, the pairs as its N) on a ragged load: every
+    token's first slot on expert 1 (18 pairs: two 16-pair blocks, the second mostly padding), the second slot
+    on experts 0, 2 and 3, experts 4 and 5 empty; against the float64 reference, with gpt-oss's biases and
+    clamped SwiGLU and without, and equal to path 'gemm' up to the order of its sums. int4-sym reads one scale
+    a row and tile, int4-zp (groups of 16 in 32-wide tiles) one per element."""
+    g = torch.Generator().manual_seed(7)
+    T, E, H, I = 18, 6, 64, 40
+    ids = torch.stack([torch.ones(T, dtype=torch.int64), torch.tensor([0, 2, 3])[torch.arange(T) % 3]], 1)
+    assert ids.reshape(-1).bincount(minlength=E).tolist() == [6, 18, 6, 6, 0, 0]
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    q13, q2 = (QUANTIZERS[quantizer](w).to(DEVICE) for w in (w13, w2))
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    weights = torch.softmax(torch.randn(T, 2, generator=g), -1).to(DEVICE)
+    b13, b2 = torch.randn(E, 2 * I, generator=g).to(DEVICE), torch.randn(E, H, generator=g).to(DEVICE)
+    ids = ids.to(DEVICE)
+    d13, d2 = q13.dequantize(torch.float64), q2.dequantize(torch.float64)
+    config = fm.GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, path="gemm_swap", config=config)
+    ref = fused_moe_ref(x.double(), d13, d2, weights.double(), ids)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    unswapped = fq.fused_moe_quant(x, q13, q2, weights, ids, path="gemm", config=config)
+    assert torch.allclose(out, unswapped, rtol=0, atol=1e-5)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, path="gemm_swap", config=config, biases=(b13, b2),
+                             clamped_swiglu=(1.702, 7.0))
+    ref_oss = clamped_swiglu_moe_ref(x.double(), d13, b13.double(), d2, b2.double(), weights.double(), ids, 1.702, 7.0)
+    assert (out.double() - ref_oss).abs().max().item() < 1e-5 * max(1.0, ref_oss.abs().max().item())
+    assert (ref_oss - ref).abs().max().item() > 1e-1  # the epilogue changes the answer
+
+
+def test_default_swap_config_by_rows():
+    """gemm_swap's launch: the pairs a block (the MMA's N) grow with the pairs an expert, so that an expert's
+    usual load takes one block; the weight rows a block fill the warp groups' 64-row MMAs."""
+    configs = [fq.default_swap_config(rows * 8, 8) for rows in (2, 12, 16, 24, 32, 64, 200)]
+    assert [c.block_m for c in configs] == [16, 16, 32, 32, 64, 64, 64]
+    assert all(c.block_n % (16 * c.num_warps) == 0 for c in configs)
 
 
 def _routing(T, E, k, kind, g):
@@ -250,7 +290,7 @@ def _oracle(x, q13, q2, weights, ids):
     return fused_moe_ref(x.float(), w13, w2, weights.float(), remap[ids])
 
 
-@pytest.mark.parametrize("path", [None, "gemm", "gemv", "runs"])
+@pytest.mark.parametrize("path", [None, "gemm", "gemm_swap", "gemv", "runs"])
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_gpu_mixtral_shapes(mixtral_quant, T, path):
     """bf16 activations: the kernel within 1.5x the bf16 reference's error against fp32 math (the run
@@ -270,7 +310,7 @@ def test_gpu_mixtral_shapes(mixtral_quant, T, path):
     assert err <= max(1.5 * err_ref, 1e-2 * scale), (err, err_ref, scale)
 
 
-@pytest.mark.parametrize("T,path", [(1, None), (64, None), (8, "runs"), (8, "gemv")])
+@pytest.mark.parametrize("T,path", [(1, None), (64, None), (8, "runs"), (8, "gemv"), (64, "gemm_swap")])
 def test_gpu_cuda_graph_capture(mixtral_quant, T, path):
     """No host sync: the step captures, and a replay with new routing gives the eager answer (the run
     GEMV's sort included)."""

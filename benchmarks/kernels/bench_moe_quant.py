@@ -1,8 +1,8 @@
 """Fused MoE with quantized experts (moekv/ops/fused_moe_quant.py: fp8 per-channel, int4 groups of 128
 with zero points, mxfp4 as gpt-oss's checkpoints ship it) beside the bf16 kernel (moekv/ops/fused_moe.py),
-one CUDA device, at an expert shape (--shape): Mixtral-8x7B's (H=4096, I=14336, E=8, top-2), or
-gpt-oss-20b's / 120b's (H=I=2880, E=32 / 128, top-4, with its expert biases and clamped SwiGLU in
-the epilogues); and the quantized projection GEMV (moekv/ops/quant_linear.py) beside the bf16 one
+one CUDA device, at an expert shape (--shape): Mixtral-8x7B's (H=4096, I=14336, E=8, top-2), Mixtral-8x22B's
+(H=6144, I=16384, E=8, top-2), or gpt-oss-20b's / 120b's (H=I=2880, E=32 / 128, top-4, with its expert biases
+and clamped SwiGLU in the epilogues); and the quantized projection GEMV (moekv/ops/quant_linear.py) beside the bf16 one
 (ops/dense_gemv.py) at the shape's qkv projection (not for mxfp4: gpt-oss's attention is bf16).
 
     python benchmarks/kernels/bench_moe_quant.py --out benchmarks/results/h200/moe_quant.json
@@ -13,7 +13,11 @@ With mxfp4 the experts are random MXFP4 bytes (codes uniform, scales 2^-8 .. 2^-
 0.02), and the other kinds are those weights dequantized to bf16 (and quantized from there), so every
 row computes with the same experts. T=8 at top-4 is 32 pairs: the grouped GEMM (GEMV_MAX_PAIRS=16);
 --path gemv forces the GEMV there too. --path gemv runs gemm times each path beside the others (rows carry
-`path` as asked and `kernel` as taken); the run GEMV takes quantized weights only.
+`path` as asked and `kernel` as taken); the run GEMV and the swap-AB grouped GEMM (gemm_swap) take quantized
+weights only. The grouped GEMMs side by side, the same routing for each:
+
+    python benchmarks/kernels/bench_moe_quant.py --shape mixtral-8x22b --tokens 16 64 128 256 \
+        --path gemm gemm_swap --out benchmarks/results/h100/moe_quant_swap_8x22b.json
 
 Timings: CUDA-graph replays (triton.testing.do_bench_cudagraph, median), as the decode step runs
 them. bytes = the touched experts' codes, scales and zero points (all of a projection's) + x read +
@@ -44,6 +48,7 @@ from moekv.ops.reference import clamped_swiglu_moe_ref, fused_moe_ref, linear_re
 DEVICE = "cuda"
 # expert shape (E, H, I, top-k, qkv rows, gpt-oss's epilogues)
 SHAPES = {"mixtral-8x7b": (8, 4096, 14336, 2, 6144, False),
+          "mixtral-8x22b": (8, 6144, 16384, 2, 8192, False),
           "gpt-oss-20b": (32, 2880, 2880, 4, 5120, True),
           "gpt-oss-120b": (128, 2880, 2880, 4, 5120, True)}
 SWIGLU = (1.702, 7.0)  # gpt-oss's alpha and limit
@@ -68,10 +73,11 @@ def main() -> None:
     p.add_argument("--shape", choices=list(SHAPES), default="mixtral-8x7b")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 64])
     p.add_argument("--weights", nargs="*", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4", "mxfp4"])
-    p.add_argument("--path", nargs="*", choices=["auto", "gemv", "runs", "gemm"], default=["auto"],
+    p.add_argument("--path", nargs="*", choices=["auto", "gemv", "runs", "gemm", "gemm_swap"], default=["auto"],
                    help="the MoE kernel's paths, each timed (auto: fused_moe_quant.default_path; gemv: a program "
                         "per pair, T*k <= GEMV_MAX_PAIRS; runs: a program per run of pairs of one expert, "
-                        "T*k <= ALIGN_MAX_PAIRS, quantized weights only)")
+                        "T*k <= ALIGN_MAX_PAIRS, quantized weights only; gemm_swap: the grouped GEMM's swap-AB "
+                        "form, quantized weights only)")
     p.add_argument("--gemv-tiles", nargs="*", default=[],
                    help="BLOCK_NxBLOCK_K tiles (e.g. 8x1024 16x1024) to time the quantized GEMV with beside its "
                         "default, at one token (rows with op moe_tile)")
@@ -125,6 +131,8 @@ def main() -> None:
                 print(f"moe  {weights:>5} T={T:3d} skipped: --path gemv takes T*k <= {fm.GEMV_MAX_PAIRS}", flush=True)
                 continue
             if path == "runs" and (weights == "bf16" or T * K_TOP > fm.ALIGN_MAX_PAIRS):
+                continue
+            if path == "gemm_swap" and weights == "bf16":
                 continue
 
             def run(x, topw, ids, kernel=kernel, q13=q13, q2=q2, path=path):

@@ -69,10 +69,17 @@ def build(method: str, kernel: str, H: int, I: int, top_k: int, block_n: int, bl
         fn = fq._qgate_up_runs_kernel if gate_up else fq._qdown_runs_kernel
     else:
         fn = fq._qgate_up_gemv_kernel if gate_up else fq._qdown_gemv_kernel
+    return sass_of(fn, sig, consts, divisible)
+
+
+def sass_of(fn, sig: dict, consts: dict, divisible: list, num_warps: int = 4, num_stages: int = 4):
+    """(SASS, resource usage) of a Triton kernel built for sm_90: sig maps its arguments to Triton types,
+    consts its constexprs; the arguments in divisible are specialized as multiples of 16 (attrs are keyed by
+    the argument's position in the kernel's own list, constexprs included)."""
     src = ASTSource(fn,
                     signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts,
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
+                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()

@@ -101,6 +101,21 @@ def default_run_pairs(num_pairs: int, num_experts: int) -> int:
     return min(4, max(2, triton.next_power_of_2(math.ceil(mean_run(num_pairs, num_experts)))))
 
 
+# path "gemm_swap"'s launch by pairs an expert (up to the first column): BLOCK_M pairs are the MMA's N, so a
+# block as wide as an expert's usual load costs little, and each m-block more re-reads and decodes the
+# expert's tiles; BLOCK_N weight rows are the MMA's M, 64 a warp group. Offline sm_90 builds at Mixtral-8x22B's
+# shape (benchmarks/tools/sass_moe_quant_gemm.py): no spills; 73-161 registers (int4, fp8), to 244 (mxfp4).
+SWAP_CONFIGS = ((12, GemmConfig(16, 64, 128, 8, 4, 4)),
+                (24, GemmConfig(32, 128, 64, 8, 8, 4)),
+                (math.inf, GemmConfig(64, 128, 64, 8, 8, 3)))
+
+
+def default_swap_config(num_pairs: int, num_experts: int) -> GemmConfig:
+    """SWAP_CONFIGS' launch for the mean pairs an expert (num_pairs / num_experts)."""
+    rows = num_pairs / num_experts
+    return next(cfg for limit, cfg in SWAP_CONFIGS if rows <= limit)
+
+
 def weight_args(w: QuantizedWeight):
     """(codes, scales, zeros-or-scales, expert stride of codes, row stride of codes, expert stride of
     scales, row stride of scales) as the kernels take them; [N, K] matrices have expert stride 0.
@@ -315,6 +330,45 @@ def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
 
 
 @triton.jit
+def _orient(m_vals, n_vals, SWAP_AB: tl.constexpr):
+    """A vector along the pairs (m) and one along the weight rows or K (n) broadcast to the grouped GEMM's
+    tile orientation: [BLOCK_M, BLOCK_N] (pairs as rows), or with SWAP_AB [BLOCK_N, BLOCK_M] (pairs as columns)."""
+    if SWAP_AB:
+        return m_vals[None, :], n_vals[:, None]
+    else:
+        return m_vals[:, None], n_vals[None, :]
+
+
+@triton.jit
+def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _pair_rows(src_ptr, rows, row_ok, k0, K: tl.constexpr, stride, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The activations of the block's pairs (rows: int64 row indices of src, valid where row_ok) over columns
+    k0 .. k0 + BLOCK_K, 0 past K and on absent pairs: [BLOCK_M, BLOCK_K], or with SWAP_AB [BLOCK_K, BLOCK_M]."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    r, k = _orient(rows, offs_k, SWAP_AB)
+    r_ok, k_ok = _orient(row_ok, offs_k < K, SWAP_AB)
+    return tl.load(src_ptr + r * stride + k, mask=r_ok & k_ok, other=0.0)
+
+
+@triton.jit
+def _weight_dot(act, w, acc, SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + act @ w.T (act [BLOCK_M, BLOCK_K], w the dequantized [BLOCK_N, BLOCK_K] tile), or with SWAP_AB
+    acc + w @ act (act [BLOCK_K, BLOCK_M]): the weight tile the MMA's A operand, which wgmma reads from
+    registers, the pairs its N (8 .. 256), so 16 or 32 pairs fill an MMA whose M would be at least 64."""
+    if SWAP_AB:
+        return dot_tiles(w.to(act.dtype), act, acc, UPCAST, IEEE)
+    else:
+        return dot_tiles(act, tl.trans(w).to(act.dtype), acc, UPCAST, IEEE)
+
+
+@triton.jit
 def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
                           num_pairs, num_m_blocks, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                           stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_hm,
@@ -322,10 +376,10 @@ def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
                           SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr,
                           b13_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
-                          ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0):
+                          ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0, SWAP_AB: tl.constexpr = False):
     """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, N + n]) (with HAS_BIAS / CLAMPED:
     fused_moe.activate's epilogue) for the pairs of one block, each weight tile dequantized to x's
-    dtype before the dot. N = I, K = H."""
+    dtype before the dot (SWAP_AB: the transposed product, _weight_dot). N = I, K = H."""
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -336,22 +390,20 @@ def _qgate_up_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
     token = (pair // TOP_K).to(tl.int64)
     offs_n, n_ok, rows, c_e, s_e, z_e = _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N, stride_ce, stride_se,
                                                      BLOCK_N)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :],
-                    mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        a = _pair_rows(x_ptr, token, row_ok, k0, K, stride_xt, BLOCK_K, SWAP_AB)
         g = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
                          BLOCK_N, BLOCK_K, PER_TILE)
         u = dequant_tile(c_e, s_e, z_e, rows + N, n_ok, k0, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
                          BLOCK_N, BLOCK_K, PER_TILE)
-        acc_g = dot_tiles(a, tl.trans(g).to(a.dtype), acc_g, UPCAST, IEEE)
-        acc_u = dot_tiles(a, tl.trans(u).to(a.dtype), acc_u, UPCAST, IEEE)
-    h = activate(acc_g, acc_u, b13_ptr, expert * stride_be, offs_n[None, :], n_ok[None, :], N, HAS_BIAS, CLAMPED,
-                 ALPHA, LIMIT)
-    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        acc_g = _weight_dot(a, g, acc_g, SWAP_AB, UPCAST, IEEE)
+        acc_u = _weight_dot(a, u, acc_u, SWAP_AB, UPCAST, IEEE)
+    pair_b, n_b = _orient(pair.to(tl.int64), offs_n, SWAP_AB)
+    row_ok_b, n_ok_b = _orient(row_ok, n_ok, SWAP_AB)
+    h = activate(acc_g, acc_u, b13_ptr, expert * stride_be, n_b, n_ok_b, N, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
+    tl.store(h_ptr + pair_b * stride_hm + n_b, h.to(h_ptr.dtype.element_ty), mask=row_ok_b & n_ok_b)
 
 
 @triton.jit
@@ -361,9 +413,9 @@ def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
                        INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
                        SK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PER_TILE: tl.constexpr,
-                       b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
+                       b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
     """y[pair, n] = weight[pair] * (h[pair] . w2[e, n] (+ b2[e, n] with HAS_BIAS)) in fp32, w2's tiles
-    dequantized. N = H, K = I."""
+    dequantized (SWAP_AB: the transposed product, _weight_dot). N = H, K = I."""
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -374,19 +426,19 @@ def _qdown_gemm_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
     pair = pair.to(tl.int64)
     offs_n, n_ok, rows, c_e, s_e, z_e = _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N, stride_ce, stride_se,
                                                      BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(h_ptr + pair[:, None] * stride_hm + offs_k[None, :],
-                    mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        a = _pair_rows(h_ptr, pair, row_ok, k0, K, stride_hm, BLOCK_K, SWAP_AB)
         b = dequant_tile(c_e, s_e, z_e, rows, n_ok, k0, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
                          BLOCK_N, BLOCK_K, PER_TILE)
-        acc = dot_tiles(a, tl.trans(b).to(a.dtype), acc, UPCAST, IEEE)
+        acc = _weight_dot(a, b, acc, SWAP_AB, UPCAST, IEEE)
+    pair_b, n_b = _orient(pair, offs_n, SWAP_AB)
     if HAS_BIAS:
-        acc += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + pair[:, None] * stride_ym + offs_n[None, :], acc * w[:, None],
-             mask=row_ok[:, None] & n_ok[None, :])
+        acc += _orient(pair, tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32),
+                       SWAP_AB)[1]
+    w = _orient(tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32), offs_n, SWAP_AB)[0]
+    row_ok_b, n_ok_b = _orient(row_ok, n_ok, SWAP_AB)
+    tl.store(y_ptr + pair_b * stride_ym + n_b, acc * w, mask=row_ok_b & n_ok_b)
 
 
 # -- launchers ----------------------------------------------------------------------------------
@@ -396,13 +448,14 @@ def _check_block_k(block_k: int, *weights: QuantizedWeight) -> None:
             raise ValueError(f"block_k={block_k} must be a multiple of 8 for {w.method} weights")
 
 
-def _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee, epilogue=None):
+def _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee, epilogue=None,
+                      swap_ab=False):
     c, s, z, sce, scn, sse, ssn = weight_args(w2)
     _qdown_gemm_kernel[(block_expert_ids.numel() * triton.cdiv(H, cfg.block_n),)](
         h, c, s, z, y, weights, sorted_ids, block_expert_ids, M, block_expert_ids.numel(), H, I,
         h.stride(0), sce, scn, sse, ssn, y.stride(0), **layout_constants(w2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=upcast,
-        IEEE=ieee, PER_TILE=scale_mode(w2.scale_block[1], I, cfg.block_k) == SCALES_PER_TILE,
+        IEEE=ieee, PER_TILE=scale_mode(w2.scale_block[1], I, cfg.block_k) == SCALES_PER_TILE, SWAP_AB=swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(epilogue or {}))
 
 
@@ -414,7 +467,9 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     """fused_moe_ref's contract with quantized experts: x [T, H] (16-bit or fp32); w13 a
     QuantizedWeight [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x.dtype.
     path: "gemv" (a program per pair) | "runs" (a program per run of up to P pairs of one expert, each tile
-    decoded once for all of them; T*k <= ALIGN_MAX_PAIRS) | "gemm" | None (default_path). gpt-oss's experts
+    decoded once for all of them; T*k <= ALIGN_MAX_PAIRS) | "gemm" | "gemm_swap" (the grouped GEMM's transposed
+    product: the weight tile the MMA's A operand, the pairs its N; config default: default_swap_config) | None
+    (default_path, which never takes "gemm_swap"). gpt-oss's experts
     (clamped_swiglu_moe_ref's contract): biases (b13 [E, 2I], b2 [E, H]) and clamped_swiglu (alpha,
     limit), as fused_moe takes them."""
     T, H = x.shape
@@ -458,9 +513,10 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         return sum_partials(y.view(splits, T, k, H), x.dtype)
     if path == "runs":
         return _runs(x, w13, w2, weights, topk_ids, h, E, k, config or default_quant_gemv(w13), epilogue)
-    if path != "gemm":
-        raise ValueError(f"fused_moe_quant: path must be 'gemv', 'runs', 'gemm' or None, got {path!r}")
-    cfg = config or default_gemm_config(M, E)
+    if path not in ("gemm", "gemm_swap"):
+        raise ValueError(f"fused_moe_quant: path must be 'gemv', 'runs', 'gemm', 'gemm_swap' or None, got {path!r}")
+    swap = path == "gemm_swap"
+    cfg = config or (default_swap_config if swap else default_gemm_config)(M, E)
     _check_block_k(cfg.block_k, w13, w2)
     sorted_ids, block_expert_ids, _ = moe_align_block_size(topk_ids, E, cfg.block_m)
     num_m_blocks = block_expert_ids.numel()
@@ -471,10 +527,11 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         x, c, s, z, h, sorted_ids, block_expert_ids, M, num_m_blocks, I, H, k,
         x.stride(0), sce, scn, sse, ssn, h.stride(0), **layout_constants(w13),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=upcast,
-        IEEE=ieee, PER_TILE=scale_mode(w13.scale_block[1], H, cfg.block_k) == SCALES_PER_TILE,
+        IEEE=ieee, PER_TILE=scale_mode(w13.scale_block[1], H, cfg.block_k) == SCALES_PER_TILE, SWAP_AB=swap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **epilogue["gate_up"])
     y = torch.empty(M, H, dtype=torch.float32, device=x.device)  # [M, H], one row per pair
-    _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee, epilogue["down"])
+    _launch_gemm_down(h, w2, y, weights, sorted_ids, block_expert_ids, M, H, I, cfg, upcast, ieee, epilogue["down"],
+                      swap)
     return sum_partials(y.view(1, T, k, H), x.dtype)
 
 

@@ -182,9 +182,10 @@ def test_run_gemv_decodes_every_int4_code_at_default_tiles():
 
 def test_default_path_and_run_pairs():
     """path=None: the pair GEMV while pairs share few experts; where runs average two pairs (Mixtral's T=8)
-    int4 takes the run GEMV and fp8 / mxfp4 the grouped GEMM, as bf16 does; past GEMV_MAX_PAIRS the GEMM.
-    P the mean run rounded up, 2 to 4."""
-    assert [fq.default_path(2 * T, 8, "int4") for T in (1, 2, 4, 8, 16)] == ["gemv", "gemv", "gemv", "runs", "gemm"]
+    int4 takes the run GEMV and fp8 / mxfp4 the grouped GEMM, as bf16 does; past GEMV_MAX_PAIRS the GEMM
+    (int4 its transposed form). P the mean run rounded up, 2 to 4."""
+    assert [fq.default_path(2 * T, 8, "int4") for T in (1, 2, 4, 8, 16)] == [
+        "gemv", "gemv", "gemv", "runs", "gemm_swap"]
     assert [fq.default_path(2 * T, 8, "fp8") for T in (1, 2, 4, 8, 16)] == ["gemv", "gemv", "gemv", "gemm", "gemm"]
     assert [fm.default_path(2 * T, 8) for T in (1, 2, 4, 8, 16)] == ["gemv", "gemv", "gemv", "gemm", "gemm"]
     assert fq.mean_run(16, 8) == 2.0

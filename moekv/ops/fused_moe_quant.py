@@ -86,9 +86,12 @@ def default_path(num_pairs: int, num_experts: int, method: str) -> str:
     """fused_moe_quant's path for path=None: past GEMV_MAX_PAIRS, or where the experts' runs average
     GEMM_MIN_MEAN_RUN pairs, a path that decodes a tile once for its expert's pairs: for int4 the run GEMV
     (H200, Mixtral-8x7B's experts at T=8: 0.54 ms against the pair GEMV's 0.59 and the GEMM's 0.71), for fp8
-    and mxfp4 the grouped GEMM (fp8: 0.39 against 0.61 and the run GEMV's 0.58); else the pair GEMV."""
+    and mxfp4 the grouped GEMM (fp8: 0.39 against 0.61 and the run GEMV's 0.58); else the pair GEMV. Past
+    GEMV_MAX_PAIRS int4 takes the grouped GEMM's transposed form, its decoded tile the MMA's register operand
+    (H100, Mixtral-8x7B's experts: 0.67 / 0.73 / 0.90 / 1.35 ms at T = 16 / 64 / 128 / 256 against 0.78 / 1.10 /
+    1.44 / 2.44; fp8 is slower in that form below T = 256, mxfp4 gathers a scale a code there)."""
     if num_pairs > GEMV_MAX_PAIRS:
-        return "gemm"
+        return "gemm_swap" if method == "int4" else "gemm"
     if mean_run(num_pairs, num_experts) >= GEMM_MIN_MEAN_RUN:
         return "runs" if method == "int4" else "gemm"
     return "gemv"
@@ -469,7 +472,7 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     path: "gemv" (a program per pair) | "runs" (a program per run of up to P pairs of one expert, each tile
     decoded once for all of them; T*k <= ALIGN_MAX_PAIRS) | "gemm" | "gemm_swap" (the grouped GEMM's transposed
     product: the weight tile the MMA's A operand, the pairs its N; config default: default_swap_config) | None
-    (default_path, which never takes "gemm_swap"). gpt-oss's experts
+    (default_path: "gemm_swap" for int4 past GEMV_MAX_PAIRS). gpt-oss's experts
     (clamped_swiglu_moe_ref's contract): biases (b13 [E, 2I], b2 [E, H]) and clamped_swiglu (alpha,
     limit), as fused_moe takes them."""
     T, H = x.shape

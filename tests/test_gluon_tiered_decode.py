@@ -45,7 +45,8 @@ def build(lens, Hkv, seed, fp8_share=0.3, device="cpu"):
     has a nuq2 row (garbage for FP8 pages, as a demoted pool's stale rows are), a share of them an
     FP8 slot (shuffled) -> a dict of the kernel's inputs and the dense pages the formats dequantize."""
     g = torch.Generator().manual_seed(seed)
-    nuq2 = NUQ2Format(codebook="page", quantize_kernel=False)
+    nuq2 = NUQ2Format(codebook="page", quantize_kernel=False,
+                      outlier_cap=1024)  # every slot fillable: the kernel's later slot chunks run
     pages_per = [-(-n // P) for n in lens]
     N = sum(pages_per) + 2
     k = large_channel_keys(N, Hkv, g)

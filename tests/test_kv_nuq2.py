@@ -155,7 +155,7 @@ def test_heavy_tails_go_to_fp8_slots(kind):
 
 def test_slot_overflow_keeps_the_largest():
     P, D = 64, 32
-    fmt = NUQ2Format()
+    fmt = NUQ2Format(outlier_cap=1024)  # every slot of the padding fillable
     slots = fmt.outlier_slots("value", P, D)
     x = 0.01 * torch.randn(1, 1, P, D, generator=torch.Generator().manual_seed(2))
     spikes = torch.randperm(P * D, generator=torch.Generator().manual_seed(3))[:3 * slots]
@@ -189,7 +189,7 @@ def test_tiered_passes_its_outlier_cap_to_its_nuq2_tier():
 
     P, D, cap = 64, 32, 5
     fmt = get_kv_format("tiered", torch.bfloat16, outlier_cap=cap)
-    assert fmt.lo.outlier_cap == cap and get_kv_format("tiered", torch.bfloat16).lo.outlier_cap is None
+    assert fmt.lo.outlier_cap == cap and get_kv_format("tiered", torch.bfloat16).lo.outlier_cap == 16
     x = 0.01 * torch.randn(1, 1, P, D, generator=torch.Generator().manual_seed(2))
     spikes = torch.randperm(P * D, generator=torch.Generator().manual_seed(3))[:12]
     x.view(-1)[spikes] = torch.linspace(1.0, 10.0, 12)
@@ -207,7 +207,7 @@ def test_tau_decides_what_is_an_outlier():
     x = gaussian(64, 1, 32).reshape(1, 64, 1, 32).transpose(1, 2)
     fields = NUQ2Format(outlier_sigma=50.0).quantize(x, "value", 0)
     assert (fields["out_idx"].long() == NO_OUTLIER).all()  # nothing is 50 sigma out
-    fields = NUQ2Format(outlier_sigma=1.0).quantize(x, "value", 0)
+    fields = NUQ2Format(outlier_sigma=1.0, outlier_cap=1024).quantize(x, "value", 0)
     assert (fields["out_idx"].long() != NO_OUTLIER).all()  # ~30% are 1 sigma out: every slot taken
 
 

@@ -192,7 +192,7 @@ def run_point(llm, cfg, fmt_name: str, batch: int, context: int, steps: int, ban
     # graphs would be captured there): room for every mode's warm-up and timed steps, and for the
     # tokens the first sequences decode while the others still prefill (at most one per prefill step)
     max_tokens = decode_budget(steps, len(modes), batch, context, engine.scheduler.max_num_batched_tokens)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not regex,  # (a grammar ends with EOS)
                             structured_outputs=StructuredOutputsParams(regex=regex) if regex else None)
     ids = []
     for n in lengths:

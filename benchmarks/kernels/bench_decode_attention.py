@@ -25,7 +25,7 @@ reference on the first sequence.
         # FlashInfer beside them
     python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_prerope vq vq_prerope --configs 0 \
         --shapes 1x4096 16x32768 64x32768 1x131072   # keys stored before RoPE (rotated per tile) beside today's
-    python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_cap16 nuq2_sigma35 --kernel gluon \
+    python benchmarks/kernels/bench_decode_attention.py --formats nuq2_all_slots nuq2 nuq2_sigma35 --kernel gluon \
         --configs 0 --pages domain-moe   # nuq2's outlier threshold and slot cap on domain-moe's keys and values
     python benchmarks/kernels/bench_decode_attention.py --formats fp8_e4m3 --configs 0 --swap-ab 0 1 \
         --max-registers none 80
@@ -102,17 +102,17 @@ FORMATS = {
     # keys stored before RoPE, rotated per tile in the kernel (kv_keys_before_rope; timed only when named)
     "nuq2_prerope": ("nuq2", {"codebook": "page", "residual": 0, "keys_before_rope": True}),
     "vq_prerope": ("vq", {"residual": 0, "keys_before_rope": True}),
-    # nuq2 at its former outlier threshold (timed only when named): against "nuq2" (3.0) it shows what the
+    # nuq2 at 3.5 sigma, every slot (timed only when named): against "nuq2_all_slots" (3.0) it shows what the
     # slots that 3.0 fills cost the kernels' slot branches
-    "nuq2_sigma35": ("nuq2", {"codebook": "page", "residual": 0, "outlier_sigma": 3.5}),
-    # nuq2 at 3.0 with at most 16 slots filled a page-head and kind (timed only when named): the Gluon kernel's
-    # first slot chunk of each kind, which it runs whatever the count
-    "nuq2_cap16": ("nuq2", {"codebook": "page", "residual": 0, "outlier_cap": 16}),
-    # tiered with its nuq2 tier capped the same way (timed only when named)
-    "tiered_cap16": ("tiered", {"outlier_cap": 16}),
+    "nuq2_sigma35": ("nuq2", {"codebook": "page", "residual": 0, "outlier_sigma": 3.5, "outlier_cap": 1024}),
+    # nuq2 filling every slot of the page padding beyond 3.0 sigma, not its default 16 a page-head and kind
+    # (timed only when named): against "nuq2" it shows what the slot chunks past the first cost the kernel
+    "nuq2_all_slots": ("nuq2", {"codebook": "page", "residual": 0, "outlier_cap": 1024}),
+    # tiered with its nuq2 tier filling every slot the same way (timed only when named)
+    "tiered_all_slots": ("tiered", {"outlier_cap": 1024}),
 }
 PREROPE = {"nuq2_prerope", "vq_prerope"}
-ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_cap16", "tiered_cap16"}
+ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_all_slots", "tiered_all_slots"}
 ROPE_THETA = 1e6  # the RoPE base keys stored before RoPE are rotated by (a Mixtral's; the speed does not depend on it)
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}
@@ -613,7 +613,8 @@ def bench_tiered_gluon(batch, context, args, device, gen, bandwidth, base, label
     """tiered through the engine's Gluon path (decode_kernel='gluon': its pools in the Gluon
     kernel's orders, TieredFormat.attend -> moekv/ops/gluon/tiered_decode.py: FP8 and nuq2 pages and
     the staged tail in one launch, then the reduce and the per-page mass into the device accumulator),
-    on bench_tiered's cache (~15% of pages in FP8): row `<label>_gluon` (tiered_cap16: its nuq2 tier capped);
+    on bench_tiered's cache (~15% of pages in FP8): row `<label>_gluon` (tiered_all_slots: its nuq2 tier
+    filling every slot);
     nomass_ms: without the mass;
     side studies: max_registers_ms (other ptxas caps; smem_max_registers_ms with the nuq2 pages in
     shared memory), fp8_prefetch_ms (the other FP8 step loop, with its error against the reference in

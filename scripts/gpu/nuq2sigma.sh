@@ -10,9 +10,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/nuq2sigma}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 timeout 150 python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail --tail-windows 2 \
-  --formats bf16 nuq2 nuq2:kv_outlier_sigma=3.5 nuq2:kv_outlier_sigma=2.5 \
+  --formats bf16 nuq2:kv_outlier_cap=1024 nuq2:kv_outlier_sigma=3.5:kv_outlier_cap=1024 nuq2:kv_outlier_sigma=2.5:kv_outlier_cap=1024 \
   --out "$OUT/domain_moe_nuq2_outlier_sigma.json" > "$OUT/tables.log" 2>&1
 grep -v Warn "$OUT/tables.log" | tail -8
-timeout 80 python benchmarks/kernels/bench_decode_attention.py --formats nuq2 nuq2_sigma35 --kernel triton gluon \
+timeout 80 python benchmarks/kernels/bench_decode_attention.py --formats nuq2_all_slots nuq2_sigma35 --kernel triton gluon \
   --configs 0 --shapes 1x4096 16x32768 64x32768 --out "$OUT/decode_attention_nuq2_sigma.json" > "$OUT/bench.log" 2>&1
 tail -20 "$OUT/bench.log"

@@ -24,14 +24,17 @@
 #  tiered_cap16 (tiered with its nuq2 tier capped at 16): within 3% of what tiered's kernel took at 3.5 sigma
 #     (254 / 928 us at (16, 32k) / (64, 32k), h200/decode_attention_gluon.json), where tiered at 3.0 takes
 #     304 / 1131.
+# The cap is nuq2's and tiered's default (16; docs/decisions.md, "nuq2 fills at most 16 outlier slots"): the rows are
+# named nuq2_all_slots / tiered_all_slots (every slot: the former default, `kv_outlier_cap=1024`), nuq2 / tiered
+# (the cap) and nuq2_sigma35; the quality step has tiered with and without the cap beside nuq2's three.
 # Run from the repository root:  bash scripts/gpu/nuq2threshold.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/nuq2threshold}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
-FORMATS="nuq2 nuq2_cap16 nuq2_sigma35"; SHAPES="1x4096 16x32768 64x32768 1x131072"
-# (tiered and its capped nuq2 tier beside them on the random pages: tiered's cache is the benchmark's own)
-timeout 120 python benchmarks/kernels/bench_decode_attention.py --formats $FORMATS tiered tiered_cap16 --kernel gluon \
+FORMATS="nuq2_all_slots nuq2 nuq2_sigma35"; SHAPES="1x4096 16x32768 64x32768 1x131072"
+# (tiered with and without its nuq2 tier's cap beside them on the random pages: tiered's cache is the benchmark's own)
+timeout 120 python benchmarks/kernels/bench_decode_attention.py --formats $FORMATS tiered_all_slots tiered --kernel gluon \
   --configs 0 --shapes $SHAPES --out "$OUT/decode_attention_nuq2_threshold.json" > "$OUT/bench.log" 2>&1
 tail -8 "$OUT/bench.log"
 timeout 80 python benchmarks/kernels/bench_decode_attention.py --formats $FORMATS --kernel gluon --configs 0 \
@@ -52,6 +55,6 @@ for name in ("decode_attention_nuq2_threshold.json", "decode_attention_nuq2_thre
                   f"{r.get('used_slots_per_page_head') or 0:5.1f} slots a page-head")
 EOF
 timeout 130 python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail --tail-windows 2 \
-  --formats bf16 nuq2 nuq2:kv_outlier_cap=16 nuq2:kv_outlier_sigma=3.5 \
+  --formats bf16 nuq2:kv_outlier_cap=1024 nuq2 nuq2:kv_outlier_sigma=3.5 tiered:kv_outlier_cap=1024 tiered \
   --out "$OUT/domain_moe_nuq2_outlier_cap.json" > "$OUT/tables.log" 2>&1
 grep -v Warn "$OUT/tables.log" | tail -10

@@ -212,9 +212,10 @@ OUTLIER_SIGMA = KVOption("outlier_sigma", None, "nuq2/tiered: outlier threshold 
 # at most this many of a page-head's slots filled, a kind: its largest deviations beyond the threshold; the
 # Gluon kernel adds slots in chunks of 16 a kind and runs a further chunk only where more are used, so 16
 # bounds its slot work on any data (docs/decisions.md, "nuq2's outlier slots: the threshold against the
-# kernel's time"). The slab keeps its slots (the bits do not change); the rest stay unused
+# kernel's time"). The slab keeps its slots (the bits do not change); the rest stay unused. Default None,
+# each format's own (16 for nuq2 and tiered's nuq2 tier); a cap at or above the slab's slots fills them all
 OUTLIER_CAP = KVOption("outlier_cap", None, "nuq2/tiered: the most outlier slots a page-head fills a kind, its largest "
-                       "deviations (default: every slot of the page padding)",
+                       "deviations (default: the format's own, 16; 1024 fills every slot of the page padding)",
                        lambda value: None if value is None else integer_at_least(1)(value), kind=int)
 
 
@@ -231,6 +232,10 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
     # no bits; domain-moe's worst domain went from +1.7% to +1.1% with no passkey lost (docs/decisions.md,
     # "nuq2's outliers beyond 3.0 standard deviations")
     default_outlier_sigma = 3.0
+    # the 16 largest of those a page-head and kind: the Gluon kernel's first slot chunk, which it runs whatever
+    # the count; every slot beyond 3.0 sigma cost the kernel 16-30% of its time for +0.0-0.3% perplexity
+    # (docs/decisions.md, "nuq2 fills at most 16 outlier slots a page-head and kind")
+    default_outlier_cap = 16
     engine_options = (
         RESIDUAL_OPTION,
         SINK_OPTION,
@@ -251,7 +256,8 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
         (calibrated when the calibration folder has nuq2 codebooks fitted on keys on the side of RoPE
         the pages store them, keys_before_rope; else per page).
         outlier_sigma: the outlier threshold in robust standard deviations (None: default_outlier_sigma).
-        outlier_cap: the most slots a page-head fills a kind, its largest deviations (None: all its slots).
+        outlier_cap: the most slots a page-head fills a kind, its largest deviations (None: default_outlier_cap;
+        a cap at or above the layout's slots fills them all).
         residual: the newest tokens kept in 16-bit (None: default_residual; 0: none).
         keys_before_rope: pages hold the keys as computed before RoPE, rotated by their positions
         after the lookup by every reader (PagedQuantFormat.keys_before_rope; no Gluon kernel).
@@ -271,7 +277,9 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
             raise ValueError(f"keys_before_rope={keys_before_rope!r} must be True or False")
         self.keys_before_rope = keys_before_rope
         self.tau = float(outlier_sigma)
-        reason = None if outlier_cap is None else integer_at_least(1)(outlier_cap)
+        if outlier_cap is None:
+            outlier_cap = self.default_outlier_cap
+        reason = integer_at_least(1)(outlier_cap)
         if reason:
             raise ValueError(f"outlier_cap={outlier_cap!r} {reason}")
         self.outlier_cap = outlier_cap
@@ -319,8 +327,7 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
 
     def filled_slots(self, kind: str, block_size: int, head_dim: int) -> int:
         """The most slots quantize fills a page-head: the layout's, or fewer under outlier_cap."""
-        slots = self.outlier_slots(kind, block_size, head_dim)
-        return slots if self.outlier_cap is None else min(slots, self.outlier_cap)
+        return min(self.outlier_slots(kind, block_size, head_dim), self.outlier_cap)
 
     @per_shape
     def layout(self, kind, block_size, head_dim) -> PageLayout:

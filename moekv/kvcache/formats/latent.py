@@ -18,6 +18,8 @@ The engine sees a KVFormat whose pools have num_kv_heads 1 and head_dim W (model
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from moekv.context import Context
@@ -52,11 +54,12 @@ class LatentFormat(KVFormat):
         self.name = {v: k for k, v in PLAIN_LATENTS.items()}[dtype]
 
     def with_decode_mma(self, mma: str) -> LatentFormat:
-        """This format with its absorbed decode's MMA operands rounded as `mma` says (MLA_DECODE_MMAS)."""
+        """A copy of this format whose absorbed decode rounds its MMA operands as `mma` says (MLA_DECODE_MMAS)."""
         if mma not in MLA_DECODE_MMAS:
             raise ValueError(f"mla_decode_mma={mma!r} is unknown; accepted: {list(MLA_DECODE_MMAS)}")
-        self.decode_mma = mma
-        return self
+        fmt = copy.copy(self)
+        fmt.decode_mma = mma
+        return fmt
 
     # -- layout -----------------------------------------------------------------------------
     def token_bytes(self, width: int) -> int:

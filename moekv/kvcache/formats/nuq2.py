@@ -233,7 +233,8 @@ class NUQ2Format(SinkTokens, ResidualWindow, FragmentPagedFormat):
     # "nuq2's outliers beyond 3.0 standard deviations")
     default_outlier_sigma = 3.0
     # the 16 largest of those a page-head and kind: the Gluon kernel's first slot chunk, which it runs whatever
-    # the count; every slot beyond 3.0 sigma cost the kernel 16-30% of its time for +0.0-0.3% perplexity
+    # the count; filling every slot beyond 3.0 sigma cost the kernel 16-30% of its time and bought at most
+    # 0.3 points of perplexity
     # (docs/decisions.md, "nuq2 fills at most 16 outlier slots a page-head and kind")
     default_outlier_cap = 16
     engine_options = (

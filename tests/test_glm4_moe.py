@@ -193,19 +193,22 @@ def test_every_cpu_kv_format_runs_glm(glm_ckpts, fmt, tmp_path):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_head_groups_no_gluon_kernel_takes_lay_pools_out_for_triton(glm_ckpts):
-    """decode_kernel 'auto' becomes 'triton' for 12 query heads per KV head (GLM-4.5's 96 / 8): no Gluon
-    kernel takes it, and fragment-order pools would be read by the reference path on the GPU."""
+def test_head_groups_beyond_the_gluon_kernels_keep_auto_up_to_three_parts(glm_ckpts):
+    """decode_kernel 'auto' stays for 12 query heads per KV head (GLM-4.5's 96 / 8: the Gluon kernels run
+    once for 8 of each group's heads and once for 4) and becomes 'triton' for a group of more than three
+    parts (15 = 8 + 4 + 2 + 1), as the engine builds the format."""
     from moekv.config import EngineConfig
     from moekv.engine.model_runner import kv_format_for
     from moekv.kvcache.formats.fragment import decode_kernel_for_model
 
-    assert decode_kernel_for_model("auto", 96, 8) == "triton"
-    assert decode_kernel_for_model("auto", 64, 8) == "auto" and decode_kernel_for_model("gluon", 96, 8) == "gluon"
+    assert decode_kernel_for_model("auto", 96, 8) == "auto" and decode_kernel_for_model("auto", 120, 8) == "triton"
+    assert decode_kernel_for_model("auto", 64, 8) == "auto" and decode_kernel_for_model("gluon", 120, 8) == "gluon"
     cfg = load_model_config(glm_ckpts["glm_a"])  # 4 / 1
     config = EngineConfig(kv_cache_dtype="nuq2")
     assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "auto"
     cfg.num_heads = 12
+    assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "auto"
+    cfg.num_heads = 15
     assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "triton"
 
 
@@ -344,7 +347,7 @@ def test_cuda_matches_transformers(glm_ckpts):
 @pytest.fixture(scope="module")
 def hd128_ckpts(tmp_path_factory):
     """GLM-4.5's head_dim 128 (RoPE on 64) at 2 query heads per KV head (the Gluon kernels take it) and at
-    12 (GLM-4.5's 96 / 8: the Triton kernels)."""
+    12 (GLM-4.5's 96 / 8: on sm_90 the Gluon kernels in two parts, 8 + 4 heads; the Triton kernels elsewhere)."""
     root = tmp_path_factory.mktemp("glm_hd128")
     return {f"G{q // kv}": build_checkpoint("glm4_moe", root / f"G{q // kv}", seed=3, head_dim=128,
                                             num_attention_heads=q, num_key_value_heads=kv)

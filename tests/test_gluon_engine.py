@@ -186,24 +186,25 @@ def test_fragment_pool_accounting_and_choice(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+@pytest.mark.parametrize("group", [4, 12])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("name, residual", ATTEND)
-def test_gpu_engine_attend_takes_the_gluon_kernel(monkeypatch, name, residual, window):
+def test_gpu_engine_attend_takes_the_gluon_kernel(monkeypatch, name, residual, window, group):
     """On CUDA a decode step over a fragment-order pool runs the Gluon kernel (staged tail, and the
-    residual ring, as its extra split): it matches the reference path over the same pool and the
-    Triton kernel over slabs."""
+    residual ring, as its extra split; a group of 12 query heads a KV head in two launches, 8 + 4 heads):
+    it matches the reference path over the same pool and the Triton kernel over slabs."""
     kernel = name.removesuffix("_e4m3")  # fp8_e4m3's modules are fp8_*
     gluon_decode = importlib.import_module(f"moekv.ops.gluon.{kernel}_decode")
     fmt_f, frag = filled_pools(name, "gluon", "cuda", torch.bfloat16, residual)
     fmt_s, slabs = filled_pools(name, "triton", "cuda", torch.bfloat16, residual)
     ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
-    q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(3, group * H, D, device="cuda", dtype=torch.bfloat16)
     calls = []
     entry = f"{kernel}_decode_attention"
     real = getattr(gluon_decode, entry)
-    monkeypatch.setattr(gluon_decode, entry, lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(gluon_decode, entry, lambda *a, **k: calls.append(a[0].shape[1] // H) or real(*a, **k))
     out = fmt_f.attend(q, frag, ctx, D ** -0.5, window)
-    assert calls, "the Gluon kernel did not run"
+    assert calls == ([4] if group == 4 else [8, 4]), "the Gluon kernel did not run once a part"
     ref = fmt_f.attend_reference(q, frag, ctx, D ** -0.5, window)
     triton_out = fmt_s.attend(q, slabs, ctx, D ** -0.5, window)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
@@ -338,22 +339,25 @@ def test_auto_on_an_sm90_device_picks_the_validated_kernels(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Gluon has no CPU backend)")
+@pytest.mark.parametrize("group", [4, 12])
 @pytest.mark.parametrize("window", [None, 100])
-def test_gpu_tiered_engine_attend_takes_the_gluon_kernel(monkeypatch, window):
+def test_gpu_tiered_engine_attend_takes_the_gluon_kernel(monkeypatch, window, group):
     """On CUDA a decode step over a tiered pool in fragment order runs the Gluon kernel (FP8 and nuq2
-    pages, the staged tail): output and page masses match the reference path over the same pool, and
-    the Triton kernel over slabs."""
+    pages, the staged tail; 12 query heads a KV head in two launches, 8 + 4 heads, each adding its heads'
+    mass): output and page masses match the reference path over the same pool, and the Triton kernel over
+    slabs."""
     from moekv.ops.gluon import tiered_decode
 
     fmt_f, frag = tiered_pools("gluon", "cuda", torch.bfloat16)
     fmt_s, slabs = tiered_pools("triton", "cuda", torch.bfloat16)
     ctx = decode_ctx([2 * P + 5, P + 1, 3 * P], [2, 0, 1], [[0, 3, 1], [5, 4, 0], [1, 2, 3]], "cuda")
-    q = torch.randn(3, 4 * H, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(3, group * H, D, device="cuda", dtype=torch.bfloat16)
     calls = []
     real = tiered_decode.tiered_decode_attention
-    monkeypatch.setattr(tiered_decode, "tiered_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(tiered_decode, "tiered_decode_attention",
+                        lambda *a, **k: calls.append(a[0].shape[1] // H) or real(*a, **k))
     out = fmt_f.attend(q, frag, ctx, D ** -0.5, window)
-    assert calls, "the Gluon kernel did not run"
+    assert calls == ([4] if group == 4 else [8, 4]), "the Gluon kernel did not run once a part"
     mass = frag.state.mass_dev.clone()
     frag.state.mass_dev.zero_()
     ref = fmt_f.attend_reference(q, frag, ctx, D ** -0.5, window)

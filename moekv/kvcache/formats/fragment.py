@@ -23,16 +23,61 @@ from moekv.kvcache.formats.paged import PagedQuantFormat
 
 # query heads per KV head the Gluon decode kernels take (a KV head's group is the MMA's N, up to 8)
 GLUON_QUERY_GROUPS = (1, 2, 4, 8)
+# a larger group runs a Gluon kernel once per part of it (query_group_parts), each part reading every page
+# once more: decode_kernel='auto' keeps the Gluon kernels for groups of up to this many parts (GLM-4.5's
+# 12 = 8 + 4: two reads) and lays larger ones out for Triton (docs/decisions.md, "Query groups beyond 8")
+GLUON_MAX_GROUP_PARTS = 3
+
+
+def query_group_parts(group: int) -> tuple[tuple[int, int], ...]:
+    """A KV head's query group of `group` heads as the fewest parts the Gluon kernels take (each in
+    GLUON_QUERY_GROUPS, largest first): (offset, size) pairs over the group's heads, 12 -> ((0, 8), (8, 4)),
+    8 -> ((0, 8),). Every group has one (1, 2, 4, 8: its binary digits and its eights)."""
+    if group < 1:
+        raise ValueError(f"a query group has at least one head, got {group}")
+    parts, offset = [], 0
+    for size in sorted(GLUON_QUERY_GROUPS, reverse=True):
+        while group - offset >= size:
+            parts.append((offset, size))
+            offset += size
+    return tuple(parts)
 
 
 def decode_kernel_for_model(choice: str, num_heads: int, num_kv_heads: int) -> str:
     """The decode kernel a model's pools are laid out for: 'auto' becomes 'triton' (slab pools, the
-    Triton kernel, which pads any group) when no Gluon kernel takes the model's query heads per KV
-    head (GLM-4.5: 96 / 8 = 12), whose fragment-order pools only the reference path would read; any
-    other choice stands."""
-    if choice == "auto" and num_heads // num_kv_heads not in GLUON_QUERY_GROUPS:
+    Triton kernel, which pads any group) when the Gluon kernels would take the model's query heads per
+    KV head in more than GLUON_MAX_GROUP_PARTS parts (query_group_parts: each part reads the pages once),
+    or the heads are no whole number of groups; GLM-4.5's 96 / 8 = 12 (8 + 4) stays on them. Any other
+    choice stands."""
+    if choice == "auto" and (num_heads % num_kv_heads
+                             or len(query_group_parts(num_heads // num_kv_heads)) > GLUON_MAX_GROUP_PARTS):
         return "triton"
     return choice
+
+
+def attend_in_group_parts(q: torch.Tensor, num_kv_heads: int, sinks: torch.Tensor | None,
+                          attend_part: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    """Decode attention of q [B, Hq, D] through a Gluon kernel whose groups are GLUON_QUERY_GROUPS, for any
+    group G = Hq / num_kv_heads: attend_part(q_part, sinks_part) -> [B, Hkv * g, D] runs the kernel on
+    q_part [B, Hkv * g, D] (contiguous; sinks_part [Hkv * g] or None). A group the kernels take is one
+    call on q and sinks as they are. A larger one is cut by query_group_parts: part (o, g) is the query
+    heads o .. o + g of every KV head's group (q as [B, Hkv, G, D], sliced), its sinks the same heads, and
+    its output fills those heads of the result. Each head's attention is its own softmax, so the parts'
+    outputs need no merge; but each part reads every page of the context once, so G = 12 (8 + 4) reads
+    the pages twice and G = 24 (8 + 8 + 8) three times."""
+    B, Hq, D = q.shape
+    G = Hq // num_kv_heads
+    parts = query_group_parts(G)
+    if len(parts) == 1:
+        return attend_part(q, sinks)
+    q_groups = q.unflatten(1, (num_kv_heads, G))
+    sink_groups = None if sinks is None else sinks.view(num_kv_heads, G)
+    out = q.new_empty(B, num_kv_heads, G, D)
+    for o, g in parts:
+        q_part = q_groups[:, :, o:o + g].reshape(B, num_kv_heads * g, D).contiguous()
+        sinks_part = None if sink_groups is None else sink_groups[:, o:o + g].reshape(-1).contiguous()
+        out[:, :, o:o + g] = attend_part(q_part, sinks_part).view(B, num_kv_heads, g, D)
+    return out.view(B, Hq, D)
 
 
 @dataclass(frozen=True)
@@ -141,18 +186,27 @@ class FragmentPagedFormat(PagedQuantFormat):
             return super().dequantize_pages(cache, kind, page_ids)
         return self.gluon_kernel.layout_module().dequantize_fragment(self.fragment_view(cache, page_ids), kind)
 
+    def gluon_step(self, q: torch.Tensor, ctx) -> bool:
+        """Whether attention over a fragment-order pool takes the Gluon kernel: decode-only steps with
+        fp16 / bf16 queries on CUDA (any query group: attend_in_group_parts)."""
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and is_decode_only(q, ctx)
+
     def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None, sinks=None):
         """Pages in fragment order: decode-only steps on CUDA take the Gluon kernel (the staged newest
-        page, and a format's own 16-bit tail, as its extra split), everything else the reference path;
+        page, and a format's own 16-bit tail, as its extra split; a query group beyond the kernel's 8 in
+        parts, each reading the pages once: attend_in_group_parts), everything else the reference path;
         slabs: the base class's."""
         if not self.is_fragment_pool(cache):
             return super().attend(q, cache, ctx, scale, sliding_window, step_kv, sinks)
-        G = q.shape[1] // cache["k_staging"].shape[1]
-        if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and G in GLUON_QUERY_GROUPS
-                and is_decode_only(q, ctx)):
+        if self.gluon_step(q, ctx):
             kernel = self.gluon_kernel
             options = kernel.decode_options(self, cache) if kernel.decode_options is not None else {}
-            return kernel.decode_entry()(q, self.fragment_view(cache), ctx.block_tables, ctx.context_lens, scale,
-                                         staged=(cache["k_staging"], cache["v_staging"], ctx.seq_slots),
-                                         sliding_window=sliding_window, sinks=sinks, **options)
+            entry, view = kernel.decode_entry(), self.fragment_view(cache)
+            staged = (cache["k_staging"], cache["v_staging"], ctx.seq_slots)
+
+            def attend_part(q_part, sinks_part):
+                return entry(q_part, view, ctx.block_tables, ctx.context_lens, scale, staged=staged,
+                             sliding_window=sliding_window, sinks=sinks_part, **options)
+
+            return attend_in_group_parts(q, cache["k_staging"].shape[1], sinks, attend_part)
         return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv, sinks)

@@ -38,7 +38,7 @@ import torch
 from moekv.context import Context, HostLists, filling_rows, to_device
 from moekv.kvcache.formats.dense import dense_attention, is_decode_only, with_step_kv
 from moekv.kvcache.formats.fp8 import FP8Format
-from moekv.kvcache.formats.fragment import GluonKernel
+from moekv.kvcache.formats.fragment import GluonKernel, attend_in_group_parts
 from moekv.kvcache.formats.interface import (
     GraphStepHooks,
     GraphSupport,
@@ -668,19 +668,23 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
 
     def attend(self, q, cache, ctx, scale, sliding_window, step_kv=None, sinks=None):
         """Decode-only steps on CUDA: the fused kernel over both tiers (attend_kernel: the Gluon one
-        when the pools are in fragment order, attend_gluon); otherwise (CPU, prefill) attend_reference.
-        Sliding-window layers are refused before this (sliding_window_unsupported)."""
+        when the pools are in fragment order, attend_gluon, a query group beyond its 8 in parts, each
+        reading the pages once and adding its heads' page mass: attend_in_group_parts); otherwise (CPU,
+        prefill) attend_reference. Sliding-window layers are refused before this (sliding_window_unsupported)."""
         if self.use_kernel(q, ctx, cache):
             if not self.is_fragment_pool(cache):
                 return self.attend_kernel(q, cache, ctx, scale, sliding_window, sinks=sinks)
-            if q.shape[1] // cache["k_staging"].shape[1] in (1, 2, 4, 8):  # the Gluon kernel's groups
-                return self.attend_gluon(q, cache, ctx, scale, sliding_window, sinks=sinks)
+            # the mass is a sum over query heads, each head's share from its own softmax: the parts' masses
+            # add up in the accumulator to the whole group's
+            return attend_in_group_parts(q, cache["k_staging"].shape[1], sinks, lambda q_part, sinks_part:
+                                         self.attend_gluon(q_part, cache, ctx, scale, sliding_window, sinks=sinks_part))
         return self.attend_reference(q, cache, ctx, scale, sliding_window, step_kv, sinks)
 
     def attend_gluon(self, q, cache, ctx, scale, sliding_window, **launch):
-        """One query per sequence through moekv/ops/gluon/tiered_decode.py (pools in fragment order):
-        both tiers and the staged tail in one launch, the per-page mass into the device accumulator
-        as attend_kernel's. launch: num_splits, max_registers."""
+        """One query per sequence through moekv/ops/gluon/tiered_decode.py (pools in fragment order; a
+        query group the kernel takes, 1, 2, 4 or 8): both tiers and the staged tail in one launch, the
+        per-page mass of q's heads added to the device accumulator as attend_kernel's. launch:
+        num_splits, max_registers, sinks."""
         low = self.gluon_kernel.layout_module().fragment_view(self.lo, cache)
         st = cache.state
         out, _ = self.gluon_kernel.decode_entry()(q, low, cache["k_fp8"], cache["v_fp8"], st.tier_dev, st.slot_dev,

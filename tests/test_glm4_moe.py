@@ -193,23 +193,22 @@ def test_every_cpu_kv_format_runs_glm(glm_ckpts, fmt, tmp_path):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_head_groups_beyond_the_gluon_kernels_keep_auto_up_to_three_parts(glm_ckpts):
-    """decode_kernel 'auto' stays for 12 query heads per KV head (GLM-4.5's 96 / 8: the Gluon kernels run
-    once for 8 of each group's heads and once for 4) and becomes 'triton' for a group of more than three
-    parts (15 = 8 + 4 + 2 + 1), as the engine builds the format."""
+def test_head_groups_beyond_the_gluon_kernels_take_triton_under_auto(glm_ckpts):
+    """decode_kernel 'auto' becomes 'triton' for 12 query heads per KV head (GLM-4.5's 96 / 8), which the
+    Gluon kernels take only in parts (8 + 4), as the engine builds the format; 'gluon' stands."""
     from moekv.config import EngineConfig
     from moekv.engine.model_runner import kv_format_for
     from moekv.kvcache.formats.fragment import decode_kernel_for_model
 
-    assert decode_kernel_for_model("auto", 96, 8) == "auto" and decode_kernel_for_model("auto", 120, 8) == "triton"
-    assert decode_kernel_for_model("auto", 64, 8) == "auto" and decode_kernel_for_model("gluon", 120, 8) == "gluon"
+    assert decode_kernel_for_model("auto", 96, 8) == "triton" and decode_kernel_for_model("auto", 120, 8) == "triton"
+    assert decode_kernel_for_model("auto", 64, 8) == "auto" and decode_kernel_for_model("gluon", 96, 8) == "gluon"
     cfg = load_model_config(glm_ckpts["glm_a"])  # 4 / 1
     config = EngineConfig(kv_cache_dtype="nuq2")
     assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "auto"
     cfg.num_heads = 12
-    assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "auto"
-    cfg.num_heads = 15
     assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "triton"
+    config = EngineConfig(kv_cache_dtype="nuq2", decode_kernel="gluon")
+    assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "gluon"
 
 
 def _add_mtp_layer(path, num_layers):
@@ -366,7 +365,8 @@ def test_cuda_bf16_glm_head_geometry_every_format(fmt, group, hd128_ckpts):
     prompts = [{"prompt_token_ids": p} for p in (*PROMPTS, LONG_PROMPT)]
     engine = dict(dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=4)
     ref = LLM(path, kv_cache_dtype="bf16", **engine).generate(prompts, params)
-    llm = LLM(path, **engine, **engine_kwargs_for(fmt))
+    split = group == "G12" and fmt != "bf16"  # 'auto' takes Triton there: the Gluon parts asked for
+    llm = LLM(path, **engine, **engine_kwargs_for(fmt, **({"decode_kernel": "gluon"} if split else {})))
     assert llm.engine.model_config.rotary_dim == 64
     for out, want in zip(llm.generate(prompts, params), ref):
         assert len(out.outputs[0].token_ids) == 16

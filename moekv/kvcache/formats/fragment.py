@@ -24,9 +24,11 @@ from moekv.kvcache.formats.paged import PagedQuantFormat
 # query heads per KV head the Gluon decode kernels take (a KV head's group is the MMA's N, up to 8)
 GLUON_QUERY_GROUPS = (1, 2, 4, 8)
 # a larger group runs a Gluon kernel once per part of it (query_group_parts), each part reading every page
-# once more: decode_kernel='auto' keeps the Gluon kernels for groups of up to this many parts (GLM-4.5's
-# 12 = 8 + 4: two reads) and lays larger ones out for Triton (docs/decisions.md, "Query groups beyond 8")
-GLUON_MAX_GROUP_PARTS = 3
+# once more (GLM-4.5's 12 = 8 + 4: two reads). decode_kernel='auto' lays out for the Gluon kernels only the
+# groups they take in at most this many parts: 1, whole groups, as the parts are checked on the CPU against
+# stand-ins and not on a GPU; decode_kernel='gluon' takes any group in parts (docs/decisions.md, "Query
+# groups beyond 8")
+GLUON_MAX_GROUP_PARTS = 1
 
 
 def query_group_parts(group: int) -> tuple[tuple[int, int], ...]:

@@ -93,6 +93,7 @@ FORMATS = {
     # per-page k-means codebooks (calibrated ones keep the reference path); no residual window
     "nuq2": ("nuq2", {"codebook": "page", "residual": 0}),
     "nuq2_r128": ("nuq2", {"codebook": "page", "residual": 128}),  # its default 16-bit window of 128 tokens
+    "nuq2_r256": ("nuq2", {"codebook": "page", "residual": 256}),  # a 256-token window: the ~3-bit setting
     "vq": ("vq", {"residual": 0}),  # calibration: a random one made at start (or --vq-calibration)
     "vq_r256": ("vq", {"residual": 256}),  # its default 16-bit window of 256 tokens
     "tiered": ("tiered", {}),
@@ -112,7 +113,7 @@ FORMATS = {
     "tiered_all_slots": ("tiered", {"outlier_cap": 1024}),
 }
 PREROPE = {"nuq2_prerope", "vq_prerope"}
-ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_all_slots", "tiered_all_slots"}
+ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_all_slots", "tiered_all_slots", "nuq2_r256"}
 ROPE_THETA = 1e6  # the RoPE base keys stored before RoPE are rotated by (a Mixtral's; the speed does not depend on it)
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}

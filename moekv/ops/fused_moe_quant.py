@@ -31,7 +31,6 @@ import triton.language as tl
 
 from moekv.ops.fused_moe import (
     ALIGN_MAX_PAIRS,
-    GEMM_MIN_MEAN_RUN,
     GEMV_MAX_PAIRS,
     GemmConfig,
     activate,
@@ -47,6 +46,7 @@ from moekv.ops.fused_moe import (
     num_sms_of,
     sum_partials,
 )
+from moekv.ops.fused_moe import default_path as default_path_16bit
 from moekv.ops.quant_tiles import (
     SCALES_PER_TILE,
     code_dots,
@@ -83,18 +83,17 @@ def default_quant_gemv(w: QuantizedWeight) -> QuantGemvConfig:
 
 
 def default_path(num_pairs: int, num_experts: int, method: str) -> str:
-    """fused_moe_quant's path for path=None: past GEMV_MAX_PAIRS, or where the experts' runs average
-    GEMM_MIN_MEAN_RUN pairs, a path that decodes a tile once for its expert's pairs: for int4 the run GEMV
-    (H200, Mixtral-8x7B's experts at T=8: 0.54 ms against the pair GEMV's 0.59 and the GEMM's 0.71), for fp8
-    and mxfp4 the grouped GEMM (fp8: 0.39 against 0.61 and the run GEMV's 0.58); else the pair GEMV. Past
-    GEMV_MAX_PAIRS int4 takes the grouped GEMM's transposed form, its decoded tile the MMA's register operand
-    (H100, Mixtral-8x7B's experts: 0.67 / 0.73 / 0.90 / 1.35 ms at T = 16 / 64 / 128 / 256 against 0.78 / 1.10 /
-    1.44 / 2.44; fp8 is slower in that form below T = 256, mxfp4 gathers a scale a code there)."""
-    if num_pairs > GEMV_MAX_PAIRS:
-        return "gemm_swap" if method == "int4" else "gemm"
-    if mean_run(num_pairs, num_experts) >= GEMM_MIN_MEAN_RUN:
-        return "runs" if method == "int4" else "gemm"
-    return "gemv"
+    """fused_moe_quant's path for path=None: where fused_moe.default_path takes the grouped GEMM (past GEMV_MAX_PAIRS,
+    or where the experts' runs average GEMM_MIN_MEAN_RUN pairs), a path that decodes a tile once for its expert's
+    pairs: for int4 the run GEMV (H200, Mixtral-8x7B's experts at T=8: 0.54 ms against the pair GEMV's 0.59 and the
+    GEMM's 0.71), for fp8 and mxfp4 the grouped GEMM (fp8: 0.39 against 0.61 and the run GEMV's 0.58); else the pair
+    GEMV. Past GEMV_MAX_PAIRS int4 takes the grouped GEMM's transposed form, its decoded tile the MMA's register
+    operand (H100, Mixtral-8x7B's experts: 0.67 / 0.73 / 0.90 / 1.35 ms at T = 16 / 64 / 128 / 256 against 0.78 /
+    1.10 / 1.44 / 2.44; fp8 is slower in that form below T = 256, mxfp4 gathers a scale a code there)."""
+    path = default_path_16bit(num_pairs, num_experts)
+    if method != "int4" or path == "gemv":
+        return path
+    return "gemm_swap" if num_pairs > GEMV_MAX_PAIRS else "runs"
 
 
 def default_run_pairs(num_pairs: int, num_experts: int) -> int:

@@ -25,7 +25,7 @@
 #     (254 / 928 us at (16, 32k) / (64, 32k), h200/decode_attention_gluon.json), where tiered at 3.0 takes
 #     304 / 1131.
 # The cap is nuq2's and tiered's default (16; docs/decisions.md, "nuq2 fills at most 16 outlier slots"): the rows are
-# named nuq2_all_slots / tiered_all_slots (every slot: the former default, `kv_outlier_cap=1024`), nuq2 / tiered
+# named nuq2_all_slots / tiered_all_slots (every slot, `kv_outlier_cap=1024`), nuq2 / tiered
 # (the cap) and nuq2_sigma35; the quality step has tiered with and without the cap beside nuq2's three.
 # Run from the repository root:  bash scripts/gpu/nuq2threshold.sh
 set -o pipefail

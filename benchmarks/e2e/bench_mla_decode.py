@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # profile_decode_step, for --profile
 
 from bench_decode import capture_graph, decode_context, measure_bandwidth, time_ms  # noqa: E402
 
@@ -89,7 +90,7 @@ def fill_latent_pools(model, cfg, fmt, batch: int, context: int, device) -> None
 
 
 def run(shape: str, kvs: list[str], points: list[tuple[int, int]], bandwidth: float, iters: int,
-        device: torch.device, use_graph: bool = True) -> list[dict]:
+        device: torch.device, use_graph: bool = True, profile: bool = False) -> list[dict]:
     hf, stack = SHAPES[shape]
     cfg = config({**hf, **(stack or {})})
     model = init_dummy_weights(empty_model(cfg, torch.bfloat16, device))
@@ -108,7 +109,12 @@ def run(shape: str, kvs: list[str], points: list[tuple[int, int]], bandwidth: fl
 
             with torch.no_grad():
                 eager = time_ms(step, 5)
-                ms = time_ms(capture_graph(step).replay, iters) if use_graph else eager
+                graph = capture_graph(step) if use_graph else None
+                ms = time_ms(graph.replay, iters) if use_graph else eager
+                if profile:
+                    from profile_decode_step import print_kernel_table
+                    print_kernel_table(graph.replay if use_graph else step,
+                                       f"{shape} {kv}, batch {batch}, context {context}")
             floor_ms = 1e3 * bytes_read(cfg, batch, context, per_token) / bandwidth
             row = {"shape": shape, "layers": cfg.num_layers, "kv_cache_dtype": kv, "batch": batch,
                    "context": context, "tpot_ms": round(ms, 3), "tpot_eager_ms": round(eager, 3),
@@ -133,13 +139,16 @@ def main() -> None:
     p.add_argument("--points", nargs="+", default=["1:4096", "64:4096"], help="batch:context pairs")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="also print each point's kernels under torch.profiler "
+                   "(benchmarks/tools/profile_decode_step.py)")
     args = p.parse_args()
     points = [tuple(int(x) for x in pt.split(":")) for pt in args.points]
     bandwidth = measure_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows = []
     for shape in args.shapes:
-        rows += run(shape, args.kv, points, bandwidth, args.iters, torch.device("cuda"))
+        rows += run(shape, args.kv, points, bandwidth, args.iters, torch.device("cuda"), profile=args.profile)
         torch.cuda.empty_cache()
     if args.out:
         args.out.write_text(json.dumps({

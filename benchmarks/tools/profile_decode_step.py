@@ -51,28 +51,33 @@ def profile_format(model, cfg, name: str, args, device) -> None:
     with torch.no_grad():
         graph = bd.capture_graph(step)
         for label, fn in (("eager", step), ("graph", graph.replay)):
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.steps):
-                    fn()
-                torch.cuda.synchronize()
-            per_kernel = defaultdict(lambda: [0, 0.0])
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    kernel = ev.name[:90]
-                    per_kernel[kernel][0] += 1
-                    per_kernel[kernel][1] += (ev.device_time_total if hasattr(ev, "device_time_total")
-                                              else ev.cuda_time_total)
-            total_us = sum(v[1] for v in per_kernel.values()) / args.steps
-            launches = sum(v[0] for v in per_kernel.values()) / args.steps
-            print(f"\n== {label}: {launches:.0f} kernels per step, {total_us / 1e3:.3f} ms of kernel time per step "
-                  f"({name}, batch {args.batch}, context {args.context})")
-            print(f"{'per step':>9} {'us/step':>10} {'us/launch':>10}  kernel")
-            for kernel, (n, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:args.top]:
-                print(f"{n / args.steps:9.0f} {us / args.steps:10.1f} {us / n:10.2f}  {kernel}")
+            print_kernel_table(fn, f"{label} ({name}, batch {args.batch}, context {args.context})", args.steps,
+                               args.top)
 
+
+def print_kernel_table(fn, title: str, steps: int = 5, top: int = 25) -> None:
+    """fn (one decode step) run `steps` times under torch.profiler after 3 warm-up runs: its CUDA kernels by
+    name with launches a step, GPU time a step and a launch, the costliest first. Called under no_grad."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernel = ev.name[:90]
+            per_kernel[kernel][0] += 1
+            per_kernel[kernel][1] += (ev.device_time_total if hasattr(ev, "device_time_total")
+                                      else ev.cuda_time_total)
+    total_us = sum(v[1] for v in per_kernel.values()) / steps
+    launches = sum(v[0] for v in per_kernel.values()) / steps
+    print(f"\n== {title}: {launches:.0f} kernels per step, {total_us / 1e3:.3f} ms of kernel time per step")
+    print(f"{'per step':>9} {'us/step':>10} {'us/launch':>10}  kernel")
+    for kernel, (n, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"{n / steps:9.0f} {us / steps:10.1f} {us / n:10.2f}  {kernel}")
 
 if __name__ == "__main__":
     main()

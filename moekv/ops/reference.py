@@ -680,8 +680,9 @@ def int4_f16_dots_ref(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
         word = chain(d_lo, (0, 1, 2, 3)) + chain(d_hi, (4, 5, 6, 7))  # [N, words] fp32
         per_group = min(group, block_k) // 8
-        sums = word.reshape(N, -1, per_group).sum(-1, dtype=f32)  # [N, groups in the step]
-        x_sums = xk[:8 * word.shape[1]].reshape(-1, per_group * 8).sum(-1, dtype=f32)
+        pad = -word.shape[1] % per_group  # a last group cut by K: its missing words add 0, as the kernel's masks do
+        sums = np.pad(word, ((0, 0), (0, pad))).reshape(N, -1, per_group).sum(-1, dtype=f32)  # [N, groups in step]
+        x_sums = np.pad(xk, (0, 8 * pad)).reshape(-1, per_group * 8).sum(-1, dtype=f32)
         g0 = k0 // group
         sg, zg = s[:, g0:g0 + sums.shape[1]], z[:, g0:g0 + sums.shape[1]]
         out += ((sums * down - (zg - f32(8)) * x_sums[None, :]) * sg).sum(-1, dtype=f32)
@@ -696,5 +697,6 @@ def f16_error_bound(words: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, 
     from moekv.ops.quantized_weight import unpack_int4
 
     n = unpack_int4(words).double()  # [N, K]
-    terms = ((n - 8).abs() * x.double().abs()[None, :]).reshape(n.shape[0], -1, group).sum(-1)  # [N, groups]
+    terms = F.pad((n - 8).abs() * x.double().abs()[None, :], (0, -n.shape[1] % group))
+    terms = terms.reshape(n.shape[0], -1, group).sum(-1)  # [N, groups]
     return (2.0 ** -9 + 2.0 ** -20) * (terms * scales.double().abs()).sum(-1)

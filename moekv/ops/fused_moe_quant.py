@@ -54,6 +54,7 @@ from moekv.ops.quant_tiles import (
     dequant_tile,
     f16_activations,
     int4_f16_dots,
+    quant_row_dots,
     run_chunks,
     run_code_dots,
     scale_mode,
@@ -232,18 +233,8 @@ def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_id
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = split * K_PER_SPLIT + kk
-        q = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K, F16_DOTS)  # before h's
-        s, z = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
-                           BLOCK_N, BLOCK_K)
-        if F16_DOTS:
-            h0, h1, h2, h3, down, x_sums = f16_activations(h_ptr + pair * stride_hm, k0, K, HAS_ZEROS, SK, SCALE_MODE,
-                                                           BLOCK_K)
-            acc += int4_f16_dots(q, s, z, h0, h1, h2, h3, down, x_sums, HAS_ZEROS, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            hv = tl.load(h_ptr + pair * stride_hm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            acc += code_dots(q, s, z, s_e, z_e, rows, n_ok, k0, hv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
-                             SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, h_ptr + pair * stride_hm, K, stride_cn, stride_sn, INT4,
+                              MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, F16_DOTS)
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)

@@ -18,15 +18,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.fused_moe_quant import layout_constants, quant_gemm, weight_args
-from moekv.ops.quant_tiles import (
-    code_values,
-    f16_activations,
-    int4_f16_dots,
-    quant_row_dots,
-    scale_mode,
-    tile_scales,
-    use_f16_dots,
-)
+from moekv.ops.quant_tiles import quant_row_dots, scale_mode, use_f16_dots
 from moekv.ops.quantized_weight import QuantizedWeight
 from moekv.ops.reference import linear_ref
 
@@ -65,19 +57,8 @@ def _quant_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, num_tokens, s
     rows = offs_n.to(tl.int64)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if F16_DOTS:
-            words = code_values(c_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K, F16_DOTS)
-            s, z = tile_scales(s_ptr, z_ptr, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
-                               BLOCK_N, BLOCK_K)
-            h0, h1, h2, h3, down, x_sums = f16_activations(x_ptr + t * stride_xt, k0, K, HAS_ZEROS, SK, SCALE_MODE,
-                                                           BLOCK_K)
-            acc += int4_f16_dots(words, s, z, h0, h1, h2, h3, down, x_sums, HAS_ZEROS, SK, SCALE_MODE, BLOCK_N,
-                                 BLOCK_K)
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            acc += quant_row_dots(c_ptr, s_ptr, z_ptr, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, MXFP4,
-                                  HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc += quant_row_dots(c_ptr, s_ptr, z_ptr, rows, n_ok, k0, x_ptr + t * stride_xt, K, stride_cn, stride_sn, INT4,
+                              MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, F16_DOTS)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

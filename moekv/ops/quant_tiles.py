@@ -173,16 +173,25 @@ def scale_mode(scale_k: int, K: int, block_k: int) -> int:
 
 
 @triton.jit
-def quant_row_dots(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K: tl.constexpr, stride_cn, stride_sn,
+def quant_row_dots(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, x_row_ptr, K: tl.constexpr, stride_cn, stride_sn,
                    INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
-                   SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k dequant(w)[row, k] * xv[k] over the tile's columns k0 .. k0 + BLOCK_K -> fp32 [BLOCK_N]
-    (xv: fp32 [BLOCK_K], 0 past K): code_values and tile_scales, then code_dots."""
-    q = code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+                   SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   F16_DOTS: tl.constexpr = False):
+    """sum_k dequant(w)[row, k] * x[k] over the tile's columns k0 .. k0 + BLOCK_K -> fp32 [BLOCK_N] (x_row_ptr:
+    a row of K activations, 16-bit or fp32): code_values and tile_scales, then x's load (after the codes', so
+    that those are in flight while x waits at its layout change's barrier) and code_dots; F16_DOTS (int4):
+    f16_activations and int4_f16_dots."""
+    q = code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K, F16_DOTS)
     s, z = tile_scales(scales_ptr, zeros_ptr, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
                        SCALE_MODE, BLOCK_N, BLOCK_K)
-    return code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
-                     SCALE_MODE, BLOCK_N, BLOCK_K)
+    if F16_DOTS:
+        h0, h1, h2, h3, down, x_sums = f16_activations(x_row_ptr, k0, K, HAS_ZEROS, SK, SCALE_MODE, BLOCK_K)
+        return int4_f16_dots(q, s, z, h0, h1, h2, h3, down, x_sums, HAS_ZEROS, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_row_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        return code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN,
+                         SK, SCALE_MODE, BLOCK_N, BLOCK_K)
 
 
 @triton.jit

@@ -21,6 +21,8 @@ the same run. `transformers` runs the same shape at batch 1 as the naive baselin
         # gpt-oss-20b's shape in bf16 (its MXFP4 experts dequantized: 42 GB of weights)
     PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --weights bf16 fp8 int4 --formats bf16 ...
         # quantized weights (fp8, int4) beside bf16, each with its own floor
+    PYTHONPATH=. python benchmarks/e2e/bench_decode.py --random-weights --weights int4 --f16-dots both ...
+        # int4's GEMVs with fp32 and packed-half dots (quant_tiles.F16_DOTS_DEFAULT off, then on), one model
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from moekv.kvcache.formats.fragment import FragmentPagedFormat, decode_kernel_fo
 from moekv.models.loader import ARCH_MODULES, DUMMY_STD, empty_model, init_dummy_weights, install_routers  # noqa: E402
 from moekv.models.model_config import apply_routing_fields  # noqa: E402
 from moekv.models.quantize import install_empty_quantized, matrix_bytes  # noqa: E402
+from moekv.ops import quant_tiles  # noqa: E402
 from moekv.ops.quantized_weight import QuantizedWeight  # noqa: E402
 
 SHAPES = {
@@ -433,6 +436,9 @@ def main() -> None:
                         "the experts, attention projections and LM head quantized)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="layers of the shape to build (default: all; fewer where 16-bit weights do not fit the GPU)")
+    p.add_argument("--f16-dots", choices=["default", "off", "on", "both"], default="default",
+                   help="int4 weights: the GEMVs' dots in fp32 (off) or packed halves (on; quant_tiles.int4_f16_dots), "
+                        "both: each point with off then on (rows carry f16_dots); default: F16_DOTS_DEFAULT")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode needs a CUDA device")
@@ -451,27 +457,36 @@ def main() -> None:
         free_bytes = torch.cuda.mem_get_info(device)[0] - ACTIVATION_RESERVE
         print(f"{weights} weights {total_weights / 2**30:.1f} GiB ({cfg.num_layers} layers); "
               f"{free_bytes / 2**30:.1f} GiB left for the KV cache", flush=True)
-        for fmt_name in args.formats:
+        dots = {"default": [None], "off": [False], "on": [True], "both": [False, True]}[args.f16_dots]
+        for fmt_name, batch, context, f16 in [(f, b, c, d) for f in args.formats for b, c in points
+                                              for d in (dots if weights == "int4" else [None])]:
             options = {"calibration": vq_calibration(cfg)} if fmt_name == "vq" else {}
-            for batch, context in points:
-                try:
-                    row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters,
-                                    args.block_size, options, args.decode_kernel, weights)
-                except Exception as e:  # one failing point must not lose the others
-                    row = {"weights": weights, "kv_cache_dtype": fmt_name, "batch": batch, "context": context,
-                           "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}
-                    for attn in model.attention_layers:
-                        attn.hooks.kv_cache = None
-                    torch.cuda.empty_cache()
-                rows.append(row)
-                where = f"{weights:>4} {fmt_name:>9} B={batch:<3} ctx={context:<6}"
-                if "skipped" in row:
-                    print(f"{where} skipped: {row['skipped']}", flush=True)
-                else:
-                    print(f"{where} TPOT {row['tpot_ms']:7.2f} ms (eager {row['tpot_eager_ms']:7.2f}, "
-                          f"graph={row['graph']})  floor {row['floor_ms']:6.2f} ms ({row['tpot_over_floor']:.2f}x)"
-                          + (f"  [{row.get('graph_error')}]" if not row["graph"] else ""),
-                          flush=True)
+            default_dots = quant_tiles.F16_DOTS_DEFAULT
+            if f16 is not None:  # read by the launchers at each launch (and capture)
+                quant_tiles.F16_DOTS_DEFAULT = f16
+            try:
+                row = run_point(model, cfg, fmt_name, batch, context, device, bandwidth, free_bytes, args.iters,
+                                args.block_size, options, args.decode_kernel, weights)
+            except Exception as e:  # one failing point must not lose the others
+                row = {"weights": weights, "kv_cache_dtype": fmt_name, "batch": batch, "context": context,
+                       "skipped": f"failed: {type(e).__name__}: {str(e)[:300]}"}
+                for attn in model.attention_layers:
+                    attn.hooks.kv_cache = None
+                torch.cuda.empty_cache()
+            finally:
+                quant_tiles.F16_DOTS_DEFAULT = default_dots
+            if weights == "int4":
+                row["f16_dots"] = quant_tiles.F16_DOTS_DEFAULT if f16 is None else f16
+            rows.append(row)
+            where = (f"{weights:>4} {fmt_name:>9} B={batch:<3} ctx={context:<6}"
+                     + ("" if f16 is None else f" f16_dots={'on' if f16 else 'off'}"))
+            if "skipped" in row:
+                print(f"{where} skipped: {row['skipped']}", flush=True)
+            else:
+                print(f"{where} TPOT {row['tpot_ms']:7.2f} ms (eager {row['tpot_eager_ms']:7.2f}, "
+                      f"graph={row['graph']})  floor {row['floor_ms']:6.2f} ms ({row['tpot_over_floor']:.2f}x)"
+                      + (f"  [{row.get('graph_error')}]" if not row["graph"] else ""),
+                      flush=True)
         del model
         gc.collect()
         torch.cuda.empty_cache()

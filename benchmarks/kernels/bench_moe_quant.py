@@ -19,6 +19,12 @@ weights only. The grouped GEMMs side by side, the same routing for each:
     python benchmarks/kernels/bench_moe_quant.py --shape mixtral-8x22b --tokens 16 64 128 256 \
         --path gemm gemm_swap --out benchmarks/results/h100/moe_quant_swap_8x22b.json
 
+--f16-dots times int4's pair GEMV (path gemv) at every T and its projection GEMV with their dots in fp32 and in
+packed halves (quant_tiles.int4_f16_dots), both forms in the same run (rows with op moe_dots / qkv_dots, `dots`
+fp32 or f16):
+
+    python benchmarks/kernels/bench_moe_quant.py --weights fp8 int4 --tokens 1 2 4 8 --f16-dots
+
 Timings: CUDA-graph replays (triton.testing.do_bench_cudagraph, median), as the decode step runs
 them. bytes = the touched experts' codes, scales and zero points (all of a projection's) + x read +
 out written; floor_ms = bytes / the copy bandwidth measured in the same run (1 GiB device-to-device,
@@ -28,6 +34,7 @@ dequantized weights (moekv.ops.reference).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -84,6 +91,9 @@ def main() -> None:
     p.add_argument("--proj-tiles", nargs="*", default=[],
                    help="BLOCK_NxBLOCK_K tiles to time the quantized projection GEMV (ops/quant_linear.py) with "
                         "beside its default, at one token (rows with op qkv_tile)")
+    p.add_argument("--f16-dots", action="store_true",
+                   help="int4: time the pair GEMV at every T and the projection GEMV with fp32 and packed-half dots "
+                        "(rows with op moe_dots / qkv_dots)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     E, H, I, K_TOP, QKV, oss = SHAPES[args.shape]
@@ -159,6 +169,21 @@ def main() -> None:
                              ms=ms, floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
             print(f"moe  {weights:>5} T={T:3d} {path_arg:>4} ({taken:4}) {ms:8.4f} ms floor {floor:.4f} ms "
                   f"({floor / ms:.2f}) err {err:.1e}", flush=True)
+            if args.f16_dots and weights == "int4" and path_arg == args.path[0] and T * K_TOP <= fm.GEMV_MAX_PAIRS:
+                for f16 in (False, True):
+                    cfg = dataclasses.replace(fused_moe_quant.default_quant_gemv(q13), f16_dots=f16)
+
+                    def gemv(cfg=cfg):
+                        return fused_moe_quant.fused_moe_quant(x, q13, q2, topw, ids, path="gemv", config=cfg,
+                                                               **epilogue)
+
+                    err = ((gemv().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    ms = do_bench_cudagraph(gemv, rep=200)
+                    dots = "f16" if f16 else "fp32"
+                    rows.append(dict(op="moe_dots", shape=args.shape, weights=weights, tokens=T, path="gemv", dots=dots,
+                                     ms=ms, floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
+                    print(f"moe  {weights:>5} T={T:3d} gemv {dots:>4} dots {ms:8.4f} ms floor {floor:.4f} ms "
+                          f"({floor / ms:.2f}) err {err:.1e}", flush=True)
             if weights == "bf16" or T != 1 or path_arg != args.path[0]:
                 continue
             for tile in args.gemv_tiles:
@@ -182,6 +207,16 @@ def main() -> None:
         rows.append(dict(op="qkv_gemv", shape=args.shape, weights=weights, tokens=1, ms=ms, floor_ms=floor,
                          frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
         print(f"qkv  {weights:>5} T=  1 {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) err {err:.1e}", flush=True)
+        for f16 in (False, True) if args.f16_dots and weights == "int4" else ():
+            shape = dataclasses.replace(quant_linear.SHAPE_OF_METHOD["int4"], f16_dots=f16)
+            err = ((quant_linear.quant_gemv(x, qp, shape=shape).float() - ref.float()).abs().max()
+                   / ref.float().abs().max()).item()
+            ms = do_bench_cudagraph(lambda shape=shape: quant_linear.quant_gemv(x, qp, shape=shape), rep=200)
+            dots = "f16" if f16 else "fp32"
+            rows.append(dict(op="qkv_dots", shape=args.shape, weights=weights, tokens=1, dots=dots, ms=ms,
+                             floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
+            print(f"qkv  {weights:>5} T=  1 {dots:>4} dots {ms:8.4f} ms floor {floor:.4f} ms ({floor / ms:.2f}) "
+                  f"err {err:.1e}", flush=True)
         for tile in args.proj_tiles if weights != "bf16" else ():
             block_n, block_k = map(int, tile.split("x"))
             shape = quant_linear.QuantGemvShape(block_n=block_n, block_k=block_k)

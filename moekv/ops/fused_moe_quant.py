@@ -52,10 +52,14 @@ from moekv.ops.quant_tiles import (
     code_dots,
     code_values,
     dequant_tile,
+    f16_activations,
+    int4_f16_dots,
+    quant_row_dots,
     run_chunks,
     run_code_dots,
     scale_mode,
     tile_scales,
+    use_f16_dots,
 )
 from moekv.ops.quantized_weight import QuantizedWeight
 
@@ -69,6 +73,9 @@ class QuantGemvConfig:
     num_stages: int = 4
     # path "runs": pairs a program takes from one expert's run (a power of 2); None: default_run_pairs
     run_pairs: int | None = None
+    # the pair GEMV's int4 dots in packed halves (quant_tiles.int4_f16_dots, use_f16_dots: CUDA only, int4 groups
+    # read per tile or per group); None: quant_tiles.F16_DOTS_DEFAULT
+    f16_dots: bool | None = None
 
 
 DEFAULT_QUANT_GEMV = QuantGemvConfig()
@@ -149,11 +156,13 @@ def _expert_rows(c_ptr, s_ptr, z_ptr, expert, pid_n, N: tl.constexpr, stride_ce,
 @triton.jit
 def _gate_up_tiles(c_e, s_e, z_e, rows, n_ok, k0, N: tl.constexpr, K: tl.constexpr, stride_cn, stride_sn,
                    INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
-                   SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   F16_DOTS: tl.constexpr = False):
     """The GEMVs' K step of w13: the gate (rows) and up (rows + N) tiles' codes and scales, both loaded before
-    the activations, so that they are in flight while those wait at their layout change's barrier."""
-    q_g = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
-    q_u = code_values(c_e, rows + N, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+    the activations, so that they are in flight while those wait at their layout change's barrier (F16_DOTS: the
+    codes undecoded, for quant_tiles.int4_f16_dots)."""
+    q_g = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K, F16_DOTS)
+    q_u = code_values(c_e, rows + N, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K, F16_DOTS)
     s_g, z_g = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
                            BLOCK_N, BLOCK_K)
     s_u, z_u = tile_scales(s_e, z_e, rows + N, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
@@ -168,9 +177,10 @@ def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num
                           INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
                           SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           b13_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
-                          ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0):
+                          ALPHA: tl.constexpr = 1.0, LIMIT: tl.constexpr = 0.0, F16_DOTS: tl.constexpr = False):
     """Program (pair, n-block): h[pair, n-block] = silu(gate) * up (with HAS_BIAS / CLAMPED:
-    fused_moe.activate's epilogue) from the dequantized rows n and N + n of its expert's w13 (N = I, K = H)."""
+    fused_moe.activate's epilogue) from the dequantized rows n and N + n of its expert's w13 (N = I, K = H).
+    F16_DOTS: int4's dots in packed halves (quant_tiles.int4_f16_dots)."""
     pid = tl.program_id(0)
     pair = pid % num_pairs
     pid_n = pid // num_pairs
@@ -182,13 +192,21 @@ def _qgate_up_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, expert_ids_ptr, num
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         q_g, s_g, z_g, q_u, s_u, z_u = _gate_up_tiles(c_e, s_e, z_e, rows, n_ok, k0, N, K, stride_cn, stride_sn, INT4,
-                                                      MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        acc_g += code_dots(q_g, s_g, z_g, s_e, z_e, rows, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
-                           SCALE_MODE, BLOCK_N, BLOCK_K)
-        acc_u += code_dots(q_u, s_u, z_u, s_e, z_e, rows + N, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN,
-                           SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+                                                      MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, F16_DOTS)
+        if F16_DOTS:
+            h0, h1, h2, h3, down, x_sums = f16_activations(x_ptr + token * stride_xt, k0, K, HAS_ZEROS, SK,
+                                                           SCALE_MODE, BLOCK_K)
+            acc_g += int4_f16_dots(q_g, s_g, z_g, h0, h1, h2, h3, down, x_sums, HAS_ZEROS, SK, SCALE_MODE, BLOCK_N,
+                                   BLOCK_K)
+            acc_u += int4_f16_dots(q_u, s_u, z_u, h0, h1, h2, h3, down, x_sums, HAS_ZEROS, SK, SCALE_MODE, BLOCK_N,
+                                   BLOCK_K)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            acc_g += code_dots(q_g, s_g, z_g, s_e, z_e, rows, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN,
+                               SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+            acc_u += code_dots(q_u, s_u, z_u, s_e, z_e, rows + N, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS,
+                               SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
     h = activate(acc_g, acc_u, b13_ptr, expert * stride_be, offs_n, n_ok, N, HAS_BIAS, CLAMPED, ALPHA, LIMIT)
     tl.store(h_ptr + pair * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
@@ -199,10 +217,10 @@ def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_id
                        stride_hm, stride_ce, stride_cn, stride_se, stride_sn, stride_ys, stride_ym,
                        INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
                        SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
+                       b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False, F16_DOTS: tl.constexpr = False):
     """Program (pair, n-block, split): y[split, pair, n-block] = weight * the partial dot of h[pair]
     with the dequantized rows of its expert's w2 over K_PER_SPLIT columns (N = H, K = I); with
-    HAS_BIAS the expert's b2 added by split 0."""
+    HAS_BIAS the expert's b2 added by split 0. F16_DOTS: int4's dots in packed halves (quant_tiles.int4_f16_dots)."""
     pid = tl.program_id(0)
     pair = pid % num_pairs
     rest = pid // num_pairs
@@ -215,13 +233,8 @@ def _qdown_gemv_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, expert_id
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = split * K_PER_SPLIT + kk
-        q = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)  # before h's load (above)
-        s, z = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
-                           BLOCK_N, BLOCK_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        hv = tl.load(h_ptr + pair * stride_hm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        acc += code_dots(q, s, z, s_e, z_e, rows, n_ok, k0, hv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
-                         SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc += quant_row_dots(c_e, s_e, z_e, rows, n_ok, k0, h_ptr + pair * stride_hm, K, stride_cn, stride_sn, INT4,
+                              MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, F16_DOTS)
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(b2_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -500,7 +513,8 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         _qgate_up_gemv_kernel[(M * triton.cdiv(I, cfg.block_n),)](
             x, c, s, z, h, ids, M, I, H, k, x.stride(0), sce, scn, sse, ssn, h.stride(0),
             **layout_constants(w13), SCALE_MODE=scale_mode(w13.scale_block[1], H, cfg.block_k), BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, **epilogue["gate_up"], **launch)
+            BLOCK_K=cfg.block_k, **epilogue["gate_up"], **launch,
+            F16_DOTS=use_f16_dots(cfg.f16_dots, w13.method, x.device.type, w13.scale_block[1], H, cfg.block_k))
         num_n = triton.cdiv(H, cfg.block_n)
         k_blocks = triton.cdiv(I, cfg.block_k)
         splits = min(cfg.num_splits or default_splits(M * num_n, k_blocks, num_sms_of(x.device)), k_blocks)
@@ -511,7 +525,8 @@ def fused_moe_quant(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
         _qdown_gemv_kernel[(M * num_n * splits,)](
             h, c, s, z, y, weights, ids, M, H, I, k_per_split, h.stride(0), sce, scn, sse, ssn,
             y.stride(0), y.stride(1), **layout_constants(w2), SCALE_MODE=scale_mode(w2.scale_block[1], I, cfg.block_k),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **epilogue["down"], **launch)
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **epilogue["down"], **launch,
+            F16_DOTS=use_f16_dots(cfg.f16_dots, w2.method, x.device.type, w2.scale_block[1], I, cfg.block_k))
         return sum_partials(y.view(splits, T, k, H), x.dtype)
     if path == "runs":
         return _runs(x, w13, w2, weights, topk_ids, h, E, k, config or default_quant_gemv(w13), epilogue)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.fused_moe_quant import layout_constants, quant_gemm, weight_args
-from moekv.ops.quant_tiles import quant_row_dots, scale_mode
+from moekv.ops.quant_tiles import quant_row_dots, scale_mode, use_f16_dots
 from moekv.ops.quantized_weight import QuantizedWeight
 from moekv.ops.reference import linear_ref
 
@@ -31,6 +31,8 @@ class QuantGemvShape:
     block_k: int = 1024
     num_warps: int = 4
     num_stages: int = 4
+    # int4's dots in packed halves (quant_tiles.int4_f16_dots, use_f16_dots); None: quant_tiles.F16_DOTS_DEFAULT
+    f16_dots: bool | None = None
 
 
 DEFAULT_SHAPE = QuantGemvShape()
@@ -44,7 +46,10 @@ SHAPE_OF_METHOD = {"int4": QuantGemvShape(block_n=16), "fp8": QuantGemvShape(blo
 def _quant_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, num_tokens, stride_xt, stride_cn, stride_sn,
                        stride_ot, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
-                       SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       F16_DOTS: tl.constexpr = False):
+    """Program (token, n-block): out[token, n-block] (F16_DOTS: int4's dots in packed halves,
+    quant_tiles.int4_f16_dots)."""
     pid = tl.program_id(0)
     t = pid % num_tokens
     offs_n = (pid // num_tokens) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,10 +57,8 @@ def _quant_gemv_kernel(x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, num_tokens, s
     rows = offs_n.to(tl.int64)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        acc += quant_row_dots(c_ptr, s_ptr, z_ptr, rows, n_ok, k0, xv, K, stride_cn, stride_sn, INT4, MXFP4, HAS_ZEROS,
-                              SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+        acc += quant_row_dots(c_ptr, s_ptr, z_ptr, rows, n_ok, k0, x_ptr + t * stride_xt, K, stride_cn, stride_sn, INT4,
+                              MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, F16_DOTS)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -87,6 +90,7 @@ def quant_gemv(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = 
         x, c, sc, z, sc if bias is None else bias, out, T, x.stride(0), scn, ssn, out.stride(0), N, K,
         bias is not None, **layout_constants(w), SCALE_MODE=scale_mode(w.scale_block[1], K, block_k),
         BLOCK_N=s.block_n, BLOCK_K=block_k,
+        F16_DOTS=use_f16_dots(s.f16_dots, w.method, x.device.type, w.scale_block[1], K, block_k),
         num_warps=s.num_warps, num_stages=s.num_stages)
     return out
 

@@ -6,11 +6,18 @@ Reference: `QuantizedWeight.dequantize` (fp32), tile by tile.
 INT4 and MXFP4 codes share their packing (8 nibbles an int32, the lowest first); an MXFP4 nibble is
 an E2M1 value, decoded by placing its bits in an fp16 (`e2m1_values`: exact, 2^-14 times the value,
 subnormals included), the 2^14 folded into the group's E8M0 scale (`e8m0_scales`).
+
+The int4 GEMVs can take a packed-half dot instead of the fp32 one (`int4_f16_dots`, chosen by the launchers
+through `use_f16_dots`): two nibbles an instruction (docs/decisions.md, "The int4 GEMV's dot in packed halves").
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+from moekv.ops import reference
 
 MXFP4_SCALE_SHIFT = tl.constexpr(14)  # e2m1_values gives 2^-14 times each value; e8m0_scales 2^14 times each scale
 
@@ -67,20 +74,30 @@ def _nibble_plane(words, I: tl.constexpr, MXFP4: tl.constexpr):
 
 
 @triton.jit
+def code_words(codes_ptr, rows, n_ok, k0, K: tl.constexpr, stride_cn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile's packed 4-bit codes as they are stored: int32 [BLOCK_N, BLOCK_K / 8], 8 features a word (0 past K
+    and on masked rows)."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    ptrs = codes_ptr + rows[:, None] * stride_cn + offs_w[None, :]
+    if (K // 8) % 4 == 0 and BLOCK_K % 32 == 0:
+        # QuantizedWeight's codes are contiguous (stride_cn = K / 8): every row and tile starts 16-byte aligned
+        # (the hint is in bytes), which Triton cannot see in a stride like gpt-oss's 360 words; told, it
+        # loads 128 bits at a time (4 LDG.128 a K step instead of 16 LDG.32, sm_90 SASS)
+        ptrs = tl.multiple_of(ptrs, [1, 16])
+    return tl.load(ptrs, mask=n_ok[:, None] & (offs_w < K // 8)[None, :], other=0)
+
+
+@triton.jit
 def code_values(codes_ptr, rows, n_ok, k0, K: tl.constexpr, stride_cn, INT4: tl.constexpr, MXFP4: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16_DOTS: tl.constexpr = False):
     """The tile's codes as fp32 [BLOCK_N, BLOCK_K] (0 past K and on masked rows): fp8 values, int4
-    codes 0..15, or MXFP4 values times 2^-14 (8 nibbles an int32 for both; BLOCK_K % 8 == 0)."""
-    if INT4 or MXFP4:
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        ptrs = codes_ptr + rows[:, None] * stride_cn + offs_w[None, :]
-        if (K // 8) % 4 == 0 and BLOCK_K % 32 == 0:
-            # QuantizedWeight's codes are contiguous (stride_cn = K / 8): every row and tile starts 16-byte aligned
-            # (the hint is in bytes), which Triton cannot see in a stride like gpt-oss's 360 words; told, it
-            # loads 128 bits at a time (4 LDG.128 a K step instead of 16 LDG.32, sm_90 SASS)
-            ptrs = tl.multiple_of(ptrs, [1, 16])
-        words = tl.load(ptrs,
-                        mask=n_ok[:, None] & (offs_w < K // 8)[None, :], other=0)  # [BLOCK_N, BLOCK_K / 8]
+    codes 0..15, or MXFP4 values times 2^-14 (8 nibbles an int32 for both; BLOCK_K % 8 == 0). With F16_DOTS
+    (int4 only): the words undecoded (code_words), for int4_f16_dots."""
+    if F16_DOTS:
+        tl.static_assert(INT4, "the packed-half dot takes int4 codes")
+        q = code_words(codes_ptr, rows, n_ok, k0, K, stride_cn, BLOCK_N, BLOCK_K)
+    elif INT4 or MXFP4:
+        words = code_words(codes_ptr, rows, n_ok, k0, K, stride_cn, BLOCK_N, BLOCK_K)  # [BLOCK_N, BLOCK_K / 8]
         # the 8 nibbles decoded as 8 planes in the words' own layout, then interleaved by joins, which keep
         # each word's 8 values in its thread (a 3-D shift and reshape instead left the layout to Triton:
         # shared-memory round trips and the groups' sums spread over all 4 warps, ~9x the instructions a
@@ -156,16 +173,25 @@ def scale_mode(scale_k: int, K: int, block_k: int) -> int:
 
 
 @triton.jit
-def quant_row_dots(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K: tl.constexpr, stride_cn, stride_sn,
+def quant_row_dots(codes_ptr, scales_ptr, zeros_ptr, rows, n_ok, k0, x_row_ptr, K: tl.constexpr, stride_cn, stride_sn,
                    INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
-                   SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k dequant(w)[row, k] * xv[k] over the tile's columns k0 .. k0 + BLOCK_K -> fp32 [BLOCK_N]
-    (xv: fp32 [BLOCK_K], 0 past K): code_values and tile_scales, then code_dots."""
-    q = code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+                   SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   F16_DOTS: tl.constexpr = False):
+    """sum_k dequant(w)[row, k] * x[k] over the tile's columns k0 .. k0 + BLOCK_K -> fp32 [BLOCK_N] (x_row_ptr:
+    a row of K activations, 16-bit or fp32): code_values and tile_scales, then x's load (after the codes', so
+    that those are in flight while x waits at its layout change's barrier) and code_dots; F16_DOTS (int4):
+    f16_activations and int4_f16_dots."""
+    q = code_values(codes_ptr, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K, F16_DOTS)
     s, z = tile_scales(scales_ptr, zeros_ptr, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
                        SCALE_MODE, BLOCK_N, BLOCK_K)
-    return code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
-                     SCALE_MODE, BLOCK_N, BLOCK_K)
+    if F16_DOTS:
+        h0, h1, h2, h3, down, x_sums = f16_activations(x_row_ptr, k0, K, HAS_ZEROS, SK, SCALE_MODE, BLOCK_K)
+        return int4_f16_dots(q, s, z, h0, h1, h2, h3, down, x_sums, HAS_ZEROS, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_row_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        return code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN,
+                         SK, SCALE_MODE, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -222,6 +248,125 @@ def code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K: tl.constexp
         if INT4:
             x_sums = tl.sum(tl.reshape(xv, (GROUPS, SK)), axis=1)  # [GROUPS]
             dots = dots - z * x_sums[None, :]
+        return tl.sum(dots * s, axis=1)
+
+
+# -- the int4 GEMV's packed-half dot ---------------------------------------------------------------
+# The fp32 dot costs ~4 instructions a nibble (_int4_plane's AND and OR, its FADD, the FFMA with x), which keeps
+# the int4 GEMV issue-bound (docs/decisions.md, "The int4 GEMV's unpack"). In packed halves a word's 8 nibbles take
+# 16: nibbles i and i + 4 share an f16x2 register, placed by one LOP3 each as the halves 1024 + n ((w & 0x000F000F)
+# | 0x64006400, and the same of w >> 8) or 1024 + 16 n (mask 0x00F000F0: no shift), centred exactly (n - 8: a
+# HSUB2 with 1032, or a HFMA2 by 1/16 less 72), then 4 HFMA2 with the activations' pairs, the two halves to fp32
+# and added. The zero point's rest, (z - 8) times the group's sum of x, and the scale stay on the fp32 group sums
+# (code_dots' s * (sum q x - z sum x)), so a word needs nothing but its activations.
+#
+# Range and precision: each K step's activations are multiplied by the power of two 2^e that puts their max |x|
+# in [2^8, 2^9) (exact), and the fp32 group sums by 2^-e. A half then sums 4 products |n - 8| |x| <= 8 * 2^9, so
+# at most 2^14, a quarter of fp16's 65504 whatever x's magnitude (SwiGLU outputs into the down projection reach
+# thousands), and x keeps its bf16 bits down to 2^-22 of the step's max (fp16's subnormals start 22 binades
+# below 2^8): unscaled, activations below 6e-5 would lose bits and ones above ~2,000 could overflow. Each half
+# rounds 4 times (a HMUL2, 3 HFMA2), so a row's error is at most 2^-9 sum |n - 8| |x| times the scales
+# (reference.f16_error_bound); on Mixtral-shaped rows it is ~3e-4 of the dot's rms against int4's own ~0.1
+# (benchmarks/tools/f16_dots_error.py; reference.int4_f16_dots_ref emulates it operation for operation).
+F16_DOTS_DEFAULT = False  # the launchers' choice where their config says None (use_f16_dots)
+F16_DOTS_TARGET_EXP = tl.constexpr(reference.F16_DOTS_TARGET_EXP)  # 2^8 <= a K step's max |x| scaled < 2^9
+
+_PACK_F16X2 = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")  # $1 -> the low half, $2 -> the high half
+_WORD_DOT_F16 = tl.constexpr("""{
+.reg .b32 w8, a0, a1, a2, a3, c, acc;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+shr.u32 w8, $1, 8;
+lop3.b32 a0, $1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a1, $1, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 a2, w8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a3, w8, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 c, 0x64086408;
+sub.rn.f16x2 a0, a0, c;
+sub.rn.f16x2 a2, a2, c;
+mov.b32 c, 0x2C002C00;
+mov.b32 acc, 0xD480D480;
+fma.rn.f16x2 a1, a1, c, acc;
+fma.rn.f16x2 a3, a3, c, acc;
+mul.rn.f16x2 acc, a0, $2;
+fma.rn.f16x2 acc, a1, $3, acc;
+fma.rn.f16x2 acc, a2, $4, acc;
+fma.rn.f16x2 acc, a3, $5, acc;
+mov.b32 {lo, hi}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""")
+# (lop3's 0xEA: (a & b) | c. 0x6408: 1032; 0x2C00: 1/16; 0xD480: -72. Nibbles 0 / 4 and 2 / 6 read 1024 + n, less
+# 1032; 1 / 5 and 3 / 7 read 1024 + 16 n, times 1/16 less 72: n - 8 for each, exact.)
+
+
+def use_f16_dots(setting: bool | None, method: str, device_type: str, scale_k: int, K: int, block_k: int) -> bool:
+    """The launchers' F16_DOTS: setting (a config's f16_dots; None: F16_DOTS_DEFAULT) where it applies, int4 codes
+    whose scales are read per tile or per group, in a kernel compiled for CUDA (the interpreter, TRITON_INTERPRET=1,
+    cannot run inline PTX: there the fp32 dot runs)."""
+    on = F16_DOTS_DEFAULT if setting is None else setting
+    return (bool(on) and method == "int4" and device_type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and scale_mode(scale_k, K, block_k) != SCALES_PER_ELEMENT)
+
+
+@triton.jit
+def f16_activations(x_row_ptr, k0, K: tl.constexpr, HAS_ZEROS: tl.constexpr, SK: tl.constexpr,
+                    SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step's activations (x_row_ptr: a 16-bit or fp32 row of K) for int4_f16_dots, prepared once for all of
+    the tile's rows: (the 4 planes [BLOCK_K / 8] of f16x2 pairs (x[8w + i], x[8w + i + 4]) times 2^e, 2^-e, and the
+    fp32 sums of x a group ([BLOCK_K / SK]; SCALES_PER_TILE: the step's; 0 without zero points))."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    ok = offs_w < K // 8
+    p = x_row_ptr + 8 * offs_w
+    x0 = tl.load(p + 0, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(p + 1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(p + 2, mask=ok, other=0.0).to(tl.float32)
+    x3 = tl.load(p + 3, mask=ok, other=0.0).to(tl.float32)
+    x4 = tl.load(p + 4, mask=ok, other=0.0).to(tl.float32)
+    x5 = tl.load(p + 5, mask=ok, other=0.0).to(tl.float32)
+    x6 = tl.load(p + 6, mask=ok, other=0.0).to(tl.float32)
+    x7 = tl.load(p + 7, mask=ok, other=0.0).to(tl.float32)
+    m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                   tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+    amax = tl.max(m, axis=0)
+    e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 9)  # its biased exponent (9: x ~ 0)
+    up = ((254 + F16_DOTS_TARGET_EXP - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 + 8 - e)
+    down = ((e - F16_DOTS_TARGET_EXP) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 - 8)
+    h0 = tl.inline_asm_elementwise(_PACK_F16X2, "=r,f,f", [x0 * up, x4 * up], dtype=tl.int32, is_pure=True, pack=1)
+    h1 = tl.inline_asm_elementwise(_PACK_F16X2, "=r,f,f", [x1 * up, x5 * up], dtype=tl.int32, is_pure=True, pack=1)
+    h2 = tl.inline_asm_elementwise(_PACK_F16X2, "=r,f,f", [x2 * up, x6 * up], dtype=tl.int32, is_pure=True, pack=1)
+    h3 = tl.inline_asm_elementwise(_PACK_F16X2, "=r,f,f", [x3 * up, x7 * up], dtype=tl.int32, is_pure=True, pack=1)
+    if HAS_ZEROS:
+        xw = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BLOCK_K / 8]: each word's sum
+        if SCALE_MODE == 1:
+            x_sums = tl.sum(xw, axis=0)
+        else:
+            x_sums = tl.sum(tl.reshape(xw, (BLOCK_K // SK, SK // 8)), axis=1)
+    else:
+        x_sums = 0.0
+    return h0, h1, h2, h3, down, x_sums
+
+
+@triton.jit
+def int4_f16_dots(words, s, z, h0, h1, h2, h3, down, x_sums, HAS_ZEROS: tl.constexpr, SK: tl.constexpr,
+                  SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """code_dots for int4 codes in packed halves: words (code_values with F16_DOTS), s and z (tile_scales) and one
+    K step's f16_activations -> fp32 [BLOCK_N], the rows' dots over the step (SCALES_PER_TILE or
+    SCALES_PER_GROUP). Each word's 8 products are summed in fp16 halves, 4 each, then in fp32 (see above)."""
+    d = tl.inline_asm_elementwise(_WORD_DOT_F16, "=f,r,r,r,r,r",
+                                  [words, h0[None, :], h1[None, :], h2[None, :], h3[None, :]],
+                                  dtype=tl.float32, is_pure=True, pack=1)  # [BLOCK_N, BLOCK_K / 8]
+    if SCALE_MODE == 1:
+        dots = tl.sum(d, axis=1) * down
+        if HAS_ZEROS:
+            dots = dots - (z - 8.0) * x_sums
+        return s * dots
+    else:
+        GROUPS: tl.constexpr = BLOCK_K // SK
+        dots = tl.sum(tl.reshape(d, (BLOCK_N, GROUPS, SK // 8)), axis=2) * down  # [BLOCK_N, GROUPS]
+        if HAS_ZEROS:
+            dots = dots - (z - 8.0) * x_sums[None, :]
         return tl.sum(dots * s, axis=1)
 
 

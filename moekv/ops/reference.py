@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -624,3 +625,78 @@ def unpack_2bit_ref(packed: torch.Tensor) -> torch.Tensor:
     """[..., D/4] uint8 -> codes [..., D]."""
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
     return ((packed[..., None] >> shifts) & 0x3).flatten(-2)
+
+
+F16_DOTS_TARGET_EXP = 8  # int4_f16_dots_ref and quant_tiles.f16_activations scale a K step's max |x| into [2^8, 2^9)
+
+
+def int4_f16_dots_ref(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, x: torch.Tensor,
+                      group: int, block_k: int) -> torch.Tensor:
+    """numpy emulation of the int4 GEMV's packed-half dot (`quant_tiles.int4_f16_dots`), operation for
+    operation: int4 codes packed 8 an int32 (words [N, K / 8]), scales / zeros [N, K / group] (zeros None:
+    symmetric, 8), x [K] (rounded to fp32 first, as the kernel loads it) -> the kernel's fp32 row dots [N] (fp64
+    tensor holding fp32 values). Each K step of block_k columns: x times 2^e, the power of two that puts its max
+    |x| in [2^8, 2^9), rounded to fp16 in pairs (x[8w + i], x[8w + i + 4]); each word's nibbles as fp16 halves
+    1024 + n (nibbles 0 / 4 and 2 / 6, after a shift by 8) and 1024 + 16 n (1 / 5, 3 / 7), then n - 8 exactly;
+    the two halves' four products accumulated in fp16 (a multiply then three fused multiply-adds, one rounding
+    each), the halves summed in fp32; per group the fp32 sum of its words' dots times 2^-e, less (z - 8) times
+    the group's fp32 sum of x, times the scale."""
+    f16, f32 = np.float16, np.float32
+    w = words.cpu().numpy().astype(np.int64) & 0xFFFFFFFF
+    N, W = w.shape
+    K = 8 * W
+    xs = x.float().cpu().numpy().astype(f32)
+    s = scales.float().cpu().numpy().astype(f32)
+    z = np.full_like(s, 8.0) if zeros is None else zeros.float().cpu().numpy().astype(f32)
+
+    def halves(bits):  # uint32 [N, W] -> fp16 (low, high)
+        return ((bits & 0xFFFF).astype(np.uint16).view(f16), (bits >> 16).astype(np.uint16).view(f16))
+
+    magic = 0x64006400
+    lo0, hi0 = halves((w & 0x000F000F) | magic)  # 1024 + n0, 1024 + n4
+    lo1, hi1 = halves((w & 0x00F000F0) | magic)  # 1024 + 16 n1, 1024 + 16 n5
+    lo2, hi2 = halves(((w >> 8) & 0x000F000F) | magic)  # n2, n6
+    lo3, hi3 = halves(((w >> 8) & 0x00F000F0) | magic)  # n3, n7
+
+    def centre(h, odd):  # exact: sub.f16x2 with 1032, or fma.f16x2 by 1/16 less 72
+        return (h.astype(np.float64) / 16 - 72 if odd else h.astype(np.float64) - 1032).astype(f16)
+
+    d_lo = [centre(lo0, False), centre(lo1, True), centre(lo2, False), centre(lo3, True)]  # nibbles 0..3
+    d_hi = [centre(hi0, False), centre(hi1, True), centre(hi2, False), centre(hi3, True)]  # nibbles 4..7
+    out = np.zeros(N, dtype=f32)
+    for k0 in range(0, K, block_k):
+        cols = slice(k0 // 8, min(K, k0 + block_k) // 8)
+        xk = xs[k0:k0 + block_k]
+        amax = f32(np.abs(xk).max())
+        e = max(int((amax.view(np.int32) >> 23) & 0xFF), 9)  # amax's biased exponent, as the kernel reads it
+        up, down = f32(np.ldexp(1.0, 127 + F16_DOTS_TARGET_EXP - e)), f32(np.ldexp(1.0, e - 127 - F16_DOTS_TARGET_EXP))
+        xh = (xk * up).astype(f16).reshape(-1, 8)  # [words, 8]
+
+        def chain(d, lanes):  # one half's 4 products in fp16, rounded after each operation
+            acc = (d[0][:, cols].astype(np.float64) * xh[None, :, lanes[0]]).astype(f16)
+            for j in (1, 2, 3):
+                acc = (d[j][:, cols].astype(np.float64) * xh[None, :, lanes[j]] + acc.astype(np.float64)).astype(f16)
+            return acc.astype(f32)
+
+        word = chain(d_lo, (0, 1, 2, 3)) + chain(d_hi, (4, 5, 6, 7))  # [N, words] fp32
+        per_group = min(group, block_k) // 8
+        pad = -word.shape[1] % per_group  # a last group cut by K: its missing words add 0, as the kernel's masks do
+        sums = np.pad(word, ((0, 0), (0, pad))).reshape(N, -1, per_group).sum(-1, dtype=f32)  # [N, groups in step]
+        x_sums = np.pad(xk, (0, 8 * pad)).reshape(-1, per_group * 8).sum(-1, dtype=f32)
+        g0 = k0 // group
+        sg, zg = s[:, g0:g0 + sums.shape[1]], z[:, g0:g0 + sums.shape[1]]
+        out += ((sums * down - (zg - f32(8)) * x_sums[None, :]) * sg).sum(-1, dtype=f32)
+    return torch.from_numpy(out.astype(np.float64))
+
+
+def f16_error_bound(words: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
+    """A bound on |int4_f16_dots_ref - the dequantized dot| [N] (fp64): each fp16 half takes 4 roundings of
+    relative size <= 2^-11 on partial sums bounded by sum |n - 8| |x| (2^-9 of it, x scaled exactly; x's fp16
+    rounding is exact above fp16's subnormals, 22 binades below the step's max), times each group's scale; plus
+    fp32's roundings on the word and group sums, 2^-20 of the same."""
+    from moekv.ops.quantized_weight import unpack_int4
+
+    n = unpack_int4(words).double()  # [N, K]
+    terms = F.pad((n - 8).abs() * x.double().abs()[None, :], (0, -n.shape[1] % group))
+    terms = terms.reshape(n.shape[0], -1, group).sum(-1)  # [N, groups]
+    return (2.0 ** -9 + 2.0 ** -20) * (terms * scales.double().abs()).sum(-1)

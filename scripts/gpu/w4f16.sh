@@ -24,7 +24,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 : "${OUT:=/tmp/w4f16}"; mkdir -p "$OUT"
 T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 110 python -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_f16_dots.py tests/test_quant_kernels.py \
+PARALLEL=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
+timeout 110 python -m pytest -q -m gpu $PARALLEL -rf -p no:cacheprovider tests/test_f16_dots.py tests/test_quant_kernels.py \
   > "$OUT/gpu_tests_w4f16.log" 2>&1
 tail -8 "$OUT/gpu_tests_w4f16.log"; el "GPU tests (packed-half dots, quantized kernels)"
 timeout 70 python benchmarks/kernels/bench_moe_quant.py --weights fp8 int4 --tokens 1 2 4 8 --f16-dots \

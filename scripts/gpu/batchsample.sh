@@ -17,10 +17,7 @@
 #    the wait under 0.2; one fill thread no slower than the pool at 64 regex rows.
 # Needs the wheels of scripts/gpu/firsthour_wheels.sh: carry `wheels`. Run from the repository root:
 #   bash scripts/gpu/batchsample.sh      (results under $OUT; about two to three minutes on an H100)
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/batchsample}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" batchsample
 source scripts/gpu/wheels_env.sh
 timeout 120 python3 -m pytest -q -rf -s -p no:cacheprovider tests/test_sampling.py \
   > "$OUT/sampling_tests.log" 2>&1; grep -E "differ in|passed|failed" "$OUT/sampling_tests.log" | tail -3

@@ -6,10 +6,7 @@
 # and 152k vocabularies too (synthetic), against the Mixtral-8x7B-shaped batch-64 step of performance.md.
 # Needs the wheels of scripts/gpu/firsthour_wheels.sh: carry `wheels`. Run from the repository root:
 #   bash scripts/gpu/firsthour.sh      (results under $OUT; about two to three minutes on an H100/H200)
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/firsthour}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" firsthour
 source scripts/gpu/wheels_env.sh
 timeout 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_structured_outputs_gpu.py -m gpu \
   > "$OUT/gpu_test.log" 2>&1; tail -3 "$OUT/gpu_test.log"

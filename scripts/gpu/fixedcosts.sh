@@ -9,10 +9,7 @@
 #   split at fewer, larger layers. The table names which small kernels to fuse first.
 # Each step writes its file to $OUT before the next starts. Run from the repository root:
 #   bash scripts/gpu/fixedcosts.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/fixedcosts}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" fixedcosts
 timeout 150 python benchmarks/tools/profile_decode_step.py --shape gpt-oss-20b --format bf16 --batch 1 --context 4096 \
   > "$OUT/profile_gpt_oss_20b_b1.txt" 2>&1; tail -30 "$OUT/profile_gpt_oss_20b_b1.txt"
 timeout 120 python benchmarks/tools/profile_decode_step.py --shape glm-4.5-air-10l --format bf16 --batch 1 --context 4096 \

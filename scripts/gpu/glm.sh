@@ -5,11 +5,7 @@
 # format's decode kernels and graphs), then bench_decode's GLM-4.5-Air shape (its first 10 layers,
 # random bf16 weights) at (1, 4k) and (32, 32k) per KV format beside the bytes floor. Each step writes
 # its file to $OUT before the next starts.   Run from the repository root:  bash scripts/gpu/glm.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/glm_gpu}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" glm_gpu
 timeout 60 python -m pytest -q -rf -p no:cacheprovider tests/test_norm_rotary_kernels.py \
   tests/test_rope_kv_write.py > "$OUT/gpu_tests_rope.log" 2>&1
 tail -3 "$OUT/gpu_tests_rope.log"; el "rope tests"

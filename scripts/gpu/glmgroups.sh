@@ -17,11 +17,7 @@
 # of the Triton rows (2.69-2.98): the KV is small there, and the second part adds 2 launches a layer.
 # Each step writes its file to $OUT before the next starts. Run from the repository root:
 #   bash scripts/gpu/glmgroups.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/glmgroups}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" glmgroups name,memory.total
 PARALLEL=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout 150 python -m pytest -q -rf -p no:cacheprovider $PARALLEL tests/test_gluon_query_groups.py \
   tests/test_gluon_engine.py -k "query_groups or split or attend_takes_the_gluon_kernel" > "$OUT/gpu_tests.log" 2>&1

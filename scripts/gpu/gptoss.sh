@@ -9,11 +9,7 @@
 # tests (its merge takes the sinks) and a gpt-oss-20b-shaped decode row (random bf16 weights). Each step
 # writes its file to $OUT before the next starts. Run from the repository root (under 4 minutes):
 #     PYTHONPATH=. bash scripts/gpu/gptoss.sh 2>&1 | tee $OUT/log
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/gptoss}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" gptoss
 timeout 85 python -m pytest -q -n 8 -rf -p no:cacheprovider --tb=long tests/test_attention_sinks.py \
   tests/test_fused_moe_gpt_oss.py tests/test_mxfp4_kernels.py tests/test_gpt_oss.py > "$OUT/gpu_tests_gptoss.log" 2>&1
 tail -4 "$OUT/gpu_tests_gptoss.log"; el "gpt-oss and MXFP4 tests"

@@ -9,11 +9,7 @@
 # Prediction (H100): second moments at most 7,247,757,312 bytes (8x7B) and 10,099,884,032 (8x22B),
 # exactly; 8-12 s a Mixtral-8x7B block and 12-16 s a Mixtral-8x22B block (GPTQ's column loop,
 # launch-bound); peak allocated ~20 GB (8x7B, 2 layers) and ~25 GB (8x22B, 1 layer).
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/gptq_blocks}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" gptq_blocks name,memory.total
 timeout 150 python benchmarks/quality/bench_gptq_blocks.py --shape mixtral-8x7b --layers 2 \
   --out "$OUT/gptq_blocks_mixtral-8x7b.json" > "$OUT/gptq_blocks_mixtral-8x7b.log" 2>&1
 grep -E "GPTQ|_s\"|bytes" "$OUT/gptq_blocks_mixtral-8x7b.log" | tail -12; el "Mixtral-8x7B, 2 layers"

@@ -12,11 +12,7 @@
 # +1% (the bitmask's copy, unpack and masking: ~5 kernels on 64 x 32,000 logits, ~0.05-0.1 ms; the ~1.3 ms of
 # host work hidden under the forward).
 # Run from the repository root:  bash scripts/gpu/grammar_mixtral.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/grammar_mixtral}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" grammar_mixtral name,memory.total
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 LAYERS=""; [ "$MEM" -lt 120000 ] && LAYERS="--num-layers 16"
 if [ -d wheels ]; then source scripts/gpu/wheels_env.sh; fi

@@ -6,11 +6,7 @@
 # table with and without each (same run), and tiered's kernel against its reference on the engine's
 # cache states. Each step writes to $OUT before the next starts.
 #     bash scripts/gpu/issue46.sh 2>&1 | tee $OUT/log
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/issue46}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" issue46
 R=kv_codebook=page:kv_rank_window=64:kv_rank_after_prompt=1
 timeout 250 python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail --tail-windows 2 \
   --formats bf16 kivi2 nuq2 nuq2:kv_keys_before_rope=True vq tiered:kv_codebook=page "tiered:$R" \

@@ -15,11 +15,7 @@
 #    h200 kvwin rows), nuq2_all_slots ~11.9 / 268 / 1010 / 78; tiered ~13.6 / 252 / 928 / 85.
 # Each step writes its file to $OUT before the next starts. Run from the repository root:
 #   bash scripts/gpu/issue46_close.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/issue46_close}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" issue46_close
 timeout 200 python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail --tail-windows 2 \
   --formats bf16 nuq2 nuq2:kv_residual=256 tiered tiered:kv_outlier_cap=1024 \
   --out "$OUT/domain_moe_kv_tables_defaults.json" > "$OUT/tables.log" 2>&1

@@ -10,11 +10,7 @@
 # keeps what finished. On an H100 the test steps' compiles outlast 60-70 s (8 of the split's tests had run
 # at 70 s), so they get 150 s each. Run from the repository root (under 7 minutes):
 #     bash scripts/gpu/kvwin.sh 2>&1 | tee $OUT/log
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/kvwin}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" kvwin
 PARALLEL=$(python -c "import xdist" 2>/dev/null && echo "-n 8")  # pytest-xdist where the machine has it
 TESTS=(tests/test_gluon_nuq2_decode.py tests/test_gluon_vq_decode.py tests/test_gluon_kivi2_decode.py
        tests/test_kv_residual.py tests/test_gluon_tiered_decode.py tests/test_gluon_engine.py

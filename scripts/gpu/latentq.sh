@@ -7,11 +7,7 @@
 # (decode-tail) for every latent format and the 2-bit windows, the CPU table's command (docs/quality.md, "The
 # latent cache formats on domain-mla (CPU)") on the GPU in bf16. Each step writes its file to $OUT before
 # the next starts.   Run from the repository root:  bash scripts/gpu/latentq.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/latentq_gpu}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" latentq_gpu
 timeout 120 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_mla_latent_lowbit.py tests/test_mla_decode.py \
   > "$OUT/gpu_tests.log" 2>&1
 tail -3 "$OUT/gpu_tests.log"; el "gpu tests"

@@ -6,11 +6,7 @@
 # DeepSeek-V2-Lite-shaped model and of a DeepSeek-V3-shaped layer stack (random weights, CUDA graphs)
 # beside their floors, V3's projected to the whole model. Each step writes its file to $OUT before the
 # next starts.   Run from the repository root:  bash scripts/gpu/mla.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/mla_gpu}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" mla_gpu
 timeout 120 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_mla_decode.py tests/test_deepseek.py \
   > "$OUT/gpu_tests.log" 2>&1
 tail -3 "$OUT/gpu_tests.log"; el "gpu tests"

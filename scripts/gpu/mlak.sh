@@ -11,11 +11,7 @@
 # 0.8-1.1x n64's speed, not the 1.7x over bf16 issue 49 asks; at (1, 4k) slower than n64 by the ~10 us of
 # quantize_queries' torch launches.
 # Each step writes its file to $OUT before the next starts.   Run from the repository root:  bash scripts/gpu/mlak.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/mlak_gpu}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" mlak_gpu
 timeout 100 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_mla_decode.py tests/test_mla_latent_lowbit.py \
   -k "deepseek_shape" > "$OUT/gpu_tests.log" 2>&1
 tail -5 "$OUT/gpu_tests.log"; el "gpu tests"

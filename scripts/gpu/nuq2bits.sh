@@ -9,10 +9,7 @@
 # Prediction: every test passes; times within 1-2% of main's kernels (fewer bytes, the same work: +13
 # instructions in nuq2's 1660-instruction page, tiered's unchanged with shared memory); quality as main's.
 # Run from the repository root:  bash scripts/gpu/nuq2bits.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/nuq2bits}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" nuq2bits
 # (an H200 ran 13 of these in 90 s, the rest compiling: xdist where the machine has it, and 150 s)
 PARALLEL=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout 150 python -m pytest -q -rf -p no:cacheprovider -m gpu $PARALLEL tests/test_gluon_nuq2_decode.py \

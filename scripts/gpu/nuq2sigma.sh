@@ -5,10 +5,7 @@
 # row in one run (plain `nuq2` has per-page codebooks: domain-moe's calibration holds vq's only);
 # 2) the decode kernels' time at both thresholds (the slots 3.0 fills are read behind the kernels' slot
 # branches; bits are unchanged). Run from the repository root:  bash scripts/gpu/nuq2sigma.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/nuq2sigma}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" nuq2sigma
 timeout 150 python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail --tail-windows 2 \
   --formats bf16 nuq2:kv_outlier_cap=1024 nuq2:kv_outlier_sigma=3.5:kv_outlier_cap=1024 nuq2:kv_outlier_sigma=2.5:kv_outlier_cap=1024 \
   --out "$OUT/domain_moe_nuq2_outlier_sigma.json" > "$OUT/tables.log" 2>&1

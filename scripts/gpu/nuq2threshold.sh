@@ -28,10 +28,7 @@
 # named nuq2_all_slots / tiered_all_slots (every slot, `kv_outlier_cap=1024`), nuq2 / tiered
 # (the cap) and nuq2_sigma35; the quality step has tiered with and without the cap beside nuq2's three.
 # Run from the repository root:  bash scripts/gpu/nuq2threshold.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/nuq2threshold}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" nuq2threshold
 FORMATS="nuq2_all_slots nuq2 nuq2_sigma35"; SHAPES="1x4096 16x32768 64x32768 1x131072"
 # (tiered with and without its nuq2 tier's cap beside them on the random pages: tiered's cache is the benchmark's own)
 timeout 120 python benchmarks/kernels/bench_decode_attention.py --formats $FORMATS tiered_all_slots tiered --kernel gluon \

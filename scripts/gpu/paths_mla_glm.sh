@@ -14,11 +14,7 @@
 #    puts the carried wheels on PYTHONPATH).
 # Each step writes its file to $OUT before the next starts. Carry `wheels` (xgrammar for step 4).
 # Run from the repository root:  bash scripts/gpu/paths_mla_glm.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/paths_mla_glm}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" paths_mla_glm name,memory.total
 PARALLEL=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout 120 python -m pytest -q -rf -p no:cacheprovider $PARALLEL tests/test_quant_kernels.py \
   "tests/test_attention_sinks.py::test_sinks_change_the_kernel_output" \

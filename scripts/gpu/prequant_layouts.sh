@@ -5,11 +5,7 @@
 # kernels' own GPU tests. Each step writes its file to $OUT before the next starts. Run from the
 # repository root (under 4 minutes):
 #     PYTHONPATH=. bash scripts/gpu/prequant_layouts.sh 2>&1 | tee $OUT/log
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/prequant_layouts}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" prequant_layouts name,memory.total
 timeout 120 python -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_prequantized_layouts.py \
   > "$OUT/gpu_tests_prequant_layouts.log" 2>&1
 tail -8 "$OUT/gpu_tests_prequant_layouts.log"; el "pre-quantized layouts on CUDA"

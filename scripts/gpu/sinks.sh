@@ -11,10 +11,7 @@
 # Prediction (the CPU: nuq2 38 of 40 at 4k depth 0, 40 elsewhere; 64 sinks 40 everywhere): bf16 40 in
 # every cell; nuq2 39-40 at depth 0 at 4k (the H100 at 3.5 sigma found every 4k needle with 8 keys a
 # depth) and 40 elsewhere; 4 sinks as nuq2; 64 sinks 40 at depth 0, as nuq2 at token 64.
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/sinks}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" sinks
 timeout 120 python -m pytest -q -rf -p no:cacheprovider tests/test_kv_sinks.py > "$OUT/tests.log" 2>&1
 tail -3 "$OUT/tests.log"
 F="bf16 nuq2 nuq2:kv_sink_tokens=4 nuq2:kv_sink_tokens=64"

@@ -4,10 +4,7 @@
 # the ranking window, the re-ranking interval and the low tier's outlier threshold, each against the
 # default (15% FP8) and bf16 in the same run. domain-moe, decode-tail perplexity per held-out domain,
 # passkeys at 1k/2k/4k. Run from the repository root:  bash scripts/gpu/tiered_sweep.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/tiered_sweep}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" tiered_sweep
 T=tiered:kv_codebook=page
 F=kv_tier1_fraction=0.1
 timeout 280 python benchmarks/quality/domain_model_tables.py --device cuda --ppl-mode decode-tail --tail-windows 2 \

@@ -3,11 +3,7 @@
 # (scripts/tiered_decode_diff.py), then domain-moe's tiered rows (decode-tail perplexity on every
 # held-out domain, passkey retrieval at 1k/2k/4k) with today's ranking and with the ranking options
 # that found every needle. Run from the repository root: bash scripts/gpu/tiered_tables.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/tiered_tables}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" tiered_tables
 timeout 150 python scripts/tiered_decode_diff.py > "$OUT/tiered_decode_diff.log" 2>&1; tail -12 "$OUT/tiered_decode_diff.log"
 el "tiered diff"
 R=kv_codebook=page:kv_rank_window=64:kv_rank_after_prompt=1

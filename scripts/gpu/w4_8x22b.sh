@@ -7,10 +7,7 @@
 # Prediction: batch-1 floor ~4.8 ms (20 GiB of int4 weights a step at ~4.3 TB/s), TPOT 1.6-2.0x it (the
 # Mixtral-8x7B shape's int4 step is 1.85x on an H100); batch 128: every expert read (~70 GiB, ~17 ms floor),
 # TPOT 2-2.6x its floor (the grouped GEMM reads int4 no faster than bf16).
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/w4_8x22b}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+source "$(dirname "$0")/preamble.sh" w4_8x22b name,memory.total
 timeout 400 python benchmarks/e2e/bench_decode.py --random-weights --shape mixtral-8x22b --weights int4 \
   --formats nuq2 tiered int4 --points 1:4096 128:4096 --iters 10 --no-transformers \
   --out "$OUT/decode_mixtral_8x22b_int4.json" 2>&1 | grep -v Warn | tail -12

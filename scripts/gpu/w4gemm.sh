@@ -18,11 +18,7 @@
 #         issue-bound either way; the swap's T = 128 / 256 ahead by its wider blocks, T = 16 / 64 even).
 #   bf16  gemm only, the reference row.
 #   Mixtral-8x7B the same fractions within ~0.05. T = 16 (2 pairs an expert): both forms ~even.
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/w4gemm}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" w4gemm name,memory.total
 timeout 80 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_quant_kernels.py tests/test_mxfp4_kernels.py \
   -k "gemm_swap" > "$OUT/gpu_tests_w4gemm.log" 2>&1
 tail -3 "$OUT/gpu_tests_w4gemm.log"; el "gemm_swap GPU tests"

@@ -8,11 +8,7 @@
 # fp8 / int4 weights at batch 1, 8 and 16 (bench_decode; path None takes the run GEMV at batch 8, T*k = 16, where
 # runs average 2 pairs). Each step writes under $OUT before the next starts. Under 4 minutes on an H100:
 #     PYTHONPATH=. bash scripts/gpu/w4multi.sh 2>&1 | tee $OUT/log
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/w4multi}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" w4multi name,memory.total
 timeout 75 python -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_quant_kernels.py tests/test_mxfp4_kernels.py \
   > "$OUT/gpu_tests_w4multi.log" 2>&1
 tail -3 "$OUT/gpu_tests_w4multi.log"; el "quantized kernel tests"

@@ -8,11 +8,7 @@
 # each weight format. Each step writes its file to $OUT before the next starts. Run from the repository
 # root (under 4 minutes):
 #     PYTHONPATH=. bash scripts/gpu/wquant.sh 2>&1 | tee $OUT/log
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/wquant}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" wquant name,memory.total
 MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 LAYERS=32; [ "$MEM_MB" -lt 100000 ] && LAYERS=16
 timeout 60 python -m pytest -q -m gpu -n 4 -rf -p no:cacheprovider tests/test_quant_kernels.py \

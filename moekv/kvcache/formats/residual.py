@@ -53,6 +53,12 @@ class ResidualWindow:
     """The ring of a format's newest R tokens (listed before the paged base class: its methods wrap
     the base class's)."""
 
+    # Not shared with sinks.py's buffer, though both hold per-sequence 16-bit K/V rows: the ring moves
+    # with the sequence (every position p lands at row p % R, a prefill chunk keeps its newest R), the
+    # fused RoPE store writes it and the decode kernels read it as part of their 16-bit tail; the sinks
+    # keep the first S positions for good, are read by the reference path only and sit above this class
+    # (their gather wraps this one's).
+
     residual: int = 0
 
     def set_residual(self, value: int | None, default: int, multiple: int = 1) -> None:

@@ -41,6 +41,13 @@ class SinkTokens:
     """The 16-bit copy of a sequence's first S tokens (listed before the paged base class and the
     residual window: its methods wrap theirs)."""
 
+    # Not built on residual.py's ring, though both hold per-sequence 16-bit K/V rows [max_num_seqs, Hkv, n, D]:
+    # the sinks keep fixed positions (p < S at row p; later writes land in the spare row S, hence S + 1
+    # rows), replace the start of a gather (the ring's, when both are on) and are read by the reference
+    # path alone; the ring moves with the sequence (p at row p % R), replaces its end, and the fused RoPE
+    # store and the decode kernels write and read it. Past the zeroed pair, its byte count and an indexed
+    # copy, no step is the same.
+
     sink_tokens: int = 0
     # no format keeps sinks by default: on domain-moe they change no perplexity (docs/decisions.md,
     # "Sinks: a measurement option, not built into the kernels")

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.decode.common import per_token, softmax_step
 from moekv.ops.reference import mla_query_fp8_ref
 from moekv.ops.tuning import current_device_name, load_tuning
 
@@ -77,6 +78,55 @@ def _split_tiles(lens_ptr, b, s, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tile_entries(tables_ptr, stride_tb, b, t, length, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """(valid, page, off) [BLOCK_N]: which of tile t's tokens sequence b holds, and each one's page (int64)
+    and row in it."""
+    toks = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = toks < length
+    page = tl.load(tables_ptr + b * stride_tb + toks // PAGE, mask=valid, other=0).to(tl.int64)
+    return valid, page, toks % PAGE
+
+
+@triton.jit
+def _rope_scores(q_rope, kr, PRECISION: tl.constexpr, RP: tl.constexpr, SWAP: tl.constexpr = False):
+    """The rotary part of the scores, fp32: q_rope [BLOCK_H, RP] . kr [BLOCK_N, RP]^T, [BLOCK_H, BLOCK_N]
+    ([BLOCK_N, BLOCK_H] = kr . q_rope^T under SWAP); a broadcast sum below tl.dot's smallest reduction (16)."""
+    if SWAP:
+        if RP >= 16:
+            r = tl.dot(kr, tl.trans(q_rope), input_precision=PRECISION)
+        else:
+            r = tl.sum(kr[:, None, :].to(tl.float32) * q_rope[None, :, :].to(tl.float32), 2)
+    else:
+        if RP >= 16:
+            r = tl.dot(q_rope, tl.trans(kr), input_precision=PRECISION)
+        else:
+            r = tl.sum(q_rope[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), 2)
+    return r
+
+
+@triton.jit
+def _store_split(part_o_ptr, part_lse_ptr, b, s, heads, hmask, cols, m, l_sum, acc, stride_ob, stride_oh, stride_os,
+                 stride_eb, stride_eh, acc_odd=None):
+    """Split s's partial output for `heads` of sequence b, acc / l_sum at columns cols (with acc_odd, the int4
+    kernel's halves: acc at the even channels 2 cols, acc_odd at the odd ones 2 cols + 1), and its log2-sum-exp
+    (m, l_sum base 2); an empty share writes (0, -inf). common.store_partial is the paged kernels' (contiguous
+    rows, no strides). The divisions stay where each kernel had them (one output: before the lse; the halves:
+    at their stores): moved, the int4 kernel's sm_90 build takes other registers and spills."""
+    has = l_sum > 0
+    norm = tl.where(has, l_sum, 1.0)
+    if acc_odd is None:
+        out = acc / norm[:, None]
+    lse = tl.where(has, m + tl.log2(norm), float("-inf"))
+    o_row = part_o_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
+    if acc_odd is None:
+        tl.store(o_row + cols[None, :], out, mask=hmask[:, None])
+    else:
+        tl.store(o_row + 2 * cols[None, :], acc / norm[:, None], mask=hmask[:, None])
+        tl.store(o_row + 2 * cols[None, :] + 1, acc_odd / norm[:, None], mask=hmask[:, None])
+    tl.store(part_lse_ptr + b * stride_eb + heads * stride_eh + s, lse, mask=hmask)
+
+
+@triton.jit
 def _mla_split_kernel(q_ptr, q8_ptr, qs_ptr, latent_ptr, rope_ptr, scales_ptr, tables_ptr, lens_ptr, part_o_ptr,
                       part_lse_ptr,
                       stride_qb, stride_qh, stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_tb,
@@ -117,10 +167,7 @@ def _mla_split_kernel(q_ptr, q8_ptr, qs_ptr, latent_ptr, rope_ptr, scales_ptr, t
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
     for t in tl.range(t0, t1, num_stages=NUM_STAGES):
-        toks = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = toks < length
-        page = tl.load(tables_ptr + b * stride_tb + toks // PAGE, mask=valid, other=0).to(tl.int64)
-        off = toks % PAGE
+        valid, page, off = _tile_entries(tables_ptr, stride_tb, b, t, length, BLOCK_N, PAGE)
         c = tl.load(latent_ptr + (page * stride_lp + off * stride_lt)[:, None] + cols[None, :],
                     mask=valid[:, None], other=0.0).to(q_mma.dtype)  # [BLOCK_N, R]
         kr = tl.load(rope_ptr + (page * stride_rp + off * stride_rt)[:, None] + rcols[None, :],
@@ -130,57 +177,33 @@ def _mla_split_kernel(q_ptr, q8_ptr, qs_ptr, latent_ptr, rope_ptr, scales_ptr, t
         if FP8_MMA:
             p_fold = 448.0 / tl.max(tok_scale, 0)  # a tile holds a valid token, whose scale is > 0
         if SWAP:
-            scores_t = tl.dot(c, tl.trans(q_mma), input_precision=PRECISION)  # [BLOCK_N, BLOCK_H] fp32
+            scores = tl.dot(c, tl.trans(q_mma), input_precision=PRECISION)  # [BLOCK_N, BLOCK_H] fp32
             if FP8_MMA:
-                scores_t = scores_t * tok_scale[:, None] * q_scale[None, :]
+                scores = scores * tok_scale[:, None] * q_scale[None, :]
             elif FP8:
-                scores_t = scores_t * tok_scale[:, None]
-            if RP >= 16:
-                scores_t += tl.dot(kr, tl.trans(q_rope), input_precision=PRECISION)
-            else:  # below tl.dot's smallest reduction
-                scores_t += tl.sum(kr[:, None, :].to(tl.float32) * q_rope[None, :, :].to(tl.float32), 2)
-            scores_t = tl.where(valid[:, None], scores_t * qk_scale, float("-inf"))  # log2 units
-            m_new = tl.maximum(m, tl.max(scores_t, 0))
-            alpha = tl.exp2(m - m_new)
-            p_t = tl.exp2(scores_t - m_new[None, :])
-            l_sum = l_sum * alpha + tl.sum(p_t, 0)
-            if FP8_MMA:
-                p_t = p_t * (tok_scale * p_fold)[:, None]
-            elif FP8:
-                p_t = p_t * tok_scale[:, None]
-            p = tl.trans(p_t.to(c.dtype))  # [BLOCK_H, BLOCK_N]
+                scores = scores * tok_scale[:, None]
+            scores += _rope_scores(q_rope, kr, PRECISION, RP, SWAP)
         else:
             scores_lat = tl.dot(q_mma, tl.trans(c), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N] fp32
             if FP8_MMA:
                 scores_lat = scores_lat * q_scale[:, None] * tok_scale[None, :]
             elif FP8:
                 scores_lat = scores_lat * tok_scale[None, :]
-            if RP >= 16:
-                scores_rope = tl.dot(q_rope, tl.trans(kr), input_precision=PRECISION)
-            else:  # below tl.dot's smallest reduction
-                scores_rope = tl.sum(q_rope[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), 2)
-            scores = (scores_lat + scores_rope) * qk_scale  # log2 units
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            if FP8_MMA:
-                p = p * (tok_scale * p_fold)[None, :]
-            elif FP8:
-                p = p * tok_scale[None, :]
-            p = p.to(c.dtype)
+            scores = scores_lat + _rope_scores(q_rope, kr, PRECISION, RP)
+        m, l_sum, p, alpha = softmax_step(scores, valid, m, l_sum, qk_scale, SWAP)  # log2 units
+        if FP8_MMA:
+            p = p * per_token(tok_scale * p_fold, SWAP)
+        elif FP8:
+            p = p * per_token(tok_scale, SWAP)
+        p = p.to(c.dtype)
+        if SWAP:
+            p = tl.trans(p)  # [BLOCK_H, BLOCK_N]
         if FP8_MMA:
             acc = acc * alpha[:, None] + tl.dot(p, c) * (1.0 / p_fold)
         else:
             acc = acc * alpha[:, None] + tl.dot(p, c, input_precision=PRECISION)
-        m = m_new
-    has = l_sum > 0
-    out = acc / tl.where(has, l_sum, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))  # log2 units
-    o_row = part_o_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
-    tl.store(o_row + cols[None, :], out, mask=hmask[:, None])
-    tl.store(part_lse_ptr + b * stride_eb + heads * stride_eh + s, lse, mask=hmask)
+    _store_split(part_o_ptr, part_lse_ptr, b, s, heads, hmask, cols, m, l_sum, acc, stride_ob, stride_oh, stride_os,
+                 stride_eb, stride_eh)
 
 
 @triton.jit
@@ -208,10 +231,7 @@ def _mla_int4_split_kernel(q_ptr, codes_ptr, rope_ptr, scale_ptr, zero_ptr, tabl
     acc_even = tl.zeros([BLOCK_H, R // 2], tl.float32)
     acc_odd = tl.zeros([BLOCK_H, R // 2], tl.float32)
     for t in tl.range(t0, t1, num_stages=NUM_STAGES):
-        toks = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = toks < length
-        page = tl.load(tables_ptr + b * stride_tb + toks // PAGE, mask=valid, other=0).to(tl.int64)
-        off = toks % PAGE
+        valid, page, off = _tile_entries(tables_ptr, stride_tb, b, t, length, BLOCK_N, PAGE)
         packed = tl.load(codes_ptr + (page * stride_cp + off * stride_ct)[:, None] + half[None, :],
                          mask=valid[:, None], other=0)  # [BLOCK_N, R/2] uint8
         side = (page * stride_gp + off * stride_gt)[:, None] + groups[None, :]
@@ -223,27 +243,13 @@ def _mla_int4_split_kernel(q_ptr, codes_ptr, rope_ptr, scale_ptr, zero_ptr, tabl
                      mask=valid[:, None], other=0.0).to(q_rope.dtype)  # [BLOCK_N, RP]
         scores = tl.dot(q_even, tl.trans(c_even), input_precision=PRECISION)
         scores += tl.dot(q_odd, tl.trans(c_odd), input_precision=PRECISION)
-        if RP >= 16:
-            scores += tl.dot(q_rope, tl.trans(kr), input_precision=PRECISION)
-        else:  # below tl.dot's smallest reduction
-            scores += tl.sum(q_rope[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), 2)
-        scores = scores * qk_scale  # log2 units
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
+        scores += _rope_scores(q_rope, kr, PRECISION, RP)
+        m, l_sum, p, alpha = softmax_step(scores, valid, m, l_sum, qk_scale)  # log2 units
         p = p.to(c_even.dtype)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, c_even, input_precision=PRECISION)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, c_odd, input_precision=PRECISION)
-        m = m_new
-    has = l_sum > 0
-    norm = tl.where(has, l_sum, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))  # log2 units
-    o_row = part_o_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
-    tl.store(o_row + 2 * half[None, :], acc_even / norm, mask=hmask[:, None])
-    tl.store(o_row + 2 * half[None, :] + 1, acc_odd / norm, mask=hmask[:, None])
-    tl.store(part_lse_ptr + b * stride_eb + heads * stride_eh + s, lse, mask=hmask)
+    _store_split(part_o_ptr, part_lse_ptr, b, s, heads, hmask, half, m, l_sum, acc_even, stride_ob, stride_oh,
+                 stride_os, stride_eb, stride_eh, acc_odd)
 
 
 @triton.jit

@@ -19,11 +19,7 @@
 # partly fixed cost). The batch-1 step (16 layers) from ~2.27 ms (1.85x its floor) to 1.85-2.05 ms (1.5-1.65x).
 # Every packed-half row's max_err within 1e-3 of the fp32 row's. On an H200 (more bandwidth, the same SMs) the
 # GEMV stays issue-bound: ~0.70-0.80 of its floor at T=1.
-set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-: "${OUT:=/tmp/w4f16}"; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "[call] $1 at $(( $(date +%s) - T0 ))s"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/preamble.sh" w4f16 name,memory.total
 PARALLEL=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
 timeout 110 python -m pytest -q -m gpu $PARALLEL -rf -p no:cacheprovider tests/test_f16_dots.py tests/test_quant_kernels.py \
   > "$OUT/gpu_tests_w4f16.log" 2>&1

@@ -89,12 +89,16 @@ def test_no_sinks_is_the_format_without_them(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bits_count_the_sinks(name):
-    """bits_per_element_at counts the buffer: S tokens of K and V in 16 bits add 16 S / L bits per element."""
+    """bits_per_element_at counts the buffer as allocated: S rows of K and V in 16 bits and the spare row that
+    takes later positions' writes add 16 (S + 1) / L bits per element; sink_bytes_per_seq is what allocate makes."""
     for S in (4, 64):
         with_sinks, without = make(name, S, None), make(name, 0, None)
         for L in (4096, 32768):
             extra = with_sinks.bits_per_element_at(L, 8, 64, 128) - without.bits_per_element_at(L, 8, 64, 128)
-            assert extra == pytest.approx(16 * S / L)
+            assert extra == pytest.approx(16 * (S + 1) / L)
+        cache = with_sinks.allocate(4, 8, 64, 128, torch.device("cpu"), 3, torch.bfloat16)
+        sink_bytes = sum(t.numel() * t.element_size() for key, t in cache.tensors.items() if key.endswith("_sink"))
+        assert sink_bytes == 3 * with_sinks.sink_bytes_per_seq(8, 128)
 
 
 def test_option_and_refusals():

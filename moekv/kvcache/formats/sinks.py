@@ -68,8 +68,9 @@ class SinkTokens:
                 "shared pages do not carry; use kv_sink_tokens=0 to share pages")
 
     def sink_bytes_per_seq(self, num_kv_heads: int, head_dim: int) -> int:
-        """Bytes of one sequence's sinks (one layer, K and V, 16-bit)."""
-        return 2 * num_kv_heads * self.sink_tokens * head_dim * 2
+        """Bytes of one sequence's sinks as allocated (one layer, K and V, 16-bit): S rows and the spare one."""
+        rows = self.sink_tokens + 1 if self.sink_tokens else 0
+        return 2 * num_kv_heads * rows * head_dim * 2
 
     def staging_bytes_per_seq(self, num_kv_heads, block_size, head_dim) -> int:
         return (super().staging_bytes_per_seq(num_kv_heads, block_size, head_dim)

@@ -1,6 +1,6 @@
-"""The int4 GEMVs' dot in packed halves (quant_tiles.int4_f16_dots): its numpy emulation against float64 (the error
-bound reference.f16_error_bound, and int4's own error), the launchers' choice, and on the GPU the kernels against
-the dequantized references and against the emulation.
+"""The int4 GEMVs' dot in packed halves (quant_tiles.int4_f16_dots, the run GEMV's run_f16_dots): its numpy emulation
+against float64 (the error bound reference.f16_error_bound, and int4's own error), the launchers' choice, and on the
+GPU the kernels (pair, run and projection GEMVs) against the dequantized references and against the emulation.
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_f16_dots.py
     python -m pytest -q -m gpu tests/test_f16_dots.py          # on the GPU machine
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from tests.triton_kernels import kernel_modules, triton  # noqa: F401 (before any kernel import)
 
 # isort: split
+
+import triton.language as tl  # noqa: E402
 
 from moekv.ops.quantized_weight import QuantizedWeight, pack_int4, quantize_int4  # noqa: E402
 from moekv.ops.reference import (  # noqa: E402
@@ -74,11 +76,16 @@ def test_emulation_decodes_every_code_at_every_nibble():
     x = torch.randint(-3, 4, (K,), generator=torch.Generator().manual_seed(1)).float()
     exact = q.dequantize(torch.float64) @ x.double()
     assert torch.equal(int4_f16_dots_ref(q.codes, q.scales, q.zeros, x, 32, 128), exact)
-    asm = qt._WORD_DOT_F16.value
-    for const, meaning in ((0x6400, 1024.0), (0x6408, 1032.0), (0x2C00, 1 / 16), (0xD480, -72.0)):
-        assert f"0x{const:04X}{const:04X}" in asm
-        assert float(np.uint16(const).view(np.float16)) == meaning
-    assert "0x000F000F" in asm and "0x00F000F0" in asm and "shr.u32 w8, $1, 8;" in asm
+    for asm, word in ((qt._WORD_DOT_F16.value, "$1"), (qt._WORD_DECODE_F16.value, "$4")):
+        for const, meaning in ((0x6400, 1024.0), (0x6408, 1032.0), (0x2C00, 1 / 16), (0xD480, -72.0)):
+            assert f"0x{const:04X}{const:04X}" in asm
+            assert float(np.uint16(const).view(np.float16)) == meaning
+        assert "0x000F000F" in asm and "0x00F000F0" in asm and f"shr.u32 w8, {word}, 8;" in asm
+    # the run GEMV's two statements are the pair GEMV's one, cut after the decode
+    fused = qt._WORD_DOT_F16.value.splitlines()
+    parts = qt._WORD_DECODE_F16.value.splitlines()[2:-1] + qt._HALVES_DOT_F16.value.splitlines()[4:-1]
+    assert len(fused) == len(parts) + 6 and [line.split()[0] for line in fused[5:-1]] == [
+        line.split()[0] for line in parts]
 
 
 def test_emulation_range_extremes():
@@ -105,6 +112,7 @@ def test_use_f16_dots(monkeypatch):
     assert not qt.use_f16_dots(True, "mxfp4", "cuda", 32, 2880, 1024)
     assert not qt.use_f16_dots(True, "int4", "cpu", 128, 4096, 1024)
     assert not qt.use_f16_dots(True, "int4", "cuda", 24, 96, 32)  # per-element scales
+    assert not qt.use_f16_dots(True, "int4", "cuda", 4, 96, 32)  # groups of part of a word
     for default in (False, True):
         monkeypatch.setattr(qt, "F16_DOTS_DEFAULT", default)
         assert qt.use_f16_dots(None, "int4", "cuda", 128, 4096, 1024) == default
@@ -112,22 +120,171 @@ def test_use_f16_dots(monkeypatch):
     assert not qt.use_f16_dots(True, "int4", "cuda", 128, 4096, 1024)
 
 
-def test_interpreter_keeps_fp32_dots():
-    """Asked for packed halves under the interpreter (the CPU suite), the GEMVs run their fp32 dots: the same
-    output as without the request."""
+@pytest.mark.parametrize("path", ["gemv", "runs"])
+def test_interpreter_keeps_fp32_dots(path):
+    """Asked for packed halves under the interpreter (the CPU suite), the GEMVs (pair and run) run their fp32 dots:
+    the same output as without the request."""
     if torch.cuda.is_available():
         pytest.skip("the interpreter runs only without CUDA (tests/triton_kernels.py)")
     g = torch.Generator().manual_seed(0)
     w13 = quantize_int4(torch.randn(4, 32, 64, generator=g) / 8, 16, zero_point=True)
     w2 = quantize_int4(torch.randn(4, 64, 16, generator=g) / 4, 16, zero_point=True)
-    x = torch.randn(2, 64, generator=g)
-    weights, ids = torch.softmax(torch.randn(2, 4, generator=g), -1).topk(2)
-    cfg = fq.QuantGemvConfig(block_n=4, block_k=32)
-    on = fq.fused_moe_quant(x, w13, w2, weights, ids, path="gemv", config=dataclasses.replace(cfg, f16_dots=True))
-    off = fq.fused_moe_quant(x, w13, w2, weights, ids, path="gemv", config=cfg)
+    x = torch.randn(3, 64, generator=g)
+    weights, ids = torch.softmax(torch.randn(3, 4, generator=g), -1).topk(2)
+    cfg = fq.QuantGemvConfig(block_n=4, block_k=32, run_pairs=2)
+    on = fq.fused_moe_quant(x, w13, w2, weights, ids, path=path, config=dataclasses.replace(cfg, f16_dots=True))
+    off = fq.fused_moe_quant(x, w13, w2, weights, ids, path=path, config=cfg)
     assert torch.equal(on, off)
     ref = fused_moe_ref(x.double(), w13.dequantize(torch.float64), w2.dequantize(torch.float64), weights.double(), ids)
     assert (on.double() - ref).abs().max().item() < 1e-5
+
+
+# The packed-half PTX in plain Triton, for the interpreter (which cannot run inline asm): each f16x2 register's halves
+# taken apart and computed in fp16 as the PTX does (a product or a fused multiply-add rounded to fp16 once: fp16
+# operands' products are exact in fp32, and the add's double rounding through fp32 is harmless here), so the
+# kernels' plumbing (pairs, planes, scales, chunks, masks) runs on the CPU.
+@triton.jit
+def _halves_of(r):
+    lo = (r & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = ((r >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _emulated_pack(lo, hi):
+    lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo_bits | (hi_bits << 16)
+
+
+@triton.jit
+def _emulated_centre(r, ODD: tl.constexpr):
+    lo, hi = _halves_of((r & (0x00F000F0 if ODD else 0x000F000F)) | 0x64006400)
+    if ODD:
+        return _emulated_pack(lo.to(tl.float32) / 16 - 72.0, hi.to(tl.float32) / 16 - 72.0)
+    else:
+        return _emulated_pack(lo.to(tl.float32) - 1032.0, hi.to(tl.float32) - 1032.0)
+
+
+@triton.jit
+def _emulated_word_halves(words):
+    shifted = words >> 8
+    return (_emulated_centre(words, False), _emulated_centre(words, True), _emulated_centre(shifted, False),
+            _emulated_centre(shifted, True))
+
+
+@triton.jit
+def _emulated_fma(a, h, acc):
+    return (a.to(tl.float32) * h.to(tl.float32) + acc.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _emulated_halves_dots(a0, a1, a2, a3, h0, h1, h2, h3):
+    a0l, a0h = _halves_of(a0)
+    a1l, a1h = _halves_of(a1)
+    a2l, a2h = _halves_of(a2)
+    a3l, a3h = _halves_of(a3)
+    h0l, h0h = _halves_of(h0)
+    h1l, h1h = _halves_of(h1)
+    h2l, h2h = _halves_of(h2)
+    h3l, h3h = _halves_of(h3)
+    lo = (a0l.to(tl.float32) * h0l.to(tl.float32)).to(tl.float16)
+    hi = (a0h.to(tl.float32) * h0h.to(tl.float32)).to(tl.float16)
+    lo = _emulated_fma(a3l, h3l, _emulated_fma(a2l, h2l, _emulated_fma(a1l, h1l, lo)))
+    hi = _emulated_fma(a3h, h3h, _emulated_fma(a2h, h2h, _emulated_fma(a1h, h1h, hi)))
+    return lo.to(tl.float32) + hi.to(tl.float32)
+
+
+@triton.jit
+def _emulated_word_dots(words, h0, h1, h2, h3):
+    a0, a1, a2, a3 = _emulated_word_halves(words)
+    return _emulated_halves_dots(a0, a1, a2, a3, h0, h1, h2, h3)
+
+
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_interpreter_emulated_f16_dots(monkeypatch, zero_point):
+    """The GEMVs' packed-half path under the interpreter, its PTX replaced by the plain-Triton emulation above: the
+    pair GEMV within 1e-2 of the float64 reference (each token's error over its outputs' range: fp16 halves) but
+    not within 1e-5, as the fp32 dots are, so the packed-half path ran; the run GEMV at P = 2 and 4 the pair GEMV's
+    output to fp32's summation order (1e-5), its pairs' arithmetic the same. 5 tokens over 4 experts at top-2,
+    every token on expert 0: a run longer than P, padded slots; w13's K = 96 in 32-wide steps, groups of 16 (two a
+    step), w2's K = 24 (a step cut short, one group); one token's activations 10x the others' (each pair's own
+    scale)."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs only without CUDA (tests/triton_kernels.py)")
+    for name, emulation in (("_pack_f16x2", _emulated_pack), ("_word_dots", _emulated_word_dots),
+                            ("_word_halves", _emulated_word_halves), ("_halves_dots", _emulated_halves_dots)):
+        monkeypatch.setattr(qt, name, emulation)
+    monkeypatch.setattr(fq, "use_f16_dots", lambda setting, method, *rest: bool(setting) and method == "int4")
+    g = torch.Generator().manual_seed(int(zero_point))
+    w13 = quantize_int4(torch.randn(4, 2 * 24, 96, generator=g) / 10, 16, zero_point=zero_point)
+    w2 = quantize_int4(torch.randn(4, 96, 24, generator=g) / 5, 32, zero_point=zero_point)
+    x = torch.randn(5, 96, generator=g).to(torch.bfloat16).float()
+    x[3] *= 10
+    logits = torch.randn(5, 4, generator=g)
+    logits[:, 0] += 10
+    weights, ids = torch.softmax(logits, -1).topk(2)
+    ref = fused_moe_ref(x.double(), w13.dequantize(torch.float64), w2.dequantize(torch.float64), weights.double(), ids)
+    rel = ref.abs().amax(-1, keepdim=True)  # each token's own range
+
+    def error(out):
+        return ((out.double() - ref).abs() / rel).max().item()
+
+    cfg = fq.QuantGemvConfig(block_n=8, block_k=32)
+    assert error(fq.fused_moe_quant(x, w13, w2, weights, ids, path="gemv", config=cfg)) < 1e-5
+    pair = fq.fused_moe_quant(x, w13, w2, weights, ids, path="gemv", config=dataclasses.replace(cfg, f16_dots=True))
+    assert 1e-5 < error(pair) < 1e-2
+    for P in (2, 4):
+        runs = fq.fused_moe_quant(x, w13, w2, weights, ids, path="runs",
+                                  config=dataclasses.replace(cfg, f16_dots=True, run_pairs=P))
+        assert ((runs - pair).abs() / rel).max().item() < 1e-5, P
+
+
+class _Launches:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **constexprs)` records the constexprs, launches nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(kwargs)
+
+
+@pytest.mark.parametrize("f16_dots", [True, False, None])
+def test_run_launcher_passes_the_switch(monkeypatch, f16_dots):
+    """path 'runs': each run GEMV gets F16_DOTS as use_f16_dots decides it from the config's f16_dots and its own
+    weight (method, group, K, tile), and CHUNKS counted for that form (run_chunks: at least a word a chunk with
+    packed halves). use_f16_dots is replaced by one that ignores the device, so the choice shows on the CPU."""
+    asked = []
+
+    def decide(setting, method, device_type, scale_k, K, block_k):
+        asked.append((setting, method, scale_k, K, block_k))
+        return bool(setting) and K == 64  # on for w13 only (K = H = 64): the kernels must not share one answer
+
+    gate_up, down = _Launches(), _Launches()
+    monkeypatch.setattr(fq, "use_f16_dots", decide)
+    monkeypatch.setattr(fq, "_qgate_up_runs_kernel", gate_up)
+    monkeypatch.setattr(fq, "_qdown_runs_kernel", down)
+    g = torch.Generator().manual_seed(0)
+    w13 = quantize_int4(torch.randn(4, 2 * 96, 64, generator=g), 16, zero_point=True)
+    w2 = quantize_int4(torch.randn(4, 64, 96, generator=g), 32, zero_point=True)
+    x = torch.randn(3, 64, generator=g)
+    weights, ids = torch.softmax(torch.randn(3, 4, generator=g), -1).topk(2)
+    cfg = fq.QuantGemvConfig(block_n=4, block_k=32, run_pairs=2, f16_dots=f16_dots)
+    fq.fused_moe_quant(x, w13, w2, weights, ids, path="runs", config=cfg)
+    assert asked == [(f16_dots, "int4", 16, 64, 32), (f16_dots, "int4", 32, 96, 32)]
+    (kw13,), (kw2,) = gate_up.calls, down.calls
+    assert kw13["F16_DOTS"] is bool(f16_dots) and kw2["F16_DOTS"] is False
+    assert kw13["CHUNKS"] == qt.run_chunks(16, 64, 32, bool(f16_dots)) and kw2["CHUNKS"] == qt.run_chunks(32, 96, 32)
+
+
+def test_run_chunks_hold_whole_words():
+    """The run GEMV's chunks: a lane's share of a 1024-wide tile within a group either way; at narrow tiles the
+    fp32 dot's chunks may be a column, the packed-half dot's a word at the least; one chunk where a group spans
+    the tile."""
+    assert qt.run_chunks(128, 4096, 1024) == qt.run_chunks(128, 4096, 1024, True) == 32
+    assert qt.run_chunks(16, 64, 32) == 32 and qt.run_chunks(16, 64, 32, True) == 4
+    assert qt.run_chunks(4096, 4096, 1024, True) == qt.run_chunks(128, 4096, 64, True) == 1
 
 
 # -- compiled ----------------------------------------------------------------------------------------
@@ -181,17 +338,45 @@ def test_gpu_moe_gemv_f16_dots(int4_experts, T, outliers):
         x[:, torch.randperm(H)[:8]] = 3000.0 * torch.sign(torch.randn(T, 8, device="cuda"))
     x = x.to(torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(T, E, device="cuda"), -1).topk(k)
-    weights = weights / weights.sum(-1, keepdim=True)
-    cfg = fq.default_quant_gemv(q13)
-    f16 = fq.fused_moe_quant(x, q13, q2, weights, ids, path="gemv", config=dataclasses.replace(cfg, f16_dots=True),
+    _check_f16_dots(x, q13, q2, weights / weights.sum(-1, keepdim=True), ids, epilogue, "gemv",
+                    fq.default_quant_gemv(q13))
+
+
+def _check_f16_dots(x, q13, q2, weights, ids, epilogue, path, cfg):
+    """fused_moe_quant on path with cfg's f16_dots on, against fp32 math on the dequantized weights: within the fp32
+    dots' error plus 1e-3 of the output's range, and not equal to the fp32 dots' output."""
+    f16 = fq.fused_moe_quant(x, q13, q2, weights, ids, path=path, config=dataclasses.replace(cfg, f16_dots=True),
                              **epilogue).float()
-    fp32 = fq.fused_moe_quant(x, q13, q2, weights, ids, path="gemv", config=dataclasses.replace(cfg, f16_dots=False),
+    fp32 = fq.fused_moe_quant(x, q13, q2, weights, ids, path=path, config=dataclasses.replace(cfg, f16_dots=False),
                               **epilogue).float()
     oracle = _moe_ref(x, q13, q2, weights, ids, epilogue)
     scale = oracle.abs().max().item()
     err, err_fp32 = (f16 - oracle).abs().max().item(), (fp32 - oracle).abs().max().item()
     assert err <= 1.5 * err_fp32 + 1e-3 * scale, (err, err_fp32, scale)
     assert not torch.equal(f16, fp32)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("outliers", [False, True])
+def test_gpu_moe_runs_f16_dots(int4_experts, P, outliers):
+    """The run GEMV with packed-half dots, P = 2 and 4 pairs a program, against fp32 math on the dequantized weights,
+    as test_gpu_moe_gemv_f16_dots: 8 tokens routed mostly to 3 experts (runs longer than P, split over programs,
+    and padded slots), activations with outliers (|x| to 5,000) in some tokens only, so each pair's own scale
+    matters. And it is the packed-half path: its output differs from the fp32 dots'."""
+    shape, q13, q2, epilogue = int4_experts
+    E, H, I, k, _ = MOE_SHAPES[shape]
+    T = 8
+    torch.manual_seed(P)
+    x = torch.randn(T, H, device="cuda")
+    if outliers:
+        x[::3, torch.randperm(H)[:8]] = 5000.0 * torch.sign(torch.randn(3, 8, device="cuda"))
+    x = x.to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    logits[:, :3] += 4.0
+    weights, ids = torch.softmax(logits, -1).topk(k)
+    assert torch.bincount(ids.flatten()).max().item() > P  # a run longer than P
+    _check_f16_dots(x, q13, q2, weights / weights.sum(-1, keepdim=True), ids, epilogue, "runs",
+                    dataclasses.replace(fq.default_quant_gemv(q13), run_pairs=P))
 
 
 @pytest.mark.parametrize("K,kind", [(4096, "hidden"), (14336, "outliers"), (2880, "swiglu")])
@@ -227,5 +412,6 @@ def test_gpu_projection_gemv_attention_shape(T):
 
 for _mark in gpu:
     test_gpu_moe_gemv_f16_dots = _mark(test_gpu_moe_gemv_f16_dots)
+    test_gpu_moe_runs_f16_dots = _mark(test_gpu_moe_runs_f16_dots)
     test_gpu_projection_gemv_matches_emulation = _mark(test_gpu_projection_gemv_matches_emulation)
     test_gpu_projection_gemv_attention_shape = _mark(test_gpu_projection_gemv_attention_shape)

@@ -8,8 +8,9 @@ and off. No GPU needed; run without TRITON_INTERPRET:
 
     PYTHONPATH=. python benchmarks/tools/sass_moe_quant_gemv.py [--tiles 8x1024 16x1024] [--run-pairs 2 4] [--f16-dots]
 
---f16-dots builds int4's pair GEMVs with their dots in packed halves (quant_tiles.int4_f16_dots) beside the fp32
-ones, and the int4 projection GEMV (ops/quant_linear.py, Mixtral's qkv: 6144 x 4096) both ways.
+--f16-dots builds int4's pair and run GEMVs with their dots in packed halves (quant_tiles.int4_f16_dots,
+run_f16_dots) beside the fp32 ones, and the int4 projection GEMV (ops/quant_linear.py, Mixtral's qkv: 6144 x 4096)
+both ways.
 
 The run GEMV (path "runs", P pairs of one expert a program) is built beside the pair GEMV at the Mixtral
 rows: a K step's instructions cover P pairs, so divide by P to compare with the pair GEMV's.
@@ -43,7 +44,7 @@ SCALE_K = {"int4": 128, "mxfp4": 32}  # fp8: one scale a row (SK = K)
 def build(method: str, kernel: str, H: int, I: int, top_k: int, block_n: int, block_k: int, epilogue: bool = False,
           aligned_rows: bool = True, run_pairs: int = 0, f16_dots: bool = False):
     """(SASS, resource usage) of one GEMV (run_pairs P > 0: the run GEMV, P pairs of one expert a program;
-    f16_dots: the pair GEMV with int4's dots in packed halves, quant_tiles.int4_f16_dots).
+    f16_dots: int4's dots in packed halves, quant_tiles.int4_f16_dots / run_f16_dots).
     Pointers are 16-byte aligned and strides multiples of 16 as Triton specializes them at run time, except
     the codes' row stride where aligned_rows is False (gpt-oss's 360 words)."""
     gate_up = kernel == "gate_up"
@@ -64,8 +65,8 @@ def build(method: str, kernel: str, H: int, I: int, top_k: int, block_n: int, bl
                   SCALE_MODE=scale_mode(SK, K, block_k), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=epilogue)
     consts |= dict(TOP_K=top_k, CLAMPED=epilogue, ALPHA=1.702, LIMIT=7.0) if gate_up else dict(K_PER_SPLIT=K)
     if run_pairs:
-        consts |= dict(P=run_pairs, CHUNKS=run_chunks(SK, K, block_k))
-    elif f16_dots:
+        consts |= dict(P=run_pairs, CHUNKS=run_chunks(SK, K, block_k, f16_dots))
+    if f16_dots:
         consts |= dict(F16_DOTS=True)
     names = list(sig)
     divisible = [n for n in names if sig[n].startswith("*") or n.startswith("stride") and n != "num_pairs"]
@@ -130,7 +131,8 @@ def main() -> None:
     p.add_argument("--run-pairs", type=int, nargs="*", default=[2, 4],
                    help="P of the run GEMV (path 'runs') to build beside the pair GEMV at the Mixtral rows")
     p.add_argument("--f16-dots", action="store_true",
-                   help="build int4's pair GEMV with its dots in packed halves too (F16_DOTS) beside the fp32 dots")
+                   help="build int4's pair and run GEMVs with their dots in packed halves too (F16_DOTS) beside "
+                        "the fp32 dots")
     p.add_argument("--methods", nargs="*", default=["fp8", "int4"], help="methods of the Mixtral rows")
     p.add_argument("--no-gpt-oss", action="store_true", help="skip the gpt-oss-20b rows")
     args = p.parse_args()
@@ -140,16 +142,14 @@ def main() -> None:
         tiles = ([tuple(map(int, t.split("x"))) for t in args.tiles] if args.tiles
                  else [(defaults.block_n, defaults.block_k)])
         for block_n, block_k in tiles:
-            forms = [(0, False)] + [(P, False) for P in args.run_pairs]
-            if args.f16_dots and method == "int4":
-                forms.insert(1, (0, True))
-            for P, f16 in forms:
+            both = args.f16_dots and method == "int4"
+            for P, f16 in [(P, dots) for P in [0] + args.run_pairs for dots in (False, True)[:1 + both]]:
                 for kernel in ("gate_up", "down"):
                     sass, res = build(method, kernel, H, I, 2, block_n, block_k, run_pairs=P, f16_dots=f16)
                     code_bytes = block_n * block_k * (0.5 if method == "int4" else 1.0)
                     group_bytes = block_n * block_k // 128 * 4 if method == "int4" else 0  # bf16 scale + zero a group
                     step_bytes = (2 if kernel == "gate_up" else 1) * (code_bytes + group_bytes)
-                    name = f"runs P={P}" if P else ("pair GEMV f16 dots" if f16 else "pair GEMV")
+                    name = (f"runs P={P}" if P else "pair GEMV") + (" f16 dots" if f16 else "")
                     print(f"mixtral-8x7b {method:5} {kernel:7} {block_n}x{block_k} {name}: "
                           f"{summary(sass, res, step_bytes)}", flush=True)
     if args.f16_dots:

@@ -8,8 +8,9 @@ grids are those of ops/fused_moe.py (read it first), with each weight tile dequa
   [BLOCK_N, K] slab of its pair's expert, reducing products to row sums every K step.
 - run GEMV for decode where pairs share experts (path "runs"; `default_path`): the pairs sorted by expert in
   one launch (`moe_align_small`, runs padded to P pairs); program (run, n-block[, k-split]) decodes each
-  tile once and applies it to the activation rows of its up to P pairs (`quant_tiles.run_code_dots`),
-  so an expert's codes are unpacked once per P pairs instead of once per pair.
+  tile once and applies it to the activation rows of its up to P pairs (`quant_tiles.run_code_dots`; int4 with
+  f16_dots: `run_f16_dots`, a word decoded to packed halves once for the P pairs), so an expert's codes are
+  unpacked once per P pairs instead of once per pair.
 - grouped GEMM for prefill / large batch: the pairs sorted by expert (`moe_align_block_size`); each
   K step dequantizes a [BLOCK_K, BLOCK_N] weight tile to the activations' dtype, then `tl.dot`.
 All are free of host syncs (capturable in a CUDA graph).
@@ -57,6 +58,7 @@ from moekv.ops.quant_tiles import (
     quant_row_dots,
     run_chunks,
     run_code_dots,
+    run_f16_dots,
     scale_mode,
     tile_scales,
     use_f16_dots,
@@ -73,8 +75,8 @@ class QuantGemvConfig:
     num_stages: int = 4
     # path "runs": pairs a program takes from one expert's run (a power of 2); None: default_run_pairs
     run_pairs: int | None = None
-    # the pair GEMV's int4 dots in packed halves (quant_tiles.int4_f16_dots, use_f16_dots: CUDA only, int4 groups
-    # read per tile or per group); None: quant_tiles.F16_DOTS_DEFAULT
+    # the GEMVs' int4 dots in packed halves (quant_tiles.int4_f16_dots, the run GEMV's run_f16_dots; use_f16_dots:
+    # CUDA only, int4 groups read per tile or per group); None: quant_tiles.F16_DOTS_DEFAULT
     f16_dots: bool | None = None
 
 
@@ -262,10 +264,11 @@ def _qgate_up_runs_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
                           SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           P: tl.constexpr, CHUNKS: tl.constexpr, b13_ptr=None, stride_be=0,
                           HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False, ALPHA: tl.constexpr = 1.0,
-                          LIMIT: tl.constexpr = 0.0):
+                          LIMIT: tl.constexpr = 0.0, F16_DOTS: tl.constexpr = False):
     """Program (run, n-block): h[pair, n-block] for the up-to-P pairs of one
     expert's run (sorted_ids / block_expert_ids as moe_align_block_size gives them with block_m = P), each
-    K step's two tiles decoded once and applied to every pair's x row."""
+    K step's two tiles decoded once and applied to every pair's x row. F16_DOTS: int4's dots in packed halves,
+    each word decoded once for the P pairs (quant_tiles.run_f16_dots)."""
     expert, pairs, ok = _run_pairs(sorted_ids_ptr, block_expert_ptr, num_pairs, num_runs, P)
     if expert < 0:
         return
@@ -277,14 +280,22 @@ def _qgate_up_runs_kernel(x_ptr, c_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, blo
     acc_u = tl.zeros((BLOCK_N, CHUNKS, P), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         q_g, s_g, z_g, q_u, s_u, z_u = _gate_up_tiles(c_e, s_e, z_e, rows, n_ok, k0, N, K, stride_cn, stride_sn, INT4,
-                                                      MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_ptr + tokens[None, :] * stride_xt + offs_k[:, None],
-                     mask=ok[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, P]
-        acc_g += run_code_dots(q_g, s_g, z_g, s_e, z_e, rows, n_ok, k0, xs, K, stride_sn, INT4, MXFP4, HAS_ZEROS,
-                               SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, P, CHUNKS)
-        acc_u += run_code_dots(q_u, s_u, z_u, s_e, z_e, rows + N, n_ok, k0, xs, K, stride_sn, INT4, MXFP4, HAS_ZEROS,
-                               SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, P, CHUNKS)
+                                                      MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, F16_DOTS)
+        if F16_DOTS:
+            h0, h1, h2, h3, down, x_sums = f16_activations(x_ptr + tokens * stride_xt, k0, K, HAS_ZEROS, SK,
+                                                           SCALE_MODE, BLOCK_K, ok, P, CHUNKS)
+            acc_g += run_f16_dots(q_g, s_g, z_g, h0, h1, h2, h3, down, x_sums, HAS_ZEROS, SK, SCALE_MODE, BLOCK_N,
+                                  BLOCK_K, P, CHUNKS)
+            acc_u += run_f16_dots(q_u, s_u, z_u, h0, h1, h2, h3, down, x_sums, HAS_ZEROS, SK, SCALE_MODE, BLOCK_N,
+                                  BLOCK_K, P, CHUNKS)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_ptr + tokens[None, :] * stride_xt + offs_k[:, None],
+                         mask=ok[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, P]
+            acc_g += run_code_dots(q_g, s_g, z_g, s_e, z_e, rows, n_ok, k0, xs, K, stride_sn, INT4, MXFP4, HAS_ZEROS,
+                                   SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, P, CHUNKS)
+            acc_u += run_code_dots(q_u, s_u, z_u, s_e, z_e, rows + N, n_ok, k0, xs, K, stride_sn, INT4, MXFP4,
+                                   HAS_ZEROS, SN, SK, SCALE_MODE, BLOCK_N, BLOCK_K, P, CHUNKS)
     h = activate(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), b13_ptr, expert * stride_be, offs_n[:, None],
                  n_ok[:, None], N, HAS_BIAS, CLAMPED, ALPHA, LIMIT)  # [BLOCK_N, P]
     tl.store(h_ptr + pairs.to(tl.int64)[None, :] * stride_hm + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
@@ -298,10 +309,12 @@ def _qdown_runs_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
                        stride_hm, stride_ce, stride_cn, stride_se, stride_sn, stride_ys, stride_ym,
                        INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_ZEROS: tl.constexpr, SN: tl.constexpr,
                        SK: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       P: tl.constexpr, CHUNKS: tl.constexpr, b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False):
+                       P: tl.constexpr, CHUNKS: tl.constexpr, b2_ptr=None, stride_be=0, HAS_BIAS: tl.constexpr = False,
+                       F16_DOTS: tl.constexpr = False):
     """Program (run, n-block, split): y[split, pair, n-block] for the
     up-to-P pairs of one expert's run, each tile decoded once: weight[pair] * the partial dot of h[pair]
-    over K_PER_SPLIT columns (N = H, K = I); with HAS_BIAS the expert's b2 added by split 0."""
+    over K_PER_SPLIT columns (N = H, K = I); with HAS_BIAS the expert's b2 added by split 0. F16_DOTS: int4's
+    dots in packed halves (quant_tiles.run_f16_dots)."""
     expert, pairs, ok = _run_pairs(sorted_ids_ptr, block_expert_ptr, num_pairs, num_runs, P)
     if expert < 0:
         return
@@ -315,14 +328,20 @@ def _qdown_runs_kernel(h_ptr, c_ptr, s_ptr, z_ptr, y_ptr, weights_ptr, sorted_id
     acc = tl.zeros((BLOCK_N, CHUNKS, P), dtype=tl.float32)  # per chunk of K, reduced after the loop
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = split * K_PER_SPLIT + kk
-        q = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K)
+        q = code_values(c_e, rows, n_ok, k0, K, stride_cn, INT4, MXFP4, BLOCK_N, BLOCK_K, F16_DOTS)
         s, z = tile_scales(s_e, z_e, rows, n_ok, k0, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK, SCALE_MODE,
                            BLOCK_N, BLOCK_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        hs = tl.load(h_ptr + pairs[None, :] * stride_hm + offs_k[:, None],
-                     mask=ok[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, P]
-        acc += run_code_dots(q, s, z, s_e, z_e, rows, n_ok, k0, hs, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
-                             SCALE_MODE, BLOCK_N, BLOCK_K, P, CHUNKS)
+        if F16_DOTS:
+            h0, h1, h2, h3, down, h_sums = f16_activations(h_ptr + pairs * stride_hm, k0, K, HAS_ZEROS, SK,
+                                                           SCALE_MODE, BLOCK_K, ok, P, CHUNKS)
+            acc += run_f16_dots(q, s, z, h0, h1, h2, h3, down, h_sums, HAS_ZEROS, SK, SCALE_MODE, BLOCK_N, BLOCK_K,
+                                P, CHUNKS)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            hs = tl.load(h_ptr + pairs[None, :] * stride_hm + offs_k[:, None],
+                         mask=ok[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, P]
+            acc += run_code_dots(q, s, z, s_e, z_e, rows, n_ok, k0, hs, K, stride_sn, INT4, MXFP4, HAS_ZEROS, SN, SK,
+                                 SCALE_MODE, BLOCK_N, BLOCK_K, P, CHUNKS)
     acc = tl.sum(acc, axis=1)
     if HAS_BIAS:
         if split == 0:
@@ -566,11 +585,13 @@ def _runs(x, w13, w2, weights, topk_ids, h, E, k, cfg: QuantGemvConfig, epilogue
     sorted_ids, block_expert_ids = moe_align_small(topk_ids, E, P)
     runs = block_expert_ids.numel()
     launch = dict(P=P, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    f16_13 = use_f16_dots(cfg.f16_dots, w13.method, x.device.type, w13.scale_block[1], H, cfg.block_k)
     c, s, z, sce, scn, sse, ssn = weight_args(w13)
     _qgate_up_runs_kernel[(runs * triton.cdiv(I, cfg.block_n),)](
         x, c, s, z, h, sorted_ids, block_expert_ids, M, runs, I, H, k, x.stride(0), sce, scn, sse, ssn, h.stride(0),
         **layout_constants(w13), SCALE_MODE=scale_mode(w13.scale_block[1], H, cfg.block_k), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, CHUNKS=run_chunks(w13.scale_block[1], H, cfg.block_k), **epilogue["gate_up"], **launch)
+        BLOCK_K=cfg.block_k, CHUNKS=run_chunks(w13.scale_block[1], H, cfg.block_k, f16_13), F16_DOTS=f16_13,
+        **epilogue["gate_up"], **launch)
     num_n = triton.cdiv(H, cfg.block_n)
     k_blocks = triton.cdiv(I, cfg.block_k)
     # runs that hold pairs: at most one a pair, one an expert present plus one per P pairs
@@ -579,12 +600,13 @@ def _runs(x, w13, w2, weights, topk_ids, h, E, k, cfg: QuantGemvConfig, epilogue
     k_per_split = triton.cdiv(k_blocks, splits) * cfg.block_k
     splits = triton.cdiv(I, k_per_split)
     y = torch.empty(splits, M, H, dtype=torch.float32, device=x.device)  # [S, M, H]
+    f16_2 = use_f16_dots(cfg.f16_dots, w2.method, x.device.type, w2.scale_block[1], I, cfg.block_k)
     c, s, z, sce, scn, sse, ssn = weight_args(w2)
     _qdown_runs_kernel[(runs * num_n * splits,)](
         h, c, s, z, y, weights, sorted_ids, block_expert_ids, M, runs, H, I, k_per_split, h.stride(0),
         sce, scn, sse, ssn, y.stride(0), y.stride(1), **layout_constants(w2),
         SCALE_MODE=scale_mode(w2.scale_block[1], I, cfg.block_k), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        CHUNKS=run_chunks(w2.scale_block[1], I, cfg.block_k), **epilogue["down"], **launch)
+        CHUNKS=run_chunks(w2.scale_block[1], I, cfg.block_k, f16_2), F16_DOTS=f16_2, **epilogue["down"], **launch)
     return sum_partials(y.view(splits, T, k, H), x.dtype)
 
 

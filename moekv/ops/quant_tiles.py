@@ -7,8 +7,9 @@ INT4 and MXFP4 codes share their packing (8 nibbles an int32, the lowest first);
 an E2M1 value, decoded by placing its bits in an fp16 (`e2m1_values`: exact, 2^-14 times the value,
 subnormals included), the 2^14 folded into the group's E8M0 scale (`e8m0_scales`).
 
-The int4 GEMVs can take a packed-half dot instead of the fp32 one (`int4_f16_dots`, chosen by the launchers
-through `use_f16_dots`): two nibbles an instruction (docs/decisions.md, "The int4 GEMV's dot in packed halves").
+The int4 GEMVs can take a packed-half dot instead of the fp32 one (`int4_f16_dots`, the run GEMV's `run_f16_dots`,
+chosen by the launchers through `use_f16_dots`): two nibbles an instruction (docs/decisions.md, "The int4 GEMV's dot
+in packed halves", "The run GEMV's dot in packed halves").
 """
 from __future__ import annotations
 
@@ -272,53 +273,101 @@ F16_DOTS_DEFAULT = False  # the launchers' choice where their config says None (
 F16_DOTS_TARGET_EXP = tl.constexpr(reference.F16_DOTS_TARGET_EXP)  # 2^8 <= a K step's max |x| scaled < 2^9
 
 _PACK_F16X2 = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")  # $1 -> the low half, $2 -> the high half
-_WORD_DOT_F16 = tl.constexpr("""{
-.reg .b32 w8, a0, a1, a2, a3, c, acc;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-shr.u32 w8, $1, 8;
-lop3.b32 a0, $1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a1, $1, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 a2, w8, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 a3, w8, 0x00F000F0, 0x64006400, 0xEA;
-mov.b32 c, 0x64086408;
-sub.rn.f16x2 a0, a0, c;
-sub.rn.f16x2 a2, a2, c;
-mov.b32 c, 0x2C002C00;
-mov.b32 acc, 0xD480D480;
-fma.rn.f16x2 a1, a1, c, acc;
-fma.rn.f16x2 a3, a3, c, acc;
-mul.rn.f16x2 acc, a0, $2;
-fma.rn.f16x2 acc, a1, $3, acc;
-fma.rn.f16x2 acc, a2, $4, acc;
-fma.rn.f16x2 acc, a3, $5, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}""")
+# The PTX of a word's dot, from two parts: the decode of a word (w) into its 4 f16x2 registers (a0 .. a3: nibbles
+# (i, i + 4) as n - 8, exact) and the dot of those with a word's 4 activation planes (h0 .. h3) to an fp32 (out).
 # (lop3's 0xEA: (a & b) | c. 0x6408: 1032; 0x2C00: 1/16; 0xD480: -72. Nibbles 0 / 4 and 2 / 6 read 1024 + n, less
 # 1032; 1 / 5 and 3 / 7 read 1024 + 16 n, times 1/16 less 72: n - 8 for each, exact.)
+_DECODE_PTX = """shr.u32 w8, {w}, 8;
+lop3.b32 {a0}, {w}, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 {a1}, {w}, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 {a2}, w8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 {a3}, w8, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 c, 0x64086408;
+sub.rn.f16x2 {a0}, {a0}, c;
+sub.rn.f16x2 {a2}, {a2}, c;
+mov.b32 c, 0x2C002C00;
+mov.b32 d, 0xD480D480;
+fma.rn.f16x2 {a1}, {a1}, c, d;
+fma.rn.f16x2 {a3}, {a3}, c, d;
+"""
+_DOT_PTX = """mul.rn.f16x2 acc, {a0}, {h0};
+fma.rn.f16x2 acc, {a1}, {h1}, acc;
+fma.rn.f16x2 acc, {a2}, {h2}, acc;
+fma.rn.f16x2 acc, {a3}, {h3}, acc;
+mov.b32 {{lo, hi}}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 {out}, flo, fhi;
+"""
+_DOT_REGS = ".reg .b32 acc;\n.reg .b16 lo, hi;\n.reg .f32 flo, fhi;\n"
+_A = dict(a0="a0", a1="a1", a2="a2", a3="a3")
+# the pair GEMV's word dot, both parts in one statement: $0 = the dot of word $1 with planes $2 .. $5
+_WORD_DOT_F16 = tl.constexpr("{\n.reg .b32 w8, c, d, a0, a1, a2, a3;\n" + _DOT_REGS + _DECODE_PTX.format(w="$1", **_A)
+                             + _DOT_PTX.format(out="$0", h0="$2", h1="$3", h2="$4", h3="$5", **_A) + "}")
+# the run GEMV's, apart (run_f16_dots), so that a word is decoded once for all of its pairs: $0 .. $3 = the
+# registers of word $4; $0 = the dot of registers $1 .. $4 with planes $5 .. $8
+_WORD_DECODE_F16 = tl.constexpr("{\n.reg .b32 w8, c, d;\n" + _DECODE_PTX.format(w="$4", a0="$0", a1="$1", a2="$2",
+                                                                                 a3="$3") + "}")
+_HALVES_DOT_F16 = tl.constexpr("{\n" + _DOT_REGS + _DOT_PTX.format(out="$0", a0="$1", a1="$2", a2="$3", a3="$4",
+                                                                   h0="$5", h1="$6", h2="$7", h3="$8") + "}")
+
+
+@triton.jit
+def _pack_f16x2(lo, hi):
+    """fp32 lo, hi -> int32, the f16x2 (lo, hi) each rounded to nearest (_PACK_F16X2 elementwise)."""
+    return tl.inline_asm_elementwise(_PACK_F16X2, "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _word_dots(words, h0, h1, h2, h3):
+    """int32 words against activation planes (h0 .. h3, broadcast to their shape) -> the fp32 dots (_WORD_DOT_F16
+    elementwise: a word's decode and dot in one statement)."""
+    return tl.inline_asm_elementwise(_WORD_DOT_F16, "=f,r,r,r,r,r", [words, h0, h1, h2, h3], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _word_halves(words):
+    """int32 words -> their 4 f16x2 registers (_WORD_DECODE_F16), each shaped as words."""
+    return tl.inline_asm_elementwise(_WORD_DECODE_F16, "=r,=r,=r,=r,r", [words], dtype=(tl.int32,) * 4,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _halves_dots(a0, a1, a2, a3, h0, h1, h2, h3):
+    """The fp32 dots of decoded words (a0 .. a3: _word_halves) with activation planes (h0 .. h3, broadcast to
+    their shape): _HALVES_DOT_F16 elementwise."""
+    return tl.inline_asm_elementwise(_HALVES_DOT_F16, "=f,r,r,r,r,r,r,r,r", [a0, a1, a2, a3, h0, h1, h2, h3],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 def use_f16_dots(setting: bool | None, method: str, device_type: str, scale_k: int, K: int, block_k: int) -> bool:
     """The launchers' F16_DOTS: setting (a config's f16_dots; None: F16_DOTS_DEFAULT) where it applies, int4 codes
-    whose scales are read per tile or per group, in a kernel compiled for CUDA (the interpreter, TRITON_INTERPRET=1,
-    cannot run inline PTX: there the fp32 dot runs)."""
+    whose scales are read per tile or per group of whole words (the dots are a word's), in a kernel compiled for
+    CUDA (the interpreter, TRITON_INTERPRET=1, cannot run inline PTX: there the fp32 dot runs)."""
     on = F16_DOTS_DEFAULT if setting is None else setting
+    mode = scale_mode(scale_k, K, block_k)
     return (bool(on) and method == "int4" and device_type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and scale_mode(scale_k, K, block_k) != SCALES_PER_ELEMENT)
+            and (mode == SCALES_PER_TILE or mode == SCALES_PER_GROUP and scale_k % 8 == 0))
 
 
 @triton.jit
 def f16_activations(x_row_ptr, k0, K: tl.constexpr, HAS_ZEROS: tl.constexpr, SK: tl.constexpr,
-                    SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr):
+                    SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr, rows_ok=None, P: tl.constexpr = 0,
+                    SUMS: tl.constexpr = 0):
     """One K step's activations (x_row_ptr: a 16-bit or fp32 row of K) for int4_f16_dots, prepared once for all of
     the tile's rows: (the 4 planes [BLOCK_K / 8] of f16x2 pairs (x[8w + i], x[8w + i + 4]) times 2^e, 2^-e, and the
-    fp32 sums of x a group ([BLOCK_K / SK]; SCALES_PER_TILE: the step's; 0 without zero points))."""
+    fp32 sums of x a group ([BLOCK_K / SK]; SCALES_PER_TILE: the step's; 0 without zero points)).
+    P > 0 (the run GEMV, run_f16_dots): x_row_ptr [P] rows (read where rows_ok), each scaled by its own 2^e: planes
+    [BLOCK_K / 8, P], 2^-e [P], sums [SUMS, P] (SCALES_PER_GROUP: SUMS equal spans of the step, run_chunks' chunks)
+    or [P]."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     ok = offs_w < K // 8
-    p = x_row_ptr + 8 * offs_w
+    if P > 0:
+        p = x_row_ptr[None, :] + 8 * offs_w[:, None]
+        ok = ok[:, None] & rows_ok[None, :]
+    else:
+        p = x_row_ptr + 8 * offs_w
     x0 = tl.load(p + 0, mask=ok, other=0.0).to(tl.float32)
     x1 = tl.load(p + 1, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(p + 2, mask=ok, other=0.0).to(tl.float32)
@@ -331,16 +380,19 @@ def f16_activations(x_row_ptr, k0, K: tl.constexpr, HAS_ZEROS: tl.constexpr, SK:
                    tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
     amax = tl.max(m, axis=0)
     e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 9)  # its biased exponent (9: x ~ 0)
-    up = ((254 + F16_DOTS_TARGET_EXP - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 + 8 - e)
+    # 2^(127 + 8 - e) (-e first: under the interpreter a constexpr less a tensor stays a constexpr)
+    up = ((-e + (254 + F16_DOTS_TARGET_EXP)) << 23).to(tl.float32, bitcast=True)
     down = ((e - F16_DOTS_TARGET_EXP) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 - 8)
-    h0 = tl.inline_asm_elementwise(_PACK_F16X2, "=r,f,f", [x0 * up, x4 * up], dtype=tl.int32, is_pure=True, pack=1)
-    h1 = tl.inline_asm_elementwise(_PACK_F16X2, "=r,f,f", [x1 * up, x5 * up], dtype=tl.int32, is_pure=True, pack=1)
-    h2 = tl.inline_asm_elementwise(_PACK_F16X2, "=r,f,f", [x2 * up, x6 * up], dtype=tl.int32, is_pure=True, pack=1)
-    h3 = tl.inline_asm_elementwise(_PACK_F16X2, "=r,f,f", [x3 * up, x7 * up], dtype=tl.int32, is_pure=True, pack=1)
+    h0 = _pack_f16x2(x0 * up, x4 * up)
+    h1 = _pack_f16x2(x1 * up, x5 * up)
+    h2 = _pack_f16x2(x2 * up, x6 * up)
+    h3 = _pack_f16x2(x3 * up, x7 * up)
     if HAS_ZEROS:
         xw = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BLOCK_K / 8]: each word's sum
         if SCALE_MODE == 1:
             x_sums = tl.sum(xw, axis=0)
+        elif P > 0:
+            x_sums = tl.sum(tl.reshape(xw, (SUMS, BLOCK_K // 8 // SUMS, P)), axis=1)
         else:
             x_sums = tl.sum(tl.reshape(xw, (BLOCK_K // SK, SK // 8)), axis=1)
     else:
@@ -354,9 +406,7 @@ def int4_f16_dots(words, s, z, h0, h1, h2, h3, down, x_sums, HAS_ZEROS: tl.const
     """code_dots for int4 codes in packed halves: words (code_values with F16_DOTS), s and z (tile_scales) and one
     K step's f16_activations -> fp32 [BLOCK_N], the rows' dots over the step (SCALES_PER_TILE or
     SCALES_PER_GROUP). Each word's 8 products are summed in fp16 halves, 4 each, then in fp32 (see above)."""
-    d = tl.inline_asm_elementwise(_WORD_DOT_F16, "=f,r,r,r,r,r",
-                                  [words, h0[None, :], h1[None, :], h2[None, :], h3[None, :]],
-                                  dtype=tl.float32, is_pure=True, pack=1)  # [BLOCK_N, BLOCK_K / 8]
+    d = _word_dots(words, h0[None, :], h1[None, :], h2[None, :], h3[None, :])  # [BLOCK_N, BLOCK_K / 8]
     if SCALE_MODE == 1:
         dots = tl.sum(d, axis=1) * down
         if HAS_ZEROS:
@@ -389,13 +439,14 @@ def _spread(q, P: tl.constexpr):
         return tl.reshape(tl.join(q4, q4), (N, K, 8))
 
 
-def run_chunks(scale_k: int, K: int, block_k: int) -> int:
-    """CHUNKS for run_code_dots: the partial sums along K it leaves a row and pair. With groups inside the
-    tile (SCALES_PER_GROUP), one per chunk of min(SK, BLOCK_K / 32) columns (a lane's share of a row at
-    1024-wide tiles, so each chunk's sum is scaled in its thread and no shuffles are spent a K step: sm_90
-    SASS, Mixtral's down GEMV at 16 x 1024 and 4 pairs, 96 SHFL a step -> 8); else 1."""
+def run_chunks(scale_k: int, K: int, block_k: int, f16_dots: bool = False) -> int:
+    """CHUNKS for run_code_dots (and run_f16_dots: f16_dots): the partial sums along K it leaves a row and pair.
+    With groups inside the tile (SCALES_PER_GROUP), one per chunk of min(SK, BLOCK_K / 32) columns (a lane's
+    share of a row at 1024-wide tiles, so each chunk's sum is scaled in its thread and no shuffles are spent a
+    K step: sm_90 SASS, Mixtral's down GEMV at 16 x 1024 and 4 pairs, 96 SHFL a step -> 8), at least a word's 8
+    with f16_dots; else 1."""
     if scale_mode(scale_k, K, block_k) == SCALES_PER_GROUP:
-        return block_k // min(scale_k, max(1, block_k // 32))
+        return block_k // min(scale_k, max(8 if f16_dots else 1, block_k // 32))
     return 1
 
 
@@ -427,4 +478,33 @@ def run_code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xs, K: tl.cons
         if INT4:
             x_sums = tl.sum(tl.reshape(xs, (GROUPS, CPG, CW, P)), axis=2)  # [GROUPS, CPG, P]
             dots = dots - z[:, :, None, None] * x_sums[None, :, :, :]
+        return tl.reshape(dots * s[:, :, None, None], (BLOCK_N, CHUNKS, P))
+
+
+@triton.jit
+def run_f16_dots(words, s, z, h0, h1, h2, h3, down, x_sums, HAS_ZEROS: tl.constexpr, SK: tl.constexpr,
+                 SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
+                 CHUNKS: tl.constexpr):
+    """run_code_dots in packed halves (int4, SCALES_PER_TILE or SCALES_PER_GROUP): words [BLOCK_N, BLOCK_K / 8]
+    (code_values with F16_DOTS), s and z (tile_scales) and P pairs' f16_activations (P > 0, SUMS = CHUNKS:
+    run_chunks with f16_dots) -> fp32 [BLOCK_N, CHUNKS, P]. Each word is repeated along an in-thread last dim
+    (_spread) and taken by int4_f16_dots' word dot once a pair: the decode (shift, LOP3s, centring) reads the
+    same register for every pair, so ptxas computes it once a word and each pair costs its 4 HFMA2 and the
+    conversion to fp32 (sm_90 SASS: docs/decisions.md, "The run GEMV's dot in packed halves"). A pair's half
+    sums are scaled by its own 2^-e, then the chunk's zero-point rest and scale apply as in int4_f16_dots."""
+    a0, a1, a2, a3 = _word_halves(words)
+    d = _halves_dots(_spread(a0, P), _spread(a1, P), _spread(a2, P), _spread(a3, P), h0[None, :, :],
+                     h1[None, :, :], h2[None, :, :], h3[None, :, :])  # [BLOCK_N, BLOCK_K / 8, P]
+    if SCALE_MODE == 1:
+        dots = tl.sum(d, axis=1) * down[None, :]  # [BLOCK_N, P]
+        if HAS_ZEROS:
+            dots = dots - (z - 8.0)[:, None] * x_sums[None, :]
+        return tl.reshape(s[:, None] * dots, (BLOCK_N, 1, P))
+    else:
+        GROUPS: tl.constexpr = BLOCK_K // SK
+        CPG: tl.constexpr = CHUNKS // GROUPS  # chunks a group
+        dots = tl.sum(tl.reshape(d, (BLOCK_N, GROUPS, CPG, BLOCK_K // 8 // CHUNKS, P)), axis=3)
+        dots = dots * down[None, None, None, :]  # [BLOCK_N, GROUPS, CPG, P]
+        if HAS_ZEROS:
+            dots = dots - (z - 8.0)[:, :, None, None] * tl.reshape(x_sums, (GROUPS, CPG, P))[None, :, :, :]
         return tl.reshape(dots * s[:, :, None, None], (BLOCK_N, CHUNKS, P))

@@ -19,11 +19,14 @@ weights only. The grouped GEMMs side by side, the same routing for each:
     python benchmarks/kernels/bench_moe_quant.py --shape mixtral-8x22b --tokens 16 64 128 256 \
         --path gemm gemm_swap --out benchmarks/results/h100/moe_quant_swap_8x22b.json
 
---f16-dots times int4's pair GEMV (path gemv) at every T and its projection GEMV with their dots in fp32 and in
-packed halves (quant_tiles.int4_f16_dots), both forms in the same run (rows with op moe_dots / qkv_dots, `dots`
-fp32 or f16):
+--f16-dots times int4's GEMVs at every T (the pair GEMV, or with --dots-paths the run GEMV too, at each of
+--run-pairs) and its projection GEMV with their dots in fp32 and in packed halves (quant_tiles.int4_f16_dots,
+run_f16_dots), both forms in the same run (rows with op moe_dots / qkv_dots, `dots` fp32 or f16, `path`, and
+`run_pairs` for the run GEMV):
 
     python benchmarks/kernels/bench_moe_quant.py --weights fp8 int4 --tokens 1 2 4 8 --f16-dots
+    python benchmarks/kernels/bench_moe_quant.py --weights int4 --tokens 8 16 --f16-dots --dots-paths runs \
+        --run-pairs 2 4
 
 Timings: CUDA-graph replays (triton.testing.do_bench_cudagraph, median), as the decode step runs
 them. bytes = the touched experts' codes, scales and zero points (all of a projection's) + x read +
@@ -92,8 +95,13 @@ def main() -> None:
                    help="BLOCK_NxBLOCK_K tiles to time the quantized projection GEMV (ops/quant_linear.py) with "
                         "beside its default, at one token (rows with op qkv_tile)")
     p.add_argument("--f16-dots", action="store_true",
-                   help="int4: time the pair GEMV at every T and the projection GEMV with fp32 and packed-half dots "
-                        "(rows with op moe_dots / qkv_dots)")
+                   help="int4: time the GEMVs of --dots-paths at every T and the projection GEMV with fp32 and "
+                        "packed-half dots (rows with op moe_dots / qkv_dots)")
+    p.add_argument("--dots-paths", nargs="*", choices=["gemv", "runs"], default=["gemv"],
+                   help="--f16-dots: the MoE GEMVs timed both ways (gemv: T*k <= GEMV_MAX_PAIRS; runs: T*k <= "
+                        "ALIGN_MAX_PAIRS)")
+    p.add_argument("--run-pairs", type=int, nargs="*", default=[],
+                   help="--f16-dots: P of the run GEMV's rows (default: fused_moe_quant.default_run_pairs)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     E, H, I, K_TOP, QKV, oss = SHAPES[args.shape]
@@ -169,21 +177,29 @@ def main() -> None:
                              ms=ms, floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
             print(f"moe  {weights:>5} T={T:3d} {path_arg:>4} ({taken:4}) {ms:8.4f} ms floor {floor:.4f} ms "
                   f"({floor / ms:.2f}) err {err:.1e}", flush=True)
-            if args.f16_dots and weights == "int4" and path_arg == args.path[0] and T * K_TOP <= fm.GEMV_MAX_PAIRS:
-                for f16 in (False, True):
-                    cfg = dataclasses.replace(fused_moe_quant.default_quant_gemv(q13), f16_dots=f16)
+            dots_forms = []  # (path, P) of the GEMVs timed with fp32 and packed-half dots
+            if args.f16_dots and weights == "int4" and path_arg == args.path[0]:
+                if "gemv" in args.dots_paths and T * K_TOP <= fm.GEMV_MAX_PAIRS:
+                    dots_forms.append(("gemv", 0))
+                if "runs" in args.dots_paths and T * K_TOP <= fm.ALIGN_MAX_PAIRS:
+                    dots_forms += [("runs", P or fused_moe_quant.default_run_pairs(T * K_TOP, E))
+                                   for P in args.run_pairs or [0]]
+            for (dots_path, P), f16 in [(form, f16) for form in dots_forms for f16 in (False, True)]:
+                cfg = dataclasses.replace(fused_moe_quant.default_quant_gemv(q13), f16_dots=f16, run_pairs=P or None)
 
-                    def gemv(cfg=cfg):
-                        return fused_moe_quant.fused_moe_quant(x, q13, q2, topw, ids, path="gemv", config=cfg,
-                                                               **epilogue)
+                def gemv(cfg=cfg, dots_path=dots_path):
+                    return fused_moe_quant.fused_moe_quant(x, q13, q2, topw, ids, path=dots_path, config=cfg,
+                                                           **epilogue)
 
-                    err = ((gemv().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                    ms = do_bench_cudagraph(gemv, rep=200)
-                    dots = "f16" if f16 else "fp32"
-                    rows.append(dict(op="moe_dots", shape=args.shape, weights=weights, tokens=T, path="gemv", dots=dots,
-                                     ms=ms, floor_ms=floor, frac_of_floor=floor / ms, bytes=nbytes, max_err=err))
-                    print(f"moe  {weights:>5} T={T:3d} gemv {dots:>4} dots {ms:8.4f} ms floor {floor:.4f} ms "
-                          f"({floor / ms:.2f}) err {err:.1e}", flush=True)
+                err = ((gemv().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                ms = do_bench_cudagraph(gemv, rep=200)
+                dots = "f16" if f16 else "fp32"
+                rows.append(dict(op="moe_dots", shape=args.shape, weights=weights, tokens=T, path=dots_path,
+                                 run_pairs=P or None, dots=dots, ms=ms, floor_ms=floor, frac_of_floor=floor / ms,
+                                 bytes=nbytes, max_err=err))
+                name = f"runs P={P}" if P else "gemv"
+                print(f"moe  {weights:>5} T={T:3d} {name} {dots:>4} dots {ms:8.4f} ms floor {floor:.4f} ms "
+                      f"({floor / ms:.2f}) err {err:.1e}", flush=True)
             if weights == "bf16" or T != 1 or path_arg != args.path[0]:
                 continue
             for tile in args.gemv_tiles:

@@ -9,7 +9,7 @@ subnormals included), the 2^14 folded into the group's E8M0 scale (`e8m0_scales`
 
 The int4 GEMVs can take a packed-half dot instead of the fp32 one (`int4_f16_dots`, the run GEMV's `run_f16_dots`,
 chosen by the launchers through `use_f16_dots`): two nibbles an instruction (docs/decisions.md, "The int4 GEMV's dot
-in packed halves", "The run GEMV's dot in packed halves").
+in packed halves").
 """
 from __future__ import annotations
 
@@ -490,7 +490,7 @@ def run_f16_dots(words, s, z, h0, h1, h2, h3, down, x_sums, HAS_ZEROS: tl.conste
     run_chunks with f16_dots) -> fp32 [BLOCK_N, CHUNKS, P]. Each word is repeated along an in-thread last dim
     (_spread) and taken by int4_f16_dots' word dot once a pair: the decode (shift, LOP3s, centring) reads the
     same register for every pair, so ptxas computes it once a word and each pair costs its 4 HFMA2 and the
-    conversion to fp32 (sm_90 SASS: docs/decisions.md, "The run GEMV's dot in packed halves"). A pair's half
+    conversion to fp32 (sm_90 SASS: docs/decisions.md, "The int4 GEMV's dot in packed halves"). A pair's half
     sums are scaled by its own 2^-e, then the chunk's zero-point rest and scale apply as in int4_f16_dots."""
     a0, a1, a2, a3 = _word_halves(words)
     d = _halves_dots(_spread(a0, P), _spread(a1, P), _spread(a2, P), _spread(a3, P), h0[None, :, :],

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:  # PYTHONPATH's entries stay first (a baseline tree ahead of this checkout)
+    sys.path.insert(0, str(REPO))
 
 from moekv.context import Context  # noqa: E402
 from moekv.engine.cuda_graphs import capture_after_warmup  # noqa: E402
@@ -500,6 +501,7 @@ def main() -> None:
         "shape": args.shape, "decode_kernel": args.decode_kernel, "hbm_copy_bandwidth_bytes_per_s": bandwidth,
         "num_layers": args.num_layers, "weights_bytes": weights_bytes,
         "kv_free_bytes": free_bytes, "seconds": round(time.time() - started, 1), "rows": rows,
+        "moekv_tree": str(Path(sys.modules["moekv"].__file__).resolve().parents[1]),  # which checkout ran
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:  # PYTHONPATH's entries stay first (a baseline tree ahead of this checkout)
+    sys.path.insert(0, str(REPO))
 
 from moekv import LLM, SamplingParams  # noqa: E402
 from moekv.config import default_model_path  # noqa: E402

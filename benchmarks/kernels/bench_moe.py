@@ -24,7 +24,8 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if str(Path(__file__).resolve().parents[2]) not in sys.path:  # PYTHONPATH's entries first (a baseline tree)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moekv.ops import fused_moe as fm  # noqa: E402
 from moekv.ops.reference import fused_moe_ref, silu_and_mul_ref  # noqa: E402
 

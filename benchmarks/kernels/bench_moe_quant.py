@@ -47,7 +47,8 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if str(Path(__file__).resolve().parents[2]) not in sys.path:  # PYTHONPATH's entries first (a baseline tree)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moekv.models.mxfp4 import mxfp4_weight  # noqa: E402
 from moekv.models.quantize import quantize_stacked  # noqa: E402
 from moekv.ops import dense_gemv, fused_moe_quant, quant_linear  # noqa: E402

@@ -17,7 +17,8 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if str(Path(__file__).resolve().parents[2]) not in sys.path:  # PYTHONPATH's entries first (a baseline tree)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import measure_hbm_gbps  # noqa: E402
 

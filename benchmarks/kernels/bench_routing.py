@@ -41,7 +41,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if str(Path(__file__).resolve().parents[2]) not in sys.path:  # PYTHONPATH's entries first (a baseline tree)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moekv.ops.fused_routing import fused_cluster_routing, fused_routing  # noqa: E402
 from moekv.ops.reference import cluster_routing_ref, fused_routing_ref, rms_norm_ref, topk_softmax_ref  # noqa: E402
 from moekv.ops.rms_norm_coarse_gate import rms_norm_coarse_gate  # noqa: E402

@@ -97,7 +97,8 @@ def latent_format(factory):
 
 
 def random_v3(out: Path, gamma_spread: float) -> Path:
-    sys.path.insert(0, str(REPO))
+    if str(REPO) not in sys.path:  # PYTHONPATH's entries stay first (a baseline tree ahead of this checkout)
+        sys.path.insert(0, str(REPO))
     from safetensors.torch import load_file, save_file
 
     from tests.checkpoints import build_deepseek_checkpoint

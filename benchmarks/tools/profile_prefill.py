@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:  # PYTHONPATH's entries stay first (a baseline tree ahead of this checkout)
+    sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 
 from bench_engine import write_checkpoint_folder  # noqa: E402

@@ -40,7 +40,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:  # PYTHONPATH's entries stay first (a baseline tree ahead of this checkout)
+    sys.path.insert(0, str(REPO))
 
 from moekv.kvcache.formats import get_kv_format  # noqa: E402
 from moekv.ops.decode import paged as da  # noqa: E402

@@ -14,3 +14,4 @@ if [ -n "$BASELINE_OVERLAY" ] && [ -d "$BASELINE_OVERLAY/moekv" ]; then
   PYTHONPATH="$BASELINE_OVERLAY:." timeout 150 python benchmarks/e2e/bench_decode.py $ARGS \
     --out "$OUT/decode_int4_gemm.json" 2>&1 | grep -E "TPOT|skipped|GiB"
 fi
+grep -h '"moekv_tree"' "$OUT"/decode_int4_*.json  # the two runs must name different trees

@@ -189,7 +189,7 @@ def test_tiered_passes_its_outlier_cap_to_its_nuq2_tier():
 
     P, D, cap = 64, 32, 5
     fmt = get_kv_format("tiered", torch.bfloat16, outlier_cap=cap)
-    assert fmt.lo.outlier_cap == cap and get_kv_format("tiered", torch.bfloat16).lo.outlier_cap == 16
+    assert fmt.lo.outlier_cap == cap and get_kv_format("tiered", torch.bfloat16).lo.outlier_cap == 1024
     x = 0.01 * torch.randn(1, 1, P, D, generator=torch.Generator().manual_seed(2))
     spikes = torch.randperm(P * D, generator=torch.Generator().manual_seed(3))[:12]
     x.view(-1)[spikes] = torch.linspace(1.0, 10.0, 12)

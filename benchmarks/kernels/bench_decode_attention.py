@@ -111,10 +111,11 @@ FORMATS = {
     # (timed only when named): against "nuq2" it shows what the slot chunks past the first cost the kernel
     "nuq2_all_slots": ("nuq2", {"codebook": "page", "residual": 0, "outlier_cap": 1024}),
     # tiered with its nuq2 tier filling every slot the same way (timed only when named)
-    "tiered_all_slots": ("tiered", {"outlier_cap": 1024}),
+    "tiered_all_slots": ("tiered", {"outlier_cap": 1024}),  # tiered's default: every slot
+    "tiered_cap16": ("tiered", {"outlier_cap": 16}),  # its nuq2 tier at nuq2's cap
 }
 PREROPE = {"nuq2_prerope", "vq_prerope"}
-ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_all_slots", "tiered_all_slots", "nuq2_r256"}
+ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_all_slots", "tiered_all_slots", "tiered_cap16", "nuq2_r256"}
 ROPE_THETA = 1e6  # the RoPE base keys stored before RoPE are rotated by (a Mixtral's; the speed does not depend on it)
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}

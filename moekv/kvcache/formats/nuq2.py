@@ -213,9 +213,11 @@ OUTLIER_SIGMA = KVOption("outlier_sigma", None, "nuq2/tiered: outlier threshold 
 # Gluon kernel adds slots in chunks of 16 a kind and runs a further chunk only where more are used, so 16
 # bounds its slot work on any data (docs/decisions.md, "nuq2's outlier slots: the threshold against the
 # kernel's time"). The slab keeps its slots (the bits do not change); the rest stay unused. Default None,
-# each format's own (16 for nuq2 and tiered's nuq2 tier); a cap at or above the slab's slots fills them all
+# each format's own (16 for nuq2, every slot for tiered's nuq2 tier); a cap at or above the slab's slots fills
+# them all
 OUTLIER_CAP = KVOption("outlier_cap", None, "nuq2/tiered: the most outlier slots a page-head fills a kind, its largest "
-                       "deviations (default: the format's own, 16; 1024 fills every slot of the page padding)",
+                       "deviations (default: the format's own, 16 for nuq2, every slot for tiered; 1024 fills every "
+                       "slot of the page padding)",
                        lambda value: None if value is None else integer_at_least(1)(value), kind=int)
 
 

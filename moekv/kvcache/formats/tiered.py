@@ -134,6 +134,10 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
     graph_support = GraphSupport.DECODE_WITH_LISTED_FILLS
     # its low tier's options are nuq2's
     default_outlier_sigma = 3.0
+    # its nuq2 tier fills every outlier slot (nuq2 alone fills at most 16): at 16, domain-moe's code domain
+    # went from +0.8% to +1.5% through the Gluon kernel, past tiered's +1% (docs/decisions.md, "tiered's nuq2
+    # tier fills every outlier slot")
+    default_outlier_cap = 1024
     engine_options = (
         KVOption("rerank_interval", 32, "tiered: decode steps between re-rankings", integer_at_least(1)),
         KVOption("tier1_fraction", 0.10, "tiered: share of pages kept in FP8", fraction),
@@ -171,7 +175,8 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         # domain-moe's worst domain from +1.6% to +0.8% for no bits read, the slots being page padding
         # (docs/decisions.md, "tiered at 10% FP8 pages")
         self.lo = NUQ2Format(outlier_sigma=self.default_outlier_sigma if outlier_sigma is None else outlier_sigma,
-                             calibration=calibration, codebook=codebook, residual=0, outlier_cap=outlier_cap)
+                             calibration=calibration, codebook=codebook, residual=0,
+                             outlier_cap=self.default_outlier_cap if outlier_cap is None else outlier_cap)
         self.rerank_interval = rerank_interval
         self.tier1_fraction = tier1_fraction
         self.fp8_pool_fraction = fp8_pool_fraction if fp8_pool_fraction is not None else min(1.0, tier1_fraction + 0.1)

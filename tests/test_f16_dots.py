@@ -389,10 +389,10 @@ def test_gpu_projection_gemv_matches_emulation(K, kind, zero_point):
     q = quantize_int4(w, 128, zero_point=zero_point)
     x = _activations(kind, K, g)
     shape = dataclasses.replace(ql.SHAPE_OF_METHOD["int4"], f16_dots=True)
-    out = ql.quant_gemv(x[None].cuda(), q.to("cuda"), shape=shape)[0].double().cpu()
     emulated = int4_f16_dots_ref(q.codes, q.scales, q.zeros, x, 128, min(shape.block_k, triton.next_power_of_2(K)))
     exact = linear_ref(x.double()[None], q.dequantize(torch.float64))[0]
     bound = f16_error_bound(q.codes, q.scales, x, 128)
+    out = ql.quant_gemv(x[None].cuda(), q.to("cuda"), shape=shape)[0].double().cpu()  # (nn.Module.to moves q itself)
     assert ((out - exact).abs() <= bound + 1e-6 * exact.abs().max()).all()
     assert (out - emulated).abs().max().item() <= 1e-5 * exact.abs().max().item()
 

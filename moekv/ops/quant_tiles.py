@@ -269,7 +269,11 @@ def code_dots(q, s, z, scales_ptr, zeros_ptr, rows, n_ok, k0, xv, K: tl.constexp
 # rounds 4 times (a HMUL2, 3 HFMA2), so a row's error is at most 2^-9 sum |n - 8| |x| times the scales
 # (reference.f16_error_bound); on Mixtral-shaped rows it is ~3e-4 of the dot's rms against int4's own ~0.1
 # (benchmarks/tools/f16_dots_error.py; reference.int4_f16_dots_ref emulates it operation for operation).
-F16_DOTS_DEFAULT = False  # the launchers' choice where their config says None (use_f16_dots)
+# The launchers' choice where their config says None (use_f16_dots). On: on an H100 the MoE pair GEMV at T = 1 / 2
+# / 4 read at 0.74 / 0.67 / 0.64 of its floor against the fp32 dots' 0.68 / 0.57 / 0.51, the run GEMV at T = 8
+# 0.445 against 0.541 ms, the projection GEMV 0.69 against 0.57, with the same errors (docs/decisions.md, "The
+# int4 GEMV's dot in packed halves")
+F16_DOTS_DEFAULT = True
 F16_DOTS_TARGET_EXP = tl.constexpr(reference.F16_DOTS_TARGET_EXP)  # 2^8 <= a K step's max |x| scaled < 2^9
 
 _PACK_F16X2 = tl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")  # $1 -> the low half, $2 -> the high half

@@ -31,8 +31,8 @@
 # ~10%); at T=16 (P = 4, and P = 2 alike) 0.60-0.73 ms, 0.34-0.41 of the floor, level with the swap-AB GEMM's
 # 0.67 ms (fp32 dots 0.76-0.93); at T = 1 2 4 the run GEMV stays behind the pair GEMV, as with fp32 dots.
 source "$(dirname "$0")/preamble.sh" w4f16 name,memory.total
-PARALLEL=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
-timeout 150 python -m pytest -q -m gpu $PARALLEL -rf -p no:cacheprovider tests/test_f16_dots.py tests/test_quant_kernels.py \
+# serially: four pytest workers ran an H100 out of memory
+timeout 150 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_f16_dots.py tests/test_quant_kernels.py \
   > "$OUT/gpu_tests_w4f16.log" 2>&1
 tail -8 "$OUT/gpu_tests_w4f16.log"; el "GPU tests (packed-half dots, quantized kernels)"
 timeout 120 python benchmarks/kernels/bench_moe_quant.py --weights fp8 int4 --tokens 1 2 4 8 16 --f16-dots \

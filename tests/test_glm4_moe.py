@@ -193,19 +193,22 @@ def test_every_cpu_kv_format_runs_glm(glm_ckpts, fmt, tmp_path):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_head_groups_beyond_the_gluon_kernels_take_triton_under_auto(glm_ckpts):
-    """decode_kernel 'auto' becomes 'triton' for 12 query heads per KV head (GLM-4.5's 96 / 8), which the
-    Gluon kernels take only in parts (8 + 4), as the engine builds the format; 'gluon' stands."""
+def test_head_groups_the_gluon_kernels_take_in_parts_stay_on_them_under_auto(glm_ckpts):
+    """decode_kernel 'auto' stands for 12 query heads per KV head (GLM-4.5's 96 / 8), which the Gluon kernels
+    take in two parts (8 + 4), and becomes 'triton' for 15 (four parts), as the engine builds the format;
+    'gluon' stands."""
     from moekv.config import EngineConfig
     from moekv.engine.model_runner import kv_format_for
     from moekv.kvcache.formats.fragment import decode_kernel_for_model
 
-    assert decode_kernel_for_model("auto", 96, 8) == "triton" and decode_kernel_for_model("auto", 120, 8) == "triton"
-    assert decode_kernel_for_model("auto", 64, 8) == "auto" and decode_kernel_for_model("gluon", 96, 8) == "gluon"
+    assert decode_kernel_for_model("auto", 96, 8) == "auto" and decode_kernel_for_model("auto", 120, 8) == "triton"
+    assert decode_kernel_for_model("auto", 64, 8) == "auto" and decode_kernel_for_model("gluon", 120, 8) == "gluon"
     cfg = load_model_config(glm_ckpts["glm_a"])  # 4 / 1
     config = EngineConfig(kv_cache_dtype="nuq2")
     assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "auto"
     cfg.num_heads = 12
+    assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "auto"
+    cfg.num_heads = 15
     assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "triton"
     config = EngineConfig(kv_cache_dtype="nuq2", decode_kernel="gluon")
     assert kv_format_for(config, torch.bfloat16, cfg).decode_kernel == "gluon"

@@ -43,11 +43,12 @@ def test_query_group_parts_are_the_fewest_kernel_groups():
         query_group_parts(0)
 
 
-def test_auto_keeps_gluon_for_whole_groups_only():
-    assert GLUON_MAX_GROUP_PARTS == 1
-    for heads, kv in ((32, 8), (64, 8), (8, 8), (16, 8)):  # 4 8 1 2
+def test_auto_keeps_gluon_for_groups_of_at_most_two_parts():
+    assert GLUON_MAX_GROUP_PARTS == 2
+    # 4, 8, 1, 2 (whole groups); 12 = 8 + 4 (GLM-4.5), 16 = 8 + 8, 6 = 4 + 2
+    for heads, kv in ((32, 8), (64, 8), (8, 8), (16, 8), (96, 8), (128, 8), (48, 8)):
         assert decode_kernel_for_model("auto", heads, kv) == "auto", (heads, kv)
-    for heads, kv in ((96, 8), (128, 8), (48, 8), (120, 8), (40, 3)):  # 12 = 8 + 4, 16, 6, 15, no whole group
+    for heads, kv in ((120, 8), (56, 8), (40, 3)):  # 15 = 8 + 4 + 2 + 1, 7 = 4 + 2 + 1, no whole group
         assert decode_kernel_for_model("auto", heads, kv) == "triton", (heads, kv)
     for choice in ("gluon", "triton"):  # an explicit choice stands
         assert decode_kernel_for_model(choice, 120, 8) == choice

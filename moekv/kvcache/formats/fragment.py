@@ -24,11 +24,12 @@ from moekv.kvcache.formats.paged import PagedQuantFormat
 # query heads per KV head the Gluon decode kernels take (a KV head's group is the MMA's N, up to 8)
 GLUON_QUERY_GROUPS = (1, 2, 4, 8)
 # a larger group runs a Gluon kernel once per part of it (query_group_parts), each part reading every page
-# once more (GLM-4.5's 12 = 8 + 4: two reads). decode_kernel='auto' lays out for the Gluon kernels only the
-# groups they take in at most this many parts: 1, whole groups, as the parts are checked on the CPU against
-# stand-ins and not on a GPU; decode_kernel='gluon' takes any group in parts (docs/decisions.md, "Query
+# once more (GLM-4.5's 12 = 8 + 4: two reads). decode_kernel='auto' lays out for the Gluon kernels the groups
+# they take in at most this many parts: two reads beat the Triton kernel's one where the cache is large (H100,
+# GLM-4.5-Air's 10 layers at 32 x 32k: nuq2 20.6 against 36.0 ms, kivi2 18.5 against 26.1), and cost up to
+# 0.2 ms a step at batch 1 x 4k; decode_kernel='gluon' takes any group in parts (docs/decisions.md, "Query
 # groups beyond 8")
-GLUON_MAX_GROUP_PARTS = 1
+GLUON_MAX_GROUP_PARTS = 2
 
 
 def query_group_parts(group: int) -> tuple[tuple[int, int], ...]:

@@ -2,6 +2,8 @@
 float64 oracle. Without CUDA they run under TRITON_INTERPRET=1 on CPU tensors (fp32/fp16)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -120,3 +122,47 @@ def test_partial_rotary_refuses_bad_rotary_dim():
     for bad in (0, 7, 18):
         with pytest.raises(ValueError, match="rotary_dim must be even and in"):
             ro.apply_rotary(torch.arange(2, device=DEVICE), x, x, 1e4, bad)
+
+
+# gpt-oss-20b's YaRN (factor 32 over 4096 positions, theta 150000, untruncated ramp)
+YARN = dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            attention_factor=0.1 * math.log(32.0) + 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D, R", [(64, 64), (32, 16)])
+def test_yarn_rotary_matches_reference(D, R, dtype):
+    """Scaled RoPE (YaRN): the kernel reads the inverse-frequency table and multiplies cos and sin by
+    the attention factor. Oracle: float64 cos/sin of the same fp32 angles (the table is the
+    specification: yarn_inv_freq, checked against transformers' in test_gpt_oss.py)."""
+    from moekv.layers.rotary import RotaryEmbedding
+    from moekv.models.model_config import YarnRope
+
+    theta, yarn = 150000.0, YarnRope(**YARN)
+    rope = RotaryEmbedding(D, theta, R, yarn)
+    inv_freq = rope.inv_freq(torch.device(DEVICE))
+    assert inv_freq.shape == (R // 2,) and inv_freq.dtype == torch.float32
+    g = torch.Generator().manual_seed(D + R)
+    T, Hq, Hkv = 5, 4, 2
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEVICE)
+    q = qkv[:, :Hq * D].reshape(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D)
+    positions = torch.tensor([0, 1, 7, 511, 5000], device=DEVICE)
+    q_out, k_out = ro.apply_rotary(positions, q, k, theta, R, inv_freq, rope.scale)
+    angles = (positions.float()[:, None] * inv_freq[None, :]).double()  # the reference's fp32 product
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos() * rope.scale, emb.sin() * rope.scale
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    for x, out in ((q, q_out), (k, k_out)):
+        exact = apply_rotary_ref(x.double(), cos, sin)
+        assert ((out.double() - exact).norm() / exact.norm()) < tol
+        ref = apply_rotary_ref(x, *rope.cos_sin(positions, dtype))  # the layer's CPU path
+        assert ((out.double() - ref.double()).norm() / exact.norm()) < tol
+        # position 0 is the scale alone, not the identity (the unrotated elements pass as they are);
+        # plain RoPE at theta is another rotation
+        assert torch.allclose(out[0, :, :R].double(), x[0, :, :R].double() * rope.scale, rtol=tol, atol=tol)
+        assert torch.equal(out[..., R:], x[..., R:])
+        plain = apply_rotary_ref(x.double(), *rotary_cos_sin_ref(positions, R, theta, torch.float64))
+        assert ((out.double() - plain)[1:].norm() / plain[1:].norm()) > 10 * tol
+    with pytest.raises(ValueError, match="inv_freq must be"):
+        ro.apply_rotary(positions, q, k, theta, R, inv_freq.double(), rope.scale)

@@ -179,6 +179,43 @@ def test_partial_rope_pages_and_staging_match_the_unfused_path(D, R, dtype, cach
         assert_same(g, w)
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("step", [PREFILL, DECODE], ids=["prefill", "decode"])
+def test_yarn_pages_match_the_unfused_path(step, dtype, cache_dtype):
+    """Scaled RoPE (gpt-oss's YaRN: a table of inverse frequencies, cos and sin times the attention
+    factor): the same q and stored k, v as the RoPE kernel with that table followed by the reference
+    store, and within the model dtype's rounding of the reference (rope_kv_write_ref)."""
+    from moekv.layers.rotary import RotaryEmbedding
+    from moekv.models.model_config import YarnRope
+
+    D, Hq, Hkv, N, P, theta = 64, 8, 2, 8, 16, 150000.0
+    rope = RotaryEmbedding(D, theta, yarn=YarnRope(factor=32.0, original_max_position_embeddings=4096,
+                                                  beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                  attention_factor=1.35))
+    inv_freq = rope.inv_freq(torch.device(DEVICE))
+    positions = torch.tensor(step["positions"], device=DEVICE)
+    slots = torch.tensor(step["slots"], device=DEVICE)
+    T = len(positions)
+    q, k, v = qkv(T, Hq, Hkv, D, dtype, seed=T)
+    k_pages = torch.full((N, Hkv, P, D), POISON, dtype=cache_dtype, device=DEVICE)
+    v_pages = k_pages.clone()
+    q_out = rkw.rope_kv_write(positions, q, k, v, theta, k_pages, v_pages, slots, inv_freq=inv_freq,
+                              scale=rope.scale)
+    q_rot, k_rot = ro.apply_rotary(positions, q, k, theta, D, inv_freq, rope.scale)
+    k_exp, v_exp = torch.full_like(k_pages, POISON), torch.full_like(v_pages, POISON)
+    write_kv_pages_ref(k_exp, v_exp, k_rot, v, slots)
+    assert_same(q_out, q_rot)
+    assert_same(k_pages, k_exp)
+    assert torch.equal(v_pages, v_exp)
+    k_ref, v_ref = torch.full_like(k_pages, POISON), torch.full_like(v_pages, POISON)
+    q_ref = rope_kv_write_ref(positions, q, k, v, theta, k_ref, v_ref, slots, inv_freq=inv_freq, scale=rope.scale)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert torch.allclose(q_out.float(), q_ref.float(), rtol=tol, atol=tol)
+    assert torch.allclose(k_pages.float(), k_ref.float(), rtol=tol, atol=tol)
+    plain = rope_kv_write_ref(positions, q, k, v, theta, k_ref.clone(), v_ref.clone(), slots)
+    assert not torch.allclose(q_out.float(), plain.float(), rtol=10 * tol, atol=10 * tol)  # the table is read
+
+
 def test_bad_shapes_are_refused():
     q, k, v = qkv(2, 2, 1, 32, torch.float32, 0)
     pos, idx = torch.arange(2, device=DEVICE), torch.arange(2, device=DEVICE)
@@ -258,11 +295,16 @@ def test_which_formats_fuse(tmp_path):
     assert tiered.fused_rope_write_target(cache, k, dec) is None
 
 
-def make_attention(dtype, head_dim=32, num_heads=4, num_kv_heads=2, seed=0, rotary_dim=0):
+def make_attention(dtype, head_dim=32, num_heads=4, num_kv_heads=2, seed=0, rotary_dim=0, yarn=False):
+    """yarn: gpt-oss's scaled RoPE (factor 32 over 4096 positions)."""
+    from moekv.models.model_config import YarnRope
+
+    scaled = YarnRope(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                      truncate=False, attention_factor=1.35) if yarn else None
     cfg = ModelConfig(architecture="test", vocab_size=8, hidden_size=64, num_layers=1, num_heads=num_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=THETA,
                       max_position_embeddings=4096, num_experts=1, top_k=1, moe_intermediate_size=8,
-                      norm_topk_prob=False, rotary_dim=rotary_dim)
+                      norm_topk_prob=False, rotary_dim=rotary_dim, yarn=scaled)
     attn = Attention(cfg, 0)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -271,7 +313,7 @@ def make_attention(dtype, head_dim=32, num_heads=4, num_kv_heads=2, seed=0, rota
     return attn.to(dtype).to(DEVICE)
 
 
-def run_both_ways(fmt_name, dtype, steps, P, observer=False, monkeypatch=None, rotary_dim=0):
+def run_both_ways(fmt_name, dtype, steps, P, observer=False, monkeypatch=None, rotary_dim=0, yarn=False):
     """Run the same steps through the layer fused and unfused; return (outputs, caches, observed k) per way.
     rotary_dim: partial RoPE over that many of the head's 32 elements (0: all)."""
     results, calls = [], []
@@ -279,7 +321,7 @@ def run_both_ways(fmt_name, dtype, steps, P, observer=False, monkeypatch=None, r
         launch = rkw.rope_kv_write
         monkeypatch.setattr(rkw, "rope_kv_write", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     for fuse in (True, False):
-        attn = make_attention(dtype, rotary_dim=rotary_dim)
+        attn = make_attention(dtype, rotary_dim=rotary_dim, yarn=yarn)
         attn.hooks.fuse_rope_write = fuse
         fmt = get_kv_format(fmt_name, dtype, **({"residual": 32} if fmt_name == "kivi2" else {}))
         attn.hooks.kv_format, attn.hooks.kv_cache = fmt, fmt.allocate(16, 2, P, 32, torch.device(DEVICE), 4, dtype)
@@ -295,18 +337,19 @@ def run_both_ways(fmt_name, dtype, steps, P, observer=False, monkeypatch=None, r
     return results
 
 
-@pytest.mark.parametrize("fmt_name, dtype, rotary_dim", [("fp32", torch.float32, 0), ("fp16", torch.float16, 0),
-                                                         ("int4", torch.float16, 0), ("kivi2", torch.float16, 0),
-                                                         ("fp32", torch.float32, 16), ("kivi2", torch.float16, 16)])
-def test_layer_fused_matches_unfused(fmt_name, dtype, rotary_dim, monkeypatch):
-    """rotary_dim 16 of 32: partial RoPE (GLM-4.5) through both paths."""
+@pytest.mark.parametrize("fmt_name, dtype, rotary_dim, yarn", [
+    ("fp32", torch.float32, 0, False), ("fp16", torch.float16, 0, False), ("int4", torch.float16, 0, False),
+    ("kivi2", torch.float16, 0, False), ("fp32", torch.float32, 16, False), ("kivi2", torch.float16, 16, False),
+    ("fp32", torch.float32, 0, True), ("fp16", torch.float16, 0, True), ("int4", torch.float16, 0, True)])
+def test_layer_fused_matches_unfused(fmt_name, dtype, rotary_dim, yarn, monkeypatch):
+    """rotary_dim 16 of 32: partial RoPE (GLM-4.5) through both paths; yarn: gpt-oss's scaled RoPE."""
     P = 32
     if fmt_name.startswith("fp"):
         steps = [prefill_ctx([(0, 5), (30, 4)], P), decode_ctx([6, 35], [0, 1], P)]
     else:  # the staged formats fuse decode steps that fill no page
         steps = [decode_ctx([3, 20, 9], [2, 0, 3], P), decode_ctx([4, 21, 10], [2, 0, 3], P)]
     (out_f, cache_f, _), (out_u, cache_u, _) = run_both_ways(fmt_name, dtype, steps, P, monkeypatch=monkeypatch,
-                                                             rotary_dim=rotary_dim)
+                                                             rotary_dim=rotary_dim, yarn=yarn)
     tol = 1e-4 if dtype == torch.float32 else 1e-2  # the CPU unfused path rotates with model-dtype cos/sin
     for a, b in zip(out_f, out_u):
         assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
@@ -325,9 +368,9 @@ def test_observer_keeps_the_unfused_path(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rotary_dim", [0, 16])  # 16 of 32: partial RoPE (GLM-4.5)
+@pytest.mark.parametrize("rotary_dim, yarn", [(0, False), (16, False), (0, True)])  # 16 of 32: GLM-4.5; gpt-oss
 @pytest.mark.parametrize("fmt_name", ["bf16", "int4", "fp8_e4m3", "kivi2"])
-def test_layer_fused_matches_unfused_cuda_bf16(fmt_name, rotary_dim, monkeypatch):
+def test_layer_fused_matches_unfused_cuda_bf16(fmt_name, rotary_dim, yarn, monkeypatch):
     """On CUDA both paths rotate with the same fp32 expression: the caches must agree to the bit
     (k allowed one bf16 rounding step, in case the compiler contracts the products differently)."""
     P = 32
@@ -335,7 +378,8 @@ def test_layer_fused_matches_unfused_cuda_bf16(fmt_name, rotary_dim, monkeypatch
     if fmt_name == "bf16":
         steps = [prefill_ctx([(0, 5), (30, 4), (64, 17)], P)] + steps
     (out_f, cache_f, _), (out_u, cache_u, _) = run_both_ways(fmt_name, torch.bfloat16, steps, P,
-                                                             monkeypatch=monkeypatch, rotary_dim=rotary_dim)
+                                                             monkeypatch=monkeypatch, rotary_dim=rotary_dim,
+                                                             yarn=yarn)
     for a, b in zip(out_f, out_u):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     for name in cache_u:

@@ -102,14 +102,16 @@ class Attention(nn.Module):
         fmt, cache = hooks.kv_format, hooks.kv_cache
         target = None
         fuse = x.is_cuda if hooks.fuse_rope_write is None else hooks.fuse_rope_write
-        # an observer needs the rotated k, and YaRN the reference RoPE: the unfused path
-        if fuse and hooks.kv_observer is None and self.rotary.fusable:
+        # an observer needs the rotated k: the unfused path
+        if fuse and hooks.kv_observer is None:
             target = fmt.fused_rope_write_target(cache, k, ctx)
         if target is not None:
             from moekv.ops.rope_kv_write import rope_kv_write
 
-            q = rope_kv_write(ctx.positions, q, k, v, self.rotary.theta, target.k_dest, target.v_dest, target.index,
-                              target.staged, target.k_ring, target.v_ring, self.rotary.rotary_dim)
+            rotary = self.rotary
+            q = rope_kv_write(ctx.positions, q, k, v, rotary.theta, target.k_dest, target.v_dest, target.index,
+                              target.staged, target.k_ring, target.v_ring, rotary.rotary_dim, rotary.inv_freq(q.device),
+                              rotary.scale)
             # k stays unrotated here, so no step_kv: compressed formats fuse the store in one-token
             # steps only, which read the cache alone; plain ones read pages that hold the K/V as computed
             step_kv = None

@@ -31,9 +31,10 @@ def yarn_inv_freq(head_dim: int, theta: float, yarn: YarnRope) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """RoPE (rotate-half layout) applied to q [T, Hq, D] and k [T, Hkv, D] at their positions: plain
-    at `theta`, or YaRN-scaled (`yarn`; the CUDA kernels know plain RoPE only, so YaRN takes the
-    reference on every device: `fusable` is False); with rotary_dim < head_dim (partial RoPE, GLM-4.5)
-    only each head's first rotary_dim elements."""
+    at `theta`, or YaRN-scaled (`yarn`: its inverse frequencies as a table built once per device,
+    cos and sin multiplied by its attention factor); with rotary_dim < head_dim (partial RoPE,
+    GLM-4.5) only each head's first rotary_dim elements. The CUDA kernels (ops/rotary.py, the fused
+    RoPE + KV write) take every variant; elsewhere the reference."""
 
     def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None,
                  yarn: YarnRope | None = None) -> None:
@@ -42,26 +43,28 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.rotary_dim = rotary_dim or head_dim
         self.yarn = yarn
-        self.fusable = yarn is None
+        self.scale = 1.0 if yarn is None else yarn.attention_factor  # cos and sin multiplied by it
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # YaRN's, per device (the model is built on meta)
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor | None:
+        """YaRN's inverse frequencies [rotary_dim / 2] (fp32) on `device`, built on the first call
+        (a warm-up step, before any CUDA graph is captured); None for plain RoPE (theta^(-2i/R))."""
+        if self.yarn is None:
+            return None
+        table = self._inv_freq.get(device)
+        if table is None:
+            table = self._inv_freq[device] = yarn_inv_freq(self.rotary_dim, self.theta, self.yarn).to(device)
+        return table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rotary_dim] in dtype (YaRN's attention factor multiplied in before the cast)."""
-        if self.yarn is None:
-            return rotary_cos_sin_ref(positions, self.rotary_dim, self.theta, dtype)
-        inv_freq = self._inv_freq.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq[positions.device] = yarn_inv_freq(self.rotary_dim, self.theta, self.yarn).to(
-                positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = self.yarn.attention_factor
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        return rotary_cos_sin_ref(positions, self.rotary_dim, self.theta, dtype, self.inv_freq(positions.device),
+                                  self.scale)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if q.is_cuda and self.fusable:  # two launches instead of about twenty
+        if q.is_cuda:  # two launches instead of about twenty
             from moekv.ops.rotary import apply_rotary
 
-            return apply_rotary(positions, q, k, self.theta, self.rotary_dim)
+            return apply_rotary(positions, q, k, self.theta, self.rotary_dim, self.inv_freq(q.device), self.scale)
         cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)

@@ -31,13 +31,19 @@ def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return s, rms_norm_ref(s, weight, eps)
 
 
-def rotary_cos_sin_ref(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rotary_cos_sin_ref(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                       inv_freq: torch.Tensor | None = None, scale: float = 1.0):
     """cos, sin [T, D] for the non-interleaved ("rotate half") RoPE layout. For partial RoPE pass
-    the rotary dims R as head_dim: [T, R], frequencies theta^(-2i/R)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    the rotary dims R as head_dim: [T, R], frequencies theta^(-2i/R). Scaled RoPE (YaRN): inv_freq
+    [D/2] (fp32) replaces those frequencies and cos, sin are multiplied by scale (in fp32, before
+    the cast to dtype)."""
+    if inv_freq is None:
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+        inv_freq = 1.0 / (theta ** exponents)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -172,15 +178,17 @@ def write_kv_pages_ref(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Te
 def rope_kv_write_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, staged: bool = False,
                       k_ring: torch.Tensor | None = None, v_ring: torch.Tensor | None = None,
-                      rotary_dim: int | None = None) -> torch.Tensor:
-    """RoPE on q, k [T, heads, D] (the first rotary_dim elements of each head; None: all), then the
-    rotated k and v stored in the cache; returns the rotated q.
+                      rotary_dim: int | None = None, inv_freq: torch.Tensor | None = None,
+                      scale: float = 1.0) -> torch.Tensor:
+    """RoPE on q, k [T, heads, D] (the first rotary_dim elements of each head; None: all; inv_freq and
+    scale: scaled RoPE, as rotary_cos_sin_ref takes them), then the rotated k and v stored in the
+    cache; returns the rotated q.
 
     staged=False: k_cache, v_cache are pages [N, Hkv, P, D], index = slot_mapping [T].
     staged=True: staging pages [S, Hkv, P, D], index = seq_slots [T] (one token per sequence) at
     offset position % P; k_ring, v_ring [S, Hkv, R, D] (optional) also get it at position % R.
     """
-    cos, sin = rotary_cos_sin_ref(positions, rotary_dim or q.shape[-1], theta, q.dtype)
+    cos, sin = rotary_cos_sin_ref(positions, rotary_dim or q.shape[-1], theta, q.dtype, inv_freq, scale)
     q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
     if not staged:
         write_kv_pages_ref(k_cache, v_cache, k, v, index)

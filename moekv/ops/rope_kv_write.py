@@ -15,7 +15,8 @@ The rotation is the one of ops/rotary.py, same fp32 expression: the rotated k is
 model dtype first, then to the cache's dtype, as the unfused path does, so both paths store the
 same values. Negative slots are skipped (never produced by the engine: padded graph rows use a
 scratch page). Partial RoPE (rotary_dim R < D): the first R elements of each q and k head are
-rotated, the rest copied as they are (ops/rotary.py). Shape legend: T = tokens, Hq / Hkv = query /
+rotated, the rest copied as they are (ops/rotary.py). Scaled RoPE (YaRN): a table of inverse
+frequencies and a cos/sin scale, as ops/rotary.py takes them. Shape legend: T = tokens, Hq / Hkv = query /
 KV heads, D = head_dim (even), R = rotary dims (even, <= D).
 """
 from __future__ import annotations
@@ -26,24 +27,25 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.rotary import check_rotary_dim, rope_cos_sin, rope_pass_mask, rope_rotate
+from moekv.ops.rotary import check_inv_freq, check_rotary_dim, rope_cos_sin_of, rope_pass_mask, rope_rotate
 
 
 @triton.jit
-def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr, vr_ptr, pos_ptr, index_ptr,
+def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, kc_ptr, vc_ptr, kr_ptr, vr_ptr, pos_ptr, index_ptr, inv_ptr,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_ot, stride_oh,
                           stride_cn, stride_ch, stride_cp, stride_rn, stride_rh, stride_rp,
-                          Hq, P, R, log2_theta,
+                          Hq, P, R, log2_theta, scale,
                           D: tl.constexpr, ROT: tl.constexpr, ROT2: tl.constexpr, BLOCK: tl.constexpr,
-                          BLOCK_D: tl.constexpr, STAGED: tl.constexpr, HAS_RING: tl.constexpr):
+                          BLOCK_D: tl.constexpr, STAGED: tl.constexpr, HAS_RING: tl.constexpr,
+                          HAS_TABLE: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
     mask = i < ROT2
     j, pmask = rope_pass_mask(D, ROT, BLOCK_D)  # the unrotated elements (none when ROT == D)
     pos_i = tl.load(pos_ptr + t).to(tl.int64)
-    c, s = rope_cos_sin(pos_i.to(tl.float32), i, ROT, log2_theta)
+    c, s = rope_cos_sin_of(pos_i.to(tl.float32), i, mask, ROT, log2_theta, inv_ptr, scale, HAS_TABLE)
     if h < Hq:
         qbase = q_ptr + t * stride_qt + h * stride_qh
         q1, q2 = rope_rotate(qbase, i, mask, c, s, ROT2)
@@ -89,14 +91,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, staged: bool = False,
                   k_ring: torch.Tensor | None = None, v_ring: torch.Tensor | None = None,
-                  rotary_dim: int | None = None) -> torch.Tensor:
+                  rotary_dim: int | None = None, inv_freq: torch.Tensor | None = None,
+                  scale: float = 1.0) -> torch.Tensor:
     """Rotate q and k at their positions, store the rotated k and v in the cache; return the rotated q.
 
     positions [T]; q [T, Hq, D], k, v [T, Hkv, D] (any row and head strides); k_cache, v_cache
     [N, Hkv, P, D] with index = slot_mapping [T] (staged=False), or [S, Hkv, P, D] with index =
     seq_slots [T] (staged=True: one token per sequence, offset position % P); k_ring, v_ring
     [S, Hkv, R, D] (staged only): also store at (seq_slots[t], position % R); rotary_dim: the
-    leading elements of each head that are rotated (None: all D).
+    leading elements of each head that are rotated (None: all D); inv_freq [R/2] fp32 (None:
+    theta^(-2i/R)) and scale (cos and sin multiplied by it): scaled RoPE (YaRN).
     Returns q rotated [T, Hq, D], contiguous, q's dtype. No host sync (CUDA-graph capturable).
     """
     T, Hq, D = q.shape
@@ -106,6 +110,7 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          f"{v.shape[-1]}")
     rotary_dim = D if rotary_dim is None else rotary_dim
     check_rotary_dim(D, rotary_dim, "rope_kv_write")
+    check_inv_freq(inv_freq, rotary_dim, q.device, "rope_kv_write")
     if k_cache.shape[1] != Hkv or k_cache.shape[3] != D or v_cache.shape != k_cache.shape:
         raise ValueError(f"rope_kv_write: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold "
                          f"{Hkv} KV heads of head_dim {D}")
@@ -124,11 +129,11 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     ring_k, ring_v = (k_ring, v_ring) if has_ring else (k_cache, v_cache)  # unused when not has_ring
     R = k_ring.shape[2] if has_ring else 1
     _rope_kv_write_kernel[(T, Hq + Hkv)](
-        q, k, v, q_out, k_cache, v_cache, ring_k, ring_v, positions, index,
+        q, k, v, q_out, k_cache, v_cache, ring_k, ring_v, positions, index, positions if inv_freq is None else inv_freq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
-        Hq, k_cache.shape[2], R, math.log2(theta),
+        Hq, k_cache.shape[2], R, math.log2(theta), float(scale),
         D, rotary_dim, rotary_dim // 2, triton.next_power_of_2(rotary_dim // 2), triton.next_power_of_2(D),
-        bool(staged), has_ring, num_warps=1)
+        bool(staged), has_ring, inv_freq is not None, num_warps=1)
     return q_out

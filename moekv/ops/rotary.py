@@ -6,6 +6,10 @@ kernels; at batch 1 a decode step runs it in every layer. This kernel computes t
 product to the model dtype: results agree to the model dtype's rounding, not bit for bit.
 Partial RoPE (GLM-4.5's partial_rotary_factor): only the first R of the D elements of a head are
 rotated (rotate-half within those R, frequencies theta^(-2i/R)); elements R..D pass unchanged.
+Scaled RoPE (gpt-oss's YaRN): a table of the R/2 inverse frequencies (fp32, layers/rotary.yarn_inv_freq)
+replaces theta^(-2i/R), and cos and sin are multiplied by `scale` (YaRN's attention factor), as
+`rotary_cos_sin_ref` with inv_freq and scale does; the angle pos * inv_freq[i] is the reference's fp32
+product exactly.
 Shape legend: T = tokens, Hq / Hkv = query / KV heads, D = head_dim, R = rotary dims (even, <= D),
 R2 = R / 2.
 """
@@ -23,6 +27,17 @@ def rope_cos_sin(pos, i, R: tl.constexpr, log2_theta):
     """cos and sin of the angles pos * theta^(-2i/R) of frequencies i (fp32; pos a fp32 scalar)."""
     angle = pos * tl.exp2(-(2.0 * i.to(tl.float32) / R) * log2_theta)
     return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def rope_cos_sin_of(pos, i, mask, R: tl.constexpr, log2_theta, inv_ptr, scale, HAS_TABLE: tl.constexpr):
+    """cos and sin (fp32) of frequencies i at pos: from theta (rope_cos_sin), or with HAS_TABLE from the
+    inverse frequencies at inv_ptr [R/2] (fp32), both multiplied by scale."""
+    if HAS_TABLE:
+        angle = pos * tl.load(inv_ptr + i, mask=mask, other=0.0)
+        return tl.cos(angle) * scale, tl.sin(angle) * scale
+    else:
+        return rope_cos_sin(pos, i, R, log2_theta)
 
 
 @triton.jit
@@ -44,14 +59,14 @@ def rope_pass_mask(D: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, pos_ptr, stride_xt, stride_xh, stride_ot, stride_oh, log2_theta,
+def _rotary_kernel(x_ptr, out_ptr, pos_ptr, inv_ptr, stride_xt, stride_xh, stride_ot, stride_oh, log2_theta, scale,
                    D: tl.constexpr, R: tl.constexpr, R2: tl.constexpr, BLOCK: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, HAS_TABLE: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
     mask = i < R2
-    c, s = rope_cos_sin(tl.load(pos_ptr + t).to(tl.float32), i, R, log2_theta)
+    c, s = rope_cos_sin_of(tl.load(pos_ptr + t).to(tl.float32), i, mask, R, log2_theta, inv_ptr, scale, HAS_TABLE)
     xbase = x_ptr + t * stride_xt + h * stride_xh
     r1, r2 = rope_rotate(xbase, i, mask, c, s, R2)
     obase = out_ptr + t * stride_ot + h * stride_oh
@@ -67,25 +82,37 @@ def check_rotary_dim(head_dim: int, rotary_dim: int, who: str) -> None:
         raise ValueError(f"{who}: rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+def check_inv_freq(inv_freq: torch.Tensor | None, rotary_dim: int, device: torch.device, who: str) -> None:
+    if inv_freq is not None and (inv_freq.shape != (rotary_dim // 2,) or inv_freq.dtype != torch.float32
+                                 or inv_freq.device != device or inv_freq.stride(0) != 1):
+        raise ValueError(f"{who}: inv_freq must be a contiguous fp32 [{rotary_dim // 2}] tensor on {device}, got "
+                         f"{inv_freq.dtype} {tuple(inv_freq.shape)} on {inv_freq.device}")
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int,
+            inv_freq: torch.Tensor | None, scale: float) -> torch.Tensor:
     T, H, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T and H:
-        _rotary_kernel[(T, H)](x, out, positions, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                               math.log2(theta), D, rotary_dim, rotary_dim // 2,
-                               triton.next_power_of_2(rotary_dim // 2), triton.next_power_of_2(D), num_warps=1)
+        _rotary_kernel[(T, H)](x, out, positions, positions if inv_freq is None else inv_freq,
+                               x.stride(0), x.stride(1), out.stride(0), out.stride(1), math.log2(theta), float(scale),
+                               D, rotary_dim, rotary_dim // 2, triton.next_power_of_2(rotary_dim // 2),
+                               triton.next_power_of_2(D), inv_freq is not None, num_warps=1)
     return out
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, theta: float,
-                 rotary_dim: int | None = None):
+                 rotary_dim: int | None = None, inv_freq: torch.Tensor | None = None, scale: float = 1.0):
     """positions [T], q [T, Hq, D], k [T, Hkv, D] (any row strides) -> rotated (q, k), contiguous.
-    rotary_dim: the leading elements of each head that are rotated (None: all D)."""
+    rotary_dim: the leading elements of each head that are rotated (None: all D); inv_freq [R/2] fp32
+    (None: theta^(-2i/R)) and scale (cos and sin multiplied by it): scaled RoPE (YaRN)."""
     D = q.shape[-1]
     if D % 2 or k.shape[-1] != D:
         raise ValueError(f"apply_rotary: head_dim must be even and equal for q and k, got {D} and {k.shape[-1]}")
     rotary_dim = D if rotary_dim is None else rotary_dim
     check_rotary_dim(D, rotary_dim, "apply_rotary")
-    return _rotate(q, positions, theta, rotary_dim), _rotate(k, positions, theta, rotary_dim)
+    check_inv_freq(inv_freq, rotary_dim, q.device, "apply_rotary")
+    return (_rotate(q, positions, theta, rotary_dim, inv_freq, scale),
+            _rotate(k, positions, theta, rotary_dim, inv_freq, scale))

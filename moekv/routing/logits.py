@@ -32,11 +32,11 @@ class RouterLogits:
     def full(self) -> torch.Tensor:
         """hidden @ gate.T (+ logit_bias) over all experts: [T, E]."""
         if self._logits is None:
-            if self.hidden.is_cuda and self.hidden.dtype == self.gate.dtype and self.logit_bias is None:
+            if self.hidden.is_cuda and self.hidden.dtype == self.gate.dtype:
                 from moekv.ops import router_gemv
 
                 if router_gemv.fits(self.hidden, self.gate):  # decode: one launch, not a split-K GEMM + reduce
-                    self._logits = router_gemv.router_gemv(self.hidden, self.gate)
+                    self._logits = router_gemv.router_gemv(self.hidden, self.gate, bias=self.logit_bias)
                     self.full_computed += 1
                     return self._logits
             self._logits = F.linear(self.hidden, self.gate, self.logit_bias)

@@ -97,6 +97,7 @@ FORMATS = {
     "nuq2_r256": ("nuq2", {"codebook": "page", "residual": 256}),  # a 256-token window: the ~3-bit setting
     "vq": ("vq", {"residual": 0}),  # calibration: a random one made at start (or --vq-calibration)
     "vq_r256": ("vq", {"residual": 256}),  # its default 16-bit window of 256 tokens
+    "vq_r512": ("vq", {"residual": 512}),  # a 512-token window: vq ahead of kivi2 on every domain (CPU)
     "tiered": ("tiered", {}),
     "nuq2_eager": ("nuq2", {"codebook": "page", "residual": 0}),
     "nuq2_first": ("nuq2", {"codebook": "page", "residual": 0}),
@@ -115,7 +116,7 @@ FORMATS = {
     "tiered_cap16": ("tiered", {"outlier_cap": 16}),  # its nuq2 tier at nuq2's cap
 }
 PREROPE = {"nuq2_prerope", "vq_prerope"}
-ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_all_slots", "tiered_all_slots", "tiered_cap16", "nuq2_r256"}
+ONLY_NAMED = PREROPE | {"nuq2_sigma35", "nuq2_all_slots", "tiered_all_slots", "tiered_cap16", "nuq2_r256", "vq_r512"}
 ROPE_THETA = 1e6  # the RoPE base keys stored before RoPE are rotated by (a Mixtral's; the speed does not depend on it)
 # kernel variants of a format (timed only when named in --formats): label -> nuq2_spec's slots mode
 NUQ2_VARIANTS = {"nuq2_eager": "eager", "nuq2_first": "first", "nuq2_noslots": "off"}

@@ -94,9 +94,8 @@ class LatentFormat(KVFormat):
     def write(self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor | None, ctx: Context) -> None:
         """k: the step's entries [T, 1, W] or [T, W] (c_kv normalised, then the rotated key); v unused."""
         pages = cache["latent_pages"]
-        P = pages.shape[1]
-        slots = ctx.slot_mapping
-        pages[slots // P, slots % P] = k.reshape(k.shape[0], -1).to(pages.dtype)
+        # slot = page * P + offset: the pages as rows [N * P, W] (a view) take one index_put, no div / mod
+        pages.view(-1, pages.shape[-1])[ctx.slot_mapping] = k.reshape(k.shape[0], -1).to(pages.dtype)
 
     def gather(self, cache: LayerKVCache, block_table: list[int] | torch.Tensor, length: int,
                dtype: torch.dtype, seq_slot: int | None = None, context_len: int | None = None) -> torch.Tensor:
@@ -217,11 +216,10 @@ class LatentFP8Format(LatentFormat):
         R = self.kv_lora_rank
         entries = k.reshape(k.shape[0], -1)
         codes, scales = fp8_latent_quantize_ref(entries[:, :R])
-        P = cache["latent_codes"].shape[1]
-        pages, offsets = ctx.slot_mapping // P, ctx.slot_mapping % P
-        cache["latent_codes"][pages, offsets] = codes
-        cache["latent_scales"][pages, offsets] = scales
-        cache["rope_pages"][pages, offsets] = entries[:, R:].to(self.ROPE_DTYPE)
+        slots = ctx.slot_mapping  # rows of the [N * P, ...] views, as in LatentFormat.write
+        cache["latent_codes"].view(-1, R)[slots] = codes
+        cache["latent_scales"].view(-1)[slots] = scales
+        cache["rope_pages"].view(-1, entries.shape[1] - R)[slots] = entries[:, R:].to(self.ROPE_DTYPE)
 
     def gather(self, cache, block_table, length, dtype, seq_slot=None, context_len=None) -> torch.Tensor:
         codes = cache["latent_codes"]

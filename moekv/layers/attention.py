@@ -13,9 +13,11 @@ from moekv.models.model_config import ModelConfig
 from moekv.ops.quantized_weight import QuantizedWeight
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def project(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; a few tokens on the GPU go through the one-launch GEMV (ops/dense_gemv.py); a
-    quantized weight through ops/quant_linear.py."""
+    quantized weight through ops/quant_linear.py. Every dense projection of a layer goes through
+    here (GQA's qkv and o, MLA's, the shared experts' and dense MLPs')."""
     if isinstance(weight, QuantizedWeight):
         from moekv.ops.quant_linear import quant_linear
 
@@ -87,7 +89,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         if self.hooks.projection_observer is not None:
             self.hooks.projection_observer("qkv_proj", x)
-        qkv = _project(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
+        qkv = project(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":  # OLMoE normalises the whole projection, before clipping
             q, k = self.q_norm(q), self.k_norm(k)
@@ -130,6 +132,6 @@ class Attention(nn.Module):
         if hooks.projection_observer is not None:
             hooks.projection_observer("o_proj", o.reshape(T, self.q_size))
         if hooks.tp is None:
-            return _project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
-        out = hooks.tp.all_reduce(_project(o.reshape(T, self.q_size), self.o_proj, None))  # partial sums
+            return project(o.reshape(T, self.q_size), self.o_proj, self.o_bias)
+        out = hooks.tp.all_reduce(project(o.reshape(T, self.q_size), self.o_proj, None))  # partial sums
         return out if self.o_bias is None else out + self.o_bias

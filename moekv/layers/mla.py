@@ -19,6 +19,7 @@ from torch import nn
 
 from moekv.context import Context
 from moekv.kvcache.formats.dense import is_decode_only
+from moekv.layers.attention import project
 from moekv.layers.hooks import LayerHooks
 from moekv.layers.norms import RMSNorm
 from moekv.models.model_config import ModelConfig
@@ -76,11 +77,11 @@ class MLAttention(nn.Module):
                                "latents, and its latent formats (bf16, fp8_e4m3) need no calibration")
         T = x.shape[0]
         if m.q_lora_rank is None:
-            q = F.linear(x, self.q_proj)
+            q = project(x, self.q_proj)
         else:
-            q = F.linear(self.q_a_layernorm(F.linear(x, self.q_a_proj)), self.q_b_proj)
+            q = project(self.q_a_layernorm(project(x, self.q_a_proj)), self.q_b_proj)
         q_nope, q_rope = q.view(T, self.num_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
-        c_kv, k_rope = F.linear(x, self.kv_a_proj_with_mqa).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        c_kv, k_rope = project(x, self.kv_a_proj_with_mqa).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         # q's heads and the shared key rotated in one pass (one set of launches for both)
         rotated = mla_rope_ref(torch.cat([q_rope, k_rope[:, None]], dim=1), ctx.positions, self.inv_freq(x.device),
                                m.rope_scale, m.rope_interleave)
@@ -101,7 +102,7 @@ class MLAttention(nn.Module):
             o = self._absorbed(q_nope, q_rope, ctx, step_kv)
         else:
             o = self._expanded(q_nope, q_rope, ctx, step_kv)
-        return F.linear(o.reshape(T, -1), self.o_proj)
+        return project(o.reshape(T, -1), self.o_proj)
 
     def _absorbed(self, q_nope, q_rope, ctx: Context, step_kv) -> torch.Tensor:
         """Decode: [T, H, nope], [T, H, rope] -> [T, H, v_head_dim] through the latent space."""

@@ -5,7 +5,7 @@ Shapes: T = tokens in the step (all sequences back to back), B = sequences in th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,6 +65,10 @@ class Context:
     # host copies of context_lens, query_start_loc, seq_slots and block_tables (eager steps the
     # runner builds; None in graph steps and hand-made contexts: host_lists() reads them back)
     host: HostLists | None = None
+    # values every layer of the step computes alike, computed by the first that needs them and read
+    # by the others (MLA's RoPE cos / sin: layers/mla.MLAttention.rope_cos_sin); a new Context, an
+    # empty dict
+    step_values: dict = field(default_factory=dict, repr=False)
 
     def host_lists(self) -> HostLists:
         """The step's tables on the host: `host`, or read back from the device (a sync)."""

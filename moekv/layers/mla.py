@@ -23,7 +23,7 @@ from moekv.layers.attention import project
 from moekv.layers.hooks import LayerHooks
 from moekv.layers.norms import RMSNorm
 from moekv.models.model_config import ModelConfig
-from moekv.ops.reference import causal_attention_ref, mla_rope_ref
+from moekv.ops.reference import causal_attention_ref, mla_rope_apply_ref, mla_rope_cos_sin_ref
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm are built with the default eps, not rms_norm_eps
 
@@ -62,6 +62,19 @@ class MLAttention(nn.Module):
             self._inv_freq[device] = torch.tensor(self.mla.inv_freq, dtype=torch.float32, device=device)
         return self._inv_freq[device]
 
+    def rope_cos_sin(self, ctx: Context, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, r/2] of the step's positions (reference.mla_rope_cos_sin_ref): the same in
+        every layer (one MLAConfig per model), so the step's first MLA layer computes them and the others
+        read them from ctx.step_values (eight launches a layer fewer). Kept with the positions tensor
+        they came from: a Context whose positions were swapped recomputes them."""
+        key = ("mla_rope_cos_sin", id(self.mla), dtype)
+        hit = ctx.step_values.get(key)
+        if hit is None or hit[0] is not ctx.positions:
+            positions = ctx.positions
+            hit = ctx.step_values[key] = (positions, *mla_rope_cos_sin_ref(
+                positions, self.inv_freq(positions.device), self.mla.rope_scale, dtype))
+        return hit[1], hit[2]
+
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, R], W_UV [H, v_head_dim, R]): kv_b_proj's rows per head."""
         m = self.mla
@@ -83,8 +96,8 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(T, self.num_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         c_kv, k_rope = project(x, self.kv_a_proj_with_mqa).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         # q's heads and the shared key rotated in one pass (one set of launches for both)
-        rotated = mla_rope_ref(torch.cat([q_rope, k_rope[:, None]], dim=1), ctx.positions, self.inv_freq(x.device),
-                               m.rope_scale, m.rope_interleave)
+        rotated = mla_rope_apply_ref(torch.cat([q_rope, k_rope[:, None]], dim=1), *self.rope_cos_sin(ctx, x.dtype),
+                                     m.rope_interleave)
         q_rope, k_rope = rotated[:, :self.num_heads], rotated[:, self.num_heads]
         entries = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)  # [T, W]
         fmt, cache = hooks.kv_format, hooks.kv_cache

@@ -546,8 +546,18 @@ def mla_rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     (YaRN). interleave: pairs (x0, x1), (x2, x3), ... rotate together, and the result is laid out
     evens first, then odds (q and k alike, so q . k is that of the pairs kept in place); else
     rotate-half pairs (x_i, x_{i + r/2})."""
+    return mla_rope_apply_ref(x, *mla_rope_cos_sin_ref(positions, inv_freq, scale, x.dtype), interleave)
+
+
+def mla_rope_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_rope_ref's cos and sin [T, 1, r/2] at positions [T], scaled by `scale`, in dtype."""
     freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # [T, r/2]
-    cos, sin = (freqs.cos() * scale).to(x.dtype)[:, None, :], (freqs.sin() * scale).to(x.dtype)[:, None, :]
+    return (freqs.cos() * scale).to(dtype)[:, None, :], (freqs.sin() * scale).to(dtype)[:, None, :]
+
+
+def mla_rope_apply_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """mla_rope_ref's rotation of x [T, heads, r] by cos, sin [T, 1, r/2] (mla_rope_cos_sin_ref)."""
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

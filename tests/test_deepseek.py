@@ -5,6 +5,8 @@ group-limited routing with its selection bias; the fp8 latent; clear errors for 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,6 +209,57 @@ def test_latent_formats_bytes():
     assert fp8.bits_per_element(1, 64, 576) == pytest.approx(8 * 644 / 576)
     with pytest.raises(ValueError, match="no latent-cache form.*accepted"):
         latent_format_for("vq", torch.bfloat16, 512)
+
+
+# what an MLA layer's decode may dispatch between its projections, the norms, the attention kernel and
+# the experts (which CUDA runs as one launch each, the CPU through references): the RoPE (rotation and
+# its two concatenations: 7 + 1), the entry's concatenation, q_nope through W_UK and the result beside
+# q_rope, o_lat through W_UV, the latent write (one index_put)
+GLUE_BUDGET = 13
+
+
+def test_decode_layer_glue_stays_within_budget(tmp_path):
+    """A bf16 V2 (no q_lora) one-token decode step on the CPU, its first MoE layer's ATen ops counted
+    (benchmarks/tools/count_layer_ops.py): that layer reads the step's RoPE cos / sin from the dense
+    layer before it (no cos, no sin of its own), writes the latent with one index_put (no slot // P,
+    slot % P), and the glue it dispatches (mla.py, the RoPE's rotation, the format's write: the same
+    ATen ops on CUDA) stays within GLUE_BUDGET."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tools"))
+    from count_layer_ops import count_decode_layer, launching
+
+    path = build_deepseek_checkpoint("deepseek_v2", tmp_path / "v2", q_lora_rank=None)
+    llm = LLM(path, dtype="bfloat16", max_model_len=64, enforce_eager=True)
+    ops = launching(count_decode_layer(llm, 1))
+    assert not {op for op, _, _ in ops} & {"cos", "sin"}
+    glue_sites = ("moekv/layers/mla.py:", "mla_rope_apply_ref", "moekv/kvcache/formats/latent.py:")
+    glue = {k: n for k, n in ops.items() if k[0] != "linear"  # the projections: layers/attention.project
+            and any(s in k[1] for s in glue_sites) and not k[1].endswith((" gather", " attend_reference"))}
+    writes = [k for k in glue if k[1].endswith(" write")]
+    assert [k[0] for k in writes] == ["index_put_"] and glue[writes[0]] == 1, writes
+    assert 0 < sum(glue.values()) <= GLUE_BUDGET, sorted(glue.items())
+
+
+def test_rope_cos_sin_are_computed_once_a_step_and_follow_the_positions():
+    """MLAttention.rope_cos_sin: a second layer of the same step gets the first one's tensors; a
+    Context whose positions tensor was replaced gets them recomputed, equal to the reference's."""
+    from moekv.context import Context
+    from moekv.layers.mla import MLAttention
+    from moekv.models.deepseek import config_from_hf
+    from moekv.ops.reference import mla_rope_cos_sin_ref
+    from tests.checkpoints import make_deepseek_config
+
+    hf = make_deepseek_config("deepseek_v2").to_dict()
+    hf["architectures"] = ["DeepseekV2ForCausalLM"]
+    cfg = config_from_hf(hf)
+    first, second = MLAttention(cfg, 0), MLAttention(cfg, 1)
+    ctx = Context(*(torch.tensor([3, 9]),) * 7)
+    cos, sin = first.rope_cos_sin(ctx, torch.bfloat16)
+    again = second.rope_cos_sin(ctx, torch.bfloat16)
+    assert again[0] is cos and again[1] is sin
+    ctx.positions = torch.tensor([4, 7])
+    cos, sin = second.rope_cos_sin(ctx, torch.bfloat16)
+    ref = mla_rope_cos_sin_ref(ctx.positions, torch.tensor(cfg.mla.inv_freq), cfg.mla.rope_scale, torch.bfloat16)
+    assert torch.equal(cos, ref[0]) and torch.equal(sin, ref[1])
 
 
 def test_multi_token_prediction_layers_are_skipped(tmp_path):

@@ -66,14 +66,17 @@ class MLAttention(nn.Module):
         """cos, sin [T, 1, r/2] of the step's positions (reference.mla_rope_cos_sin_ref): the same in
         every layer (one MLAConfig per model), so the step's first MLA layer computes them and the others
         read them from ctx.step_values (eight launches a layer fewer). Kept with the positions tensor
-        they came from: a Context whose positions were swapped recomputes them."""
+        they came from and whether a CUDA graph was being captured: a Context whose positions were
+        swapped recomputes them, and so does one reused across a capture's edge (a graph must hold
+        the launches that compute them; outside it, its tensors change only when it replays)."""
+        positions = ctx.positions
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
         key = ("mla_rope_cos_sin", id(self.mla), dtype)
         hit = ctx.step_values.get(key)
-        if hit is None or hit[0] is not ctx.positions:
-            positions = ctx.positions
-            hit = ctx.step_values[key] = (positions, *mla_rope_cos_sin_ref(
+        if hit is None or hit[0] is not positions or hit[1] != capturing:
+            hit = ctx.step_values[key] = (positions, capturing, *mla_rope_cos_sin_ref(
                 positions, self.inv_freq(positions.device), self.mla.rope_scale, dtype))
-        return hit[1], hit[2]
+        return hit[2], hit[3]
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, R], W_UV [H, v_head_dim, R]): kv_b_proj's rows per head."""

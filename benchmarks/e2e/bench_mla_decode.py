@@ -155,7 +155,8 @@ def main() -> None:
         args.out.write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "date": datetime.date.today().isoformat(),
-            "command": " ".join(sys.argv), "copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows}, indent=1))
+            "command": " ".join(sys.argv), "copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows,
+            "moekv_tree": str(Path(sys.modules["moekv"].__file__).resolve().parents[1])}, indent=1))  # which ran
 
 
 if __name__ == "__main__":

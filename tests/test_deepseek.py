@@ -330,3 +330,36 @@ def test_cuda_graph_decode_matches_eager(tmp_path, kv_cache_dtype):
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])
+
+
+def _greedy_logprobs(path, **kwargs) -> list[tuple[list[int], list[dict[int, float]]]]:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = LLM(path, max_model_len=128, **kwargs).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _logprob_distance(ref, other) -> tuple[float, int]:
+    """The largest |logprob| difference of the reference's greedy tokens over the positions where both
+    generated the same tokens so far, and how many positions that was."""
+    worst, n = 0.0, 0
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, other):
+        for i, (a, b) in enumerate(zip(ref_ids, ids)):
+            if a != b:
+                break
+            worst, n = max(worst, abs(ref_lp[i][a] - lp[i][a])), n + 1
+    return worst, n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_decode_within_bf16_rounding(tmp_path):
+    """A bf16 V2 (no q_lora) on CUDA decodes one token a step through the dense GEMV projections (MLA's
+    and the shared expert's), the step's shared RoPE cos / sin and the latent kernel, from CUDA graphs:
+    its greedy tokens' log-probabilities, while its tokens agree with the fp32 CPU engine's, stay within
+    twice the CPU bf16 engine's distance from fp32 (plus 0.02)."""
+    path = build_deepseek_checkpoint("deepseek_v2", tmp_path / "v2", q_lora_rank=None)
+    ref = _greedy_logprobs(path, dtype="float32")
+    cpu_bf16, cpu_n = _logprob_distance(ref, _greedy_logprobs(path, dtype="bfloat16"))
+    gpu_bf16, gpu_n = _logprob_distance(ref, _greedy_logprobs(path, dtype="bfloat16", device="cuda"))
+    assert cpu_n >= 4 and gpu_n >= 4, (cpu_n, gpu_n)
+    assert gpu_bf16 <= 2 * cpu_bf16 + 0.02, (gpu_bf16, cpu_bf16)

@@ -565,6 +565,19 @@ def mla_rope_apply_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def mla_rope_norm_ref(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                      eps: float, num_heads: int, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops/mla_rope_norm.py's reference, the ops layers/mla.py runs off CUDA: q [T, H * (nope + r)] and
+    kv [T, R + r] -> (q_abs [T, H, R + r]: zeros, then q's rotary part rotated; entries [T, R + r]:
+    rms_norm_ref of c_kv by weight [R], then the shared key rotated). cos / sin [T, 1, r/2]."""
+    T, R = q.shape[0], weight.shape[0]
+    q_rope = q.view(T, num_heads, -1)[..., nope:]
+    c_kv, k_rope = kv.split([R, kv.shape[-1] - R], -1)
+    rotated = mla_rope_apply_ref(torch.cat([q_rope, k_rope[:, None]], dim=1), cos, sin, interleave)
+    q_abs = torch.cat([q.new_zeros(T, num_heads, R), rotated[:, :num_heads]], dim=-1)
+    return q_abs, torch.cat([rms_norm_ref(c_kv, weight, eps), rotated[:, num_heads]], dim=-1)
+
+
 def latent_int4_quantize_ref(latent: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MLA's int4 latent: per token, groups of `group` channels, each with an fp16 scale and minimum.
     latent [T, R] -> (codes [T, R/2] uint8: channel 2j in the low nibble of byte j, 2j+1 in the high;

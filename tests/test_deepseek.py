@@ -262,6 +262,30 @@ def test_rope_cos_sin_are_computed_once_a_step_and_follow_the_positions():
     assert torch.equal(cos, ref[0]) and torch.equal(sin, ref[1])
 
 
+@pytest.mark.parametrize("name", ["v2_no_q_lora", "v3_yarn_rotate_half"])
+def test_fused_glue_path_matches_the_reference_path(tmp_path, monkeypatch, name):
+    """The path CUDA takes (ops/mla_rope_norm.py under the Triton interpreter here; q_lat multiplied into
+    its buffer) against the reference path, fp32: the same greedy tokens, prompt logits to 1e-5."""
+    import moekv.layers.mla as mla
+
+    arch, overrides = VARIANTS[name]
+    path = build_deepseek_checkpoint(arch, tmp_path / name, **overrides)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run():
+        llm = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=12)
+        return llm.score(prompts), [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    ref_logits, ref_ids = run()
+    calls = []
+    monkeypatch.setattr(mla, "fused_glue", lambda x, norm: calls.append(1) or norm.weight.dtype == x.dtype)
+    logits, ids = run()
+    assert calls and ids == ref_ids
+    for a, b in zip(logits, ref_logits):
+        assert (a - b).abs().max().item() < 1e-5
+
+
 def test_multi_token_prediction_layers_are_skipped(tmp_path):
     """A V3 checkpoint's MTP layer (model.layers.<num_hidden_layers>.*) loads as nothing; an extra
     tensor inside the decoder's layers is still refused."""

@@ -28,6 +28,12 @@ from moekv.ops.reference import causal_attention_ref, mla_rope_apply_ref, mla_ro
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm are built with the default eps, not rms_norm_eps
 
 
+def fused_glue(x: torch.Tensor, norm: RMSNorm) -> bool:
+    """Whether a step's RoPE, kv_a_layernorm and entry take ops/mla_rope_norm.py (one launch): on CUDA,
+    with the norm's weight in the activations' dtype (as RMSNorm's own kernel)."""
+    return x.is_cuda and norm.weight.dtype == x.dtype
+
+
 class MLAttention(nn.Module):
     """MLA self-attention whose latent entries live in a paged latent cache; its format and pool are
     its layer's hooks (layers/hooks.LayerHooks), as for Attention."""
@@ -97,12 +103,21 @@ class MLAttention(nn.Module):
         else:
             q = project(self.q_a_layernorm(project(x, self.q_a_proj)), self.q_b_proj)
         q_nope, q_rope = q.view(T, self.num_heads, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
-        c_kv, k_rope = project(x, self.kv_a_proj_with_mqa).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
-        # q's heads and the shared key rotated in one pass (one set of launches for both)
-        rotated = mla_rope_apply_ref(torch.cat([q_rope, k_rope[:, None]], dim=1), *self.rope_cos_sin(ctx, x.dtype),
-                                     m.rope_interleave)
-        q_rope, k_rope = rotated[:, :self.num_heads], rotated[:, self.num_heads]
-        entries = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)  # [T, W]
+        kv = project(x, self.kv_a_proj_with_mqa)  # [T, W]: c_kv, then the shared key
+        cos, sin = self.rope_cos_sin(ctx, x.dtype)
+        norm = self.kv_a_layernorm
+        q_abs = None  # the absorbed decode's queries [T, H, W], q_rope already in columns R: (CUDA)
+        if fused_glue(x, norm):  # the rotations, the norm and the entry in one launch
+            from moekv.ops.mla_rope_norm import mla_rope_norm
+
+            q_abs, entries = mla_rope_norm(q, kv, cos, sin, norm.weight, norm.eps, self.num_heads,
+                                           m.qk_nope_head_dim, m.rope_interleave)
+            q_rope = q_abs[..., m.kv_lora_rank:]
+        else:  # reference.mla_rope_norm_ref's ops: q's heads and the shared key rotated in one pass
+            c_kv, k_rope = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+            rotated = mla_rope_apply_ref(torch.cat([q_rope, k_rope[:, None]], dim=1), cos, sin, m.rope_interleave)
+            q_rope, k_rope = rotated[:, :self.num_heads], rotated[:, self.num_heads]
+            entries = torch.cat([norm(c_kv), k_rope], dim=-1)  # [T, W]
         fmt, cache = hooks.kv_format, hooks.kv_cache
         fmt.write(cache, entries, None, ctx)
         step_kv = (entries, None) if hooks.exact_prefill else None
@@ -115,18 +130,26 @@ class MLAttention(nn.Module):
             o[split.prefill_rows] = self._expanded(q_nope[split.prefill_rows], q_rope[split.prefill_rows],
                                                    split.prefill, part_kv)
         elif is_decode_only(q_nope, ctx):
-            o = self._absorbed(q_nope, q_rope, ctx, step_kv)
+            o = self._absorbed(q_nope, q_rope, ctx, step_kv, q_abs)
         else:
             o = self._expanded(q_nope, q_rope, ctx, step_kv)
         return project(o.reshape(T, -1), self.o_proj)
 
-    def _absorbed(self, q_nope, q_rope, ctx: Context, step_kv) -> torch.Tensor:
-        """Decode: [T, H, nope], [T, H, rope] -> [T, H, v_head_dim] through the latent space."""
+    def _absorbed(self, q_nope, q_rope, ctx: Context, step_kv, q_abs: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode: [T, H, nope], [T, H, rope] -> [T, H, v_head_dim] through the latent space. q_abs
+        [T, H, R + rope]: a buffer whose columns R: hold q_rope (ops/mla_rope_norm.py), into whose
+        first R columns q_lat is multiplied (no concatenation); None: q_lat and q_rope concatenated.
+        The output is multiplied into a [T, H, v_head_dim] buffer, so o_proj reads it as it lies."""
         w_uk, w_uv = self.up_weights()
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
-        o_lat = self.hooks.kv_format.attend(torch.cat([q_lat, q_rope], dim=-1), self.hooks.kv_cache, ctx, self.scale,
-                                            None, step_kv)  # [T, H, R]
-        return torch.einsum("thr,hvr->thv", o_lat.to(q_nope.dtype), w_uv)
+        T, H, R = q_nope.shape[0], self.num_heads, self.mla.kv_lora_rank
+        if q_abs is None:
+            q_abs = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_rope], dim=-1)
+        else:  # [H, T, nope] @ [H, nope, R] into the buffer's [H, T, R] view
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_abs[..., :R].transpose(0, 1))
+        o_lat = self.hooks.kv_format.attend(q_abs, self.hooks.kv_cache, ctx, self.scale, None, step_kv)  # [T, H, R]
+        o = q_nope.new_empty(T, H, self.mla.v_head_dim)
+        torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return o
 
     def _expanded(self, q_nope, q_rope, ctx: Context, step_kv) -> torch.Tensor:
         """Prefill: each sequence's entries expanded into per-head K, V; causal attention."""

@@ -239,6 +239,25 @@ def test_decode_layer_glue_stays_within_budget(tmp_path):
     assert 0 < sum(glue.values()) <= GLUE_BUDGET, sorted(glue.items())
 
 
+def test_fused_glue_path_dispatches_four_launches(tmp_path, monkeypatch):
+    """The path CUDA takes (fused_glue; ops/mla_rope_norm.py under the interpreter here), counted as
+    above: between its projections an MLA layer dispatches the fused launch, q_nope's and o_lat's bmm and
+    the latent's index_put, nothing else (the interpreter's own tensor ops count as the one launch)."""
+    import moekv.layers.mla as mla
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tools"))
+    from count_layer_ops import count_decode_layer, launching
+
+    monkeypatch.setattr(mla, "fused_glue", lambda x, norm: norm.weight.dtype == x.dtype)
+    path = build_deepseek_checkpoint("deepseek_v2", tmp_path / "v2", q_lora_rank=None)
+    llm = LLM(path, dtype="float32", max_model_len=64, enforce_eager=True)
+    ops = launching(count_decode_layer(llm, 1))
+    glue = sorted(op for (op, site, _), n in ops.items() for _ in range(n) if op != "linear"
+                  and ("moekv/layers/mla.py:" in site or ("formats/latent.py:" in site and site.endswith(" write"))))
+    fused = [site for op, site, _ in ops if "mla_rope_norm.py" in site]
+    assert glue == ["bmm", "bmm", "index_put_"] and fused, (glue, fused)
+
+
 def test_rope_cos_sin_are_computed_once_a_step_and_follow_the_positions():
     """MLAttention.rope_cos_sin: a second layer of the same step gets the first one's tensors; a
     Context whose positions tensor was replaced gets them recomputed, equal to the reference's."""

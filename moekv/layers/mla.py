@@ -76,7 +76,7 @@ class MLAttention(nn.Module):
         swapped recomputes them, and so does one reused across a capture's edge (a graph must hold
         the launches that compute them; outside it, its tensors change only when it replays)."""
         positions = ctx.positions
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = positions.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         key = ("mla_rope_cos_sin", id(self.mla), dtype)
         hit = ctx.step_values.get(key)
         if hit is None or hit[0] is not positions or hit[1] != capturing:

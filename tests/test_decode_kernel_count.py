@@ -45,3 +45,23 @@ def test_decode_layer_launches_only_moekv_kernels(shape):
     assert sum(layer.values()) <= MOE_LAYER_KERNELS, f"{shape}: {sum(layer.values())} kernels a layer: {layer}"
     for kernel in ("triton._rope_kv_write_kernel", "triton._router_gemv_kernel", "triton._paged_decode_kernel"):
         assert layer.get(kernel) == 1, f"{shape}: {kernel} not launched once: {layer}"
+
+
+# DeepSeek-V2-Lite's MoE layer (bench_mla_decode's shape): its projections as dense GEMVs (q, kv_a, o and the
+# shared expert's two), ops/mla_rope_norm, the latent kernel and its reduce, the norms, router, top-k and
+# expert GEMVs, and the PyTorch kernels still left: the absorbed products (two bmm), the latent write, the
+# shared expert's silu and product and its add to the routed experts' output
+MLA_LAYER_KERNELS = 21
+MLA_LAYER_TORCH_OPS = {"aten.bmm.out": 2, "aten.index_put_.default": 1, "aten.silu.default": 1,
+                       "aten.mul.Tensor": 1, "aten.add.Tensor": 1}
+
+
+def test_mla_decode_layer_launches():
+    """DeepSeek-V2-Lite's layer: the RoPE, kv_a_layernorm and the entry in one launch (no cos / sin, no
+    concatenation, no slot arithmetic), every projection a dense GEMV, at most MLA_LAYER_KERNELS launches,
+    the PyTorch kernels no more than MLA_LAYER_TORCH_OPS names."""
+    layer = count("deepseek-v2-lite")["layer"]
+    torch_ops = {op: n for op, n in layer.items() if not op.startswith("triton.")}
+    assert all(n <= MLA_LAYER_TORCH_OPS.get(op, 0) for op, n in torch_ops.items()), torch_ops
+    assert sum(layer.values()) <= MLA_LAYER_KERNELS, f"{sum(layer.values())} kernels a layer: {layer}"
+    assert layer.get("triton._mla_rope_norm_kernel") == 1 and layer.get("triton._dense_gemv_kernel") == 5, layer

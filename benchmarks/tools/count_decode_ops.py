@@ -8,6 +8,8 @@ GEMM and its reduce) counts once, so a count here is a lower bound of the profil
 
     PYTHONPATH=. python benchmarks/tools/count_decode_ops.py --shape gpt-oss-20b --format bf16
         # per layer: each op, its count; then the totals of the layer and of the whole step
+    PYTHONPATH=. python benchmarks/tools/count_decode_ops.py --shape deepseek-v2-lite --format bf16
+        # bench_mla_decode's shapes too (the latent cache in the format's latent form)
 
 Checked against the H100 profile of gpt-oss-20b's step (benchmarks/results/h100/profile_gpt_oss_20b_b1.txt:
 845 kernels a step, 35 a layer, of which cuBLAS's split-K GEMM and its reduce count once here: 34) and
@@ -182,6 +184,20 @@ def fake_model(cfg, device: torch.device):
     return model.eval()
 
 
+def model_parts(shape: str, fmt_name: str, num_layers: int):
+    """(ModelConfig, KV format, page size) of a bench_decode shape, or of a bench_mla_decode one (DeepSeek's:
+    the latent cache in `fmt_name`'s latent form)."""
+    import bench_decode as bd
+    import bench_mla_decode as bm
+
+    if shape in bm.SHAPES:
+        from moekv.kvcache.formats.latent_choice import latent_format_for
+
+        cfg = bm.config({**bm.SHAPES[shape][0], **(bm.SHAPES[shape][1] or {}), "num_hidden_layers": num_layers})
+        return cfg, latent_format_for(fmt_name, torch.bfloat16, cfg.mla.kv_lora_rank), bm.BLOCK_SIZE
+    return bd.model_config(shape, num_layers), bd.get_kv_format(fmt_name, torch.bfloat16), bd.page_size(fmt_name)
+
+
 def count_step(shape: str, fmt_name: str, batch: int, context: int, num_layers: int) -> tuple[Counter, Counter]:
     """(ops of the whole decode step, ops of the last layer alone) for a model of `num_layers` layers."""
     import bench_decode as bd
@@ -190,17 +206,15 @@ def count_step(shape: str, fmt_name: str, batch: int, context: int, num_layers: 
     device = torch.device("cuda")
     step_ops: Counter = Counter()
     layer_ops: Counter = Counter()
-    host_ctx = bd.decode_context(batch, context, bd.page_size(fmt_name), torch.device("cpu"))
+    cfg, fmt, block_size = model_parts(shape, fmt_name, num_layers)  # real tensors: configs read values
+    host_ctx = bd.decode_context(batch, context, block_size, torch.device("cpu"))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_h100(), fake_cuda_indexing(), fake, triton_launches(Counter()), torch.no_grad():
         # the step's metadata: its shapes and dtypes only (fake tensors hold no values)
         ctx = dataclasses.replace(host_ctx, **{f.name: torch.empty_like(getattr(host_ctx, f.name), device=device)
                                                for f in dataclasses.fields(host_ctx)
                                                if isinstance(getattr(host_ctx, f.name), torch.Tensor)})
-        cfg = bd.model_config(shape, num_layers)
         model = fake_model(cfg, device)
-        fmt = bd.get_kv_format(fmt_name, torch.bfloat16)
-        block_size = bd.page_size(fmt_name)
         pages = batch * (context // block_size + 1)
         for attn in model.attention_layers:
             attn.hooks.kv_format = fmt

@@ -11,8 +11,8 @@
 #   3. the same with PYTHONPATH="$BASELINE_OVERLAY:." (bench_mla_decode keeps PYTHONPATH's order; each JSON names
 #      the tree that ran in moekv_tree, printed at the end: the two must differ).
 # Prediction (H100; baseline bf16 4.63 ms, 1,133 kernels a step, benchmarks/results/h100/profile_v2lite_b1.txt):
-#   tests pass. bf16: 3.4-3.9 ms (~3.6; ~2.2x the 1.67 ms floor) against ~4.6; ~565 kernels a step (count_decode_ops) against
-#   ~1,133: the RoPE tables 8 launches x 26 layers fewer (AUnaryFunctor, bfloat16_copy, direct_copy, cos / sin),
+#   tests pass. bf16: 3.4-3.9 ms (~3.6; ~2.2x the 1.67 ms floor) against ~4.6; ~565 kernels a step
+#   (count_decode_ops) against ~1,133: the RoPE tables 8 launches x 26 layers fewer (AUnaryFunctor, bfloat16_copy, direct_copy, cos / sin),
 #   slot // P and slot % P (BUnaryFunctor<long>, 54) and cuBLAS' split-K reduce (27) gone; the rotation, its
 #   concatenations, kv_a_layernorm, the entry's and q's concatenations (~10-11 a layer: CatArrayBatchedCopy,
 #   elementwise_kernel, CUDAFunctor_add, _rms_norm_kernel but the final norm's) become one _mla_rope_norm_kernel

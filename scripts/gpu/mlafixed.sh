@@ -6,7 +6,7 @@
 # holding main's `moekv`, e.g. `mkdir B && git archive main moekv | tar x -C B`; carry it), same run, same GPU.
 #   1. the gpu-marked tests: the latent kernel against float64, the engine's MLA paths (bf16 decode against the
 #      fp32 CPU engine, CUDA graphs against eager), mla_rope_norm against its reference and float64, the dense
-#      GEMV against F.linear;
+#      GEMV against F.linear, GLM-4.5 against transformers (its shared expert through the dense GEMV);
 #   2. bench_mla_decode --shapes deepseek-v2-lite --kv bf16 fp8_e4m3 --points 1:4096 --profile on this tree;
 #   3. the same with PYTHONPATH="$BASELINE_OVERLAY:." (bench_mla_decode keeps PYTHONPATH's order; each JSON names
 #      the tree that ran in moekv_tree, printed at the end: the two must differ).
@@ -23,6 +23,9 @@ source "$(dirname "$0")/preamble.sh" mlafixed
 timeout 60 python -m pytest -q -rf -p no:cacheprovider tests/test_mla_rope_norm.py > "$OUT/gpu_tests.log" 2>&1
 timeout 150 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_mla_decode.py tests/test_deepseek.py \
   tests/test_dense_gemv.py >> "$OUT/gpu_tests.log" 2>&1
+# GLM-4.5's shared expert and dense first layer take the dense GEMV at one token too (GatedMLP)
+timeout 90 python -m pytest -q -m gpu -rf -p no:cacheprovider tests/test_glm4_moe.py -k cuda_matches_transformers \
+  >> "$OUT/gpu_tests.log" 2>&1
 tail -4 "$OUT/gpu_tests.log"; el "gpu tests"
 ARGS="--shapes deepseek-v2-lite --kv bf16 fp8_e4m3 --points 1:4096 --profile"
 timeout 100 python benchmarks/e2e/bench_mla_decode.py $ARGS --out "$OUT/v2lite_b1.json" > "$OUT/v2lite_b1.log" 2>&1

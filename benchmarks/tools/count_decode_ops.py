@@ -225,11 +225,14 @@ def count_step(shape: str, fmt_name: str, batch: int, context: int, num_layers: 
         model.compute_logits(model(ids, ctx))  # warm-up: per-device tables built on first use are not counted
         last = model.layers[-1]
         forward = last.forward
+        last_layer_triton: Counter = Counter()
 
         def counted_forward(*a, **kw):
             with OpCounter() as c, triton_launches(c.ops):
                 out = forward(*a, **kw)
             layer_ops.update(c.ops)
+            # ATen ops reach both dispatch modes; the layer's Triton launches only its own counter
+            last_layer_triton.update({k: n for k, n in c.ops.items() if k.startswith("triton.")})
             return out
 
         with OpCounter() as c, triton_launches(c.ops):
@@ -239,6 +242,7 @@ def count_step(shape: str, fmt_name: str, batch: int, context: int, num_layers: 
             finally:
                 del last.forward
         step_ops.update(c.ops)
+        step_ops.update(last_layer_triton)
     return step_ops, layer_ops
 
 

@@ -91,16 +91,20 @@ def test_rotary_refuses_odd_head_dim():
         ro.apply_rotary(torch.arange(2, device=DEVICE), x, x, 1e4)
 
 
+def _qk_views(T: int, D: int, R: int, dtype, Hq: int = 4, Hkv: int = 2):
+    """q [T, Hq, D] and k [T, Hkv, D] as strided views of one fused qkv row, as the attention layers hand them."""
+    g = torch.Generator().manual_seed(D + R)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEVICE)
+    return qkv[:, :Hq * D].reshape(T, Hq, D), qkv[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("D, R", [(32, 16), (128, 64), (16, 12), (96, 32)])  # GLM-4.5: 128 with 64 rotated
 def test_partial_rotary_matches_reference(D, R, dtype):
     """Partial RoPE: the first R elements of each head rotated at frequencies theta^(-2i/R), the
     other D - R copied bit for bit."""
-    g = torch.Generator().manual_seed(D + R)
-    T, Hq, Hkv = 5, 4, 2
-    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEVICE)
-    q = qkv[:, :Hq * D].reshape(T, Hq, D)
-    k = qkv[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D)
+    T = 5
+    q, k = _qk_views(T, D, R, dtype)
     positions = torch.tensor([0, 1, 7, 511, 3000], device=DEVICE)
     q_out, k_out = ro.apply_rotary(positions, q, k, 1e4, R)
     cos, sin = rotary_cos_sin_ref(positions, R, 1e4, torch.float64)
@@ -142,11 +146,8 @@ def test_yarn_rotary_matches_reference(D, R, dtype):
     rope = RotaryEmbedding(D, theta, R, yarn)
     inv_freq = rope.inv_freq(torch.device(DEVICE))
     assert inv_freq.shape == (R // 2,) and inv_freq.dtype == torch.float32
-    g = torch.Generator().manual_seed(D + R)
-    T, Hq, Hkv = 5, 4, 2
-    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype).to(DEVICE)
-    q = qkv[:, :Hq * D].reshape(T, Hq, D)
-    k = qkv[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D)
+    T = 5
+    q, k = _qk_views(T, D, R, dtype)
     positions = torch.tensor([0, 1, 7, 511, 5000], device=DEVICE)
     q_out, k_out = ro.apply_rotary(positions, q, k, theta, R, inv_freq, rope.scale)
     angles = (positions.float()[:, None] * inv_freq[None, :]).double()  # the reference's fp32 product

@@ -258,15 +258,22 @@ def page_size(fmt_name: str) -> int:
     return 16 if fmt_name == "bf16" else 64
 
 
-def install_filled_caches(model, cfg, fmt, batch: int, context: int, block_size: int, device) -> Context:
-    """Give every attention layer a pool of `fmt` pages holding `context` tokens per sequence (and
-    room for the next); returns the decode Context of the step that follows."""
+def install_caches(model, cfg, fmt, batch: int, context: int, block_size: int, device) -> None:
+    """Give every attention layer an empty pool of `fmt` pages with room for `context` tokens per sequence
+    and the next."""
     pages = batch * (context // block_size + 1)
     for attn in model.attention_layers:
         attn.hooks.kv_format = fmt
         attn.hooks.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch,
                                            torch.bfloat16)
         attn.kv_cache.layer = attn.layer_idx
+
+
+def install_filled_caches(model, cfg, fmt, batch: int, context: int, block_size: int, device) -> Context:
+    """install_caches, the pools filled as if they held `context` tokens per sequence; returns the decode
+    Context of the step that follows."""
+    install_caches(model, cfg, fmt, batch, context, block_size, device)
+    for attn in model.attention_layers:
         if fmt.name == "tiered":
             fill_tiered(fmt, attn.kv_cache, cfg, block_size, batch, context // block_size + 1, device)
         else:

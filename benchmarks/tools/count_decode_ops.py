@@ -215,12 +215,7 @@ def count_step(shape: str, fmt_name: str, batch: int, context: int, num_layers: 
                                                for f in dataclasses.fields(host_ctx)
                                                if isinstance(getattr(host_ctx, f.name), torch.Tensor)})
         model = fake_model(cfg, device)
-        pages = batch * (context // block_size + 1)
-        for attn in model.attention_layers:
-            attn.hooks.kv_format = fmt
-            attn.hooks.kv_cache = fmt.allocate(pages, cfg.num_kv_heads, block_size, cfg.head_dim, device, batch,
-                                               torch.bfloat16)
-            attn.kv_cache.layer = attn.layer_idx
+        bd.install_caches(model, cfg, fmt, batch, context, block_size, device)
         ids = torch.zeros(batch, dtype=torch.long, device=device)
         model.compute_logits(model(ids, ctx))  # warm-up: per-device tables built on first use are not counted
         last = model.layers[-1]

@@ -67,17 +67,24 @@ from moekv.ops.quantized_weight import QuantizedWeight
 
 
 @dataclass(frozen=True)
-class QuantGemvConfig:
-    block_n: int = 8
+class QuantGemvShape:
+    """A quantized GEMV's tile and launch: the projection GEMV's (ops/quant_linear.py) whole config."""
+    block_n: int = 4
     block_k: int = 1024  # a multiple of 8 (int4 words) and of the int4 group where one tile spans several
-    num_splits: int | None = None  # of the down projection's K; None: enough programs to fill the GPU
     num_warps: int = 4
     num_stages: int = 4
+    # int4's dots in packed halves (quant_tiles.int4_f16_dots, the run GEMV's run_f16_dots; use_f16_dots: CUDA
+    # only, int4 groups read per tile or per group); None: quant_tiles.F16_DOTS_DEFAULT
+    f16_dots: bool | None = None
+
+
+@dataclass(frozen=True)
+class QuantGemvConfig(QuantGemvShape):
+    """The MoE GEMVs' config: the tile, the down projection's K splits and the run GEMV's pairs a program."""
+    block_n: int = 8
+    num_splits: int | None = None  # of the down projection's K; None: enough programs to fill the GPU
     # path "runs": pairs a program takes from one expert's run (a power of 2); None: default_run_pairs
     run_pairs: int | None = None
-    # the GEMVs' int4 dots in packed halves (quant_tiles.int4_f16_dots, the run GEMV's run_f16_dots; use_f16_dots:
-    # CUDA only, int4 groups read per tile or per group); None: quant_tiles.F16_DOTS_DEFAULT
-    f16_dots: bool | None = None
 
 
 DEFAULT_QUANT_GEMV = QuantGemvConfig()

@@ -11,28 +11,16 @@ CPU path runs it. Shape legend: T = tokens, N = output features, K = input featu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.fused_moe_quant import layout_constants, quant_gemm, weight_args
+from moekv.ops.fused_moe_quant import QuantGemvShape, layout_constants, quant_gemm, weight_args
 from moekv.ops.quant_tiles import quant_row_dots, scale_mode, use_f16_dots
 from moekv.ops.quantized_weight import QuantizedWeight
 from moekv.ops.reference import linear_ref
 
 GEMV_MAX_TOKENS = 16  # beyond, the GEMM (each slab re-read from L2 per token costs more than tensor cores)
-
-
-@dataclass(frozen=True)
-class QuantGemvShape:
-    block_n: int = 4
-    block_k: int = 1024
-    num_warps: int = 4
-    num_stages: int = 4
-    # int4's dots in packed halves (quant_tiles.int4_f16_dots, use_f16_dots); None: quant_tiles.F16_DOTS_DEFAULT
-    f16_dots: bool | None = None
 
 
 DEFAULT_SHAPE = QuantGemvShape()

@@ -11,8 +11,8 @@ elements (measured both ways: docs/decisions.md, "Low-bit latents").
     it (ops/decode/mla.py).
   - Latent2BitFormat: 2-bit codes, value = offset + step * level[code] with one fp16 (offset, step)
     per group, and a 16-bit ring of each sequence's newest `residual` entries (the window KIVI
-    keeps, as kvcache/formats/residual.py keeps it for kivi2 / nuq2 / vq: position p at row p % R_w,
-    read instead of the pages for the newest R_w positions). Two groupings:
+    keeps, kept with kvcache/formats/residual.py's ring functions as kivi2 / nuq2 / vq keep theirs:
+    position p at row p % R_w, read instead of the pages for the newest R_w positions). Two groupings:
       * 'channel' (KIVI's keys): per channel over G consecutive tokens. A token group is re-coded
         from the ring plus the step's entries each time one of its tokens is written (its grid moves
         until it is whole), so the window must hold a whole group: R_w >= G, a multiple of G.
@@ -38,6 +38,7 @@ import torch
 from moekv.kvcache.formats.dense import is_decode_only
 from moekv.kvcache.formats.interface import GraphSupport, LayerKVCache
 from moekv.kvcache.formats.latent import LatentFormat, align_page
+from moekv.kvcache.formats.residual import read_ring, ring_bytes_per_seq, window_start, write_ring
 from moekv.ops.reference import (
     latent_2bit_dequantize_ref,
     latent_2bit_quantize_ref,
@@ -166,7 +167,7 @@ class Latent2BitFormat(LatentFormat):
         return align_page(block_size * R // 4) + 2 * align_page(rows * cols * 2) + align_page(block_size * 2 * r)
 
     def staging_bytes_per_seq(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
-        return self.residual * head_dim * 2  # the ring: R_w entries, 16-bit
+        return ring_bytes_per_seq(self.residual, head_dim)  # the ring: R_w entries, 16-bit
 
     def bits_per_element_at(self, context_len: int, num_kv_heads: int, block_size: int, head_dim: int) -> float:
         if context_len < 1:
@@ -222,8 +223,9 @@ class Latent2BitFormat(LatentFormat):
             cache["latent_step"][pages, offsets] = step
         else:
             self._write_channel_groups(cache, entries, ctx)
-        if self.residual:
-            self._write_ring(cache["ring"], entries, ctx)
+        if self.residual:  # a decode step (one token a sequence with a slot): one indexed copy
+            write_ring((cache["ring"],), (entries,), ctx, self.residual,
+                       is_decode_only(entries, ctx) and ctx.seq_slots is not None)
 
     def _write_channel_groups(self, cache, entries, ctx) -> None:
         """Each token group the step touches re-coded whole: its earlier tokens from the ring (they
@@ -238,7 +240,7 @@ class Latent2BitFormat(LatentFormat):
                 continue
             first = end - (hi - lo)
             g0 = first // G * G
-            old = cache["ring"][slot, torch.arange(g0, first, device=entries.device) % Rw, :R].float()
+            old = read_ring(cache["ring"], slot, g0, first, Rw)[:, :R].float()
             span = torch.cat([old, entries[lo:hi, :R].float()])  # positions g0..end-1
             L, groups = end - g0, -(-(end - g0) // G)
             padded = torch.zeros(groups * G, R, device=span.device)
@@ -252,21 +254,6 @@ class Latent2BitFormat(LatentFormat):
             gpos = torch.arange(g0, end, G, device=span.device)
             cache["latent_offset"][table_t[gpos // P].long(), (gpos % P) // G] = offset
             cache["latent_step"][table_t[gpos // P].long(), (gpos % P) // G] = step
-
-    def _write_ring(self, ring, entries, ctx) -> None:
-        Rw = self.residual
-        if is_decode_only(entries, ctx) and ctx.seq_slots is not None:  # one token per sequence: one indexed copy
-            ring[ctx.seq_slots, ctx.positions % Rw] = entries.to(ring.dtype)
-            return
-        host = ctx.host_lists()
-        starts = host.query_start
-        for b, (end, slot) in enumerate(zip(host.context_lens, host.seq_slots)):
-            lo, hi = starts[b], starts[b + 1]
-            keep = min(hi - lo, Rw)  # older tokens of this step would be overwritten anyway
-            if keep == 0:
-                continue
-            rows = torch.arange(end - keep, end, device=entries.device) % Rw
-            ring[slot, rows] = entries[hi - keep:hi].to(ring.dtype)
 
     # -- read -------------------------------------------------------------------------------
     def _dequantize(self, cache, pages, offsets) -> torch.Tensor:
@@ -284,11 +271,10 @@ class Latent2BitFormat(LatentFormat):
         `residual` (of context_len written, default length) from the ring."""
         pages, offsets = _slots(cache["latent_codes"], block_table, length)
         entries = torch.cat([self._dequantize(cache, pages, offsets), cache["rope_pages"][pages, offsets].float()], -1)
-        if self.residual and seq_slot is not None:
-            start = max(0, (length if context_len is None else context_len) - self.residual)
+        if seq_slot is not None:
+            start = window_start(self.residual, length if context_len is None else context_len, length)
             if start < length:
-                rows = torch.arange(start, length, device=entries.device) % self.residual
-                entries[start:] = cache["ring"][seq_slot, rows].float()
+                entries[start:] = read_ring(cache["ring"], seq_slot, start, length, self.residual).float()
         return entries.to(dtype)
 
     def stored(self, entries: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,21 @@ ring's bytes are counted in staging_bytes_per_seq, so bits_per_element_at counts
 A format takes the window by listing ResidualWindow before its paged base class and declaring
 `residual_option(...)` in its engine_options; its constructor calls `set_residual`. R = 0 leaves the
 format as it is without a ring: no tensors, no writes, the base class's reads.
+
+The ring's bookkeeping, whatever a row holds, is the functions below the kv_residual option
+(`ring_rows`, `write_ring`, `window_start`, `read_ring`, `ring_bytes_per_seq`): ResidualWindow's K and V
+rings and the 2-bit MLA latent's ring of one entry a token (latent_lowbit.py, `ring`
+[max_num_seqs, R, W]) both keep it through them. They see a ring as [max_num_seqs, R, *row]: the K/V
+rings, stored [max_num_seqs, Hkv, R, D] for the kernels, pass their view `transpose(1, 2)`.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from moekv.context import Context
 from moekv.kvcache.formats.interface import RopeWriteTarget
 from moekv.kvcache.formats.options import KVOption
 from moekv.kvcache.formats.paged import can_stage_with_fills
@@ -47,6 +55,52 @@ def residual_option(formats: str, multiple: int = 1) -> KVOption:
 
 
 RESIDUAL_OPTION = residual_option("nuq2/vq")  # kivi2 declares its own: whole key groups
+
+
+def ring_rows(start: int, end: int, size: int, device: torch.device) -> torch.Tensor:
+    """The rows of positions [start, end) in a ring of `size` rows: position p at row p % size."""
+    return torch.arange(start, end, device=device) % size
+
+
+def ring_bytes_per_seq(size: int, elements_per_token: int) -> int:
+    """Bytes a sequence's ring adds (one layer, 16-bit): `size` tokens of `elements_per_token`
+    elements (K and V: 2 Hkv D; the latent: its width)."""
+    return 2 * size * elements_per_token
+
+
+def write_ring(rings: Sequence[torch.Tensor], step: Sequence[torch.Tensor], ctx: Context, size: int,
+               one_per_seq: bool) -> None:
+    """The step's tokens into the rings: rings [max_num_seqs, size, *row] (views may be), step
+    [T, *row] each, one per ring, in ctx's token order. one_per_seq: each sequence writes exactly one
+    token (a decode step), one indexed copy with no host sync; else each sequence's newest
+    min(its tokens, size) of the step (the older ones would be overwritten anyway)."""
+    if one_per_seq:
+        rows = ctx.positions % size  # [B]
+        for ring, x in zip(rings, step):
+            ring[ctx.seq_slots, rows] = x.to(ring.dtype)
+        return
+    host = ctx.host_lists()
+    starts = host.query_start
+    for b, (end, slot) in enumerate(zip(host.context_lens, host.seq_slots)):
+        lo, hi = starts[b], starts[b + 1]
+        keep = min(hi - lo, size)
+        if keep == 0:
+            continue
+        rows = ring_rows(end - keep, end, size, step[0].device)  # [keep]
+        for ring, x in zip(rings, step):
+            ring[slot, rows] = x[hi - keep:hi].to(ring.dtype)
+
+
+def window_start(size: int, context_len: int, length: int) -> int:
+    """The first of a sequence's positions [0, length) that its ring holds once `context_len` tokens
+    are written (it holds [context_len - size, context_len)); `length` when it holds none of them."""
+    return length if size == 0 else min(length, max(0, context_len - size))
+
+
+def read_ring(ring: torch.Tensor, slot: int, start: int, end: int, size: int) -> torch.Tensor:
+    """Positions [start, end) of the sequence in `slot` from its ring: ring [max_num_seqs, size, *row]
+    (a view may be) -> [end - start, *row], the ring's dtype."""
+    return ring[slot][ring_rows(start, end, size, ring.device)]
 
 
 class ResidualWindow:
@@ -78,7 +132,7 @@ class ResidualWindow:
 
     def residual_bytes_per_seq(self, num_kv_heads: int, head_dim: int) -> int:
         """Bytes of one sequence's residual ring (one layer, K and V, 16-bit)."""
-        return 2 * num_kv_heads * self.residual * head_dim * 2
+        return ring_bytes_per_seq(self.residual, 2 * num_kv_heads * head_dim)
 
     def staging_bytes_per_seq(self, num_kv_heads, block_size, head_dim) -> int:
         return (super().staging_bytes_per_seq(num_kv_heads, block_size, head_dim)
@@ -97,25 +151,13 @@ class ResidualWindow:
 
     def write(self, cache, k, v, ctx) -> None:
         super().write(cache, k, v, ctx)  # full pages quantized, partial page staged
-        if self.residual == 0:
-            return
-        if can_stage_with_fills(k, ctx):  # one token per sequence: one indexed copy, no host sync
-            rows = ctx.positions % self.residual  # [B]
-            for name, x in (("k", k), ("v", v)):
-                ring = cache[f"{name}_residual"]
-                ring[ctx.seq_slots, :, rows] = x.to(ring.dtype)
-            return
-        host = ctx.host_lists()
-        starts = host.query_start
-        for b, (end, slot) in enumerate(zip(host.context_lens, host.seq_slots)):
-            lo, hi = starts[b], starts[b + 1]
-            keep = min(hi - lo, self.residual)  # older tokens of this step would be overwritten anyway
-            if keep == 0:
-                continue
-            rows = torch.arange(end - keep, end, device=k.device) % self.residual  # [keep]
-            for name, x in (("k", k[hi - keep:hi]), ("v", v[hi - keep:hi])):  # x [keep, Hkv, D]
-                ring = cache[f"{name}_residual"]
-                ring[slot, :, rows] = x.transpose(0, 1).to(ring.dtype)
+        if self.residual:
+            write_ring(self.ring_views(cache), (k, v), ctx, self.residual, can_stage_with_fills(k, ctx))
+
+    @staticmethod
+    def ring_views(cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V rings as write_ring and read_ring see them: [max_num_seqs, R, Hkv, D] views."""
+        return cache["k_residual"].transpose(1, 2), cache["v_residual"].transpose(1, 2)
 
     def fused_rope_write_target(self, cache, k, ctx):
         if not can_stage_with_fills(k, ctx):
@@ -126,13 +168,13 @@ class ResidualWindow:
     def gather(self, cache, ctx, b, length, kind):
         # the ring holds the sequence's newest R positions, [context_len - R, context_len): those of
         # the first `length` read from it, the older ones from the pages (and the staged page)
-        start = max(0, ctx.host_lists().context_lens[b] - self.residual)
-        if self.residual == 0 or start >= length:
+        host = ctx.host_lists()
+        start = window_start(self.residual, host.context_lens[b], length)
+        if start >= length:
             return super().gather(cache, ctx, b, length, kind)
         parts = [super().gather(cache, ctx, b, start, kind)] if start else []
-        ring = cache[("k" if kind == "key" else "v") + "_residual"][ctx.host_lists().seq_slots[b]]  # [Hkv, R, D]
-        rows = torch.arange(start, length, device=ring.device) % self.residual  # [length - start]
-        parts.append(ring[:, rows].transpose(0, 1).float())
+        ring = self.ring_views(cache)[0 if kind == "key" else 1]
+        parts.append(read_ring(ring, host.seq_slots[b], start, length, self.residual).float())  # [n, Hkv, D]
         return torch.cat(parts)  # [length, Hkv, D] fp32
 
 

@@ -167,3 +167,18 @@ def test_yarn_rotary_matches_reference(D, R, dtype):
         assert ((out.double() - plain)[1:].norm() / plain[1:].norm()) > 10 * tol
     with pytest.raises(ValueError, match="inv_freq must be"):
         ro.apply_rotary(positions, q, k, theta, R, inv_freq.double(), rope.scale)
+
+
+
+def test_rotary_refuses_a_scale_without_a_table():
+    """A cos/sin scale without an inverse-frequency table: rotary_cos_sin_ref multiplies cos and sin by
+    it (the contract apply_rotary's docstring repeats), the kernel's plain branch computed theta's angles
+    and dropped it. No layer passes that pair (RotaryEmbedding's scale is 1.0 without YaRN), so the
+    kernel refuses it rather than return another rotation than the reference's."""
+    T, D = 3, 16
+    q, k = _qk_views(T, D, D, torch.float32)
+    positions = torch.tensor([0, 3, 9], device=DEVICE)
+    with pytest.raises(ValueError, match="scale"):
+        ro.apply_rotary(positions, q, k, 1e4, D, None, 0.5)
+    q_out, k_out = ro.apply_rotary(positions, q, k, 1e4, D, None, 1.0)  # plain RoPE, as without the arguments
+    assert torch.equal(q_out, ro.apply_rotary(positions, q, k, 1e4, D)[0])

@@ -388,3 +388,14 @@ def test_layer_fused_matches_unfused_cuda_bf16(fmt_name, rotary_dim, yarn, monke
         else:
             torch.testing.assert_close(cache_f[name], cache_u[name], rtol=2 ** -7, atol=1e-6)
             print(f"{fmt_name} {name}: {(cache_f[name] != cache_u[name]).sum().item()} elements differ")
+
+
+def test_refuses_a_scale_without_a_table():
+    """rope_kv_write_ref multiplies cos and sin by `scale` with or without a table; the kernel's plain
+    branch dropped it, so a scale without a table is refused (no layer passes one: scale is 1.0
+    without YaRN) rather than stored as another rotation than the reference's."""
+    q, k, v = qkv(2, 4, 2, 16, torch.float32, 5)
+    pages = torch.zeros(2, 2, 4, 16, device=DEVICE)
+    positions, slots = torch.tensor([1, 6], device=DEVICE), torch.tensor([1, 6], device=DEVICE)
+    with pytest.raises(ValueError, match="scale"):
+        rkw.rope_kv_write(positions, q, k, v, THETA, pages, pages.clone(), slots, scale=0.5)

@@ -110,7 +110,7 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          f"{v.shape[-1]}")
     rotary_dim = D if rotary_dim is None else rotary_dim
     check_rotary_dim(D, rotary_dim, "rope_kv_write")
-    check_inv_freq(inv_freq, rotary_dim, q.device, "rope_kv_write")
+    check_inv_freq(inv_freq, rotary_dim, q.device, "rope_kv_write", scale)
     if k_cache.shape[1] != Hkv or k_cache.shape[3] != D or v_cache.shape != k_cache.shape:
         raise ValueError(f"rope_kv_write: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold "
                          f"{Hkv} KV heads of head_dim {D}")

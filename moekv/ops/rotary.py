@@ -82,7 +82,12 @@ def check_rotary_dim(head_dim: int, rotary_dim: int, who: str) -> None:
         raise ValueError(f"{who}: rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
 
 
-def check_inv_freq(inv_freq: torch.Tensor | None, rotary_dim: int, device: torch.device, who: str) -> None:
+def check_inv_freq(inv_freq: torch.Tensor | None, rotary_dim: int, device: torch.device, who: str,
+                   scale: float = 1.0) -> None:
+    """The table's shape, dtype and device; a scale other than 1.0 only with a table (the kernels'
+    plain branch computes theta's cos and sin unscaled, where the reference would scale them)."""
+    if inv_freq is None and scale != 1.0:
+        raise ValueError(f"{who}: a cos/sin scale ({scale}) needs an inverse-frequency table (scaled RoPE)")
     if inv_freq is not None and (inv_freq.shape != (rotary_dim // 2,) or inv_freq.dtype != torch.float32
                                  or inv_freq.device != device or inv_freq.stride(0) != 1):
         raise ValueError(f"{who}: inv_freq must be a contiguous fp32 [{rotary_dim // 2}] tensor on {device}, got "
@@ -113,6 +118,6 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, thet
         raise ValueError(f"apply_rotary: head_dim must be even and equal for q and k, got {D} and {k.shape[-1]}")
     rotary_dim = D if rotary_dim is None else rotary_dim
     check_rotary_dim(D, rotary_dim, "apply_rotary")
-    check_inv_freq(inv_freq, rotary_dim, q.device, "apply_rotary")
+    check_inv_freq(inv_freq, rotary_dim, q.device, "apply_rotary", scale)
     return (_rotate(q, positions, theta, rotary_dim, inv_freq, scale),
             _rotate(k, positions, theta, rotary_dim, inv_freq, scale))

@@ -180,7 +180,8 @@ def test_decode_fills_store_what_a_prefill_stores():
 def test_reference_attention_is_float64_attention_over_rotated_keys():
     """attend (the CPU path: dense attention over gather) of a chunk after a prefilled context
     equals float64 attention over the cached keys as float64 RoPE rotates the stored (un-rotated)
-    pages, and the chunk's own keys as computed (step_kv)."""
+    pages, the rows staged before the step as staged (rotated, 16-bit), and the chunk's own keys as
+    computed (step_kv)."""
     g = torch.Generator().manual_seed(3)
     k = rope64(pre_rope_keys(100, H, D, g), torch.arange(100)).float().bfloat16().float()
     v = torch.randn(100, H, D, generator=g).bfloat16().float()
@@ -195,11 +196,12 @@ def test_reference_attention_is_float64_attention_over_rotated_keys():
     scale = D ** -0.5
     out = fmt.attend(q, cache, ctx, scale, None, (k[70:], v[70:]))
 
-    # positions 0-69 as stored: pages 0-2 (the step filled page 2, 64-95, and quantized it)
-    stored_k, stored_v = (fmt.dequantize_pages(cache, kind, torch.tensor(table[:3])).permute(0, 2, 1, 3)
-                          .reshape(3 * P, H, D)[:70] for kind in ("key", "value"))
-    keys = torch.cat([rope64(stored_k, torch.arange(70)), k[70:].double()])
-    values = torch.cat([stored_v.double(), v[70:].double()])
+    # positions 0-63 as stored: pages 0-1; 64-69 as staged before the step (the step filled page 2,
+    # 64-95, and quantized it, but the chunk reads the rows it found staged)
+    stored_k, stored_v = (fmt.dequantize_pages(cache, kind, torch.tensor(table[:2])).permute(0, 2, 1, 3)
+                          .reshape(2 * P, H, D) for kind in ("key", "value"))
+    keys = torch.cat([rope64(stored_k, torch.arange(2 * P)), k[2 * P:].double()])
+    values = torch.cat([stored_v.double(), v[2 * P:].double()])
     keys, values = (x.repeat_interleave(2, dim=1) for x in (keys, values))
     scores = torch.einsum("qhd,lhd->hql", q.double(), keys) * scale
     scores.masked_fill_(torch.arange(100)[None, :] > torch.arange(70, 100)[:, None], float("-inf"))

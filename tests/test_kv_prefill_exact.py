@@ -79,10 +79,12 @@ CASES = [("fp8_e4m3", {}, "fp8_e4m3", 0), ("int4", {}, "int4", 0), ("nuq2", {"re
 def test_a_later_chunk_reads_earlier_ones_as_stored_and_itself_exact(name, options, stored_as, window):
     """Sequence 0 is prefilled in chunks [0, 40) and [40, 100); sequence 1, 70 tokens cached, decodes
     beside the second chunk (a mixed step). The chunk's queries attend, in float32, as float64
-    attention does over positions 0-39 as the cache stores them (pages through the format's
-    quantize -> dequantize; kivi2's window, in 16 bits, as computed) and 40-99 exactly as computed;
-    reading its own positions back from the cache instead (no step_kv) is further from that. The
-    decode row reads the cache alone, step_kv or not. gather reads any prefix of a sequence."""
+    attention does over positions 0-39 as the cache stored them when the step began (page 0 through
+    the format's quantize -> dequantize; positions 32-39, staged in 16 bits, as staged, though the
+    chunk's write completes and quantizes their page; kivi2's window, in 16 bits, as computed) and
+    40-99 exactly as computed; reading its own positions back from the cache instead (no step_kv) is
+    further from that. The decode row reads the cache alone, step_kv or not. gather reads any prefix
+    of a sequence."""
     fmt = get_kv_format(name, torch.float32, **options)
     cache = fmt.allocate(12, H, P, D, torch.device("cpu"), 3, torch.float32)
     g = torch.Generator().manual_seed(3)
@@ -111,6 +113,7 @@ def test_a_later_chunk_reads_earlier_ones_as_stored_and_itself_exact(name, optio
     ref_kv = []
     for x, x_hat in zip(kv[0], stored):
         earlier = x_hat[:40].clone()
+        earlier[P:40] = x[P:40]  # staged before the step (bf16 values: exact)
         if 100 - window < 40:  # the ring holds positions [100 - window, 100)
             earlier[100 - window:] = x[100 - window:40]
         ref_kv.append(torch.cat([earlier, x[40:100]]))

@@ -21,7 +21,7 @@ def is_decode_only(q: torch.Tensor, ctx: Context) -> bool:
     return bool((ctx.query_start_loc[1:] - ctx.query_start_loc[:-1] == 1).all())
 
 
-def with_step_kv(gather, ctx: Context, step_kv: StepKV | None):
+def with_step_kv(gather, ctx: Context, step_kv: StepKV | None, staged: dict | None = None):
     """`gather(b, length) -> (k, v) [length, Hkv, D]` over the cache, with each prefill chunk's own
     positions taken from the step's k, v as computed (step_kv, [T, Hkv, D]: see KVFormat.attend).
 
@@ -31,11 +31,19 @@ def with_step_kv(gather, ctx: Context, step_kv: StepKV | None):
     them, and attending to those quantized copies would let a prompt's tokens see low-bit versions
     of their neighbours, an error that compounds through the layers into the K/V later layers
     store. A one-token query (decode) reads its token from the cache, as the fused decode kernels
-    do. With step_kv None: `gather` itself."""
+    do. With step_kv None: `gather` itself.
+
+    staged (LayerKVCache.staged_before_step): where a chunk starts inside a page that its write
+    has just completed and quantized, the page's earlier positions as they were staged before the
+    step; the chunk reads them so, in 16 bits, as every step before it did, not through the
+    page's fresh quantization. Without it a prompt's K/V would depend on where the scheduler cut
+    it inside a page (a chunk of 8 tokens leaves them in the staged page, one of 2048 does not):
+    docs/decisions.md, "Depth-0 passkeys on the CPU"."""
     if step_kv is None:
         return gather
     k_step, v_step = step_kv
-    starts = ctx.host_lists().query_start
+    host = ctx.host_lists()
+    starts = host.query_start
 
     def read(b: int, length: int):
         lo, hi = starts[b], starts[b + 1]
@@ -46,6 +54,11 @@ def with_step_kv(gather, ctx: Context, step_kv: StepKV | None):
         if first == 0:
             return k_new, v_new
         k_old, v_old = gather(b, first)
+        rows = (staged or {}).get(host.seq_slots[b], {})
+        if "k" in rows and "v" in rows and rows["k"][0] + rows["k"][1].shape[1] == first:
+            page_start = rows["k"][0]
+            k_old, v_old = (torch.cat([old[:page_start], rows[name][1].transpose(0, 1).to(old.dtype)])
+                            for old, name in ((k_old, "k"), (v_old, "v")))
         return torch.cat([k_old, k_new.to(k_old.dtype)]), torch.cat([v_old, v_new.to(v_old.dtype)])
 
     return read

@@ -81,6 +81,11 @@ class LayerKVCache:
     # the model's RoPE base (set by the model runner): what a format storing keys before RoPE
     # (keys_before_rope) rotates them by when it reads them; None where nobody set it
     rope_theta: float | None = None
+    # paged formats: for each prefill chunk that starts inside a page and completes it, the page's
+    # earlier rows as they were staged (16-bit) before the step, {seq_slot: {"k" | "v": (the page's
+    # first position, rows [Hkv, n, D])}}; written by paged.stage_tokens (replaced at every call),
+    # read by the same step's attention (dense.with_step_kv's `staged`)
+    staged_before_step: dict | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]

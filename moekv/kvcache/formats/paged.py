@@ -142,6 +142,7 @@ def stage_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Con
     block_size = cache["k_staging"].shape[2]
     host = ctx.host_lists()
     starts, slots = host.query_start, host.seq_slots
+    cache.staged_before_step = {}
     for b, end in enumerate(host.context_lens):
         lo, hi = starts[b], starts[b + 1]
         if hi == lo:
@@ -153,6 +154,9 @@ def stage_tokens(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, ctx: Con
             pos, offset = first_pos, first_pos % block_size
             if offset:  # the partly filled page first: complete it in staging
                 take = min(block_size - offset, end - pos)
+                if offset + take == block_size and hi - lo > 1:  # a chunk completes it: keep its staged rows
+                    cache.staged_before_step.setdefault(slots[b], {})[name] = (
+                        pos - offset, staging[:, :offset].clone())
                 staging[:, offset:offset + take] = x[:take].transpose(0, 1).to(staging.dtype)
                 pos += take
                 if offset + take == block_size:
@@ -369,6 +373,6 @@ class PagedQuantFormat(KVFormat):
     def attend_reference(self, q, cache, ctx, scale, sliding_window, step_kv=None, sinks=None):
         return dense_attention(q, ctx, with_step_kv(lambda b, n: (self.gather(cache, ctx, b, n, "key"),
                                                                   self.gather(cache, ctx, b, n, "value")),
-                                                    ctx, step_kv),
+                                                    ctx, step_kv, cache.staged_before_step),
                                scale, sliding_window, sinks)
 

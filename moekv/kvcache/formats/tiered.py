@@ -724,7 +724,7 @@ class TieredFormat(PagedQuantFormat, GraphStepHooks):
         starts = host.query_start
         # bits_read counts what gather reads from the cache (a chunk's own K/V, taken from step_kv, not)
         read = with_step_kv(lambda b, n: (self.gather(cache, ctx, b, n, "key"), self.gather(cache, ctx, b, n, "value")),
-                            ctx, step_kv)
+                            ctx, step_kv, cache.staged_before_step)
 
         def gather_and_rank(b, length):
             k, v = read(b, length)

@@ -540,24 +540,19 @@ def mla_decode_mma_ref(q: torch.Tensor, entries: torch.Tensor, kv_lora_rank: int
     return acc / l_sum[:, None]
 
 
-def mla_rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
-                   interleave: bool) -> torch.Tensor:
-    """RoPE on MLA's rotary part x [T, heads, r] at positions [T]; cos and sin scaled by `scale`
-    (YaRN). interleave: pairs (x0, x1), (x2, x3), ... rotate together, and the result is laid out
-    evens first, then odds (q and k alike, so q . k is that of the pairs kept in place); else
-    rotate-half pairs (x_i, x_{i + r/2})."""
-    return mla_rope_apply_ref(x, *mla_rope_cos_sin_ref(positions, inv_freq, scale, x.dtype), interleave)
-
-
 def mla_rope_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """mla_rope_ref's cos and sin [T, 1, r/2] at positions [T], scaled by `scale`, in dtype."""
+    """RoPE's cos and sin for MLA's rotary part [T, 1, r/2] at positions [T]: the angles positions *
+    inv_freq in inv_freq's dtype, cos and sin scaled by `scale` (YaRN), then cast to dtype. Computed
+    once a step (layers/mla.MLAttention.rope_cos_sin) and applied by mla_rope_apply_ref."""
     freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # [T, r/2]
     return (freqs.cos() * scale).to(dtype)[:, None, :], (freqs.sin() * scale).to(dtype)[:, None, :]
 
 
 def mla_rope_apply_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """mla_rope_ref's rotation of x [T, heads, r] by cos, sin [T, 1, r/2] (mla_rope_cos_sin_ref)."""
+    """RoPE on MLA's rotary part x [T, heads, r] by cos, sin [T, 1, r/2] (mla_rope_cos_sin_ref). interleave:
+    pairs (x0, x1), (x2, x3), ... rotate together, and the result is laid out evens first, then odds (q and
+    k alike, so q . k is that of the pairs kept in place); else rotate-half pairs (x_i, x_{i + r/2})."""
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
